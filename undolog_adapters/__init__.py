@@ -1,0 +1,1 @@
+"""Framework adapters for UndoLog. Each module imports its framework lazily."""

@@ -1,0 +1,69 @@
+"""UndoLog: a safety layer for LLM-agent tool calls.
+
+Every tool is classified at registration as SAFE (runs at once), COMPENSABLE (logged durably with its undo
+before it runs) or IRREVERSIBLE (waits for a person). See the README for the guarantees.
+
+Example:
+    >>> from undolog_core import UndoLog, undolog_tool, ToolTier
+    >>> @undolog_tool(tier=ToolTier.SAFE)
+    ... def search(query: str) -> list[str]: return []
+    >>> undolog = UndoLog.open("sqlite:///undolog.db")
+    >>> undolog.register(search)
+"""
+
+from . import errors
+from ._approvals import ApprovalEvent, ApprovalRecord
+from ._audit import AuditReport
+from ._engine import AwaitingApproval, CallContext, Completed, Execute, current_call
+from ._policy import OrgPolicy
+from ._recovery import ProbeContext, RecoveryReport
+from ._saga import CompensationContext, RollbackReport, RollbackStep
+from ._session import Session, SessionRecord
+from ._tools import CompensationDescriptor, ToolSpec, ToolTier, compensation, undolog_tool
+from ._undolog import UndoLog, load_app
+from .errors import (
+    ApprovalPending,
+    ApprovalRejected,
+    ApprovalTimedOut,
+    ArgumentsInvalid,
+    SessionHalted,
+    ToolNotClassified,
+    UndoLogError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ApprovalEvent",
+    "ApprovalPending",
+    "ApprovalRecord",
+    "ApprovalRejected",
+    "ApprovalTimedOut",
+    "ArgumentsInvalid",
+    "AuditReport",
+    "AwaitingApproval",
+    "CallContext",
+    "CompensationContext",
+    "CompensationDescriptor",
+    "Completed",
+    "Execute",
+    "OrgPolicy",
+    "ProbeContext",
+    "RecoveryReport",
+    "RollbackReport",
+    "RollbackStep",
+    "Session",
+    "SessionHalted",
+    "SessionRecord",
+    "ToolNotClassified",
+    "ToolSpec",
+    "ToolTier",
+    "UndoLog",
+    "UndoLogError",
+    "compensation",
+    "current_call",
+    "errors",
+    "load_app",
+    "undolog_tool",
+    "__version__",
+]

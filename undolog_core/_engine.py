@@ -1,0 +1,804 @@
+"""The engine: routes every call by tier and keeps the effect log, the undo stack and approval requests."""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import datetime as dt
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from pydantic_core import to_jsonable_python
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import IntegrityError
+
+from . import _schema as t
+from ._audit import append_event, write_outbox
+from ._store import Owner, Store, new_id, utcnow
+from ._tools import ToolSpec, ToolTier, canonical_json, sha256_hex
+from .errors import (
+    ApprovalCancelled,
+    ApprovalRejected,
+    ApprovalTimedOut,
+    CallIdConflict,
+    ContractChanged,
+    EffectNotFound,
+    InvalidEffectState,
+    OutcomeUnknown,
+    SessionClosed,
+    SessionHalted,
+    ToolNotRegistered,
+)
+
+if TYPE_CHECKING:
+    from ._saga import RollbackReport
+    from ._undolog import UndoLog
+
+# Named fault points for crash tests (DBOS style): the process SIGKILLs itself at that point.
+_FAULT = os.environ.get("UNDOLOG_FAULT")
+
+
+def fault(point: str) -> None:
+    if _FAULT == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+WRITABLE = ("active", "awaiting_approval")
+SAFE = ToolTier.SAFE
+COMPENSABLE = ToolTier.COMPENSABLE
+
+
+@dataclass(frozen=True)
+class Execute:
+    """Run the tool now with ``args``. SAFE calls carry no effect id and no idempotency key."""
+
+    effect_id: str | None
+    args: dict[str, Any]
+    idempotency_key: str | None
+    tier: ToolTier
+    tool_name: str
+    call_id: str | None = None
+
+
+@dataclass(frozen=True)
+class AwaitingApproval:
+    """The call was not run: a person must decide ``approval_request_id`` first."""
+
+    effect_id: str
+    approval_request_id: str
+    retry_after: float
+    tool_name: str
+    args: dict[str, Any]
+    reason: str | None
+    risk_tags: tuple[str, ...]
+    timeout_at: dt.datetime
+    call_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Completed:
+    """The same call already ran: here is its stored result; do not run it again."""
+
+    effect_id: str
+    result: Any
+    tool_name: str
+
+
+Decision = Execute | AwaitingApproval | Completed
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What a running COMPENSABLE or IRREVERSIBLE tool can see through ``current_call()``."""
+
+    session_id: str
+    effect_id: str | None
+    call_id: str | None
+    tool_name: str
+    idempotency_key: str | None
+
+
+_current: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("undolog_current_call", default=None)
+
+
+def current_call() -> CallContext | None:
+    """The call being run, for tools that pass ``idempotency_key`` on to an external API.
+
+    Example:
+        >>> @undolog_tool(tier=ToolTier.COMPENSABLE, compensation="refund_undo")
+        ... def refund(amount: int) -> dict:
+        ...     return payments.refund(amount, idempotency_key=current_call().idempotency_key)
+    """
+    return _current.get()
+
+
+@dataclass
+class SessionCache:
+    """What this process knows of a session; the database stays the authority for its state."""
+
+    session_id: str
+    state: str
+    pins: dict[str, int]
+    on_failure: str
+    safe_calls: int = 0
+    recent: collections.deque[dict[str, Any]] = field(default_factory=lambda: collections.deque(maxlen=50))
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take_count(self) -> int:
+        with self.lock:
+            n, self.safe_calls = self.safe_calls, 0
+        return n
+
+    def give_back(self, n: int) -> None:
+        if n:
+            with self.lock:
+                self.safe_calls += n
+
+
+def jsonable(value: Any) -> Any:
+    return to_jsonable_python(value, fallback=repr)
+
+
+class Engine:
+    """Routes calls by tier. Adapters that run tools themselves use ``intercept``/``complete``/``fail``."""
+
+    def __init__(self, undolog: UndoLog) -> None:
+        self._u = undolog
+        self.store: Store = undolog.store
+        self.lease_seconds = undolog.lease_seconds
+        self.fast_commit_mark = undolog.fast_commit_mark
+        self._sessions: dict[str, SessionCache] = {}
+        self._sessions_lock = threading.Lock()
+        self._inflight: set[str] = set()
+        self._compensating: set[int] = set()
+        self._renewer: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._renew_lock = threading.Lock()
+
+    # -- session cache ---------------------------------------------------------------------------
+
+    def cached(self, session_id: str) -> SessionCache | None:
+        return self._sessions.get(session_id)
+
+    def remember(self, row: Any) -> SessionCache:
+        sc = SessionCache(
+            session_id=row.session_id,
+            state=row.state,
+            pins={k: int(v) for k, v in (row.pinned_revisions or {}).items()},
+            on_failure=row.on_failure,
+        )
+        with self._sessions_lock:
+            old = self._sessions.get(row.session_id)
+            if old is not None:
+                old.state, old.pins, old.on_failure = sc.state, sc.pins, sc.on_failure
+                return old
+            self._sessions[row.session_id] = sc
+        return sc
+
+    def current_pins(self) -> dict[str, int]:
+        return {name: spec.revision for name, spec in self._u.registry.tools.items()}
+
+    def ensure_session(
+        self,
+        session_id: str,
+        *,
+        agent_id: str | None = None,
+        created_by: str | None = None,
+        on_failure: str = "rollback",
+        create: bool = True,
+    ) -> SessionCache:
+        sc = self._sessions.get(session_id)
+        if sc is not None:
+            return sc
+        with self.store.tx() as conn:
+            row = conn.execute(sa.select(t.sessions).where(t.sessions.c.session_id == session_id)).first()
+            if row is None:
+                if not create:
+                    from .errors import SessionNotFound
+
+                    raise SessionNotFound(session_id)
+                now = utcnow()
+                values = {
+                    "session_id": session_id,
+                    "agent_id": agent_id,
+                    "state": "active",
+                    "tool_calls_total": 0,
+                    "created_by": created_by,
+                    "halted_reason": None,
+                    "on_failure": on_failure,
+                    "pinned_revisions": self.current_pins(),
+                    "created_at": now,
+                    "updated_at": now,
+                }
+                conn.execute(t.sessions.insert().values(**values))
+                row = conn.execute(sa.select(t.sessions).where(t.sessions.c.session_id == session_id)).one()
+        return self.remember(row)
+
+    def flush_counts(self, session_id: str | None = None) -> None:
+        """Write the in-memory SAFE call counters (on session exit and close)."""
+        targets = [self._sessions[session_id]] if session_id in self._sessions else []
+        if session_id is None:
+            targets = list(self._sessions.values())
+        for sc in targets:
+            n = sc.take_count()
+            if not n:
+                continue
+            with self.store.tx(fast=True) as conn:
+                res = conn.execute(
+                    t.sessions.update()
+                    .where(t.sessions.c.session_id == sc.session_id)
+                    .values(tool_calls_total=t.sessions.c.tool_calls_total + n)
+                )
+                if res.rowcount == 0:
+                    # A session known only from SAFE calls: record it so its count is not lost.
+                    now = utcnow()
+                    conn.execute(
+                        t.sessions.insert().values(
+                            session_id=sc.session_id, state="active", tool_calls_total=n, on_failure=sc.on_failure,
+                            pinned_revisions=sc.pins or self.current_pins(), created_at=now, updated_at=now,
+                        )
+                    )
+
+    # -- routing ---------------------------------------------------------------------------------
+
+    def spec(self, tool: Any) -> ToolSpec:
+        return self._u.registry.spec_for(tool)
+
+    def note_safe(self, session_id: str, spec: ToolSpec, args: Mapping[str, Any]) -> None:
+        """The whole bookkeeping of a SAFE call: a counter and the recent-calls ring, both in memory."""
+        sc = self._sessions.get(session_id)
+        if sc is None:
+            sc = SessionCache(session_id, "active", {}, "rollback")
+            with self._sessions_lock:
+                sc = self._sessions.setdefault(session_id, sc)
+        elif sc.pins and sc.pins.get(spec.name, spec.revision) != spec.revision:
+            raise ContractChanged(session_id, spec.name, sc.pins[spec.name], spec.revision)
+        with sc.lock:
+            sc.safe_calls += 1
+        sc.recent.append({"tool_name": spec.name, "tier": "safe", "args": args, "state": "done"})
+
+    def intercept(
+        self, session_id: str, tool_name: str, args: Mapping[str, Any], *, call_id: str | None = None
+    ) -> Decision:
+        """Decide what happens to one tool call.
+
+        Example:
+            >>> d = undolog.engine.intercept("thread-1", "delete_user_account", {"user_id": "u1"}, call_id="c-7")
+            >>> isinstance(d, AwaitingApproval)
+            True
+        """
+        spec = self._u.registry.tools.get(tool_name)
+        if spec is None:
+            raise ToolNotRegistered(tool_name)
+        model = spec.validate(args)
+        values = dict(model)
+        if spec.tier is SAFE:
+            self.note_safe(session_id, spec, values)
+            return Execute(None, values, None, SAFE, spec.name, call_id)
+        args_json = jsonable(model.model_dump(mode="json"))
+        if spec.tier is COMPENSABLE:
+            return self.intercept_compensable(session_id, spec, values, args_json, call_id)
+        return self.intercept_irreversible(session_id, spec, args_json, call_id)
+
+    def _check_pin(self, sc: SessionCache, spec: ToolSpec) -> bool:
+        pinned = sc.pins.get(spec.name)
+        if pinned is None:
+            return True  # first use of a tool registered after the session began: pin it now
+        if pinned != spec.revision:
+            raise ContractChanged(sc.session_id, spec.name, pinned, spec.revision)
+        return False
+
+    def _guard(self, conn: Connection, sc: SessionCache, count: int, *, pin: ToolSpec | None) -> None:
+        """Inside the pre-write: flush the SAFE counter and prove the session still accepts writes."""
+        values: dict[str, Any] = {"tool_calls_total": t.sessions.c.tool_calls_total + count}
+        if pin is not None:
+            sc.pins[pin.name] = pin.revision
+            values["pinned_revisions"] = dict(sc.pins)
+        res = conn.execute(
+            t.sessions.update()
+            .where(t.sessions.c.session_id == sc.session_id, t.sessions.c.state.in_(WRITABLE))
+            .values(**values)
+        )
+        if res.rowcount == 1:
+            return
+        row = conn.execute(
+            sa.select(t.sessions.c.state, t.sessions.c.halted_reason).where(t.sessions.c.session_id == sc.session_id)
+        ).first()
+        if row is None:
+            raise InvalidEffectState(f"session {sc.session_id!r} vanished from the store")
+        sc.state = row.state
+        if row.state == "halted":
+            raise SessionHalted(sc.session_id, row.halted_reason)
+        raise SessionClosed(sc.session_id, row.state)
+
+    def intercept_compensable(
+        self, session_id: str, spec: ToolSpec, values: dict[str, Any], args_json: Any, call_id: str | None
+    ) -> Decision:
+        sc = self._sessions.get(session_id)
+        if sc is None or not sc.pins:
+            sc = self.ensure_session(session_id)
+        pin = spec if self._check_pin(sc, spec) else None
+        effect_id = new_id()
+        digest = sha256_hex(canonical_json(args_json))
+        now = utcnow()
+        count = sc.take_count() + 1
+        assert spec.compensation is not None
+        self._inflight.add(effect_id)
+        try:
+            with self.store.tx() as conn:
+                self._guard(conn, sc, count, pin=pin)
+                conn.execute(
+                    t.effect_log.insert(),
+                    {
+                        "effect_id": effect_id,
+                        "session_id": session_id,
+                        "call_id": call_id or effect_id,
+                        "tool_name": spec.name,
+                        "tool_revision": spec.revision,
+                        "tier": "compensable",
+                        "state": "pending",
+                        "args_snapshot": args_json,
+                        "args_digest": digest,
+                        "owner": Owner.me(),
+                        "lease_until": now + dt.timedelta(seconds=self.lease_seconds),
+                        "recovery_attempts": 0,
+                        "created_at": now,
+                        "updated_at": now,
+                    },
+                )
+                conn.execute(
+                    t.undo_stack.insert(),
+                    {
+                        "effect_id": effect_id,
+                        "session_id": session_id,
+                        "compensation_name": spec.compensation.name,
+                        "compensation_version": spec.compensation.version,
+                        "args_snapshot": args_json,
+                        "state": "armed",
+                        "attempts": 0,
+                        "created_at": now,
+                        "updated_at": now,
+                    },
+                )
+        except IntegrityError:
+            self._inflight.discard(effect_id)
+            sc.give_back(count - 1)
+            if call_id is None:
+                raise
+            return self._existing(session_id, spec, call_id, digest)
+        except BaseException:
+            self._inflight.discard(effect_id)
+            sc.give_back(count - 1)
+            raise
+        self._ensure_renewer()
+        sc.recent.append({"tool_name": spec.name, "tier": "compensable", "args": args_json, "state": "pending"})
+        return Execute(effect_id, values, f"do-{effect_id}", COMPENSABLE, spec.name, call_id)
+
+    def _existing(self, session_id: str, spec: ToolSpec, call_id: str, digest: str) -> Decision:
+        """The same call_id again: the same decision or the stored result, never a second execution."""
+        with self.store.read() as conn:
+            row = conn.execute(
+                sa.select(t.effect_log).where(t.effect_log.c.session_id == session_id, t.effect_log.c.call_id == call_id)
+            ).first()
+        if row is None:
+            raise InvalidEffectState(f"call {call_id!r} conflicted but cannot be found")
+        if row.tool_name != spec.name:
+            raise CallIdConflict(session_id, call_id, f"for tool {row.tool_name!r}, not {spec.name!r}")
+        if row.args_digest != digest:
+            raise CallIdConflict(session_id, call_id, "with different arguments")
+        return self._replay(row)
+
+    def _replay(self, row: Any) -> Decision:
+        if row.state == "committed":
+            return Completed(row.effect_id, row.result_snapshot, row.tool_name)
+        if row.state in ("pending", "running"):
+            if row.owner == Owner.me() and row.effect_id in self._inflight:
+                raise InvalidEffectState(f"call {row.call_id!r} ({row.tool_name}) is running right now")
+            if row.owner and Owner.is_dead_locally(row.owner) or _lease_over(row.lease_until):
+                raise InvalidEffectState(
+                    f"call {row.call_id!r} ({row.tool_name}) was interrupted by a crash; run `undolog recover` "
+                    "before re-issuing it"
+                )
+            raise InvalidEffectState(f"call {row.call_id!r} ({row.tool_name}) is running in another process")
+        if row.state == "unknown":
+            raise OutcomeUnknown(row.effect_id)
+        raise InvalidEffectState(
+            f"call {row.call_id!r} ({row.tool_name}) already ended as {row.state}"
+            + (f": {row.error}" if row.error else "")
+        )
+
+    # -- IRREVERSIBLE ------------------------------------------------------------------------------
+
+    def intercept_irreversible(
+        self, session_id: str, spec: ToolSpec, args_json: Any, call_id: str | None
+    ) -> Decision:
+        sc = self._sessions.get(session_id)
+        if sc is None or not sc.pins:
+            sc = self.ensure_session(session_id)
+        pin = spec if self._check_pin(sc, spec) else None
+        args_canon = canonical_json(args_json)
+        digest = sha256_hex(args_canon)
+        action_digest = spec.action_digest(args_canon)
+        existing = self._find_irreversible(session_id, spec, call_id, digest, action_digest)
+        if existing is not None:
+            return self._resume_irreversible(sc, spec, existing, digest)
+        return self._request_approval(sc, spec, args_json, digest, action_digest, call_id, pin)
+
+    def _find_irreversible(
+        self, session_id: str, spec: ToolSpec, call_id: str | None, digest: str, action_digest: str
+    ) -> Any:
+        e, r = t.effect_log, t.approval_requests
+        q = sa.select(e, r.c.approval_request_id, r.c.state.label("req_state"), r.c.approved_args,
+                      r.c.approved_digest, r.c.timeout_at, r.c.decision_reason, r.c.decided_by,
+                      r.c.action_digest).select_from(e.outerjoin(r, r.c.effect_id == e.c.effect_id))
+        with self.store.read() as conn:
+            if call_id is not None:
+                return conn.execute(q.where(e.c.session_id == session_id, e.c.call_id == call_id)).first()
+            # No call id (a text ReAct agent, a new kickoff): the same action still waiting or approved.
+            return conn.execute(
+                q.where(
+                    e.c.session_id == session_id,
+                    e.c.tool_name == spec.name,
+                    e.c.state.in_(("awaiting_approval", "approved")),
+                    sa.or_(e.c.args_digest == digest, r.c.approved_digest == digest),
+                ).order_by(e.c.created_at)
+            ).first()
+
+    def _resume_irreversible(self, sc: SessionCache, spec: ToolSpec, row: Any, digest: str) -> Decision:
+        session_id = sc.session_id
+        if row.tool_name != spec.name:
+            raise CallIdConflict(session_id, row.call_id, f"for tool {row.tool_name!r}, not {spec.name!r}")
+        approved_digest = None
+        if row.approved_args is not None:
+            approved_digest = sha256_hex(canonical_json(row.approved_args))
+        if digest not in (row.args_digest, approved_digest):
+            raise CallIdConflict(session_id, row.call_id, "with different arguments")
+        state = row.state
+        if state == "awaiting_approval":
+            if row.timeout_at is not None and row.timeout_at <= utcnow():
+                self._u.approvals.expire([row.approval_request_id])
+                return self.intercept_irreversible_again(sc, spec, row, digest)
+            return self._awaiting(spec, row, row.args_snapshot)
+        if state == "approved":
+            return self._claim_run(sc, spec, row)
+        if state == "rejected":
+            raise ApprovalRejected(row.approval_request_id, row.decision_reason, row.decided_by)
+        if state == "timed_out":
+            raise ApprovalTimedOut(row.approval_request_id)
+        if state == "cancelled":
+            raise ApprovalCancelled(row.approval_request_id, row.decision_reason)
+        return self._replay(row)
+
+    def intercept_irreversible_again(self, sc: SessionCache, spec: ToolSpec, row: Any, digest: str) -> Decision:
+        fresh = self._find_irreversible(sc.session_id, spec, row.call_id, digest, row.action_digest)
+        return self._resume_irreversible(sc, spec, fresh, digest)
+
+    def _awaiting(self, spec: ToolSpec, row: Any, args: Any) -> AwaitingApproval:
+        left = max(0.0, (row.timeout_at - utcnow()).total_seconds()) if row.timeout_at else 0.0
+        return AwaitingApproval(
+            effect_id=row.effect_id,
+            approval_request_id=row.approval_request_id,
+            retry_after=min(left, 30.0) if left else 1.0,
+            tool_name=spec.name,
+            args=dict(args),
+            reason=spec.reason,
+            risk_tags=spec.risk_tags,
+            timeout_at=row.timeout_at,
+            call_id=row.call_id,
+        )
+
+    def _claim_run(self, sc: SessionCache, spec: ToolSpec, row: Any) -> Decision:
+        """Durably mark an approved call as running before it runs, so a crash is never followed by a blind re-run."""
+        now = utcnow()
+        self._inflight.add(row.effect_id)
+        try:
+            with self.store.tx() as conn:
+                self._guard(conn, sc, sc.take_count() + 1, pin=None)
+                res = conn.execute(
+                    t.effect_log.update()
+                    .where(t.effect_log.c.effect_id == row.effect_id, t.effect_log.c.state == "approved")
+                    .values(
+                        state="running",
+                        owner=Owner.me(),
+                        lease_until=now + dt.timedelta(seconds=self.lease_seconds),
+                        updated_at=now,
+                    )
+                )
+                if res.rowcount != 1:
+                    raise InvalidEffectState(f"call {row.call_id!r} was claimed by another caller")
+        except BaseException:
+            self._inflight.discard(row.effect_id)
+            raise
+        self._ensure_renewer()
+        args = row.approved_args if row.approved_args is not None else row.args_snapshot
+        validated = dict(spec.validate(args))
+        fault("after_approved_claim")
+        return Execute(row.effect_id, validated, f"do-{row.effect_id}", ToolTier.IRREVERSIBLE, spec.name, row.call_id)
+
+    def _request_approval(
+        self,
+        sc: SessionCache,
+        spec: ToolSpec,
+        args_json: Any,
+        digest: str,
+        action_digest: str,
+        call_id: str | None,
+        pin: ToolSpec | None,
+    ) -> Decision:
+        effect_id = new_id()
+        request_id = new_id()
+        now = utcnow()
+        count = sc.take_count() + 1
+        try:
+            with self.store.tx() as conn:
+                self._guard(conn, sc, count, pin=pin)
+                policy = self._u.policy.read(conn)
+                timeout_at = now + dt.timedelta(seconds=policy.approval_timeout_seconds)
+                context = self._agent_context(conn, sc, policy.context_calls)
+                conn.execute(
+                    t.effect_log.insert(),
+                    {
+                        "effect_id": effect_id,
+                        "session_id": sc.session_id,
+                        "call_id": call_id or effect_id,
+                        "tool_name": spec.name,
+                        "tool_revision": spec.revision,
+                        "tier": "irreversible",
+                        "state": "awaiting_approval",
+                        "args_snapshot": args_json,
+                        "args_digest": digest,
+                        "recovery_attempts": 0,
+                        "created_at": now,
+                        "updated_at": now,
+                    },
+                )
+                record = {
+                    "approval_request_id": request_id,
+                    "effect_id": effect_id,
+                    "session_id": sc.session_id,
+                    "call_id": call_id or effect_id,
+                    "tool_name": spec.name,
+                    "tool_revision": spec.revision,
+                    "tool_fingerprint": spec.fingerprint,
+                    "proposed_args": args_json,
+                    "action_digest": action_digest,
+                    "reason": spec.reason,
+                    "risk_tags": list(spec.risk_tags),
+                    "agent_context": context,
+                    "state": "pending",
+                    "timeout_at": timeout_at,
+                    "created_at": now,
+                }
+                conn.execute(t.approval_requests.insert(), record)
+                conn.execute(
+                    t.sessions.update()
+                    .where(t.sessions.c.session_id == sc.session_id, t.sessions.c.state == "active")
+                    .values(state="awaiting_approval", updated_at=now)
+                )
+                payload = {
+                    "approval_request_id": request_id,
+                    "session_id": sc.session_id,
+                    "effect_id": effect_id,
+                    "tool_name": spec.name,
+                    "proposed_args": args_json,
+                    "reason": spec.reason,
+                    "risk_tags": list(spec.risk_tags),
+                    "timeout_at": timeout_at.isoformat(),
+                }
+                append_event(
+                    conn,
+                    self.store,
+                    subject=f"approval:{request_id}",
+                    approval_request_id=request_id,
+                    action="requested",
+                    actor=f"agent:{sc.session_id}",
+                    payload=payload,
+                    outbox=[("approval.requested", payload)],
+                    now=now,
+                )
+        except IntegrityError:
+            sc.give_back(count - 1)
+            if call_id is None:
+                raise
+            # A concurrent re-run raised the same request first: return that one, never a second request.
+            row = self._find_irreversible(sc.session_id, spec, call_id, digest, action_digest)
+            return self._resume_irreversible(sc, spec, row, digest)
+        except BaseException:
+            sc.give_back(count - 1)
+            raise
+        sc.state = "awaiting_approval"
+        sc.recent.append({"tool_name": spec.name, "tier": "irreversible", "args": args_json, "state": "awaiting_approval"})
+        left = float(policy.approval_timeout_seconds)
+        return AwaitingApproval(
+            effect_id=effect_id,
+            approval_request_id=request_id,
+            retry_after=min(left, 30.0),
+            tool_name=spec.name,
+            args=dict(args_json),
+            reason=spec.reason,
+            risk_tags=spec.risk_tags,
+            timeout_at=timeout_at,
+            call_id=call_id or effect_id,
+        )
+
+    def _agent_context(self, conn: Connection, sc: SessionCache, n: int) -> list[dict[str, Any]]:
+        """The session's last N calls: logged effects, plus SAFE calls this process remembers."""
+        if n <= 0:
+            return []
+        rows = conn.execute(
+            sa.select(
+                t.effect_log.c.tool_name, t.effect_log.c.tier, t.effect_log.c.state,
+                t.effect_log.c.args_snapshot, t.effect_log.c.created_at,
+            )
+            .where(t.effect_log.c.session_id == sc.session_id)
+            .order_by(t.effect_log.c.created_at.desc())
+            .limit(n)
+        ).all()
+        logged = [
+            {"tool_name": r.tool_name, "tier": r.tier, "state": r.state, "args": r.args_snapshot,
+             "at": r.created_at.isoformat()}
+            for r in reversed(rows)
+        ]
+        safe = [jsonable(c) for c in sc.recent if c["tier"] == "safe"]
+        merged = safe + logged if not logged else _interleave(safe, logged)
+        return merged[-n:]
+
+    # -- completion ------------------------------------------------------------------------------
+
+    def complete(self, effect_id: str, result: Any) -> None:
+        """Record success: the effect becomes ``committed`` with its result snapshot."""
+        fault("after_tool")
+        snapshot = jsonable(result)
+        now = utcnow()
+        try:
+            with self.store.tx(fast=self.fast_commit_mark) as conn:
+                res = conn.execute(
+                    t.effect_log.update()
+                    .where(t.effect_log.c.effect_id == effect_id, t.effect_log.c.state.in_(("pending", "running")))
+                    .values(state="committed", result_snapshot=snapshot, owner=None, lease_until=None, updated_at=now)
+                )
+                if res.rowcount != 1:
+                    self._missing_or_moved(conn, effect_id, "committed")
+        finally:
+            self._inflight.discard(effect_id)
+
+    def fail(self, effect_id: str, error: BaseException | str) -> RollbackReport | None:
+        """Record failure; by default the session then rolls back, this effect's own compensation included.
+
+        Returns the rollback report, or None when the session's policy is "continue".
+        """
+        policy, session_id, text = self._record_failure(effect_id, error)
+        if policy == "rollback":
+            return self._u.saga.rollback_sync(session_id, reason=f"effect {effect_id} failed: {text}")
+        return None
+
+    def record_failure(self, effect_id: str, error: BaseException | str) -> str:
+        """Record failure only; returns the session's on_failure policy for the caller to apply."""
+        return self._record_failure(effect_id, error)[0]
+
+    def _record_failure(self, effect_id: str, error: BaseException | str) -> tuple[str, str, str]:
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        now = utcnow()
+        try:
+            with self.store.tx() as conn:
+                res = conn.execute(
+                    t.effect_log.update()
+                    .where(t.effect_log.c.effect_id == effect_id, t.effect_log.c.state.in_(("pending", "running")))
+                    .values(state="failed", error=text, owner=None, lease_until=None, updated_at=now)
+                )
+                if res.rowcount != 1:
+                    self._missing_or_moved(conn, effect_id, "failed")
+                row = conn.execute(
+                    sa.select(t.effect_log.c.session_id, t.effect_log.c.tier, t.sessions.c.on_failure)
+                    .select_from(t.effect_log.join(t.sessions, t.sessions.c.session_id == t.effect_log.c.session_id))
+                    .where(t.effect_log.c.effect_id == effect_id)
+                ).one()
+        finally:
+            self._inflight.discard(effect_id)
+        return str(row.on_failure), str(row.session_id), text
+
+    def _missing_or_moved(self, conn: Connection, effect_id: str, target: str) -> None:
+        state = conn.execute(sa.select(t.effect_log.c.state).where(t.effect_log.c.effect_id == effect_id)).scalar()
+        if state is None:
+            raise EffectNotFound(effect_id)
+        raise InvalidEffectState(f"effect {effect_id} is {state}; it cannot become {target}")
+
+    @contextmanager
+    def running(self, d: Execute, session_id: str = "") -> Iterator[CallContext]:
+        """Expose ``current_call()`` to the tool while it runs."""
+        ctx = CallContext(session_id, d.effect_id, d.call_id, d.tool_name, d.idempotency_key)
+        token = _current.set(ctx)
+        try:
+            yield ctx
+        finally:
+            _current.reset(token)
+
+    # -- session state helpers shared by approvals, saga and recovery -----------------------------
+
+    def halt(self, conn: Connection, session_id: str, reason: str, *, now: dt.datetime | None = None) -> None:
+        now = now or utcnow()
+        conn.execute(
+            t.sessions.update()
+            .where(t.sessions.c.session_id == session_id, t.sessions.c.state.notin_(("rolled_back", "completed")))
+            .values(state="halted", halted_reason=reason, updated_at=now)
+        )
+        write_outbox(conn, [("session.halted", {"session_id": session_id, "reason": reason})], now=now)
+        sc = self._sessions.get(session_id)
+        if sc is not None:
+            sc.state = "halted"
+
+    def refresh_awaiting(self, conn: Connection, session_id: str, *, now: dt.datetime | None = None) -> None:
+        """A session is ``awaiting_approval`` exactly while one of its requests is pending."""
+        pending = conn.execute(
+            sa.select(sa.func.count())
+            .select_from(t.approval_requests)
+            .where(t.approval_requests.c.session_id == session_id, t.approval_requests.c.state == "pending")
+        ).scalar_one()
+        target, source = ("awaiting_approval", "active") if pending else ("active", "awaiting_approval")
+        conn.execute(
+            t.sessions.update()
+            .where(t.sessions.c.session_id == session_id, t.sessions.c.state == source)
+            .values(state=target, updated_at=now or utcnow())
+        )
+        sc = self._sessions.get(session_id)
+        if sc is not None and sc.state == source:
+            sc.state = target
+
+    # -- leases ------------------------------------------------------------------------------------
+
+    def _ensure_renewer(self) -> None:
+        if self._renewer is not None and self._renewer.is_alive():
+            return
+        with self._renew_lock:
+            if self._renewer is not None and self._renewer.is_alive():
+                return
+            self._stop.clear()
+            self._renewer = threading.Thread(target=self._renew_loop, name="undolog-lease", daemon=True)
+            self._renewer.start()
+
+    def _renew_loop(self) -> None:
+        period = max(0.05, self.lease_seconds / 3.0)
+        while not self._stop.wait(period):
+            effects = list(self._inflight)
+            undos = list(self._compensating)
+            if not effects and not undos:
+                continue
+            until = utcnow() + dt.timedelta(seconds=self.lease_seconds)
+            me = Owner.me()
+            try:
+                with self.store.tx(fast=True) as conn:
+                    if effects:
+                        conn.execute(
+                            t.effect_log.update()
+                            .where(t.effect_log.c.effect_id.in_(effects), t.effect_log.c.owner == me)
+                            .values(lease_until=until)
+                        )
+                    if undos:
+                        conn.execute(
+                            t.undo_stack.update()
+                            .where(t.undo_stack.c.undo_id.in_(undos), t.undo_stack.c.owner == me)
+                            .values(lease_until=until)
+                        )
+            except Exception:  # noqa: BLE001 - a missed renewal is retried next period; leases are long
+                continue
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _lease_over(until: dt.datetime | None) -> bool:
+    return until is None or until <= utcnow()
+
+
+def _interleave(safe: list[dict[str, Any]], logged: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # SAFE calls have no timestamps in the log; they are shown before the logged calls they preceded.
+    return safe + logged
+
+
+CallTarget = Callable[..., Any] | str

@@ -1,0 +1,47 @@
+"""Apply Alembic migrations programmatically; skip Alembic entirely when the database is already at head."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from alembic.script import ScriptDirectory
+from sqlalchemy.engine import Engine
+
+VERSION_TABLE = "undolog_alembic_version"
+
+
+@functools.cache
+def _config() -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
+    return cfg
+
+
+@functools.cache
+def head() -> str:
+    heads = ScriptDirectory.from_config(_config()).get_heads()
+    return ",".join(sorted(heads))
+
+
+def current(engine: Engine) -> str | None:
+    with engine.connect() as conn:
+        if not sa.inspect(conn).has_table(VERSION_TABLE):
+            return None
+        rows = conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars().all()
+        return ",".join(sorted(rows)) if rows else None
+
+
+def upgrade(engine: Engine, *, lock_key: int) -> None:
+    if current(engine) == head():
+        return
+    with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            # Two processes opening a fresh database at once must not both create the tables.
+            conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({lock_key})")
+        cfg = _config()
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "heads")

@@ -1,0 +1,241 @@
+"""Crash recovery: reconcile effects whose owner is gone, and take over interrupted rollbacks."""
+
+from __future__ import annotations
+
+import datetime as dt
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from . import _schema as t
+from ._engine import jsonable
+from ._saga import _alive, run_coro_blocking
+from ._store import Owner, utcnow
+from .errors import UndoLogError
+
+if TYPE_CHECKING:
+    from ._undolog import UndoLog
+
+
+@dataclass(frozen=True)
+class ProbeContext:
+    """What a probe receives: an idempotent status check for one call.
+
+    A probe returns False/None when the call did not happen, True when it did, or the call's result.
+    """
+
+    args: dict[str, Any]
+    idempotency_key: str
+    effect_id: str
+    session_id: str
+    tool_name: str
+
+
+@dataclass
+class RecoveryReport:
+    reconciled: list[dict[str, Any]] = field(default_factory=list)
+    rollbacks_resumed: list[str] = field(default_factory=list)
+    dead_lettered: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    left_alive: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class Recovery:
+    dead_letter_after = 3
+
+    def __init__(self, undolog: UndoLog) -> None:
+        self._u = undolog
+
+    def _dead(self, owner: str | None, lease: dt.datetime | None, effect_id: str | None) -> bool:
+        return not _alive(owner, lease, self._u, effect_id)
+
+    def recover(self, progress: Callable[[int, int, str], None] | None = None) -> RecoveryReport:
+        """Finish what crashed processes left in flight. Safe to run from several processes at once.
+
+        Example:
+            >>> report = undolog.recover()
+            >>> report.reconciled
+            [{'effect_id': '...', 'tool_name': 'send_refund_email', 'outcome': 'compensated'}]
+        """
+        report = RecoveryReport()
+        store = self._u.store
+        e, u = t.effect_log, t.undo_stack
+        with store.read() as conn:
+            effects = conn.execute(
+                sa.select(e.c.effect_id, e.c.session_id, e.c.tool_name, e.c.tier, e.c.state, e.c.owner,
+                          e.c.lease_until).where(e.c.state.in_(("pending", "running")))
+                .order_by(e.c.created_at)
+            ).all()
+            undos = conn.execute(
+                sa.select(u.c.undo_id, u.c.session_id, u.c.owner, u.c.lease_until).where(u.c.state == "compensating")
+            ).all()
+        dead_effects = [r for r in effects if self._dead(r.owner, r.lease_until, r.effect_id)]
+        report.left_alive = len(effects) - len(dead_effects)
+        dead_undos = [r for r in undos if self._dead(r.owner, r.lease_until, None)]
+        total = len(dead_effects) + len({r.session_id for r in dead_undos})
+        done = 0
+        rolled: set[str] = set()
+        for r in dead_undos:
+            if r.session_id in rolled or not self._claim_undo(r):
+                continue
+            rolled.add(r.session_id)
+            try:
+                self._u.saga.rollback_sync(r.session_id, actor="undolog:recovery",
+                                           reason="rollback interrupted by a crash, resumed by recovery")
+                report.rollbacks_resumed.append(r.session_id)
+            except UndoLogError as exc:
+                report.errors.append(f"session {r.session_id}: {exc.message}")
+            done += 1
+            if progress:
+                progress(done, total, f"rollback {r.session_id}")
+        for r in dead_effects:
+            if r.session_id in rolled:
+                continue
+            outcome = self._reconcile(r, report)
+            done += 1
+            if outcome:
+                report.reconciled.append({"effect_id": r.effect_id, "tool_name": r.tool_name, "outcome": outcome})
+            if progress:
+                progress(done, total, f"{r.tool_name} {r.effect_id}: {outcome or 'skipped'}")
+        return report
+
+    def _claim_undo(self, r: Any) -> bool:
+        now = utcnow()
+        with self._u.store.tx() as conn:
+            res = conn.execute(
+                t.undo_stack.update()
+                .where(t.undo_stack.c.undo_id == r.undo_id, t.undo_stack.c.state == "compensating",
+                       _same(t.undo_stack.c.owner, r.owner))
+                .values(owner=Owner.me(), lease_until=now + dt.timedelta(seconds=self._u.lease_seconds))
+            )
+            return res.rowcount == 1
+
+    def _claim_effect(self, r: Any) -> bool:
+        """Compare-and-swap the owner; on PostgreSQL SKIP LOCKED keeps racing recoverers from waiting on each other."""
+        store = self._u.store
+        e = t.effect_log
+        now = utcnow()
+        with store.tx() as conn:
+            row = conn.execute(
+                store.for_update(
+                    sa.select(e.c.effect_id).where(e.c.effect_id == r.effect_id, e.c.state == r.state,
+                                                   _same(e.c.owner, r.owner)),
+                    skip_locked=True,
+                )
+            ).first()
+            if row is None:
+                return False
+            res = conn.execute(
+                e.update().where(e.c.effect_id == r.effect_id, e.c.state == r.state, _same(e.c.owner, r.owner))
+                .values(owner=Owner.me(), lease_until=now + dt.timedelta(seconds=self._u.lease_seconds))
+            )
+            if res.rowcount != 1:
+                return False
+        self._u.engine._inflight.add(r.effect_id)
+        self._u.engine._ensure_renewer()
+        return True
+
+    def _reconcile(self, r: Any, report: RecoveryReport) -> str | None:
+        spec = self._u.registry.tools.get(r.tool_name)
+        if spec is None:
+            report.errors.append(
+                f"effect {r.effect_id}: tool {r.tool_name!r} is not registered here; load the app (--app) to recover it"
+            )
+            return None
+        if r.tier == "compensable" and spec.probe is None:
+            assert spec.compensation is not None
+            if spec.compensation.name not in self._u.registry.compensations:
+                report.errors.append(
+                    f"effect {r.effect_id}: compensation {spec.compensation.name!r} is not registered here; "
+                    "nothing was changed"
+                )
+                return None
+        if not self._claim_effect(r):
+            return None
+        try:
+            return self._reconcile_claimed(r, spec)
+        except Exception as exc:  # noqa: BLE001 - counted toward the dead letter, never lost
+            return self._attempt_failed(r, f"{type(exc).__name__}: {exc}", report)
+        finally:
+            self._u.engine._inflight.discard(r.effect_id)
+
+    def _reconcile_claimed(self, r: Any, spec: Any) -> str:
+        store = self._u.store
+        e = t.effect_log
+        with store.read() as conn:
+            row = conn.execute(sa.select(e).where(e.c.effect_id == r.effect_id)).one()
+        verdict: Any = None
+        if spec.probe is not None:
+            ctx = ProbeContext(dict(row.args_snapshot), f"do-{r.effect_id}", r.effect_id, r.session_id, r.tool_name)
+            verdict = spec.probe(ctx)
+            if inspect.isawaitable(verdict):
+                verdict = run_coro_blocking(verdict)
+            if verdict is not None and verdict is not False:
+                result = None if verdict is True else jsonable(verdict)
+                self._set(r.effect_id, state="committed", result_snapshot=result)
+                return "committed"
+        now = utcnow()
+        if r.tier == "irreversible":
+            if spec.probe is not None:
+                # The probe says it never happened: the approved call may run once when re-issued.
+                self._set(r.effect_id, state="approved")
+                return "not_run"
+            self._set(r.effect_id, state="unknown", error="interrupted mid-run; no probe to tell whether it happened")
+            with store.tx() as conn:
+                self._u.engine.halt(conn, r.session_id,
+                                    f"{r.tool_name} ({r.effect_id}) was interrupted mid-run: outcome unknown", now=now)
+            return "unknown"
+        # COMPENSABLE, no proof it happened: compensate (a compensation tolerates "never happened").
+        report = self._u.saga.rollback_sync(r.session_id, actor="undolog:recovery",
+                                            reason=f"recovery of {r.effect_id}", only_effect=r.effect_id)
+        if not report.steps or report.steps[-1].outcome != "compensated":
+            raise UndoLogError(report.halted_reason or "compensation did not complete")
+        with store.tx() as conn:
+            self._u.engine.halt(
+                conn, r.session_id,
+                f"recovered after a crash: {r.tool_name} ({r.effect_id}) was compensated; review, then resume or "
+                "roll back", now=now,
+            )
+        return "compensated"
+
+    def _set(self, effect_id: str, **values: Any) -> None:
+        with self._u.store.tx() as conn:
+            conn.execute(
+                t.effect_log.update().where(t.effect_log.c.effect_id == effect_id)
+                .values(owner=None, lease_until=None, updated_at=utcnow(), **values)
+            )
+
+    def _attempt_failed(self, r: Any, error: str, report: RecoveryReport) -> str | None:
+        e = t.effect_log
+        with self._u.store.tx() as conn:
+            attempts = conn.execute(sa.select(e.c.recovery_attempts).where(e.c.effect_id == r.effect_id)).scalar_one() + 1
+            if attempts >= self.dead_letter_after:
+                conn.execute(
+                    e.update().where(e.c.effect_id == r.effect_id).values(
+                        state="dead_letter", recovery_attempts=attempts, owner=None, lease_until=None,
+                        error=f"recovery failed {attempts} times; last: {error}", updated_at=utcnow(),
+                    )
+                )
+                self._u.engine.halt(conn, r.session_id,
+                                    f"{r.tool_name} ({r.effect_id}) is in the dead letter after {attempts} failed recoveries")
+                report.dead_lettered.append(r.effect_id)
+                return "dead_letter"
+            # Release the claim (owner cleared) so the next recover() tries again.
+            conn.execute(
+                e.update().where(e.c.effect_id == r.effect_id).values(
+                    recovery_attempts=attempts, owner=None, lease_until=None, error=f"recovery attempt failed: {error}",
+                    updated_at=utcnow(),
+                )
+            )
+        report.errors.append(f"effect {r.effect_id}: recovery attempt {attempts} failed: {error}")
+        return None
+
+
+def _same(col: Any, value: Any) -> Any:
+    return col.is_(None) if value is None else col == value

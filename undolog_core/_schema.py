@@ -1,0 +1,220 @@
+"""SQLAlchemy Core tables. The names and the columns listed in the docs are a contract for reports."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Dialect
+
+metadata = sa.MetaData()
+
+
+class UTCDateTime(sa.types.TypeDecorator[dt.datetime]):
+    """Aware UTC datetimes on both databases (SQLite keeps no zone, so it is stored naive UTC)."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to UndoLog storage; use an aware UTC datetime")
+        value = value.astimezone(dt.UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = dt.datetime.fromisoformat(value)
+        if value.tzinfo is None:
+            return value.replace(tzinfo=dt.UTC)
+        return value.astimezone(dt.UTC)
+
+
+TIERS = ("safe", "compensable", "irreversible")
+SESSION_STATES = ("active", "awaiting_approval", "halted", "rolled_back", "completed")
+EFFECT_STATES = (
+    "pending",
+    "committed",
+    "failed",
+    "awaiting_approval",
+    "approved",
+    "running",
+    "rejected",
+    "timed_out",
+    "cancelled",
+    "compensated",
+    "unknown",
+    "dead_letter",
+)
+UNDO_STATES = ("armed", "compensating", "compensated", "compensation_failed")
+REQUEST_STATES = ("pending", "approved", "rejected", "timed_out", "auto_approved", "cancelled")
+
+
+def _in(col: str, values: tuple[str, ...]) -> str:
+    return f"{col} IN ({', '.join(repr(v) for v in values)})"
+
+
+org_policy = sa.Table(
+    "undolog_org_policy",
+    metadata,
+    sa.Column("policy_id", sa.Integer, primary_key=True),
+    sa.Column("approval_timeout_seconds", sa.Integer, nullable=False),
+    sa.Column("auto_approve_on_timeout", sa.Boolean, nullable=False),
+    sa.Column("context_calls", sa.Integer, nullable=False),
+    sa.Column("updated_at", UTCDateTime, nullable=False),
+    sa.Column("updated_by", sa.String(200), nullable=False),
+    sa.CheckConstraint("policy_id = 1", name="ck_undolog_org_policy_single_row"),
+)
+
+sessions = sa.Table(
+    "undolog_sessions",
+    metadata,
+    sa.Column("session_id", sa.String(200), primary_key=True),
+    sa.Column("agent_id", sa.String(200)),
+    sa.Column("state", sa.String(32), nullable=False),
+    sa.Column("tool_calls_total", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("created_by", sa.String(200)),
+    sa.Column("halted_reason", sa.Text),
+    sa.Column("on_failure", sa.String(16), nullable=False, server_default="rollback"),
+    sa.Column("pinned_revisions", sa.JSON, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("updated_at", UTCDateTime, nullable=False),
+    sa.CheckConstraint(_in("state", SESSION_STATES), name="ck_undolog_sessions_state"),
+    sa.CheckConstraint("on_failure IN ('rollback', 'continue')", name="ck_undolog_sessions_on_failure"),
+)
+
+effect_log = sa.Table(
+    "undolog_effect_log",
+    metadata,
+    sa.Column("effect_id", sa.String(64), primary_key=True),
+    sa.Column("session_id", sa.String(200), sa.ForeignKey("undolog_sessions.session_id"), nullable=False),
+    sa.Column("call_id", sa.String(200), nullable=False),
+    sa.Column("tool_name", sa.String(200), nullable=False),
+    sa.Column("tool_revision", sa.Integer, nullable=False),
+    sa.Column("tier", sa.String(16), nullable=False),
+    sa.Column("state", sa.String(32), nullable=False),
+    sa.Column("args_snapshot", sa.JSON, nullable=False),
+    sa.Column("args_digest", sa.String(64), nullable=False),
+    sa.Column("result_snapshot", sa.JSON),
+    sa.Column("error", sa.Text),
+    sa.Column("owner", sa.String(200)),
+    sa.Column("lease_until", UTCDateTime),
+    sa.Column("recovery_attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("updated_at", UTCDateTime, nullable=False),
+    sa.UniqueConstraint("session_id", "call_id", name="uq_undolog_effect_call"),
+    sa.CheckConstraint(_in("tier", TIERS), name="ck_undolog_effect_tier"),
+    sa.CheckConstraint(_in("state", EFFECT_STATES), name="ck_undolog_effect_state"),
+)
+sa.Index("ix_undolog_effect_session", effect_log.c.session_id, effect_log.c.created_at)
+sa.Index("ix_undolog_effect_state", effect_log.c.state)
+
+undo_stack = sa.Table(
+    "undolog_undo_stack",
+    metadata,
+    sa.Column("undo_id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("effect_id", sa.String(64), sa.ForeignKey("undolog_effect_log.effect_id"), nullable=False, unique=True),
+    sa.Column("session_id", sa.String(200), nullable=False),
+    sa.Column("compensation_name", sa.String(200), nullable=False),
+    sa.Column("compensation_version", sa.Integer, nullable=False),
+    sa.Column("args_snapshot", sa.JSON, nullable=False),
+    sa.Column("state", sa.String(32), nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("last_error", sa.Text),
+    sa.Column("owner", sa.String(200)),
+    sa.Column("lease_until", UTCDateTime),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("updated_at", UTCDateTime, nullable=False),
+    sa.CheckConstraint(_in("state", UNDO_STATES), name="ck_undolog_undo_state"),
+)
+sa.Index("ix_undolog_undo_session", undo_stack.c.session_id, undo_stack.c.undo_id)
+
+approval_requests = sa.Table(
+    "undolog_approval_requests",
+    metadata,
+    sa.Column("approval_request_id", sa.String(64), primary_key=True),
+    sa.Column("effect_id", sa.String(64), sa.ForeignKey("undolog_effect_log.effect_id"), nullable=False, unique=True),
+    sa.Column("session_id", sa.String(200), nullable=False),
+    sa.Column("call_id", sa.String(200), nullable=False),
+    sa.Column("tool_name", sa.String(200), nullable=False),
+    sa.Column("tool_revision", sa.Integer, nullable=False),
+    sa.Column("tool_fingerprint", sa.String(64), nullable=False),
+    sa.Column("proposed_args", sa.JSON, nullable=False),
+    sa.Column("approved_args", sa.JSON),
+    sa.Column("action_digest", sa.String(64), nullable=False),
+    sa.Column("approved_digest", sa.String(64)),
+    sa.Column("reason", sa.Text),
+    sa.Column("risk_tags", sa.JSON, nullable=False),
+    sa.Column("agent_context", sa.JSON, nullable=False),
+    sa.Column("state", sa.String(32), nullable=False),
+    sa.Column("timeout_at", UTCDateTime, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("decided_at", UTCDateTime),
+    sa.Column("decided_by", sa.String(200)),
+    sa.Column("decision_reason", sa.Text),
+    sa.CheckConstraint(_in("state", REQUEST_STATES), name="ck_undolog_approval_state"),
+)
+sa.Index("ix_undolog_approval_state_timeout", approval_requests.c.state, approval_requests.c.timeout_at)
+sa.Index("ix_undolog_approval_session", approval_requests.c.session_id)
+
+# Every audited action: approval decisions, policy changes, session resumes and revalidations.
+# One global hash chain; the table is append-only by trigger on both databases.
+approval_events = sa.Table(
+    "undolog_approval_events",
+    metadata,
+    sa.Column("event_id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=False),
+    sa.Column("approval_request_id", sa.String(64)),
+    sa.Column("subject", sa.String(300), nullable=False),
+    sa.Column("action", sa.String(64), nullable=False),
+    sa.Column("actor", sa.String(200), nullable=False),
+    sa.Column("payload", sa.Text, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("prev_hash", sa.String(64), nullable=False),
+    sa.Column("hash", sa.String(64), nullable=False),
+)
+sa.Index("ix_undolog_events_request", approval_events.c.approval_request_id)
+
+# The chain head: locking this one row serialises appends, so two writers never fork the chain.
+audit_head = sa.Table(
+    "undolog_audit_head",
+    metadata,
+    sa.Column("head_id", sa.Integer, primary_key=True),
+    sa.Column("last_event_id", sa.BigInteger, nullable=False),
+    sa.Column("last_hash", sa.String(64), nullable=False),
+)
+
+tool_registry = sa.Table(
+    "undolog_tool_registry",
+    metadata,
+    sa.Column("tool_name", sa.String(200), primary_key=True),
+    sa.Column("revision", sa.Integer, primary_key=True),
+    sa.Column("tier", sa.String(16), nullable=False),
+    sa.Column("fingerprint", sa.String(64), nullable=False),
+    sa.Column("previous_fingerprint", sa.String(64)),
+    sa.Column("contract", sa.JSON, nullable=False),
+    sa.Column("compensation_name", sa.String(200)),
+    sa.Column("compensation_version", sa.Integer),
+    sa.Column("registered_at", UTCDateTime, nullable=False),
+    sa.Column("registered_by", sa.String(200), nullable=False),
+    sa.CheckConstraint(_in("tier", TIERS), name="ck_undolog_tool_registry_tier"),
+)
+
+outbox = sa.Table(
+    "undolog_outbox",
+    metadata,
+    sa.Column("outbox_id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("event_type", sa.String(64), nullable=False),
+    sa.Column("payload", sa.JSON, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("delivered_at", UTCDateTime),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("next_attempt_at", UTCDateTime),
+    sa.Column("claimed_by", sa.String(200)),
+    sa.Column("claimed_until", UTCDateTime),
+)
+sa.Index("ix_undolog_outbox_pending", outbox.c.delivered_at, outbox.c.outbox_id)

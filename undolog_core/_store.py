@@ -1,0 +1,188 @@
+"""The store factory: one SQLAlchemy engine on SQLite (embedded default) or PostgreSQL, migrations, identity."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import Connection, Engine
+
+from .errors import ConfigurationError
+
+DEFAULT_SQLITE_FILE = "undolog.db"
+_MIGRATION_LOCK_KEY = 0x756E646F6C6F67  # "undolog" as an advisory-lock key
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def resolve_url(url: str | None) -> str:
+    if url is None:
+        url = os.environ.get("UNDOLOG_DATABASE_URL") or f"sqlite:///{DEFAULT_SQLITE_FILE}"
+    if url.startswith("postgresql://") or url.startswith("postgres://"):
+        # Plain libpq URLs are accepted; UndoLog always speaks psycopg 3.
+        url = "postgresql+psycopg://" + url.split("://", 1)[1]
+    if not (url.startswith("sqlite") or url.startswith("postgresql+psycopg")):
+        raise ConfigurationError(
+            f"unsupported database URL {url!r}: use sqlite:///path/to/file.db or postgresql+psycopg://user@host/db"
+        )
+    if url.startswith("sqlite") and (url in ("sqlite://", "sqlite:///:memory:") or ":memory:" in url):
+        raise ConfigurationError(
+            "an in-memory SQLite database cannot be durable: give UndoLog a file (sqlite:///undolog.db)"
+        )
+    return url
+
+
+class Store:
+    """Two engines on one database: ``engine`` for durable commits, ``fast`` for commit marks that need not fsync."""
+
+    def __init__(self, url: str | None = None, *, schema: str | None = None, pool_size: int = 5) -> None:
+        self.url = resolve_url(url)
+        self.schema = schema or os.environ.get("UNDOLOG_SCHEMA") or None
+        self.dialect = "sqlite" if self.url.startswith("sqlite") else "postgresql"
+        if self.dialect == "sqlite" and self.schema:
+            raise ConfigurationError("schema= applies to PostgreSQL only")
+        self.engine = self._make_engine(durable=True, pool_size=pool_size)
+        self.fast = self._make_engine(durable=False, pool_size=2)
+
+    @property
+    def is_postgres(self) -> bool:
+        return self.dialect == "postgresql"
+
+    def _make_engine(self, *, durable: bool, pool_size: int) -> Engine:
+        if self.dialect == "sqlite":
+            path = self.url.split("///", 1)[1] if "///" in self.url else DEFAULT_SQLITE_FILE
+            parent = Path(path).expanduser().resolve().parent
+            if not parent.is_dir():
+                raise ConfigurationError(f"the folder for the SQLite database does not exist: {parent}")
+            eng = sa.create_engine(
+                self.url,
+                connect_args={"check_same_thread": False, "timeout": 30, "isolation_level": None},
+                pool_size=pool_size,
+                max_overflow=20,
+            )
+            sync = "FULL" if durable else "OFF"
+
+            @event.listens_for(eng, "connect")
+            def _pragmas(dbapi_conn: Any, _rec: Any) -> None:
+                cur = dbapi_conn.cursor()
+                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute(f"PRAGMA synchronous={sync}")
+                cur.execute("PRAGMA busy_timeout=30000")
+                cur.execute("PRAGMA foreign_keys=ON")
+                cur.close()
+
+            @event.listens_for(eng, "begin")
+            def _begin(conn: Connection) -> None:
+                # IMMEDIATE takes the write lock up front, so two writers queue on busy_timeout
+                # instead of failing when a read transaction tries to upgrade.
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+            return eng
+        connect_args: dict[str, Any] = {}
+        options = []
+        if self.schema:
+            options.append(f"-csearch_path={self.schema}")
+        if not durable:
+            options.append("-csynchronous_commit=off")
+        if options:
+            connect_args["options"] = " ".join(options)
+        return sa.create_engine(
+            self.url,
+            connect_args=connect_args,
+            pool_size=pool_size,
+            max_overflow=20,
+            pool_pre_ping=False,
+        )
+
+    @contextmanager
+    def tx(self, *, fast: bool = False) -> Iterator[Connection]:
+        with (self.fast if fast else self.engine).begin() as conn:
+            yield conn
+
+    @contextmanager
+    def read(self) -> Iterator[Connection]:
+        with self.engine.connect() as conn:
+            yield conn
+            conn.rollback()
+
+    def for_update(self, stmt: Any, *, skip_locked: bool = False) -> Any:
+        # SQLite has no row locks; BEGIN IMMEDIATE already serialises writers there.
+        if self.is_postgres:
+            return stmt.with_for_update(skip_locked=skip_locked)
+        return stmt
+
+    def migrate(self) -> None:
+        from . import _migrate
+
+        if self.is_postgres and self.schema:
+            with self.engine.begin() as conn:
+                conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
+        _migrate.upgrade(self.engine, lock_key=_MIGRATION_LOCK_KEY)
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+        self.fast.dispose()
+
+
+# -- process identity, used for leases -------------------------------------------------------------
+
+_HOST = socket.gethostname()
+
+
+def _proc_start_ticks(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    # The command name may contain spaces and parentheses; fields resume after the last ')'.
+    rest = data.rsplit(")", 1)[-1].split()
+    return rest[19] if len(rest) > 19 else None
+
+
+class Owner:
+    """Who is running an effect: host, pid and process start time (so a recycled pid is not mistaken for us)."""
+
+    _lock = threading.Lock()
+    _me: str | None = None
+    _pid: int | None = None
+
+    @classmethod
+    def me(cls) -> str:
+        pid = os.getpid()
+        if cls._me is None or cls._pid != pid:
+            with cls._lock:
+                cls._pid = pid
+                cls._me = f"{_HOST}|{pid}|{_proc_start_ticks(pid) or '0'}"
+        assert cls._me is not None
+        return cls._me
+
+    @staticmethod
+    def is_dead_locally(owner: str) -> bool:
+        """True when the owner is a process on this host that no longer exists; False if alive or elsewhere."""
+        try:
+            host, pid_s, ticks = owner.split("|", 2)
+            pid = int(pid_s)
+        except ValueError:
+            return False
+        if host != _HOST:
+            return False
+        current = _proc_start_ticks(pid)
+        if current is None:
+            return True
+        return ticks != "0" and current != ticks

@@ -1,0 +1,428 @@
+"""Declarations: tiers, ``@undolog_tool``, ``@compensation`` and the contract fingerprint."""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import inspect
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, create_model
+from pydantic_core import to_jsonable_python
+
+from .errors import ArgumentsInvalid, InvalidDeclaration
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+RESERVED_PARAMS = frozenset({"call_id"})
+
+
+class ToolTier(str, enum.Enum):
+    """The three tiers. Values are what the database stores.
+
+    Example:
+        >>> ToolTier.from_risk_level("high")
+        <ToolTier.IRREVERSIBLE: 'irreversible'>
+    """
+
+    SAFE = "safe"
+    COMPENSABLE = "compensable"
+    IRREVERSIBLE = "irreversible"
+
+    @property
+    def risk_level(self) -> str:
+        return _TIER_TO_RISK[self]
+
+    @property
+    def rank(self) -> int:
+        return _RANK[self]
+
+    @classmethod
+    def from_risk_level(cls, level: str) -> ToolTier:
+        try:
+            return _RISK_TO_TIER[level]
+        except KeyError:
+            raise InvalidDeclaration(
+                f"unknown risk_level {level!r}: use 'low' (SAFE), 'medium' (COMPENSABLE) or 'high' (IRREVERSIBLE)"
+            ) from None
+
+    @classmethod
+    def coerce(cls, value: ToolTier | str) -> ToolTier:
+        if isinstance(value, ToolTier):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise InvalidDeclaration(
+                f"unknown tier {value!r}: use 'safe', 'compensable' or 'irreversible'"
+            ) from None
+
+
+_TIER_TO_RISK = {ToolTier.SAFE: "low", ToolTier.COMPENSABLE: "medium", ToolTier.IRREVERSIBLE: "high"}
+_RISK_TO_TIER = {v: k for k, v in _TIER_TO_RISK.items()}
+_RANK = {ToolTier.SAFE: 0, ToolTier.COMPENSABLE: 1, ToolTier.IRREVERSIBLE: 2}
+
+
+@dataclass(frozen=True)
+class CompensationDescriptor:
+    """Names the compensation of a COMPENSABLE tool; the version must match the registered one.
+
+    Example:
+        >>> CompensationDescriptor.new("cancel_refund_email")
+        CompensationDescriptor(name='cancel_refund_email', version=1)
+    """
+
+    name: str
+    version: int = 1
+
+    @classmethod
+    def new(cls, name: str, version: int = 1) -> CompensationDescriptor:
+        if not name or not isinstance(name, str):
+            raise InvalidDeclaration("a compensation needs a non-empty name")
+        if not isinstance(version, int) or version < 1:
+            raise InvalidDeclaration(f"compensation {name!r}: version must be a positive integer, got {version!r}")
+        return cls(name, version)
+
+
+@dataclass(frozen=True)
+class ToolDeclaration:
+    """What ``@undolog_tool`` attaches to a function (``fn.__undolog_spec__``)."""
+
+    tier: ToolTier
+    compensation: CompensationDescriptor | None = None
+    reason: str | None = None
+    risk_tags: tuple[str, ...] = ()
+    composite_of: tuple[str, ...] = ()
+    probe: Callable[..., Any] | None = None
+    name: str | None = None
+    inherit_tier: bool = False
+
+
+@dataclass(frozen=True)
+class CompensationDeclaration:
+    name: str
+    version: int
+
+
+def _as_descriptor(value: CompensationDescriptor | str | Callable[..., Any] | None) -> CompensationDescriptor | None:
+    if value is None or isinstance(value, CompensationDescriptor):
+        return value
+    if isinstance(value, str):
+        return CompensationDescriptor.new(value)
+    decl = getattr(value, "__undolog_compensation__", None)
+    if isinstance(decl, CompensationDeclaration):
+        return CompensationDescriptor(decl.name, decl.version)
+    raise InvalidDeclaration(
+        f"compensation must be a CompensationDescriptor, a name or an @compensation function, got {value!r}"
+    )
+
+
+def make_declaration(
+    *,
+    tier: ToolTier | str | None = None,
+    risk_level: str | None = None,
+    compensation: CompensationDescriptor | str | Callable[..., Any] | None = None,
+    reason: str | None = None,
+    risk_tags: Iterable[str] = (),
+    composite_of: Iterable[Any] = (),
+    probe: Callable[..., Any] | None = None,
+    name: str | None = None,
+) -> ToolDeclaration:
+    members = tuple(m if isinstance(m, str) else tool_name_of(m) for m in composite_of)
+    inherit = tier is None and risk_level is None and bool(members)
+    if inherit:
+        tier = ToolTier.SAFE  # replaced by the highest member tier at registration
+    if tier is None and risk_level is None:
+        raise InvalidDeclaration("a tool needs a tier (tier=ToolTier.X) or a risk_level ('low'|'medium'|'high')")
+    resolved = ToolTier.coerce(tier) if tier is not None else ToolTier.from_risk_level(cast(str, risk_level))
+    if tier is not None and risk_level is not None and ToolTier.from_risk_level(risk_level) != resolved:
+        raise InvalidDeclaration(f"tier {resolved.value!r} contradicts risk_level {risk_level!r}")
+    desc = _as_descriptor(compensation)
+    if inherit:
+        return ToolDeclaration(tier=resolved, compensation=desc, reason=reason,
+                               risk_tags=tuple(sorted({str(t) for t in risk_tags})), composite_of=members,
+                               probe=probe, name=name, inherit_tier=True)
+    if resolved is ToolTier.COMPENSABLE and desc is None:
+        raise InvalidDeclaration("a COMPENSABLE tool must declare its compensation")
+    if resolved is not ToolTier.COMPENSABLE and desc is not None:
+        raise InvalidDeclaration(f"only COMPENSABLE tools take a compensation (this one is {resolved.value})")
+    if isinstance(risk_tags, str):
+        raise InvalidDeclaration("risk_tags must be a list of strings, not one string")
+    return ToolDeclaration(
+        tier=resolved,
+        compensation=desc,
+        reason=reason,
+        risk_tags=tuple(sorted({str(t) for t in risk_tags})),
+        composite_of=members,
+        probe=probe,
+        name=name,
+    )
+
+
+def undolog_tool(
+    *,
+    tier: ToolTier | str | None = None,
+    risk_level: str | None = None,
+    compensation: CompensationDescriptor | str | Callable[..., Any] | None = None,
+    reason: str | None = None,
+    risk_tags: Iterable[str] = (),
+    composite_of: Iterable[Any] = (),
+    probe: Callable[..., Any] | None = None,
+    name: str | None = None,
+) -> Callable[[F], F]:
+    """Classify a tool. The function is returned unchanged but for ``__undolog_spec__``.
+
+    Args:
+        tier: ``ToolTier.SAFE``, ``COMPENSABLE`` or ``IRREVERSIBLE``.
+        risk_level: the same declaration in the contract vocabulary: ``low``, ``medium``, ``high``.
+        compensation: for COMPENSABLE tools, the undo (a ``CompensationDescriptor`` or its name).
+        reason: why the tool is irreversible; shown to the approver.
+        risk_tags: labels used for routing approvals (``["pii", "billing"]``).
+        composite_of: tools this one may call; it inherits the highest of their tiers.
+        probe: an idempotent status check ``probe(ctx) -> bool | result`` used by recovery.
+        name: the tool name, if not the function's.
+
+    Example:
+        >>> @undolog_tool(tier=ToolTier.IRREVERSIBLE, reason="Deletes the account", risk_tags=["pii"])
+        ... def delete_user_account(user_id: str) -> dict: ...
+    """
+
+    decl = make_declaration(
+        tier=tier,
+        risk_level=risk_level,
+        compensation=compensation,
+        reason=reason,
+        risk_tags=risk_tags,
+        composite_of=composite_of,
+        probe=probe,
+        name=name,
+    )
+
+    def wrap(fn: F) -> F:
+        _check_params(decl.name or getattr(fn, "__name__", "tool"), fn)
+        # The function object itself is kept so frameworks still see its signature and docstring.
+        fn.__undolog_spec__ = decl  # type: ignore[attr-defined]
+        return fn
+
+    return wrap
+
+
+def compensation(name: str, *, version: int = 1) -> Callable[[F], F]:
+    """Declare a compensation ``fn(ctx)``; ``ctx`` has ``args``, ``result``, ``idempotency_key``, ``attempt``.
+
+    Example:
+        >>> @compensation("cancel_refund_email")
+        ... def cancel_refund_email(ctx) -> None: ...
+    """
+
+    desc = CompensationDescriptor.new(name, version)
+
+    def wrap(fn: F) -> F:
+        fn.__undolog_compensation__ = CompensationDeclaration(desc.name, desc.version)  # type: ignore[attr-defined]
+        return fn
+
+    return wrap
+
+
+def tool_name_of(fn: Any) -> str:
+    decl = getattr(fn, "__undolog_spec__", None)
+    if isinstance(decl, ToolDeclaration) and decl.name:
+        return decl.name
+    name = getattr(fn, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    return str(getattr(fn, "__name__", repr(fn)))
+
+
+def _check_params(name: str, fn: Callable[..., Any]) -> None:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return
+    if RESERVED_PARAMS & set(params):
+        raise InvalidDeclaration(f"tool {name!r}: a parameter may not be named 'call_id' (reserved by UndoLog)")
+
+
+def build_args_model(name: str, fn: Callable[..., Any] | None, schema: Any = None) -> type[BaseModel]:
+    """A pydantic model validating a call's keyword arguments, from the signature or a given schema."""
+    if isinstance(schema, type) and issubclass(schema, BaseModel):
+        return schema
+    if isinstance(schema, Mapping):
+        return _model_from_json_schema(name, schema)
+    if fn is None:
+        raise InvalidDeclaration(f"tool {name!r}: needs a function or an argument schema")
+    sig = inspect.signature(fn)
+    fields: dict[str, Any] = {}
+    for pname, p in sig.parameters.items():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if pname in ("self", "cls"):
+            continue
+        ann = p.annotation if p.annotation is not inspect.Parameter.empty else Any
+        default = p.default if p.default is not inspect.Parameter.empty else ...
+        fields[pname] = (ann, default)
+    hints = _resolved_hints(fn)
+    for k in fields:
+        if k in hints:
+            fields[k] = (hints[k], fields[k][1])
+    model: type[BaseModel] = create_model(  # type: ignore[call-overload]
+        f"{name}_args", __config__=ConfigDict(extra="forbid", arbitrary_types_allowed=True), **fields
+    )
+    return model
+
+
+def _resolved_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    import typing
+
+    try:
+        return typing.get_type_hints(fn)
+    except Exception:
+        return {}
+
+
+_JSON_TYPES: dict[str, Any] = {
+    "string": str,
+    "integer": int,
+    "number": float,
+    "boolean": bool,
+    "object": dict,
+    "array": list,
+    "null": type(None),
+}
+
+
+def _model_from_json_schema(name: str, schema: Mapping[str, Any]) -> type[BaseModel]:
+    """Enough of JSON Schema for tool arguments: typed properties, required, no extras.
+
+    The full schema is still stored in the contract, so the fingerprint covers all of it.
+    """
+    props = schema.get("properties", {}) or {}
+    required = set(schema.get("required", []) or [])
+    fields: dict[str, Any] = {}
+    for pname, pschema in props.items():
+        t = pschema.get("type") if isinstance(pschema, Mapping) else None
+        py: Any = _JSON_TYPES.get(t, Any) if isinstance(t, str) else Any
+        fields[pname] = (py, ... if pname in required else None)
+    extra = "allow" if schema.get("additionalProperties", False) else "forbid"
+    model: type[BaseModel] = create_model(  # type: ignore[call-overload]
+        f"{name}_args", __config__=ConfigDict(extra=extra, strict=False), **fields
+    )
+    model.__undolog_json_schema__ = dict(schema)  # type: ignore[attr-defined]
+    return model
+
+
+def json_schema_of(model: type[BaseModel]) -> dict[str, Any]:
+    given = getattr(model, "__undolog_json_schema__", None)
+    if isinstance(given, dict):
+        return given
+    try:
+        return model.model_json_schema()
+    except Exception:
+        # Arbitrary types have no JSON schema; the field names still go into the fingerprint.
+        return {"title": model.__name__, "properties": {k: {} for k in model.model_fields}}
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(to_jsonable_python(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def sha256_hex(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass
+class ToolSpec:
+    """A registered tool: its contract, its validator, and the callable that runs it."""
+
+    name: str
+    tier: ToolTier
+    fn: Callable[..., Any] | None
+    args_model: type[BaseModel]
+    compensation: CompensationDescriptor | None
+    reason: str | None
+    risk_tags: tuple[str, ...]
+    composite_of: tuple[str, ...]
+    probe: Callable[..., Any] | None
+    json_schema: dict[str, Any]
+    fingerprint: str = ""
+    revision: int = 0
+    is_async: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def contract(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "tier": self.tier.value,
+            "compensation": (
+                {"name": self.compensation.name, "version": self.compensation.version} if self.compensation else None
+            ),
+            "args_schema": self.json_schema,
+            "reason": self.reason,
+            "risk_tags": list(self.risk_tags),
+            "composite_of": sorted(self.composite_of),
+        }
+
+    def compute_fingerprint(self) -> str:
+        return sha256_hex(canonical_json(self.contract()))
+
+    def validate(self, args: Mapping[str, Any]) -> BaseModel:
+        try:
+            return self.args_model.model_validate(dict(args))
+        except pydantic.ValidationError as exc:
+            raise ArgumentsInvalid(
+                self.name,
+                [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()],
+            ) from None
+
+    def action_digest(self, args_json: str) -> str:
+        return sha256_hex(self.fingerprint + "\n" + args_json)
+
+
+def build_spec(
+    fn: Callable[..., Any] | None,
+    decl: ToolDeclaration,
+    *,
+    name: str | None = None,
+    args_schema: Any = None,
+) -> ToolSpec:
+    tool_name = name or decl.name or (tool_name_of(fn) if fn is not None else None)
+    if not tool_name:
+        raise InvalidDeclaration("a tool needs a name")
+    if fn is not None:
+        _check_params(tool_name, fn)
+    model = build_args_model(tool_name, fn, args_schema)
+    if "call_id" in model.model_fields:
+        raise InvalidDeclaration(f"tool {tool_name!r}: a parameter may not be named 'call_id' (reserved by UndoLog)")
+    target = fn
+    is_async = bool(target is not None and inspect.iscoroutinefunction(_unwrap(target)))
+    spec = ToolSpec(
+        name=tool_name,
+        tier=decl.tier,
+        fn=fn,
+        args_model=model,
+        compensation=decl.compensation,
+        reason=decl.reason,
+        risk_tags=decl.risk_tags,
+        composite_of=decl.composite_of,
+        probe=decl.probe,
+        json_schema=json_schema_of(model),
+        is_async=is_async,
+    )
+    spec.fingerprint = spec.compute_fingerprint()
+    return spec
+
+
+def _unwrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.unwrap(fn)
+
+
+def is_async_callable(fn: Callable[..., Any]) -> bool:
+    f = _unwrap(fn)
+    return inspect.iscoroutinefunction(f) or inspect.iscoroutinefunction(getattr(f, "__call__", None))

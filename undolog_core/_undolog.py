@@ -1,0 +1,192 @@
+"""The public facade."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ._approvals import ApprovalService
+from ._audit import AuditReport, verify
+from ._engine import Engine
+from ._policy import PolicyService
+from ._recovery import Recovery, RecoveryReport
+from ._registry import Registry, declaration_for
+from ._saga import RollbackReport, Saga
+from ._session import Session, SessionService
+from ._store import Store, new_id
+from ._tools import ToolSpec, ToolTier
+from .errors import ConfigurationError, InvalidDeclaration
+
+
+class UndoLog:
+    """One UndoLog per process and database.
+
+    Example:
+        >>> undolog = UndoLog.open("sqlite:///undolog.db")
+        >>> undolog.register(search_knowledge_base, send_refund_email, cancel_refund_email)
+        >>> async with undolog.session(agent_id="support-bot") as s:
+        ...     await s.call(send_refund_email, user_id="u1", amount=25)
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        fast_commit_mark: bool = False,
+        lease_seconds: float = 30.0,
+    ) -> None:
+        if lease_seconds <= 0:
+            raise ConfigurationError("lease_seconds must be positive")
+        self.store = store
+        self.fast_commit_mark = fast_commit_mark
+        self.lease_seconds = float(lease_seconds)
+        self.registry = Registry(self)
+        self.policy = PolicyService(self)
+        self.approvals = ApprovalService(self)
+        self.saga = Saga(self)
+        self.engine = Engine(self)
+        self.sessions = SessionService(self)
+        self._recovery = Recovery(self)
+
+    @classmethod
+    def open(
+        cls,
+        url: str | None = None,
+        *,
+        schema: str | None = None,
+        fast_commit_mark: bool = False,
+        lease_seconds: float = 30.0,
+        migrate: bool = True,
+    ) -> UndoLog:
+        """Open (and migrate) the store.
+
+        Args:
+            url: ``sqlite:///path.db`` or ``postgresql+psycopg://user@host/db``; default ``$UNDOLOG_DATABASE_URL``,
+                else ``./undolog.db``.
+            schema: PostgreSQL schema to use (default ``$UNDOLOG_SCHEMA``, else the search path).
+            fast_commit_mark: do not fsync the commit mark after a tool ran; recovery reconciles a lost mark
+                through the tool's probe (without a probe, the effect is compensated).
+            lease_seconds: how long an in-flight call's lease lasts; renewed at a third of it.
+        """
+        store = Store(url, schema=schema)
+        if migrate:
+            store.migrate()
+        return cls(store, fast_commit_mark=fast_commit_mark, lease_seconds=lease_seconds)
+
+    def close(self) -> None:
+        try:
+            self.engine.flush_counts()
+        finally:
+            self.engine.stop()
+            self.store.dispose()
+
+    def __enter__(self) -> UndoLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- registration ---------------------------------------------------------------------------
+
+    def register(self, *objs: Any, registered_by: str | None = None) -> list[ToolSpec]:
+        """Register ``@undolog_tool`` functions and ``@compensation`` functions. A changed contract is a new revision."""
+        return self.registry.register(objs, registered_by=registered_by)
+
+    def register_tool(
+        self,
+        fn: Callable[..., Any] | None,
+        *,
+        name: str | None = None,
+        tier: ToolTier | str | None = None,
+        risk_level: str | None = None,
+        compensation: Any = None,
+        reason: str | None = None,
+        risk_tags: Iterable[str] = (),
+        composite_of: Iterable[Any] = (),
+        probe: Callable[..., Any] | None = None,
+        args_schema: Any = None,
+        registered_by: str | None = None,
+    ) -> ToolSpec:
+        """Register a third-party callable (or a schema-only tool, ``fn=None``) with a tier given here.
+
+        Example:
+            >>> undolog.register_tool(vendor.delete_user, name="delete_user", tier="irreversible",
+            ...                       reason="Removes the account", risk_tags=["pii"])
+        """
+        if fn is None and name is None:
+            raise InvalidDeclaration("register_tool needs a function or a name")
+        decl = declaration_for(tier=tier, risk_level=risk_level, compensation=compensation, reason=reason,
+                               risk_tags=risk_tags, composite_of=composite_of, probe=probe)
+        kw: dict[str, Any] = {"name": name, "args_schema": args_schema}
+        return self.registry.register([(fn, decl, kw)], registered_by=registered_by)[0]
+
+    def register_compensation(self, fn: Callable[..., Any], *, name: str | None = None, version: int = 1) -> None:
+        self.registry.add_compensation(fn, name=name, version=version if name else None)
+
+    def tool_spec(self, name: str) -> ToolSpec:
+        return self.registry.spec_for(name)
+
+    # -- sessions -------------------------------------------------------------------------------
+
+    def session(
+        self,
+        *,
+        agent_id: str | None = None,
+        session_id: str | None = None,
+        created_by: str | None = None,
+        on_failure: str = "rollback",
+    ) -> Session:
+        """Start a session, or resume one by id (one read).
+
+        ``on_failure="rollback"`` (default) rolls the session back when a COMPENSABLE call fails;
+        ``"continue"`` records the failure and lets the caller decide.
+        """
+        if on_failure not in ("rollback", "continue"):
+            raise ConfigurationError(f"on_failure must be 'rollback' or 'continue', got {on_failure!r}")
+        sid = session_id or new_id()
+        sc = self.engine.cached(sid)
+        if sc is None or not sc.pins:
+            sc = self.engine.ensure_session(sid, agent_id=agent_id, created_by=created_by, on_failure=on_failure)
+        return Session(self, sc)
+
+    def rollback(self, session_id: str, *, actor: str = "undolog", progress: Any = None) -> RollbackReport:
+        """Roll a session back (sync). See :meth:`arollback` for async compensations in a running loop."""
+        return self.saga.rollback_sync(session_id, actor=actor, reason="requested", progress=progress)
+
+    async def arollback(self, session_id: str, *, actor: str = "undolog") -> RollbackReport:
+        return await self.saga.rollback(session_id, actor=actor, reason="requested")
+
+    def recover(self, progress: Any = None) -> RecoveryReport:
+        """Reconcile effects left in flight by crashed processes; see the README's guarantees."""
+        return self._recovery.recover(progress=progress)
+
+    def verify_audit(self) -> AuditReport:
+        return verify(self.store)
+
+
+def load_app(spec: str | None = None) -> UndoLog:
+    """Load the app's UndoLog from ``module:attribute`` (or ``$UNDOLOG_APP``), so compensations are registered.
+
+    The attribute may be an UndoLog or a zero-argument callable returning one.
+    """
+    spec = spec or os.environ.get("UNDOLOG_APP")
+    if not spec:
+        raise ConfigurationError("no app given: pass --app module:attribute or set UNDOLOG_APP")
+    if ":" not in spec:
+        raise ConfigurationError(f"--app must look like module:attribute, got {spec!r}")
+    mod_name, attr = spec.split(":", 1)
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot import {mod_name!r} for --app: {exc}") from exc
+    try:
+        obj = getattr(mod, attr)
+    except AttributeError:
+        raise ConfigurationError(f"module {mod_name!r} has no attribute {attr!r}") from None
+    if not isinstance(obj, UndoLog) and callable(obj):
+        obj = obj()
+    if not isinstance(obj, UndoLog):
+        raise ConfigurationError(f"{spec} is not an UndoLog (got {type(obj).__name__})")
+    return obj

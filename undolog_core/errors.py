@@ -1,0 +1,320 @@
+"""Every error UndoLog raises, one class per condition, each with a stable ``code``.
+
+The codes are part of the public contract: the REST API returns them in problem+json
+bodies and adapters map them onto their framework's own messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class UndoLogError(Exception):
+    """Base class of every UndoLog error.
+
+    Example:
+        >>> try:
+        ...     raise SessionHalted("s1", "rejected")
+        ... except UndoLogError as exc:
+        ...     exc.code
+        'session_halted'
+    """
+
+    code = "undolog_error"
+    http_status = 400
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, **self.details}
+
+
+class ConfigurationError(UndoLogError):
+    code = "configuration_error"
+
+
+class ToolNotClassified(UndoLogError):
+    """A tool was handed to UndoLog without a tier: nothing runs unclassified."""
+
+    code = "tool_not_classified"
+
+    def __init__(self, tool_name: str) -> None:
+        super().__init__(
+            f"tool {tool_name!r} has no tier: declare it with @undolog_tool(tier=...) "
+            "or give it a tier mapping before it can run",
+            tool_name=tool_name,
+        )
+        self.tool_name = tool_name
+
+
+class ToolNotRegistered(UndoLogError):
+    code = "tool_not_registered"
+    http_status = 404
+
+    def __init__(self, tool_name: str) -> None:
+        super().__init__(f"tool {tool_name!r} is not registered with this UndoLog", tool_name=tool_name)
+        self.tool_name = tool_name
+
+
+class InvalidDeclaration(UndoLogError):
+    """A tool or compensation declaration that cannot be accepted (bad tier, composite lower than a member...)."""
+
+    code = "invalid_declaration"
+
+
+class ArgumentsInvalid(UndoLogError):
+    """Arguments that do not fit the tool's schema; ``errors`` names each bad field."""
+
+    code = "arguments_invalid"
+    http_status = 422
+
+    def __init__(self, tool_name: str, errors: list[dict[str, Any]]) -> None:
+        fields = ", ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ())) or '<arguments>'}: {e.get('msg', 'invalid')}" for e in errors
+        )
+        super().__init__(f"invalid arguments for tool {tool_name!r}: {fields}", tool_name=tool_name, errors=errors)
+        self.tool_name = tool_name
+        self.errors = errors
+
+    @property
+    def fields(self) -> list[str]:
+        return [".".join(str(p) for p in e.get("loc", ())) for e in self.errors]
+
+
+class SessionNotFound(UndoLogError):
+    code = "session_not_found"
+    http_status = 404
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} does not exist", session_id=session_id)
+        self.session_id = session_id
+
+
+class SessionHalted(UndoLogError):
+    """The session needs a person: it refuses writes until resumed or rolled back."""
+
+    code = "session_halted"
+    http_status = 409
+
+    def __init__(self, session_id: str, reason: str | None) -> None:
+        super().__init__(
+            f"session {session_id!r} is halted ({reason or 'no reason recorded'}); a person must resume "
+            "it (`undolog sessions resume`) or roll it back before it accepts further writes",
+            session_id=session_id,
+            reason=reason,
+        )
+        self.session_id = session_id
+        self.reason = reason
+
+
+class SessionClosed(UndoLogError):
+    """The session is rolled back or completed; it accepts no more calls."""
+
+    code = "session_closed"
+    http_status = 409
+
+    def __init__(self, session_id: str, state: str) -> None:
+        super().__init__(f"session {session_id!r} is {state} and accepts no more calls", session_id=session_id, state=state)
+        self.session_id = session_id
+        self.state = state
+
+
+class InvalidSessionState(UndoLogError):
+    code = "invalid_session_state"
+    http_status = 409
+
+
+class CallIdConflict(UndoLogError):
+    """A call_id reused in the same session with other arguments or another tool."""
+
+    code = "call_id_conflict"
+    http_status = 409
+
+    def __init__(self, session_id: str, call_id: str, detail: str) -> None:
+        super().__init__(
+            f"call_id {call_id!r} was already used in session {session_id!r} {detail}",
+            session_id=session_id,
+            call_id=call_id,
+        )
+
+
+class ContractChanged(UndoLogError):
+    """A tool's contract differs from the revision the session was validated under."""
+
+    code = "contract_changed"
+    http_status = 409
+
+    def __init__(self, session_id: str, tool_name: str, pinned: int, current: int) -> None:
+        super().__init__(
+            f"tool {tool_name!r} changed since session {session_id!r} was validated (pinned revision {pinned}, "
+            f"registered revision {current}); revalidate the session (`session.revalidate(actor=...)` or "
+            "`undolog sessions revalidate`) before calling it",
+            session_id=session_id,
+            tool_name=tool_name,
+            pinned_revision=pinned,
+            current_revision=current,
+        )
+
+
+class ApprovalPending(UndoLogError):
+    """An IRREVERSIBLE call waits for a person. Re-issue the same call (same call_id) once it is decided.
+
+    Example:
+        >>> try:
+        ...     await s.call(delete_user_account, user_id="u1", call_id="c-7")  # doctest: +SKIP
+        ... except ApprovalPending as p:
+        ...     print(p.approval_request_id, p.retry_after)
+    """
+
+    code = "approval_pending"
+    http_status = 202
+
+    def __init__(self, effect_id: str, approval_request_id: str, retry_after: float, tool_name: str = "") -> None:
+        super().__init__(
+            f"call to {tool_name or 'tool'!s} awaits human approval (request {approval_request_id}); "
+            f"re-issue the same call after it is decided (retry after {retry_after:.0f}s)",
+            effect_id=effect_id,
+            approval_request_id=approval_request_id,
+            retry_after=retry_after,
+        )
+        self.effect_id = effect_id
+        self.approval_request_id = approval_request_id
+        self.retry_after = retry_after
+        self.tool_name = tool_name
+
+
+class ApprovalRejected(UndoLogError):
+    code = "approval_rejected"
+    http_status = 403
+
+    def __init__(self, approval_request_id: str, reason: str | None, approver: str | None) -> None:
+        super().__init__(
+            f"approval request {approval_request_id} was rejected by {approver or 'a person'}: {reason or 'no reason given'}",
+            approval_request_id=approval_request_id,
+            reason=reason,
+            approver=approver,
+        )
+        self.approval_request_id = approval_request_id
+        self.reason = reason
+        self.approver = approver
+
+
+class ApprovalTimedOut(UndoLogError):
+    code = "approval_timed_out"
+    http_status = 403
+
+    def __init__(self, approval_request_id: str) -> None:
+        super().__init__(
+            f"approval request {approval_request_id} timed out without a decision; the call was not run",
+            approval_request_id=approval_request_id,
+        )
+        self.approval_request_id = approval_request_id
+
+
+class ApprovalCancelled(UndoLogError):
+    code = "approval_cancelled"
+    http_status = 409
+
+    def __init__(self, approval_request_id: str, reason: str | None) -> None:
+        super().__init__(
+            f"approval request {approval_request_id} was cancelled ({reason or 'no reason'}); the call was not run",
+            approval_request_id=approval_request_id,
+            reason=reason,
+        )
+        self.approval_request_id = approval_request_id
+
+
+class ApprovalNotFound(UndoLogError):
+    code = "approval_not_found"
+    http_status = 404
+
+    def __init__(self, approval_request_id: str) -> None:
+        super().__init__(f"approval request {approval_request_id!r} does not exist", approval_request_id=approval_request_id)
+
+
+class ApprovalAlreadyDecided(UndoLogError):
+    code = "approval_already_decided"
+    http_status = 409
+
+    def __init__(self, approval_request_id: str, state: str) -> None:
+        super().__init__(
+            f"approval request {approval_request_id} is already {state}; a request is decided once",
+            approval_request_id=approval_request_id,
+            state=state,
+        )
+        self.state = state
+
+
+class OutcomeUnknown(UndoLogError):
+    """An approved IRREVERSIBLE call crashed mid-run and no probe could tell whether it happened."""
+
+    code = "outcome_unknown"
+    http_status = 409
+
+    def __init__(self, effect_id: str) -> None:
+        super().__init__(
+            f"effect {effect_id} may or may not have happened (its run was interrupted); it is never re-run "
+            "blindly: a person must check and resolve the session",
+            effect_id=effect_id,
+        )
+
+
+class EffectNotFound(UndoLogError):
+    code = "effect_not_found"
+    http_status = 404
+
+    def __init__(self, effect_id: str) -> None:
+        super().__init__(f"effect {effect_id!r} does not exist", effect_id=effect_id)
+
+
+class InvalidEffectState(UndoLogError):
+    code = "invalid_effect_state"
+    http_status = 409
+
+
+class CompensationNotFound(UndoLogError):
+    code = "compensation_not_found"
+    http_status = 409
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"compensation {name!r} is not registered in this process; load the app that defines it "
+            "(--app module:attribute or UNDOLOG_APP). Nothing was changed.",
+            compensation_name=name,
+        )
+        self.compensation_name = name
+
+
+class CompensationVersionMismatch(UndoLogError):
+    code = "compensation_version_mismatch"
+    http_status = 409
+
+    def __init__(self, name: str, logged: int, registered: int) -> None:
+        super().__init__(
+            f"compensation {name!r} is registered at version {registered} but the undo entry was logged with "
+            f"version {logged}; it was not called and the session is halted",
+            compensation_name=name,
+            logged_version=logged,
+            registered_version=registered,
+        )
+
+
+class CompensationFailed(UndoLogError):
+    code = "compensation_failed"
+    http_status = 409
+
+
+class AuditTampered(UndoLogError):
+    code = "audit_tampered"
+    http_status = 409
+
+
+class PolicyInvalid(UndoLogError):
+    code = "policy_invalid"
+    http_status = 422
+
+
+__all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type) and issubclass(obj, UndoLogError)]
