@@ -127,6 +127,7 @@ class SessionCache:
     pins: dict[str, int]
     on_failure: str
     safe_calls: int = 0
+    persisted: bool = True
     recent: collections.deque[dict[str, Any]] = field(default_factory=lambda: collections.deque(maxlen=50))
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -176,7 +177,8 @@ class Engine:
         with self._sessions_lock:
             old = self._sessions.get(row.session_id)
             if old is not None:
-                old.state, old.pins, old.on_failure = sc.state, sc.pins, sc.on_failure
+                # Keep the counter and recent calls gathered before the session reached the store.
+                old.state, old.pins, old.on_failure, old.persisted = sc.state, sc.pins, sc.on_failure, True
                 return old
             self._sessions[row.session_id] = sc
         return sc
@@ -194,7 +196,7 @@ class Engine:
         create: bool = True,
     ) -> SessionCache:
         sc = self._sessions.get(session_id)
-        if sc is not None:
+        if sc is not None and sc.persisted:
             return sc
         with self.store.tx() as conn:
             row = conn.execute(sa.select(t.sessions).where(t.sessions.c.session_id == session_id)).first()
@@ -254,7 +256,7 @@ class Engine:
         """The whole bookkeeping of a SAFE call: a counter and the recent-calls ring, both in memory."""
         sc = self._sessions.get(session_id)
         if sc is None:
-            sc = SessionCache(session_id, "active", {}, "rollback")
+            sc = SessionCache(session_id, "active", {}, "rollback", persisted=False)
             with self._sessions_lock:
                 sc = self._sessions.setdefault(session_id, sc)
         elif sc.pins and sc.pins.get(spec.name, spec.revision) != spec.revision:
@@ -321,7 +323,7 @@ class Engine:
         self, session_id: str, spec: ToolSpec, values: dict[str, Any], args_json: Any, call_id: str | None
     ) -> Decision:
         sc = self._sessions.get(session_id)
-        if sc is None or not sc.pins:
+        if sc is None or not sc.persisted:
             sc = self.ensure_session(session_id)
         pin = spec if self._check_pin(sc, spec) else None
         effect_id = new_id()
@@ -378,6 +380,7 @@ class Engine:
             raise
         self._ensure_renewer()
         sc.recent.append({"tool_name": spec.name, "tier": "compensable", "args": args_json, "state": "pending"})
+        fault("after_prewrite")
         return Execute(effect_id, values, f"do-{effect_id}", COMPENSABLE, spec.name, call_id)
 
     def _existing(self, session_id: str, spec: ToolSpec, call_id: str, digest: str) -> Decision:
@@ -419,7 +422,7 @@ class Engine:
         self, session_id: str, spec: ToolSpec, args_json: Any, call_id: str | None
     ) -> Decision:
         sc = self._sessions.get(session_id)
-        if sc is None or not sc.pins:
+        if sc is None or not sc.persisted:
             sc = self.ensure_session(session_id)
         pin = spec if self._check_pin(sc, spec) else None
         args_canon = canonical_json(args_json)
