@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import datetime as dt
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -113,7 +114,7 @@ class ApprovalService:
         *,
         tool_name: str | None = None,
         risk_tag: str | None = None,
-    ) -> list[ApprovalRecord]:
+    ) -> builtins.list[ApprovalRecord]:
         """Pending requests, newest first. Requests past their timeout are expired first."""
         self.expire_due()
         return self.list(state="pending", session_id=session_id, tool_name=tool_name, risk_tag=risk_tag)
@@ -126,7 +127,7 @@ class ApprovalService:
         tool_name: str | None = None,
         risk_tag: str | None = None,
         limit: int = 500,
-    ) -> list[ApprovalRecord]:
+    ) -> builtins.list[ApprovalRecord]:
         r = t.approval_requests
         q = sa.select(r).order_by(r.c.created_at.desc()).limit(limit)
         if state:
@@ -172,7 +173,7 @@ class ApprovalService:
                 return self.get(rec.approval_request_id)
         return None
 
-    def events(self, approval_request_id: str) -> list[ApprovalEvent]:
+    def events(self, approval_request_id: str) -> builtins.list[ApprovalEvent]:
         import json
 
         self._get(approval_request_id)
@@ -336,7 +337,7 @@ class ApprovalService:
 
     # -- timeouts ------------------------------------------------------------------------------------
 
-    def expire_due(self, now: dt.datetime | None = None) -> list[str]:
+    def expire_due(self, now: dt.datetime | None = None) -> builtins.list[str]:
         """Apply the timeout to every pending request past ``timeout_at``; returns their ids.
 
         Several processes may call it at once: on PostgreSQL rows are claimed with SKIP LOCKED, and each
@@ -345,14 +346,14 @@ class ApprovalService:
         now = now or utcnow()
         r = t.approval_requests
         with self._store.read() as conn:
-            due = conn.execute(
+            due: builtins.list[str] = list(conn.execute(
                 sa.select(r.c.approval_request_id).where(r.c.state == "pending", r.c.timeout_at <= now)
-            ).scalars().all()
-        return self.expire(list(due), now=now) if due else []
+            ).scalars().all())
+        return self.expire(due, now=now) if due else []
 
-    def expire(self, ids: Iterable[str], *, now: dt.datetime | None = None) -> list[str]:
+    def expire(self, ids: Iterable[str], *, now: dt.datetime | None = None) -> builtins.list[str]:
         now = now or utcnow()
-        done: list[str] = []
+        done: builtins.list[str] = []
         r = t.approval_requests
         for rid in ids:
             with self._store.tx() as conn:

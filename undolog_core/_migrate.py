@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 VERSION_TABLE = "undolog_alembic_version"
 
@@ -29,19 +29,28 @@ def head() -> str:
 
 def current(engine: Engine) -> str | None:
     with engine.connect() as conn:
-        if not sa.inspect(conn).has_table(VERSION_TABLE):
-            return None
-        rows = conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars().all()
-        return ",".join(sorted(rows)) if rows else None
+        return current_in(conn)
 
 
-def upgrade(engine: Engine, *, lock_key: int) -> None:
-    if current(engine) == head():
+def current_in(conn: Connection) -> str | None:
+    if not sa.inspect(conn).has_table(VERSION_TABLE):
+        return None
+    rows = conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars().all()
+    return ",".join(sorted(rows)) if rows else None
+
+
+def upgrade(engine: Engine, *, lock_key: int, schema: str | None = None) -> None:
+    if schema is None and current(engine) == head():
         return
     with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
-            # Two processes opening a fresh database at once must not both create the tables.
+            # Two processes opening a fresh database at once must not both create the schema or the tables;
+            # Alembic re-reads the version table after the lock, so the loser finds nothing to do.
             conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({lock_key})")
+            if schema:
+                conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+                if current_in(conn) == head():
+                    return
         cfg = _config()
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "heads")

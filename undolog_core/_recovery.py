@@ -81,19 +81,19 @@ class Recovery:
         total = len(dead_effects) + len({r.session_id for r in dead_undos})
         done = 0
         rolled: set[str] = set()
-        for r in dead_undos:
-            if r.session_id in rolled or not self._claim_undo(r):
+        for ru in dead_undos:
+            if ru.session_id in rolled or not self._claim_undo(ru):
                 continue
-            rolled.add(r.session_id)
+            rolled.add(ru.session_id)
             try:
-                self._u.saga.rollback_sync(r.session_id, actor="undolog:recovery",
+                self._u.saga.rollback_sync(ru.session_id, actor="undolog:recovery",
                                            reason="rollback interrupted by a crash, resumed by recovery")
-                report.rollbacks_resumed.append(r.session_id)
+                report.rollbacks_resumed.append(ru.session_id)
             except UndoLogError as exc:
-                report.errors.append(f"session {r.session_id}: {exc.message}")
+                report.errors.append(f"session {ru.session_id}: {exc.message}")
             done += 1
             if progress:
-                progress(done, total, f"rollback {r.session_id}")
+                progress(done, total, f"rollback {ru.session_id}")
         for r in dead_effects:
             if r.session_id in rolled:
                 continue

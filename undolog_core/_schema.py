@@ -28,11 +28,10 @@ class UTCDateTime(sa.types.TypeDecorator[dt.datetime]):
     def process_result_value(self, value: Any, dialect: Dialect) -> dt.datetime | None:
         if value is None:
             return None
-        if isinstance(value, str):
-            value = dt.datetime.fromisoformat(value)
-        if value.tzinfo is None:
-            return value.replace(tzinfo=dt.UTC)
-        return value.astimezone(dt.UTC)
+        parsed: dt.datetime = dt.datetime.fromisoformat(value) if isinstance(value, str) else value
+        if parsed.tzinfo is None:
+            return parsed.replace(tzinfo=dt.UTC)
+        return parsed.astimezone(dt.UTC)
 
 
 TIERS = ("safe", "compensable", "irreversible")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import inspect
 from dataclasses import dataclass
 from types import TracebackType
@@ -210,14 +211,14 @@ class SessionService:
             raise SessionNotFound(session_id)
         return _session_record(row)
 
-    def list(self, *, state: str | None = None, limit: int = 200) -> list[SessionRecord]:
+    def list(self, *, state: str | None = None, limit: int = 200) -> builtins.list[SessionRecord]:
         q = sa.select(t.sessions).order_by(t.sessions.c.created_at.desc()).limit(limit)
         if state:
             q = q.where(t.sessions.c.state == state)
         with self._u.store.read() as conn:
             return [_session_record(r) for r in conn.execute(q)]
 
-    def effects(self, session_id: str) -> list[dict[str, Any]]:
+    def effects(self, session_id: str) -> builtins.list[dict[str, Any]]:
         """The session's timeline: every logged effect, oldest first, with its undo entry."""
         self.get(session_id)
         e, u = t.effect_log, t.undo_stack

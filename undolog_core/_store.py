@@ -129,10 +129,7 @@ class Store:
     def migrate(self) -> None:
         from . import _migrate
 
-        if self.is_postgres and self.schema:
-            with self.engine.begin() as conn:
-                conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
-        _migrate.upgrade(self.engine, lock_key=_MIGRATION_LOCK_KEY)
+        _migrate.upgrade(self.engine, lock_key=_MIGRATION_LOCK_KEY, schema=self.schema if self.is_postgres else None)
 
     def dispose(self) -> None:
         self.engine.dispose()

@@ -9,7 +9,7 @@ import inspect
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, create_model
@@ -22,7 +22,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 RESERVED_PARAMS = frozenset({"call_id"})
 
 
-class ToolTier(str, enum.Enum):
+class ToolTier(enum.StrEnum):
     """The three tiers. Values are what the database stores.
 
     Example:
@@ -204,7 +204,7 @@ def undolog_tool(
     )
 
     def wrap(fn: F) -> F:
-        _check_params(decl.name or getattr(fn, "__name__", "tool"), fn)
+        _check_params(str(decl.name or getattr(fn, "__name__", "tool")), fn)
         # The function object itself is kept so frameworks still see its signature and docstring.
         fn.__undolog_spec__ = decl  # type: ignore[attr-defined]
         return fn
@@ -270,7 +270,7 @@ def build_args_model(name: str, fn: Callable[..., Any] | None, schema: Any = Non
     for k in fields:
         if k in hints:
             fields[k] = (hints[k], fields[k][1])
-    model: type[BaseModel] = create_model(  # type: ignore[call-overload]
+    model: type[BaseModel] = create_model(
         f"{name}_args", __config__=ConfigDict(extra="forbid", arbitrary_types_allowed=True), **fields
     )
     return model
@@ -308,8 +308,8 @@ def _model_from_json_schema(name: str, schema: Mapping[str, Any]) -> type[BaseMo
         t = pschema.get("type") if isinstance(pschema, Mapping) else None
         py: Any = _JSON_TYPES.get(t, Any) if isinstance(t, str) else Any
         fields[pname] = (py, ... if pname in required else None)
-    extra = "allow" if schema.get("additionalProperties", False) else "forbid"
-    model: type[BaseModel] = create_model(  # type: ignore[call-overload]
+    extra: Literal["allow", "forbid"] = "allow" if schema.get("additionalProperties", False) else "forbid"
+    model: type[BaseModel] = create_model(
         f"{name}_args", __config__=ConfigDict(extra=extra, strict=False), **fields
     )
     model.__undolog_json_schema__ = dict(schema)  # type: ignore[attr-defined]
@@ -420,9 +420,10 @@ def build_spec(
 def _unwrap(fn: Callable[..., Any]) -> Callable[..., Any]:
     while isinstance(fn, functools.partial):
         fn = fn.func
-    return inspect.unwrap(fn)
+    unwrapped: Callable[..., Any] = inspect.unwrap(fn)
+    return unwrapped
 
 
 def is_async_callable(fn: Callable[..., Any]) -> bool:
     f = _unwrap(fn)
-    return inspect.iscoroutinefunction(f) or inspect.iscoroutinefunction(getattr(f, "__call__", None))
+    return inspect.iscoroutinefunction(f) or inspect.iscoroutinefunction(type(f).__call__)

@@ -147,7 +147,7 @@ class UndoLog:
             raise ConfigurationError(f"on_failure must be 'rollback' or 'continue', got {on_failure!r}")
         sid = session_id or new_id()
         sc = self.engine.cached(sid)
-        if sc is None or not sc.pins:
+        if sc is None or not sc.persisted:
             sc = self.engine.ensure_session(sid, agent_id=agent_id, created_by=created_by, on_failure=on_failure)
         return Session(self, sc)
 
