@@ -164,7 +164,7 @@ class ApprovalService:
     def find_for_call(self, session_id: str, tool_name: str, args: Mapping[str, Any]) -> ApprovalRecord | None:
         """The newest request of this session for the same (tool, canonical arguments), proposed or approved."""
         spec = self._u.registry.tools.get(tool_name)
-        values = spec.validate(args).model_dump(mode="json") if spec else dict(args)
+        values = spec.snapshot(spec.validate(args)) if spec else dict(args)
         digest = sha256_hex(canonical_json(values))
         for rec in self.list(session_id=session_id, tool_name=tool_name, limit=200):
             if sha256_hex(canonical_json(rec.proposed_args)) == digest:
@@ -209,7 +209,7 @@ class ApprovalService:
     def _validate_edit(self, conn: Connection, req: Any, args: dict[str, Any]) -> dict[str, Any]:
         spec = self._u.registry.tools.get(req.tool_name)
         if spec is not None and spec.revision == req.tool_revision:
-            validated: dict[str, Any] = spec.validate(args).model_dump(mode="json")
+            validated: dict[str, Any] = spec.snapshot(spec.validate(args))
             return validated
         # This process (a CLI, a server) does not have the tool loaded: validate against the stored contract.
         contract = conn.execute(
@@ -221,7 +221,7 @@ class ApprovalService:
             raise UndoLogError(f"the contract of {req.tool_name!r} revision {req.tool_revision} is not in the registry")
         model = build_args_model(req.tool_name, None, contract["args_schema"])
         try:
-            return dict(model.model_validate(args).model_dump(mode="json", exclude_unset=False))
+            return dict(model.model_validate(args).model_dump(mode="json", exclude_unset=True))
         except Exception as exc:
             import pydantic
 

@@ -279,11 +279,11 @@ class Engine:
         if spec is None:
             raise ToolNotRegistered(tool_name)
         model = spec.validate(args)
-        values = dict(model)
+        values = spec.values(model)
         if spec.tier is SAFE:
             self.note_safe(session_id, spec, values)
             return Execute(None, values, None, SAFE, spec.name, call_id)
-        args_json = jsonable(model.model_dump(mode="json"))
+        args_json = jsonable(spec.snapshot(model))
         if spec.tier is COMPENSABLE:
             return self.intercept_compensable(session_id, spec, values, args_json, call_id)
         return self.intercept_irreversible(session_id, spec, args_json, call_id)
@@ -520,7 +520,7 @@ class Engine:
             raise
         self._ensure_renewer()
         args = row.approved_args if row.approved_args is not None else row.args_snapshot
-        validated = dict(spec.validate(args))
+        validated = spec.values(spec.validate(args))
         fault("after_approved_claim")
         return Execute(row.effect_id, validated, f"do-{row.effect_id}", ToolTier.IRREVERSIBLE, spec.name, row.call_id)
 

@@ -78,7 +78,7 @@ class Session:
         """
         spec = self._u.registry.spec_for(tool)
         if spec.tier is ToolTier.SAFE:
-            values = dict(spec.validate(kwargs))
+            values = spec.values(spec.validate(kwargs))
             self._u.engine.note_safe(self.id, spec, values)
             out = spec.fn(**values)  # type: ignore[misc]
             return (await out) if spec.is_async else out
@@ -101,7 +101,7 @@ class Session:
         """The sync twin of :meth:`call`, for sync agents (CrewAI tools); no event loop per call."""
         spec = self._u.registry.spec_for(tool)
         if spec.tier is ToolTier.SAFE:
-            values = dict(spec.validate(kwargs))
+            values = spec.values(spec.validate(kwargs))
             self._u.engine.note_safe(self.id, spec, values)
             return _run_sync(spec, values)
         d = self._u.engine.intercept(self.id, spec.name, kwargs, call_id=call_id)

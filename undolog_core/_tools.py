@@ -307,7 +307,8 @@ def _model_from_json_schema(name: str, schema: Mapping[str, Any]) -> type[BaseMo
     for pname, pschema in props.items():
         t = pschema.get("type") if isinstance(pschema, Mapping) else None
         py: Any = _JSON_TYPES.get(t, Any) if isinstance(t, str) else Any
-        fields[pname] = (py, ... if pname in required else None)
+        # An optional property may be left out; it is never invented as null (see ToolSpec.sparse).
+        fields[pname] = (py, ...) if pname in required else (py | None, None)
     extra: Literal["allow", "forbid"] = "allow" if schema.get("additionalProperties", False) else "forbid"
     model: type[BaseModel] = create_model(
         f"{name}_args", __config__=ConfigDict(extra=extra, strict=False), **fields
@@ -369,6 +370,17 @@ class ToolSpec:
 
     def compute_fingerprint(self) -> str:
         return sha256_hex(canonical_json(self.contract()))
+
+    @property
+    def sparse(self) -> bool:
+        """Schema-declared tools pass on only the arguments given, not defaults for the rest."""
+        return hasattr(self.args_model, "__undolog_json_schema__")
+
+    def values(self, model: BaseModel) -> dict[str, Any]:
+        return model.model_dump(exclude_unset=True) if self.sparse else dict(model)
+
+    def snapshot(self, model: BaseModel) -> dict[str, Any]:
+        return model.model_dump(mode="json", exclude_unset=self.sparse)
 
     def validate(self, args: Mapping[str, Any]) -> BaseModel:
         try:

@@ -355,3 +355,19 @@ def test_find_for_call_matches_tool_and_argument_digest(undolog):
     # Without a call id, a new kickoff re-issuing the same action finds the same request.
     again = undolog.engine.intercept("k1", "delete_user_account", {"user_id": "u1"})
     assert again.approval_request_id == w.approval_request_id
+
+
+def test_schema_declared_tool_passes_on_only_given_arguments(undolog):
+    schema = {"type": "object", "properties": {"account": {"type": "string"}, "notify": {"type": "boolean"}},
+              "required": ["account"], "additionalProperties": False}
+    undolog.register_tool(None, name="close_account", tier="irreversible", reason="closes it", args_schema=schema)
+    w = undolog.engine.intercept("s", "close_account", {"account": "x"}, call_id="c")
+    assert undolog.approvals.get(w.approval_request_id).proposed_args == {"account": "x"}
+    with pytest.raises(ArgumentsInvalid) as bad:
+        undolog.approvals.modify(w.approval_request_id, approver="ana", args={"account": "x", "notify": "loud"})
+    assert bad.value.fields == ["notify"]
+    undolog.approvals.approve(w.approval_request_id, approver="ana")
+    run = undolog.engine.intercept("s", "close_account", {"account": "x"}, call_id="c")
+    assert isinstance(run, Execute) and run.args == {"account": "x"}
+    with pytest.raises(ArgumentsInvalid, match="surprise"):
+        undolog.engine.intercept("s", "close_account", {"account": "x", "surprise": 1})
