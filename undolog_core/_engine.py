@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextvars
+import itertools
 import datetime as dt
 import os
 import signal
@@ -64,6 +65,7 @@ class Execute:
     tier: ToolTier
     tool_name: str
     call_id: str | None = None
+    session_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -126,20 +128,28 @@ class SessionCache:
     state: str
     pins: dict[str, int]
     on_failure: str
-    safe_calls: int = 0
     persisted: bool = True
-    recent: collections.deque[dict[str, Any]] = field(default_factory=lambda: collections.deque(maxlen=50))
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    # (tool_name, tier, args, state) of recent calls, newest last; SAFE calls are known only here.
+    recent: collections.deque[tuple[str, str, Any, str]] = field(default_factory=lambda: collections.deque(maxlen=50))
+    # next() on itertools.count is atomic under the GIL: a lock-free counter for the SAFE hot path.
+    counter: Iterator[int] = field(default_factory=itertools.count)
+
+    @property
+    def safe_calls(self) -> int:
+        return self._peek()
+
+    def _peek(self) -> int:
+        text = repr(self.counter)  # "count(N)": reading it without advancing it
+        return int(text[6:-1])
 
     def take_count(self) -> int:
-        with self.lock:
-            n, self.safe_calls = self.safe_calls, 0
-        return n
+        old, self.counter = self.counter, itertools.count()
+        return int(repr(old)[6:-1])
 
     def give_back(self, n: int) -> None:
         if n:
-            with self.lock:
-                self.safe_calls += n
+            current = self.take_count()
+            self.counter = itertools.count(current + n)
 
 
 def jsonable(value: Any) -> Any:
@@ -259,11 +269,13 @@ class Engine:
             sc = SessionCache(session_id, "active", {}, "rollback", persisted=False)
             with self._sessions_lock:
                 sc = self._sessions.setdefault(session_id, sc)
-        elif sc.pins and sc.pins.get(spec.name, spec.revision) != spec.revision:
-            raise ContractChanged(session_id, spec.name, sc.pins[spec.name], spec.revision)
-        with sc.lock:
-            sc.safe_calls += 1
-        sc.recent.append({"tool_name": spec.name, "tier": "safe", "args": args, "state": "done"})
+        self.note_safe_in(sc, spec, args)
+
+    def note_safe_in(self, sc: SessionCache, spec: ToolSpec, args: Mapping[str, Any]) -> None:
+        if sc.pins and sc.pins.get(spec.name, spec.revision) != spec.revision:
+            raise ContractChanged(sc.session_id, spec.name, sc.pins[spec.name], spec.revision)
+        next(sc.counter)
+        sc.recent.append((spec.name, "safe", args, "done"))
 
     def intercept(
         self, session_id: str, tool_name: str, args: Mapping[str, Any], *, call_id: str | None = None
@@ -282,7 +294,7 @@ class Engine:
         values = spec.values(model)
         if spec.tier is SAFE:
             self.note_safe(session_id, spec, values)
-            return Execute(None, values, None, SAFE, spec.name, call_id)
+            return Execute(None, values, None, SAFE, spec.name, call_id, session_id)
         args_json = jsonable(spec.snapshot(model))
         if spec.tier is COMPENSABLE:
             return self.intercept_compensable(session_id, spec, values, args_json, call_id)
@@ -379,9 +391,9 @@ class Engine:
             sc.give_back(count - 1)
             raise
         self._ensure_renewer()
-        sc.recent.append({"tool_name": spec.name, "tier": "compensable", "args": args_json, "state": "pending"})
+        sc.recent.append((spec.name, "compensable", args_json, "pending"))
         fault("after_prewrite")
-        return Execute(effect_id, values, f"do-{effect_id}", COMPENSABLE, spec.name, call_id)
+        return Execute(effect_id, values, f"do-{effect_id}", COMPENSABLE, spec.name, call_id, session_id)
 
     def _existing(self, session_id: str, spec: ToolSpec, call_id: str, digest: str) -> Decision:
         """The same call_id again: the same decision or the stored result, never a second execution."""
@@ -522,7 +534,8 @@ class Engine:
         args = row.approved_args if row.approved_args is not None else row.args_snapshot
         validated = spec.values(spec.validate(args))
         fault("after_approved_claim")
-        return Execute(row.effect_id, validated, f"do-{row.effect_id}", ToolTier.IRREVERSIBLE, spec.name, row.call_id)
+        return Execute(row.effect_id, validated, f"do-{row.effect_id}", ToolTier.IRREVERSIBLE, spec.name, row.call_id,
+                       sc.session_id)
 
     def _request_approval(
         self,
@@ -616,7 +629,7 @@ class Engine:
             sc.give_back(count - 1)
             raise
         sc.state = "awaiting_approval"
-        sc.recent.append({"tool_name": spec.name, "tier": "irreversible", "args": args_json, "state": "awaiting_approval"})
+        sc.recent.append((spec.name, "irreversible", args_json, "awaiting_approval"))
         left = float(policy.approval_timeout_seconds)
         return AwaitingApproval(
             effect_id=effect_id,
@@ -648,7 +661,10 @@ class Engine:
              "at": r.created_at.isoformat()}
             for r in reversed(rows)
         ]
-        safe = [jsonable(c) for c in sc.recent if c["tier"] == "safe"]
+        safe = [
+            {"tool_name": name, "tier": tier, "state": state, "args": jsonable(args)}
+            for name, tier, args, state in list(sc.recent) if tier == "safe"
+        ]
         merged = safe + logged if not logged else _interleave(safe, logged)
         return merged[-n:]
 
@@ -713,9 +729,9 @@ class Engine:
         raise InvalidEffectState(f"effect {effect_id} is {state}; it cannot become {target}")
 
     @contextmanager
-    def running(self, d: Execute, session_id: str = "") -> Iterator[CallContext]:
+    def running(self, d: Execute, session_id: str | None = None) -> Iterator[CallContext]:
         """Expose ``current_call()`` to the tool while it runs."""
-        ctx = CallContext(session_id, d.effect_id, d.call_id, d.tool_name, d.idempotency_key)
+        ctx = CallContext(session_id or d.session_id, d.effect_id, d.call_id, d.tool_name, d.idempotency_key)
         token = _current.set(ctx)
         try:
             yield ctx

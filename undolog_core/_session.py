@@ -18,6 +18,8 @@ from ._store import utcnow
 from ._tools import ToolSpec, ToolTier
 from .errors import ApprovalPending, InvalidSessionState, SessionNotFound
 
+SAFE = ToolTier.SAFE
+
 if TYPE_CHECKING:
     import datetime as dt
 
@@ -63,6 +65,8 @@ class Session:
         self._u = undolog
         self._sc = cache
         self.id = cache.session_id
+        self._engine = undolog.engine
+        self._by_fn = undolog.registry.by_fn
 
     @property
     def state(self) -> str:
@@ -76,10 +80,13 @@ class Session:
         Raises:
             ApprovalPending: an IRREVERSIBLE call awaits a person; re-issue it with the same ``call_id``.
         """
-        spec = self._u.registry.spec_for(tool)
-        if spec.tier is ToolTier.SAFE:
+        spec = self._by_fn.get(tool) if not isinstance(tool, str) else None
+        if spec is None:
+            spec = self._u.registry.spec_for(tool)
+        if spec.tier is SAFE:
+            # The whole SAFE path: validate, count in memory, call. No I/O.
             values = spec.values(spec.validate(kwargs))
-            self._u.engine.note_safe(self.id, spec, values)
+            self._engine.note_safe_in(self._sc, spec, values)
             out = spec.fn(**values)  # type: ignore[misc]
             return (await out) if spec.is_async else out
         d = self._u.engine.intercept(self.id, spec.name, kwargs, call_id=call_id)
@@ -99,11 +106,15 @@ class Session:
 
     def call_sync(self, tool: Any, /, *, call_id: str | None = None, **kwargs: Any) -> Any:
         """The sync twin of :meth:`call`, for sync agents (CrewAI tools); no event loop per call."""
-        spec = self._u.registry.spec_for(tool)
-        if spec.tier is ToolTier.SAFE:
+        spec = self._by_fn.get(tool) if not isinstance(tool, str) else None
+        if spec is None:
+            spec = self._u.registry.spec_for(tool)
+        if spec.tier is SAFE:
             values = spec.values(spec.validate(kwargs))
-            self._u.engine.note_safe(self.id, spec, values)
-            return _run_sync(spec, values)
+            self._engine.note_safe_in(self._sc, spec, values)
+            if spec.is_async:
+                return run_coro_blocking(spec.fn(**values))  # type: ignore[misc]
+            return spec.fn(**values)  # type: ignore[misc]
         d = self._u.engine.intercept(self.id, spec.name, kwargs, call_id=call_id)
         if not isinstance(d, Execute):
             return self._settled(d)

@@ -354,6 +354,12 @@ class ToolSpec:
     revision: int = 0
     is_async: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    sparse: bool = False  # schema-declared: pass on only the arguments given, never defaults invented as null
+
+    def __post_init__(self) -> None:
+        self.sparse = hasattr(self.args_model, "__undolog_json_schema__")
+        # The validator itself, without model_validate's keyword plumbing: this is the SAFE hot path.
+        self._model_validate = self.args_model.__pydantic_validator__.validate_python
 
     def contract(self) -> dict[str, Any]:
         return {
@@ -371,20 +377,16 @@ class ToolSpec:
     def compute_fingerprint(self) -> str:
         return sha256_hex(canonical_json(self.contract()))
 
-    @property
-    def sparse(self) -> bool:
-        """Schema-declared tools pass on only the arguments given, not defaults for the rest."""
-        return hasattr(self.args_model, "__undolog_json_schema__")
-
     def values(self, model: BaseModel) -> dict[str, Any]:
-        return model.model_dump(exclude_unset=True) if self.sparse else dict(model)
+        # A validated model keeps its fields in __dict__ (extra="forbid"): copying it is the cheap way out.
+        return model.model_dump(exclude_unset=True) if self.sparse else model.__dict__.copy()
 
     def snapshot(self, model: BaseModel) -> dict[str, Any]:
         return model.model_dump(mode="json", exclude_unset=self.sparse)
 
     def validate(self, args: Mapping[str, Any]) -> BaseModel:
         try:
-            return self.args_model.model_validate(dict(args))
+            return self._model_validate(args)
         except pydantic.ValidationError as exc:
             raise ArgumentsInvalid(
                 self.name,
