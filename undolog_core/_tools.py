@@ -386,7 +386,7 @@ class ToolSpec:
 
     def validate(self, args: Mapping[str, Any]) -> BaseModel:
         try:
-            return self._model_validate(args)
+            return self._model_validate(args)  # type: ignore[no-any-return]
         except pydantic.ValidationError as exc:
             raise ArgumentsInvalid(
                 self.name,

@@ -1,0 +1,359 @@
+"""Semantic Kernel adapter: real kernels, auto function calling and ChatCompletionAgent, scripted model."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from semantic_kernel import Kernel
+from semantic_kernel.agents import ChatCompletionAgent, ChatHistoryAgentThread
+from semantic_kernel.connectors.ai.function_choice_behavior import FunctionChoiceBehavior
+from semantic_kernel.contents import ChatHistory, FunctionResultContent
+from semantic_kernel.exceptions import KernelInvokeException
+from semantic_kernel.filters import FilterTypes
+from semantic_kernel.functions import kernel_function
+
+from examples.semantic_kernel_support import support
+from examples.semantic_kernel_support.llm import ScriptedChat, auto_settings, call
+from undolog_adapters.semantic_kernel import (
+    PLACEHOLDER_KEY,
+    ToolCallFailed,
+    UndoLogFilter,
+    install,
+    invoke,
+    resume,
+    resume_agent,
+    undolog_session,
+)
+from undolog_core import ApprovalPending, errors
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SEARCH = call("c1", "support-search_knowledge_base", query="refund policy")
+REFUND_U1 = call("c2", "support-send_refund_email", user_id="u1", amount=42.5)
+REFUND_U2 = call("c3", "support-send_refund_email", user_id="u2", amount=10.0)
+DELETE_U1 = call("c4", "support-delete_user_account", user_id="u1")
+
+
+@pytest.fixture(autouse=True)
+def backend():
+    support.BACKEND.reset()
+    return support.BACKEND
+
+
+@pytest.fixture
+def ul(undolog):
+    undolog.register(*support.COMPENSATIONS)
+    return undolog
+
+
+def new_kernel(ul, **kw):
+    kernel = Kernel()
+    kernel.add_plugin(support.SupportPlugin(), plugin_name="support")
+    flt = install(kernel, ul, **kw)
+    return kernel, flt
+
+
+async def chat_turns(kernel, turns, session_id="chat-1"):
+    chat = ScriptedChat(ai_model_id="scripted", turns=turns)
+    history = ChatHistory()
+    history.add_user_message("help u1")
+    with undolog_session(session_id):
+        reply = await chat.get_chat_message_content(history, auto_settings(), kernel=kernel)
+    return chat, history, reply
+
+
+def results(history):
+    return [str(i.result) for m in history.messages for i in m.items if isinstance(i, FunctionResultContent)]
+
+
+def test_install_refuses_a_kernel_with_an_unclassified_function(ul):
+    class Bank:
+        @kernel_function(name="transfer", description="Transfer money")
+        def transfer(self, amount: int) -> str:
+            return "done"
+
+    kernel = Kernel()
+    kernel.add_plugin(Bank(), plugin_name="bank")
+    with pytest.raises(errors.ToolNotClassified, match="bank-transfer"):
+        install(kernel, ul)
+
+
+async def test_unclassified_function_is_refused_at_call_time(ul):
+    ran = []
+
+    class Bank:
+        @kernel_function(name="transfer", description="Transfer money")
+        def transfer(self, amount: int) -> str:
+            ran.append(amount)
+            return "done"
+
+    kernel = Kernel()
+    kernel.add_plugin(Bank(), plugin_name="bank")
+    install(kernel, ul, strict=False)
+    _, history, reply = await chat_turns(kernel, [[call("b1", "bank-transfer", amount=5)]])
+    assert ran == [] and "has no tier" in results(history)[0]
+    with pytest.raises(errors.ToolNotClassified):
+        await invoke(kernel, plugin_name="bank", function_name="transfer", amount=5)
+    assert ran == []
+
+
+async def test_tiers_by_plugin_function_name(ul):
+    ran = []
+
+    class Bank:
+        @kernel_function(name="balance", description="Read a balance")
+        def balance(self, account: str) -> str:
+            ran.append(account)
+            return "100"
+
+    kernel = Kernel()
+    kernel.add_plugin(Bank(), plugin_name="bank")
+    install(kernel, ul, tiers={"bank-balance": "safe"})
+    _, history, reply = await chat_turns(kernel, [[call("b1", "bank-balance", account="a1")]])
+    assert ran == ["a1"] and "100" in reply.content
+    assert ul.tool_spec("bank-balance").tier.value == "safe"
+
+
+async def test_each_call_is_intercepted_once(ul, backend, monkeypatch):
+    kernel, _ = new_kernel(ul)
+    seen = []
+    real = ul.engine.intercept
+
+    def counting(session_id, tool_name, args, *, call_id=None):
+        seen.append((tool_name, call_id))
+        return real(session_id, tool_name, args, call_id=call_id)
+
+    monkeypatch.setattr(ul.engine, "intercept", counting)
+    _, history, reply = await chat_turns(kernel, [[SEARCH], [REFUND_U1]])
+    assert seen == [("support-search_knowledge_base", "c1"), ("support-send_refund_email", "c2")]
+    assert [m["status"] for m in backend.outbox] == ["sent"]
+    assert "Refunds are confirmed" in reply.content and "msg-1" in reply.content
+    report = ul.rollback("chat-1")
+    assert [s.tool_name for s in report.steps] == ["support-send_refund_email"]
+    assert [m["status"] for m in backend.outbox] == ["cancelled"]
+
+
+async def test_parallel_calls_in_one_turn_are_each_gated(ul, backend):
+    kernel, _ = new_kernel(ul)
+    _, history, reply = await chat_turns(kernel, [[SEARCH, REFUND_U1, DELETE_U1]])
+    # The loop stops for the deletion; its siblings ran once.
+    assert [m["status"] for m in backend.outbox] == ["sent"] and "u1" in backend.accounts
+    assert len(ul.approvals.pending(session_id="chat-1")) == 1
+
+
+async def test_irreversible_pauses_the_loop_and_resumes_after_approval(ul, backend):
+    kernel, _ = new_kernel(ul)
+    chat, history, reply = await chat_turns(kernel, [[REFUND_U1], [DELETE_U1]])
+    assert "u1" in backend.accounts
+    placeholder = [i for i in reply.items if isinstance(i, FunctionResultContent)][0]
+    request_id = placeholder.metadata[PLACEHOLDER_KEY]
+    assert f"awaiting approval, request {request_id}" in str(placeholder.result)
+
+    with pytest.raises(ApprovalPending):
+        await resume(kernel, history, chat, ul, session_id="chat-1")
+    assert "u1" in backend.accounts
+
+    # The history survives a process boundary.
+    history = ChatHistory.restore_chat_history(history.serialize())
+    ul.approvals.approve(request_id, approver="ana")
+    reply = await resume(kernel, history, chat, ul, session_id="chat-1")
+    assert "u1" not in backend.accounts
+    assert "'deleted': 'u1'" in reply.content and "awaiting approval" not in reply.content
+    assert ul.approvals.get(request_id).state == "approved"
+
+    # Re-dispatching the same call replays it instead of deleting twice.
+    with undolog_session("chat-1"):
+        again = await kernel.invoke_function_call(
+            [i for m in history.messages for i in m.items if getattr(i, "id", None) == "c4"][0],
+            history, function_behavior=FunctionChoiceBehavior.Auto())
+    assert again is None and "'deleted': 'u1'" in results(history)[-1]
+
+
+async def test_modified_approval_runs_the_approvers_arguments(ul, backend):
+    kernel, _ = new_kernel(ul)
+    chat, history, reply = await chat_turns(kernel, [[DELETE_U1]])
+    request = ul.approvals.pending(session_id="chat-1")[0]
+    ul.approvals.modify(request.approval_request_id, approver="ana", args={"user_id": "u2"})
+    reply = await resume(kernel, history, chat, ul)
+    assert sorted(backend.accounts) == ["u1"]
+    assert "'deleted': 'u2'" in reply.content
+
+
+async def test_rejected_approval_tells_the_model(ul, backend):
+    kernel, _ = new_kernel(ul)
+    chat, history, _ = await chat_turns(kernel, [[DELETE_U1]])
+    request = ul.approvals.pending(session_id="chat-1")[0]
+    ul.approvals.reject(request.approval_request_id, approver="ana", reason="keeps the data")
+    reply = await resume(kernel, history, chat, ul)
+    assert "u1" in backend.accounts
+    assert "rejected by ana: keeps the data" in reply.content
+
+
+async def test_timed_out_approval_tells_the_model(ul, backend):
+    kernel, _ = new_kernel(ul)
+    chat, history, _ = await chat_turns(kernel, [[DELETE_U1]])
+    request = ul.approvals.pending(session_id="chat-1")[0]
+    ul.approvals.expire([request.approval_request_id], now=dt.datetime.now(dt.UTC) + dt.timedelta(days=60))
+    reply = await resume(kernel, history, chat, ul)
+    assert "u1" in backend.accounts and "timed out" in reply.content
+
+
+async def test_decision_from_another_thread(db, ul, backend):
+    kernel, _ = new_kernel(ul)
+    chat, history, _ = await chat_turns(kernel, [[DELETE_U1]])
+
+    def approver():
+        other = db.open()
+        try:
+            other.approvals.approve(other.approvals.pending()[0].approval_request_id, approver="ops")
+        finally:
+            other.close()
+
+    t = threading.Thread(target=approver)
+    t.start()
+    t.join()
+    reply = await resume(kernel, history, chat, ul)
+    assert "u1" not in backend.accounts and "'deleted': 'u1'" in reply.content
+
+
+async def test_decision_from_another_process(db, ul, backend):
+    kernel, _ = new_kernel(ul)
+    chat, history, _ = await chat_turns(kernel, [[DELETE_U1]])
+    script = textwrap.dedent(
+        """
+        from undolog_core import UndoLog
+        ul = UndoLog.open()
+        ul.approvals.modify(ul.approvals.pending()[0].approval_request_id, approver="cli", args={"user_id": "u2"})
+        ul.close()
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], env={**os.environ, **db.env}, cwd=ROOT, check=True, timeout=60)
+    reply = await resume(kernel, history, chat, ul)
+    assert sorted(backend.accounts) == ["u1"] and "'deleted': 'u2'" in reply.content
+
+
+async def test_kernel_invoke_raises_approval_pending_then_runs_once_approved(ul, backend):
+    kernel, _ = new_kernel(ul)
+    with undolog_session("inv-1"):
+        with pytest.raises(ApprovalPending) as pending:
+            await invoke(kernel, plugin_name="support", function_name="delete_user_account", user_id="u1")
+        with pytest.raises(KernelInvokeException) as wrapped:
+            await kernel.invoke(plugin_name="support", function_name="delete_user_account", user_id="u1")
+        assert isinstance(wrapped.value.__cause__, ApprovalPending)
+        assert wrapped.value.__cause__.approval_request_id == pending.value.approval_request_id
+        assert "u1" in backend.accounts
+        ul.approvals.approve(pending.value.approval_request_id, approver="ana")
+        result = await invoke(kernel, plugin_name="support", function_name="delete_user_account", user_id="u1")
+        assert result.value == {"deleted": "u1"}
+        again = await invoke(kernel, plugin_name="support", function_name="delete_user_account", user_id="u1")
+        assert again.value == {"deleted": "u1"}
+
+
+async def test_kernel_invoke_rejected(ul, backend):
+    kernel, _ = new_kernel(ul)
+    with undolog_session("inv-2"):
+        with pytest.raises(ApprovalPending) as pending:
+            await invoke(kernel, plugin_name="support", function_name="delete_user_account", user_id="u1")
+        ul.approvals.reject(pending.value.approval_request_id, approver="ana", reason="no")
+        with pytest.raises(errors.ApprovalRejected):
+            await invoke(kernel, plugin_name="support", function_name="delete_user_account", user_id="u1")
+    assert "u1" in backend.accounts
+
+
+async def test_failure_under_auto_calling_rolls_back(ul, backend):
+    backend.mail_down_for.add("u2")
+    kernel, _ = new_kernel(ul)
+    _, history, reply = await chat_turns(kernel, [[REFUND_U1], [REFUND_U2]])
+    assert [m["status"] for m in backend.outbox] == ["cancelled"]
+    assert "mail server refused" in reply.content and "rolled the session back" in reply.content
+    assert ul.sessions.get("chat-1").state == "rolled_back"
+
+
+async def test_failure_under_kernel_invoke_rolls_back_and_raises(ul, backend):
+    backend.mail_down_for.add("u2")
+    kernel, _ = new_kernel(ul)
+    with undolog_session("inv-3"):
+        await invoke(kernel, plugin_name="support", function_name="send_refund_email", user_id="u1", amount=1.0)
+        with pytest.raises(ToolCallFailed) as failed:
+            await invoke(kernel, plugin_name="support", function_name="send_refund_email", user_id="u2", amount=1.0)
+    assert failed.value.report.complete
+    assert isinstance(failed.value.__cause__, support.MailServerDown)
+    assert [m["status"] for m in backend.outbox] == ["cancelled"]
+
+
+async def test_gate_failure_fails_closed(ul, backend, monkeypatch):
+    kernel, _ = new_kernel(ul)
+
+    def broken(*a, **kw):
+        raise RuntimeError("database unreachable")
+
+    monkeypatch.setattr(ul.engine, "intercept", broken)
+    with pytest.raises(RuntimeError, match="database unreachable"):
+        await chat_turns(kernel, [[REFUND_U1]])
+    assert backend.outbox == []
+
+
+async def test_auto_filter_alone_refuses_to_run(ul, backend):
+    kernel = Kernel()
+    kernel.add_plugin(support.SupportPlugin(), plugin_name="support")
+    flt = UndoLogFilter(ul)
+    kernel.add_filter(FilterTypes.AUTO_FUNCTION_INVOCATION, flt.auto_filter)
+    with pytest.raises(errors.ConfigurationError):
+        await chat_turns(kernel, [[REFUND_U1]])
+    assert backend.outbox == []
+
+
+async def test_session_defaults_to_the_filter_and_can_be_fixed(ul):
+    kernel, flt = new_kernel(ul)
+    await invoke(kernel, plugin_name="support", function_name="send_refund_email", user_id="u1", amount=1.0)
+    assert ul.sessions.get(flt.session_id).tool_calls_total >= 1
+    kernel2, flt2 = new_kernel(ul, session_id="thread-9")
+    assert flt2.session_id == "thread-9"
+    with undolog_session("other"):
+        assert flt2.session_id == "other"
+
+
+async def test_chat_completion_agent_pause_and_resume(ul, backend):
+    kernel, _ = new_kernel(ul)
+    agent = ChatCompletionAgent(kernel=kernel, name="support", instructions="help",
+                                service=ScriptedChat(ai_model_id="scripted", turns=[[SEARCH], [DELETE_U1]]),
+                                function_choice_behavior=FunctionChoiceBehavior.Auto())
+    thread = ChatHistoryAgentThread(thread_id="thread-1")
+    with undolog_session(thread.id):
+        first = await agent.get_response(messages="delete u1", thread=thread)
+    assert "awaiting approval" in str(first.message.items[-1].result)
+    request = ul.approvals.pending(session_id="thread-1")[0]
+    assert request.tool_name == "support-delete_user_account"
+    ul.approvals.approve(request.approval_request_id, approver="ana")
+    second = await resume_agent(agent, thread, ul, session_id=thread.id)
+    assert "u1" not in backend.accounts
+    assert "'deleted': 'u1'" in second.message.content and "awaiting approval" not in second.message.content
+
+
+def test_demo_runs_offline_both_ways(db, capsys):
+    from examples.semantic_kernel_support.demo import main
+
+    for reject in (False, True):
+        u = db.open()
+        try:
+            assert main(reject=reject, undolog=u) == 0
+        finally:
+            u.close()
+    out = capsys.readouterr().out
+    assert "ana approved" in out and "ana rejected" in out
+
+
+def test_running_as_a_module(db):
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "examples.semantic_kernel_support"], env={**os.environ, **db.env},
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ana approved" in proc.stdout and time.monotonic() - started < 60

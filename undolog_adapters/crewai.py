@@ -1,0 +1,546 @@
+"""UndoLog for CrewAI: wrap a crew's tools so every call goes through the UndoLog engine.
+
+CrewAI's tool-call hooks see only the error text of a failed tool, never the exception, so they
+cannot drive a saga; wrapping the tool itself is the only place that sees both the arguments and the
+exception. Hooks are still offered as a second gate (refusing tools that were not wrapped), made
+fail-closed because CrewAI runs the tool anyway when a hook raises anything but ``HookAborted``.
+
+Example:
+    >>> from undolog_adapters.crewai import wrap_tools          # doctest: +SKIP
+    >>> tools = wrap_tools([search, refund, delete], undolog=ul,
+    ...                    tiers={"search": "safe"}, wait_for_approval=0)
+    >>> agent = Agent(role="support", goal="...", backstory="...", tools=tools, llm=llm)
+    >>> run = tools.kickoff(Crew(agents=[agent], tasks=[task]))
+    >>> run.session_id, run.raw, run.pending_approvals
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+try:
+    from crewai.hooks import HookAborted, InterceptionPoint
+    from crewai.hooks.dispatch import register_scoped, scoped_hooks
+    from crewai.tools import BaseTool
+    from crewai.tools import tool as _crewai_tool
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "undolog_adapters.crewai needs CrewAI: install it with `pip install 'undolog[crewai]'`"
+    ) from exc
+
+try:
+    from crewai.tools.tool_failure import ToolFailure, ToolFailureReason
+except ImportError:  # pragma: no cover - CrewAI before structured tool failures
+    ToolFailure = None  # type: ignore[assignment,misc]
+    ToolFailureReason = None  # type: ignore[assignment,misc]
+
+try:
+    from crewai.execution import get_execution_uuid
+except ImportError:  # pragma: no cover - older CrewAI without an execution id
+
+    def get_execution_uuid() -> str | None:
+        return None
+
+
+from pydantic import ConfigDict, PrivateAttr
+from pydantic_core import to_jsonable_python
+
+from undolog_core import AwaitingApproval, Completed, Execute, ToolTier, UndoLog, errors
+
+__all__ = ["KickoffResult", "UndoLogTool", "UndoLogToolset", "fail_closed", "wrap_tools"]
+
+log = logging.getLogger(__name__)
+
+# Set by UndoLogToolset.kickoff()/session(): the UndoLog session of the kickoff running in this context.
+# A ContextVar (not an attribute) so two kickoffs in two threads sharing one toolset stay apart; CrewAI
+# copies the context into the threads it starts for parallel tool calls.
+_kickoff_session: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_crewai_session", default=None)
+
+# Frames of CrewAI's native tool-call executors; they hold the provider's tool-call id in a local
+# variable named ``call_id`` but never pass it to the tool.
+_NATIVE_EXECUTORS = frozenset({"_execute_single_native_tool_call", "execute_single_native_tool_call"})
+
+_BLOCKED_PREFIX = "Tool execution blocked by hook"
+
+
+def _native_call_id() -> str | None:
+    """The provider's tool-call id of the native call being executed, if CrewAI is running one.
+
+    CrewAI does not hand the id to the tool, so it is read from the executor's frame. Ids CrewAI
+    makes up from ``id(tool_call)`` (Gemini-style calls) are memory addresses that repeat over time;
+    they are treated as absent.
+    """
+    frame = sys._getframe(2)
+    for _ in range(40):
+        if frame is None:
+            return None
+        if frame.f_code.co_name in _NATIVE_EXECUTORS and "crewai" in frame.f_code.co_filename:
+            local = frame.f_locals
+            cid, raw = local.get("call_id"), local.get("tool_call")
+            if isinstance(cid, str) and cid and cid != "unknown" and cid != f"call_{id(raw)}":
+                return cid
+            return None
+        frame = frame.f_back
+    return None
+
+
+def _sanitize(name: str) -> str:
+    try:
+        from crewai.utilities.string_utils import sanitize_tool_name
+
+        return str(sanitize_tool_name(name))
+    except Exception:  # pragma: no cover - helper moved in another CrewAI version
+        return name.lower().replace(" ", "_")
+
+
+def _failure(message: str, code: str, *, exception: bool = False) -> Any:
+    """What the agent sees for a refused or failed call.
+
+    A ``ToolFailure`` (not an exception) so CrewAI records the failure on the task output without
+    retrying the call: the ReAct path re-runs a tool that raises, which would repeat a side effect.
+    """
+    if ToolFailure is None:  # pragma: no cover
+        return message
+    reason = ToolFailureReason.EXCEPTION if exception else ToolFailureReason.TOOL_REPORTED
+    return ToolFailure(message=message, reason=reason, code=code)
+
+
+def fail_closed(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Make a CrewAI before-tool-call hook refuse the call when it crashes.
+
+    CrewAI swallows any exception but ``HookAborted`` from a hook and runs the tool anyway.
+
+    Example:
+        >>> guarded = fail_closed(lambda ctx: ctx.tool_input["amount"] < 100)   # doctest: +SKIP
+        >>> register_before_tool_call_hook(guarded)                              # doctest: +SKIP
+    """
+
+    def run(ctx: Any) -> Any:
+        try:
+            return hook(ctx)
+        except HookAborted:
+            raise
+        except Exception as exc:
+            log.warning("UndoLog: hook %r failed (%r); refusing the call", hook, exc)
+            raise HookAborted(f"policy hook failed ({exc!r}); the call was refused", source=hook) from exc
+
+    run.__name__ = getattr(hook, "__name__", "hook")
+    run.__wrapped__ = hook  # type: ignore[attr-defined]
+    return run
+
+
+@dataclass
+class KickoffResult:
+    """The outcome of :meth:`UndoLogToolset.kickoff`: the crew's output plus its UndoLog session.
+
+    Attribute access falls through to the ``CrewOutput`` (``.raw``, ``.tasks_output``...).
+    """
+
+    output: Any
+    session_id: str
+    pending_approvals: list[Any] = field(default_factory=list)
+
+    @property
+    def raw(self) -> str:
+        return str(getattr(self.output, "raw", self.output))
+
+    @property
+    def awaiting_approval(self) -> bool:
+        return bool(self.pending_approvals)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "output":
+            raise AttributeError(name)
+        return getattr(self.output, name)
+
+
+class UndoLogTool(BaseTool):
+    """A CrewAI tool whose every call is intercepted by UndoLog; built by :func:`wrap_tools`."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    inner: BaseTool
+    undolog_name: str
+    tier: ToolTier
+    _toolset: UndoLogToolset = PrivateAttr()
+
+    def _run(self, **kwargs: Any) -> Any:
+        return self._toolset._call(self, kwargs)
+
+    async def _arun(self, **kwargs: Any) -> Any:
+        # The engine does blocking database I/O; keep it off the event loop (context is copied).
+        return await asyncio.to_thread(self._toolset._call, self, kwargs)
+
+
+def _no_cache(_args: Any = None, _result: Any = None) -> bool:
+    # A cached "awaiting approval" text would be replayed after the approval, and a cached side
+    # effect would skip the engine; UndoLog replays completed calls itself.
+    return False
+
+
+class UndoLogToolset(list):  # type: ignore[type-arg]
+    """The wrapped tools (a plain list of :class:`UndoLogTool` for ``Agent(tools=...)``) and their policy.
+
+    Example:
+        >>> tools = wrap_tools([search, refund], undolog=ul)     # doctest: +SKIP
+        >>> run = tools.kickoff(crew, inputs={"user": "u1"})     # doctest: +SKIP
+        >>> run.session_id                                       # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        tools: Iterable[UndoLogTool],
+        *,
+        undolog: UndoLog,
+        session_id: str | None,
+        wait_for_approval: float,
+        agent_id: str,
+        poll_interval: float,
+        hooks: Sequence[Callable[[Any], Any]],
+        allow_unwrapped: Iterable[str],
+    ) -> None:
+        super().__init__(tools)
+        self.undolog = undolog
+        self.fixed_session_id = session_id
+        self.wait_for_approval = float(wait_for_approval)
+        self.agent_id = agent_id
+        self.poll_interval = poll_interval
+        self.user_hooks = [fail_closed(h) for h in hooks]
+        self.allow_unwrapped = {_sanitize(n) for n in allow_unwrapped}
+        self.last_session_id: str | None = session_id
+        self._fallback_session: str | None = None
+        self._ensured: set[str] = set()
+        self._lock = threading.Lock()
+        self._blocked: dict[int, str] = {}
+
+    # ----------------------------------------------------------------- sessions
+    @property
+    def session_id(self) -> str | None:
+        """The session of the kickoff running in this context, else of the last one that called a tool."""
+        return _kickoff_session.get() or self.last_session_id
+
+    def _resolve_session(self) -> str:
+        sid = _kickoff_session.get() or self.fixed_session_id
+        if sid is None:
+            # A plain crew.kickoff(): CrewAI's execution id is per kickoff, so it is the session.
+            sid = get_execution_uuid()
+        if sid is None:
+            with self._lock:
+                if self._fallback_session is None:
+                    self._fallback_session = str(uuid.uuid4())
+                sid = self._fallback_session
+        self.last_session_id = sid
+        self._ensure(sid)
+        return sid
+
+    def _ensure(self, sid: str) -> None:
+        with self._lock:
+            if sid in self._ensured:
+                return
+        self.undolog.session(agent_id=self.agent_id, session_id=sid)
+        with self._lock:
+            self._ensured.add(sid)
+
+    @contextlib.contextmanager
+    def session(self, session_id: str | None = None) -> Iterator[str]:
+        """Run what is inside (e.g. ``crew.kickoff()``) as one UndoLog session; yields its id.
+
+        Example:
+            >>> with tools.session("ticket-42") as sid:          # doctest: +SKIP
+            ...     crew.kickoff()
+        """
+        sid = session_id or self.fixed_session_id or str(uuid.uuid4())
+        self._ensure(sid)
+        token = _kickoff_session.set(sid)
+        try:
+            with scoped_hooks():
+                register_scoped(InterceptionPoint.PRE_TOOL_CALL, self.before_hook)
+                register_scoped(InterceptionPoint.POST_TOOL_CALL, self.after_hook)
+                yield sid
+        finally:
+            _kickoff_session.reset(token)
+            self.last_session_id = sid
+
+    def kickoff(self, crew: Any, inputs: Mapping[str, Any] | None = None, *, session_id: str | None = None,
+                **kwargs: Any) -> KickoffResult:
+        """Run ``crew.kickoff()`` as one UndoLog session with the hook gate scoped to it.
+
+        Args:
+            crew: the ``Crew`` whose agents use these tools.
+            inputs: passed to ``crew.kickoff``.
+            session_id: resume this session (e.g. after an approval); default: the toolset's
+                ``session_id=`` or a new one.
+
+        Returns:
+            A :class:`KickoffResult` with the output, the session id and the approvals still pending.
+
+        Example:
+            >>> run = tools.kickoff(crew)                           # doctest: +SKIP
+            >>> if run.awaiting_approval:                           # doctest: +SKIP
+            ...     later = tools.kickoff(crew, session_id=run.session_id)
+        """
+        with self.session(session_id) as sid:
+            output = crew.kickoff(inputs=dict(inputs) if inputs is not None else None, **kwargs)
+        return KickoffResult(output=output, session_id=sid, pending_approvals=self.undolog.approvals.pending(session_id=sid))
+
+    # ----------------------------------------------------------------- hooks (second gate)
+    def before_hook(self, ctx: Any) -> Any:
+        """Fail-closed before-tool-call hook: refuses unwrapped tools, then runs the user's hooks."""
+        try:
+            name = _sanitize(str(ctx.tool_name))
+            wrapped = {_sanitize(t.name) for t in self}
+            if name not in wrapped and name not in self.allow_unwrapped:
+                reason = (f"UndoLog refused tool {ctx.tool_name!r}: it has no UndoLog tier "
+                          "(wrap it with undolog_adapters.crewai.wrap_tools)")
+                self._blocked[id(ctx.tool_input)] = reason
+                raise HookAborted(reason, source="undolog")
+            for hook in self.user_hooks:
+                try:
+                    if hook(ctx) is False:
+                        self._blocked[id(ctx.tool_input)] = f"UndoLog policy hook refused {ctx.tool_name!r}"
+                        return False
+                except HookAborted as exc:
+                    self._blocked[id(ctx.tool_input)] = f"refused by policy: {exc.reason}"
+                    raise
+            return None
+        except HookAborted:
+            raise
+        except Exception as exc:
+            raise HookAborted(f"UndoLog gate failed ({exc!r}); the call was refused", source="undolog") from exc
+
+    def after_hook(self, ctx: Any) -> Any:
+        """Turns CrewAI's bare "blocked by hook" text into the reason the agent should read."""
+        reason = self._blocked.pop(id(ctx.tool_input), None)
+        result = getattr(ctx, "tool_result", None)
+        if reason and isinstance(result, str) and result.startswith(_BLOCKED_PREFIX):
+            return f"{reason}. Do not retry this call."
+        return None
+
+    # ----------------------------------------------------------------- the call
+    def _call(self, tool: UndoLogTool, kwargs: dict[str, Any]) -> Any:
+        ul = self.undolog
+        name = tool.undolog_name
+        args = to_jsonable_python(kwargs)
+        try:
+            sid = self._resolve_session()
+            call_id = self._call_id(sid, tool, args)
+            decision = ul.engine.intercept(sid, name, args, call_id=call_id)
+            if isinstance(decision, AwaitingApproval):
+                decision = self._await(sid, name, args, call_id, decision)
+                if isinstance(decision, str):
+                    return decision
+        except errors.UndoLogError as exc:
+            return self._refusal(name, exc)
+        if isinstance(decision, Completed):
+            return decision.result
+        assert isinstance(decision, Execute)
+        return self._execute(tool, decision, sid)
+
+    def _call_id(self, sid: str, tool: UndoLogTool, args: dict[str, Any]) -> str:
+        if tool.tier is ToolTier.IRREVERSIBLE:
+            # A new kickoff brings new call ids (and the ReAct path has none): the approval asked for
+            # in an earlier kickoff is found by (tool, argument digest) and its call is re-issued.
+            found = self.undolog.approvals.find_for_call(sid, tool.undolog_name, args)
+            if found is not None and found.call_id:
+                return str(found.call_id)
+        native = _native_call_id()
+        # Scoped to the kickoff: scripted and some real providers reuse ids across runs.
+        scope = get_execution_uuid() or sid
+        return f"crewai:{scope}:{native}" if native else f"crewai:{uuid.uuid4().hex}"
+
+    def _await(self, sid: str, name: str, args: dict[str, Any], call_id: str,
+               pending: AwaitingApproval) -> Execute | Completed | str:
+        """Wait up to ``wait_for_approval`` s, polling the store (a decision from any process counts)."""
+        deadline = time.monotonic() + self.wait_for_approval
+        request_id = pending.approval_request_id
+        while time.monotonic() < deadline:
+            record = self.undolog.approvals.get(request_id)
+            if record.state != "pending":
+                decision = self.undolog.engine.intercept(sid, name, args, call_id=call_id)
+                if not isinstance(decision, AwaitingApproval):
+                    return decision
+            time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
+        return (
+            f"UndoLog: {name} is awaiting approval, request {request_id}"
+            f"{f' ({pending.reason})' if pending.reason else ''}. It has NOT run. "
+            "Do not retry it now; tell the user it needs a person's approval and end your turn."
+        )
+
+    def _refusal(self, name: str, exc: errors.UndoLogError) -> Any:
+        if isinstance(exc, errors.ApprovalRejected):
+            text = f"{name} was rejected by {exc.approver or 'a person'}: {exc.reason or 'no reason given'}. It did NOT run; do not retry it."
+        elif isinstance(exc, errors.ApprovalTimedOut):
+            text = f"The approval for {name} timed out without a decision. It did NOT run; do not retry it."
+        else:
+            text = f"UndoLog refused {name}: {exc.message}"
+        return _failure(text, exc.code)
+
+    def _execute(self, tool: UndoLogTool, decision: Execute, sid: str) -> Any:
+        ul = self.undolog
+        try:
+            with ul.engine.running(decision, sid):
+                result = tool.inner.run(**decision.args)
+        except Exception as exc:
+            if decision.effect_id is None:
+                # SAFE: nothing to undo; CrewAI handles (and may retry) it as usual.
+                raise
+            report = ul.engine.fail(decision.effect_id, exc)
+            return _failure(self._failure_text(tool.undolog_name, exc, report), "tool_failed", exception=True)
+        if decision.effect_id is not None:
+            ul.engine.complete(decision.effect_id, result)
+        return result
+
+    @staticmethod
+    def _failure_text(name: str, exc: BaseException, report: Any) -> str:
+        text = f"Error executing tool {name}: {exc}"
+        if report is None:
+            return text
+        undone = ", ".join(s.tool_name for s in getattr(report, "steps", [])) or "nothing"
+        if getattr(report, "complete", False):
+            return f"{text}. UndoLog rolled back the session (undone: {undone}). Do not continue the task."
+        return f"{text}. UndoLog could not undo everything (attempted: {undone}); a person must check. Do not continue."
+
+
+# --------------------------------------------------------------------------------------------- wrapping
+def _spec_of(obj: Any) -> Any:
+    for candidate in (obj, getattr(obj, "func", None), type(obj)):
+        spec = getattr(candidate, "__undolog_spec__", None)
+        if spec is not None:
+            return spec
+    return None
+
+
+def _as_crewai_tool(obj: Any) -> BaseTool:
+    if isinstance(obj, BaseTool):
+        return obj
+    if callable(obj):
+        spec = getattr(obj, "__undolog_spec__", None)
+        name = (getattr(spec, "name", None) or getattr(obj, "__name__", None))
+        if not name:
+            raise TypeError(f"cannot make a CrewAI tool from {obj!r}: it has no name")
+        return _crewai_tool(name)(obj)
+    raise TypeError(f"expected a CrewAI BaseTool or a function, got {obj!r}")
+
+
+def _tier_entry(value: Any) -> dict[str, Any]:
+    if isinstance(value, Mapping):
+        return dict(value)
+    return {"tier": value}
+
+
+def _register(ul: UndoLog, tool: BaseTool, name: str, tiers: Mapping[str, Any]) -> ToolTier:
+    """Make sure UndoLog knows ``name``; returns its tier. Refuses a tool with no tier, naming it."""
+    entry = tiers.get(name)
+    if entry is None:
+        entry = tiers.get(tool.name)
+    spec = _spec_of(tool)
+    if entry is None and spec is None:
+        try:
+            return ul.tool_spec(name).tier
+        except errors.ToolNotRegistered:
+            raise errors.ToolNotClassified(name) from None
+    if entry is not None:
+        e = _tier_entry(entry)
+        tier = ToolTier.coerce(e.pop("tier")) if "tier" in e else ToolTier.from_risk_level(e.pop("risk_level"))
+        kw = {"tier": tier, **e}
+    else:
+        tier = spec.tier
+        kw = {"tier": tier, "compensation": spec.compensation, "reason": spec.reason,
+              "risk_tags": list(spec.risk_tags)}
+    try:
+        known = ul.tool_spec(name)
+    except errors.ToolNotRegistered:
+        known = None
+    if known is not None and known.tier is tier:
+        return tier
+    ul.register_tool(tool.run, name=name, args_schema=tool.args_schema, **kw)
+    return tier
+
+
+def wrap_tools(
+    tools: Iterable[Any],
+    *,
+    undolog: UndoLog,
+    tiers: Mapping[str, Any] | None = None,
+    session_id: str | None = None,
+    wait_for_approval: float = 0,
+    agent_id: str = "crewai",
+    compensations: Iterable[Callable[..., Any]] = (),
+    hooks: Sequence[Callable[[Any], Any]] = (),
+    allow_unwrapped: Iterable[str] = (),
+    poll_interval: float = 0.25,
+) -> UndoLogToolset:
+    """Wrap CrewAI tools (or plain functions) so each call is gated, logged and undoable by UndoLog.
+
+    Args:
+        tools: CrewAI ``BaseTool`` instances or functions (``@undolog_tool``-decorated or not).
+        undolog: the :class:`UndoLog` to log into.
+        tiers: tool name -> tier (``ToolTier``, ``"safe"``...) or a dict of ``register_tool``
+            keywords (``{"tier": "compensable", "compensation": "cancel_x"}``). Overrides
+            ``@undolog_tool``. A tool with no tier anywhere is refused here, naming it.
+        session_id: use this UndoLog session for every kickoff (e.g. a ticket id). Default: one
+            session per kickoff.
+        wait_for_approval: seconds an IRREVERSIBLE call waits for a decision (polling the store)
+            before telling the agent it is awaiting approval. 0 (default) never blocks.
+        agent_id: recorded on the sessions this toolset creates.
+        compensations: ``@compensation`` functions to register with ``undolog``.
+        hooks: extra before-tool-call policy hooks, run fail-closed inside the toolset's gate.
+        allow_unwrapped: tool names the gate lets through unwrapped (e.g. CrewAI's delegation tools).
+        poll_interval: seconds between store polls while waiting for approval.
+
+    Returns:
+        An :class:`UndoLogToolset`: a list of tools with the same names, descriptions and argument
+        schemas, plus ``kickoff()``/``session()`` helpers.
+
+    Raises:
+        errors.ToolNotClassified: a tool has no tier.
+
+    Example:
+        >>> tools = wrap_tools([search_kb, send_refund_email], undolog=ul,      # doctest: +SKIP
+        ...                    tiers={"search_kb": "safe"}, compensations=[cancel_refund_email])
+    """
+    tiers = dict(tiers or {})
+    comps = list(compensations)
+    if comps:
+        undolog.register(*comps)
+    wrapped: list[UndoLogTool] = []
+    for obj in tools:
+        inner = _as_crewai_tool(obj)
+        name = str(inner.name)
+        tier = _register(undolog, inner, name, tiers)
+        cache = inner.cache_function if tier is ToolTier.SAFE else _no_cache
+        wrapped.append(
+            UndoLogTool(
+                name=inner.name,
+                description=inner.description,
+                args_schema=inner.args_schema,
+                inner=inner,
+                undolog_name=name,
+                tier=tier,
+                cache_function=cache,
+                result_as_answer=inner.result_as_answer,
+            )
+        )
+    toolset = UndoLogToolset(
+        wrapped,
+        undolog=undolog,
+        session_id=session_id,
+        wait_for_approval=wait_for_approval,
+        agent_id=agent_id,
+        poll_interval=poll_interval,
+        hooks=hooks,
+        allow_unwrapped=allow_unwrapped,
+    )
+    for t in wrapped:
+        t._toolset = toolset
+    return toolset

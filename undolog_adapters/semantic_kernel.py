@@ -1,0 +1,480 @@
+"""UndoLog for Semantic Kernel: kernel filters that gate, log and undo every kernel-function call.
+
+Two filters work as a pair so that each call is intercepted once:
+
+* the AUTO_FUNCTION_INVOCATION filter owns the gate under auto function calling: it has the model's
+  call id, and it can pause the loop (``context.terminate``) when an IRREVERSIBLE call waits for a
+  person;
+* the FUNCTION_INVOCATION filter runs the tool: SK turns tool exceptions into text before the auto
+  filter sees them, so only this filter can hand the exception to the saga. Under a plain
+  ``kernel.invoke`` it owns the gate too, and raises :class:`ApprovalPending`.
+
+The auto filter hands its decision to the inner filter through a context variable.
+
+Example:
+    >>> from undolog_adapters.semantic_kernel import install, undolog_session, resume   # doctest: +SKIP
+    >>> install(kernel, ul, tiers={"support-search_knowledge_base": "safe"})
+    >>> with undolog_session("chat-42"):
+    ...     reply = await chat.get_chat_message_content(history, settings, kernel=kernel)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+try:
+    from semantic_kernel import Kernel
+    from semantic_kernel.connectors.ai.function_choice_behavior import FunctionChoiceBehavior
+    from semantic_kernel.connectors.ai.prompt_execution_settings import PromptExecutionSettings
+    from semantic_kernel.contents import ChatHistory, FunctionCallContent, FunctionResultContent
+    from semantic_kernel.exceptions import KernelInvokeException
+    from semantic_kernel.filters import AutoFunctionInvocationContext, FilterTypes, FunctionInvocationContext
+    from semantic_kernel.functions import FunctionResult, KernelArguments, KernelFunction
+    from semantic_kernel.functions.kernel_function_from_method import KernelFunctionFromMethod
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "undolog_adapters.semantic_kernel needs Semantic Kernel: install it with "
+        "`pip install 'undolog[semantic-kernel]'`"
+    ) from exc
+
+from pydantic_core import to_jsonable_python
+
+from undolog_core import ApprovalPending, AwaitingApproval, Completed, Execute, ToolTier, UndoLog, errors
+
+__all__ = [
+    "ToolCallFailed",
+    "UndoLogFilter",
+    "install",
+    "invoke",
+    "resume",
+    "resume_agent",
+    "resume_pending",
+    "undolog_session",
+]
+
+log = logging.getLogger(__name__)
+
+PLACEHOLDER_KEY = "undolog_approval_request_id"
+
+# Parameters SK fills in itself; they are not part of a call's arguments.
+_INJECTED = frozenset({"kernel", "service", "execution_settings", "arguments"})
+
+_session_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_sk_session", default=None)
+
+
+@dataclass
+class _Handover:
+    name: str
+    decision: Execute
+    session_id: str
+    consumed: bool = False
+
+
+# The auto filter's decision for the call it is about to run; read (once) by the inner filter in the
+# same task. Sibling calls run in their own asyncio tasks, each with its own copy.
+_handover: contextvars.ContextVar[_Handover | None] = contextvars.ContextVar("undolog_sk_handover", default=None)
+
+
+class ToolCallFailed(RuntimeError):
+    """A COMPENSABLE/IRREVERSIBLE kernel function raised; ``report`` is the rollback UndoLog ran.
+
+    Its message is what the model reads (SK puts it into the function result under auto calling).
+    """
+
+    def __init__(self, message: str, report: Any) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+@contextlib.contextmanager
+def undolog_session(session_id: str) -> Iterator[str]:
+    """Run what is inside as UndoLog session ``session_id`` (a chat or agent-thread id).
+
+    Example:
+        >>> with undolog_session(thread.id):                         # doctest: +SKIP
+        ...     await agent.get_response(messages="hi", thread=thread)
+    """
+    token = _session_var.set(session_id)
+    try:
+        yield session_id
+    finally:
+        _session_var.reset(token)
+
+
+def _is_tool(function: KernelFunction) -> bool:
+    # Prompt functions only call a model; they are not tools and pass untouched.
+    return isinstance(function, KernelFunctionFromMethod)
+
+
+def _method_spec(function: KernelFunction) -> Any:
+    method = getattr(function, "method", None)
+    for candidate in (method, getattr(method, "__func__", None)):
+        spec = getattr(candidate, "__undolog_spec__", None)
+        if spec is not None:
+            return spec
+    return None
+
+
+def _json_schema(function: KernelFunction) -> dict[str, Any]:
+    props: dict[str, Any] = {}
+    required: list[str] = []
+    for p in function.parameters:
+        if not p.name or p.name in _INJECTED or not p.include_in_function_choices:
+            continue
+        props[p.name] = dict(p.schema_data or {})
+        if p.is_required:
+            required.append(p.name)
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+class UndoLogFilter:
+    """The pair of SK filters. Register with :meth:`install` (or :func:`install`).
+
+    Args:
+        undolog: the :class:`UndoLog` to log into.
+        tiers: ``"plugin-function"`` -> tier (``ToolTier``/``"safe"``...) or a dict of
+            ``register_tool`` keywords (``{"tier": "compensable", "compensation": "cancel_x"}``).
+            Overrides ``@undolog_tool`` on the kernel function.
+        session_id: the session for calls made outside :func:`undolog_session`. Default: one new
+            session for this filter (see :attr:`session_id`).
+        agent_id: recorded on the sessions this filter creates.
+
+    Example:
+        >>> f = UndoLogFilter(ul, tiers={"support-delete_user_account": "irreversible"})  # doctest: +SKIP
+        >>> f.install(kernel)
+    """
+
+    def __init__(self, undolog: UndoLog, *, tiers: Mapping[str, Any] | None = None, session_id: str | None = None,
+                 agent_id: str = "semantic-kernel") -> None:
+        self.undolog = undolog
+        self.tiers = dict(tiers or {})
+        self._session_id = session_id
+        self.agent_id = agent_id
+        self._classified: dict[str, ToolTier] = {}
+        self._ensured: set[str] = set()
+        # Bound methods are created anew on each access; keep one of each so they can be found again.
+        self.function_filter = self.function_invocation
+        self.auto_filter = self.auto_function_invocation
+
+    # ----------------------------------------------------------------- setup
+    def install(self, kernel: Kernel, *, strict: bool = True) -> UndoLogFilter:
+        """Register both filters on ``kernel``; with ``strict``, refuse kernels holding unclassified tools.
+
+        Raises:
+            errors.ToolNotClassified: a kernel function (not a prompt function) has no tier.
+        """
+        if strict:
+            for plugin in kernel.plugins.values():
+                for function in plugin.functions.values():
+                    if _is_tool(function):
+                        self.classify(function)
+        kernel.add_filter(FilterTypes.FUNCTION_INVOCATION, self.function_filter)
+        kernel.add_filter(FilterTypes.AUTO_FUNCTION_INVOCATION, self.auto_filter)
+        return self
+
+    def classify(self, function: KernelFunction) -> ToolTier:
+        """Register ``function`` with UndoLog under its ``plugin-function`` name; returns its tier."""
+        name = function.fully_qualified_name
+        if name in self._classified:
+            return self._classified[name]
+        entry = self.tiers.get(name)
+        spec = _method_spec(function)
+        if entry is None and spec is None:
+            try:
+                tier = self.undolog.tool_spec(name).tier
+            except errors.ToolNotRegistered:
+                raise errors.ToolNotClassified(name) from None
+            self._classified[name] = tier
+            return tier
+        if entry is not None:
+            kw = dict(entry) if isinstance(entry, Mapping) else {"tier": entry}
+            tier = ToolTier.coerce(kw.pop("tier")) if "tier" in kw else ToolTier.from_risk_level(kw.pop("risk_level"))
+        else:
+            tier = spec.tier
+            kw = {"compensation": spec.compensation, "reason": spec.reason, "risk_tags": list(spec.risk_tags)}
+        try:
+            known = self.undolog.tool_spec(name)
+        except errors.ToolNotRegistered:
+            known = None
+        if known is None or known.tier is not tier:
+            self.undolog.register_tool(getattr(function, "method", None), name=name, tier=tier,
+                                       args_schema=_json_schema(function), **kw)
+        self._classified[name] = tier
+        return tier
+
+    # ----------------------------------------------------------------- sessions
+    @property
+    def session_id(self) -> str:
+        """The session of the current context (:func:`undolog_session`), else this filter's own."""
+        sid = _session_var.get()
+        if sid is None:
+            if self._session_id is None:
+                self._session_id = str(uuid.uuid4())
+            sid = self._session_id
+        return sid
+
+    def _session(self) -> str:
+        sid = self.session_id
+        if sid not in self._ensured:
+            self.undolog.session(agent_id=self.agent_id, session_id=sid)
+            self._ensured.add(sid)
+        return sid
+
+    @staticmethod
+    def _args(function: KernelFunction, arguments: KernelArguments) -> dict[str, Any]:
+        names = {p.name for p in function.parameters if p.name and p.name not in _INJECTED}
+        return to_jsonable_python({k: v for k, v in arguments.items() if k in names})
+
+    def _call_id(self, sid: str, name: str, tier: ToolTier, args: dict[str, Any], given: str | None) -> str:
+        if tier is ToolTier.IRREVERSIBLE:
+            # The model may propose the same call again in a later turn with a new id: it is the
+            # same request, so it must not create a second approval.
+            found = self.undolog.approvals.find_for_call(sid, name, args)
+            if found is not None and found.call_id:
+                return str(found.call_id)
+        return given or f"sk:{uuid.uuid4().hex}"
+
+    # ----------------------------------------------------------------- filters
+    async def auto_function_invocation(self, context: AutoFunctionInvocationContext, next: Any) -> None:
+        """AUTO_FUNCTION_INVOCATION filter: the gate under auto function calling."""
+        function = context.function
+        if not _is_tool(function):
+            await next(context)
+            return
+        self._check_paired(context.kernel)
+        name = function.fully_qualified_name
+        try:
+            tier = self.classify(function)
+            sid = self._session()
+            args = self._args(function, context.arguments)
+            call_id = self._call_id(sid, name, tier, args, context.function_call_content.id)
+            decision = self.undolog.engine.intercept(sid, name, args, call_id=call_id)
+        except errors.UndoLogError as exc:
+            context.function_result = FunctionResult(function=function.metadata, value=_refusal(name, exc))
+            return
+        if isinstance(decision, AwaitingApproval):
+            text = (f"UndoLog: {name} is awaiting approval, request {decision.approval_request_id}"
+                    f"{f' ({decision.reason})' if decision.reason else ''}. It has NOT run yet.")
+            context.function_result = FunctionResult(
+                function=function.metadata, value=text,
+                metadata={PLACEHOLDER_KEY: decision.approval_request_id, "undolog_session_id": sid},
+            )
+            # Not running the call and ending the loop hands control back to the app; resume() continues.
+            context.terminate = True
+            return
+        if isinstance(decision, Completed):
+            context.function_result = FunctionResult(function=function.metadata, value=decision.result)
+            return
+        context.arguments.update(decision.args)
+        handover = _Handover(name, decision, sid)
+        token = _handover.set(handover)
+        try:
+            await next(context)
+        finally:
+            _handover.reset(token)
+        if not handover.consumed and decision.effect_id is not None:
+            # Another filter answered without running the function: nothing happened.
+            self.undolog.engine.fail(decision.effect_id, RuntimeError("the function was not run (a filter answered)"))
+
+    async def function_invocation(self, context: FunctionInvocationContext, next: Any) -> None:
+        """FUNCTION_INVOCATION filter: runs the tool; the gate too under a plain ``kernel.invoke``."""
+        function = context.function
+        if not _is_tool(function):
+            await next(context)
+            return
+        name = function.fully_qualified_name
+        handover = _handover.get()
+        if handover is not None and not handover.consumed and handover.name == name:
+            handover.consumed = True
+            await self._run(context, next, handover.decision, handover.session_id)
+            return
+        tier = self.classify(function)
+        sid = self._session()
+        args = self._args(function, context.arguments)
+        decision = self.undolog.engine.intercept(sid, name, args, call_id=self._call_id(sid, name, tier, args, None))
+        if isinstance(decision, AwaitingApproval):
+            raise ApprovalPending(decision.effect_id, decision.approval_request_id, decision.retry_after, name)
+        if isinstance(decision, Completed):
+            context.result = FunctionResult(function=function.metadata, value=decision.result)
+            return
+        context.arguments.update(decision.args)
+        await self._run(context, next, decision, sid)
+
+    async def _run(self, context: FunctionInvocationContext, next: Any, decision: Execute, sid: str) -> None:
+        engine = self.undolog.engine
+        try:
+            with engine.running(decision, sid):
+                await next(context)
+        except Exception as exc:
+            if decision.effect_id is None:
+                raise
+            report = engine.fail(decision.effect_id, exc)
+            raise ToolCallFailed(_failure_text(context.function.fully_qualified_name, exc, report), report) from exc
+        if decision.effect_id is not None:
+            engine.complete(decision.effect_id, context.result.value if context.result is not None else None)
+
+    def _check_paired(self, kernel: Kernel) -> None:
+        if not any(f == self.function_filter for _, f in kernel.function_invocation_filters):
+            # Without the inner filter a tool exception would look like a result and never be undone.
+            raise errors.ConfigurationError(
+                "UndoLogFilter: the AUTO_FUNCTION_INVOCATION filter needs its FUNCTION_INVOCATION twin on the "
+                "same kernel; register both with install(kernel, ...)"
+            )
+
+
+def _refusal(name: str, exc: errors.UndoLogError) -> str:
+    if isinstance(exc, errors.ApprovalRejected):
+        return (f"{name} was rejected by {exc.approver or 'a person'}: {exc.reason or 'no reason given'}. "
+                "It did NOT run; do not retry it.")
+    if isinstance(exc, errors.ApprovalTimedOut):
+        return f"The approval for {name} timed out without a decision. It did NOT run; do not retry it."
+    return f"UndoLog refused {name}: {exc.message}"
+
+
+def _failure_text(name: str, exc: BaseException, report: Any) -> str:
+    text = f"{name} failed: {exc}"
+    if report is None:
+        return text
+    undone = ", ".join(s.tool_name for s in getattr(report, "steps", [])) or "nothing"
+    if getattr(report, "complete", False):
+        return f"{text}. UndoLog rolled the session back (undone: {undone}). Do not continue the task."
+    return f"{text}. UndoLog could not undo everything (attempted: {undone}); a person must check."
+
+
+def install(kernel: Kernel, undolog: UndoLog, *, tiers: Mapping[str, Any] | None = None,
+            session_id: str | None = None, agent_id: str = "semantic-kernel", strict: bool = True) -> UndoLogFilter:
+    """Register UndoLog's FUNCTION_INVOCATION and AUTO_FUNCTION_INVOCATION filters on ``kernel``.
+
+    Args:
+        kernel: the kernel whose plugins are the tools.
+        undolog: the :class:`UndoLog` to log into.
+        tiers: ``"plugin-function"`` -> tier; overrides ``@undolog_tool`` on the kernel function.
+        session_id: default session (see :class:`UndoLogFilter`).
+        agent_id: recorded on new sessions.
+        strict: refuse now if a kernel function has no tier (it would be refused at call time anyway).
+
+    Returns:
+        The installed :class:`UndoLogFilter`.
+
+    Example:
+        >>> kernel.add_plugin(Support(), plugin_name="support")                     # doctest: +SKIP
+        >>> install(kernel, ul, tiers={"support-search_knowledge_base": "safe"})
+    """
+    return UndoLogFilter(undolog, tiers=tiers, session_id=session_id, agent_id=agent_id).install(kernel, strict=strict)
+
+
+async def invoke(kernel: Kernel, *args: Any, **kwargs: Any) -> FunctionResult | None:
+    """``kernel.invoke`` that lets UndoLog's errors (``ApprovalPending``...) out unwrapped.
+
+    ``Kernel.invoke`` wraps every exception in ``KernelInvokeException``.
+
+    Example:
+        >>> try:                                                                  # doctest: +SKIP
+        ...     await invoke(kernel, plugin_name="support", function_name="delete_user_account", user_id="u1")
+        ... except ApprovalPending as p:
+        ...     print(p.approval_request_id)
+    """
+    try:
+        return await kernel.invoke(*args, **kwargs)
+    except KernelInvokeException as exc:
+        cause = exc.__cause__
+        if isinstance(cause, (errors.UndoLogError, ToolCallFailed)):
+            raise cause from cause.__cause__
+        raise
+
+
+def _placeholders(history: ChatHistory) -> list[FunctionResultContent]:
+    return [i for m in history.messages for i in m.items
+            if isinstance(i, FunctionResultContent) and PLACEHOLDER_KEY in (i.metadata or {})]
+
+
+def _paused_session(history: ChatHistory) -> str | None:
+    for frc in _placeholders(history):
+        sid = frc.metadata.get("undolog_session_id")
+        if sid:
+            return str(sid)
+    return None
+
+
+async def resume_pending(kernel: Kernel, history: ChatHistory, undolog: UndoLog, *,
+                         session_id: str | None = None) -> list[str]:
+    """Replace "awaiting approval" placeholders by the real calls once every one is decided.
+
+    Drops each placeholder result, then re-dispatches its function call through the kernel (the
+    filter then runs it with the approved, possibly modified, arguments, or tells the model it
+    was rejected or timed out).
+
+    Returns:
+        The approval request ids that were resumed (empty if there was nothing to resume).
+
+    Raises:
+        ApprovalPending: a request is still undecided; nothing was changed.
+
+    Example:
+        >>> await resume_pending(kernel, history, ul, session_id="chat-42")         # doctest: +SKIP
+    """
+    holders = _placeholders(history)
+    if not holders:
+        return []
+    for frc in holders:
+        record = undolog.approvals.get(frc.metadata[PLACEHOLDER_KEY])
+        if record.state == "pending":
+            raise ApprovalPending(record.effect_id, record.approval_request_id, 1.0, record.tool_name)
+    ids = {frc.id for frc in holders}
+    sid = session_id or holders[0].metadata.get("undolog_session_id")
+    calls = [i for m in history.messages for i in m.items if isinstance(i, FunctionCallContent) and i.id in ids]
+    kept = []
+    for m in history.messages:
+        items = [i for i in m.items if not (isinstance(i, FunctionResultContent) and i.id in ids)]
+        if items:
+            m.items[:] = items
+            kept.append(m)
+    history.messages[:] = kept
+    ctx = undolog_session(sid) if sid else contextlib.nullcontext()
+    with ctx:
+        for fcc in calls:
+            await kernel.invoke_function_call(fcc, history, function_behavior=FunctionChoiceBehavior.Auto())
+    return [str(frc.metadata[PLACEHOLDER_KEY]) for frc in holders]
+
+
+async def resume(kernel: Kernel, history: ChatHistory, chat_service: Any, undolog: UndoLog, *,
+                 settings: PromptExecutionSettings | None = None, session_id: str | None = None) -> Any:
+    """Resume a chat paused for approval: :func:`resume_pending`, then ask the model to continue.
+
+    Returns:
+        The model's next message (``get_chat_message_content``).
+
+    Raises:
+        ApprovalPending: a request is still undecided; nothing was changed.
+
+    Example:
+        >>> ul.approvals.approve(request_id, approver="ana")                             # doctest: +SKIP
+        >>> reply = await resume(kernel, history, chat, ul, session_id="chat-42")
+    """
+    session_id = session_id or _paused_session(history)
+    await resume_pending(kernel, history, undolog, session_id=session_id)
+    settings = settings or PromptExecutionSettings(function_choice_behavior=FunctionChoiceBehavior.Auto())
+    ctx = undolog_session(session_id) if session_id else contextlib.nullcontext()
+    with ctx:
+        return await chat_service.get_chat_message_content(history, settings, kernel=kernel)
+
+
+async def resume_agent(agent: Any, thread: Any, undolog: UndoLog, *, session_id: str | None = None) -> Any:
+    """Resume a ``ChatCompletionAgent`` thread paused for approval; returns ``agent.get_response``.
+
+    Example:
+        >>> response = await resume_agent(agent, thread, ul, session_id=thread.id)      # doctest: +SKIP
+    """
+    # ChatHistoryAgentThread keeps its history privately; it is the history the agent reads next turn.
+    history: ChatHistory = thread._chat_history
+    session_id = session_id or _paused_session(history)
+    await resume_pending(agent.kernel, history, undolog, session_id=session_id)
+    ctx = undolog_session(session_id) if session_id else contextlib.nullcontext()
+    with ctx:
+        return await agent.get_response(thread=thread)

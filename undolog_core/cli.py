@@ -1,0 +1,1111 @@
+"""The ``undolog`` command line (Typer + Rich).
+
+Everything here is a thin layer over the public Python API: the CLI never writes a table itself, so a
+decision taken here is validated, audited and hash-chained exactly like one taken from code or the server.
+
+Conventions every command follows:
+
+* Global options come before the command: ``undolog --db URL [--schema S] [--app mod:attr] COMMAND``.
+* ``--json`` prints machine-readable output with stable keys on stdout; tables are for people.
+* An :class:`~undolog_core.errors.UndoLogError` prints ``error[<code>]: <message>`` on stderr and exits 2;
+  never a traceback. Exit 1 means "ran, but something needs a person" (a tampered audit chain, a rollback
+  that halted, effects that recovery could not reconcile).
+
+Example:
+    $ undolog --db sqlite:///undolog.db approvals list
+    $ undolog approvals approve 3f2c... --as ana
+    $ undolog --app myagent.app:undolog sessions rollback 9a1b...
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import enum
+import inspect
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import sqlalchemy as sa
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+from sqlalchemy.engine import make_url
+from typer.core import TyperGroup
+
+from . import _migrate
+from ._registry import default_actor
+from ._saga import RollbackStep
+from ._schema import REQUEST_STATES, SESSION_STATES
+from ._store import resolve_url
+from ._undolog import UndoLog, load_app
+from .errors import ConfigurationError, UndoLogError
+
+#: Below this many steps a rollback or recovery finishes too fast for a progress bar to help.
+PROGRESS_MIN_STEPS = 5
+
+#: How narrow a wrapping column may get before the table drops optional columns instead.
+FLEX_WIDTH = 14
+
+#: Width used when stdout is not a terminal (pipes, CI logs, tests): wide enough that 32-character ids
+#: never wrap, because a wrapped id cannot be copied back into the next command.
+PIPE_WIDTH = 200
+
+
+class CliInputError(UndoLogError):
+    """Bad input caught by the CLI itself (unparseable ``--args``, nothing to change...)."""
+
+    code = "invalid_input"
+    http_status = 422
+
+
+# -- error handling -------------------------------------------------------------------------------
+
+
+class _RootGroup(TyperGroup):
+    """The root command group; turns expected errors into one line on stderr and exit code 2.
+
+    Catching here, around the whole invocation, covers every sub-command (including the server's
+    ``serve`` and ``keys``) without decorating each function, and keeps working under CliRunner,
+    which calls the group directly rather than :func:`main`.
+    """
+
+    def invoke(self, ctx: Any) -> Any:  # typer.Context is a subclass of the vendored click Context
+        try:
+            return super().invoke(ctx)
+        except UndoLogError as exc:
+            _fail(exc.code, exc.message)
+        except sa.exc.SQLAlchemyError as exc:
+            # Unreachable server, missing schema, locked file: an environment problem, not a bug in UndoLog.
+            detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+            _fail("database_error", f"{type(exc).__name__}: {detail}")
+
+
+def _fail(code: str, message: str, exit_code: int = 2) -> None:
+    """Print ``error[<code>]: <message>`` on stderr and exit.
+
+    Args:
+        code: The stable error code (an UndoLogError's ``code``).
+        message: What went wrong, for a person.
+        exit_code: 2 for bad input or a refused operation.
+
+    Raises:
+        typer.Exit: Always.
+    """
+    typer.echo(f"error[{code}]: {message}", err=True)
+    raise typer.Exit(exit_code)
+
+
+app = typer.Typer(
+    cls=_RootGroup,
+    name="undolog",
+    help="UndoLog: inspect and resolve sessions, approvals, the tool registry, policy and the audit trail.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+db_app = typer.Typer(help="Database schema management.", no_args_is_help=True)
+sessions_app = typer.Typer(help="List, inspect, roll back, resume and revalidate sessions.", no_args_is_help=True)
+approvals_app = typer.Typer(help="Review and decide approval requests of IRREVERSIBLE calls.", no_args_is_help=True)
+policy_app = typer.Typer(help="The organisation's approval policy.", no_args_is_help=True)
+audit_app = typer.Typer(help="The hash-chained audit trail.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(sessions_app, name="sessions")
+app.add_typer(approvals_app, name="approvals")
+app.add_typer(policy_app, name="policy")
+app.add_typer(audit_app, name="audit")
+
+
+# -- global state and opening the store -----------------------------------------------------------
+
+
+@dataclass
+class _Settings:
+    """The global options, kept on the root context for the commands."""
+
+    db: str | None
+    schema: str | None
+    app_spec: str | None
+    db_given: bool
+    undolog: UndoLog | None = None
+
+
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    db: Annotated[
+        str | None,
+        typer.Option("--db", envvar="UNDOLOG_DATABASE_URL", metavar="URL",
+                     help="Database URL (sqlite:///file.db or postgresql+psycopg://...). Default: ./undolog.db."),
+    ] = None,
+    schema: Annotated[
+        str | None, typer.Option("--schema", envvar="UNDOLOG_SCHEMA", help="PostgreSQL schema to use.")
+    ] = None,
+    app_spec: Annotated[
+        str | None,
+        typer.Option("--app", envvar="UNDOLOG_APP", metavar="MODULE:ATTR",
+                     help="The app's UndoLog (or a factory returning one), so its compensations and probes can run."),
+    ] = None,
+) -> None:
+    """UndoLog: a safety layer for LLM-agent tool calls."""
+    source = ctx.get_parameter_source("db")
+    ctx.obj = _Settings(db=db, schema=schema, app_spec=app_spec,
+                        db_given=source is not None and source.name == "COMMANDLINE")
+    # Commands registered by other modules (``serve``, ``keys``) read their own --db/--schema/--app
+    # options from the environment; exporting what was given here means `undolog --db X serve` serves X.
+    # The group callback runs before the sub-command parses its options, so they see these values.
+    for var, value in (("UNDOLOG_DATABASE_URL", db), ("UNDOLOG_SCHEMA", schema), ("UNDOLOG_APP", app_spec)):
+        if value is not None and os.environ.get(var) != value:
+            old = os.environ.get(var)
+            os.environ[var] = value
+            ctx.call_on_close(_restore_env(var, old))
+
+
+def _restore_env(var: str, old: str | None) -> Callable[[], None]:
+    def restore() -> None:
+        if old is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = old
+
+    return restore
+
+
+def _settings(ctx: typer.Context) -> _Settings:
+    obj = ctx.find_root().obj
+    assert isinstance(obj, _Settings)
+    return obj
+
+
+def _safe_url(url: str) -> str:
+    """The URL without its password, for messages."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - a URL we cannot parse is shown as given
+        return url
+
+
+def _open(ctx: typer.Context, *, migrate: bool = False) -> UndoLog:
+    """The UndoLog a command works on: the app's when ``--app`` is given, else one on ``--db``.
+
+    Args:
+        ctx: The command's context; the UndoLog is closed when the root context closes.
+        migrate: Only ``db upgrade`` migrates; every other command refuses a database that is missing
+            or behind, rather than silently creating tables in a mistyped location.
+
+    Returns:
+        The opened UndoLog (one per invocation).
+
+    Raises:
+        ConfigurationError: No database there, a database behind the code, or ``--app`` on another database.
+    """
+    st = _settings(ctx)
+    if st.undolog is not None:
+        return st.undolog
+    if st.app_spec:
+        u = load_app(st.app_spec)
+        ctx.find_root().call_on_close(u.close)
+        if st.db_given:
+            # Compensations run against the app's database; acting on another one than the user named
+            # would roll back the wrong sessions.
+            wanted = resolve_url(st.db)
+            if wanted != u.store.url or (st.schema or None) != (u.store.schema or None):
+                raise ConfigurationError(
+                    f"--app {st.app_spec} uses {_safe_url(u.store.url)}"
+                    f"{' schema ' + u.store.schema if u.store.schema else ''}, not the --db given "
+                    f"({_safe_url(wanted)}{' schema ' + st.schema if st.schema else ''}); drop --db or point "
+                    "both at the same database"
+                )
+    else:
+        url = resolve_url(st.db)
+        if not migrate and url.startswith("sqlite"):
+            path = make_url(url).database or ""
+            if not Path(path).expanduser().exists():
+                # Connecting would create an empty file; say where we looked instead.
+                raise ConfigurationError(
+                    f"no UndoLog database at {path}: check --db / UNDOLOG_DATABASE_URL, or create it with "
+                    "`undolog db upgrade`"
+                )
+        u = UndoLog.open(url, schema=st.schema, migrate=False)
+        ctx.find_root().call_on_close(u.close)
+    st.undolog = u
+    if not migrate:
+        current, head = _migrate.current(u.store.engine), _migrate.head()
+        if current != head:
+            where = _safe_url(u.store.url) + (f" (schema {u.store.schema})" if u.store.schema else "")
+            state = "has no UndoLog tables" if current is None else f"is at schema revision {current}, not {head}"
+            raise ConfigurationError(f"the database {where} {state}: run `undolog db upgrade`")
+    return u
+
+
+def _actor(value: str | None) -> str:
+    return value or default_actor()
+
+
+ActorOpt = Annotated[
+    str | None,
+    typer.Option("--as", envvar="UNDOLOG_ACTOR", metavar="NAME",
+                 help="Who takes this decision (recorded in the audit trail). Default: user@host."),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
+
+
+# -- output helpers -------------------------------------------------------------------------------
+
+
+def _console(stderr: bool = False) -> Console:
+    """A Rich console bound to the current stdout/stderr (CliRunner swaps them per invocation)."""
+    c = Console(stderr=stderr, highlight=False)
+    if not c.is_terminal and "COLUMNS" not in os.environ:
+        c = Console(stderr=stderr, highlight=False, width=PIPE_WIDTH)
+    return c
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dt.datetime):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, set | frozenset | tuple):
+        return list(value)
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    return str(value)
+
+
+def _print_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2, sort_keys=True, default=_jsonable, ensure_ascii=False))
+
+
+def _when(value: dt.datetime | None) -> str:
+    return value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S") if value else "-"
+
+
+def _compact(value: Any, limit: int | None = 60) -> str:
+    text = json.dumps(value, sort_keys=True, default=_jsonable, ensure_ascii=False)
+    return text if limit is None or len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _txt(value: Any) -> Text:
+    """User data as literal text: arguments and reasons may contain ``[...]``, which Rich would take as markup."""
+    return Text("-" if value is None or value == "" else str(value))
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds <= 0:
+        return "due"
+    d, rem = divmod(seconds, 86400)
+    h, rem = divmod(rem, 3600)
+    m, s = divmod(rem, 60)
+    parts = [f"{d}d" if d else "", f"{h}h" if h else "", f"{m}m" if m else "", f"{s}s" if s and not d else ""]
+    return "in " + " ".join(p for p in parts if p)
+
+
+_STATE_STYLES = {
+    "active": "green", "completed": "green", "committed": "green", "compensated": "cyan", "approved": "green",
+    "auto_approved": "yellow", "awaiting_approval": "yellow", "pending": "yellow", "halted": "bold red",
+    "rolled_back": "cyan", "rejected": "red", "timed_out": "red", "cancelled": "dim", "failed": "red",
+    "unknown": "bold red", "dead_letter": "bold red", "compensation_failed": "bold red",
+}
+
+
+def _state(value: str | None) -> Text:
+    return Text(value or "-", style=_STATE_STYLES.get(value or "", ""))
+
+
+class _Table:
+    """A Rich table that drops optional columns on a narrow terminal instead of squashing every column.
+
+    Ids are never wrapped (a wrapped id cannot be copied into the next command), so on an 80-column
+    terminal something has to give: columns with a ``drop`` rank go first, highest rank first.
+    """
+
+    def __init__(self, title: str) -> None:
+        self.title = title
+        self.cols: list[tuple[str, int, dict[str, Any]]] = []
+        self.rows: list[tuple[Any, ...]] = []
+
+    def col(self, header: str, *, drop: int = 0, **kw: Any) -> None:
+        """Add a column.
+
+        Args:
+            header: The column header.
+            drop: 0 keeps the column always; otherwise the column's rank for dropping (higher goes first).
+            **kw: Passed to :meth:`rich.table.Table.add_column`; text wraps by default rather than being cut.
+        """
+        kw.setdefault("overflow", "fold")
+        self.cols.append((header, drop, kw))
+
+    def row(self, *cells: Any) -> None:
+        self.rows.append(cells)
+
+    def render(self, console: Console) -> Table:
+        """The table with as many columns as fit the console, dropping ranked columns first."""
+        droppable = sorted((i for i, c in enumerate(self.cols) if c[1]), key=lambda i: -self.cols[i][1])
+        dropped: set[int] = set()
+        while droppable and self._needed(console, dropped) > console.width:
+            dropped.add(droppable.pop(0))
+        table = Table(title=self.title)
+        for i, (header, _, kw) in enumerate(self.cols):
+            if i not in dropped:
+                table.add_column(header, **kw)
+        for cells in self.rows:
+            table.add_row(*(c for i, c in enumerate(cells) if i not in dropped))
+        return table
+
+    def _needed(self, console: Console, dropped: set[int]) -> int:
+        # A column that may wrap is content with FLEX_WIDTH characters a line; an unwrapped one (ids)
+        # needs its full width. 3 characters of padding and border a column, plus the closing border.
+        total = 1
+        for i, (header, _, kw) in enumerate(self.cols):
+            if i in dropped:
+                continue
+            natural = max([console.measure(header).maximum]
+                          + [console.measure(cells[i]).maximum for cells in self.rows if i < len(cells)])
+            total += 3 + (natural if kw.get("no_wrap") else min(natural, FLEX_WIDTH))
+        return total
+
+
+def _show(table: _Table, console: Console | None = None) -> None:
+    con = console or _console()
+    con.print(table.render(con))
+
+
+def _kv(rows: list[tuple[str, Any]]) -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    for k, v in rows:
+        grid.add_row(k, v if isinstance(v, Text) else _txt(v))
+    return grid
+
+
+class _Progress:
+    """Progress of a rollback or recovery: a Rich bar on a terminal, one line per step otherwise.
+
+    Used as the ``progress(done, total, step)`` callback of the saga and of recovery. Short runs show
+    nothing; on a pipe (CI logs) a line per step is more useful than a bar that cannot redraw.
+    """
+
+    def __init__(self, what: str, *, enabled: bool = True) -> None:
+        self._what = what
+        self._enabled = enabled
+        self._console = _console(stderr=True)
+        self._bar: Progress | None = None
+        self._task: Any = None
+
+    def start(self, total: int) -> None:
+        """Show the bar before the first step, when the number of steps is known up front.
+
+        Args:
+            total: How many steps the run will take.
+        """
+        if not self._enabled or total < PROGRESS_MIN_STEPS or not self._console.is_terminal or self._bar:
+            return
+        # The current step goes last, where Rich may cut it; the bar and the count always stay visible.
+        self._bar = Progress(TextColumn("{task.description}"), BarColumn(bar_width=30), MofNCompleteColumn(),
+                             TimeElapsedColumn(), TextColumn("{task.fields[step]}"), console=self._console)
+        self._bar.start()
+        self._task = self._bar.add_task(escape(self._what), total=total, step="")
+
+    def __call__(self, done: int, total: int, step: Any) -> None:
+        if not self._enabled or total < PROGRESS_MIN_STEPS:
+            return
+        text = _describe_step(step)
+        if self._console.is_terminal:
+            self.start(total)
+            assert self._bar is not None
+            self._bar.update(self._task, completed=done, total=total, step=escape(_short_step(step)))
+        else:
+            self._console.print(f"[{done}/{total}] {text}", markup=False, highlight=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _short_step(step: Any) -> str:
+    if isinstance(step, RollbackStep):
+        return f"{step.tool_name}: {step.outcome}"
+    return str(step)
+
+
+def _describe_step(step: Any) -> str:
+    if isinstance(step, RollbackStep):
+        text = f"{step.compensation_name} of {step.tool_name} ({step.effect_id}): {step.outcome}"
+        return text + (f" - {step.error}" if step.error else "")
+    return str(step)
+
+
+# -- db -------------------------------------------------------------------------------------------
+
+
+@db_app.command("upgrade")
+def db_upgrade(ctx: typer.Context) -> None:
+    """Create the UndoLog tables, or bring them to the latest schema revision.
+
+    \f
+    Safe to run from several processes at once: on PostgreSQL an advisory lock serialises migrations.
+    """
+    u = _open(ctx, migrate=True)
+    before = _migrate.current(u.store.engine)
+    u.store.migrate()
+    after = _migrate.current(u.store.engine)
+    where = _safe_url(u.store.url) + (f" (schema {u.store.schema})" if u.store.schema else "")
+    if before == after:
+        typer.echo(f"{where} is already at the latest schema revision ({after})")
+    else:
+        typer.echo(f"upgraded {where} from {before or 'an empty database'} to {after}")
+
+
+# -- tools ----------------------------------------------------------------------------------------
+
+
+@app.command("tools")
+def tools(
+    ctx: typer.Context,
+    tool: Annotated[str | None, typer.Option("--tool", help="Only this tool's revisions.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show the tool registry: every contract revision with its fingerprint and tier.
+
+    \f
+    Reads ``undolog_tool_registry``, the immutable contract audit trail; the newest revision of each tool
+    is the one new sessions are pinned to.
+    """
+    u = _open(ctx)
+    rows = u.registry.history(tool)
+    if tool and not rows:
+        raise CliInputError(f"tool {tool!r} has never been registered in this database")
+    if as_json:
+        _print_json([_registry_row(r) for r in rows])
+        return
+    if not rows:
+        typer.echo("no tools registered yet")
+        return
+    latest = {r["tool_name"]: r["revision"] for r in rows}  # rows are ordered by (tool, revision)
+    table = _Table("Tool registry (fingerprints shortened; --json for full values)")
+    table.col("Tool", no_wrap=True)
+    table.col("Rev", justify="right")
+    table.col("Tier")
+    table.col("Fingerprint", no_wrap=True)
+    table.col("Previous", no_wrap=True, drop=3)
+    table.col("Compensation")
+    table.col("Registered by", drop=1)
+    table.col("Registered at (UTC)", no_wrap=True, drop=2)
+    for r in rows:
+        comp = f"{r['compensation_name']} v{r['compensation_version']}" if r["compensation_name"] else "-"
+        rev = Text(str(r["revision"]) + ("" if latest[r["tool_name"]] == r["revision"] else " (old)"),
+                   style="" if latest[r["tool_name"]] == r["revision"] else "dim")
+        table.row(_txt(r["tool_name"]), rev, _state(r["tier"]), r["fingerprint"][:16],
+                  (r["previous_fingerprint"] or "-")[:16], _txt(comp), _txt(r["registered_by"]),
+                  _when(r["registered_at"]))
+    _show(table)
+
+
+def _registry_row(r: Mapping[str, Any]) -> dict[str, Any]:
+    keys = ("tool_name", "revision", "tier", "fingerprint", "previous_fingerprint", "compensation_name",
+            "compensation_version", "registered_by", "registered_at", "contract")
+    return {k: r.get(k) for k in keys}
+
+
+# -- sessions -------------------------------------------------------------------------------------
+
+
+SessionState = enum.Enum("SessionState", {s: s for s in SESSION_STATES}, type=str)  # type: ignore[misc]
+
+
+@sessions_app.command("list")
+def sessions_list(
+    ctx: typer.Context,
+    state: Annotated[SessionState | None, typer.Option("--state", help="Only sessions in this state.")] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, help="At most this many, newest first.")] = 50,
+    as_json: JsonOpt = False,
+) -> None:
+    """List sessions, newest first."""
+    u = _open(ctx)
+    recs = u.sessions.list(state=state.value if state else None, limit=limit)
+    if as_json:
+        _print_json([r.to_dict() for r in recs])
+        return
+    if not recs:
+        typer.echo("no sessions" + (f" in state {state.value}" if state else ""))
+        return
+    table = _Table(f"Sessions ({len(recs)}, newest first)")
+    table.col("Session", no_wrap=True, min_width=32)
+    table.col("Agent")
+    table.col("State", no_wrap=True)
+    table.col("Calls", justify="right")
+    table.col("Created (UTC)", no_wrap=True, drop=2)
+    table.col("Halted because", drop=1)
+    for r in recs:
+        table.row(r.session_id, _txt(r.agent_id), _state(r.state), str(r.tool_calls_total), _when(r.created_at),
+                  _txt(r.halted_reason))
+    _show(table)
+
+
+@sessions_app.command("show")
+def sessions_show(
+    ctx: typer.Context,
+    session_id: Annotated[str, typer.Argument(metavar="ID", help="The session id.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Show one session: its state, its effects in order, its undo plan and its approval requests."""
+    u = _open(ctx)
+    rec = u.sessions.get(session_id)
+    effects = u.sessions.effects(session_id)
+    approvals = u.approvals.list(session_id=session_id)
+    plan = u.saga.undo_plan(session_id)
+    if as_json:
+        _print_json({"session": rec.to_dict(), "effects": effects, "undo_plan": plan,
+                     "approvals": [a.to_dict() for a in approvals]})
+        return
+    con = _console()
+    con.print(_kv([
+        ("Session", rec.session_id), ("Agent", rec.agent_id), ("State", _state(rec.state)),
+        ("Halted because", rec.halted_reason), ("Tool calls", rec.tool_calls_total),
+        ("On failure", rec.on_failure), ("Created by", rec.created_by),
+        ("Created (UTC)", _when(rec.created_at)), ("Updated (UTC)", _when(rec.updated_at)),
+        ("Pinned revisions", ", ".join(f"{k}@{v}" for k, v in sorted(rec.pinned_revisions.items())) or "-"),
+    ]))
+    if effects:
+        table = _Table("Effects (oldest first; SAFE calls are counted, not logged)")
+        table.col("#", justify="right", drop=3)
+        table.col("Effect", no_wrap=True, min_width=32)
+        table.col("Tool")
+        table.col("Tier", drop=2)
+        table.col("State", no_wrap=True)
+        table.col("Arguments")
+        table.col("Undo", drop=1)
+        table.col("Error")
+        for i, e in enumerate(effects, 1):
+            undo = f"{e['compensation_name']} ({e['undo_state']})" if e.get("compensation_name") else "-"
+            table.row(str(i), e["effect_id"], _txt(e["tool_name"]), e["tier"], _state(e["state"]),
+                      _txt(_compact(e["args_snapshot"])), _txt(undo), _txt(e.get("error") or e.get("undo_error")))
+        _show(table, con)
+    else:
+        con.print("no logged effects")
+    if plan:
+        counts: dict[str, int] = {}
+        for p in plan:  # dicts keep first-seen order: newest first, like the walk
+            counts[p["compensation_name"]] = counts.get(p["compensation_name"], 0) + 1
+        con.print(f"A rollback would run {len(plan)} compensation(s): "
+                  + ", ".join(f"{name} x{n}" if n > 1 else name for name, n in counts.items()), markup=False)
+    if approvals:
+        _show(_approvals_table(approvals, title="Approval requests"), con)
+
+
+@sessions_app.command("rollback")
+def sessions_rollback(
+    ctx: typer.Context,
+    session_id: Annotated[str, typer.Argument(metavar="ID", help="The session to roll back.")],
+    actor: ActorOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Undo every compensable effect of a session, newest first (needs --app for the compensations).
+
+    \f
+    Committed IRREVERSIBLE effects cannot be undone; they are listed. A compensation that keeps failing
+    stops the walk and halts the session (exit code 1); running the command again resumes where it stopped.
+    """
+    u = _open(ctx)
+    u.sessions.get(session_id)  # an unknown id is a clear error before anything else
+    total = len(u.saga.undo_plan(session_id))
+    with _Progress("rolling back", enabled=not as_json) as progress:
+        progress.start(total)
+        report = u.rollback(session_id, actor=_actor(actor), progress=progress)
+    if as_json:
+        _print_json(report.to_dict())
+    elif report.already_rolled_back:
+        typer.echo(f"session {session_id} was already rolled back; nothing to do")
+    else:
+        if report.steps:
+            table = _Table(f"Rollback of session {session_id} (newest first)")
+            table.col("Effect", no_wrap=True, min_width=32)
+            table.col("Tool")
+            table.col("Compensation", drop=1)
+            table.col("Outcome", no_wrap=True)
+            table.col("Attempts", justify="right", drop=2)
+            table.col("Error")
+            for s in report.steps:
+                table.row(s.effect_id, _txt(s.tool_name), _txt(s.compensation_name), _state(s.outcome),
+                          str(s.attempts), _txt(s.error))
+            _show(table)
+        if report.complete:
+            typer.echo(f"session {session_id} rolled back ({len(report.steps)} compensation(s) run)")
+        for kept in report.kept_irreversible:
+            typer.echo(f"kept (irreversible, cannot be undone): {kept}")
+    if not report.complete:
+        typer.echo(f"rollback stopped; session {session_id} is halted: {report.halted_reason}", err=True)
+        raise typer.Exit(1)
+
+
+@sessions_app.command("resume")
+def sessions_resume(
+    ctx: typer.Context,
+    session_id: Annotated[str, typer.Argument(metavar="ID", help="The halted session.")],
+    actor: ActorOpt = None,
+    reason: Annotated[str | None, typer.Option("--reason", help="Why it may go on (audited).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Let a halted session go on, after a person has looked at it (audited)."""
+    u = _open(ctx)
+    rec = u.sessions.resume(session_id, actor=_actor(actor), reason=reason)
+    if as_json:
+        _print_json(rec.to_dict())
+        return
+    typer.echo(f"session {session_id} resumed by {_actor(actor)}; it is {rec.state} again")
+
+
+@sessions_app.command("revalidate")
+def sessions_revalidate(
+    ctx: typer.Context,
+    session_id: Annotated[str, typer.Argument(metavar="ID", help="The session to re-pin.")],
+    actor: ActorOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Pin a session to the current tool contracts, so calls to changed tools are accepted again (audited).
+
+    \f
+    With ``--app`` the session is pinned to the revisions that app registers; without it, to the newest
+    revision of each tool in the registry.
+    """
+    u = _open(ctx)
+    changed = u.sessions.revalidate(session_id, actor=_actor(actor))
+    if as_json:
+        _print_json({"session_id": session_id, "changed": changed})
+        return
+    if not changed:
+        typer.echo(f"session {session_id} was already pinned to the current contracts; nothing changed")
+        return
+    table = _Table(f"Session {session_id} re-pinned by {_actor(actor)}")
+    table.col("Tool")
+    table.col("From", justify="right")
+    table.col("To", justify="right")
+    for name, ch in sorted(changed.items()):
+        table.row(_txt(name), _txt(ch["from"]), _txt(ch["to"]))
+    _show(table)
+
+
+# -- approvals ------------------------------------------------------------------------------------
+
+
+ApprovalState = enum.Enum(  # type: ignore[misc]
+    "ApprovalState", {s: s for s in (*REQUEST_STATES, "all")}, type=str
+)
+
+
+def _approvals_table(recs: list[Any], *, title: str) -> _Table:
+    table = _Table(title)
+    table.col("Request", no_wrap=True, min_width=32)
+    table.col("Tool")
+    table.col("State", no_wrap=True)
+    table.col("Session", no_wrap=True, min_width=32, drop=4)
+    table.col("Proposed arguments")
+    table.col("Risk tags", drop=3)
+    table.col("Times out", no_wrap=True, drop=2)
+    for r in recs:
+        due = _duration(r.seconds_left) if r.state == "pending" else "-"
+        table.row(r.approval_request_id, _txt(r.tool_name), _state(r.state), r.session_id,
+                  _txt(_compact(r.proposed_args)), _txt(", ".join(r.risk_tags)), due)
+    return table
+
+
+@approvals_app.command("list")
+def approvals_list(
+    ctx: typer.Context,
+    state: Annotated[ApprovalState, typer.Option("--state", help="Requests in this state ('all' for every state).")]
+    = ApprovalState.pending,  # type: ignore[attr-defined]
+    session_id: Annotated[str | None, typer.Option("--session", help="Only this session's requests.")] = None,
+    tool: Annotated[str | None, typer.Option("--tool", help="Only requests for this tool.")] = None,
+    risk_tag: Annotated[str | None, typer.Option("--risk-tag", help="Only requests carrying this risk tag.")] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, help="At most this many, newest first.")] = 100,
+    as_json: JsonOpt = False,
+) -> None:
+    """List approval requests (pending ones by default), newest first."""
+    u = _open(ctx)
+    # Reading applies due timeouts first, so nothing past its deadline is shown (or decided) as pending.
+    u.approvals.expire_due()
+    recs = u.approvals.list(state=None if state.value == "all" else state.value, session_id=session_id,
+                            tool_name=tool, risk_tag=risk_tag, limit=limit)
+    if as_json:
+        _print_json([r.to_dict() for r in recs])
+        return
+    if not recs:
+        typer.echo("no approval requests" + ("" if state.value == "all" else f" in state {state.value}"))
+        return
+    _show(_approvals_table(recs, title=f"Approval requests ({len(recs)}, newest first)"))
+
+
+@approvals_app.command("show")
+def approvals_show(
+    ctx: typer.Context,
+    request_id: Annotated[str, typer.Argument(metavar="ID", help="The approval request id.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Show one approval request: the proposed call, why it needs a person, the agent's recent calls, its history."""
+    u = _open(ctx)
+    rec = u.approvals.get(request_id)
+    events = u.approvals.events(request_id)
+    if as_json:
+        _print_json({**rec.to_dict(), "events": [asdict(e) for e in events]})
+        return
+    con = _console()
+    due = _duration(rec.seconds_left) if rec.state == "pending" else "-"
+    con.print(_kv([
+        ("Request", rec.approval_request_id), ("State", _state(rec.state)),
+        ("Tool", f"{rec.tool_name} (revision {rec.tool_revision})"),
+        ("Session", rec.session_id), ("Call id", rec.call_id), ("Effect", rec.effect_id),
+        ("Why a person", rec.reason), ("Risk tags", ", ".join(rec.risk_tags)),
+        ("Proposed arguments", json.dumps(rec.proposed_args, indent=2, sort_keys=True, default=_jsonable)),
+        ("Approved arguments",
+         None if rec.approved_args is None else json.dumps(rec.approved_args, indent=2, sort_keys=True,
+                                                            default=_jsonable)),
+        ("Created (UTC)", _when(rec.created_at)), ("Times out (UTC)", f"{_when(rec.timeout_at)} {due}"),
+        ("Decided by", rec.decided_by), ("Decided (UTC)", _when(rec.decided_at)),
+        ("Decision reason", rec.decision_reason),
+    ]))
+    if rec.agent_context:
+        table = _Table("The agent's recent calls (oldest first)")
+        table.col("Tool")
+        table.col("Tier")
+        table.col("State")
+        table.col("Arguments")
+        for c in rec.agent_context:
+            table.row(_txt(c.get("tool_name")), _txt(c.get("tier")), _state(c.get("state")),
+                      _txt(_compact(c.get("args"), 100)))
+        _show(table, con)
+    if events:
+        table = _Table("History (audit events)")
+        table.col("Event", justify="right")
+        table.col("When (UTC)", no_wrap=True, drop=1)
+        table.col("Action")
+        table.col("Actor")
+        table.col("Details")
+        for e in events:
+            table.row(str(e.event_id), _when(e.created_at), _txt(e.action), _txt(e.actor),
+                      _txt(_compact(e.payload, 120)))
+        _show(table, con)
+
+
+def _decided(rec: Any, verb: str, as_json: bool) -> None:
+    if as_json:
+        _print_json(rec.to_dict())
+        return
+    typer.echo(f"{verb} request {rec.approval_request_id}: {rec.tool_name} in session {rec.session_id}")
+
+
+@approvals_app.command("approve")
+def approvals_approve(
+    ctx: typer.Context,
+    request_id: Annotated[str, typer.Argument(metavar="ID", help="The approval request id.")],
+    actor: ActorOpt = None,
+    reason: Annotated[str | None, typer.Option("--reason", help="Optional note, kept in the audit trail.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Approve the call as proposed; it runs once, when the agent re-issues it (same call_id)."""
+    u = _open(ctx)
+    rec = u.approvals.approve(request_id, approver=_actor(actor), reason=reason)
+    _decided(rec, "approved", as_json)
+    if not as_json:
+        typer.echo(f"the call runs when the agent re-issues it (call_id {rec.call_id})")
+
+
+@approvals_app.command("reject")
+def approvals_reject(
+    ctx: typer.Context,
+    request_id: Annotated[str, typer.Argument(metavar="ID", help="The approval request id.")],
+    reason: Annotated[str, typer.Option("--reason", help="Why (required; the agent and the audit trail see it).")],
+    actor: ActorOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Reject the call: it never runs, the session halts and its other pending requests are cancelled."""
+    u = _open(ctx)
+    rec = u.approvals.reject(request_id, approver=_actor(actor), reason=reason)
+    _decided(rec, "rejected", as_json)
+    if not as_json:
+        typer.echo(f"session {rec.session_id} is halted: roll it back or resume it once you have looked")
+
+
+@approvals_app.command("modify")
+def approvals_modify(
+    ctx: typer.Context,
+    request_id: Annotated[str, typer.Argument(metavar="ID", help="The approval request id.")],
+    args_text: Annotated[
+        str,
+        typer.Option("--args", metavar="JSON",
+                     help="The edited arguments as a JSON object (or @file.json); validated against the tool's schema."),
+    ],
+    merge: Annotated[
+        bool, typer.Option("--merge", help="Apply the given fields on top of the proposed arguments.")
+    ] = False,
+    actor: ActorOpt = None,
+    reason: Annotated[str | None, typer.Option("--reason", help="Optional note, kept in the audit trail.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Approve with edited arguments; a bad edit is refused and names the field."""
+    edited = _parse_args(args_text)
+    u = _open(ctx)
+    if merge:
+        edited = {**u.approvals.get(request_id).proposed_args, **edited}
+    rec = u.approvals.modify(request_id, approver=_actor(actor), args=edited, reason=reason)
+    _decided(rec, "approved with edits", as_json)
+    if not as_json:
+        typer.echo(f"approved arguments: {_compact(rec.approved_args, None)}")
+        typer.echo(f"the call runs with them when the agent re-issues it (call_id {rec.call_id})")
+
+
+def _parse_args(text: str) -> dict[str, Any]:
+    """Parse ``--args``: a JSON object, given inline or as ``@path``.
+
+    Args:
+        text: The option's value.
+
+    Returns:
+        The arguments as a dict.
+
+    Raises:
+        CliInputError: Unreadable file, invalid JSON (with its position) or not a JSON object.
+    """
+    source = "--args"
+    if text.startswith("@"):
+        path = Path(text[1:]).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise CliInputError(f"cannot read --args file {path}: {exc.strerror or exc}") from None
+        source = f"--args file {path}"
+    try:
+        value = json.loads(text, parse_float=decimal.Decimal)
+    except json.JSONDecodeError as exc:
+        raise CliInputError(
+            f"{source} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    if not isinstance(value, dict):
+        raise CliInputError(
+            f"{source} must be a JSON object of argument names to values, e.g. '{{\"amount\": 10}}'; "
+            f"got a JSON {type(value).__name__}"
+        )
+    return value
+
+
+# -- policy ---------------------------------------------------------------------------------------
+
+
+@policy_app.command("show")
+def policy_show(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """Show the organisation's approval policy."""
+    u = _open(ctx)
+    pol = u.policy.get()
+    if as_json:
+        _print_json(pol.to_dict())
+        return
+    _console().print(_kv([
+        ("approval_timeout_seconds", f"{pol.approval_timeout_seconds} ({_duration(pol.approval_timeout_seconds)[3:]})"),
+        ("auto_approve_on_timeout", str(pol.auto_approve_on_timeout).lower()),
+        ("context_calls", pol.context_calls),
+    ]))
+
+
+@policy_app.command("set")
+def policy_set(
+    ctx: typer.Context,
+    approval_timeout_seconds: Annotated[
+        int | None, typer.Option("--approval-timeout-seconds", metavar="N",
+                                 help="How long a new approval request waits for a person.")
+    ] = None,
+    auto_approve_on_timeout: Annotated[
+        str | None, typer.Option("--auto-approve-on-timeout", metavar="true|false",
+                                 help="On timeout: auto-approve (true) or fail closed (false, the default).")
+    ] = None,
+    context_calls: Annotated[
+        int | None, typer.Option("--context-calls", metavar="N",
+                                 help="How many recent calls go into an approval request's context.")
+    ] = None,
+    actor: ActorOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Change the organisation's approval policy (audited)."""
+    changes = {"approval_timeout_seconds": approval_timeout_seconds,
+               "auto_approve_on_timeout": auto_approve_on_timeout, "context_calls": context_calls}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if not changes:
+        raise CliInputError(
+            "nothing to change: give --approval-timeout-seconds, --auto-approve-on-timeout and/or --context-calls"
+        )
+    u = _open(ctx)
+    before = u.policy.get()
+    after = u.policy.set(actor=_actor(actor), **changes)
+    if as_json:
+        _print_json({"before": before.to_dict(), "after": after.to_dict()})
+        return
+    table = _Table(f"Policy changed by {_actor(actor)}")
+    table.col("Setting")
+    table.col("Before")
+    table.col("After")
+    for k, old in before.to_dict().items():
+        new = after.to_dict()[k]
+        style = "bold" if new != old else "dim"
+        table.row(Text(k, style=style), _txt(json.dumps(old)), Text(json.dumps(new), style=style))
+    _show(table)
+
+
+# -- recovery -------------------------------------------------------------------------------------
+
+
+@app.command("recover")
+def recover(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """Reconcile calls left in flight by crashed processes (needs --app for probes and compensations).
+
+    \f
+    Only effects whose owner is gone are touched, so running it next to live agents is safe, and several
+    ``recover`` runs at once handle each effect once. Exit code 1 when some effects could not be
+    reconciled (e.g. their tool is not in the loaded app) or went to the dead letter.
+    """
+    u = _open(ctx)
+    with _Progress("recovering", enabled=not as_json) as progress:
+        report = u.recover(progress=progress)
+    if as_json:
+        _print_json(report.to_dict())
+    else:
+        if report.reconciled:
+            table = _Table("Reconciled effects")
+            table.col("Effect", no_wrap=True, min_width=32)
+            table.col("Tool")
+            table.col("Outcome", no_wrap=True)
+            for r in report.reconciled:
+                table.row(r["effect_id"], _txt(r["tool_name"]), _state(r["outcome"]))
+            _show(table)
+        for sid in report.rollbacks_resumed:
+            typer.echo(f"resumed the interrupted rollback of session {sid}")
+        for eid in report.dead_lettered:
+            typer.echo(f"dead letter (needs a person): effect {eid}")
+        if report.left_alive:
+            typer.echo(f"left alone: {report.left_alive} call(s) still running in live processes")
+        if not (report.reconciled or report.rollbacks_resumed or report.errors or report.dead_lettered):
+            typer.echo("nothing to recover")
+    for err in report.errors:
+        typer.echo(f"not recovered: {err}", err=True)
+    if report.errors or report.dead_lettered:
+        raise typer.Exit(1)
+
+
+# -- audit ----------------------------------------------------------------------------------------
+
+
+@audit_app.command("verify")
+def audit_verify(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """Recompute the audit hash chain; exit code 1 when it was tampered with."""
+    u = _open(ctx)
+    report = u.verify_audit()
+    if as_json:
+        _print_json(asdict(report))
+    elif report.ok:
+        typer.echo(f"audit chain intact: {report.events_checked} event(s) checked")
+    if not report.ok:
+        typer.echo(
+            f"audit chain BROKEN at event {report.first_bad_event_id}: {report.problem} "
+            f"({report.events_checked} event(s) checked)",
+            err=True,
+        )
+        raise typer.Exit(1)
+
+
+# -- demo -----------------------------------------------------------------------------------------
+
+
+class Framework(enum.StrEnum):
+    langgraph = "langgraph"
+    crewai = "crewai"
+    semantic_kernel = "semantic-kernel"
+
+
+_DEMOS = {
+    Framework.langgraph: ("examples.support_agent.demo", "langgraph"),
+    Framework.crewai: ("examples.crewai_support_crew.demo", "crewai"),
+    Framework.semantic_kernel: ("examples.semantic_kernel_support.demo", "semantic-kernel"),
+}
+
+
+@app.command("demo")
+def demo(
+    framework: Annotated[Framework, typer.Option("--framework", help="Which agent framework runs the demo.")]
+    = Framework.langgraph,
+    reject: Annotated[bool, typer.Option("--reject", help="Reject the account deletion instead of approving it.")]
+    = False,
+    interactive: Annotated[
+        bool, typer.Option("--interactive", help="Ask you to decide the approval (langgraph only).")
+    ] = False,
+    model: Annotated[
+        str | None, typer.Option("--model", help="A real chat model instead of the scripted one (langgraph only).")
+    ] = None,
+    demo_db: Annotated[
+        str | None, typer.Option("--db", metavar="PATH", help="Keep the demo's SQLite database at PATH.")
+    ] = None,
+) -> None:
+    """Run the support-agent demo: a refund, a deletion that waits for approval, and a rollback.
+
+    \f
+    The demo modules live in ``examples/`` and pull in their framework; they are imported only here so
+    the rest of the CLI works without those extras.
+    """
+    module_name, extra = _DEMOS[framework]
+    if framework is not Framework.langgraph and (interactive or model):
+        raise CliInputError(f"--interactive and --model apply to the langgraph demo only, not {framework.value}")
+    try:
+        module = __import__(module_name, fromlist=["main"])
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"the {framework.value} demo cannot be loaded ({exc}); install it with: pip install 'undolog[{extra}]'"
+        ) from None
+    run = module.main
+    if framework is Framework.langgraph:
+        code = run(reject=reject, interactive=interactive, model=model, db_path=demo_db)
+    else:
+        kwargs: dict[str, Any] = {"reject": reject}
+        if demo_db is not None:
+            if "database_url" not in inspect.signature(run).parameters:
+                raise CliInputError(f"the {framework.value} demo does not take --db")
+            kwargs["database_url"] = demo_db if "://" in demo_db else f"sqlite:///{Path(demo_db).resolve()}"
+        code = run(**kwargs)
+    raise typer.Exit(int(code or 0))
+
+
+# -- the server's commands ------------------------------------------------------------------------
+
+
+def _register_server_commands() -> None:
+    # The server extra (FastAPI, uvicorn) is optional; its CLI module imports them lazily, but a missing
+    # or broken module must never take the core CLI down with it.
+    try:
+        from .server import cli as server_cli
+    except ImportError:
+        return
+    server_cli.register(app)
+
+
+_register_server_commands()
+
+
+def main() -> None:
+    """Entry point of the ``undolog`` console script."""
+    app(prog_name="undolog")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
