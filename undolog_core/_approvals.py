@@ -162,7 +162,11 @@ class ApprovalService:
         return _record(row)
 
     def find_for_call(self, session_id: str, tool_name: str, args: Mapping[str, Any]) -> ApprovalRecord | None:
-        """The newest request of this session for the same (tool, canonical arguments), proposed or approved."""
+        """The newest request of this session for the same (tool, canonical arguments), in any state.
+
+        Matches the proposed arguments or the approved (modified) ones; a rejected or timed-out request is
+        returned too, so an adapter can tell the agent the truth again.
+        """
         spec = self._u.registry.tools.get(tool_name)
         values = spec.snapshot(spec.validate(args)) if spec else dict(args)
         digest = sha256_hex(canonical_json(values))

@@ -228,7 +228,11 @@ class Engine:
                     "created_at": now,
                     "updated_at": now,
                 }
-                conn.execute(t.sessions.insert().values(**values))
+                try:
+                    with conn.begin_nested():
+                        conn.execute(t.sessions.insert().values(**values))
+                except IntegrityError:
+                    pass  # another process created it between our read and our insert: use theirs
                 row = conn.execute(sa.select(t.sessions).where(t.sessions.c.session_id == session_id)).one()
         return self.remember(row)
 
@@ -278,9 +282,19 @@ class Engine:
         sc.recent.append((spec.name, "safe", args, "done"))
 
     def intercept(
-        self, session_id: str, tool_name: str, args: Mapping[str, Any], *, call_id: str | None = None
+        self,
+        session_id: str,
+        tool_name: str,
+        args: Mapping[str, Any],
+        *,
+        call_id: str | None = None,
+        match_digest: bool = False,
     ) -> Decision:
         """Decide what happens to one tool call.
+
+        ``match_digest=True`` lets an IRREVERSIBLE call whose ``call_id`` is new pick up a waiting or approved
+        request of the same session for the same (tool, arguments): frameworks that mint new call ids on every
+        run (a new CrewAI kickoff) use it.
 
         Example:
             >>> d = undolog.engine.intercept("thread-1", "delete_user_account", {"user_id": "u1"}, call_id="c-7")
@@ -298,7 +312,7 @@ class Engine:
         args_json = jsonable(spec.snapshot(model))
         if spec.tier is COMPENSABLE:
             return self.intercept_compensable(session_id, spec, values, args_json, call_id)
-        return self.intercept_irreversible(session_id, spec, args_json, call_id)
+        return self.intercept_irreversible(session_id, spec, args_json, call_id, match_digest=match_digest)
 
     def _check_pin(self, sc: SessionCache, spec: ToolSpec) -> bool:
         pinned = sc.pins.get(spec.name)
@@ -386,6 +400,14 @@ class Engine:
             if call_id is None:
                 raise
             return self._existing(session_id, spec, call_id, digest)
+        except (SessionHalted, SessionClosed):
+            self._inflight.discard(effect_id)
+            sc.give_back(count - 1)
+            # A framework re-running a call that already ran gets its result, even on a halted session:
+            # telling the model "refused" would be a lie about what happened.
+            if call_id is not None and self._call_exists(session_id, call_id):
+                return self._existing(session_id, spec, call_id, digest)
+            raise
         except BaseException:
             self._inflight.discard(effect_id)
             sc.give_back(count - 1)
@@ -394,6 +416,14 @@ class Engine:
         sc.recent.append((spec.name, "compensable", args_json, "pending"))
         fault("after_prewrite")
         return Execute(effect_id, values, f"do-{effect_id}", COMPENSABLE, spec.name, call_id, session_id)
+
+    def _call_exists(self, session_id: str, call_id: str) -> bool:
+        with self.store.read() as conn:
+            return conn.execute(
+                sa.select(t.effect_log.c.effect_id).where(
+                    t.effect_log.c.session_id == session_id, t.effect_log.c.call_id == call_id
+                )
+            ).first() is not None
 
     def _existing(self, session_id: str, spec: ToolSpec, call_id: str, digest: str) -> Decision:
         """The same call_id again: the same decision or the stored result, never a second execution."""
@@ -407,7 +437,54 @@ class Engine:
             raise CallIdConflict(session_id, call_id, f"for tool {row.tool_name!r}, not {spec.name!r}")
         if row.args_digest != digest:
             raise CallIdConflict(session_id, call_id, "with different arguments")
+        if row.state == "released":
+            return self._reclaim(row, spec)
         return self._replay(row)
+
+    def _reclaim(self, row: Any, spec: ToolSpec) -> Decision:
+        """A call released by a framework's control flow (a LangGraph interrupt) is run again by its re-issue."""
+        now = utcnow()
+        self._inflight.add(row.effect_id)
+        try:
+            with self.store.tx() as conn:
+                res = conn.execute(
+                    t.effect_log.update()
+                    .where(t.effect_log.c.effect_id == row.effect_id, t.effect_log.c.state == "released")
+                    .values(state=row.released_from or "pending", owner=Owner.me(),
+                            lease_until=now + dt.timedelta(seconds=self.lease_seconds), updated_at=now)
+                )
+                if res.rowcount != 1:
+                    raise InvalidEffectState(f"call {row.call_id!r} was re-claimed by another caller")
+        except BaseException:
+            self._inflight.discard(row.effect_id)
+            raise
+        self._ensure_renewer()
+        args = spec.values(spec.validate(row.args_snapshot))
+        return Execute(row.effect_id, args, f"do-{row.effect_id}", spec.tier, spec.name, row.call_id, row.session_id)
+
+    def release(self, effect_id: str) -> None:
+        """Give an in-flight call back without an outcome, for a framework's control-flow exception.
+
+        The tool raised something like LangGraph's ``GraphInterrupt``: it did not fail, it will be re-run.
+        The effect stays on the undo stack (it may have half-happened) and recovery leaves it alone; the re-issued
+        call (same call_id) runs it again under the same effect id and idempotency key.
+        """
+        now = utcnow()
+        try:
+            with self.store.tx() as conn:
+                state = conn.execute(
+                    sa.select(t.effect_log.c.state).where(t.effect_log.c.effect_id == effect_id)
+                ).scalar()
+                if state is None:
+                    raise EffectNotFound(effect_id)
+                if state not in ("pending", "running"):
+                    raise InvalidEffectState(f"effect {effect_id} is {state}; only an in-flight call can be released")
+                conn.execute(
+                    t.effect_log.update().where(t.effect_log.c.effect_id == effect_id)
+                    .values(state="released", released_from=state, owner=None, lease_until=None, updated_at=now)
+                )
+        finally:
+            self._inflight.discard(effect_id)
 
     def _replay(self, row: Any) -> Decision:
         if row.state == "committed":
@@ -431,7 +508,7 @@ class Engine:
     # -- IRREVERSIBLE ------------------------------------------------------------------------------
 
     def intercept_irreversible(
-        self, session_id: str, spec: ToolSpec, args_json: Any, call_id: str | None
+        self, session_id: str, spec: ToolSpec, args_json: Any, call_id: str | None, *, match_digest: bool = False
     ) -> Decision:
         sc = self._sessions.get(session_id)
         if sc is None or not sc.persisted:
@@ -441,6 +518,8 @@ class Engine:
         digest = sha256_hex(args_canon)
         action_digest = spec.action_digest(args_canon)
         existing = self._find_irreversible(session_id, spec, call_id, digest, action_digest)
+        if existing is None and call_id is not None and match_digest:
+            existing = self._find_irreversible(session_id, spec, None, digest, action_digest)
         if existing is not None:
             return self._resume_irreversible(sc, spec, existing, digest)
         return self._request_approval(sc, spec, args_json, digest, action_digest, call_id, pin)
@@ -482,6 +561,8 @@ class Engine:
             return self._awaiting(spec, row, row.args_snapshot)
         if state == "approved":
             return self._claim_run(sc, spec, row)
+        if state == "released":
+            return self._reclaim(row, spec)
         if state == "rejected":
             raise ApprovalRejected(row.approval_request_id, row.decision_reason, row.decided_by)
         if state == "timed_out":

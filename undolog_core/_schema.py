@@ -49,6 +49,7 @@ EFFECT_STATES = (
     "compensated",
     "unknown",
     "dead_letter",
+    "released",
 )
 UNDO_STATES = ("armed", "compensating", "compensated", "compensation_failed")
 REQUEST_STATES = ("pending", "approved", "rejected", "timed_out", "auto_approved", "cancelled")
@@ -104,6 +105,7 @@ effect_log = sa.Table(
     sa.Column("owner", sa.String(200)),
     sa.Column("lease_until", UTCDateTime),
     sa.Column("recovery_attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("released_from", sa.String(32)),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("updated_at", UTCDateTime, nullable=False),
     sa.UniqueConstraint("session_id", "call_id", name="uq_undolog_effect_call"),

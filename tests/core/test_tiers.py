@@ -371,3 +371,59 @@ def test_schema_declared_tool_passes_on_only_given_arguments(undolog):
     assert isinstance(run, Execute) and run.args == {"account": "x"}
     with pytest.raises(ArgumentsInvalid, match="surprise"):
         undolog.engine.intercept("s", "close_account", {"account": "x", "surprise": 1})
+
+
+def test_rerun_of_a_completed_call_on_a_halted_session_returns_its_result(undolog):
+    world, tools = setup(undolog)
+    eng = undolog.engine
+    d = eng.intercept("t", "send_refund_email", {"user_id": "u1", "amount": 1}, call_id="a")
+    eng.complete(d.effect_id, {"ok": 1})
+    w = eng.intercept("t", "delete_user_account", {"user_id": "u1"}, call_id="b")
+    undolog.approvals.reject(w.approval_request_id, approver="ana", reason="no")
+    again = eng.intercept("t", "send_refund_email", {"user_id": "u1", "amount": 1}, call_id="a")
+    assert isinstance(again, Completed) and again.result == {"ok": 1}
+    with pytest.raises(SessionHalted):
+        eng.intercept("t", "send_refund_email", {"user_id": "u1", "amount": 1}, call_id="new")
+
+
+def test_released_call_is_left_by_recovery_and_rerun_by_its_reissue(undolog):
+    world, tools = setup(undolog)
+    eng = undolog.engine
+    d = eng.intercept("t", "send_refund_email", {"user_id": "u1", "amount": 1}, call_id="a")
+    eng.release(d.effect_id)  # the tool raised a framework interrupt
+    assert undolog.recover().reconciled == []
+    again = eng.intercept("t", "send_refund_email", {"user_id": "u1", "amount": 1}, call_id="a")
+    assert isinstance(again, Execute) and again.effect_id == d.effect_id and again.idempotency_key == d.idempotency_key
+    eng.complete(again.effect_id, {"ok": 2})
+    assert eng.intercept("t", "send_refund_email", {"user_id": "u1", "amount": 1}, call_id="a").result == {"ok": 2}
+    with pytest.raises(errors.InvalidEffectState):
+        eng.release(d.effect_id)
+
+
+def test_match_digest_picks_up_an_approved_call_under_a_new_call_id(undolog):
+    world, tools = setup(undolog)
+    eng = undolog.engine
+    w = eng.intercept("k", "delete_user_account", {"user_id": "u1"}, call_id="kickoff1-call")
+    undolog.approvals.approve(w.approval_request_id, approver="ana")
+    run = eng.intercept("k", "delete_user_account", {"user_id": "u1"}, call_id="kickoff2-call", match_digest=True)
+    assert isinstance(run, Execute) and run.effect_id == w.effect_id
+
+
+def test_concurrent_creation_of_one_session(db):
+    import threading
+
+    us = [db.open() for _ in range(4)]
+    errs = []
+
+    def create(u):
+        try:
+            u.engine.ensure_session("same")
+        except Exception as exc:  # noqa: BLE001
+            errs.append(exc)
+
+    threads = [threading.Thread(target=create, args=(u,)) for u in us]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errs == [] and us[0].sessions.get("same").state == "active"
