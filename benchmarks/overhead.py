@@ -1,0 +1,439 @@
+"""UndoLog overhead, as ratios measured in the same run.
+
+    .venv/bin/python benchmarks/overhead.py [--db sqlite|postgres|both] [--quick] [--pg-url URL]
+
+Two comparisons, each on SQLite (a file in a temp dir) and PostgreSQL (a fresh schema, dropped at the end):
+
+1. SAFE: ``await s.call(tool, **kw)`` (and ``s.call_sync``) against validating the same arguments with the
+   same pydantic model (``spec.args_model.model_validate``) and calling the function with the validated
+   values (``fn(**model.__dict__)``; awaited for the async tool, inside the same event loop). The tool bodies
+   are trivial, so this is the worst case for the ratio. Goal: at most 2x.
+2. COMPENSABLE: ``await s.call(tool, **kw)`` against one bare durable two-row commit on the same database
+   (a raw DB-API connection: sqlite3 in WAL with synchronous=FULL, or psycopg; two INSERTs into two small
+   tables, then COMMIT). Goal: at most 2.2x with the default durable commit mark, at most 1.3x with
+   ``UndoLog.open(url, fast_commit_mark=True)``.
+
+Machines are noisy, so the variants of a comparison are interleaved: every round runs one batch of each
+variant, in a shuffled order; a variant's figure is the median over rounds of its per-call mean; the ratio
+is median(variant) / median(baseline). The p25-p75 column shows the spread over rounds.
+
+It is a report: the exit status is 0 whatever the numbers (non-zero only if the benchmark itself breaks).
+``--quick`` is a smoke run for CI (well under 30 s for both databases).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import random
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from undolog_core import CompensationDescriptor, ToolTier, UndoLog, compensation, undolog_tool  # noqa: E402
+
+DEFAULT_PG_URL = os.environ.get("UNDOLOG_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+# -- the tools under test (trivial bodies: what is measured is UndoLog, not the tool) ---------------
+
+
+@undolog_tool(tier=ToolTier.SAFE)
+def bench_search(query: str, limit: int = 5) -> list[str]:
+    return [query]
+
+
+@undolog_tool(tier=ToolTier.SAFE)
+async def bench_asearch(query: str, limit: int = 5) -> list[str]:
+    return [query]
+
+
+@undolog_tool(tier=ToolTier.COMPENSABLE, compensation=CompensationDescriptor.new("bench_cancel_refund"))
+async def bench_refund(user_id: str, amount: int) -> dict[str, Any]:
+    return {"refund": user_id, "amount": amount}
+
+
+@undolog_tool(tier=ToolTier.COMPENSABLE, compensation=CompensationDescriptor.new("bench_cancel_refund"))
+def bench_refund_sync(user_id: str, amount: int) -> dict[str, Any]:
+    return {"refund": user_id, "amount": amount}
+
+
+@compensation("bench_cancel_refund")
+def bench_cancel_refund(ctx: Any) -> None:
+    return None
+
+
+TOOLS = (bench_search, bench_asearch, bench_refund, bench_refund_sync, bench_cancel_refund)
+SAFE_KW: dict[str, Any] = {"query": "refund policy", "limit": 3}
+COMP_KW: dict[str, Any] = {"user_id": "u1", "amount": 25}
+
+# -- measurement -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Variant:
+    name: str
+    run: Callable[[int], float]  # runs n calls, returns the seconds they took
+    baseline: str | None = None  # name of the variant this one is compared with
+    goal: float | None = None
+    samples: list[float] = field(default_factory=list)  # per-call seconds, one per round
+
+
+def measure(variants: list[Variant], *, rounds: int, batch: int, rng: random.Random) -> None:
+    for v in variants:  # warm-up: caches, prepared statements, pool connections, the lease thread
+        v.run(max(1, batch // 2))
+    for _ in range(rounds):
+        order = list(variants)
+        rng.shuffle(order)
+        for v in order:
+            gc.collect()
+            v.samples.append(v.run(batch) / batch)
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def quartiles(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 4:
+        return min(xs), max(xs)
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+@dataclass
+class Row:
+    db: str
+    group: str
+    variant: str
+    median_us: float
+    p25_us: float
+    p75_us: float
+    ratio: float | None
+    goal: float | None
+
+    @property
+    def verdict(self) -> str:
+        if self.goal is None or self.ratio is None:
+            return "baseline"
+        return "PASS" if self.ratio <= self.goal else "MISS"
+
+
+def rows_for(db: str, group: str, variants: list[Variant]) -> list[Row]:
+    med = {v.name: median(v.samples) for v in variants}
+    out = []
+    for v in variants:
+        lo, hi = quartiles(v.samples)
+        ratio = med[v.name] / med[v.baseline] if v.baseline else None
+        out.append(Row(db, group, v.name, med[v.name] * 1e6, lo * 1e6, hi * 1e6, ratio, v.goal))
+    return out
+
+
+# -- SAFE ------------------------------------------------------------------------------------------
+
+
+def safe_variants(u: UndoLog, loop: asyncio.AbstractEventLoop) -> list[Variant]:
+    s = u.session(agent_id="bench-safe")
+    sync_spec = u.tool_spec("bench_search")
+    async_spec = u.tool_spec("bench_asearch")
+    sync_validate, async_validate = sync_spec.args_model.model_validate, async_spec.args_model.model_validate
+    sync_fn, async_fn = bench_search, bench_asearch
+    kw = dict(SAFE_KW)
+
+    def direct_sync(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            sync_fn(**sync_validate(kw).__dict__)
+        return time.perf_counter() - t0
+
+    def undolog_sync(n: int) -> float:
+        call = s.call_sync
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call(sync_fn, **kw)
+        return time.perf_counter() - t0
+
+    async def _direct_async(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            await async_fn(**async_validate(kw).__dict__)
+        return time.perf_counter() - t0
+
+    async def _undolog_async(n: int) -> float:
+        call = s.call
+        t0 = time.perf_counter()
+        for _ in range(n):
+            await call(async_fn, **kw)
+        return time.perf_counter() - t0
+
+    return [
+        Variant("direct: validate + call (sync)", direct_sync),
+        Variant("s.call_sync (sync tool)", undolog_sync, "direct: validate + call (sync)", 2.0),
+        Variant("direct: validate + await (async)", lambda n: loop.run_until_complete(_direct_async(n))),
+        Variant(
+            "await s.call (async tool)",
+            lambda n: loop.run_until_complete(_undolog_async(n)),
+            "direct: validate + await (async)",
+            2.0,
+        ),
+    ]
+
+
+# -- COMPENSABLE -----------------------------------------------------------------------------------
+
+_BASE_DDL = (
+    "CREATE TABLE IF NOT EXISTS bench_effect (id VARCHAR(32) PRIMARY KEY, session_id VARCHAR(200) NOT NULL, "
+    "tool_name VARCHAR(200) NOT NULL, args TEXT NOT NULL, created_at TIMESTAMP NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS bench_undo (id VARCHAR(32) PRIMARY KEY, effect_id VARCHAR(32) NOT NULL, "
+    "args TEXT NOT NULL, created_at TIMESTAMP NOT NULL)",
+)
+
+
+class SqliteBaseline:
+    """One bare durable two-row commit: sqlite3, WAL, synchronous=FULL, same database file."""
+
+    def __init__(self, path: str) -> None:
+        self.con = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+        self.con.execute("PRAGMA journal_mode=WAL")
+        self.con.execute("PRAGMA synchronous=FULL")
+        for ddl in _BASE_DDL:
+            self.con.execute(ddl)
+        self.args = json.dumps(COMP_KW)
+
+    def run(self, n: int) -> float:
+        con, args = self.con, self.args
+        t0 = time.perf_counter()
+        for _ in range(n):
+            a, b = uuid.uuid4().hex, uuid.uuid4().hex
+            now = time.strftime("%Y-%m-%d %H:%M:%S")
+            con.execute("BEGIN")
+            con.execute(
+                "INSERT INTO bench_effect VALUES (?, ?, ?, ?, ?)", (a, "s1", "bench_refund", args, now)
+            )
+            con.execute("INSERT INTO bench_undo VALUES (?, ?, ?, ?)", (b, a, args, now))
+            con.execute("COMMIT")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.con.close()
+
+
+class PostgresBaseline:
+    """One bare durable two-row commit: psycopg, default synchronous_commit, same schema."""
+
+    def __init__(self, url: str, schema: str) -> None:
+        import psycopg
+
+        conninfo = url.replace("postgresql+psycopg://", "postgresql://", 1)
+        self.con = psycopg.connect(conninfo, options=f"-csearch_path={schema}")
+        with self.con.cursor() as cur:
+            for ddl in _BASE_DDL:
+                cur.execute(ddl)
+        self.con.commit()
+        self.args = json.dumps(COMP_KW)
+
+    def run(self, n: int) -> float:
+        import datetime as dt
+
+        con, args = self.con, self.args
+        t0 = time.perf_counter()
+        for _ in range(n):
+            a, b = uuid.uuid4().hex, uuid.uuid4().hex
+            now = dt.datetime.now()
+            with con.cursor() as cur:
+                cur.execute(
+                    "INSERT INTO bench_effect VALUES (%s, %s, %s, %s, %s)",
+                    (a, "s1", "bench_refund", args, now),
+                )
+                cur.execute("INSERT INTO bench_undo VALUES (%s, %s, %s, %s)", (b, a, args, now))
+            con.commit()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.con.close()
+
+
+def compensable_variants(
+    durable: UndoLog, fast: UndoLog, baseline: Any, loop: asyncio.AbstractEventLoop
+) -> list[Variant]:
+    sd = durable.session(agent_id="bench-durable")
+    sf = fast.session(agent_id="bench-fast")
+    ssync = durable.session(agent_id="bench-durable-sync")
+    kw = dict(COMP_KW)
+
+    def via_call(s: Any) -> Callable[[int], float]:
+        async def go(n: int) -> float:
+            call = s.call
+            t0 = time.perf_counter()
+            for _ in range(n):
+                await call(bench_refund, **kw)
+            return time.perf_counter() - t0
+
+        return lambda n: loop.run_until_complete(go(n))
+
+    def via_call_sync(n: int) -> float:
+        call = ssync.call_sync
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call(bench_refund_sync, **kw)
+        return time.perf_counter() - t0
+
+    base = "bare durable 2-row commit (DB-API)"
+    return [
+        Variant(base, baseline.run),
+        Variant("await s.call, durable commit mark", via_call(sd), base, 2.2),
+        Variant("s.call_sync, durable commit mark", via_call_sync, base, 2.2),
+        Variant("await s.call, fast_commit_mark=True", via_call(sf), base, 1.3),
+    ]
+
+
+# -- per database ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    safe_rounds: int
+    safe_batch: int
+    comp_rounds: int
+    comp_batch: int
+
+
+def bench_db(kind: str, plan: Plan, pg_url: str, rng: random.Random) -> list[Row]:
+    loop = asyncio.new_event_loop()
+    opened: list[UndoLog] = []
+    baseline: Any = None
+    tmp: tempfile.TemporaryDirectory[str] | None = None
+    schema: str | None = None
+    admin: Any = None
+    try:
+        if kind == "sqlite":
+            tmp = tempfile.TemporaryDirectory(prefix="undolog-bench-")
+            path = os.path.join(tmp.name, "bench.db")
+            url = f"sqlite:///{path}"
+        else:
+            import sqlalchemy as sa
+
+            schema = "bench_" + uuid.uuid4().hex[:12]
+            admin = sa.create_engine(pg_url, isolation_level="AUTOCOMMIT", pool_size=1)
+            with admin.connect() as c:
+                c.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+            url = pg_url
+        durable = UndoLog.open(url, schema=schema)
+        opened.append(durable)
+        fast = UndoLog.open(url, schema=schema, fast_commit_mark=True, migrate=False)
+        opened.append(fast)
+        for u in opened:
+            u.register(*TOOLS)
+        baseline = SqliteBaseline(path) if kind == "sqlite" else PostgresBaseline(pg_url, schema or "public")
+
+        safe = safe_variants(durable, loop)
+        measure(safe, rounds=plan.safe_rounds, batch=plan.safe_batch, rng=rng)
+        comp = compensable_variants(durable, fast, baseline, loop)
+        measure(comp, rounds=plan.comp_rounds, batch=plan.comp_batch, rng=rng)
+        return rows_for(kind, "SAFE", safe) + rows_for(kind, "COMPENSABLE", comp)
+    finally:
+        if baseline is not None:
+            baseline.close()
+        for u in opened:
+            try:
+                u.close()
+            except Exception:  # noqa: BLE001 - a report; cleanup problems must not hide the numbers
+                pass
+        loop.close()
+        if admin is not None:
+            with admin.connect() as c:
+                c.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+            admin.dispose()
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def print_table(rows: list[Row], plan: Plan, elapsed: float) -> None:
+    headers = ("db", "tier", "variant", "median us", "p25-p75 us", "ratio", "goal", "result")
+    body = []
+    for r in rows:
+        body.append(
+            (
+                r.db,
+                r.group,
+                r.variant,
+                f"{r.median_us:,.1f}",
+                f"{r.p25_us:,.1f}-{r.p75_us:,.1f}",
+                f"{r.ratio:.2f}x" if r.ratio is not None else "1.00x",
+                f"<= {r.goal:.1f}x" if r.goal is not None else "",
+                r.verdict,
+            )
+        )
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(headers)]
+    right = {3, 4, 5}
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    print(line(headers))
+    print("  ".join("-" * w for w in widths))
+    prev = None
+    for b in body:
+        if prev is not None and b[:2] != prev[:2]:
+            print()
+        print(line(b))
+        prev = b
+    misses = [r for r in rows if r.verdict == "MISS"]
+    passes = [r for r in rows if r.verdict == "PASS"]
+    print()
+    print(
+        f"{len(passes)} PASS, {len(misses)} MISS; SAFE {plan.safe_rounds} rounds x {plan.safe_batch} calls, "
+        f"COMPENSABLE {plan.comp_rounds} rounds x {plan.comp_batch} calls, interleaved; {elapsed:.1f} s. "
+        f"Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPU."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--db", choices=("sqlite", "postgres", "both"), default="both")
+    p.add_argument("--quick", action="store_true", help="a short smoke run (CI)")
+    p.add_argument("--pg-url", default=DEFAULT_PG_URL)
+    p.add_argument("--rounds", type=int, help="override the number of COMPENSABLE rounds")
+    p.add_argument("--seed", type=int, default=20240601)
+    args = p.parse_args(argv)
+    plan = (
+        Plan(safe_rounds=9, safe_batch=500, comp_rounds=7, comp_batch=5)
+        if args.quick
+        else Plan(safe_rounds=31, safe_batch=2000, comp_rounds=25, comp_batch=10)
+    )
+    if args.rounds:
+        plan.comp_rounds = args.rounds
+    rng = random.Random(args.seed)
+    kinds = ("sqlite", "postgres") if args.db == "both" else (args.db,)
+    rows: list[Row] = []
+    broken = False
+    t0 = time.perf_counter()
+    for kind in kinds:
+        try:
+            rows += bench_db(kind, plan, args.pg_url, rng)
+        except Exception as exc:  # noqa: BLE001 - report what could not be measured, keep the rest
+            broken = True
+            print(f"[{kind}] the benchmark could not run: {type(exc).__name__}: {exc}", file=sys.stderr)
+    if rows:
+        print_table(rows, plan, time.perf_counter() - t0)
+    # A report: missed goals do not fail the run; a benchmark that cannot run does (CI smoke).
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
