@@ -351,28 +351,31 @@ def wire_transactions(evs: list[Ev]) -> tuple[list[list[str]], list[str]]:
 
 
 def _one_transaction(evs: list[Ev], *, engine: str) -> dict[str, Any]:
-    """Assert ``evs`` (the test thread's events of one window) are exactly one committed transaction."""
+    """Assert ``evs`` (the test thread's events of one window) are exactly one committed transaction.
+
+    The hot path runs on the raw driver (SQLAlchemy sees nothing), so the wire is the authority; where
+    SQLAlchemy did issue statements, the wire must show exactly those and nothing hidden below them.
+    """
     t = tally(evs)
     where = "\n" + describe(evs)
     other = "fast" if engine == "durable" else "durable"
-    assert t[("sa", engine, "commit")] == 1, f"expected one commit on {engine}" + where
+    assert t[("sa", engine, "commit")] <= 1, f"more than one commit on {engine}" + where
     for level in ("sa", "wire"):
         assert t[(level, other, "commit")] == 0, f"{level}: unexpected commit on {other}" + where
         assert t[(level, engine, "rollback")] + t[(level, other, "rollback")] == 0, "rollback" + where
         assert t[(level, other, "stmt")] == 0 and t[(level, other, "begin")] == 0, (
             f"{level}: {other} used" + where
         )
-    assert t[("pool", engine, "checkout")] == 1 and t[("pool", other, "checkout")] == 0, (
-        "one connection" + where
-    )
-    conns = {e.conn for e in evs}
+    # A thread takes its hot-path connection from the pool once and keeps it.
+    assert t[("pool", engine, "checkout")] <= 1 and t[("pool", other, "checkout")] == 0, "one connection" + where
+    conns = {e.conn for e in evs if e.level == "wire"}
     assert len(conns) == 1, "all on one connection" + where
     done, left_open = wire_transactions(evs)
     assert len(done) == 1 and not left_open, "exactly one committed transaction on the wire" + where
     sa_stmts = [e.text for e in evs if e.level == "sa" and e.kind == "stmt"]
-    # Nothing hidden below SQLAlchemy (no savepoint, no pre-ping, no implicit statement).
-    assert len(done[0]) == len(sa_stmts), "driver-level statements differ from SQLAlchemy's" + where
-    return {"conn": conns.pop(), "statements": sa_stmts}
+    if sa_stmts:
+        assert len(done[0]) == len(sa_stmts), "driver-level statements differ from SQLAlchemy's" + where
+    return {"conn": conns.pop(), "statements": sa_stmts or done[0]}
 
 
 @pytest.mark.parametrize("fast_mark", [False, True], ids=["durable_mark", "fast_mark"])
@@ -410,19 +413,37 @@ async def test_compensable_call_one_durable_transaction_before_tool(
     prewrite = _one_transaction(pre, engine="durable")
     assert _durability(u, c, prewrite["conn"]), "the pre-write must be an fsynced commit"
     stmts = [st.lower() for st in prewrite["statements"]]
-    assert sum(st.count("insert into undolog_effect_log") for st in stmts) == 1, describe(pre)
-    assert sum(st.count("insert into undolog_undo_stack") for st in stmts) == 1, describe(pre)
+    if u.store.is_postgres and all(st.startswith("(") for st in stmts):
+        # libpq's trace shows a prepared statement only as Execute: the pre-write is one statement, one round
+        # trip; the rows it wrote are checked below.
+        assert len(stmts) == 1, describe(pre)
+    else:
+        assert sum(st.count("insert into undolog_effect_log") for st in stmts) == 1, describe(pre)
+        assert sum(st.count("insert into undolog_undo_stack") for st in stmts) == 1, describe(pre)
     assert not any(st.startswith("select") for st in stmts), (
         "a read before the tool costs a round trip\n" + describe(pre)
     )
     non_begin = [st for st in stmts if not st.startswith("begin")]
     assert len(non_begin) <= 3, "pre-write statement budget exceeded\n" + describe(pre)
 
-    # After the tool: exactly one transaction, the commit mark (fsynced unless fast_commit_mark).
-    mark = _one_transaction(post, engine="fast" if fast_mark else "durable")
-    assert _durability(u, c, mark["conn"]) is (not fast_mark)
-    mstmts = [st.lower() for st in mark["statements"] if not st.lower().startswith("begin")]
-    assert len(mstmts) == 1 and "update undolog_effect_log" in mstmts[0], describe(post)
+    if fast_mark:
+        # Fast mode: the caller pays nothing after the tool; the mark is queued for the flusher thread,
+        # which writes it in a batch that is not fsynced. Until then the effect stays leased and in flight.
+        assert [e for e in post if e.level in ("sa", "wire")] == [], describe(post)
+        assert u.engine._marks, "the commit mark was not queued"
+        c.mark("flush")
+        u.engine.flush_marks()
+        c.mark("flushed")
+        flushed = [e for e in c.window("flush", "flushed") if e.main]
+        mark = _one_transaction(flushed, engine="fast")
+        assert _durability(u, c, mark["conn"]) is False
+    else:
+        # After the tool: exactly one transaction, the commit mark, fsynced.
+        mark = _one_transaction(post, engine="durable")
+        assert _durability(u, c, mark["conn"]) is True
+        mstmts = [st.lower() for st in mark["statements"] if not st.lower().startswith("begin")]
+        assert len(mstmts) == 1, describe(post)
+        assert "update undolog_effect_log" in mstmts[0] or mstmts[0].startswith("("), describe(post)
 
     effects = u.sessions.effects(s.id)
     assert [(e["tool_name"], e["state"], e["undo_state"]) for e in effects] == [

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import collections
 import contextvars
-import itertools
 import datetime as dt
+import itertools
 import os
 import signal
 import threading
@@ -21,6 +21,7 @@ from sqlalchemy.exc import IntegrityError
 
 from . import _schema as t
 from ._audit import append_event, write_outbox
+from ._hotpath import HotPath
 from ._store import Owner, Store, new_id, utcnow
 from ._tools import ToolSpec, ToolTier, canonical_json, sha256_hex
 from .errors import (
@@ -51,6 +52,7 @@ def fault(point: str) -> None:
 
 
 WRITABLE = ("active", "awaiting_approval")
+MARK_FLUSH_SECONDS = 0.05
 SAFE = ToolTier.SAFE
 COMPENSABLE = ToolTier.COMPENSABLE
 
@@ -171,6 +173,12 @@ class Engine:
         self._renewer: threading.Thread | None = None
         self._stop = threading.Event()
         self._renew_lock = threading.Lock()
+        self.hot = HotPath(self.store)
+        # Fast mode: commit marks wait here for the flusher (a batch every MARK_FLUSH_SECONDS, not fsynced).
+        # Their effects stay in flight (leased, renewed) until the mark is written.
+        self._marks: collections.deque[tuple[str, Any, dt.datetime]] = collections.deque()
+        self._marks_lock = threading.Lock()
+        self._flusher: threading.Thread | None = None
 
     # -- session cache ---------------------------------------------------------------------------
 
@@ -237,7 +245,8 @@ class Engine:
         return self.remember(row)
 
     def flush_counts(self, session_id: str | None = None) -> None:
-        """Write the in-memory SAFE call counters (on session exit and close)."""
+        """Write the in-memory SAFE call counters (on session exit and close), and any deferred marks."""
+        self.flush_marks()
         targets = [self._sessions[session_id]] if session_id in self._sessions else []
         if session_id is None:
             targets = list(self._sessions.values())
@@ -353,47 +362,22 @@ class Engine:
             sc = self.ensure_session(session_id)
         pin = spec if self._check_pin(sc, spec) else None
         effect_id = new_id()
-        digest = sha256_hex(canonical_json(args_json))
+        args_text = canonical_json(args_json)
+        digest = sha256_hex(args_text)
         now = utcnow()
         count = sc.take_count() + 1
         assert spec.compensation is not None
         self._inflight.add(effect_id)
         try:
-            with self.store.tx() as conn:
-                self._guard(conn, sc, count, pin=pin)
-                conn.execute(
-                    t.effect_log.insert(),
-                    {
-                        "effect_id": effect_id,
-                        "session_id": session_id,
-                        "call_id": call_id or effect_id,
-                        "tool_name": spec.name,
-                        "tool_revision": spec.revision,
-                        "tier": "compensable",
-                        "state": "pending",
-                        "args_snapshot": args_json,
-                        "args_digest": digest,
-                        "owner": Owner.me(),
-                        "lease_until": now + dt.timedelta(seconds=self.lease_seconds),
-                        "recovery_attempts": 0,
-                        "created_at": now,
-                        "updated_at": now,
-                    },
-                )
-                conn.execute(
-                    t.undo_stack.insert(),
-                    {
-                        "effect_id": effect_id,
-                        "session_id": session_id,
-                        "compensation_name": spec.compensation.name,
-                        "compensation_version": spec.compensation.version,
-                        "args_snapshot": args_json,
-                        "state": "armed",
-                        "attempts": 0,
-                        "created_at": now,
-                        "updated_at": now,
-                    },
-                )
+            if pin is not None or not self.hot.prewrite(
+                session_id=session_id, count=count, effect_id=effect_id, call_id=call_id or effect_id,
+                tool_name=spec.name, revision=spec.revision, args_text=args_text, digest=digest, owner=Owner.me(),
+                lease=now + dt.timedelta(seconds=self.lease_seconds), now=now, comp=spec.compensation.name,
+                comp_version=spec.compensation.version,
+            ):
+                # Pinning a newly registered tool, or the session refused the write: the general path
+                # does the same transaction and raises the precise error.
+                self._prewrite_core(sc, spec, count, pin, effect_id, call_id, args_json, digest, now)
         except IntegrityError:
             self._inflight.discard(effect_id)
             sc.give_back(count - 1)
@@ -417,6 +401,47 @@ class Engine:
         fault("after_prewrite")
         return Execute(effect_id, values, f"do-{effect_id}", COMPENSABLE, spec.name, call_id, session_id)
 
+    def _prewrite_core(
+        self, sc: SessionCache, spec: ToolSpec, count: int, pin: ToolSpec | None, effect_id: str,
+        call_id: str | None, args_json: Any, digest: str, now: dt.datetime,
+    ) -> None:
+        assert spec.compensation is not None
+        with self.store.tx() as conn:
+            self._guard(conn, sc, count, pin=pin)
+            conn.execute(
+                t.effect_log.insert(),
+                {
+                    "effect_id": effect_id,
+                    "session_id": sc.session_id,
+                    "call_id": call_id or effect_id,
+                    "tool_name": spec.name,
+                    "tool_revision": spec.revision,
+                    "tier": "compensable",
+                    "state": "pending",
+                    "args_snapshot": args_json,
+                    "args_digest": digest,
+                    "owner": Owner.me(),
+                    "lease_until": now + dt.timedelta(seconds=self.lease_seconds),
+                    "recovery_attempts": 0,
+                    "created_at": now,
+                    "updated_at": now,
+                },
+            )
+            conn.execute(
+                t.undo_stack.insert(),
+                {
+                    "effect_id": effect_id,
+                    "session_id": sc.session_id,
+                    "compensation_name": spec.compensation.name,
+                    "compensation_version": spec.compensation.version,
+                    "args_snapshot": args_json,
+                    "state": "armed",
+                    "attempts": 0,
+                    "created_at": now,
+                    "updated_at": now,
+                },
+            )
+
     def _call_exists(self, session_id: str, call_id: str) -> bool:
         with self.store.read() as conn:
             return conn.execute(
@@ -427,6 +452,7 @@ class Engine:
 
     def _existing(self, session_id: str, spec: ToolSpec, call_id: str, digest: str) -> Decision:
         """The same call_id again: the same decision or the stored result, never a second execution."""
+        self.flush_marks()
         with self.store.read() as conn:
             row = conn.execute(
                 sa.select(t.effect_log).where(t.effect_log.c.session_id == session_id, t.effect_log.c.call_id == call_id)
@@ -756,7 +782,14 @@ class Engine:
         fault("after_tool")
         snapshot = jsonable(result)
         now = utcnow()
+        if self.fast_commit_mark:
+            self._marks.append((effect_id, snapshot, now))
+            fault("after_mark_queued")
+            self._ensure_flusher()
+            return
         try:
+            if self.hot.mark(effect_id, snapshot, now, fast=False):
+                return
             with self.store.tx(fast=self.fast_commit_mark) as conn:
                 res = conn.execute(
                     t.effect_log.update()
@@ -784,6 +817,7 @@ class Engine:
 
     def _record_failure(self, effect_id: str, error: BaseException | str) -> tuple[str, str, str]:
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self.flush_marks()
         now = utcnow()
         try:
             with self.store.tx() as conn:
@@ -888,8 +922,47 @@ class Engine:
             except Exception:  # noqa: BLE001 - a missed renewal is retried next period; leases are long
                 continue
 
+    def flush_marks(self) -> None:
+        """Write the deferred commit marks now (fast mode); readers in this process call it first."""
+        if not self._marks:
+            return
+        with self._marks_lock:
+            batch: list[tuple[str, Any, dt.datetime]] = []
+            while self._marks:
+                batch.append(self._marks.popleft())
+            if not batch:
+                return
+            try:
+                self.hot.mark_many(batch)
+            except BaseException:
+                self._marks.extendleft(reversed(batch))
+                raise
+            for effect_id, _, _ in batch:
+                self._inflight.discard(effect_id)
+
+    def _ensure_flusher(self) -> None:
+        if self._flusher is not None and self._flusher.is_alive():
+            return
+        with self._renew_lock:
+            if self._flusher is not None and self._flusher.is_alive():
+                return
+            self._stop.clear()
+            self._flusher = threading.Thread(target=self._flush_loop, name="undolog-marks", daemon=True)
+            self._flusher.start()
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(MARK_FLUSH_SECONDS):
+            try:
+                self.flush_marks()
+            except Exception:  # noqa: BLE001 - kept queued and retried; the effects stay leased meanwhile
+                continue
+
     def stop(self) -> None:
-        self._stop.set()
+        try:
+            self.flush_marks()
+        finally:
+            self._stop.set()
+            self.hot.close()
 
 
 def _lease_over(until: dt.datetime | None) -> bool:

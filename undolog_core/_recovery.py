@@ -64,6 +64,7 @@ class Recovery:
             [{'effect_id': '...', 'tool_name': 'send_refund_email', 'outcome': 'compensated'}]
         """
         report = RecoveryReport()
+        self._u.engine.flush_marks()
         store = self._u.store
         e, u = t.effect_log, t.undo_stack
         with store.read() as conn:

@@ -115,6 +115,7 @@ class Saga:
     # -- planning --------------------------------------------------------------------------------
 
     def _plan(self, session_id: str, only_effect: str | None = None) -> RollbackReport | list[_Entry]:
+        self._u.engine.flush_marks()
         store = self._u.store
         u, e = t.undo_stack, t.effect_log
         me = Owner.me()

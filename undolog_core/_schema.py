@@ -111,9 +111,18 @@ effect_log = sa.Table(
     sa.UniqueConstraint("session_id", "call_id", name="uq_undolog_effect_call"),
     sa.CheckConstraint(_in("tier", TIERS), name="ck_undolog_effect_tier"),
     sa.CheckConstraint(_in("state", EFFECT_STATES), name="ck_undolog_effect_state"),
+    # The effect id is the clustered key on SQLite: one B-tree less to write on every pre-write.
+    sqlite_with_rowid=False,
 )
-sa.Index("ix_undolog_effect_session", effect_log.c.session_id, effect_log.c.created_at)
-sa.Index("ix_undolog_effect_state", effect_log.c.state)
+# Only in-flight effects are indexed by state: recovery finds them without a scan, and a committed effect
+# leaves the index. Session lookups use the (session_id, call_id) unique index.
+_IN_FLIGHT = "state IN ('pending', 'running')"
+sa.Index(
+    "ix_undolog_effect_in_flight",
+    effect_log.c.state,
+    sqlite_where=sa.text(_IN_FLIGHT),
+    postgresql_where=sa.text(_IN_FLIGHT),
+)
 
 undo_stack = sa.Table(
     "undolog_undo_stack",

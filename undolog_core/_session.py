@@ -232,6 +232,7 @@ class SessionService:
     def effects(self, session_id: str) -> builtins.list[dict[str, Any]]:
         """The session's timeline: every logged effect, oldest first, with its undo entry."""
         self.get(session_id)
+        self._u.engine.flush_marks()
         e, u = t.effect_log, t.undo_stack
         with self._u.store.read() as conn:
             rows = conn.execute(

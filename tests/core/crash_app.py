@@ -89,7 +89,8 @@ def build(**kw: Any) -> UndoLog:
 
 def main(argv: list[str]) -> None:
     mode, session_id = argv[0], argv[1]
-    u = build(lease_seconds=float(os.environ.get("CRASH_LEASE", "30")))
+    u = build(lease_seconds=float(os.environ.get("CRASH_LEASE", "30")),
+              fast_commit_mark=bool(os.environ.get("CRASH_FAST_MARK")))
     s = u.session(session_id=session_id)
     if mode == "call":
         s.call_sync(argv[2], user_id="u1", call_id="c1")

@@ -245,3 +245,23 @@ def test_several_processes_expire_at_once_each_request_once(crash):
                              .where(t.approval_events.c.action == "timeout")).scalars().all()
     assert sorted(timeouts) == sorted(ids)
     assert u.verify_audit().ok  # concurrent appends never fork the chain
+
+
+def test_fast_mode_mark_lost_in_a_crash_is_reconciled_by_the_probe(crash):
+    code, _, err = crash("call", "s1", "send_probed", fault="after_mark_queued", extra={"CRASH_FAST_MARK": "1"})
+    assert code == -signal.SIGKILL, err
+    u = crash.app()
+    assert effect(u, session_id="s1")["state"] == "pending"  # the unflushed mark died with the process
+    assert u.recover().reconciled[0]["outcome"] == "committed"
+    assert log_of("cancel") == []
+
+
+def test_fast_mode_marks_are_written_by_the_flusher(crash):
+    u = crash.app(fast_commit_mark=True)
+    s = u.session(session_id="s1")
+    s.call_sync("send", user_id="u1", call_id="c1")
+    deadline = time.time() + 5
+    while effect(u, session_id="s1")["state"] != "committed" and time.time() < deadline:
+        time.sleep(0.02)
+    assert effect(u, session_id="s1")["state"] == "committed"
+    assert u.engine._inflight == set()

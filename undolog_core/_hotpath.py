@@ -1,0 +1,183 @@
+"""The COMPENSABLE hot path on the raw driver: SQL rendered once, one connection per thread.
+
+SQLAlchemy Core costs more per statement than the durable commit it wraps on a fast disk, and the pre-write and
+the commit mark run on every COMPENSABLE call. Everything else (rare paths, errors, pins) stays on Core.
+The values written are exactly what Core would write (same datetime text on SQLite, same JSON), so both paths
+read back alike.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sqlite3
+import threading
+from typing import Any
+
+from sqlalchemy.exc import IntegrityError
+
+from ._store import Store
+
+_EFFECT_COLS = (
+    "effect_id, session_id, call_id, tool_name, tool_revision, tier, state, args_snapshot, args_digest, owner, "
+    "lease_until, recovery_attempts, created_at, updated_at"
+)
+_UNDO_COLS = (
+    "effect_id, session_id, compensation_name, compensation_version, args_snapshot, state, attempts, created_at, "
+    "updated_at"
+)
+_WRITABLE = "state IN ('active', 'awaiting_approval')"
+
+_SQLITE_GUARD = (
+    f"UPDATE undolog_sessions SET tool_calls_total = tool_calls_total + ?, updated_at = ? "
+    f"WHERE session_id = ? AND {_WRITABLE}"
+)
+_SQLITE_EFFECT = (
+    f"INSERT INTO undolog_effect_log ({_EFFECT_COLS}) "
+    "VALUES (?, ?, ?, ?, ?, 'compensable', 'pending', ?, ?, ?, ?, 0, ?, ?)"
+)
+_SQLITE_UNDO = f"INSERT INTO undolog_undo_stack ({_UNDO_COLS}) VALUES (?, ?, ?, ?, ?, 'armed', 0, ?, ?)"
+_SQLITE_MARK = (
+    "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = ?, owner = NULL, lease_until = NULL, "
+    "updated_at = ? WHERE effect_id = ? AND state IN ('pending', 'running')"
+)
+
+# One statement, one round trip, one commit: the session check, the effect and its undo entry.
+_PG_PREWRITE = f"""
+WITH g AS (
+  UPDATE undolog_sessions SET tool_calls_total = tool_calls_total + %(count)s, updated_at = %(now)s
+  WHERE session_id = %(session_id)s AND {_WRITABLE} RETURNING session_id
+), e AS (
+  INSERT INTO undolog_effect_log ({_EFFECT_COLS})
+  SELECT %(effect_id)s, g.session_id, %(call_id)s, %(tool_name)s, %(revision)s, 'compensable', 'pending',
+         %(args)s::json, %(digest)s, %(owner)s, %(lease)s, 0, %(now)s, %(now)s FROM g
+  RETURNING effect_id, session_id
+)
+INSERT INTO undolog_undo_stack ({_UNDO_COLS})
+SELECT e.effect_id, e.session_id, %(comp)s, %(comp_version)s, %(args)s::json, 'armed', 0, %(now)s, %(now)s FROM e
+"""
+_PG_MARK = (
+    "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = %s::json, owner = NULL, "
+    "lease_until = NULL, updated_at = %s WHERE effect_id = %s AND state IN ('pending', 'running')"
+)
+
+
+def _sqlite_time(value: dt.datetime) -> str:
+    # The text SQLAlchemy's SQLite DateTime writes, from a naive UTC value.
+    return value.astimezone(dt.UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
+
+
+class HotPath:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.sqlite = not store.is_postgres
+        self._local = threading.local()
+        self._all: list[Any] = []
+        self._lock = threading.Lock()
+
+    def _conn(self, fast: bool) -> Any:
+        attr = "fast" if fast else "durable"
+        conn = getattr(self._local, attr, None)
+        if conn is None:
+            fairy = (self.store.fast if fast else self.store.engine).raw_connection()
+            # Detached: this thread keeps the connection for itself, outside the pool's accounting.
+            fairy.detach()
+            conn = fairy.dbapi_connection
+            assert conn is not None
+            if not self.sqlite:
+                conn.autocommit = True
+            setattr(self._local, attr, conn)
+            with self._lock:
+                self._all.append(conn)
+        return conn
+
+    def prewrite(
+        self,
+        *,
+        session_id: str,
+        count: int,
+        effect_id: str,
+        call_id: str,
+        tool_name: str,
+        revision: int,
+        args_text: str,
+        digest: str,
+        owner: str,
+        lease: dt.datetime,
+        now: dt.datetime,
+        comp: str,
+        comp_version: int,
+    ) -> bool:
+        """One durable transaction; False when the session does not accept writes (nothing written)."""
+        conn = self._conn(False)
+        try:
+            if self.sqlite:
+                now_s = _sqlite_time(now)
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    if conn.execute(_SQLITE_GUARD, (count, now_s, session_id)).rowcount != 1:
+                        conn.execute("ROLLBACK")
+                        return False
+                    conn.execute(
+                        _SQLITE_EFFECT,
+                        (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner,
+                         _sqlite_time(lease), now_s, now_s),
+                    )
+                    conn.execute(_SQLITE_UNDO, (effect_id, session_id, comp, comp_version, args_text, now_s, now_s))
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+                return True
+            cur = conn.execute(
+                _PG_PREWRITE,
+                {"count": count, "now": now, "session_id": session_id, "effect_id": effect_id, "call_id": call_id,
+                 "tool_name": tool_name, "revision": revision, "args": args_text, "digest": digest, "owner": owner,
+                 "lease": lease, "comp": comp, "comp_version": comp_version},
+            )
+            return bool(cur.rowcount == 1)
+        except (sqlite3.IntegrityError, _pg_integrity_error()) as exc:
+            raise IntegrityError("pre-write", None, exc) from exc
+
+    def mark(self, effect_id: str, result: Any, now: dt.datetime, *, fast: bool) -> bool:
+        """The commit mark as one autocommit UPDATE; False when the effect was not in flight."""
+        conn = self._conn(fast)
+        text = json.dumps(result)
+        if self.sqlite:
+            return bool(conn.execute(_SQLITE_MARK, (text, _sqlite_time(now), effect_id)).rowcount == 1)
+        return bool(conn.execute(_PG_MARK, (text, now, effect_id)).rowcount == 1)
+
+    def mark_many(self, marks: list[tuple[str, Any, dt.datetime]]) -> None:
+        """Deferred commit marks of fast mode, in one transaction that is not fsynced."""
+        conn = self._conn(True)
+        if self.sqlite:
+            rows = [(json.dumps(r), _sqlite_time(now), eid) for eid, r, now in marks]
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.executemany(_SQLITE_MARK, rows)
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            return
+        with conn.transaction():
+            conn.cursor().executemany(_PG_MARK, [(json.dumps(r), now, eid) for eid, r, now in marks])
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._all = self._all, []
+        for c in conns:
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001, S110 - closing at shutdown; nothing to do about a failure
+                pass
+
+
+def _pg_integrity_error() -> type[BaseException]:
+    try:
+        import psycopg
+    except ImportError:  # the [postgres] extra is not installed: SQLite only
+        return sqlite3.IntegrityError
+    return psycopg.IntegrityError
