@@ -785,7 +785,6 @@ def test_demo_exit_code_and_missing_extra(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_global_db_reaches_the_server_commands(db: Any) -> None:
-    pytest.importorskip("fastapi")
     db.open()
     before = dict(os.environ)
     created = run(db, "keys", "create", "--name", "ana", "--role", "approver")

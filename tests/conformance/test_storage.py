@@ -8,8 +8,7 @@ import threading
 import pytest
 import sqlalchemy as sa
 
-from undolog_core import UndoLog, errors
-from undolog_core import _migrate
+from undolog_core import UndoLog, _migrate, errors
 from undolog_core import _schema as t
 from undolog_core._audit import append_event
 from undolog_core._store import Store, utcnow
