@@ -498,6 +498,10 @@ class _Guard:
             return out.model_copy(update={"response_metadata": meta})
         return out
 
+    def released(self, run: _Run) -> None:
+        if run.execute.effect_id is not None:
+            self.u.engine.release(run.execute.effect_id)
+
     def failed(self, request: Any, run: _Run, exc: Exception) -> ToolMessage:
         d = run.execute
         if d.effect_id is None:
@@ -673,6 +677,9 @@ def _wrap(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
             try:
                 out = execute(req)
             except GraphBubbleUp:
+                # LangGraph control flow (an interrupt inside the tool): never a failure. The call is handed
+                # back without an outcome; LangGraph re-runs it on resume under the same call id and effect.
+                guard.released(step)
                 raise  # LangGraph control flow (an interrupt inside the tool): never a failure
             except Exception as exc:  # noqa: BLE001 - recorded, then re-raised or turned into the rollback message
                 return _remember(batch, call_id, guard.failed(request, step, exc))
@@ -710,6 +717,9 @@ async def _awrap(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> 
             try:
                 out = await execute(req)
             except GraphBubbleUp:
+                # LangGraph control flow (an interrupt inside the tool): never a failure. The call is handed
+                # back without an outcome; LangGraph re-runs it on resume under the same call id and effect.
+                guard.released(step)
                 raise
             except Exception as exc:  # noqa: BLE001
                 return _remember(batch, call_id, guard.failed(request, step, exc))

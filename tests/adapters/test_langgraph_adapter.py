@@ -336,6 +336,34 @@ def test_graph_interrupt_inside_a_tool_passes_through(undolog: Any, world: Suppo
     assert count(world, "send_refund_email") == 1
 
 
+def test_interrupt_inside_a_compensable_tool_runs_it_once_on_resume(undolog: Any, world: SupportWorld) -> None:
+    ran: list[str] = []
+
+    @lc_tool
+    def book_slot(day: str) -> dict:
+        """Book a call-back slot, after the customer confirms."""
+        answer = interrupt({"confirm": day})  # LangGraph re-runs the tool from the top on resume
+        ran.append(answer)
+        return {"booking": f"b-{day}-{answer}"}
+
+    model = ScriptedChatModel(scripts={"book": [[("book_slot", {"day": "mon"})]]})
+    tiers = {"book_slot": UndoLogPolicy(ToolTier.COMPENSABLE, compensation=lambda ctx: None)}
+    graph = create_agent(model, [book_slot], checkpointer=InMemorySaver(),
+                         middleware=[UndoLogMiddleware(undolog, tiers=tiers)])
+    c = cfg()
+    graph.invoke(user("book"), c)
+    assert graph.get_state(c).interrupts[0].value == {"confirm": "mon"}
+    sid = c["configurable"]["thread_id"]
+    [eff] = undolog.sessions.effects(sid)
+    assert eff["state"] == "released" and undolog.recover().reconciled == []  # paused, not crashed
+    out = graph.invoke(Command(resume="yes"), c)
+    assert tms(out, "book_slot")[0].status != "error"
+    assert ran == ["yes"]
+    [eff2] = undolog.sessions.effects(sid)
+    assert eff2["effect_id"] == eff["effect_id"] and eff2["state"] == "committed"
+    assert eff2["result_snapshot"] == {"booking": "b-mon-yes"}
+
+
 def test_third_party_tools_with_a_tier_mapping(undolog: Any, world: SupportWorld) -> None:
     undone: list[str] = []
 
