@@ -6,16 +6,18 @@ import collections
 import contextvars
 import datetime as dt
 import itertools
+import json
 import os
 import signal
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from pydantic_core import to_jsonable_python
+from pydantic_core import to_json, to_jsonable_python
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
@@ -32,6 +34,7 @@ from .errors import (
     ContractChanged,
     EffectNotFound,
     InvalidEffectState,
+    InvalidId,
     OutcomeUnknown,
     SessionClosed,
     SessionHalted,
@@ -44,6 +47,33 @@ if TYPE_CHECKING:
 
 # Named fault points for crash tests (DBOS style): the process SIGKILLs itself at that point.
 _FAULT = os.environ.get("UNDOLOG_FAULT")
+
+
+# Every live Engine of this process, by instance id: an owner string names the instance that runs an effect,
+# so a second UndoLog in the same process can tell a live call of the first from an abandoned one.
+_ENGINES: weakref.WeakValueDictionary[str, Engine] = weakref.WeakValueDictionary()
+
+
+def owner_alive(
+    owner: str | None, lease: dt.datetime | None, *, effect_id: str | None = None, undo_id: int | None = None
+) -> bool:
+    """Whether the owner of an in-flight effect (or undo step) may still be working on it."""
+    if not owner:
+        return False
+    parts = owner.split("|")
+    process, instance = "|".join(parts[:3]), parts[3] if len(parts) > 3 else ""
+    if process == Owner.me():
+        eng = _ENGINES.get(instance)
+        if eng is None:
+            return False  # that UndoLog of ours was closed: nobody will finish it
+        if effect_id is not None:
+            return effect_id in eng._inflight
+        if undo_id is not None:
+            return undo_id in eng._compensating
+        return lease is not None and lease > utcnow()
+    if Owner.is_dead_locally(process):
+        return False
+    return lease is not None and lease > utcnow()
 
 
 def fault(point: str) -> None:
@@ -154,8 +184,35 @@ class SessionCache:
             self.counter = itertools.count(current + n)
 
 
+MAX_ID_LENGTH = 200
+
+
+def check_id(what: str, value: Any) -> None:
+    """Ids are non-empty strings that fit their columns, checked before any I/O on both databases alike."""
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH or value != value.strip():
+        raise InvalidId(what, value, MAX_ID_LENGTH)
+
+
 def jsonable(value: Any) -> Any:
-    return to_jsonable_python(value, fallback=repr)
+    # NaN and infinities become "NaN"/"Infinity" strings: PostgreSQL's json refuses them, and both databases
+    # must store the same thing. Only the Python-mode converter is needed when no float is special.
+    out = to_jsonable_python(value, fallback=repr)
+    if _has_special_float(out):
+        return json.loads(to_json(value, fallback=repr, inf_nan_mode="strings"))
+    return out
+
+
+def _has_special_float(value: Any) -> bool:
+    if isinstance(value, float):
+        return value != value or value in (_INF, -_INF)
+    if isinstance(value, dict):
+        return any(_has_special_float(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_special_float(v) for v in value)
+    return False
+
+
+_INF = float("inf")
 
 
 class Engine:
@@ -174,6 +231,9 @@ class Engine:
         self._stop = threading.Event()
         self._renew_lock = threading.Lock()
         self.hot = HotPath(self.store)
+        self.instance = new_id()[:12]
+        self.owner = f"{Owner.me()}|{self.instance}"
+        _ENGINES[self.instance] = self
         # Fast mode: commit marks wait here for the flusher (a batch every MARK_FLUSH_SECONDS, not fsynced).
         # Their effects stay in flight (leased, renewed) until the mark is written.
         self._marks: collections.deque[tuple[str, Any, dt.datetime]] = collections.deque()
@@ -216,6 +276,7 @@ class Engine:
         sc = self._sessions.get(session_id)
         if sc is not None and sc.persisted:
             return sc
+        check_id("session_id", session_id)
         with self.store.tx() as conn:
             row = conn.execute(sa.select(t.sessions).where(t.sessions.c.session_id == session_id)).first()
             if row is None:
@@ -313,6 +374,9 @@ class Engine:
         spec = self._u.registry.tools.get(tool_name)
         if spec is None:
             raise ToolNotRegistered(tool_name)
+        check_id("session_id", session_id)
+        if call_id is not None:
+            check_id("call_id", call_id)
         model = spec.validate(args)
         values = spec.values(model)
         if spec.tier is SAFE:
@@ -371,7 +435,7 @@ class Engine:
         try:
             if pin is not None or not self.hot.prewrite(
                 session_id=session_id, count=count, effect_id=effect_id, call_id=call_id or effect_id,
-                tool_name=spec.name, revision=spec.revision, args_text=args_text, digest=digest, owner=Owner.me(),
+                tool_name=spec.name, revision=spec.revision, args_text=args_text, digest=digest, owner=self.owner,
                 lease=now + dt.timedelta(seconds=self.lease_seconds), now=now, comp=spec.compensation.name,
                 comp_version=spec.compensation.version,
             ):
@@ -420,7 +484,7 @@ class Engine:
                     "state": "pending",
                     "args_snapshot": args_json,
                     "args_digest": digest,
-                    "owner": Owner.me(),
+                    "owner": self.owner,
                     "lease_until": now + dt.timedelta(seconds=self.lease_seconds),
                     "recovery_attempts": 0,
                     "created_at": now,
@@ -476,7 +540,7 @@ class Engine:
                 res = conn.execute(
                     t.effect_log.update()
                     .where(t.effect_log.c.effect_id == row.effect_id, t.effect_log.c.state == "released")
-                    .values(state=row.released_from or "pending", owner=Owner.me(),
+                    .values(state=row.released_from or "pending", owner=self.owner,
                             lease_until=now + dt.timedelta(seconds=self.lease_seconds), updated_at=now)
                 )
                 if res.rowcount != 1:
@@ -516,9 +580,9 @@ class Engine:
         if row.state == "committed":
             return Completed(row.effect_id, row.result_snapshot, row.tool_name)
         if row.state in ("pending", "running"):
-            if row.owner == Owner.me() and row.effect_id in self._inflight:
+            if row.owner == self.owner and row.effect_id in self._inflight:
                 raise InvalidEffectState(f"call {row.call_id!r} ({row.tool_name}) is running right now")
-            if row.owner and Owner.is_dead_locally(row.owner) or _lease_over(row.lease_until):
+            if not owner_alive(row.owner, row.lease_until, effect_id=row.effect_id):
                 raise InvalidEffectState(
                     f"call {row.call_id!r} ({row.tool_name}) was interrupted by a crash; run `undolog recover` "
                     "before re-issuing it"
@@ -618,16 +682,17 @@ class Engine:
     def _claim_run(self, sc: SessionCache, spec: ToolSpec, row: Any) -> Decision:
         """Durably mark an approved call as running before it runs, so a crash is never followed by a blind re-run."""
         now = utcnow()
+        count = sc.take_count() + 1
         self._inflight.add(row.effect_id)
         try:
             with self.store.tx() as conn:
-                self._guard(conn, sc, sc.take_count() + 1, pin=None)
+                self._guard(conn, sc, count, pin=None)
                 res = conn.execute(
                     t.effect_log.update()
                     .where(t.effect_log.c.effect_id == row.effect_id, t.effect_log.c.state == "approved")
                     .values(
                         state="running",
-                        owner=Owner.me(),
+                        owner=self.owner,
                         lease_until=now + dt.timedelta(seconds=self.lease_seconds),
                         updated_at=now,
                     )
@@ -636,6 +701,7 @@ class Engine:
                     raise InvalidEffectState(f"call {row.call_id!r} was claimed by another caller")
         except BaseException:
             self._inflight.discard(row.effect_id)
+            sc.give_back(count - 1)
             raise
         self._ensure_renewer()
         args = row.approved_args if row.approved_args is not None else row.args_snapshot
@@ -808,7 +874,12 @@ class Engine:
         """
         policy, session_id, text = self._record_failure(effect_id, error)
         if policy == "rollback":
-            return self._u.saga.rollback_sync(session_id, reason=f"effect {effect_id} failed: {text}")
+            why = f"effect {effect_id} failed: {text}"
+            try:
+                return self._u.saga.rollback_sync(session_id, reason=why)
+            except Exception as exc:
+                self._u.saga.halt_unrolled(session_id, why, exc)
+                raise
         return None
 
     def record_failure(self, effect_id: str, error: BaseException | str) -> str:
@@ -904,7 +975,7 @@ class Engine:
             if not effects and not undos:
                 continue
             until = utcnow() + dt.timedelta(seconds=self.lease_seconds)
-            me = Owner.me()
+            me = self.owner
             try:
                 with self.store.tx(fast=True) as conn:
                     if effects:

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from . import _schema as t
-from ._engine import jsonable
-from ._saga import _alive, run_coro_blocking
-from ._store import Owner, utcnow
+from ._engine import jsonable, owner_alive
+from ._saga import run_coro_blocking
+from ._store import utcnow
 from .errors import UndoLogError
 
 if TYPE_CHECKING:
@@ -52,8 +52,10 @@ class Recovery:
     def __init__(self, undolog: UndoLog) -> None:
         self._u = undolog
 
-    def _dead(self, owner: str | None, lease: dt.datetime | None, effect_id: str | None) -> bool:
-        return not _alive(owner, lease, self._u, effect_id)
+    def _dead(
+        self, owner: str | None, lease: dt.datetime | None, effect_id: str | None = None, undo_id: int | None = None
+    ) -> bool:
+        return not owner_alive(owner, lease, effect_id=effect_id, undo_id=undo_id)
 
     def recover(self, progress: Callable[[int, int, str], None] | None = None) -> RecoveryReport:
         """Finish what crashed processes left in flight. Safe to run from several processes at once.
@@ -78,7 +80,7 @@ class Recovery:
             ).all()
         dead_effects = [r for r in effects if self._dead(r.owner, r.lease_until, r.effect_id)]
         report.left_alive = len(effects) - len(dead_effects)
-        dead_undos = [r for r in undos if self._dead(r.owner, r.lease_until, None)]
+        dead_undos = [r for r in undos if self._dead(r.owner, r.lease_until, undo_id=r.undo_id)]
         total = len(dead_effects) + len({r.session_id for r in dead_undos})
         done = 0
         rolled: set[str] = set()
@@ -113,7 +115,7 @@ class Recovery:
                 t.undo_stack.update()
                 .where(t.undo_stack.c.undo_id == r.undo_id, t.undo_stack.c.state == "compensating",
                        _same(t.undo_stack.c.owner, r.owner))
-                .values(owner=Owner.me(), lease_until=now + dt.timedelta(seconds=self._u.lease_seconds))
+                .values(owner=self._u.engine.owner, lease_until=now + dt.timedelta(seconds=self._u.lease_seconds))
             )
             return res.rowcount == 1
 
@@ -134,7 +136,7 @@ class Recovery:
                 return False
             res = conn.execute(
                 e.update().where(e.c.effect_id == r.effect_id, e.c.state == r.state, _same(e.c.owner, r.owner))
-                .values(owner=Owner.me(), lease_until=now + dt.timedelta(seconds=self._u.lease_seconds))
+                .values(owner=self._u.engine.owner, lease_until=now + dt.timedelta(seconds=self._u.lease_seconds))
             )
             if res.rowcount != 1:
                 return False

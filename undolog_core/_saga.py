@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import datetime as dt
 import inspect
 import threading
@@ -15,8 +16,8 @@ import sqlalchemy as sa
 
 from . import _schema as t
 from ._audit import append_event
-from ._engine import fault, jsonable
-from ._store import Owner, utcnow
+from ._engine import fault, jsonable, owner_alive
+from ._store import utcnow
 from .errors import (
     CompensationNotFound,
     CompensationVersionMismatch,
@@ -95,6 +96,8 @@ class _Entry:
     effect_state: str
     attempts: int
     fn: Callable[..., Any]
+    seen_state: str = "armed"
+    seen_owner: str | None = None
 
 
 class Saga:
@@ -111,6 +114,13 @@ class Saga:
 
     def __init__(self, undolog: UndoLog) -> None:
         self._u = undolog
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def _lock_for(self, session_id: str) -> threading.Lock:
+        # One walk per session in this process; across processes the claims' compare-and-swap decides.
+        with self._locks_guard:
+            return self._locks.setdefault(session_id, threading.Lock())
 
     # -- planning --------------------------------------------------------------------------------
 
@@ -118,7 +128,6 @@ class Saga:
         self._u.engine.flush_marks()
         store = self._u.store
         u, e = t.undo_stack, t.effect_log
-        me = Owner.me()
         with store.tx() as conn:
             sess = conn.execute(
                 store.for_update(sa.select(t.sessions).where(t.sessions.c.session_id == session_id))
@@ -141,13 +150,15 @@ class Saga:
             for r in rows:
                 if r.effect_id == only_effect:
                     pass  # recovery holds this effect's claim itself
-                elif r.effect_state in ("pending", "running") and _alive(r.effect_owner, r.effect_lease, self._u, r.effect_id):
+                elif r.effect_state in ("pending", "running") and owner_alive(
+                    r.effect_owner, r.effect_lease, effect_id=r.effect_id
+                ):
                     raise InvalidSessionState(
                         f"session {session_id!r}: call {r.effect_id} ({r.tool_name}) is still running; "
                         "roll back after it ends"
                     )
-                if r.state == "compensating" and r.owner != me and _alive(r.owner, r.lease_until, self._u, None):
-                    raise InvalidSessionState(f"session {session_id!r} is being rolled back by another process")
+                if r.state == "compensating" and owner_alive(r.owner, r.lease_until, undo_id=r.undo_id):
+                    raise InvalidSessionState(f"session {session_id!r} is being rolled back right now")
                 comp = self._u.registry.compensations.get(r.compensation_name)
                 if comp is None:
                     # Checked for every entry before anything runs: a missing compensation changes nothing.
@@ -161,7 +172,7 @@ class Saga:
                 entries.append(
                     _Entry(r.undo_id, r.effect_id, r.tool_name, r.compensation_name, r.compensation_version,
                            r.args_snapshot, r.result_snapshot if r.effect_state == "committed" else None,
-                           r.effect_state, r.attempts, fn)
+                           r.effect_state, r.attempts, fn, r.state, r.owner)
                 )
             else:
                 mismatch = None
@@ -170,14 +181,21 @@ class Saga:
         return entries
 
     def _claim(self, entry: _Entry) -> None:
+        """Compare-and-swap on what the plan saw: two rollbacks of one session never run a compensation twice."""
         now = utcnow()
+        u = t.undo_stack
+        owner_is = u.c.owner.is_(None) if entry.seen_owner is None else u.c.owner == entry.seen_owner
         with self._u.store.tx() as conn:
-            conn.execute(
-                t.undo_stack.update()
-                .where(t.undo_stack.c.undo_id == entry.undo_id, t.undo_stack.c.state != "compensated")
-                .values(state="compensating", owner=Owner.me(),
+            res = conn.execute(
+                u.update()
+                .where(u.c.undo_id == entry.undo_id, u.c.state == entry.seen_state, owner_is)
+                .values(state="compensating", owner=self._u.engine.owner,
                         lease_until=now + dt.timedelta(seconds=self._u.lease_seconds), updated_at=now)
             )
+            if res.rowcount != 1:
+                raise InvalidSessionState(
+                    f"undo entry {entry.undo_id} ({entry.compensation_name}) was taken by a concurrent rollback"
+                )
         self._u.engine._compensating.add(entry.undo_id)
         self._u.engine._ensure_renewer()
 
@@ -264,6 +282,20 @@ class Saga:
         progress: Callable[[int, int, RollbackStep], None] | None = None,
         only_effect: str | None = None,
     ) -> RollbackReport:
+        lock = self._lock_for(session_id)
+        with lock:
+            return self._rollback_sync(session_id, reason=reason, actor=actor, progress=progress,
+                                       only_effect=only_effect)
+
+    def _rollback_sync(
+        self,
+        session_id: str,
+        *,
+        reason: str | None,
+        actor: str,
+        progress: Callable[[int, int, RollbackStep], None] | None,
+        only_effect: str | None,
+    ) -> RollbackReport:
         plan = self._plan(session_id, only_effect)
         if isinstance(plan, RollbackReport):
             return plan
@@ -301,6 +333,23 @@ class Saga:
         reason: str | None = None,
         actor: str = "undolog",
         progress: Callable[[int, int, RollbackStep], None] | None = None,
+    ) -> RollbackReport:
+        lock = self._lock_for(session_id)
+        # A task must not block its event loop on a thread lock: poll for it instead.
+        while not lock.acquire(blocking=False):
+            await asyncio.sleep(0.005)
+        try:
+            return await self._rollback_async(session_id, reason=reason, actor=actor, progress=progress)
+        finally:
+            lock.release()
+
+    async def _rollback_async(
+        self,
+        session_id: str,
+        *,
+        reason: str | None,
+        actor: str,
+        progress: Callable[[int, int, RollbackStep], None] | None,
     ) -> RollbackReport:
         plan = self._plan(session_id)
         if isinstance(plan, RollbackReport):
@@ -345,6 +394,15 @@ class Saga:
         report.halted_reason = why
         return False
 
+    def halt_unrolled(self, session_id: str, why: str, error: BaseException) -> None:
+        """The policy asked for a rollback that could not run (a call still in flight, a missing compensation):
+        the session must not carry on as if nothing failed, so it halts for a person."""
+        try:
+            with self._u.store.tx() as conn:
+                self._u.engine.halt(conn, session_id, f"{why}; the rollback could not run: {error}")
+        except Exception as exc:  # noqa: BLE001 - the caller is already raising the user's exception
+            error.add_note(f"undolog: could not halt session {session_id} either: {exc}")
+
     def undo_plan(self, session_id: str) -> list[dict[str, Any]]:
         """Which compensations would run, in order, if the session rolled back now."""
         u, e = t.undo_stack, t.effect_log
@@ -357,16 +415,6 @@ class Saga:
                 .order_by(u.c.undo_id.desc())
             ).all()
         return [dict(r._mapping) for r in rows]
-
-
-def _alive(owner: str | None, lease: dt.datetime | None, undolog: UndoLog, effect_id: str | None) -> bool:
-    if not owner:
-        return False
-    if owner == Owner.me():
-        return effect_id is not None and effect_id in undolog.engine._inflight
-    if Owner.is_dead_locally(owner):
-        return False
-    return lease is not None and lease > utcnow()
 
 
 def _call_sync(fn: Callable[..., Any], ctx: Any) -> Any:
@@ -383,10 +431,12 @@ def run_coro_blocking(coro: Any) -> Any:
     except RuntimeError:
         return asyncio.run(coro)
     box: dict[str, Any] = {}
+    # The worker thread runs in a copy of the caller's context, so current_call() still answers in the tool.
+    ctx = contextvars.copy_context()
 
     def runner() -> None:
         try:
-            box["v"] = asyncio.run(coro)
+            box["v"] = ctx.run(asyncio.run, coro)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             box["e"] = exc
 

@@ -139,6 +139,7 @@ class Session:
             exc.add_note(f"undolog: session {self.id} rolled back ({_summary(report)})")
         except Exception as rb:  # noqa: BLE001 - the user's exception wins; the rollback problem is noted on it
             exc.add_note(f"undolog: rollback of session {self.id} failed: {rb}")
+            self._u.saga.halt_unrolled(self.id, reason, rb)
 
     def _rollback_noting_sync(self, exc: BaseException, reason: str) -> None:
         try:
@@ -146,6 +147,7 @@ class Session:
             exc.add_note(f"undolog: session {self.id} rolled back ({_summary(report)})")
         except Exception as rb:  # noqa: BLE001
             exc.add_note(f"undolog: rollback of session {self.id} failed: {rb}")
+            self._u.saga.halt_unrolled(self.id, reason, rb)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 

@@ -173,7 +173,7 @@ class Owner:
     def is_dead_locally(owner: str) -> bool:
         """True when the owner is a process on this host that no longer exists; False if alive or elsewhere."""
         try:
-            host, pid_s, ticks = owner.split("|", 2)
+            host, pid_s, ticks = owner.split("|")[:3]
             pid = int(pid_s)
         except ValueError:
             return False

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, cast
 
 import pydantic
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, create_model
 from pydantic_core import to_jsonable_python
 
@@ -271,7 +272,9 @@ def build_args_model(name: str, fn: Callable[..., Any] | None, schema: Any = Non
         if k in hints:
             fields[k] = (hints[k], fields[k][1])
     model: type[BaseModel] = create_model(
-        f"{name}_args", __config__=ConfigDict(extra="forbid", arbitrary_types_allowed=True), **fields
+        f"{name}_args",
+        __config__=ConfigDict(extra="forbid", arbitrary_types_allowed=True, ser_json_inf_nan="strings"),
+        **fields,
     )
     return model
 
@@ -311,7 +314,7 @@ def _model_from_json_schema(name: str, schema: Mapping[str, Any]) -> type[BaseMo
         fields[pname] = (py, ...) if pname in required else (py | None, None)
     extra: Literal["allow", "forbid"] = "allow" if schema.get("additionalProperties", False) else "forbid"
     model: type[BaseModel] = create_model(
-        f"{name}_args", __config__=ConfigDict(extra=extra, strict=False), **fields
+        f"{name}_args", __config__=ConfigDict(extra=extra, strict=False, ser_json_inf_nan="strings"), **fields
     )
     model.__undolog_json_schema__ = dict(schema)  # type: ignore[attr-defined]
     return model
@@ -329,7 +332,9 @@ def json_schema_of(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def canonical_json(value: Any) -> str:
-    return json.dumps(to_jsonable_python(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    # allow_nan=False: a NaN must have been turned into a string before (see _engine.jsonable), never stored raw.
+    return json.dumps(to_jsonable_python(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False)
 
 
 def sha256_hex(text: str) -> str:
@@ -382,7 +387,18 @@ class ToolSpec:
         return model.model_dump(exclude_unset=True) if self.sparse else model.__dict__.copy()
 
     def snapshot(self, model: BaseModel) -> dict[str, Any]:
-        return model.model_dump(mode="json", exclude_unset=self.sparse)
+        """The arguments as JSON, as logged for undo and approval; refused clearly when they have no JSON form."""
+        try:
+            return model.model_dump(mode="json", exclude_unset=self.sparse)
+        except pydantic_core.PydanticSerializationError:
+            bad = []
+            for fname in model.model_fields_set | set(type(model).model_fields):
+                try:
+                    model.model_dump(mode="json", include={fname})
+                except pydantic_core.PydanticSerializationError as exc:
+                    bad.append({"loc": [fname], "msg": f"has no JSON form to log for undo or approval ({exc})",
+                                "type": "not_serializable"})
+            raise ArgumentsInvalid(self.name, bad or [{"loc": [], "msg": "arguments have no JSON form"}]) from None
 
     def validate(self, args: Mapping[str, Any]) -> BaseModel:
         try:

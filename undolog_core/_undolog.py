@@ -9,7 +9,7 @@ from typing import Any
 
 from ._approvals import ApprovalService
 from ._audit import AuditReport, verify
-from ._engine import Engine
+from ._engine import Engine, check_id
 from ._policy import PolicyService
 from ._recovery import Recovery, RecoveryReport
 from ._registry import Registry, declaration_for
@@ -145,6 +145,8 @@ class UndoLog:
         """
         if on_failure not in ("rollback", "continue"):
             raise ConfigurationError(f"on_failure must be 'rollback' or 'continue', got {on_failure!r}")
+        if session_id is not None:
+            check_id("session_id", session_id)
         sid = session_id or new_id()
         sc = self.engine.cached(sid)
         if sc is None or not sc.persisted:

@@ -127,6 +127,22 @@ class InvalidSessionState(UndoLogError):
     http_status = 409
 
 
+class InvalidId(UndoLogError):
+    """A session_id or call_id that is empty, not a string, padded with spaces, or too long."""
+
+    code = "invalid_id"
+    http_status = 422
+
+    def __init__(self, what: str, value: object, max_length: int) -> None:
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        super().__init__(
+            f"{what} must be a non-empty string of at most {max_length} characters without surrounding spaces; "
+            f"got {shown}",
+            field=what,
+        )
+        self.field = what
+
+
 class CallIdConflict(UndoLogError):
     """A call_id reused in the same session with other arguments or another tool."""
 
