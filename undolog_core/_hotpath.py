@@ -74,6 +74,7 @@ class HotPath:
         self._local = threading.local()
         self._all: list[Any] = []
         self._lock = threading.Lock()
+        self.write_lock = store.write_lock
 
     def _conn(self, fast: bool) -> Any:
         attr = "fast" if fast else "durable"
@@ -113,23 +114,9 @@ class HotPath:
         try:
             if self.sqlite:
                 now_s = _sqlite_time(now)
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    if conn.execute(_SQLITE_GUARD, (count, now_s, session_id)).rowcount != 1:
-                        conn.execute("ROLLBACK")
-                        return False
-                    conn.execute(
-                        _SQLITE_EFFECT,
-                        (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner,
-                         _sqlite_time(lease), now_s, now_s),
-                    )
-                    conn.execute(_SQLITE_UNDO, (effect_id, session_id, comp, comp_version, args_text, now_s, now_s))
-                    conn.execute("COMMIT")
-                except BaseException:
-                    if conn.in_transaction:
-                        conn.execute("ROLLBACK")
-                    raise
-                return True
+                with self.write_lock:
+                    return self._sqlite_prewrite(conn, now_s, session_id, count, effect_id, call_id, tool_name,
+                                                 revision, args_text, digest, owner, lease, comp, comp_version)
             cur = conn.execute(
                 _PG_PREWRITE,
                 {"count": count, "now": now, "session_id": session_id, "effect_id": effect_id, "call_id": call_id,
@@ -140,12 +127,35 @@ class HotPath:
         except (sqlite3.IntegrityError, _pg_integrity_error()) as exc:
             raise IntegrityError("pre-write", None, exc) from exc
 
+    def _sqlite_prewrite(
+        self, conn: Any, now_s: str, session_id: str, count: int, effect_id: str, call_id: str, tool_name: str,
+        revision: int, args_text: str, digest: str, owner: str, lease: dt.datetime, comp: str, comp_version: int,
+    ) -> bool:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if conn.execute(_SQLITE_GUARD, (count, now_s, session_id)).rowcount != 1:
+                conn.execute("ROLLBACK")
+                return False
+            conn.execute(
+                _SQLITE_EFFECT,
+                (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner,
+                 _sqlite_time(lease), now_s, now_s),
+            )
+            conn.execute(_SQLITE_UNDO, (effect_id, session_id, comp, comp_version, args_text, now_s, now_s))
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        return True
+
     def mark(self, effect_id: str, result: Any, now: dt.datetime, *, fast: bool) -> bool:
         """The commit mark as one autocommit UPDATE; False when the effect was not in flight."""
         conn = self._conn(fast)
         text = json.dumps(result)
         if self.sqlite:
-            return bool(conn.execute(_SQLITE_MARK, (text, _sqlite_time(now), effect_id)).rowcount == 1)
+            with self.write_lock:
+                return bool(conn.execute(_SQLITE_MARK, (text, _sqlite_time(now), effect_id)).rowcount == 1)
         return bool(conn.execute(_PG_MARK, (text, now, effect_id)).rowcount == 1)
 
     def mark_many(self, marks: list[tuple[str, Any, dt.datetime]]) -> None:
@@ -153,14 +163,15 @@ class HotPath:
         conn = self._conn(True)
         if self.sqlite:
             rows = [(json.dumps(r), _sqlite_time(now), eid) for eid, r, now in marks]
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                conn.executemany(_SQLITE_MARK, rows)
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
+            with self.write_lock:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    conn.executemany(_SQLITE_MARK, rows)
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
             return
         with conn.transaction():
             conn.cursor().executemany(_PG_MARK, [(json.dumps(r), now, eid) for eid, r, now in marks])

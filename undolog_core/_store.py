@@ -56,6 +56,10 @@ class Store:
         self.dialect = "sqlite" if self.url.startswith("sqlite") else "postgresql"
         if self.dialect == "sqlite" and self.schema:
             raise ConfigurationError("schema= applies to PostgreSQL only")
+        # SQLite has one writer at a time and its busy handler waits by sleeping (a millisecond or more):
+        # this process's own writers queue on a lock instead, which hands over at once. Re-entrant, because
+        # a write may be nested in another on the same thread (never across threads).
+        self.write_lock: Any = threading.RLock() if self.dialect == "sqlite" else _NoLock()
         self.engine = self._make_engine(durable=True, pool_size=pool_size)
         self.fast = self._make_engine(durable=False, pool_size=2)
 
@@ -89,8 +93,12 @@ class Store:
             @event.listens_for(eng, "begin")
             def _begin(conn: Connection) -> None:
                 # IMMEDIATE takes the write lock up front, so two writers queue on busy_timeout
-                # instead of failing when a read transaction tries to upgrade.
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
+                # instead of failing when a read transaction tries to upgrade. Reads stay deferred:
+                # in WAL mode they never wait for a writer.
+                if conn.get_execution_options().get("undolog_read"):
+                    conn.exec_driver_sql("BEGIN")
+                else:
+                    conn.exec_driver_sql("BEGIN IMMEDIATE")
 
             return eng
         connect_args: dict[str, Any] = {}
@@ -111,12 +119,12 @@ class Store:
 
     @contextmanager
     def tx(self, *, fast: bool = False) -> Iterator[Connection]:
-        with (self.fast if fast else self.engine).begin() as conn:
+        with self.write_lock, (self.fast if fast else self.engine).begin() as conn:
             yield conn
 
     @contextmanager
     def read(self) -> Iterator[Connection]:
-        with self.engine.connect() as conn:
+        with self.engine.connect().execution_options(undolog_read=True) as conn:
             yield conn
             conn.rollback()
 
@@ -134,6 +142,14 @@ class Store:
     def dispose(self) -> None:
         self.engine.dispose()
         self.fast.dispose()
+
+
+class _NoLock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 # -- process identity, used for leases -------------------------------------------------------------
