@@ -1,0 +1,159 @@
+"""Real server processes: `keys create`, `serve`, and two servers sharing one database's timeouts."""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import sqlalchemy as sa
+
+from undolog_core import ApprovalPending
+from undolog_core import _schema as core
+from undolog_core.server.state import sql_engine_of
+from undolog_core.server.store import ServerStore
+
+from . import demo_app
+from .receiver import Receiver
+
+HERE = Path(__file__).resolve().parent
+
+
+def _env(db: Any) -> dict[str, str]:
+    env = {**os.environ, **db.env}
+    # --app imports demo_app as a top-level module from this folder.
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parents[1]), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _cli(db: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "undolog_core.server", *args], env=_env(db), capture_output=True,
+                          text=True, timeout=60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn(db: Any, log: Path, *extra: str, cli: list[str] | None = None,
+           app: str = "demo_app:register") -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    with open(log, "wb") as fh:  # a file, not a pipe: an unread pipe would stall a chatty server
+        proc = subprocess.Popen(
+            [*(cli or [sys.executable, "-m", "undolog_core.server"]), "serve", "--port", str(port),
+             "--log-level", "warning", "--app", app, *extra],
+            env=_env(db), stdout=subprocess.DEVNULL, stderr=fh,
+        )
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_up(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {log.read_text()}")
+        try:
+            if httpx.get(url + "/v1/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise RuntimeError(f"server did not come up: {log.read_text()}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def test_keys_create_prints_the_key_once(db: Any) -> None:
+    r = _cli(db, "keys", "create", "--role", "approver", "--name", "ana", "--group", "billing")
+    assert r.returncode == 0, r.stderr
+    token = r.stdout.strip()
+    assert token.startswith("ulk_") and "shown only now" in r.stderr
+    u = db.open()
+    key = ServerStore(sql_engine_of(u)).authenticate(token)
+    assert key is not None and key.name == "ana" and key.roles == {"approver"} and key.groups == {"billing"}
+    listed = _cli(db, "keys", "list")
+    assert "ana" in listed.stdout and token.split("_", 2)[2] not in listed.stdout
+    bad = _cli(db, "keys", "create", "--role", "root", "--name", "x")
+    assert bad.returncode == 2 and "roles" in bad.stderr
+
+
+def test_two_servers_handle_each_timeout_once(db: Any, tmp_path: Path) -> None:
+    u = db.open()
+    demo_app.register(u)
+    store = ServerStore(sql_engine_of(u))
+    receiver = Receiver().start()
+    target = store.create_target("audit", f"{receiver.url}/audit", event_types=["approval.timed_out"])
+    receiver.secrets["/audit"] = target.secret
+    u.policy.set(actor="test", approval_timeout_seconds=1)
+    n = 40
+    ids = []
+    for i in range(n):
+        s = u.session(agent_id=f"bot-{i}")
+        try:
+            s.call_sync("delete_user_account", user_id=f"u{i}", call_id="c")
+        except ApprovalPending as p:
+            ids.append(p.approval_request_id)
+    time.sleep(1.1)  # every request is due before the servers start, so both race for all of them
+    procs = []
+    try:
+        # Both start at once, so both sweepers race for the same due requests.
+        for i in range(2):
+            procs.append((*_spawn(db, tmp_path / f"server{i}.log", "--sweep-interval", "0.02"), tmp_path / f"server{i}.log"))
+        for proc, url, log in procs:
+            _wait_up(proc, url, log)
+        receiver.wait(lambda: len(receiver.events("/audit")) >= n, timeout=60)
+        time.sleep(1.0)  # a double delivery would arrive by now
+        for rid in ids:
+            assert u.approvals.get(rid).state == "timed_out"
+        ev = core.approval_events
+        ob = core.outbox
+        with sql_engine_of(u).connect() as conn:
+            timeouts = collections.Counter(
+                conn.execute(sa.select(ev.c.approval_request_id).where(ev.c.action == "timeout")).scalars()
+            )
+            announced = conn.execute(sa.select(ob.c.payload).where(ob.c.event_type == "approval.timed_out")).scalars()
+            announced_ids = collections.Counter(p["approval_request_id"] for p in announced)
+        assert timeouts == {rid: 1 for rid in ids}
+        assert announced_ids == {rid: 1 for rid in ids}
+        delivered = collections.Counter(g.body["data"]["approval_request_id"] for g in receiver.events("/audit"))
+        assert delivered == {rid: 1 for rid in ids}
+        assert all(g.signature_ok for g in receiver.events("/audit"))
+        assert u.verify_audit().ok
+    finally:
+        for proc, _, _ in procs:
+            _stop(proc)
+        receiver.stop()
+
+
+def test_undolog_serve_with_the_apps_own_undolog(db: Any, tmp_path: Path) -> None:
+    """`undolog --db X serve --app module:factory`: the factory's UndoLog serves, so its compensations run."""
+    u = db.open()
+    demo_app.register(u)
+    _, token = ServerStore(sql_engine_of(u)).create_key("ops", ["admin"])
+    s = u.session(agent_id="bot")
+    with s:
+        s.call_sync("send_refund_email", user_id="u1", amount=3.0, call_id="m1")
+    undolog_cli = str(Path(sys.executable).with_name("undolog"))
+    log = tmp_path / "serve.log"
+    proc, url = _spawn(db, log, cli=[undolog_cli, "--db", db.url], app="demo_app:make_undolog")
+    try:
+        _wait_up(proc, url, log)
+        r = httpx.post(f"{url}/v1/sessions/{s.id}:rollback", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert [st["outcome"] for st in r.json()["steps"]] == ["compensated"]
+    finally:
+        _stop(proc)

@@ -1,0 +1,151 @@
+"""The tool proxy: TOML contracts, forwarding, 202 + Retry-After, exactly-once after approval."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from undolog_core import errors
+from undolog_core.server.proxy import ProxyTools
+
+from .conftest import Desk, make_desk, problem
+from .upstream import Upstream
+
+
+@pytest.fixture
+def upstream() -> Iterator[Upstream]:
+    u = Upstream().start()
+    yield u
+    u.stop()
+
+
+@pytest.fixture
+def proxy(db: Any, upstream: Upstream, tmp_path: Path) -> Iterator[Desk]:
+    cfg = tmp_path / "tools.toml"
+    cfg.write_text(upstream.config())
+    d = make_desk(db, proxy_config=str(cfg))
+    yield d
+    d.close()
+
+
+def new_session(d: Desk, who: str = "agent") -> str:
+    r = d.client(who).post("/v1/sessions", json={"agent_id": "http-agent"})
+    assert r.status_code == 201, r.text
+    return r.json()["session_id"]
+
+
+def invoke(d: Desk, sid: str, tool: str, args: dict[str, Any], key: str | None = None, who: str = "agent") -> Any:
+    headers = {"Idempotency-Key": key} if key else {}
+    return d.client(who).post(f"/v1/sessions/{sid}/tools/{tool}:invoke", json=args, headers=headers)
+
+
+def test_config_becomes_registered_contracts(proxy: Desk) -> None:
+    tools = {t["name"]: t for t in proxy.client("agent").get("/v1/tools").json()}
+    assert tools["refund"]["proxied"] and tools["refund"]["tier"] == "compensable"
+    assert tools["close_account"]["tier"] == "irreversible" and tools["close_account"]["fingerprint"]
+    spec = proxy.undolog.tool_spec("close_account")
+    assert spec.risk_tags == ("pii",) and spec.reason.startswith("Closes")
+
+
+def test_bad_configs_are_refused() -> None:
+    with pytest.raises(errors.ConfigurationError, match="compensation_url"):
+        ProxyTools.load({"tools": {"x": {"tier": "compensable", "url": "http://127.0.0.1:1/x"}}})
+    with pytest.raises(errors.ConfigurationError, match="tier"):
+        ProxyTools.load({"tools": {"x": {"tier": "risky", "url": "http://127.0.0.1:1/x"}}})
+    with pytest.raises(errors.ConfigurationError, match="url"):
+        ProxyTools.load({"tools": {"x": {"tier": "safe"}}})
+
+
+def test_safe_and_compensable_are_forwarded_and_rolled_back(proxy: Desk, upstream: Upstream) -> None:
+    sid = new_session(proxy)
+    r = invoke(proxy, sid, "lookup_order", {"order_id": "o1"})
+    assert r.status_code == 200 and r.json()["echo"] == {"order_id": "o1"}
+    r = invoke(proxy, sid, "refund", {"order_id": "o1", "amount": 5}, key="refund-1")
+    assert r.status_code == 200 and r.headers["UndoLog-Replayed"] == "false"
+    [(body, key)] = upstream.to("/refund")
+    assert body == {"order_id": "o1", "amount": 5} and key.startswith("do-")
+    # The same Idempotency-Key replays the stored response instead of refunding twice.
+    again = invoke(proxy, sid, "refund", {"order_id": "o1", "amount": 5}, key="refund-1")
+    assert again.status_code == 200 and again.headers["UndoLog-Replayed"] == "true"
+    assert again.json() == r.json() and len(upstream.to("/refund")) == 1
+    problem(invoke(proxy, sid, "refund", {"order_id": "o1", "amount": "five"}), 422, "arguments_invalid")
+    rb = proxy.client("agent").post(f"/v1/sessions/{sid}:rollback").json()
+    assert [s["outcome"] for s in rb["steps"]] == ["compensated"]
+    [(cbody, ckey)] = upstream.to("/refund/cancel")
+    assert ckey == f"undo-{rb['steps'][0]['undo_id']}"
+    assert cbody["args"] == {"order_id": "o1", "amount": 5} and cbody["result"]["path"] == "/refund"
+
+
+def test_irreversible_waits_then_runs_once_with_the_approved_args(proxy: Desk, upstream: Upstream) -> None:
+    sid = new_session(proxy)
+    r = invoke(proxy, sid, "close_account", {"account": "acc-1", "notify": True}, key="close-1")
+    assert r.status_code == 202, r.text
+    assert int(r.headers["Retry-After"]) >= 1
+    rid = r.json()["approval_request_id"]
+    assert r.headers["Location"] == f"/v1/approvals/{rid}"
+    again = invoke(proxy, sid, "close_account", {"account": "acc-1", "notify": True}, key="close-1")
+    assert again.status_code == 202 and again.json()["approval_request_id"] == rid
+    assert upstream.to("/close") == []
+    ok = proxy.client("approver").post(f"/v1/approvals/{rid}:modify", json={"args": {"account": "acc-1", "notify": False}})
+    assert ok.status_code == 200, ok.text
+    done = invoke(proxy, sid, "close_account", {"account": "acc-1", "notify": True}, key="close-1")
+    assert done.status_code == 200 and done.json()["echo"] == {"account": "acc-1", "notify": False}
+    replay = invoke(proxy, sid, "close_account", {"account": "acc-1", "notify": True}, key="close-1")
+    assert replay.status_code == 200 and replay.headers["UndoLog-Replayed"] == "true"
+    assert len(upstream.to("/close")) == 1
+
+
+def test_irreversible_without_idempotency_key_is_matched_by_arguments(proxy: Desk, upstream: Upstream) -> None:
+    sid = new_session(proxy)
+    args = {"account": "acc-2", "notify": True}
+    rid = invoke(proxy, sid, "close_account", args).json()["approval_request_id"]
+    assert invoke(proxy, sid, "close_account", args).json()["approval_request_id"] == rid
+    proxy.client("approver").post(f"/v1/approvals/{rid}:approve", json={})
+    assert invoke(proxy, sid, "close_account", args).status_code == 200
+    assert len(upstream.to("/close")) == 1
+
+
+def test_rejection_is_403_with_the_reason(proxy: Desk, upstream: Upstream) -> None:
+    sid = new_session(proxy)
+    args = {"account": "acc-3", "notify": True}
+    rid = invoke(proxy, sid, "close_account", args, key="k").json()["approval_request_id"]
+    proxy.client("approver").post(f"/v1/approvals/{rid}:reject", json={"reason": "customer called back"})
+    body = problem(invoke(proxy, sid, "close_account", args, key="k"), 403, "approval_rejected")
+    assert "customer called back" in body["detail"] and body["reason"] == "customer called back"
+    assert upstream.to("/close") == []
+    # The rejection halted the session: writes are refused until a person resumes it.
+    problem(invoke(proxy, sid, "refund", {"order_id": "o", "amount": 1}), 409, "session_halted")
+
+
+def test_upstream_failure_is_502_and_rolls_the_session_back(proxy: Desk, upstream: Upstream) -> None:
+    sid = new_session(proxy)
+    assert invoke(proxy, sid, "refund", {"order_id": "o9", "amount": 9}).status_code == 200
+    upstream.fail.add("/flaky")
+    body = problem(invoke(proxy, sid, "flaky", {}), 502, "upstream_error")
+    assert body["upstream_status"] == 500
+    assert [s["tool_name"] for s in body["rollback"]["steps"]][-1] == "refund"
+    assert len(upstream.to("/refund/cancel")) == 1
+
+
+def test_only_the_owner_invokes_and_only_proxied_tools(proxy: Desk) -> None:
+    sid = new_session(proxy)
+    problem(invoke(proxy, sid, "lookup_order", {"order_id": "o"}, who="agent2"), 404, "session_not_found")
+    problem(invoke(proxy, sid, "search_kb", {"query": "x"}), 404, "tool_not_proxied")
+    problem(invoke(proxy, "nope", "lookup_order", {"order_id": "o"}), 404, "session_not_found")
+
+
+
+def test_probe_endpoint_answers_recoverys_question(proxy: Desk, upstream: Upstream) -> None:
+    from undolog_core import ProbeContext
+
+    probe = proxy.undolog.tool_spec("close_account").probe
+    ctx = ProbeContext(args={"account": "done"}, idempotency_key="do-e1", effect_id="e1", session_id="s",
+                       tool_name="close_account")
+    assert probe(ctx) == {"status_code": 200, "body": {"closed": True}, "media_type": "application/json"}
+    assert probe(ProbeContext(args={"account": "nope"}, idempotency_key="do-e2", effect_id="e2", session_id="s",
+                              tool_name="close_account")) is False
+    [(body, _)] = upstream.to("/close/status")[:1]
+    assert body == {"tool": "close_account", "args": {"account": "done"}, "idempotency_key": "do-e1"}

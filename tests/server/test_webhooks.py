@@ -1,0 +1,164 @@
+"""Webhooks from the outbox: signatures, retries with backoff, delivery log, routing, escalation."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from undolog_core.server.state import ServerSettings
+from undolog_core.server.webhooks import sign, verify_signature
+
+from .conftest import Desk, make_desk
+from .receiver import Receiver
+
+FAST = dict(background=True, sweep_interval=0.05, webhook_interval=0.02, webhook_backoff_base=0.05,
+            webhook_backoff_max=0.2, webhook_timeout=1.0, webhook_max_attempts=4)
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver().start()
+    yield r
+    r.stop()
+
+
+@pytest.fixture
+def live(db: Any) -> Iterator[Desk]:
+    d = make_desk(db, settings=ServerSettings(**FAST))
+    yield d
+    d.close()
+
+
+def hook(desk: Desk, receiver: Receiver, name: str, **kw: Any) -> dict[str, Any]:
+    r = desk.client("admin").post("/v1/webhooks", json={"name": name, "url": f"{receiver.url}/{name}", **kw})
+    assert r.status_code == 201, r.text
+    receiver.secrets[f"/{name}"] = r.json()["secret"]
+    return r.json()
+
+
+def test_signature_roundtrip() -> None:
+    body = b'{"a":1}'
+    header = sign("s3cret-s3cret-s3cret", 1_700_000_000, body)
+    assert verify_signature("s3cret-s3cret-s3cret", header, body, now=1_700_000_010)
+    assert not verify_signature("s3cret-s3cret-s3cret", header, body + b" ", now=1_700_000_010)
+    assert not verify_signature("other", header, body, now=1_700_000_010)
+    assert not verify_signature("s3cret-s3cret-s3cret", header, body, now=1_700_001_000)  # stale
+    assert not verify_signature("x", "garbage", body)
+
+
+def test_signed_events_for_request_decision_and_rollback(live: Desk, receiver: Receiver) -> None:
+    hook(live, receiver, "all")
+    rid, sid = live.pending()
+    receiver.wait(lambda: any(g.event_type == "approval.requested" for g in receiver.events()))
+    live.client("approver").post(f"/v1/approvals/{rid}:reject", json={"reason": "no"})
+    live.client("admin").post(f"/v1/sessions/{sid}:rollback")
+    want = {"approval.requested", "approval.decided", "session.halted", "session.rolled_back"}
+    receiver.wait(lambda: want <= {g.event_type for g in receiver.events()})
+    got = receiver.events()
+    assert all(g.signature_ok for g in got)
+    requested = next(g for g in got if g.event_type == "approval.requested")
+    assert requested.body["type"] == "approval.requested"
+    assert requested.body["data"]["approval_request_id"] == rid
+    assert requested.body["data"]["risk_tags"] == ["pii"]
+    decided = next(g for g in got if g.event_type == "approval.decided")
+    assert decided.body["data"]["approval_request_id"] == rid
+    # Each event is delivered once.
+    assert len({g.delivery_id for g in got}) == len(got)
+
+
+def test_retries_with_backoff_and_a_delivery_log(live: Desk, receiver: Receiver) -> None:
+    target = hook(live, receiver, "flaky")
+    receiver.fail_first["/flaky"] = 2
+    live.pending()
+    receiver.wait(lambda: len(receiver.events("/flaky")) == 1)
+    attempts = [g for g in receiver.got if g.event_type == "approval.requested"]
+    assert [g.answered for g in attempts] == [500, 500, 200]
+    assert all(g.signature_ok for g in attempts)
+    assert len({g.delivery_id for g in attempts}) == 1
+    log = live.client("admin").get(f"/v1/webhooks/{target['target_id']}/deliveries").json()
+    mine = [d for d in log if d["event_type"] == "approval.requested"]
+    assert mine[0]["status"] == "delivered" and mine[0]["attempts"] == 3 and mine[0]["last_status_code"] == 200
+
+
+def test_a_dead_receiver_is_given_up_and_never_blocks_decisions(live: Desk, receiver: Receiver) -> None:
+    target = live.client("admin").post("/v1/webhooks", json={"name": "dead", "url": "http://127.0.0.1:9/gone"}).json()
+    stalled = hook(live, receiver, "slow")
+    receiver.delay = 3.0  # longer than the 1 s webhook timeout
+    ids = [live.pending()[0] for _ in range(3)]
+    t0 = time.monotonic()
+    for rid in ids:
+        assert live.client("approver").post(f"/v1/approvals/{rid}:approve", json={}).status_code == 200
+    assert time.monotonic() - t0 < 2.0
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        log = live.client("admin").get(f"/v1/webhooks/{target['target_id']}/deliveries").json()
+        if log and all(d["status"] == "failed" for d in log):
+            break
+        time.sleep(0.1)
+    assert log and all(d["status"] == "failed" and d["attempts"] == 4 for d in log), log
+    assert "ConnectError" in log[0]["last_error"]
+    slow = live.client("admin").get(f"/v1/webhooks/{stalled['target_id']}/deliveries").json()
+    assert slow and all(d["status"] in ("pending", "failed") for d in slow)
+
+
+def test_events_raised_while_the_server_is_down_are_delivered_later(db: Any, receiver: Receiver) -> None:
+    from undolog_core.server.state import sql_engine_of
+    from undolog_core.server.store import ServerStore
+
+    from . import demo_app
+
+    u = db.open()
+    demo_app.register(u)
+    target = ServerStore(sql_engine_of(u)).create_target("late", f"{receiver.url}/late")
+    receiver.secrets["/late"] = target.secret
+    s = u.session(agent_id="offline")
+    ids = []
+    with s:
+        for i in range(3):
+            try:
+                s.call_sync("delete_user_account", user_id=f"u{i}", call_id=f"c{i}")
+            except Exception as exc:  # ApprovalPending
+                ids.append(exc.approval_request_id)  # type: ignore[attr-defined]
+    d = make_desk(db, settings=ServerSettings(**FAST))
+    try:
+        receiver.wait(lambda: len(receiver.events("/late")) == 3)
+        assert sorted(g.body["data"]["approval_request_id"] for g in receiver.events("/late")) == sorted(ids)
+    finally:
+        d.close()
+
+
+def test_policy_routes_by_risk_tag_and_escalates_once(live: Desk, receiver: Receiver) -> None:
+    for name in ("privacy", "oncall", "billing", "general"):
+        hook(live, receiver, name)
+    admin = live.client("admin")
+    assert admin.put("/v1/notification-policies/pii", json={
+        "notify": ["privacy"], "escalate_after_seconds": 1, "escalate_to": ["oncall"]}).status_code == 200
+    assert admin.put("/v1/notification-policies/billing", json={"notify": ["billing"]}).status_code == 200
+    r = admin.put("/v1/notification-policies/x", json={"notify": ["nobody"]})
+    assert r.status_code == 422 and r.json()["code"] == "unknown_webhook_target"
+    pii, _ = live.pending("delete_user_account")
+    wire, _ = live.pending("wire_money")
+    receiver.wait(lambda: len(receiver.events("/privacy")) == 1 and len(receiver.events("/billing")) == 1)
+    assert receiver.events("/privacy")[0].body["data"]["approval_request_id"] == pii
+    assert receiver.events("/billing")[0].body["data"]["approval_request_id"] == wire
+    receiver.wait(lambda: len(receiver.events("/oncall")) == 1, timeout=10)
+    esc = receiver.events("/oncall")[0]
+    assert esc.event_type == "approval.escalated" and esc.body["data"]["approval_request_id"] == pii
+    assert esc.signature_ok
+    time.sleep(0.5)
+    assert len(receiver.events("/oncall")) == 1  # once, not every sweep
+    assert not [g for g in receiver.events("/general") if g.event_type == "approval.requested"]
+    assert not [g for g in receiver.events("/privacy") if g.body["data"].get("approval_request_id") == wire]
+
+
+def test_timeouts_are_swept_and_announced(live: Desk, receiver: Receiver) -> None:
+    hook(live, receiver, "t")
+    live.undolog.policy.set(actor="test", approval_timeout_seconds=1)
+    rid, sid = live.pending()
+    receiver.wait(lambda: any(g.event_type == "approval.timed_out" for g in receiver.events()), timeout=10)
+    assert live.undolog.approvals.get(rid).state == "timed_out"
+    assert live.client("admin").get(f"/v1/sessions/{sid}").json()["state"] == "halted"
+    receiver.wait(lambda: any(g.event_type == "session.halted" for g in receiver.events()))

@@ -1,0 +1,94 @@
+"""A fake upstream tool server on loopback for the proxy tests."""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+@dataclass
+class Upstream:
+    calls: list[tuple[str, dict[str, Any], str | None]] = field(default_factory=list)
+    fail: set[str] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> Upstream:
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                with outer.lock:
+                    outer.calls.append((self.path, body, self.headers.get("Idempotency-Key")))
+                if self.path in outer.fail:
+                    status, out = 500, {"error": "boom"}
+                elif self.path == "/close/status":
+                    happened = body.get("args", {}).get("account") == "done"
+                    status, out = (200, {"happened": True, "result": {"closed": True}}) if happened else (404, {})
+                else:
+                    status, out = 200, {"ok": True, "path": self.path, "echo": body}
+                raw = json.dumps(out).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def to(self, path: str) -> list[tuple[dict[str, Any], str | None]]:
+        with self.lock:
+            return [(b, k) for p, b, k in self.calls if p == path]
+
+    def config(self) -> str:
+        return f"""
+[defaults]
+timeout = 5
+
+[tools.lookup_order]
+tier = "safe"
+url = "{self.url}/lookup"
+[tools.lookup_order.args_schema]
+type = "object"
+required = ["order_id"]
+properties = {{ order_id = {{ type = "string" }} }}
+
+[tools.refund]
+tier = "compensable"
+url = "{self.url}/refund"
+compensation_url = "{self.url}/refund/cancel"
+risk_tags = ["billing"]
+[tools.refund.args_schema]
+type = "object"
+required = ["order_id", "amount"]
+properties = {{ order_id = {{ type = "string" }}, amount = {{ type = "number" }} }}
+
+[tools.close_account]
+tier = "irreversible"
+url = "{self.url}/close"
+reason = "Closes the customer's account for good"
+probe_url = "{self.url}/close/status"
+risk_tags = ["pii"]
+[tools.close_account.args_schema]
+type = "object"
+required = ["account"]
+properties = {{ account = {{ type = "string" }}, notify = {{ type = "boolean" }} }}
+
+[tools.flaky]
+tier = "compensable"
+url = "{self.url}/flaky"
+compensation_url = "{self.url}/flaky/cancel"
+"""

@@ -1,0 +1,272 @@
+"""The FastAPI application factory of ``undolog serve``."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import socket
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
+
+from .. import errors
+from . import api, dashboard, problems
+from . import proxy as proxy_mod
+from .state import ServerSettings, ServerState, sql_engine_of
+from .store import ServerStore
+from .sweeper import Sweeper
+from .views import CoreViews
+
+API_DESCRIPTION = """\
+The UndoLog approval desk: review irreversible agent tool calls, roll sessions back,
+proxy upstream tools. Authenticate with `Authorization: Bearer <API key>`.
+Errors are RFC 9457 `application/problem+json` with a stable `code`.
+"""
+
+
+def load_app(undolog: Any, spec: str) -> Any:
+    """Load the user's tools and compensations named by ``--app module:attribute``.
+
+    The attribute may be, as for every ``undolog`` command, the app's ``UndoLog`` or a
+    zero-argument factory returning it: that UndoLog, with everything it registered, is the one
+    to serve. It may also be a function taking an UndoLog (it registers what it wants), a list
+    of decorated tools and compensations, or one of them; a bare module registers every
+    decorated tool and compensation it defines.
+
+    Args:
+        undolog: The UndoLog to register into (ignored when the spec names an UndoLog).
+        spec: ``module:attribute`` or ``module``.
+
+    Returns:
+        The UndoLog to serve.
+
+    Raises:
+        errors.ConfigurationError: The module or attribute cannot be found or used.
+    """
+    from .. import UndoLog
+
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise errors.ConfigurationError(f"--app {spec!r}: cannot import {module_name!r}: {exc}") from exc
+    if not attr:
+        found = [v for v in vars(module).values() if _is_declared(v)]
+        if found:
+            undolog.register(*found)
+        return undolog
+    try:
+        target = getattr(module, attr)
+    except AttributeError:
+        raise errors.ConfigurationError(f"--app {spec!r}: {module_name} has no attribute {attr!r}") from None
+    if isinstance(target, UndoLog):
+        return target
+    if _is_declared(target):
+        undolog.register(target)
+    elif isinstance(target, (list, tuple, set)):
+        undolog.register(*target)
+    elif callable(target) and len(inspect.signature(target).parameters) == 0:
+        made = target()
+        if not isinstance(made, UndoLog):
+            raise errors.ConfigurationError(f"--app {spec!r}: the factory returned {type(made).__name__}, not an UndoLog")
+        return made
+    elif callable(target) and len(inspect.signature(target).parameters) == 1:
+        target(undolog)
+    else:
+        raise errors.ConfigurationError(
+            f"--app {spec!r} must name an UndoLog (or a factory returning one), a function taking the UndoLog, "
+            "a list of tools, or a decorated tool"
+        )
+    return undolog
+
+
+def _same_database(a: Any, b: Any) -> bool:
+    sa_, sb = getattr(a, "store", None), getattr(b, "store", None)
+    return (getattr(sa_, "url", None), getattr(sa_, "schema", None)) == (getattr(sb, "url", None), getattr(sb, "schema", None))
+
+
+def _is_declared(v: Any) -> bool:
+    return hasattr(v, "__undolog_spec__") or hasattr(v, "__undolog_compensation__")
+
+
+_CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "frame-ancestors 'none'; form-action 'self'; base-uri 'none'"
+)
+
+
+class _Guard:
+    """Refuses NUL characters and adds security headers (plain ASGI: no per-request task overhead).
+
+    PostgreSQL text cannot hold NUL; refusing it at the door keeps both databases alike and
+    turns what would be a database error into a 422.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope.get("path", "")
+        query: bytes = scope.get("query_string", b"")
+        if "\x00" in path or b"%00" in query.lower() or b"\x00" in query:
+            await self._refuse(scope, receive, send)
+            return
+        if scope.get("method") in ("POST", "PUT", "PATCH"):
+            chunks = []
+            more = True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    break
+                chunks.append(message.get("body", b""))
+                more = message.get("more_body", False)
+            body = b"".join(chunks)
+            ctype = ""
+            for k, v in scope.get("headers", ()):
+                if k == b"content-type":
+                    ctype = v.decode("latin-1")
+            if _has_nul(body, ctype):
+                await self._refuse(scope, receive, send)
+                return
+            replayed = False
+
+            async def replay() -> Any:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()
+
+            receive = replay
+        is_ui = path == "/" or path.startswith("/ui")
+
+        async def send_with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                names = {k.lower() for k, _ in headers}
+                extra = [(b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"no-referrer")]
+                if is_ui:
+                    extra += [(b"content-security-policy", _CSP.encode()), (b"x-frame-options", b"DENY")]
+                headers += [(k, v) for k, v in extra if k not in names]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+    @staticmethod
+    async def _refuse(scope: Any, receive: Any, send: Any) -> None:
+        body = problems.problem_body(422, "nul_character", "NUL characters are not accepted", scope.get("path"))
+        await JSONResponse(body, status_code=422, media_type=problems.PROBLEM_MEDIA_TYPE)(scope, receive, send)
+
+
+def _has_nul(body: bytes, content_type: str) -> bool:
+    if b"\x00" in body:
+        return True
+    if "form-urlencoded" in content_type:
+        return b"%00" in body.lower()
+    if b"\\u0000" not in body.lower():
+        return False
+    import json
+
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return False  # invalid JSON is answered by the validation error
+
+    def walk(v: Any) -> bool:
+        if isinstance(v, str):
+            return "\x00" in v
+        if isinstance(v, dict):
+            return any(walk(k) or walk(x) for k, x in v.items())
+        if isinstance(v, list):
+            return any(walk(x) for x in v)
+        return False
+
+    return walk(data)
+
+
+def create_app(
+    undolog: Any,
+    *,
+    app_spec: str | None = None,
+    proxy_config: str | Path | Mapping[str, Any] | proxy_mod.ProxyTools | None = None,
+    settings: ServerSettings | None = None,
+) -> FastAPI:
+    """Build the approval desk application on an open UndoLog.
+
+    Args:
+        undolog: An open ``UndoLog`` (its database holds the server's tables too).
+        app_spec: ``module:attribute`` whose tools and compensations rollback may need (see
+            :func:`load_app`); when it names the app's UndoLog, that instance is served.
+        proxy_config: A TOML file (or parsed mapping) of upstream tools to proxy.
+        settings: Tunables; defaults suit production.
+
+    Returns:
+        The FastAPI app. Its lifespan starts this process's sweeper and webhook loops.
+    """
+    settings = settings or ServerSettings()
+    if app_spec:
+        loaded = load_app(undolog, app_spec)
+        if loaded is not undolog:
+            if not _same_database(loaded, undolog):
+                raise errors.ConfigurationError(
+                    f"--app {app_spec} opens another database than the server's; point both at the same one"
+                )
+            # The app's UndoLog holds the registrations (and probes) rollback needs: serve that one.
+            undolog = loaded
+    proxy_tools: proxy_mod.ProxyTools | None = None
+    if proxy_config is not None:
+        proxy_tools = proxy_config if isinstance(proxy_config, proxy_mod.ProxyTools) else proxy_mod.ProxyTools.load(proxy_config)
+        proxy_tools.register(undolog)
+    engine = sql_engine_of(undolog)
+    store = ServerStore(engine)
+    state = ServerState(
+        undolog=undolog,
+        engine=engine,
+        store=store,
+        views=CoreViews(engine),
+        settings=settings,
+        secret=store.server_secret(),
+        proxy=proxy_tools,
+        app_spec=app_spec,
+        worker_id=f"{socket.gethostname()}:{os.getpid()}",
+    )
+    sweeper = Sweeper(state)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.background:
+            await sweeper.start()
+        try:
+            yield
+        finally:
+            await sweeper.stop()
+
+    app = FastAPI(
+        title="UndoLog approval desk",
+        version="1",
+        description=API_DESCRIPTION,
+        lifespan=lifespan,
+        openapi_url="/openapi.json",
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    app.state.undolog_server = state
+    app.state.sweeper = sweeper
+    problems.install_handlers(app)
+    app.include_router(api.router)
+    app.include_router(proxy_mod.router)
+    dashboard.install(app)
+    app.mount("/ui/static", StaticFiles(directory=str(Path(__file__).parent / "static")), name="static")
+
+    app.add_middleware(_Guard)
+    return app

@@ -1,0 +1,177 @@
+"""``undolog serve`` and ``undolog keys ...``; the main CLI calls :func:`register`.
+
+Nothing here imports FastAPI or uvicorn until a command runs, so the base install's
+CLI keeps working without the [server] extra.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+DbOpt = Annotated[
+    str | None,
+    typer.Option("--db", envvar="UNDOLOG_DATABASE_URL", help="Database URL (default: ./undolog.db)."),
+]
+SchemaOpt = Annotated[
+    str | None, typer.Option("--schema", envvar="UNDOLOG_SCHEMA", help="PostgreSQL schema to use.")
+]
+
+
+def _open(db: str | None, schema: str | None) -> Any:
+    from undolog_core import UndoLog
+
+    return UndoLog.open(db, schema=schema) if schema else UndoLog.open(db)
+
+
+def _serve_undolog(db: str | None, schema: str | None, app_spec: str | None) -> tuple[Any, bool]:
+    """Open the UndoLog to serve: the app's own when ``--app`` names one, else one on ``--db``.
+
+    Returns:
+        The UndoLog, and whether it came from ``--app`` (then it needs no further loading).
+    """
+    if app_spec and ":" in app_spec:
+        import importlib
+        import inspect
+
+        from undolog_core import UndoLog
+
+        module_name, _, attr = app_spec.partition(":")
+        target = getattr(importlib.import_module(module_name), attr, None)
+        if isinstance(target, UndoLog):
+            return target, True
+        if callable(target) and not hasattr(target, "__undolog_spec__"):
+            try:
+                takes_none = len(inspect.signature(target).parameters) == 0
+            except (TypeError, ValueError):
+                takes_none = False
+            if takes_none:
+                made = target()
+                if isinstance(made, UndoLog):
+                    return made, True
+    return _open(db, schema), False
+
+
+def serve(
+    db: DbOpt = None,
+    schema: SchemaOpt = None,
+    app: Annotated[
+        str | None,
+        typer.Option("--app", envvar="UNDOLOG_APP", help="module:attribute with the tools and compensations to load."),
+    ] = None,
+    proxy_config: Annotated[
+        str | None, typer.Option("--proxy-config", envvar="UNDOLOG_PROXY_CONFIG", help="TOML file of proxied tools.")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+    sweep_interval: Annotated[float, typer.Option(help="Seconds between sweeps of due approvals.")] = 1.0,
+    recover_interval: Annotated[float, typer.Option(help="Seconds between recovery runs.")] = 30.0,
+    webhook_backoff: Annotated[float, typer.Option(help="First webhook retry delay in seconds.")] = 1.0,
+    secure_cookies: Annotated[
+        bool | None, typer.Option("--secure-cookies/--no-secure-cookies", help="Force the cookie Secure flag.")
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Run the approval desk: REST API, dashboard, webhooks, tool proxy and the sweeper."""
+    try:
+        import uvicorn
+
+        from .app import create_app
+        from .state import ServerSettings
+    except ImportError as exc:  # pragma: no cover - depends on the installed extras
+        typer.echo(f"undolog serve needs the server extra: pip install 'undolog[server]' ({exc})", err=True)
+        raise typer.Exit(2) from None
+    undolog, from_app = _serve_undolog(db, schema, app)
+    settings = ServerSettings(
+        sweep_interval=sweep_interval,
+        recover_interval=recover_interval,
+        webhook_backoff_base=webhook_backoff,
+        secure_cookies=secure_cookies,
+    )
+    application = create_app(
+        undolog, app_spec=None if from_app else app, proxy_config=proxy_config, settings=settings
+    )
+    try:
+        uvicorn.run(application, host=host, port=port, log_level=log_level, proxy_headers=False)
+    finally:
+        undolog.close()
+
+
+keys_app = typer.Typer(help="Manage API keys (stored hashed; a key is printed once, at creation).", no_args_is_help=True)
+
+
+@keys_app.command("create")
+def keys_create(
+    name: Annotated[str, typer.Option("--name", help="Who holds the key (recorded with each decision).")],
+    role: Annotated[list[str], typer.Option("--role", help="agent, approver or admin; repeat for several.")],
+    group: Annotated[list[str] | None, typer.Option("--group", help="Approver group; repeat for several.")] = None,
+    db: DbOpt = None,
+    schema: SchemaOpt = None,
+) -> None:
+    """Create an API key and print it once."""
+    from .state import sql_engine_of
+    from .store import ServerStore
+
+    undolog = _open(db, schema)
+    try:
+        store = ServerStore(sql_engine_of(undolog))
+        try:
+            key, token = store.create_key(name, role, group or (), created_by="cli")
+        except ValueError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+    finally:
+        undolog.close()
+    typer.echo(token)
+    typer.echo(
+        f"key {key.key_id} for {key.name} (roles: {', '.join(sorted(key.roles))}); it is shown only now.", err=True
+    )
+
+
+@keys_app.command("list")
+def keys_list(db: DbOpt = None, schema: SchemaOpt = None) -> None:
+    """List keys (never their secrets)."""
+    from .state import sql_engine_of
+    from .store import ServerStore
+
+    undolog = _open(db, schema)
+    try:
+        for k in ServerStore(sql_engine_of(undolog)).list_keys():
+            status = "revoked" if k.revoked_at else "active"
+            typer.echo(f"{k.key_id}\t{k.name}\t{','.join(sorted(k.roles))}\t{','.join(sorted(k.groups))}\t{status}")
+    finally:
+        undolog.close()
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str, db: DbOpt = None, schema: SchemaOpt = None) -> None:
+    """Revoke a key; requests with it fail from now on."""
+    from .state import sql_engine_of
+    from .store import ServerStore
+
+    undolog = _open(db, schema)
+    try:
+        if not ServerStore(sql_engine_of(undolog)).revoke_key(key_id):
+            typer.echo(f"no active key {key_id}", err=True)
+            raise typer.Exit(1)
+    finally:
+        undolog.close()
+    typer.echo(f"revoked {key_id}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``serve`` and the ``keys`` group to the main ``undolog`` CLI.
+
+    Args:
+        app: The main Typer application.
+    """
+    app.command("serve")(serve)
+    app.add_typer(keys_app, name="keys")
+
+
+def main() -> None:
+    """Standalone entry point (``python -m undolog_core.server``)."""
+    cli = typer.Typer(no_args_is_help=True)
+    register(cli)
+    cli()

@@ -1,0 +1,366 @@
+"""The server-rendered dashboard (Jinja2, no build step).
+
+Login exchanges an API key for a signed session cookie (HttpOnly, SameSite=Strict).
+Every form carries a CSRF token: an HMAC of a per-browser nonce kept in its own
+HttpOnly cookie, rotated at login, checked on every POST.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.templating import Jinja2Templates
+from itsdangerous import BadSignature, TimestampSigner
+
+from .. import errors
+from .api import approval_detail, rollback_out, session_detail
+from .auth import server_state
+from .state import ServerState
+from .store import ApiKey, utcnow
+from .views import groups_for, may_see
+
+SESSION_COOKIE = "undolog_session"
+# The queue page shows at most this many requests; a longer queue is a job for the API's filters.
+QUEUE_LIMIT = 500
+CSRF_COOKIE = "undolog_csrf"
+
+templates = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
+templates.env.filters["pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True, default=str)
+templates.env.filters["iso"] = lambda d: d.isoformat() if d else ""
+templates.env.filters["short"] = lambda s, n=8: (s or "")[:n]
+
+router = APIRouter(include_in_schema=False)
+
+
+class _Redirect(Exception):
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+
+def _signer(st: ServerState) -> TimestampSigner:
+    return TimestampSigner(st.secret, salt="undolog-dashboard-session")
+
+
+def _csrf_for(st: ServerState, nonce: str) -> str:
+    return hmac.new(st.secret, b"csrf:" + nonce.encode(), hashlib.sha256).hexdigest()
+
+
+def _secure(st: ServerState, request: Request) -> bool:
+    if st.settings.secure_cookies is not None:
+        return st.settings.secure_cookies
+    return request.url.scheme == "https"
+
+
+def _current_user(request: Request) -> ApiKey | None:
+    st = server_state(request)
+    raw = request.cookies.get(SESSION_COOKIE)
+    if not raw:
+        return None
+    try:
+        key_id = _signer(st).unsign(raw, max_age=st.settings.cookie_max_age).decode()
+    except BadSignature:
+        return None
+    return st.store.get_key(key_id)
+
+
+def _user_or_redirect(request: Request) -> ApiKey:
+    key = _current_user(request)
+    if key is None:
+        raise _Redirect("/ui/login")
+    return key
+
+
+def _nonce(request: Request) -> tuple[str, bool]:
+    nonce = request.cookies.get(CSRF_COOKIE)
+    if nonce and 16 <= len(nonce) <= 128:
+        return nonce, False
+    return secrets.token_urlsafe(24), True
+
+
+def _render(request: Request, name: str, ctx: dict[str, Any], status: int = 200, *, rotate: bool = False) -> HTMLResponse:
+    st = server_state(request)
+    nonce, fresh = _nonce(request)
+    if rotate:
+        nonce, fresh = secrets.token_urlsafe(24), True
+    ctx = {
+        "request": request,
+        "csrf_token": _csrf_for(st, nonce),
+        "user": ctx.pop("user", None),
+        "poll_seconds": st.settings.poll_seconds,
+        **ctx,
+    }
+    resp = templates.TemplateResponse(request, name, ctx, status_code=status)
+    if fresh:
+        resp.set_cookie(CSRF_COOKIE, nonce, httponly=True, samesite="strict", secure=_secure(st, request), path="/ui")
+    return resp
+
+
+async def _form(request: Request) -> dict[str, str]:
+    """Read a POSTed form and check its CSRF token against the browser's nonce cookie."""
+    st = server_state(request)
+    form = await request.form()
+    data = {k: str(v) for k, v in form.items() if isinstance(v, str)}
+    nonce = request.cookies.get(CSRF_COOKIE) or ""
+    sent = data.get("csrf_token", "")
+    if not nonce or not sent or not hmac.compare_digest(_csrf_for(st, nonce), sent):
+        raise _CsrfFailed()
+    return data
+
+
+class _CsrfFailed(Exception):
+    pass
+
+
+def install(app: FastAPI) -> None:
+    """Mount the dashboard routes and their error handlers on ``app``."""
+
+    @app.exception_handler(_Redirect)
+    async def _redirect(request: Request, exc: _Redirect) -> Response:
+        return RedirectResponse(exc.url, status_code=303)
+
+    @app.exception_handler(_CsrfFailed)
+    async def _csrf(request: Request, exc: _CsrfFailed) -> Response:
+        return _render(request, "error.html", {"title": "Form expired", "message":
+                       "The form's security token did not match. Reload the page and try again."}, 403)
+
+    app.include_router(router)
+
+
+def _is_approver(key: ApiKey) -> bool:
+    return bool(key.roles & {"approver", "admin"})
+
+
+def _forbidden(request: Request, key: ApiKey, message: str) -> HTMLResponse:
+    return _render(request, "error.html", {"user": key, "title": "Not allowed", "message": message}, 403)
+
+
+# ---------------------------------------------------------------------------------------- login
+
+
+@router.get("/")
+def root() -> Response:
+    return RedirectResponse("/ui/", status_code=303)
+
+
+@router.get("/ui/login")
+def login_page(request: Request) -> HTMLResponse:
+    return _render(request, "login.html", {})
+
+
+@router.post("/ui/login")
+async def login(request: Request) -> Response:
+    st = server_state(request)
+    data = await _form(request)
+    key = st.store.authenticate(data.get("api_key", "").strip())
+    if key is None:
+        return _render(request, "login.html", {"error": "That key is unknown or revoked."}, 401)
+    if not _is_approver(key):
+        return _render(request, "login.html", {"error": "The dashboard is for approvers and admins; agent keys use the API."}, 403)
+    resp = RedirectResponse("/ui/", status_code=303)
+    secure = _secure(st, request)
+    resp.set_cookie(SESSION_COOKIE, _signer(st).sign(key.key_id).decode(), max_age=st.settings.cookie_max_age,
+                    httponly=True, samesite="strict", secure=secure, path="/")
+    # A new CSRF nonce at login: a token planted before login is worthless after it.
+    resp.set_cookie(CSRF_COOKIE, secrets.token_urlsafe(24), httponly=True, samesite="strict", secure=secure, path="/ui")
+    return resp
+
+
+@router.post("/ui/logout")
+async def logout(request: Request) -> Response:
+    await _form(request)
+    resp = RedirectResponse("/ui/login", status_code=303)
+    resp.delete_cookie(SESSION_COOKIE, path="/")
+    resp.delete_cookie(CSRF_COOKIE, path="/ui")
+    return resp
+
+
+# ---------------------------------------------------------------------------------------- queue
+
+
+def _queue(st: ServerState, key: ApiKey) -> list[dict[str, Any]]:
+    groups = st.store.groups()
+    out = []
+    for a in st.views.pending_approvals(limit=QUEUE_LIMIT):
+        g = groups_for(groups, a["tool_name"], a["risk_tags"])
+        if may_see(key, g):
+            a["groups"] = g
+            out.append(a)
+    return out
+
+
+@router.get("/ui/")
+def queue(request: Request) -> HTMLResponse:
+    key = _user_or_redirect(request)
+    st = server_state(request)
+    return _render(request, "queue.html", {"user": key, "items": _queue(st, key), "now": utcnow()})
+
+
+@router.get("/ui/queue/rows")
+def queue_rows(request: Request) -> HTMLResponse:
+    key = _current_user(request)
+    if key is None:
+        return HTMLResponse("", status_code=401)
+    st = server_state(request)
+    resp = templates.TemplateResponse(request, "_queue_rows.html", {"request": request, "items": _queue(st, key)})
+    resp.headers["Cache-Control"] = "no-store"
+    return resp
+
+
+# ---------------------------------------------------------------------------------------- approvals
+
+
+def _approval_page(request: Request, key: ApiKey, approval_request_id: str, *, error: str | None = None,
+                   edited: str | None = None, status: int = 200, notice: str | None = None) -> HTMLResponse:
+    st = server_state(request)
+    row = st.views.approval_row(approval_request_id)
+    if row is None:
+        return _render(request, "error.html", {"user": key, "title": "Not found",
+                       "message": f"No approval request {approval_request_id}."}, 404)
+    groups = groups_for(st.store.groups(), row["tool_name"], row["risk_tags"])
+    if not may_see(key, groups):
+        return _forbidden(request, key, f"This request is routed to {', '.join(groups)}; you are in none of them.")
+    detail = approval_detail(st, row)
+    session = st.views.session_row(row["session_id"]) or {}
+    own = session.get("created_by") == key.principal_ref
+    events = st.undolog.approvals.events(approval_request_id)
+    from .api import _event_dict
+
+    args_text = edited if edited is not None else json.dumps(
+        detail.approved_args if detail.approved_args is not None else detail.proposed_args, indent=2, sort_keys=True
+    )
+    return _render(request, "approval.html", {
+        "user": key, "a": detail, "session": session, "own_session": own,
+        "events": [_event_dict(e) for e in events], "args_text": args_text, "error": error, "notice": notice,
+    }, status)
+
+
+@router.get("/ui/approvals/{approval_request_id}")
+def approval_page(request: Request, approval_request_id: str) -> HTMLResponse:
+    key = _user_or_redirect(request)
+    return _approval_page(request, key, approval_request_id)
+
+
+@router.post("/ui/approvals/{approval_request_id}/{action}")
+async def decide(request: Request, approval_request_id: str, action: str) -> Response:
+    key = _user_or_redirect(request)
+    data = await _form(request)
+    st = server_state(request)
+    if action not in ("approve", "reject", "modify"):
+        return _render(request, "error.html", {"user": key, "title": "Not found", "message": "Unknown action."}, 404)
+    if not _is_approver(key):
+        return _forbidden(request, key, "Only approvers and admins decide requests.")
+    row = st.views.approval_row(approval_request_id)
+    if row is None:
+        return _approval_page(request, key, approval_request_id)
+    if not may_see(key, groups_for(st.store.groups(), row["tool_name"], row["risk_tags"])):
+        return _forbidden(request, key, "This request is routed to an approver group you are not in.")
+    session = st.views.session_row(row["session_id"]) or {}
+    if session.get("created_by") == key.principal_ref:
+        return _forbidden(request, key, "Your key created the session that raised this request; someone else must decide it.")
+    reason = data.get("reason", "").strip() or None
+    edited = None
+    try:
+        if action == "approve":
+            st.undolog.approvals.approve(approval_request_id, approver=key.identity, reason=reason)
+        elif action == "reject":
+            if not reason:
+                return _approval_page(request, key, approval_request_id, error="A rejection needs a reason.", status=422)
+            st.undolog.approvals.reject(approval_request_id, approver=key.identity, reason=reason)
+        else:
+            edited = data.get("args", "")
+            try:
+                args = json.loads(edited)
+            except ValueError as exc:
+                return _approval_page(request, key, approval_request_id, error=f"The arguments are not valid JSON: {exc}",
+                                      edited=edited, status=422)
+            if not isinstance(args, dict):
+                return _approval_page(request, key, approval_request_id, error="The arguments must be a JSON object.",
+                                      edited=edited, status=422)
+            st.undolog.approvals.modify(approval_request_id, approver=key.identity, args=args, reason=reason)
+    except errors.ArgumentsInvalid as exc:
+        return _approval_page(request, key, approval_request_id, error=exc.message, edited=edited, status=422)
+    except errors.ApprovalAlreadyDecided as exc:
+        return _approval_page(request, key, approval_request_id, error=exc.message, status=409)
+    except errors.UndoLogError as exc:
+        return _approval_page(request, key, approval_request_id, error=exc.message, status=409)
+    return RedirectResponse(f"/ui/approvals/{approval_request_id}?done={action}", status_code=303)
+
+
+# ---------------------------------------------------------------------------------------- sessions
+
+
+@router.get("/ui/sessions")
+def sessions_page(request: Request, state: str | None = None) -> HTMLResponse:
+    key = _user_or_redirect(request)
+    st = server_state(request)
+    valid = {"active", "awaiting_approval", "halted", "rolled_back", "completed"}
+    rows = st.views.sessions(state=state if state in valid else None, limit=200)
+    return _render(request, "sessions.html", {"user": key, "sessions": rows, "state": state})
+
+
+@router.get("/ui/sessions/{session_id}")
+def session_page(request: Request, session_id: str) -> HTMLResponse:
+    key = _user_or_redirect(request)
+    return _session_page(request, key, session_id)
+
+
+def _session_page(request: Request, key: ApiKey, session_id: str, *, report: Any = None, error: str | None = None,
+                  status: int = 200) -> HTMLResponse:
+    st = server_state(request)
+    row = st.views.session_row(session_id)
+    if row is None:
+        return _render(request, "error.html", {"user": key, "title": "Not found", "message": f"No session {session_id}."}, 404)
+    return _render(request, "session.html", {
+        "user": key, "s": session_detail(st, row), "report": report, "error": error,
+        "can_admin": "admin" in key.roles, "creator": _creator(st, row.get("created_by")),
+    }, status)
+
+
+def _creator(st: ServerState, created_by: str | None) -> str | None:
+    """Show a key-created session's creator by the key's name."""
+    if created_by and created_by.startswith("key:"):
+        key = st.store.get_key(created_by[4:])
+        if key is not None:
+            return key.identity
+    return created_by
+
+
+@router.post("/ui/sessions/{session_id}/rollback")
+async def rollback(request: Request, session_id: str) -> Response:
+    key = _user_or_redirect(request)
+    await _form(request)
+    st = server_state(request)
+    if "admin" not in key.roles:
+        return _forbidden(request, key, "Only admins roll sessions back from the dashboard.")
+    if st.views.session_row(session_id) is None:
+        return _session_page(request, key, session_id)
+    try:
+        report = st.undolog.rollback(session_id, actor=key.identity)
+    except errors.UndoLogError as exc:
+        return _session_page(request, key, session_id, error=exc.message, status=409)
+    return _session_page(request, key, session_id, report=rollback_out(session_id, report))
+
+
+@router.post("/ui/sessions/{session_id}/resume")
+async def resume(request: Request, session_id: str) -> Response:
+    key = _user_or_redirect(request)
+    data = await _form(request)
+    st = server_state(request)
+    if "admin" not in key.roles:
+        return _forbidden(request, key, "Only admins resume sessions.")
+    if st.views.session_row(session_id) is None:
+        return _session_page(request, key, session_id)
+    from .coreops import resume as _resume
+
+    try:
+        _resume(st.undolog, session_id, actor=key.identity, reason=data.get("reason") or None)
+    except errors.UndoLogError as exc:
+        return _session_page(request, key, session_id, error=exc.message, status=409)
+    return RedirectResponse(f"/ui/sessions/{session_id}", status_code=303)

@@ -1,0 +1,177 @@
+"""RFC 9457 problem details with stable codes.
+
+Every error the server returns is ``application/problem+json`` with a ``code``
+that clients may branch on; the ``type`` URI is derived from the code so the two
+never disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import UndoLogError
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+PROBLEM_BASE = "https://undolog.dev/problems/"
+
+_HTTP_CODES = {
+    400: "bad_request",
+    401: "unauthenticated",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    406: "not_acceptable",
+    409: "conflict",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "validation_failed",
+    429: "too_many_requests",
+    500: "internal_error",
+    502: "upstream_error",
+    503: "unavailable",
+}
+
+_TITLES = {
+    400: "Bad request",
+    401: "Authentication required",
+    403: "Forbidden",
+    404: "Not found",
+    405: "Method not allowed",
+    409: "Conflict",
+    422: "Unprocessable content",
+    500: "Internal server error",
+    502: "Bad gateway",
+    503: "Service unavailable",
+}
+
+
+class Problem(Exception):
+    """An error to be rendered as problem+json.
+
+    Args:
+        status: HTTP status code.
+        code: Stable machine-readable code (snake_case).
+        detail: Human-readable explanation of this occurrence.
+        headers: Extra response headers (e.g. ``WWW-Authenticate``).
+        **extra: Extension members added to the body.
+    """
+
+    def __init__(
+        self, status: int, code: str, detail: str, *, headers: dict[str, str] | None = None, **extra: Any
+    ) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.code = code
+        self.detail = detail
+        self.headers = headers or {}
+        self.extra = extra
+
+
+def problem_body(status: int, code: str, detail: str, instance: str | None = None, **extra: Any) -> dict[str, Any]:
+    """Build a problem+json body.
+
+    Args:
+        status: HTTP status.
+        code: Stable code.
+        detail: Human-readable detail.
+        instance: The request path the problem occurred on.
+        **extra: Extension members.
+
+    Returns:
+        The JSON-able body.
+    """
+    body: dict[str, Any] = {
+        "type": PROBLEM_BASE + code,
+        "title": _TITLES.get(status, "Error"),
+        "status": status,
+        "code": code,
+        "detail": detail,
+    }
+    if instance:
+        body["instance"] = instance
+    body.update({k: v for k, v in extra.items() if k not in body})
+    return body
+
+
+def problem_response(
+    request: Request | None, status: int, code: str, detail: str, headers: dict[str, str] | None = None, **extra: Any
+) -> JSONResponse:
+    """Render a problem as a JSON response with the problem media type."""
+    instance = request.url.path if request is not None else None
+    return JSONResponse(
+        problem_body(status, code, detail, instance, **extra),
+        status_code=status,
+        media_type=PROBLEM_MEDIA_TYPE,
+        headers=headers,
+    )
+
+
+def from_undolog_error(request: Request, exc: UndoLogError) -> JSONResponse:
+    """Map a core error onto its problem: the core owns the code and the status."""
+    status = getattr(exc, "http_status", 400) or 400
+    # 202 is not an error status; ApprovalPending only reaches here if a handler forgot it.
+    if status < 400:
+        status = 409
+    extra = {k: _jsonable(v) for k, v in exc.details.items()}
+    if isinstance(extra.get("errors"), list):
+        extra["errors"] = [_field_error(e) for e in extra["errors"]]
+    return problem_response(request, status, exc.code, exc.message, **extra)
+
+
+def _field_error(e: Any) -> Any:
+    if not isinstance(e, dict):
+        return _jsonable(e)
+    loc = e.get("loc", ())
+    return {
+        "field": ".".join(str(p) for p in loc) if isinstance(loc, (list, tuple)) else str(loc),
+        "message": str(e.get("msg", "invalid")),
+        "type": str(e.get("type", "invalid")),
+    }
+
+
+def _jsonable(v: Any) -> Any:
+    from pydantic_core import to_jsonable_python
+
+    try:
+        return to_jsonable_python(v)
+    except Exception:
+        return str(v)
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Register exception handlers so no error escapes as HTML or a bare 500 body."""
+
+    @app.exception_handler(Problem)
+    async def _problem(request: Request, exc: Problem) -> JSONResponse:
+        return problem_response(request, exc.status, exc.code, exc.detail, exc.headers or None, **exc.extra)
+
+    @app.exception_handler(UndoLogError)
+    async def _core(request: Request, exc: UndoLogError) -> JSONResponse:
+        return from_undolog_error(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = []
+        for e in exc.errors():
+            loc = [str(p) for p in e.get("loc", ())]
+            errors.append({"field": ".".join(loc), "message": str(e.get("msg", "invalid")), "type": str(e.get("type"))})
+        fields = ", ".join(f"{e['field']}: {e['message']}" for e in errors)
+        return problem_response(request, 422, "validation_failed", f"request is invalid: {fields}", errors=errors)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = _HTTP_CODES.get(exc.status_code, "http_error")
+        detail = exc.detail if isinstance(exc.detail, str) else code
+        return problem_response(request, exc.status_code, code, detail, dict(exc.headers or {}) or None)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        import logging
+
+        logging.getLogger("undolog.server").exception("unhandled error on %s %s", request.method, request.url.path)
+        return problem_response(request, 500, "internal_error", "the server failed to handle this request")

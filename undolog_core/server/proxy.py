@@ -1,0 +1,313 @@
+"""The tool proxy: upstream HTTP tools declared in TOML, guarded by the engine.
+
+A tool server that knows nothing of UndoLog sits behind ``POST
+/v1/sessions/{session_id}/tools/{tool}:invoke``. Its declaration becomes a registered
+contract (tier, argument schema, reason, risk tags), so it gets a fingerprint and revisions
+like any decorated tool, and its compensation endpoint becomes a registered compensation
+that rollback calls with ``Idempotency-Key: undo-{undo_id}``.
+
+Example config::
+
+    [tools.refund]
+    tier = "compensable"
+    url = "http://127.0.0.1:9000/refund"
+    compensation_url = "http://127.0.0.1:9000/refund/cancel"
+    risk_tags = ["billing"]
+    timeout = 10
+    [tools.refund.args_schema]
+    type = "object"
+    required = ["user_id", "amount"]
+    properties = { user_id = { type = "string" }, amount = { type = "number" } }
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, Body, Depends, Header, Request
+from fastapi import Path as PathParam
+from fastapi.responses import JSONResponse, Response
+
+from .. import errors
+from .auth import require, server_state
+from .problems import Problem, problem_response
+from .store import ApiKey
+
+TIERS = ("safe", "compensable", "irreversible")
+
+
+class UpstreamError(Exception):
+    """The upstream tool answered with an error or not at all."""
+
+    def __init__(self, message: str, status_code: int | None = None, body: Any = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.body = body
+
+
+@dataclass(frozen=True)
+class ProxyTool:
+    """One upstream tool as declared in the proxy config."""
+
+    name: str
+    tier: str
+    url: str
+    method: str = "POST"
+    args_schema: dict[str, Any] | None = None
+    reason: str | None = None
+    risk_tags: tuple[str, ...] = ()
+    compensation_url: str | None = None
+    compensation_name: str | None = None
+    probe_url: str | None = None
+    timeout: float = 10.0
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def _post(url: str, payload: Any, *, idempotency_key: str | None, timeout: float, headers: Mapping[str, str],
+          method: str = "POST") -> httpx.Response:
+    h = dict(headers)
+    if idempotency_key:
+        h["Idempotency-Key"] = idempotency_key
+    with httpx.Client(timeout=timeout, follow_redirects=False) as client:
+        return client.request(method, url, json=payload, headers=h)
+
+
+def _body(resp: httpx.Response) -> Any:
+    try:
+        return resp.json()
+    except ValueError:
+        return resp.text
+
+
+class ProxyTools:
+    """The proxied tools of one server.
+
+    Args:
+        tools: Declarations by name.
+    """
+
+    def __init__(self, tools: Mapping[str, ProxyTool]) -> None:
+        self.tools = dict(tools)
+
+    @classmethod
+    def load(cls, source: str | Path | Mapping[str, Any]) -> ProxyTools:
+        """Parse a proxy config (a TOML file path or an already parsed mapping).
+
+        Raises:
+            errors.ConfigurationError: A tool lacks a URL, has an unknown tier, or a
+                COMPENSABLE tool has no compensation endpoint.
+        """
+        if isinstance(source, Mapping):
+            data = dict(source)
+        else:
+            with open(source, "rb") as fh:
+                data = tomllib.load(fh)
+        defaults = dict(data.get("defaults", {}))
+        tools: dict[str, ProxyTool] = {}
+        for name, raw in (data.get("tools") or {}).items():
+            cfg = {**defaults, **raw}
+            tier = str(cfg.get("tier", "")).lower()
+            if tier not in TIERS:
+                raise errors.ConfigurationError(f"proxy tool {name!r}: tier must be one of {', '.join(TIERS)}")
+            if not cfg.get("url"):
+                raise errors.ConfigurationError(f"proxy tool {name!r}: url is required")
+            if tier == "compensable" and not cfg.get("compensation_url"):
+                raise errors.ConfigurationError(
+                    f"proxy tool {name!r} is compensable: it needs a compensation_url that undoes it"
+                )
+            tools[name] = ProxyTool(
+                name=name,
+                tier=tier,
+                url=str(cfg["url"]),
+                method=str(cfg.get("method", "POST")).upper(),
+                args_schema=cfg.get("args_schema"),
+                reason=cfg.get("reason"),
+                risk_tags=tuple(cfg.get("risk_tags", ())),
+                compensation_url=cfg.get("compensation_url"),
+                compensation_name=cfg.get("compensation") or (f"{name}.compensate" if tier == "compensable" else None),
+                probe_url=cfg.get("probe_url"),
+                timeout=float(cfg.get("timeout", 10.0)),
+                headers={str(k): str(v) for k, v in (cfg.get("headers") or {}).items()},
+            )
+        return cls(tools)
+
+    def register(self, undolog: Any) -> None:
+        """Register every proxied tool and its compensation with ``undolog``."""
+        for tool in self.tools.values():
+            if tool.tier == "compensable":
+                undolog.register_compensation(_compensator(tool), name=tool.compensation_name)
+            kwargs: dict[str, Any] = {
+                "name": tool.name,
+                "tier": tool.tier,
+                "reason": tool.reason,
+                "risk_tags": list(tool.risk_tags),
+                "args_schema": tool.args_schema or {"type": "object", "additionalProperties": True},
+            }
+            if tool.compensation_name:
+                kwargs["compensation"] = tool.compensation_name
+            if tool.probe_url:
+                kwargs["probe"] = _prober(tool)
+            undolog.register_tool(_forwarder(tool), **kwargs)
+
+    def call(self, tool: ProxyTool, args: Mapping[str, Any], idempotency_key: str | None) -> httpx.Response:
+        """Forward one call upstream."""
+        return _post(tool.url, dict(args), idempotency_key=idempotency_key, timeout=tool.timeout,
+                     headers=tool.headers, method=tool.method)
+
+
+def _forwarder(tool: ProxyTool) -> Any:
+    def forward(**kwargs: Any) -> Any:
+        from .. import current_call
+
+        ctx = current_call()
+        resp = _post(tool.url, kwargs, idempotency_key=ctx.idempotency_key if ctx else None,
+                     timeout=tool.timeout, headers=tool.headers, method=tool.method)
+        if not resp.is_success:
+            raise UpstreamError(f"{tool.name} upstream answered {resp.status_code}", resp.status_code, _body(resp))
+        return {"status_code": resp.status_code, "body": _body(resp)}
+
+    forward.__name__ = f"proxy_{tool.name}"
+    forward.__doc__ = tool.reason or f"Proxied tool {tool.name} at {tool.url}"
+    return forward
+
+
+def _compensator(tool: ProxyTool) -> Any:
+    def compensate(ctx: Any) -> None:
+        result = ctx.result
+        if isinstance(result, dict) and "body" in result and "status_code" in result:
+            result = result["body"]
+        resp = _post(
+            tool.compensation_url or "",
+            {"tool": tool.name, "args": ctx.args, "result": result},
+            idempotency_key=ctx.idempotency_key,
+            timeout=tool.timeout,
+            headers=tool.headers,
+        )
+        if not resp.is_success:
+            raise UpstreamError(
+                f"compensation of {tool.name} answered {resp.status_code}", resp.status_code, _body(resp)
+            )
+
+    compensate.__name__ = f"compensate_{tool.name}"
+    return compensate
+
+
+def _prober(tool: ProxyTool) -> Any:
+    """Recovery's question to the upstream: did this call happen?
+
+    The probe endpoint gets ``{"tool", "args", "idempotency_key"}`` (the key the call was sent
+    with) and answers 404 or ``{"happened": false}`` when it did not, ``{"happened": true,
+    "result": ...}`` when it did.
+    """
+
+    def probe(ctx: Any) -> Any:
+        resp = _post(tool.probe_url or "", {"tool": tool.name, "args": ctx.args, "idempotency_key": ctx.idempotency_key},
+                     idempotency_key=None, timeout=tool.timeout, headers=tool.headers)
+        if resp.status_code == 404:
+            return False
+        if not resp.is_success:
+            raise UpstreamError(f"probe of {tool.name} answered {resp.status_code}", resp.status_code)
+        body = _body(resp)
+        if isinstance(body, dict) and "happened" in body:
+            if not body["happened"]:
+                return False
+            result = body.get("result")
+            return {"status_code": 200, "body": result, "media_type": "application/json"} if result is not None else True
+        return bool(body)
+
+    return probe
+
+
+router = APIRouter(prefix="/v1", tags=["proxy"])
+
+
+@router.post(
+    "/sessions/{session_id}/tools/{tool}:invoke",
+    summary="Invoke a proxied tool in a session",
+    responses={
+        200: {"description": "The upstream's response (or the stored one for a replayed call)"},
+        202: {"description": "IRREVERSIBLE call awaiting approval; retry with the same Idempotency-Key"},
+        403: {"description": "Approval rejected or timed out"},
+        409: {"description": "Session halted or closed"},
+        422: {"description": "Arguments invalid for the tool's schema"},
+        502: {"description": "The upstream failed"},
+    },
+)
+def invoke(
+    request: Request,
+    session_id: str = PathParam(min_length=1, max_length=200),
+    tool: str = PathParam(min_length=1, max_length=200),
+    args: dict[str, Any] = Body(default_factory=dict),
+    idempotency_key: str | None = Header(None, alias="Idempotency-Key", max_length=200),
+    key: ApiKey = Depends(require("agent")),
+) -> Response:
+    st = server_state(request)
+    row = st.views.session_row(session_id)
+    if row is None or row.get("created_by") != key.principal_ref:
+        raise Problem(404, "session_not_found", f"session {session_id!r} does not exist")
+    if st.proxy is None or tool not in st.proxy.tools:
+        raise Problem(404, "tool_not_proxied", f"tool {tool!r} is not served by this proxy")
+    ptool = st.proxy.tools[tool]
+    call_id = idempotency_key
+    if call_id is None and ptool.tier == "irreversible":
+        # Agents that do not send Idempotency-Key still find their pending request by its arguments.
+        found = st.undolog.approvals.find_for_call(session_id, tool, args)
+        call_id = found.call_id if found is not None else None
+
+    from .. import AwaitingApproval, Completed
+
+    decision = st.undolog.engine.intercept(session_id, tool, args, call_id=call_id)
+    if isinstance(decision, AwaitingApproval):
+        retry = max(1, math.ceil(decision.retry_after))
+        return JSONResponse(
+            {
+                "status": "awaiting_approval",
+                "approval_request_id": decision.approval_request_id,
+                "effect_id": decision.effect_id,
+                "call_id": decision.call_id,
+                "retry_after": retry,
+                "timeout_at": decision.timeout_at.isoformat(),
+                "reason": decision.reason,
+                "risk_tags": list(decision.risk_tags),
+            },
+            status_code=202,
+            headers={"Retry-After": str(retry), "Location": f"/v1/approvals/{decision.approval_request_id}"},
+        )
+    if isinstance(decision, Completed):
+        return _stored(decision.result, replayed=True)
+    effect_id = decision.effect_id
+    try:
+        with st.undolog.engine.running(decision, session_id):
+            key_for_upstream = decision.idempotency_key or idempotency_key
+            resp = st.proxy.call(ptool, decision.args, key_for_upstream)
+        if not resp.is_success:
+            raise UpstreamError(f"{tool} upstream answered {resp.status_code}", resp.status_code, _body(resp))
+    except (UpstreamError, httpx.HTTPError) as exc:
+        report = st.undolog.engine.fail(effect_id, exc) if effect_id else None
+        from .api import rollback_out
+
+        extra: dict[str, Any] = {"upstream_status": getattr(exc, "status_code", None)}
+        if report is not None:
+            extra["rollback"] = rollback_out(session_id, report).model_dump(mode="json")
+        return problem_response(request, 502, "upstream_error", str(exc), **extra)
+    result = {"status_code": resp.status_code, "body": _body(resp), "media_type": resp.headers.get("content-type")}
+    if effect_id:
+        st.undolog.engine.complete(effect_id, result)
+    return _stored(result, replayed=False)
+
+
+def _stored(result: Any, *, replayed: bool) -> Response:
+    headers = {"UndoLog-Replayed": "true" if replayed else "false"}
+    if isinstance(result, dict) and "status_code" in result and "body" in result:
+        body = result["body"]
+        if isinstance(body, str) and not str(result.get("media_type") or "").startswith("application/json"):
+            return Response(body, status_code=int(result["status_code"]), headers=headers,
+                            media_type=result.get("media_type") or "text/plain")
+        return JSONResponse(body, status_code=int(result["status_code"]), headers=headers)
+    return JSONResponse(result, headers=headers)

@@ -1,0 +1,495 @@
+"""The server's own tables (API keys, approver groups, webhooks, policies, deliveries) and their access.
+
+The tables are created by the ``0002_server`` migration; the definitions here mirror it
+and are what the queries use. All access is synchronous SQLAlchemy Core on the
+UndoLog's engine, so FastAPI runs it in its worker threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from .._schema import UTCDateTime
+
+ROLES = ("agent", "approver", "admin")
+KEY_PREFIX = "ulk_"
+
+metadata = sa.MetaData()
+
+api_keys = sa.Table(
+    "undolog_api_keys",
+    metadata,
+    sa.Column("key_id", sa.String(32), primary_key=True),
+    sa.Column("name", sa.String(200), nullable=False),
+    sa.Column("roles", sa.JSON, nullable=False),
+    sa.Column("groups", sa.JSON, nullable=False),
+    sa.Column("secret_hash", sa.String(128), nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("created_by", sa.String(200), nullable=True),
+    sa.Column("revoked_at", UTCDateTime, nullable=True),
+    sa.Column("last_used_at", UTCDateTime, nullable=True),
+)
+
+approver_groups = sa.Table(
+    "undolog_approver_groups",
+    metadata,
+    sa.Column("name", sa.String(100), primary_key=True),
+    sa.Column("description", sa.Text, nullable=True),
+    sa.Column("tools", sa.JSON, nullable=False),
+    sa.Column("risk_tags", sa.JSON, nullable=False),
+    sa.Column("updated_at", UTCDateTime, nullable=False),
+)
+
+webhook_targets = sa.Table(
+    "undolog_webhook_targets",
+    metadata,
+    sa.Column("target_id", sa.String(40), primary_key=True),
+    sa.Column("name", sa.String(100), nullable=False, unique=True),
+    sa.Column("url", sa.Text, nullable=False),
+    sa.Column("secret", sa.String(200), nullable=False),
+    sa.Column("event_types", sa.JSON, nullable=False),
+    sa.Column("active", sa.Boolean, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+)
+
+notification_policies = sa.Table(
+    "undolog_notification_policies",
+    metadata,
+    sa.Column("risk_tag", sa.String(100), primary_key=True),
+    sa.Column("notify", sa.JSON, nullable=False),
+    sa.Column("escalate_after_seconds", sa.Integer, nullable=True),
+    sa.Column("escalate_to", sa.JSON, nullable=False),
+    sa.Column("updated_at", UTCDateTime, nullable=False),
+)
+
+webhook_deliveries = sa.Table(
+    "undolog_webhook_deliveries",
+    metadata,
+    sa.Column("delivery_id", sa.String(40), primary_key=True),
+    sa.Column("event_id", sa.String(200), nullable=False),
+    sa.Column("target_id", sa.String(40), nullable=False),
+    sa.Column("event_type", sa.String(100), nullable=False),
+    sa.Column("payload", sa.Text, nullable=False),
+    sa.Column("status", sa.String(20), nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("next_attempt_at", sa.Float, nullable=False),
+    sa.Column("locked_until", sa.Float, nullable=True),
+    sa.Column("last_status_code", sa.Integer, nullable=True),
+    sa.Column("last_error", sa.Text, nullable=True),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("delivered_at", UTCDateTime, nullable=True),
+    sa.UniqueConstraint("event_id", "target_id", name="uq_undolog_webhook_deliveries_event_target"),
+    sa.Index("ix_undolog_webhook_deliveries_due", "status", "next_attempt_at"),
+)
+
+escalations = sa.Table(
+    "undolog_escalations",
+    metadata,
+    sa.Column("approval_request_id", sa.String(64), primary_key=True),
+    sa.Column("risk_tag", sa.String(100), primary_key=True),
+    sa.Column("escalated_at", UTCDateTime, nullable=False),
+)
+
+server_settings = sa.Table(
+    "undolog_server_settings",
+    metadata,
+    sa.Column("name", sa.String(100), primary_key=True),
+    sa.Column("value", sa.Text, nullable=False),
+)
+
+
+def utcnow() -> datetime:
+    """Return the current time, timezone-aware in UTC."""
+    return datetime.now(UTC)
+
+
+def aware(value: datetime | None) -> datetime | None:
+    """Return ``value`` as an aware UTC datetime (SQLite hands back naive ones)."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value.astimezone(UTC)
+
+
+def hash_secret(secret: str) -> str:
+    """Hash an API key secret.
+
+    The secrets are 256 random bits, so a single SHA-256 is as strong as a slow KDF
+    here and keeps per-request authentication cheap.
+    """
+    return "sha256:" + hashlib.sha256(secret.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """A stored API key (never holds the secret)."""
+
+    key_id: str
+    name: str
+    roles: frozenset[str]
+    groups: frozenset[str]
+    created_at: datetime
+    created_by: str | None = None
+    revoked_at: datetime | None = None
+    last_used_at: datetime | None = None
+
+    @property
+    def identity(self) -> str:
+        """What decisions and sessions record about this key's holder."""
+        return f"{self.name} (key {self.key_id})"
+
+    @property
+    def principal_ref(self) -> str:
+        """The stable reference stored in ``sessions.created_by``."""
+        return f"key:{self.key_id}"
+
+
+@dataclass(frozen=True)
+class ApproverGroup:
+    """An approver group: who may see and decide requests for some tools or risk tags."""
+
+    name: str
+    tools: tuple[str, ...] = ()
+    risk_tags: tuple[str, ...] = ()
+    description: str | None = None
+
+    def matches(self, tool_name: str, risk_tags: Iterable[str]) -> bool:
+        return tool_name in self.tools or bool(set(self.risk_tags) & set(risk_tags))
+
+
+@dataclass(frozen=True)
+class WebhookTarget:
+    """A receiver of signed webhook events."""
+
+    target_id: str
+    name: str
+    url: str
+    secret: str
+    event_types: tuple[str, ...] = ("*",)
+    active: bool = True
+
+    def wants(self, event_type: str) -> bool:
+        return self.active and ("*" in self.event_types or event_type in self.event_types)
+
+
+@dataclass(frozen=True)
+class NotificationPolicy:
+    """Per risk tag (``*`` for any request): who hears of a request and whom to escalate to."""
+
+    risk_tag: str
+    notify: tuple[str, ...] = ()
+    escalate_after_seconds: int | None = None
+    escalate_to: tuple[str, ...] = ()
+
+
+@dataclass
+class ServerStore:
+    """Data access for the server's tables.
+
+    Args:
+        engine: The UndoLog's SQLAlchemy engine (tables live next to the core's).
+    """
+
+    engine: Engine
+    _touch_cache: dict[str, float] = field(default_factory=dict)
+
+    # ---- settings -------------------------------------------------------------------------------
+
+    def server_secret(self) -> bytes:
+        """Return the secret signing cookies and CSRF tokens, shared by every server on the database.
+
+        Returns:
+            32+ random bytes, created on first use.
+        """
+        with self.engine.begin() as conn:
+            row = conn.execute(sa.select(server_settings.c.value).where(server_settings.c.name == "secret")).first()
+            if row is not None:
+                return bytes.fromhex(row[0])
+        value = secrets.token_hex(32)
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(server_settings.insert().values(name="secret", value=value))
+        except sa.exc.IntegrityError:
+            pass  # another server process created it first; use theirs
+        with self.engine.begin() as conn:
+            got = conn.execute(sa.select(server_settings.c.value).where(server_settings.c.name == "secret")).scalar_one()
+        return bytes.fromhex(got)
+
+    # ---- API keys -------------------------------------------------------------------------------
+
+    def create_key(
+        self, name: str, roles: Sequence[str], groups: Sequence[str] = (), created_by: str | None = None
+    ) -> tuple[ApiKey, str]:
+        """Create an API key.
+
+        Args:
+            name: Who holds it (recorded with every decision).
+            roles: Some of ``agent``, ``approver``, ``admin``.
+            groups: Approver groups the holder belongs to.
+            created_by: Identity of the creator, for the record.
+
+        Returns:
+            The stored key and the full bearer token, which is shown once and never stored.
+
+        Raises:
+            ValueError: An unknown role or an empty name.
+        """
+        roles = sorted(set(roles))
+        bad = [r for r in roles if r not in ROLES]
+        if bad or not roles:
+            raise ValueError(f"roles must be a non-empty subset of {', '.join(ROLES)}; got {roles}")
+        if not name.strip():
+            raise ValueError("a key needs a name")
+        key_id = secrets.token_hex(6)
+        secret = secrets.token_urlsafe(32)
+        now = utcnow()
+        with self.engine.begin() as conn:
+            conn.execute(
+                api_keys.insert().values(
+                    key_id=key_id,
+                    name=name.strip(),
+                    roles=list(roles),
+                    groups=sorted(set(groups)),
+                    secret_hash=hash_secret(secret),
+                    created_at=now,
+                    created_by=created_by,
+                )
+            )
+        key = ApiKey(key_id, name.strip(), frozenset(roles), frozenset(groups), now, created_by)
+        return key, f"{KEY_PREFIX}{key_id}_{secret}"
+
+    def authenticate(self, token: str) -> ApiKey | None:
+        """Return the active key matching a bearer token, or None.
+
+        Args:
+            token: The full token as presented.
+        """
+        if not token.startswith(KEY_PREFIX):
+            return None
+        rest = token[len(KEY_PREFIX) :]
+        key_id, sep, secret = rest.partition("_")
+        if not sep or not key_id or not secret or len(key_id) > 32:
+            return None
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(api_keys).where(api_keys.c.key_id == key_id)).mappings().first()
+        if row is None or row["revoked_at"] is not None:
+            return None
+        if not hmac.compare_digest(row["secret_hash"], hash_secret(secret)):
+            return None
+        self._touch(key_id)
+        return _key_from_row(row)
+
+    def get_key(self, key_id: str) -> ApiKey | None:
+        """Return an active key by id (for cookie sessions), or None."""
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(api_keys).where(api_keys.c.key_id == key_id)).mappings().first()
+        if row is None or row["revoked_at"] is not None:
+            return None
+        return _key_from_row(row)
+
+    def _touch(self, key_id: str) -> None:
+        import time
+
+        # One write a minute per key is enough for "last used" and keeps reads write-free.
+        now = time.monotonic()
+        if now - self._touch_cache.get(key_id, -1e9) < 60:
+            return
+        self._touch_cache[key_id] = now
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(api_keys.update().where(api_keys.c.key_id == key_id).values(last_used_at=utcnow()))
+        except sa.exc.OperationalError:
+            pass  # a busy database must not fail authentication
+
+    def list_keys(self) -> list[ApiKey]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(api_keys).order_by(api_keys.c.created_at)).mappings().all()
+        return [_key_from_row(r) for r in rows]
+
+    def revoke_key(self, key_id: str) -> bool:
+        with self.engine.begin() as conn:
+            res = conn.execute(
+                api_keys.update()
+                .where(api_keys.c.key_id == key_id, api_keys.c.revoked_at.is_(None))
+                .values(revoked_at=utcnow())
+            )
+        return bool(res.rowcount)
+
+    # ---- approver groups ------------------------------------------------------------------------
+
+    def groups(self) -> list[ApproverGroup]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(approver_groups).order_by(approver_groups.c.name)).mappings().all()
+        return [
+            ApproverGroup(r["name"], tuple(r["tools"] or ()), tuple(r["risk_tags"] or ()), r["description"])
+            for r in rows
+        ]
+
+    def put_group(self, group: ApproverGroup) -> None:
+        values = {
+            "tools": list(group.tools),
+            "risk_tags": list(group.risk_tags),
+            "description": group.description,
+            "updated_at": utcnow(),
+        }
+        with self.engine.begin() as conn:
+            res = conn.execute(approver_groups.update().where(approver_groups.c.name == group.name).values(**values))
+            if not res.rowcount:
+                conn.execute(approver_groups.insert().values(name=group.name, **values))
+
+    def delete_group(self, name: str) -> bool:
+        with self.engine.begin() as conn:
+            return bool(conn.execute(approver_groups.delete().where(approver_groups.c.name == name)).rowcount)
+
+    # ---- webhooks -------------------------------------------------------------------------------
+
+    def targets(self) -> list[WebhookTarget]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(webhook_targets).order_by(webhook_targets.c.name)).mappings().all()
+        return [_target_from_row(r) for r in rows]
+
+    def get_target(self, target_id: str) -> WebhookTarget | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                sa.select(webhook_targets).where(webhook_targets.c.target_id == target_id)
+            ).mappings().first()
+        return _target_from_row(row) if row else None
+
+    def create_target(
+        self, name: str, url: str, secret: str | None = None, event_types: Sequence[str] = ("*",)
+    ) -> WebhookTarget:
+        """Create a webhook target; a secret is generated when none is given.
+
+        Raises:
+            ValueError: The name is taken.
+        """
+        target = WebhookTarget(
+            "wh_" + uuid.uuid4().hex[:16], name, url, secret or secrets.token_urlsafe(32), tuple(event_types) or ("*",)
+        )
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(
+                    webhook_targets.insert().values(
+                        target_id=target.target_id,
+                        name=target.name,
+                        url=target.url,
+                        secret=target.secret,
+                        event_types=list(target.event_types),
+                        active=True,
+                        created_at=utcnow(),
+                    )
+                )
+        except sa.exc.IntegrityError:
+            raise ValueError(f"a webhook target named {name!r} already exists") from None
+        return target
+
+    def delete_target(self, target_id: str) -> bool:
+        with self.engine.begin() as conn:
+            return bool(conn.execute(webhook_targets.delete().where(webhook_targets.c.target_id == target_id)).rowcount)
+
+    # ---- notification policies ------------------------------------------------------------------
+
+    def policies(self) -> list[NotificationPolicy]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(notification_policies).order_by(notification_policies.c.risk_tag)).mappings()
+            return [
+                NotificationPolicy(
+                    r["risk_tag"], tuple(r["notify"] or ()), r["escalate_after_seconds"], tuple(r["escalate_to"] or ())
+                )
+                for r in rows
+            ]
+
+    def put_policy(self, policy: NotificationPolicy) -> None:
+        values = {
+            "notify": list(policy.notify),
+            "escalate_after_seconds": policy.escalate_after_seconds,
+            "escalate_to": list(policy.escalate_to),
+            "updated_at": utcnow(),
+        }
+        with self.engine.begin() as conn:
+            res = conn.execute(
+                notification_policies.update().where(notification_policies.c.risk_tag == policy.risk_tag).values(**values)
+            )
+            if not res.rowcount:
+                conn.execute(notification_policies.insert().values(risk_tag=policy.risk_tag, **values))
+
+    def delete_policy(self, risk_tag: str) -> bool:
+        with self.engine.begin() as conn:
+            return bool(
+                conn.execute(notification_policies.delete().where(notification_policies.c.risk_tag == risk_tag)).rowcount
+            )
+
+    # ---- deliveries -----------------------------------------------------------------------------
+
+    def deliveries(self, target_id: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        q = sa.select(webhook_deliveries).order_by(webhook_deliveries.c.created_at.desc()).limit(limit)
+        if target_id is not None:
+            q = q.where(webhook_deliveries.c.target_id == target_id)
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings()]
+
+
+def _key_from_row(row: Any) -> ApiKey:
+    return ApiKey(
+        key_id=row["key_id"],
+        name=row["name"],
+        roles=frozenset(row["roles"] or ()),
+        groups=frozenset(row["groups"] or ()),
+        created_at=aware(row["created_at"]) or utcnow(),
+        created_by=row["created_by"],
+        revoked_at=aware(row["revoked_at"]),
+        last_used_at=aware(row["last_used_at"]),
+    )
+
+
+def _target_from_row(row: Any) -> WebhookTarget:
+    return WebhookTarget(
+        row["target_id"], row["name"], row["url"], row["secret"], tuple(row["event_types"] or ("*",)), bool(row["active"])
+    )
+
+
+def insert_ignore(conn: Connection, table: sa.Table, rows: list[dict[str, Any]]) -> int:
+    """Insert rows, skipping those that collide with a unique key (idempotent fan-out).
+
+    Args:
+        conn: Open connection inside a transaction.
+        table: Target table.
+        rows: Rows to insert.
+
+    Returns:
+        How many rows were inserted.
+    """
+    if not rows:
+        return 0
+    dialect = conn.dialect.name
+    stmt: Any
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        stmt = pg_insert(table).on_conflict_do_nothing()
+    elif dialect == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        stmt = sqlite_insert(table).on_conflict_do_nothing()
+    else:  # pragma: no cover - only the two supported databases reach here
+        stmt = table.insert()
+    total = 0
+    for row in rows:
+        total += conn.execute(stmt.values(**row)).rowcount or 0
+    return total
+
+
+def later(seconds: float) -> datetime:
+    """Return now + ``seconds`` as an aware datetime."""
+    return utcnow() + timedelta(seconds=seconds)

@@ -1,0 +1,119 @@
+"""Background loops of one server process: the sweeper and the webhook sender.
+
+Each server runs its own loops. Work is shared through the database: the core's
+``expire_due`` and ``recover`` claim rows with ``FOR UPDATE SKIP LOCKED`` on PostgreSQL,
+and the webhook fan-out and delivery leases here do the same, so two servers never
+handle one timeout or send one delivery twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from .webhooks import WebhookDispatcher
+
+if TYPE_CHECKING:
+    from .state import ServerState
+
+log = logging.getLogger("undolog.server.sweeper")
+
+
+class Sweeper:
+    """Expires due approvals, runs recovery, escalates and fans out outbox events.
+
+    Args:
+        state: The server state.
+    """
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.webhooks = WebhookDispatcher(state)
+        self._last_recover = 0.0
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._stop = asyncio.Event()
+
+    def tick(self, *, force_recover: bool = False) -> dict[str, int]:
+        """Run one sweep synchronously (what the loop does every ``sweep_interval``).
+
+        Returns:
+            Counts of what this tick did.
+        """
+        undolog = self.state.undolog
+        counts = {"expired": 0, "recovered": 0, "escalated": 0, "events": 0}
+        counts["expired"] = len(undolog.approvals.expire_due() or ())
+        now = time.monotonic()
+        if force_recover or now - self._last_recover >= self.state.settings.recover_interval:
+            self._last_recover = now
+            report = undolog.recover()
+            counts["recovered"] = _count(report)
+        counts["escalated"] = self.webhooks.escalate()
+        # Fan out after expiring, so a timeout's event leaves in the same tick.
+        counts["events"] = self.webhooks.fan_out()
+        for k, v in counts.items():
+            self.state.stats[k] = self.state.stats.get(k, 0) + v
+        return counts
+
+    async def start(self) -> None:
+        """Start the loops on the running event loop."""
+        self._stop.clear()
+        self._tasks = [
+            asyncio.create_task(self._sweep_loop(), name="undolog-sweeper"),
+            asyncio.create_task(self._webhook_loop(), name="undolog-webhooks"),
+        ]
+
+    async def stop(self) -> None:
+        """Stop the loops, letting an in-flight sweep finish."""
+        self._stop.set()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._tasks = []
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+        except TimeoutError:
+            pass
+
+    async def _sweep_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await asyncio.to_thread(self.tick)
+            except Exception:
+                # A failing sweep (database restarting, say) must not end the loop.
+                log.exception("sweep failed; retrying next interval")
+            await self._sleep(self.state.settings.sweep_interval)
+
+    async def _webhook_loop(self) -> None:
+        async with httpx.AsyncClient(follow_redirects=False) as client:
+            while not self._stop.is_set():
+                sent = 0
+                try:
+                    sent = await self.webhooks.deliver_due(client)
+                except Exception:
+                    log.exception("webhook delivery pass failed; retrying")
+                if not sent:
+                    await self._sleep(self.state.settings.webhook_interval)
+
+
+def _count(report: Any) -> int:
+    if report is None:
+        return 0
+    if hasattr(report, "reconciled"):
+        return len(report.reconciled) + len(getattr(report, "rollbacks_resumed", ()))
+    for attr in ("recovered", "handled", "total"):
+        v = getattr(report, attr, None)
+        if isinstance(v, int):
+            return v
+        if isinstance(v, (list, tuple)):
+            return len(v)
+    return 0
