@@ -202,10 +202,29 @@ _ONE = ApprovalDecision | ApprovalDecisions
 class _Batch:
     done: dict[str, Any] = field(default_factory=dict)
     pending: dict[str, tuple[AwaitingApproval, str]] = field(default_factory=dict)
+    # Outcomes of the gate pass that UndoLogToolNode runs before any call of the message executes.
+    gated: dict[str, Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _BATCH: contextvars.ContextVar[_Batch | None] = contextvars.ContextVar("undolog_lg_batch", default=None)
+
+
+@dataclass
+class _Admit:
+    """The one call UndoLog let through, checked again where the tool really runs."""
+
+    name: str
+    args: dict[str, Any]
+    tool: Any
+    logged: bool
+    runs: int = 0
+
+
+_ADMIT: contextvars.ContextVar[_Admit | None] = contextvars.ContextVar("undolog_lg_admit", default=None)
+
+# The qualified name LangChain gives the handler of a middleware that has other tool-call wrappers inside it.
+_INNER_WRAPPERS = "compose_two.<locals>.composed.<locals>.call_inner"
 
 # Adapters alive in this process, so module-level helpers can find "the" UndoLog when there is one.
 _ADAPTERS: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -657,12 +676,15 @@ def _wrap(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
         return batch.done[call_id]
     config = _config_of(request)
     error: str | None = None
+    gated = batch.gated.pop(call_id, None) if batch is not None and call_id else None
     while True:
         try:
-            step = guard.prepare(request, config)
-        except (errors.ApprovalRejected, errors.ApprovalTimedOut, errors.ApprovalCancelled, errors.SessionHalted,
-                errors.SessionClosed, errors.ArgumentsInvalid) as exc:
+            step = gated if gated is not None else guard.prepare(request, config)
+        except _REFUSED as exc:
             return _remember(batch, call_id, guard.refusal(request, exc))
+        gated = None
+        if isinstance(step, ToolMessage):
+            return _remember(batch, call_id, step)
         if isinstance(step, _Reply):
             return _remember(batch, call_id, step.message)
         if isinstance(step, _Pause):
@@ -673,6 +695,9 @@ def _wrap(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
             error = guard.ask([step], error)
             continue
         req, box = guard.runnable(request, step)
+        admit = _Admit(req.tool_call["name"], dict(req.tool_call.get("args") or {}), req.tool,
+                       step.execute.effect_id is not None)
+        token = _ADMIT.set(admit)
         with guard.u.engine.running(step.execute, step.session_id):
             try:
                 out = execute(req)
@@ -683,6 +708,8 @@ def _wrap(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
                 raise  # LangGraph control flow (an interrupt inside the tool): never a failure
             except Exception as exc:  # noqa: BLE001 - recorded, then re-raised or turned into the rollback message
                 return _remember(batch, call_id, guard.failed(request, step, exc))
+            finally:
+                _ADMIT.reset(token)
         return _remember(batch, call_id, guard.finished(request, step, out, box))
 
 
@@ -697,12 +724,15 @@ async def _awrap(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> 
         return batch.done[call_id]
     config = _config_of(request)
     error: str | None = None
+    gated = batch.gated.pop(call_id, None) if batch is not None and call_id else None
     while True:
         try:
-            step = guard.prepare(request, config)
-        except (errors.ApprovalRejected, errors.ApprovalTimedOut, errors.ApprovalCancelled, errors.SessionHalted,
-                errors.SessionClosed, errors.ArgumentsInvalid) as exc:
+            step = gated if gated is not None else guard.prepare(request, config)
+        except _REFUSED as exc:
             return _remember(batch, call_id, guard.refusal(request, exc))
+        gated = None
+        if isinstance(step, ToolMessage):
+            return _remember(batch, call_id, step)
         if isinstance(step, _Reply):
             return _remember(batch, call_id, step.message)
         if isinstance(step, _Pause):
@@ -713,6 +743,9 @@ async def _awrap(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> 
             error = guard.ask([step], error)
             continue
         req, box = guard.runnable(request, step)
+        admit = _Admit(req.tool_call["name"], dict(req.tool_call.get("args") or {}), req.tool,
+                       step.execute.effect_id is not None)
+        token = _ADMIT.set(admit)
         with guard.u.engine.running(step.execute, step.session_id):
             try:
                 out = await execute(req)
@@ -723,7 +756,37 @@ async def _awrap(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> 
                 raise
             except Exception as exc:  # noqa: BLE001
                 return _remember(batch, call_id, guard.failed(request, step, exc))
+            finally:
+                _ADMIT.reset(token)
         return _remember(batch, call_id, guard.finished(request, step, out, box))
+
+
+_REFUSED = (errors.ApprovalRejected, errors.ApprovalTimedOut, errors.ApprovalCancelled, errors.SessionHalted,
+            errors.SessionClosed, errors.ArgumentsInvalid)
+
+
+def _admitted(request: Any) -> ToolMessage | None:
+    """None if ``request`` is exactly the call UndoLog let through (and not run yet), else the refusal.
+
+    Checked at the innermost ``execute``: a wrapper inside UndoLog's could otherwise switch the tool or
+    its arguments after the gate (LangChain #40166) or run a logged call a second time.
+    """
+    admit = _ADMIT.get()
+    call = request.tool_call
+    problem = None
+    if admit is None:
+        problem = "it was not let through UndoLog's gate"
+    elif call["name"] != admit.name or request.tool is not admit.tool:
+        problem = f"a wrapper switched the call from {admit.name} to {call['name']} after UndoLog's gate"
+    elif dict(call.get("args") or {}) != admit.args:
+        problem = "a wrapper changed its arguments after UndoLog's gate"
+    elif admit.logged and admit.runs:
+        problem = "a wrapper tried to run it a second time"
+    if problem is None:
+        admit.runs += 1
+        return None
+    return ToolMessage(content=f"UndoLog refused {call['name']}: {problem}. It was NOT run.", name=call["name"],
+                       tool_call_id=call["id"], status="error", response_metadata={"undolog": {"refused": "bypass"}})
 
 
 def _remember(batch: _Batch | None, call_id: str | None, out: Any) -> Any:
@@ -731,6 +794,14 @@ def _remember(batch: _Batch | None, call_id: str | None, out: Any) -> Any:
         with batch.lock:
             batch.done[call_id] = out
     return out
+
+
+@dataclass(frozen=True)
+class _GateRequest:
+    """Enough of a ``ToolCallRequest`` for the gate pass, which runs before ToolNode builds the real ones."""
+
+    tool_call: Any
+    state: Any
 
 
 # --------------------------------------------------------------------------------------------------
@@ -784,19 +855,27 @@ class UndoLogToolNode(ToolNode):
         self._undolog_guard = guard
 
         def sync_wrapper(request: Any, execute: Callable[[Any], Any]) -> Any:
-            inner = execute if wrap_tool_call is None else (lambda r: wrap_tool_call(r, execute))
+            def checked(r: Any) -> Any:
+                refused = _admitted(r)
+                return refused if refused is not None else execute(r)
+
+            inner = checked if wrap_tool_call is None else (lambda r: wrap_tool_call(r, checked))
             return _wrap(guard, request, inner)
 
         async def async_wrapper(request: Any, execute: Callable[[Any], Any]) -> Any:
+            async def checked(r: Any) -> Any:
+                refused = _admitted(r)
+                return refused if refused is not None else await execute(r)
+
             if awrap_tool_call is not None:
                 async def inner(r: Any) -> Any:
-                    return await awrap_tool_call(r, execute)
+                    return await awrap_tool_call(r, checked)
             elif wrap_tool_call is not None:
                 raise errors.ConfigurationError(
                     "UndoLogToolNode got wrap_tool_call but no awrap_tool_call: pass both to run the graph async"
                 )
             else:
-                inner = execute
+                inner = checked
             return await _awrap(guard, request, inner)
 
         super().__init__(tools, wrap_tool_call=sync_wrapper, awrap_tool_call=async_wrapper, **kwargs)
@@ -807,18 +886,26 @@ class UndoLogToolNode(ToolNode):
         return self._undolog_guard.u
 
     # LangGraph injects config and runtime by these exact parameter annotations, as for ToolNode.
+    #
+    # LangGraph re-runs the whole node on resume, and SAFE calls are not logged (so not replayable): the
+    # IRREVERSIBLE calls of the message are therefore gated first, and no call runs until every one of
+    # them is decided. The node then runs once, and nothing in it runs twice.
     def _func(self, input: Any, config: RunnableConfig, runtime: Runtime) -> Any:  # noqa: A002
         batch = _Batch()
         token = _BATCH.set(batch)
         try:
             error: str | None = None
             while True:
-                batch.pending.clear()
-                out = super()._func(input, config, runtime)
-                if not batch.pending:
-                    return out
-                error = self._undolog_guard.ask(self._ordered(input, batch), error)
+                pauses = self._gate(input, config, batch)
+                if not pauses:
+                    batch.pending.clear()
+                    out = super()._func(input, config, runtime)
+                    if not batch.pending:
+                        return out
+                    pauses = self._ordered(input, batch)  # decided, then re-opened meanwhile: ask again
+                error = self._undolog_guard.ask(pauses, error)
         finally:
+            self._release_gated(batch)
             _BATCH.reset(token)
 
     async def _afunc(self, input: Any, config: RunnableConfig, runtime: Runtime) -> Any:  # noqa: A002
@@ -827,13 +914,46 @@ class UndoLogToolNode(ToolNode):
         try:
             error: str | None = None
             while True:
-                batch.pending.clear()
-                out = await super()._afunc(input, config, runtime)
-                if not batch.pending:
-                    return out
-                error = self._undolog_guard.ask(self._ordered(input, batch), error)
+                pauses = self._gate(input, config, batch)
+                if not pauses:
+                    batch.pending.clear()
+                    out = await super()._afunc(input, config, runtime)
+                    if not batch.pending:
+                        return out
+                    pauses = self._ordered(input, batch)
+                error = self._undolog_guard.ask(pauses, error)
         finally:
+            self._release_gated(batch)
             _BATCH.reset(token)
+
+    def _gate(self, input: Any, config: Mapping[str, Any], batch: _Batch) -> list[_Pause]:
+        """Intercept the message's IRREVERSIBLE calls, in message order, before any call runs."""
+        guard = self._undolog_guard
+        self._release_gated(batch)
+        calls, _ = self._parse_input(input)
+        pauses: list[_Pause] = []
+        for call in calls:
+            name = guard.names.get(call.get("name"))
+            if name is None or not call.get("id") or guard.u.tool_spec(name).tier is not ToolTier.IRREVERSIBLE:
+                continue
+            request = _GateRequest(call, input)
+            try:
+                step: Any = guard.prepare(request, config)
+            except _REFUSED as exc:
+                step = guard.refusal(request, exc)
+            if isinstance(step, _Pause):
+                pauses.append(step)
+            else:
+                batch.gated[call["id"]] = step
+        if pauses:
+            self._release_gated(batch)  # approved calls wait for their siblings' decisions, unclaimed
+        return pauses
+
+    def _release_gated(self, batch: _Batch) -> None:
+        for step in batch.gated.values():
+            if isinstance(step, _Run):
+                self._undolog_guard.released(step)
+        batch.gated.clear()
 
     def _ordered(self, input: Any, batch: _Batch) -> list[_Pause]:
         # Message order, not thread-completion order: the interrupt must look the same on every re-run.
@@ -945,14 +1065,26 @@ class UndoLogMiddleware(AgentMiddleware):  # type: ignore[misc,valid-type]
             self._checked = True
 
     def wrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
+        _innermost(handler)
         return _wrap(self._undolog_guard, request, handler)
 
     async def awrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
+        _innermost(handler)
         return await _awrap(self._undolog_guard, request, handler)
 
     def rollback(self, thread_id: str, *, reason: str | None = None) -> Any:
         """Roll back the thread's current session; see :func:`rollback`."""
         return rollback(thread_id, undolog=self.undolog, reason=reason)
+
+
+def _innermost(handler: Any) -> None:
+    """Refuse to gate a call that other middleware could still change (or repeat) before it runs."""
+    if _INNER_WRAPPERS in getattr(handler, "__qualname__", ""):
+        raise errors.ConfigurationError(
+            "UndoLogMiddleware must be the last middleware that wraps tool calls (middleware=[..., "
+            "UndoLogMiddleware(...)]): a tool-call wrapper inside it could switch the tool, edit its arguments "
+            "or run it again after UndoLog's gate. Nothing was run."
+        )
 
 
 # --------------------------------------------------------------------------------------------------

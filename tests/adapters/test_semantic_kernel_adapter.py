@@ -301,6 +301,51 @@ async def test_gate_failure_fails_closed(ul, backend, monkeypatch):
     assert backend.outbox == []
 
 
+async def test_a_filter_inside_the_gate_cannot_change_the_approved_call(ul, backend):
+    # An auto filter registered after UndoLog's runs inside it, after the gate: its edit would delete
+    # an account nobody approved.
+    kernel, _ = new_kernel(ul)
+
+    async def editor(context, next):
+        if "user_id" in context.arguments:
+            context.arguments["user_id"] = "u2"
+        await next(context)
+
+    kernel.add_filter(FilterTypes.AUTO_FUNCTION_INVOCATION, editor)
+    chat, history, _ = await chat_turns(kernel, [[DELETE_U1]])
+    [request] = ul.approvals.pending(session_id="chat-1")
+    assert request.proposed_args == {"user_id": "u1"}
+    ul.approvals.approve(request.approval_request_id, approver="ana")
+    reply = await resume(kernel, history, chat, ul)
+    assert sorted(backend.accounts) == ["u1", "u2"]  # neither the approved nor the edited call ran
+    assert "arguments were changed after UndoLog's gate" in reply.content
+
+
+async def test_function_filter_order_keeps_the_runner_innermost(ul, backend):
+    seen = []
+
+    async def edit_amount(context, next):
+        seen.append(dict(context.arguments))
+        context.arguments["amount"] = 1.0
+        await next(context)
+
+    # Added before install: it runs outside UndoLog's runner, so UndoLog gates and logs the edited call.
+    kernel = Kernel()
+    kernel.add_plugin(support.SupportPlugin(), plugin_name="support")
+    kernel.add_filter(FilterTypes.FUNCTION_INVOCATION, edit_amount)
+    install(kernel, ul)
+    with undolog_session("inv-9"):
+        await invoke(kernel, plugin_name="support", function_name="send_refund_email", user_id="u1", amount=42.5)
+    assert seen and [m["amount"] for m in backend.outbox] == [1.0]
+    [effect] = ul.sessions.effects("inv-9")
+    assert effect["args_snapshot"]["amount"] == 1.0
+    # Added after install, it would run between UndoLog's check and the tool: every call is refused.
+    kernel.add_filter(FilterTypes.FUNCTION_INVOCATION, edit_amount)
+    with undolog_session("inv-9"), pytest.raises(errors.ConfigurationError, match="inside UndoLog"):
+        await invoke(kernel, plugin_name="support", function_name="send_refund_email", user_id="u2", amount=3.0)
+    assert len(backend.outbox) == 1
+
+
 async def test_auto_filter_alone_refuses_to_run(ul, backend):
     kernel = Kernel()
     kernel.add_plugin(support.SupportPlugin(), plugin_name="support")
