@@ -958,14 +958,21 @@ class Engine:
     # -- leases ------------------------------------------------------------------------------------
 
     def _ensure_renewer(self) -> None:
-        if self._renewer is not None and self._renewer.is_alive():
+        self._ensure_thread("_renewer", self._renew_loop, "undolog-lease")
+
+    def _ensure_thread(self, attr: str, target: Callable[[], None], name: str) -> None:
+        """Start a background loop once, lazily: an UndoLog that never writes starts no thread."""
+        th = getattr(self, attr)
+        if th is not None and th.is_alive():
             return
         with self._renew_lock:
-            if self._renewer is not None and self._renewer.is_alive():
+            th = getattr(self, attr)
+            if th is not None and th.is_alive():
                 return
             self._stop.clear()
-            self._renewer = threading.Thread(target=self._renew_loop, name="undolog-lease", daemon=True)
-            self._renewer.start()
+            th = threading.Thread(target=target, name=name, daemon=True)
+            setattr(self, attr, th)
+            th.start()
 
     def _renew_loop(self) -> None:
         period = max(0.05, self.lease_seconds / 3.0)
@@ -1012,14 +1019,7 @@ class Engine:
                 self._inflight.discard(effect_id)
 
     def _ensure_flusher(self) -> None:
-        if self._flusher is not None and self._flusher.is_alive():
-            return
-        with self._renew_lock:
-            if self._flusher is not None and self._flusher.is_alive():
-                return
-            self._stop.clear()
-            self._flusher = threading.Thread(target=self._flush_loop, name="undolog-marks", daemon=True)
-            self._flusher.start()
+        self._ensure_thread("_flusher", self._flush_loop, "undolog-marks")
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(MARK_FLUSH_SECONDS):

@@ -20,7 +20,6 @@ from ._tools import (
     ToolSpec,
     ToolTier,
     build_spec,
-    make_declaration,
     tool_name_of,
 )
 from .errors import InvalidDeclaration, ToolNotClassified, ToolNotRegistered
@@ -186,17 +185,3 @@ class Registry:
             q = q.where(reg.c.tool_name == tool_name)
         with self._u.store.read() as conn:
             return [dict(r._mapping) for r in conn.execute(q)]
-
-
-def declaration_for(
-    *,
-    tier: ToolTier | str | None = None,
-    risk_level: str | None = None,
-    compensation: Any = None,
-    reason: str | None = None,
-    risk_tags: Iterable[str] = (),
-    composite_of: Iterable[Any] = (),
-    probe: Callable[..., Any] | None = None,
-) -> ToolDeclaration:
-    return make_declaration(tier=tier, risk_level=risk_level, compensation=compensation, reason=reason,
-                            risk_tags=risk_tags, composite_of=composite_of, probe=probe)

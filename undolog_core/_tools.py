@@ -144,16 +144,13 @@ def make_declaration(
     if tier is not None and risk_level is not None and ToolTier.from_risk_level(risk_level) != resolved:
         raise InvalidDeclaration(f"tier {resolved.value!r} contradicts risk_level {risk_level!r}")
     desc = _as_descriptor(compensation)
-    if inherit:
-        return ToolDeclaration(tier=resolved, compensation=desc, reason=reason,
-                               risk_tags=tuple(sorted({str(t) for t in risk_tags})), composite_of=members,
-                               probe=probe, name=name, inherit_tier=True)
-    if resolved is ToolTier.COMPENSABLE and desc is None:
-        raise InvalidDeclaration("a COMPENSABLE tool must declare its compensation")
-    if resolved is not ToolTier.COMPENSABLE and desc is not None:
-        raise InvalidDeclaration(f"only COMPENSABLE tools take a compensation (this one is {resolved.value})")
     if isinstance(risk_tags, str):
         raise InvalidDeclaration("risk_tags must be a list of strings, not one string")
+    # An inheriting composite's compensation is checked once its tier is known, at registration.
+    if not inherit and resolved is ToolTier.COMPENSABLE and desc is None:
+        raise InvalidDeclaration("a COMPENSABLE tool must declare its compensation")
+    if not inherit and resolved is not ToolTier.COMPENSABLE and desc is not None:
+        raise InvalidDeclaration(f"only COMPENSABLE tools take a compensation (this one is {resolved.value})")
     return ToolDeclaration(
         tier=resolved,
         compensation=desc,
@@ -162,6 +159,7 @@ def make_declaration(
         composite_of=members,
         probe=probe,
         name=name,
+        inherit_tier=inherit,
     )
 
 

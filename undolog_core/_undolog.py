@@ -12,11 +12,11 @@ from ._audit import AuditReport, verify
 from ._engine import Engine, check_id
 from ._policy import PolicyService
 from ._recovery import Recovery, RecoveryReport
-from ._registry import Registry, declaration_for
+from ._registry import Registry
 from ._saga import RollbackReport, Saga
 from ._session import Session, SessionService
 from ._store import Store, new_id
-from ._tools import ToolSpec, ToolTier
+from ._tools import ToolSpec, ToolTier, make_declaration
 from .errors import ConfigurationError, InvalidDeclaration
 
 
@@ -117,7 +117,7 @@ class UndoLog:
         """
         if fn is None and name is None:
             raise InvalidDeclaration("register_tool needs a function or a name")
-        decl = declaration_for(tier=tier, risk_level=risk_level, compensation=compensation, reason=reason,
+        decl = make_declaration(tier=tier, risk_level=risk_level, compensation=compensation, reason=reason,
                                risk_tags=risk_tags, composite_of=composite_of, probe=probe)
         kw: dict[str, Any] = {"name": name, "args_schema": args_schema}
         return self.registry.register([(fn, decl, kw)], registered_by=registered_by)[0]
