@@ -429,28 +429,31 @@ class Engine:
         args_text = canonical_json(args_json)
         digest = sha256_hex(args_text)
         now = utcnow()
-        count = sc.take_count() + 1
+        pending = sc.take_count()
         assert spec.compensation is not None
         self._inflight.add(effect_id)
         try:
-            if pin is not None or not self.hot.prewrite(
-                session_id=session_id, count=count, effect_id=effect_id, call_id=call_id or effect_id,
+            if pin is None and self.hot.prewrite(
+                session_id=session_id, count=pending, effect_id=effect_id, call_id=call_id or effect_id,
                 tool_name=spec.name, revision=spec.revision, args_text=args_text, digest=digest, owner=self.owner,
                 lease=now + dt.timedelta(seconds=self.lease_seconds), now=now, comp=spec.compensation.name,
                 comp_version=spec.compensation.version,
             ):
+                # This call is counted in memory like a SAFE one and flushed with the session's next write.
+                next(sc.counter)
+            else:
                 # Pinning a newly registered tool, or the session refused the write: the general path
                 # does the same transaction and raises the precise error.
-                self._prewrite_core(sc, spec, count, pin, effect_id, call_id, args_json, digest, now)
+                self._prewrite_core(sc, spec, pending + 1, pin, effect_id, call_id, args_json, digest, now)
         except IntegrityError:
             self._inflight.discard(effect_id)
-            sc.give_back(count - 1)
+            sc.give_back(pending)
             if call_id is None:
                 raise
             return self._existing(session_id, spec, call_id, digest)
         except (SessionHalted, SessionClosed):
             self._inflight.discard(effect_id)
-            sc.give_back(count - 1)
+            sc.give_back(pending)
             # A framework re-running a call that already ran gets its result, even on a halted session:
             # telling the model "refused" would be a lie about what happened.
             if call_id is not None and self._call_exists(session_id, call_id):
@@ -458,7 +461,7 @@ class Engine:
             raise
         except BaseException:
             self._inflight.discard(effect_id)
-            sc.give_back(count - 1)
+            sc.give_back(pending)
             raise
         self._ensure_renewer()
         sc.recent.append((spec.name, "compensable", args_json, "pending"))

@@ -36,6 +36,12 @@ _SQLITE_EFFECT = (
     f"INSERT INTO undolog_effect_log ({_EFFECT_COLS}) "
     "VALUES (?, ?, ?, ?, ?, 'compensable', 'pending', ?, ?, ?, ?, 0, ?, ?)"
 )
+# With no counts to flush, the session is only checked, not written: one page less in every pre-write.
+_SQLITE_EFFECT_CHECKED = (
+    f"INSERT INTO undolog_effect_log ({_EFFECT_COLS}) "
+    "SELECT ?, ?, ?, ?, ?, 'compensable', 'pending', ?, ?, ?, ?, 0, ?, ? "
+    f"WHERE EXISTS (SELECT 1 FROM undolog_sessions WHERE session_id = ? AND {_WRITABLE})"
+)
 _SQLITE_UNDO = f"INSERT INTO undolog_undo_stack ({_UNDO_COLS}) VALUES (?, ?, ?, ?, ?, 'armed', 0, ?, ?)"
 _SQLITE_MARK = (
     "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = ?, owner = NULL, lease_until = NULL, "
@@ -51,6 +57,17 @@ WITH g AS (
   INSERT INTO undolog_effect_log ({_EFFECT_COLS})
   SELECT %(effect_id)s, g.session_id, %(call_id)s, %(tool_name)s, %(revision)s, 'compensable', 'pending',
          %(args)s::json, %(digest)s, %(owner)s, %(lease)s, 0, %(now)s, %(now)s FROM g
+  RETURNING effect_id, session_id
+)
+INSERT INTO undolog_undo_stack ({_UNDO_COLS})
+SELECT e.effect_id, e.session_id, %(comp)s, %(comp_version)s, %(args)s::json, 'armed', 0, %(now)s, %(now)s FROM e
+"""
+_PG_PREWRITE_CHECKED = f"""
+WITH e AS (
+  INSERT INTO undolog_effect_log ({_EFFECT_COLS})
+  SELECT %(effect_id)s, s.session_id, %(call_id)s, %(tool_name)s, %(revision)s, 'compensable', 'pending',
+         %(args)s::json, %(digest)s, %(owner)s, %(lease)s, 0, %(now)s, %(now)s
+  FROM undolog_sessions s WHERE s.session_id = %(session_id)s AND s.{_WRITABLE}
   RETURNING effect_id, session_id
 )
 INSERT INTO undolog_undo_stack ({_UNDO_COLS})
@@ -109,7 +126,11 @@ class HotPath:
         comp: str,
         comp_version: int,
     ) -> bool:
-        """One durable transaction; False when the session does not accept writes (nothing written)."""
+        """One durable transaction; False when the session does not accept writes (nothing written).
+
+        ``count`` calls counted in memory are flushed to the session row on the way; with none, the session row is
+        only checked.
+        """
         conn = self._conn(False)
         try:
             if self.sqlite:
@@ -118,7 +139,7 @@ class HotPath:
                     return self._sqlite_prewrite(conn, now_s, session_id, count, effect_id, call_id, tool_name,
                                                  revision, args_text, digest, owner, lease, comp, comp_version)
             cur = conn.execute(
-                _PG_PREWRITE,
+                _PG_PREWRITE if count else _PG_PREWRITE_CHECKED,
                 {"count": count, "now": now, "session_id": session_id, "effect_id": effect_id, "call_id": call_id,
                  "tool_name": tool_name, "revision": revision, "args": args_text, "digest": digest, "owner": owner,
                  "lease": lease, "comp": comp, "comp_version": comp_version},
@@ -133,14 +154,16 @@ class HotPath:
     ) -> bool:
         conn.execute("BEGIN IMMEDIATE")
         try:
-            if conn.execute(_SQLITE_GUARD, (count, now_s, session_id)).rowcount != 1:
+            row = (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner,
+                   _sqlite_time(lease), now_s, now_s)
+            if count:
+                if conn.execute(_SQLITE_GUARD, (count, now_s, session_id)).rowcount != 1:
+                    conn.execute("ROLLBACK")
+                    return False
+                conn.execute(_SQLITE_EFFECT, row)
+            elif conn.execute(_SQLITE_EFFECT_CHECKED, (*row, session_id)).rowcount != 1:
                 conn.execute("ROLLBACK")
                 return False
-            conn.execute(
-                _SQLITE_EFFECT,
-                (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner,
-                 _sqlite_time(lease), now_s, now_s),
-            )
             conn.execute(_SQLITE_UNDO, (effect_id, session_id, comp, comp_version, args_text, now_s, now_s))
             conn.execute("COMMIT")
         except BaseException:

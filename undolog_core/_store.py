@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import os
 import socket
 import threading
-import uuid
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,8 +27,16 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
+_ID_SEQ = itertools.count()
+
+
 def new_id() -> str:
-    return uuid.uuid4().hex
+    """32 hex digits, time-ordered (nanoseconds, a per-process sequence, then 48 random bits).
+
+    New rows land at the right edge of their B-trees instead of at random pages, which keeps every
+    pre-write's pages few and warm.
+    """
+    return f"{time.time_ns():016x}{next(_ID_SEQ) & 0xFFFF:04x}{os.urandom(6).hex()}"
 
 
 def resolve_url(url: str | None) -> str:

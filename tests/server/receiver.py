@@ -24,11 +24,14 @@ class Received:
 
 @dataclass
 class Receiver:
-    """Records every POST; ``fail_first[path]`` answers 500 that many times first; ``delay`` stalls."""
+    """Records every POST; ``fail_first[path]`` answers 500 that many times first; ``delay`` (every path) or
+    ``delays[path]`` stalls; ``arrived`` lists paths as requests come in, before any stall."""
 
     secrets: dict[str, str] = field(default_factory=dict)
     fail_first: dict[str, int] = field(default_factory=dict)
     delay: float = 0.0
+    delays: dict[str, float] = field(default_factory=dict)
+    arrived: list[str] = field(default_factory=list)
     got: list[Received] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -41,8 +44,10 @@ class Receiver:
 
             def do_POST(self) -> None:  # noqa: N802 - http.server's naming
                 raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                if outer.delay:
-                    time.sleep(outer.delay)
+                with outer.lock:
+                    outer.arrived.append(self.path)
+                if outer.delay or self.path in outer.delays:
+                    time.sleep(outer.delays.get(self.path, outer.delay))
                 secret = outer.secrets.get(self.path, "")
                 ok = verify_signature(secret, self.headers.get(SIGNATURE_HEADER, ""), raw)
                 with outer.lock:

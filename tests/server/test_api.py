@@ -83,6 +83,31 @@ def test_approve_once_then_409(desk: Desk) -> None:
     assert [e["actor"] for e in events if desk.key("approver").key_id in e["actor"]]
 
 
+def test_concurrent_decisions_one_wins_the_rest_are_409(desk: Desk) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    desk.add_key("approver2", ["approver"])
+    rid, sid = desk.pending()
+    moves = [("approver", "approve", {}), ("approver2", "reject", {"reason": "no"}), ("admin", "modify",
+             {"args": {"user_id": "u9"}}), ("approver2", "approve", {}), ("approver", "reject", {"reason": "x"}),
+             ("admin", "approve", {})]
+
+    def decide(m: tuple[str, str, dict]) -> httpx.Response:  # type: ignore[type-arg]
+        who, action, body = m
+        return httpx.post(f"{desk.url}/v1/approvals/{rid}:{action}", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {desk.token(who)}"})
+
+    with ThreadPoolExecutor(len(moves)) as pool:
+        answers = list(pool.map(decide, moves))
+    codes = sorted(r.status_code for r in answers)
+    assert codes == [200] + [409] * (len(moves) - 1), [(r.status_code, r.text[:200]) for r in answers]
+    for r in answers:
+        if r.status_code == 409:
+            problem(r, 409, "approval_already_decided")
+    events = desk.client("admin").get(f"/v1/approvals/{rid}/events").json()
+    assert sum(e["action"] in ("approved", "approve", "rejected", "reject", "modified", "modify") for e in events) == 1, events
+
+
 def test_approve_without_body(desk: Desk) -> None:
     rid, _ = desk.pending()
     assert desk.client("approver").post(f"/v1/approvals/{rid}:approve").status_code == 200
@@ -155,6 +180,7 @@ def test_rollback_with_a_missing_compensation_changes_nothing(desk: Desk, db) ->
     s = desk.session()
     with s:
         s.call_sync("send_refund_email", user_id="a", amount=1.0, call_id="m1")
+    before = desk.client("admin").get(f"/v1/sessions/{s.id}").json()
     bare = db.open()  # a server started without --app: the compensation is not loaded
     server = LiveServer(create_app(bare, settings=ServerSettings(background=False))).start()
     try:
@@ -163,7 +189,10 @@ def test_rollback_with_a_missing_compensation_changes_nothing(desk: Desk, db) ->
         body = problem(r, 409, "compensation_not_found")
         assert "cancel_refund_email" in body["detail"]
         plan = httpx.get(f"{server.url}/v1/sessions/{s.id}", headers={"Authorization": f"Bearer {desk.token('admin')}"}).json()
-        assert plan["state"] != "rolled_back"
+        # Nothing changed: not the session's state, not its undo stack, not its effects.
+        assert plan["state"] == before["state"] and plan["halted_reason"] == before["halted_reason"]
+        assert plan["undo_plan"] == [dict(u, compensation_registered=False) for u in before["undo_plan"]]
+        assert plan["effects"] == before["effects"]
         assert plan["undo_plan"][0]["compensation_registered"] is False
     finally:
         server.stop()

@@ -6,15 +6,18 @@ shows the role check runs before any lookup.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from undolog_core import ApprovalPending
 
-from .conftest import Desk, problem
+from ..conftest import PG_URL, TEST_DB, Db
+from .conftest import Desk, make_desk, problem
 
 PUBLIC = "public"
 ALL = frozenset({"agent", "approver", "admin"})
@@ -105,7 +108,9 @@ MATRIX = [
     Row("POST", "/v1/keys", ADMIN, frozenset({201}), None, {"name": "x", "roles": ["agent"]}),
     Row("DELETE", "/v1/keys/{key_id}", ADMIN, frozenset({204}), throwaway_key),
     Row("GET", "/v1/approver-groups", ADMIN, frozenset({200})),
-    Row("PUT", "/v1/approver-groups/{name}", ADMIN, frozenset({200}), None, {"risk_tags": ["pii"]}, {"name": "g2"}),
+    # (A tag no request carries: the matrix shares one desk, and this group must not reroute later cells.)
+    Row("PUT", "/v1/approver-groups/{name}", ADMIN, frozenset({200}), None, {"risk_tags": ["matrix-only"]},
+        {"name": "g2"}),
     Row("DELETE", "/v1/approver-groups/{name}", ADMIN, frozenset({204}), group),
     Row("GET", "/v1/webhooks", ADMIN, frozenset({200})),
     Row("POST", "/v1/webhooks", ADMIN, frozenset({201}), None, {"name": "w", "url": "http://127.0.0.1:9/x"}),
@@ -148,8 +153,29 @@ def test_matrix_covers_every_api_route(desk: Desk) -> None:
     assert routes == {(row.method, row.path) for row in MATRIX}
 
 
+@pytest.fixture(scope="module")
+def matrix_desk(tmp_path_factory: pytest.TempPathFactory, pg_admin: Any) -> Iterator[Desk]:
+    """One desk for every cell: each cell makes the objects it needs, so they share it safely and the
+    matrix does not pay a server start per cell."""
+    if TEST_DB == "postgres":
+        db = Db("postgres", PG_URL, "t_" + uuid.uuid4().hex[:16])
+    else:
+        db = Db("sqlite", f"sqlite:///{Path(tmp_path_factory.mktemp('matrix')) / 'undolog.db'}", None)
+    d = make_desk(db)
+    try:
+        yield d
+    finally:
+        d.close()
+        for u in db.opened:
+            u.close()
+        if db.schema:
+            with pg_admin.connect() as c:
+                c.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{db.schema}" CASCADE')
+
+
 @pytest.mark.parametrize("row", MATRIX, ids=[f"{r.method} {r.path}" for r in MATRIX])
-def test_cell(desk: Desk, row: Row) -> None:
+def test_cell(matrix_desk: Desk, row: Row) -> None:
+    desk = matrix_desk
     missing = {**_MISSING, **row.static} if row.allowed is PUBLIC else dict(_MISSING)
     failures = []
     for who in (None, *ROLES):
@@ -163,6 +189,12 @@ def test_cell(desk: Desk, row: Row) -> None:
             problem(resp, want, "unauthenticated" if who is None else "role_forbidden")
             if who is None:
                 assert resp.headers.get("www-authenticate", "").lower().startswith("bearer")
+            if row.method in ("POST", "PUT"):
+                # A malformed body must not be judged before the caller is: still 401/403, not 422.
+                bad = desk.client(who).request(row.method, _fill(row.path, missing), content=b"{not json",
+                                               headers={"Content-Type": "application/json"})
+                if bad.status_code != want:
+                    failures.append(f"{who or 'no key'} + malformed body: expected {want}, got {bad.status_code}")
             continue
         values = {**_MISSING, **row.static, **(row.params(desk) if row.params else {})}
         resp = _call(desk, who, row, values)
@@ -236,7 +268,15 @@ def test_approver_groups_route_visibility_and_decisions(desk: Desk) -> None:
     problem(desk.client("approver").post(f"/v1/approvals/{wire}:approve", json={}), 403, "not_in_approver_group")
     assert desk.client("biller").get(f"/v1/approvals/{wire}").json()["groups"] == ["billing"]
     assert desk.client("biller").post(f"/v1/approvals/{wire}:approve", json={}).status_code == 200
+    # A session page does not show an outsider the requests routed to another group.
+    delete_sid = desk.undolog.approvals.get(delete).session_id
+    shown = desk.client("biller").get(f"/v1/sessions/{delete_sid}").json()["approvals"]
+    assert shown == []
+    assert [a["approval_request_id"] for a in desk.client("agent").get(f"/v1/sessions/{delete_sid}").json()[
+        "approvals"]] == [delete]  # the agent that raised it sees its own session's requests
     # Admins see and decide everything.
+    assert [a["approval_request_id"] for a in desk.client("admin").get(f"/v1/sessions/{delete_sid}").json()[
+        "approvals"]] == [delete]
     assert desk.client("admin").post(f"/v1/approvals/{delete}:reject", json={"reason": "no"}).status_code == 200
 
 

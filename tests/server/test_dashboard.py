@@ -204,8 +204,9 @@ def test_browser_approve_modify_reject_and_rollback(desk: Desk) -> None:
             expect(page.locator("#session-state")).to_have_text("rolled back")
             page.screenshot(path=str(ARTIFACTS / "dashboard-rollback.png"), full_page=True)
 
+            # A phone far from UTC: the countdown must still count to the server's timeout_at.
             phone = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True,
-                                        device_scale_factor=2)
+                                        device_scale_factor=2, timezone_id="Pacific/Kiritimati")
             phone.add_cookies(ctx.cookies())
             m = phone.new_page()
             m.goto(desk.url + "/ui/")
@@ -215,6 +216,11 @@ def test_browser_approve_modify_reject_and_rollback(desk: Desk) -> None:
             m.screenshot(path=str(ARTIFACTS / "dashboard-phone.png"), full_page=True)
             m.goto(f"{desk.url}/ui/approvals/{late}")
             assert m.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
+            expect(m.locator(".countdown.big")).to_have_text(re.compile(r"^\d+:\d\d"))
+            shown = [int(x) for x in m.locator(".countdown.big").inner_text().split(":")]
+            shown_seconds = sum(v * 60 ** i for i, v in enumerate(reversed(shown)))
+            left = desk.client("admin").get(f"/v1/approvals/{late}").json()["seconds_left"]
+            assert abs(shown_seconds - left) < 30, (shown, left)
             m.screenshot(path=str(ARTIFACTS / "dashboard-phone-request.png"), full_page=True)
             assert not errors, errors
         finally:

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from undolog_core import errors
@@ -98,6 +99,45 @@ def test_irreversible_waits_then_runs_once_with_the_approved_args(proxy: Desk, u
     assert len(upstream.to("/close")) == 1
 
 
+def test_concurrent_retries_after_approval_forward_once(proxy: Desk, upstream: Upstream) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    sid = new_session(proxy)
+    args = {"account": "acc-9", "notify": True}
+    rid = invoke(proxy, sid, "close_account", args, key="close-9").json()["approval_request_id"]
+    assert proxy.client("approver").post(f"/v1/approvals/{rid}:approve", json={}).status_code == 200
+    upstream.delay["/close"] = 0.3
+    url = f"{proxy.url}/v1/sessions/{sid}/tools/close_account:invoke"
+    headers = {"Authorization": f"Bearer {proxy.token('agent')}", "Idempotency-Key": "close-9"}
+
+    def retry(_: int) -> httpx.Response:
+        return httpx.post(url, json=args, headers=headers, timeout=30)
+
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(retry, range(6)))
+    # Retries racing the one forwarded call wait for it or are told it is in flight; none forwards again.
+    assert all(r.status_code in (200, 409) for r in answers), [(r.status_code, r.text) for r in answers]
+    assert sum(r.status_code == 200 and r.headers["UndoLog-Replayed"] == "false" for r in answers) == 1
+    assert len(upstream.to("/close")) == 1
+    late = retry(0)
+    assert late.status_code == 200 and late.headers["UndoLog-Replayed"] == "true"
+    assert len(upstream.to("/close")) == 1
+
+
+def test_modify_of_a_proxied_tool_is_validated_against_its_toml_schema(proxy: Desk, upstream: Upstream) -> None:
+    sid = new_session(proxy)
+    rid = invoke(proxy, sid, "close_account", {"account": "acc-5"}, key="k5").json()["approval_request_id"]
+    c = proxy.client("approver")
+    bad = problem(c.post(f"/v1/approvals/{rid}:modify", json={"args": {"account": {"nested": 1}}}), 422,
+                  "arguments_invalid")
+    assert [e["field"] for e in bad["errors"]] == ["account"] and "account" in bad["detail"]
+    problem(c.post(f"/v1/approvals/{rid}:modify", json={"args": {"notify": False}}), 422, "arguments_invalid")
+    assert proxy.undolog.approvals.get(rid).state == "pending"
+    assert c.post(f"/v1/approvals/{rid}:modify", json={"args": {"account": "acc-6"}}).status_code == 200
+    done = invoke(proxy, sid, "close_account", {"account": "acc-5"}, key="k5")
+    assert done.status_code == 200 and done.json()["echo"] == {"account": "acc-6"}
+
+
 def test_irreversible_without_idempotency_key_is_matched_by_arguments(proxy: Desk, upstream: Upstream) -> None:
     sid = new_session(proxy)
     args = {"account": "acc-2", "notify": True}
@@ -115,9 +155,24 @@ def test_rejection_is_403_with_the_reason(proxy: Desk, upstream: Upstream) -> No
     proxy.client("approver").post(f"/v1/approvals/{rid}:reject", json={"reason": "customer called back"})
     body = problem(invoke(proxy, sid, "close_account", args, key="k"), 403, "approval_rejected")
     assert "customer called back" in body["detail"] and body["reason"] == "customer called back"
+    # An agent that retries without its Idempotency-Key is matched by the arguments and told the same.
+    body = problem(invoke(proxy, sid, "close_account", args), 403, "approval_rejected")
+    assert body["reason"] == "customer called back"
     assert upstream.to("/close") == []
     # The rejection halted the session: writes are refused until a person resumes it.
     problem(invoke(proxy, sid, "refund", {"order_id": "o", "amount": 1}), 409, "session_halted")
+
+
+def test_a_timed_out_request_is_403_and_never_forwarded(proxy: Desk, upstream: Upstream) -> None:
+    proxy.undolog.policy.set(actor="test", approval_timeout_seconds=1)
+    sid = new_session(proxy)
+    args = {"account": "acc-t", "notify": True}
+    assert invoke(proxy, sid, "close_account", args, key="kt").status_code == 202
+    import time
+
+    time.sleep(1.1)
+    problem(invoke(proxy, sid, "close_account", args, key="kt"), 403, "approval_timed_out")
+    assert upstream.to("/close") == []
 
 
 def test_upstream_failure_is_502_and_rolls_the_session_back(proxy: Desk, upstream: Upstream) -> None:

@@ -104,6 +104,23 @@ def test_a_dead_receiver_is_given_up_and_never_blocks_decisions(live: Desk, rece
     assert slow and all(d["status"] in ("pending", "failed") for d in slow)
 
 
+def test_a_stalled_receiver_does_not_hold_up_the_others(db: Any, receiver: Receiver) -> None:
+    d = make_desk(db, settings=ServerSettings(**{**FAST, "webhook_timeout": 3.0}))
+    try:
+        hook(d, receiver, "stalled")
+        hook(d, receiver, "prompt")
+        receiver.delays["/stalled"] = 2.5
+        d.pending(user_id="first")
+        receiver.wait(lambda: "/stalled" in receiver.arrived and len(receiver.events("/prompt")) == 1)
+        # The stalled receiver is now holding a request open; a new event must still reach the other one.
+        t0 = time.monotonic()
+        d.pending(user_id="second")
+        receiver.wait(lambda: len(receiver.events("/prompt")) == 2, timeout=5)
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        d.close()
+
+
 def test_events_raised_while_the_server_is_down_are_delivered_later(db: Any, receiver: Receiver) -> None:
     from undolog_core.server.state import sql_engine_of
     from undolog_core.server.store import ServerStore
@@ -162,3 +179,22 @@ def test_timeouts_are_swept_and_announced(live: Desk, receiver: Receiver) -> Non
     assert live.undolog.approvals.get(rid).state == "timed_out"
     assert live.client("admin").get(f"/v1/sessions/{sid}").json()["state"] == "halted"
     receiver.wait(lambda: any(g.event_type == "session.halted" for g in receiver.events()))
+
+
+def test_the_sweeper_auto_approves_at_timeout_when_the_org_policy_says_so(live: Desk, receiver: Receiver) -> None:
+    hook(live, receiver, "auto")
+    live.undolog.policy.set(actor="test", approval_timeout_seconds=1, auto_approve_on_timeout=True)
+    rid, sid = live.pending()
+    c = live.client("admin")
+    # Polled through the API's view (which never expires on read): the sweeper must do it alone.
+    deadline = time.monotonic() + 10
+    while c.get(f"/v1/approvals/{rid}").json()["state"] == "pending" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert c.get(f"/v1/approvals/{rid}").json()["state"] == "auto_approved"
+    assert c.get(f"/v1/sessions/{sid}").json()["state"] != "halted"
+    receiver.wait(lambda: any(g.event_type == "approval.timed_out" for g in receiver.events()))
+    timed_out = next(g for g in receiver.events() if g.event_type == "approval.timed_out")
+    assert timed_out.body["data"]["outcome"] == "auto_approved"
+    s = live.undolog.session(agent_id="bot", session_id=sid)
+    with s:
+        assert s.call_sync("delete_user_account", user_id="u1", call_id="c-1") == {"deleted": "u1"}

@@ -13,6 +13,7 @@ from typing import Any
 class Upstream:
     calls: list[tuple[str, dict[str, Any], str | None]] = field(default_factory=list)
     fail: set[str] = field(default_factory=set)
+    delay: dict[str, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> Upstream:
@@ -26,6 +27,10 @@ class Upstream:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 with outer.lock:
                     outer.calls.append((self.path, body, self.headers.get("Idempotency-Key")))
+                if self.path in outer.delay:
+                    import time
+
+                    time.sleep(outer.delay[self.path])
                 if self.path in outer.fail:
                     status, out = 500, {"error": "boom"}
                 elif self.path == "/close/status":

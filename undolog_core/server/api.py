@@ -15,13 +15,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import to_jsonable_python
 
 from .. import errors
-from .auth import is_admin, require, server_state
+from .auth import AuthFirstRoute, is_admin, require, server_state
 from .problems import Problem
 from .state import ServerState
 from .store import ROLES, ApiKey, ApproverGroup, NotificationPolicy
 from .views import groups_for, may_see
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=AuthFirstRoute)
 
 AGENT = require("agent")
 APPROVER = require("approver", "admin")
@@ -370,26 +370,18 @@ def _undo_plan(st: ServerState, session_id: str) -> list[UndoStepPlan]:
                 compensation_name=r["compensation_name"],
                 compensation_version=r.get("compensation_version"),
                 state=r["state"],
-                compensation_registered=_compensation_registered(st, r["compensation_name"]),
+                compensation_registered=_compensation_registered(
+                    st, r["compensation_name"], r.get("compensation_version")
+                ),
             )
         )
     return out
 
 
-def _compensation_registered(st: ServerState, name: str) -> bool:
-    probe = getattr(st.undolog, "has_compensation", None)
-    if callable(probe):
-        return bool(probe(name))
-    for attr in ("compensations", "_compensations"):
-        reg = getattr(st.undolog, attr, None)
-        if isinstance(reg, dict):
-            return name in reg
-    registry = getattr(st.undolog, "registry", None) or getattr(st.undolog, "_registry", None)
-    for attr in ("compensations", "_compensations"):
-        reg = getattr(registry, attr, None)
-        if isinstance(reg, dict):
-            return name in reg
-    return False
+def _compensation_registered(st: ServerState, name: str, version: int | None = None) -> bool:
+    """Whether a rollback on this server could run the compensation now (present, same version)."""
+    comp = st.undolog.registry.compensations.get(name)
+    return comp is not None and (version is None or comp[1] == version)
 
 
 def _tool_brief(st: ServerState, name: str) -> ToolBrief | None:
@@ -668,17 +660,28 @@ def list_sessions(
 def show_session(request: Request, session_id: str = _id(), key: ApiKey = Depends(ANY)) -> SessionDetail:
     st = _st(request)
     row = _session_for(st, key, session_id)
-    return session_detail(st, row)
+    return session_detail(st, row, key)
 
 
-def session_detail(st: ServerState, row: dict[str, Any]) -> SessionDetail:
-    """A session with its effects, undo plan and approvals."""
+def session_detail(st: ServerState, row: dict[str, Any], key: ApiKey) -> SessionDetail:
+    """A session with its effects, undo plan and the approval requests ``key`` may see.
+
+    The key that created the session sees all of its requests; an approver sees only those
+    routed to one of its groups (or to no group), as in the approvals listing.
+    """
     sid = row["session_id"]
+    groups = st.store.groups()
+    owner = row.get("created_by") == key.principal_ref
+    approvals = []
+    for a in st.views.approvals(session_id=sid, limit=500):
+        g = groups_for(groups, a["tool_name"], a["risk_tags"])
+        if owner or may_see(key, g):
+            approvals.append(_approval_out(st, a, g))
     return SessionDetail(
         **SessionOut.model_validate(row).model_dump(),
         effects=_effects(st, sid),
         undo_plan=_undo_plan(st, sid),
-        approvals=[_approval_out(st, a) for a in st.views.approvals(session_id=sid, limit=500)],
+        approvals=approvals,
     )
 
 

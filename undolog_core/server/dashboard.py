@@ -318,7 +318,7 @@ def _session_page(request: Request, key: ApiKey, session_id: str, *, report: Any
     if row is None:
         return _render(request, "error.html", {"user": key, "title": "Not found", "message": f"No session {session_id}."}, 404)
     return _render(request, "session.html", {
-        "user": key, "s": session_detail(st, row), "report": report, "error": error,
+        "user": key, "s": session_detail(st, row, key), "report": report, "error": error,
         "can_admin": "admin" in key.roles, "creator": _creator(st, row.get("created_by")),
     }, status)
 

@@ -35,7 +35,7 @@ from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, Response
 
 from .. import errors
-from .auth import require, server_state
+from .auth import AuthFirstRoute, require, server_state
 from .problems import Problem, problem_response
 from .store import ApiKey
 
@@ -224,7 +224,7 @@ def _prober(tool: ProxyTool) -> Any:
     return probe
 
 
-router = APIRouter(prefix="/v1", tags=["proxy"])
+router = APIRouter(prefix="/v1", tags=["proxy"], route_class=AuthFirstRoute)
 
 
 @router.post(

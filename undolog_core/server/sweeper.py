@@ -94,15 +94,24 @@ class Sweeper:
             await self._sleep(self.state.settings.sweep_interval)
 
     async def _webhook_loop(self) -> None:
+        inflight: set[asyncio.Task[None]] = set()
         async with httpx.AsyncClient(follow_redirects=False) as client:
-            while not self._stop.is_set():
-                sent = 0
-                try:
-                    sent = await self.webhooks.deliver_due(client)
-                except Exception:
-                    log.exception("webhook delivery pass failed; retrying")
-                if not sent:
-                    await self._sleep(self.state.settings.webhook_interval)
+            try:
+                while not self._stop.is_set():
+                    started: list[asyncio.Task[None]] = []
+                    try:
+                        started = await self.webhooks.start_due(client, inflight)
+                    except Exception:
+                        log.exception("webhook delivery pass failed; retrying")
+                    if not started:
+                        await self._sleep(self.state.settings.webhook_interval)
+            finally:
+                # Sends still in flight get their timeout to finish; an unfinished one keeps its lease
+                # and is sent again by whichever server claims it after the lease runs out.
+                if inflight:
+                    await asyncio.wait(set(inflight), timeout=self.state.settings.webhook_timeout)
+                for t in list(inflight):
+                    t.cancel()
 
 
 def _count(report: Any) -> int:

@@ -291,17 +291,47 @@ class WebhookDispatcher:
             conn.execute(d.update().where(d.c.delivery_id == delivery_id).values(**values))
 
     async def deliver_due(self, client: httpx.AsyncClient) -> int:
-        """Send every due delivery once (concurrently) and record the outcomes.
+        """Send every due delivery once (concurrently), wait for all and record the outcomes.
 
         Returns:
             How many deliveries were attempted.
         """
-        rows = await asyncio.to_thread(self.claim_due)
+        tasks = await self.start_due(client, set())
+        if tasks:
+            await asyncio.gather(*tasks)
+        return len(tasks)
+
+    async def start_due(
+        self, client: httpx.AsyncClient, inflight: set[asyncio.Task[None]], max_inflight: int = 64
+    ) -> list[asyncio.Task[None]]:
+        """Claim due deliveries and start sending them without waiting for the answers.
+
+        A receiver that stalls holds only its own requests open (each until ``webhook_timeout``);
+        the loop keeps claiming and sending everything else meanwhile, so one slow target never
+        delays the others' events.
+
+        Args:
+            client: The HTTP client.
+            inflight: Tasks still sending; started tasks are added and remove themselves when done.
+            max_inflight: Ceiling of concurrent sends for this process.
+
+        Returns:
+            The tasks started now.
+        """
+        room = max_inflight - len(inflight)
+        if room <= 0:
+            return []
+        rows = await asyncio.to_thread(self.claim_due, room)
         if not rows:
-            return 0
+            return []
         targets = {t.target_id: t for t in await asyncio.to_thread(self.state.store.targets)}
-        await asyncio.gather(*(self._send(client, r, targets.get(r["target_id"])) for r in rows))
-        return len(rows)
+        started = []
+        for r in rows:
+            task = asyncio.create_task(self._send(client, r, targets.get(r["target_id"])), name="undolog-webhook-send")
+            inflight.add(task)
+            task.add_done_callback(inflight.discard)
+            started.append(task)
+        return started
 
     async def _send(self, client: httpx.AsyncClient, row: dict[str, Any], target: WebhookTarget | None) -> None:
         attempts = int(row["attempts"]) + 1
