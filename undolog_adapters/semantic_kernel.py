@@ -11,6 +11,11 @@ Two filters work as a pair so that each call is intercepted once:
 
 The auto filter hands its decision to the inner filter through a context variable.
 
+A COMPENSABLE/IRREVERSIBLE function that raises is never replaced by an UndoLog error: its own
+exception object goes on, with the rollback outcome added as a note and as the attribute
+``undolog_rollback`` (the :class:`RollbackReport`, or None if nothing was rolled back). Under auto
+calling the model reads what failed and what was undone instead.
+
 Example:
     >>> from undolog_adapters.semantic_kernel import install, undolog_session, resume   # doctest: +SKIP
     >>> install(kernel, ul, tiers={"support-search_knowledge_base": "safe"})
@@ -48,7 +53,7 @@ from pydantic_core import to_jsonable_python
 from undolog_core import ApprovalPending, AwaitingApproval, Completed, Execute, ToolTier, UndoLog, errors
 
 __all__ = [
-    "ToolCallFailed",
+    "ROLLBACK_ATTR",
     "UndoLogFilter",
     "install",
     "invoke",
@@ -62,6 +67,10 @@ log = logging.getLogger(__name__)
 
 PLACEHOLDER_KEY = "undolog_approval_request_id"
 
+# Set on a kernel function's own exception once UndoLog has handled its failure: the RollbackReport, or
+# None when nothing was rolled back (policy "continue", or the rollback could not run; the note says which).
+ROLLBACK_ATTR = "undolog_rollback"
+
 # Parameters SK fills in itself; they are not part of a call's arguments.
 _INJECTED = frozenset({"kernel", "service", "execution_settings", "arguments"})
 
@@ -74,22 +83,13 @@ class _Handover:
     decision: Execute
     session_id: str
     consumed: bool = False
+    # What the model should read when the function raised (set by the inner filter).
+    failure_text: str | None = None
 
 
 # The auto filter's decision for the call it is about to run; read (once) by the inner filter in the
 # same task. Sibling calls run in their own asyncio tasks, each with its own copy.
 _handover: contextvars.ContextVar[_Handover | None] = contextvars.ContextVar("undolog_sk_handover", default=None)
-
-
-class ToolCallFailed(RuntimeError):
-    """A COMPENSABLE/IRREVERSIBLE kernel function raised; ``report`` is the rollback UndoLog ran.
-
-    Its message is what the model reads (SK puts it into the function result under auto calling).
-    """
-
-    def __init__(self, message: str, report: Any) -> None:
-        super().__init__(message)
-        self.report = report
 
 
 @contextlib.contextmanager
@@ -174,6 +174,9 @@ class UndoLogFilter:
                 for function in plugin.functions.values():
                     if _is_tool(function):
                         self.classify(function)
+        # SK runs the filter registered last closest to the function. UndoLog's runner must be that one, so
+        # that no other filter can change a call between UndoLog's check and the tool: install it after
+        # your own filters (one added later makes every call refused, saying so).
         kernel.add_filter(FilterTypes.FUNCTION_INVOCATION, self.function_filter)
         kernel.add_filter(FilterTypes.AUTO_FUNCTION_INVOCATION, self.auto_filter)
         return self
@@ -278,6 +281,9 @@ class UndoLogFilter:
             await next(context)
         finally:
             _handover.reset(token)
+        if handover.failure_text is not None:
+            # SK turned the function's exception into its own text; the model must learn what was undone.
+            context.function_result = FunctionResult(function=function.metadata, value=handover.failure_text)
         if not handover.consumed and decision.effect_id is not None:
             # Another filter answered without running the function: nothing happened.
             self.undolog.engine.fail(decision.effect_id, RuntimeError("the function was not run (a filter answered)"))
@@ -289,10 +295,25 @@ class UndoLogFilter:
             await next(context)
             return
         name = function.fully_qualified_name
+        filters = context.kernel.function_invocation_filters
+        if filters and filters[0][1] != self.function_filter:
+            raise errors.ConfigurationError(
+                f"UndoLog refused {name}: another FUNCTION_INVOCATION filter runs inside UndoLog's and could change "
+                "the call after its gate; call install(kernel, ...) after adding your own filters"
+            )
         handover = _handover.get()
         if handover is not None and not handover.consumed and handover.name == name:
             handover.consumed = True
-            await self._run(context, next, handover.decision, handover.session_id)
+            approved = to_jsonable_python(dict(handover.decision.args))
+            if self._args(function, context.arguments) != approved:
+                # A filter between the gate and the function edited the call: it is not the call that was let
+                # through (approved, for an IRREVERSIBLE one), so it does not run.
+                if handover.decision.effect_id is not None:
+                    self.undolog.engine.release(handover.decision.effect_id)
+                raise errors.ConfigurationError(
+                    f"UndoLog refused {name}: its arguments were changed after UndoLog's gate; it was NOT run"
+                )
+            await self._run(context, next, handover.decision, handover.session_id, handover)
             return
         tier = self.classify(function)
         sid = self._session()
@@ -306,7 +327,8 @@ class UndoLogFilter:
         context.arguments.update(decision.args)
         await self._run(context, next, decision, sid)
 
-    async def _run(self, context: FunctionInvocationContext, next: Any, decision: Execute, sid: str) -> None:
+    async def _run(self, context: FunctionInvocationContext, next: Any, decision: Execute, sid: str,
+                   handover: _Handover | None = None) -> None:
         engine = self.undolog.engine
         try:
             with engine.running(decision, sid):
@@ -314,8 +336,20 @@ class UndoLogFilter:
         except Exception as exc:
             if decision.effect_id is None:
                 raise
-            report = engine.fail(decision.effect_id, exc)
-            raise ToolCallFailed(_failure_text(context.function.fully_qualified_name, exc, report), report) from exc
+            # The user's exception goes on unchanged (same object, same type); UndoLog only annotates it.
+            name = context.function.fully_qualified_name
+            report, outcome = None, ""
+            try:
+                report = engine.fail(decision.effect_id, exc)
+            except Exception as book:  # noqa: BLE001 - the user's exception wins; ours is noted on it
+                outcome = (f"UndoLog could not record the failure or roll session {sid} back ({book!r}); "
+                           "a person must check")
+            outcome = outcome or _outcome(report, sid, decision.effect_id)
+            exc.add_note(f"undolog: {outcome}")
+            setattr(exc, ROLLBACK_ATTR, report)
+            if handover is not None:
+                handover.failure_text = f"{name} failed: {type(exc).__name__}: {exc}. {outcome}."
+            raise
         if decision.effect_id is not None:
             engine.complete(decision.effect_id, context.result.value if context.result is not None else None)
 
@@ -337,14 +371,23 @@ def _refusal(name: str, exc: errors.UndoLogError) -> str:
     return f"UndoLog refused {name}: {exc.message}"
 
 
-def _failure_text(name: str, exc: BaseException, report: Any) -> str:
-    text = f"{name} failed: {exc}"
+def _outcome(report: Any, sid: str, failed_id: str) -> str:
+    """One sentence on what UndoLog did after a failure, for the note and for the model."""
     if report is None:
-        return text
-    undone = ", ".join(s.tool_name for s in getattr(report, "steps", [])) or "nothing"
-    if getattr(report, "complete", False):
-        return f"{text}. UndoLog rolled the session back (undone: {undone}). Do not continue the task."
-    return f"{text}. UndoLog could not undo everything (attempted: {undone}); a person must check."
+        return f"UndoLog recorded the failure; session {sid} keeps its earlier steps (policy: continue)"
+    if report.already_rolled_back:
+        return f"session {sid} was already rolled back"
+    undone = [s for s in report.steps
+              if s.outcome in ("compensated", "already_compensated") and s.effect_id != failed_id]
+    broken = [s for s in report.steps if s.outcome not in ("compensated", "already_compensated")]
+    text = f"UndoLog rolled the session back (undone: {', '.join(s.tool_name for s in undone) or 'nothing earlier'})"
+    for s in broken:
+        text += f"; {s.tool_name} could NOT be undone: {s.error or s.outcome}"
+    if report.kept_irreversible:
+        text += f"; irreversible steps stay done: {', '.join(report.kept_irreversible)}"
+    if not report.complete:
+        return f"{text}. The rollback stopped ({report.halted_reason}); a person must check"
+    return f"{text}. Do not continue the task"
 
 
 def install(kernel: Kernel, undolog: UndoLog, *, tiers: Mapping[str, Any] | None = None,
@@ -370,9 +413,11 @@ def install(kernel: Kernel, undolog: UndoLog, *, tiers: Mapping[str, Any] | None
 
 
 async def invoke(kernel: Kernel, *args: Any, **kwargs: Any) -> FunctionResult | None:
-    """``kernel.invoke`` that lets UndoLog's errors (``ApprovalPending``...) out unwrapped.
+    """``kernel.invoke`` that lets UndoLog's errors (``ApprovalPending``...) and the functions' own out unwrapped.
 
-    ``Kernel.invoke`` wraps every exception in ``KernelInvokeException``.
+    ``Kernel.invoke`` wraps every exception in ``KernelInvokeException``. A COMPENSABLE/IRREVERSIBLE
+    function's exception comes out as itself, after the rollback, with the outcome as a note and as
+    ``exc.undolog_rollback``.
 
     Example:
         >>> try:                                                                  # doctest: +SKIP
@@ -384,9 +429,13 @@ async def invoke(kernel: Kernel, *args: Any, **kwargs: Any) -> FunctionResult | 
         return await kernel.invoke(*args, **kwargs)
     except KernelInvokeException as exc:
         cause = exc.__cause__
-        if isinstance(cause, (errors.UndoLogError, ToolCallFailed)):
-            raise cause from cause.__cause__
-        raise
+        if not (isinstance(cause, errors.UndoLogError) or hasattr(cause, ROLLBACK_ATTR)):
+            raise
+    # Raised outside the handler so that the exception keeps its own __cause__ and __context__.
+    try:
+        raise cause
+    finally:
+        del cause
 
 
 def _placeholders(history: ChatHistory) -> list[FunctionResultContent]:
@@ -414,7 +463,9 @@ async def resume_pending(kernel: Kernel, history: ChatHistory, undolog: UndoLog,
         The approval request ids that were resumed (empty if there was nothing to resume).
 
     Raises:
-        ApprovalPending: a request is still undecided; nothing was changed.
+        ApprovalPending: a request is still undecided and within its deadline; nothing was changed.
+            A request past its deadline is timed out first (or auto-approved, per policy), never
+            reported as pending.
 
     Example:
         >>> await resume_pending(kernel, history, ul, session_id="chat-42")         # doctest: +SKIP
@@ -423,9 +474,12 @@ async def resume_pending(kernel: Kernel, history: ChatHistory, undolog: UndoLog,
     if not holders:
         return []
     for frc in holders:
+        # approvals.get applies the timeout on read: a request past its deadline comes back timed out.
         record = undolog.approvals.get(frc.metadata[PLACEHOLDER_KEY])
         if record.state == "pending":
-            raise ApprovalPending(record.effect_id, record.approval_request_id, 1.0, record.tool_name)
+            left = record.seconds_left
+            raise ApprovalPending(record.effect_id, record.approval_request_id, min(left, 30.0) if left else 1.0,
+                                  record.tool_name)
     ids = {frc.id for frc in holders}
     sid = session_id or holders[0].metadata.get("undolog_session_id")
     calls = [i for m in history.messages for i in m.items if isinstance(i, FunctionCallContent) and i.id in ids]

@@ -24,7 +24,6 @@ from examples.semantic_kernel_support import support
 from examples.semantic_kernel_support.llm import ScriptedChat, auto_settings, call
 from undolog_adapters.semantic_kernel import (
     PLACEHOLDER_KEY,
-    ToolCallFailed,
     UndoLogFilter,
     install,
     invoke,
@@ -33,6 +32,7 @@ from undolog_adapters.semantic_kernel import (
     undolog_session,
 )
 from undolog_core import ApprovalPending, errors
+from undolog_core import _schema as schema
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -206,6 +206,25 @@ async def test_timed_out_approval_tells_the_model(ul, backend):
     assert "u1" in backend.accounts and "timed out" in reply.content
 
 
+def _push_deadline_into_the_past(ul, request_id):
+    # The deadline passes with nobody calling expire(): the resume must find out by itself.
+    r = schema.approval_requests
+    with ul.store.tx() as conn:
+        conn.execute(r.update().where(r.c.approval_request_id == request_id)
+                     .values(timeout_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=5)))
+
+
+async def test_resume_reports_a_request_past_its_deadline_as_timed_out(ul, backend):
+    kernel, _ = new_kernel(ul)
+    chat, history, _ = await chat_turns(kernel, [[DELETE_U1]])
+    [request] = ul.approvals.list(state="pending", session_id="chat-1")
+    _push_deadline_into_the_past(ul, request.approval_request_id)
+    reply = await resume(kernel, history, chat, ul)
+    assert "u1" in backend.accounts
+    assert "timed out" in reply.content and "awaiting approval" not in reply.content
+    assert ul.approvals.list(session_id="chat-1")[0].state == "timed_out"
+
+
 async def test_decision_from_another_thread(db, ul, backend):
     kernel, _ = new_kernel(ul)
     chat, history, _ = await chat_turns(kernel, [[DELETE_U1]])
@@ -275,18 +294,79 @@ async def test_failure_under_auto_calling_rolls_back(ul, backend):
     assert [m["status"] for m in backend.outbox] == ["cancelled"]
     assert "mail server refused" in reply.content and "rolled the session back" in reply.content
     assert ul.sessions.get("chat-1").state == "rolled_back"
+    # The model reads what failed and what was undone, not SK's bare error text.
+    failure = results(history)[-1]
+    assert failure.startswith("support-send_refund_email failed: MailServerDown: mail server refused")
+    assert "undone: support-send_refund_email" in failure and "An error occurred" not in failure
 
 
-async def test_failure_under_kernel_invoke_rolls_back_and_raises(ul, backend):
+@pytest.fixture
+def raised(monkeypatch):
+    """The exception objects the support plugin's mail server raised, to compare by identity."""
+    seen = []
+
+    class Recorded(support.MailServerDown):
+        def __init__(self, *a):
+            super().__init__(*a)
+            seen.append(self)
+
+    monkeypatch.setattr(support, "MailServerDown", Recorded)
+    return seen
+
+
+async def test_failure_under_kernel_invoke_rolls_back_and_reraises_the_users_exception(ul, backend, raised):
     backend.mail_down_for.add("u2")
     kernel, _ = new_kernel(ul)
     with undolog_session("inv-3"):
         await invoke(kernel, plugin_name="support", function_name="send_refund_email", user_id="u1", amount=1.0)
-        with pytest.raises(ToolCallFailed) as failed:
+        with pytest.raises(support.MailServerDown) as failed:
             await invoke(kernel, plugin_name="support", function_name="send_refund_email", user_id="u2", amount=1.0)
-    assert failed.value.report.complete
-    assert isinstance(failed.value.__cause__, support.MailServerDown)
+    # The very exception the tool raised, not a wrapper; the rollback ran and is noted on it.
+    assert failed.value is raised[0] and type(failed.value) is type(raised[0])
+    assert failed.value.__cause__ is None
+    assert str(failed.value) == "mail server refused the message to u2"
+    assert failed.value.undolog_rollback.complete
+    [note] = failed.value.__notes__
+    assert note.startswith("undolog: UndoLog rolled the session back (undone: support-send_refund_email)")
     assert [m["status"] for m in backend.outbox] == ["cancelled"]
+    assert ul.sessions.get("inv-3").state == "rolled_back"
+
+
+async def test_plain_kernel_invoke_wraps_only_what_sk_wraps(ul, backend, raised):
+    # SK's own KernelInvokeException still wraps; its cause is the user's exception, annotated.
+    backend.mail_down_for.add("u1")
+    kernel, _ = new_kernel(ul)
+    with undolog_session("inv-4"), pytest.raises(KernelInvokeException) as wrapped:
+        await kernel.invoke(plugin_name="support", function_name="send_refund_email", user_id="u1", amount=1.0)
+    assert wrapped.value.__cause__ is raised[0]
+    assert "rolled the session back" in raised[0].__notes__[0]
+
+
+async def test_irreversible_failure_under_kernel_invoke_reraises_the_users_exception(ul, backend):
+    kernel, _ = new_kernel(ul)
+    with undolog_session("inv-5"):
+        await invoke(kernel, plugin_name="support", function_name="send_refund_email", user_id="u1", amount=1.0)
+        with pytest.raises(ApprovalPending) as pending:
+            await invoke(kernel, plugin_name="support", function_name="delete_user_account", user_id="ghost")
+        ul.approvals.approve(pending.value.approval_request_id, approver="ana")
+        with pytest.raises(KeyError, match="no account ghost") as failed:
+            await invoke(kernel, plugin_name="support", function_name="delete_user_account", user_id="ghost")
+    assert type(failed.value) is KeyError and failed.value.undolog_rollback.complete
+    assert "rolled the session back (undone: support-send_refund_email)" in failed.value.__notes__[0]
+    assert [m["status"] for m in backend.outbox] == ["cancelled"]
+
+
+async def test_failure_with_continue_policy_is_noted_and_not_rolled_back(ul, backend, raised):
+    backend.mail_down_for.add("u2")
+    kernel, _ = new_kernel(ul)
+    ul.session(agent_id="semantic-kernel", session_id="inv-6", on_failure="continue")
+    with undolog_session("inv-6"):
+        await invoke(kernel, plugin_name="support", function_name="send_refund_email", user_id="u1", amount=1.0)
+        with pytest.raises(support.MailServerDown) as failed:
+            await invoke(kernel, plugin_name="support", function_name="send_refund_email", user_id="u2", amount=1.0)
+    assert failed.value is raised[0] and failed.value.undolog_rollback is None
+    assert "keeps its earlier steps (policy: continue)" in failed.value.__notes__[0]
+    assert [m["status"] for m in backend.outbox] == ["sent"]
 
 
 async def test_gate_failure_fails_closed(ul, backend, monkeypatch):
@@ -359,6 +439,7 @@ async def test_auto_filter_alone_refuses_to_run(ul, backend):
 async def test_session_defaults_to_the_filter_and_can_be_fixed(ul):
     kernel, flt = new_kernel(ul)
     await invoke(kernel, plugin_name="support", function_name="send_refund_email", user_id="u1", amount=1.0)
+    ul.engine.flush_counts(flt.session_id)  # call counters are written lazily
     assert ul.sessions.get(flt.session_id).tool_calls_total >= 1
     kernel2, flt2 = new_kernel(ul, session_id="thread-9")
     assert flt2.session_id == "thread-9"
