@@ -20,6 +20,7 @@ from semantic_kernel.exceptions import KernelInvokeException
 from semantic_kernel.filters import FilterTypes
 from semantic_kernel.functions import kernel_function
 
+from examples import support_backend
 from examples.semantic_kernel_support import support
 from examples.semantic_kernel_support.llm import ScriptedChat, auto_settings, call
 from undolog_adapters.semantic_kernel import (
@@ -310,7 +311,7 @@ def raised(monkeypatch):
             super().__init__(*a)
             seen.append(self)
 
-    monkeypatch.setattr(support, "MailServerDown", Recorded)
+    monkeypatch.setattr(support_backend, "MailServerDown", Recorded)
     return seen
 
 
