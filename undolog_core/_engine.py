@@ -12,7 +12,6 @@ import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -202,6 +201,34 @@ def jsonable(value: Any) -> Any:
     return out
 
 
+def json_safe(value: Any) -> Any:
+    """A JSON-mode value (from model_dump(mode="json")) with NaN and infinities made strings, as ``jsonable``."""
+    return json.loads(to_json(value, inf_nan_mode="strings")) if _has_special_float(value) else value
+
+
+def canonical_text(value: Any) -> str:
+    """``canonical_json`` for a value that is already JSON-safe: the digest and the stored snapshot in one go."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+class _Running:
+    """The context of a running tool; a plain class, because this is on every COMPENSABLE call's path."""
+
+    __slots__ = ("ctx", "token")
+
+    def __init__(self, ctx: CallContext) -> None:
+        self.ctx = ctx
+        self.token: contextvars.Token[CallContext | None] | None = None
+
+    def __enter__(self) -> CallContext:
+        self.token = _current.set(self.ctx)
+        return self.ctx
+
+    def __exit__(self, *exc: object) -> None:
+        if self.token is not None:
+            _current.reset(self.token)
+
+
 def _has_special_float(value: Any) -> bool:
     if isinstance(value, float):
         return value != value or value in (_INF, -_INF)
@@ -382,7 +409,7 @@ class Engine:
         if spec.tier is SAFE:
             self.note_safe(session_id, spec, values)
             return Execute(None, values, None, SAFE, spec.name, call_id, session_id)
-        args_json = jsonable(spec.snapshot(model))
+        args_json = json_safe(spec.snapshot(model))
         if spec.tier is COMPENSABLE:
             return self.intercept_compensable(session_id, spec, values, args_json, call_id)
         return self.intercept_irreversible(session_id, spec, args_json, call_id, match_digest=match_digest)
@@ -426,7 +453,7 @@ class Engine:
             sc = self.ensure_session(session_id)
         pin = spec if self._check_pin(sc, spec) else None
         effect_id = new_id()
-        args_text = canonical_json(args_json)
+        args_text = canonical_text(args_json)
         digest = sha256_hex(args_text)
         now = utcnow()
         pending = sc.take_count()
@@ -917,15 +944,10 @@ class Engine:
             raise EffectNotFound(effect_id)
         raise InvalidEffectState(f"effect {effect_id} is {state}; it cannot become {target}")
 
-    @contextmanager
-    def running(self, d: Execute, session_id: str | None = None) -> Iterator[CallContext]:
-        """Expose ``current_call()`` to the tool while it runs."""
-        ctx = CallContext(session_id or d.session_id, d.effect_id, d.call_id, d.tool_name, d.idempotency_key)
-        token = _current.set(ctx)
-        try:
-            yield ctx
-        finally:
-            _current.reset(token)
+    def running(self, d: Execute, session_id: str | None = None) -> _Running:
+        """Expose ``current_call()`` to the tool while it runs (a context manager)."""
+        return _Running(CallContext(session_id or d.session_id, d.effect_id, d.call_id, d.tool_name,
+                                    d.idempotency_key))
 
     # -- session state helpers shared by approvals, saga and recovery -----------------------------
 

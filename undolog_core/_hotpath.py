@@ -80,8 +80,11 @@ _PG_MARK = (
 
 
 def _sqlite_time(value: dt.datetime) -> str:
-    # The text SQLAlchemy's SQLite DateTime writes, from a naive UTC value.
-    return value.astimezone(dt.UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
+    # The text SQLAlchemy's SQLite DateTime writes, from a naive UTC value. Values here come from utcnow(),
+    # already in UTC, so only the zone is dropped.
+    if value.utcoffset():
+        value = value.astimezone(dt.UTC)
+    return value.replace(tzinfo=None).isoformat(" ", "microseconds")
 
 
 class HotPath:
