@@ -1,4 +1,4 @@
-"""Every endpoint x {no key, agent, approver, admin}: 401, 403 or admitted, as docs/server.md says.
+"""Every endpoint x {no key, agent, approver, admin}: 401, 403 or admitted, as the README's auth matrix says.
 
 Denied cells address objects that do not exist: the answer must still be 401/403, which
 shows the role check runs before any lookup.
