@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import datetime as dt
-import itertools
 import os
 import socket
 import threading
-import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
