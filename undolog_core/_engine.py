@@ -162,25 +162,37 @@ class SessionCache:
     persisted: bool = True
     # (tool_name, tier, args, state) of recent calls, newest last; SAFE calls are known only here.
     recent: collections.deque[tuple[str, str, Any, str]] = field(default_factory=lambda: collections.deque(maxlen=50))
-    # next() on itertools.count is atomic under the GIL: a lock-free counter for the SAFE hot path.
+    # next() on itertools.count is atomic under the GIL: lock-free counters for the hot paths.
+    # `counter` holds SAFE calls, which must reach the store with the session's next write; `carried` holds
+    # logged calls, which ride along with whatever write flushes next (so a run of COMPENSABLE calls does
+    # not rewrite the session row every time).
     counter: Iterator[int] = field(default_factory=itertools.count)
+    carried: Iterator[int] = field(default_factory=itertools.count)
 
     @property
     def safe_calls(self) -> int:
-        return self._peek()
+        return _peek(self.counter)
 
-    def _peek(self) -> int:
-        text = repr(self.counter)  # "count(N)": reading it without advancing it
-        return int(text[6:-1])
+    def take_safe(self) -> int:
+        old, self.counter = self.counter, itertools.count()
+        return _peek(old)
+
+    def take_carried(self) -> int:
+        old, self.carried = self.carried, itertools.count()
+        return _peek(old)
 
     def take_count(self) -> int:
-        old, self.counter = self.counter, itertools.count()
-        return int(repr(old)[6:-1])
+        return self.take_safe() + self.take_carried()
 
-    def give_back(self, n: int) -> None:
+    def give_back(self, n: int, carried: int = 0) -> None:
         if n:
-            current = self.take_count()
-            self.counter = itertools.count(current + n)
+            self.counter = itertools.count(self.take_safe() + n)
+        if carried:
+            self.carried = itertools.count(self.take_carried() + carried)
+
+
+def _peek(counter: Iterator[int]) -> int:
+    return int(repr(counter)[6:-1])  # "count(N)": read without advancing it
 
 
 MAX_ID_LENGTH = 200
@@ -456,31 +468,31 @@ class Engine:
         args_text = canonical_text(args_json)
         digest = sha256_hex(args_text)
         now = utcnow()
-        pending = sc.take_count()
+        safe = sc.take_safe()
+        carried = sc.take_carried() if safe else 0
         assert spec.compensation is not None
         self._inflight.add(effect_id)
         try:
             if pin is None and self.hot.prewrite(
-                session_id=session_id, count=pending, effect_id=effect_id, call_id=call_id or effect_id,
+                session_id=session_id, count=safe + carried, effect_id=effect_id, call_id=call_id or effect_id,
                 tool_name=spec.name, revision=spec.revision, args_text=args_text, digest=digest, owner=self.owner,
                 lease=now + dt.timedelta(seconds=self.lease_seconds), now=now, comp=spec.compensation.name,
                 comp_version=spec.compensation.version,
             ):
-                # This call is counted in memory like a SAFE one and flushed with the session's next write.
-                next(sc.counter)
+                next(sc.carried)  # this call rides along with the session's next flushing write
             else:
                 # Pinning a newly registered tool, or the session refused the write: the general path
                 # does the same transaction and raises the precise error.
-                self._prewrite_core(sc, spec, pending + 1, pin, effect_id, call_id, args_json, digest, now)
+                self._prewrite_core(sc, spec, safe + carried + 1, pin, effect_id, call_id, args_json, digest, now)
         except IntegrityError:
             self._inflight.discard(effect_id)
-            sc.give_back(pending)
+            sc.give_back(safe, carried)
             if call_id is None:
                 raise
             return self._existing(session_id, spec, call_id, digest)
         except (SessionHalted, SessionClosed):
             self._inflight.discard(effect_id)
-            sc.give_back(pending)
+            sc.give_back(safe, carried)
             # A framework re-running a call that already ran gets its result, even on a halted session:
             # telling the model "refused" would be a lie about what happened.
             if call_id is not None and self._call_exists(session_id, call_id):
@@ -488,7 +500,7 @@ class Engine:
             raise
         except BaseException:
             self._inflight.discard(effect_id)
-            sc.give_back(pending)
+            sc.give_back(safe, carried)
             raise
         self._ensure_renewer()
         sc.recent.append((spec.name, "compensable", args_json, "pending"))
