@@ -213,6 +213,16 @@ def jsonable(value: Any) -> Any:
     return out
 
 
+def result_json(result: Any) -> tuple[Any, str]:
+    """A result's snapshot and its JSON text, serialised once (NaN and infinities as strings, as ``jsonable``)."""
+    snapshot = to_jsonable_python(result, fallback=repr)
+    try:
+        return snapshot, json.dumps(snapshot, allow_nan=False)
+    except ValueError:
+        snapshot = json.loads(to_json(result, fallback=repr, inf_nan_mode="strings"))
+        return snapshot, json.dumps(snapshot)
+
+
 def json_safe(value: Any) -> Any:
     """A JSON-mode value (from model_dump(mode="json")) with NaN and infinities made strings, as ``jsonable``."""
     return json.loads(to_json(value, inf_nan_mode="strings")) if _has_special_float(value) else value
@@ -275,9 +285,10 @@ class Engine:
         _ENGINES[self.instance] = self
         # Fast mode: commit marks wait here for the flusher (a batch every MARK_FLUSH_SECONDS, not fsynced).
         # Their effects stay in flight (leased, renewed) until the mark is written.
-        self._marks: collections.deque[tuple[str, Any, dt.datetime]] = collections.deque()
+        self._marks: collections.deque[tuple[str, str, dt.datetime]] = collections.deque()
         self._marks_lock = threading.Lock()
         self._flusher: threading.Thread | None = None
+        self._started: set[str] = set()
 
     # -- session cache ---------------------------------------------------------------------------
 
@@ -421,9 +432,14 @@ class Engine:
         if spec.tier is SAFE:
             self.note_safe(session_id, spec, values)
             return Execute(None, values, None, SAFE, spec.name, call_id, session_id)
-        args_json = json_safe(spec.snapshot(model))
+        args_json = spec.snapshot(model)
+        try:
+            args_text = canonical_text(args_json)
+        except ValueError:  # a NaN or an infinity: stored as a string, the same on both databases
+            args_json = json_safe(args_json)
+            args_text = canonical_text(args_json)
         if spec.tier is COMPENSABLE:
-            return self.intercept_compensable(session_id, spec, values, args_json, call_id)
+            return self.intercept_compensable(session_id, spec, values, args_json, call_id, args_text)
         return self.intercept_irreversible(session_id, spec, args_json, call_id, match_digest=match_digest)
 
     def _check_pin(self, sc: SessionCache, spec: ToolSpec) -> bool:
@@ -458,14 +474,21 @@ class Engine:
         raise SessionClosed(sc.session_id, row.state)
 
     def intercept_compensable(
-        self, session_id: str, spec: ToolSpec, values: dict[str, Any], args_json: Any, call_id: str | None
+        self,
+        session_id: str,
+        spec: ToolSpec,
+        values: dict[str, Any],
+        args_json: Any,
+        call_id: str | None,
+        args_text: str | None = None,
     ) -> Decision:
         sc = self._sessions.get(session_id)
         if sc is None or not sc.persisted:
             sc = self.ensure_session(session_id)
         pin = spec if self._check_pin(sc, spec) else None
         effect_id = new_id()
-        args_text = canonical_text(args_json)
+        if args_text is None:
+            args_text = canonical_text(args_json)
         digest = sha256_hex(args_text)
         now = utcnow()
         safe = sc.take_safe()
@@ -888,15 +911,15 @@ class Engine:
     def complete(self, effect_id: str, result: Any) -> None:
         """Record success: the effect becomes ``committed`` with its result snapshot."""
         fault("after_tool")
-        snapshot = jsonable(result)
+        snapshot, text = result_json(result)
         now = utcnow()
         if self.fast_commit_mark:
-            self._marks.append((effect_id, snapshot, now))
+            self._marks.append((effect_id, text, now))
             fault("after_mark_queued")
             self._ensure_flusher()
             return
         try:
-            if self.hot.mark(effect_id, snapshot, now, fast=False):
+            if self.hot.mark(effect_id, text, now, fast=False):
                 return
             with self.store.tx(fast=self.fast_commit_mark) as conn:
                 res = conn.execute(
@@ -998,18 +1021,23 @@ class Engine:
         self._ensure_thread("_renewer", self._renew_loop, "undolog-lease")
 
     def _ensure_thread(self, attr: str, target: Callable[[], None], name: str) -> None:
-        """Start a background loop once, lazily: an UndoLog that never writes starts no thread."""
-        th = getattr(self, attr)
-        if th is not None and th.is_alive():
+        """Start a background loop once, lazily: an UndoLog that never writes starts no thread.
+
+        The loops only end when ``stop()`` is called, so a started loop is trusted without asking the thread
+        (``is_alive`` is a lock round trip on every COMPENSABLE call otherwise).
+        """
+        if attr in self._started:
             return
         with self._renew_lock:
             th = getattr(self, attr)
             if th is not None and th.is_alive():
+                self._started.add(attr)
                 return
             self._stop.clear()
             th = threading.Thread(target=target, name=name, daemon=True)
             setattr(self, attr, th)
             th.start()
+            self._started.add(attr)
 
     def _renew_loop(self) -> None:
         period = max(0.05, self.lease_seconds / 3.0)
@@ -1042,7 +1070,7 @@ class Engine:
         if not self._marks:
             return
         with self._marks_lock:
-            batch: list[tuple[str, Any, dt.datetime]] = []
+            batch: list[tuple[str, str, dt.datetime]] = []
             while self._marks:
                 batch.append(self._marks.popleft())
             if not batch:
@@ -1070,6 +1098,7 @@ class Engine:
             self.flush_marks()
         finally:
             self._stop.set()
+            self._started.clear()
             self.hot.close()
 
 

@@ -9,7 +9,6 @@ read back alike.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import sqlite3
 import threading
 from typing import Any
@@ -80,10 +79,8 @@ _PG_MARK = (
 
 
 def _sqlite_time(value: dt.datetime) -> str:
-    # The text SQLAlchemy's SQLite DateTime writes, from a naive UTC value. Values here come from utcnow(),
-    # already in UTC, so only the zone is dropped.
-    if value.utcoffset():
-        value = value.astimezone(dt.UTC)
+    # The text SQLAlchemy's SQLite DateTime writes, from a naive UTC value. Every caller passes utcnow()
+    # (or a lease computed from it), already in UTC, so only the zone is dropped.
     return value.replace(tzinfo=None).isoformat(" ", "microseconds")
 
 
@@ -175,20 +172,19 @@ class HotPath:
             raise
         return True
 
-    def mark(self, effect_id: str, result: Any, now: dt.datetime, *, fast: bool) -> bool:
+    def mark(self, effect_id: str, text: str, now: dt.datetime, *, fast: bool) -> bool:
         """The commit mark as one autocommit UPDATE; False when the effect was not in flight."""
         conn = self._conn(fast)
-        text = json.dumps(result)
         if self.sqlite:
             with self.write_lock:
                 return bool(conn.execute(_SQLITE_MARK, (text, _sqlite_time(now), effect_id)).rowcount == 1)
         return bool(conn.execute(_PG_MARK, (text, now, effect_id)).rowcount == 1)
 
-    def mark_many(self, marks: list[tuple[str, Any, dt.datetime]]) -> None:
+    def mark_many(self, marks: list[tuple[str, str, dt.datetime]]) -> None:
         """Deferred commit marks of fast mode, in one transaction that is not fsynced."""
         conn = self._conn(True)
         if self.sqlite:
-            rows = [(json.dumps(r), _sqlite_time(now), eid) for eid, r, now in marks]
+            rows = [(text, _sqlite_time(now), eid) for eid, text, now in marks]
             with self.write_lock:
                 conn.execute("BEGIN IMMEDIATE")
                 try:
@@ -200,7 +196,7 @@ class HotPath:
                     raise
             return
         with conn.transaction():
-            conn.cursor().executemany(_PG_MARK, [(json.dumps(r), now, eid) for eid, r, now in marks])
+            conn.cursor().executemany(_PG_MARK, [(text, now, eid) for eid, text, now in marks])
 
     def close(self) -> None:
         with self._lock:

@@ -6,7 +6,6 @@ import datetime as dt
 import os
 import socket
 import threading
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +28,7 @@ def utcnow() -> dt.datetime:
 def new_id() -> str:
     """32 random hex digits. Not time-ordered on purpose: people read ids by their first characters (the
     dashboard, the CLI, messages to the model), and time-ordered ids made close in time share those."""
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()
 
 
 def resolve_url(url: str | None) -> str:
