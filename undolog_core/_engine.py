@@ -169,10 +169,6 @@ class SessionCache:
     counter: Iterator[int] = field(default_factory=itertools.count)
     carried: Iterator[int] = field(default_factory=itertools.count)
 
-    @property
-    def safe_calls(self) -> int:
-        return _peek(self.counter)
-
     def take_safe(self) -> int:
         old, self.counter = self.counter, itertools.count()
         return _peek(old)
@@ -903,8 +899,8 @@ class Engine:
             {"tool_name": name, "tier": tier, "state": state, "args": jsonable(args)}
             for name, tier, args, state in list(sc.recent) if tier == "safe"
         ]
-        merged = safe + logged if not logged else _interleave(safe, logged)
-        return merged[-n:]
+        # SAFE calls have no timestamps in the log; they are shown before the logged calls.
+        return (safe + logged)[-n:]
 
     # -- completion ------------------------------------------------------------------------------
 
@@ -1104,11 +1100,3 @@ class Engine:
 
 def _lease_over(until: dt.datetime | None) -> bool:
     return until is None or until <= utcnow()
-
-
-def _interleave(safe: list[dict[str, Any]], logged: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    # SAFE calls have no timestamps in the log; they are shown before the logged calls they preceded.
-    return safe + logged
-
-
-CallTarget = Callable[..., Any] | str

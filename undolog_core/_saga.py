@@ -262,10 +262,10 @@ class Saga:
                 t.sessions.update().where(t.sessions.c.session_id == session_id)
                 .values(state="rolled_back", updated_at=now)
             )
-            payload = {"session_id": session_id, "reason": reason, "steps": [s.__dict__ for s in report.steps],
-                       "kept_irreversible": report.kept_irreversible}
+            payload = jsonable({"session_id": session_id, "reason": reason, "steps": [s.__dict__ for s in report.steps],
+                                "kept_irreversible": report.kept_irreversible})
             append_event(conn, self._u.store, subject=f"session:{session_id}", action="session.rollback", actor=actor,
-                         payload=jsonable(payload), outbox=[("session.rolled_back", jsonable(payload))], now=now)
+                         payload=payload, outbox=[("session.rolled_back", payload)], now=now)
         sc = self._u.engine.cached(session_id)
         if sc is not None:
             sc.state = "rolled_back"
