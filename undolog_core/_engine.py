@@ -209,14 +209,12 @@ def jsonable(value: Any) -> Any:
     return out
 
 
-def result_json(result: Any) -> tuple[Any, str]:
-    """A result's snapshot and its JSON text, serialised once (NaN and infinities as strings, as ``jsonable``)."""
-    snapshot = to_jsonable_python(result, fallback=repr)
-    try:
-        return snapshot, json.dumps(snapshot, allow_nan=False)
-    except ValueError:
-        snapshot = json.loads(to_json(result, fallback=repr, inf_nan_mode="strings"))
-        return snapshot, json.dumps(snapshot)
+def result_text(result: Any) -> str:
+    """A result's JSON text, as ``jsonable`` would make it (NaN and infinities as strings), in one Rust pass.
+
+    Only the text is needed on the hot path; whoever needs the value parses it back (``json.loads``).
+    """
+    return to_json(result, fallback=repr, inf_nan_mode="strings").decode()
 
 
 def json_safe(value: Any) -> Any:
@@ -492,7 +490,7 @@ class Engine:
         assert spec.compensation is not None
         self._inflight.add(effect_id)
         try:
-            if pin is None and self.hot.prewrite(
+            if pin is None and self._prewrite_hot(
                 session_id=session_id, count=safe + carried, effect_id=effect_id, call_id=call_id or effect_id,
                 tool_name=spec.name, revision=spec.revision, args_text=args_text, digest=digest, owner=self.owner,
                 lease=now + dt.timedelta(seconds=self.lease_seconds), now=now, comp=spec.compensation.name,
@@ -533,7 +531,7 @@ class Engine:
         assert spec.compensation is not None
         with self.store.tx() as conn:
             self._guard(conn, sc, count, pin=pin)
-            conn.execute(
+            seq = conn.execute(
                 t.effect_log.insert(),
                 {
                     "effect_id": effect_id,
@@ -551,10 +549,11 @@ class Engine:
                     "created_at": now,
                     "updated_at": now,
                 },
-            )
+            ).inserted_primary_key[0]  # type: ignore[index]
             conn.execute(
                 t.undo_stack.insert(),
                 {
+                    "undo_id": seq,
                     "effect_id": effect_id,
                     "session_id": sc.session_id,
                     "compensation_name": spec.compensation.name,
@@ -606,6 +605,7 @@ class Engine:
                 )
                 if res.rowcount != 1:
                     raise InvalidEffectState(f"call {row.call_id!r} was re-claimed by another caller")
+                self.back_in_flight(conn, row.effect_id)
         except BaseException:
             self._inflight.discard(row.effect_id)
             raise
@@ -760,6 +760,7 @@ class Engine:
                 )
                 if res.rowcount != 1:
                     raise InvalidEffectState(f"call {row.call_id!r} was claimed by another caller")
+                self.back_in_flight(conn, row.effect_id)
         except BaseException:
             self._inflight.discard(row.effect_id)
             sc.give_back(count - 1)
@@ -907,7 +908,7 @@ class Engine:
     def complete(self, effect_id: str, result: Any) -> None:
         """Record success: the effect becomes ``committed`` with its result snapshot."""
         fault("after_tool")
-        snapshot, text = result_json(result)
+        text = result_text(result)
         now = utcnow()
         if self.fast_commit_mark:
             self._marks.append((effect_id, text, now))
@@ -921,7 +922,8 @@ class Engine:
                 res = conn.execute(
                     t.effect_log.update()
                     .where(t.effect_log.c.effect_id == effect_id, t.effect_log.c.state.in_(("pending", "running")))
-                    .values(state="committed", result_snapshot=snapshot, owner=None, lease_until=None, updated_at=now)
+                    .values(state="committed", result_snapshot=json.loads(text), owner=None, lease_until=None,
+                            updated_at=now)
                 )
                 if res.rowcount != 1:
                     self._missing_or_moved(conn, effect_id, "committed")
@@ -993,6 +995,17 @@ class Engine:
         sc = self._sessions.get(session_id)
         if sc is not None:
             sc.state = "halted"
+
+    def back_in_flight(self, conn: Connection, effect_id: str) -> None:
+        """An older effect is in flight again: on SQLite, move recovery's cursor back to it (see ``_schema``)."""
+        if self.store.is_postgres:
+            return  # PostgreSQL finds in-flight effects through its partial index
+        rc = t.recovery_cursor
+        seq = sa.select(t.effect_log.c.seq).where(t.effect_log.c.effect_id == effect_id).scalar_subquery()
+        conn.execute(
+            rc.update().where(rc.c.cursor_id == 1, rc.c.effect_seq >= seq)
+            .values(effect_seq=seq - 1, version=rc.c.version + 1)
+        )
 
     def refresh_awaiting(self, conn: Connection, session_id: str, *, now: dt.datetime | None = None) -> None:
         """A session is ``awaiting_approval`` exactly while one of its requests is pending."""
@@ -1078,6 +1091,29 @@ class Engine:
                 raise
             for effect_id, _, _ in batch:
                 self._inflight.discard(effect_id)
+
+    def _prewrite_hot(self, **kw: Any) -> bool:
+        """``hot.prewrite``; in fast mode on SQLite the queued commit marks ride along in its transaction.
+
+        The marks lock is held meanwhile, so ``flush_marks()`` (which readers call to see this process's own
+        marks) waits for them to be written; a flush already under way keeps them instead.
+        """
+        if not (self._marks and self.hot.sqlite) or not self._marks_lock.acquire(blocking=False):
+            return self.hot.prewrite(**kw)
+        batch: list[tuple[str, str, dt.datetime]] = []
+        written = False
+        try:
+            while self._marks:
+                batch.append(self._marks.popleft())
+            written = self.hot.prewrite(marks=batch, **kw)
+            return written
+        finally:
+            if written:
+                for effect_id, _, _ in batch:
+                    self._inflight.discard(effect_id)
+            else:  # rolled back, and the marks with it: queued again, in their order
+                self._marks.extendleft(reversed(batch))
+            self._marks_lock.release()
 
     def _ensure_flusher(self) -> None:
         self._ensure_thread("_flusher", self._flush_loop, "undolog-marks")

@@ -22,7 +22,7 @@ _EFFECT_COLS = (
     "lease_until, recovery_attempts, created_at, updated_at"
 )
 _UNDO_COLS = (
-    "effect_id, session_id, compensation_name, compensation_version, args_snapshot, state, attempts, created_at, "
+    "undo_id, effect_id, session_id, compensation_name, compensation_version, args_snapshot, state, attempts, created_at, "
     "updated_at"
 )
 _WRITABLE = "state IN ('active', 'awaiting_approval')"
@@ -41,7 +41,10 @@ _SQLITE_EFFECT_CHECKED = (
     "SELECT ?, ?, ?, ?, ?, 'compensable', 'pending', ?, ?, ?, ?, 0, ?, ? "
     f"WHERE EXISTS (SELECT 1 FROM undolog_sessions WHERE session_id = ? AND {_WRITABLE})"
 )
-_SQLITE_UNDO = f"INSERT INTO undolog_undo_stack ({_UNDO_COLS}) VALUES (?, ?, ?, ?, ?, 'armed', 0, ?, ?)"
+# The undo entry's id is the effect's seq: the rowid the INSERT just before it assigned.
+_SQLITE_UNDO = (
+    f"INSERT INTO undolog_undo_stack ({_UNDO_COLS}) VALUES (last_insert_rowid(), ?, ?, ?, ?, ?, 'armed', 0, ?, ?)"
+)
 _SQLITE_MARK = (
     "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = ?, owner = NULL, lease_until = NULL, "
     "updated_at = ? WHERE effect_id = ? AND state IN ('pending', 'running')"
@@ -56,10 +59,10 @@ WITH g AS (
   INSERT INTO undolog_effect_log ({_EFFECT_COLS})
   SELECT %(effect_id)s, g.session_id, %(call_id)s, %(tool_name)s, %(revision)s, 'compensable', 'pending',
          %(args)s::json, %(digest)s, %(owner)s, %(lease)s, 0, %(now)s, %(now)s FROM g
-  RETURNING effect_id, session_id
+  RETURNING seq, effect_id, session_id
 )
 INSERT INTO undolog_undo_stack ({_UNDO_COLS})
-SELECT e.effect_id, e.session_id, %(comp)s, %(comp_version)s, %(args)s::json, 'armed', 0, %(now)s, %(now)s FROM e
+SELECT e.seq, e.effect_id, e.session_id, %(comp)s, %(comp_version)s, %(args)s::json, 'armed', 0, %(now)s, %(now)s FROM e
 """
 _PG_PREWRITE_CHECKED = f"""
 WITH e AS (
@@ -67,10 +70,10 @@ WITH e AS (
   SELECT %(effect_id)s, s.session_id, %(call_id)s, %(tool_name)s, %(revision)s, 'compensable', 'pending',
          %(args)s::json, %(digest)s, %(owner)s, %(lease)s, 0, %(now)s, %(now)s
   FROM undolog_sessions s WHERE s.session_id = %(session_id)s AND s.{_WRITABLE}
-  RETURNING effect_id, session_id
+  RETURNING seq, effect_id, session_id
 )
 INSERT INTO undolog_undo_stack ({_UNDO_COLS})
-SELECT e.effect_id, e.session_id, %(comp)s, %(comp_version)s, %(args)s::json, 'armed', 0, %(now)s, %(now)s FROM e
+SELECT e.seq, e.effect_id, e.session_id, %(comp)s, %(comp_version)s, %(args)s::json, 'armed', 0, %(now)s, %(now)s FROM e
 """
 _PG_MARK = (
     "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = %s::json, owner = NULL, "
@@ -78,10 +81,22 @@ _PG_MARK = (
 )
 
 
+_second: tuple[int, str] = (-1, "")
+
+
 def _sqlite_time(value: dt.datetime) -> str:
-    # The text SQLAlchemy's SQLite DateTime writes, from a naive UTC value. Every caller passes utcnow()
-    # (or a lease computed from it), already in UTC, so only the zone is dropped.
-    return value.replace(tzinfo=None).isoformat(" ", "microseconds")
+    """The text SQLAlchemy's SQLite DateTime writes for a UTC value: ``YYYY-MM-DD HH:MM:SS.ffffff``.
+
+    Every caller passes utcnow() or a lease computed from it, already in UTC. ``isoformat`` costs microseconds
+    on every call; the seconds part changes once a second, so it is formatted once and kept (one tuple, swapped
+    whole, so threads never see half of it).
+    """
+    global _second
+    sec = int(value.timestamp())
+    cached = _second
+    if cached[0] != sec:
+        cached = _second = (sec, value.strftime("%Y-%m-%d %H:%M:%S"))
+    return f"{cached[1]}.{value.microsecond:06d}"
 
 
 class HotPath:
@@ -125,11 +140,13 @@ class HotPath:
         now: dt.datetime,
         comp: str,
         comp_version: int,
+        marks: list[tuple[str, str, dt.datetime]] | None = None,
     ) -> bool:
         """One durable transaction; False when the session does not accept writes (nothing written).
 
         ``count`` calls counted in memory are flushed to the session row on the way; with none, the session row is
-        only checked.
+        only checked. ``marks`` (SQLite, fast mode) are deferred commit marks that ride along: the rows they
+        update sit on the page this insert appends to, so they cost no extra page and become durable with it.
         """
         conn = self._conn(False)
         try:
@@ -137,7 +154,8 @@ class HotPath:
                 now_s = _sqlite_time(now)
                 with self.write_lock:
                     return self._sqlite_prewrite(conn, now_s, session_id, count, effect_id, call_id, tool_name,
-                                                 revision, args_text, digest, owner, lease, comp, comp_version)
+                                                 revision, args_text, digest, owner, lease, comp, comp_version,
+                                                 marks)
             cur = conn.execute(
                 _PG_PREWRITE if count else _PG_PREWRITE_CHECKED,
                 {"count": count, "now": now, "session_id": session_id, "effect_id": effect_id, "call_id": call_id,
@@ -151,6 +169,7 @@ class HotPath:
     def _sqlite_prewrite(
         self, conn: Any, now_s: str, session_id: str, count: int, effect_id: str, call_id: str, tool_name: str,
         revision: int, args_text: str, digest: str, owner: str, lease: dt.datetime, comp: str, comp_version: int,
+        marks: list[tuple[str, str, dt.datetime]] | None,
     ) -> bool:
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -165,6 +184,8 @@ class HotPath:
                 conn.execute("ROLLBACK")
                 return False
             conn.execute(_SQLITE_UNDO, (effect_id, session_id, comp, comp_version, args_text, now_s, now_s))
+            if marks:
+                conn.executemany(_SQLITE_MARK, [(text, _sqlite_time(at), eid) for eid, text, at in marks])
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection, Engine
+
+from .errors import ConfigurationError
 
 VERSION_TABLE = "undolog_alembic_version"
 
@@ -39,18 +42,38 @@ def current_in(conn: Connection) -> str | None:
     return ",".join(sorted(rows)) if rows else None
 
 
-def upgrade(engine: Engine, *, lock_key: int, schema: str | None = None) -> None:
-    if schema is None and current(engine) == head():
+def upgrade(engine: Engine, *, lock_key: int, schema: str | None = None, target: str = "heads") -> None:
+    """Bring the database to ``target`` (the newest revision unless told; tests stop at older ones)."""
+    if target == "heads" and schema is None and current(engine) == head():
         return
-    with engine.begin() as conn:
-        if conn.dialect.name == "postgresql":
-            # Two processes opening a fresh database at once must not both create the schema or the tables;
-            # Alembic re-reads the version table after the lock, so the loser finds nothing to do.
-            conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({lock_key})")
-            if schema:
-                conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
-                if current_in(conn) == head():
-                    return
-        cfg = _config()
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "heads")
+    with engine.connect() as conn:
+        sqlite = conn.dialect.name == "sqlite"
+        raw: Any = conn.connection.driver_connection
+        if sqlite:
+            # A revision that rebuilds a table (SQLite cannot alter a primary key) drops the old one while other
+            # tables still refer to it. The pragma only takes effect outside a transaction, so it is set before
+            # the migration's transaction begins; the references are checked before it commits.
+            raw.execute("PRAGMA foreign_keys=OFF")
+        try:
+            with conn.begin():
+                if not sqlite:
+                    # Two processes opening a fresh database at once must not both create the schema or the
+                    # tables; Alembic re-reads the version table after the lock, so the loser finds nothing to do.
+                    conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({lock_key})")
+                    if schema:
+                        conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+                        if current_in(conn) == head():
+                            return
+                cfg = _config()
+                cfg.attributes["connection"] = conn
+                command.upgrade(cfg, target)
+                if sqlite:
+                    broken = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+                    if broken:
+                        raise ConfigurationError(
+                            f"migration refused: {len(broken)} rows would break their references "
+                            f"(first: {tuple(broken[0])}); the database was left as it was"
+                        )
+        finally:
+            if sqlite:
+                raw.execute("PRAGMA foreign_keys=ON")

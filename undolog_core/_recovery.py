@@ -70,14 +70,26 @@ class Recovery:
         store = self._u.store
         e, u = t.effect_log, t.undo_stack
         with store.read() as conn:
-            effects = conn.execute(
-                sa.select(e.c.effect_id, e.c.session_id, e.c.tool_name, e.c.tier, e.c.state, e.c.owner,
-                          e.c.lease_until).where(e.c.state.in_(("pending", "running")))
-                .order_by(e.c.created_at)
-            ).all()
+            q = sa.select(e.c.seq, e.c.effect_id, e.c.session_id, e.c.tool_name, e.c.tier, e.c.state, e.c.owner,
+                          e.c.lease_until).where(e.c.state.in_(("pending", "running"))).order_by(e.c.seq)
+            cursor = None
+            if not store.is_postgres:  # see _schema: SQLite reads what was written since the cursor
+                cursor = conn.execute(
+                    sa.select(t.recovery_cursor.c.effect_seq, t.recovery_cursor.c.version)
+                    .where(t.recovery_cursor.c.cursor_id == 1)
+                ).one()
+                newest = conn.execute(sa.select(sa.func.coalesce(sa.func.max(e.c.seq), 0))).scalar_one()
+                q = q.where(e.c.seq > cursor.effect_seq)
+            effects = conn.execute(q).all()
             undos = conn.execute(
                 sa.select(u.c.undo_id, u.c.session_id, u.c.owner, u.c.lease_until).where(u.c.state == "compensating")
             ).all()
+        if cursor is not None:
+            # Everything up to the oldest effect still in flight (or up to the newest row) has been seen settled.
+            # Effects reconciled below are settled too, but stay ahead of the cursor until the next pass: a
+            # re-read of a few rows, never a missed one.
+            upto = effects[0].seq - 1 if effects else newest
+            self._advance(cursor, upto)
         dead_effects = [r for r in effects if self._dead(r.owner, r.lease_until, r.effect_id)]
         report.left_alive = len(effects) - len(dead_effects)
         dead_undos = [r for r in undos if self._dead(r.owner, r.lease_until, undo_id=r.undo_id)]
@@ -107,6 +119,17 @@ class Recovery:
             if progress:
                 progress(done, total, f"{r.tool_name} {r.effect_id}: {outcome or 'skipped'}")
         return report
+
+    def _advance(self, cursor: Any, upto: int) -> None:
+        if upto <= cursor.effect_seq:
+            return
+        rc = t.recovery_cursor
+        with self._u.store.tx() as conn:
+            # Compare-and-swap on the version: a claim that moved the cursor back meanwhile wins.
+            conn.execute(
+                rc.update().where(rc.c.cursor_id == 1, rc.c.version == cursor.version)
+                .values(effect_seq=upto, version=rc.c.version + 1)
+            )
 
     def _claim_undo(self, r: Any) -> bool:
         now = utcnow()

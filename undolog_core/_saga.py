@@ -139,12 +139,12 @@ class Saga:
             q = (
                 sa.select(u, e.c.tool_name, e.c.state.label("effect_state"), e.c.result_snapshot,
                           e.c.owner.label("effect_owner"), e.c.lease_until.label("effect_lease"))
-                .select_from(u.join(e, e.c.effect_id == u.c.effect_id))
-                .where(u.c.session_id == session_id, u.c.state != "compensated")
+                .select_from(e.join(u, u.c.undo_id == e.c.seq))
+                .where(e.c.session_id == session_id, u.c.state != "compensated")
                 .order_by(u.c.undo_id.desc())
             )
             if only_effect is not None:
-                q = q.where(u.c.effect_id == only_effect)
+                q = q.where(e.c.effect_id == only_effect)
             rows = conn.execute(q).all()
             entries: list[_Entry] = []
             for r in rows:
@@ -410,8 +410,8 @@ class Saga:
             rows = conn.execute(
                 sa.select(u.c.undo_id, u.c.compensation_name, u.c.compensation_version, u.c.state, e.c.tool_name,
                           e.c.effect_id, e.c.state.label("effect_state"))
-                .select_from(u.join(e, e.c.effect_id == u.c.effect_id))
-                .where(u.c.session_id == session_id, u.c.state != "compensated")
+                .select_from(e.join(u, u.c.undo_id == e.c.seq))
+                .where(e.c.session_id == session_id, u.c.state != "compensated")
                 .order_by(u.c.undo_id.desc())
             ).all()
         return [dict(r._mapping) for r in rows]

@@ -88,10 +88,17 @@ sessions = sa.Table(
     sa.CheckConstraint("on_failure IN ('rollback', 'continue')", name="ck_undolog_sessions_on_failure"),
 )
 
+# A 64-bit sequence on PostgreSQL; exactly INTEGER on SQLite, where that makes it the rowid.
+SEQ = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
 effect_log = sa.Table(
     "undolog_effect_log",
     metadata,
-    sa.Column("effect_id", sa.String(64), primary_key=True),
+    # Rows are clustered in the order they are written (on SQLite the rowid): an insert appends to the last
+    # page instead of splitting a random one, which is most of the cost of a durable pre-write. The public id
+    # stays the random effect_id, with its own unique index.
+    sa.Column("seq", SEQ, primary_key=True, autoincrement=True),
+    sa.Column("effect_id", sa.String(64), nullable=False, unique=True),
     sa.Column("session_id", sa.String(200), sa.ForeignKey("undolog_sessions.session_id"), nullable=False),
     sa.Column("call_id", sa.String(200), nullable=False),
     sa.Column("tool_name", sa.String(200), nullable=False),
@@ -111,24 +118,39 @@ effect_log = sa.Table(
     sa.UniqueConstraint("session_id", "call_id", name="uq_undolog_effect_call"),
     sa.CheckConstraint(_in("tier", TIERS), name="ck_undolog_effect_tier"),
     sa.CheckConstraint(_in("state", EFFECT_STATES), name="ck_undolog_effect_state"),
-    # The effect id is the clustered key on SQLite: one B-tree less to write on every pre-write.
-    sqlite_with_rowid=False,
 )
-# Only in-flight effects are indexed by state: recovery finds them without a scan, and a committed effect
-# leaves the index. Session lookups use the (session_id, call_id) unique index.
+# Finding what was in flight when a process died. On PostgreSQL a partial index holds exactly the in-flight
+# effects. On SQLite that index would cost a page in every pre-write and every commit mark (a third of a
+# COMPENSABLE call's pages), so recovery reads the rows written since its cursor instead: SQLite has one
+# writer, so rowids become visible in order and nothing can appear behind the cursor unseen. The one way an
+# older row goes back in flight (an approved call claimed to run, a released call re-claimed) moves the cursor
+# back in the same transaction.
 _IN_FLIGHT = "state IN ('pending', 'running')"
 sa.Index(
     "ix_undolog_effect_in_flight",
     effect_log.c.state,
-    sqlite_where=sa.text(_IN_FLIGHT),
     postgresql_where=sa.text(_IN_FLIGHT),
+).ddl_if(dialect="postgresql")
+
+recovery_cursor = sa.Table(
+    "undolog_recovery_cursor",
+    metadata,
+    sa.Column("cursor_id", sa.Integer, primary_key=True, autoincrement=False),
+    # Every effect with seq <= effect_seq was settled (or known to recovery) when it was last advanced.
+    sa.Column("effect_seq", SEQ, nullable=False),
+    # Bumped on every change: recovery advances the cursor by compare-and-swap on it.
+    sa.Column("version", sa.BigInteger, nullable=False),
+    sa.CheckConstraint("cursor_id = 1", name="ck_undolog_recovery_cursor_single"),
 )
 
+# An undo entry's id is its effect's seq, so it needs no index of its own: one per effect (the primary key says
+# so), in call order (LIFO is undo_id descending), found from the effect without a lookup, and a session's
+# entries are reached through the effect log's (session_id, call_id) index.
 undo_stack = sa.Table(
     "undolog_undo_stack",
     metadata,
-    sa.Column("undo_id", sa.Integer, primary_key=True, autoincrement=True),
-    sa.Column("effect_id", sa.String(64), sa.ForeignKey("undolog_effect_log.effect_id"), nullable=False, unique=True),
+    sa.Column("undo_id", SEQ, primary_key=True, autoincrement=False),
+    sa.Column("effect_id", sa.String(64), sa.ForeignKey("undolog_effect_log.effect_id"), nullable=False),
     sa.Column("session_id", sa.String(200), nullable=False),
     sa.Column("compensation_name", sa.String(200), nullable=False),
     sa.Column("compensation_version", sa.Integer, nullable=False),
@@ -142,7 +164,14 @@ undo_stack = sa.Table(
     sa.Column("updated_at", UTCDateTime, nullable=False),
     sa.CheckConstraint(_in("state", UNDO_STATES), name="ck_undolog_undo_state"),
 )
-sa.Index("ix_undolog_undo_session", undo_stack.c.session_id, undo_stack.c.undo_id)
+# Recovery looks for interrupted compensations; an entry is only in this index while it is being compensated,
+# so the pre-write (state 'armed') never writes it.
+sa.Index(
+    "ix_undolog_undo_compensating",
+    undo_stack.c.state,
+    sqlite_where=sa.text("state = 'compensating'"),
+    postgresql_where=sa.text("state = 'compensating'"),
+)
 
 approval_requests = sa.Table(
     "undolog_approval_requests",

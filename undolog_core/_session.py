@@ -240,8 +240,8 @@ class SessionService:
             rows = conn.execute(
                 sa.select(e, u.c.undo_id, u.c.compensation_name, u.c.state.label("undo_state"),
                           u.c.attempts.label("undo_attempts"), u.c.last_error.label("undo_error"))
-                .select_from(e.outerjoin(u, u.c.effect_id == e.c.effect_id))
-                .where(e.c.session_id == session_id).order_by(e.c.created_at)
+                .select_from(e.outerjoin(u, u.c.undo_id == e.c.seq))
+                .where(e.c.session_id == session_id).order_by(e.c.created_at, e.c.seq)
             ).all()
         return [dict(r._mapping) for r in rows]
 

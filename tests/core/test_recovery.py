@@ -48,6 +48,7 @@ def crash(db, tmp_path, monkeypatch):
         return u
 
     run.app = app
+    run.db = db
     return run
 
 
@@ -167,6 +168,54 @@ def test_approved_irreversible_killed_mid_run_is_never_rerun_blindly(crash, tool
         assert code == 0, err
         assert len(log_of("delete")) == 1
         assert effect(u, session_id="s1", call_id="d1")["state"] == "committed"
+
+
+def test_an_old_effect_back_in_flight_is_found_after_recovery_moved_past_it(crash):
+    """On SQLite recovery reads what was written since its cursor; an approved call claimed long after it was
+    requested (behind the cursor) moves the cursor back, so its crash is still found."""
+    u = crash.app()
+    u.session(session_id="s1")
+    w = u.engine.intercept("s1", "delete", {"user_id": "u1"}, call_id="d1")
+    code, _, err = crash("calls", "s2", "3")  # newer effects, all settled
+    assert code == 0, err
+    assert u.recover().reconciled == []  # the cursor moves past the waiting request and the settled calls
+    with u.store.engine.connect() as c:
+        cursor = c.execute(sa.select(t.recovery_cursor.c.effect_seq)).scalar_one()
+        gate = c.execute(sa.select(t.effect_log.c.seq).where(t.effect_log.c.effect_id == w.effect_id)).scalar_one()
+    if crash.db.kind == "sqlite":
+        assert cursor > gate
+    u.approvals.approve(w.approval_request_id, approver="ana")
+    code, _, err = crash("run_approved", "s1", "delete", fault="after_approved_claim")
+    assert code == -signal.SIGKILL, err
+    report = u.recover()
+    assert [r["effect_id"] for r in report.reconciled] == [w.effect_id]
+    assert report.reconciled[0]["outcome"] == "unknown"
+    assert log_of("delete") == []
+
+
+def test_recovery_cursor_advances_only_past_settled_effects(crash):
+    """A live in-flight call holds the cursor back; once it is settled the cursor moves past it."""
+    code, _, err = crash("calls", "s1", "2")
+    assert code == 0, err
+    u = crash.app()
+    s = u.session(agent_id="live")
+    d = u.engine.intercept(s.id, "send", {"user_id": "u9"})  # in flight in this (live) process
+    assert u.recover().left_alive == 1
+
+    def cursor_and_seq():
+        with u.store.engine.connect() as c:
+            return (c.execute(sa.select(t.recovery_cursor.c.effect_seq)).scalar_one(),
+                    c.execute(sa.select(t.effect_log.c.seq).where(t.effect_log.c.effect_id == d.effect_id))
+                    .scalar_one())
+
+    cursor, seq = cursor_and_seq()
+    if crash.db.kind == "sqlite":
+        assert cursor == seq - 1
+    u.engine.complete(d.effect_id, {"ok": True})
+    assert u.recover().left_alive == 0
+    cursor, seq = cursor_and_seq()
+    if crash.db.kind == "sqlite":
+        assert cursor >= seq
 
 
 def test_rollback_interrupted_by_a_crash_is_taken_over(crash):

@@ -132,10 +132,10 @@ class CoreViews:
         u = s.undo_stack
         with self.engine.connect() as conn:
             rows = [dict(r._mapping) for r in conn.execute(q)]
-            ids = [r["effect_id"] for r in rows]
+            seqs = [r["seq"] for r in rows]
             undo: dict[str, dict[str, Any]] = {}
-            if ids:
-                for row in conn.execute(sa.select(u).where(u.c.effect_id.in_(ids))):
+            if seqs:
+                for row in conn.execute(sa.select(u).where(u.c.undo_id.in_(seqs))):
                     undo[row.effect_id] = dict(row._mapping)
         for r in rows:
             entry = undo.get(r["effect_id"])
@@ -150,8 +150,8 @@ class CoreViews:
         e = s.effect_log
         q = (
             sa.select(u, e.c.tool_name)
-            .join(e, e.c.effect_id == u.c.effect_id)
-            .where(u.c.session_id == session_id, u.c.state.in_(PENDING_UNDO_STATES))
+            .join(e, e.c.seq == u.c.undo_id)
+            .where(e.c.session_id == session_id, u.c.state.in_(PENDING_UNDO_STATES))
             .order_by(u.c.undo_id.desc())
         )
         with self.engine.connect() as conn:

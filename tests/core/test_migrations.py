@@ -1,0 +1,169 @@
+"""Migrations: a database made by an older revision is upgraded in place, its ids and undo keys kept."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+
+from undolog_core import _migrate
+from undolog_core import _schema as t
+from undolog_core._store import _MIGRATION_LOCK_KEY, Store
+
+from .toolkit import setup
+
+T0 = dt.datetime(2026, 11, 1, 9, 0, tzinfo=dt.UTC)
+SERVER_TABLES = {"undolog_api_keys", "undolog_approver_groups", "undolog_webhook_targets", "undolog_webhook_deliveries",
+                 "undolog_notification_policies", "undolog_escalations", "undolog_server_settings",
+                 "undolog_alembic_version"}
+
+
+def _old_database(db, rows) -> None:
+    """A database at 0002_server (the layout before 0003) holding ``rows``, written with raw SQL."""
+    store = Store(db.url, schema=db.schema)
+    try:
+        _migrate.upgrade(store.engine, lock_key=_MIGRATION_LOCK_KEY, schema=db.schema, target="0002_server")
+        with store.engine.begin() as c:
+            for sql, params in rows:
+                c.execute(sa.text(sql), params)
+    finally:
+        store.dispose()
+
+
+def _stamp(minutes: int) -> str:
+    # The text each database's DateTime column holds: naive UTC on SQLite; PostgreSQL reads the zone.
+    text = (T0 + dt.timedelta(minutes=minutes)).replace(tzinfo=None).isoformat(" ", "microseconds")
+    return text if _KIND == ["sqlite"] else text + "+00:00"
+
+
+_KIND: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _kind(db):
+    _KIND[:] = [db.kind]
+
+
+def _effect(effect_id, call_id, tool, tier, state, minutes, result=None):
+    return (
+        "INSERT INTO undolog_effect_log (effect_id, session_id, call_id, tool_name, tool_revision, tier, state, "
+        "args_snapshot, args_digest, result_snapshot, owner, lease_until, recovery_attempts, created_at, updated_at) "
+        "VALUES (:effect_id, 's-old', :call_id, :tool, 1, :tier, :state, :args, :digest, :result, NULL, NULL, 0, "
+        ":at, :at)",
+        {"effect_id": effect_id, "call_id": call_id, "tool": tool, "tier": tier, "state": state,
+         "args": json.dumps({"user_id": "u1", "amount": 5}), "digest": "0" * 64,
+         "result": json.dumps(result) if result is not None else None, "at": _stamp(minutes)},
+    )
+
+
+def _undo(undo_id, effect_id, minutes):
+    return (
+        "INSERT INTO undolog_undo_stack (undo_id, effect_id, session_id, compensation_name, compensation_version, "
+        "args_snapshot, state, attempts, created_at, updated_at) "
+        "VALUES (:undo_id, :effect_id, 's-old', 'cancel_refund_email', 1, :args, 'armed', 0, :at, :at)",
+        {"undo_id": undo_id, "effect_id": effect_id, "args": json.dumps({"user_id": "u1", "amount": 5}),
+         "at": _stamp(minutes)},
+    )
+
+
+def _rows():
+    session = (
+        "INSERT INTO undolog_sessions (session_id, agent_id, state, tool_calls_total, created_by, on_failure, "
+        "pinned_revisions, created_at, updated_at) "
+        "VALUES ('s-old', 'bot', 'active', 3, 'test', 'rollback', '{}', :at, :at)",
+        {"at": _stamp(0)},
+    )
+    return [
+        session,
+        _effect("e-first", "c1", "send_refund_email", "compensable", "committed", 1, {"message_id": "m1"}),
+        _undo(5, "e-first", 1),
+        _effect("e-gate", "c2", "delete_user_account", "irreversible", "rejected", 2),
+        _effect("e-second", "c3", "send_refund_email", "compensable", "committed", 3, {"message_id": "m3"}),
+        _undo(9, "e-second", 3),
+    ]
+
+
+def _seqs(u) -> dict[str, int]:
+    with u.store.engine.connect() as c:
+        return dict(c.execute(sa.select(t.effect_log.c.effect_id, t.effect_log.c.seq)).all())
+
+
+def test_upgrade_keeps_undo_ids_and_numbers_the_rest_after_them(db):
+    _old_database(db, _rows())
+    u = db.open()  # UndoLog.open upgrades to the newest revision
+    assert _migrate.current(u.store.engine) == _migrate.head()
+    # An effect with an undo entry takes its id as seq (keys already handed out stay the same); the others follow.
+    assert _seqs(u) == {"e-first": 5, "e-second": 9, "e-gate": 10}
+    with u.store.engine.connect() as c:
+        undo = c.execute(sa.select(t.undo_stack.c.undo_id, t.undo_stack.c.effect_id)
+                         .order_by(t.undo_stack.c.undo_id)).all()
+        cursor = c.execute(sa.select(t.recovery_cursor)).one()
+    assert [tuple(r) for r in undo] == [(5, "e-first"), (9, "e-second")]
+    assert (cursor.cursor_id, cursor.effect_seq) == (1, 0)
+
+
+def test_upgraded_session_goes_on_and_rolls_back_lifo_with_the_old_keys(db):
+    _old_database(db, _rows())
+    u = db.open()
+    world, tools = setup(u)
+    s = u.session(session_id="s-old")
+    s.call_sync(tools["send_refund_email"], user_id="u2", amount=7)
+    new_effect = max(_seqs(u).items(), key=lambda kv: kv[1])
+    assert new_effect[1] == 11  # numbering goes on after the migrated rows, on both databases
+    report = s.rollback_sync(actor="test")
+    assert [st.outcome for st in report.steps] == ["compensated"] * 3
+    keys = [detail[1] for what, detail in world.calls if what == "cancel"]
+    assert keys == ["undo-11", "undo-9", "undo-5"]
+
+
+def test_migrated_schema_is_the_declared_one(db):
+    _old_database(db, [])
+    u = db.open()
+    with u.store.engine.connect() as c:
+        diff = compare_metadata(MigrationContext.configure(c), t.metadata)
+        names = {r[0] for r in c.execute(sa.text(
+            "SELECT indexname FROM pg_indexes WHERE schemaname = current_schema()"
+            if db.kind == "postgres" else "SELECT name FROM sqlite_master WHERE type = 'index'"))}
+    drift = [d for d in diff if not (d[0] == "remove_table" and d[1].name in SERVER_TABLES)
+             and not (d[0] == "remove_index" and d[1].table.name in SERVER_TABLES)]
+    if db.kind == "sqlite":
+        # Declared for PostgreSQL only (ddl_if); the comparison does not know that.
+        drift = [d for d in drift if not (d[0] == "add_index" and d[1].name == "ix_undolog_effect_in_flight")]
+        assert "ix_undolog_effect_in_flight" not in names
+    else:
+        assert "ix_undolog_effect_in_flight" in names
+    assert drift == []
+    assert "ix_undolog_undo_session" not in names and "ix_undolog_undo_compensating" in names
+
+
+def test_a_migration_that_would_break_references_changes_nothing(db):
+    # An undo entry pointing at an effect that does not exist.
+    orphan = _undo(3, "e-missing", 1)
+    _old_database(db, [_rows()[0]])
+    store = Store(db.url, schema=db.schema)
+    try:
+        if db.kind == "postgres":
+            # PostgreSQL keeps its references on through the migration (it alters in place): such a row
+            # cannot exist there in the first place.
+            with pytest.raises(sa.exc.IntegrityError), store.engine.begin() as c:
+                c.execute(sa.text(orphan[0]), orphan[1])
+            return
+        # SQLite rebuilds the tables with references off, so it checks them before committing.
+        with store.engine.connect() as c:
+            raw = c.connection.driver_connection
+            raw.execute("PRAGMA foreign_keys=OFF")
+            c.execute(sa.text(orphan[0]), orphan[1])
+            c.commit()
+            raw.execute("PRAGMA foreign_keys=ON")
+        with pytest.raises(Exception, match="would break their references"):
+            _migrate.upgrade(store.engine, lock_key=_MIGRATION_LOCK_KEY)
+        assert _migrate.current(store.engine) == "0002_server"
+        with store.engine.connect() as c:
+            cols = [r[1] for r in c.exec_driver_sql("PRAGMA table_info(undolog_effect_log)")]
+        assert "seq" not in cols  # the old layout, untouched
+    finally:
+        store.dispose()

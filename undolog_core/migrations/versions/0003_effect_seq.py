@@ -1,0 +1,120 @@
+"""Effects clustered in write order; undo entries keyed by their effect; recovery cursor on SQLite.
+
+- ``undolog_effect_log`` gets ``seq``, its primary key (the rowid on SQLite); ``effect_id`` stays unique.
+- An undo entry's ``undo_id`` is its effect's ``seq``. Existing undo ids are kept as they are (compensations
+  already called with ``Idempotency-Key: undo-{undo_id}`` must see the same key on a retry): an effect with an
+  undo entry takes that entry's id as its seq, the others are numbered after the highest undo id.
+- The undo stack loses its effect_id and session indexes (reached through the effect log instead) and gains
+  a partial index of entries being compensated.
+- The in-flight index stays on PostgreSQL only; SQLite gets ``undolog_recovery_cursor`` (see ``_schema``).
+
+Revision ID: 0003_effect_seq
+Revises: 0002_server
+"""
+
+import sqlalchemy as sa
+from alembic import op
+
+from undolog_core import _schema as s
+
+revision = "0003_effect_seq"
+down_revision = "0002_server"
+branch_labels = None
+depends_on = None
+
+_EFFECT_COLS = (
+    "effect_id, session_id, call_id, tool_name, tool_revision, tier, state, args_snapshot, args_digest, "
+    "result_snapshot, error, owner, lease_until, recovery_attempts, released_from, created_at, updated_at"
+)
+_UNDO_COLS = (
+    "undo_id, effect_id, session_id, compensation_name, compensation_version, args_snapshot, state, attempts, "
+    "last_error, owner, lease_until, created_at, updated_at"
+)
+# seq for every existing effect: its undo entry's id, or a number after the highest undo id, in write order.
+_SEQ_OF = """
+SELECT e.effect_id AS effect_id,
+       COALESCE(u.undo_id,
+                (SELECT COALESCE(MAX(undo_id), 0) FROM undolog_undo_stack)
+                + ROW_NUMBER() OVER (PARTITION BY u.undo_id IS NULL ORDER BY e.created_at, e.effect_id)) AS seq
+FROM undolog_effect_log e LEFT JOIN undolog_undo_stack u ON u.effect_id = e.effect_id
+"""
+_COMPENSATING_INDEX = (
+    "CREATE INDEX ix_undolog_undo_compensating ON undolog_undo_stack (state) WHERE state = 'compensating'"
+)
+
+
+def upgrade() -> None:
+    bind = op.get_bind()
+    if bind.dialect.name == "postgresql":
+        _upgrade_postgresql(bind)
+    else:
+        _upgrade_sqlite(bind)
+    s.recovery_cursor.create(bind)
+    bind.execute(s.recovery_cursor.insert().values(cursor_id=1, effect_seq=0, version=0))
+
+
+def _upgrade_sqlite(bind: sa.engine.Connection) -> None:
+    # SQLite cannot change a primary key in place: the two tables are rebuilt (foreign keys are off for the
+    # migration, see _migrate.upgrade, and checked once it is done).
+    tmp = sa.MetaData()
+    s.sessions.to_metadata(tmp)
+    s.effect_log.to_metadata(tmp)
+    new_effects = s.effect_log.to_metadata(tmp, name="undolog_effect_log_0003")
+    new_undo = s.undo_stack.to_metadata(tmp, name="undolog_undo_stack_0003")
+    for table in (new_effects, new_undo):
+        table.indexes.clear()  # made on the final names below (copies would clash with the old tables' names)
+    tmp.create_all(bind, tables=[new_effects, new_undo])
+    op.execute(
+        f"INSERT INTO undolog_effect_log_0003 (seq, {_EFFECT_COLS}) "
+        f"SELECT n.seq, {', '.join('e.' + c.strip() for c in _EFFECT_COLS.split(','))} "
+        f"FROM undolog_effect_log e JOIN ({_SEQ_OF}) n ON n.effect_id = e.effect_id"
+    )
+    op.execute(f"INSERT INTO undolog_undo_stack_0003 ({_UNDO_COLS}) SELECT {_UNDO_COLS} FROM undolog_undo_stack")
+    op.execute("DROP TABLE undolog_undo_stack")
+    op.execute("DROP TABLE undolog_effect_log")
+    op.execute("ALTER TABLE undolog_effect_log_0003 RENAME TO undolog_effect_log")
+    op.execute("ALTER TABLE undolog_undo_stack_0003 RENAME TO undolog_undo_stack")
+    op.execute(_COMPENSATING_INDEX)
+
+
+def _upgrade_postgresql(bind: sa.engine.Connection) -> None:
+    inspector = sa.inspect(bind)
+    # Foreign keys to effect_log(effect_id) hang on its primary key's index: dropped and made again on the
+    # new unique constraint.
+    referencing = [
+        (table, fk)
+        for table in inspector.get_table_names()
+        for fk in inspector.get_foreign_keys(table)
+        if fk["referred_table"] == "undolog_effect_log"
+    ]
+    for table, fk in referencing:
+        op.execute(f'ALTER TABLE {table} DROP CONSTRAINT "{fk["name"]}"')
+    op.execute("ALTER TABLE undolog_effect_log ADD COLUMN seq BIGINT")
+    op.execute(f"UPDATE undolog_effect_log e SET seq = n.seq FROM ({_SEQ_OF}) n WHERE n.effect_id = e.effect_id")
+    op.execute("ALTER TABLE undolog_effect_log ALTER COLUMN seq SET NOT NULL")
+    op.execute("ALTER TABLE undolog_effect_log DROP CONSTRAINT undolog_effect_log_pkey")
+    op.execute("ALTER TABLE undolog_effect_log ADD CONSTRAINT undolog_effect_log_pkey PRIMARY KEY (seq)")
+    op.execute("ALTER TABLE undolog_effect_log ADD CONSTRAINT undolog_effect_log_effect_id_key UNIQUE (effect_id)")
+    op.execute("CREATE SEQUENCE undolog_effect_log_seq_seq OWNED BY undolog_effect_log.seq")
+    op.execute(
+        "SELECT setval('undolog_effect_log_seq_seq', COALESCE((SELECT MAX(seq) FROM undolog_effect_log), 1), "
+        "(SELECT COUNT(*) > 0 FROM undolog_effect_log))"
+    )
+    op.execute("ALTER TABLE undolog_effect_log ALTER COLUMN seq SET DEFAULT nextval('undolog_effect_log_seq_seq')")
+    for table, fk in referencing:
+        cols = ", ".join(fk["constrained_columns"])
+        refs = ", ".join(fk["referred_columns"])
+        op.execute(
+            f'ALTER TABLE {table} ADD CONSTRAINT "{fk["name"]}" FOREIGN KEY ({cols}) '
+            f"REFERENCES undolog_effect_log ({refs})"
+        )
+    op.execute("ALTER TABLE undolog_undo_stack DROP CONSTRAINT undolog_undo_stack_effect_id_key")
+    op.execute("DROP INDEX ix_undolog_undo_session")
+    op.execute("ALTER TABLE undolog_undo_stack ALTER COLUMN undo_id DROP DEFAULT")
+    op.execute("DROP SEQUENCE IF EXISTS undolog_undo_stack_undo_id_seq")
+    op.execute("ALTER TABLE undolog_undo_stack ALTER COLUMN undo_id TYPE BIGINT")
+    op.execute(_COMPENSATING_INDEX)
+
+
+def downgrade() -> None:
+    raise NotImplementedError("0003 is not reversible: undo ids and effect order would have to be rebuilt by hand")
