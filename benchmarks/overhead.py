@@ -13,9 +13,12 @@ Two comparisons, each on SQLite (a file in a temp dir) and PostgreSQL (a fresh s
    tables, then COMMIT). Goal: at most 2.2x with the default durable commit mark, at most 1.3x with
    ``UndoLog.open(url, fast_commit_mark=True)``.
 
-Machines are noisy, so the variants of a comparison are interleaved: every round runs one batch of each
-variant, in a shuffled order; a variant's figure is the median over rounds of its per-call mean; the ratio
-is median(variant) / median(baseline). The p25-p75 column shows the spread over rounds.
+Machines are noisy (here, mostly the disk: the same fsync takes 0.3 ms or 0.6 ms from one second to the next),
+so the variants of a comparison are interleaved: every round runs one batch of each variant, in a shuffled
+order, a few milliseconds apart. A variant's time is the median over rounds of its per-call mean. Its ratio is
+paired: each round divides the variant's batch by the baseline's batch of the same round (measured moments
+apart, under the same disk weather), and the figure is the median of those per-round ratios, with their
+p25-p75 beside it.
 
 It is a report: the exit status is 0 whatever the numbers (non-zero only if the benchmark itself breaks).
 ``--quick`` is a smoke run for CI (well under 30 s for both databases).
@@ -123,6 +126,8 @@ class Row:
     p75_us: float
     ratio: float | None
     goal: float | None
+    ratio_lo: float | None = None
+    ratio_hi: float | None = None
 
     @property
     def verdict(self) -> str:
@@ -132,12 +137,16 @@ class Row:
 
 
 def rows_for(db: str, group: str, variants: list[Variant]) -> list[Row]:
-    med = {v.name: median(v.samples) for v in variants}
+    by_name = {v.name: v for v in variants}
     out = []
     for v in variants:
         lo, hi = quartiles(v.samples)
-        ratio = med[v.name] / med[v.baseline] if v.baseline else None
-        out.append(Row(db, group, v.name, med[v.name] * 1e6, lo * 1e6, hi * 1e6, ratio, v.goal))
+        row = Row(db, group, v.name, median(v.samples) * 1e6, lo * 1e6, hi * 1e6, None, v.goal)
+        if v.baseline:
+            paired = [a / b for a, b in zip(v.samples, by_name[v.baseline].samples, strict=True)]
+            row.ratio = median(paired)
+            row.ratio_lo, row.ratio_hi = quartiles(paired)
+        out.append(row)
     return out
 
 
@@ -364,7 +373,7 @@ def bench_db(kind: str, plan: Plan, pg_url: str, rng: random.Random) -> list[Row
 
 
 def print_table(rows: list[Row], plan: Plan, elapsed: float) -> None:
-    headers = ("db", "tier", "variant", "median us", "p25-p75 us", "ratio", "goal", "result")
+    headers = ("db", "tier", "variant", "median us", "p25-p75 us", "ratio", "ratio p25-p75", "goal", "result")
     body = []
     for r in rows:
         body.append(
@@ -375,12 +384,13 @@ def print_table(rows: list[Row], plan: Plan, elapsed: float) -> None:
                 f"{r.median_us:,.1f}",
                 f"{r.p25_us:,.1f}-{r.p75_us:,.1f}",
                 f"{r.ratio:.2f}x" if r.ratio is not None else "1.00x",
+                f"{r.ratio_lo:.2f}-{r.ratio_hi:.2f}" if r.ratio_lo is not None and r.ratio_hi is not None else "",
                 f"<= {r.goal:.1f}x" if r.goal is not None else "",
                 r.verdict,
             )
         )
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(headers)]
-    right = {3, 4, 5}
+    right = {3, 4, 5, 6}
 
     def line(cells: tuple[str, ...]) -> str:
         return "  ".join(

@@ -51,6 +51,8 @@ def _kind(sql: str) -> str:
         return "commit"
     if head.startswith("ROLLBACK"):
         return "rollback"
+    if head.startswith("PRAGMA"):
+        return "setup"  # a connection's configuration when the hot path first opens it, not a transaction
     return "stmt"
 
 
@@ -333,9 +335,15 @@ def wire_transactions(evs: list[Ev]) -> tuple[list[list[str]], list[str]]:
     """
     done: list[list[str]] = []
     current: list[str] | None = None
+    previous: tuple[int, str] | None = None
     for e in evs:
-        if e.level != "wire":
+        if e.level != "wire" or e.kind == "setup":
             continue
+        if e.kind == "stmt" and previous == (e.conn, e.text):
+            # Python's sqlite3 reports each trigger program a statement runs with the statement's own text:
+            # an echo of the statement (whose text carries its fresh ids), not a statement of its own.
+            continue
+        previous = (e.conn, e.text)
         if e.kind == "begin":
             current = []
         elif e.kind == "commit":
@@ -419,7 +427,11 @@ async def test_compensable_call_one_durable_transaction_before_tool(
         assert len(stmts) == 1, describe(pre)
     else:
         assert sum(st.count("insert into undolog_effect_log") for st in stmts) == 1, describe(pre)
-        assert sum(st.count("insert into undolog_undo_stack") for st in stmts) == 1, describe(pre)
+        if u.store.is_postgres:
+            assert sum(st.count("insert into undolog_undo_stack") for st in stmts) == 1, describe(pre)
+        else:
+            # SQLite: the schema's trigger writes the undo entry inside the effect's INSERT (checked below).
+            assert len(stmts) == 1 and not stmts[0].startswith("begin"), "one autocommit statement" + describe(pre)
     assert not any(st.startswith("select") for st in stmts), (
         "a read before the tool costs a round trip\n" + describe(pre)
     )

@@ -490,7 +490,7 @@ class Engine:
         assert spec.compensation is not None
         self._inflight.add(effect_id)
         try:
-            if pin is None and self._prewrite_hot(
+            if pin is None and self.hot.prewrite(
                 session_id=session_id, count=safe + carried, effect_id=effect_id, call_id=call_id or effect_id,
                 tool_name=spec.name, revision=spec.revision, args_text=args_text, digest=digest, owner=self.owner,
                 lease=now + dt.timedelta(seconds=self.lease_seconds), now=now, comp=spec.compensation.name,
@@ -550,21 +550,22 @@ class Engine:
                     "updated_at": now,
                 },
             ).inserted_primary_key[0]  # type: ignore[index]
-            conn.execute(
-                t.undo_stack.insert(),
-                {
-                    "undo_id": seq,
-                    "effect_id": effect_id,
-                    "session_id": sc.session_id,
-                    "compensation_name": spec.compensation.name,
-                    "compensation_version": spec.compensation.version,
-                    "args_snapshot": args_json,
-                    "state": "armed",
-                    "attempts": 0,
-                    "created_at": now,
-                    "updated_at": now,
-                },
-            )
+            if self.store.is_postgres:  # on SQLite the schema's trigger wrote the undo entry with the effect
+                conn.execute(
+                    t.undo_stack.insert(),
+                    {
+                        "undo_id": seq,
+                        "effect_id": effect_id,
+                        "session_id": sc.session_id,
+                        "compensation_name": spec.compensation.name,
+                        "compensation_version": spec.compensation.version,
+                        "args_snapshot": args_json,
+                        "state": "armed",
+                        "attempts": 0,
+                        "created_at": now,
+                        "updated_at": now,
+                    },
+                )
 
     def _call_exists(self, session_id: str, call_id: str) -> bool:
         with self.store.read() as conn:
@@ -1091,29 +1092,6 @@ class Engine:
                 raise
             for effect_id, _, _ in batch:
                 self._inflight.discard(effect_id)
-
-    def _prewrite_hot(self, **kw: Any) -> bool:
-        """``hot.prewrite``; in fast mode on SQLite the queued commit marks ride along in its transaction.
-
-        The marks lock is held meanwhile, so ``flush_marks()`` (which readers call to see this process's own
-        marks) waits for them to be written; a flush already under way keeps them instead.
-        """
-        if not (self._marks and self.hot.sqlite) or not self._marks_lock.acquire(blocking=False):
-            return self.hot.prewrite(**kw)
-        batch: list[tuple[str, str, dt.datetime]] = []
-        written = False
-        try:
-            while self._marks:
-                batch.append(self._marks.popleft())
-            written = self.hot.prewrite(marks=batch, **kw)
-            return written
-        finally:
-            if written:
-                for effect_id, _, _ in batch:
-                    self._inflight.discard(effect_id)
-            else:  # rolled back, and the marks with it: queued again, in their order
-                self._marks.extendleft(reversed(batch))
-            self._marks_lock.release()
 
     def _ensure_flusher(self) -> None:
         self._ensure_thread("_flusher", self._flush_loop, "undolog-marks")

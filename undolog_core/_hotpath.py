@@ -41,10 +41,6 @@ _SQLITE_EFFECT_CHECKED = (
     "SELECT ?, ?, ?, ?, ?, 'compensable', 'pending', ?, ?, ?, ?, 0, ?, ? "
     f"WHERE EXISTS (SELECT 1 FROM undolog_sessions WHERE session_id = ? AND {_WRITABLE})"
 )
-# The undo entry's id is the effect's seq: the rowid the INSERT just before it assigned.
-_SQLITE_UNDO = (
-    f"INSERT INTO undolog_undo_stack ({_UNDO_COLS}) VALUES (last_insert_rowid(), ?, ?, ?, ?, ?, 'armed', 0, ?, ?)"
-)
 _SQLITE_MARK = (
     "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = ?, owner = NULL, lease_until = NULL, "
     "updated_at = ? WHERE effect_id = ? AND state IN ('pending', 'running')"
@@ -81,22 +77,23 @@ _PG_MARK = (
 )
 
 
-_second: tuple[int, str] = (-1, "")
+_seconds: dict[int, str] = {}
 
 
 def _sqlite_time(value: dt.datetime) -> str:
     """The text SQLAlchemy's SQLite DateTime writes for a UTC value: ``YYYY-MM-DD HH:MM:SS.ffffff``.
 
     Every caller passes utcnow() or a lease computed from it, already in UTC. ``isoformat`` costs microseconds
-    on every call; the seconds part changes once a second, so it is formatted once and kept (one tuple, swapped
-    whole, so threads never see half of it).
+    on every call; the seconds part changes once a second, so it is formatted once and kept (a call formats
+    two seconds: now and its lease's end; a few are kept, and a dict's get and set are atomic under the GIL).
     """
-    global _second
     sec = int(value.timestamp())
-    cached = _second
-    if cached[0] != sec:
-        cached = _second = (sec, value.strftime("%Y-%m-%d %H:%M:%S"))
-    return f"{cached[1]}.{value.microsecond:06d}"
+    text = _seconds.get(sec)
+    if text is None:
+        if len(_seconds) > 16:
+            _seconds.clear()
+        text = _seconds[sec] = value.strftime("%Y-%m-%d %H:%M:%S")
+    return f"{text}.{value.microsecond:06d}"
 
 
 class HotPath:
@@ -117,7 +114,13 @@ class HotPath:
             fairy.detach()
             conn = fairy.dbapi_connection
             assert conn is not None
-            if not self.sqlite:
+            if self.sqlite:
+                # What the pool's connections check by foreign key, the hot path's statements guarantee
+                # themselves: the effect is inserted only where the session row exists (in the same statement),
+                # its undo entry refers to it, and a commit mark changes no key. Skipping the checks saves two
+                # lookups per pre-write.
+                conn.execute("PRAGMA foreign_keys=OFF")
+            else:
                 conn.autocommit = True
             setattr(self._local, attr, conn)
             with self._lock:
@@ -140,13 +143,11 @@ class HotPath:
         now: dt.datetime,
         comp: str,
         comp_version: int,
-        marks: list[tuple[str, str, dt.datetime]] | None = None,
     ) -> bool:
         """One durable transaction; False when the session does not accept writes (nothing written).
 
         ``count`` calls counted in memory are flushed to the session row on the way; with none, the session row is
-        only checked. ``marks`` (SQLite, fast mode) are deferred commit marks that ride along: the rows they
-        update sit on the page this insert appends to, so they cost no extra page and become durable with it.
+        only checked.
         """
         conn = self._conn(False)
         try:
@@ -154,8 +155,7 @@ class HotPath:
                 now_s = _sqlite_time(now)
                 with self.write_lock:
                     return self._sqlite_prewrite(conn, now_s, session_id, count, effect_id, call_id, tool_name,
-                                                 revision, args_text, digest, owner, lease, comp, comp_version,
-                                                 marks)
+                                                 revision, args_text, digest, owner, lease)
             cur = conn.execute(
                 _PG_PREWRITE if count else _PG_PREWRITE_CHECKED,
                 {"count": count, "now": now, "session_id": session_id, "effect_id": effect_id, "call_id": call_id,
@@ -168,24 +168,21 @@ class HotPath:
 
     def _sqlite_prewrite(
         self, conn: Any, now_s: str, session_id: str, count: int, effect_id: str, call_id: str, tool_name: str,
-        revision: int, args_text: str, digest: str, owner: str, lease: dt.datetime, comp: str, comp_version: int,
-        marks: list[tuple[str, str, dt.datetime]] | None,
+        revision: int, args_text: str, digest: str, owner: str, lease: dt.datetime,
     ) -> bool:
+        # The undo entry is written by the schema's trigger (_schema.SQLITE_UNDO_TRIGGER), in the same statement.
+        row = (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner, _sqlite_time(lease),
+               now_s, now_s)
+        if not count:
+            # One autocommit statement: a write statement takes the write lock before it reads, like
+            # BEGIN IMMEDIATE, so the session check and the insert see one state.
+            return bool(conn.execute(_SQLITE_EFFECT_CHECKED, (*row, session_id)).rowcount == 1)
         conn.execute("BEGIN IMMEDIATE")
         try:
-            row = (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner,
-                   _sqlite_time(lease), now_s, now_s)
-            if count:
-                if conn.execute(_SQLITE_GUARD, (count, now_s, session_id)).rowcount != 1:
-                    conn.execute("ROLLBACK")
-                    return False
-                conn.execute(_SQLITE_EFFECT, row)
-            elif conn.execute(_SQLITE_EFFECT_CHECKED, (*row, session_id)).rowcount != 1:
+            if conn.execute(_SQLITE_GUARD, (count, now_s, session_id)).rowcount != 1:
                 conn.execute("ROLLBACK")
                 return False
-            conn.execute(_SQLITE_UNDO, (effect_id, session_id, comp, comp_version, args_text, now_s, now_s))
-            if marks:
-                conn.executemany(_SQLITE_MARK, [(text, _sqlite_time(at), eid) for eid, text, at in marks])
+            conn.execute(_SQLITE_EFFECT, row)
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:

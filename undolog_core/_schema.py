@@ -164,6 +164,26 @@ undo_stack = sa.Table(
     sa.Column("updated_at", UTCDateTime, nullable=False),
     sa.CheckConstraint(_in("state", UNDO_STATES), name="ck_undolog_undo_state"),
 )
+# SQLite: the undo entry of a COMPENSABLE effect is written by this trigger, in the statement that inserts the
+# effect, so the pre-write is one autocommit statement (no BEGIN, second INSERT and COMMIT to pay for: a fifth
+# of its cost). The compensation is the one the effect's tool revision declared (revisions are immutable);
+# an effect whose revision is unknown is refused rather than left without its undo entry. PostgreSQL writes
+# both rows in one statement too (a CTE, see _hotpath) and has no such trigger.
+SQLITE_UNDO_TRIGGER = """
+CREATE TRIGGER undolog_effect_undo_entry AFTER INSERT ON undolog_effect_log
+WHEN NEW.tier = 'compensable' AND NEW.state = 'pending'
+BEGIN
+  INSERT INTO undolog_undo_stack (undo_id, effect_id, session_id, compensation_name, compensation_version,
+                                  args_snapshot, state, attempts, created_at, updated_at)
+  SELECT NEW.seq, NEW.effect_id, NEW.session_id, r.compensation_name, r.compensation_version,
+         NEW.args_snapshot, 'armed', 0, NEW.created_at, NEW.created_at
+  FROM undolog_tool_registry r
+  WHERE r.tool_name = NEW.tool_name AND r.revision = NEW.tool_revision AND r.compensation_name IS NOT NULL;
+  SELECT RAISE(ABORT, 'undolog: a compensable effect needs its tool revision and compensation in the registry')
+  WHERE NOT EXISTS (SELECT 1 FROM undolog_undo_stack WHERE undo_id = NEW.seq);
+END
+"""
+
 # Recovery looks for interrupted compensations; an entry is only in this index while it is being compensated,
 # so the pre-write (state 'armed') never writes it.
 sa.Index(

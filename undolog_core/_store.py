@@ -5,7 +5,9 @@ from __future__ import annotations
 import datetime as dt
 import os
 import socket
+import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -85,9 +87,9 @@ class Store:
             @event.listens_for(eng, "connect")
             def _pragmas(dbapi_conn: Any, _rec: Any) -> None:
                 cur = dbapi_conn.cursor()
-                cur.execute("PRAGMA journal_mode=WAL")
-                cur.execute(f"PRAGMA synchronous={sync}")
                 cur.execute("PRAGMA busy_timeout=30000")
+                _wal(cur)
+                cur.execute(f"PRAGMA synchronous={sync}")
                 cur.execute("PRAGMA foreign_keys=ON")
                 cur.close()
 
@@ -200,3 +202,22 @@ class Owner:
         if current is None:
             return True
         return ticks != "0" and current != ticks
+
+
+def _wal(cur: Any) -> None:
+    """Put the database in WAL mode (it stays so, in the file), waiting out another connection's lock.
+
+    Asking for WAL is a no-op when the file already is in WAL mode, but it can still answer "database is locked"
+    without going through the busy handler while another connection changes the schema (a migration); so the
+    mode is read first, and set with a bounded retry only on a database that is not in WAL mode yet.
+    """
+    for attempt in range(300):
+        try:
+            if str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
+                return
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or attempt == 299:
+                raise
+            time.sleep(0.01 * min(10, attempt + 1))

@@ -16,6 +16,7 @@ from undolog_core._store import Store, utcnow
 CORE_TABLES = {
     "undolog_sessions", "undolog_effect_log", "undolog_undo_stack", "undolog_approval_requests",
     "undolog_approval_events", "undolog_tool_registry", "undolog_outbox", "undolog_org_policy", "undolog_audit_head",
+    "undolog_recovery_cursor",
 }
 
 
@@ -98,8 +99,8 @@ def test_call_id_is_unique_per_session(undolog):
     now = utcnow()
     with undolog.store.tx() as c:
         c.execute(t.sessions.insert().values(**_session_row("s")))
-    row = {"session_id": "s", "call_id": "c", "tool_name": "x", "tool_revision": 1, "tier": "compensable",
-           "state": "pending", "args_snapshot": {}, "args_digest": "d", "recovery_attempts": 0,
+    row = {"session_id": "s", "call_id": "c", "tool_name": "x", "tool_revision": 1, "tier": "irreversible",
+           "state": "awaiting_approval", "args_snapshot": {}, "args_digest": "d", "recovery_attempts": 0,
            "created_at": now, "updated_at": now}
     with undolog.store.tx() as c:
         c.execute(t.effect_log.insert().values(effect_id="e1", **row))
@@ -153,3 +154,42 @@ def test_default_url_from_environment(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     assert Store().url == "sqlite:///undolog.db"
     assert Store("postgresql://u@h/db").url == "postgresql+psycopg://u@h/db"
+
+
+def test_a_compensable_effect_is_never_stored_without_its_undo_entry(undolog):
+    from tests.core.toolkit import setup
+
+    _world, tools = setup(undolog)
+    s = undolog.session(agent_id="pairs")
+    d = undolog.engine.intercept(s.id, "send_refund_email", {"user_id": "u1", "amount": 3})
+    with undolog.store.read() as c:
+        pair = c.execute(
+            sa.select(t.effect_log.c.seq, t.undo_stack.c.undo_id, t.undo_stack.c.compensation_name,
+                      t.undo_stack.c.compensation_version)
+            .select_from(t.effect_log.join(t.undo_stack, t.undo_stack.c.undo_id == t.effect_log.c.seq))
+            .where(t.effect_log.c.effect_id == d.effect_id)
+        ).one()
+    assert pair.undo_id == pair.seq and (pair.compensation_name, pair.compensation_version) == ("cancel_refund_email", 1)
+    # The one-statement pre-write of a session that does not take writes writes neither row.
+    now = utcnow()
+    assert undolog.engine.hot.prewrite(
+        session_id="no-such-session", count=0, effect_id="e-orphan", call_id="c", tool_name="send_refund_email",
+        revision=1, args_text="{}", digest="d", owner="o", lease=now, now=now, comp="cancel_refund_email",
+        comp_version=1,
+    ) is False
+    if not undolog.store.is_postgres:
+        # SQLite's trigger refuses an effect whose tool revision declares no compensation, instead of storing it
+        # without an undo entry.
+        with pytest.raises(sa.exc.IntegrityError, match="needs its tool revision"):
+            with undolog.store.tx() as c:
+                c.execute(t.effect_log.insert().values(
+                    effect_id="e-unknown", session_id=s.id, call_id="x", tool_name="never_registered",
+                    tool_revision=1, tier="compensable", state="pending", args_snapshot={}, args_digest="d",
+                    recovery_attempts=0, created_at=now, updated_at=now))
+    with undolog.store.read() as c:
+        effects = c.execute(sa.select(sa.func.count()).select_from(t.effect_log)
+                            .where(t.effect_log.c.effect_id.in_(["e-orphan", "e-unknown"]))).scalar()
+        orphans = c.execute(sa.select(sa.func.count()).select_from(
+            t.undo_stack.outerjoin(t.effect_log, t.effect_log.c.seq == t.undo_stack.c.undo_id))
+            .where(t.effect_log.c.seq.is_(None))).scalar()
+    assert (effects, orphans) == (0, 0)

@@ -7,6 +7,7 @@
 - The undo stack loses its effect_id and session indexes (reached through the effect log instead) and gains
   a partial index of entries being compensated.
 - The in-flight index stays on PostgreSQL only; SQLite gets ``undolog_recovery_cursor`` (see ``_schema``).
+- SQLite: a trigger writes a COMPENSABLE effect's undo entry, so the pre-write is one statement (see ``_schema``).
 
 Revision ID: 0003_effect_seq
 Revises: 0002_server
@@ -75,6 +76,7 @@ def _upgrade_sqlite(bind: sa.engine.Connection) -> None:
     op.execute("ALTER TABLE undolog_effect_log_0003 RENAME TO undolog_effect_log")
     op.execute("ALTER TABLE undolog_undo_stack_0003 RENAME TO undolog_undo_stack")
     op.execute(_COMPENSATING_INDEX)
+    op.execute(s.SQLITE_UNDO_TRIGGER)
 
 
 def _upgrade_postgresql(bind: sa.engine.Connection) -> None:
