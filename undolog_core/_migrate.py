@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,16 @@ def upgrade(engine: Engine, *, lock_key: int, schema: str | None = None, target:
     """Bring the database to ``target`` (the newest revision unless told; tests stop at older ones)."""
     if target == "heads" and schema is None and current(engine) == head():
         return
+    _run(engine, lock_key, schema, lambda cfg: command.upgrade(cfg, target), skip_at_head=target == "heads")
+
+
+def downgrade(engine: Engine, *, lock_key: int, target: str, schema: str | None = None) -> None:
+    """Take the database back to revision ``target``, keeping its data (each revision's downgrade says how)."""
+    _run(engine, lock_key, schema, lambda cfg: command.downgrade(cfg, target), skip_at_head=False)
+
+
+def _run(engine: Engine, lock_key: int, schema: str | None, step: Callable[[Config], None], *,
+         skip_at_head: bool) -> None:
     with engine.connect() as conn:
         sqlite = conn.dialect.name == "sqlite"
         raw: Any = conn.connection.driver_connection
@@ -62,11 +73,11 @@ def upgrade(engine: Engine, *, lock_key: int, schema: str | None = None, target:
                     conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({lock_key})")
                     if schema:
                         conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
-                        if current_in(conn) == head():
+                        if skip_at_head and current_in(conn) == head():
                             return
                 cfg = _config()
                 cfg.attributes["connection"] = conn
-                command.upgrade(cfg, target)
+                step(cfg)
                 if sqlite:
                     broken = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
                     if broken:

@@ -167,3 +167,35 @@ def test_a_migration_that_would_break_references_changes_nothing(db):
         assert "seq" not in cols  # the old layout, untouched
     finally:
         store.dispose()
+
+
+def test_downgrade_to_0002_and_back_keeps_every_id(db):
+    u = db.open()
+    world, tools = setup(u)
+    s = u.session(agent_id="round-trip")
+    for amount in (1, 2):
+        s.call_sync(tools["send_refund_email"], user_id="u1", amount=amount)
+    with u.store.engine.connect() as c:
+        before = sorted(tuple(r) for r in c.execute(sa.select(t.undo_stack.c.undo_id, t.undo_stack.c.effect_id)))
+    sid = s.id
+    u.close()
+    store = Store(db.url, schema=db.schema)
+    try:
+        _migrate.downgrade(store.engine, lock_key=_MIGRATION_LOCK_KEY, schema=db.schema, target="0002_server")
+        assert _migrate.current(store.engine) == "0002_server"
+        with store.engine.connect() as c:
+            cols = {col["name"] for col in sa.inspect(c).get_columns("undolog_effect_log")}
+            tables = set(sa.inspect(c).get_table_names())
+            old = sorted(tuple(r) for r in c.execute(sa.text("SELECT undo_id, effect_id FROM undolog_undo_stack")))
+        assert "seq" not in cols and "undolog_recovery_cursor" not in tables
+        assert old == before
+    finally:
+        store.dispose()
+    u2 = db.open()  # and forward again
+    world2, tools2 = setup(u2)
+    with u2.store.engine.connect() as c:
+        again = sorted(tuple(r) for r in c.execute(sa.select(t.undo_stack.c.undo_id, t.undo_stack.c.effect_id)))
+    assert again == before
+    report = u2.session(session_id=sid).rollback_sync(actor="test")
+    assert [st.outcome for st in report.steps] == ["compensated", "compensated"]
+    assert [d[1] for w, d in world2.calls if w == "cancel"] == [f"undo-{i}" for i, _ in sorted(before, reverse=True)]

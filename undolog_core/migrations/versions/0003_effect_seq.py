@@ -13,8 +13,11 @@ Revision ID: 0003_effect_seq
 Revises: 0002_server
 """
 
+from typing import Any
+
 import sqlalchemy as sa
-from alembic import op
+from alembic import context, op
+from alembic.script import ScriptDirectory
 
 from undolog_core import _schema as s
 
@@ -39,6 +42,10 @@ SELECT e.effect_id AS effect_id,
                 + ROW_NUMBER() OVER (PARTITION BY u.undo_id IS NULL ORDER BY e.created_at, e.effect_id)) AS seq
 FROM undolog_effect_log e LEFT JOIN undolog_undo_stack u ON u.effect_id = e.effect_id
 """
+_IN_FLIGHT_INDEX_V1 = (
+    "CREATE INDEX ix_undolog_effect_in_flight ON undolog_effect_log (state) WHERE state IN ('pending', 'running')"
+)
+_UNDO_SESSION_INDEX_V1 = "CREATE INDEX ix_undolog_undo_session ON undolog_undo_stack (session_id, undo_id)"
 _COMPENSATING_INDEX = (
     "CREATE INDEX ix_undolog_undo_compensating ON undolog_undo_stack (state) WHERE state = 'compensating'"
 )
@@ -80,15 +87,7 @@ def _upgrade_sqlite(bind: sa.engine.Connection) -> None:
 
 
 def _upgrade_postgresql(bind: sa.engine.Connection) -> None:
-    inspector = sa.inspect(bind)
-    # Foreign keys to effect_log(effect_id) hang on its primary key's index: dropped and made again on the
-    # new unique constraint.
-    referencing = [
-        (table, fk)
-        for table in inspector.get_table_names()
-        for fk in inspector.get_foreign_keys(table)
-        if fk["referred_table"] == "undolog_effect_log"
-    ]
+    referencing = _referencing(bind)
     for table, fk in referencing:
         op.execute(f'ALTER TABLE {table} DROP CONSTRAINT "{fk["name"]}"')
     op.execute("ALTER TABLE undolog_effect_log ADD COLUMN seq BIGINT")
@@ -103,13 +102,7 @@ def _upgrade_postgresql(bind: sa.engine.Connection) -> None:
         "(SELECT COUNT(*) > 0 FROM undolog_effect_log))"
     )
     op.execute("ALTER TABLE undolog_effect_log ALTER COLUMN seq SET DEFAULT nextval('undolog_effect_log_seq_seq')")
-    for table, fk in referencing:
-        cols = ", ".join(fk["constrained_columns"])
-        refs = ", ".join(fk["referred_columns"])
-        op.execute(
-            f'ALTER TABLE {table} ADD CONSTRAINT "{fk["name"]}" FOREIGN KEY ({cols}) '
-            f"REFERENCES undolog_effect_log ({refs})"
-        )
+    _add_foreign_keys(referencing)
     op.execute("ALTER TABLE undolog_undo_stack DROP CONSTRAINT undolog_undo_stack_effect_id_key")
     op.execute("DROP INDEX ix_undolog_undo_session")
     op.execute("ALTER TABLE undolog_undo_stack ALTER COLUMN undo_id DROP DEFAULT")
@@ -119,4 +112,74 @@ def _upgrade_postgresql(bind: sa.engine.Connection) -> None:
 
 
 def downgrade() -> None:
-    raise NotImplementedError("0003 is not reversible: undo ids and effect order would have to be rebuilt by hand")
+    # Back to 0001's layout, every effect id and undo id kept; the write order (seq) is dropped.
+    bind = op.get_bind()
+    s.recovery_cursor.drop(bind)
+    if bind.dialect.name == "postgresql":
+        _downgrade_postgresql(bind)
+    else:
+        _downgrade_sqlite(bind)
+
+
+def _downgrade_sqlite(bind: sa.engine.Connection) -> None:
+    v1 = ScriptDirectory.from_config(context.config).get_revision("0001_core").module
+    tmp = sa.MetaData()
+    s.sessions.to_metadata(tmp)
+    v1._effect_log_v1.to_metadata(tmp)
+    old_effects = v1._effect_log_v1.to_metadata(tmp, name="undolog_effect_log_0001")
+    old_undo = v1._undo_stack_v1.to_metadata(tmp, name="undolog_undo_stack_0001")
+    for table in (old_effects, old_undo):
+        table.indexes.clear()
+    tmp.create_all(bind, tables=[old_effects, old_undo])
+    op.execute(f"INSERT INTO undolog_effect_log_0001 ({_EFFECT_COLS}) SELECT {_EFFECT_COLS} FROM undolog_effect_log")
+    op.execute(f"INSERT INTO undolog_undo_stack_0001 ({_UNDO_COLS}) SELECT {_UNDO_COLS} FROM undolog_undo_stack")
+    op.execute("DROP TABLE undolog_undo_stack")  # its trigger goes with the effect log below
+    op.execute("DROP TABLE undolog_effect_log")
+    op.execute("ALTER TABLE undolog_effect_log_0001 RENAME TO undolog_effect_log")
+    op.execute("ALTER TABLE undolog_undo_stack_0001 RENAME TO undolog_undo_stack")
+    op.execute(_IN_FLIGHT_INDEX_V1)
+    op.execute(_UNDO_SESSION_INDEX_V1)
+
+
+def _downgrade_postgresql(bind: sa.engine.Connection) -> None:
+    referencing = _referencing(bind)
+    for table, fk in referencing:
+        op.execute(f'ALTER TABLE {table} DROP CONSTRAINT "{fk["name"]}"')
+    op.execute("ALTER TABLE undolog_effect_log DROP CONSTRAINT undolog_effect_log_pkey")
+    op.execute("ALTER TABLE undolog_effect_log DROP CONSTRAINT undolog_effect_log_effect_id_key")
+    op.execute("ALTER TABLE undolog_effect_log ADD CONSTRAINT undolog_effect_log_pkey PRIMARY KEY (effect_id)")
+    op.execute("ALTER TABLE undolog_effect_log DROP COLUMN seq")  # and the sequence it owns
+    _add_foreign_keys(referencing)
+    op.execute("DROP INDEX ix_undolog_undo_compensating")
+    op.execute("ALTER TABLE undolog_undo_stack ALTER COLUMN undo_id TYPE INTEGER")
+    op.execute("CREATE SEQUENCE undolog_undo_stack_undo_id_seq AS INTEGER OWNED BY undolog_undo_stack.undo_id")
+    op.execute(
+        "SELECT setval('undolog_undo_stack_undo_id_seq', COALESCE((SELECT MAX(undo_id) FROM undolog_undo_stack), 1), "
+        "(SELECT COUNT(*) > 0 FROM undolog_undo_stack))"
+    )
+    op.execute(
+        "ALTER TABLE undolog_undo_stack ALTER COLUMN undo_id SET DEFAULT nextval('undolog_undo_stack_undo_id_seq')"
+    )
+    op.execute("ALTER TABLE undolog_undo_stack ADD CONSTRAINT undolog_undo_stack_effect_id_key UNIQUE (effect_id)")
+    op.execute(_UNDO_SESSION_INDEX_V1)
+
+
+def _referencing(bind: sa.engine.Connection) -> list[tuple[str, Any]]:
+    """Foreign keys to effect_log(effect_id): they hang on its key's index, so they are dropped and made again."""
+    inspector = sa.inspect(bind)
+    return [
+        (table, fk)
+        for table in inspector.get_table_names()
+        for fk in inspector.get_foreign_keys(table)
+        if fk["referred_table"] == "undolog_effect_log"
+    ]
+
+
+def _add_foreign_keys(referencing: list[tuple[str, Any]]) -> None:
+    for table, fk in referencing:
+        cols = ", ".join(fk["constrained_columns"])
+        refs = ", ".join(fk["referred_columns"])
+        op.execute(
+            f'ALTER TABLE {table} ADD CONSTRAINT "{fk["name"]}" FOREIGN KEY ({cols}) '
+            f"REFERENCES undolog_effect_log ({refs})"
+        )
