@@ -62,28 +62,38 @@ def upgrade() -> None:
 
 
 def _upgrade_sqlite(bind: sa.engine.Connection) -> None:
-    # SQLite cannot change a primary key in place: the two tables are rebuilt (foreign keys are off for the
-    # migration, see _migrate.upgrade, and checked once it is done).
+    _rebuild_sqlite(
+        bind, s.effect_log, s.undo_stack,
+        effect_rows=(
+            f"(seq, {_EFFECT_COLS}) SELECT n.seq, {', '.join('e.' + c.strip() for c in _EFFECT_COLS.split(','))} "
+            f"FROM undolog_effect_log e JOIN ({_SEQ_OF}) n ON n.effect_id = e.effect_id"
+        ),
+        after=(_COMPENSATING_INDEX, s.SQLITE_UNDO_TRIGGER),
+    )
+
+
+def _rebuild_sqlite(
+    bind: sa.engine.Connection, effect_log: sa.Table, undo_stack: sa.Table, *, effect_rows: str, after: tuple[str, ...]
+) -> None:
+    """SQLite cannot change a primary key in place: both tables are made anew with the given layout, filled, and
+    put in place of the old ones (foreign keys are off for the migration and checked once it is done, see
+    _migrate). The old effect log's trigger goes with it."""
     tmp = sa.MetaData()
     s.sessions.to_metadata(tmp)
-    s.effect_log.to_metadata(tmp)
-    new_effects = s.effect_log.to_metadata(tmp, name="undolog_effect_log_0003")
-    new_undo = s.undo_stack.to_metadata(tmp, name="undolog_undo_stack_0003")
-    for table in (new_effects, new_undo):
-        table.indexes.clear()  # made on the final names below (copies would clash with the old tables' names)
-    tmp.create_all(bind, tables=[new_effects, new_undo])
-    op.execute(
-        f"INSERT INTO undolog_effect_log_0003 (seq, {_EFFECT_COLS}) "
-        f"SELECT n.seq, {', '.join('e.' + c.strip() for c in _EFFECT_COLS.split(','))} "
-        f"FROM undolog_effect_log e JOIN ({_SEQ_OF}) n ON n.effect_id = e.effect_id"
-    )
-    op.execute(f"INSERT INTO undolog_undo_stack_0003 ({_UNDO_COLS}) SELECT {_UNDO_COLS} FROM undolog_undo_stack")
+    effect_log.to_metadata(tmp)  # the name the new undo stack's foreign key refers to
+    effects = effect_log.to_metadata(tmp, name="undolog_effect_log_new")
+    undo = undo_stack.to_metadata(tmp, name="undolog_undo_stack_new")
+    for table in (effects, undo):
+        table.indexes.clear()  # made on the final names (copies would clash with the old tables' names)
+    tmp.create_all(bind, tables=[effects, undo])
+    op.execute(f"INSERT INTO undolog_effect_log_new {effect_rows}")
+    op.execute(f"INSERT INTO undolog_undo_stack_new ({_UNDO_COLS}) SELECT {_UNDO_COLS} FROM undolog_undo_stack")
     op.execute("DROP TABLE undolog_undo_stack")
     op.execute("DROP TABLE undolog_effect_log")
-    op.execute("ALTER TABLE undolog_effect_log_0003 RENAME TO undolog_effect_log")
-    op.execute("ALTER TABLE undolog_undo_stack_0003 RENAME TO undolog_undo_stack")
-    op.execute(_COMPENSATING_INDEX)
-    op.execute(s.SQLITE_UNDO_TRIGGER)
+    op.execute("ALTER TABLE undolog_effect_log_new RENAME TO undolog_effect_log")
+    op.execute("ALTER TABLE undolog_undo_stack_new RENAME TO undolog_undo_stack")
+    for statement in after:
+        op.execute(statement)
 
 
 def _upgrade_postgresql(bind: sa.engine.Connection) -> None:
@@ -123,22 +133,11 @@ def downgrade() -> None:
 
 def _downgrade_sqlite(bind: sa.engine.Connection) -> None:
     v1 = ScriptDirectory.from_config(context.config).get_revision("0001_core").module
-    tmp = sa.MetaData()
-    s.sessions.to_metadata(tmp)
-    v1._effect_log_v1.to_metadata(tmp)
-    old_effects = v1._effect_log_v1.to_metadata(tmp, name="undolog_effect_log_0001")
-    old_undo = v1._undo_stack_v1.to_metadata(tmp, name="undolog_undo_stack_0001")
-    for table in (old_effects, old_undo):
-        table.indexes.clear()
-    tmp.create_all(bind, tables=[old_effects, old_undo])
-    op.execute(f"INSERT INTO undolog_effect_log_0001 ({_EFFECT_COLS}) SELECT {_EFFECT_COLS} FROM undolog_effect_log")
-    op.execute(f"INSERT INTO undolog_undo_stack_0001 ({_UNDO_COLS}) SELECT {_UNDO_COLS} FROM undolog_undo_stack")
-    op.execute("DROP TABLE undolog_undo_stack")  # its trigger goes with the effect log below
-    op.execute("DROP TABLE undolog_effect_log")
-    op.execute("ALTER TABLE undolog_effect_log_0001 RENAME TO undolog_effect_log")
-    op.execute("ALTER TABLE undolog_undo_stack_0001 RENAME TO undolog_undo_stack")
-    op.execute(_IN_FLIGHT_INDEX_V1)
-    op.execute(_UNDO_SESSION_INDEX_V1)
+    _rebuild_sqlite(
+        bind, v1._effect_log_v1, v1._undo_stack_v1,
+        effect_rows=f"({_EFFECT_COLS}) SELECT {_EFFECT_COLS} FROM undolog_effect_log",
+        after=(_IN_FLIGHT_INDEX_V1, _UNDO_SESSION_INDEX_V1),
+    )
 
 
 def _downgrade_postgresql(bind: sa.engine.Connection) -> None:
