@@ -531,7 +531,7 @@ class Engine:
         assert spec.compensation is not None
         with self.store.tx() as conn:
             self._guard(conn, sc, count, pin=pin)
-            seq = conn.execute(
+            inserted = conn.execute(
                 t.effect_log.insert(),
                 {
                     "effect_id": effect_id,
@@ -549,12 +549,14 @@ class Engine:
                     "created_at": now,
                     "updated_at": now,
                 },
-            ).inserted_primary_key[0]  # type: ignore[index]
+            )
             if self.store.is_postgres:  # on SQLite the schema's trigger wrote the undo entry with the effect
+                key = inserted.inserted_primary_key
+                assert key is not None
                 conn.execute(
                     t.undo_stack.insert(),
                     {
-                        "undo_id": seq,
+                        "undo_id": key[0],
                         "effect_id": effect_id,
                         "session_id": sc.session_id,
                         "compensation_name": spec.compensation.name,
