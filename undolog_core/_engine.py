@@ -608,7 +608,7 @@ class Engine:
                 )
                 if res.rowcount != 1:
                     raise InvalidEffectState(f"call {row.call_id!r} was re-claimed by another caller")
-                self.back_in_flight(conn, row.effect_id)
+                self.back_in_flight(conn, row.seq)
         except BaseException:
             self._inflight.discard(row.effect_id)
             raise
@@ -763,7 +763,7 @@ class Engine:
                 )
                 if res.rowcount != 1:
                     raise InvalidEffectState(f"call {row.call_id!r} was claimed by another caller")
-                self.back_in_flight(conn, row.effect_id)
+                self.back_in_flight(conn, row.seq)
         except BaseException:
             self._inflight.discard(row.effect_id)
             sc.give_back(count - 1)
@@ -999,12 +999,11 @@ class Engine:
         if sc is not None:
             sc.state = "halted"
 
-    def back_in_flight(self, conn: Connection, effect_id: str) -> None:
-        """An older effect is in flight again: on SQLite, move recovery's cursor back to it (see ``_schema``)."""
+    def back_in_flight(self, conn: Connection, seq: int) -> None:
+        """The effect ``seq`` is in flight again: on SQLite, move recovery's cursor back to it (see ``_schema``)."""
         if self.store.is_postgres:
             return  # PostgreSQL finds in-flight effects through its partial index
         rc = t.recovery_cursor
-        seq = sa.select(t.effect_log.c.seq).where(t.effect_log.c.effect_id == effect_id).scalar_subquery()
         conn.execute(
             rc.update().where(rc.c.cursor_id == 1, rc.c.effect_seq >= seq)
             .values(effect_seq=seq - 1, version=rc.c.version + 1)
