@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -170,6 +171,8 @@ class SessionCache:
     carried: Iterator[int] = field(default_factory=itertools.count)
 
     def take_safe(self) -> int:
+        if not _peek(self.counter):
+            return 0  # nothing counted: the counter stays (a call counted meanwhile is still in it)
         old, self.counter = self.counter, itertools.count()
         return _peek(old)
 
@@ -222,9 +225,15 @@ def json_safe(value: Any) -> Any:
     return json.loads(to_json(value, inf_nan_mode="strings")) if _has_special_float(value) else value
 
 
+# json.dumps builds a new encoder on every call; this one is built once (encoders keep no state between calls).
+_canonical_encode = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+).encode
+
+
 def canonical_text(value: Any) -> str:
     """``canonical_json`` for a value that is already JSON-safe: the digest and the stored snapshot in one go."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return _canonical_encode(value)
 
 
 class _Running:
@@ -279,7 +288,7 @@ class Engine:
         _ENGINES[self.instance] = self
         # Fast mode: commit marks wait here for the flusher (a batch every MARK_FLUSH_SECONDS, not fsynced).
         # Their effects stay in flight (leased, renewed) until the mark is written.
-        self._marks: collections.deque[tuple[str, str, dt.datetime]] = collections.deque()
+        self._marks: collections.deque[tuple[str, str, float]] = collections.deque()  # (effect, result, epoch s)
         self._marks_lock = threading.Lock()
         self._flusher: threading.Thread | None = None
         self._started: set[str] = set()
@@ -419,6 +428,13 @@ class Engine:
         if spec is None:
             raise ToolNotRegistered(tool_name)
         check_id("session_id", session_id)
+        return self.intercept_spec(session_id, spec, args, call_id, match_digest)
+
+    def intercept_spec(
+        self, session_id: str, spec: ToolSpec, args: Mapping[str, Any], call_id: str | None = None,
+        match_digest: bool = False,
+    ) -> Decision:
+        """``intercept`` for a registered tool's spec and a session id already checked (``Session.call``)."""
         if call_id is not None:
             check_id("call_id", call_id)
         model = spec.validate(args)
@@ -484,23 +500,23 @@ class Engine:
         if args_text is None:
             args_text = canonical_text(args_json)
         digest = sha256_hex(args_text)
-        now = utcnow()
+        now = time.time()
         safe = sc.take_safe()
         carried = sc.take_carried() if safe else 0
-        assert spec.compensation is not None
+        comp = spec.compensation
+        assert comp is not None
         self._inflight.add(effect_id)
         try:
             if pin is None and self.hot.prewrite(
-                session_id=session_id, count=safe + carried, effect_id=effect_id, call_id=call_id or effect_id,
-                tool_name=spec.name, revision=spec.revision, args_text=args_text, digest=digest, owner=self.owner,
-                lease=now + dt.timedelta(seconds=self.lease_seconds), now=now, comp=spec.compensation.name,
-                comp_version=spec.compensation.version,
+                session_id, safe + carried, effect_id, call_id or effect_id, spec.name, spec.revision, args_text,
+                digest, self.owner, now, now + self.lease_seconds, comp.name, comp.version,
             ):
                 next(sc.carried)  # this call rides along with the session's next flushing write
             else:
                 # Pinning a newly registered tool, or the session refused the write: the general path
                 # does the same transaction and raises the precise error.
-                self._prewrite_core(sc, spec, safe + carried + 1, pin, effect_id, call_id, args_json, digest, now)
+                self._prewrite_core(sc, spec, safe + carried + 1, pin, effect_id, call_id, args_json, digest,
+                                    dt.datetime.fromtimestamp(now, dt.UTC))
         except IntegrityError:
             self._inflight.discard(effect_id)
             sc.give_back(safe, carried)
@@ -912,7 +928,7 @@ class Engine:
         """Record success: the effect becomes ``committed`` with its result snapshot."""
         fault("after_tool")
         text = result_text(result)
-        now = utcnow()
+        now = time.time()
         if self.fast_commit_mark:
             self._marks.append((effect_id, text, now))
             fault("after_mark_queued")
@@ -926,7 +942,7 @@ class Engine:
                     t.effect_log.update()
                     .where(t.effect_log.c.effect_id == effect_id, t.effect_log.c.state.in_(("pending", "running")))
                     .values(state="committed", result_snapshot=json.loads(text), owner=None, lease_until=None,
-                            updated_at=now)
+                            updated_at=dt.datetime.fromtimestamp(now, dt.UTC))
                 )
                 if res.rowcount != 1:
                     self._missing_or_moved(conn, effect_id, "committed")
@@ -1081,7 +1097,7 @@ class Engine:
         if not self._marks:
             return
         with self._marks_lock:
-            batch: list[tuple[str, str, dt.datetime]] = []
+            batch: list[tuple[str, str, float]] = []
             while self._marks:
                 batch.append(self._marks.popleft())
             if not batch:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import sqlite3
 import threading
+import time
 from typing import Any
 
 from sqlalchemy.exc import IntegrityError
@@ -80,20 +81,24 @@ _PG_MARK = (
 _seconds: dict[int, str] = {}
 
 
-def _sqlite_time(value: dt.datetime) -> str:
-    """The text SQLAlchemy's SQLite DateTime writes for a UTC value: ``YYYY-MM-DD HH:MM:SS.ffffff``.
+def _sqlite_time(t: float) -> str:
+    """The text SQLAlchemy's SQLite DateTime writes for the UTC instant ``t`` (epoch seconds).
 
-    Every caller passes utcnow() or a lease computed from it, already in UTC. ``isoformat`` costs microseconds
-    on every call; the seconds part changes once a second, so it is formatted once and kept (a call formats
-    two seconds: now and its lease's end; a few are kept, and a dict's get and set are atomic under the GIL).
+    ``YYYY-MM-DD HH:MM:SS.ffffff``: the seconds part changes once a second, so it is formatted once and kept (a
+    call formats two seconds: now and its lease's end; a few are kept, and a dict's get and set are atomic under
+    the GIL). Working from ``time.time()`` instead of datetimes keeps object churn off the hot path.
     """
-    sec = int(value.timestamp())
+    sec = int(t)
     text = _seconds.get(sec)
     if text is None:
         if len(_seconds) > 16:
             _seconds.clear()
-        text = _seconds[sec] = value.strftime("%Y-%m-%d %H:%M:%S")
-    return f"{text}.{value.microsecond:06d}"
+        text = _seconds[sec] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(sec))
+    return f"{text}.{int((t - sec) * 1e6):06d}"
+
+
+def _utc(t: float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(t, dt.UTC)
 
 
 class HotPath:
@@ -129,7 +134,6 @@ class HotPath:
 
     def prewrite(
         self,
-        *,
         session_id: str,
         count: int,
         effect_id: str,
@@ -139,44 +143,44 @@ class HotPath:
         args_text: str,
         digest: str,
         owner: str,
-        lease: dt.datetime,
-        now: dt.datetime,
+        now: float,
+        lease: float,
         comp: str,
         comp_version: int,
     ) -> bool:
         """One durable transaction; False when the session does not accept writes (nothing written).
 
         ``count`` calls counted in memory are flushed to the session row on the way; with none, the session row is
-        only checked.
+        only checked. ``now`` and ``lease`` (the lease's end) are epoch seconds, as ``time.time()`` gives them.
+        Positional on purpose: this runs on every COMPENSABLE call.
         """
         conn = self._conn(False)
         try:
             if self.sqlite:
                 now_s = _sqlite_time(now)
+                # The undo entry is written by the schema's trigger (_schema.SQLITE_UNDO_TRIGGER), in the same
+                # statement as the effect.
+                row = (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner,
+                       _sqlite_time(lease), now_s, now_s)
                 with self.write_lock:
-                    return self._sqlite_prewrite(conn, now_s, session_id, count, effect_id, call_id, tool_name,
-                                                 revision, args_text, digest, owner, lease)
+                    if not count:
+                        # One autocommit statement: a write statement takes the write lock before it reads, like
+                        # BEGIN IMMEDIATE, so the session check and the insert see one state.
+                        return bool(conn.execute(_SQLITE_EFFECT_CHECKED, (*row, session_id)).rowcount == 1)
+                    return self._sqlite_prewrite(conn, row, now_s, session_id, count)
+            now_d = _utc(now)
             cur = conn.execute(
                 _PG_PREWRITE if count else _PG_PREWRITE_CHECKED,
-                {"count": count, "now": now, "session_id": session_id, "effect_id": effect_id, "call_id": call_id,
+                {"count": count, "now": now_d, "session_id": session_id, "effect_id": effect_id, "call_id": call_id,
                  "tool_name": tool_name, "revision": revision, "args": args_text, "digest": digest, "owner": owner,
-                 "lease": lease, "comp": comp, "comp_version": comp_version},
+                 "lease": _utc(lease), "comp": comp, "comp_version": comp_version},
             )
             return bool(cur.rowcount == 1)
         except (sqlite3.IntegrityError, _pg_integrity_error()) as exc:
             raise IntegrityError("pre-write", None, exc) from exc
 
-    def _sqlite_prewrite(
-        self, conn: Any, now_s: str, session_id: str, count: int, effect_id: str, call_id: str, tool_name: str,
-        revision: int, args_text: str, digest: str, owner: str, lease: dt.datetime,
-    ) -> bool:
-        # The undo entry is written by the schema's trigger (_schema.SQLITE_UNDO_TRIGGER), in the same statement.
-        row = (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner, _sqlite_time(lease),
-               now_s, now_s)
-        if not count:
-            # One autocommit statement: a write statement takes the write lock before it reads, like
-            # BEGIN IMMEDIATE, so the session check and the insert see one state.
-            return bool(conn.execute(_SQLITE_EFFECT_CHECKED, (*row, session_id)).rowcount == 1)
+    @staticmethod
+    def _sqlite_prewrite(conn: Any, row: tuple[Any, ...], now_s: str, session_id: str, count: int) -> bool:
         conn.execute("BEGIN IMMEDIATE")
         try:
             if conn.execute(_SQLITE_GUARD, (count, now_s, session_id)).rowcount != 1:
@@ -190,15 +194,15 @@ class HotPath:
             raise
         return True
 
-    def mark(self, effect_id: str, text: str, now: dt.datetime, *, fast: bool) -> bool:
+    def mark(self, effect_id: str, text: str, now: float, *, fast: bool) -> bool:
         """The commit mark as one autocommit UPDATE; False when the effect was not in flight."""
         conn = self._conn(fast)
         if self.sqlite:
             with self.write_lock:
                 return bool(conn.execute(_SQLITE_MARK, (text, _sqlite_time(now), effect_id)).rowcount == 1)
-        return bool(conn.execute(_PG_MARK, (text, now, effect_id)).rowcount == 1)
+        return bool(conn.execute(_PG_MARK, (text, _utc(now), effect_id)).rowcount == 1)
 
-    def mark_many(self, marks: list[tuple[str, str, dt.datetime]]) -> None:
+    def mark_many(self, marks: list[tuple[str, str, float]]) -> None:
         """Deferred commit marks of fast mode, in one transaction that is not fsynced."""
         conn = self._conn(True)
         if self.sqlite:
@@ -214,7 +218,7 @@ class HotPath:
                     raise
             return
         with conn.transaction():
-            conn.cursor().executemany(_PG_MARK, [(text, now, eid) for eid, text, now in marks])
+            conn.cursor().executemany(_PG_MARK, [(text, _utc(now), eid) for eid, text, now in marks])
 
     def close(self) -> None:
         with self._lock:

@@ -89,19 +89,20 @@ class Session:
             self._engine.note_safe_in(self._sc, spec, values)
             out = spec.fn(**values)  # type: ignore[misc]
             return (await out) if spec.is_async else out
-        d = self._u.engine.intercept(self.id, spec.name, kwargs, call_id=call_id)
+        engine = self._engine
+        d = engine.intercept_spec(self.id, spec, kwargs, call_id)
         if not isinstance(d, Execute):
             return self._settled(d)
-        with self._u.engine.running(d, self.id):
+        with engine.running(d, self.id):
             try:
                 out = spec.fn(**d.args)  # type: ignore[misc]
                 if inspect.isawaitable(out):
                     out = await out
             except BaseException as exc:
-                if self._u.engine.record_failure(d.effect_id, exc) == "rollback":  # type: ignore[arg-type]
+                if engine.record_failure(d.effect_id, exc) == "rollback":  # type: ignore[arg-type]
                     await self._rollback_noting(exc, f"{spec.name} failed: {type(exc).__name__}: {exc}")
                 raise
-        self._u.engine.complete(d.effect_id, out)  # type: ignore[arg-type]
+        engine.complete(d.effect_id, out)  # type: ignore[arg-type]
         return out
 
     def call_sync(self, tool: Any, /, *, call_id: str | None = None, **kwargs: Any) -> Any:
@@ -115,17 +116,18 @@ class Session:
             if spec.is_async:
                 return run_coro_blocking(spec.fn(**values))  # type: ignore[misc]
             return spec.fn(**values)  # type: ignore[misc]
-        d = self._u.engine.intercept(self.id, spec.name, kwargs, call_id=call_id)
+        engine = self._engine
+        d = engine.intercept_spec(self.id, spec, kwargs, call_id)
         if not isinstance(d, Execute):
             return self._settled(d)
-        with self._u.engine.running(d, self.id):
+        with engine.running(d, self.id):
             try:
                 out = _run_sync(spec, d.args)
             except BaseException as exc:
-                if self._u.engine.record_failure(d.effect_id, exc) == "rollback":  # type: ignore[arg-type]
+                if engine.record_failure(d.effect_id, exc) == "rollback":  # type: ignore[arg-type]
                     self._rollback_noting_sync(exc, f"{spec.name} failed: {type(exc).__name__}: {exc}")
                 raise
-        self._u.engine.complete(d.effect_id, out)  # type: ignore[arg-type]
+        engine.complete(d.effect_id, out)  # type: ignore[arg-type]
         return out
 
     def _settled(self, d: AwaitingApproval | Completed) -> Any:

@@ -173,9 +173,8 @@ def test_a_compensable_effect_is_never_stored_without_its_undo_entry(undolog):
     # The one-statement pre-write of a session that does not take writes writes neither row.
     now = utcnow()
     assert undolog.engine.hot.prewrite(
-        session_id="no-such-session", count=0, effect_id="e-orphan", call_id="c", tool_name="send_refund_email",
-        revision=1, args_text="{}", digest="d", owner="o", lease=now, now=now, comp="cancel_refund_email",
-        comp_version=1,
+        "no-such-session", 0, "e-orphan", "c", "send_refund_email", 1, "{}", "d", "o", now.timestamp(),
+        now.timestamp() + 30, "cancel_refund_email", 1,
     ) is False
     if not undolog.store.is_postgres:
         # SQLite's trigger refuses an effect whose tool revision declares no compensation, instead of storing it
