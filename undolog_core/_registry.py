@@ -90,6 +90,15 @@ class Registry:
             specs.append(spec)
         self._persist(specs, registered_by or default_actor())
         for spec in specs:
+            old = self.tools.get(spec.name)
+            if old is not None and old.fn is not None and old.fn is not spec.fn:
+                # The name now means the new function: calls made with the old function object resolve by name,
+                # so they meet the new contract (and a session pinned to the old one refuses them).
+                try:
+                    if self.by_fn.get(old.fn) is old:
+                        del self.by_fn[old.fn]
+                except TypeError:
+                    pass
             self.tools[spec.name] = spec
             if spec.fn is not None:
                 try:

@@ -69,6 +69,37 @@ async def test_resumed_session_refuses_a_changed_tool_until_revalidated(db):
     assert "session.revalidate" in actions
 
 
+async def test_a_contract_changed_in_the_same_process_is_not_bypassed_by_the_old_function(db):
+    @undolog_tool(tier=ToolTier.COMPENSABLE, compensation="undo_note")
+    def write_note(text: str) -> str:
+        return "v1:" + text
+
+    @undolog_tool(tier=ToolTier.COMPENSABLE, compensation="undo_note", reason="now also emails the note")
+    def write_note_v2(text: str, to: str = "team") -> str:
+        return "v2:" + text
+
+    from undolog_core import compensation
+
+    @compensation("undo_note")
+    def undo_note(ctx) -> None:
+        return None
+
+    u = db.open()
+    u.register(write_note, undo_note)
+    s = u.session(agent_id="bot")
+    assert await s.call(write_note, text="a") == "v1:a"
+    [v2] = u.register((write_note_v2, write_note_v2.__undolog_spec__, {"name": "write_note"}))
+    assert v2.revision == 2
+    # The old function object names the tool, and the tool's contract changed under the running session.
+    with pytest.raises(errors.ContractChanged, match="revalidate"):
+        await s.call(write_note, text="b")
+    with pytest.raises(errors.ContractChanged):
+        s.call_sync(write_note_v2, text="b")
+    s.revalidate(actor="ana")
+    assert await s.call(write_note, text="c") == "v2:c"
+    assert [e["args_snapshot"] for e in u.sessions.effects(s.id)] == [{"text": "a"}, {"text": "c", "to": "team"}]
+
+
 async def test_contract_change_cancels_bound_pending_approval(db):
     u1 = db.open()
     u1.register(make("v1"))
