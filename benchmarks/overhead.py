@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import hashlib
 import json
 import os
 import platform
@@ -50,6 +49,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from undolog_core import CompensationDescriptor, ToolTier, UndoLog, compensation, undolog_tool  # noqa: E402
+from undolog_core._engine import canonical_text, result_text  # noqa: E402 - the lower bound runs the same code
+from undolog_core._store import new_id  # noqa: E402
+from undolog_core._tools import sha256_hex  # noqa: E402
 
 DEFAULT_PG_URL = os.environ.get("UNDOLOG_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
@@ -333,26 +335,24 @@ def fast_floor(u: UndoLog, loop: asyncio.AbstractEventLoop, *, durable: bool = F
     hot, owner, lease = u.engine.hot, u.engine.owner, u.lease_seconds
     validate, kw, fn = spec.args_model.__pydantic_validator__.validate_python, dict(COMP_KW), bench_refund
     comp, version = "bench_cancel_refund", 1
-    encode = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
-    from pydantic_core import to_json
 
     async def go(n: int) -> float:
         marks: list[tuple[str, str, float]] = []
         t0 = time.perf_counter()
         for _ in range(n):
             model = validate(kw)
-            text = encode(model.model_dump(mode="json"))
-            digest = hashlib.sha256(text.encode()).hexdigest()
-            effect_id = os.urandom(16).hex()
+            text = canonical_text(model.model_dump(mode="json"))
+            digest = sha256_hex(text)
+            effect_id = new_id()
             now = time.time()
             if not hot.prewrite(s.id, 0, effect_id, effect_id, spec.name, spec.revision, text, digest, owner, now,
                                 now + lease, comp, version):
                 raise RuntimeError("the floor's pre-write was refused")
             out = await fn(**model.__dict__)
             if durable:
-                hot.mark(effect_id, to_json(out).decode(), time.time(), fast=False)
+                hot.mark(effect_id, result_text(out), time.time(), fast=False)
             else:
-                marks.append((effect_id, to_json(out).decode(), time.time()))
+                marks.append((effect_id, result_text(out), time.time()))
         if marks:
             hot.mark_many(marks)
         return time.perf_counter() - t0

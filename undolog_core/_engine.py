@@ -24,7 +24,7 @@ from sqlalchemy.exc import IntegrityError
 from . import _schema as t
 from ._audit import append_event, write_outbox
 from ._hotpath import HotPath
-from ._store import Owner, Store, new_id, utcnow
+from ._store import Owner, Store, from_epoch, new_id, utcnow
 from ._tools import ToolSpec, ToolTier, canonical_json, sha256_hex
 from .errors import (
     ApprovalCancelled,
@@ -516,7 +516,7 @@ class Engine:
                 # Pinning a newly registered tool, or the session refused the write: the general path
                 # does the same transaction and raises the precise error.
                 self._prewrite_core(sc, spec, safe + carried + 1, pin, effect_id, call_id, args_json, digest,
-                                    dt.datetime.fromtimestamp(now, dt.UTC))
+                                    from_epoch(now))
         except IntegrityError:
             self._inflight.discard(effect_id)
             sc.give_back(safe, carried)
@@ -942,7 +942,7 @@ class Engine:
                     t.effect_log.update()
                     .where(t.effect_log.c.effect_id == effect_id, t.effect_log.c.state.in_(("pending", "running")))
                     .values(state="committed", result_snapshot=json.loads(text), owner=None, lease_until=None,
-                            updated_at=dt.datetime.fromtimestamp(now, dt.UTC))
+                            updated_at=from_epoch(now))
                 )
                 if res.rowcount != 1:
                     self._missing_or_moved(conn, effect_id, "committed")

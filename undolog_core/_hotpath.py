@@ -8,7 +8,6 @@ read back alike.
 
 from __future__ import annotations
 
-import datetime as dt
 import sqlite3
 import threading
 import time
@@ -16,7 +15,7 @@ from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 
-from ._store import Store
+from ._store import Store, from_epoch
 
 _EFFECT_COLS = (
     "effect_id, session_id, call_id, tool_name, tool_revision, tier, state, args_snapshot, args_digest, owner, "
@@ -97,10 +96,6 @@ def _sqlite_time(t: float) -> str:
     return f"{text}.{int((t - sec) * 1e6):06d}"
 
 
-def _utc(t: float) -> dt.datetime:
-    return dt.datetime.fromtimestamp(t, dt.UTC)
-
-
 class HotPath:
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -168,12 +163,12 @@ class HotPath:
                         # BEGIN IMMEDIATE, so the session check and the insert see one state.
                         return bool(conn.execute(_SQLITE_EFFECT_CHECKED, (*row, session_id)).rowcount == 1)
                     return self._sqlite_prewrite(conn, row, now_s, session_id, count)
-            now_d = _utc(now)
+            now_d = from_epoch(now)
             cur = conn.execute(
                 _PG_PREWRITE if count else _PG_PREWRITE_CHECKED,
                 {"count": count, "now": now_d, "session_id": session_id, "effect_id": effect_id, "call_id": call_id,
                  "tool_name": tool_name, "revision": revision, "args": args_text, "digest": digest, "owner": owner,
-                 "lease": _utc(lease), "comp": comp, "comp_version": comp_version},
+                 "lease": from_epoch(lease), "comp": comp, "comp_version": comp_version},
             )
             return bool(cur.rowcount == 1)
         except (sqlite3.IntegrityError, _pg_integrity_error()) as exc:
@@ -200,7 +195,7 @@ class HotPath:
         if self.sqlite:
             with self.write_lock:
                 return bool(conn.execute(_SQLITE_MARK, (text, _sqlite_time(now), effect_id)).rowcount == 1)
-        return bool(conn.execute(_PG_MARK, (text, _utc(now), effect_id)).rowcount == 1)
+        return bool(conn.execute(_PG_MARK, (text, from_epoch(now), effect_id)).rowcount == 1)
 
     def mark_many(self, marks: list[tuple[str, str, float]]) -> None:
         """Deferred commit marks of fast mode, in one transaction that is not fsynced."""
@@ -218,7 +213,7 @@ class HotPath:
                     raise
             return
         with conn.transaction():
-            conn.cursor().executemany(_PG_MARK, [(text, _utc(now), eid) for eid, text, now in marks])
+            conn.cursor().executemany(_PG_MARK, [(text, from_epoch(now), eid) for eid, text, now in marks])
 
     def close(self) -> None:
         with self._lock:

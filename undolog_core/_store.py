@@ -27,6 +27,11 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
+def from_epoch(t: float) -> dt.datetime:
+    """The UTC datetime of ``time.time()``'s ``t`` (the hot path keeps epoch seconds, not datetimes)."""
+    return dt.datetime.fromtimestamp(t, dt.UTC)
+
+
 def new_id() -> str:
     """32 random hex digits. Not time-ordered on purpose: people read ids by their first characters (the
     dashboard, the CLI, messages to the model), and time-ordered ids made close in time share those."""
