@@ -13,7 +13,7 @@ Two comparisons, each on SQLite (a file in a temp dir) and PostgreSQL (a fresh s
    tables, then COMMIT). Goal: at most 2.2x with the default durable commit mark, at most 1.3x with
    ``UndoLog.open(url, fast_commit_mark=True)``. Two more rows, with no goal, are lower bounds for both modes: the
    work that cannot be skipped (validation, snapshot and digest, the same one-statement pre-write with its undo
-   entry, the commit mark) with none of UndoLog's own bookkeeping around it (see ``fast_floor``).
+   entry, the commit mark) with none of UndoLog's own bookkeeping around it (see ``lower_bound``).
 
 Machines are noisy (here, mostly the disk: the same fsync takes 0.3 ms or 0.6 ms from one second to the next),
 so the variants of a comparison are interleaved: every round runs one batch of each variant, in a shuffled
@@ -315,26 +315,28 @@ def compensable_variants(
         Variant("await s.call, durable commit mark", via_call(sd, durable), base, 2.2),
         Variant("s.call_sync, durable commit mark", via_call_sync, base, 2.2),
         Variant("await s.call, fast_commit_mark=True", via_call(sf, fast), base, 1.3),
-        Variant("lower bound, durable mark (see fast_floor)", fast_floor(durable, loop, durable=True), base),
-        Variant("lower bound, fast mode (see fast_floor)", fast_floor(fast, loop), base),
+        Variant("lower bound, durable mark", lower_bound(durable, loop, durable=True), base),
+        Variant("lower bound, fast mode", lower_bound(fast, loop), base),
     ]
 
 
-def fast_floor(u: UndoLog, loop: asyncio.AbstractEventLoop, *, durable: bool = False) -> Callable[[int], float]:
+def lower_bound(u: UndoLog, loop: asyncio.AbstractEventLoop, *, durable: bool = False) -> Callable[[int], float]:
     """The work no implementation can skip, with nothing else: a lower bound, not a competitor.
 
     Per call: validate the arguments, take their JSON snapshot and canonical text, digest it, mint an effect id,
     write UndoLog's own one-statement pre-write (the effect row and its undo entry, durably, the session checked),
     run the tool, serialise its result and write the commit mark: with ``durable``, at once and fsynced; else
-    queued and written per batch without fsync, like fast mode's flusher. Left out, although UndoLog needs them: the pin check, the in-flight set and lease,
-    ``current_call()``, the recent-calls ring, call-id conflict handling. If this row misses a goal, no amount of
-    trimming UndoLog's own code meets it on this machine: only storing less would.
+    queued and written per batch without fsync, like fast mode's flusher. Left out, although UndoLog needs them:
+    the pin check, the in-flight set and lease, ``current_call()``, the recent-calls ring, call-id conflict
+    handling. If this row misses a goal, no amount of trimming UndoLog's own code meets it on this machine: only
+    storing less would.
     """
     spec = u.tool_spec("bench_refund")
-    s = u.session(agent_id="bench-floor")
+    s = u.session(agent_id="bench-lower-bound")
     hot, owner, lease = u.engine.hot, u.engine.owner, u.lease_seconds
     validate, kw, fn = spec.args_model.__pydantic_validator__.validate_python, dict(COMP_KW), bench_refund
-    comp, version = "bench_cancel_refund", 1
+    assert spec.compensation is not None
+    comp, version = spec.compensation.name, spec.compensation.version
 
     async def go(n: int) -> float:
         marks: list[tuple[str, str, float]] = []
@@ -347,7 +349,7 @@ def fast_floor(u: UndoLog, loop: asyncio.AbstractEventLoop, *, durable: bool = F
             now = time.time()
             if not hot.prewrite(s.id, 0, effect_id, effect_id, spec.name, spec.revision, text, digest, owner, now,
                                 now + lease, comp, version):
-                raise RuntimeError("the floor's pre-write was refused")
+                raise RuntimeError("the lower bound's pre-write was refused")
             out = await fn(**model.__dict__)
             if durable:
                 hot.mark(effect_id, result_text(out), time.time(), fast=False)
