@@ -278,6 +278,21 @@ class OutcomeUnknown(UndoLogError):
         )
 
 
+class DatabaseUnavailable(UndoLogError):
+    """The store did not answer (a dropped connection, a restart, a failover).
+
+    Nothing is lost: a call that met it either wrote nothing, or left an in-flight effect that ``recover()``
+    settles. The next call opens a fresh connection, so it works again as soon as the database is back.
+    """
+
+    code = "database_unavailable"
+    http_status = 503
+
+    def __init__(self, operation: str, cause: BaseException | str) -> None:
+        text = cause if isinstance(cause, str) else f"{type(cause).__name__}: {str(cause).strip()}"
+        super().__init__(f"the database did not answer during {operation}: {text}", operation=operation)
+
+
 class EffectNotFound(UndoLogError):
     code = "effect_not_found"
     http_status = 404
