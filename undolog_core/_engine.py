@@ -7,8 +7,6 @@ import contextvars
 import datetime as dt
 import itertools
 import json
-import os
-import signal
 import threading
 import time
 import weakref
@@ -23,6 +21,7 @@ from sqlalchemy.exc import IntegrityError
 
 from . import _schema as t
 from ._audit import append_event, write_outbox
+from ._faults import FaultPoint, fault
 from ._hotpath import HotPath
 from ._store import Owner, Store, from_epoch, new_id, utcnow
 from ._tools import ToolSpec, ToolTier, canonical_json, sha256_hex
@@ -45,8 +44,6 @@ if TYPE_CHECKING:
     from ._saga import RollbackReport
     from ._undolog import UndoLog
 
-# Named fault points for crash tests (DBOS style): the process SIGKILLs itself at that point.
-_FAULT = os.environ.get("UNDOLOG_FAULT")
 
 
 # Every live Engine of this process, by instance id: an owner string names the instance that runs an effect,
@@ -74,11 +71,6 @@ def owner_alive(
     if Owner.is_dead_locally(process):
         return False
     return lease is not None and lease > utcnow()
-
-
-def fault(point: str) -> None:
-    if _FAULT == point:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 WRITABLE = ("active", "awaiting_approval")
@@ -506,6 +498,7 @@ class Engine:
         comp = spec.compensation
         assert comp is not None
         self._inflight.add(effect_id)
+        fault(FaultPoint.BEFORE_PREWRITE)
         try:
             if pin is None and self.hot.prewrite(
                 session_id, safe + carried, effect_id, call_id or effect_id, spec.name, spec.revision, args_text,
@@ -537,7 +530,7 @@ class Engine:
             raise
         self._ensure_renewer()
         sc.recent.append((spec.name, "compensable", args_json, "pending"))
-        fault("after_prewrite")
+        fault(FaultPoint.AFTER_PREWRITE)
         return Execute(effect_id, values, f"do-{effect_id}", COMPENSABLE, spec.name, call_id, session_id)
 
     def _prewrite_core(
@@ -787,7 +780,7 @@ class Engine:
         self._ensure_renewer()
         args = row.approved_args if row.approved_args is not None else row.args_snapshot
         validated = spec.values(spec.validate(args))
-        fault("after_approved_claim")
+        fault(FaultPoint.AFTER_APPROVED_CLAIM)
         return Execute(row.effect_id, validated, f"do-{row.effect_id}", ToolTier.IRREVERSIBLE, spec.name, row.call_id,
                        sc.session_id)
 
@@ -926,12 +919,12 @@ class Engine:
 
     def complete(self, effect_id: str, result: Any) -> None:
         """Record success: the effect becomes ``committed`` with its result snapshot."""
-        fault("after_tool")
+        fault(FaultPoint.AFTER_TOOL)
         text = result_text(result)
         now = time.time()
         if self.fast_commit_mark:
             self._marks.append((effect_id, text, now))
-            fault("after_mark_queued")
+            fault(FaultPoint.AFTER_MARK_QUEUED)
             self._ensure_flusher()
             return
         try:

@@ -12,6 +12,7 @@ import sqlalchemy as sa
 
 from . import _schema as t
 from ._engine import jsonable, owner_alive
+from ._faults import FaultPoint, fault
 from ._saga import run_coro_blocking
 from ._store import utcnow
 from .errors import UndoLogError
@@ -184,6 +185,7 @@ class Recovery:
                 return None
         if not self._claim_effect(r):
             return None
+        fault(FaultPoint.DURING_RECOVERY)
         try:
             return self._reconcile_claimed(r, spec)
         except Exception as exc:  # noqa: BLE001 - counted toward the dead letter, never lost

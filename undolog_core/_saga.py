@@ -16,7 +16,8 @@ import sqlalchemy as sa
 
 from . import _schema as t
 from ._audit import append_event
-from ._engine import fault, jsonable, owner_alive
+from ._engine import jsonable, owner_alive
+from ._faults import FaultPoint, fault
 from ._store import utcnow
 from .errors import (
     CompensationNotFound,
@@ -302,13 +303,14 @@ class Saga:
         report = RollbackReport(session_id)
         for i, entry in enumerate(plan):
             self._claim(entry)
-            fault("during_rollback")
+            fault(FaultPoint.DURING_ROLLBACK)
             error: str | None = None
             attempt = entry.attempts
             for n in range(self.max_attempts):
                 attempt += 1
                 try:
                     _call_sync(entry.fn, self._ctx(session_id, entry, attempt))
+                    fault(FaultPoint.AFTER_COMPENSATION)
                     error = None
                     break
                 except Exception as exc:  # noqa: BLE001 - recorded, retried, then halts the session
@@ -322,6 +324,8 @@ class Saga:
                 return report
             if progress:
                 progress(i + 1, len(plan), report.steps[-1])
+            if i + 1 < len(plan):
+                fault(FaultPoint.BETWEEN_COMPENSATIONS)
         if only_effect is None:
             self._finish(session_id, report, actor, reason)
         return report
@@ -357,7 +361,7 @@ class Saga:
         report = RollbackReport(session_id)
         for i, entry in enumerate(plan):
             self._claim(entry)
-            fault("during_rollback")
+            fault(FaultPoint.DURING_ROLLBACK)
             error: str | None = None
             attempt = entry.attempts
             for n in range(self.max_attempts):
@@ -366,6 +370,7 @@ class Saga:
                     out = entry.fn(self._ctx(session_id, entry, attempt))
                     if inspect.isawaitable(out):
                         await out
+                    fault(FaultPoint.AFTER_COMPENSATION)
                     error = None
                     break
                 except Exception as exc:  # noqa: BLE001 - recorded, retried, then halts the session
@@ -379,6 +384,8 @@ class Saga:
                 return report
             if progress:
                 progress(i + 1, len(plan), report.steps[-1])
+            if i + 1 < len(plan):
+                fault(FaultPoint.BETWEEN_COMPENSATIONS)
         self._finish(session_id, report, actor, reason)
         return report
 
