@@ -23,7 +23,7 @@ from . import _schema as t
 from ._audit import append_event, write_outbox
 from ._faults import FaultPoint, fault
 from ._hotpath import HotPath
-from ._store import Owner, Store, from_epoch, new_id, utcnow
+from ._store import FAST_POOL_SIZE, Owner, Store, from_epoch, new_id, utcnow
 from ._tools import ToolSpec, ToolTier, canonical_json, sha256_hex
 from .errors import (
     ApprovalCancelled,
@@ -274,7 +274,7 @@ class Engine:
         self._renewer: threading.Thread | None = None
         self._stop = threading.Event()
         self._renew_lock = threading.Lock()
-        self.hot = HotPath(self.store)
+        self.hot = HotPath(self.store, pool_size=self.store.pool_size, fast_pool_size=FAST_POOL_SIZE)
         self.instance = new_id()[:12]
         self.owner = f"{Owner.me()}|{self.instance}"
         _ENGINES[self.instance] = self

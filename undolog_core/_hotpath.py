@@ -1,4 +1,4 @@
-"""The COMPENSABLE hot path on the raw driver: SQL rendered once, one connection per thread.
+"""The COMPENSABLE hot path on the raw driver: SQL rendered once, connections from two small bounded pools.
 
 SQLAlchemy Core costs more per statement than the durable commit it wraps on a fast disk, and the pre-write and
 the commit mark run on every COMPENSABLE call. Everything else (rare paths, errors, pins) stays on Core.
@@ -9,13 +9,14 @@ read back alike.
 from __future__ import annotations
 
 import sqlite3
-import threading
 import time
 from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 
+from ._pool import RawPool, WouldBlock, is_unavailable
 from ._store import Store, from_epoch
+from .errors import DatabaseUnavailable
 
 _EFFECT_COLS = (
     "effect_id, session_id, call_id, tool_name, tool_revision, tier, state, args_snapshot, args_digest, owner, "
@@ -97,35 +98,31 @@ def _sqlite_time(t: float) -> str:
 
 
 class HotPath:
-    def __init__(self, store: Store) -> None:
+    """The pre-write and the commit mark on raw connections from two small pools (durable and fast).
+
+    ``wait=False`` (the async driver on an event loop) raises ``WouldBlock`` before anything is written when a
+    connection or SQLite's in-process write lock is not free at once, so the caller can retry in a thread.
+    """
+
+    def __init__(self, store: Store, *, pool_size: int, fast_pool_size: int) -> None:
         self.store = store
         self.sqlite = not store.is_postgres
-        self._local = threading.local()
-        self._all: list[Any] = []
-        self._lock = threading.Lock()
         self.write_lock = store.write_lock
+        self.durable = RawPool(store.engine, pool_size, setup=self._setup)
+        self.fast = RawPool(store.fast, fast_pool_size, setup=self._setup)
 
-    def _conn(self, fast: bool) -> Any:
-        attr = "fast" if fast else "durable"
-        conn = getattr(self._local, attr, None)
-        if conn is None:
-            fairy = (self.store.fast if fast else self.store.engine).raw_connection()
-            # Detached: this thread keeps the connection for itself, outside the pool's accounting.
-            fairy.detach()
-            conn = fairy.dbapi_connection
-            assert conn is not None
-            if self.sqlite:
-                # What the pool's connections check by foreign key, the hot path's statements guarantee
-                # themselves: the effect is inserted only where the session row exists (in the same statement),
-                # its undo entry refers to it, and a commit mark changes no key. Skipping the checks saves two
-                # lookups per pre-write.
-                conn.execute("PRAGMA foreign_keys=OFF")
-            else:
-                conn.autocommit = True
-            setattr(self._local, attr, conn)
-            with self._lock:
-                self._all.append(conn)
-        return conn
+    def _setup(self, conn: Any) -> None:
+        if self.sqlite:
+            # What the pool's connections check by foreign key, the hot path's statements guarantee themselves:
+            # the effect is inserted only where the session row exists (in the same statement), its undo entry
+            # refers to it, and a commit mark changes no key. Skipping the checks saves two lookups per pre-write.
+            conn.execute("PRAGMA foreign_keys=OFF")
+        else:
+            conn.autocommit = True
+
+    def _lock(self, wait: bool) -> None:
+        if not self.write_lock.acquire(blocking=wait):
+            raise WouldBlock()
 
     def prewrite(
         self,
@@ -142,14 +139,19 @@ class HotPath:
         lease: float,
         comp: str,
         comp_version: int,
+        wait: bool = True,
     ) -> bool:
         """One durable transaction; False when the session does not accept writes (nothing written).
 
         ``count`` calls counted in memory are flushed to the session row on the way; with none, the session row is
         only checked. ``now`` and ``lease`` (the lease's end) are epoch seconds, as ``time.time()`` gives them.
-        Positional on purpose: this runs on every COMPENSABLE call.
+        Positional on purpose: this runs on every COMPENSABLE call. A database that went away raises
+        ``DatabaseUnavailable``; the effect may then exist (the commit's outcome is unknown), owned by this
+        process and never run: ``recover()`` settles it by its id, and it is never written a second time.
         """
-        conn = self._conn(False)
+        pool = self.durable
+        conn, gen = pool.checkout(wait=wait)
+        broken = False
         try:
             if self.sqlite:
                 now_s = _sqlite_time(now)
@@ -157,22 +159,34 @@ class HotPath:
                 # statement as the effect.
                 row = (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner,
                        _sqlite_time(lease), now_s, now_s)
-                with self.write_lock:
+                self._lock(wait)
+                try:
                     if not count:
                         # One autocommit statement: a write statement takes the write lock before it reads, like
                         # BEGIN IMMEDIATE, so the session check and the insert see one state.
                         return bool(conn.execute(_SQLITE_EFFECT_CHECKED, (*row, session_id)).rowcount == 1)
                     return self._sqlite_prewrite(conn, row, now_s, session_id, count)
-            now_d = from_epoch(now)
+                finally:
+                    self.write_lock.release()
             cur = conn.execute(
                 _PG_PREWRITE if count else _PG_PREWRITE_CHECKED,
-                {"count": count, "now": now_d, "session_id": session_id, "effect_id": effect_id, "call_id": call_id,
-                 "tool_name": tool_name, "revision": revision, "args": args_text, "digest": digest, "owner": owner,
-                 "lease": from_epoch(lease), "comp": comp, "comp_version": comp_version},
+                {"count": count, "now": from_epoch(now), "session_id": session_id, "effect_id": effect_id,
+                 "call_id": call_id, "tool_name": tool_name, "revision": revision, "args": args_text,
+                 "digest": digest, "owner": owner, "lease": from_epoch(lease), "comp": comp,
+                 "comp_version": comp_version},
             )
             return bool(cur.rowcount == 1)
         except (sqlite3.IntegrityError, _pg_integrity_error()) as exc:
             raise IntegrityError("pre-write", None, exc) from exc
+        except WouldBlock:
+            raise
+        except BaseException as exc:
+            if is_unavailable(exc):
+                broken = True
+                raise DatabaseUnavailable("the pre-write", exc) from exc
+            raise
+        finally:
+            pool.checkin(conn, gen, broken=broken)
 
     @staticmethod
     def _sqlite_prewrite(conn: Any, row: tuple[Any, ...], now_s: str, session_id: str, count: int) -> bool:
@@ -189,40 +203,51 @@ class HotPath:
             raise
         return True
 
-    def mark(self, effect_id: str, text: str, now: float, *, fast: bool) -> bool:
+    def mark(self, effect_id: str, text: str, now: float, *, fast: bool, wait: bool = True) -> bool:
         """The commit mark as one autocommit UPDATE; False when the effect was not in flight."""
-        conn = self._conn(fast)
-        if self.sqlite:
-            with self.write_lock:
-                return bool(conn.execute(_SQLITE_MARK, (text, _sqlite_time(now), effect_id)).rowcount == 1)
-        return bool(conn.execute(_PG_MARK, (text, from_epoch(now), effect_id)).rowcount == 1)
+        pool = self.fast if fast else self.durable
+        conn, gen = pool.checkout(wait=wait)
+        broken = False
+        try:
+            if self.sqlite:
+                self._lock(wait)
+                try:
+                    return bool(conn.execute(_SQLITE_MARK, (text, _sqlite_time(now), effect_id)).rowcount == 1)
+                finally:
+                    self.write_lock.release()
+            return bool(conn.execute(_PG_MARK, (text, from_epoch(now), effect_id)).rowcount == 1)
+        except WouldBlock:
+            raise
+        except BaseException as exc:
+            if is_unavailable(exc):
+                broken = True
+                raise DatabaseUnavailable("the commit mark", exc) from exc
+            raise
+        finally:
+            pool.checkin(conn, gen, broken=broken)
 
     def mark_many(self, marks: list[tuple[str, str, float]]) -> None:
-        """Deferred commit marks of fast mode, in one transaction that is not fsynced."""
-        conn = self._conn(True)
-        if self.sqlite:
-            rows = [(text, _sqlite_time(now), eid) for eid, text, now in marks]
-            with self.write_lock:
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    conn.executemany(_SQLITE_MARK, rows)
-                    conn.execute("COMMIT")
-                except BaseException:
-                    if conn.in_transaction:
-                        conn.execute("ROLLBACK")
-                    raise
-            return
-        with conn.transaction():
-            conn.cursor().executemany(_PG_MARK, [(text, from_epoch(now), eid) for eid, text, now in marks])
+        """Deferred commit marks (fast mode, or marks a dropped connection held back), in one transaction that is
+        not fsynced."""
+        with self.fast.connection("the deferred commit marks") as conn:
+            if self.sqlite:
+                rows = [(text, _sqlite_time(now), eid) for eid, text, now in marks]
+                with self.write_lock:
+                    conn.execute("BEGIN IMMEDIATE")
+                    try:
+                        conn.executemany(_SQLITE_MARK, rows)
+                        conn.execute("COMMIT")
+                    except BaseException:
+                        if conn.in_transaction:
+                            conn.execute("ROLLBACK")
+                        raise
+                return
+            with conn.transaction():
+                conn.cursor().executemany(_PG_MARK, [(text, from_epoch(now), eid) for eid, text, now in marks])
 
     def close(self) -> None:
-        with self._lock:
-            conns, self._all = self._all, []
-        for c in conns:
-            try:
-                c.close()
-            except Exception:  # noqa: BLE001, S110 - closing at shutdown; nothing to do about a failure
-                pass
+        self.durable.close()
+        self.fast.close()
 
 
 def _pg_integrity_error() -> type[BaseException]:

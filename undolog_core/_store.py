@@ -15,11 +15,14 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
 
-from .errors import ConfigurationError
+from ._pool import is_unavailable
+from .errors import ConfigurationError, DatabaseUnavailable
 
 DEFAULT_SQLITE_FILE = "undolog.db"
+FAST_POOL_SIZE = 2
 _MIGRATION_LOCK_KEY = 0x756E646F6C6F67  # "undolog" as an advisory-lock key
 
 
@@ -59,6 +62,9 @@ class Store:
     """Two engines on one database: ``engine`` for durable commits, ``fast`` for commit marks that need not fsync."""
 
     def __init__(self, url: str | None = None, *, schema: str | None = None, pool_size: int = 5) -> None:
+        if pool_size < 1:
+            raise ConfigurationError(f"pool_size must be at least 1, got {pool_size}")
+        self.pool_size = pool_size
         self.url = resolve_url(url)
         self.schema = schema or os.environ.get("UNDOLOG_SCHEMA") or None
         self.dialect = "sqlite" if self.url.startswith("sqlite") else "postgresql"
@@ -68,8 +74,16 @@ class Store:
         # this process's own writers queue on a lock instead, which hands over at once. Re-entrant, because
         # a write may be nested in another on the same thread (never across threads).
         self.write_lock: Any = threading.RLock() if self.dialect == "sqlite" else _NoLock()
+        # Bounded whatever the number of threads: a thread that finds every connection in use waits for one
+        # (an overflow as large as the pool lets a transaction that reads on a second connection finish).
         self.engine = self._make_engine(durable=True, pool_size=pool_size)
-        self.fast = self._make_engine(durable=False, pool_size=2)
+        self.fast = self._make_engine(durable=False, pool_size=FAST_POOL_SIZE)
+
+    @property
+    def max_connections(self) -> int:
+        """The most connections UndoLog holds to the database at once: the general pools (durable and fast, each
+        with its overflow) and the hot path's two pools."""
+        return 2 * self.pool_size + 2 * FAST_POOL_SIZE + self.pool_size + FAST_POOL_SIZE
 
     @property
     def is_postgres(self) -> bool:
@@ -85,7 +99,7 @@ class Store:
                 self.url,
                 connect_args={"check_same_thread": False, "timeout": 30, "isolation_level": None},
                 pool_size=pool_size,
-                max_overflow=20,
+                max_overflow=pool_size,
             )
             sync = "FULL" if durable else "OFF"
 
@@ -117,24 +131,41 @@ class Store:
             options.append("-csynchronous_commit=off")
         if options:
             connect_args["options"] = " ".join(options)
+        if "application_name" not in sa.engine.make_url(self.url).query:
+            # So an operator (or a test) can tell UndoLog's connections apart in pg_stat_activity.
+            connect_args["application_name"] = "undolog"
+        # No pre-ping round trip per checkout: a connection found dead fails one statement, SQLAlchemy then drops
+        # every connection of the pool opened before it, and the next transaction connects afresh.
         return sa.create_engine(
             self.url,
             connect_args=connect_args,
             pool_size=pool_size,
-            max_overflow=20,
+            max_overflow=pool_size,
             pool_pre_ping=False,
         )
 
     @contextmanager
     def tx(self, *, fast: bool = False) -> Iterator[Connection]:
-        with self.write_lock, (self.fast if fast else self.engine).begin() as conn:
-            yield conn
+        """One write transaction; a database that does not answer raises ``DatabaseUnavailable``."""
+        try:
+            with self.write_lock, (self.fast if fast else self.engine).begin() as conn:
+                yield conn
+        except (sa_exc.DBAPIError, sa_exc.TimeoutError) as exc:
+            if isinstance(exc, sa_exc.TimeoutError) or is_unavailable(exc):
+                raise DatabaseUnavailable("a write transaction", exc) from exc
+            raise
 
     @contextmanager
     def read(self) -> Iterator[Connection]:
-        with self.engine.connect().execution_options(undolog_read=True) as conn:
-            yield conn
-            conn.rollback()
+        """One read transaction (deferred on SQLite: it never takes the write lock)."""
+        try:
+            with self.engine.connect().execution_options(undolog_read=True) as conn:
+                yield conn
+                conn.rollback()
+        except (sa_exc.DBAPIError, sa_exc.TimeoutError) as exc:
+            if isinstance(exc, sa_exc.TimeoutError) or is_unavailable(exc):
+                raise DatabaseUnavailable("a read", exc) from exc
+            raise
 
     def for_update(self, stmt: Any, *, skip_locked: bool = False) -> Any:
         # SQLite has no row locks; BEGIN IMMEDIATE already serialises writers there.

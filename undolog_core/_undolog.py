@@ -59,6 +59,7 @@ class UndoLog:
         fast_commit_mark: bool = False,
         lease_seconds: float = 30.0,
         migrate: bool = True,
+        pool_size: int = 5,
     ) -> UndoLog:
         """Open (and migrate) the store.
 
@@ -69,8 +70,10 @@ class UndoLog:
             fast_commit_mark: do not fsync the commit mark after a tool ran; recovery reconciles a lost mark
                 through the tool's probe (without a probe, the effect is compensated).
             lease_seconds: how long an in-flight call's lease lasts; renewed at a third of it.
+            pool_size: connections per pool; ``undolog.store.max_connections`` is the most UndoLog ever holds,
+                however many threads call it.
         """
-        store = Store(url, schema=schema)
+        store = Store(url, schema=schema, pool_size=pool_size)
         if migrate:
             store.migrate()
         return cls(store, fast_commit_mark=fast_commit_mark, lease_seconds=lease_seconds)

@@ -1,0 +1,153 @@
+"""A small, bounded pool of raw driver connections for the hot path, and the map from driver errors to ours.
+
+The hot path's connections run in autocommit (and, on SQLite, without foreign-key checks), so they must not mix
+with SQLAlchemy's general pool. Connections are checked out for one statement and handed back: a framework that
+runs every tool call in a fresh thread (LangGraph does) reuses the same few connections instead of opening one
+per step. A connection whose database went away is closed, and every idle connection opened before it is dropped
+too (they went away with it), so one failed call is enough to heal: the next one opens a fresh connection. There
+is no pre-ping round trip on every checkout.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Engine
+
+from .errors import DatabaseUnavailable
+
+try:  # the [postgres] extra
+    import psycopg
+except ImportError:  # SQLite only
+    psycopg = None  # type: ignore[assignment]
+
+# SQLite's words for a database it cannot reach (a lock held past busy_timeout, a disk error, a file gone); its
+# OperationalError also covers plain SQL mistakes, which are not the database's absence.
+_SQLITE_GONE = ("locked", "disk i/o", "unable to open", "readonly database")
+
+
+def _driver_gone(exc: BaseException) -> bool:
+    if psycopg is not None:
+        if isinstance(exc, psycopg.InterfaceError):
+            return True  # the connection is closed
+        if isinstance(exc, psycopg.OperationalError):
+            # No SQLSTATE: the client lost the server. Class 08 (connection exception) and 57P (operator
+            # intervention: terminated, shutting down) too. A deadlock or a statement timeout is not an absence.
+            state = exc.sqlstate
+            return state is None or state.startswith("08") or state.startswith("57P")
+    if isinstance(exc, sqlite3.OperationalError):
+        text = str(exc).lower()
+        return any(word in text for word in _SQLITE_GONE)
+    return False
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database did not answer (as opposed to refusing a statement)."""
+    if isinstance(exc, sa_exc.DBAPIError):
+        return bool(exc.connection_invalidated) or (exc.orig is not None and _driver_gone(exc.orig))
+    return _driver_gone(exc)
+
+
+class WouldBlock(Exception):
+    """Raised instead of waiting, when the caller asked not to wait (an event loop): retry the call in a thread."""
+
+
+class RawPool:
+    """At most ``size`` raw connections, checked out per statement, LIFO (the warmest one first).
+
+    Example:
+        >>> pool = RawPool(engine, 4, setup=lambda conn: None)
+        >>> with pool.connection() as conn:
+        ...     conn.execute("SELECT 1")
+    """
+
+    def __init__(self, engine: Engine, size: int, *, setup: Callable[[Any], None], timeout: float = 30.0) -> None:
+        self._engine = engine
+        self._setup = setup
+        self.size = size
+        self.timeout = timeout
+        self._slots = threading.BoundedSemaphore(size)
+        # (connection, generation); list append/pop are atomic under the GIL.
+        self._idle: list[tuple[Any, int]] = []
+        self._generation = 0
+        self._closed = False
+
+    def _open(self) -> Any:
+        fairy = self._engine.raw_connection()
+        # Detached: this pool owns the connection, outside SQLAlchemy's pool accounting.
+        fairy.detach()
+        conn = fairy.dbapi_connection
+        assert conn is not None
+        self._setup(conn)
+        return conn
+
+    def checkout(self, *, wait: bool = True) -> tuple[Any, int]:
+        """A connection and its generation; raises ``WouldBlock`` when ``wait`` is False and none is free."""
+        if not self._slots.acquire(blocking=False):
+            if not wait:
+                raise WouldBlock()
+            if not self._slots.acquire(timeout=self.timeout):
+                raise DatabaseUnavailable("checkout", f"no connection free after {self.timeout:g} s (pool of {self.size})")
+        try:
+            while True:
+                try:
+                    conn, gen = self._idle.pop()
+                except IndexError:
+                    return self._open(), self._generation
+                if gen == self._generation:
+                    return conn, gen
+                _close(conn)  # opened before the database went away
+        except BaseException as exc:
+            self._slots.release()
+            if is_unavailable(exc):
+                raise DatabaseUnavailable("connect", exc) from exc
+            raise
+
+    def checkin(self, conn: Any, gen: int, *, broken: bool = False) -> None:
+        try:
+            if broken:
+                _close(conn)
+                if gen == self._generation:
+                    self._generation += 1  # every idle connection of that generation is stale now
+            elif self._closed or gen != self._generation:
+                _close(conn)
+            else:
+                self._idle.append((conn, gen))
+        finally:
+            self._slots.release()
+
+    @contextmanager
+    def connection(self, operation: str, *, wait: bool = True) -> Iterator[Any]:
+        """Check a connection out for one unit of work; a database that went away becomes ``DatabaseUnavailable``."""
+        conn, gen = self.checkout(wait=wait)
+        try:
+            yield conn
+        except BaseException as exc:
+            if is_unavailable(exc):
+                self.checkin(conn, gen, broken=True)
+                raise DatabaseUnavailable(operation, exc) from exc
+            self.checkin(conn, gen)
+            raise
+        self.checkin(conn, gen)
+
+    def close(self) -> None:
+        self._closed = True
+        self._generation += 1
+        while self._idle:
+            try:
+                conn, _ = self._idle.pop()
+            except IndexError:
+                break
+            _close(conn)
+
+
+def _close(conn: Any) -> None:
+    try:
+        conn.close()
+    except Exception:  # noqa: BLE001, S110 - a connection that is already gone cannot be closed twice
+        pass
