@@ -329,9 +329,12 @@ class ApprovalService:
         )
         if res.rowcount == 0:
             return
+        # A released call (handed back by a framework mid-run, not re-issued yet) is cancelled with its request:
+        # its re-issue must not run it in a session that has stopped.
         conn.execute(
             t.effect_log.update()
-            .where(t.effect_log.c.effect_id == effect_id, t.effect_log.c.state.in_(("awaiting_approval", "approved")))
+            .where(t.effect_log.c.effect_id == effect_id,
+                   t.effect_log.c.state.in_(("awaiting_approval", "approved", "released")))
             .values(state="cancelled", error=why, updated_at=now)
         )
         append_event(

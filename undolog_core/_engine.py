@@ -52,9 +52,11 @@ _ENGINES: weakref.WeakValueDictionary[str, Engine] = weakref.WeakValueDictionary
 
 
 def owner_alive(
-    owner: str | None, lease: dt.datetime | None, *, effect_id: str | None = None, undo_id: int | None = None
+    owner: str | None, lease: dt.datetime | None, *, effect_id: str | None = None, undo_id: int | None = None,
+    rolling: str | None = None,
 ) -> bool:
-    """Whether the owner of an in-flight effect (or undo step) may still be working on it."""
+    """Whether the owner of an in-flight effect (or undo step, or rollback of the session ``rolling``) may still be
+    working on it."""
     if not owner:
         return False
     parts = owner.split("|")
@@ -67,6 +69,8 @@ def owner_alive(
             return effect_id in eng._inflight
         if undo_id is not None:
             return undo_id in eng._compensating
+        if rolling is not None:
+            return rolling in eng._rolling
         return lease is not None and lease > utcnow()
     if Owner.is_dead_locally(process):
         return False
@@ -271,6 +275,7 @@ class Engine:
         self._sessions_lock = threading.Lock()
         self._inflight: set[str] = set()
         self._compensating: set[int] = set()
+        self._rolling: set[str] = set()  # sessions whose rollback this engine is walking
         self._renewer: threading.Thread | None = None
         self._stop = threading.Event()
         self._renew_lock = threading.Lock()
@@ -600,15 +605,26 @@ class Engine:
         if row.args_digest != digest:
             raise CallIdConflict(session_id, call_id, "with different arguments")
         if row.state == "released":
-            return self._reclaim(row, spec)
+            sc = self._sessions.get(session_id)
+            if sc is None or not sc.persisted:
+                sc = self.ensure_session(session_id)
+            return self._reclaim(sc, row, spec)
         return self._replay(row)
 
-    def _reclaim(self, row: Any, spec: ToolSpec) -> Decision:
-        """A call released by a framework's control flow (a LangGraph interrupt) is run again by its re-issue."""
+    def _reclaim(self, sc: SessionCache, row: Any, spec: ToolSpec) -> Decision:
+        """A call released by a framework's control flow (a LangGraph interrupt) is run again by its re-issue.
+
+        Only while the session still accepts calls and, for an IRREVERSIBLE call, while its approval still stands:
+        a session rolled back or halted since the release (a rejection of another request halts it), or a request
+        cancelled meanwhile, refuses the re-issue like any other call.
+        """
         now = utcnow()
         self._inflight.add(row.effect_id)
         try:
             with self.store.tx() as conn:
+                self._guard(conn, sc, 0, pin=None)
+                if row.tier == "irreversible":
+                    self._check_still_approved(conn, row)
                 res = conn.execute(
                     t.effect_log.update()
                     .where(t.effect_log.c.effect_id == row.effect_id, t.effect_log.c.state == "released")
@@ -624,6 +640,22 @@ class Engine:
         self._ensure_renewer()
         args = spec.values(spec.validate(row.args_snapshot))
         return Execute(row.effect_id, args, f"do-{row.effect_id}", spec.tier, spec.name, row.call_id, row.session_id)
+
+    def _check_still_approved(self, conn: Connection, row: Any) -> None:
+        r = t.approval_requests
+        req = conn.execute(
+            sa.select(r.c.approval_request_id, r.c.state, r.c.decision_reason, r.c.decided_by)
+            .where(r.c.effect_id == row.effect_id)
+        ).first()
+        if req is None or req.state in ("approved", "auto_approved"):
+            return
+        if req.state == "cancelled":
+            raise ApprovalCancelled(req.approval_request_id, req.decision_reason)
+        if req.state == "rejected":
+            raise ApprovalRejected(req.approval_request_id, req.decision_reason, req.decided_by)
+        if req.state == "timed_out":
+            raise ApprovalTimedOut(req.approval_request_id)
+        raise InvalidEffectState(f"call {row.call_id!r}: its approval request is {req.state}")
 
     def release(self, effect_id: str) -> None:
         """Give an in-flight call back without an outcome, for a framework's control-flow exception.
@@ -725,7 +757,7 @@ class Engine:
         if state == "approved":
             return self._claim_run(sc, spec, row)
         if state == "released":
-            return self._reclaim(row, spec)
+            return self._reclaim(sc, row, spec)
         if state == "rejected":
             raise ApprovalRejected(row.approval_request_id, row.decision_reason, row.decided_by)
         if state == "timed_out":
@@ -1037,6 +1069,17 @@ class Engine:
 
     # -- leases ------------------------------------------------------------------------------------
 
+    def rolling(self, session_id: str, *, done: bool = False) -> None:
+        """This engine walks (or, ``done``, no longer walks) the rollback of ``session_id``: its lease is renewed."""
+        if done:
+            self._rolling.discard(session_id)
+            return
+        self._rolling.add(session_id)
+        sc = self._sessions.get(session_id)
+        if sc is not None:
+            sc.state = "rolling_back"
+        self._ensure_renewer()
+
     def _ensure_renewer(self) -> None:
         self._ensure_thread("_renewer", self._renew_loop, "undolog-lease")
 
@@ -1064,7 +1107,8 @@ class Engine:
         while not self._stop.wait(period):
             effects = list(self._inflight)
             undos = list(self._compensating)
-            if not effects and not undos:
+            rolling = list(self._rolling)
+            if not effects and not undos and not rolling:
                 continue
             until = utcnow() + dt.timedelta(seconds=self.lease_seconds)
             me = self.owner
@@ -1080,6 +1124,12 @@ class Engine:
                         conn.execute(
                             t.undo_stack.update()
                             .where(t.undo_stack.c.undo_id.in_(undos), t.undo_stack.c.owner == me)
+                            .values(lease_until=until)
+                        )
+                    if rolling:
+                        conn.execute(
+                            t.rollbacks.update()
+                            .where(t.rollbacks.c.session_id.in_(rolling), t.rollbacks.c.owner == me)
                             .values(lease_until=until)
                         )
             except Exception:  # noqa: BLE001 - a missed renewal is retried next period; leases are long

@@ -54,9 +54,10 @@ class Recovery:
         self._u = undolog
 
     def _dead(
-        self, owner: str | None, lease: dt.datetime | None, effect_id: str | None = None, undo_id: int | None = None
+        self, owner: str | None, lease: dt.datetime | None, effect_id: str | None = None, undo_id: int | None = None,
+        rolling: str | None = None,
     ) -> bool:
-        return not owner_alive(owner, lease, effect_id=effect_id, undo_id=undo_id)
+        return not owner_alive(owner, lease, effect_id=effect_id, undo_id=undo_id, rolling=rolling)
 
     def recover(self, progress: Callable[[int, int, str], None] | None = None) -> RecoveryReport:
         """Finish what crashed processes left in flight. Safe to run from several processes at once.
@@ -83,8 +84,10 @@ class Recovery:
                 q = q.where(e.c.seq > cursor.effect_seq)
             effects = conn.execute(q).all()
             undos = conn.execute(
-                sa.select(u.c.undo_id, u.c.session_id, u.c.owner, u.c.lease_until).where(u.c.state == "compensating")
+                sa.select(u.c.undo_id, u.c.effect_id, u.c.session_id, u.c.owner, u.c.lease_until)
+                .where(u.c.state == "compensating")
             ).all()
+            intents = conn.execute(sa.select(t.rollbacks)).all()
         if cursor is not None:
             # Everything up to the oldest effect still in flight (or up to the newest row) has been seen settled.
             # Effects reconciled below are settled too, but stay ahead of the cursor until the next pass: a
@@ -93,33 +96,75 @@ class Recovery:
             self._advance(cursor, upto)
         dead_effects = [r for r in effects if self._dead(r.owner, r.lease_until, r.effect_id)]
         report.left_alive = len(effects) - len(dead_effects)
-        dead_undos = [r for r in undos if self._dead(r.owner, r.lease_until, undo_id=r.undo_id)]
-        total = len(dead_effects) + len({r.session_id for r in dead_undos})
+        # A requested rollback whose walker is gone is finished: the whole session, as was asked.
+        dead_intents = [r for r in intents if self._dead(r.owner, r.lease_until, rolling=r.session_id)]
+        with_intent = {r.session_id for r in intents}
+        # An entry left `compensating` outside a requested rollback was recovery compensating one in-doubt call:
+        # that call alone is finished, never the session around it. When its effect is still in flight, the
+        # effect's own reconciliation below takes the entry up.
+        in_flight = {r.effect_id for r in effects}
+        stray_undos = [r for r in undos if r.session_id not in with_intent and r.effect_id not in in_flight
+                       and self._dead(r.owner, r.lease_until, undo_id=r.undo_id)]
+        total = len(dead_effects) + len(dead_intents) + len(stray_undos)
         done = 0
-        rolled: set[str] = set()
-        for ru in dead_undos:
-            if ru.session_id in rolled or not self._claim_undo(ru):
+        for ri in dead_intents:
+            done += 1
+            if not self._claim_intent(ri):
                 continue
-            rolled.add(ru.session_id)
             try:
-                self._u.saga.rollback_sync(ru.session_id, actor="undolog:recovery",
-                                           reason="rollback interrupted by a crash, resumed by recovery")
-                report.rollbacks_resumed.append(ru.session_id)
+                self._u.saga.rollback_sync(ri.session_id, actor=ri.actor,
+                                           reason=f"{ri.reason or 'requested'} (interrupted, resumed by recovery)")
+                report.rollbacks_resumed.append(ri.session_id)
             except UndoLogError as exc:
-                report.errors.append(f"session {ru.session_id}: {exc.message}")
-            done += 1
+                report.errors.append(f"session {ri.session_id}: {exc.message}")
             if progress:
-                progress(done, total, f"rollback {ru.session_id}")
-        for r in dead_effects:
-            if r.session_id in rolled:
-                continue
-            outcome = self._reconcile(r, report)
+                progress(done, total, f"rollback {ri.session_id}")
+        for ru in stray_undos:
             done += 1
+            outcome = self._finish_stray(ru, report)
             if outcome:
-                report.reconciled.append({"effect_id": r.effect_id, "tool_name": r.tool_name, "outcome": outcome})
+                report.reconciled.append({"effect_id": ru.effect_id, "tool_name": outcome[0], "outcome": outcome[1]})
             if progress:
-                progress(done, total, f"{r.tool_name} {r.effect_id}: {outcome or 'skipped'}")
+                progress(done, total, f"undo {ru.undo_id}: {outcome[1] if outcome else 'skipped'}")
+        for r in dead_effects:
+            done += 1
+            if r.session_id in with_intent:
+                continue  # a requested rollback covers it (above, or by its live walker)
+            settled = self._reconcile(r, report)
+            if settled:
+                report.reconciled.append({"effect_id": r.effect_id, "tool_name": r.tool_name, "outcome": settled})
+            if progress:
+                progress(done, total, f"{r.tool_name} {r.effect_id}: {settled or 'skipped'}")
         return report
+
+    def _claim_intent(self, r: Any) -> bool:
+        """Compare-and-swap the rollback's owner: of several recoverers, one walks it."""
+        now = utcnow()
+        rb = t.rollbacks
+        with self._u.store.tx() as conn:
+            res = conn.execute(
+                rb.update().where(rb.c.session_id == r.session_id, _same(rb.c.owner, r.owner))
+                .values(owner=self._u.engine.owner, lease_until=now + dt.timedelta(seconds=self._u.lease_seconds))
+            )
+            return res.rowcount == 1
+
+    def _finish_stray(self, r: Any, report: RecoveryReport) -> tuple[str, str] | None:
+        """Finish the one compensation that was interrupted, and halt the session for a person."""
+        try:
+            out = self._u.saga.rollback_sync(r.session_id, actor="undolog:recovery",
+                                             reason=f"recovery of {r.effect_id}", only_effect=r.effect_id)
+        except UndoLogError as exc:
+            report.errors.append(f"undo entry {r.undo_id}: {exc.message}")
+            return None
+        if not out.steps:
+            return None
+        step = out.steps[-1]
+        if step.outcome == "compensated":
+            with self._u.store.tx() as conn:
+                self._u.engine.halt(conn, r.session_id,
+                                    f"recovered after a crash: the compensation of {step.tool_name} ({r.effect_id}) "
+                                    "was finished; review, then resume or roll back")
+        return step.tool_name, step.outcome
 
     def _advance(self, cursor: Any, upto: int) -> None:
         if upto <= cursor.effect_seq:
@@ -131,17 +176,6 @@ class Recovery:
                 rc.update().where(rc.c.cursor_id == 1, rc.c.version == cursor.version)
                 .values(effect_seq=upto, version=rc.c.version + 1)
             )
-
-    def _claim_undo(self, r: Any) -> bool:
-        now = utcnow()
-        with self._u.store.tx() as conn:
-            res = conn.execute(
-                t.undo_stack.update()
-                .where(t.undo_stack.c.undo_id == r.undo_id, t.undo_stack.c.state == "compensating",
-                       _same(t.undo_stack.c.owner, r.owner))
-                .values(owner=self._u.engine.owner, lease_until=now + dt.timedelta(seconds=self._u.lease_seconds))
-            )
-            return res.rowcount == 1
 
     def _claim_effect(self, r: Any) -> bool:
         """Compare-and-swap the owner; on PostgreSQL SKIP LOCKED keeps racing recoverers from waiting on each other."""

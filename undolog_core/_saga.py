@@ -125,9 +125,18 @@ class Saga:
 
     # -- planning --------------------------------------------------------------------------------
 
-    def _plan(self, session_id: str, only_effect: str | None = None) -> RollbackReport | list[_Entry]:
+    def _plan(
+        self, session_id: str, only_effect: str | None = None, *, actor: str = "undolog", reason: str | None = None
+    ) -> RollbackReport | list[_Entry]:
+        """What to compensate, newest first; for a session rollback, the durable intent is written here too.
+
+        Everything that can refuse the rollback (a call still running, a compensation missing) is checked before
+        the intent is written, so a refused rollback changes nothing. ``only_effect`` (recovery of one in-doubt
+        call) writes no intent and leaves the session's state alone.
+        """
         self._u.engine.flush_marks()
         store = self._u.store
+        engine = self._u.engine
         u, e = t.undo_stack, t.effect_log
         with store.tx() as conn:
             sess = conn.execute(
@@ -137,6 +146,15 @@ class Saga:
                 raise SessionNotFound(session_id)
             if sess.state == "rolled_back" and only_effect is None:
                 return RollbackReport(session_id, already_rolled_back=True, complete=True)
+            intent = None
+            if only_effect is None:
+                intent = conn.execute(
+                    sa.select(t.rollbacks).where(t.rollbacks.c.session_id == session_id)
+                ).first()
+                if intent is not None and intent.owner != engine.owner and owner_alive(
+                    intent.owner, intent.lease_until, rolling=session_id
+                ):
+                    raise InvalidSessionState(f"session {session_id!r} is being rolled back right now")
             q = (
                 sa.select(u, e.c.tool_name, e.c.state.label("effect_state"), e.c.result_snapshot,
                           e.c.owner.label("effect_owner"), e.c.lease_until.label("effect_lease"))
@@ -167,7 +185,9 @@ class Saga:
                 fn, version = comp
                 if version != r.compensation_version:
                     err = CompensationVersionMismatch(r.compensation_name, r.compensation_version, version)
-                    self._u.engine.halt(conn, session_id, err.message)
+                    engine.halt(conn, session_id, err.message)
+                    if intent is not None:  # halted for a person: recovery must not take it up again
+                        conn.execute(t.rollbacks.delete().where(t.rollbacks.c.session_id == session_id))
                     mismatch: Exception | None = err
                     break
                 entries.append(
@@ -177,9 +197,35 @@ class Saga:
                 )
             else:
                 mismatch = None
+                if only_effect is None:
+                    self._write_intent(conn, session_id, intent, actor, reason)
         if mismatch is not None:
             raise mismatch
+        if only_effect is None:
+            fault(FaultPoint.ROLLBACK_REQUESTED)
         return entries
+
+    def _write_intent(self, conn: Any, session_id: str, intent: Any, actor: str, reason: str | None) -> None:
+        """The rollback is requested, durably, before its first compensation: from here on the session takes no
+        call, and a crash at any point of the walk is finished by ``recover()``."""
+        engine = self._u.engine
+        now = utcnow()
+        lease = now + dt.timedelta(seconds=self._u.lease_seconds)
+        if intent is None:
+            conn.execute(t.rollbacks.insert().values(session_id=session_id, actor=actor, reason=reason,
+                                                     owner=engine.owner, lease_until=lease, requested_at=now))
+        else:  # taking over a rollback whose walker is gone (or our own, left by an error)
+            conn.execute(t.rollbacks.update().where(t.rollbacks.c.session_id == session_id)
+                         .values(owner=engine.owner, lease_until=lease))
+        conn.execute(
+            t.sessions.update()
+            .where(t.sessions.c.session_id == session_id, t.sessions.c.state.notin_(("rolled_back", "rolling_back")))
+            .values(state="rolling_back", updated_at=now)
+        )
+        engine.rolling(session_id)
+
+    def _end_intent(self, conn: Any, session_id: str) -> None:
+        conn.execute(t.rollbacks.delete().where(t.rollbacks.c.session_id == session_id))
 
     def _claim(self, entry: _Entry) -> None:
         """Compare-and-swap on what the plan saw: two rollbacks of one session never run a compensation twice."""
@@ -237,6 +283,8 @@ class Saga:
                 t.undo_stack.update().where(t.undo_stack.c.undo_id == entry.undo_id)
                 .values(state="compensation_failed", owner=None, lease_until=None, updated_at=now)
             )
+            # The walk stops here, halted for a person; a later rollback resumes where it stopped.
+            self._end_intent(conn, session_id)
             self._u.engine.halt(conn, session_id, why, now=now)
         self._u.engine._compensating.discard(entry.undo_id)
         return why
@@ -263,6 +311,7 @@ class Saga:
                 t.sessions.update().where(t.sessions.c.session_id == session_id)
                 .values(state="rolled_back", updated_at=now)
             )
+            self._end_intent(conn, session_id)
             payload = jsonable({"session_id": session_id, "reason": reason, "steps": [s.__dict__ for s in report.steps],
                                 "kept_irreversible": report.kept_irreversible})
             append_event(conn, self._u.store, subject=f"session:{session_id}", action="session.rollback", actor=actor,
@@ -285,50 +334,29 @@ class Saga:
     ) -> RollbackReport:
         lock = self._lock_for(session_id)
         with lock:
-            return self._rollback_sync(session_id, reason=reason, actor=actor, progress=progress,
-                                       only_effect=only_effect)
-
-    def _rollback_sync(
-        self,
-        session_id: str,
-        *,
-        reason: str | None,
-        actor: str,
-        progress: Callable[[int, int, RollbackStep], None] | None,
-        only_effect: str | None,
-    ) -> RollbackReport:
-        plan = self._plan(session_id, only_effect)
-        if isinstance(plan, RollbackReport):
-            return plan
-        report = RollbackReport(session_id)
-        for i, entry in enumerate(plan):
-            self._claim(entry)
-            fault(FaultPoint.DURING_ROLLBACK)
-            error: str | None = None
-            attempt = entry.attempts
-            for n in range(self.max_attempts):
-                attempt += 1
-                try:
-                    _call_sync(entry.fn, self._ctx(session_id, entry, attempt))
-                    fault(FaultPoint.AFTER_COMPENSATION)
-                    error = None
-                    break
-                except Exception as exc:  # noqa: BLE001 - recorded, retried, then halts the session
-                    error = f"{type(exc).__name__}: {exc}"
-                    self._attempted(entry, error)
-                    if n + 1 < self.max_attempts:
-                        time.sleep(self.backoff_seconds * (2**n))
-            if not self._record(session_id, entry, error, report, attempt):
-                if progress:
-                    progress(i + 1, len(plan), report.steps[-1])
-                return report
-            if progress:
-                progress(i + 1, len(plan), report.steps[-1])
-            if i + 1 < len(plan):
-                fault(FaultPoint.BETWEEN_COMPENSATIONS)
-        if only_effect is None:
-            self._finish(session_id, report, actor, reason)
-        return report
+            walk = _Walk(self, session_id, actor, reason, progress, only_effect)
+            plan = walk.start()
+            if isinstance(plan, RollbackReport):
+                return plan
+            try:
+                for entry in plan:
+                    walk.claim(entry)
+                    error: str | None = None
+                    for n in range(self.max_attempts):
+                        try:
+                            _call_sync(entry.fn, walk.context(entry))
+                            fault(FaultPoint.AFTER_COMPENSATION)
+                            error = None
+                            break
+                        except Exception as exc:  # noqa: BLE001 - recorded, retried, then halts the session
+                            error = walk.attempt_failed(entry, exc)
+                            if n + 1 < self.max_attempts:
+                                time.sleep(self.backoff_seconds * (2**n))
+                    if not walk.step_done(entry, error):
+                        return walk.report
+                return walk.finish()
+            finally:
+                walk.close()
 
     async def rollback(
         self,
@@ -338,56 +366,39 @@ class Saga:
         actor: str = "undolog",
         progress: Callable[[int, int, RollbackStep], None] | None = None,
     ) -> RollbackReport:
+        """The async twin of :meth:`rollback_sync`: the same walk, awaiting async compensations on this loop."""
         lock = self._lock_for(session_id)
         # A task must not block its event loop on a thread lock: poll for it instead.
         while not lock.acquire(blocking=False):
             await asyncio.sleep(0.005)
         try:
-            return await self._rollback_async(session_id, reason=reason, actor=actor, progress=progress)
+            walk = _Walk(self, session_id, actor, reason, progress, None)
+            plan = walk.start()
+            if isinstance(plan, RollbackReport):
+                return plan
+            try:
+                for entry in plan:
+                    walk.claim(entry)
+                    error: str | None = None
+                    for n in range(self.max_attempts):
+                        try:
+                            out = entry.fn(walk.context(entry))
+                            if inspect.isawaitable(out):
+                                await out
+                            fault(FaultPoint.AFTER_COMPENSATION)
+                            error = None
+                            break
+                        except Exception as exc:  # noqa: BLE001 - recorded, retried, then halts the session
+                            error = walk.attempt_failed(entry, exc)
+                            if n + 1 < self.max_attempts:
+                                await asyncio.sleep(self.backoff_seconds * (2**n))
+                    if not walk.step_done(entry, error):
+                        return walk.report
+                return walk.finish()
+            finally:
+                walk.close()
         finally:
             lock.release()
-
-    async def _rollback_async(
-        self,
-        session_id: str,
-        *,
-        reason: str | None,
-        actor: str,
-        progress: Callable[[int, int, RollbackStep], None] | None,
-    ) -> RollbackReport:
-        plan = self._plan(session_id)
-        if isinstance(plan, RollbackReport):
-            return plan
-        report = RollbackReport(session_id)
-        for i, entry in enumerate(plan):
-            self._claim(entry)
-            fault(FaultPoint.DURING_ROLLBACK)
-            error: str | None = None
-            attempt = entry.attempts
-            for n in range(self.max_attempts):
-                attempt += 1
-                try:
-                    out = entry.fn(self._ctx(session_id, entry, attempt))
-                    if inspect.isawaitable(out):
-                        await out
-                    fault(FaultPoint.AFTER_COMPENSATION)
-                    error = None
-                    break
-                except Exception as exc:  # noqa: BLE001 - recorded, retried, then halts the session
-                    error = f"{type(exc).__name__}: {exc}"
-                    self._attempted(entry, error)
-                    if n + 1 < self.max_attempts:
-                        await asyncio.sleep(self.backoff_seconds * (2**n))
-            if not self._record(session_id, entry, error, report, attempt):
-                if progress:
-                    progress(i + 1, len(plan), report.steps[-1])
-                return report
-            if progress:
-                progress(i + 1, len(plan), report.steps[-1])
-            if i + 1 < len(plan):
-                fault(FaultPoint.BETWEEN_COMPENSATIONS)
-        self._finish(session_id, report, actor, reason)
-        return report
 
     def _record(self, session_id: str, entry: _Entry, error: str | None, report: RollbackReport, attempt: int) -> bool:
         if error is None:
@@ -422,6 +433,68 @@ class Saga:
                 .order_by(u.c.undo_id.desc())
             ).all()
         return [dict(r._mapping) for r in rows]
+
+
+class _Walk:
+    """One rollback's walk, shared by the sync and the async driver: they differ only in how a compensation is
+    called and how they wait between attempts. Every durable step (intent, claim, attempt, outcome, end) is here."""
+
+    def __init__(self, saga: Saga, session_id: str, actor: str, reason: str | None,
+                 progress: Callable[[int, int, RollbackStep], None] | None, only_effect: str | None) -> None:
+        self.saga = saga
+        self.session_id = session_id
+        self.actor = actor
+        self.reason = reason
+        self.progress = progress
+        self.only_effect = only_effect
+        self.report = RollbackReport(session_id)
+        self.total = 0
+        self.attempt = 0
+        self.claimed: _Entry | None = None
+
+    def start(self) -> RollbackReport | list[_Entry]:
+        plan = self.saga._plan(self.session_id, self.only_effect, actor=self.actor, reason=self.reason)
+        if not isinstance(plan, RollbackReport):
+            self.total = len(plan)
+        return plan
+
+    def claim(self, entry: _Entry) -> None:
+        if self.report.steps:
+            fault(FaultPoint.BETWEEN_COMPENSATIONS)
+        self.saga._claim(entry)
+        self.claimed = entry
+        self.attempt = entry.attempts
+        fault(FaultPoint.DURING_ROLLBACK)
+
+    def context(self, entry: _Entry) -> CompensationContext:
+        self.attempt += 1
+        return self.saga._ctx(self.session_id, entry, self.attempt)
+
+    def attempt_failed(self, entry: _Entry, exc: Exception) -> str:
+        error = f"{type(exc).__name__}: {exc}"
+        self.saga._attempted(entry, error)
+        return error
+
+    def step_done(self, entry: _Entry, error: str | None) -> bool:
+        ok = self.saga._record(self.session_id, entry, error, self.report, self.attempt)
+        self.claimed = None
+        if self.progress:
+            self.progress(len(self.report.steps), self.total, self.report.steps[-1])
+        return ok
+
+    def finish(self) -> RollbackReport:
+        if self.only_effect is None:
+            self.saga._finish(self.session_id, self.report, self.actor, self.reason)
+        return self.report
+
+    def close(self) -> None:
+        """However the walk ended, this process no longer works on it: an entry or an intent left behind (an
+        error, a cancelled task) counts as abandoned, so recovery or the next rollback takes it over."""
+        engine = self.saga._u.engine
+        if self.claimed is not None:
+            engine._compensating.discard(self.claimed.undo_id)
+        if self.only_effect is None:
+            engine.rolling(self.session_id, done=True)
 
 
 def _call_sync(fn: Callable[..., Any], ctx: Any) -> Any:

@@ -35,7 +35,9 @@ class UTCDateTime(sa.types.TypeDecorator[dt.datetime]):
 
 
 TIERS = ("safe", "compensable", "irreversible")
-SESSION_STATES = ("active", "awaiting_approval", "halted", "rolled_back", "completed")
+# ``rolling_back``: a rollback was requested and is durable (``undolog_rollbacks``); no call is accepted until it
+# ends ``rolled_back`` or, when a compensation fails, ``halted``.
+SESSION_STATES = ("active", "awaiting_approval", "halted", "rolling_back", "rolled_back", "completed")
 EFFECT_STATES = (
     "pending",
     "committed",
@@ -220,6 +222,20 @@ approval_requests = sa.Table(
 )
 sa.Index("ix_undolog_approval_state_timeout", approval_requests.c.state, approval_requests.c.timeout_at)
 sa.Index("ix_undolog_approval_session", approval_requests.c.session_id)
+
+# A requested rollback, written before its first compensation and deleted when the walk ends (rolled back, or
+# halted by a failing compensation). Its owner and lease say whether a live process is walking it; recovery takes
+# over an intent whose owner is gone, so a crash at any point of the walk, between two steps included, is finished.
+rollbacks = sa.Table(
+    "undolog_rollbacks",
+    metadata,
+    sa.Column("session_id", sa.String(200), sa.ForeignKey("undolog_sessions.session_id"), primary_key=True),
+    sa.Column("actor", sa.String(200), nullable=False),
+    sa.Column("reason", sa.Text),
+    sa.Column("owner", sa.String(200)),
+    sa.Column("lease_until", UTCDateTime),
+    sa.Column("requested_at", UTCDateTime, nullable=False),
+)
 
 # Every audited action: approval decisions, policy changes, session resumes and revalidations.
 # One global hash chain; the table is append-only by trigger on both databases.
