@@ -23,6 +23,7 @@ from . import _schema as t
 from ._audit import append_event, write_outbox
 from ._faults import FaultPoint, fault
 from ._hotpath import HotPath
+from ._pool import WouldBlock
 from ._store import FAST_POOL_SIZE, Owner, Store, from_epoch, new_id, utcnow
 from ._tools import ToolSpec, ToolTier, canonical_json, sha256_hex
 from .errors import (
@@ -31,6 +32,7 @@ from .errors import (
     ApprovalTimedOut,
     CallIdConflict,
     ContractChanged,
+    DatabaseUnavailable,
     EffectNotFound,
     InvalidEffectState,
     InvalidId,
@@ -429,9 +431,14 @@ class Engine:
 
     def intercept_spec(
         self, session_id: str, spec: ToolSpec, args: Mapping[str, Any], call_id: str | None = None,
-        match_digest: bool = False,
+        match_digest: bool = False, wait: bool = True,
     ) -> Decision:
-        """``intercept`` for a registered tool's spec and a session id already checked (``Session.call``)."""
+        """``intercept`` for a registered tool's spec and a session id already checked (``Session.call``).
+
+        ``wait=False`` (an event loop) raises ``WouldBlock`` before anything is written when the decision would
+        have to wait for a connection or a lock, or needs more than the hot path's one statement: the caller
+        then runs the same call in a thread.
+        """
         if call_id is not None:
             check_id("call_id", call_id)
         model = spec.validate(args)
@@ -446,7 +453,9 @@ class Engine:
             args_json = json_safe(args_json)
             args_text = canonical_text(args_json)
         if spec.tier is COMPENSABLE:
-            return self.intercept_compensable(session_id, spec, values, args_json, call_id, args_text)
+            return self.intercept_compensable(session_id, spec, values, args_json, call_id, args_text, wait)
+        if not wait:
+            raise WouldBlock()  # a gated call reads and writes several rows: not on an event loop
         return self.intercept_irreversible(session_id, spec, args_json, call_id, match_digest=match_digest)
 
     def _check_pin(self, sc: SessionCache, spec: ToolSpec) -> bool:
@@ -488,11 +497,16 @@ class Engine:
         args_json: Any,
         call_id: str | None,
         args_text: str | None = None,
+        wait: bool = True,
     ) -> Decision:
         sc = self._sessions.get(session_id)
         if sc is None or not sc.persisted:
+            if not wait:
+                raise WouldBlock()
             sc = self.ensure_session(session_id)
         pin = spec if self._check_pin(sc, spec) else None
+        if pin is not None and not wait:
+            raise WouldBlock()
         effect_id = new_id()
         if args_text is None:
             args_text = canonical_text(args_json)
@@ -507,9 +521,11 @@ class Engine:
         try:
             if pin is None and self.hot.prewrite(
                 session_id, safe + carried, effect_id, call_id or effect_id, spec.name, spec.revision, args_text,
-                digest, self.owner, now, now + self.lease_seconds, comp.name, comp.version,
+                digest, self.owner, now, now + self.lease_seconds, comp.name, comp.version, wait,
             ):
                 next(sc.carried)  # this call rides along with the session's next flushing write
+            elif not wait:
+                raise WouldBlock()  # refused: the precise error needs more reads, in a thread
             else:
                 # Pinning a newly registered tool, or the session refused the write: the general path
                 # does the same transaction and raises the precise error.
@@ -520,6 +536,8 @@ class Engine:
             sc.give_back(safe, carried)
             if call_id is None:
                 raise
+            if not wait:
+                raise WouldBlock() from None  # nothing was written; the re-issue is read in a thread
             return self._existing(session_id, spec, call_id, digest)
         except (SessionHalted, SessionClosed):
             self._inflight.discard(effect_id)
@@ -949,8 +967,11 @@ class Engine:
 
     # -- completion ------------------------------------------------------------------------------
 
-    def complete(self, effect_id: str, result: Any) -> None:
-        """Record success: the effect becomes ``committed`` with its result snapshot."""
+    def complete(self, effect_id: str, result: Any, *, wait: bool = True) -> None:
+        """Record success: the effect becomes ``committed`` with its result snapshot.
+
+        ``wait=False`` raises ``WouldBlock`` (nothing written) instead of waiting for a connection or a lock.
+        """
         fault(FaultPoint.AFTER_TOOL)
         text = result_text(result)
         now = time.time()
@@ -960,8 +981,19 @@ class Engine:
             self._ensure_flusher()
             return
         try:
-            if self.hot.mark(effect_id, text, now, fast=False):
+            if self.hot.mark(effect_id, text, now, fast=False, wait=wait):
+                self._inflight.discard(effect_id)
                 return
+        except DatabaseUnavailable:
+            # The tool ran: its result must not be lost to a dropped connection. The mark waits in the deferred
+            # queue (as in fast mode), retried until the database answers; the effect stays in flight and leased
+            # meanwhile, and if this process dies first, recovery reconciles it through the probe.
+            self._marks.append((effect_id, text, now))
+            self._ensure_flusher()
+            return
+        if not wait:
+            raise WouldBlock()  # not in flight any more: the precise error needs a transaction, in a thread
+        try:
             with self.store.tx(fast=self.fast_commit_mark) as conn:
                 res = conn.execute(
                     t.effect_log.update()

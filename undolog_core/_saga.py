@@ -371,14 +371,16 @@ class Saga:
         # A task must not block its event loop on a thread lock: poll for it instead.
         while not lock.acquire(blocking=False):
             await asyncio.sleep(0.005)
+        # The walk's durable steps run in a worker thread: the loop never waits on the store.
+        step = asyncio.to_thread
         try:
             walk = _Walk(self, session_id, actor, reason, progress, None)
-            plan = walk.start()
+            plan = await step(walk.start)
             if isinstance(plan, RollbackReport):
                 return plan
             try:
                 for entry in plan:
-                    walk.claim(entry)
+                    await step(walk.claim, entry)
                     error: str | None = None
                     for n in range(self.max_attempts):
                         try:
@@ -389,12 +391,12 @@ class Saga:
                             error = None
                             break
                         except Exception as exc:  # noqa: BLE001 - recorded, retried, then halts the session
-                            error = walk.attempt_failed(entry, exc)
+                            error = await step(walk.attempt_failed, entry, exc)
                             if n + 1 < self.max_attempts:
                                 await asyncio.sleep(self.backoff_seconds * (2**n))
-                    if not walk.step_done(entry, error):
+                    if not await step(walk.step_done, entry, error):
                         return walk.report
-                return walk.finish()
+                return await step(walk.finish)
             finally:
                 walk.close()
         finally:

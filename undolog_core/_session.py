@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import builtins
-import inspect
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -12,10 +11,10 @@ import sqlalchemy as sa
 
 from . import _schema as t
 from ._audit import append_event
-from ._engine import AwaitingApproval, Completed, Execute, SessionCache
-from ._saga import RollbackReport, run_coro_blocking
+from ._engine import SessionCache
+from ._saga import RollbackReport
 from ._store import utcnow
-from ._tools import ToolSpec, ToolTier
+from ._tools import ToolTier
 from .errors import ApprovalPending, InvalidSessionState, SessionNotFound
 
 SAFE = ToolTier.SAFE
@@ -65,7 +64,7 @@ class Session:
         self._u = undolog
         self._sc = cache
         self.id = cache.session_id
-        self._engine = undolog.engine
+        self._driver = undolog.driver
         self._by_fn = undolog.registry.by_fn
 
     @property
@@ -81,75 +80,12 @@ class Session:
             ApprovalPending: an IRREVERSIBLE call awaits a person; re-issue it with the same ``call_id``.
         """
         spec = self._by_fn.get(tool) if not isinstance(tool, str) else None
-        if spec is None:
-            spec = self._u.registry.spec_for(tool)
-        if spec.tier is SAFE:
-            # The whole SAFE path: validate, count in memory, call. No I/O.
-            values = spec.values(spec.validate(kwargs))
-            self._engine.note_safe_in(self._sc, spec, values)
-            out = spec.fn(**values)  # type: ignore[misc]
-            return (await out) if spec.is_async else out
-        engine = self._engine
-        d = engine.intercept_spec(self.id, spec, kwargs, call_id)
-        if not isinstance(d, Execute):
-            return self._settled(d)
-        with engine.running(d, self.id):
-            try:
-                out = spec.fn(**d.args)  # type: ignore[misc]
-                if inspect.isawaitable(out):
-                    out = await out
-            except BaseException as exc:
-                if engine.record_failure(d.effect_id, exc) == "rollback":  # type: ignore[arg-type]
-                    await self._rollback_noting(exc, f"{spec.name} failed: {type(exc).__name__}: {exc}")
-                raise
-        engine.complete(d.effect_id, out)  # type: ignore[arg-type]
-        return out
+        return await self._driver.call_async(self.id, spec or tool, kwargs, call_id=call_id)
 
     def call_sync(self, tool: Any, /, *, call_id: str | None = None, **kwargs: Any) -> Any:
         """The sync twin of :meth:`call`, for sync agents (CrewAI tools); no event loop per call."""
         spec = self._by_fn.get(tool) if not isinstance(tool, str) else None
-        if spec is None:
-            spec = self._u.registry.spec_for(tool)
-        if spec.tier is SAFE:
-            values = spec.values(spec.validate(kwargs))
-            self._engine.note_safe_in(self._sc, spec, values)
-            if spec.is_async:
-                return run_coro_blocking(spec.fn(**values))  # type: ignore[misc]
-            return spec.fn(**values)  # type: ignore[misc]
-        engine = self._engine
-        d = engine.intercept_spec(self.id, spec, kwargs, call_id)
-        if not isinstance(d, Execute):
-            return self._settled(d)
-        with engine.running(d, self.id):
-            try:
-                out = _run_sync(spec, d.args)
-            except BaseException as exc:
-                if engine.record_failure(d.effect_id, exc) == "rollback":  # type: ignore[arg-type]
-                    self._rollback_noting_sync(exc, f"{spec.name} failed: {type(exc).__name__}: {exc}")
-                raise
-        engine.complete(d.effect_id, out)  # type: ignore[arg-type]
-        return out
-
-    def _settled(self, d: AwaitingApproval | Completed) -> Any:
-        if isinstance(d, Completed):
-            return d.result
-        raise ApprovalPending(d.effect_id, d.approval_request_id, d.retry_after, d.tool_name)
-
-    async def _rollback_noting(self, exc: BaseException, reason: str) -> None:
-        try:
-            report = await self._u.saga.rollback(self.id, reason=reason)
-            exc.add_note(f"undolog: session {self.id} rolled back ({_summary(report)})")
-        except Exception as rb:  # noqa: BLE001 - the user's exception wins; the rollback problem is noted on it
-            exc.add_note(f"undolog: rollback of session {self.id} failed: {rb}")
-            self._u.saga.halt_unrolled(self.id, reason, rb)
-
-    def _rollback_noting_sync(self, exc: BaseException, reason: str) -> None:
-        try:
-            report = self._u.saga.rollback_sync(self.id, reason=reason)
-            exc.add_note(f"undolog: session {self.id} rolled back ({_summary(report)})")
-        except Exception as rb:  # noqa: BLE001
-            exc.add_note(f"undolog: rollback of session {self.id} failed: {rb}")
-            self._u.saga.halt_unrolled(self.id, reason, rb)
+        return self._driver.call_sync(self.id, spec or tool, kwargs, call_id=call_id)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -179,7 +115,7 @@ class Session:
     async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self._u.engine.flush_counts(self.id)
         if exc is not None and self._should_rollback(exc):
-            await self._rollback_noting(exc, f"session left by {type(exc).__name__}: {exc}")
+            await self._driver.arollback_noting(self.id, exc, f"session left by {type(exc).__name__}: {exc}")
 
     def __enter__(self) -> Session:
         return self
@@ -187,7 +123,7 @@ class Session:
     def __exit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self._u.engine.flush_counts(self.id)
         if exc is not None and self._should_rollback(exc):
-            self._rollback_noting_sync(exc, f"session left by {type(exc).__name__}: {exc}")
+            self._driver.rollback_noting(self.id, exc, f"session left by {type(exc).__name__}: {exc}")
 
     def _should_rollback(self, exc: BaseException) -> bool:
         # Waiting for a person is not a failure; a halted session is for a person to resolve.
@@ -195,22 +131,6 @@ class Session:
             return False
         rec = self._u.sessions.get(self.id)
         return rec.on_failure == "rollback" and rec.state in ("active", "awaiting_approval")
-
-
-def _summary(report: RollbackReport) -> str:
-    if report.already_rolled_back:
-        return "it was already rolled back"
-    done = sum(1 for s in report.steps if s.outcome == "compensated")
-    text = f"{done} compensation(s) run"
-    if not report.complete:
-        text += f"; stopped: {report.halted_reason}"
-    return text
-
-
-def _run_sync(spec: ToolSpec, args: dict[str, Any]) -> Any:
-    if spec.is_async:
-        return run_coro_blocking(spec.fn(**args))  # type: ignore[misc]
-    return spec.fn(**args)  # type: ignore[misc]
 
 
 class SessionService:

@@ -9,6 +9,7 @@ from typing import Any
 
 from ._approvals import ApprovalService
 from ._audit import AuditReport, verify
+from ._driver import CallDriver
 from ._engine import Engine, check_id
 from ._policy import PolicyService
 from ._recovery import Recovery, RecoveryReport
@@ -47,6 +48,7 @@ class UndoLog:
         self.approvals = ApprovalService(self)
         self.saga = Saga(self)
         self.engine = Engine(self)
+        self.driver = CallDriver(self.engine, self.saga, self.registry.spec_for)
         self.sessions = SessionService(self)
         self._recovery = Recovery(self)
 

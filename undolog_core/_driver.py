@@ -1,0 +1,272 @@
+"""The one call driver: every caller walks a tool call through the same states.
+
+decide (intercept: tier, session, contract, approval, re-issue checks) -> run the tool -> mark, fail or release.
+
+``Session.call``/``call_sync``, the framework adapters and the server's proxy all use it, so a check added here
+holds on every path. The sync and the async drivers are two thin loops over the same steps (the model: DBOS's
+``_outcome.py``): they differ only in how the tool is called, how a rollback is awaited, and, on an event loop,
+in never waiting for a connection or a lock (a step that would wait is run in a worker thread instead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._engine import SAFE, AwaitingApproval, Completed, Decision, Engine, Execute, check_id
+from ._pool import WouldBlock
+from ._saga import RollbackReport, Saga, run_coro_blocking
+from ._tools import ToolSpec
+from .errors import ApprovalPending, DatabaseUnavailable
+
+ControlFlow = tuple[type[BaseException], ...]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a run ended: the tool's ``value``, or its ``error`` with what the failure policy did about it.
+
+    Example:
+        >>> outcome = undolog.driver.run_sync(decision, lambda args: refund(**args))
+        >>> outcome.unwrap()            # the value, or the tool's own exception re-raised
+    """
+
+    value: Any = None
+    error: BaseException | None = None
+    rollback: RollbackReport | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def unwrap(self) -> Any:
+        """The tool's value; when it failed, its own exception (with the rollback noted on it), never another."""
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def settle(d: AwaitingApproval | Completed) -> Any:
+    """A decision that runs nothing: the stored result of a call that already ran, or ``ApprovalPending``."""
+    if isinstance(d, Completed):
+        return d.result
+    raise ApprovalPending(d.effect_id, d.approval_request_id, d.retry_after, d.tool_name)
+
+
+class CallDriver:
+    """Walks one call through intercept, run, and mark / fail / release.
+
+    Example:
+        >>> d = undolog.driver.decide(session_id, "send_refund_email", {"user_id": "u1"}, call_id="c-1")
+        >>> if isinstance(d, Execute):
+        ...     value = undolog.driver.run_sync(d, lambda args: send_refund_email(**args)).unwrap()
+    """
+
+    def __init__(self, engine: Engine, saga: Saga, spec_for: Callable[[Any], ToolSpec]) -> None:
+        self.engine = engine
+        self.saga = saga
+        self._spec_for = spec_for
+
+    # -- deciding --------------------------------------------------------------------------------
+
+    def decide(
+        self, session_id: str, tool: Any, args: Mapping[str, Any], *, call_id: str | None = None,
+        match_digest: bool = False,
+    ) -> Decision:
+        """What happens to this call: ``Execute`` (run it now), ``AwaitingApproval`` or ``Completed``.
+
+        ``tool`` is a registered function, its name or its ``ToolSpec``.
+        """
+        spec = self.spec(tool)
+        check_id("session_id", session_id)
+        return self.engine.intercept_spec(session_id, spec, args, call_id, match_digest)
+
+    async def adecide(
+        self, session_id: str, tool: Any, args: Mapping[str, Any], *, call_id: str | None = None,
+        match_digest: bool = False,
+    ) -> Decision:
+        """:meth:`decide` on an event loop: the COMPENSABLE hot path inline when nothing has to wait, else in a
+        worker thread (a gated call, a session's first call, a busy pool or write lock)."""
+        spec = self.spec(tool)
+        check_id("session_id", session_id)
+        try:
+            return self.engine.intercept_spec(session_id, spec, args, call_id, match_digest, False)
+        except WouldBlock:
+            return await asyncio.to_thread(self.engine.intercept_spec, session_id, spec, args, call_id, match_digest)
+
+    def spec(self, tool: Any) -> ToolSpec:
+        return tool if isinstance(tool, ToolSpec) else self._spec_for(tool)
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def run_sync(
+        self, d: Execute, invoke: Callable[[dict[str, Any]], Any], *, control_flow: ControlFlow = (),
+        rollback_on_failure: bool = True,
+    ) -> Outcome:
+        """Run ``invoke(args)`` under the decision, then record its outcome.
+
+        ``control_flow`` exceptions (a framework's own, like LangGraph's ``GraphInterrupt``) hand the call back
+        without an outcome (``release``) and propagate untouched; the re-issued call runs it again under the same
+        effect. Any other exception is the tool's failure: recorded, the session rolled back per its policy (unless
+        ``rollback_on_failure`` is False: the caller rolls back itself), and returned in the ``Outcome``.
+        """
+        with self.engine.running(d):
+            try:
+                value = invoke(d.args)
+            except control_flow:
+                self._release(d)
+                raise
+            except BaseException as exc:
+                policy = self._record_failure(d, exc)
+                report = None
+                if policy == "rollback" and rollback_on_failure:
+                    report = self._rollback_sync(d.session_id, exc, self._why(d, exc))
+                return Outcome(error=exc, rollback=report)
+        self._complete(d, value)
+        return Outcome(value=value)
+
+    async def run_async(
+        self, d: Execute, invoke: Callable[[dict[str, Any]], Awaitable[Any] | Any], *,
+        control_flow: ControlFlow = (), rollback_on_failure: bool = True,
+    ) -> Outcome:
+        """The async twin of :meth:`run_sync`: the same steps, the tool and the rollback awaited on this loop."""
+        with self.engine.running(d):
+            try:
+                value = invoke(d.args)
+                if inspect.isawaitable(value):
+                    value = await value
+            except control_flow:
+                await self._off_loop(self._release, d)
+                raise
+            except BaseException as exc:
+                policy = await self._off_loop(self._record_failure, d, exc)
+                report = None
+                if policy == "rollback" and rollback_on_failure:
+                    report = await self._rollback_async(d.session_id, exc, self._why(d, exc))
+                return Outcome(error=exc, rollback=report)
+        if d.effect_id is not None:
+            try:
+                self.engine.complete(d.effect_id, value, wait=False)
+            except WouldBlock:
+                await asyncio.to_thread(self._complete, d, value)
+        return Outcome(value=value)
+
+    # -- whole calls -----------------------------------------------------------------------------
+
+    def call_sync(
+        self, session_id: str, tool: Any, args: Mapping[str, Any], *, call_id: str | None = None,
+        invoke: Callable[[dict[str, Any]], Any] | None = None,
+    ) -> Any:
+        """Decide, run and record one call; the tool's value (or its own exception, or ``ApprovalPending``).
+
+        ``invoke`` runs the tool (default: the registered function; an async one is run to completion).
+        """
+        spec = self.spec(tool)
+        if spec.tier is SAFE and invoke is None:
+            # The whole SAFE path: validate, count in memory, call. No I/O, no effect, no context to set.
+            values = spec.values(spec.validate(args))
+            self.engine.note_safe(session_id, spec, values)
+            return _call_blocking(spec, values)
+        d = self.decide(session_id, spec, args, call_id=call_id)
+        if not isinstance(d, Execute):
+            return settle(d)
+        return self.run_sync(d, invoke or (lambda a: _call_blocking(spec, a))).unwrap()
+
+    async def call_async(
+        self, session_id: str, tool: Any, args: Mapping[str, Any], *, call_id: str | None = None,
+        invoke: Callable[[dict[str, Any]], Any] | None = None,
+    ) -> Any:
+        """The async twin of :meth:`call_sync`."""
+        spec = self.spec(tool)
+        if spec.tier is SAFE and invoke is None:
+            values = spec.values(spec.validate(args))
+            self.engine.note_safe(session_id, spec, values)
+            out = spec.fn(**values)  # type: ignore[misc]
+            return (await out) if spec.is_async else out
+        d = await self.adecide(session_id, spec, args, call_id=call_id)
+        if not isinstance(d, Execute):
+            return settle(d)
+        return (await self.run_async(d, invoke or (lambda a: spec.fn(**a)))).unwrap()  # type: ignore[misc]
+
+    # -- the shared steps ------------------------------------------------------------------------
+
+    def _complete(self, d: Execute, value: Any) -> None:
+        if d.effect_id is not None:
+            self.engine.complete(d.effect_id, value)
+
+    def _release(self, d: Execute) -> None:
+        if d.effect_id is not None:
+            self.engine.release(d.effect_id)
+
+    def _record_failure(self, d: Execute, exc: BaseException) -> str | None:
+        """The failure's policy, or None when nothing is to be done (a SAFE call, or a store that is down)."""
+        if d.effect_id is None:
+            return None
+        try:
+            return self.engine.record_failure(d.effect_id, exc)
+        except DatabaseUnavailable as db:
+            # The user's exception wins; the effect stays in flight without a live owner, so recover() settles it.
+            exc.add_note(f"undolog: the failure of {d.tool_name} could not be recorded ({db.message}); "
+                         "run recover() once the database is back")
+            return None
+
+    @staticmethod
+    def _why(d: Execute, exc: BaseException) -> str:
+        return f"{d.tool_name} failed: {type(exc).__name__}: {exc}"
+
+    def _rollback_sync(self, session_id: str, exc: BaseException, reason: str) -> RollbackReport | None:
+        try:
+            report = self.saga.rollback_sync(session_id, reason=reason)
+        except Exception as rb:  # noqa: BLE001 - the user's exception wins; the rollback problem is noted on it
+            self._rollback_failed(session_id, exc, reason, rb)
+            return None
+        exc.add_note(f"undolog: session {session_id} rolled back ({summary(report)})")
+        return report
+
+    async def _rollback_async(self, session_id: str, exc: BaseException, reason: str) -> RollbackReport | None:
+        try:
+            report = await self.saga.rollback(session_id, reason=reason)
+        except Exception as rb:  # noqa: BLE001 - the user's exception wins; the rollback problem is noted on it
+            await self._off_loop(self._rollback_failed, session_id, exc, reason, rb)
+            return None
+        exc.add_note(f"undolog: session {session_id} rolled back ({summary(report)})")
+        return report
+
+    def _rollback_failed(self, session_id: str, exc: BaseException, reason: str, rb: Exception) -> None:
+        exc.add_note(f"undolog: rollback of session {session_id} failed: {rb}")
+        self.saga.halt_unrolled(session_id, reason, rb)
+
+    @staticmethod
+    async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+        # Rare paths (a failure, a release) take a transaction: in a worker thread, never on the loop.
+        return await asyncio.to_thread(fn, *args)
+
+    def rollback_noting(self, session_id: str, exc: BaseException, reason: str) -> RollbackReport | None:
+        """Roll back after ``exc`` ended the caller's work; the outcome is noted on ``exc``, never replacing it."""
+        return self._rollback_sync(session_id, exc, reason)
+
+    async def arollback_noting(self, session_id: str, exc: BaseException, reason: str) -> RollbackReport | None:
+        return await self._rollback_async(session_id, exc, reason)
+
+
+def _call_blocking(spec: ToolSpec, args: dict[str, Any]) -> Any:
+    """Call the registered function from sync code; an async one runs to completion (even under a running loop)."""
+    out = spec.fn(**args)  # type: ignore[misc]
+    return run_coro_blocking(out) if spec.is_async else out
+
+
+def summary(report: RollbackReport) -> str:
+    """A rollback in a few words, for notes on exceptions and messages to the model."""
+    if report.already_rolled_back:
+        return "it was already rolled back"
+    done = sum(1 for s in report.steps if s.outcome == "compensated")
+    text = f"{done} compensation(s) run"
+    if not report.complete:
+        text += f"; stopped: {report.halted_reason}"
+    return text
+
+
+__all__ = ["CallDriver", "Outcome", "settle", "summary"]
