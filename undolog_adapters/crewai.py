@@ -394,7 +394,7 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
             if decision.effect_id is None:
                 # SAFE: nothing to undo; CrewAI handles (and may retry) it as usual.
                 raise
-            report = ul.engine.fail(decision.effect_id, exc)
+            report = ul.driver.fail(decision.effect_id, exc)
             return _failure(self._failure_text(tool.undolog_name, exc, report), "tool_failed", exception=True)
         if decision.effect_id is not None:
             ul.engine.complete(decision.effect_id, result)

@@ -507,7 +507,7 @@ class _Guard:
             return out
         if isinstance(out, ToolMessage) and out.status == "error":
             # The tool raised and ToolNode's handle_tool_errors turned it into a message: still a failure.
-            report = self.u.engine.fail(d.effect_id, f"{request.tool_call['name']} failed: {out.content}")
+            report = self.u.driver.fail(d.effect_id, f"{request.tool_call['name']} failed: {out.content}")
             return self._failure_message(request, str(out.content), report, run.session_id, d.effect_id)
         result = box.value if box.set else _result_of(out)
         self.u.engine.complete(d.effect_id, result)
@@ -526,7 +526,7 @@ class _Guard:
         if d.effect_id is None:
             raise exc  # SAFE: ToolNode's own error handling already decided to raise it
         try:
-            report = self.u.engine.fail(d.effect_id, exc)
+            report = self.u.driver.fail(d.effect_id, exc)
         except Exception as book:  # noqa: BLE001 - the user's exception wins; ours is attached to it
             exc.add_note(f"undolog: could not record the failure of effect {d.effect_id}: {book!r}")
             raise exc from None

@@ -286,7 +286,7 @@ class UndoLogFilter:
             context.function_result = FunctionResult(function=function.metadata, value=handover.failure_text)
         if not handover.consumed and decision.effect_id is not None:
             # Another filter answered without running the function: nothing happened.
-            self.undolog.engine.fail(decision.effect_id, RuntimeError("the function was not run (a filter answered)"))
+            self.undolog.driver.fail(decision.effect_id, RuntimeError("the function was not run (a filter answered)"))
 
     async def function_invocation(self, context: FunctionInvocationContext, next: Any) -> None:
         """FUNCTION_INVOCATION filter: runs the tool; the gate too under a plain ``kernel.invoke``."""
@@ -340,7 +340,7 @@ class UndoLogFilter:
             name = context.function.fully_qualified_name
             report, outcome = None, ""
             try:
-                report = engine.fail(decision.effect_id, exc)
+                report = self.undolog.driver.fail(decision.effect_id, exc)
             except Exception as book:  # noqa: BLE001 - the user's exception wins; ours is noted on it
                 outcome = (f"UndoLog could not record the failure or roll session {sid} back ({book!r}); "
                            "a person must check")

@@ -206,7 +206,7 @@ class CallDriver:
         if d.effect_id is None:
             return None
         try:
-            return self.engine.record_failure(d.effect_id, exc)
+            return self.engine.record_failure(d.effect_id, exc).on_failure
         except DatabaseUnavailable as db:
             # The user's exception wins; the effect stays in flight without a live owner, so recover() settles it.
             exc.add_note(f"undolog: the failure of {d.tool_name} could not be recorded ({db.message}); "
@@ -243,6 +243,22 @@ class CallDriver:
     async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
         # Rare paths (a failure, a release) take a transaction: in a worker thread, never on the loop.
         return await asyncio.to_thread(fn, *args)
+
+    def fail(self, effect_id: str, error: BaseException | str) -> RollbackReport | None:
+        """Record a failure reported by a caller that ran the tool itself; by default the session then rolls back,
+        this effect's own compensation included. Returns the rollback report, or None when the session's policy
+        is "continue"."""
+        failure = self.engine.record_failure(effect_id, error)
+        if failure.on_failure != "rollback":
+            return None
+        session_id = failure.session_id
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        why = f"effect {effect_id} failed: {text}"
+        try:
+            return self.saga.rollback_sync(session_id, reason=why)
+        except Exception as exc:
+            self.saga.halt_unrolled(session_id, why, exc)
+            raise
 
     def rollback_noting(self, session_id: str, exc: BaseException, reason: str) -> RollbackReport | None:
         """Roll back after ``exc`` ended the caller's work; the outcome is noted on ``exc``, never replacing it."""

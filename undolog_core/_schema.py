@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import enum
 from typing import Any
 
 import sqlalchemy as sa
@@ -35,26 +36,59 @@ class UTCDateTime(sa.types.TypeDecorator[dt.datetime]):
 
 
 TIERS = ("safe", "compensable", "irreversible")
-# ``rolling_back``: a rollback was requested and is durable (``undolog_rollbacks``); no call is accepted until it
-# ends ``rolled_back`` or, when a compensation fails, ``halted``.
-SESSION_STATES = ("active", "awaiting_approval", "halted", "rolling_back", "rolled_back", "completed")
-EFFECT_STATES = (
-    "pending",
-    "committed",
-    "failed",
-    "awaiting_approval",
-    "approved",
-    "running",
-    "rejected",
-    "timed_out",
-    "cancelled",
-    "compensated",
-    "unknown",
-    "dead_letter",
-    "released",
-)
-UNDO_STATES = ("armed", "compensating", "compensated", "compensation_failed")
-REQUEST_STATES = ("pending", "approved", "rejected", "timed_out", "auto_approved", "cancelled")
+
+
+class SessionState(enum.StrEnum):
+    ACTIVE = "active"
+    AWAITING_APPROVAL = "awaiting_approval"
+    HALTED = "halted"
+    # A rollback was requested and is durable (``undolog_rollbacks``): no call is accepted until it ends
+    # ``rolled_back`` or, when a compensation fails, ``halted``.
+    ROLLING_BACK = "rolling_back"
+    ROLLED_BACK = "rolled_back"
+    COMPLETED = "completed"
+
+
+class EffectState(enum.StrEnum):
+    PENDING = "pending"  # COMPENSABLE: pre-written, the tool runs (or ran without its mark)
+    COMMITTED = "committed"
+    FAILED = "failed"
+    AWAITING_APPROVAL = "awaiting_approval"  # IRREVERSIBLE
+    APPROVED = "approved"
+    RUNNING = "running"
+    REJECTED = "rejected"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+    COMPENSATED = "compensated"
+    UNKNOWN = "unknown"
+    DEAD_LETTER = "dead_letter"
+    RELEASED = "released"  # handed back by a framework's control flow; its re-issue runs it
+
+
+class UndoState(enum.StrEnum):
+    ARMED = "armed"
+    COMPENSATING = "compensating"
+    COMPENSATED = "compensated"
+    COMPENSATION_FAILED = "compensation_failed"
+
+
+class RequestState(enum.StrEnum):
+    PENDING = "pending"
+    APPROVED = "approved"
+    REJECTED = "rejected"
+    TIMED_OUT = "timed_out"
+    AUTO_APPROVED = "auto_approved"
+    CANCELLED = "cancelled"
+
+
+SESSION_STATES = tuple(s.value for s in SessionState)
+EFFECT_STATES = tuple(s.value for s in EffectState)
+UNDO_STATES = tuple(s.value for s in UndoState)
+REQUEST_STATES = tuple(s.value for s in RequestState)
+# A session accepts calls in these states.
+WRITABLE = (SessionState.ACTIVE.value, SessionState.AWAITING_APPROVAL.value)
+# An effect whose tool is (or may be) running.
+IN_FLIGHT = (EffectState.PENDING.value, EffectState.RUNNING.value)
 
 
 def _in(col: str, values: tuple[str, ...]) -> str:

@@ -11,14 +11,16 @@ from ._approvals import ApprovalService
 from ._audit import AuditReport, verify
 from ._driver import CallDriver
 from ._engine import Engine, check_id
+from ._leases import Leases
 from ._policy import PolicyService
 from ._recovery import Recovery, RecoveryReport
 from ._registry import Registry
 from ._saga import RollbackReport, Saga
 from ._session import Session, SessionService
-from ._store import Store, new_id
+from ._store import new_id
 from ._tools import ToolSpec, ToolTier, make_declaration
 from .errors import ConfigurationError, InvalidDeclaration
+from .storage import Storage, open_storage
 
 
 class UndoLog:
@@ -33,7 +35,7 @@ class UndoLog:
 
     def __init__(
         self,
-        store: Store,
+        store: Storage,
         *,
         fast_commit_mark: bool = False,
         lease_seconds: float = 30.0,
@@ -43,14 +45,18 @@ class UndoLog:
         self.store = store
         self.fast_commit_mark = fast_commit_mark
         self.lease_seconds = float(lease_seconds)
+        self.leases = Leases(store, self.lease_seconds)
         self.registry = Registry(self)
         self.policy = PolicyService(self)
         self.approvals = ApprovalService(self)
-        self.saga = Saga(self)
-        self.engine = Engine(self)
+        self.engine = Engine(store, self.registry, self.policy, self.approvals, self.leases,
+                             fast_commit_mark=fast_commit_mark)
+        self.saga = Saga(store, self.registry, self.leases, self.approvals, flush_marks=self.engine.flush_marks,
+                         note_state=self.engine.note_state)
         self.driver = CallDriver(self.engine, self.saga, self.registry.spec_for)
         self.sessions = SessionService(self)
-        self._recovery = Recovery(self)
+        self._recovery = Recovery(store, self.registry, self.saga, self.leases, flush_marks=self.engine.flush_marks,
+                                  note_state=self.engine.note_state)
 
     @classmethod
     def open(
@@ -75,7 +81,7 @@ class UndoLog:
             pool_size: connections per pool; ``undolog.store.max_connections`` is the most UndoLog ever holds,
                 however many threads call it.
         """
-        store = Store(url, schema=schema, pool_size=pool_size)
+        store = open_storage(url, schema=schema, pool_size=pool_size)
         if migrate:
             store.migrate()
         return cls(store, fast_commit_mark=fast_commit_mark, lease_seconds=lease_seconds)

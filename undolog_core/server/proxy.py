@@ -289,7 +289,7 @@ def invoke(
         if not resp.is_success:
             raise UpstreamError(f"{tool} upstream answered {resp.status_code}", resp.status_code, _body(resp))
     except (UpstreamError, httpx.HTTPError) as exc:
-        report = st.undolog.engine.fail(effect_id, exc) if effect_id else None
+        report = st.undolog.driver.fail(effect_id, exc) if effect_id else None
         from .api import rollback_out
 
         extra: dict[str, Any] = {"upstream_status": getattr(exc, "status_code", None)}
