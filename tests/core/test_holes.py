@@ -168,10 +168,10 @@ def test_rollback_killed_mid_walk_is_resumed_and_blocks_new_calls(crash: Any, fa
     assert code == -signal.SIGKILL, err
     assert [c[1] for c in _log("cancel")] == ["u2"]  # newest first; killed before u1's compensation was called
     u = crash.app()
-    s = u.session(session_id="s1")
-    # Half undone: the agent must not keep calling tools in it before recovery finishes the rollback.
+    # Half undone: the agent must not keep calling tools in it before recovery finishes the rollback (refusing to
+    # resume the session at all is a refusal too).
     with pytest.raises(errors.UndoLogError) as ei:
-        s.call_sync("send", user_id="late", call_id="late")
+        u.session(session_id="s1").call_sync("send", user_id="late", call_id="late")
     assert ei.value.code in REFUSED_CODES, ei.value
     assert [c for c in _log("send") if c[1] == "late"] == []
     u.recover()
