@@ -62,8 +62,9 @@ def test_approved_sibling_never_runs_once_the_session_is_halted_by_a_reject(undo
     [left] = graph.get_state(c).interrupts
     assert [r["approval_request_id"] for r in left.value["requests"]] == [first["approval_request_id"]]
     assert undolog.approvals.get(second["approval_request_id"]).state == "approved"
-    released = [e for e in undolog.sessions.effects(thread) if e["call_id"] == second["tool_call_id"]]
-    assert [e["state"] for e in released] == ["released"]
+    # Today the node claims it and hands it back ("released"); a fix may as well leave it unclaimed ("approved").
+    waiting = [e for e in undolog.sessions.effects(thread) if e["call_id"] == second["tool_call_id"]]
+    assert [e["state"] for e in waiting] in (["released"], ["approved"])
     assert len(world.operations("delete_account")) == 0
 
     # Resume 2: reject the first. The session halts; the approved sibling must not run in a halted session.
