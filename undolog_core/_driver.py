@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._engine import SAFE, AwaitingApproval, Completed, Decision, Engine, Execute, check_id
+from ._engine import SAFE, AwaitingApproval, Completed, Decision, Engine, Execute, SessionCache, check_id
 from ._pool import WouldBlock
 from ._saga import RollbackReport, Saga, run_coro_blocking
 from ._tools import ToolSpec
@@ -158,18 +158,20 @@ class CallDriver:
 
     def call_sync(
         self, session_id: str, tool: Any, args: Mapping[str, Any], *, call_id: str | None = None,
-        invoke: Callable[[dict[str, Any]], Any] | None = None,
+        invoke: Callable[[dict[str, Any]], Any] | None = None, cache: SessionCache | None = None,
     ) -> Any:
         """Decide, run and record one call; the tool's value (or its own exception, or ``ApprovalPending``).
 
-        ``invoke`` runs the tool (default: the registered function; an async one is run to completion).
+        ``invoke`` runs the tool (default: the registered function; an async one is run to completion). ``cache``
+        is the session's in-memory record when the caller holds it (``Session``), saving a lookup per SAFE call.
         """
-        spec = self.spec(tool)
+        spec = tool if tool.__class__ is ToolSpec else self._spec_for(tool)
         if spec.tier is SAFE and invoke is None:
             # The whole SAFE path: validate, count in memory, call. No I/O, no effect, no context to set.
             values = spec.values(spec.validate(args))
-            self.engine.note_safe(session_id, spec, values)
-            return _call_blocking(spec, values)
+            self.engine.note_safe_in(cache or self.engine.session_cache(session_id), spec, values)
+            out = spec.fn(**values)  # type: ignore[misc]
+            return run_coro_blocking(out) if spec.is_async else out
         d = self.decide(session_id, spec, args, call_id=call_id)
         if not isinstance(d, Execute):
             return settle(d)
@@ -177,13 +179,13 @@ class CallDriver:
 
     async def call_async(
         self, session_id: str, tool: Any, args: Mapping[str, Any], *, call_id: str | None = None,
-        invoke: Callable[[dict[str, Any]], Any] | None = None,
+        invoke: Callable[[dict[str, Any]], Any] | None = None, cache: SessionCache | None = None,
     ) -> Any:
         """The async twin of :meth:`call_sync`."""
-        spec = self.spec(tool)
+        spec = tool if tool.__class__ is ToolSpec else self._spec_for(tool)
         if spec.tier is SAFE and invoke is None:
             values = spec.values(spec.validate(args))
-            self.engine.note_safe(session_id, spec, values)
+            self.engine.note_safe_in(cache or self.engine.session_cache(session_id), spec, values)
             out = spec.fn(**values)  # type: ignore[misc]
             return (await out) if spec.is_async else out
         d = await self.adecide(session_id, spec, args, call_id=call_id)

@@ -323,13 +323,20 @@ class Engine:
     def spec(self, tool: Any) -> ToolSpec:
         return self._registry.spec_for(tool)
 
-    def note_safe(self, session_id: str, spec: ToolSpec, args: Mapping[str, Any]) -> None:
-        """The whole bookkeeping of a SAFE call: a counter and the recent-calls ring, both in memory."""
+    def session_cache(self, session_id: str) -> SessionCache:
+        """This process's record of a session, made (not persisted) on first sight."""
         sc = self._sessions.get(session_id)
         if sc is None:
             sc = SessionCache(session_id, SessionState.ACTIVE.value, {}, "rollback", persisted=False)
             with self._sessions_lock:
                 sc = self._sessions.setdefault(session_id, sc)
+        return sc
+
+    def note_safe(self, session_id: str, spec: ToolSpec, args: Mapping[str, Any]) -> None:
+        """The whole bookkeeping of a SAFE call: a counter and the recent-calls ring, both in memory."""
+        self.note_safe_in(self.session_cache(session_id), spec, args)
+
+    def note_safe_in(self, sc: SessionCache, spec: ToolSpec, args: Mapping[str, Any]) -> None:
         if sc.pins and sc.pins.get(spec.name, spec.revision) != spec.revision:
             raise ContractChanged(sc.session_id, spec.name, sc.pins[spec.name], spec.revision)
         sc.count_safe()

@@ -80,12 +80,12 @@ class Session:
             ApprovalPending: an IRREVERSIBLE call awaits a person; re-issue it with the same ``call_id``.
         """
         spec = self._by_fn.get(tool) if not isinstance(tool, str) else None
-        return await self._driver.call_async(self.id, spec or tool, kwargs, call_id=call_id)
+        return await self._driver.call_async(self.id, spec or tool, kwargs, call_id=call_id, cache=self._sc)
 
     def call_sync(self, tool: Any, /, *, call_id: str | None = None, **kwargs: Any) -> Any:
         """The sync twin of :meth:`call`, for sync agents (CrewAI tools); no event loop per call."""
         spec = self._by_fn.get(tool) if not isinstance(tool, str) else None
-        return self._driver.call_sync(self.id, spec or tool, kwargs, call_id=call_id)
+        return self._driver.call_sync(self.id, spec or tool, kwargs, call_id=call_id, cache=self._sc)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
