@@ -333,16 +333,6 @@ class CompensationVersionMismatch(UndoLogError):
         )
 
 
-class CompensationFailed(UndoLogError):
-    code = "compensation_failed"
-    http_status = 409
-
-
-class AuditTampered(UndoLogError):
-    code = "audit_tampered"
-    http_status = 409
-
-
 class PolicyInvalid(UndoLogError):
     code = "policy_invalid"
     http_status = 422
