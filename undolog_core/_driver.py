@@ -37,10 +37,11 @@ class Outcome:
     value: Any = None
     error: BaseException | None = None
     rollback: RollbackReport | None = None
+    failure: str | None = None  # a failure the framework reported as a value (``failure_of``)
 
     @property
     def ok(self) -> bool:
-        return self.error is None
+        return self.error is None and self.failure is None
 
     def unwrap(self) -> Any:
         """The tool's value; when it failed, its own exception (with the rollback noted on it), never another."""
@@ -104,7 +105,8 @@ class CallDriver:
 
     def run_sync(
         self, d: Execute, invoke: Callable[[dict[str, Any]], Any], *, control_flow: ControlFlow = (),
-        rollback_on_failure: bool = True,
+        rollback_on_failure: bool = True, failure_of: Callable[[Any], str | None] | None = None,
+        result_of: Callable[[Any], Any] | None = None,
     ) -> Outcome:
         """Run ``invoke(args)`` under the decision, then record its outcome.
 
@@ -112,6 +114,8 @@ class CallDriver:
         without an outcome (``release``) and propagate untouched; the re-issued call runs it again under the same
         effect. Any other exception is the tool's failure: recorded, the session rolled back per its policy (unless
         ``rollback_on_failure`` is False: the caller rolls back itself), and returned in the ``Outcome``.
+        A framework that turns a tool's exception into a value (an error message) says so with ``failure_of``
+        (the failure's text, or None); ``result_of`` picks what is stored as the result (default: the value).
         """
         with self.engine.running(d):
             try:
@@ -120,17 +124,17 @@ class CallDriver:
                 self._release(d)
                 raise
             except BaseException as exc:
-                policy = self._record_failure(d, exc)
-                report = None
-                if policy == "rollback" and rollback_on_failure:
-                    report = self._rollback_sync(d.session_id, exc, self._why(d, exc))
-                return Outcome(error=exc, rollback=report)
-        self._complete(d, value)
+                return self._failed_sync(d, exc, rollback_on_failure)
+        failure = failure_of(value) if failure_of is not None else None
+        if failure is not None:
+            return self._failed_sync(d, failure, rollback_on_failure, value=value)
+        self._complete(d, result_of(value) if result_of is not None else value)
         return Outcome(value=value)
 
     async def run_async(
         self, d: Execute, invoke: Callable[[dict[str, Any]], Awaitable[Any] | Any], *,
         control_flow: ControlFlow = (), rollback_on_failure: bool = True,
+        failure_of: Callable[[Any], str | None] | None = None, result_of: Callable[[Any], Any] | None = None,
     ) -> Outcome:
         """The async twin of :meth:`run_sync`: the same steps, the tool and the rollback awaited on this loop."""
         with self.engine.running(d):
@@ -142,17 +146,34 @@ class CallDriver:
                 await self._off_loop(self._release, d)
                 raise
             except BaseException as exc:
-                policy = await self._off_loop(self._record_failure, d, exc)
-                report = None
-                if policy == "rollback" and rollback_on_failure:
-                    report = await self._rollback_async(d.session_id, exc, self._why(d, exc))
-                return Outcome(error=exc, rollback=report)
+                return await self._failed_async(d, exc, rollback_on_failure)
+        failure = failure_of(value) if failure_of is not None else None
+        if failure is not None:
+            return await self._failed_async(d, failure, rollback_on_failure, value=value)
+        result = result_of(value) if result_of is not None else value
         if d.effect_id is not None:
             try:
-                self.engine.complete(d.effect_id, value, wait=False)
+                self.engine.complete(d.effect_id, result, wait=False)
             except WouldBlock:
-                await asyncio.to_thread(self._complete, d, value)
+                await asyncio.to_thread(self._complete, d, result)
         return Outcome(value=value)
+
+    def _failed_sync(self, d: Execute, error: BaseException | str, rollback: bool, value: Any = None) -> Outcome:
+        exc = error if isinstance(error, BaseException) else None
+        policy = self._record_failure(d, error)
+        report = None
+        if policy == "rollback" and rollback:
+            report = self._rollback_sync(d.session_id, exc, self._why(d, error))
+        return Outcome(value=value, error=exc, rollback=report, failure=None if exc else str(error))
+
+    async def _failed_async(self, d: Execute, error: BaseException | str, rollback: bool,
+                            value: Any = None) -> Outcome:
+        exc = error if isinstance(error, BaseException) else None
+        policy = await self._off_loop(self._record_failure, d, error)
+        report = None
+        if policy == "rollback" and rollback:
+            report = await self._rollback_async(d.session_id, exc, self._why(d, error))
+        return Outcome(value=value, error=exc, rollback=report, failure=None if exc else str(error))
 
     # -- whole calls -----------------------------------------------------------------------------
 
@@ -203,42 +224,43 @@ class CallDriver:
         if d.effect_id is not None:
             self.engine.release(d.effect_id)
 
-    def _record_failure(self, d: Execute, exc: BaseException) -> str | None:
+    def _record_failure(self, d: Execute, error: BaseException | str) -> str | None:
         """The failure's policy, or None when nothing is to be done (a SAFE call, or a store that is down)."""
         if d.effect_id is None:
             return None
         try:
-            return self.engine.record_failure(d.effect_id, exc).on_failure
+            return self.engine.record_failure(d.effect_id, error).on_failure
         except DatabaseUnavailable as db:
             # The user's exception wins; the effect stays in flight without a live owner, so recover() settles it.
-            exc.add_note(f"undolog: the failure of {d.tool_name} could not be recorded ({db.message}); "
+            _note(error, f"undolog: the failure of {d.tool_name} could not be recorded ({db.message}); "
                          "run recover() once the database is back")
             return None
 
     @staticmethod
-    def _why(d: Execute, exc: BaseException) -> str:
-        return f"{d.tool_name} failed: {type(exc).__name__}: {exc}"
+    def _why(d: Execute, error: BaseException | str) -> str:
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        return f"{d.tool_name} failed: {text}"
 
-    def _rollback_sync(self, session_id: str, exc: BaseException, reason: str) -> RollbackReport | None:
+    def _rollback_sync(self, session_id: str, exc: BaseException | None, reason: str) -> RollbackReport | None:
         try:
             report = self.saga.rollback_sync(session_id, reason=reason)
         except Exception as rb:  # noqa: BLE001 - the user's exception wins; the rollback problem is noted on it
             self._rollback_failed(session_id, exc, reason, rb)
             return None
-        exc.add_note(f"undolog: session {session_id} rolled back ({summary(report)})")
+        _note(exc, f"undolog: session {session_id} rolled back ({summary(report)})")
         return report
 
-    async def _rollback_async(self, session_id: str, exc: BaseException, reason: str) -> RollbackReport | None:
+    async def _rollback_async(self, session_id: str, exc: BaseException | None, reason: str) -> RollbackReport | None:
         try:
             report = await self.saga.rollback(session_id, reason=reason)
         except Exception as rb:  # noqa: BLE001 - the user's exception wins; the rollback problem is noted on it
             await self._off_loop(self._rollback_failed, session_id, exc, reason, rb)
             return None
-        exc.add_note(f"undolog: session {session_id} rolled back ({summary(report)})")
+        _note(exc, f"undolog: session {session_id} rolled back ({summary(report)})")
         return report
 
-    def _rollback_failed(self, session_id: str, exc: BaseException, reason: str, rb: Exception) -> None:
-        exc.add_note(f"undolog: rollback of session {session_id} failed: {rb}")
+    def _rollback_failed(self, session_id: str, exc: BaseException | None, reason: str, rb: Exception) -> None:
+        _note(exc, f"undolog: rollback of session {session_id} failed: {rb}")
         self.saga.halt_unrolled(session_id, reason, rb)
 
     @staticmethod
@@ -274,6 +296,11 @@ def _call_blocking(spec: ToolSpec, args: dict[str, Any]) -> Any:
     """Call the registered function from sync code; an async one runs to completion (even under a running loop)."""
     out = spec.fn(**args)  # type: ignore[misc]
     return run_coro_blocking(out) if spec.is_async else out
+
+
+def _note(exc: BaseException | str | None, text: str) -> None:
+    if isinstance(exc, BaseException):
+        exc.add_note(text)
 
 
 def summary(report: RollbackReport) -> str:
