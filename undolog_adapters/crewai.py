@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 from undolog_adapters._common import missing_extra
@@ -89,7 +90,7 @@ def _native_call_id() -> str | None:
     makes up from ``id(tool_call)`` (Gemini-style calls) are memory addresses that repeat over time;
     they are treated as absent.
     """
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(40):
         if frame is None:
             return None
@@ -414,7 +415,10 @@ def _as_crewai_tool(obj: Any) -> BaseTool:
         name = (getattr(spec, "name", None) or getattr(obj, "__name__", None))
         if not name:
             raise TypeError(f"cannot make a CrewAI tool from {obj!r}: it has no name")
-        return _crewai_tool(name)(obj)
+        made = _crewai_tool(name)(obj)
+        if not isinstance(made, BaseTool):  # pragma: no cover - CrewAI's @tool always makes one
+            raise TypeError(f"cannot make a CrewAI tool from {obj!r}")
+        return made
     raise TypeError(f"expected a CrewAI BaseTool or a function, got {obj!r}")
 
 

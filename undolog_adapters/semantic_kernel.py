@@ -226,7 +226,8 @@ class UndoLogFilter:
     @staticmethod
     def _args(function: KernelFunction, arguments: KernelArguments) -> dict[str, Any]:
         names = {p.name for p in function.parameters if p.name and p.name not in _INJECTED}
-        return to_jsonable_python({k: v for k, v in arguments.items() if k in names})
+        args: dict[str, Any] = to_jsonable_python({k: v for k, v in arguments.items() if k in names})
+        return args
 
     def _call_id(self, sid: str, name: str, tier: ToolTier, args: dict[str, Any], given: str | None) -> str:
         if tier is ToolTier.IRREVERSIBLE:
@@ -250,7 +251,8 @@ class UndoLogFilter:
             tier = self.classify(function)
             sid = self._session()
             args = self._args(function, context.arguments)
-            call_id = self._call_id(sid, name, tier, args, context.function_call_content.id)
+            fcc = context.function_call_content
+            call_id = self._call_id(sid, name, tier, args, fcc.id if fcc is not None else None)
             decision = self.undolog.engine.intercept(sid, name, args, call_id=call_id)
         except errors.UndoLogError as exc:
             context.function_result = FunctionResult(function=function.metadata, value=refusal_text(name, exc))
@@ -398,7 +400,7 @@ async def invoke(kernel: Kernel, *args: Any, **kwargs: Any) -> FunctionResult | 
         return await kernel.invoke(*args, **kwargs)
     except KernelInvokeException as exc:
         cause = exc.__cause__
-        if not (isinstance(cause, errors.UndoLogError) or hasattr(cause, ROLLBACK_ATTR)):
+        if cause is None or not (isinstance(cause, errors.UndoLogError) or hasattr(cause, ROLLBACK_ATTR)):
             raise
     # Raised outside the handler so that the exception keeps its own __cause__ and __context__.
     try:

@@ -175,9 +175,10 @@ class _Guard:
         try:
             d = self.u.engine.intercept(sid, name, dict(call.get("args") or {}), call_id=call.get("id"))
         except errors.SessionClosed:
-            sid = self._after_close(base, sid, request)
-            if sid is None:
+            after = self._after_close(base, sid, request)
+            if after is None:
                 raise
+            sid = after
             d = self.u.engine.intercept(sid, name, dict(call.get("args") or {}), call_id=call.get("id"))
         if isinstance(d, Completed):
             return _Reply(self.message(request, _content_of(d.result), meta={"effect_id": d.effect_id,
@@ -284,12 +285,14 @@ class _Guard:
                 )
                 continue
             try:
+                # ApprovalDecision's validator made sure of an approver (and of a reason for a rejection).
+                approver = dec.approver or ""
                 if dec.decision == "approve":
-                    self.u.approvals.approve(a.approval_request_id, approver=dec.approver, reason=dec.reason)
+                    self.u.approvals.approve(a.approval_request_id, approver=approver, reason=dec.reason)
                 elif dec.decision == "reject":
-                    self.u.approvals.reject(a.approval_request_id, approver=dec.approver, reason=dec.reason)
+                    self.u.approvals.reject(a.approval_request_id, approver=approver, reason=dec.reason or "")
                 else:
-                    self.u.approvals.modify(a.approval_request_id, approver=dec.approver, args=dec.args or {},
+                    self.u.approvals.modify(a.approval_request_id, approver=approver, args=dec.args or {},
                                             reason=dec.reason)
             except errors.ApprovalAlreadyDecided:
                 continue  # decided elsewhere first (or on an earlier run): the store is the authority

@@ -33,7 +33,7 @@ try:
 except ImportError:  # pragma: no cover - langgraph without the langchain package: UndoLogToolNode still works
     _HAVE_LANGCHAIN = False
     AgentMiddleware = object  # type: ignore[assignment,misc]
-    hook_config = _no_hook_config  # type: ignore[assignment]
+    hook_config = _no_hook_config
 
 # The qualified name LangChain gives the handler of a middleware that has other tool-call wrappers inside it.
 _INNER_WRAPPERS = "compose_two.<locals>.composed.<locals>.call_inner"
@@ -41,7 +41,7 @@ _INNER_WRAPPERS = "compose_two.<locals>.composed.<locals>.call_inner"
 
 
 
-class UndoLogMiddleware(AgentMiddleware):  # type: ignore[misc,valid-type]
+class UndoLogMiddleware(AgentMiddleware):
     """``create_agent`` middleware routing every tool call through UndoLog (sync and async).
 
     The tools are checked for a tier when given here (``tools=``), otherwise on the first model

@@ -162,7 +162,8 @@ class UndoLogToolNode(ToolNode):
         pauses: list[_Pause] = []
         for call in calls:
             name = guard.names.get(call.get("name"))
-            if name is None or not call.get("id") or guard.u.tool_spec(name).tier is not ToolTier.IRREVERSIBLE:
+            cid = call.get("id")
+            if name is None or not cid or guard.u.tool_spec(name).tier is not ToolTier.IRREVERSIBLE:
                 continue
             request = _GateRequest(call, input)
             try:
@@ -172,14 +173,14 @@ class UndoLogToolNode(ToolNode):
             if isinstance(step, _Pause):
                 pauses.append(step)
             else:
-                batch.gated[call["id"]] = step
+                batch.gated[cid] = step
         if pauses:
             self._release_gated(batch)  # approved calls wait for their siblings' decisions, unclaimed
         return pauses
 
     def _release_gated(self, batch: _Batch) -> None:
         for step in batch.gated.values():
-            if isinstance(step, _Run):
+            if isinstance(step, _Run) and step.execute.effect_id is not None:
                 # Approved but not run: handed back unclaimed, so the node's next pass can claim it again.
                 self._undolog_guard.u.engine.release(step.execute.effect_id)
         batch.gated.clear()

@@ -25,7 +25,7 @@ _ADAPTERS: weakref.WeakSet[Any] = weakref.WeakSet()
 def _default_undolog(undolog: UndoLog | None) -> UndoLog:
     if undolog is not None:
         return undolog
-    found = {id(a.undolog): a.undolog for a in list(_ADAPTERS)}
+    found: dict[int, UndoLog] = {id(a.undolog): a.undolog for a in list(_ADAPTERS)}
     if len(found) == 1:
         return next(iter(found.values()))
     raise errors.ConfigurationError(
