@@ -238,6 +238,22 @@ class UndoLogFilter:
                 return str(found.call_id)
         return given or f"sk:{uuid.uuid4().hex}"
 
+    # ----------------------------------------------------------------- the call
+    #
+    # SK splits one call over two filters (see the module docstring), so the engine's sequence is in two
+    # functions: _intercept (the decision, asked by whichever filter is the gate) and _run (run, then
+    # complete or fail). The filters only route between them.
+
+    def _intercept(self, function: KernelFunction, arguments: KernelArguments,
+                   given_call_id: str | None) -> tuple[str, Execute | AwaitingApproval | Completed]:
+        """Classify, find the session and the call id, and ask the engine; returns (session id, decision)."""
+        name = function.fully_qualified_name
+        tier = self.classify(function)
+        sid = self._session()
+        args = self._args(function, arguments)
+        call_id = self._call_id(sid, name, tier, args, given_call_id)
+        return sid, self.undolog.engine.intercept(sid, name, args, call_id=call_id)
+
     # ----------------------------------------------------------------- filters
     async def auto_function_invocation(self, context: AutoFunctionInvocationContext, next: Any) -> None:
         """AUTO_FUNCTION_INVOCATION filter: the gate under auto function calling."""
@@ -247,13 +263,9 @@ class UndoLogFilter:
             return
         self._check_paired(context.kernel)
         name = function.fully_qualified_name
+        fcc = context.function_call_content
         try:
-            tier = self.classify(function)
-            sid = self._session()
-            args = self._args(function, context.arguments)
-            fcc = context.function_call_content
-            call_id = self._call_id(sid, name, tier, args, fcc.id if fcc is not None else None)
-            decision = self.undolog.engine.intercept(sid, name, args, call_id=call_id)
+            sid, decision = self._intercept(function, context.arguments, fcc.id if fcc is not None else None)
         except errors.UndoLogError as exc:
             context.function_result = FunctionResult(function=function.metadata, value=refusal_text(name, exc))
             return
@@ -310,10 +322,7 @@ class UndoLogFilter:
                 )
             await self._run(context, next, handover.decision, handover.session_id, handover)
             return
-        tier = self.classify(function)
-        sid = self._session()
-        args = self._args(function, context.arguments)
-        decision = self.undolog.engine.intercept(sid, name, args, call_id=self._call_id(sid, name, tier, args, None))
+        sid, decision = self._intercept(function, context.arguments, None)
         if isinstance(decision, AwaitingApproval):
             raise ApprovalPending(decision.effect_id, decision.approval_request_id, decision.retry_after, name)
         if isinstance(decision, Completed):
@@ -324,6 +333,10 @@ class UndoLogFilter:
 
     async def _run(self, context: FunctionInvocationContext, next: Any, decision: Execute, sid: str,
                    handover: _Handover | None = None) -> None:
+        """Run the function under ``decision``, then complete its effect, or fail it (rolling back per policy).
+
+        The function's own exception goes on as itself, annotated with the rollback's outcome.
+        """
         engine = self.undolog.engine
         try:
             with engine.running(decision, sid):
