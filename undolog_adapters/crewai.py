@@ -367,7 +367,11 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
             if decision.effect_id is None:
                 # SAFE: nothing to undo; CrewAI handles (and may retry) it as usual.
                 raise
-            report = ul.engine.fail(decision.effect_id, exc)
+            try:
+                report = ul.engine.fail(decision.effect_id, exc)
+            except Exception as book:  # noqa: BLE001 - the user's exception wins; ours is noted on it
+                exc.add_note(f"undolog: could not record the failure of effect {decision.effect_id}: {book!r}")
+                raise exc from None
             text = failure_text(name, f"{type(exc).__name__}: {exc}", rollback_outcome(report, sid, decision.effect_id))
             return _failure(text, "tool_failed", exception=True)
         if decision.effect_id is not None:

@@ -370,7 +370,6 @@ class UndoLogFilter:
             )
 
 
-
 def install(kernel: Kernel, undolog: UndoLog, *, tiers: Mapping[str, TierValue] | None = None,
             compensations: Iterable[Callable[..., Any]] = (), session_id: str | None = None,
             agent_id: str = "semantic-kernel", strict: bool = True) -> UndoLogFilter:

@@ -45,8 +45,6 @@ class _Reply:
     message: ToolMessage
 
 
-
-
 class _Guard:
     def __init__(
         self,

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from undolog_core import UndoLog
 
 
-
 def _no_hook_config(**_: Any) -> Callable[[Any], Any]:
     return lambda f: f
 
@@ -37,8 +36,6 @@ except ImportError:  # pragma: no cover - langgraph without the langchain packag
 
 # The qualified name LangChain gives the handler of a middleware that has other tool-call wrappers inside it.
 _INNER_WRAPPERS = "compose_two.<locals>.composed.<locals>.call_inner"
-
-
 
 
 class UndoLogMiddleware(AgentMiddleware):

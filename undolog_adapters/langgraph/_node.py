@@ -33,8 +33,6 @@ class _GateRequest:
     state: Any
 
 
-
-
 class UndoLogToolNode(ToolNode):
     """``langgraph.prebuilt.ToolNode`` with every call routed through UndoLog.
 

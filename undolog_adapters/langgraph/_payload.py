@@ -21,8 +21,6 @@ if TYPE_CHECKING:
 APPROVAL_INTERRUPT_TYPE = "undolog.approval_request"
 
 
-
-
 class ApprovalDecision(BaseModel):
     """A decision passed in ``Command(resume=...)``.
 

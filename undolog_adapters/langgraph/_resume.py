@@ -20,8 +20,6 @@ if TYPE_CHECKING:
     from undolog_core import UndoLog
 
 
-
-
 def session_for_thread(thread_id: str, *, undolog: UndoLog | None = None) -> str:
     """The id of the thread's current UndoLog session (``thread_id``, or ``thread_id#N`` after rollbacks).
 

@@ -21,7 +21,6 @@ SEP = "#"  # thread "t1" -> sessions "t1", "t1#2", "t1#3"... (a new one after ea
 _ADAPTERS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-
 def _default_undolog(undolog: UndoLog | None) -> UndoLog:
     if undolog is not None:
         return undolog
