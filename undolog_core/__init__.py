@@ -14,6 +14,7 @@ Example:
 from . import errors
 from ._approvals import ApprovalEvent, ApprovalRecord
 from ._audit import AuditReport
+from ._driver import CallDriver, Outcome
 from ._engine import AwaitingApproval, CallContext, Completed, Execute, current_call
 from ._policy import OrgPolicy
 from ._recovery import ProbeContext, RecoveryReport
@@ -42,12 +43,14 @@ __all__ = [
     "ArgumentsInvalid",
     "AuditReport",
     "AwaitingApproval",
+    "CallDriver",
     "CallContext",
     "CompensationContext",
     "CompensationDescriptor",
     "Completed",
     "Execute",
     "OrgPolicy",
+    "Outcome",
     "ProbeContext",
     "RecoveryReport",
     "RollbackReport",

@@ -20,7 +20,7 @@ from ._engine import SAFE, AwaitingApproval, Completed, Decision, Engine, Execut
 from ._pool import WouldBlock
 from ._saga import RollbackReport, Saga, run_coro_blocking
 from ._tools import ToolSpec
-from .errors import ApprovalPending, DatabaseUnavailable
+from .errors import ApprovalPending
 
 ControlFlow = tuple[type[BaseException], ...]
 
@@ -106,7 +106,7 @@ class CallDriver:
     def run_sync(
         self, d: Execute, invoke: Callable[[dict[str, Any]], Any], *, control_flow: ControlFlow = (),
         rollback_on_failure: bool = True, failure_of: Callable[[Any], str | None] | None = None,
-        result_of: Callable[[Any], Any] | None = None,
+        result_of: Callable[[Any], Any] | None = None, note: bool = True,
     ) -> Outcome:
         """Run ``invoke(args)`` under the decision, then record its outcome.
 
@@ -116,6 +116,7 @@ class CallDriver:
         ``rollback_on_failure`` is False: the caller rolls back itself), and returned in the ``Outcome``.
         A framework that turns a tool's exception into a value (an error message) says so with ``failure_of``
         (the failure's text, or None); ``result_of`` picks what is stored as the result (default: the value).
+        ``note=False``: the caller tells the rollback's outcome itself, so it is not noted on the exception.
         """
         with self.engine.running(d):
             try:
@@ -124,10 +125,10 @@ class CallDriver:
                 self._release(d)
                 raise
             except BaseException as exc:
-                return self._failed_sync(d, exc, rollback_on_failure)
+                return self._failed_sync(d, exc, rollback_on_failure, note=note)
         failure = failure_of(value) if failure_of is not None else None
         if failure is not None:
-            return self._failed_sync(d, failure, rollback_on_failure, value=value)
+            return self._failed_sync(d, failure, rollback_on_failure, value=value, note=note)
         self._complete(d, result_of(value) if result_of is not None else value)
         return Outcome(value=value)
 
@@ -135,6 +136,7 @@ class CallDriver:
         self, d: Execute, invoke: Callable[[dict[str, Any]], Awaitable[Any] | Any], *,
         control_flow: ControlFlow = (), rollback_on_failure: bool = True,
         failure_of: Callable[[Any], str | None] | None = None, result_of: Callable[[Any], Any] | None = None,
+        note: bool = True,
     ) -> Outcome:
         """The async twin of :meth:`run_sync`: the same steps, the tool and the rollback awaited on this loop."""
         with self.engine.running(d):
@@ -146,10 +148,10 @@ class CallDriver:
                 await self._off_loop(self._release, d)
                 raise
             except BaseException as exc:
-                return await self._failed_async(d, exc, rollback_on_failure)
+                return await self._failed_async(d, exc, rollback_on_failure, note=note)
         failure = failure_of(value) if failure_of is not None else None
         if failure is not None:
-            return await self._failed_async(d, failure, rollback_on_failure, value=value)
+            return await self._failed_async(d, failure, rollback_on_failure, value=value, note=note)
         result = result_of(value) if result_of is not None else value
         if d.effect_id is not None:
             try:
@@ -158,21 +160,22 @@ class CallDriver:
                 await asyncio.to_thread(self._complete, d, result)
         return Outcome(value=value)
 
-    def _failed_sync(self, d: Execute, error: BaseException | str, rollback: bool, value: Any = None) -> Outcome:
+    def _failed_sync(self, d: Execute, error: BaseException | str, rollback: bool, value: Any = None,
+                     note: bool = True) -> Outcome:
         exc = error if isinstance(error, BaseException) else None
         policy = self._record_failure(d, error)
         report = None
         if policy == "rollback" and rollback:
-            report = self._rollback_sync(d.session_id, exc, self._why(d, error))
+            report = self._rollback_sync(d.session_id, exc if note else None, self._why(d, error))
         return Outcome(value=value, error=exc, rollback=report, failure=None if exc else str(error))
 
     async def _failed_async(self, d: Execute, error: BaseException | str, rollback: bool,
-                            value: Any = None) -> Outcome:
+                            value: Any = None, note: bool = True) -> Outcome:
         exc = error if isinstance(error, BaseException) else None
         policy = await self._off_loop(self._record_failure, d, error)
         report = None
         if policy == "rollback" and rollback:
-            report = await self._rollback_async(d.session_id, exc, self._why(d, error))
+            report = await self._rollback_async(d.session_id, exc if note else None, self._why(d, error))
         return Outcome(value=value, error=exc, rollback=report, failure=None if exc else str(error))
 
     # -- whole calls -----------------------------------------------------------------------------
@@ -230,10 +233,10 @@ class CallDriver:
             return None
         try:
             return self.engine.record_failure(d.effect_id, error).on_failure
-        except DatabaseUnavailable as db:
-            # The user's exception wins; the effect stays in flight without a live owner, so recover() settles it.
-            _note(error, f"undolog: the failure of {d.tool_name} could not be recorded ({db.message}); "
-                         "run recover() once the database is back")
+        except Exception as book:  # noqa: BLE001 - the user's exception wins; ours is noted on it
+            # The effect stays in flight without a live owner, so recover() settles it.
+            _note(error, f"undolog: the failure of {d.tool_name} (effect {d.effect_id}) could not be recorded: "
+                         f"{book}; run recover() once the store answers")
             return None
 
     @staticmethod
@@ -245,8 +248,7 @@ class CallDriver:
         try:
             report = self.saga.rollback_sync(session_id, reason=reason)
         except Exception as rb:  # noqa: BLE001 - the user's exception wins; the rollback problem is noted on it
-            self._rollback_failed(session_id, exc, reason, rb)
-            return None
+            return self._rollback_failed(session_id, exc, reason, rb)
         _note(exc, f"undolog: session {session_id} rolled back ({summary(report)})")
         return report
 
@@ -254,14 +256,17 @@ class CallDriver:
         try:
             report = await self.saga.rollback(session_id, reason=reason)
         except Exception as rb:  # noqa: BLE001 - the user's exception wins; the rollback problem is noted on it
-            await self._off_loop(self._rollback_failed, session_id, exc, reason, rb)
-            return None
+            failed: RollbackReport = await self._off_loop(self._rollback_failed, session_id, exc, reason, rb)
+            return failed
         _note(exc, f"undolog: session {session_id} rolled back ({summary(report)})")
         return report
 
-    def _rollback_failed(self, session_id: str, exc: BaseException | None, reason: str, rb: Exception) -> None:
+    def _rollback_failed(self, session_id: str, exc: BaseException | None, reason: str,
+                         rb: Exception) -> RollbackReport:
+        """The policy's rollback could not run: the session halts for a person, and the report says why."""
         _note(exc, f"undolog: rollback of session {session_id} failed: {rb}")
         self.saga.halt_unrolled(session_id, reason, rb)
+        return RollbackReport(session_id, complete=False, halted_reason=f"the rollback could not run: {rb}")
 
     @staticmethod
     async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:

@@ -312,8 +312,9 @@ class CompensationNotFound(UndoLogError):
 
     def __init__(self, name: str) -> None:
         super().__init__(
-            f"compensation {name!r} is not registered in this process; load the app that defines it "
-            "(--app module:attribute or UNDOLOG_APP). Nothing was changed.",
+            f"compensation {name!r} is not registered in this process. Nothing was changed. In the app, register "
+            "it where the tools are set up (an adapter's compensations=[...] or undolog.register(fn)); from the "
+            "CLI or the server, load the app that defines it (--app module:attribute or UNDOLOG_APP).",
             compensation_name=name,
         )
         self.compensation_name = name
