@@ -49,7 +49,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from undolog_core import CompensationDescriptor, ToolTier, UndoLog, compensation, undolog_tool  # noqa: E402
-from undolog_core._engine import canonical_text, result_text  # noqa: E402 - the lower bound runs the same code
+from undolog_core._tools import canonical_text, result_text  # noqa: E402 - the lower bound runs the same code
 from undolog_core._store import new_id  # noqa: E402
 from undolog_core._tools import sha256_hex  # noqa: E402
 

@@ -316,7 +316,7 @@ class UndoLogFilter:
                 # A filter between the gate and the function edited the call: it is not the call that was let
                 # through (approved, for an IRREVERSIBLE one), so it does not run.
                 if handover.decision.effect_id is not None:
-                    self.undolog.engine.release(handover.decision.effect_id)
+                    self.undolog.driver.release(handover.decision)
                 raise errors.ConfigurationError(
                     f"UndoLog refused {name}: its arguments were changed after UndoLog's gate; it was NOT run"
                 )

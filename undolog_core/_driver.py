@@ -223,9 +223,13 @@ class CallDriver:
         if d.effect_id is not None:
             self.engine.complete(d.effect_id, value)
 
-    def _release(self, d: Execute) -> None:
+    def release(self, d: Execute) -> None:
+        """Hand a decided call back without running it (a framework paused before it ran, or a filter changed
+        it after the gate): its re-issue decides again, under the same effect."""
         if d.effect_id is not None:
             self.engine.release(d.effect_id)
+
+    _release = release
 
     def _record_failure(self, d: Execute, error: BaseException | str) -> str | None:
         """The failure's policy, or None when nothing is to be done (a SAFE call, or a store that is down)."""

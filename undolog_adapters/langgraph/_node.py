@@ -180,7 +180,7 @@ class UndoLogToolNode(ToolNode):
         for step in batch.gated.values():
             if isinstance(step, _Run) and step.execute.effect_id is not None:
                 # Approved but not run: handed back unclaimed, so the node's next pass can claim it again.
-                self._undolog_guard.u.engine.release(step.execute.effect_id)
+                self._undolog_guard.u.driver.release(step.execute)
         batch.gated.clear()
 
     def _ordered(self, input: Any, batch: _Batch) -> list[_Pause]:
