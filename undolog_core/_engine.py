@@ -536,12 +536,16 @@ class Engine:
         cancelled meanwhile, refuses the re-issue like any other call.
         """
         now = utcnow()
+        args_json = row.args_snapshot
         self._inflight.add(row.effect_id)
         try:
             with self.store.tx() as conn:
                 self._guard(conn, sc, 0, pin=None)
                 if row.tier == IRREVERSIBLE:
-                    self._check_still_approved(self.store.request_of_effect_in(conn, row.effect_id), row)
+                    req = self.store.request_of_effect_in(conn, row.effect_id)
+                    self._check_still_approved(req, row)
+                    if req is not None and req.approved_args is not None:
+                        args_json = req.approved_args  # a modify: what the person approved runs, nothing else
                 if not self.store.claim_effect_in(
                     conn, row.effect_id, from_state=EffectState.RELEASED.value,
                     to_state=row.released_from or EffectState.PENDING.value, owner=self.leases.owner,
@@ -553,7 +557,7 @@ class Engine:
             self._inflight.discard(row.effect_id)
             raise
         self.leases.start()
-        args = spec.values(spec.validate(row.args_snapshot))
+        args = spec.values(spec.validate(args_json))
         return Execute(row.effect_id, args, f"do-{row.effect_id}", spec.tier, spec.name, row.call_id, row.session_id)
 
     @staticmethod

@@ -131,7 +131,7 @@ class CallsSQL(Store):
     def request_of_effect_in(self, conn: Connection, effect_id: str) -> Any:
         r = t.approval_requests
         return conn.execute(
-            sa.select(r.c.approval_request_id, r.c.state, r.c.decision_reason, r.c.decided_by)
+            sa.select(r.c.approval_request_id, r.c.state, r.c.decision_reason, r.c.decided_by, r.c.approved_args)
             .where(r.c.effect_id == effect_id)
         ).first()
 
