@@ -41,17 +41,17 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from undolog_core import ToolTier, UndoLog, compensation, current_call, undolog_tool
+from undolog_core import Execute, ToolTier, UndoLog, compensation, current_call, undolog_tool
 from undolog_core import _schema as t
 from undolog_core._faults import FaultPoint, arm
 from undolog_core.errors import UndoLogError
 
 # -- the world: tools, compensations and probes that write down what really happened -----------------------
 
-# Set in the parent before each fork (children inherit them): where the ground truth goes, the child's own UndoLog
-# (tools read the store through it), and the sessions whose rollback the model has requested.
+# Set in the parent before each fork (children inherit them): where the ground truth goes, the running process's
+# UndoLog (tools read the store through it), and the sessions whose rollback the model has requested.
 _GT_PATH: str | None = None
-_CHILD_U: UndoLog | None = None
+_TOOL_U: UndoLog | None = None
 _ROLLBACK_REQUESTED: frozenset[str] = frozenset()
 
 
@@ -76,9 +76,9 @@ def gt_read(path: str | Path) -> list[dict[str, Any]]:
 def _observe(tool: str, args: dict[str, Any]) -> None:
     """What a tool saw when it ran: its session's state and its approval request, read from the store."""
     cc = current_call()
-    assert cc is not None and _CHILD_U is not None
+    assert cc is not None and _TOOL_U is not None
     r = t.approval_requests
-    with _CHILD_U.store.read() as c:
+    with _TOOL_U.store.read() as c:
         state = c.execute(
             sa.select(t.sessions.c.state).where(t.sessions.c.session_id == cc.session_id)
         ).scalar()
@@ -399,7 +399,7 @@ class Harness:
         _GT_PATH = str(self.workdir / f"{tag}-{os.urandom(4).hex()}.jsonl")  # a replay must not see old lines
         rng = random.Random(seed)
         if steps is None:
-            total = n_steps or rng.randint(6, 14)
+            total = n_steps or rng.randint(5, 12)
             generate = True
             plan: list[Step] = []
         else:
@@ -440,7 +440,11 @@ class Harness:
             m.rollback_requested.add(sid)
             m.ever_rollback_requested.add(sid)
         _ROLLBACK_REQUESTED = frozenset(m.rollback_requested)
-        out = run_in_child(lambda: self._child(step, sid))
+        if step.fault is None and not step.fast:
+            # Nothing can kill it: the parent runs it (a fork and a fresh UndoLog cost more than most steps).
+            out = self._here(step, sid)
+        else:
+            out = run_in_child(lambda: self._child(step, sid))
         if out.killed:
             assert step.fault is not None, f"{step} was killed with no fault armed"
             m.kills.append((step.fault, out.pid))
@@ -453,40 +457,60 @@ class Harness:
             m.calls[step.call_id].released = False
         return out.text, step.op is Op.RECOVER
 
+    def _here(self, step: Step, sid: str) -> ChildOutcome:
+        global _TOOL_U
+        _TOOL_U = self.u
+        try:
+            return ChildOutcome(False, self._step(self.u, step, sid))
+        except UndoLogError as exc:
+            return ChildOutcome(False, f"raised {exc.code}")
+        except Exception:  # noqa: BLE001 - reported as a finding
+            return ChildOutcome(False, "raised", traceback.format_exc())
+
     def _child(self, step: Step, sid: str) -> str:
         """The body of a forked child: its own UndoLog (never the parent's pooled connections), one step."""
-        global _CHILD_U
+        global _TOOL_U
         u = UndoLog.open(self.url, schema=self.schema, migrate=False, fast_commit_mark=step.fast)
-        _CHILD_U = u
-        u.register(*TOOLS)
+        _TOOL_U = u
+        # Only what the step needs (building a tool's argument model is most of a child's start-up): a call its
+        # tool and the compensation, a rollback the compensation, recovery everything (it reconciles any tool).
+        if step.op in (Op.CALL, Op.RELEASE):
+            u.register(TOOL_FNS[step.tool or ""], h_undo)
+        elif step.op is Op.ROLLBACK:
+            u.register(h_undo)
+        else:
+            u.register(*TOOLS)
         if step.fault is not None:
             arm(step.fault, skip=step.skip)
         try:
-            if step.op is Op.CALL:
-                s = u.session(session_id=sid)
-                try:
-                    out = s.call_sync(step.tool, call_id=step.call_id, user=step.user)
-                except UndoLogError as exc:
-                    return f"raised {exc.code}"
-                return f"ran -> {json.dumps(out, sort_keys=True)}"
-            if step.op is Op.RELEASE:
-                d = u.engine.intercept(sid, step.tool or "", {"user": step.user}, call_id=step.call_id)
-                if d.__class__.__name__ != "Execute":
-                    return f"not released: {d.__class__.__name__}"
-                if step.run_tool:
-                    with u.engine.running(d, sid):  # type: ignore[arg-type]
-                        TOOL_FNS[step.tool or ""](**d.args)  # type: ignore[union-attr]
-                u.engine.release(d.effect_id)  # type: ignore[union-attr]
-                return "released"
-            if step.op is Op.ROLLBACK:
-                rep = u.rollback(sid)
-                return f"rolled back: complete={rep.complete} steps={len(rep.steps)}"
-            if step.op is Op.RECOVER:
-                return f"recovered: {_summary(u.recover().to_dict())}"
-            raise AssertionError(step.op)
+            return self._step(u, step, sid)
         finally:
             arm(None)
             u.close()
+
+    def _step(self, u: UndoLog, step: Step, sid: str) -> str:
+        if step.op is Op.CALL:
+            s = u.session(session_id=sid)
+            try:
+                out = s.call_sync(step.tool, call_id=step.call_id, user=step.user)
+            except UndoLogError as exc:
+                return f"raised {exc.code}"
+            return f"ran -> {json.dumps(out, sort_keys=True)}"
+        if step.op is Op.RELEASE:
+            d = u.engine.intercept(sid, step.tool or "", {"user": step.user}, call_id=step.call_id)
+            if not isinstance(d, Execute) or d.effect_id is None:
+                return f"not released: {type(d).__name__}"
+            if step.run_tool:
+                with u.engine.running(d, sid):
+                    TOOL_FNS[step.tool or ""](**d.args)
+            u.engine.release(d.effect_id)
+            return "released"
+        if step.op is Op.ROLLBACK:
+            rep = u.rollback(sid)
+            return f"rolled back: complete={rep.complete} steps={len(rep.steps)}"
+        if step.op is Op.RECOVER:
+            return f"recovered: {_summary(u.recover().to_dict())}"
+        raise AssertionError(step.op)
 
     def _in_parent(self, step: Step, m: _Model, sid: str) -> str:
         try:
