@@ -321,10 +321,11 @@ class Harness:
         pending = self._pending(m)
         approved = self._calls_in(m, ("approved",), IRREVERSIBLE_TOOLS)
         released = sorted(c for c, info in m.calls.items() if info.released)
+        undoable = self._undoable(m)
         weights = {
-            "new_comp": 5, "new_irr": 3, "reissue": 4 if (approved or released) else 1,
-            "decide": 5 if pending else 0, "release": 2, "rollback": 2, "recover": 3, "expire": 1,
-            "resume": 2,
+            "new_comp": 5, "new_irr": 3, "reissue": 5 if (approved or released) else 1,
+            "decide": 5 if pending else 0, "release": 3, "rollback": 4 if max(undoable) >= 2 else 1,
+            "recover": 3, "expire": 1, "resume": 2,
         }
         kind = rng.choices(list(weights), weights=list(weights.values()))[0]
         s = rng.randrange(len(m.sessions))
@@ -362,9 +363,11 @@ class Harness:
                         rng.choice(USERS), run_tool=rng.random() < 0.5,
                         fault=self._maybe(rng, [FaultPoint.BEFORE_PREWRITE, FaultPoint.AFTER_PREWRITE]))
         if kind == "rollback":
+            s = max(range(len(m.sessions)), key=lambda i: (undoable[i], rng.random()))
             return Step(Op.ROLLBACK, s, fault=self._maybe(rng, [
                 FaultPoint.ROLLBACK_REQUESTED, FaultPoint.DURING_ROLLBACK, FaultPoint.AFTER_COMPENSATION,
-                FaultPoint.BETWEEN_COMPENSATIONS]), skip=rng.choice([0, 0, 1, 2]))
+                FaultPoint.BETWEEN_COMPENSATIONS, FaultPoint.BETWEEN_COMPENSATIONS], p=0.75),
+                skip=rng.choice([0, 0, 1, 2]))
         if kind == "recover":
             return Step(Op.RECOVER, fault=self._maybe(rng, [
                 FaultPoint.DURING_RECOVERY, FaultPoint.DURING_ROLLBACK, FaultPoint.AFTER_COMPENSATION,
@@ -376,6 +379,15 @@ class Harness:
     @staticmethod
     def _maybe(rng: random.Random, points: list[FaultPoint], p: float = 0.6) -> FaultPoint | None:
         return rng.choice(points) if rng.random() < p else None
+
+    def _undoable(self, m: _Model) -> list[int]:
+        """How many undo entries each session has that a rollback would still compensate."""
+        u = t.undo_stack
+        with self.u.store.read() as c:
+            rows = c.execute(
+                sa.select(u.c.session_id).where(u.c.session_id.in_(m.sessions), u.c.state != "compensated")
+            ).scalars().all()
+        return [rows.count(sid) for sid in m.sessions]
 
     def _pending(self, m: _Model) -> list[str]:
         return self._calls_in(m, ("awaiting_approval",), IRREVERSIBLE_TOOLS)
