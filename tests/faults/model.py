@@ -314,6 +314,7 @@ class Harness:
         # An hour: timeouts happen only when the sequence says so (EXPIRE looks past every deadline).
         self.u.policy.set(actor="harness", approval_timeout_seconds=3600)
         self.counter = 0
+        self._snap: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] = ({}, {}, {})
 
     # -- generation --------------------------------------------------------------------------------------------
 
@@ -364,14 +365,22 @@ class Harness:
                         fault=self._maybe(rng, [FaultPoint.BEFORE_PREWRITE, FaultPoint.AFTER_PREWRITE]))
         if kind == "rollback":
             s = max(range(len(m.sessions)), key=lambda i: (undoable[i], rng.random()))
-            return Step(Op.ROLLBACK, s, fault=self._maybe(rng, [
-                FaultPoint.ROLLBACK_REQUESTED, FaultPoint.DURING_ROLLBACK, FaultPoint.AFTER_COMPENSATION,
-                FaultPoint.BETWEEN_COMPENSATIONS, FaultPoint.BETWEEN_COMPENSATIONS], p=0.75),
-                skip=rng.choice([0, 0, 1, 2]))
+            n = undoable[s]
+            # Arm only points the walk reaches (a fork whose fault cannot fire is time spent on nothing).
+            points = [FaultPoint.ROLLBACK_REQUESTED]
+            if n >= 1:
+                points += [FaultPoint.DURING_ROLLBACK, FaultPoint.AFTER_COMPENSATION]
+            if n >= 2:
+                points += [FaultPoint.BETWEEN_COMPENSATIONS] * 2
+            point = self._maybe(rng, points, p=0.75)
+            last = n - 2 if point is FaultPoint.BETWEEN_COMPENSATIONS else n - 1
+            return Step(Op.ROLLBACK, s, fault=point, skip=rng.randint(0, max(0, last)))
         if kind == "recover":
-            return Step(Op.RECOVER, fault=self._maybe(rng, [
-                FaultPoint.DURING_RECOVERY, FaultPoint.DURING_ROLLBACK, FaultPoint.AFTER_COMPENSATION,
-                FaultPoint.BETWEEN_COMPENSATIONS], p=0.4), skip=rng.choice([0, 0, 1]))
+            point = None
+            if self._in_doubt():
+                point = self._maybe(rng, [FaultPoint.DURING_RECOVERY, FaultPoint.DURING_ROLLBACK,
+                                          FaultPoint.AFTER_COMPENSATION, FaultPoint.BETWEEN_COMPENSATIONS], p=0.5)
+            return Step(Op.RECOVER, fault=point, skip=rng.choice([0, 0, 1]) if point else 0)
         if kind == "expire":
             return Step(Op.EXPIRE)
         return Step(Op.RESUME, s)
@@ -382,23 +391,35 @@ class Harness:
 
     def _undoable(self, m: _Model) -> list[int]:
         """How many undo entries each session has that a rollback would still compensate."""
-        u = t.undo_stack
-        with self.u.store.read() as c:
-            rows = c.execute(
-                sa.select(u.c.session_id).where(u.c.session_id.in_(m.sessions), u.c.state != "compensated")
-            ).scalars().all()
-        return [rows.count(sid) for sid in m.sessions]
+        _, _, undos = self._snap
+        return [sum(1 for ud in undos.values() if ud.session_id == sid and ud.state != "compensated")
+                for sid in m.sessions]
+
+    def _in_doubt(self) -> bool:
+        """Whether recover() has anything to do in this sequence (else a fault armed in it could never fire)."""
+        _, effects, undos = self._snap
+        return any(ef.state in ("pending", "running") for ef in effects.values()) or any(
+            ud.state == "compensating" for ud in undos.values())
 
     def _pending(self, m: _Model) -> list[str]:
         return self._calls_in(m, ("awaiting_approval",), IRREVERSIBLE_TOOLS)
 
     def _calls_in(self, m: _Model, states: tuple[str, ...], tools: tuple[str, ...]) -> list[str]:
-        e = t.effect_log
+        _, effects, _ = self._snap
+        return sorted(ef.call_id for ef in effects.values()
+                      if ef.tool_name in tools and ef.state in states and ef.call_id in m.calls)
+
+    def _snapshot(self, m: _Model) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """The sequence's sessions, effects and undo entries, as the store has them now (read once per step:
+        the checker judges it, and the next step is generated from it)."""
+        e, u, s = t.effect_log, t.undo_stack, t.sessions
         with self.u.store.read() as c:
-            rows = c.execute(
-                sa.select(e.c.call_id, e.c.state).where(e.c.session_id.in_(m.sessions), e.c.tool_name.in_(tools))
-            ).all()
-        return sorted(r.call_id for r in rows if r.state in states and r.call_id in m.calls)
+            sessions = {row.session_id: row for row in c.execute(sa.select(s).where(s.c.session_id.in_(m.sessions)))}
+            effects = {row.effect_id: row
+                       for row in c.execute(sa.select(e).where(e.c.session_id.in_(m.sessions)).order_by(e.c.seq))}
+            undos = {row.effect_id: row for row in c.execute(sa.select(u).where(u.c.session_id.in_(m.sessions)))}
+        self._snap = (sessions, effects, undos)
+        return self._snap
 
     # -- running -----------------------------------------------------------------------------------------------
 
@@ -418,6 +439,7 @@ class Harness:
             total, generate, plan = len(steps), False, list(steps)
         for sid in m.sessions:
             self.u.session(session_id=sid)
+        self._snapshot(m)
         done: list[Step] = []
         outcomes: list[str] = []
         res = Result(seed, done, outcomes, sessions=list(m.sessions))
@@ -494,11 +516,11 @@ class Harness:
             u.register(*TOOLS)
         if step.fault is not None:
             arm(step.fault, skip=step.skip)
-        try:
-            return self._step(u, step, sid)
-        finally:
-            arm(None)
-            u.close()
+        out = self._step(u, step, sid)
+        arm(None)
+        if step.fast:
+            u.close()  # writes the queued commit marks; otherwise the child just exits (os._exit), as processes do
+        return out
 
     def _step(self, u: UndoLog, step: Step, sid: str) -> str:
         if step.op is Op.CALL:
@@ -575,11 +597,7 @@ class Harness:
         """Raise :class:`Violation` for the first invariant the store and the ground truth break."""
         assert _GT_PATH is not None
         gt = gt_read(_GT_PATH)
-        e, u, s = t.effect_log, t.undo_stack, t.sessions
-        with self.u.store.read() as c:
-            sessions = {row.session_id: row for row in c.execute(sa.select(s).where(s.c.session_id.in_(m.sessions)))}
-            effects = {row.effect_id: row for row in c.execute(sa.select(e).where(e.c.session_id.in_(m.sessions)))}
-            undos = {row.effect_id: row for row in c.execute(sa.select(u).where(u.c.session_id.in_(m.sessions)))}
+        sessions, effects, undos = self._snapshot(m)
 
         # 1. No IRREVERSIBLE tool runs without an approved, uncancelled request (with the approved arguments), in a
         #    session that is neither halted nor rolled back (nor being rolled back), and none runs twice.
