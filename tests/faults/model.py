@@ -35,7 +35,7 @@ import random
 import signal
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -719,24 +719,36 @@ def _summary(report: dict[str, Any]) -> str:
 
 
 def shrink(failing: Result, replay: Callable[[list[Step]], Result], budget: int = 40) -> Result:
-    """Greedily drop steps while the same invariant still fails (each replay on a fresh database)."""
+    """Greedily simplify while the same invariant still fails (each replay on a fresh database): drop steps, then
+    disarm faults and fast mode that the failure does not need."""
     assert failing.violation is not None
     best = failing
     target = failing.violation.invariant
     steps = list(failing.steps[: (failing.failed_at or len(failing.steps)) + 1])
     tries = 0
+
+    def attempt(cand: list[Step]) -> bool:
+        nonlocal best, steps, tries
+        tries += 1
+        res = replay(cand)
+        if res.violation is None or res.violation.invariant is not target:
+            return False
+        steps = list(res.steps[: (res.failed_at or len(res.steps)) + 1])
+        best = res
+        return True
+
     changed = True
     while changed and tries < budget:
         changed = False
         i = 0
         while i < len(steps) and tries < budget:
-            cand = steps[:i] + steps[i + 1:]
-            tries += 1
-            res = replay(cand)
-            if res.violation is not None and res.violation.invariant is target:
-                steps = list(res.steps[: (res.failed_at or len(res.steps)) + 1])
-                best = res
+            if attempt(steps[:i] + steps[i + 1:]):
                 changed = True
             else:
                 i += 1
+    for i in range(len(steps)):
+        if tries >= budget or i >= len(steps):
+            break
+        if steps[i].fault is not None or steps[i].fast:
+            attempt(steps[:i] + [replace(steps[i], fault=None, skip=0, fast=False)] + steps[i + 1:])
     return best
