@@ -139,7 +139,7 @@ COMPENSABLE_TOOLS = ("h_send", "h_send_probed")
 IRREVERSIBLE_TOOLS = ("h_delete", "h_delete_probed")
 USERS = ("u1", "u2", "u3")
 WRITABLE = ("active", "awaiting_approval")
-STOPPED = ("halted", "rolled_back", "completed")
+STOPPED = ("halted", "rolled_back", "completed", "rolling_back")  # rolling_back: the durable rollback intent
 
 
 # -- steps ----------------------------------------------------------------------------------------------------
@@ -432,7 +432,7 @@ class Harness:
         _GT_PATH = str(self.workdir / f"{tag}-{os.urandom(4).hex()}.jsonl")  # a replay must not see old lines
         rng = random.Random(seed)
         if steps is None:
-            total = n_steps or rng.randint(5, 12)
+            total = n_steps or rng.randint(4, 10)
             generate = True
             plan: list[Step] = []
         else:
