@@ -111,25 +111,3 @@ def db(tmp_path: Path, pg_admin: Any) -> Iterator[Db]:
 @pytest.fixture
 def undolog(db: Db) -> UndoLog:
     return db.open()
-
-
-# -- the nightly-style long runs: `pytest --long` runs tests marked `long`; without it they are deselected ---------
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--long", action="store_true", default=False,
-                     help="also run the long (nightly-style) tests marked `long`")
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "long: a long, nightly-style run; selected by --long")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--long"):
-        return
-    kept = [i for i in items if i.get_closest_marker("long") is None]
-    dropped = [i for i in items if i.get_closest_marker("long") is not None]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = kept
