@@ -296,10 +296,21 @@ class _Model:
     acknowledged: dict[str, set[str]] = field(default_factory=lambda: collections.defaultdict(set))
     kills: list[tuple[FaultPoint, int]] = field(default_factory=list)  # (point, pid) of every SIGKILLed child
     n: int = 0
+    focus: str = "mixed"
 
     def new_call_id(self) -> str:
         self.n += 1
         return f"c{self.n}"
+
+
+# Each sequence leans one way, so that 300 short sequences still reach deep into each area: the approval path
+# (decide, release an approved call, re-issue it), the rollback path (several undo entries, walks killed midway,
+# recoveries), or a mix.
+FOCUS: dict[str, dict[str, int]] = {
+    "mixed": {},
+    "approvals": {"new_comp": 1, "new_irr": 2, "reissue": 2, "decide": 2, "release": 2, "rollback": 1},
+    "rollbacks": {"new_comp": 2, "new_irr": 1, "release": 1, "rollback": 2, "recover": 2},
+}
 
 
 class Harness:
@@ -328,6 +339,8 @@ class Harness:
             "decide": 5 if pending else 0, "release": 3, "rollback": 4 if max(undoable) >= 2 else 1,
             "recover": 3, "expire": 1, "resume": 2,
         }
+        for k, factor in FOCUS[m.focus].items():
+            weights[k] *= factor
         kind = rng.choices(list(weights), weights=list(weights.values()))[0]
         s = rng.randrange(len(m.sessions))
         if kind == "new_comp":
@@ -431,6 +444,7 @@ class Harness:
         m = _Model(sessions=[f"{tag}-s0", f"{tag}-s1"])
         _GT_PATH = str(self.workdir / f"{tag}-{os.urandom(4).hex()}.jsonl")  # a replay must not see old lines
         rng = random.Random(seed)
+        m.focus = rng.choice(sorted(FOCUS))
         if steps is None:
             total = n_steps or rng.randint(4, 10)
             generate = True
