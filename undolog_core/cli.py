@@ -1093,7 +1093,7 @@ def _register_server_commands() -> None:
     # The server extra (FastAPI, uvicorn) is optional; its CLI module imports them lazily, but a missing
     # or broken module must never take the core CLI down with it.
     try:
-        from .server import cli as server_cli
+        from undolog_server import cli as server_cli
     except ImportError:
         return
     server_cli.register(app)

@@ -14,9 +14,9 @@ import pytest
 import uvicorn
 
 from undolog_core import ApprovalPending
-from undolog_core.server import create_app
-from undolog_core.server.state import ServerSettings, sql_engine_of
-from undolog_core.server.store import ApiKey, ServerStore
+from undolog_server import create_app
+from undolog_server.state import ServerSettings, sql_engine_of
+from undolog_server.store import ApiKey, ServerStore
 
 from . import demo_app
 

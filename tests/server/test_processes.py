@@ -16,8 +16,8 @@ import sqlalchemy as sa
 
 from undolog_core import ApprovalPending
 from undolog_core import _schema as core
-from undolog_core.server.state import sql_engine_of
-from undolog_core.server.store import ServerStore
+from undolog_server.state import sql_engine_of
+from undolog_server.store import ServerStore
 
 from . import demo_app
 from .receiver import Receiver
@@ -33,7 +33,7 @@ def _env(db: Any) -> dict[str, str]:
 
 
 def _cli(db: Any, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "undolog_core.server", *args], env=_env(db), capture_output=True,
+    return subprocess.run([sys.executable, "-m", "undolog_server", *args], env=_env(db), capture_output=True,
                           text=True, timeout=60)
 
 
@@ -48,7 +48,7 @@ def _spawn(db: Any, log: Path, *extra: str, cli: list[str] | None = None,
     port = _free_port()
     with open(log, "wb") as fh:  # a file, not a pipe: an unread pipe would stall a chatty server
         proc = subprocess.Popen(
-            [*(cli or [sys.executable, "-m", "undolog_core.server"]), "serve", "--port", str(port),
+            [*(cli or [sys.executable, "-m", "undolog_server"]), "serve", "--port", str(port),
              "--log-level", "warning", "--app", app, *extra],
             env=_env(db), stdout=subprocess.DEVNULL, stderr=fh,
         )

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from undolog_core.server.state import ServerSettings
-from undolog_core.server.webhooks import sign, verify_signature
+from undolog_server.state import ServerSettings
+from undolog_server.webhooks import sign, verify_signature
 
 from .conftest import Desk, make_desk
 from .receiver import Receiver
@@ -122,8 +122,8 @@ def test_a_stalled_receiver_does_not_hold_up_the_others(db: Any, receiver: Recei
 
 
 def test_events_raised_while_the_server_is_down_are_delivered_later(db: Any, receiver: Receiver) -> None:
-    from undolog_core.server.state import sql_engine_of
-    from undolog_core.server.store import ServerStore
+    from undolog_server.state import sql_engine_of
+    from undolog_server.store import ServerStore
 
     from . import demo_app
 

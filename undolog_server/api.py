@@ -14,7 +14,7 @@ from fastapi import APIRouter, Body, Depends, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import to_jsonable_python
 
-from .. import errors
+from undolog_core import errors
 from .auth import AuthFirstRoute, is_admin, require, server_state
 from .problems import Problem
 from .state import ServerState

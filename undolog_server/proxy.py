@@ -34,7 +34,7 @@ from fastapi import APIRouter, Body, Depends, Header, Request
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, Response
 
-from .. import errors
+from undolog_core import errors
 from .auth import AuthFirstRoute, require, server_state
 from .problems import Problem, problem_response
 from .store import ApiKey
@@ -163,7 +163,7 @@ class ProxyTools:
 
 def _forwarder(tool: ProxyTool) -> Any:
     def forward(**kwargs: Any) -> Any:
-        from .. import current_call
+        from undolog_core import current_call
 
         ctx = current_call()
         resp = _post(tool.url, kwargs, idempotency_key=ctx.idempotency_key if ctx else None,
@@ -260,7 +260,7 @@ def invoke(
         found = st.undolog.approvals.find_for_call(session_id, tool, args)
         call_id = found.call_id if found is not None else None
 
-    from .. import AwaitingApproval, Completed
+    from undolog_core import AwaitingApproval, Completed
 
     decision = st.undolog.engine.intercept(session_id, tool, args, call_id=call_id)
     if isinstance(decision, AwaitingApproval):

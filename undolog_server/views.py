@@ -13,7 +13,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from .. import _schema as s
+from undolog_core import _schema as s
 from .store import ApiKey, ApproverGroup, utcnow
 
 PENDING_UNDO_STATES = ("armed", "compensating", "compensation_failed")

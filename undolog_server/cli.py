@@ -171,7 +171,7 @@ def register(app: typer.Typer) -> None:
 
 
 def main() -> None:
-    """Standalone entry point (``python -m undolog_core.server``)."""
+    """Standalone entry point (``python -m undolog_server``)."""
     cli = typer.Typer(no_args_is_help=True)
     register(cli)
     cli()

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from .. import errors
+from undolog_core import errors
 from . import api, dashboard, problems
 from . import proxy as proxy_mod
 from .state import ServerSettings, ServerState, sql_engine_of
@@ -49,7 +49,7 @@ def load_app(undolog: Any, spec: str) -> Any:
     Raises:
         errors.ConfigurationError: The module or attribute cannot be found or used.
     """
-    from .. import UndoLog
+    from undolog_core import UndoLog
 
     module_name, _, attr = spec.partition(":")
     try:

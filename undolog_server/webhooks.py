@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import sqlalchemy as sa
 
-from .. import _schema as core
+from undolog_core import _schema as core
 from .store import (
     NotificationPolicy,
     WebhookTarget,

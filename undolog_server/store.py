@@ -19,7 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from .._schema import UTCDateTime
+from undolog_core._schema import UTCDateTime
 
 ROLES = ("agent", "approver", "admin")
 KEY_PREFIX = "ulk_"

@@ -37,7 +37,7 @@ def verify_audit(undolog: Any) -> dict[str, Any]:
         audit = getattr(undolog, "audit", None)
         fn = getattr(audit, "verify", None)
     if fn is None:
-        from .. import _audit
+        from undolog_core import _audit
 
         report = _audit.verify(undolog.store)
     else:
