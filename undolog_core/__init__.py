@@ -12,6 +12,7 @@ Example:
 """
 
 from . import errors
+from ._app import load_app
 from ._approvals import ApprovalEvent, ApprovalRecord
 from ._audit import AuditReport
 from ._engine import AwaitingApproval, CallContext, Completed, Execute, current_call
@@ -20,7 +21,7 @@ from ._recovery import ProbeContext, RecoveryReport
 from ._saga import CompensationContext, RollbackReport, RollbackStep
 from ._session import Session, SessionRecord
 from ._tools import CompensationDescriptor, ToolSpec, ToolTier, compensation, undolog_tool
-from ._undolog import UndoLog, load_app
+from ._undolog import UndoLog
 from .errors import (
     ApprovalPending,
     ApprovalRejected,

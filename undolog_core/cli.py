@@ -41,11 +41,12 @@ from sqlalchemy.engine import make_url
 from typer.core import TyperGroup
 
 from . import _migrate
+from ._app import load_app
 from ._registry import default_actor
 from ._saga import RollbackStep
 from ._schema import REQUEST_STATES, SESSION_STATES
 from ._store import resolve_url
-from ._undolog import UndoLog, load_app
+from ._undolog import UndoLog
 from .errors import ConfigurationError, UndoLogError
 
 #: Below this many steps a rollback or recovery finishes too fast for a progress bar to help.
@@ -63,7 +64,6 @@ class CliInputError(UndoLogError):
     """Bad input caught by the CLI itself (unparseable ``--args``, nothing to change...)."""
 
     code = "invalid_input"
-    http_status = 422
 
 
 # -- error handling -------------------------------------------------------------------------------
@@ -1042,6 +1042,32 @@ _DEMOS = {
 }
 
 
+def _examples_root() -> Path | None:
+    """The folder that holds ``examples/`` (the demos are not an installed package).
+
+    ``$UNDOLOG_EXAMPLES`` (the ``examples`` folder itself) wins; then the current directory; then the
+    checkout this CLI runs from (an editable install: ``undolog_core`` sits next to ``examples``).
+    """
+    candidates = []
+    if env := os.environ.get("UNDOLOG_EXAMPLES"):
+        candidates.append(Path(env).expanduser().resolve().parent)
+    candidates += [Path.cwd(), Path(__file__).resolve().parent.parent]
+    for root in candidates:
+        if (root / "examples" / "__init__.py").is_file():
+            return root
+    return None
+
+
+def _import_demo(module_name: str) -> Any:
+    import importlib
+    import sys
+
+    root = _examples_root()
+    if root is not None and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return importlib.import_module(module_name)
+
+
 @app.command("demo")
 def demo(
     framework: Annotated[Framework, typer.Option("--framework", help="Which agent framework runs the demo.")]
@@ -1061,17 +1087,22 @@ def demo(
     """Run the support-agent demo: a refund, a deletion that waits for approval, and a rollback.
 
     \f
-    The demo modules live in ``examples/`` and pull in their framework; they are imported only here so
-    the rest of the CLI works without those extras.
+    The demo modules live in ``examples/`` (found by :func:`_examples_root`, not installed) and pull in
+    their framework; they are imported only here so the rest of the CLI works without those extras.
     """
     module_name, extra = _DEMOS[framework]
     if framework is not Framework.langgraph and (interactive or model):
         raise CliInputError(f"--interactive and --model apply to the langgraph demo only, not {framework.value}")
     try:
-        module = __import__(module_name, fromlist=["main"])
+        module = _import_demo(module_name)
     except ImportError as exc:
+        where = "" if _examples_root() else (
+            "; the demos live in the repository's examples/ folder: run from the checkout or set "
+            "UNDOLOG_EXAMPLES=/path/to/examples"
+        )
         raise ConfigurationError(
-            f"the {framework.value} demo cannot be loaded ({exc}); install it with: pip install 'undolog[{extra}]'"
+            f"the {framework.value} demo cannot be loaded ({exc}); install it with: pip install "
+            f"'undolog[{extra}]'{where}"
         ) from None
     run = module.main
     if framework is Framework.langgraph:
@@ -1089,14 +1120,28 @@ def demo(
 # -- the server's commands ------------------------------------------------------------------------
 
 
+SERVER_EXTRA_HINT = "the approval desk needs the server extra: pip install 'undolog[server]'"
+
+
 def _register_server_commands() -> None:
-    # The server extra (FastAPI, uvicorn) is optional; its CLI module imports them lazily, but a missing
-    # or broken module must never take the core CLI down with it.
+    # The desk is its own package (undolog_server) and its dependencies (FastAPI, uvicorn, httpx) are the
+    # optional [server] extra. Only its small CLI module is imported here, and it imports those dependencies
+    # when a command runs; without the package, ``serve`` and ``keys`` still exist and say what to install,
+    # and a missing or broken server never takes the core CLI down with it.
     try:
         from undolog_server import cli as server_cli
     except ImportError:
+        server_cli = None
+    if server_cli is not None:
+        server_cli.register(app)
         return
-    server_cli.register(app)
+
+    def _missing() -> None:
+        raise ConfigurationError(SERVER_EXTRA_HINT)
+
+    ctx = {"allow_extra_args": True, "ignore_unknown_options": True}
+    app.command("serve", help="Run the approval desk (needs the server extra).", context_settings=ctx)(_missing)
+    app.command("keys", help="Manage API keys (needs the server extra).", context_settings=ctx)(_missing)
 
 
 _register_server_commands()

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import to_jsonable_python
 
 from undolog_core import errors
+
 from .auth import AuthFirstRoute, is_admin, require, server_state
 from .problems import Problem
 from .state import ServerState

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import os
 import socket
 from collections.abc import AsyncIterator, Mapping
@@ -15,7 +13,8 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from undolog_core import errors
+from undolog_core import errors, load_app
+
 from . import api, dashboard, problems
 from . import proxy as proxy_mod
 from .state import ServerSettings, ServerState, sql_engine_of
@@ -30,69 +29,9 @@ Errors are RFC 9457 `application/problem+json` with a stable `code`.
 """
 
 
-def load_app(undolog: Any, spec: str) -> Any:
-    """Load the user's tools and compensations named by ``--app module:attribute``.
-
-    The attribute may be, as for every ``undolog`` command, the app's ``UndoLog`` or a
-    zero-argument factory returning it: that UndoLog, with everything it registered, is the one
-    to serve. It may also be a function taking an UndoLog (it registers what it wants), a list
-    of decorated tools and compensations, or one of them; a bare module registers every
-    decorated tool and compensation it defines.
-
-    Args:
-        undolog: The UndoLog to register into (ignored when the spec names an UndoLog).
-        spec: ``module:attribute`` or ``module``.
-
-    Returns:
-        The UndoLog to serve.
-
-    Raises:
-        errors.ConfigurationError: The module or attribute cannot be found or used.
-    """
-    from undolog_core import UndoLog
-
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise errors.ConfigurationError(f"--app {spec!r}: cannot import {module_name!r}: {exc}") from exc
-    if not attr:
-        found = [v for v in vars(module).values() if _is_declared(v)]
-        if found:
-            undolog.register(*found)
-        return undolog
-    try:
-        target = getattr(module, attr)
-    except AttributeError:
-        raise errors.ConfigurationError(f"--app {spec!r}: {module_name} has no attribute {attr!r}") from None
-    if isinstance(target, UndoLog):
-        return target
-    if _is_declared(target):
-        undolog.register(target)
-    elif isinstance(target, (list, tuple, set)):
-        undolog.register(*target)
-    elif callable(target) and len(inspect.signature(target).parameters) == 0:
-        made = target()
-        if not isinstance(made, UndoLog):
-            raise errors.ConfigurationError(f"--app {spec!r}: the factory returned {type(made).__name__}, not an UndoLog")
-        return made
-    elif callable(target) and len(inspect.signature(target).parameters) == 1:
-        target(undolog)
-    else:
-        raise errors.ConfigurationError(
-            f"--app {spec!r} must name an UndoLog (or a factory returning one), a function taking the UndoLog, "
-            "a list of tools, or a decorated tool"
-        )
-    return undolog
-
-
 def _same_database(a: Any, b: Any) -> bool:
     sa_, sb = getattr(a, "store", None), getattr(b, "store", None)
     return (getattr(sa_, "url", None), getattr(sa_, "schema", None)) == (getattr(sb, "url", None), getattr(sb, "schema", None))
-
-
-def _is_declared(v: Any) -> bool:
-    return hasattr(v, "__undolog_spec__") or hasattr(v, "__undolog_compensation__")
 
 
 _CSP = (
@@ -206,7 +145,8 @@ def create_app(
     Args:
         undolog: An open ``UndoLog`` (its database holds the server's tables too).
         app_spec: ``module:attribute`` whose tools and compensations rollback may need (see
-            :func:`load_app`); when it names the app's UndoLog, that instance is served.
+            :func:`undolog_core.load_app`, the loader every ``--app`` goes through); when it names the
+            app's UndoLog, that instance is served.
         proxy_config: A TOML file (or parsed mapping) of upstream tools to proxy.
         settings: Tunables; defaults suit production.
 
@@ -215,7 +155,7 @@ def create_app(
     """
     settings = settings or ServerSettings()
     if app_spec:
-        loaded = load_app(undolog, app_spec)
+        loaded = load_app(app_spec, into=undolog)
         if loaded is not undolog:
             if not _same_database(loaded, undolog):
                 raise errors.ConfigurationError(

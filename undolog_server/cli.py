@@ -32,24 +32,15 @@ def _serve_undolog(db: str | None, schema: str | None, app_spec: str | None) -> 
         The UndoLog, and whether it came from ``--app`` (then it needs no further loading).
     """
     if app_spec and ":" in app_spec:
-        import importlib
-        import inspect
+        from undolog_core import load_app
+        from undolog_core.errors import ConfigurationError
 
-        from undolog_core import UndoLog
-
-        module_name, _, attr = app_spec.partition(":")
-        target = getattr(importlib.import_module(module_name), attr, None)
-        if isinstance(target, UndoLog):
-            return target, True
-        if callable(target) and not hasattr(target, "__undolog_spec__"):
-            try:
-                takes_none = len(inspect.signature(target).parameters) == 0
-            except (TypeError, ValueError):
-                takes_none = False
-            if takes_none:
-                made = target()
-                if isinstance(made, UndoLog):
-                    return made, True
+        try:
+            # The one --app loader; without ``into`` it accepts only an UndoLog or a factory of one, which
+            # is what decides whether the app brings its own database.
+            return load_app(app_spec), True
+        except ConfigurationError:
+            pass  # names tools to register: create_app loads them into the UndoLog on --db
     return _open(db, schema), False
 
 

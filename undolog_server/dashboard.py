@@ -20,6 +20,7 @@ from fastapi.templating import Jinja2Templates
 from itsdangerous import BadSignature, TimestampSigner
 
 from undolog_core import errors
+
 from .api import approval_detail, rollback_out, session_detail
 from .auth import server_state
 from .state import ServerState

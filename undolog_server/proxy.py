@@ -35,6 +35,7 @@ from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, Response
 
 from undolog_core import errors
+
 from .auth import AuthFirstRoute, require, server_state
 from .problems import Problem, problem_response
 from .store import ApiKey

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from undolog_core import _schema as s
+
 from .store import ApiKey, ApproverGroup, utcnow
 
 PENDING_UNDO_STATES = ("armed", "compensating", "compensation_failed")

@@ -4,14 +4,15 @@ The engine only writes outbox rows in its own transactions; everything here runs
 the server's background loops, so a slow or dead receiver can delay notifications but
 never an approval, a call or a rollback.
 
+Signing and verifying live in :mod:`undolog_core.webhooks` (stdlib only, so receivers need not
+install the server); they are re-exported here.
+
 Signature: ``UndoLog-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256(secret, "<t>." + body)>``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
 import logging
 import random
@@ -24,6 +25,8 @@ import httpx
 import sqlalchemy as sa
 
 from undolog_core import _schema as core
+from undolog_core.webhooks import SIGNATURE_HEADER, sign, verify_signature
+
 from .store import (
     NotificationPolicy,
     WebhookTarget,
@@ -36,9 +39,10 @@ from .store import (
 if TYPE_CHECKING:
     from .state import ServerState
 
+__all__ = ["SIGNATURE_HEADER", "EVENT_TYPES", "WebhookDispatcher", "route", "sign", "verify_signature"]
+
 log = logging.getLogger("undolog.server.webhooks")
 
-SIGNATURE_HEADER = "UndoLog-Signature"
 EVENT_TYPES = (
     "approval.requested",
     "approval.decided",
@@ -47,45 +51,6 @@ EVENT_TYPES = (
     "session.halted",
     "session.rolled_back",
 )
-
-
-def sign(secret: str, timestamp: int, body: bytes) -> str:
-    """Compute the ``UndoLog-Signature`` header value.
-
-    Args:
-        secret: The target's shared secret.
-        timestamp: Unix seconds, also sent in the header (bounds replay).
-        body: The exact request body.
-
-    Returns:
-        ``t=<timestamp>,v1=<hex digest>``.
-    """
-    mac = hmac.new(secret.encode(), str(timestamp).encode() + b"." + body, hashlib.sha256).hexdigest()
-    return f"t={timestamp},v1={mac}"
-
-
-def verify_signature(secret: str, header: str, body: bytes, *, tolerance: float = 300, now: float | None = None) -> bool:
-    """Check a received ``UndoLog-Signature`` (what a receiver should do).
-
-    Args:
-        secret: The shared secret.
-        header: The header value.
-        body: The raw body received.
-        tolerance: Largest accepted clock difference, in seconds.
-        now: Current unix time (for tests).
-
-    Returns:
-        True when the signature is valid and fresh.
-    """
-    try:
-        parts = dict(p.split("=", 1) for p in header.split(","))
-        ts = int(parts["t"])
-    except (ValueError, KeyError):
-        return False
-    if abs((now if now is not None else time.time()) - ts) > tolerance:
-        return False
-    expected = sign(secret, ts, body).split("v1=", 1)[1]
-    return hmac.compare_digest(expected, parts.get("v1", ""))
 
 
 def route(
