@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from undolog_core import ApprovalPending, ToolTier, UndoLog, undolog_tool  # noqa: E402
 from undolog_server import create_app  # noqa: E402
-from undolog_server.state import ServerSettings, sql_engine_of  # noqa: E402
+from undolog_server.state import ServerSettings  # noqa: E402
 from undolog_server.store import ServerStore  # noqa: E402
 from undolog_server.sweeper import Sweeper  # noqa: E402
 
@@ -110,7 +110,7 @@ def main() -> None:
 
     # Through the API: bearer auth, role and group checks, the decision, the response.
     proc, base = start_server(url, schema)
-    _, token = ServerStore(sql_engine_of(u)).create_key("bench-approver", ["approver"])
+    _, token = ServerStore(u.store).create_key("bench-approver", ["approver"])
     ids = raise_requests(u, n)
     clients = [httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) for _ in range(args.concurrency)]
 

@@ -16,6 +16,7 @@ from ._app import load_app
 from ._approvals import ApprovalEvent, ApprovalRecord
 from ._audit import AuditReport
 from ._engine import AwaitingApproval, CallContext, Completed, Execute, current_call
+from ._outbox import OutboxEvent
 from ._policy import OrgPolicy
 from ._recovery import ProbeContext, RecoveryReport
 from ._saga import CompensationContext, RollbackReport, RollbackStep
@@ -49,6 +50,7 @@ __all__ = [
     "Completed",
     "Execute",
     "OrgPolicy",
+    "OutboxEvent",
     "ProbeContext",
     "RecoveryReport",
     "RollbackReport",

@@ -8,6 +8,7 @@ from typing import Any
 from ._approvals import ApprovalService
 from ._audit import AuditReport, verify
 from ._engine import Engine, check_id
+from ._outbox import OutboxService
 from ._policy import PolicyService
 from ._recovery import Recovery, RecoveryReport
 from ._registry import Registry
@@ -46,6 +47,7 @@ class UndoLog:
         self.saga = Saga(self)
         self.engine = Engine(self)
         self.sessions = SessionService(self)
+        self.outbox = OutboxService(self)
         self._recovery = Recovery(self)
 
     @classmethod

@@ -1131,8 +1131,8 @@ def _register_server_commands() -> None:
     try:
         from undolog_server import cli as server_cli
     except ImportError:
-        server_cli = None
-    if server_cli is not None:
+        pass
+    else:
         server_cli.register(app)
         return
 

@@ -469,14 +469,11 @@ def _key_out(k: ApiKey) -> dict[str, Any]:
 @router.get("/health", response_model=HealthOut, tags=["meta"], summary="Liveness and database reachability")
 def health(request: Request) -> HealthOut:
     st = _st(request)
-    import sqlalchemy as sa
-
     try:
-        with st.engine.connect() as conn:
-            conn.execute(sa.text("SELECT 1"))
+        st.store.ping()
     except Exception:
         raise Problem(503, "database_unavailable", "the database does not answer") from None
-    return HealthOut(status="ok", database=st.engine.dialect.name)
+    return HealthOut(status="ok", database=st.undolog.store.dialect)
 
 
 @router.get("/me", response_model=MeOut, tags=["meta"], summary="The calling key")
@@ -605,8 +602,6 @@ def _event_dict(e: Any) -> dict[str, Any]:
         d = dataclasses.asdict(e)
     elif isinstance(e, dict):
         d = dict(e)
-    elif hasattr(e, "_mapping"):
-        d = dict(e._mapping)
     else:
         d = dict(vars(e))
     payload = d.get("payload")

@@ -17,7 +17,7 @@ from undolog_core import errors, load_app
 
 from . import api, dashboard, problems
 from . import proxy as proxy_mod
-from .state import ServerSettings, ServerState, sql_engine_of
+from .state import ServerSettings, ServerState
 from .store import ServerStore
 from .sweeper import Sweeper
 from .views import CoreViews
@@ -167,13 +167,11 @@ def create_app(
     if proxy_config is not None:
         proxy_tools = proxy_config if isinstance(proxy_config, proxy_mod.ProxyTools) else proxy_mod.ProxyTools.load(proxy_config)
         proxy_tools.register(undolog)
-    engine = sql_engine_of(undolog)
-    store = ServerStore(engine)
+    store = ServerStore(undolog.store)
     state = ServerState(
         undolog=undolog,
-        engine=engine,
         store=store,
-        views=CoreViews(engine),
+        views=CoreViews(undolog),
         settings=settings,
         secret=store.server_secret(),
         proxy=proxy_tools,

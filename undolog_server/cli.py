@@ -101,12 +101,11 @@ def keys_create(
     schema: SchemaOpt = None,
 ) -> None:
     """Create an API key and print it once."""
-    from .state import sql_engine_of
     from .store import ServerStore
 
     undolog = _open(db, schema)
     try:
-        store = ServerStore(sql_engine_of(undolog))
+        store = ServerStore(undolog.store)
         try:
             key, token = store.create_key(name, role, group or (), created_by="cli")
         except ValueError as exc:
@@ -123,12 +122,11 @@ def keys_create(
 @keys_app.command("list")
 def keys_list(db: DbOpt = None, schema: SchemaOpt = None) -> None:
     """List keys (never their secrets)."""
-    from .state import sql_engine_of
     from .store import ServerStore
 
     undolog = _open(db, schema)
     try:
-        for k in ServerStore(sql_engine_of(undolog)).list_keys():
+        for k in ServerStore(undolog.store).list_keys():
             status = "revoked" if k.revoked_at else "active"
             typer.echo(f"{k.key_id}\t{k.name}\t{','.join(sorted(k.roles))}\t{','.join(sorted(k.groups))}\t{status}")
     finally:
@@ -138,12 +136,11 @@ def keys_list(db: DbOpt = None, schema: SchemaOpt = None) -> None:
 @keys_app.command("revoke")
 def keys_revoke(key_id: str, db: DbOpt = None, schema: SchemaOpt = None) -> None:
     """Revoke a key; requests with it fail from now on."""
-    from .state import sql_engine_of
     from .store import ServerStore
 
     undolog = _open(db, schema)
     try:
-        if not ServerStore(sql_engine_of(undolog)).revoke_key(key_id):
+        if not ServerStore(undolog.store).revoke_key(key_id):
             typer.echo(f"no active key {key_id}", err=True)
             raise typer.Exit(1)
     finally:

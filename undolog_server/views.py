@@ -10,21 +10,15 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-import sqlalchemy as sa
-from sqlalchemy.engine import Engine
-
-from undolog_core import _schema as s
+from undolog_core import UndoLog
+from undolog_core.errors import ApprovalNotFound, SessionNotFound
 
 from .store import ApiKey, ApproverGroup, utcnow
 
-PENDING_UNDO_STATES = ("armed", "compensating", "compensation_failed")
-
 
 def approval_dict(row: Any) -> dict[str, Any]:
-    """Turn an approval row (or ApprovalRecord) into a plain dict with ``seconds_left``."""
-    if hasattr(row, "_mapping"):
-        d = dict(row._mapping)
-    elif isinstance(row, dict):
+    """Turn an ApprovalRecord (or a dict of one) into a plain dict with ``seconds_left``."""
+    if isinstance(row, dict):
         d = dict(row)
     else:
         d = {k: getattr(row, k) for k in _APPROVAL_FIELDS if hasattr(row, k)}
@@ -74,14 +68,14 @@ def may_see(key: ApiKey, request_groups: Sequence[str]) -> bool:
 
 
 class CoreViews:
-    """Queries over the core tables.
+    """Listings over the core's public read API, shaped as plain dicts for the routes and templates.
 
     Args:
-        engine: The UndoLog's SQLAlchemy engine.
+        undolog: The served UndoLog.
     """
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, undolog: UndoLog) -> None:
+        self.undolog = undolog
 
     def approvals(
         self,
@@ -93,27 +87,18 @@ class CoreViews:
         limit: int = 50,
         offset: int = 0,
     ) -> list[dict[str, Any]]:
-        """List approval requests, newest first.
-
-        The risk tag filter runs in Python because the tags are a JSON list and the two
-        databases query JSON differently; the scan is bounded by ``limit``.
-        """
-        t = s.approval_requests
-        q = sa.select(t).order_by(t.c.created_at.desc(), t.c.approval_request_id.desc())
-        if state:
-            q = q.where(t.c.state == state)
-        if session_id:
-            q = q.where(t.c.session_id == session_id)
-        if tool_name:
-            q = q.where(t.c.tool_name == tool_name)
+        """List approval requests, newest first (never expiring any: a read only)."""
+        a = self.undolog.approvals
+        if risk_tag is None:
+            recs = a.list(state=state, session_id=session_id, tool_name=tool_name, limit=limit, offset=offset)
+            return [approval_dict(r) for r in recs]
+        # The core filters tags after reading a page, so page over the matches here.
         out: list[dict[str, Any]] = []
-        with self.engine.connect() as conn:
-            if risk_tag is None:
-                rows = conn.execute(q.limit(limit).offset(offset)).all()
-                return [approval_dict(r) for r in rows]
-            skipped = 0
-            for r in conn.execute(q).yield_per(500):
-                if risk_tag not in (r.risk_tags or ()):
+        skipped, db_offset, batch = 0, 0, 500
+        while len(out) < limit:
+            recs = a.list(state=state, session_id=session_id, tool_name=tool_name, limit=batch, offset=db_offset)
+            for r in recs:
+                if risk_tag not in r.risk_tags:
                     continue
                 if skipped < offset:
                     skipped += 1
@@ -121,42 +106,24 @@ class CoreViews:
                 out.append(approval_dict(r))
                 if len(out) >= limit:
                     break
+            if len(recs) < batch:
+                break
+            db_offset += batch
         return out
 
     def effects(self, session_id: str, *, limit: int | None = None, newest_first: bool = False) -> list[dict[str, Any]]:
-        """The session's effect timeline."""
-        t = s.effect_log
-        order = (t.c.created_at.desc(), t.c.effect_id.desc()) if newest_first else (t.c.created_at, t.c.effect_id)
-        q = sa.select(t).where(t.c.session_id == session_id).order_by(*order)
-        if limit is not None:
-            q = q.limit(limit)
-        u = s.undo_stack
-        with self.engine.connect() as conn:
-            rows = [dict(r._mapping) for r in conn.execute(q)]
-            seqs = [r["seq"] for r in rows]
-            undo: dict[str, dict[str, Any]] = {}
-            if seqs:
-                for row in conn.execute(sa.select(u).where(u.c.undo_id.in_(seqs))):
-                    undo[row.effect_id] = dict(row._mapping)
-        for r in rows:
-            entry = undo.get(r["effect_id"])
-            r["compensation_name"] = entry["compensation_name"] if entry else None
-            r["undo_state"] = entry["state"] if entry else None
-            r["undo_id"] = entry["undo_id"] if entry else None
-        return rows
+        """The session's effect timeline, each effect with its undo entry (if any)."""
+        try:
+            rows = self.undolog.sessions.effects(session_id)
+        except SessionNotFound:
+            return []
+        if newest_first:
+            rows.reverse()
+        return rows[:limit] if limit is not None else rows
 
     def undo_plan(self, session_id: str) -> list[dict[str, Any]]:
         """The compensations a rollback would run now, in the order it would run them (LIFO)."""
-        u = s.undo_stack
-        e = s.effect_log
-        q = (
-            sa.select(u, e.c.tool_name)
-            .join(e, e.c.seq == u.c.undo_id)
-            .where(e.c.session_id == session_id, u.c.state.in_(PENDING_UNDO_STATES))
-            .order_by(u.c.undo_id.desc())
-        )
-        with self.engine.connect() as conn:
-            return [dict(r._mapping) for r in conn.execute(q)]
+        return self.undolog.saga.undo_plan(session_id)
 
     def sessions(
         self,
@@ -167,49 +134,38 @@ class CoreViews:
         limit: int = 50,
         offset: int = 0,
     ) -> list[dict[str, Any]]:
-        t = s.sessions
-        q = sa.select(t).order_by(t.c.created_at.desc(), t.c.session_id).limit(limit).offset(offset)
-        if state:
-            q = q.where(t.c.state == state)
-        if agent_id:
-            q = q.where(t.c.agent_id == agent_id)
-        if created_by:
-            q = q.where(t.c.created_by == created_by)
-        with self.engine.connect() as conn:
-            return [dict(r._mapping) for r in conn.execute(q)]
+        recs = self.undolog.sessions.list(
+            state=state, agent_id=agent_id, created_by=created_by, limit=limit, offset=offset
+        )
+        return [dict(r.__dict__) for r in recs]
 
     def session_row(self, session_id: str) -> dict[str, Any] | None:
-        t = s.sessions
-        with self.engine.connect() as conn:
-            r = conn.execute(sa.select(t).where(t.c.session_id == session_id)).first()
-        return dict(r._mapping) if r else None
+        try:
+            return dict(self.undolog.sessions.get(session_id).__dict__)
+        except SessionNotFound:
+            return None
 
     def approval_row(self, approval_request_id: str) -> dict[str, Any] | None:
-        """One request, with ``session_created_by`` (who created its session) joined in."""
-        t = s.approval_requests
-        q = (
-            sa.select(t, s.sessions.c.created_by.label("session_created_by"))
-            .select_from(t.outerjoin(s.sessions, s.sessions.c.session_id == t.c.session_id))
-            .where(t.c.approval_request_id == approval_request_id)
-        )
-        with self.engine.connect() as conn:
-            r = conn.execute(q).first()
-        return approval_dict(r) if r else None
+        """One request, with ``session_created_by`` (who created its session).
+
+        Read with ``approvals.get``, which applies a timeout that is due (as every read of a request does).
+        """
+        try:
+            rec = self.undolog.approvals.get(approval_request_id)
+        except ApprovalNotFound:
+            return None
+        d = approval_dict(rec)
+        session = self.session_row(rec.session_id)
+        d["session_created_by"] = session["created_by"] if session else None
+        return d
 
     def tools(self, name: str | None = None) -> list[dict[str, Any]]:
         """Registry rows, newest revision first within each tool."""
-        t = s.tool_registry
-        q = sa.select(t).order_by(t.c.tool_name, t.c.revision.desc())
-        if name is not None:
-            q = q.where(t.c.tool_name == name)
-        with self.engine.connect() as conn:
-            return [dict(r._mapping) for r in conn.execute(q)]
+        rows = self.undolog.registry.history(name)
+        rows.sort(key=lambda r: (r["tool_name"], -int(r["revision"])))
+        return rows
 
     def pending_approvals(self, limit: int | None = None) -> list[dict[str, Any]]:
         """Pending requests, newest first."""
-        t = s.approval_requests
-        q = sa.select(t).where(t.c.state == "pending").order_by(t.c.created_at.desc(), t.c.approval_request_id.desc())
-        if limit is not None:
-            q = q.limit(limit)
-        with self.engine.connect() as conn:
-            return [approval_dict(r) for r in conn.execute(q)]
+        recs = self.undolog.approvals.list(state="pending", limit=limit if limit is not None else 10_000)
+        return [approval_dict(r) for r in recs]

@@ -222,7 +222,7 @@ def test_keys_are_stored_hashed(desk: Desk) -> None:
 
     from undolog_server.store import api_keys
 
-    with desk.store.engine.connect() as conn:
+    with desk.store.core.tx() as conn:
         hashes = conn.execute(sa.select(api_keys.c.secret_hash)).scalars().all()
     for name in ("admin", "approver", "agent"):
         secret = desk.token(name).split("_", 2)[2]

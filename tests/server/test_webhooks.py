@@ -122,14 +122,13 @@ def test_a_stalled_receiver_does_not_hold_up_the_others(db: Any, receiver: Recei
 
 
 def test_events_raised_while_the_server_is_down_are_delivered_later(db: Any, receiver: Receiver) -> None:
-    from undolog_server.state import sql_engine_of
     from undolog_server.store import ServerStore
 
     from . import demo_app
 
     u = db.open()
     demo_app.register(u)
-    target = ServerStore(sql_engine_of(u)).create_target("late", f"{receiver.url}/late")
+    target = ServerStore(u.store).create_target("late", f"{receiver.url}/late")
     receiver.secrets["/late"] = target.secret
     s = u.session(agent_id="offline")
     ids = []
