@@ -59,6 +59,9 @@ FLEX_WIDTH = 14
 #: never wrap, because a wrapped id cannot be copied back into the next command.
 PIPE_WIDTH = 200
 
+#: What ``serve``, ``keys`` and ``db upgrade --server`` say when the approval desk is not installed.
+SERVER_EXTRA_HINT = "the approval desk needs the server extra: pip install 'undolog[server]'"
+
 
 class CliInputError(UndoLogError):
     """Bad input caught by the CLI itself (unparseable ``--args``, nothing to change...)."""
@@ -456,11 +459,18 @@ def _describe_step(step: Any) -> str:
 
 
 @db_app.command("upgrade")
-def db_upgrade(ctx: typer.Context) -> None:
+def db_upgrade(
+    ctx: typer.Context,
+    server: Annotated[
+        bool, typer.Option("--server", help="Also create or upgrade the approval desk's tables (its own branch).")
+    ] = False,
+) -> None:
     """Create the UndoLog tables, or bring them to the latest schema revision.
 
     \f
     Safe to run from several processes at once: on PostgreSQL an advisory lock serialises migrations.
+    The approval desk's tables are a migration branch of the server's own; ``undolog serve`` applies it when
+    it starts, ``--server`` applies it now (the server package must be installed).
     """
     u = _open(ctx, migrate=True)
     before = _migrate.current(u.store.engine)
@@ -471,6 +481,18 @@ def db_upgrade(ctx: typer.Context) -> None:
         typer.echo(f"{where} is already at the latest schema revision ({after})")
     else:
         typer.echo(f"upgraded {where} from {before or 'an empty database'} to {after}")
+    if server:
+        try:
+            from undolog_server import store as server_store
+        except ImportError:
+            raise ConfigurationError(SERVER_EXTRA_HINT) from None
+        s_before = server_store.migration_current(u.store)
+        server_store.migrate(u.store)
+        s_after = server_store.migration_current(u.store)
+        if s_before == s_after:
+            typer.echo(f"the server's tables are already at their latest revision ({s_after})")
+        else:
+            typer.echo(f"upgraded the server's tables from {s_before or 'none'} to {s_after}")
 
 
 # -- tools ----------------------------------------------------------------------------------------
@@ -1118,9 +1140,6 @@ def demo(
 
 
 # -- the server's commands ------------------------------------------------------------------------
-
-
-SERVER_EXTRA_HINT = "the approval desk needs the server extra: pip install 'undolog[server]'"
 
 
 def _register_server_commands() -> None:

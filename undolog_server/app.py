@@ -143,7 +143,8 @@ def create_app(
     """Build the approval desk application on an open UndoLog.
 
     Args:
-        undolog: An open ``UndoLog`` (its database holds the server's tables too).
+        undolog: An open ``UndoLog`` (its database holds the server's tables too; they are created or
+            upgraded here, see :func:`undolog_server.store.migrate`).
         app_spec: ``module:attribute`` whose tools and compensations rollback may need (see
             :func:`undolog_core.load_app`, the loader every ``--app`` goes through); when it names the
             app's UndoLog, that instance is served.
@@ -168,6 +169,8 @@ def create_app(
         proxy_tools = proxy_config if isinstance(proxy_config, proxy_mod.ProxyTools) else proxy_mod.ProxyTools.load(proxy_config)
         proxy_tools.register(undolog)
     store = ServerStore(undolog.store)
+    # The server's tables are its own migration branch: bring them to head before anything reads them.
+    store.migrate()
     state = ServerState(
         undolog=undolog,
         store=store,

@@ -106,6 +106,7 @@ def keys_create(
     undolog = _open(db, schema)
     try:
         store = ServerStore(undolog.store)
+        store.migrate()
         try:
             key, token = store.create_key(name, role, group or (), created_by="cli")
         except ValueError as exc:
@@ -126,7 +127,9 @@ def keys_list(db: DbOpt = None, schema: SchemaOpt = None) -> None:
 
     undolog = _open(db, schema)
     try:
-        for k in ServerStore(undolog.store).list_keys():
+        store = ServerStore(undolog.store)
+        store.migrate()
+        for k in store.list_keys():
             status = "revoked" if k.revoked_at else "active"
             typer.echo(f"{k.key_id}\t{k.name}\t{','.join(sorted(k.roles))}\t{','.join(sorted(k.groups))}\t{status}")
     finally:
@@ -140,7 +143,9 @@ def keys_revoke(key_id: str, db: DbOpt = None, schema: SchemaOpt = None) -> None
 
     undolog = _open(db, schema)
     try:
-        if not ServerStore(undolog.store).revoke_key(key_id):
+        store = ServerStore(undolog.store)
+        store.migrate()
+        if not store.revoke_key(key_id):
             typer.echo(f"no active key {key_id}", err=True)
             raise typer.Exit(1)
     finally:

@@ -9,6 +9,7 @@ SQLAlchemy Core, so FastAPI runs it in its worker threads.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import secrets
@@ -18,10 +19,11 @@ from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any, Protocol
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, Dialect
+from sqlalchemy.engine import Connection, Dialect, Engine
 
 
 class UTCDateTime(sa.types.TypeDecorator[datetime]):
@@ -51,6 +53,11 @@ class UTCDateTime(sa.types.TypeDecorator[datetime]):
 
 
 ROLES = ("agent", "approver", "admin")
+
+#: The server's own Alembic version table: its migrations are a branch of their own, next to the core's.
+SERVER_VERSION_TABLE = "undolog_server_alembic_version"
+#: PostgreSQL advisory lock serialising concurrent server migrations (the core's key + 1).
+_SERVER_MIGRATION_LOCK_KEY = 0x756E646F6C6F67 + 1
 KEY_PREFIX = "ulk_"
 
 metadata = sa.MetaData()
@@ -141,11 +148,69 @@ class CoreStore(Protocol):
     """The public part of the core's store (``UndoLog.store``) this module uses."""
 
     @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def schema(self) -> str | None: ...
+
+    @property
     def is_postgres(self) -> bool: ...
 
     def read(self) -> AbstractContextManager[Connection]: ...
 
     def tx(self, *, fast: bool = False) -> AbstractContextManager[Connection]: ...
+
+
+@functools.cache
+def _alembic_config() -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
+    return cfg
+
+
+@functools.cache
+def migration_head() -> str:
+    """The newest revision of the server's migration branch."""
+    from alembic.script import ScriptDirectory
+
+    return ",".join(sorted(ScriptDirectory.from_config(_alembic_config()).get_heads()))
+
+
+def migration_current(core: CoreStore) -> str | None:
+    """The server branch's revision in this database (None: never migrated)."""
+    with core.read() as conn:
+        if not sa.inspect(conn).has_table(SERVER_VERSION_TABLE):
+            return None
+        rows = conn.execute(sa.text(f"SELECT version_num FROM {SERVER_VERSION_TABLE}")).scalars().all()
+    return ",".join(sorted(rows)) if rows else None
+
+
+def migrate(core: CoreStore) -> bool:
+    """Create or upgrade the server's tables (the server's own Alembic branch); a no-op at head.
+
+    Runs when the server starts (:func:`undolog_server.create_app`), before ``undolog keys`` commands, and with
+    ``undolog db upgrade --server``. The core's tables must be migrated first (``UndoLog.open`` does it).
+
+    Returns:
+        True when something was migrated.
+
+    Example:
+        >>> migrate(undolog.store)
+    """
+    if migration_current(core) == migration_head():
+        return False
+    from alembic import command
+
+    with core.engine.connect() as conn, conn.begin():
+        if conn.dialect.name == "postgresql":
+            # Two servers starting at once: the loser waits here, then Alembic finds nothing to do.
+            conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_SERVER_MIGRATION_LOCK_KEY})")
+        cfg = _alembic_config()
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "heads")
+    return True
 
 
 def utcnow() -> datetime:
@@ -249,6 +314,10 @@ class ServerStore:
     _touch_cache: dict[str, float] = field(default_factory=dict)
 
     # ---- settings -------------------------------------------------------------------------------
+
+    def migrate(self) -> bool:
+        """Create or upgrade the server's tables; see :func:`migrate`."""
+        return migrate(self.core)
 
     def server_secret(self) -> bytes:
         """Return the secret signing cookies and CSRF tokens, shared by every server on the database.

@@ -94,6 +94,7 @@ def test_two_servers_handle_each_timeout_once(db: Any, tmp_path: Path) -> None:
     u = db.open()
     demo_app.register(u)
     store = ServerStore(u.store)
+    store.migrate()  # the servers below would; the target is created before they start
     receiver = Receiver().start()
     target = store.create_target("audit", f"{receiver.url}/audit", event_types=["approval.timed_out"])
     receiver.secrets["/audit"] = target.secret
@@ -142,7 +143,9 @@ def test_undolog_serve_with_the_apps_own_undolog(db: Any, tmp_path: Path) -> Non
     """`undolog --db X serve --app module:factory`: the factory's UndoLog serves, so its compensations run."""
     u = db.open()
     demo_app.register(u)
-    _, token = ServerStore(u.store).create_key("ops", ["admin"])
+    store = ServerStore(u.store)
+    store.migrate()  # before the server starts
+    _, token = store.create_key("ops", ["admin"])
     s = u.session(agent_id="bot")
     with s:
         s.call_sync("send_refund_email", user_id="u1", amount=3.0, call_id="m1")

@@ -128,7 +128,9 @@ def test_events_raised_while_the_server_is_down_are_delivered_later(db: Any, rec
 
     u = db.open()
     demo_app.register(u)
-    target = ServerStore(u.store).create_target("late", f"{receiver.url}/late")
+    store = ServerStore(u.store)
+    store.migrate()  # no server has run on this database yet
+    target = store.create_target("late", f"{receiver.url}/late")
     receiver.secrets["/late"] = target.secret
     s = u.session(agent_id="offline")
     ids = []
