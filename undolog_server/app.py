@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from undolog_core import errors, load_app
+from undolog_core import UndoLog, errors, load_app
 
 from . import api, dashboard, problems
 from . import proxy as proxy_mod
@@ -29,9 +29,8 @@ Errors are RFC 9457 `application/problem+json` with a stable `code`.
 """
 
 
-def _same_database(a: Any, b: Any) -> bool:
-    sa_, sb = getattr(a, "store", None), getattr(b, "store", None)
-    return (getattr(sa_, "url", None), getattr(sa_, "schema", None)) == (getattr(sb, "url", None), getattr(sb, "schema", None))
+def _same_database(a: UndoLog, b: UndoLog) -> bool:
+    return (a.store.url, a.store.schema) == (b.store.url, b.store.schema)
 
 
 _CSP = (
