@@ -12,16 +12,18 @@ Example:
 """
 
 from . import errors
+from ._app import load_app
 from ._approvals import ApprovalEvent, ApprovalRecord
 from ._audit import AuditReport
 from ._driver import CallDriver, Outcome
 from ._engine import AwaitingApproval, CallContext, Completed, Execute, current_call
+from ._outbox import OutboxEvent
 from ._policy import OrgPolicy
 from ._recovery import ProbeContext, RecoveryReport
 from ._saga import CompensationContext, RollbackReport, RollbackStep
 from ._session import Session, SessionRecord
 from ._tools import CompensationDescriptor, ToolSpec, ToolTier, compensation, undolog_tool
-from ._undolog import UndoLog, load_app
+from ._undolog import UndoLog
 from .errors import (
     ApprovalPending,
     ApprovalRejected,
@@ -51,6 +53,7 @@ __all__ = [
     "Execute",
     "OrgPolicy",
     "Outcome",
+    "OutboxEvent",
     "ProbeContext",
     "RecoveryReport",
     "RollbackReport",

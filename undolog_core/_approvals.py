@@ -127,9 +127,18 @@ class ApprovalService:
         tool_name: str | None = None,
         risk_tag: str | None = None,
         limit: int = 500,
+        offset: int = 0,
     ) -> builtins.list[ApprovalRecord]:
+        """Requests newest first, without expiring any (a read only; :meth:`pending` expires first).
+
+        ``offset`` skips that many of the matching requests (paging). The risk tag filter runs in Python
+        (the tags are a JSON list, queried differently by the two databases), after the page is read.
+
+        Example:
+            >>> undolog.approvals.list(state="pending", tool_name="delete_user_account", limit=50, offset=50)
+        """
         r = t.approval_requests
-        q = sa.select(r).order_by(r.c.created_at.desc()).limit(limit)
+        q = sa.select(r).order_by(r.c.created_at.desc(), r.c.approval_request_id.desc()).limit(limit).offset(offset)
         if state:
             if state not in t.REQUEST_STATES:
                 raise UndoLogError(f"unknown approval state {state!r}; known: {', '.join(t.REQUEST_STATES)}")

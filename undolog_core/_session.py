@@ -146,10 +146,28 @@ class SessionService:
             raise SessionNotFound(session_id)
         return _session_record(row)
 
-    def list(self, *, state: str | None = None, limit: int = 200) -> builtins.list[SessionRecord]:
-        q = sa.select(t.sessions).order_by(t.sessions.c.created_at.desc()).limit(limit)
+    def list(
+        self,
+        *,
+        state: str | None = None,
+        agent_id: str | None = None,
+        created_by: str | None = None,
+        limit: int = 200,
+        offset: int = 0,
+    ) -> builtins.list[SessionRecord]:
+        """Sessions newest first, optionally of one state, agent or creator; ``offset`` pages.
+
+        Example:
+            >>> undolog.sessions.list(state="halted", agent_id="support-bot", limit=50)
+        """
+        q = sa.select(t.sessions).order_by(t.sessions.c.created_at.desc(), t.sessions.c.session_id)
+        q = q.limit(limit).offset(offset)
         if state:
             q = q.where(t.sessions.c.state == state)
+        if agent_id:
+            q = q.where(t.sessions.c.agent_id == agent_id)
+        if created_by:
+            q = q.where(t.sessions.c.created_by == created_by)
         with self._u.store.read() as conn:
             return [_session_record(r) for r in conn.execute(q)]
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -12,6 +10,7 @@ from ._audit import AuditReport, verify
 from ._driver import CallDriver
 from ._engine import Engine, check_id
 from ._leases import Leases
+from ._outbox import OutboxService
 from ._policy import PolicyService
 from ._recovery import Recovery, RecoveryReport
 from ._registry import Registry
@@ -55,6 +54,7 @@ class UndoLog:
                          note_state=self.engine.note_state)
         self.driver = CallDriver(self.engine, self.saga, self.registry.spec_for)
         self.sessions = SessionService(self)
+        self.outbox = OutboxService(self)
         self._recovery = Recovery(store, self.registry, self.saga, self.leases, flush_marks=self.engine.flush_marks,
                                   note_state=self.engine.note_state)
 
@@ -178,28 +178,3 @@ class UndoLog:
     def verify_audit(self) -> AuditReport:
         return verify(self.store)
 
-
-def load_app(spec: str | None = None) -> UndoLog:
-    """Load the app's UndoLog from ``module:attribute`` (or ``$UNDOLOG_APP``), so compensations are registered.
-
-    The attribute may be an UndoLog or a zero-argument callable returning one.
-    """
-    spec = spec or os.environ.get("UNDOLOG_APP")
-    if not spec:
-        raise ConfigurationError("no app given: pass --app module:attribute or set UNDOLOG_APP")
-    if ":" not in spec:
-        raise ConfigurationError(f"--app must look like module:attribute, got {spec!r}")
-    mod_name, attr = spec.split(":", 1)
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise ConfigurationError(f"cannot import {mod_name!r} for --app: {exc}") from exc
-    try:
-        obj = getattr(mod, attr)
-    except AttributeError:
-        raise ConfigurationError(f"module {mod_name!r} has no attribute {attr!r}") from None
-    if not isinstance(obj, UndoLog) and callable(obj):
-        obj = obj()
-    if not isinstance(obj, UndoLog):
-        raise ConfigurationError(f"{spec} is not an UndoLog (got {type(obj).__name__})")
-    return obj
