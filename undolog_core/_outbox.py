@@ -12,14 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import sqlalchemy as sa
-from sqlalchemy.engine import Connection
-
-from . import _schema as t
-from ._store import utcnow
-
 if TYPE_CHECKING:
-    from ._undolog import UndoLog
+    from .storage import Storage as OutboxStore
 
 
 @dataclass(frozen=True)
@@ -53,10 +47,10 @@ class OutboxService:
         >>> undolog.outbox.drain(fan_out, limit=200)
     """
 
-    def __init__(self, undolog: UndoLog) -> None:
-        self._u = undolog
+    def __init__(self, store: OutboxStore) -> None:
+        self._store = store
 
-    def drain(self, handle: Callable[[Connection, Sequence[OutboxEvent]], None], *, limit: int = 200) -> int:
+    def drain(self, handle: Callable[[Any, Sequence[OutboxEvent]], None], *, limit: int = 200) -> int:
         """Claim up to ``limit`` undelivered events, pass them to ``handle`` and mark them delivered.
 
         ``handle`` runs inside the claiming transaction and receives its connection, so the consumer's own
@@ -71,27 +65,4 @@ class OutboxService:
         Returns:
             How many events were handed over.
         """
-        o, a = t.outbox, t.approval_requests
-        store = self._u.store
-        with store.tx() as conn:
-            q = sa.select(o).where(o.c.delivered_at.is_(None)).order_by(o.c.outbox_id).limit(limit)
-            rows = conn.execute(store.for_update(q, skip_locked=True)).all()
-            if not rows:
-                return 0
-            events = []
-            for r in rows:
-                payload = dict(r.payload or {})
-                tags = payload.get("risk_tags")
-                if isinstance(tags, list):
-                    risk_tags = [str(x) for x in tags]
-                elif rid := payload.get("approval_request_id"):
-                    got = conn.execute(sa.select(a.c.risk_tags).where(a.c.approval_request_id == rid)).scalar()
-                    risk_tags = [str(x) for x in (got or [])]
-                else:
-                    risk_tags = []
-                events.append(OutboxEvent(int(r.outbox_id), str(r.event_type), payload, r.created_at, risk_tags))
-            handle(conn, events)
-            conn.execute(
-                o.update().where(o.c.outbox_id.in_([e.outbox_id for e in events])).values(delivered_at=utcnow())
-            )
-        return len(events)
+        return self._store.drain_outbox(handle, OutboxEvent, limit=limit)

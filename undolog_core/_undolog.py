@@ -54,7 +54,7 @@ class UndoLog:
                          note_state=self.engine.note_state)
         self.driver = CallDriver(self.engine, self.saga, self.registry.spec_for)
         self.sessions = SessionService(self)
-        self.outbox = OutboxService(self)
+        self.outbox = OutboxService(store)
         self._recovery = Recovery(store, self.registry, self.saga, self.leases, flush_marks=self.engine.flush_marks,
                                   note_state=self.engine.note_state)
 

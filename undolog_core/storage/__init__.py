@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from .._store import Store
 from .calls import CallsSQL
+from .outbox import OutboxSQL
 from .recovery import InFlight, RecoverySQL
 from .saga import SagaSQL
 
 
-class Storage(RecoverySQL, SagaSQL, CallsSQL, Store):
+class Storage(RecoverySQL, SagaSQL, CallsSQL, OutboxSQL, Store):
     """The store of one database: engines and pools (``Store``) with every service's statements."""
 
 
