@@ -359,8 +359,15 @@ class Harness:
                 return Step(Op.RECOVER)
             cid = rng.choice(pool)
             info = m.calls[cid]
+            # The points this re-issue can reach: an approved call is claimed, then runs; a released one re-runs;
+            # anything else is a replay that reaches none (so it runs in the parent, no fork).
+            points: list[FaultPoint] = []
+            if cid in approved:
+                points = [FaultPoint.AFTER_APPROVED_CLAIM, FaultPoint.AFTER_TOOL]
+            elif cid in released:
+                points = [FaultPoint.AFTER_TOOL]
             return Step(Op.CALL, info.session, info.tool, cid, info.user,
-                        fault=self._maybe(rng, [FaultPoint.AFTER_APPROVED_CLAIM, FaultPoint.AFTER_TOOL]))
+                        fault=self._maybe(rng, points) if points else None)
         if kind == "decide":
             cid = rng.choice(pending)
             info = m.calls[cid]
