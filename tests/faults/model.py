@@ -314,7 +314,12 @@ FOCUS: dict[str, dict[str, int]] = {
 
 
 class Harness:
-    """Runs sequences against one database. ``fresh`` (optional) gives a new (url, schema) for each replay."""
+    """Runs sequences against one database (``u``: an UndoLog already open on it, else one is opened).
+
+    Example:
+        >>> h = Harness("sqlite:////dev/shm/h.db", schema=None, workdir=Path("/tmp/h"))
+        >>> print(h.run(seed=7).describe())
+    """
 
     def __init__(self, url: str, *, schema: str | None, workdir: Path, u: UndoLog | None = None) -> None:
         self.url = url
