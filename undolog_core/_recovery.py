@@ -114,8 +114,8 @@ class Recovery:
                 progress(done, total, f"undo {ru.undo_id}: {finished[1] if finished else 'skipped'}")
         for r in dead_effects:
             done += 1
-            if r.session_id in with_intent:
-                continue  # a requested rollback covers it (above, or by its live walker)
+            if r.session_id in with_intent and r.tier == ToolTier.COMPENSABLE:
+                continue  # a requested rollback compensates it (above, or by its live walker)
             settled = self._reconcile(r, report)
             if settled:
                 report.reconciled.append({"effect_id": r.effect_id, "tool_name": r.tool_name, "outcome": settled})
