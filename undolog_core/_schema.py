@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import enum
 from typing import Any
 
 import sqlalchemy as sa
@@ -35,26 +36,64 @@ class UTCDateTime(sa.types.TypeDecorator[dt.datetime]):
 
 
 TIERS = ("safe", "compensable", "irreversible")
-# ``rolling_back``: a rollback was requested and is durable (``undolog_rollbacks``); no call is accepted until it
-# ends ``rolled_back`` or, when a compensation fails, ``halted``.
-SESSION_STATES = ("active", "awaiting_approval", "halted", "rolling_back", "rolled_back", "completed")
-EFFECT_STATES = (
-    "pending",
-    "committed",
-    "failed",
-    "awaiting_approval",
-    "approved",
-    "running",
-    "rejected",
-    "timed_out",
-    "cancelled",
-    "compensated",
-    "unknown",
-    "dead_letter",
-    "released",
-)
-UNDO_STATES = ("armed", "compensating", "compensated", "compensation_failed")
-REQUEST_STATES = ("pending", "approved", "rejected", "timed_out", "auto_approved", "cancelled")
+
+
+class SessionState(enum.StrEnum):
+    """A session's state (``undolog_sessions.state``); the values are the stored strings."""
+
+    ACTIVE = "active"
+    AWAITING_APPROVAL = "awaiting_approval"
+    HALTED = "halted"
+    # A rollback was requested and is durable (``undolog_rollbacks``); no call is accepted until it ends
+    # ``rolled_back`` or, when a compensation fails, ``halted``.
+    ROLLING_BACK = "rolling_back"
+    ROLLED_BACK = "rolled_back"
+    COMPLETED = "completed"
+
+
+class EffectState(enum.StrEnum):
+    """An effect's state (``undolog_effect_log.state``)."""
+
+    PENDING = "pending"
+    COMMITTED = "committed"
+    FAILED = "failed"
+    AWAITING_APPROVAL = "awaiting_approval"
+    APPROVED = "approved"
+    RUNNING = "running"
+    REJECTED = "rejected"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+    COMPENSATED = "compensated"
+    UNKNOWN = "unknown"
+    DEAD_LETTER = "dead_letter"
+    RELEASED = "released"
+
+
+class UndoState(enum.StrEnum):
+    """An undo entry's state (``undolog_undo_stack.state``)."""
+
+    ARMED = "armed"
+    COMPENSATING = "compensating"
+    COMPENSATED = "compensated"
+    COMPENSATION_FAILED = "compensation_failed"
+
+
+class RequestState(enum.StrEnum):
+    """An approval request's state (``undolog_approval_requests.state``)."""
+
+    PENDING = "pending"
+    APPROVED = "approved"
+    REJECTED = "rejected"
+    TIMED_OUT = "timed_out"
+    AUTO_APPROVED = "auto_approved"
+    CANCELLED = "cancelled"
+
+
+# The tuples the CHECK constraints (and the CLI's choices) are built from, in declaration order.
+SESSION_STATES: tuple[str, ...] = tuple(s.value for s in SessionState)
+EFFECT_STATES: tuple[str, ...] = tuple(s.value for s in EffectState)
+UNDO_STATES: tuple[str, ...] = tuple(s.value for s in UndoState)
+REQUEST_STATES: tuple[str, ...] = tuple(s.value for s in RequestState)
 
 
 def _in(col: str, values: tuple[str, ...]) -> str:
