@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ._approvals import ApprovalService
@@ -16,9 +16,11 @@ from ._recovery import Recovery, RecoveryReport
 from ._registry import Registry
 from ._saga import RollbackReport, Saga
 from ._session import Session, SessionService
-from ._store import Store, new_id
+from ._store import new_id
 from ._tools import ToolSpec, ToolTier, make_declaration
 from .errors import ConfigurationError, InvalidDeclaration
+from .storage import Storage, open_storage
+from .storage.records import StateChange
 
 
 class UndoLog:
@@ -33,16 +35,22 @@ class UndoLog:
 
     def __init__(
         self,
-        store: Store,
+        store: Storage,
         *,
         fast_commit_mark: bool = False,
         lease_seconds: float = 30.0,
     ) -> None:
         if lease_seconds <= 0:
             raise ConfigurationError("lease_seconds must be positive")
+        if not isinstance(store, Storage):
+            raise ConfigurationError(
+                f"UndoLog works on a Storage (undolog_core.storage.open_storage), not a {type(store).__name__}"
+            )
         self.store = store
         self.fast_commit_mark = fast_commit_mark
         self.lease_seconds = float(lease_seconds)
+        # The services get what they use, not this facade: the storage, each other, and two small hooks that keep
+        # the engine's in-memory session caches in step with the states they write.
         self.registry = Registry(self)
         self.policy = PolicyService(self)
         self.approvals = ApprovalService(self)
@@ -75,10 +83,20 @@ class UndoLog:
             pool_size: connections per pool; ``undolog.store.max_connections`` is the most UndoLog ever holds,
                 however many threads call it.
         """
-        store = Store(url, schema=schema, pool_size=pool_size)
+        store = open_storage(url, schema=schema, pool_size=pool_size)
         if migrate:
             store.migrate()
         return cls(store, fast_commit_mark=fast_commit_mark, lease_seconds=lease_seconds)
+
+    def _session_state_changed(self, change: StateChange) -> None:
+        sc = self.engine.cached(change.session_id)
+        if sc is not None and (change.only_from is None or sc.state == change.only_from):
+            sc.state = change.state.value
+
+    def _session_pins_changed(self, session_id: str, pins: Mapping[str, int]) -> None:
+        sc = self.engine.cached(session_id)
+        if sc is not None:
+            sc.pins = dict(pins)
 
     def close(self) -> None:
         try:

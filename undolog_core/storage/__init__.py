@@ -1,0 +1,87 @@
+"""One store: every statement the core's services issue, behind one interface, on SQLite and PostgreSQL.
+
+``Storage`` composes one mixin per service (``approvals``, ``audit``, ``registry``, ``policy``, ``sessions``) over
+``Store`` (engines, ``tx()``, ``read()``, ``for_update()``, ``is_postgres``). Each method is one unit of work: it
+opens its own transaction, or, named ``*_in(conn, ...)``, joins the caller's. Methods return records
+(``storage.records``) or plain dicts, never SQLAlchemy rows; the services above hold no SQL.
+
+Example:
+    >>> storage = open_storage("sqlite:///undolog.db")
+    >>> storage.migrate()
+    >>> storage.get_policy().approval_timeout_seconds
+    3600
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import make_url
+
+from .._store import Store
+from .approvals import ApprovalsSQL
+from .audit import AuditSQL
+from .policy import PolicySQL
+from .registry import RegistrySQL
+from .sessions import SessionsSQL
+
+#: The exceptions a database (not UndoLog) raises: unreachable server, missing schema, locked file...
+DATABASE_ERRORS: tuple[type[Exception], ...] = (sa_exc.SQLAlchemyError,)
+
+
+class Storage(ApprovalsSQL, AuditSQL, RegistrySQL, PolicySQL, SessionsSQL, Store):
+    """Every service's statements on one database (see the module's docstring)."""
+
+    def schema_revision(self) -> str | None:
+        """The database's migration revision (None: no UndoLog tables yet)."""
+        from .. import _migrate  # Alembic is imported only by what migrates or checks revisions
+
+        return _migrate.current(self.engine)
+
+    @staticmethod
+    def head_revision() -> str:
+        """The revision this code migrates to."""
+        from .. import _migrate
+
+        return _migrate.head()
+
+    def where(self) -> str:
+        """The database for messages: its URL without the password, and the schema if one is set."""
+        return safe_url(self.url) + (f" (schema {self.schema})" if self.schema else "")
+
+
+def open_storage(url: str | None = None, *, schema: str | None = None, pool_size: int = 5) -> Storage:
+    """The storage on ``url`` (default ``$UNDOLOG_DATABASE_URL``, else ``./undolog.db``); not migrated yet.
+
+    Example:
+        >>> storage = open_storage("postgresql+psycopg://u@db/agents", schema="undolog")
+    """
+    return Storage(url, schema=schema, pool_size=pool_size)
+
+
+def safe_url(url: str) -> str:
+    """The URL without its password, for messages."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - a URL we cannot parse is shown as given
+        return url
+
+
+def database_error_detail(exc: BaseException) -> str:
+    """One line saying what the database driver reported."""
+    detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return f"{type(exc).__name__}: {detail[0] if detail else ''}"
+
+
+__all__ = [
+    "DATABASE_ERRORS",
+    "ApprovalsSQL",
+    "AuditSQL",
+    "PolicySQL",
+    "RegistrySQL",
+    "SessionsSQL",
+    "Storage",
+    "Store",
+    "database_error_detail",
+    "open_storage",
+    "safe_url",
+]
