@@ -52,7 +52,7 @@ class UndoLog:
         # The services get what they use, not this facade: the storage, each other, and two small hooks that keep
         # the engine's in-memory session caches in step with the states they write.
         self.registry = Registry(self)
-        self.policy = PolicyService(self)
+        self.policy = PolicyService(store)
         self.approvals = ApprovalService(self)
         self.saga = Saga(self)
         self.engine = Engine(self)
