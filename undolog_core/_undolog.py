@@ -51,7 +51,7 @@ class UndoLog:
         self.lease_seconds = float(lease_seconds)
         # The services get what they use, not this facade: the storage, each other, and two small hooks that keep
         # the engine's in-memory session caches in step with the states they write.
-        self.registry = Registry(self)
+        self.registry = Registry(store, on_state_change=self._session_state_changed)
         self.policy = PolicyService(store)
         self.approvals = ApprovalService(self)
         self.saga = Saga(self)
