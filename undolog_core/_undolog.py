@@ -53,7 +53,7 @@ class UndoLog:
         # the engine's in-memory session caches in step with the states they write.
         self.registry = Registry(store, on_state_change=self._session_state_changed)
         self.policy = PolicyService(store)
-        self.approvals = ApprovalService(self)
+        self.approvals = ApprovalService(store, self.registry, on_state_change=self._session_state_changed)
         self.saga = Saga(self)
         self.engine = Engine(self)
         self.driver = CallDriver(self.engine, self.saga, self.registry.spec_for)
