@@ -57,7 +57,13 @@ class UndoLog:
         self.saga = Saga(self)
         self.engine = Engine(self)
         self.driver = CallDriver(self.engine, self.saga, self.registry.spec_for)
-        self.sessions = SessionService(self)
+        self.sessions = SessionService(
+            store,
+            flush_marks=self.engine.flush_marks,
+            current_pins=self.engine.current_pins,
+            on_state_change=self._session_state_changed,
+            on_pins_change=self._session_pins_changed,
+        )
         self._recovery = Recovery(self)
 
     @classmethod
