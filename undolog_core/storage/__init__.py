@@ -66,6 +66,15 @@ def safe_url(url: str) -> str:
         return url
 
 
+def sqlite_file(url: str) -> str | None:
+    """The file a ``sqlite:///`` URL names (None for another database or a URL without one)."""
+    try:
+        parsed = make_url(url)
+    except Exception:  # noqa: BLE001 - not a URL at all
+        return None
+    return parsed.database if parsed.get_backend_name() == "sqlite" else None
+
+
 def database_error_detail(exc: BaseException) -> str:
     """One line saying what the database driver reported."""
     detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
@@ -84,4 +93,5 @@ __all__ = [
     "database_error_detail",
     "open_storage",
     "safe_url",
+    "sqlite_file",
 ]
