@@ -18,6 +18,7 @@ from ._engine import AwaitingApproval, CallContext, Completed, Execute, current_
 from ._policy import OrgPolicy
 from ._recovery import ProbeContext, RecoveryReport
 from ._saga import CompensationContext, RollbackReport, RollbackStep
+from ._schema import EffectState, RequestState, SessionState, UndoState
 from ._session import Session, SessionRecord
 from ._tools import CompensationDescriptor, ToolSpec, ToolTier, compensation, undolog_tool
 from ._undolog import UndoLog, load_app
@@ -46,20 +47,24 @@ __all__ = [
     "CompensationContext",
     "CompensationDescriptor",
     "Completed",
+    "EffectState",
     "Execute",
     "OrgPolicy",
     "ProbeContext",
     "RecoveryReport",
+    "RequestState",
     "RollbackReport",
     "RollbackStep",
     "Session",
     "SessionHalted",
     "SessionRecord",
+    "SessionState",
     "ToolNotClassified",
     "ToolSpec",
     "ToolTier",
     "UndoLog",
     "UndoLogError",
+    "UndoState",
     "compensation",
     "current_call",
     "errors",
