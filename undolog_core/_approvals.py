@@ -130,10 +130,10 @@ class ApprovalService:
             validated: dict[str, Any] = spec.snapshot(spec.validate(args))
             return validated
         # This process (a CLI, a server) does not have the tool loaded: validate against the stored contract.
-        contract = self._storage.contract_of(rec.tool_name, rec.tool_revision)
-        if contract is None:
+        stored = self._storage.arguments_jsonschema_of(rec.tool_name, rec.tool_revision)
+        if stored is None:
             raise UndoLogError(f"the contract of {rec.tool_name!r} revision {rec.tool_revision} is not in the registry")
-        model = build_args_model(rec.tool_name, None, contract["args_schema"])
+        model = build_args_model(rec.tool_name, None, stored)
         try:
             return dict(model.model_validate(args).model_dump(mode="json", exclude_unset=True))
         except Exception as exc:

@@ -429,6 +429,7 @@ def test_registry_revisions_are_immutable(undolog):
     ]
     assert st.contract_of("tool_x", 1) == v1.contract and st.contract_of("tool_x", 2) == v2.contract
     assert st.contract_of("tool_x", 3) is None
+    assert st.arguments_jsonschema_of("tool_x", 2) == {"type": "object"} and st.arguments_jsonschema_of("x", 1) is None
     # Going back to the first contract is a third revision, never a rewrite of the first.
     (r3,), _ = st.register_revisions([v1], actor="ci", now=utcnow())
     assert r3.revision == 3 and st.registry_history("tool_x")[0] == history[0]

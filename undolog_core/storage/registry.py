@@ -117,6 +117,11 @@ class RegistrySQL(Store):
             ).scalar()
         return None if contract is None else dict(contract)
 
+    def arguments_jsonschema_of(self, tool_name: str, revision: int) -> dict[str, Any] | None:
+        """The JSON schema of one revision's arguments, or None when the revision is not registered."""
+        contract = self.contract_of(tool_name, revision)
+        return None if contract is None else dict(contract["args_schema"])
+
     def registry_history(self, tool_name: str | None = None) -> builtins.list[dict[str, Any]]:
         """Every revision (of one tool, or of all), ordered by (tool, revision)."""
         reg = t.tool_registry
