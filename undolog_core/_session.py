@@ -143,7 +143,9 @@ class SessionService:
         return rec
 
     def list(self, *, state: str | None = None, limit: int = 200) -> builtins.list[SessionRecord]:
-        """Sessions, newest first (only those in ``state`` when given)."""
+        """Sessions, newest first (only those in ``state`` when given; a state no session can be in finds none)."""
+        if state and state not in [s.value for s in SessionState]:
+            return []
         return self._storage.list_sessions(state=SessionState(state) if state else None, limit=limit)
 
     def effects(self, session_id: str) -> builtins.list[dict[str, Any]]:
