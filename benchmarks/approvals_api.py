@@ -30,10 +30,10 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 from undolog_core import ApprovalPending, ToolTier, UndoLog, undolog_tool  # noqa: E402
-from undolog_core.server import create_app  # noqa: E402
-from undolog_core.server.state import ServerSettings, sql_engine_of  # noqa: E402
-from undolog_core.server.store import ServerStore  # noqa: E402
-from undolog_core.server.sweeper import Sweeper  # noqa: E402
+from undolog_server import create_app  # noqa: E402
+from undolog_server.state import ServerSettings  # noqa: E402
+from undolog_server.store import ServerStore  # noqa: E402
+from undolog_server.sweeper import Sweeper  # noqa: E402
 
 
 @undolog_tool(tier=ToolTier.IRREVERSIBLE, reason="benchmark", risk_tags=["bench"])
@@ -66,7 +66,7 @@ def start_server(url: str, schema: str | None) -> tuple[subprocess.Popen[bytes],
     if schema:
         env["UNDOLOG_SCHEMA"] = schema
     proc = subprocess.Popen(
-        [sys.executable, "-m", "undolog_core.server", "serve", "--port", str(port), "--log-level", "warning",
+        [sys.executable, "-m", "undolog_server", "serve", "--port", str(port), "--log-level", "warning",
          "--app", "approvals_api:register", "--sweep-interval", "3600", "--recover-interval", "3600"],
         env=env,
     )
@@ -110,7 +110,7 @@ def main() -> None:
 
     # Through the API: bearer auth, role and group checks, the decision, the response.
     proc, base = start_server(url, schema)
-    _, token = ServerStore(sql_engine_of(u)).create_key("bench-approver", ["approver"])
+    _, token = ServerStore(u.store).create_key("bench-approver", ["approver"])
     ids = raise_requests(u, n)
     clients = [httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) for _ in range(args.concurrency)]
 

@@ -24,6 +24,34 @@ if TEST_DB not in ("sqlite", "postgres"):
     raise RuntimeError(f"UNDOLOG_TEST_DB must be sqlite or postgres, got {TEST_DB!r}")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", default=False,
+                     help="also run the tests marked `long` (soak and repeated-chaos versions)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "long: a soak or chaos version that runs only with --long")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect (not skip) what this run does not cover: `long` tests without --long, and `postgres_only` tests
+    on the SQLite run (CI runs the suite on PostgreSQL too, where they run). A deselected test is reported as
+    deselected, never as a skip that could hide a PostgreSQL test from CI."""
+    keep: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    run_long = config.getoption("--long")
+    for item in items:
+        if (item.get_closest_marker("long") and not run_long) or (
+            item.get_closest_marker("postgres_only") and TEST_DB != "postgres"
+        ):
+            dropped.append(item)
+        else:
+            keep.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
 @dataclass
 class Db:
     kind: str

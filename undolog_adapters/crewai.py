@@ -26,17 +26,18 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
+
+from undolog_adapters._common import missing_extra
 
 try:
     from crewai.hooks import HookAborted, InterceptionPoint
     from crewai.hooks.dispatch import register_scoped, scoped_hooks
     from crewai.tools import BaseTool
     from crewai.tools import tool as _crewai_tool
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "undolog_adapters.crewai needs CrewAI: install it with `pip install 'undolog[crewai]'`"
-    ) from exc
+except ImportError as exc:  # exercised by tests/adapters/test_common.py with CrewAI hidden
+    raise ImportError(missing_extra("undolog_adapters.crewai", "CrewAI", "crewai")) from exc
 
 try:
     from crewai.tools.tool_failure import ToolFailure, ToolFailureReason
@@ -55,9 +56,18 @@ except ImportError:  # pragma: no cover - older CrewAI without an execution id
 from pydantic import ConfigDict, PrivateAttr
 from pydantic_core import to_jsonable_python
 
+from undolog_adapters._common import (
+    Registrar,
+    TierValue,
+    UndoLogPolicy,
+    awaiting_text,
+    failure_text,
+    refusal_text,
+    rollback_outcome,
+)
 from undolog_core import AwaitingApproval, Completed, Execute, ToolTier, UndoLog, errors
 
-__all__ = ["KickoffResult", "UndoLogTool", "UndoLogToolset", "fail_closed", "wrap_tools"]
+__all__ = ["KickoffResult", "UndoLogPolicy", "UndoLogTool", "UndoLogToolset", "fail_closed", "wrap_tools"]
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +90,7 @@ def _native_call_id() -> str | None:
     makes up from ``id(tool_call)`` (Gemini-style calls) are memory addresses that repeat over time;
     they are treated as absent.
     """
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(40):
         if frame is None:
             return None
@@ -328,23 +338,42 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
 
     # ----------------------------------------------------------------- the call
     def _call(self, tool: UndoLogTool, kwargs: dict[str, Any]) -> Any:
+        """One tool call, start to end: intercept, wait for a person, run, then complete or fail.
+
+        The engine's whole sequence for a CrewAI call is in this one function on purpose: it is the one
+        place to change when the engine's call protocol changes.
+        """
         ul = self.undolog
         name = tool.undolog_name
         args = to_jsonable_python(kwargs)
         try:
             sid = self._resolve_session()
             call_id = self._call_id(sid, tool, args)
-            decision = ul.engine.intercept(sid, name, args, call_id=call_id)
-            if isinstance(decision, AwaitingApproval):
-                decision = self._await(sid, name, args, call_id, decision)
-                if isinstance(decision, str):
-                    return decision
+            decision = ul.driver.decide(sid, name, args, call_id=call_id)
+            deadline = time.monotonic() + self.wait_for_approval
+            while isinstance(decision, AwaitingApproval):
+                if not self._decided(decision.approval_request_id, deadline):
+                    return awaiting_text(name, decision.approval_request_id, decision.reason)
+                decision = ul.driver.decide(sid, name, args, call_id=call_id)
         except errors.UndoLogError as exc:
-            return self._refusal(name, exc)
+            return _failure(refusal_text(name, exc), exc.code)
         if isinstance(decision, Completed):
             return decision.result
         assert isinstance(decision, Execute)
-        return self._execute(tool, decision, sid)
+        # CrewAI's own exceptions that steer the agent are not the tool failing: none exist for tools today, so
+        # every exception the tool raises is its failure (recorded, rolled back per the session's policy).
+        outcome = ul.driver.run_sync(decision, lambda a: tool.inner.run(**a), note=False)
+        if outcome.ok:
+            return outcome.value
+        failed = outcome.error
+        assert failed is not None
+        if decision.effect_id is None or not isinstance(failed, Exception):
+            # SAFE: nothing to undo; CrewAI handles (and may retry) it as usual. A process interrupt is never
+            # turned into a message.
+            raise failed
+        text = failure_text(name, f"{type(failed).__name__}: {failed}",
+                            rollback_outcome(outcome.rollback, sid, decision.effect_id))
+        return _failure(text, "tool_failed", exception=True)
 
     def _call_id(self, sid: str, tool: UndoLogTool, args: dict[str, Any]) -> str:
         if tool.tier is ToolTier.IRREVERSIBLE:
@@ -358,57 +387,16 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
         scope = get_execution_uuid() or sid
         return f"crewai:{scope}:{native}" if native else f"crewai:{uuid.uuid4().hex}"
 
-    def _await(self, sid: str, name: str, args: dict[str, Any], call_id: str,
-               pending: AwaitingApproval) -> Execute | Completed | str:
-        """Wait up to ``wait_for_approval`` s, polling the store (a decision from any process counts)."""
-        deadline = time.monotonic() + self.wait_for_approval
-        request_id = pending.approval_request_id
+    def _decided(self, approval_request_id: str, deadline: float) -> bool:
+        """Poll the store until the request leaves ``pending`` (a decision from any process counts).
+
+        True when it did before ``deadline`` (``wait_for_approval`` seconds after the call), else False.
+        """
         while time.monotonic() < deadline:
-            record = self.undolog.approvals.get(request_id)
-            if record.state != "pending":
-                decision = self.undolog.engine.intercept(sid, name, args, call_id=call_id)
-                if not isinstance(decision, AwaitingApproval):
-                    return decision
+            if self.undolog.approvals.get(approval_request_id).state != "pending":
+                return True
             time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
-        return (
-            f"UndoLog: {name} is awaiting approval, request {request_id}"
-            f"{f' ({pending.reason})' if pending.reason else ''}. It has NOT run. "
-            "Do not retry it now; tell the user it needs a person's approval and end your turn."
-        )
-
-    def _refusal(self, name: str, exc: errors.UndoLogError) -> Any:
-        if isinstance(exc, errors.ApprovalRejected):
-            text = f"{name} was rejected by {exc.approver or 'a person'}: {exc.reason or 'no reason given'}. It did NOT run; do not retry it."
-        elif isinstance(exc, errors.ApprovalTimedOut):
-            text = f"The approval for {name} timed out without a decision. It did NOT run; do not retry it."
-        else:
-            text = f"UndoLog refused {name}: {exc.message}"
-        return _failure(text, exc.code)
-
-    def _execute(self, tool: UndoLogTool, decision: Execute, sid: str) -> Any:
-        ul = self.undolog
-        try:
-            with ul.engine.running(decision, sid):
-                result = tool.inner.run(**decision.args)
-        except Exception as exc:
-            if decision.effect_id is None:
-                # SAFE: nothing to undo; CrewAI handles (and may retry) it as usual.
-                raise
-            report = ul.engine.fail(decision.effect_id, exc)
-            return _failure(self._failure_text(tool.undolog_name, exc, report), "tool_failed", exception=True)
-        if decision.effect_id is not None:
-            ul.engine.complete(decision.effect_id, result)
-        return result
-
-    @staticmethod
-    def _failure_text(name: str, exc: BaseException, report: Any) -> str:
-        text = f"Error executing tool {name}: {exc}"
-        if report is None:
-            return text
-        undone = ", ".join(s.tool_name for s in getattr(report, "steps", [])) or "nothing"
-        if getattr(report, "complete", False):
-            return f"{text}. UndoLog rolled back the session (undone: {undone}). Do not continue the task."
-        return f"{text}. UndoLog could not undo everything (attempted: {undone}); a person must check. Do not continue."
+        return False
 
 
 # --------------------------------------------------------------------------------------------- wrapping
@@ -428,50 +416,18 @@ def _as_crewai_tool(obj: Any) -> BaseTool:
         name = (getattr(spec, "name", None) or getattr(obj, "__name__", None))
         if not name:
             raise TypeError(f"cannot make a CrewAI tool from {obj!r}: it has no name")
-        return _crewai_tool(name)(obj)
+        made = _crewai_tool(name)(obj)
+        if not isinstance(made, BaseTool):  # pragma: no cover - CrewAI's @tool always makes one
+            raise TypeError(f"cannot make a CrewAI tool from {obj!r}")
+        return made
     raise TypeError(f"expected a CrewAI BaseTool or a function, got {obj!r}")
-
-
-def _tier_entry(value: Any) -> dict[str, Any]:
-    if isinstance(value, Mapping):
-        return dict(value)
-    return {"tier": value}
-
-
-def _register(ul: UndoLog, tool: BaseTool, name: str, tiers: Mapping[str, Any]) -> ToolTier:
-    """Make sure UndoLog knows ``name``; returns its tier. Refuses a tool with no tier, naming it."""
-    entry = tiers.get(name)
-    if entry is None:
-        entry = tiers.get(tool.name)
-    spec = _spec_of(tool)
-    if entry is None and spec is None:
-        try:
-            return ul.tool_spec(name).tier
-        except errors.ToolNotRegistered:
-            raise errors.ToolNotClassified(name) from None
-    if entry is not None:
-        e = _tier_entry(entry)
-        tier = ToolTier.coerce(e.pop("tier")) if "tier" in e else ToolTier.from_risk_level(e.pop("risk_level"))
-        kw = {"tier": tier, **e}
-    else:
-        tier = spec.tier
-        kw = {"tier": tier, "compensation": spec.compensation, "reason": spec.reason,
-              "risk_tags": list(spec.risk_tags)}
-    try:
-        known = ul.tool_spec(name)
-    except errors.ToolNotRegistered:
-        known = None
-    if known is not None and known.tier is tier:
-        return tier
-    ul.register_tool(tool.run, name=name, args_schema=tool.args_schema, **kw)
-    return tier
 
 
 def wrap_tools(
     tools: Iterable[Any],
     *,
     undolog: UndoLog,
-    tiers: Mapping[str, Any] | None = None,
+    tiers: Mapping[str, TierValue] | None = None,
     session_id: str | None = None,
     wait_for_approval: float = 0,
     agent_id: str = "crewai",
@@ -485,15 +441,18 @@ def wrap_tools(
     Args:
         tools: CrewAI ``BaseTool`` instances or functions (``@undolog_tool``-decorated or not).
         undolog: the :class:`UndoLog` to log into.
-        tiers: tool name -> tier (``ToolTier``, ``"safe"``...) or a dict of ``register_tool``
-            keywords (``{"tier": "compensable", "compensation": "cancel_x"}``). Overrides
+        tiers: tool name -> tier, in the vocabulary every adapter shares (see
+            :class:`~undolog_adapters._common.UndoLogPolicy`): a ``ToolTier``, ``"safe"``/``"low"``...,
+            an ``UndoLogPolicy``, or ``{"tier": "compensable", "compensation": cancel_x, "reason": ...,
+            "risk_tags": [...]}``. A compensation given as a function is registered. Overrides
             ``@undolog_tool``. A tool with no tier anywhere is refused here, naming it.
         session_id: use this UndoLog session for every kickoff (e.g. a ticket id). Default: one
             session per kickoff.
         wait_for_approval: seconds an IRREVERSIBLE call waits for a decision (polling the store)
             before telling the agent it is awaiting approval. 0 (default) never blocks.
         agent_id: recorded on the sessions this toolset creates.
-        compensations: ``@compensation`` functions to register with ``undolog``.
+        compensations: compensation functions to register with ``undolog`` (``@compensation`` ones, or
+            plain functions registered under their ``__name__``).
         hooks: extra before-tool-call policy hooks, run fail-closed inside the toolset's gate.
         allow_unwrapped: tool names the gate lets through unwrapped (e.g. CrewAI's delegation tools).
         poll_interval: seconds between store polls while waiting for approval.
@@ -509,15 +468,12 @@ def wrap_tools(
         >>> tools = wrap_tools([search_kb, send_refund_email], undolog=ul,      # doctest: +SKIP
         ...                    tiers={"search_kb": "safe"}, compensations=[cancel_refund_email])
     """
-    tiers = dict(tiers or {})
-    comps = list(compensations)
-    if comps:
-        undolog.register(*comps)
+    registrar = Registrar(undolog, tiers=tiers, compensations=compensations)
     wrapped: list[UndoLogTool] = []
     for obj in tools:
         inner = _as_crewai_tool(obj)
         name = str(inner.name)
-        tier = _register(undolog, inner, name, tiers)
+        tier = registrar.register(name, inner.run, declared=_spec_of(inner), args_schema=inner.args_schema)
         cache = inner.cache_function if tier is ToolTier.SAFE else _no_cache
         wrapped.append(
             UndoLogTool(

@@ -29,9 +29,11 @@ import contextlib
 import contextvars
 import logging
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from undolog_adapters._common import missing_extra
 
 try:
     from semantic_kernel import Kernel
@@ -42,19 +44,26 @@ try:
     from semantic_kernel.filters import AutoFunctionInvocationContext, FilterTypes, FunctionInvocationContext
     from semantic_kernel.functions import FunctionResult, KernelArguments, KernelFunction
     from semantic_kernel.functions.kernel_function_from_method import KernelFunctionFromMethod
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "undolog_adapters.semantic_kernel needs Semantic Kernel: install it with "
-        "`pip install 'undolog[semantic-kernel]'`"
-    ) from exc
+except ImportError as exc:  # exercised by tests/adapters/test_common.py with Semantic Kernel hidden
+    raise ImportError(missing_extra("undolog_adapters.semantic_kernel", "Semantic Kernel", "semantic-kernel")) from exc
 
 from pydantic_core import to_jsonable_python
 
+from undolog_adapters._common import (
+    Registrar,
+    TierValue,
+    UndoLogPolicy,
+    awaiting_text,
+    failure_text,
+    refusal_text,
+    rollback_outcome,
+)
 from undolog_core import ApprovalPending, AwaitingApproval, Completed, Execute, ToolTier, UndoLog, errors
 
 __all__ = [
     "ROLLBACK_ATTR",
     "UndoLogFilter",
+    "UndoLogPolicy",
     "install",
     "invoke",
     "resume",
@@ -138,9 +147,13 @@ class UndoLogFilter:
 
     Args:
         undolog: the :class:`UndoLog` to log into.
-        tiers: ``"plugin-function"`` -> tier (``ToolTier``/``"safe"``...) or a dict of
-            ``register_tool`` keywords (``{"tier": "compensable", "compensation": "cancel_x"}``).
-            Overrides ``@undolog_tool`` on the kernel function.
+        tiers: ``"plugin-function"`` -> tier, in the vocabulary every adapter shares (see
+            :class:`~undolog_adapters._common.UndoLogPolicy`): a ``ToolTier``, ``"safe"``/``"low"``...,
+            an ``UndoLogPolicy``, or ``{"tier": "compensable", "compensation": cancel_x, ...}``. A
+            compensation given as a function is registered. Overrides ``@undolog_tool`` on the kernel
+            function.
+        compensations: compensation functions to register (``@compensation`` ones, or plain
+            functions registered under their ``__name__``).
         session_id: the session for calls made outside :func:`undolog_session`. Default: one new
             session for this filter (see :attr:`session_id`).
         agent_id: recorded on the sessions this filter creates.
@@ -150,10 +163,11 @@ class UndoLogFilter:
         >>> f.install(kernel)
     """
 
-    def __init__(self, undolog: UndoLog, *, tiers: Mapping[str, Any] | None = None, session_id: str | None = None,
+    def __init__(self, undolog: UndoLog, *, tiers: Mapping[str, TierValue] | None = None,
+                 compensations: Iterable[Callable[..., Any]] = (), session_id: str | None = None,
                  agent_id: str = "semantic-kernel") -> None:
         self.undolog = undolog
-        self.tiers = dict(tiers or {})
+        self._registrar = Registrar(undolog, tiers=tiers, compensations=compensations)
         self._session_id = session_id
         self.agent_id = agent_id
         self._classified: dict[str, ToolTier] = {}
@@ -186,28 +200,8 @@ class UndoLogFilter:
         name = function.fully_qualified_name
         if name in self._classified:
             return self._classified[name]
-        entry = self.tiers.get(name)
-        spec = _method_spec(function)
-        if entry is None and spec is None:
-            try:
-                tier = self.undolog.tool_spec(name).tier
-            except errors.ToolNotRegistered:
-                raise errors.ToolNotClassified(name) from None
-            self._classified[name] = tier
-            return tier
-        if entry is not None:
-            kw = dict(entry) if isinstance(entry, Mapping) else {"tier": entry}
-            tier = ToolTier.coerce(kw.pop("tier")) if "tier" in kw else ToolTier.from_risk_level(kw.pop("risk_level"))
-        else:
-            tier = spec.tier
-            kw = {"compensation": spec.compensation, "reason": spec.reason, "risk_tags": list(spec.risk_tags)}
-        try:
-            known = self.undolog.tool_spec(name)
-        except errors.ToolNotRegistered:
-            known = None
-        if known is None or known.tier is not tier:
-            self.undolog.register_tool(getattr(function, "method", None), name=name, tier=tier,
-                                       args_schema=_json_schema(function), **kw)
+        tier = self._registrar.register(name, getattr(function, "method", None), declared=_method_spec(function),
+                                        args_schema=_json_schema(function))
         self._classified[name] = tier
         return tier
 
@@ -232,7 +226,8 @@ class UndoLogFilter:
     @staticmethod
     def _args(function: KernelFunction, arguments: KernelArguments) -> dict[str, Any]:
         names = {p.name for p in function.parameters if p.name and p.name not in _INJECTED}
-        return to_jsonable_python({k: v for k, v in arguments.items() if k in names})
+        args: dict[str, Any] = to_jsonable_python({k: v for k, v in arguments.items() if k in names})
+        return args
 
     def _call_id(self, sid: str, name: str, tier: ToolTier, args: dict[str, Any], given: str | None) -> str:
         if tier is ToolTier.IRREVERSIBLE:
@@ -243,6 +238,22 @@ class UndoLogFilter:
                 return str(found.call_id)
         return given or f"sk:{uuid.uuid4().hex}"
 
+    # ----------------------------------------------------------------- the call
+    #
+    # SK splits one call over two filters (see the module docstring), so the engine's sequence is in two
+    # functions: _intercept (the decision, asked by whichever filter is the gate) and _run (run, then
+    # complete or fail). The filters only route between them.
+
+    def _intercept(self, function: KernelFunction, arguments: KernelArguments,
+                   given_call_id: str | None) -> tuple[str, Execute | AwaitingApproval | Completed]:
+        """Classify, find the session and the call id, and ask the engine; returns (session id, decision)."""
+        name = function.fully_qualified_name
+        tier = self.classify(function)
+        sid = self._session()
+        args = self._args(function, arguments)
+        call_id = self._call_id(sid, name, tier, args, given_call_id)
+        return sid, self.undolog.driver.decide(sid, name, args, call_id=call_id)
+
     # ----------------------------------------------------------------- filters
     async def auto_function_invocation(self, context: AutoFunctionInvocationContext, next: Any) -> None:
         """AUTO_FUNCTION_INVOCATION filter: the gate under auto function calling."""
@@ -252,18 +263,14 @@ class UndoLogFilter:
             return
         self._check_paired(context.kernel)
         name = function.fully_qualified_name
+        fcc = context.function_call_content
         try:
-            tier = self.classify(function)
-            sid = self._session()
-            args = self._args(function, context.arguments)
-            call_id = self._call_id(sid, name, tier, args, context.function_call_content.id)
-            decision = self.undolog.engine.intercept(sid, name, args, call_id=call_id)
+            sid, decision = self._intercept(function, context.arguments, fcc.id if fcc is not None else None)
         except errors.UndoLogError as exc:
-            context.function_result = FunctionResult(function=function.metadata, value=_refusal(name, exc))
+            context.function_result = FunctionResult(function=function.metadata, value=refusal_text(name, exc))
             return
         if isinstance(decision, AwaitingApproval):
-            text = (f"UndoLog: {name} is awaiting approval, request {decision.approval_request_id}"
-                    f"{f' ({decision.reason})' if decision.reason else ''}. It has NOT run yet.")
+            text = awaiting_text(name, decision.approval_request_id, decision.reason)
             context.function_result = FunctionResult(
                 function=function.metadata, value=text,
                 metadata={PLACEHOLDER_KEY: decision.approval_request_id, "undolog_session_id": sid},
@@ -286,7 +293,7 @@ class UndoLogFilter:
             context.function_result = FunctionResult(function=function.metadata, value=handover.failure_text)
         if not handover.consumed and decision.effect_id is not None:
             # Another filter answered without running the function: nothing happened.
-            self.undolog.engine.fail(decision.effect_id, RuntimeError("the function was not run (a filter answered)"))
+            self.undolog.driver.fail(decision.effect_id, RuntimeError("the function was not run (a filter answered)"))
 
     async def function_invocation(self, context: FunctionInvocationContext, next: Any) -> None:
         """FUNCTION_INVOCATION filter: runs the tool; the gate too under a plain ``kernel.invoke``."""
@@ -309,16 +316,13 @@ class UndoLogFilter:
                 # A filter between the gate and the function edited the call: it is not the call that was let
                 # through (approved, for an IRREVERSIBLE one), so it does not run.
                 if handover.decision.effect_id is not None:
-                    self.undolog.engine.release(handover.decision.effect_id)
+                    self.undolog.driver.release(handover.decision)
                 raise errors.ConfigurationError(
                     f"UndoLog refused {name}: its arguments were changed after UndoLog's gate; it was NOT run"
                 )
             await self._run(context, next, handover.decision, handover.session_id, handover)
             return
-        tier = self.classify(function)
-        sid = self._session()
-        args = self._args(function, context.arguments)
-        decision = self.undolog.engine.intercept(sid, name, args, call_id=self._call_id(sid, name, tier, args, None))
+        sid, decision = self._intercept(function, context.arguments, None)
         if isinstance(decision, AwaitingApproval):
             raise ApprovalPending(decision.effect_id, decision.approval_request_id, decision.retry_after, name)
         if isinstance(decision, Completed):
@@ -329,29 +333,27 @@ class UndoLogFilter:
 
     async def _run(self, context: FunctionInvocationContext, next: Any, decision: Execute, sid: str,
                    handover: _Handover | None = None) -> None:
-        engine = self.undolog.engine
-        try:
-            with engine.running(decision, sid):
-                await next(context)
-        except Exception as exc:
-            if decision.effect_id is None:
-                raise
-            # The user's exception goes on unchanged (same object, same type); UndoLog only annotates it.
-            name = context.function.fully_qualified_name
-            report, outcome = None, ""
-            try:
-                report = engine.fail(decision.effect_id, exc)
-            except Exception as book:  # noqa: BLE001 - the user's exception wins; ours is noted on it
-                outcome = (f"UndoLog could not record the failure or roll session {sid} back ({book!r}); "
-                           "a person must check")
-            outcome = outcome or _outcome(report, sid, decision.effect_id)
-            exc.add_note(f"undolog: {outcome}")
-            setattr(exc, ROLLBACK_ATTR, report)
-            if handover is not None:
-                handover.failure_text = f"{name} failed: {type(exc).__name__}: {exc}. {outcome}."
-            raise
-        if decision.effect_id is not None:
-            engine.complete(decision.effect_id, context.result.value if context.result is not None else None)
+        """Run the function under ``decision``, then complete its effect, or fail it (rolling back per policy).
+
+        The function's own exception goes on as itself, annotated with the rollback's outcome.
+        """
+        outcome = await self.undolog.driver.run_async(
+            decision, lambda _a: next(context),
+            result_of=lambda _out: context.result.value if context.result is not None else None, note=False,
+        )
+        exc = outcome.error
+        if exc is None:
+            return
+        if decision.effect_id is None or not isinstance(exc, Exception):
+            raise exc
+        # The user's exception goes on unchanged (same object, same type); UndoLog only annotates it.
+        name = context.function.fully_qualified_name
+        text = rollback_outcome(outcome.rollback, sid, decision.effect_id)
+        exc.add_note(f"undolog: {text}")
+        setattr(exc, ROLLBACK_ATTR, outcome.rollback)
+        if handover is not None:
+            handover.failure_text = failure_text(name, f"{type(exc).__name__}: {exc}", text)
+        raise exc
 
     def _check_paired(self, kernel: Kernel) -> None:
         if not any(f == self.function_filter for _, f in kernel.function_invocation_filters):
@@ -362,42 +364,16 @@ class UndoLogFilter:
             )
 
 
-def _refusal(name: str, exc: errors.UndoLogError) -> str:
-    if isinstance(exc, errors.ApprovalRejected):
-        return (f"{name} was rejected by {exc.approver or 'a person'}: {exc.reason or 'no reason given'}. "
-                "It did NOT run; do not retry it.")
-    if isinstance(exc, errors.ApprovalTimedOut):
-        return f"The approval for {name} timed out without a decision. It did NOT run; do not retry it."
-    return f"UndoLog refused {name}: {exc.message}"
-
-
-def _outcome(report: Any, sid: str, failed_id: str) -> str:
-    """One sentence on what UndoLog did after a failure, for the note and for the model."""
-    if report is None:
-        return f"UndoLog recorded the failure; session {sid} keeps its earlier steps (policy: continue)"
-    if report.already_rolled_back:
-        return f"session {sid} was already rolled back"
-    undone = [s for s in report.steps
-              if s.outcome in ("compensated", "already_compensated") and s.effect_id != failed_id]
-    broken = [s for s in report.steps if s.outcome not in ("compensated", "already_compensated")]
-    text = f"UndoLog rolled the session back (undone: {', '.join(s.tool_name for s in undone) or 'nothing earlier'})"
-    for s in broken:
-        text += f"; {s.tool_name} could NOT be undone: {s.error or s.outcome}"
-    if report.kept_irreversible:
-        text += f"; irreversible steps stay done: {', '.join(report.kept_irreversible)}"
-    if not report.complete:
-        return f"{text}. The rollback stopped ({report.halted_reason}); a person must check"
-    return f"{text}. Do not continue the task"
-
-
-def install(kernel: Kernel, undolog: UndoLog, *, tiers: Mapping[str, Any] | None = None,
-            session_id: str | None = None, agent_id: str = "semantic-kernel", strict: bool = True) -> UndoLogFilter:
+def install(kernel: Kernel, undolog: UndoLog, *, tiers: Mapping[str, TierValue] | None = None,
+            compensations: Iterable[Callable[..., Any]] = (), session_id: str | None = None,
+            agent_id: str = "semantic-kernel", strict: bool = True) -> UndoLogFilter:
     """Register UndoLog's FUNCTION_INVOCATION and AUTO_FUNCTION_INVOCATION filters on ``kernel``.
 
     Args:
         kernel: the kernel whose plugins are the tools.
         undolog: the :class:`UndoLog` to log into.
         tiers: ``"plugin-function"`` -> tier; overrides ``@undolog_tool`` on the kernel function.
+        compensations: compensation functions to register (as for :class:`UndoLogFilter`).
         session_id: default session (see :class:`UndoLogFilter`).
         agent_id: recorded on new sessions.
         strict: refuse now if a kernel function has no tier (it would be refused at call time anyway).
@@ -409,7 +385,8 @@ def install(kernel: Kernel, undolog: UndoLog, *, tiers: Mapping[str, Any] | None
         >>> kernel.add_plugin(Support(), plugin_name="support")                     # doctest: +SKIP
         >>> install(kernel, ul, tiers={"support-search_knowledge_base": "safe"})
     """
-    return UndoLogFilter(undolog, tiers=tiers, session_id=session_id, agent_id=agent_id).install(kernel, strict=strict)
+    return UndoLogFilter(undolog, tiers=tiers, compensations=compensations, session_id=session_id,
+                         agent_id=agent_id).install(kernel, strict=strict)
 
 
 async def invoke(kernel: Kernel, *args: Any, **kwargs: Any) -> FunctionResult | None:
@@ -429,7 +406,7 @@ async def invoke(kernel: Kernel, *args: Any, **kwargs: Any) -> FunctionResult | 
         return await kernel.invoke(*args, **kwargs)
     except KernelInvokeException as exc:
         cause = exc.__cause__
-        if not (isinstance(cause, errors.UndoLogError) or hasattr(cause, ROLLBACK_ATTR)):
+        if cause is None or not (isinstance(cause, errors.UndoLogError) or hasattr(cause, ROLLBACK_ATTR)):
             raise
     # Raised outside the handler so that the exception keeps its own __cause__ and __context__.
     try:

@@ -12,16 +12,19 @@ Example:
 """
 
 from . import errors
+from ._app import load_app
 from ._approvals import ApprovalEvent, ApprovalRecord
 from ._audit import AuditReport
+from ._driver import CallDriver, Outcome
 from ._engine import AwaitingApproval, CallContext, Completed, Execute, current_call
+from ._outbox import OutboxEvent
 from ._policy import OrgPolicy
 from ._recovery import ProbeContext, RecoveryReport
 from ._saga import CompensationContext, RollbackReport, RollbackStep
 from ._schema import EffectState, RequestState, SessionState, UndoState
 from ._session import Session, SessionRecord
 from ._tools import CompensationDescriptor, ToolSpec, ToolTier, compensation, undolog_tool
-from ._undolog import UndoLog, load_app
+from ._undolog import UndoLog
 from .errors import (
     ApprovalPending,
     ApprovalRejected,
@@ -43,6 +46,7 @@ __all__ = [
     "ArgumentsInvalid",
     "AuditReport",
     "AwaitingApproval",
+    "CallDriver",
     "CallContext",
     "CompensationContext",
     "CompensationDescriptor",
@@ -50,6 +54,8 @@ __all__ = [
     "EffectState",
     "Execute",
     "OrgPolicy",
+    "Outcome",
+    "OutboxEvent",
     "ProbeContext",
     "RecoveryReport",
     "RequestState",

@@ -26,17 +26,17 @@ class ApprovalService:
     """
 
     def __init__(
-        self, storage: Storage, registry: Registry, *, on_state_change: Callable[[StateChange], None]
+        self, storage: Storage, registry: Registry, *, note_state: Callable[[str, str], None]
     ) -> None:
-        """``registry``: the tools loaded in this process (to validate edits); ``on_state_change``: keeps the
-        in-memory session caches in step with the session states a decision writes."""
+        """``registry``: the tools loaded in this process (to validate edits); ``note_state(session_id, state)``:
+        keeps the in-memory session caches in step with the session states a decision writes."""
         self._storage = storage
         self._registry = registry
-        self._on_state_change = on_state_change
+        self._note_state = note_state
 
     def _changed(self, changes: Iterable[StateChange]) -> None:
         for change in changes:
-            self._on_state_change(change)
+            self._note_state(change.session_id, change.state.value)
 
     # -- reading -------------------------------------------------------------------------------------
 
@@ -59,14 +59,24 @@ class ApprovalService:
         tool_name: str | None = None,
         risk_tag: str | None = None,
         limit: int = 500,
+        offset: int = 0,
     ) -> builtins.list[ApprovalRecord]:
+        """Requests newest first, without expiring any (a read only; :meth:`pending` expires first).
+
+        ``offset`` skips that many of the matching requests (paging). The risk tag filter runs in Python
+        (the tags are a JSON list, queried differently by the two databases), after the page is read.
+
+        Example:
+            >>> undolog.approvals.list(state="pending", tool_name="delete_user_account", limit=50, offset=50)
+        """
         wanted: RequestState | None = None
         if state:
             known = [s.value for s in RequestState]
             if state not in known:
                 raise UndoLogError(f"unknown approval state {state!r}; known: {', '.join(known)}")
             wanted = RequestState(state)
-        rows = self._storage.list_requests(state=wanted, session_id=session_id, tool_name=tool_name, limit=limit)
+        rows = self._storage.list_requests(state=wanted, session_id=session_id, tool_name=tool_name, limit=limit,
+                                           offset=offset)
         if risk_tag:
             rows = [x for x in rows if risk_tag in x.risk_tags]
         return rows

@@ -16,11 +16,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._engine import SAFE, AwaitingApproval, Completed, Decision, Engine, Execute, check_id
+from ._engine import SAFE, AwaitingApproval, Completed, Decision, Engine, Execute, SessionCache, check_id
 from ._pool import WouldBlock
 from ._saga import RollbackReport, Saga, run_coro_blocking
 from ._tools import ToolSpec
-from .errors import ApprovalPending, DatabaseUnavailable
+from .errors import ApprovalPending
 
 ControlFlow = tuple[type[BaseException], ...]
 
@@ -37,10 +37,11 @@ class Outcome:
     value: Any = None
     error: BaseException | None = None
     rollback: RollbackReport | None = None
+    failure: str | None = None  # a failure the framework reported as a value (``failure_of``)
 
     @property
     def ok(self) -> bool:
-        return self.error is None
+        return self.error is None and self.failure is None
 
     def unwrap(self) -> Any:
         """The tool's value; when it failed, its own exception (with the rollback noted on it), never another."""
@@ -104,7 +105,8 @@ class CallDriver:
 
     def run_sync(
         self, d: Execute, invoke: Callable[[dict[str, Any]], Any], *, control_flow: ControlFlow = (),
-        rollback_on_failure: bool = True,
+        rollback_on_failure: bool = True, failure_of: Callable[[Any], str | None] | None = None,
+        result_of: Callable[[Any], Any] | None = None, note: bool = True,
     ) -> Outcome:
         """Run ``invoke(args)`` under the decision, then record its outcome.
 
@@ -112,6 +114,9 @@ class CallDriver:
         without an outcome (``release``) and propagate untouched; the re-issued call runs it again under the same
         effect. Any other exception is the tool's failure: recorded, the session rolled back per its policy (unless
         ``rollback_on_failure`` is False: the caller rolls back itself), and returned in the ``Outcome``.
+        A framework that turns a tool's exception into a value (an error message) says so with ``failure_of``
+        (the failure's text, or None); ``result_of`` picks what is stored as the result (default: the value).
+        ``note=False``: the caller tells the rollback's outcome itself, so it is not noted on the exception.
         """
         with self.engine.running(d):
             try:
@@ -120,17 +125,18 @@ class CallDriver:
                 self._release(d)
                 raise
             except BaseException as exc:
-                policy = self._record_failure(d, exc)
-                report = None
-                if policy == "rollback" and rollback_on_failure:
-                    report = self._rollback_sync(d.session_id, exc, self._why(d, exc))
-                return Outcome(error=exc, rollback=report)
-        self._complete(d, value)
+                return self._failed_sync(d, exc, rollback_on_failure, note=note)
+        failure = failure_of(value) if failure_of is not None else None
+        if failure is not None:
+            return self._failed_sync(d, failure, rollback_on_failure, value=value, note=note)
+        self._complete(d, result_of(value) if result_of is not None else value)
         return Outcome(value=value)
 
     async def run_async(
         self, d: Execute, invoke: Callable[[dict[str, Any]], Awaitable[Any] | Any], *,
         control_flow: ControlFlow = (), rollback_on_failure: bool = True,
+        failure_of: Callable[[Any], str | None] | None = None, result_of: Callable[[Any], Any] | None = None,
+        note: bool = True,
     ) -> Outcome:
         """The async twin of :meth:`run_sync`: the same steps, the tool and the rollback awaited on this loop."""
         with self.engine.running(d):
@@ -142,34 +148,54 @@ class CallDriver:
                 await self._off_loop(self._release, d)
                 raise
             except BaseException as exc:
-                policy = await self._off_loop(self._record_failure, d, exc)
-                report = None
-                if policy == "rollback" and rollback_on_failure:
-                    report = await self._rollback_async(d.session_id, exc, self._why(d, exc))
-                return Outcome(error=exc, rollback=report)
+                return await self._failed_async(d, exc, rollback_on_failure, note=note)
+        failure = failure_of(value) if failure_of is not None else None
+        if failure is not None:
+            return await self._failed_async(d, failure, rollback_on_failure, value=value, note=note)
+        result = result_of(value) if result_of is not None else value
         if d.effect_id is not None:
             try:
-                self.engine.complete(d.effect_id, value, wait=False)
+                self.engine.complete(d.effect_id, result, wait=False)
             except WouldBlock:
-                await asyncio.to_thread(self._complete, d, value)
+                await asyncio.to_thread(self._complete, d, result)
         return Outcome(value=value)
+
+    def _failed_sync(self, d: Execute, error: BaseException | str, rollback: bool, value: Any = None,
+                     note: bool = True) -> Outcome:
+        exc = error if isinstance(error, BaseException) else None
+        policy = self._record_failure(d, error)
+        report = None
+        if policy == "rollback" and rollback:
+            report = self._rollback_sync(d.session_id, exc if note else None, self._why(d, error))
+        return Outcome(value=value, error=exc, rollback=report, failure=None if exc else str(error))
+
+    async def _failed_async(self, d: Execute, error: BaseException | str, rollback: bool,
+                            value: Any = None, note: bool = True) -> Outcome:
+        exc = error if isinstance(error, BaseException) else None
+        policy = await self._off_loop(self._record_failure, d, error)
+        report = None
+        if policy == "rollback" and rollback:
+            report = await self._rollback_async(d.session_id, exc if note else None, self._why(d, error))
+        return Outcome(value=value, error=exc, rollback=report, failure=None if exc else str(error))
 
     # -- whole calls -----------------------------------------------------------------------------
 
     def call_sync(
         self, session_id: str, tool: Any, args: Mapping[str, Any], *, call_id: str | None = None,
-        invoke: Callable[[dict[str, Any]], Any] | None = None,
+        invoke: Callable[[dict[str, Any]], Any] | None = None, cache: SessionCache | None = None,
     ) -> Any:
         """Decide, run and record one call; the tool's value (or its own exception, or ``ApprovalPending``).
 
-        ``invoke`` runs the tool (default: the registered function; an async one is run to completion).
+        ``invoke`` runs the tool (default: the registered function; an async one is run to completion). ``cache``
+        is the session's in-memory record when the caller holds it (``Session``), saving a lookup per SAFE call.
         """
-        spec = self.spec(tool)
+        spec = tool if tool.__class__ is ToolSpec else self._spec_for(tool)
         if spec.tier is SAFE and invoke is None:
             # The whole SAFE path: validate, count in memory, call. No I/O, no effect, no context to set.
             values = spec.values(spec.validate(args))
-            self.engine.note_safe(session_id, spec, values)
-            return _call_blocking(spec, values)
+            self.engine.note_safe_in(cache or self.engine.session_cache(session_id), spec, values)
+            out = spec.fn(**values)  # type: ignore[misc]
+            return run_coro_blocking(out) if spec.is_async else out
         d = self.decide(session_id, spec, args, call_id=call_id)
         if not isinstance(d, Execute):
             return settle(d)
@@ -177,13 +203,13 @@ class CallDriver:
 
     async def call_async(
         self, session_id: str, tool: Any, args: Mapping[str, Any], *, call_id: str | None = None,
-        invoke: Callable[[dict[str, Any]], Any] | None = None,
+        invoke: Callable[[dict[str, Any]], Any] | None = None, cache: SessionCache | None = None,
     ) -> Any:
         """The async twin of :meth:`call_sync`."""
-        spec = self.spec(tool)
+        spec = tool if tool.__class__ is ToolSpec else self._spec_for(tool)
         if spec.tier is SAFE and invoke is None:
             values = spec.values(spec.validate(args))
-            self.engine.note_safe(session_id, spec, values)
+            self.engine.note_safe_in(cache or self.engine.session_cache(session_id), spec, values)
             out = spec.fn(**values)  # type: ignore[misc]
             return (await out) if spec.is_async else out
         d = await self.adecide(session_id, spec, args, call_id=call_id)
@@ -197,52 +223,75 @@ class CallDriver:
         if d.effect_id is not None:
             self.engine.complete(d.effect_id, value)
 
-    def _release(self, d: Execute) -> None:
+    def release(self, d: Execute) -> None:
+        """Hand a decided call back without running it (a framework paused before it ran, or a filter changed
+        it after the gate): its re-issue decides again, under the same effect."""
         if d.effect_id is not None:
             self.engine.release(d.effect_id)
 
-    def _record_failure(self, d: Execute, exc: BaseException) -> str | None:
+    _release = release
+
+    def _record_failure(self, d: Execute, error: BaseException | str) -> str | None:
         """The failure's policy, or None when nothing is to be done (a SAFE call, or a store that is down)."""
         if d.effect_id is None:
             return None
         try:
-            return self.engine.record_failure(d.effect_id, exc)
-        except DatabaseUnavailable as db:
-            # The user's exception wins; the effect stays in flight without a live owner, so recover() settles it.
-            exc.add_note(f"undolog: the failure of {d.tool_name} could not be recorded ({db.message}); "
-                         "run recover() once the database is back")
+            return self.engine.record_failure(d.effect_id, error).on_failure
+        except Exception as book:  # noqa: BLE001 - the user's exception wins; ours is noted on it
+            # The effect stays in flight without a live owner, so recover() settles it.
+            _note(error, f"undolog: the failure of {d.tool_name} (effect {d.effect_id}) could not be recorded: "
+                         f"{book}; run recover() once the store answers")
             return None
 
     @staticmethod
-    def _why(d: Execute, exc: BaseException) -> str:
-        return f"{d.tool_name} failed: {type(exc).__name__}: {exc}"
+    def _why(d: Execute, error: BaseException | str) -> str:
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        return f"{d.tool_name} failed: {text}"
 
-    def _rollback_sync(self, session_id: str, exc: BaseException, reason: str) -> RollbackReport | None:
+    def _rollback_sync(self, session_id: str, exc: BaseException | None, reason: str) -> RollbackReport | None:
         try:
             report = self.saga.rollback_sync(session_id, reason=reason)
         except Exception as rb:  # noqa: BLE001 - the user's exception wins; the rollback problem is noted on it
-            self._rollback_failed(session_id, exc, reason, rb)
-            return None
-        exc.add_note(f"undolog: session {session_id} rolled back ({summary(report)})")
+            return self._rollback_failed(session_id, exc, reason, rb)
+        _note(exc, f"undolog: session {session_id} rolled back ({summary(report)})")
         return report
 
-    async def _rollback_async(self, session_id: str, exc: BaseException, reason: str) -> RollbackReport | None:
+    async def _rollback_async(self, session_id: str, exc: BaseException | None, reason: str) -> RollbackReport | None:
         try:
             report = await self.saga.rollback(session_id, reason=reason)
         except Exception as rb:  # noqa: BLE001 - the user's exception wins; the rollback problem is noted on it
-            await self._off_loop(self._rollback_failed, session_id, exc, reason, rb)
-            return None
-        exc.add_note(f"undolog: session {session_id} rolled back ({summary(report)})")
+            failed: RollbackReport = await self._off_loop(self._rollback_failed, session_id, exc, reason, rb)
+            return failed
+        _note(exc, f"undolog: session {session_id} rolled back ({summary(report)})")
         return report
 
-    def _rollback_failed(self, session_id: str, exc: BaseException, reason: str, rb: Exception) -> None:
-        exc.add_note(f"undolog: rollback of session {session_id} failed: {rb}")
+    def _rollback_failed(self, session_id: str, exc: BaseException | None, reason: str,
+                         rb: Exception) -> RollbackReport:
+        """The policy's rollback could not run: the session halts for a person, and the report says why."""
+        _note(exc, f"undolog: rollback of session {session_id} failed: {rb}")
         self.saga.halt_unrolled(session_id, reason, rb)
+        return RollbackReport(session_id, complete=False, halted_reason=f"the rollback could not run: {rb}")
 
     @staticmethod
     async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
         # Rare paths (a failure, a release) take a transaction: in a worker thread, never on the loop.
         return await asyncio.to_thread(fn, *args)
+
+    def fail(self, effect_id: str, error: BaseException | str) -> RollbackReport | None:
+        """Record a failure reported by a caller that ran the tool itself; by default the session then rolls back,
+        this effect's own compensation included. Returns the rollback report, or None when the session's policy
+        is "continue"."""
+        failure = self.engine.record_failure(effect_id, error)
+        if failure.on_failure != "rollback":
+            return None
+        session_id = failure.session_id
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        why = f"effect {effect_id} failed: {text}"
+        try:
+            return self.saga.rollback_sync(session_id, reason=why)
+        except Exception as exc:
+            self.saga.halt_unrolled(session_id, why, exc)
+            raise
 
     def rollback_noting(self, session_id: str, exc: BaseException, reason: str) -> RollbackReport | None:
         """Roll back after ``exc`` ended the caller's work; the outcome is noted on ``exc``, never replacing it."""
@@ -256,6 +305,11 @@ def _call_blocking(spec: ToolSpec, args: dict[str, Any]) -> Any:
     """Call the registered function from sync code; an async one runs to completion (even under a running loop)."""
     out = spec.fn(**args)  # type: ignore[misc]
     return run_coro_blocking(out) if spec.is_async else out
+
+
+def _note(exc: BaseException | str | None, text: str) -> None:
+    if isinstance(exc, BaseException):
+        exc.add_note(text)
 
 
 def summary(report: RollbackReport) -> str:

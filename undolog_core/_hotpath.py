@@ -12,9 +12,7 @@ import sqlite3
 import time
 from typing import Any
 
-from sqlalchemy.exc import IntegrityError
-
-from ._pool import RawPool, WouldBlock, is_unavailable
+from ._pool import IntegrityConflict, RawPool, WouldBlock, is_unavailable
 from ._store import Store, from_epoch
 from .errors import DatabaseUnavailable
 
@@ -177,7 +175,7 @@ class HotPath:
             )
             return bool(cur.rowcount == 1)
         except (sqlite3.IntegrityError, _pg_integrity_error()) as exc:
-            raise IntegrityError("pre-write", None, exc) from exc
+            raise IntegrityConflict(str(exc)) from exc
         except WouldBlock:
             raise
         except BaseException as exc:

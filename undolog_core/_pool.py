@@ -53,6 +53,10 @@ def is_unavailable(exc: BaseException) -> bool:
     return _driver_gone(exc)
 
 
+class IntegrityConflict(Exception):
+    """A unique key already exists: the same call id was written before (the caller replays it)."""
+
+
 class WouldBlock(Exception):
     """Raised instead of waiting, when the caller asked not to wait (an event loop): retry the call in a thread."""
 

@@ -19,7 +19,7 @@ from ._tools import (
     tool_name_of,
 )
 from .errors import InvalidDeclaration, ToolNotClassified, ToolNotRegistered
-from .storage.records import ContractRevision, StateChange
+from .storage.records import ContractRevision
 
 if TYPE_CHECKING:
     from .storage.registry import RegistrySQL
@@ -37,16 +37,16 @@ class Registry:
     """The tools and compensations of this process, and their durable contract revisions.
 
     Example:
-        >>> registry = Registry(storage, on_state_change=lambda change: None)
+        >>> registry = Registry(storage, note_state=lambda session_id, state: None)
         >>> registry.register([search_knowledge_base])[0].revision
         1
     """
 
-    def __init__(self, storage: RegistrySQL, *, on_state_change: Callable[[StateChange], None]) -> None:
-        """``on_state_change``: keeps the in-memory session caches in step when a contract change cancels the
-        approvals a session was waiting for."""
+    def __init__(self, storage: RegistrySQL, *, note_state: Callable[[str, str], None]) -> None:
+        """``note_state(session_id, state)``: keeps the in-memory session caches in step when a contract change
+        cancels the approvals a session was waiting for."""
         self._storage = storage
-        self._on_state_change = on_state_change
+        self._note_state = note_state
         self.tools: dict[str, ToolSpec] = {}
         self.by_fn: dict[Any, ToolSpec] = {}
         self.compensations: dict[str, tuple[Callable[..., Any], int]] = {}
@@ -155,7 +155,7 @@ class Registry:
         for spec, rev in zip(specs, revisions, strict=True):
             spec.revision = rev.revision
         for change in changes:
-            self._on_state_change(change)
+            self._note_state(change.session_id, change.state.value)
 
     def history(self, tool_name: str | None = None) -> list[dict[str, Any]]:
         """Every stored revision (of one tool, or of all), ordered by (tool, revision)."""

@@ -10,15 +10,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-import sqlalchemy as sa
-
-from . import _schema as t
-from ._audit import append_event
-from ._engine import jsonable, owner_alive
 from ._faults import FaultPoint, fault
+from ._leases import Leases, owner_alive
+from ._schema import IN_FLIGHT, EffectState, SessionState, UndoState
 from ._store import utcnow
+from ._tools import jsonable
 from .errors import (
     CompensationNotFound,
     CompensationVersionMismatch,
@@ -27,7 +25,12 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from ._undolog import UndoLog
+    from ._registry import Registry
+    from .storage import Storage as SagaStore
+
+
+class ApprovalCanceller(Protocol):
+    def cancel(self, conn: Any, request_id: str, effect_id: str, why: str, now: dt.datetime) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,9 @@ class _Entry:
 class Saga:
     """Rollback of sessions.
 
+    Its collaborators are explicit: the storage (every statement), the registry (the compensations), the leases
+    (who this process is and what it is compensating), and two hooks into the engine's in-memory session cache.
+
     Example:
         >>> report = undolog.rollback(session_id)
         >>> [s.outcome for s in report.steps]
@@ -113,8 +119,22 @@ class Saga:
     max_attempts = 3
     backoff_seconds = 0.05
 
-    def __init__(self, undolog: UndoLog) -> None:
-        self._u = undolog
+    def __init__(
+        self,
+        store: SagaStore,
+        registry: Registry,
+        leases: Leases,
+        approvals: ApprovalCanceller,
+        *,
+        flush_marks: Callable[[], None],
+        note_state: Callable[[str, str], None],
+    ) -> None:
+        self._store = store
+        self._registry = registry
+        self._leases = leases
+        self._approvals = approvals
+        self._flush_marks = flush_marks
+        self._note_state = note_state
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
@@ -134,117 +154,74 @@ class Saga:
         the intent is written, so a refused rollback changes nothing. ``only_effect`` (recovery of one in-doubt
         call) writes no intent and leaves the session's state alone.
         """
-        self._u.engine.flush_marks()
-        store = self._u.store
-        engine = self._u.engine
-        u, e = t.undo_stack, t.effect_log
+        self._flush_marks()
+        store = self._store
+        leases = self._leases
+        mismatch: Exception | None = None
         with store.tx() as conn:
-            sess = conn.execute(
-                store.for_update(sa.select(t.sessions).where(t.sessions.c.session_id == session_id))
-            ).first()
+            sess = store.lock_session_in(conn, session_id)
             if sess is None:
                 raise SessionNotFound(session_id)
-            if sess.state == "rolled_back" and only_effect is None:
+            if sess.state == SessionState.ROLLED_BACK and only_effect is None:
                 return RollbackReport(session_id, already_rolled_back=True, complete=True)
             intent = None
             if only_effect is None:
-                intent = conn.execute(
-                    sa.select(t.rollbacks).where(t.rollbacks.c.session_id == session_id)
-                ).first()
-                if intent is not None and intent.owner != engine.owner and owner_alive(
+                intent = store.rollback_intent_in(conn, session_id)
+                if intent is not None and intent.owner != leases.owner and owner_alive(
                     intent.owner, intent.lease_until, rolling=session_id
                 ):
                     raise InvalidSessionState(f"session {session_id!r} is being rolled back right now")
-            q = (
-                sa.select(u, e.c.tool_name, e.c.state.label("effect_state"), e.c.result_snapshot,
-                          e.c.owner.label("effect_owner"), e.c.lease_until.label("effect_lease"))
-                .select_from(e.join(u, u.c.undo_id == e.c.seq))
-                .where(e.c.session_id == session_id, u.c.state != "compensated")
-                .order_by(u.c.undo_id.desc())
-            )
-            if only_effect is not None:
-                q = q.where(e.c.effect_id == only_effect)
-            rows = conn.execute(q).all()
             entries: list[_Entry] = []
-            for r in rows:
+            for r in store.undo_entries_in(conn, session_id, only_effect):
                 if r.effect_id == only_effect:
                     pass  # recovery holds this effect's claim itself
-                elif r.effect_state in ("pending", "running") and owner_alive(
-                    r.effect_owner, r.effect_lease, effect_id=r.effect_id
-                ):
+                elif r.effect_state in IN_FLIGHT and owner_alive(r.effect_owner, r.effect_lease, effect_id=r.effect_id):
                     raise InvalidSessionState(
                         f"session {session_id!r}: call {r.effect_id} ({r.tool_name}) is still running; "
                         "roll back after it ends"
                     )
-                if r.state == "compensating" and owner_alive(r.owner, r.lease_until, undo_id=r.undo_id):
+                if r.state == UndoState.COMPENSATING and owner_alive(r.owner, r.lease_until, undo_id=r.undo_id):
                     raise InvalidSessionState(f"session {session_id!r} is being rolled back right now")
-                comp = self._u.registry.compensations.get(r.compensation_name)
+                comp = self._registry.compensations.get(r.compensation_name)
                 if comp is None:
                     # Checked for every entry before anything runs: a missing compensation changes nothing.
                     raise CompensationNotFound(r.compensation_name)
                 fn, version = comp
                 if version != r.compensation_version:
-                    err = CompensationVersionMismatch(r.compensation_name, r.compensation_version, version)
-                    engine.halt(conn, session_id, err.message)
+                    mismatch = CompensationVersionMismatch(r.compensation_name, r.compensation_version, version)
+                    store.halt_in(conn, session_id, mismatch.message, utcnow())
                     if intent is not None:  # halted for a person: recovery must not take it up again
-                        conn.execute(t.rollbacks.delete().where(t.rollbacks.c.session_id == session_id))
-                    mismatch: Exception | None = err
+                        store.end_intent_in(conn, session_id)
                     break
                 entries.append(
                     _Entry(r.undo_id, r.effect_id, r.tool_name, r.compensation_name, r.compensation_version,
-                           r.args_snapshot, r.result_snapshot if r.effect_state == "committed" else None,
+                           r.args_snapshot, r.result_snapshot if r.effect_state == EffectState.COMMITTED else None,
                            r.effect_state, r.attempts, fn, r.state, r.owner)
                 )
-            else:
-                mismatch = None
-                if only_effect is None:
-                    self._write_intent(conn, session_id, intent, actor, reason)
+            if mismatch is None and only_effect is None:
+                # The rollback is requested, durably, before its first compensation: from here on the session
+                # takes no call, and a crash at any point of the walk is finished by recover().
+                now = utcnow()
+                store.write_intent_in(conn, session_id, exists=intent is not None, actor=actor, reason=reason,
+                                      owner=leases.owner, lease_until=leases.until(), now=now)
         if mismatch is not None:
+            self._note_state(session_id, SessionState.HALTED)
             raise mismatch
         if only_effect is None:
+            leases.rolling.add(session_id)
+            leases.start()
+            self._note_state(session_id, SessionState.ROLLING_BACK)
             fault(FaultPoint.ROLLBACK_REQUESTED)
         return entries
 
-    def _write_intent(self, conn: Any, session_id: str, intent: Any, actor: str, reason: str | None) -> None:
-        """The rollback is requested, durably, before its first compensation: from here on the session takes no
-        call, and a crash at any point of the walk is finished by ``recover()``."""
-        engine = self._u.engine
-        now = utcnow()
-        lease = now + dt.timedelta(seconds=self._u.lease_seconds)
-        if intent is None:
-            conn.execute(t.rollbacks.insert().values(session_id=session_id, actor=actor, reason=reason,
-                                                     owner=engine.owner, lease_until=lease, requested_at=now))
-        else:  # taking over a rollback whose walker is gone (or our own, left by an error)
-            conn.execute(t.rollbacks.update().where(t.rollbacks.c.session_id == session_id)
-                         .values(owner=engine.owner, lease_until=lease))
-        conn.execute(
-            t.sessions.update()
-            .where(t.sessions.c.session_id == session_id, t.sessions.c.state.notin_(("rolled_back", "rolling_back")))
-            .values(state="rolling_back", updated_at=now)
-        )
-        engine.rolling(session_id)
-
-    def _end_intent(self, conn: Any, session_id: str) -> None:
-        conn.execute(t.rollbacks.delete().where(t.rollbacks.c.session_id == session_id))
-
     def _claim(self, entry: _Entry) -> None:
-        """Compare-and-swap on what the plan saw: two rollbacks of one session never run a compensation twice."""
-        now = utcnow()
-        u = t.undo_stack
-        owner_is = u.c.owner.is_(None) if entry.seen_owner is None else u.c.owner == entry.seen_owner
-        with self._u.store.tx() as conn:
-            res = conn.execute(
-                u.update()
-                .where(u.c.undo_id == entry.undo_id, u.c.state == entry.seen_state, owner_is)
-                .values(state="compensating", owner=self._u.engine.owner,
-                        lease_until=now + dt.timedelta(seconds=self._u.lease_seconds), updated_at=now)
+        if not self._store.claim_undo(entry.undo_id, seen_state=entry.seen_state, seen_owner=entry.seen_owner,
+                                      owner=self._leases.owner, lease_until=self._leases.until()):
+            raise InvalidSessionState(
+                f"undo entry {entry.undo_id} ({entry.compensation_name}) was taken by a concurrent rollback"
             )
-            if res.rowcount != 1:
-                raise InvalidSessionState(
-                    f"undo entry {entry.undo_id} ({entry.compensation_name}) was taken by a concurrent rollback"
-                )
-        self._u.engine._compensating.add(entry.undo_id)
-        self._u.engine._ensure_renewer()
+        self._leases.compensating.add(entry.undo_id)
+        self._leases.start()
 
     def _ctx(self, session_id: str, entry: _Entry, attempt: int) -> CompensationContext:
         return CompensationContext(
@@ -254,71 +231,39 @@ class Saga:
         )
 
     def _attempted(self, entry: _Entry, error: str) -> None:
-        with self._u.store.tx() as conn:
-            conn.execute(
-                t.undo_stack.update().where(t.undo_stack.c.undo_id == entry.undo_id)
-                .values(attempts=t.undo_stack.c.attempts + 1, last_error=error, updated_at=utcnow())
-            )
+        self._store.undo_attempt_failed(entry.undo_id, error)
 
     def _succeeded(self, entry: _Entry) -> None:
-        now = utcnow()
-        with self._u.store.tx() as conn:
-            conn.execute(
-                t.undo_stack.update().where(t.undo_stack.c.undo_id == entry.undo_id)
-                .values(state="compensated", attempts=t.undo_stack.c.attempts + 1, owner=None, lease_until=None,
-                        updated_at=now)
-            )
-            conn.execute(
-                t.effect_log.update().where(t.effect_log.c.effect_id == entry.effect_id)
-                .values(state="compensated", owner=None, lease_until=None, updated_at=now)
-            )
-        self._u.engine._compensating.discard(entry.undo_id)
+        self._store.undo_compensated(entry.undo_id, entry.effect_id)
+        self._leases.compensating.discard(entry.undo_id)
 
     def _failed(self, session_id: str, entry: _Entry, error: str) -> str:
         now = utcnow()
         why = (f"compensation {entry.compensation_name} of {entry.tool_name} (effect {entry.effect_id}) failed "
                f"after {self.max_attempts} attempts: {error}")
-        with self._u.store.tx() as conn:
-            conn.execute(
-                t.undo_stack.update().where(t.undo_stack.c.undo_id == entry.undo_id)
-                .values(state="compensation_failed", owner=None, lease_until=None, updated_at=now)
-            )
+        with self._store.tx() as conn:
+            self._store.undo_failed_in(conn, entry.undo_id, now)
             # The walk stops here, halted for a person; a later rollback resumes where it stopped.
-            self._end_intent(conn, session_id)
-            self._u.engine.halt(conn, session_id, why, now=now)
-        self._u.engine._compensating.discard(entry.undo_id)
+            self._store.end_intent_in(conn, session_id)
+            self._store.halt_in(conn, session_id, why, now)
+        self._note_state(session_id, SessionState.HALTED)
+        self._leases.compensating.discard(entry.undo_id)
         return why
 
     def _finish(self, session_id: str, report: RollbackReport, actor: str, reason: str | None) -> None:
         now = utcnow()
-        with self._u.store.tx() as conn:
-            kept = conn.execute(
-                sa.select(t.effect_log.c.effect_id, t.effect_log.c.tool_name).where(
-                    t.effect_log.c.session_id == session_id, t.effect_log.c.tier == "irreversible",
-                    t.effect_log.c.state == "committed",
-                )
-            ).all()
-            report.kept_irreversible = [f"{k.tool_name} ({k.effect_id})" for k in kept]
-            r = t.approval_requests
-            waiting = conn.execute(
-                sa.select(r.c.approval_request_id, r.c.effect_id).where(
-                    r.c.session_id == session_id, r.c.state.in_(("pending", "approved", "auto_approved"))
-                )
-            ).all()
-            for w in waiting:
-                self._u.approvals.cancel(conn, w.approval_request_id, w.effect_id, "session rolled back", now)
-            conn.execute(
-                t.sessions.update().where(t.sessions.c.session_id == session_id)
-                .values(state="rolled_back", updated_at=now)
-            )
-            self._end_intent(conn, session_id)
+        store = self._store
+        with store.tx() as conn:
+            report.kept_irreversible = [f"{k.tool_name} ({k.effect_id})"
+                                        for k in store.kept_irreversible_in(conn, session_id)]
+            for w in store.unsettled_requests_in(conn, session_id):
+                self._approvals.cancel(conn, w.approval_request_id, w.effect_id, "session rolled back", now)
+            store.mark_rolled_back_in(conn, session_id, now)
             payload = jsonable({"session_id": session_id, "reason": reason, "steps": [s.__dict__ for s in report.steps],
                                 "kept_irreversible": report.kept_irreversible})
-            append_event(conn, self._u.store, subject=f"session:{session_id}", action="session.rollback", actor=actor,
-                         payload=payload, outbox=[("session.rolled_back", payload)], now=now)
-        sc = self._u.engine.cached(session_id)
-        if sc is not None:
-            sc.state = "rolled_back"
+            store.append_event_in(conn, subject=f"session:{session_id}", action="session.rollback", actor=actor,
+                                  payload=payload, outbox=[("session.rolled_back", payload)], now=now)
+        self._note_state(session_id, SessionState.ROLLED_BACK)
         report.complete = True
 
     # -- the walk, sync and async ----------------------------------------------------------------
@@ -418,23 +363,15 @@ class Saga:
         """The policy asked for a rollback that could not run (a call still in flight, a missing compensation):
         the session must not carry on as if nothing failed, so it halts for a person."""
         try:
-            with self._u.store.tx() as conn:
-                self._u.engine.halt(conn, session_id, f"{why}; the rollback could not run: {error}")
+            with self._store.tx() as conn:
+                self._store.halt_in(conn, session_id, f"{why}; the rollback could not run: {error}", utcnow())
+            self._note_state(session_id, SessionState.HALTED)
         except Exception as exc:  # noqa: BLE001 - the caller is already raising the user's exception
             error.add_note(f"undolog: could not halt session {session_id} either: {exc}")
 
     def undo_plan(self, session_id: str) -> list[dict[str, Any]]:
         """Which compensations would run, in order, if the session rolled back now."""
-        u, e = t.undo_stack, t.effect_log
-        with self._u.store.read() as conn:
-            rows = conn.execute(
-                sa.select(u.c.undo_id, u.c.compensation_name, u.c.compensation_version, u.c.state, e.c.tool_name,
-                          e.c.effect_id, e.c.state.label("effect_state"))
-                .select_from(e.join(u, u.c.undo_id == e.c.seq))
-                .where(e.c.session_id == session_id, u.c.state != "compensated")
-                .order_by(u.c.undo_id.desc())
-            ).all()
-        return [dict(r._mapping) for r in rows]
+        return self._store.undo_plan(session_id)
 
 
 class _Walk:
@@ -492,11 +429,11 @@ class _Walk:
     def close(self) -> None:
         """However the walk ended, this process no longer works on it: an entry or an intent left behind (an
         error, a cancelled task) counts as abandoned, so recovery or the next rollback takes it over."""
-        engine = self.saga._u.engine
+        leases = self.saga._leases
         if self.claimed is not None:
-            engine._compensating.discard(self.claimed.undo_id)
+            leases.compensating.discard(self.claimed.undo_id)
         if self.only_effect is None:
-            engine.rolling(self.session_id, done=True)
+            leases.rolling.discard(self.session_id)
 
 
 def _call_sync(fn: Callable[..., Any], ctx: Any) -> Any:

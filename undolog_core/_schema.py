@@ -39,12 +39,10 @@ TIERS = ("safe", "compensable", "irreversible")
 
 
 class SessionState(enum.StrEnum):
-    """A session's state (``undolog_sessions.state``); the values are the stored strings."""
-
     ACTIVE = "active"
     AWAITING_APPROVAL = "awaiting_approval"
     HALTED = "halted"
-    # A rollback was requested and is durable (``undolog_rollbacks``); no call is accepted until it ends
+    # A rollback was requested and is durable (``undolog_rollbacks``): no call is accepted until it ends
     # ``rolled_back`` or, when a compensation fails, ``halted``.
     ROLLING_BACK = "rolling_back"
     ROLLED_BACK = "rolled_back"
@@ -52,12 +50,10 @@ class SessionState(enum.StrEnum):
 
 
 class EffectState(enum.StrEnum):
-    """An effect's state (``undolog_effect_log.state``)."""
-
-    PENDING = "pending"
+    PENDING = "pending"  # COMPENSABLE: pre-written, the tool runs (or ran without its mark)
     COMMITTED = "committed"
     FAILED = "failed"
-    AWAITING_APPROVAL = "awaiting_approval"
+    AWAITING_APPROVAL = "awaiting_approval"  # IRREVERSIBLE
     APPROVED = "approved"
     RUNNING = "running"
     REJECTED = "rejected"
@@ -66,12 +62,10 @@ class EffectState(enum.StrEnum):
     COMPENSATED = "compensated"
     UNKNOWN = "unknown"
     DEAD_LETTER = "dead_letter"
-    RELEASED = "released"
+    RELEASED = "released"  # handed back by a framework's control flow; its re-issue runs it
 
 
 class UndoState(enum.StrEnum):
-    """An undo entry's state (``undolog_undo_stack.state``)."""
-
     ARMED = "armed"
     COMPENSATING = "compensating"
     COMPENSATED = "compensated"
@@ -79,8 +73,6 @@ class UndoState(enum.StrEnum):
 
 
 class RequestState(enum.StrEnum):
-    """An approval request's state (``undolog_approval_requests.state``)."""
-
     PENDING = "pending"
     APPROVED = "approved"
     REJECTED = "rejected"
@@ -89,11 +81,14 @@ class RequestState(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
-# The tuples the CHECK constraints (and the CLI's choices) are built from, in declaration order.
-SESSION_STATES: tuple[str, ...] = tuple(s.value for s in SessionState)
-EFFECT_STATES: tuple[str, ...] = tuple(s.value for s in EffectState)
-UNDO_STATES: tuple[str, ...] = tuple(s.value for s in UndoState)
-REQUEST_STATES: tuple[str, ...] = tuple(s.value for s in RequestState)
+SESSION_STATES = tuple(s.value for s in SessionState)
+EFFECT_STATES = tuple(s.value for s in EffectState)
+UNDO_STATES = tuple(s.value for s in UndoState)
+REQUEST_STATES = tuple(s.value for s in RequestState)
+# A session accepts calls in these states.
+WRITABLE = (SessionState.ACTIVE.value, SessionState.AWAITING_APPROVAL.value)
+# An effect whose tool is (or may be) running.
+IN_FLIGHT = (EffectState.PENDING.value, EffectState.RUNNING.value)
 
 
 def _in(col: str, values: tuple[str, ...]) -> str:

@@ -49,12 +49,12 @@ class Session:
             ApprovalPending: an IRREVERSIBLE call awaits a person; re-issue it with the same ``call_id``.
         """
         spec = self._by_fn.get(tool) if not isinstance(tool, str) else None
-        return await self._driver.call_async(self.id, spec or tool, kwargs, call_id=call_id)
+        return await self._driver.call_async(self.id, spec or tool, kwargs, call_id=call_id, cache=self._sc)
 
     def call_sync(self, tool: Any, /, *, call_id: str | None = None, **kwargs: Any) -> Any:
         """The sync twin of :meth:`call`, for sync agents (CrewAI tools); no event loop per call."""
         spec = self._by_fn.get(tool) if not isinstance(tool, str) else None
-        return self._driver.call_sync(self.id, spec or tool, kwargs, call_id=call_id)
+        return self._driver.call_sync(self.id, spec or tool, kwargs, call_id=call_id, cache=self._sc)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -116,25 +116,26 @@ class SessionService:
         *,
         flush_marks: Callable[[], None],
         current_pins: Callable[[], Mapping[str, int]],
-        on_state_change: Callable[[StateChange], None],
-        on_pins_change: Callable[[str, Mapping[str, int]], None],
+        note_state: Callable[[str, str], None],
+        note_pins: Callable[[str, Mapping[str, int]], None],
     ) -> None:
         """Args:
             storage: the sessions' statements.
             flush_marks: writes this process's deferred commit marks, so a read sees every call that ran.
             current_pins: the contract revision of each tool loaded in this process.
-            on_state_change: keeps the in-memory session caches in step with the states written here.
-            on_pins_change: the same for a session's pinned revisions.
+            note_state: ``(session_id, state)``, keeps the in-memory session caches in step with the states
+                written here.
+            note_pins: the same for a session's pinned revisions.
         """
         self._storage = storage
         self._flush_marks = flush_marks
         self._current_pins = current_pins
-        self._on_state_change = on_state_change
-        self._on_pins_change = on_pins_change
+        self._note_state = note_state
+        self._note_pins = note_pins
 
     def _changed(self, changes: Iterable[StateChange]) -> None:
         for change in changes:
-            self._on_state_change(change)
+            self._note_state(change.session_id, change.state.value)
 
     def get(self, session_id: str) -> SessionRecord:
         rec = self._storage.get_session(session_id)
@@ -142,11 +143,25 @@ class SessionService:
             raise SessionNotFound(session_id)
         return rec
 
-    def list(self, *, state: str | None = None, limit: int = 200) -> builtins.list[SessionRecord]:
-        """Sessions, newest first (only those in ``state`` when given; a state no session can be in finds none)."""
+    def list(
+        self,
+        *,
+        state: str | None = None,
+        agent_id: str | None = None,
+        created_by: str | None = None,
+        limit: int = 200,
+        offset: int = 0,
+    ) -> builtins.list[SessionRecord]:
+        """Sessions newest first, optionally of one state, agent or creator; ``offset`` pages (a state no session
+        can be in finds none).
+
+        Example:
+            >>> undolog.sessions.list(state="halted", agent_id="support-bot", limit=50)
+        """
         if state and state not in [s.value for s in SessionState]:
             return []
-        return self._storage.list_sessions(state=SessionState(state) if state else None, limit=limit)
+        return self._storage.list_sessions(state=SessionState(state) if state else None, agent_id=agent_id,
+                                           created_by=created_by, limit=limit, offset=offset)
 
     def effects(self, session_id: str) -> builtins.list[dict[str, Any]]:
         """The session's timeline: every logged effect, oldest first, with its undo entry."""
@@ -166,7 +181,7 @@ class SessionService:
         ):
             cur = self.get(session_id).state
             raise InvalidSessionState(f"session {session_id!r} is {cur}; it cannot become {target}")
-        self._on_state_change(StateChange(session_id, target))
+        self._note_state(session_id, target.value)
 
     def resume(self, session_id: str, *, actor: str, reason: str | None = None) -> SessionRecord:
         """A person looked at a halted session and lets it go on (audited)."""
@@ -181,7 +196,7 @@ class SessionService:
         changed, pins = self._storage.revalidate_session(
             session_id, actor=actor, current=self._current_pins(), now=utcnow()
         )
-        self._on_pins_change(session_id, pins)
+        self._note_pins(session_id, pins)
         return dict(changed)
 
 

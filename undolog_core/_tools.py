@@ -14,7 +14,7 @@ from typing import Any, Literal, TypeVar, cast
 import pydantic
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, create_model
-from pydantic_core import to_jsonable_python
+from pydantic_core import to_json, to_jsonable_python
 
 from .errors import ArgumentsInvalid, InvalidDeclaration
 
@@ -455,3 +455,51 @@ def _unwrap(fn: Callable[..., Any]) -> Callable[..., Any]:
 def is_async_callable(fn: Callable[..., Any]) -> bool:
     f = _unwrap(fn)
     return inspect.iscoroutinefunction(f) or inspect.iscoroutinefunction(type(f).__call__)
+
+
+# -- JSON snapshots, the same on both databases --------------------------------------------------------
+
+def jsonable(value: Any) -> Any:
+    # NaN and infinities become "NaN"/"Infinity" strings: PostgreSQL's json refuses them, and both databases
+    # must store the same thing. Only the Python-mode converter is needed when no float is special.
+    out = to_jsonable_python(value, fallback=repr)
+    if _has_special_float(out):
+        return json.loads(to_json(value, fallback=repr, inf_nan_mode="strings"))
+    return out
+
+
+def result_text(result: Any) -> str:
+    """A result's JSON text, as ``jsonable`` would make it (NaN and infinities as strings), in one Rust pass.
+
+    Only the text is needed on the hot path; whoever needs the value parses it back (``json.loads``).
+    """
+    return to_json(result, fallback=repr, inf_nan_mode="strings").decode()
+
+
+def json_safe(value: Any) -> Any:
+    """A JSON-mode value (from model_dump(mode="json")) with NaN and infinities made strings, as ``jsonable``."""
+    return json.loads(to_json(value, inf_nan_mode="strings")) if _has_special_float(value) else value
+
+
+# json.dumps builds a new encoder on every call; this one is built once (encoders keep no state between calls).
+_canonical_encode = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+).encode
+
+
+def canonical_text(value: Any) -> str:
+    """``canonical_json`` for a value that is already JSON-safe: the digest and the stored snapshot in one go."""
+    return _canonical_encode(value)
+
+
+def _has_special_float(value: Any) -> bool:
+    if isinstance(value, float):
+        return value != value or value in (_INF, -_INF)
+    if isinstance(value, dict):
+        return any(_has_special_float(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_special_float(v) for v in value)
+    return False
+
+
+_INF = float("inf")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -11,6 +9,8 @@ from ._approvals import ApprovalService
 from ._audit import AuditReport, verify
 from ._driver import CallDriver
 from ._engine import Engine, check_id
+from ._leases import Leases
+from ._outbox import OutboxService
 from ._policy import PolicyService
 from ._recovery import Recovery, RecoveryReport
 from ._registry import Registry
@@ -20,7 +20,6 @@ from ._store import new_id
 from ._tools import ToolSpec, ToolTier, make_declaration
 from .errors import ConfigurationError, InvalidDeclaration
 from .storage import Storage, open_storage
-from .storage.records import StateChange
 
 
 class UndoLog:
@@ -49,22 +48,27 @@ class UndoLog:
         self.store = store
         self.fast_commit_mark = fast_commit_mark
         self.lease_seconds = float(lease_seconds)
-        # The services get what they use, not this facade: the storage, each other, and two small hooks that keep
-        # the engine's in-memory session caches in step with the states they write.
-        self.registry = Registry(store, on_state_change=self._session_state_changed)
+        self.leases = Leases(store, self.lease_seconds)
+        # The services get what they use, not this facade: the storage, each other, and small hooks that keep the
+        # engine's in-memory session caches in step with the states they write (bound late: the engine comes after).
+        self.registry = Registry(store, note_state=self._note_state)
         self.policy = PolicyService(store)
-        self.approvals = ApprovalService(store, self.registry, on_state_change=self._session_state_changed)
-        self.saga = Saga(self)
-        self.engine = Engine(self)
+        self.approvals = ApprovalService(store, self.registry, note_state=self._note_state)
+        self.engine = Engine(store, self.registry, self.policy, self.approvals, self.leases,
+                             fast_commit_mark=fast_commit_mark)
+        self.saga = Saga(store, self.registry, self.leases, self.approvals, flush_marks=self.engine.flush_marks,
+                         note_state=self.engine.note_state)
         self.driver = CallDriver(self.engine, self.saga, self.registry.spec_for)
         self.sessions = SessionService(
             store,
             flush_marks=self.engine.flush_marks,
             current_pins=self.engine.current_pins,
-            on_state_change=self._session_state_changed,
-            on_pins_change=self._session_pins_changed,
+            note_state=self.engine.note_state,
+            note_pins=self._note_pins,
         )
-        self._recovery = Recovery(self)
+        self.outbox = OutboxService(self)
+        self._recovery = Recovery(store, self.registry, self.saga, self.leases, flush_marks=self.engine.flush_marks,
+                                  note_state=self.engine.note_state)
 
     @classmethod
     def open(
@@ -94,12 +98,10 @@ class UndoLog:
             store.migrate()
         return cls(store, fast_commit_mark=fast_commit_mark, lease_seconds=lease_seconds)
 
-    def _session_state_changed(self, change: StateChange) -> None:
-        sc = self.engine.cached(change.session_id)
-        if sc is not None and (change.only_from is None or sc.state == change.only_from):
-            sc.state = change.state.value
+    def _note_state(self, session_id: str, state: str) -> None:
+        self.engine.note_state(session_id, state)
 
-    def _session_pins_changed(self, session_id: str, pins: Mapping[str, int]) -> None:
+    def _note_pins(self, session_id: str, pins: Mapping[str, int]) -> None:
         sc = self.engine.cached(session_id)
         if sc is not None:
             sc.pins = dict(pins)
@@ -196,28 +198,3 @@ class UndoLog:
     def verify_audit(self) -> AuditReport:
         return verify(self.store)
 
-
-def load_app(spec: str | None = None) -> UndoLog:
-    """Load the app's UndoLog from ``module:attribute`` (or ``$UNDOLOG_APP``), so compensations are registered.
-
-    The attribute may be an UndoLog or a zero-argument callable returning one.
-    """
-    spec = spec or os.environ.get("UNDOLOG_APP")
-    if not spec:
-        raise ConfigurationError("no app given: pass --app module:attribute or set UNDOLOG_APP")
-    if ":" not in spec:
-        raise ConfigurationError(f"--app must look like module:attribute, got {spec!r}")
-    mod_name, attr = spec.split(":", 1)
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise ConfigurationError(f"cannot import {mod_name!r} for --app: {exc}") from exc
-    try:
-        obj = getattr(mod, attr)
-    except AttributeError:
-        raise ConfigurationError(f"module {mod_name!r} has no attribute {attr!r}") from None
-    if not isinstance(obj, UndoLog) and callable(obj):
-        obj = obj()
-    if not isinstance(obj, UndoLog):
-        raise ConfigurationError(f"{spec} is not an UndoLog (got {type(obj).__name__})")
-    return obj

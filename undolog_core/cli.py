@@ -38,10 +38,11 @@ from rich.table import Table
 from rich.text import Text
 from typer.core import TyperGroup
 
+from ._app import load_app
 from ._registry import default_actor
 from ._saga import RollbackStep
 from ._store import resolve_url
-from ._undolog import UndoLog, load_app
+from ._undolog import UndoLog
 from .errors import ConfigurationError, UndoLogError
 from .storage import DATABASE_ERRORS, database_error_detail, safe_url, sqlite_file
 from .storage.records import RequestState, SessionState
@@ -56,12 +57,14 @@ FLEX_WIDTH = 14
 #: never wrap, because a wrapped id cannot be copied back into the next command.
 PIPE_WIDTH = 200
 
+#: What ``serve``, ``keys`` and ``db upgrade --server`` say when the approval desk is not installed.
+SERVER_EXTRA_HINT = "the approval desk needs the server extra: pip install 'undolog[server]'"
+
 
 class CliInputError(UndoLogError):
     """Bad input caught by the CLI itself (unparseable ``--args``, nothing to change...)."""
 
     code = "invalid_input"
-    http_status = 422
 
 
 # -- error handling -------------------------------------------------------------------------------
@@ -446,11 +449,18 @@ def _describe_step(step: Any) -> str:
 
 
 @db_app.command("upgrade")
-def db_upgrade(ctx: typer.Context) -> None:
+def db_upgrade(
+    ctx: typer.Context,
+    server: Annotated[
+        bool, typer.Option("--server", help="Also create or upgrade the approval desk's tables (its own branch).")
+    ] = False,
+) -> None:
     """Create the UndoLog tables, or bring them to the latest schema revision.
 
     \f
     Safe to run from several processes at once: on PostgreSQL an advisory lock serialises migrations.
+    The approval desk's tables are a migration branch of the server's own; ``undolog serve`` applies it when
+    it starts, ``--server`` applies it now (the server package must be installed).
     """
     u = _open(ctx, migrate=True)
     before = u.store.schema_revision()
@@ -461,6 +471,18 @@ def db_upgrade(ctx: typer.Context) -> None:
         typer.echo(f"{where} is already at the latest schema revision ({after})")
     else:
         typer.echo(f"upgraded {where} from {before or 'an empty database'} to {after}")
+    if server:
+        try:
+            from undolog_server import store as server_store
+        except ImportError:
+            raise ConfigurationError(SERVER_EXTRA_HINT) from None
+        s_before = server_store.migration_current(u.store)
+        server_store.migrate(u.store)
+        s_after = server_store.migration_current(u.store)
+        if s_before == s_after:
+            typer.echo(f"the server's tables are already at their latest revision ({s_after})")
+        else:
+            typer.echo(f"upgraded the server's tables from {s_before or 'none'} to {s_after}")
 
 
 # -- tools ----------------------------------------------------------------------------------------
@@ -1030,6 +1052,32 @@ _DEMOS = {
 }
 
 
+def _examples_root() -> Path | None:
+    """The folder that holds ``examples/`` (the demos are not an installed package).
+
+    ``$UNDOLOG_EXAMPLES`` (the ``examples`` folder itself) wins; then the current directory; then the
+    checkout this CLI runs from (an editable install: ``undolog_core`` sits next to ``examples``).
+    """
+    candidates = []
+    if env := os.environ.get("UNDOLOG_EXAMPLES"):
+        candidates.append(Path(env).expanduser().resolve().parent)
+    candidates += [Path.cwd(), Path(__file__).resolve().parent.parent]
+    for root in candidates:
+        if (root / "examples" / "__init__.py").is_file():
+            return root
+    return None
+
+
+def _import_demo(module_name: str) -> Any:
+    import importlib
+    import sys
+
+    root = _examples_root()
+    if root is not None and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return importlib.import_module(module_name)
+
+
 @app.command("demo")
 def demo(
     framework: Annotated[Framework, typer.Option("--framework", help="Which agent framework runs the demo.")]
@@ -1049,17 +1097,22 @@ def demo(
     """Run the support-agent demo: a refund, a deletion that waits for approval, and a rollback.
 
     \f
-    The demo modules live in ``examples/`` and pull in their framework; they are imported only here so
-    the rest of the CLI works without those extras.
+    The demo modules live in ``examples/`` (found by :func:`_examples_root`, not installed) and pull in
+    their framework; they are imported only here so the rest of the CLI works without those extras.
     """
     module_name, extra = _DEMOS[framework]
     if framework is not Framework.langgraph and (interactive or model):
         raise CliInputError(f"--interactive and --model apply to the langgraph demo only, not {framework.value}")
     try:
-        module = __import__(module_name, fromlist=["main"])
+        module = _import_demo(module_name)
     except ImportError as exc:
+        where = "" if _examples_root() else (
+            "; the demos live in the repository's examples/ folder: run from the checkout or set "
+            "UNDOLOG_EXAMPLES=/path/to/examples"
+        )
         raise ConfigurationError(
-            f"the {framework.value} demo cannot be loaded ({exc}); install it with: pip install 'undolog[{extra}]'"
+            f"the {framework.value} demo cannot be loaded ({exc}); install it with: pip install "
+            f"'undolog[{extra}]'{where}"
         ) from None
     run = module.main
     if framework is Framework.langgraph:
@@ -1078,13 +1131,24 @@ def demo(
 
 
 def _register_server_commands() -> None:
-    # The server extra (FastAPI, uvicorn) is optional; its CLI module imports them lazily, but a missing
-    # or broken module must never take the core CLI down with it.
+    # The desk is its own package (undolog_server) and its dependencies (FastAPI, uvicorn, httpx) are the
+    # optional [server] extra. Only its small CLI module is imported here, and it imports those dependencies
+    # when a command runs; without the package, ``serve`` and ``keys`` still exist and say what to install,
+    # and a missing or broken server never takes the core CLI down with it.
     try:
-        from .server import cli as server_cli
+        from undolog_server import cli as server_cli
     except ImportError:
+        pass
+    else:
+        server_cli.register(app)
         return
-    server_cli.register(app)
+
+    def _missing() -> None:
+        raise ConfigurationError(SERVER_EXTRA_HINT)
+
+    ctx = {"allow_extra_args": True, "ignore_unknown_options": True}
+    app.command("serve", help="Run the approval desk (needs the server extra).", context_settings=ctx)(_missing)
+    app.command("keys", help="Manage API keys (needs the server extra).", context_settings=ctx)(_missing)
 
 
 _register_server_commands()

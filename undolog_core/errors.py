@@ -21,7 +21,6 @@ class UndoLogError(Exception):
     """
 
     code = "undolog_error"
-    http_status = 400
 
     def __init__(self, message: str, **details: Any) -> None:
         super().__init__(message)
@@ -52,7 +51,6 @@ class ToolNotClassified(UndoLogError):
 
 class ToolNotRegistered(UndoLogError):
     code = "tool_not_registered"
-    http_status = 404
 
     def __init__(self, tool_name: str) -> None:
         super().__init__(f"tool {tool_name!r} is not registered with this UndoLog", tool_name=tool_name)
@@ -69,7 +67,6 @@ class ArgumentsInvalid(UndoLogError):
     """Arguments that do not fit the tool's schema; ``errors`` names each bad field."""
 
     code = "arguments_invalid"
-    http_status = 422
 
     def __init__(self, tool_name: str, errors: list[dict[str, Any]]) -> None:
         fields = ", ".join(
@@ -86,7 +83,6 @@ class ArgumentsInvalid(UndoLogError):
 
 class SessionNotFound(UndoLogError):
     code = "session_not_found"
-    http_status = 404
 
     def __init__(self, session_id: str) -> None:
         super().__init__(f"session {session_id!r} does not exist", session_id=session_id)
@@ -97,7 +93,6 @@ class SessionHalted(UndoLogError):
     """The session needs a person: it refuses writes until resumed or rolled back."""
 
     code = "session_halted"
-    http_status = 409
 
     def __init__(self, session_id: str, reason: str | None) -> None:
         super().__init__(
@@ -114,7 +109,6 @@ class SessionClosed(UndoLogError):
     """The session is rolled back or completed; it accepts no more calls."""
 
     code = "session_closed"
-    http_status = 409
 
     def __init__(self, session_id: str, state: str) -> None:
         super().__init__(f"session {session_id!r} is {state} and accepts no more calls", session_id=session_id, state=state)
@@ -124,14 +118,12 @@ class SessionClosed(UndoLogError):
 
 class InvalidSessionState(UndoLogError):
     code = "invalid_session_state"
-    http_status = 409
 
 
 class InvalidId(UndoLogError):
     """A session_id or call_id that is empty, not a string, padded with spaces, or too long."""
 
     code = "invalid_id"
-    http_status = 422
 
     def __init__(self, what: str, value: object, max_length: int) -> None:
         shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
@@ -147,7 +139,6 @@ class CallIdConflict(UndoLogError):
     """A call_id reused in the same session with other arguments or another tool."""
 
     code = "call_id_conflict"
-    http_status = 409
 
     def __init__(self, session_id: str, call_id: str, detail: str) -> None:
         super().__init__(
@@ -161,7 +152,6 @@ class ContractChanged(UndoLogError):
     """A tool's contract differs from the revision the session was validated under."""
 
     code = "contract_changed"
-    http_status = 409
 
     def __init__(self, session_id: str, tool_name: str, pinned: int, current: int) -> None:
         super().__init__(
@@ -186,7 +176,6 @@ class ApprovalPending(UndoLogError):
     """
 
     code = "approval_pending"
-    http_status = 202
 
     def __init__(self, effect_id: str, approval_request_id: str, retry_after: float, tool_name: str = "") -> None:
         super().__init__(
@@ -204,7 +193,6 @@ class ApprovalPending(UndoLogError):
 
 class ApprovalRejected(UndoLogError):
     code = "approval_rejected"
-    http_status = 403
 
     def __init__(self, approval_request_id: str, reason: str | None, approver: str | None) -> None:
         super().__init__(
@@ -220,7 +208,6 @@ class ApprovalRejected(UndoLogError):
 
 class ApprovalTimedOut(UndoLogError):
     code = "approval_timed_out"
-    http_status = 403
 
     def __init__(self, approval_request_id: str) -> None:
         super().__init__(
@@ -232,7 +219,6 @@ class ApprovalTimedOut(UndoLogError):
 
 class ApprovalCancelled(UndoLogError):
     code = "approval_cancelled"
-    http_status = 409
 
     def __init__(self, approval_request_id: str, reason: str | None) -> None:
         super().__init__(
@@ -245,7 +231,6 @@ class ApprovalCancelled(UndoLogError):
 
 class ApprovalNotFound(UndoLogError):
     code = "approval_not_found"
-    http_status = 404
 
     def __init__(self, approval_request_id: str) -> None:
         super().__init__(f"approval request {approval_request_id!r} does not exist", approval_request_id=approval_request_id)
@@ -253,7 +238,6 @@ class ApprovalNotFound(UndoLogError):
 
 class ApprovalAlreadyDecided(UndoLogError):
     code = "approval_already_decided"
-    http_status = 409
 
     def __init__(self, approval_request_id: str, state: str) -> None:
         super().__init__(
@@ -268,7 +252,6 @@ class OutcomeUnknown(UndoLogError):
     """An approved IRREVERSIBLE call crashed mid-run and no probe could tell whether it happened."""
 
     code = "outcome_unknown"
-    http_status = 409
 
     def __init__(self, effect_id: str) -> None:
         super().__init__(
@@ -286,7 +269,6 @@ class DatabaseUnavailable(UndoLogError):
     """
 
     code = "database_unavailable"
-    http_status = 503
 
     def __init__(self, operation: str, cause: BaseException | str) -> None:
         text = cause if isinstance(cause, str) else f"{type(cause).__name__}: {str(cause).strip()}"
@@ -295,7 +277,6 @@ class DatabaseUnavailable(UndoLogError):
 
 class EffectNotFound(UndoLogError):
     code = "effect_not_found"
-    http_status = 404
 
     def __init__(self, effect_id: str) -> None:
         super().__init__(f"effect {effect_id!r} does not exist", effect_id=effect_id)
@@ -303,17 +284,16 @@ class EffectNotFound(UndoLogError):
 
 class InvalidEffectState(UndoLogError):
     code = "invalid_effect_state"
-    http_status = 409
 
 
 class CompensationNotFound(UndoLogError):
     code = "compensation_not_found"
-    http_status = 409
 
     def __init__(self, name: str) -> None:
         super().__init__(
-            f"compensation {name!r} is not registered in this process; load the app that defines it "
-            "(--app module:attribute or UNDOLOG_APP). Nothing was changed.",
+            f"compensation {name!r} is not registered in this process. Nothing was changed. In the app, register "
+            "it where the tools are set up (an adapter's compensations=[...] or undolog.register(fn)); from the "
+            "CLI or the server, load the app that defines it (--app module:attribute or UNDOLOG_APP).",
             compensation_name=name,
         )
         self.compensation_name = name
@@ -321,7 +301,6 @@ class CompensationNotFound(UndoLogError):
 
 class CompensationVersionMismatch(UndoLogError):
     code = "compensation_version_mismatch"
-    http_status = 409
 
     def __init__(self, name: str, logged: int, registered: int) -> None:
         super().__init__(
@@ -333,19 +312,8 @@ class CompensationVersionMismatch(UndoLogError):
         )
 
 
-class CompensationFailed(UndoLogError):
-    code = "compensation_failed"
-    http_status = 409
-
-
-class AuditTampered(UndoLogError):
-    code = "audit_tampered"
-    http_status = 409
-
-
 class PolicyInvalid(UndoLogError):
     code = "policy_invalid"
-    http_status = 422
 
 
 __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type) and issubclass(obj, UndoLogError)]

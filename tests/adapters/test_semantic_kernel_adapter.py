@@ -126,13 +126,13 @@ async def test_tiers_by_plugin_function_name(ul):
 async def test_each_call_is_intercepted_once(ul, backend, monkeypatch):
     kernel, _ = new_kernel(ul)
     seen = []
-    real = ul.engine.intercept
+    real = ul.driver.decide
 
-    def counting(session_id, tool_name, args, *, call_id=None):
+    def counting(session_id, tool_name, args, *, call_id=None, match_digest=False):
         seen.append((tool_name, call_id))
-        return real(session_id, tool_name, args, call_id=call_id)
+        return real(session_id, tool_name, args, call_id=call_id, match_digest=match_digest)
 
-    monkeypatch.setattr(ul.engine, "intercept", counting)
+    monkeypatch.setattr(ul.driver, "decide", counting)
     _, history, reply = await chat_turns(kernel, [[SEARCH], [REFUND_U1]])
     assert seen == [("support-search_knowledge_base", "c1"), ("support-send_refund_email", "c2")]
     assert [m["status"] for m in backend.outbox] == ["sent"]
@@ -376,7 +376,7 @@ async def test_gate_failure_fails_closed(ul, backend, monkeypatch):
     def broken(*a, **kw):
         raise RuntimeError("database unreachable")
 
-    monkeypatch.setattr(ul.engine, "intercept", broken)
+    monkeypatch.setattr(ul.driver, "decide", broken)
     with pytest.raises(RuntimeError, match="database unreachable"):
         await chat_turns(kernel, [[REFUND_U1]])
     assert backend.outbox == []

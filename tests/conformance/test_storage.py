@@ -265,7 +265,7 @@ def test_approve_moves_request_effect_and_session_in_one_transaction(undolog):
     assert st.get_session(s.id).state is SessionState.AWAITING_APPROVAL  # type: ignore[union-attr]
     outbox_before = _count(undolog, t.outbox)
     changes = st.decide_request(rec.approval_request_id, action="approve", approver="ana", reason="ok", now=utcnow())
-    assert changes == [StateChange(s.id, SessionState.ACTIVE, only_from=SessionState.AWAITING_APPROVAL)]
+    assert changes == [StateChange(s.id, SessionState.ACTIVE)]
     got = st.get_request(rec.approval_request_id)
     assert got is not None and got.state is RequestState.APPROVED and got.decided_by == "ana"
     assert got.approved_args == rec.proposed_args
@@ -374,7 +374,7 @@ def test_expiry_applies_the_policy_once(undolog):
     s2 = undolog.session()
     auto = _awaiting(undolog, s2.id)
     changes = st.expire_request(auto.approval_request_id, later)
-    assert changes == [StateChange(s2.id, SessionState.ACTIVE, only_from=SessionState.AWAITING_APPROVAL)]
+    assert changes == [StateChange(s2.id, SessionState.ACTIVE)]
     got = st.get_request(auto.approval_request_id)
     assert got is not None and got.state is RequestState.AUTO_APPROVED and got.approved_args == auto.proposed_args
     assert [(e.action, e.actor) for e in st.request_events(auto.approval_request_id)][1:] == [
@@ -443,7 +443,7 @@ def test_a_new_contract_cancels_the_approvals_bound_to_the_old_one(undolog):
     changed = ContractRevision("delete_user_account", "irreversible", "0" * 64, {"args_schema": {}}, None, None)
     (rev,), changes = st.register_revisions([changed], actor="ci", now=utcnow())
     assert rev.revision == 2
-    assert changes == [StateChange(s.id, SessionState.ACTIVE, only_from=SessionState.AWAITING_APPROVAL)]
+    assert changes == [StateChange(s.id, SessionState.ACTIVE)]
     got = st.get_request(rec.approval_request_id)
     assert got is not None and got.state is RequestState.CANCELLED and "changed" in (got.decision_reason or "")
     assert st.get_session(s.id).state is SessionState.ACTIVE  # type: ignore[union-attr]
@@ -472,13 +472,13 @@ def test_session_halt_resume_and_state_changes(undolog):
     s = undolog.session(agent_id="conf")
     assert st.get_session("nope") is None
     with undolog.store.tx() as c:
-        assert st.halt_in(c, s.id, "a person must look", utcnow()) == StateChange(s.id, SessionState.HALTED)
+        st.halt_in(c, s.id, "a person must look", utcnow())
     rec = st.get_session(s.id)
     assert rec is not None and rec.state is SessionState.HALTED and rec.halted_reason == "a person must look"
     assert st.list_sessions(state=SessionState.HALTED) == [rec]
     assert _count(undolog, t.outbox, t.outbox.c.event_type == "session.halted") == 1
     changes = st.resume_session(s.id, actor="ana", reason="looked", now=utcnow())
-    assert changes[-1] == StateChange(s.id, SessionState.ACTIVE)
+    assert changes == [StateChange(s.id, SessionState.ACTIVE)]  # no request pending: it stays active
     rec = st.get_session(s.id)
     assert rec is not None and rec.state is SessionState.ACTIVE and rec.halted_reason is None
     with pytest.raises(errors.InvalidSessionState):
@@ -521,11 +521,10 @@ def test_refresh_awaiting_follows_the_pending_requests(undolog):
     s = undolog.session()
     rec = _awaiting(undolog, s.id)
     with undolog.store.tx() as c:
-        assert st.refresh_awaiting_in(c, s.id, utcnow()) == StateChange(
-            s.id, SessionState.AWAITING_APPROVAL, only_from=SessionState.ACTIVE)
+        assert st.refresh_changes_in(c, s.id, utcnow()) == []  # already awaiting: nothing changes
         assert st.cancel_pending_in(c, s.id, "test", utcnow()) == 1
-        assert st.refresh_awaiting_in(c, s.id, utcnow()) == StateChange(
-            s.id, SessionState.ACTIVE, only_from=SessionState.AWAITING_APPROVAL)
+        assert st.refresh_changes_in(c, s.id, utcnow()) == [StateChange(s.id, SessionState.ACTIVE)]
+        assert st.refresh_changes_in(c, s.id, utcnow()) == []
     assert st.get_session(s.id).state is SessionState.ACTIVE  # type: ignore[union-attr]
     assert st.get_request(rec.approval_request_id).state is RequestState.CANCELLED  # type: ignore[union-attr]
 

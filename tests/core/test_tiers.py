@@ -338,7 +338,7 @@ def test_engine_api_for_adapters(undolog):
     undolog.approvals.approve(w.approval_request_id, approver="ana")
     run = eng.intercept("thread-1", "delete_user_account", {"user_id": "u1"}, call_id="tc-2")
     assert isinstance(run, Execute) and run.args == {"user_id": "u1"}
-    eng.fail(run.effect_id, RuntimeError("api down"))
+    undolog.driver.fail(run.effect_id, RuntimeError("api down"))
     assert undolog.sessions.get("thread-1").state == "rolled_back"
     with pytest.raises(errors.SessionClosed):
         eng.intercept("thread-1", "send_refund_email", {"user_id": "u1", "amount": 4}, call_id="tc-3")

@@ -14,9 +14,9 @@ import pytest
 import uvicorn
 
 from undolog_core import ApprovalPending
-from undolog_core.server import create_app
-from undolog_core.server.state import ServerSettings, sql_engine_of
-from undolog_core.server.store import ApiKey, ServerStore
+from undolog_server import create_app
+from undolog_server.state import ServerSettings
+from undolog_server.store import ApiKey, ServerStore
 
 from . import demo_app
 
@@ -109,7 +109,7 @@ def make_desk(db: Any, *, settings: ServerSettings | None = None, proxy_config: 
         settings=settings or ServerSettings(background=False),
     )
     server = LiveServer(app).start()
-    desk = Desk(undolog, server, ServerStore(sql_engine_of(undolog)))
+    desk = Desk(undolog, server, ServerStore(undolog.store))
     desk.add_key("admin", ["admin"])
     desk.add_key("approver", ["approver"])
     desk.add_key("agent", ["agent"])

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from undolog_core.server.webhooks import SIGNATURE_HEADER, verify_signature
+from undolog_core.webhooks import SIGNATURE_HEADER, verify_signature
 
 
 @dataclass

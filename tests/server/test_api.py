@@ -174,8 +174,8 @@ def test_resume_after_rejection(desk: Desk) -> None:
 
 
 def test_rollback_with_a_missing_compensation_changes_nothing(desk: Desk, db) -> None:  # type: ignore[no-untyped-def]
-    from undolog_core.server import create_app
-    from undolog_core.server.state import ServerSettings
+    from undolog_server import create_app
+    from undolog_server.state import ServerSettings
 
     s = desk.session()
     with s:

@@ -16,8 +16,7 @@ import sqlalchemy as sa
 
 from undolog_core import ApprovalPending
 from undolog_core import _schema as core
-from undolog_core.server.state import sql_engine_of
-from undolog_core.server.store import ServerStore
+from undolog_server.store import ServerStore
 
 from . import demo_app
 from .receiver import Receiver
@@ -33,7 +32,7 @@ def _env(db: Any) -> dict[str, str]:
 
 
 def _cli(db: Any, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "undolog_core.server", *args], env=_env(db), capture_output=True,
+    return subprocess.run([sys.executable, "-m", "undolog_server", *args], env=_env(db), capture_output=True,
                           text=True, timeout=60)
 
 
@@ -48,7 +47,7 @@ def _spawn(db: Any, log: Path, *extra: str, cli: list[str] | None = None,
     port = _free_port()
     with open(log, "wb") as fh:  # a file, not a pipe: an unread pipe would stall a chatty server
         proc = subprocess.Popen(
-            [*(cli or [sys.executable, "-m", "undolog_core.server"]), "serve", "--port", str(port),
+            [*(cli or [sys.executable, "-m", "undolog_server"]), "serve", "--port", str(port),
              "--log-level", "warning", "--app", app, *extra],
             env=_env(db), stdout=subprocess.DEVNULL, stderr=fh,
         )
@@ -83,7 +82,7 @@ def test_keys_create_prints_the_key_once(db: Any) -> None:
     token = r.stdout.strip()
     assert token.startswith("ulk_") and "shown only now" in r.stderr
     u = db.open()
-    key = ServerStore(sql_engine_of(u)).authenticate(token)
+    key = ServerStore(u.store).authenticate(token)
     assert key is not None and key.name == "ana" and key.roles == {"approver"} and key.groups == {"billing"}
     listed = _cli(db, "keys", "list")
     assert "ana" in listed.stdout and token.split("_", 2)[2] not in listed.stdout
@@ -94,7 +93,8 @@ def test_keys_create_prints_the_key_once(db: Any) -> None:
 def test_two_servers_handle_each_timeout_once(db: Any, tmp_path: Path) -> None:
     u = db.open()
     demo_app.register(u)
-    store = ServerStore(sql_engine_of(u))
+    store = ServerStore(u.store)
+    store.migrate()  # the servers below would; the target is created before they start
     receiver = Receiver().start()
     target = store.create_target("audit", f"{receiver.url}/audit", event_types=["approval.timed_out"])
     receiver.secrets["/audit"] = target.secret
@@ -121,7 +121,7 @@ def test_two_servers_handle_each_timeout_once(db: Any, tmp_path: Path) -> None:
             assert u.approvals.get(rid).state == "timed_out"
         ev = core.approval_events
         ob = core.outbox
-        with sql_engine_of(u).connect() as conn:
+        with u.store.engine.connect() as conn:
             timeouts = collections.Counter(
                 conn.execute(sa.select(ev.c.approval_request_id).where(ev.c.action == "timeout")).scalars()
             )
@@ -143,7 +143,9 @@ def test_undolog_serve_with_the_apps_own_undolog(db: Any, tmp_path: Path) -> Non
     """`undolog --db X serve --app module:factory`: the factory's UndoLog serves, so its compensations run."""
     u = db.open()
     demo_app.register(u)
-    _, token = ServerStore(sql_engine_of(u)).create_key("ops", ["admin"])
+    store = ServerStore(u.store)
+    store.migrate()  # before the server starts
+    _, token = store.create_key("ops", ["admin"])
     s = u.session(agent_id="bot")
     with s:
         s.call_sync("send_refund_email", user_id="u1", amount=3.0, call_id="m1")

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from undolog_core import errors
-from undolog_core.server.proxy import ProxyTools
+from undolog_server.proxy import ProxyTools
 
 from .conftest import Desk, make_desk, problem
 from .upstream import Upstream

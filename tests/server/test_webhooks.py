@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from undolog_core.server.state import ServerSettings
-from undolog_core.server.webhooks import sign, verify_signature
+from undolog_server.state import ServerSettings
+from undolog_server.webhooks import sign, verify_signature
 
 from .conftest import Desk, make_desk
 from .receiver import Receiver
@@ -122,14 +122,15 @@ def test_a_stalled_receiver_does_not_hold_up_the_others(db: Any, receiver: Recei
 
 
 def test_events_raised_while_the_server_is_down_are_delivered_later(db: Any, receiver: Receiver) -> None:
-    from undolog_core.server.state import sql_engine_of
-    from undolog_core.server.store import ServerStore
+    from undolog_server.store import ServerStore
 
     from . import demo_app
 
     u = db.open()
     demo_app.register(u)
-    target = ServerStore(sql_engine_of(u)).create_target("late", f"{receiver.url}/late")
+    store = ServerStore(u.store)
+    store.migrate()  # no server has run on this database yet
+    target = store.create_target("late", f"{receiver.url}/late")
     receiver.secrets["/late"] = target.secret
     s = u.session(agent_id="offline")
     ids = []

@@ -1,9 +1,11 @@
-"""One store: every statement the core's services issue, behind one interface, on SQLite and PostgreSQL.
+"""Every statement UndoLog issues, behind one interface, one implementation per database.
 
-``Storage`` composes one mixin per service (``approvals``, ``audit``, ``registry``, ``policy``, ``sessions``) over
-``Store`` (engines, ``tx()``, ``read()``, ``for_update()``, ``is_postgres``). Each method is one unit of work: it
-opens its own transaction, or, named ``*_in(conn, ...)``, joins the caller's. Methods return records
-(``storage.records``) or plain dicts, never SQLAlchemy rows; the services above hold no SQL.
+``Storage`` composes one mixin per service (``approvals``, ``audit``, ``registry``, ``policy``, ``sessions``,
+``calls``, ``saga``, ``recovery``) over ``Store`` (engines, ``tx()``, ``read()``, ``for_update()``, ``is_postgres``);
+the engine, the saga, recovery and the other services hold no SQL of their own. Each method is one unit of work:
+it opens its own transaction, or, named ``*_in(conn, ...)``, joins the caller's. The services' methods return
+records (``storage.records``) or plain dicts. The hot path's two statements (the pre-write and the commit mark)
+are written per database. ``tests/conformance`` is the contract every database's implementation must pass.
 
 Example:
     >>> storage = open_storage("sqlite:///undolog.db")
@@ -20,16 +22,19 @@ from sqlalchemy.engine import make_url
 from .._store import Store
 from .approvals import ApprovalsSQL
 from .audit import AuditSQL
+from .calls import CallsSQL
 from .policy import PolicySQL
+from .recovery import InFlight, RecoverySQL
 from .registry import RegistrySQL
+from .saga import SagaSQL
 from .sessions import SessionsSQL
 
 #: The exceptions a database (not UndoLog) raises: unreachable server, missing schema, locked file...
 DATABASE_ERRORS: tuple[type[Exception], ...] = (sa_exc.SQLAlchemyError,)
 
 
-class Storage(ApprovalsSQL, AuditSQL, RegistrySQL, PolicySQL, SessionsSQL, Store):
-    """Every service's statements on one database (see the module's docstring)."""
+class Storage(ApprovalsSQL, AuditSQL, RegistrySQL, PolicySQL, SessionsSQL, RecoverySQL, SagaSQL, CallsSQL, Store):
+    """The store of one database: engines and pools (``Store``) with every service's statements."""
 
     def schema_revision(self) -> str | None:
         """The database's migration revision (None: no UndoLog tables yet)."""
@@ -85,8 +90,12 @@ __all__ = [
     "DATABASE_ERRORS",
     "ApprovalsSQL",
     "AuditSQL",
+    "CallsSQL",
+    "InFlight",
     "PolicySQL",
+    "RecoverySQL",
     "RegistrySQL",
+    "SagaSQL",
     "SessionsSQL",
     "Storage",
     "Store",

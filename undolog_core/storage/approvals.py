@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from .. import _schema as t
-from .._schema import EffectState, RequestState
+from .._schema import EffectState, RequestState, SessionState
 from .._store import Store
 from .._tools import canonical_json, sha256_hex
 from ..errors import ApprovalAlreadyDecided, ApprovalNotFound, UndoLogError
@@ -60,14 +60,16 @@ class ApprovalsSQL(Store):
         [StateChange(session_id='...', state=<SessionState.ACTIVE: 'active'>, only_from=...)]
     """
 
-    if TYPE_CHECKING:  # provided by AuditSQL, SessionsSQL and PolicySQL in Storage
+    if TYPE_CHECKING:  # provided by AuditSQL, CallsSQL, SessionsSQL and PolicySQL in Storage
         def append_event_in(self, conn: Connection, *, subject: str, action: str, actor: str,
                             payload: Mapping[str, Any], approval_request_id: str | None = None,
                             outbox: Iterable[OutboxItem] = (), now: dt.datetime | None = None) -> int: ...
 
-        def halt_in(self, conn: Connection, session_id: str, reason: str, now: dt.datetime) -> StateChange: ...
+        def halt_in(self, conn: Connection, session_id: str, reason: str, now: dt.datetime) -> None: ...
 
-        def refresh_awaiting_in(self, conn: Connection, session_id: str, now: dt.datetime) -> StateChange: ...
+        def refresh_changes_in(
+            self, conn: Connection, session_id: str, now: dt.datetime
+        ) -> builtins.list[StateChange]: ...
 
         def policy_in(self, conn: Connection) -> OrgPolicy: ...
 
@@ -80,10 +82,11 @@ class ApprovalsSQL(Store):
         session_id: str | None = None,
         tool_name: str | None = None,
         limit: int = 500,
+        offset: int = 0,
     ) -> builtins.list[ApprovalRecord]:
-        """Requests, newest first."""
+        """Requests newest first (ties by id, so pages do not overlap); ``offset`` skips that many."""
         r = t.approval_requests
-        q = sa.select(r).order_by(r.c.created_at.desc()).limit(limit)
+        q = sa.select(r).order_by(r.c.created_at.desc(), r.c.approval_request_id.desc()).limit(limit).offset(offset)
         if state:
             q = q.where(r.c.state == state)
         if session_id:
@@ -202,8 +205,9 @@ class ApprovalsSQL(Store):
             if action == "reject":
                 why = f"approval {approval_request_id} ({req.tool_name}) rejected by {approver}: {reason}"
                 self.cancel_pending_in(conn, req.session_id, why, now, except_id=approval_request_id)
-                return [self.halt_in(conn, req.session_id, why, now)]
-            return [self.refresh_awaiting_in(conn, req.session_id, now)]
+                self.halt_in(conn, req.session_id, why, now)
+                return [StateChange(req.session_id, SessionState.HALTED)]
+            return self.refresh_changes_in(conn, req.session_id, now)
 
     def expire_request(self, approval_request_id: str, now: dt.datetime) -> builtins.list[StateChange] | None:
         """Apply the timeout to one due request, per the policy: ``auto_approved`` (event ``auto_approve``) or
@@ -248,7 +252,7 @@ class ApprovalsSQL(Store):
                             ("approval.decided", {**base, "state": "auto_approved", "decision": "auto_approve"})],
                     now=now,
                 )
-                return [self.refresh_awaiting_in(conn, req.session_id, now)]
+                return self.refresh_changes_in(conn, req.session_id, now)
             conn.execute(
                 r.update().where(*pending).values(
                     state=RequestState.TIMED_OUT, decided_at=now, decided_by="undolog:timeout",
@@ -266,7 +270,8 @@ class ApprovalsSQL(Store):
             )
             why = f"approval {rid} ({req.tool_name}) timed out without a decision"
             self.cancel_pending_in(conn, req.session_id, why, now, except_id=rid)
-            return [self.halt_in(conn, req.session_id, why, now)]
+            self.halt_in(conn, req.session_id, why, now)
+            return [StateChange(req.session_id, SessionState.HALTED)]
 
     # -- cancellations (inside the caller's transaction) ---------------------------------------------
 

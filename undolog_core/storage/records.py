@@ -112,15 +112,10 @@ class OrgPolicy:
 
 @dataclass(frozen=True)
 class StateChange:
-    """A session state the storage just wrote, for the in-memory session caches to follow.
-
-    ``only_from`` set: the cache follows only when it still holds that state (the database update was conditional
-    on it too), so a cache that has moved on (halted, rolling back) is not pulled back.
-    """
+    """A session state the storage just wrote, for the in-memory session caches to follow."""
 
     session_id: str
     state: SessionState
-    only_from: SessionState | None = None
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,9 @@ class RegistrySQL(Store):
             self, conn: Connection, request_id: str, effect_id: str, why: str, now: dt.datetime
         ) -> bool: ...
 
-        def refresh_awaiting_in(self, conn: Connection, session_id: str, now: dt.datetime) -> StateChange: ...
+        def refresh_changes_in(
+            self, conn: Connection, session_id: str, now: dt.datetime
+        ) -> builtins.list[StateChange]: ...
 
     def register_revisions(
         self, contracts: Sequence[ContractRevision], *, actor: str, now: dt.datetime
@@ -99,13 +101,13 @@ class RegistrySQL(Store):
                 r.c.state.in_([RequestState.PENDING, RequestState.APPROVED, RequestState.AUTO_APPROVED]),
             )
         ).all()
-        changes = []
+        changes: builtins.list[StateChange] = []
         for row in rows:
             self.cancel_request_in(
                 conn, row.approval_request_id, row.effect_id,
                 f"the contract of {c.tool_name!r} changed (revision {revision}); re-request approval", now,
             )
-            changes.append(self.refresh_awaiting_in(conn, row.session_id, now))
+            changes += self.refresh_changes_in(conn, row.session_id, now)
         return changes
 
     def contract_of(self, tool_name: str, revision: int) -> dict[str, Any] | None:

@@ -11,17 +11,13 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from .. import _schema as t
-from .._schema import RequestState, SessionState
+from .._schema import SessionState
 from .._store import Store
 from ..errors import InvalidSessionState, SessionNotFound
 from .records import SessionRecord, StateChange
 
 if TYPE_CHECKING:
     from .audit import OutboxItem
-
-#: A session in one of these states is over: halting it changes nothing.
-_ENDED = (SessionState.ROLLED_BACK, SessionState.COMPLETED)
-
 
 def _session_record(row: Any) -> SessionRecord:
     return SessionRecord(
@@ -43,8 +39,10 @@ class SessionsSQL(Store):
                             payload: Mapping[str, Any], approval_request_id: str | None = None,
                             outbox: Iterable[OutboxItem] = (), now: dt.datetime | None = None) -> int: ...
 
-        @staticmethod
-        def write_outbox_in(conn: Connection, items: Iterable[OutboxItem], *, now: dt.datetime | None = None) -> None: ...
+        # provided by CallsSQL in Storage
+        def halt_in(self, conn: Connection, session_id: str, reason: str, now: dt.datetime) -> None: ...
+
+        def refresh_awaiting_in(self, conn: Connection, session_id: str, now: dt.datetime) -> str | None: ...
 
     # -- reads ---------------------------------------------------------------------------------------
 
@@ -53,11 +51,24 @@ class SessionsSQL(Store):
             row = conn.execute(sa.select(t.sessions).where(t.sessions.c.session_id == session_id)).first()
         return None if row is None else _session_record(row)
 
-    def list_sessions(self, *, state: SessionState | None = None, limit: int = 200) -> builtins.list[SessionRecord]:
-        """Sessions, newest first."""
-        q = sa.select(t.sessions).order_by(t.sessions.c.created_at.desc()).limit(limit)
+    def list_sessions(
+        self,
+        *,
+        state: SessionState | None = None,
+        agent_id: str | None = None,
+        created_by: str | None = None,
+        limit: int = 200,
+        offset: int = 0,
+    ) -> builtins.list[SessionRecord]:
+        """Sessions newest first (ties by id, so pages do not overlap), optionally of one state, agent or creator."""
+        q = sa.select(t.sessions).order_by(t.sessions.c.created_at.desc(), t.sessions.c.session_id)
+        q = q.limit(limit).offset(offset)
         if state:
             q = q.where(t.sessions.c.state == state)
+        if agent_id:
+            q = q.where(t.sessions.c.agent_id == agent_id)
+        if created_by:
+            q = q.where(t.sessions.c.created_by == created_by)
         with self.read() as conn:
             return [_session_record(r) for r in conn.execute(q)]
 
@@ -87,34 +98,10 @@ class SessionsSQL(Store):
             )
             return bool(res.rowcount == 1)
 
-    def halt_in(self, conn: Connection, session_id: str, reason: str, now: dt.datetime) -> StateChange:
-        """Halt the session for a person (unless it has ended), and queue the ``session.halted`` webhook."""
-        conn.execute(
-            t.sessions.update()
-            .where(t.sessions.c.session_id == session_id, t.sessions.c.state.notin_([s.value for s in _ENDED]))
-            .values(state=SessionState.HALTED, halted_reason=reason, updated_at=now)
-        )
-        self.write_outbox_in(conn, [("session.halted", {"session_id": session_id, "reason": reason})], now=now)
-        return StateChange(session_id, SessionState.HALTED)
-
-    def refresh_awaiting_in(self, conn: Connection, session_id: str, now: dt.datetime) -> StateChange:
-        """A session is ``awaiting_approval`` exactly while one of its requests is pending (between it and
-        ``active``; any other state is left alone)."""
-        r = t.approval_requests
-        pending = conn.execute(
-            sa.select(sa.func.count()).select_from(r)
-            .where(r.c.session_id == session_id, r.c.state == RequestState.PENDING)
-        ).scalar_one()
-        if pending:
-            target, source = SessionState.AWAITING_APPROVAL, SessionState.ACTIVE
-        else:
-            target, source = SessionState.ACTIVE, SessionState.AWAITING_APPROVAL
-        conn.execute(
-            t.sessions.update()
-            .where(t.sessions.c.session_id == session_id, t.sessions.c.state == source)
-            .values(state=target, updated_at=now)
-        )
-        return StateChange(session_id, target, only_from=source)
+    def refresh_changes_in(self, conn: Connection, session_id: str, now: dt.datetime) -> builtins.list[StateChange]:
+        """``refresh_awaiting_in`` as the state changes it made (none, or one)."""
+        changed = self.refresh_awaiting_in(conn, session_id, now)
+        return [] if changed is None else [StateChange(session_id, SessionState(changed))]
 
     def resume_session(
         self, session_id: str, *, actor: str, reason: str | None, now: dt.datetime
@@ -137,10 +124,10 @@ class SessionsSQL(Store):
                 t.sessions.update().where(t.sessions.c.session_id == session_id)
                 .values(state=SessionState.ACTIVE, halted_reason=None, updated_at=now)
             )
-            refreshed = self.refresh_awaiting_in(conn, session_id, now)
+            refreshed = self.refresh_changes_in(conn, session_id, now)
             self.append_event_in(conn, subject=f"session:{session_id}", action="session.resume", actor=actor,
                                  payload={"was_halted_because": row.halted_reason, "reason": reason}, now=now)
-        return [refreshed, StateChange(session_id, SessionState.ACTIVE)]
+        return [StateChange(session_id, SessionState.ACTIVE), *refreshed]
 
     def revalidate_session(
         self, session_id: str, *, actor: str, current: Mapping[str, int], now: dt.datetime

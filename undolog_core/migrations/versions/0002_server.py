@@ -1,13 +1,15 @@
-"""Tables of the approval desk server: API keys, approver groups, webhooks, policies, deliveries.
+"""Frozen: the approval desk's tables, before the desk became its own package.
+
+This revision used to create the server's tables (API keys, approver groups, webhooks, policies, deliveries,
+escalations, settings). They now belong to the server's own migration branch
+(``undolog_server/migrations``, revision ``s0001_server_tables``), which creates each one only if it does not
+exist. The revision keeps its id so every database already past it (and ``0003_effect_seq``, which revises
+it) stays on one chain; it no longer does anything, in either direction: a database migrated before the move
+keeps its server tables and their rows untouched, and a new one gets them when the server migrates.
 
 Revision ID: 0002_server
 Revises: 0001_core
 """
-
-import sqlalchemy as sa
-from alembic import op
-
-from undolog_core._schema import UTCDateTime
 
 revision = "0002_server"
 down_revision = "0001_core"
@@ -16,85 +18,8 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.create_table(
-        "undolog_api_keys",
-        sa.Column("key_id", sa.String(32), primary_key=True),
-        sa.Column("name", sa.String(200), nullable=False),
-        sa.Column("roles", sa.JSON, nullable=False),
-        sa.Column("groups", sa.JSON, nullable=False),
-        # Only a hash of the secret is kept: the token is shown once at creation.
-        sa.Column("secret_hash", sa.String(128), nullable=False),
-        sa.Column("created_at", UTCDateTime, nullable=False),
-        sa.Column("created_by", sa.String(200), nullable=True),
-        sa.Column("revoked_at", UTCDateTime, nullable=True),
-        sa.Column("last_used_at", UTCDateTime, nullable=True),
-    )
-    op.create_table(
-        "undolog_approver_groups",
-        sa.Column("name", sa.String(100), primary_key=True),
-        sa.Column("description", sa.Text, nullable=True),
-        sa.Column("tools", sa.JSON, nullable=False),
-        sa.Column("risk_tags", sa.JSON, nullable=False),
-        sa.Column("updated_at", UTCDateTime, nullable=False),
-    )
-    op.create_table(
-        "undolog_webhook_targets",
-        sa.Column("target_id", sa.String(40), primary_key=True),
-        sa.Column("name", sa.String(100), nullable=False, unique=True),
-        sa.Column("url", sa.Text, nullable=False),
-        sa.Column("secret", sa.String(200), nullable=False),
-        sa.Column("event_types", sa.JSON, nullable=False),
-        sa.Column("active", sa.Boolean, nullable=False),
-        sa.Column("created_at", UTCDateTime, nullable=False),
-    )
-    op.create_table(
-        "undolog_notification_policies",
-        sa.Column("risk_tag", sa.String(100), primary_key=True),
-        sa.Column("notify", sa.JSON, nullable=False),
-        sa.Column("escalate_after_seconds", sa.Integer, nullable=True),
-        sa.Column("escalate_to", sa.JSON, nullable=False),
-        sa.Column("updated_at", UTCDateTime, nullable=False),
-    )
-    op.create_table(
-        "undolog_webhook_deliveries",
-        sa.Column("delivery_id", sa.String(40), primary_key=True),
-        sa.Column("event_id", sa.String(200), nullable=False),
-        sa.Column("target_id", sa.String(40), nullable=False),
-        sa.Column("event_type", sa.String(100), nullable=False),
-        sa.Column("payload", sa.Text, nullable=False),
-        sa.Column("status", sa.String(20), nullable=False),
-        sa.Column("attempts", sa.Integer, nullable=False),
-        sa.Column("next_attempt_at", sa.Float, nullable=False),
-        sa.Column("locked_until", sa.Float, nullable=True),
-        sa.Column("last_status_code", sa.Integer, nullable=True),
-        sa.Column("last_error", sa.Text, nullable=True),
-        sa.Column("created_at", UTCDateTime, nullable=False),
-        sa.Column("delivered_at", UTCDateTime, nullable=True),
-        # One delivery per (event, target): fan-out by two servers cannot double-send.
-        sa.UniqueConstraint("event_id", "target_id", name="uq_undolog_webhook_deliveries_event_target"),
-    )
-    op.create_index(
-        "ix_undolog_webhook_deliveries_due", "undolog_webhook_deliveries", ["status", "next_attempt_at"]
-    )
-    op.create_table(
-        "undolog_escalations",
-        sa.Column("approval_request_id", sa.String(64), primary_key=True),
-        sa.Column("risk_tag", sa.String(100), primary_key=True),
-        sa.Column("escalated_at", UTCDateTime, nullable=False),
-    )
-    op.create_table(
-        "undolog_server_settings",
-        sa.Column("name", sa.String(100), primary_key=True),
-        sa.Column("value", sa.Text, nullable=False),
-    )
+    pass
 
 
 def downgrade() -> None:
-    op.drop_table("undolog_server_settings")
-    op.drop_table("undolog_escalations")
-    op.drop_index("ix_undolog_webhook_deliveries_due", table_name="undolog_webhook_deliveries")
-    op.drop_table("undolog_webhook_deliveries")
-    op.drop_table("undolog_notification_policies")
-    op.drop_table("undolog_webhook_targets")
-    op.drop_table("undolog_approver_groups")
-    op.drop_table("undolog_api_keys")
+    pass

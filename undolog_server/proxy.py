@@ -34,7 +34,8 @@ from fastapi import APIRouter, Body, Depends, Header, Request
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, Response
 
-from .. import errors
+from undolog_core import errors
+
 from .auth import AuthFirstRoute, require, server_state
 from .problems import Problem, problem_response
 from .store import ApiKey
@@ -163,7 +164,7 @@ class ProxyTools:
 
 def _forwarder(tool: ProxyTool) -> Any:
     def forward(**kwargs: Any) -> Any:
-        from .. import current_call
+        from undolog_core import current_call
 
         ctx = current_call()
         resp = _post(tool.url, kwargs, idempotency_key=ctx.idempotency_key if ctx else None,
@@ -260,9 +261,9 @@ def invoke(
         found = st.undolog.approvals.find_for_call(session_id, tool, args)
         call_id = found.call_id if found is not None else None
 
-    from .. import AwaitingApproval, Completed
+    from undolog_core import AwaitingApproval, Completed
 
-    decision = st.undolog.engine.intercept(session_id, tool, args, call_id=call_id)
+    decision = st.undolog.driver.decide(session_id, tool, args, call_id=call_id)
     if isinstance(decision, AwaitingApproval):
         retry = max(1, math.ceil(decision.retry_after))
         return JSONResponse(
@@ -281,25 +282,29 @@ def invoke(
         )
     if isinstance(decision, Completed):
         return _stored(decision.result, replayed=True)
-    effect_id = decision.effect_id
-    try:
-        with st.undolog.engine.running(decision, session_id):
-            key_for_upstream = decision.idempotency_key or idempotency_key
-            resp = st.proxy.call(ptool, decision.args, key_for_upstream)
+    proxy = st.proxy
+    key_for_upstream = decision.idempotency_key or idempotency_key
+
+    def upstream(call_args: dict[str, Any]) -> dict[str, Any]:
+        resp = proxy.call(ptool, call_args, key_for_upstream)
         if not resp.is_success:
             raise UpstreamError(f"{tool} upstream answered {resp.status_code}", resp.status_code, _body(resp))
-    except (UpstreamError, httpx.HTTPError) as exc:
-        report = st.undolog.engine.fail(effect_id, exc) if effect_id else None
-        from .api import rollback_out
+        return {"status_code": resp.status_code, "body": _body(resp), "media_type": resp.headers.get("content-type")}
 
-        extra: dict[str, Any] = {"upstream_status": getattr(exc, "status_code", None)}
-        if report is not None:
-            extra["rollback"] = rollback_out(session_id, report).model_dump(mode="json")
-        return problem_response(request, 502, "upstream_error", str(exc), **extra)
-    result = {"status_code": resp.status_code, "body": _body(resp), "media_type": resp.headers.get("content-type")}
-    if effect_id:
-        st.undolog.engine.complete(effect_id, result)
-    return _stored(result, replayed=False)
+    # The call driver runs it, as it runs every caller's: the upstream's failure is recorded and the session
+    # rolled back per its policy; the rollback is told in the problem's body.
+    outcome = st.undolog.driver.run_sync(decision, upstream, note=False)
+    exc = outcome.error
+    if exc is None:
+        return _stored(outcome.value, replayed=False)
+    if not isinstance(exc, (UpstreamError, httpx.HTTPError)):
+        raise exc
+    from .api import rollback_out
+
+    extra: dict[str, Any] = {"upstream_status": getattr(exc, "status_code", None)}
+    if outcome.rollback is not None:
+        extra["rollback"] = rollback_out(session_id, outcome.rollback).model_dump(mode="json")
+    return problem_response(request, 502, "upstream_error", str(exc), **extra)
 
 
 def _stored(result: Any, *, replayed: bool) -> Response:

@@ -14,10 +14,55 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import UndoLogError
+from undolog_core.errors import UndoLogError
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 PROBLEM_BASE = "https://undolog.dev/problems/"
+
+#: The HTTP status of each core error code. It lives here, not on the core's errors, because a status is
+#: how this server speaks HTTP; the core, the CLI and the adapters only know the codes. A code missing
+#: here (a new core error) answers 400 until it is added.
+ERROR_STATUS: dict[str, int] = {
+    "undolog_error": 400,
+    "configuration_error": 400,
+    "invalid_declaration": 400,
+    "tool_not_classified": 400,
+    "invalid_input": 422,
+    "tool_not_registered": 404,
+    "arguments_invalid": 422,
+    "session_not_found": 404,
+    "session_halted": 409,
+    "session_closed": 409,
+    "invalid_session_state": 409,
+    "invalid_id": 422,
+    "call_id_conflict": 409,
+    "contract_changed": 409,
+    "approval_pending": 202,
+    "approval_rejected": 403,
+    "approval_timed_out": 403,
+    "approval_cancelled": 409,
+    "approval_not_found": 404,
+    "approval_already_decided": 409,
+    "outcome_unknown": 409,
+    "database_unavailable": 503,
+    "effect_not_found": 404,
+    "invalid_effect_state": 409,
+    "compensation_not_found": 409,
+    "compensation_version_mismatch": 409,
+    "compensation_failed": 409,
+    "audit_tampered": 409,
+    "policy_invalid": 422,
+}
+
+
+def status_for(code: str) -> int:
+    """The HTTP status the server answers for a core error code.
+
+    Example:
+        >>> status_for("approval_not_found")
+        404
+    """
+    return ERROR_STATUS.get(code, 400)
 
 _HTTP_CODES = {
     400: "bad_request",
@@ -112,8 +157,8 @@ def problem_response(
 
 
 def from_undolog_error(request: Request, exc: UndoLogError) -> JSONResponse:
-    """Map a core error onto its problem: the core owns the code and the status."""
-    status = getattr(exc, "http_status", 400) or 400
+    """Map a core error onto its problem: the core owns the code, :data:`ERROR_STATUS` the status."""
+    status = status_for(exc.code)
     # 202 is not an error status; ApprovalPending only reaches here if a handler forgot it.
     if status < 400:
         status = 409

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import os
 import socket
 from collections.abc import AsyncIterator, Mapping
@@ -15,10 +13,11 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from .. import errors
+from undolog_core import UndoLog, errors, load_app
+
 from . import api, dashboard, problems
 from . import proxy as proxy_mod
-from .state import ServerSettings, ServerState, sql_engine_of
+from .state import ServerSettings, ServerState
 from .store import ServerStore
 from .sweeper import Sweeper
 from .views import CoreViews
@@ -30,69 +29,8 @@ Errors are RFC 9457 `application/problem+json` with a stable `code`.
 """
 
 
-def load_app(undolog: Any, spec: str) -> Any:
-    """Load the user's tools and compensations named by ``--app module:attribute``.
-
-    The attribute may be, as for every ``undolog`` command, the app's ``UndoLog`` or a
-    zero-argument factory returning it: that UndoLog, with everything it registered, is the one
-    to serve. It may also be a function taking an UndoLog (it registers what it wants), a list
-    of decorated tools and compensations, or one of them; a bare module registers every
-    decorated tool and compensation it defines.
-
-    Args:
-        undolog: The UndoLog to register into (ignored when the spec names an UndoLog).
-        spec: ``module:attribute`` or ``module``.
-
-    Returns:
-        The UndoLog to serve.
-
-    Raises:
-        errors.ConfigurationError: The module or attribute cannot be found or used.
-    """
-    from .. import UndoLog
-
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise errors.ConfigurationError(f"--app {spec!r}: cannot import {module_name!r}: {exc}") from exc
-    if not attr:
-        found = [v for v in vars(module).values() if _is_declared(v)]
-        if found:
-            undolog.register(*found)
-        return undolog
-    try:
-        target = getattr(module, attr)
-    except AttributeError:
-        raise errors.ConfigurationError(f"--app {spec!r}: {module_name} has no attribute {attr!r}") from None
-    if isinstance(target, UndoLog):
-        return target
-    if _is_declared(target):
-        undolog.register(target)
-    elif isinstance(target, (list, tuple, set)):
-        undolog.register(*target)
-    elif callable(target) and len(inspect.signature(target).parameters) == 0:
-        made = target()
-        if not isinstance(made, UndoLog):
-            raise errors.ConfigurationError(f"--app {spec!r}: the factory returned {type(made).__name__}, not an UndoLog")
-        return made
-    elif callable(target) and len(inspect.signature(target).parameters) == 1:
-        target(undolog)
-    else:
-        raise errors.ConfigurationError(
-            f"--app {spec!r} must name an UndoLog (or a factory returning one), a function taking the UndoLog, "
-            "a list of tools, or a decorated tool"
-        )
-    return undolog
-
-
-def _same_database(a: Any, b: Any) -> bool:
-    sa_, sb = getattr(a, "store", None), getattr(b, "store", None)
-    return (getattr(sa_, "url", None), getattr(sa_, "schema", None)) == (getattr(sb, "url", None), getattr(sb, "schema", None))
-
-
-def _is_declared(v: Any) -> bool:
-    return hasattr(v, "__undolog_spec__") or hasattr(v, "__undolog_compensation__")
+def _same_database(a: UndoLog, b: UndoLog) -> bool:
+    return (a.store.url, a.store.schema) == (b.store.url, b.store.schema)
 
 
 _CSP = (
@@ -204,9 +142,11 @@ def create_app(
     """Build the approval desk application on an open UndoLog.
 
     Args:
-        undolog: An open ``UndoLog`` (its database holds the server's tables too).
+        undolog: An open ``UndoLog`` (its database holds the server's tables too; they are created or
+            upgraded here, see :func:`undolog_server.store.migrate`).
         app_spec: ``module:attribute`` whose tools and compensations rollback may need (see
-            :func:`load_app`); when it names the app's UndoLog, that instance is served.
+            :func:`undolog_core.load_app`, the loader every ``--app`` goes through); when it names the
+            app's UndoLog, that instance is served.
         proxy_config: A TOML file (or parsed mapping) of upstream tools to proxy.
         settings: Tunables; defaults suit production.
 
@@ -215,7 +155,7 @@ def create_app(
     """
     settings = settings or ServerSettings()
     if app_spec:
-        loaded = load_app(undolog, app_spec)
+        loaded = load_app(app_spec, into=undolog)
         if loaded is not undolog:
             if not _same_database(loaded, undolog):
                 raise errors.ConfigurationError(
@@ -227,13 +167,13 @@ def create_app(
     if proxy_config is not None:
         proxy_tools = proxy_config if isinstance(proxy_config, proxy_mod.ProxyTools) else proxy_mod.ProxyTools.load(proxy_config)
         proxy_tools.register(undolog)
-    engine = sql_engine_of(undolog)
-    store = ServerStore(engine)
+    store = ServerStore(undolog.store)
+    # The server's tables are its own migration branch: bring them to head before anything reads them.
+    store.migrate()
     state = ServerState(
         undolog=undolog,
-        engine=engine,
         store=store,
-        views=CoreViews(engine),
+        views=CoreViews(undolog),
         settings=settings,
         secret=store.server_secret(),
         proxy=proxy_tools,

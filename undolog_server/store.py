@@ -1,27 +1,63 @@
 """The server's own tables (API keys, approver groups, webhooks, policies, deliveries) and their access.
 
-The tables are created by the ``0002_server`` migration; the definitions here mirror it
-and are what the queries use. All access is synchronous SQLAlchemy Core on the
-UndoLog's engine, so FastAPI runs it in its worker threads.
+This is the only module of the server with SQL (and the only one importing SQLAlchemy). Its tables are
+created by the server's own migration branch (``undolog_server/migrations``). Every statement runs on the
+core store's public transaction helpers: reads on ``store.read()`` (a deferred ``BEGIN`` on SQLite, so a
+read never takes the database's write lock), writes on ``store.tx()``. All access is synchronous
+SQLAlchemy Core, so FastAPI runs it in its worker threads.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import secrets
+import time
 import uuid
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection, Dialect, Engine
 
-from .._schema import UTCDateTime
+
+class UTCDateTime(sa.types.TypeDecorator[datetime]):
+    """Aware UTC datetimes on both databases (SQLite keeps no zone, so it is stored naive UTC).
+
+    The same storage convention as the core's columns, defined here so the server needs no private core module.
+    """
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to the server's storage; use an aware UTC datetime")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        parsed: datetime = datetime.fromisoformat(value) if isinstance(value, str) else value
+        if parsed.tzinfo is None:
+            return parsed.replace(tzinfo=UTC)
+        return parsed.astimezone(UTC)
+
 
 ROLES = ("agent", "approver", "admin")
+
+#: The server's own Alembic version table: its migrations are a branch of their own, next to the core's.
+SERVER_VERSION_TABLE = "undolog_server_alembic_version"
+#: PostgreSQL advisory lock serialising concurrent server migrations (the core's key + 1).
+_SERVER_MIGRATION_LOCK_KEY = 0x756E646F6C6F67 + 1
 KEY_PREFIX = "ulk_"
 
 metadata = sa.MetaData()
@@ -106,6 +142,75 @@ server_settings = sa.Table(
     sa.Column("name", sa.String(100), primary_key=True),
     sa.Column("value", sa.Text, nullable=False),
 )
+
+
+class CoreStore(Protocol):
+    """The public part of the core's store (``UndoLog.store``) this module uses."""
+
+    @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def schema(self) -> str | None: ...
+
+    @property
+    def is_postgres(self) -> bool: ...
+
+    def read(self) -> AbstractContextManager[Connection]: ...
+
+    def tx(self, *, fast: bool = False) -> AbstractContextManager[Connection]: ...
+
+
+@functools.cache
+def _alembic_config() -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
+    return cfg
+
+
+@functools.cache
+def migration_head() -> str:
+    """The newest revision of the server's migration branch."""
+    from alembic.script import ScriptDirectory
+
+    return ",".join(sorted(ScriptDirectory.from_config(_alembic_config()).get_heads()))
+
+
+def migration_current(core: CoreStore) -> str | None:
+    """The server branch's revision in this database (None: never migrated)."""
+    with core.read() as conn:
+        if not sa.inspect(conn).has_table(SERVER_VERSION_TABLE):
+            return None
+        rows = conn.execute(sa.text(f"SELECT version_num FROM {SERVER_VERSION_TABLE}")).scalars().all()
+    return ",".join(sorted(rows)) if rows else None
+
+
+def migrate(core: CoreStore) -> bool:
+    """Create or upgrade the server's tables (the server's own Alembic branch); a no-op at head.
+
+    Runs when the server starts (:func:`undolog_server.create_app`), before ``undolog keys`` commands, and with
+    ``undolog db upgrade --server``. The core's tables must be migrated first (``UndoLog.open`` does it).
+
+    Returns:
+        True when something was migrated.
+
+    Example:
+        >>> migrate(undolog.store)
+    """
+    if migration_current(core) == migration_head():
+        return False
+    from alembic import command
+
+    with core.engine.connect() as conn, conn.begin():
+        if conn.dialect.name == "postgresql":
+            # Two servers starting at once: the loser waits here, then Alembic finds nothing to do.
+            conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_SERVER_MIGRATION_LOCK_KEY})")
+        cfg = _alembic_config()
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "heads")
+    return True
 
 
 def utcnow() -> datetime:
@@ -198,13 +303,21 @@ class ServerStore:
     """Data access for the server's tables.
 
     Args:
-        engine: The UndoLog's SQLAlchemy engine (tables live next to the core's).
+        core: The UndoLog's store (``undolog.store``); the tables live next to the core's.
+
+    Example:
+        >>> store = ServerStore(undolog.store)
+        >>> key, token = store.create_key("ana", ["approver"], ["billing"])
     """
 
-    engine: Engine
+    core: CoreStore
     _touch_cache: dict[str, float] = field(default_factory=dict)
 
     # ---- settings -------------------------------------------------------------------------------
+
+    def migrate(self) -> bool:
+        """Create or upgrade the server's tables; see :func:`migrate`."""
+        return migrate(self.core)
 
     def server_secret(self) -> bytes:
         """Return the secret signing cookies and CSRF tokens, shared by every server on the database.
@@ -212,17 +325,17 @@ class ServerStore:
         Returns:
             32+ random bytes, created on first use.
         """
-        with self.engine.begin() as conn:
+        with self.core.read() as conn:
             row = conn.execute(sa.select(server_settings.c.value).where(server_settings.c.name == "secret")).first()
             if row is not None:
                 return bytes.fromhex(row[0])
         value = secrets.token_hex(32)
         try:
-            with self.engine.begin() as conn:
+            with self.core.tx() as conn:
                 conn.execute(server_settings.insert().values(name="secret", value=value))
         except sa.exc.IntegrityError:
             pass  # another server process created it first; use theirs
-        with self.engine.begin() as conn:
+        with self.core.read() as conn:
             got = conn.execute(sa.select(server_settings.c.value).where(server_settings.c.name == "secret")).scalar_one()
         return bytes.fromhex(got)
 
@@ -254,7 +367,7 @@ class ServerStore:
         key_id = secrets.token_hex(6)
         secret = secrets.token_urlsafe(32)
         now = utcnow()
-        with self.engine.begin() as conn:
+        with self.core.tx() as conn:
             conn.execute(
                 api_keys.insert().values(
                     key_id=key_id,
@@ -281,7 +394,7 @@ class ServerStore:
         key_id, sep, secret = rest.partition("_")
         if not sep or not key_id or not secret or len(key_id) > 32:
             return None
-        with self.engine.connect() as conn:
+        with self.core.read() as conn:
             row = conn.execute(sa.select(api_keys).where(api_keys.c.key_id == key_id)).mappings().first()
         if row is None or row["revoked_at"] is not None:
             return None
@@ -292,33 +405,31 @@ class ServerStore:
 
     def get_key(self, key_id: str) -> ApiKey | None:
         """Return an active key by id (for cookie sessions), or None."""
-        with self.engine.connect() as conn:
+        with self.core.read() as conn:
             row = conn.execute(sa.select(api_keys).where(api_keys.c.key_id == key_id)).mappings().first()
         if row is None or row["revoked_at"] is not None:
             return None
         return _key_from_row(row)
 
     def _touch(self, key_id: str) -> None:
-        import time
-
         # One write a minute per key is enough for "last used" and keeps reads write-free.
         now = time.monotonic()
         if now - self._touch_cache.get(key_id, -1e9) < 60:
             return
         self._touch_cache[key_id] = now
         try:
-            with self.engine.begin() as conn:
+            with self.core.tx() as conn:
                 conn.execute(api_keys.update().where(api_keys.c.key_id == key_id).values(last_used_at=utcnow()))
         except sa.exc.OperationalError:
             pass  # a busy database must not fail authentication
 
     def list_keys(self) -> list[ApiKey]:
-        with self.engine.connect() as conn:
+        with self.core.read() as conn:
             rows = conn.execute(sa.select(api_keys).order_by(api_keys.c.created_at)).mappings().all()
         return [_key_from_row(r) for r in rows]
 
     def revoke_key(self, key_id: str) -> bool:
-        with self.engine.begin() as conn:
+        with self.core.tx() as conn:
             res = conn.execute(
                 api_keys.update()
                 .where(api_keys.c.key_id == key_id, api_keys.c.revoked_at.is_(None))
@@ -329,7 +440,7 @@ class ServerStore:
     # ---- approver groups ------------------------------------------------------------------------
 
     def groups(self) -> list[ApproverGroup]:
-        with self.engine.connect() as conn:
+        with self.core.read() as conn:
             rows = conn.execute(sa.select(approver_groups).order_by(approver_groups.c.name)).mappings().all()
         return [
             ApproverGroup(r["name"], tuple(r["tools"] or ()), tuple(r["risk_tags"] or ()), r["description"])
@@ -343,24 +454,24 @@ class ServerStore:
             "description": group.description,
             "updated_at": utcnow(),
         }
-        with self.engine.begin() as conn:
+        with self.core.tx() as conn:
             res = conn.execute(approver_groups.update().where(approver_groups.c.name == group.name).values(**values))
             if not res.rowcount:
                 conn.execute(approver_groups.insert().values(name=group.name, **values))
 
     def delete_group(self, name: str) -> bool:
-        with self.engine.begin() as conn:
+        with self.core.tx() as conn:
             return bool(conn.execute(approver_groups.delete().where(approver_groups.c.name == name)).rowcount)
 
     # ---- webhooks -------------------------------------------------------------------------------
 
     def targets(self) -> list[WebhookTarget]:
-        with self.engine.connect() as conn:
+        with self.core.read() as conn:
             rows = conn.execute(sa.select(webhook_targets).order_by(webhook_targets.c.name)).mappings().all()
         return [_target_from_row(r) for r in rows]
 
     def get_target(self, target_id: str) -> WebhookTarget | None:
-        with self.engine.connect() as conn:
+        with self.core.read() as conn:
             row = conn.execute(
                 sa.select(webhook_targets).where(webhook_targets.c.target_id == target_id)
             ).mappings().first()
@@ -378,7 +489,7 @@ class ServerStore:
             "wh_" + uuid.uuid4().hex[:16], name, url, secret or secrets.token_urlsafe(32), tuple(event_types) or ("*",)
         )
         try:
-            with self.engine.begin() as conn:
+            with self.core.tx() as conn:
                 conn.execute(
                     webhook_targets.insert().values(
                         target_id=target.target_id,
@@ -395,13 +506,13 @@ class ServerStore:
         return target
 
     def delete_target(self, target_id: str) -> bool:
-        with self.engine.begin() as conn:
+        with self.core.tx() as conn:
             return bool(conn.execute(webhook_targets.delete().where(webhook_targets.c.target_id == target_id)).rowcount)
 
     # ---- notification policies ------------------------------------------------------------------
 
     def policies(self) -> list[NotificationPolicy]:
-        with self.engine.connect() as conn:
+        with self.core.read() as conn:
             rows = conn.execute(sa.select(notification_policies).order_by(notification_policies.c.risk_tag)).mappings()
             return [
                 NotificationPolicy(
@@ -417,7 +528,7 @@ class ServerStore:
             "escalate_to": list(policy.escalate_to),
             "updated_at": utcnow(),
         }
-        with self.engine.begin() as conn:
+        with self.core.tx() as conn:
             res = conn.execute(
                 notification_policies.update().where(notification_policies.c.risk_tag == policy.risk_tag).values(**values)
             )
@@ -425,7 +536,7 @@ class ServerStore:
                 conn.execute(notification_policies.insert().values(risk_tag=policy.risk_tag, **values))
 
     def delete_policy(self, risk_tag: str) -> bool:
-        with self.engine.begin() as conn:
+        with self.core.tx() as conn:
             return bool(
                 conn.execute(notification_policies.delete().where(notification_policies.c.risk_tag == risk_tag)).rowcount
             )
@@ -436,8 +547,127 @@ class ServerStore:
         q = sa.select(webhook_deliveries).order_by(webhook_deliveries.c.created_at.desc()).limit(limit)
         if target_id is not None:
             q = q.where(webhook_deliveries.c.target_id == target_id)
-        with self.engine.connect() as conn:
+        with self.core.read() as conn:
             return [dict(r) for r in conn.execute(q).mappings()]
+
+    # ---- delivery queue (webhooks.py decides what and when; the SQL is here) ---------------------
+
+    def enqueue(self, conn: Connection, event_id: str, event_type: str, body: str, target_ids: Iterable[str]) -> int:
+        """Add one pending delivery per target, inside the caller's transaction; repeats are ignored.
+
+        Args:
+            conn: An open transaction (the outbox claim, or an escalation).
+            event_id: The event's stable id; ``(event_id, target)`` is unique, so a fan-out done twice
+                (two servers, a retry) delivers once.
+            event_type: The event type, sent as ``UndoLog-Event``.
+            body: The exact JSON body that will be signed and sent.
+            target_ids: Who receives it.
+
+        Returns:
+            How many deliveries were added.
+        """
+        now = utcnow()
+        rows = [
+            {
+                "delivery_id": "dl_" + uuid.uuid4().hex[:20],
+                "event_id": event_id,
+                "target_id": target_id,
+                "event_type": event_type,
+                "payload": body,
+                "status": "pending",
+                "attempts": 0,
+                "next_attempt_at": time.time(),
+                "created_at": now,
+            }
+            for target_id in target_ids
+        ]
+        return insert_ignore(conn, webhook_deliveries, rows)
+
+    def escalated(self, approval_request_ids: Sequence[str]) -> set[tuple[str, str]]:
+        """The (request, risk tag) pairs already escalated among these requests."""
+        if not approval_request_ids:
+            return set()
+        with self.core.read() as conn:
+            return {
+                (r.approval_request_id, r.risk_tag)
+                for r in conn.execute(
+                    sa.select(escalations.c.approval_request_id, escalations.c.risk_tag).where(
+                        escalations.c.approval_request_id.in_(list(approval_request_ids))
+                    )
+                )
+            }
+
+    def escalate_once(
+        self, approval_request_id: str, risk_tag: str, event_id: str, body: str, target_ids: Iterable[str]
+    ) -> bool:
+        """Record an escalation and enqueue its deliveries in one transaction, unless another server did.
+
+        Returns:
+            True when this call escalated (False: it had been done already).
+        """
+        with self.core.tx() as conn:
+            won = insert_ignore(
+                conn,
+                escalations,
+                [{"approval_request_id": approval_request_id, "risk_tag": risk_tag, "escalated_at": utcnow()}],
+            )
+            if not won:
+                return False
+            self.enqueue(conn, event_id, "approval.escalated", body, target_ids)
+        return True
+
+    def claim_due(self, limit: int, lease_until: float) -> list[dict[str, Any]]:
+        """Lease up to ``limit`` due deliveries until ``lease_until`` (unix seconds), so no other server sends them."""
+        d = webhook_deliveries
+        now = time.time()
+        with self.core.tx() as conn:
+            q = (
+                sa.select(d.c.delivery_id, d.c.target_id, d.c.event_type, d.c.payload, d.c.attempts)
+                .where(
+                    d.c.status == "pending",
+                    d.c.next_attempt_at <= now,
+                    sa.or_(d.c.locked_until.is_(None), d.c.locked_until < now),
+                )
+                .order_by(d.c.next_attempt_at)
+                .limit(limit)
+            )
+            if self.core.is_postgres:
+                q = q.with_for_update(skip_locked=True)
+            rows = [dict(r._mapping) for r in conn.execute(q)]
+            if rows:
+                conn.execute(
+                    d.update().where(d.c.delivery_id.in_([r["delivery_id"] for r in rows])).values(locked_until=lease_until)
+                )
+        return rows
+
+    def record_attempt(
+        self,
+        delivery_id: str,
+        *,
+        attempts: int,
+        status_code: int | None,
+        error: str | None,
+        status: str | None = None,
+        next_attempt_at: float | None = None,
+    ) -> None:
+        """Store one attempt's outcome: ``status`` ``delivered``/``failed``, or a retry at ``next_attempt_at``."""
+        values: dict[str, Any] = {
+            "attempts": attempts, "last_status_code": status_code, "last_error": error, "locked_until": None,
+        }
+        if status is not None:
+            values["status"] = status
+            if status == "delivered":
+                values["delivered_at"] = utcnow()
+        if next_attempt_at is not None:
+            values["next_attempt_at"] = next_attempt_at
+        d = webhook_deliveries
+        with self.core.tx() as conn:
+            conn.execute(d.update().where(d.c.delivery_id == delivery_id).values(**values))
+
+    def ping(self) -> None:
+        """Run ``SELECT 1`` on the read path (health check); raises when the database does not answer."""
+        with self.core.read() as conn:
+            conn.execute(sa.text("SELECT 1"))
 
 
 def _key_from_row(row: Any) -> ApiKey:

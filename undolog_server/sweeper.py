@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from undolog_core import RecoveryReport
+
 from .webhooks import WebhookDispatcher
 
 if TYPE_CHECKING:
@@ -114,15 +116,8 @@ class Sweeper:
                     t.cancel()
 
 
-def _count(report: Any) -> int:
+def _count(report: RecoveryReport | None) -> int:
+    """How many effects and rollbacks a recovery run took care of."""
     if report is None:
         return 0
-    if hasattr(report, "reconciled"):
-        return len(report.reconciled) + len(getattr(report, "rollbacks_resumed", ()))
-    for attr in ("recovered", "handled", "total"):
-        v = getattr(report, attr, None)
-        if isinstance(v, int):
-            return v
-        if isinstance(v, (list, tuple)):
-            return len(v)
-    return 0
+    return len(report.reconciled) + len(report.rollbacks_resumed)

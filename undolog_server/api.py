@@ -14,7 +14,8 @@ from fastapi import APIRouter, Body, Depends, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import to_jsonable_python
 
-from .. import errors
+from undolog_core import RollbackReport, errors
+
 from .auth import AuthFirstRoute, is_admin, require, server_state
 from .problems import Problem
 from .state import ServerState
@@ -389,27 +390,14 @@ def _tool_brief(st: ServerState, name: str) -> ToolBrief | None:
         spec = st.undolog.tool_spec(name)
     except errors.UndoLogError:
         return None
-    tier = getattr(spec, "tier", None)
-    schema = None
-    for attr in ("args_schema", "json_schema", "arguments_schema"):
-        v = getattr(spec, attr, None)
-        if isinstance(v, dict):
-            schema = v
-            break
-        if v is not None and hasattr(v, "model_json_schema"):
-            try:
-                schema = v.model_json_schema()
-            except Exception:
-                schema = None
-            break
     return ToolBrief(
         name=name,
-        tier=getattr(tier, "value", str(tier)),
-        revision=getattr(spec, "revision", None),
-        fingerprint=getattr(spec, "fingerprint", None),
-        reason=getattr(spec, "reason", None),
-        risk_tags=list(getattr(spec, "risk_tags", ()) or ()),
-        args_schema=schema,
+        tier=spec.tier.value,
+        revision=spec.revision,
+        fingerprint=spec.fingerprint,
+        reason=spec.reason,
+        risk_tags=list(spec.risk_tags),
+        args_schema=spec.json_schema,
     )
 
 
@@ -429,23 +417,20 @@ def approval_detail(st: ServerState, row: dict[str, Any]) -> ApprovalDetail:
     )
 
 
-def rollback_out(session_id: str, report: Any) -> RollbackOut:
+def rollback_out(session_id: str, report: RollbackReport) -> RollbackOut:
     """Shape a core RollbackReport for the API."""
     steps = []
-    for step in getattr(report, "steps", []) or []:
-        d = dataclasses.asdict(step) if dataclasses.is_dataclass(step) and not isinstance(step, type) else dict(vars(step))
-        outcome = d.get("outcome")
-        d["outcome"] = getattr(outcome, "value", outcome)
-        if d.get("error") is not None:
-            d["error"] = str(d["error"])
+    for step in report.steps:
+        d = dataclasses.asdict(step)
+        d["outcome"] = str(getattr(step.outcome, "value", step.outcome))
         steps.append(RollbackStepOut.model_validate(d))
     return RollbackOut(
         session_id=session_id,
         steps=steps,
-        already_rolled_back=bool(getattr(report, "already_rolled_back", False)),
-        complete=bool(getattr(report, "complete", True)),
-        halted_reason=getattr(report, "halted_reason", None),
-        kept_irreversible=[str(x) for x in getattr(report, "kept_irreversible", None) or []],
+        already_rolled_back=report.already_rolled_back,
+        complete=report.complete,
+        halted_reason=report.halted_reason,
+        kept_irreversible=[str(x) for x in report.kept_irreversible],
     )
 
 
@@ -468,14 +453,11 @@ def _key_out(k: ApiKey) -> dict[str, Any]:
 @router.get("/health", response_model=HealthOut, tags=["meta"], summary="Liveness and database reachability")
 def health(request: Request) -> HealthOut:
     st = _st(request)
-    import sqlalchemy as sa
-
     try:
-        with st.engine.connect() as conn:
-            conn.execute(sa.text("SELECT 1"))
+        st.store.ping()
     except Exception:
         raise Problem(503, "database_unavailable", "the database does not answer") from None
-    return HealthOut(status="ok", database=st.engine.dialect.name)
+    return HealthOut(status="ok", database=st.undolog.store.dialect)
 
 
 @router.get("/me", response_model=MeOut, tags=["meta"], summary="The calling key")
@@ -604,8 +586,6 @@ def _event_dict(e: Any) -> dict[str, Any]:
         d = dataclasses.asdict(e)
     elif isinstance(e, dict):
         d = dict(e)
-    elif hasattr(e, "_mapping"):
-        d = dict(e._mapping)
     else:
         d = dict(vars(e))
     payload = d.get("payload")

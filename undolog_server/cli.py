@@ -32,24 +32,15 @@ def _serve_undolog(db: str | None, schema: str | None, app_spec: str | None) -> 
         The UndoLog, and whether it came from ``--app`` (then it needs no further loading).
     """
     if app_spec and ":" in app_spec:
-        import importlib
-        import inspect
+        from undolog_core import load_app
+        from undolog_core.errors import ConfigurationError
 
-        from undolog_core import UndoLog
-
-        module_name, _, attr = app_spec.partition(":")
-        target = getattr(importlib.import_module(module_name), attr, None)
-        if isinstance(target, UndoLog):
-            return target, True
-        if callable(target) and not hasattr(target, "__undolog_spec__"):
-            try:
-                takes_none = len(inspect.signature(target).parameters) == 0
-            except (TypeError, ValueError):
-                takes_none = False
-            if takes_none:
-                made = target()
-                if isinstance(made, UndoLog):
-                    return made, True
+        try:
+            # The one --app loader; without ``into`` it accepts only an UndoLog or a factory of one, which
+            # is what decides whether the app brings its own database.
+            return load_app(app_spec), True
+        except ConfigurationError:
+            pass  # names tools to register: create_app loads them into the UndoLog on --db
     return _open(db, schema), False
 
 
@@ -110,12 +101,12 @@ def keys_create(
     schema: SchemaOpt = None,
 ) -> None:
     """Create an API key and print it once."""
-    from .state import sql_engine_of
     from .store import ServerStore
 
     undolog = _open(db, schema)
     try:
-        store = ServerStore(sql_engine_of(undolog))
+        store = ServerStore(undolog.store)
+        store.migrate()
         try:
             key, token = store.create_key(name, role, group or (), created_by="cli")
         except ValueError as exc:
@@ -132,12 +123,13 @@ def keys_create(
 @keys_app.command("list")
 def keys_list(db: DbOpt = None, schema: SchemaOpt = None) -> None:
     """List keys (never their secrets)."""
-    from .state import sql_engine_of
     from .store import ServerStore
 
     undolog = _open(db, schema)
     try:
-        for k in ServerStore(sql_engine_of(undolog)).list_keys():
+        store = ServerStore(undolog.store)
+        store.migrate()
+        for k in store.list_keys():
             status = "revoked" if k.revoked_at else "active"
             typer.echo(f"{k.key_id}\t{k.name}\t{','.join(sorted(k.roles))}\t{','.join(sorted(k.groups))}\t{status}")
     finally:
@@ -147,12 +139,13 @@ def keys_list(db: DbOpt = None, schema: SchemaOpt = None) -> None:
 @keys_app.command("revoke")
 def keys_revoke(key_id: str, db: DbOpt = None, schema: SchemaOpt = None) -> None:
     """Revoke a key; requests with it fail from now on."""
-    from .state import sql_engine_of
     from .store import ServerStore
 
     undolog = _open(db, schema)
     try:
-        if not ServerStore(sql_engine_of(undolog)).revoke_key(key_id):
+        store = ServerStore(undolog.store)
+        store.migrate()
+        if not store.revoke_key(key_id):
             typer.echo(f"no active key {key_id}", err=True)
             raise typer.Exit(1)
     finally:
@@ -171,7 +164,7 @@ def register(app: typer.Typer) -> None:
 
 
 def main() -> None:
-    """Standalone entry point (``python -m undolog_core.server``)."""
+    """Standalone entry point (``python -m undolog_server``)."""
     cli = typer.Typer(no_args_is_help=True)
     register(cli)
     cli()

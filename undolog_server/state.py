@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from sqlalchemy.engine import Engine
+from undolog_core import UndoLog
 
 from .store import ServerStore
 from .views import CoreViews
@@ -51,8 +51,7 @@ class ServerSettings:
 class ServerState:
     """Everything the routes need, attached to ``app.state.undolog_server``."""
 
-    undolog: Any
-    engine: Engine
+    undolog: UndoLog
     store: ServerStore
     views: CoreViews
     settings: ServerSettings
@@ -62,21 +61,3 @@ class ServerState:
     worker_id: str = ""
     stats: dict[str, int] = field(default_factory=dict)
 
-
-def sql_engine_of(undolog: Any) -> Engine:
-    """Find the SQLAlchemy engine of an UndoLog instance.
-
-    Raises:
-        RuntimeError: The instance exposes no engine.
-    """
-    for attr in ("sql_engine", "db_engine", "_sql_engine", "_engine", "sa_engine"):
-        value = getattr(undolog, attr, None)
-        if isinstance(value, Engine):
-            return value
-    for holder in ("db", "_db", "storage", "_storage", "store", "_store"):
-        obj = getattr(undolog, holder, None)
-        for attr in ("engine", "sql_engine", "_engine"):
-            value = getattr(obj, attr, None) if obj is not None else None
-            if isinstance(value, Engine):
-                return value
-    raise RuntimeError("cannot find the SQLAlchemy engine of this UndoLog")

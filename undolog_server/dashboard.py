@@ -19,7 +19,8 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from itsdangerous import BadSignature, TimestampSigner
 
-from .. import errors
+from undolog_core import errors
+
 from .api import approval_detail, rollback_out, session_detail
 from .auth import server_state
 from .state import ServerState

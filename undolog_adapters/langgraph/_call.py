@@ -1,0 +1,243 @@
+"""One tool call through UndoLog, sync and async: intercept, pause or run, then complete, fail or release.
+
+``run_call`` and ``arun_call`` walk a LangGraph call through UndoLog's call driver (the one other decision is
+``UndoLogToolNode._gate``, which asks for a message's approvals before any call runs).
+Both the node and the middleware call them. Imports LangGraph/LangChain and the sibling modules.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from langchain_core.messages import ToolMessage
+from langgraph.config import get_config
+from langgraph.errors import GraphBubbleUp
+
+from undolog_core import AwaitingApproval, Outcome, errors
+
+from ._guard import _Guard, _Reply, _Run
+from ._payload import _Pause
+from ._tools import _result_of
+
+
+@dataclass
+class _Batch:
+    """Per-node-run state of ``UndoLogToolNode``: approvals are collected, then asked for in one interrupt."""
+
+    done: dict[str, Any] = field(default_factory=dict)
+    pending: dict[str, tuple[AwaitingApproval, str]] = field(default_factory=dict)
+    # Outcomes of the gate pass that UndoLogToolNode runs before any call of the message executes.
+    gated: dict[str, Any] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_BATCH: contextvars.ContextVar[_Batch | None] = contextvars.ContextVar("undolog_lg_batch", default=None)
+
+
+@dataclass
+class _Admit:
+    """The one call UndoLog let through, checked again where the tool really runs."""
+
+    name: str
+    args: dict[str, Any]
+    tool: Any
+    logged: bool
+    runs: int = 0
+
+
+_ADMIT: contextvars.ContextVar[_Admit | None] = contextvars.ContextVar("undolog_lg_admit", default=None)
+
+_REFUSED = (errors.ApprovalRejected, errors.ApprovalTimedOut, errors.ApprovalCancelled, errors.SessionHalted,
+            errors.SessionClosed, errors.ArgumentsInvalid)
+
+
+def _config_of(request: Any) -> Mapping[str, Any]:
+    rt = getattr(request, "runtime", None)
+    cfg = getattr(rt, "config", None)
+    return cfg if cfg else get_config()
+
+
+def _pending(guard: _Guard, request: Any) -> tuple[_Batch | None, str | None]:
+    """Classify an unknown tool (or refuse it); the node run's batch and the call's id."""
+    if guard.undolog_name(request) is None:
+        guard.classify([request.tool])  # raises ToolNotClassified: nothing runs unclassified
+    return _BATCH.get(), request.tool_call.get("id")
+
+
+def _wait(guard: _Guard, batch: _Batch | None, request: Any, step: _Pause) -> ToolMessage | None:
+    """Inside a node run, park the call for the node's one interrupt (returns the placeholder); else None."""
+    if batch is None:
+        return None
+    with batch.lock:
+        batch.pending[request.tool_call.get("id")] = (step.awaiting, step.session_id)
+    return guard.refusal(request, errors.UndoLogError("waiting for approval"))
+
+
+def _admit(req: Any, step: _Run) -> contextvars.Token[_Admit | None]:
+    admit = _Admit(req.tool_call["name"], dict(req.tool_call.get("args") or {}), req.tool,
+                   step.execute.effect_id is not None)
+    return _ADMIT.set(admit)
+
+
+def _tool_error(out: Any) -> bool:
+    # The tool raised and ToolNode's handle_tool_errors turned it into a message: still a failure.
+    return isinstance(out, ToolMessage) and out.status == "error"
+
+
+def run_call(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
+    """One tool call through UndoLog (sync): intercept, pause or run, then complete, fail or release.
+
+    The whole sequence of a LangGraph call is here (``arun_call`` is its async twin). A
+    LangGraph interrupt inside the tool (``GraphBubbleUp``) releases the call untouched; the tool's own
+    exception is recorded and answered with the rollback message, or re-raised as itself.
+    """
+    if request.tool is None:
+        return execute(request)  # an unknown tool name: ToolNode answers with its own error, nothing runs
+    batch, call_id = _pending(guard, request)
+    if batch is not None and call_id in batch.done:
+        return batch.done[call_id]
+    # What the node's gate pass decided for this call, if it ran one (IRREVERSIBLE calls only).
+    gated = batch.gated.pop(call_id, None) if batch is not None and call_id else None
+    config = _config_of(request)
+    error: str | None = None
+    while True:
+        try:
+            step = gated if gated is not None else guard.prepare(request, config)  # the driver's decision
+        except _REFUSED as exc:
+            return _remember(batch, call_id, guard.refusal(request, exc))
+        gated = None
+        if isinstance(step, ToolMessage):
+            return _remember(batch, call_id, step)
+        if isinstance(step, _Reply):
+            return _remember(batch, call_id, step.message)
+        if isinstance(step, _Pause):
+            parked = _wait(guard, batch, request, step)
+            if parked is not None:
+                return parked
+            error = guard.ask([step], error)
+            continue
+        break
+    req, box = guard.runnable(request, step)
+    token = _admit(req, step)
+    try:
+        # The driver runs it: a LangGraph interrupt inside the tool (GraphBubbleUp) is control flow, never a
+        # failure: the call is handed back without an outcome and LangGraph re-runs it on resume under the same
+        # call id and effect.
+        outcome = guard.u.driver.run_sync(step.execute, lambda _a: execute(req), control_flow=(GraphBubbleUp,),
+                                          note=False, **_hooks(request, step, box))
+    finally:
+        _ADMIT.reset(token)
+    return _settled(guard, batch, call_id, request, step, outcome)
+
+
+async def arun_call(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
+    """Async :func:`run_call`: the same sequence, awaiting the tool."""
+    if request.tool is None:
+        return await execute(request)
+    batch, call_id = _pending(guard, request)
+    if batch is not None and call_id in batch.done:
+        return batch.done[call_id]
+    # What the node's gate pass decided for this call, if it ran one (IRREVERSIBLE calls only).
+    gated = batch.gated.pop(call_id, None) if batch is not None and call_id else None
+    config = _config_of(request)
+    error: str | None = None
+    while True:
+        try:
+            step = gated if gated is not None else guard.prepare(request, config)  # the driver's decision
+        except _REFUSED as exc:
+            return _remember(batch, call_id, guard.refusal(request, exc))
+        gated = None
+        if isinstance(step, ToolMessage):
+            return _remember(batch, call_id, step)
+        if isinstance(step, _Reply):
+            return _remember(batch, call_id, step.message)
+        if isinstance(step, _Pause):
+            parked = _wait(guard, batch, request, step)
+            if parked is not None:
+                return parked
+            error = guard.ask([step], error)
+            continue
+        break
+    req, box = guard.runnable(request, step)
+    token = _admit(req, step)
+    try:
+        outcome = await guard.u.driver.run_async(step.execute, lambda _a: execute(req),
+                                                 control_flow=(GraphBubbleUp,), note=False,
+                                                 **_hooks(request, step, box))
+    finally:
+        _ADMIT.reset(token)
+    return _settled(guard, batch, call_id, request, step, outcome)
+
+
+def _hooks(request: Any, step: _Run, box: Any) -> dict[str, Any]:
+    """How the driver reads a ToolNode answer: an error ToolMessage is the tool failing (ToolNode's
+    handle_tool_errors turned the exception into it), and the stored result is the tool's own value."""
+    if step.execute.effect_id is None:
+        return {}  # SAFE: nothing is recorded, ToolNode's answer goes back as it is
+    name = request.tool_call["name"]
+
+    def failure_of(out: Any) -> str | None:
+        return f"{name} failed: {out.content}" if _tool_error(out) else None
+
+    def result_of(out: Any) -> Any:
+        return box.value if box.set else _result_of(out)
+
+    return {"failure_of": failure_of, "result_of": result_of}
+
+
+def _settled(guard: _Guard, batch: _Batch | None, call_id: str | None, request: Any, step: _Run,
+             outcome: Outcome) -> Any:
+    """The node's answer for a call the driver ran: the tool's message, or the failure and what was undone."""
+    ex, sid = step.execute, step.session_id
+    exc = outcome.error
+    if exc is not None and (ex.effect_id is None or not isinstance(exc, Exception)):
+        # SAFE: ToolNode's own error handling already decided to raise it; and an interrupt of the process
+        # (KeyboardInterrupt, SystemExit) is never turned into a message.
+        raise exc
+    if exc is not None:
+        assert ex.effect_id is not None
+        return _remember(batch, call_id, guard.failure(request, f"{type(exc).__name__}: {exc}", outcome.rollback,
+                                                       sid, ex.effect_id))
+    if outcome.failure is not None:
+        assert ex.effect_id is not None
+        return _remember(batch, call_id, guard.failure(request, str(outcome.value.content), outcome.rollback, sid,
+                                                       ex.effect_id))
+    if ex.effect_id is None:
+        return _remember(batch, call_id, outcome.value)
+    return _remember(batch, call_id, guard.committed(step, outcome.value))
+
+
+def _admitted(request: Any) -> ToolMessage | None:
+    """None if ``request`` is exactly the call UndoLog let through (and not run yet), else the refusal.
+
+    Checked at the innermost ``execute``: a wrapper inside UndoLog's could otherwise switch the tool or
+    its arguments after the gate (LangChain #40166) or run a logged call a second time.
+    """
+    admit = _ADMIT.get()
+    call = request.tool_call
+    problem = None
+    if admit is None:
+        problem = "it was not let through UndoLog's gate"
+    elif call["name"] != admit.name or request.tool is not admit.tool:
+        problem = f"a wrapper switched the call from {admit.name} to {call['name']} after UndoLog's gate"
+    elif dict(call.get("args") or {}) != admit.args:
+        problem = "a wrapper changed its arguments after UndoLog's gate"
+    elif admit.logged and admit.runs:
+        problem = "a wrapper tried to run it a second time"
+    if problem is None:
+        assert admit is not None
+        admit.runs += 1
+        return None
+    return ToolMessage(content=f"UndoLog refused {call['name']}: {problem}. It was NOT run.", name=call["name"],
+                       tool_call_id=call["id"], status="error", response_metadata={"undolog": {"refused": "bypass"}})
+
+
+def _remember(batch: _Batch | None, call_id: str | None, out: Any) -> Any:
+    if batch is not None and call_id:
+        with batch.lock:
+            batch.done[call_id] = out
+    return out

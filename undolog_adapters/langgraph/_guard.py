@@ -1,0 +1,299 @@
+"""The guard the node and the middleware share: classification, the thread's session, the decision.
+
+It turns a LangChain tool call into the call driver's decision (``_Run``/``_Reply``/``_Pause``),
+builds the messages the model reads, and records approval decisions given in a resume value. The
+call sequence itself (run, complete, fail, release) is in ``_call``. Imports LangGraph/LangChain,
+``undolog_core`` and the sibling modules.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from langchain_core.messages import ToolMessage
+from langchain_core.tools import BaseTool
+from langgraph.types import interrupt
+
+from undolog_core import AwaitingApproval, Completed, Execute, ToolTier, errors
+from undolog_core._tools import tool_name_of
+
+from .._common import Registrar, TierValue, failure_text, refusal_text, rollback_outcome
+from ._payload import _ONE, ApprovalDecision, ApprovalDecisions, _Pause, payload
+from ._sessions import _chain, _chain_index
+from ._tools import _Box, _capturing, _content_of, _declaration, _function_of, _sibling_call_ids
+
+if TYPE_CHECKING:
+    from undolog_core import UndoLog
+    from undolog_core._saga import RollbackReport
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Run the tool: the engine's ``Execute`` decision, in the thread's current session."""
+
+    execute: Execute
+    session_id: str
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """Do not run the tool: answer with this message (a replayed result)."""
+
+    message: ToolMessage
+
+
+class _Guard:
+    def __init__(
+        self,
+        undolog: UndoLog,
+        *,
+        tiers: Mapping[str, TierValue] | None,
+        compensations: Iterable[Callable[..., Any]],
+        agent_id: str,
+        on_failure: str,
+        session_id: Callable[[Mapping[str, Any]], str] | None,
+    ) -> None:
+        self.registrar = Registrar(undolog, tiers=tiers, compensations=compensations)
+        self.u = undolog
+        self.agent_id = agent_id
+        self.on_failure = on_failure
+        self.session_fn = session_id
+        self.names: dict[str, str] = {}  # LangChain tool name -> UndoLog tool name
+        self.heads: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.create_lock = threading.Lock()
+
+    # -- classification ------------------------------------------------------------------------------
+
+    def classify(self, tools: Iterable[Any]) -> None:
+        """Register every tool with UndoLog; raise ``ToolNotClassified`` naming the first without a tier."""
+        batch: list[tuple[str, Any]] = []
+        for tool in tools:
+            if isinstance(tool, Mapping):
+                # A provider-side tool (a dict) runs at the provider, out of UndoLog's reach.
+                name = str(tool.get("name") or tool.get("type") or tool)
+                policy = self.registrar.policy(name)
+                if policy is None or policy.resolved_tier is not ToolTier.SAFE:
+                    raise errors.ToolNotClassified(name)
+                continue
+            name = tool.name if isinstance(tool, BaseTool) else tool_name_of(tool)
+            if name in self.names:
+                continue
+            batch.append((name, tool))
+        missing = [
+            n for n, t in batch
+            if self.registrar.policy(n) is None and _declaration(_function_of(t)) is None
+            and _declaration(t) is None and self.registrar.known(n) is None
+        ]
+        if missing:
+            raise errors.ToolNotClassified(missing[0])
+        for name, tool in batch:
+            self.names[name] = self._register(name, tool)
+
+    def _register(self, name: str, tool: Any) -> str:
+        fn = _function_of(tool)
+        if self.registrar.policy(name) is not None:
+            schema = getattr(tool, "tool_call_schema", None) if isinstance(tool, BaseTool) else None
+            self.registrar.register(name, fn if fn is not None else tool, args_schema=schema)
+            return name
+        target = fn if _declaration(fn) is not None else tool
+        if _declaration(target) is not None:
+            # The whole declaration (composite members, probe...) is registered, under its own name.
+            specs = self.u.register(target)
+            return str(getattr(specs[0], "name", name)) if specs and specs[0] is not None else name
+        return name  # registered with this UndoLog by the application itself
+
+    def undolog_name(self, request: Any) -> str | None:
+        return self.names.get(request.tool_call["name"])
+
+    # -- sessions --------------------------------------------------------------------------------------
+
+    def base_id(self, config: Mapping[str, Any]) -> str:
+        conf = config.get("configurable") or {}
+        if conf.get("undolog_session_id"):
+            return str(conf["undolog_session_id"])
+        if self.session_fn is not None:
+            return str(self.session_fn(config))
+        tid = conf.get("thread_id")
+        if tid is None:
+            raise errors.ConfigurationError(
+                "UndoLog keeps one session per LangGraph thread: run the graph with a checkpointer and "
+                "config={'configurable': {'thread_id': ...}}"
+            )
+        return str(tid)
+
+    def head(self, base: str, *, refresh: bool = False) -> str:
+        """The thread's current session id (the newest of ``base``, ``base#2``...), created if new."""
+        with self.lock:
+            n = self.heads.get(base)
+        if n is not None and not refresh:
+            return _chain(base, n)
+        # One creator per process: ToolNode runs a message's calls on parallel threads.
+        with self.create_lock:
+            n = n or 1
+            while True:
+                try:
+                    self.u.sessions.get(_chain(base, n + 1))
+                    n += 1
+                except errors.SessionNotFound:
+                    break
+            sid = _chain(base, n)
+            # Created here with our agent id and failure policy, before any call can create it implicitly.
+            self.u.engine.ensure_session(sid, agent_id=self.agent_id, on_failure=self.on_failure)
+            with self.lock:
+                self.heads[base] = n
+        return sid
+
+    def advance(self, base: str) -> str:
+        """Open the thread's next session (after its current one was rolled back or completed)."""
+        current = self.head(base, refresh=True)
+        n = _chain_index(base, current) + 1
+        sid = _chain(base, n)
+        self.u.engine.ensure_session(sid, agent_id=self.agent_id, on_failure=self.on_failure)
+        with self.lock:
+            self.heads[base] = n
+        return sid
+
+    def session_state(self, sid: str) -> Any:
+        try:
+            return self.u.sessions.get(sid)
+        except errors.SessionNotFound:
+            return None
+
+    # -- one call ------------------------------------------------------------------------------------
+
+    def prepare(self, request: Any, config: Mapping[str, Any]) -> _Run | _Reply | _Pause:
+        call = request.tool_call
+        name = self.names[call["name"]]
+        base = self.base_id(config)
+        sid = self.head(base)
+        try:
+            d = self.u.driver.decide(sid, name, dict(call.get("args") or {}), call_id=call.get("id"))
+        except errors.SessionClosed:
+            after = self._after_close(base, sid, request)
+            if after is None:
+                raise
+            sid = after
+            d = self.u.driver.decide(sid, name, dict(call.get("args") or {}), call_id=call.get("id"))
+        if isinstance(d, Completed):
+            return _Reply(self.message(request, _content_of(d.result), meta={"effect_id": d.effect_id,
+                                                                             "replayed": True}))
+        if isinstance(d, AwaitingApproval):
+            return _Pause(d, sid)
+        return _Run(d, sid)
+
+    def _after_close(self, base: str, sid: str, request: Any) -> str | None:
+        """A call on a rolled-back/completed session: a new plan gets a new session, the old plan none."""
+        known = {e.get("call_id") for e in self.u.sessions.effects(sid)}
+        siblings = _sibling_call_ids(request)
+        if known & siblings:
+            return None  # this call belongs to the plan that was undone: it must not run now
+        return self.advance(base)
+
+    def refusal(self, request: Any, exc: errors.UndoLogError) -> ToolMessage:
+        timeout_at = None
+        if isinstance(exc, errors.ApprovalTimedOut):
+            rec = self._approval(exc.approval_request_id)
+            timeout_at = rec.timeout_at if rec is not None else None
+        text = refusal_text(request.tool_call["name"], exc, timeout_at=timeout_at)
+        return self.message(request, text, status="error", meta={"refused": exc.code})
+
+    def _approval(self, approval_request_id: str) -> Any:
+        try:
+            return self.u.approvals.get(approval_request_id)
+        except errors.UndoLogError:
+            return None
+
+    def runnable(self, request: Any, run: _Run) -> tuple[Any, _Box]:
+        box = _Box()
+        call = request.tool_call
+        overrides: dict[str, Any] = {}
+        if dict(call.get("args") or {}) != run.execute.args:
+            overrides["tool_call"] = {**call, "args": dict(run.execute.args)}
+        if request.tool is not None:
+            tool = _capturing(request.tool, box)
+            if tool is not request.tool:
+                overrides["tool"] = tool
+        return (request.override(**overrides) if overrides else request), box
+
+    def committed(self, run: _Run, out: Any) -> Any:
+        """The tool's message, marked with its effect (what the demo and tests read)."""
+        if isinstance(out, ToolMessage):
+            d = run.execute
+            meta = dict(out.response_metadata or {})
+            meta["undolog"] = {"tier": d.tier.value, "effect_id": d.effect_id, "session_id": run.session_id}
+            return out.model_copy(update={"response_metadata": meta})
+        return out
+
+    def failure(self, request: Any, error: str, report: RollbackReport | None, sid: str,
+                failed_id: str) -> ToolMessage:
+        """What the model reads after a COMPENSABLE/IRREVERSIBLE tool failed, with the rollback's steps."""
+        text = failure_text(request.tool_call["name"], error, rollback_outcome(report, sid, failed_id))
+        steps = [dict(s.__dict__) for s in report.steps] if report is not None else []
+        return self.message(request, text, status="error", meta={"failed": True, "rollback": steps,
+                                                                  "session_id": sid, "effect_id": failed_id})
+
+    def message(self, request: Any, content: Any, *, status: Literal["success", "error"] = "success",
+                meta: dict[str, Any] | None = None) -> ToolMessage:
+        call = request.tool_call
+        return ToolMessage(
+            content=content,
+            name=call["name"],
+            tool_call_id=call["id"],
+            status=status,
+            response_metadata={"undolog": meta or {}},
+        )
+
+    # -- approvals -------------------------------------------------------------------------------------
+
+    def ask(self, pauses: Sequence[_Pause], error: str | None) -> str | None:
+        """Pause the graph for ``pauses``; on resume, record the decisions and return any problem."""
+        schema: Any = _ONE if len(pauses) == 1 else ApprovalDecisions
+        value = interrupt(payload(pauses, error), response_schema=schema)
+        return self.apply(value, [p.awaiting for p in pauses])
+
+    def apply(self, value: Any, pending: Sequence[AwaitingApproval]) -> str | None:
+        if isinstance(value, ApprovalDecisions):
+            value = value.decisions
+        pairs: list[tuple[AwaitingApproval, ApprovalDecision]] = []
+        problems: list[str] = []
+        if isinstance(value, ApprovalDecision):
+            pairs = [(pending[0], value)]
+        else:
+            for a in pending:
+                dec = value.get(a.approval_request_id) or (value.get(a.call_id) if a.call_id else None)
+                if dec is not None:
+                    pairs.append((a, dec))
+            if not pairs:
+                problems.append(
+                    "no decision matched a pending request; key the map by approval_request_id (or tool_call_id)"
+                )
+        # Approvals before rejections: a rejection halts the session and cancels what is still pending.
+        pairs.sort(key=lambda p: p[1].decision == "reject")
+        for a, dec in pairs:
+            if dec.decision == "from_store":
+                continue
+            if dec.approval_request_id and dec.approval_request_id != a.approval_request_id:
+                problems.append(
+                    f"the decision names request {dec.approval_request_id}, but the pending one is "
+                    f"{a.approval_request_id} ({a.tool_name})"
+                )
+                continue
+            try:
+                # ApprovalDecision's validator made sure of an approver (and of a reason for a rejection).
+                approver = dec.approver or ""
+                if dec.decision == "approve":
+                    self.u.approvals.approve(a.approval_request_id, approver=approver, reason=dec.reason)
+                elif dec.decision == "reject":
+                    self.u.approvals.reject(a.approval_request_id, approver=approver, reason=dec.reason or "")
+                else:
+                    self.u.approvals.modify(a.approval_request_id, approver=approver, args=dec.args or {},
+                                            reason=dec.reason)
+            except errors.ApprovalAlreadyDecided:
+                continue  # decided elsewhere first (or on an earlier run): the store is the authority
+            except errors.UndoLogError as exc:
+                problems.append(f"{a.tool_name} ({a.approval_request_id}): {exc.message}")
+        return "; ".join(problems) or None

@@ -1,0 +1,109 @@
+"""LangChain tool and message plumbing: a tool's function, its raw result, and message content.
+
+Imports ``langchain_core`` only.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.tools import BaseTool
+
+
+class _Box:
+    """Holds the raw return value of one tool run (LangChain turns it into message text)."""
+
+    __slots__ = ("value", "set")
+
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.set = False
+
+
+def _declaration(obj: Any) -> Any:
+    return getattr(obj, "__undolog_spec__", None) if obj is not None else None
+
+
+def _function_of(tool: Any) -> Any:
+    if isinstance(tool, BaseTool):
+        return getattr(tool, "func", None) or getattr(tool, "coroutine", None)
+    return tool
+
+
+def _capturing(tool: BaseTool, box: _Box) -> BaseTool:
+    """A copy of ``tool`` whose function also drops its raw return value into ``box``.
+
+    LangChain turns a tool's return value into message text; compensations need the value itself
+    (the message id to recall, say), so it is taken before that conversion.
+    """
+    func = getattr(tool, "func", None)
+    coro = getattr(tool, "coroutine", None)
+    if func is None and coro is None:
+        return tool
+    update: dict[str, Any] = {}
+    if func is not None:
+
+        @functools.wraps(func)
+        def f(*args: Any, **kwargs: Any) -> Any:
+            out = func(*args, **kwargs)
+            box.value, box.set = out, True
+            return out
+
+        update["func"] = f
+    if coro is not None:
+
+        @functools.wraps(coro)
+        async def c(*args: Any, **kwargs: Any) -> Any:
+            out = await coro(*args, **kwargs)
+            box.value, box.set = out, True
+            return out
+
+        update["coroutine"] = c
+    try:
+        return tool.model_copy(update=update)
+    except Exception:  # noqa: BLE001 - an exotic tool class: fall back to the message content
+        return tool
+
+
+def _result_of(out: Any) -> Any:
+    """The result to log when the raw value was not captured: the message content, parsed if JSON."""
+    content = out.content if isinstance(out, ToolMessage) else out
+    if isinstance(content, str) and content[:1] in ("{", "["):
+        try:
+            return json.loads(content)
+        except ValueError:
+            return content
+    return content
+
+
+def _content_of(result: Any) -> Any:
+    """Message content for a replayed result, the way LangChain renders a tool's return value."""
+    if isinstance(result, str):
+        return result
+    if isinstance(result, list) and all(
+        isinstance(x, str) or (isinstance(x, dict) and "type" in x) for x in result
+    ):
+        return result
+    try:
+        return json.dumps(result, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(result)
+
+
+def _sibling_call_ids(request: Any) -> set[str]:
+    """Ids of the calls made in the same model message as this one."""
+    call_id = request.tool_call.get("id")
+    state = getattr(request, "state", None)
+    messages = state.get("messages") if isinstance(state, Mapping) else getattr(state, "messages", None)
+    for m in reversed(messages or []):
+        if isinstance(m, HumanMessage):
+            break
+        calls = getattr(m, "tool_calls", None) or []
+        ids = {c.get("id") for c in calls}
+        if call_id in ids:
+            return {i for i in ids if i}
+    return {call_id} if call_id else set()

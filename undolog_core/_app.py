@@ -1,0 +1,98 @@
+"""The one ``--app`` loader: the CLI, the server and anything else that must load an app's compensations use it.
+
+``--app`` (or ``$UNDOLOG_APP``) names where the app's tools and compensations live, so a rollback or a
+recovery run outside the app's own process can call them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from ._undolog import UndoLog
+
+
+def load_app(spec: str | None = None, *, into: UndoLog | None = None) -> UndoLog:
+    """Load the app's UndoLog from ``module:attribute`` (or ``$UNDOLOG_APP``), so compensations are registered.
+
+    The attribute may be the app's ``UndoLog`` or a zero-argument callable returning one: that instance, with
+    everything it registered, is returned. With ``into`` (an UndoLog already open, such as the server's), the
+    spec may instead name what to register into it: a function taking the UndoLog, a list of decorated tools
+    and compensations, one of them, or a bare ``module`` (every decorated tool and compensation it defines).
+
+    Args:
+        spec: ``module:attribute`` (or ``module`` with ``into``); default ``$UNDOLOG_APP``.
+        into: The UndoLog to register into when the spec does not name an UndoLog of its own.
+
+    Returns:
+        The app's UndoLog, or ``into`` after registering into it.
+
+    Raises:
+        ConfigurationError: No spec, a module or attribute that cannot be found, or something unusable.
+
+    Example:
+        >>> undolog = load_app("support.app:undolog")        # the app's own UndoLog
+        >>> served = load_app("support.tools", into=server)  # registers the module's tools into ``server``
+    """
+    from ._undolog import UndoLog
+
+    spec = spec or os.environ.get("UNDOLOG_APP")
+    if not spec:
+        raise ConfigurationError("no app given: pass --app module:attribute or set UNDOLOG_APP")
+    if ":" not in spec and into is None:
+        raise ConfigurationError(f"--app must look like module:attribute, got {spec!r}")
+    mod_name, _, attr = spec.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot import {mod_name!r} for --app: {exc}") from exc
+    if not attr:
+        assert into is not None
+        found = [v for v in vars(mod).values() if _is_declared(v)]
+        if found:
+            into.register(*found)
+        return into
+    try:
+        obj = getattr(mod, attr)
+    except AttributeError:
+        raise ConfigurationError(f"module {mod_name!r} has no attribute {attr!r}") from None
+    if isinstance(obj, UndoLog):
+        return obj
+    if into is not None:
+        if _is_declared(obj):
+            into.register(obj)
+            return into
+        if isinstance(obj, list | tuple | set):
+            into.register(*obj)
+            return into
+        if callable(obj) and _arity(obj) == 1:
+            obj(into)
+            return into
+    if callable(obj) and not _is_declared(obj) and _arity(obj) in (0, None):
+        obj = obj()
+    if not isinstance(obj, UndoLog):
+        what = (
+            "an UndoLog (or a factory returning one), a function taking the UndoLog, a list of tools, or a "
+            "decorated tool"
+            if into is not None
+            else "an UndoLog (or a zero-argument factory returning one)"
+        )
+        raise ConfigurationError(f"--app {spec} must name {what} (got {type(obj).__name__})")
+    return obj
+
+
+def _is_declared(v: Any) -> bool:
+    return hasattr(v, "__undolog_spec__") or hasattr(v, "__undolog_compensation__")
+
+
+def _arity(fn: Any) -> int | None:
+    """How many parameters ``fn`` takes; None when it cannot be told (a builtin, say)."""
+    try:
+        return len(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None

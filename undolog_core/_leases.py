@@ -1,0 +1,127 @@
+"""Who this UndoLog is, what it is working on right now, and the leases that tell other processes so.
+
+An owner string names the process (host, pid, process start time) and the UndoLog instance inside it. Every effect
+in flight, undo entry being compensated and rollback being walked carries its owner and a lease, renewed in the
+background every third of ``lease_seconds``. ``owner_alive`` is how recovery and the saga tell a live worker from
+an abandoned one: for an owner in this very process, by asking the instance itself (no waiting for a lease).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Protocol
+
+from ._store import Owner, new_id, utcnow
+
+# Every live Leases of this process, by instance id: a second UndoLog in the same process can tell a live call of
+# the first from an abandoned one.
+_LIVE: weakref.WeakValueDictionary[str, Leases] = weakref.WeakValueDictionary()
+
+
+class LeaseStore(Protocol):
+    def renew_leases(self, owner: str, effects: list[str], undos: list[int], rolling: list[str],
+                     until: dt.datetime) -> None: ...
+
+
+def owner_alive(
+    owner: str | None, lease: dt.datetime | None, *, effect_id: str | None = None, undo_id: int | None = None,
+    rolling: str | None = None,
+) -> bool:
+    """Whether the owner of an in-flight effect (or undo entry, or rollback of the session ``rolling``) may still
+    be working on it."""
+    if not owner:
+        return False
+    parts = owner.split("|")
+    process, instance = "|".join(parts[:3]), parts[3] if len(parts) > 3 else ""
+    if process == Owner.me():
+        mine = _LIVE.get(instance)
+        if mine is None:
+            return False  # that UndoLog of ours was closed: nobody will finish it
+        if effect_id is not None:
+            return effect_id in mine.inflight
+        if undo_id is not None:
+            return undo_id in mine.compensating
+        if rolling is not None:
+            return rolling in mine.rolling
+        return lease is not None and lease > utcnow()
+    if Owner.is_dead_locally(process):
+        return False
+    return lease is not None and lease > utcnow()
+
+
+class LazyLoop:
+    """A background loop started on first use (an UndoLog that never writes starts no thread).
+
+    The loop only ends when ``stop()`` is called, so once started it is trusted without asking the thread
+    (``is_alive`` is a lock round trip, and this is asked on every COMPENSABLE call).
+    """
+
+    def __init__(self, name: str, period: float, step: Callable[[], None]) -> None:
+        self.name = name
+        self.period = period
+        self._step = step
+        self._started = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def ensure(self) -> None:
+        if self._started:
+            return
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                self._started = True
+                return
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+            self._started = True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self._step()
+            except Exception:  # noqa: BLE001, S112 - retried next period (a lease is long, a queued mark is kept)
+                continue
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._started = False
+
+
+class Leases:
+    """This UndoLog's identity and its work in progress, with the loop that renews their leases.
+
+    Example:
+        >>> leases = Leases(store, lease_seconds=30)
+        >>> leases.inflight.add(effect_id); leases.start()   # renewed until discarded
+    """
+
+    def __init__(self, store: LeaseStore, lease_seconds: float) -> None:
+        self._store = store
+        self.lease_seconds = lease_seconds
+        self.instance = new_id()[:12]
+        self.owner = f"{Owner.me()}|{self.instance}"
+        self.inflight: set[str] = set()  # effects whose tool runs (or whose mark waits) here
+        self.compensating: set[int] = set()  # undo entries whose compensation runs here
+        self.rolling: set[str] = set()  # sessions whose rollback this instance walks
+        self._loop = LazyLoop("undolog-lease", max(0.05, lease_seconds / 3.0), self._renew)
+        _LIVE[self.instance] = self
+
+    def until(self) -> dt.datetime:
+        """The end of a lease taken now."""
+        return utcnow() + dt.timedelta(seconds=self.lease_seconds)
+
+    def start(self) -> None:
+        self._loop.ensure()
+
+    def _renew(self) -> None:
+        effects, undos, rolling = list(self.inflight), list(self.compensating), list(self.rolling)
+        if effects or undos or rolling:
+            self._store.renew_leases(self.owner, effects, undos, rolling, self.until())
+
+    def stop(self) -> None:
+        self._loop.stop()

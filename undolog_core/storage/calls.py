@@ -1,0 +1,258 @@
+"""The engine's statements: sessions, the pre-write's general path, re-issues, claims, approvals raised, the
+commit mark's general path, failures, halts and lease renewals. The hot path's two statements (pre-write and
+commit mark) are per database, in ``sqlite.py`` and ``postgres.py``."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import IntegrityError
+
+from .. import _schema as t
+from .._pool import IntegrityConflict
+from .._schema import IN_FLIGHT, WRITABLE, EffectState, RequestState, SessionState
+from .._store import Store, utcnow
+from ..errors import InvalidEffectState
+from .audit import AuditSQL, OutboxItem
+
+_E = t.effect_log
+_S = t.sessions
+
+
+class CallsSQL(Store):
+    if TYPE_CHECKING:  # provided by AuditSQL in Storage
+        def append_event_in(self, conn: Connection, *, subject: str, action: str, actor: str,
+                            payload: Mapping[str, Any], approval_request_id: str | None = None,
+                            outbox: Iterable[OutboxItem] = (), now: dt.datetime | None = None) -> int: ...
+
+    # -- sessions ------------------------------------------------------------------------------------
+
+    def get_or_create_session(self, session_id: str, *, create: bool, values: Mapping[str, Any]) -> Any:
+        """The session's row; with ``create``, made first when missing (a concurrent creator's row wins)."""
+        with self.tx() as conn:
+            row = conn.execute(sa.select(_S).where(_S.c.session_id == session_id)).first()
+            if row is None and create:
+                try:
+                    with conn.begin_nested():
+                        conn.execute(_S.insert().values(session_id=session_id, **values))
+                except IntegrityError:
+                    pass  # another process created it between our read and our insert: use theirs
+                row = conn.execute(sa.select(_S).where(_S.c.session_id == session_id)).one()
+            return row
+
+    def add_call_count(self, session_id: str, n: int, *, missing: Mapping[str, Any]) -> None:
+        """Add ``n`` calls counted in memory; a session known only from SAFE calls is recorded with ``missing``."""
+        with self.tx(fast=True) as conn:
+            res = conn.execute(
+                _S.update().where(_S.c.session_id == session_id).values(tool_calls_total=_S.c.tool_calls_total + n)
+            )
+            if res.rowcount == 0:
+                now = utcnow()
+                conn.execute(_S.insert().values(session_id=session_id, state=SessionState.ACTIVE.value,
+                                                tool_calls_total=n, created_at=now, updated_at=now, **missing))
+
+    def guard_in(self, conn: Connection, session_id: str, count: int, pins: dict[str, int] | None) -> Any:
+        """Inside a write: flush the counted calls (and new pins) and prove the session accepts writes.
+
+        Returns None when it does, else the session's ``state`` and ``halted_reason`` (a session that vanished
+        from the store is an error).
+        """
+        values: dict[str, Any] = {"tool_calls_total": _S.c.tool_calls_total + count}
+        if pins is not None:
+            values["pinned_revisions"] = pins
+        res = conn.execute(
+            _S.update().where(_S.c.session_id == session_id, _S.c.state.in_(WRITABLE)).values(**values)
+        )
+        if res.rowcount == 1:
+            return None
+        row = conn.execute(sa.select(_S.c.state, _S.c.halted_reason).where(_S.c.session_id == session_id)).first()
+        if row is None:
+            raise InvalidEffectState(f"session {session_id!r} vanished from the store")
+        return row
+
+    def halt_in(self, conn: Connection, session_id: str, reason: str, now: dt.datetime) -> None:
+        """The session stops for a person (not once it ended), and the desk is told through the outbox."""
+        conn.execute(
+            _S.update()
+            .where(_S.c.session_id == session_id,
+                   _S.c.state.notin_((SessionState.ROLLED_BACK.value, SessionState.COMPLETED.value)))
+            .values(state=SessionState.HALTED.value, halted_reason=reason, updated_at=now)
+        )
+        AuditSQL.write_outbox_in(conn, [("session.halted", {"session_id": session_id, "reason": reason})], now=now)
+
+    def refresh_awaiting_in(self, conn: Connection, session_id: str, now: dt.datetime) -> str | None:
+        """A session is ``awaiting_approval`` exactly while one of its requests is pending; returns the new state
+        when it changed."""
+        r = t.approval_requests
+        pending = conn.execute(
+            sa.select(sa.func.count()).select_from(r)
+            .where(r.c.session_id == session_id, r.c.state == RequestState.PENDING.value)
+        ).scalar_one()
+        target, source = ((SessionState.AWAITING_APPROVAL, SessionState.ACTIVE) if pending
+                          else (SessionState.ACTIVE, SessionState.AWAITING_APPROVAL))
+        res = conn.execute(
+            _S.update().where(_S.c.session_id == session_id, _S.c.state == source.value)
+            .values(state=target.value, updated_at=now)
+        )
+        return target.value if res.rowcount else None
+
+    # -- effects: the general pre-write, re-issues, claims ----------------------------------------------
+
+    def insert_effect_in(self, conn: Connection, values: Mapping[str, Any]) -> int:
+        """An effect row; its seq (the undo entry's id). On SQLite a COMPENSABLE effect's undo entry is written
+        by the schema's trigger in the same statement; elsewhere call ``insert_undo_in``."""
+        try:
+            key = conn.execute(_E.insert(), dict(values)).inserted_primary_key
+        except IntegrityError as exc:  # the same call id again: the whole transaction is rolled back by the caller
+            raise IntegrityConflict(str(exc.orig)) from exc
+        assert key is not None
+        return int(key[0])
+
+    def insert_undo_in(self, conn: Connection, values: Mapping[str, Any]) -> None:
+        if self.is_postgres:  # SQLite's trigger wrote it with the effect
+            conn.execute(t.undo_stack.insert(), dict(values))
+
+    def call_exists(self, session_id: str, call_id: str) -> bool:
+        with self.read() as conn:
+            return conn.execute(
+                sa.select(_E.c.effect_id).where(_E.c.session_id == session_id, _E.c.call_id == call_id)
+            ).first() is not None
+
+    def effect_by_call(self, session_id: str, call_id: str) -> Any:
+        with self.read() as conn:
+            return conn.execute(
+                sa.select(_E).where(_E.c.session_id == session_id, _E.c.call_id == call_id)
+            ).first()
+
+    def effect_state_in(self, conn: Connection, effect_id: str) -> str | None:
+        state = conn.execute(sa.select(_E.c.state).where(_E.c.effect_id == effect_id)).scalar()
+        return None if state is None else str(state)
+
+    def request_of_effect_in(self, conn: Connection, effect_id: str) -> Any:
+        r = t.approval_requests
+        return conn.execute(
+            sa.select(r.c.approval_request_id, r.c.state, r.c.decision_reason, r.c.decided_by, r.c.approved_args)
+            .where(r.c.effect_id == effect_id)
+        ).first()
+
+    def claim_effect_in(self, conn: Connection, effect_id: str, *, from_state: str, to_state: str, owner: str,
+                        lease_until: dt.datetime, now: dt.datetime) -> bool:
+        """Compare-and-swap an effect into flight (an approved call claimed to run, a released call re-claimed)."""
+        res = conn.execute(
+            _E.update().where(_E.c.effect_id == effect_id, _E.c.state == from_state)
+            .values(state=to_state, owner=owner, lease_until=lease_until, updated_at=now)
+        )
+        return bool(res.rowcount == 1)
+
+    def back_in_flight_in(self, conn: Connection, seq: int) -> None:
+        """The effect ``seq`` is in flight again: on SQLite, move recovery's cursor back to it (see ``_schema``)."""
+        if self.is_postgres:
+            return  # PostgreSQL finds in-flight effects through its partial index
+        rc = t.recovery_cursor
+        conn.execute(
+            rc.update().where(rc.c.cursor_id == 1, rc.c.effect_seq >= seq)
+            .values(effect_seq=seq - 1, version=rc.c.version + 1)
+        )
+
+    def release_effect(self, effect_id: str) -> str | None:
+        """Hand an in-flight call back without an outcome; returns the state it had (None: no such effect)."""
+        now = utcnow()
+        with self.tx() as conn:
+            state = self.effect_state_in(conn, effect_id)
+            if state in IN_FLIGHT:
+                conn.execute(_E.update().where(_E.c.effect_id == effect_id).values(
+                    state=EffectState.RELEASED.value, released_from=state, owner=None, lease_until=None,
+                    updated_at=now))
+            return state
+
+    # -- IRREVERSIBLE --------------------------------------------------------------------------------
+
+    def find_irreversible(self, session_id: str, tool_name: str, call_id: str | None, digest: str) -> Any:
+        """The same call again (by call id), or, without one, the same action still waiting or approved."""
+        e, r = _E, t.approval_requests
+        q = sa.select(e, r.c.approval_request_id, r.c.state.label("req_state"), r.c.approved_args,
+                      r.c.approved_digest, r.c.timeout_at, r.c.decision_reason, r.c.decided_by,
+                      r.c.action_digest).select_from(e.outerjoin(r, r.c.effect_id == e.c.effect_id))
+        with self.read() as conn:
+            if call_id is not None:
+                return conn.execute(q.where(e.c.session_id == session_id, e.c.call_id == call_id)).first()
+            return conn.execute(
+                q.where(
+                    e.c.session_id == session_id,
+                    e.c.tool_name == tool_name,
+                    e.c.state.in_((EffectState.AWAITING_APPROVAL.value, EffectState.APPROVED.value)),
+                    sa.or_(e.c.args_digest == digest, r.c.approved_digest == digest),
+                ).order_by(e.c.created_at)
+            ).first()
+
+    def recent_effects_in(self, conn: Connection, session_id: str, n: int) -> list[Any]:
+        """The session's last ``n`` logged calls, oldest first (the approval request's context)."""
+        rows = conn.execute(
+            sa.select(_E.c.tool_name, _E.c.tier, _E.c.state, _E.c.args_snapshot, _E.c.created_at)
+            .where(_E.c.session_id == session_id).order_by(_E.c.created_at.desc()).limit(n)
+        ).all()
+        return list(reversed(rows))
+
+    def insert_request_in(self, conn: Connection, record: Mapping[str, Any], now: dt.datetime, *,
+                          actor: str, payload: dict[str, Any]) -> None:
+        """An approval request, its session waiting, and the audited ``requested`` event with its outbox row."""
+        request_id = record["approval_request_id"]
+        conn.execute(t.approval_requests.insert(), dict(record))
+        conn.execute(
+            _S.update().where(_S.c.session_id == record["session_id"], _S.c.state == SessionState.ACTIVE.value)
+            .values(state=SessionState.AWAITING_APPROVAL.value, updated_at=now)
+        )
+        self.append_event_in(conn, subject=f"approval:{request_id}", approval_request_id=request_id,
+                             action="requested", actor=actor, payload=payload,
+                             outbox=[("approval.requested", payload)], now=now)
+
+    # -- outcomes ------------------------------------------------------------------------------------
+
+    def mark_committed(self, effect_id: str, text: str, now: dt.datetime, *, fast: bool) -> str | None:
+        """The commit mark's general path; None when written, else the effect's state (or "" when it is gone)."""
+        with self.tx(fast=fast) as conn:
+            res = conn.execute(
+                _E.update().where(_E.c.effect_id == effect_id, _E.c.state.in_(IN_FLIGHT))
+                .values(state=EffectState.COMMITTED.value, result_snapshot=json.loads(text), owner=None,
+                        lease_until=None, updated_at=now)
+            )
+            if res.rowcount == 1:
+                return None
+            return self.effect_state_in(conn, effect_id) or ""
+
+    def mark_failed(self, effect_id: str, error: str, now: dt.datetime) -> tuple[str | None, Any]:
+        """Record a failure: (None, the session's policy row) when written, else (its state or "", None)."""
+        with self.tx() as conn:
+            res = conn.execute(
+                _E.update().where(_E.c.effect_id == effect_id, _E.c.state.in_(IN_FLIGHT))
+                .values(state=EffectState.FAILED.value, error=error, owner=None, lease_until=None, updated_at=now)
+            )
+            if res.rowcount != 1:
+                return self.effect_state_in(conn, effect_id) or "", None
+            row = conn.execute(
+                sa.select(_E.c.session_id, _E.c.tier, _S.c.on_failure)
+                .select_from(_E.join(_S, _S.c.session_id == _E.c.session_id))
+                .where(_E.c.effect_id == effect_id)
+            ).one()
+            return None, row
+
+    # -- leases --------------------------------------------------------------------------------------
+
+    def renew_leases(self, owner: str, effects: list[str], undos: list[int], rolling: list[str],
+                     until: dt.datetime) -> None:
+        with self.tx(fast=True) as conn:
+            if effects:
+                conn.execute(_E.update().where(_E.c.effect_id.in_(effects), _E.c.owner == owner)
+                             .values(lease_until=until))
+            if undos:
+                u = t.undo_stack
+                conn.execute(u.update().where(u.c.undo_id.in_(undos), u.c.owner == owner).values(lease_until=until))
+            if rolling:
+                rb = t.rollbacks
+                conn.execute(rb.update().where(rb.c.session_id.in_(rolling), rb.c.owner == owner)
+                             .values(lease_until=until))
