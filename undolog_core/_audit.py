@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import datetime as dt
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigurationError
-from .storage.audit import GENESIS_HASH, AuditSQL, OutboxItem, event_hash
-
-if TYPE_CHECKING:
-    from ._store import Store
+from .storage.audit import GENESIS_HASH, AuditSQL, event_hash
 
 
 @dataclass(frozen=True)
@@ -61,31 +54,4 @@ def verify(storage: AuditSQL) -> AuditReport:
     return AuditReport(True, count)
 
 
-# -- the engine's and the saga's spelling, until they call the storage directly ----------------------
-
-
-def append_event(
-    conn: Any,
-    store: Store,
-    *,
-    subject: str,
-    action: str,
-    actor: str,
-    payload: Mapping[str, Any],
-    approval_request_id: str | None = None,
-    outbox: Iterable[OutboxItem] = (),
-    now: dt.datetime | None = None,
-) -> int:
-    """``store.append_event_in(conn, ...)``: one audit event (and its outbox rows) in the caller's transaction."""
-    if not isinstance(store, AuditSQL):
-        raise ConfigurationError("UndoLog works on a Storage (undolog_core.storage.open_storage), not a bare Store")
-    return store.append_event_in(conn, subject=subject, action=action, actor=actor, payload=payload,
-                                 approval_request_id=approval_request_id, outbox=outbox, now=now)
-
-
-def write_outbox(conn: Any, items: Iterable[OutboxItem], *, now: dt.datetime | None = None) -> None:
-    """``AuditSQL.write_outbox_in``: outbox rows in the caller's transaction."""
-    AuditSQL.write_outbox_in(conn, items, now=now)
-
-
-__all__ = ["GENESIS_HASH", "AuditReport", "append_event", "event_hash", "verify", "write_outbox"]
+__all__ = ["GENESIS_HASH", "AuditReport", "event_hash", "verify"]

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from undolog_core import ApprovalRecord, AwaitingApproval, OrgPolicy, UndoLog, _migrate, errors
 from undolog_core import _schema as t
-from undolog_core._audit import append_event, verify
+from undolog_core._audit import verify
 from undolog_core._store import Store, utcnow
 from undolog_core.storage import (
     ApprovalsSQL,
@@ -143,7 +143,7 @@ def test_concurrent_appends_keep_one_chain(undolog):
     def writer(k: int) -> None:
         for i in range(10):
             with undolog.store.tx() as c:
-                append_event(c, undolog.store, subject=f"w{k}", action="test", actor=f"w{k}", payload={"i": i})
+                undolog.store.append_event_in(c, subject=f"w{k}", action="test", actor=f"w{k}", payload={"i": i})
 
     threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
     for th in threads:
