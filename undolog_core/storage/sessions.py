@@ -1,4 +1,5 @@
-"""The sessions' SQL: reads for people, state changes, halting, resuming and re-pinning (the last two audited)."""
+"""The sessions' SQL: reads for people, state changes, resuming and re-pinning (the last two audited). Halting and
+the awaiting-approval refresh are the engine's (``CallsSQL.halt_in``, ``refresh_awaiting_in``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from .records import SessionRecord, StateChange
 
 if TYPE_CHECKING:
     from .audit import OutboxItem
+
 
 def _session_record(row: Any) -> SessionRecord:
     return SessionRecord(
@@ -40,8 +42,6 @@ class SessionsSQL(Store):
                             outbox: Iterable[OutboxItem] = (), now: dt.datetime | None = None) -> int: ...
 
         # provided by CallsSQL in Storage
-        def halt_in(self, conn: Connection, session_id: str, reason: str, now: dt.datetime) -> None: ...
-
         def refresh_awaiting_in(self, conn: Connection, session_id: str, now: dt.datetime) -> str | None: ...
 
     # -- reads ---------------------------------------------------------------------------------------
