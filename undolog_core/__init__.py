@@ -21,6 +21,7 @@ from ._outbox import OutboxEvent
 from ._policy import OrgPolicy
 from ._recovery import ProbeContext, RecoveryReport
 from ._saga import CompensationContext, RollbackReport, RollbackStep
+from ._schema import EffectState, RequestState, SessionState, UndoState
 from ._session import Session, SessionRecord
 from ._tools import CompensationDescriptor, ToolSpec, ToolTier, compensation, undolog_tool
 from ._undolog import UndoLog
@@ -50,22 +51,26 @@ __all__ = [
     "CompensationContext",
     "CompensationDescriptor",
     "Completed",
+    "EffectState",
     "Execute",
     "OrgPolicy",
     "Outcome",
     "OutboxEvent",
     "ProbeContext",
     "RecoveryReport",
+    "RequestState",
     "RollbackReport",
     "RollbackStep",
     "Session",
     "SessionHalted",
     "SessionRecord",
+    "SessionState",
     "ToolNotClassified",
     "ToolSpec",
     "ToolTier",
     "UndoLog",
     "UndoLogError",
+    "UndoState",
     "compensation",
     "current_call",
     "errors",

@@ -2,30 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-import sqlalchemy as sa
-from sqlalchemy.engine import Connection
-
-from . import _schema as t
-from ._audit import append_event
 from ._store import utcnow
 from .errors import PolicyInvalid
+from .storage.records import OrgPolicy
 
 if TYPE_CHECKING:
-    from ._undolog import UndoLog
-
-
-@dataclass(frozen=True)
-class OrgPolicy:
-    approval_timeout_seconds: int
-    auto_approve_on_timeout: bool
-    context_calls: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
+    from .storage.policy import PolicySQL
 
 _LIMITS = {"approval_timeout_seconds": (1, 30 * 24 * 3600), "context_calls": (0, 1000)}
 
@@ -38,16 +22,15 @@ class PolicyService:
         OrgPolicy(approval_timeout_seconds=900, auto_approve_on_timeout=False, context_calls=10)
     """
 
-    def __init__(self, undolog: UndoLog) -> None:
-        self._u = undolog
+    def __init__(self, storage: PolicySQL) -> None:
+        self._storage = storage
 
-    def read(self, conn: Connection) -> OrgPolicy:
-        row = conn.execute(sa.select(t.org_policy).where(t.org_policy.c.policy_id == 1)).one()
-        return OrgPolicy(int(row.approval_timeout_seconds), bool(row.auto_approve_on_timeout), int(row.context_calls))
+    def read(self, conn: Any) -> OrgPolicy:
+        """The policy inside the caller's transaction (``PolicySQL.policy_in``)."""
+        return self._storage.policy_in(conn)
 
     def get(self) -> OrgPolicy:
-        with self._u.store.read() as conn:
-            return self.read(conn)
+        return self._storage.get_policy()
 
     def set(self, *, actor: str, **changes: Any) -> OrgPolicy:
         unknown = set(changes) - set(OrgPolicy.__dataclass_fields__)
@@ -81,20 +64,8 @@ class PolicyService:
                 if not lo <= v <= hi:
                     raise PolicyInvalid(f"{k} must be between {lo} and {hi}, got {v}", fields=[k])
             clean[k] = v
-        now = utcnow()
-        with self._u.store.tx() as conn:
-            before = self.read(conn)
-            conn.execute(
-                t.org_policy.update().where(t.org_policy.c.policy_id == 1).values(**clean, updated_at=now, updated_by=actor)
-            )
-            after = self.read(conn)
-            append_event(
-                conn,
-                self._u.store,
-                subject="policy",
-                action="policy.set",
-                actor=actor,
-                payload={"before": before.to_dict(), "after": after.to_dict()},
-                now=now,
-            )
+        _, after = self._storage.set_policy(clean, actor=actor, now=utcnow())
         return after
+
+
+__all__ = ["OrgPolicy", "PolicyService"]

@@ -8,10 +8,6 @@ import socket
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError
-
-from . import _schema as t
 from ._store import utcnow
 from ._tools import (
     CompensationDeclaration,
@@ -23,9 +19,10 @@ from ._tools import (
     tool_name_of,
 )
 from .errors import InvalidDeclaration, ToolNotClassified, ToolNotRegistered
+from .storage.records import ContractRevision
 
 if TYPE_CHECKING:
-    from ._undolog import UndoLog
+    from .storage.registry import RegistrySQL
 
 
 def default_actor() -> str:
@@ -37,8 +34,19 @@ def default_actor() -> str:
 
 
 class Registry:
-    def __init__(self, undolog: UndoLog) -> None:
-        self._u = undolog
+    """The tools and compensations of this process, and their durable contract revisions.
+
+    Example:
+        >>> registry = Registry(storage, note_state=lambda session_id, state: None)
+        >>> registry.register([search_knowledge_base])[0].revision
+        1
+    """
+
+    def __init__(self, storage: RegistrySQL, *, note_state: Callable[[str, str], None]) -> None:
+        """``note_state(session_id, state)``: keeps the in-memory session caches in step when a contract change
+        cancels the approvals a session was waiting for."""
+        self._storage = storage
+        self._note_state = note_state
         self.tools: dict[str, ToolSpec] = {}
         self.by_fn: dict[Any, ToolSpec] = {}
         self.compensations: dict[str, tuple[Callable[..., Any], int]] = {}
@@ -132,65 +140,23 @@ class Registry:
     def _persist(self, specs: list[ToolSpec], actor: str) -> None:
         if not specs:
             return
-        for attempt in range(3):
-            try:
-                self._persist_once(specs, actor)
-                return
-            except IntegrityError:
-                # Another process registered the same revision number first; read again and retry.
-                if attempt == 2:
-                    raise
-
-    def _persist_once(self, specs: list[ToolSpec], actor: str) -> None:
-        reg = t.tool_registry
-        now = utcnow()
-        with self._u.store.tx() as conn:
-            for spec in specs:
-                latest = conn.execute(
-                    sa.select(reg.c.revision, reg.c.fingerprint).where(reg.c.tool_name == spec.name)
-                    .order_by(reg.c.revision.desc()).limit(1)
-                ).first()
-                if latest is not None and latest.fingerprint == spec.fingerprint:
-                    spec.revision = int(latest.revision)
-                    continue
-                spec.revision = 1 if latest is None else int(latest.revision) + 1
-                conn.execute(
-                    reg.insert().values(
-                        tool_name=spec.name,
-                        revision=spec.revision,
-                        tier=spec.tier.value,
-                        fingerprint=spec.fingerprint,
-                        previous_fingerprint=None if latest is None else latest.fingerprint,
-                        contract=spec.contract(),
-                        compensation_name=spec.compensation.name if spec.compensation else None,
-                        compensation_version=spec.compensation.version if spec.compensation else None,
-                        registered_at=now,
-                        registered_by=actor,
-                    )
-                )
-                if latest is not None:
-                    self._cancel_bound(conn, spec, now)
-
-    def _cancel_bound(self, conn: Any, spec: ToolSpec, now: Any) -> None:
-        """Approvals are bound to (fingerprint, arguments): a contract change cancels the ones not yet run."""
-        r = t.approval_requests
-        rows = conn.execute(
-            sa.select(r.c.approval_request_id, r.c.effect_id, r.c.session_id).where(
-                r.c.tool_name == spec.name, r.c.tool_fingerprint != spec.fingerprint,
-                r.c.state.in_(("pending", "approved", "auto_approved")),
+        contracts = [
+            ContractRevision(
+                tool_name=spec.name,
+                tier=spec.tier.value,
+                fingerprint=spec.fingerprint,
+                contract=spec.contract(),
+                compensation_name=spec.compensation.name if spec.compensation else None,
+                compensation_version=spec.compensation.version if spec.compensation else None,
             )
-        ).all()
-        for row in rows:
-            self._u.approvals.cancel(
-                conn, row.approval_request_id, row.effect_id,
-                f"the contract of {spec.name!r} changed (revision {spec.revision}); re-request approval", now,
-            )
-            self._u.engine.refresh_awaiting(conn, row.session_id, now=now)
+            for spec in specs
+        ]
+        revisions, changes = self._storage.register_revisions(contracts, actor=actor, now=utcnow())
+        for spec, rev in zip(specs, revisions, strict=True):
+            spec.revision = rev.revision
+        for change in changes:
+            self._note_state(change.session_id, change.state.value)
 
     def history(self, tool_name: str | None = None) -> list[dict[str, Any]]:
-        reg = t.tool_registry
-        q = sa.select(reg).order_by(reg.c.tool_name, reg.c.revision)
-        if tool_name:
-            q = q.where(reg.c.tool_name == tool_name)
-        with self._u.store.read() as conn:
-            return [dict(r._mapping) for r in conn.execute(q)]
+        """Every stored revision (of one tool, or of all), ordered by (tool, revision)."""
+        return self._storage.registry_history(tool_name)

@@ -3,53 +3,22 @@
 from __future__ import annotations
 
 import builtins
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import sqlalchemy as sa
-
-from . import _schema as t
-from ._audit import append_event
 from ._engine import SessionCache
 from ._saga import RollbackReport
 from ._store import utcnow
 from ._tools import ToolTier
 from .errors import ApprovalPending, InvalidSessionState, SessionNotFound
+from .storage.records import SessionRecord, SessionState, StateChange
 
 SAFE = ToolTier.SAFE
 
 if TYPE_CHECKING:
-    import datetime as dt
-
     from ._undolog import UndoLog
-
-
-@dataclass(frozen=True)
-class SessionRecord:
-    session_id: str
-    agent_id: str | None
-    state: str
-    tool_calls_total: int
-    created_by: str | None
-    halted_reason: str | None
-    on_failure: str
-    pinned_revisions: dict[str, int]
-    created_at: dt.datetime
-    updated_at: dt.datetime
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["created_at"] = self.created_at.isoformat()
-        d["updated_at"] = self.updated_at.isoformat()
-        return d
-
-
-def _session_record(row: Any) -> SessionRecord:
-    return SessionRecord(
-        row.session_id, row.agent_id, row.state, int(row.tool_calls_total), row.created_by, row.halted_reason,
-        row.on_failure, dict(row.pinned_revisions or {}), row.created_at, row.updated_at,
-    )
+    from .storage.sessions import SessionsSQL
 
 
 class Session:
@@ -101,7 +70,7 @@ class Session:
     def complete(self) -> None:
         """End the session: it accepts no more calls and stays in the log as ``completed``."""
         self._u.engine.flush_counts(self.id)
-        self._u.sessions.set_state(self.id, "completed", allowed=("active",))
+        self._u.sessions.set_state(self.id, SessionState.COMPLETED, allowed=(SessionState.ACTIVE,))
 
     def revalidate(self, *, actor: str) -> dict[str, Any]:
         return self._u.sessions.revalidate(self.id, actor=actor)
@@ -134,17 +103,45 @@ class Session:
 
 
 class SessionService:
-    """Read and resolve sessions (used by the CLI and the server too)."""
+    """Read and resolve sessions (used by the CLI and the server too).
 
-    def __init__(self, undolog: UndoLog) -> None:
-        self._u = undolog
+    Example:
+        >>> undolog.sessions.resume("ticket-1042", actor="ana", reason="checked the refund by hand")
+        SessionRecord(session_id='ticket-1042', ..., state=<SessionState.ACTIVE: 'active'>, ...)
+    """
+
+    def __init__(
+        self,
+        storage: SessionsSQL,
+        *,
+        flush_marks: Callable[[], None],
+        current_pins: Callable[[], Mapping[str, int]],
+        note_state: Callable[[str, str], None],
+        note_pins: Callable[[str, Mapping[str, int]], None],
+    ) -> None:
+        """Args:
+            storage: the sessions' statements.
+            flush_marks: writes this process's deferred commit marks, so a read sees every call that ran.
+            current_pins: the contract revision of each tool loaded in this process.
+            note_state: ``(session_id, state)``, keeps the in-memory session caches in step with the states
+                written here.
+            note_pins: the same for a session's pinned revisions.
+        """
+        self._storage = storage
+        self._flush_marks = flush_marks
+        self._current_pins = current_pins
+        self._note_state = note_state
+        self._note_pins = note_pins
+
+    def _changed(self, changes: Iterable[StateChange]) -> None:
+        for change in changes:
+            self._note_state(change.session_id, change.state.value)
 
     def get(self, session_id: str) -> SessionRecord:
-        with self._u.store.read() as conn:
-            row = conn.execute(sa.select(t.sessions).where(t.sessions.c.session_id == session_id)).first()
-        if row is None:
+        rec = self._storage.get_session(session_id)
+        if rec is None:
             raise SessionNotFound(session_id)
-        return _session_record(row)
+        return rec
 
     def list(
         self,
@@ -155,101 +152,52 @@ class SessionService:
         limit: int = 200,
         offset: int = 0,
     ) -> builtins.list[SessionRecord]:
-        """Sessions newest first, optionally of one state, agent or creator; ``offset`` pages.
+        """Sessions newest first, optionally of one state, agent or creator; ``offset`` pages (a state no session
+        can be in finds none).
 
         Example:
             >>> undolog.sessions.list(state="halted", agent_id="support-bot", limit=50)
         """
-        q = sa.select(t.sessions).order_by(t.sessions.c.created_at.desc(), t.sessions.c.session_id)
-        q = q.limit(limit).offset(offset)
-        if state:
-            q = q.where(t.sessions.c.state == state)
-        if agent_id:
-            q = q.where(t.sessions.c.agent_id == agent_id)
-        if created_by:
-            q = q.where(t.sessions.c.created_by == created_by)
-        with self._u.store.read() as conn:
-            return [_session_record(r) for r in conn.execute(q)]
+        if state and state not in [s.value for s in SessionState]:
+            return []
+        return self._storage.list_sessions(state=SessionState(state) if state else None, agent_id=agent_id,
+                                           created_by=created_by, limit=limit, offset=offset)
 
     def effects(self, session_id: str) -> builtins.list[dict[str, Any]]:
         """The session's timeline: every logged effect, oldest first, with its undo entry."""
         self.get(session_id)
-        self._u.engine.flush_marks()
-        e, u = t.effect_log, t.undo_stack
-        with self._u.store.read() as conn:
-            rows = conn.execute(
-                sa.select(e, u.c.undo_id, u.c.compensation_name, u.c.state.label("undo_state"),
-                          u.c.attempts.label("undo_attempts"), u.c.last_error.label("undo_error"))
-                .select_from(e.outerjoin(u, u.c.undo_id == e.c.seq))
-                .where(e.c.session_id == session_id).order_by(e.c.created_at, e.c.seq)
-            ).all()
-        return [dict(r._mapping) for r in rows]
+        self._flush_marks()
+        return self._storage.session_effects(session_id)
 
     def set_state(self, session_id: str, state: str, *, allowed: tuple[str, ...]) -> None:
-        with self._u.store.tx() as conn:
-            res = conn.execute(
-                t.sessions.update().where(t.sessions.c.session_id == session_id, t.sessions.c.state.in_(allowed))
-                .values(state=state, updated_at=utcnow())
-            )
-            if res.rowcount != 1:
-                cur = self.get(session_id).state
-                raise InvalidSessionState(f"session {session_id!r} is {cur}; it cannot become {state}")
-        sc = self._u.engine.cached(session_id)
-        if sc is not None:
-            sc.state = state
+        """Move the session to ``state`` if it is in one of ``allowed``.
+
+        Raises:
+            InvalidSessionState: it is in another state.
+        """
+        target = SessionState(state)
+        if not self._storage.set_session_state(
+            session_id, target, allowed=[SessionState(a) for a in allowed], now=utcnow()
+        ):
+            cur = self.get(session_id).state
+            raise InvalidSessionState(f"session {session_id!r} is {cur}; it cannot become {target}")
+        self._note_state(session_id, target.value)
 
     def resume(self, session_id: str, *, actor: str, reason: str | None = None) -> SessionRecord:
         """A person looked at a halted session and lets it go on (audited)."""
-        now = utcnow()
-        with self._u.store.tx() as conn:
-            row = conn.execute(
-                self._u.store.for_update(sa.select(t.sessions).where(t.sessions.c.session_id == session_id))
-            ).first()
-            if row is None:
-                raise SessionNotFound(session_id)
-            if row.state != "halted":
-                raise InvalidSessionState(f"session {session_id!r} is {row.state}, not halted; nothing to resume")
-            conn.execute(
-                t.sessions.update().where(t.sessions.c.session_id == session_id)
-                .values(state="active", halted_reason=None, updated_at=now)
-            )
-            self._u.engine.refresh_awaiting(conn, session_id, now=now)
-            append_event(conn, self._u.store, subject=f"session:{session_id}", action="session.resume", actor=actor,
-                         payload={"was_halted_because": row.halted_reason, "reason": reason}, now=now)
-        sc = self._u.engine.cached(session_id)
-        if sc is not None:
-            sc.state = "active"
+        self._changed(self._storage.resume_session(session_id, actor=actor, reason=reason, now=utcnow()))
         return self.get(session_id)
 
     def revalidate(self, session_id: str, *, actor: str) -> dict[str, Any]:
-        """Pin the session to the contracts registered in this process now (audited); returns what changed."""
-        now = utcnow()
-        current = self._u.engine.current_pins()
-        with self._u.store.tx() as conn:
-            row = conn.execute(
-                self._u.store.for_update(sa.select(t.sessions).where(t.sessions.c.session_id == session_id))
-            ).first()
-            if row is None:
-                raise SessionNotFound(session_id)
-            old = {k: int(v) for k, v in (row.pinned_revisions or {}).items()}
-            if not current:
-                current = dict(old)
-                reg = t.tool_registry
-                latest = conn.execute(
-                    sa.select(reg.c.tool_name, sa.func.max(reg.c.revision)).group_by(reg.c.tool_name)
-                ).all()
-                current.update({n: int(r) for n, r in latest})
-            changed = {k: {"from": old.get(k), "to": v} for k, v in current.items() if old.get(k) != v}
-            conn.execute(
-                t.sessions.update().where(t.sessions.c.session_id == session_id)
-                .values(pinned_revisions=current, updated_at=now)
-            )
-            append_event(conn, self._u.store, subject=f"session:{session_id}", action="session.revalidate",
-                         actor=actor, payload={"changed": changed}, now=now)
-        sc = self._u.engine.cached(session_id)
-        if sc is not None:
-            sc.pins = dict(current)
-        return changed
+        """Pin the session to the contracts registered in this process now (audited); returns what changed.
+
+        A process with no tools loaded (the CLI without ``--app``) pins every tool to its newest stored revision.
+        """
+        changed, pins = self._storage.revalidate_session(
+            session_id, actor=actor, current=self._current_pins(), now=utcnow()
+        )
+        self._note_pins(session_id, pins)
+        return dict(changed)
 
 
 __all__ = ["Session", "SessionRecord", "SessionService"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ._approvals import ApprovalService
@@ -41,19 +41,31 @@ class UndoLog:
     ) -> None:
         if lease_seconds <= 0:
             raise ConfigurationError("lease_seconds must be positive")
+        if not isinstance(store, Storage):
+            raise ConfigurationError(
+                f"UndoLog works on a Storage (undolog_core.storage.open_storage), not a {type(store).__name__}"
+            )
         self.store = store
         self.fast_commit_mark = fast_commit_mark
         self.lease_seconds = float(lease_seconds)
         self.leases = Leases(store, self.lease_seconds)
-        self.registry = Registry(self)
-        self.policy = PolicyService(self)
-        self.approvals = ApprovalService(self)
+        # The services get what they use, not this facade: the storage, each other, and small hooks that keep the
+        # engine's in-memory session caches in step with the states they write (bound late: the engine comes after).
+        self.registry = Registry(store, note_state=self._note_state)
+        self.policy = PolicyService(store)
+        self.approvals = ApprovalService(store, self.registry, note_state=self._note_state)
         self.engine = Engine(store, self.registry, self.policy, self.approvals, self.leases,
                              fast_commit_mark=fast_commit_mark)
         self.saga = Saga(store, self.registry, self.leases, self.approvals, flush_marks=self.engine.flush_marks,
                          note_state=self.engine.note_state)
         self.driver = CallDriver(self.engine, self.saga, self.registry.spec_for)
-        self.sessions = SessionService(self)
+        self.sessions = SessionService(
+            store,
+            flush_marks=self.engine.flush_marks,
+            current_pins=self.engine.current_pins,
+            note_state=self.engine.note_state,
+            note_pins=self._note_pins,
+        )
         self.outbox = OutboxService(store)
         self._recovery = Recovery(store, self.registry, self.saga, self.leases, flush_marks=self.engine.flush_marks,
                                   note_state=self.engine.note_state)
@@ -85,6 +97,14 @@ class UndoLog:
         if migrate:
             store.migrate()
         return cls(store, fast_commit_mark=fast_commit_mark, lease_seconds=lease_seconds)
+
+    def _note_state(self, session_id: str, state: str) -> None:
+        self.engine.note_state(session_id, state)
+
+    def _note_pins(self, session_id: str, pins: Mapping[str, int]) -> None:
+        sc = self.engine.cached(session_id)
+        if sc is not None:
+            sc.pins = dict(pins)
 
     def close(self) -> None:
         try:

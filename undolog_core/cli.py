@@ -30,24 +30,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-import sqlalchemy as sa
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
-from sqlalchemy.engine import make_url
 from typer.core import TyperGroup
 
-from . import _migrate
 from ._app import load_app
 from ._registry import default_actor
 from ._saga import RollbackStep
-from ._schema import REQUEST_STATES, SESSION_STATES
 from ._store import resolve_url
 from ._undolog import UndoLog
 from .errors import ConfigurationError, UndoLogError
+from .storage import DATABASE_ERRORS, database_error_detail, safe_url, sqlite_file
+from .storage.records import RequestState, SessionState
 
 #: Below this many steps a rollback or recovery finishes too fast for a progress bar to help.
 PROGRESS_MIN_STEPS = 5
@@ -85,10 +83,9 @@ class _RootGroup(TyperGroup):
             return super().invoke(ctx)
         except UndoLogError as exc:
             _fail(exc.code, exc.message)
-        except sa.exc.SQLAlchemyError as exc:
+        except DATABASE_ERRORS as exc:
             # Unreachable server, missing schema, locked file: an environment problem, not a bug in UndoLog.
-            detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-            _fail("database_error", f"{type(exc).__name__}: {detail}")
+            _fail("database_error", database_error_detail(exc))
 
 
 def _fail(code: str, message: str, exit_code: int = 2) -> None:
@@ -187,14 +184,6 @@ def _settings(ctx: typer.Context) -> _Settings:
     return obj
 
 
-def _safe_url(url: str) -> str:
-    """The URL without its password, for messages."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - a URL we cannot parse is shown as given
-        return url
-
-
 def _open(ctx: typer.Context, *, migrate: bool = False) -> UndoLog:
     """The UndoLog a command works on: the app's when ``--app`` is given, else one on ``--db``.
 
@@ -221,15 +210,15 @@ def _open(ctx: typer.Context, *, migrate: bool = False) -> UndoLog:
             wanted = resolve_url(st.db)
             if wanted != u.store.url or (st.schema or None) != (u.store.schema or None):
                 raise ConfigurationError(
-                    f"--app {st.app_spec} uses {_safe_url(u.store.url)}"
+                    f"--app {st.app_spec} uses {safe_url(u.store.url)}"
                     f"{' schema ' + u.store.schema if u.store.schema else ''}, not the --db given "
-                    f"({_safe_url(wanted)}{' schema ' + st.schema if st.schema else ''}); drop --db or point "
+                    f"({safe_url(wanted)}{' schema ' + st.schema if st.schema else ''}); drop --db or point "
                     "both at the same database"
                 )
     else:
         url = resolve_url(st.db)
         if not migrate and url.startswith("sqlite"):
-            path = make_url(url).database or ""
+            path = sqlite_file(url) or ""
             if not Path(path).expanduser().exists():
                 # Connecting would create an empty file; say where we looked instead.
                 raise ConfigurationError(
@@ -240,9 +229,9 @@ def _open(ctx: typer.Context, *, migrate: bool = False) -> UndoLog:
         ctx.find_root().call_on_close(u.close)
     st.undolog = u
     if not migrate:
-        current, head = _migrate.current(u.store.engine), _migrate.head()
+        current, head = u.store.schema_revision(), u.store.head_revision()
         if current != head:
-            where = _safe_url(u.store.url) + (f" (schema {u.store.schema})" if u.store.schema else "")
+            where = u.store.where()
             state = "has no UndoLog tables" if current is None else f"is at schema revision {current}, not {head}"
             raise ConfigurationError(f"the database {where} {state}: run `undolog db upgrade`")
     return u
@@ -315,6 +304,7 @@ def _duration(seconds: float) -> str:
 _STATE_STYLES = {
     "active": "green", "completed": "green", "committed": "green", "compensated": "cyan", "approved": "green",
     "auto_approved": "yellow", "awaiting_approval": "yellow", "pending": "yellow", "halted": "bold red",
+    "rolling_back": "yellow",
     "rolled_back": "cyan", "rejected": "red", "timed_out": "red", "cancelled": "dim", "failed": "red",
     "unknown": "bold red", "dead_letter": "bold red", "compensation_failed": "bold red",
 }
@@ -473,10 +463,10 @@ def db_upgrade(
     it starts, ``--server`` applies it now (the server package must be installed).
     """
     u = _open(ctx, migrate=True)
-    before = _migrate.current(u.store.engine)
+    before = u.store.schema_revision()
     u.store.migrate()
-    after = _migrate.current(u.store.engine)
-    where = _safe_url(u.store.url) + (f" (schema {u.store.schema})" if u.store.schema else "")
+    after = u.store.schema_revision()
+    where = u.store.where()
     if before == after:
         typer.echo(f"{where} is already at the latest schema revision ({after})")
     else:
@@ -547,9 +537,6 @@ def _registry_row(r: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # -- sessions -------------------------------------------------------------------------------------
-
-
-SessionState = enum.Enum("SessionState", {s: s for s in SESSION_STATES}, type=str)  # type: ignore[misc]
 
 
 @sessions_app.command("list")
@@ -727,8 +714,9 @@ def sessions_revalidate(
 # -- approvals ------------------------------------------------------------------------------------
 
 
+#: ``--state`` of ``approvals list``: a request state, or every state.
 ApprovalState = enum.Enum(  # type: ignore[misc]
-    "ApprovalState", {s: s for s in (*REQUEST_STATES, "all")}, type=str
+    "ApprovalState", {**{s.value: s.value for s in RequestState}, "all": "all"}, type=str
 )
 
 
@@ -742,7 +730,7 @@ def _approvals_table(recs: list[Any], *, title: str) -> _Table:
     table.col("Risk tags", drop=3)
     table.col("Times out", no_wrap=True, drop=2)
     for r in recs:
-        due = _duration(r.seconds_left) if r.state == "pending" else "-"
+        due = _duration(r.seconds_left) if r.state is RequestState.PENDING else "-"
         table.row(r.approval_request_id, _txt(r.tool_name), _state(r.state), r.session_id,
                   _txt(_compact(r.proposed_args)), _txt(", ".join(r.risk_tags)), due)
     return table
@@ -788,7 +776,7 @@ def approvals_show(
         _print_json({**rec.to_dict(), "events": [asdict(e) for e in events]})
         return
     con = _console()
-    due = _duration(rec.seconds_left) if rec.state == "pending" else "-"
+    due = _duration(rec.seconds_left) if rec.state is RequestState.PENDING else "-"
     con.print(_kv([
         ("Request", rec.approval_request_id), ("State", _state(rec.state)),
         ("Tool", f"{rec.tool_name} (revision {rec.tool_revision})"),

@@ -4,14 +4,32 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
-from undolog_core import UndoLog, _migrate, errors
+from undolog_core import ApprovalRecord, AwaitingApproval, OrgPolicy, UndoLog, _migrate, errors
 from undolog_core import _schema as t
-from undolog_core._audit import append_event
+from undolog_core._audit import verify
 from undolog_core._store import Store, utcnow
+from undolog_core.storage import (
+    ApprovalsSQL,
+    AuditSQL,
+    PolicySQL,
+    RegistrySQL,
+    SessionsSQL,
+    Storage,
+    open_storage,
+)
+from undolog_core.storage.audit import GENESIS_HASH, event_hash
+from undolog_core.storage.records import (
+    ContractRevision,
+    EffectState,
+    RequestState,
+    SessionState,
+    StateChange,
+)
 
 CORE_TABLES = {
     "undolog_sessions", "undolog_effect_log", "undolog_undo_stack", "undolog_approval_requests",
@@ -125,7 +143,7 @@ def test_concurrent_appends_keep_one_chain(undolog):
     def writer(k: int) -> None:
         for i in range(10):
             with undolog.store.tx() as c:
-                append_event(c, undolog.store, subject=f"w{k}", action="test", actor=f"w{k}", payload={"i": i})
+                undolog.store.append_event_in(c, subject=f"w{k}", action="test", actor=f"w{k}", payload={"i": i})
 
     threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
     for th in threads:
@@ -192,3 +210,327 @@ def test_a_compensable_effect_is_never_stored_without_its_undo_entry(undolog):
             t.undo_stack.outerjoin(t.effect_log, t.effect_log.c.seq == t.undo_stack.c.undo_id))
             .where(t.effect_log.c.seq.is_(None))).scalar()
     assert (effects, orphans) == (0, 0)
+
+
+# -- the Storage interface: every service's statements, called directly --------------------------------------------
+# These tests are the contract of ``undolog_core.storage.Storage`` for the approvals, audit, registry, policy and
+# session statements; they run unchanged on SQLite and PostgreSQL.
+
+
+def _storage(u: UndoLog) -> Storage:
+    assert isinstance(u.store, Storage)
+    return u.store
+
+
+def _awaiting(u: UndoLog, session_id: str, user: str = "u1", call_id: str | None = None) -> ApprovalRecord:
+    """A real pending approval request, made by the engine for an IRREVERSIBLE call."""
+    d = u.engine.intercept(session_id, "delete_user_account", {"user_id": user}, call_id=call_id)
+    assert isinstance(d, AwaitingApproval)
+    rec = _storage(u).get_request(d.approval_request_id)
+    assert rec is not None and rec.state is RequestState.PENDING
+    return rec
+
+
+def _world(u: UndoLog) -> None:
+    from tests.core.toolkit import setup
+
+    setup(u)
+
+
+def _count(u: UndoLog, table: sa.Table, *where: Any) -> int:
+    with u.store.read() as c:
+        return int(c.execute(sa.select(sa.func.count()).select_from(table).where(*where)).scalar_one())
+
+
+def test_storage_is_one_object_with_every_service_statement(db):
+    u = db.open()
+    st = _storage(u)
+    assert isinstance(st, ApprovalsSQL | AuditSQL | RegistrySQL | PolicySQL | SessionsSQL)
+    assert isinstance(st, Store)
+    assert st.schema_revision() == Storage.head_revision()
+    fresh = open_storage(db.url, schema=db.schema)
+    try:
+        assert isinstance(fresh, Storage) and fresh.get_policy() == st.get_policy()
+    finally:
+        fresh.dispose()
+    with pytest.raises(errors.ConfigurationError, match="Storage"):
+        UndoLog(Store(db.url, schema=db.schema))
+
+
+def test_approve_moves_request_effect_and_session_in_one_transaction(undolog):
+    _world(undolog)
+    st = _storage(undolog)
+    s = undolog.session(agent_id="conf")
+    rec = _awaiting(undolog, s.id)
+    assert st.get_session(s.id).state is SessionState.AWAITING_APPROVAL  # type: ignore[union-attr]
+    outbox_before = _count(undolog, t.outbox)
+    changes = st.decide_request(rec.approval_request_id, action="approve", approver="ana", reason="ok", now=utcnow())
+    assert changes == [StateChange(s.id, SessionState.ACTIVE)]
+    got = st.get_request(rec.approval_request_id)
+    assert got is not None and got.state is RequestState.APPROVED and got.decided_by == "ana"
+    assert got.approved_args == rec.proposed_args
+    assert st.get_session(s.id).state is SessionState.ACTIVE  # type: ignore[union-attr]
+    (effect,) = st.session_effects(s.id)
+    assert effect["state"] == EffectState.APPROVED
+    requested, event = st.request_events(rec.approval_request_id)  # the engine audited the request itself
+    assert requested.action == "requested"
+    assert (event.action, event.actor, event.payload) == ("approve", "ana", {"reason": "ok"})
+    with undolog.store.read() as c:
+        types = c.execute(sa.select(t.outbox.c.event_type).order_by(t.outbox.c.outbox_id)).scalars().all()
+    assert types[outbox_before:] == ["approval.decided"]
+    assert st.list_requests(state=RequestState.APPROVED, session_id=s.id) == [got]
+    assert st.list_requests(state=RequestState.PENDING, session_id=s.id) == []
+
+
+def test_modify_binds_the_edited_arguments_and_audits_both_sets(undolog):
+    _world(undolog)
+    st = _storage(undolog)
+    s = undolog.session()
+    rec = _awaiting(undolog, s.id)
+    st.decide_request(rec.approval_request_id, action="modify", approver="ana", reason=None,
+                      approved_args={"user_id": "u2"}, now=utcnow())
+    got = st.get_request(rec.approval_request_id)
+    assert got is not None and got.approved_args == {"user_id": "u2"} and got.state is RequestState.APPROVED
+    _, event = st.request_events(rec.approval_request_id)
+    assert event.payload == {"reason": None, "args": {"user_id": "u2"}, "proposed_args": {"user_id": "u1"}}
+    with pytest.raises(errors.UndoLogError, match="edited arguments"):
+        st.decide_request(rec.approval_request_id, action="modify", approver="ana", reason=None, now=utcnow())
+
+
+def test_reject_halts_the_session_and_cancels_its_other_requests(undolog):
+    _world(undolog)
+    st = _storage(undolog)
+    s = undolog.session()
+    first = _awaiting(undolog, s.id, "u1", call_id="c1")
+    second = _awaiting(undolog, s.id, "u2", call_id="c2")
+    changes = st.decide_request(first.approval_request_id, action="reject", approver="bo", reason="no", now=utcnow())
+    assert changes == [StateChange(s.id, SessionState.HALTED)]
+    sess = st.get_session(s.id)
+    assert sess is not None and sess.state is SessionState.HALTED and "rejected by bo: no" in (sess.halted_reason or "")
+    assert st.get_request(first.approval_request_id).state is RequestState.REJECTED  # type: ignore[union-attr]
+    other = st.get_request(second.approval_request_id)
+    assert other is not None and other.state is RequestState.CANCELLED and other.decided_by == "undolog"
+    assert [e.action for e in st.request_events(second.approval_request_id)] == ["requested", "cancel"]
+    states = {e["call_id"]: e["state"] for e in st.session_effects(s.id)}
+    assert states == {"c1": EffectState.REJECTED, "c2": EffectState.CANCELLED}
+    with undolog.store.read() as c:
+        types = c.execute(sa.select(t.outbox.c.event_type)).scalars().all()
+    assert "session.halted" in types and "approval.decided" in types
+    # A settled request is not cancelled twice, and no second event is written for it.
+    with undolog.store.tx() as c:
+        assert st.cancel_request_in(c, second.approval_request_id, second.effect_id, "again", utcnow()) is False
+    assert len(st.request_events(second.approval_request_id)) == 2
+
+
+def test_a_request_is_decided_once_when_two_decisions_race(db):
+    u = db.open()
+    _world(u)
+    s = u.session()
+    rec = _awaiting(u, s.id)
+    # Two UndoLogs: two pools, as two processes would have (on SQLite the file's write lock decides, on
+    # PostgreSQL the request's row lock).
+    stores = [_storage(u), _storage(db.open())]
+    barrier = threading.Barrier(len(stores))
+    outcomes: list[str] = []
+
+    def decide(st: Storage, action: str) -> None:
+        barrier.wait()
+        try:
+            st.decide_request(rec.approval_request_id, action=action, approver=action, reason="race", now=utcnow())
+            outcomes.append(action)
+        except errors.ApprovalAlreadyDecided:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=decide, args=(st, a)) for st, a in zip(stores, ("approve", "reject"), strict=True)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(outcomes) == 2 and outcomes.count("refused") == 1
+    winner = next(o for o in outcomes if o != "refused")
+    got = stores[0].get_request(rec.approval_request_id)
+    assert got is not None and got.state is (RequestState.APPROVED if winner == "approve" else RequestState.REJECTED)
+    assert [e.action for e in stores[0].request_events(rec.approval_request_id)] == ["requested", winner]
+    assert u.verify_audit().ok
+
+
+def test_expiry_applies_the_policy_once(undolog):
+    _world(undolog)
+    st = _storage(undolog)
+    later = utcnow() + dt.timedelta(days=40)  # past any timeout the policy allows
+    s1 = undolog.session()
+    timed = _awaiting(undolog, s1.id)
+    assert st.due_request_ids(utcnow()) == []
+    assert st.due_request_ids(later) == [timed.approval_request_id]
+    assert st.expire_request(timed.approval_request_id, utcnow()) is None  # not due yet: nothing happens
+    assert st.expire_request(timed.approval_request_id, later) == [StateChange(s1.id, SessionState.HALTED)]
+    assert st.expire_request(timed.approval_request_id, later) is None  # applied exactly once
+    got = st.get_request(timed.approval_request_id)
+    assert got is not None and got.state is RequestState.TIMED_OUT and got.decided_by == "undolog:timeout"
+    assert st.get_session(s1.id).state is SessionState.HALTED  # type: ignore[union-attr]
+
+    with undolog.store.tx() as c:
+        c.execute(t.org_policy.update().values(auto_approve_on_timeout=True))
+    s2 = undolog.session()
+    auto = _awaiting(undolog, s2.id)
+    changes = st.expire_request(auto.approval_request_id, later)
+    assert changes == [StateChange(s2.id, SessionState.ACTIVE)]
+    got = st.get_request(auto.approval_request_id)
+    assert got is not None and got.state is RequestState.AUTO_APPROVED and got.approved_args == auto.proposed_args
+    assert [(e.action, e.actor) for e in st.request_events(auto.approval_request_id)][1:] == [
+        ("auto_approve", "undolog:timeout-policy")
+    ]
+
+
+def test_audit_append_and_its_outbox_rows_commit_together_or_not_at_all(undolog):
+    st = _storage(undolog)
+    first = st.append_event(subject="s", action="test.one", actor="a", payload={"n": 1})
+    with undolog.store.tx() as c:
+        second = st.append_event_in(c, subject="s", action="test.two", actor="b", payload={"n": 2},
+                                    outbox=[("test.happened", {"n": 2})])
+    assert second == first + 1
+    assert _count(undolog, t.outbox, t.outbox.c.event_type == "test.happened") == 1
+    with pytest.raises(RuntimeError):
+        with undolog.store.tx() as c:
+            st.append_event_in(c, subject="s", action="test.lost", actor="c", payload={},
+                               outbox=[("test.lost", {})])
+            raise RuntimeError("the caller's transaction fails after the append")
+    assert _count(undolog, t.approval_events, t.approval_events.c.action == "test.lost") == 0
+    assert _count(undolog, t.outbox, t.outbox.c.event_type == "test.lost") == 0
+    # The chain as stored recomputes, and the head names its last event.
+    with st.audit_chain() as chain:
+        events = list(chain.events())
+        head = chain.head()
+    prev = GENESIS_HASH
+    for ev in events:
+        assert ev.prev_hash == prev
+        assert ev.hash == event_hash(event_id=ev.event_id, approval_request_id=ev.approval_request_id,
+                                     subject=ev.subject, action=ev.action, actor=ev.actor, payload=ev.payload,
+                                     created_at=ev.created_at, prev_hash=ev.prev_hash)
+        prev = ev.hash
+    assert head == (events[-1].event_id, events[-1].hash) and events[-1].action == "test.two"
+    assert verify(st).ok
+
+
+def test_registry_revisions_are_immutable(undolog):
+    st = _storage(undolog)
+    now = utcnow()
+    v1 = ContractRevision("tool_x", "safe", "f" * 64, {"args_schema": {"type": "object"}, "v": 1}, None, None)
+    v2 = ContractRevision("tool_x", "compensable", "e" * 64, {"args_schema": {"type": "object"}, "v": 2}, "undo_x", 1)
+    (r1,), changes = st.register_revisions([v1], actor="ci", now=now)
+    assert (r1.revision, r1.created, changes) == (1, True, [])
+    (again,), _ = st.register_revisions([v1], actor="someone-else", now=utcnow())
+    assert (again.revision, again.created) == (1, False)  # the same contract is the same revision
+    (r2,), _ = st.register_revisions([v2], actor="ci", now=utcnow())
+    assert (r2.revision, r2.created) == (2, True)
+    history = st.registry_history("tool_x")
+    assert [(h["revision"], h["fingerprint"], h["previous_fingerprint"], h["registered_by"]) for h in history] == [
+        (1, "f" * 64, None, "ci"), (2, "e" * 64, "f" * 64, "ci")
+    ]
+    assert st.contract_of("tool_x", 1) == v1.contract and st.contract_of("tool_x", 2) == v2.contract
+    assert st.contract_of("tool_x", 3) is None
+    assert st.arguments_jsonschema_of("tool_x", 2) == {"type": "object"} and st.arguments_jsonschema_of("x", 1) is None
+    # Going back to the first contract is a third revision, never a rewrite of the first.
+    (r3,), _ = st.register_revisions([v1], actor="ci", now=utcnow())
+    assert r3.revision == 3 and st.registry_history("tool_x")[0] == history[0]
+
+
+def test_a_new_contract_cancels_the_approvals_bound_to_the_old_one(undolog):
+    _world(undolog)
+    st = _storage(undolog)
+    s = undolog.session()
+    rec = _awaiting(undolog, s.id)
+    changed = ContractRevision("delete_user_account", "irreversible", "0" * 64, {"args_schema": {}}, None, None)
+    (rev,), changes = st.register_revisions([changed], actor="ci", now=utcnow())
+    assert rev.revision == 2
+    assert changes == [StateChange(s.id, SessionState.ACTIVE)]
+    got = st.get_request(rec.approval_request_id)
+    assert got is not None and got.state is RequestState.CANCELLED and "changed" in (got.decision_reason or "")
+    assert st.get_session(s.id).state is SessionState.ACTIVE  # type: ignore[union-attr]
+
+
+def test_policy_is_one_row_changed_with_an_audit_event(undolog):
+    st = _storage(undolog)
+    before = st.get_policy()
+    was, now_is = st.set_policy({"context_calls": 3}, actor="admin", now=utcnow())
+    assert was == before and now_is == OrgPolicy(before.approval_timeout_seconds, before.auto_approve_on_timeout, 3)
+    assert st.get_policy() == now_is
+    with undolog.store.read() as c:
+        assert st.policy_in(c) == now_is
+        event = c.execute(sa.select(t.approval_events).where(t.approval_events.c.action == "policy.set")).one()
+    assert event.actor == "admin" and event.subject == "policy"
+    with pytest.raises(sa.exc.IntegrityError):
+        with undolog.store.tx() as c:
+            c.execute(t.org_policy.insert().values(policy_id=2, approval_timeout_seconds=1,
+                                                   auto_approve_on_timeout=False, context_calls=1,
+                                                   updated_at=utcnow(), updated_by="x"))
+    assert _count(undolog, t.org_policy) == 1
+
+
+def test_session_halt_resume_and_state_changes(undolog):
+    st = _storage(undolog)
+    s = undolog.session(agent_id="conf")
+    assert st.get_session("nope") is None
+    with undolog.store.tx() as c:
+        st.halt_in(c, s.id, "a person must look", utcnow())
+    rec = st.get_session(s.id)
+    assert rec is not None and rec.state is SessionState.HALTED and rec.halted_reason == "a person must look"
+    assert st.list_sessions(state=SessionState.HALTED) == [rec]
+    assert _count(undolog, t.outbox, t.outbox.c.event_type == "session.halted") == 1
+    changes = st.resume_session(s.id, actor="ana", reason="looked", now=utcnow())
+    assert changes == [StateChange(s.id, SessionState.ACTIVE)]  # no request pending: it stays active
+    rec = st.get_session(s.id)
+    assert rec is not None and rec.state is SessionState.ACTIVE and rec.halted_reason is None
+    with pytest.raises(errors.InvalidSessionState):
+        st.resume_session(s.id, actor="ana", reason=None, now=utcnow())
+    with pytest.raises(errors.SessionNotFound):
+        st.resume_session("nope", actor="ana", reason=None, now=utcnow())
+    with undolog.store.read() as c:
+        resumes = c.execute(sa.select(t.approval_events.c.payload)
+                            .where(t.approval_events.c.action == "session.resume")).scalars().all()
+    assert resumes == ['{"reason":"looked","was_halted_because":"a person must look"}']
+    # A state change is conditional on the states it is allowed from.
+    assert st.set_session_state(s.id, SessionState.COMPLETED, allowed=[SessionState.HALTED], now=utcnow()) is False
+    assert st.set_session_state(s.id, SessionState.COMPLETED, allowed=[SessionState.ACTIVE], now=utcnow()) is True
+    # An ended session is not halted again.
+    with undolog.store.tx() as c:
+        st.halt_in(c, s.id, "too late", utcnow())
+    assert st.get_session(s.id).state is SessionState.COMPLETED  # type: ignore[union-attr]
+
+
+def test_session_revalidate_repins_and_audits(undolog):
+    st = _storage(undolog)
+    s = undolog.session()
+    st.register_revisions([ContractRevision("tool_y", "safe", "a" * 64, {"args_schema": {}}, None, None)],
+                          actor="ci", now=utcnow())
+    st.register_revisions([ContractRevision("tool_y", "safe", "b" * 64, {"args_schema": {}}, None, None)],
+                          actor="ci", now=utcnow())
+    changed, pins = st.revalidate_session(s.id, actor="ana", current={}, now=utcnow())
+    assert changed == {"tool_y": {"from": None, "to": 2}} and pins["tool_y"] == 2
+    assert st.get_session(s.id).pinned_revisions == pins  # type: ignore[union-attr]
+    changed, pins = st.revalidate_session(s.id, actor="ana", current={"tool_y": 1}, now=utcnow())
+    assert changed == {"tool_y": {"from": 2, "to": 1}} and pins == {"tool_y": 1}
+    assert _count(undolog, t.approval_events, t.approval_events.c.action == "session.revalidate") == 2
+    with pytest.raises(errors.SessionNotFound):
+        st.revalidate_session("nope", actor="ana", current={}, now=utcnow())
+
+
+def test_refresh_awaiting_follows_the_pending_requests(undolog):
+    _world(undolog)
+    st = _storage(undolog)
+    s = undolog.session()
+    rec = _awaiting(undolog, s.id)
+    with undolog.store.tx() as c:
+        assert st.refresh_changes_in(c, s.id, utcnow()) == []  # already awaiting: nothing changes
+        assert st.cancel_pending_in(c, s.id, "test", utcnow()) == 1
+        assert st.refresh_changes_in(c, s.id, utcnow()) == [StateChange(s.id, SessionState.ACTIVE)]
+        assert st.refresh_changes_in(c, s.id, utcnow()) == []
+    assert st.get_session(s.id).state is SessionState.ACTIVE  # type: ignore[union-attr]
+    assert st.get_request(rec.approval_request_id).state is RequestState.CANCELLED  # type: ignore[union-attr]
+
+
+def test_state_enums_are_the_stored_strings():
+    assert t.SESSION_STATES == ("active", "awaiting_approval", "halted", "rolling_back", "rolled_back", "completed")
+    assert t.REQUEST_STATES == ("pending", "approved", "rejected", "timed_out", "auto_approved", "cancelled")
+    assert t.UNDO_STATES == ("armed", "compensating", "compensated", "compensation_failed")
+    assert set(t.EFFECT_STATES) == {s.value for s in EffectState} and "released" in t.EFFECT_STATES

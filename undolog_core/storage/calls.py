@@ -6,25 +6,30 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
 from .. import _schema as t
-from .._audit import append_event, write_outbox
 from .._pool import IntegrityConflict
 from .._schema import IN_FLIGHT, WRITABLE, EffectState, RequestState, SessionState
 from .._store import Store, utcnow
 from ..errors import InvalidEffectState
+from .audit import AuditSQL, OutboxItem
 
 _E = t.effect_log
 _S = t.sessions
 
 
 class CallsSQL(Store):
+    if TYPE_CHECKING:  # provided by AuditSQL in Storage
+        def append_event_in(self, conn: Connection, *, subject: str, action: str, actor: str,
+                            payload: Mapping[str, Any], approval_request_id: str | None = None,
+                            outbox: Iterable[OutboxItem] = (), now: dt.datetime | None = None) -> int: ...
+
     # -- sessions ------------------------------------------------------------------------------------
 
     def get_or_create_session(self, session_id: str, *, create: bool, values: Mapping[str, Any]) -> Any:
@@ -78,7 +83,7 @@ class CallsSQL(Store):
                    _S.c.state.notin_((SessionState.ROLLED_BACK.value, SessionState.COMPLETED.value)))
             .values(state=SessionState.HALTED.value, halted_reason=reason, updated_at=now)
         )
-        write_outbox(conn, [("session.halted", {"session_id": session_id, "reason": reason})], now=now)
+        AuditSQL.write_outbox_in(conn, [("session.halted", {"session_id": session_id, "reason": reason})], now=now)
 
     def refresh_awaiting_in(self, conn: Connection, session_id: str, now: dt.datetime) -> str | None:
         """A session is ``awaiting_approval`` exactly while one of its requests is pending; returns the new state
@@ -202,9 +207,9 @@ class CallsSQL(Store):
             _S.update().where(_S.c.session_id == record["session_id"], _S.c.state == SessionState.ACTIVE.value)
             .values(state=SessionState.AWAITING_APPROVAL.value, updated_at=now)
         )
-        append_event(conn, self, subject=f"approval:{request_id}", approval_request_id=request_id,
-                     action="requested", actor=actor, payload=payload,
-                     outbox=[("approval.requested", payload)], now=now)
+        self.append_event_in(conn, subject=f"approval:{request_id}", approval_request_id=request_id,
+                             action="requested", actor=actor, payload=payload,
+                             outbox=[("approval.requested", payload)], now=now)
 
     # -- outcomes ------------------------------------------------------------------------------------
 
@@ -251,7 +256,3 @@ class CallsSQL(Store):
                 rb = t.rollbacks
                 conn.execute(rb.update().where(rb.c.session_id.in_(rolling), rb.c.owner == owner)
                              .values(lease_until=until))
-
-    def append_event_in(self, conn: Connection, **kw: Any) -> None:
-        """An audited event (hash-chained) and its outbox rows, inside the caller's transaction."""
-        append_event(conn, self, **kw)

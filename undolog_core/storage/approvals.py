@@ -1,0 +1,316 @@
+"""The approvals' SQL: requests, their decisions, timeouts and cancellations, each with its audit event."""
+
+from __future__ import annotations
+
+import builtins
+import datetime as dt
+import json
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from .. import _schema as t
+from .._schema import EffectState, RequestState, SessionState
+from .._store import Store
+from .._tools import canonical_json, sha256_hex
+from ..errors import ApprovalAlreadyDecided, ApprovalNotFound, UndoLogError
+from .records import ApprovalEvent, ApprovalRecord, OrgPolicy, StateChange
+
+if TYPE_CHECKING:
+    from .audit import OutboxItem
+
+#: What a person may decide, and the audit action each one is recorded as.
+DECISIONS = ("approve", "modify", "reject")
+#: A request that may still lead to a run: cancelling it stops that run.
+_OPEN = (RequestState.PENDING, RequestState.APPROVED, RequestState.AUTO_APPROVED)
+#: An effect that has not run (or was handed back without running): a cancelled request cancels it.
+_CANCELLABLE_EFFECT = (EffectState.AWAITING_APPROVAL, EffectState.APPROVED, EffectState.RELEASED)
+
+
+def _record(row: Any) -> ApprovalRecord:
+    return ApprovalRecord(
+        approval_request_id=row.approval_request_id,
+        effect_id=row.effect_id,
+        session_id=row.session_id,
+        call_id=row.call_id,
+        tool_name=row.tool_name,
+        tool_revision=row.tool_revision,
+        proposed_args=row.proposed_args,
+        approved_args=row.approved_args,
+        reason=row.reason,
+        risk_tags=list(row.risk_tags or []),
+        agent_context=list(row.agent_context or []),
+        state=RequestState(row.state),
+        timeout_at=row.timeout_at,
+        created_at=row.created_at,
+        decided_at=row.decided_at,
+        decided_by=row.decided_by,
+        decision_reason=row.decision_reason,
+        action_digest=row.action_digest,
+    )
+
+
+class ApprovalsSQL(Store):
+    """Approval requests as rows: reads, decisions, timeouts and cancellations.
+
+    Example:
+        >>> storage.decide_request(rid, action="approve", approver="ana", reason=None, now=utcnow())
+        [StateChange(session_id='...', state=<SessionState.ACTIVE: 'active'>, only_from=...)]
+    """
+
+    if TYPE_CHECKING:  # provided by AuditSQL, CallsSQL, SessionsSQL and PolicySQL in Storage
+        def append_event_in(self, conn: Connection, *, subject: str, action: str, actor: str,
+                            payload: Mapping[str, Any], approval_request_id: str | None = None,
+                            outbox: Iterable[OutboxItem] = (), now: dt.datetime | None = None) -> int: ...
+
+        def halt_in(self, conn: Connection, session_id: str, reason: str, now: dt.datetime) -> None: ...
+
+        def refresh_changes_in(
+            self, conn: Connection, session_id: str, now: dt.datetime
+        ) -> builtins.list[StateChange]: ...
+
+        def policy_in(self, conn: Connection) -> OrgPolicy: ...
+
+    # -- reads ---------------------------------------------------------------------------------------
+
+    def list_requests(
+        self,
+        *,
+        state: RequestState | None = None,
+        session_id: str | None = None,
+        tool_name: str | None = None,
+        limit: int = 500,
+        offset: int = 0,
+    ) -> builtins.list[ApprovalRecord]:
+        """Requests newest first (ties by id, so pages do not overlap); ``offset`` skips that many."""
+        r = t.approval_requests
+        q = sa.select(r).order_by(r.c.created_at.desc(), r.c.approval_request_id.desc()).limit(limit).offset(offset)
+        if state:
+            q = q.where(r.c.state == state)
+        if session_id:
+            q = q.where(r.c.session_id == session_id)
+        if tool_name:
+            q = q.where(r.c.tool_name == tool_name)
+        with self.read() as conn:
+            return [_record(x) for x in conn.execute(q)]
+
+    def get_request(self, approval_request_id: str) -> ApprovalRecord | None:
+        r = t.approval_requests
+        with self.read() as conn:
+            row = conn.execute(sa.select(r).where(r.c.approval_request_id == approval_request_id)).first()
+        return None if row is None else _record(row)
+
+    def request_events(self, approval_request_id: str) -> builtins.list[ApprovalEvent]:
+        """The request's audit events, oldest first."""
+        e = t.approval_events
+        with self.read() as conn:
+            rows = conn.execute(
+                sa.select(e).where(e.c.approval_request_id == approval_request_id).order_by(e.c.event_id)
+            ).all()
+        return [
+            ApprovalEvent(int(r.event_id), r.approval_request_id, r.action, r.actor, json.loads(r.payload),
+                          r.created_at, r.prev_hash, r.hash)
+            for r in rows
+        ]
+
+    def due_request_ids(self, now: dt.datetime) -> builtins.list[str]:
+        """Pending requests past their ``timeout_at``."""
+        r = t.approval_requests
+        with self.read() as conn:
+            return list(conn.execute(
+                sa.select(r.c.approval_request_id)
+                .where(r.c.state == RequestState.PENDING, r.c.timeout_at <= now)
+            ).scalars().all())
+
+    # -- decisions -----------------------------------------------------------------------------------
+
+    def decide_request(
+        self,
+        approval_request_id: str,
+        *,
+        action: str,
+        approver: str,
+        reason: str | None,
+        now: dt.datetime,
+        approved_args: Mapping[str, Any] | None = None,
+    ) -> builtins.list[StateChange]:
+        """Record a person's decision in one transaction: the request, its effect, the audit event with its
+        ``approval.decided`` outbox row and, on a rejection, the session halted with its other pending requests
+        cancelled. Returns the session state changes.
+
+        ``action`` is one of ``DECISIONS``; ``modify`` needs ``approved_args`` (already validated).
+
+        Raises:
+            ApprovalNotFound: no such request.
+            ApprovalAlreadyDecided: it is no longer pending (another decision or a timeout came first).
+        """
+        if action not in DECISIONS:
+            raise UndoLogError(f"unknown decision {action!r}; known: {', '.join(DECISIONS)}")
+        if action == "modify" and approved_args is None:
+            raise UndoLogError("a modify decision needs the edited arguments")
+        r, e = t.approval_requests, t.effect_log
+        with self.tx() as conn:
+            req = conn.execute(
+                self.for_update(sa.select(r).where(r.c.approval_request_id == approval_request_id))
+            ).first()
+            if req is None:
+                raise ApprovalNotFound(approval_request_id)
+            if req.state != RequestState.PENDING:
+                raise ApprovalAlreadyDecided(approval_request_id, req.state)
+            payload: dict[str, Any] = {"reason": reason}
+            pending = (r.c.approval_request_id == approval_request_id, r.c.state == RequestState.PENDING)
+            if action in ("approve", "modify"):
+                approved = req.proposed_args if action == "approve" else dict(approved_args or {})
+                if action == "modify":
+                    payload["args"] = approved
+                    payload["proposed_args"] = req.proposed_args
+                conn.execute(
+                    r.update().where(*pending).values(
+                        state=RequestState.APPROVED, approved_args=approved,
+                        approved_digest=sha256_hex(canonical_json(approved)), decided_at=now, decided_by=approver,
+                        decision_reason=reason,
+                    )
+                )
+                conn.execute(
+                    e.update().where(e.c.effect_id == req.effect_id, e.c.state == EffectState.AWAITING_APPROVAL)
+                    .values(state=EffectState.APPROVED, updated_at=now)
+                )
+                decided = RequestState.APPROVED
+            else:
+                conn.execute(
+                    r.update().where(*pending).values(
+                        state=RequestState.REJECTED, decided_at=now, decided_by=approver, decision_reason=reason
+                    )
+                )
+                conn.execute(
+                    e.update().where(e.c.effect_id == req.effect_id)
+                    .values(state=EffectState.REJECTED, error=f"rejected by {approver}: {reason}", updated_at=now)
+                )
+                decided = RequestState.REJECTED
+            out = {
+                "approval_request_id": approval_request_id,
+                "session_id": req.session_id,
+                "tool_name": req.tool_name,
+                "decision": action,
+                "state": decided.value,
+                "approver": approver,
+                "reason": reason,
+            }
+            self.append_event_in(
+                conn, subject=f"approval:{approval_request_id}", approval_request_id=approval_request_id,
+                action=action, actor=approver, payload=payload, outbox=[("approval.decided", out)], now=now,
+            )
+            if action == "reject":
+                why = f"approval {approval_request_id} ({req.tool_name}) rejected by {approver}: {reason}"
+                self.cancel_pending_in(conn, req.session_id, why, now, except_id=approval_request_id)
+                self.halt_in(conn, req.session_id, why, now)
+                return [StateChange(req.session_id, SessionState.HALTED)]
+            return self.refresh_changes_in(conn, req.session_id, now)
+
+    def expire_request(self, approval_request_id: str, now: dt.datetime) -> builtins.list[StateChange] | None:
+        """Apply the timeout to one due request, per the policy: ``auto_approved`` (event ``auto_approve``) or
+        ``timed_out`` (event ``timeout``, the session halted, its other pending requests cancelled).
+
+        Returns the session state changes, or None when the request was not due, not pending, or is being expired
+        by another process right now (PostgreSQL claims it with SKIP LOCKED; the update is conditional anyway).
+        """
+        r, e = t.approval_requests, t.effect_log
+        rid = approval_request_id
+        with self.tx() as conn:
+            req = conn.execute(
+                self.for_update(
+                    sa.select(r).where(r.c.approval_request_id == rid, r.c.state == RequestState.PENDING,
+                                       r.c.timeout_at <= now),
+                    skip_locked=True,
+                )
+            ).first()
+            if req is None:
+                return None
+            policy = self.policy_in(conn)
+            base = {"approval_request_id": rid, "session_id": req.session_id, "tool_name": req.tool_name,
+                    "timeout_at": req.timeout_at.isoformat()}
+            pending = (r.c.approval_request_id == rid, r.c.state == RequestState.PENDING)
+            if policy.auto_approve_on_timeout:
+                conn.execute(
+                    r.update().where(*pending).values(
+                        state=RequestState.AUTO_APPROVED, approved_args=req.proposed_args,
+                        approved_digest=sha256_hex(canonical_json(req.proposed_args)),
+                        decided_at=now, decided_by="undolog:timeout-policy",
+                        decision_reason="auto-approved on timeout by org policy",
+                    )
+                )
+                conn.execute(
+                    e.update().where(e.c.effect_id == req.effect_id, e.c.state == EffectState.AWAITING_APPROVAL)
+                    .values(state=EffectState.APPROVED, updated_at=now)
+                )
+                self.append_event_in(
+                    conn, subject=f"approval:{rid}", approval_request_id=rid, action="auto_approve",
+                    actor="undolog:timeout-policy", payload={"policy": "auto_approve_on_timeout"},
+                    outbox=[("approval.timed_out", {**base, "outcome": "auto_approved"}),
+                            ("approval.decided", {**base, "state": "auto_approved", "decision": "auto_approve"})],
+                    now=now,
+                )
+                return self.refresh_changes_in(conn, req.session_id, now)
+            conn.execute(
+                r.update().where(*pending).values(
+                    state=RequestState.TIMED_OUT, decided_at=now, decided_by="undolog:timeout",
+                    decision_reason="no decision before timeout_at",
+                )
+            )
+            conn.execute(
+                e.update().where(e.c.effect_id == req.effect_id)
+                .values(state=EffectState.TIMED_OUT, error="approval timed out", updated_at=now)
+            )
+            self.append_event_in(
+                conn, subject=f"approval:{rid}", approval_request_id=rid, action="timeout",
+                actor="undolog:timeout", payload={"timeout_at": req.timeout_at.isoformat()},
+                outbox=[("approval.timed_out", {**base, "outcome": "timed_out"})], now=now,
+            )
+            why = f"approval {rid} ({req.tool_name}) timed out without a decision"
+            self.cancel_pending_in(conn, req.session_id, why, now, except_id=rid)
+            self.halt_in(conn, req.session_id, why, now)
+            return [StateChange(req.session_id, SessionState.HALTED)]
+
+    # -- cancellations (inside the caller's transaction) ---------------------------------------------
+
+    def cancel_pending_in(
+        self, conn: Connection, session_id: str, why: str, now: dt.datetime, *, except_id: str | None = None
+    ) -> int:
+        """Cancel every pending request of the session (but ``except_id``); returns how many."""
+        r = t.approval_requests
+        q = sa.select(r.c.approval_request_id, r.c.effect_id).where(
+            r.c.session_id == session_id, r.c.state == RequestState.PENDING
+        )
+        if except_id:
+            q = q.where(r.c.approval_request_id != except_id)
+        n = 0
+        for other in conn.execute(self.for_update(q)).all():
+            n += self.cancel_request_in(conn, other.approval_request_id, other.effect_id, why, now)
+        return n
+
+    def cancel_request_in(self, conn: Connection, request_id: str, effect_id: str, why: str, now: dt.datetime) -> bool:
+        """Cancel a request that may still lead to a run (pending or approved), its effect if it has not run, and
+        audit it (event ``cancel``); False when the request was already settled."""
+        r = t.approval_requests
+        res = conn.execute(
+            r.update()
+            .where(r.c.approval_request_id == request_id, r.c.state.in_([s.value for s in _OPEN]))
+            .values(state=RequestState.CANCELLED, decided_at=now, decided_by="undolog", decision_reason=why)
+        )
+        if res.rowcount == 0:
+            return False
+        # A released call (handed back by a framework mid-run, not re-issued yet) is cancelled with its request:
+        # its re-issue must not run it in a session that has stopped.
+        conn.execute(
+            t.effect_log.update()
+            .where(t.effect_log.c.effect_id == effect_id,
+                   t.effect_log.c.state.in_([s.value for s in _CANCELLABLE_EFFECT]))
+            .values(state=EffectState.CANCELLED, error=why, updated_at=now)
+        )
+        self.append_event_in(
+            conn, subject=f"approval:{request_id}", approval_request_id=request_id, action="cancel",
+            actor="undolog", payload={"reason": why}, now=now,
+        )
+        return True
