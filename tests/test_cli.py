@@ -30,10 +30,10 @@ from undolog_core import (
     compensation,
     undolog_tool,
 )
-from undolog_core import _schema as t
-from undolog_core._store import Owner, utcnow
 from undolog_core.cli import PROGRESS_MIN_STEPS, app
 from undolog_core.errors import ContractChanged
+from undolog_core.storage import schema as t
+from undolog_core.storage.base import Owner, utcnow
 
 runner = CliRunner()
 
@@ -188,7 +188,7 @@ def test_help_lists_every_command() -> None:
 
 
 def test_db_upgrade_creates_the_schema_then_is_a_no_op(db: Any) -> None:
-    from undolog_core import _migrate
+    from undolog_core.storage import migrate as _migrate
 
     first = run(db, "db", "upgrade")
     assert first.exit_code == 0, first.output

@@ -21,7 +21,6 @@ from ._outbox import OutboxEvent
 from ._policy import OrgPolicy
 from ._recovery import ProbeContext, RecoveryReport
 from ._saga import CompensationContext, RollbackReport, RollbackStep
-from ._schema import EffectState, RequestState, SessionState, UndoState
 from ._session import Session, SessionRecord
 from ._tools import CompensationDescriptor, ToolSpec, ToolTier, compensation, undolog_tool
 from ._undolog import UndoLog
@@ -34,6 +33,7 @@ from .errors import (
     ToolNotClassified,
     UndoLogError,
 )
+from .storage.schema import EffectState, RequestState, SessionState, UndoState
 
 __version__ = "0.1.0"
 

@@ -7,9 +7,9 @@ import datetime as dt
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._store import utcnow
 from ._tools import build_args_model, canonical_json, sha256_hex
 from .errors import ApprovalAlreadyDecided, ApprovalNotFound, ArgumentsInvalid, UndoLogError
+from .storage.base import utcnow
 from .storage.records import ApprovalEvent, ApprovalRecord, RequestState, StateChange
 
 if TYPE_CHECKING:

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._engine import SAFE, AwaitingApproval, Completed, Decision, Engine, Execute, SessionCache, check_id
-from ._pool import WouldBlock
 from ._saga import RollbackReport, Saga, run_coro_blocking
 from ._tools import ToolSpec
 from .errors import ApprovalPending
+from .storage.pool import WouldBlock
 
 ControlFlow = tuple[type[BaseException], ...]
 

@@ -14,11 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._faults import FaultPoint, fault
-from ._hotpath import HotPath
 from ._leases import LazyLoop, Leases, owner_alive
-from ._pool import IntegrityConflict, WouldBlock
-from ._schema import IN_FLIGHT, EffectState, RequestState, SessionState
-from ._store import FAST_POOL_SIZE, from_epoch, new_id, utcnow
 from ._tools import (
     ToolSpec,
     ToolTier,
@@ -45,6 +41,10 @@ from .errors import (
     SessionNotFound,
     ToolNotRegistered,
 )
+from .storage.base import FAST_POOL_SIZE, from_epoch, new_id, utcnow
+from .storage.hotpath import HotPath
+from .storage.pool import IntegrityConflict, WouldBlock
+from .storage.schema import IN_FLIGHT, EffectState, RequestState, SessionState
 
 if TYPE_CHECKING:
     from ._registry import Registry

@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable
 from typing import Protocol
 
-from ._store import Owner, new_id, utcnow
+from .storage.base import Owner, new_id, utcnow
 
 # Every live Leases of this process, by instance id: a second UndoLog in the same process can tell a live call of
 # the first from an abandoned one.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._store import utcnow
 from .errors import PolicyInvalid
+from .storage.base import utcnow
 from .storage.records import OrgPolicy
 
 if TYPE_CHECKING:

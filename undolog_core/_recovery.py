@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 from ._faults import FaultPoint, fault
 from ._leases import Leases, owner_alive
 from ._saga import Saga, run_coro_blocking
-from ._schema import EffectState, SessionState
 from ._tools import ToolTier, jsonable
 from .errors import UndoLogError
+from .storage.schema import EffectState, SessionState
 
 if TYPE_CHECKING:
     from ._registry import Registry

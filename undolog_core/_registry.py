@@ -8,7 +8,6 @@ import socket
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from ._store import utcnow
 from ._tools import (
     CompensationDeclaration,
     CompensationDescriptor,
@@ -19,6 +18,7 @@ from ._tools import (
     tool_name_of,
 )
 from .errors import InvalidDeclaration, ToolNotClassified, ToolNotRegistered
+from .storage.base import utcnow
 from .storage.records import ContractRevision
 
 if TYPE_CHECKING:

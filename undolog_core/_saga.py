@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ._faults import FaultPoint, fault
 from ._leases import Leases, owner_alive
-from ._schema import IN_FLIGHT, EffectState, SessionState, UndoState
-from ._store import utcnow
 from ._tools import jsonable
 from .errors import (
     CompensationNotFound,
@@ -23,6 +21,8 @@ from .errors import (
     InvalidSessionState,
     SessionNotFound,
 )
+from .storage.base import utcnow
+from .storage.schema import IN_FLIGHT, EffectState, SessionState, UndoState
 
 if TYPE_CHECKING:
     from ._registry import Registry

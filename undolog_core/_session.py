@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 from ._engine import SessionCache
 from ._saga import RollbackReport
-from ._store import utcnow
 from ._tools import ToolTier
 from .errors import ApprovalPending, InvalidSessionState, SessionNotFound
+from .storage.base import utcnow
 from .storage.records import SessionRecord, SessionState, StateChange
 
 SAFE = ToolTier.SAFE

@@ -16,10 +16,10 @@ from ._recovery import Recovery, RecoveryReport
 from ._registry import Registry
 from ._saga import RollbackReport, Saga
 from ._session import Session, SessionService
-from ._store import new_id
 from ._tools import ToolSpec, ToolTier, make_declaration
 from .errors import ConfigurationError, InvalidDeclaration
 from .storage import Storage, open_storage
+from .storage.base import new_id
 
 
 class UndoLog:

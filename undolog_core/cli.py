@@ -41,10 +41,10 @@ from typer.core import TyperGroup
 from ._app import load_app
 from ._registry import default_actor
 from ._saga import RollbackStep
-from ._store import resolve_url
 from ._undolog import UndoLog
 from .errors import ConfigurationError, UndoLogError
 from .storage import DATABASE_ERRORS, database_error_detail, safe_url, sqlite_file
+from .storage.base import resolve_url
 from .storage.records import RequestState, SessionState
 
 #: Below this many steps a rollback or recovery finishes too fast for a progress bar to help.

@@ -33,7 +33,7 @@ from undolog_adapters.semantic_kernel import (
     undolog_session,
 )
 from undolog_core import ApprovalPending, errors
-from undolog_core import _schema as schema
+from undolog_core.storage import schema as schema
 
 ROOT = Path(__file__).resolve().parents[2]
 

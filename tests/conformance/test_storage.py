@@ -9,10 +9,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from undolog_core import ApprovalRecord, AwaitingApproval, OrgPolicy, UndoLog, _migrate, errors
-from undolog_core import _schema as t
+from undolog_core import ApprovalRecord, AwaitingApproval, OrgPolicy, UndoLog, errors
 from undolog_core._audit import verify
-from undolog_core._store import Store, utcnow
 from undolog_core.storage import (
     ApprovalsSQL,
     AuditSQL,
@@ -22,7 +20,10 @@ from undolog_core.storage import (
     Storage,
     open_storage,
 )
+from undolog_core.storage import migrate as _migrate
+from undolog_core.storage import schema as t
 from undolog_core.storage.audit import GENESIS_HASH, event_hash
+from undolog_core.storage.base import Store, utcnow
 from undolog_core.storage.records import (
     ContractRevision,
     EffectState,

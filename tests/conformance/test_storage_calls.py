@@ -12,10 +12,10 @@ import time
 import pytest
 
 from undolog_core import ToolTier, compensation, undolog_tool
-from undolog_core._pool import IntegrityConflict
-from undolog_core._schema import EffectState, SessionState
-from undolog_core._store import new_id, utcnow
 from undolog_core.errors import DatabaseUnavailable
+from undolog_core.storage.base import new_id, utcnow
+from undolog_core.storage.pool import IntegrityConflict
+from undolog_core.storage.schema import EffectState, SessionState
 
 
 @undolog_tool(tier=ToolTier.COMPENSABLE, compensation="conf_undo")

@@ -71,7 +71,7 @@ async def test_chain_catches_a_deleted_tail(undolog):
 
 
 async def test_outbox_written_with_each_approval_event(undolog):
-    from undolog_core import _schema as t
+    from undolog_core.storage import schema as t
 
     await _some_events(undolog)
     with undolog.store.read() as c:

@@ -36,7 +36,7 @@ import pytest
 import sqlalchemy as sa
 
 from undolog_core import UndoLog, errors
-from undolog_core import _schema as t
+from undolog_core.storage import schema as t
 
 from .toolkit import World, setup
 

@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 
 from undolog_core import ApprovalPending, ToolTier, errors, undolog_tool
-from undolog_core import _schema as t
+from undolog_core.storage import schema as t
 
 
 def make(reason: str, tier=ToolTier.IRREVERSIBLE):

@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from undolog_core import AwaitingApproval, Execute, errors
-from undolog_core import _schema as t
+from undolog_core.storage import schema as t
 
 from . import crash_app
 from .toolkit import setup

@@ -10,9 +10,9 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from undolog_core import _migrate
-from undolog_core import _schema as t
-from undolog_core._store import _MIGRATION_LOCK_KEY, Store
+from undolog_core.storage import migrate as _migrate
+from undolog_core.storage import schema as t
+from undolog_core.storage.base import _MIGRATION_LOCK_KEY, Store
 
 from .toolkit import setup
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from undolog_core import _schema as t
 from undolog_core import errors
-from undolog_core._store import Owner
+from undolog_core.storage import schema as t
+from undolog_core.storage.base import Owner
 
 from . import crash_app
 

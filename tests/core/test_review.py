@@ -19,7 +19,7 @@ from undolog_core import (
     errors,
     undolog_tool,
 )
-from undolog_core import _schema as t
+from undolog_core.storage import schema as t
 
 from .toolkit import World, setup
 

@@ -6,7 +6,7 @@ import pytest
 import sqlalchemy as sa
 
 from undolog_core import CompensationDescriptor, ToolTier, compensation, errors, undolog_tool
-from undolog_core import _schema as t
+from undolog_core.storage import schema as t
 
 from .toolkit import setup
 

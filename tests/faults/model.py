@@ -42,9 +42,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from undolog_core import Execute, ToolTier, UndoLog, compensation, current_call, undolog_tool
-from undolog_core import _schema as t
 from undolog_core._faults import FaultPoint, arm
 from undolog_core.errors import UndoLogError
+from undolog_core.storage import schema as t
 
 # -- the world: tools, compensations and probes that write down what really happened -----------------------
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from undolog_core import _migrate
-from undolog_core._store import _MIGRATION_LOCK_KEY, Store
 from undolog_core.cli import app
+from undolog_core.storage import migrate as _migrate
+from undolog_core.storage.base import _MIGRATION_LOCK_KEY, Store
 from undolog_server import create_app
 from undolog_server import store as server_store
 from undolog_server.state import ServerSettings

@@ -15,7 +15,7 @@ import httpx
 import sqlalchemy as sa
 
 from undolog_core import ApprovalPending
-from undolog_core import _schema as core
+from undolog_core.storage import schema as core
 from undolog_server.store import ServerStore
 
 from . import demo_app

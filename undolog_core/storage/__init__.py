@@ -19,9 +19,9 @@ from __future__ import annotations
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 
-from .._store import Store
 from .approvals import ApprovalsSQL
 from .audit import AuditSQL
+from .base import Store
 from .calls import CallsSQL
 from .outbox import OutboxSQL
 from .policy import PolicySQL
@@ -40,14 +40,14 @@ class Storage(ApprovalsSQL, AuditSQL, RegistrySQL, PolicySQL, SessionsSQL, Recov
 
     def schema_revision(self) -> str | None:
         """The database's migration revision (None: no UndoLog tables yet)."""
-        from .. import _migrate  # Alembic is imported only by what migrates or checks revisions
+        from . import migrate as _migrate  # Alembic is imported only by what migrates or checks revisions
 
         return _migrate.current(self.engine)
 
     @staticmethod
     def head_revision() -> str:
         """The revision this code migrates to."""
-        from .. import _migrate
+        from . import migrate as _migrate
 
         return _migrate.head()
 

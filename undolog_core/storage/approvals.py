@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from .. import _schema as t
-from .._schema import EffectState, RequestState, SessionState
-from .._store import Store
 from .._tools import canonical_json, sha256_hex
 from ..errors import ApprovalAlreadyDecided, ApprovalNotFound, UndoLogError
+from . import schema as t
+from .base import Store
 from .records import ApprovalEvent, ApprovalRecord, OrgPolicy, StateChange
+from .schema import EffectState, RequestState, SessionState
 
 if TYPE_CHECKING:
     from .audit import OutboxItem

@@ -10,9 +10,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from .. import _schema as t
-from .._store import Store, utcnow
 from .._tools import canonical_json, sha256_hex
+from . import schema as t
+from .base import Store, utcnow
 from .records import StoredEvent
 
 GENESIS_HASH = "0" * 64

@@ -13,12 +13,12 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
-from .. import _schema as t
-from .._pool import IntegrityConflict
-from .._schema import IN_FLIGHT, WRITABLE, EffectState, RequestState, SessionState
-from .._store import Store, utcnow
 from ..errors import InvalidEffectState
+from . import schema as t
 from .audit import AuditSQL, OutboxItem
+from .base import Store, utcnow
+from .pool import IntegrityConflict
+from .schema import IN_FLIGHT, WRITABLE, EffectState, RequestState, SessionState
 
 _E = t.effect_log
 _S = t.sessions
@@ -150,7 +150,7 @@ class CallsSQL(Store):
         return bool(res.rowcount == 1)
 
     def back_in_flight_in(self, conn: Connection, seq: int) -> None:
-        """The effect ``seq`` is in flight again: on SQLite, move recovery's cursor back to it (see ``_schema``)."""
+        """The effect ``seq`` is in flight again: on SQLite, move recovery's cursor back to it (see ``storage/schema.py``)."""
         if self.is_postgres:
             return  # PostgreSQL finds in-flight effects through its partial index
         rc = t.recovery_cursor

@@ -7,8 +7,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from .. import _schema as t
-from .._store import Store, utcnow
+from . import schema as t
+from .base import Store, utcnow
 
 
 class OutboxSQL(Store):

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from .. import _schema as t
-from .._store import Store
+from . import schema as t
+from .base import Store
 from .records import OrgPolicy
 
 if TYPE_CHECKING:

@@ -6,8 +6,8 @@ import datetime as dt
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .._schema import EffectState, RequestState, SessionState, UndoState
-from .._store import utcnow
+from .base import utcnow
+from .schema import EffectState, RequestState, SessionState, UndoState
 
 
 @dataclass(frozen=True)

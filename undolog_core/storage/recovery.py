@@ -9,10 +9,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from .. import _schema as t
-from .._schema import IN_FLIGHT, EffectState, UndoState
-from .._store import utcnow
+from . import schema as t
+from .base import utcnow
 from .calls import CallsSQL
+from .schema import IN_FLIGHT, EffectState, UndoState
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ def _same(col: Any, value: Any) -> Any:
 class RecoverySQL(CallsSQL):
     def in_flight(self) -> InFlight:
         """Everything in flight. On SQLite only the effects written since recovery's cursor are read (see
-        ``_schema``), and the cursor moves up to just before the oldest one still in flight."""
+        ``storage/schema.py``), and the cursor moves up to just before the oldest one still in flight."""
         e, u = t.effect_log, t.undo_stack
         with self.read() as conn:
             q = (sa.select(e.c.seq, e.c.effect_id, e.c.session_id, e.c.tool_name, e.c.tier, e.c.state, e.c.owner,

@@ -11,10 +11,10 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
-from .. import _schema as t
-from .._schema import RequestState
-from .._store import Store
+from . import schema as t
+from .base import Store
 from .records import ContractRevision, RegisteredRevision, StateChange
+from .schema import RequestState
 
 #: Attempts at storing a batch when another process takes the same revision number first.
 _REGISTER_ATTEMPTS = 3

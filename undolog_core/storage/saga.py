@@ -8,8 +8,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from .. import _schema as t
-from .._store import utcnow
+from . import schema as t
+from .base import utcnow
 from .calls import CallsSQL
 
 _UNSETTLED_REQUESTS = ("pending", "approved", "auto_approved")

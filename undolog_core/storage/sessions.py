@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from .. import _schema as t
-from .._schema import SessionState
-from .._store import Store
 from ..errors import InvalidSessionState, SessionNotFound
+from . import schema as t
+from .base import Store
 from .records import SessionRecord, StateChange
+from .schema import SessionState
 
 if TYPE_CHECKING:
     from .audit import OutboxItem

@@ -6,8 +6,8 @@
   undo entry takes that entry's id as its seq, the others are numbered after the highest undo id.
 - The undo stack loses its effect_id and session indexes (reached through the effect log instead) and gains
   a partial index of entries being compensated.
-- The in-flight index stays on PostgreSQL only; SQLite gets ``undolog_recovery_cursor`` (see ``_schema``).
-- SQLite: a trigger writes a COMPENSABLE effect's undo entry, so the pre-write is one statement (see ``_schema``).
+- The in-flight index stays on PostgreSQL only; SQLite gets ``undolog_recovery_cursor`` (see ``storage/schema.py``).
+- SQLite: a trigger writes a COMPENSABLE effect's undo entry, so the pre-write is one statement (see ``storage/schema.py``).
 
 Revision ID: 0003_effect_seq
 Revises: 0002_server
@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from alembic import context, op
 from alembic.script import ScriptDirectory
 
-from undolog_core import _schema as s
+from undolog_core.storage import schema as s
 
 revision = "0003_effect_seq"
 down_revision = "0002_server"

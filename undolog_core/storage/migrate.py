@@ -13,7 +13,7 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection, Engine
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 VERSION_TABLE = "undolog_alembic_version"
 

@@ -12,9 +12,9 @@ import sqlite3
 import time
 from typing import Any
 
-from ._pool import IntegrityConflict, RawPool, WouldBlock, is_unavailable
-from ._store import Store, from_epoch
-from .errors import DatabaseUnavailable
+from ..errors import DatabaseUnavailable
+from .base import Store, from_epoch
+from .pool import IntegrityConflict, RawPool, WouldBlock, is_unavailable
 
 _EFFECT_COLS = (
     "effect_id, session_id, call_id, tool_name, tool_revision, tier, state, args_snapshot, args_digest, owner, "
@@ -153,7 +153,7 @@ class HotPath:
         try:
             if self.sqlite:
                 now_s = _sqlite_time(now)
-                # The undo entry is written by the schema's trigger (_schema.SQLITE_UNDO_TRIGGER), in the same
+                # The undo entry is written by the schema's trigger (schema.SQLITE_UNDO_TRIGGER), in the same
                 # statement as the effect.
                 row = (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner,
                        _sqlite_time(lease), now_s, now_s)

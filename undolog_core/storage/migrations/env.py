@@ -1,8 +1,8 @@
-"""Alembic environment: always driven programmatically with a live connection (see _migrate.py)."""
+"""Alembic environment: always driven programmatically with a live connection (see storage/migrate.py.py)."""
 
 from alembic import context
 
-from undolog_core._schema import metadata
+from undolog_core.storage.schema import metadata
 
 connection = context.config.attributes["connection"]
 context.configure(

@@ -8,7 +8,7 @@ import datetime as dt
 import sqlalchemy as sa
 from alembic import op
 
-from undolog_core import _schema as s
+from undolog_core.storage import schema as s
 
 revision = "0001_core"
 down_revision = None
@@ -17,7 +17,7 @@ depends_on = None
 
 # The effect log and the undo stack as 0001 made them; 0003 changes both, so they are frozen here.
 _v1 = sa.MetaData()
-s.sessions.to_metadata(_v1)  # only for the foreign key to resolve; created from _schema
+s.sessions.to_metadata(_v1)  # only for the foreign key to resolve; created from storage/schema.py
 _effect_log_v1 = sa.Table(
     "undolog_effect_log",
     _v1,
@@ -77,7 +77,7 @@ GENESIS_HASH = "0" * 64
 
 
 def upgrade() -> None:
-    # The tables that no later revision changed come from _schema; the ones a later revision changed are
+    # The tables that no later revision changed come from storage/schema.py; the ones a later revision changed are
     # frozen above as 0001 made them. Every schema change is a new revision with explicit operations.
     bind = op.get_bind()
     s.metadata.create_all(bind, tables=_BEFORE)

@@ -13,7 +13,7 @@ import datetime as dt
 import sqlalchemy as sa
 from alembic import op
 
-from undolog_core import _schema as s
+from undolog_core.storage import schema as s
 
 revision = "0004_rollback_intent"
 down_revision = "0003_effect_seq"
@@ -69,7 +69,7 @@ def _set_states_check(bind: sa.engine.Connection, states: tuple[str, ...]) -> No
         op.execute(f"ALTER TABLE undolog_sessions ADD CONSTRAINT ck_undolog_sessions_state CHECK ({_states_check(states)})")
         return
     # SQLite cannot change a CHECK in place: the table is made anew and put in place of the old one (foreign keys
-    # are off for the migration and checked once it is done, see _migrate).
+    # are off for the migration and checked once it is done, see storage/migrate.py).
     tmp = sa.MetaData()
     new = s.sessions.to_metadata(tmp, name="undolog_sessions_new")
     for c in list(new.constraints):

@@ -204,7 +204,7 @@ undo_stack = sa.Table(
 # effect, so the pre-write is one autocommit statement (no BEGIN, second INSERT and COMMIT to pay for: a fifth
 # of its cost). The compensation is the one the effect's tool revision declared (revisions are immutable);
 # an effect whose revision is unknown is refused rather than left without its undo entry. PostgreSQL writes
-# both rows in one statement too (a CTE, see _hotpath) and has no such trigger.
+# both rows in one statement too (a CTE, see storage/hotpath.py) and has no such trigger.
 SQLITE_UNDO_TRIGGER = """
 CREATE TRIGGER undolog_effect_undo_entry AFTER INSERT ON undolog_effect_log
 WHEN NEW.tier = 'compensable' AND NEW.state = 'pending'

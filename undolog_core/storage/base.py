@@ -18,8 +18,8 @@ from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
 
-from ._pool import is_unavailable
-from .errors import ConfigurationError, DatabaseUnavailable
+from ..errors import ConfigurationError, DatabaseUnavailable
+from .pool import is_unavailable
 
 DEFAULT_SQLITE_FILE = "undolog.db"
 FAST_POOL_SIZE = 2
@@ -174,7 +174,7 @@ class Store:
         return stmt
 
     def migrate(self) -> None:
-        from . import _migrate
+        from . import migrate as _migrate
 
         _migrate.upgrade(self.engine, lock_key=_MIGRATION_LOCK_KEY, schema=self.schema if self.is_postgres else None)
 

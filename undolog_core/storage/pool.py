@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine
 
-from .errors import DatabaseUnavailable
+from ..errors import DatabaseUnavailable
 
 try:  # the [postgres] extra
     import psycopg
