@@ -65,7 +65,7 @@ from undolog_adapters._common import (
     refusal_text,
     rollback_outcome,
 )
-from undolog_core import AwaitingApproval, Completed, Execute, ToolTier, UndoLog, errors
+from undolog_core import AwaitingApproval, Completed, Execute, RequestState, ToolTier, UndoLog, errors
 
 __all__ = ["KickoffResult", "UndoLogPolicy", "UndoLogTool", "UndoLogToolset", "fail_closed", "wrap_tools"]
 
@@ -393,7 +393,7 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
         True when it did before ``deadline`` (``wait_for_approval`` seconds after the call), else False.
         """
         while time.monotonic() < deadline:
-            if self.undolog.approvals.get(approval_request_id).state != "pending":
+            if self.undolog.approvals.get(approval_request_id).state != RequestState.PENDING:
                 return True
             time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
         return False

@@ -58,7 +58,16 @@ from undolog_adapters._common import (
     refusal_text,
     rollback_outcome,
 )
-from undolog_core import ApprovalPending, AwaitingApproval, Completed, Execute, ToolTier, UndoLog, errors
+from undolog_core import (
+    ApprovalPending,
+    AwaitingApproval,
+    Completed,
+    Execute,
+    RequestState,
+    ToolTier,
+    UndoLog,
+    errors,
+)
 
 __all__ = [
     "ROLLBACK_ATTR",
@@ -453,7 +462,7 @@ async def resume_pending(kernel: Kernel, history: ChatHistory, undolog: UndoLog,
     for frc in holders:
         # approvals.get applies the timeout on read: a request past its deadline comes back timed out.
         record = undolog.approvals.get(frc.metadata[PLACEHOLDER_KEY])
-        if record.state == "pending":
+        if record.state == RequestState.PENDING:
             left = record.seconds_left
             raise ApprovalPending(record.effect_id, record.approval_request_id, min(left, 30.0) if left else 1.0,
                                   record.tool_name)

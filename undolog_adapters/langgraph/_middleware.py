@@ -9,7 +9,7 @@ from langchain_core.messages import AIMessage
 from langchain_core.tools import BaseTool
 from langgraph.config import get_config
 
-from undolog_core import errors
+from undolog_core import SessionState, errors
 
 from .._common import TierValue, halted_text, missing_extra
 from ._call import arun_call, run_call
@@ -105,11 +105,11 @@ class UndoLogMiddleware(AgentMiddleware):
         rec = g.session_state(sid)
         if rec is None:
             return None
-        if rec.state == "halted":
+        if rec.state == SessionState.HALTED:
             text = halted_text(sid, rec.halted_reason)
             return {"messages": [AIMessage(content=text, response_metadata={"undolog": {"refused": "session_halted"}})],
                     "jump_to": "end"}
-        if rec.state in ("rolled_back", "completed"):
+        if rec.state in (SessionState.ROLLED_BACK, SessionState.COMPLETED):
             g.advance(base)
         return None
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from undolog_core import AwaitingApproval
+from undolog_core import AwaitingApproval, RequestState
 
 if TYPE_CHECKING:
     from undolog_core import UndoLog
@@ -130,13 +130,13 @@ def resume_value_for(u: UndoLog, value: Mapping[str, Any]) -> Any:
     for req in value.get("requests") or [value]:
         rid = req["approval_request_id"]
         rec = u.approvals.get(rid)
-        if rec.state == "approved" and rec.decided_by:
+        if rec.state == RequestState.APPROVED and rec.decided_by:
             modified = rec.approved_args is not None and rec.approved_args != rec.proposed_args
             dec: dict[str, Any] = {"decision": "modify" if modified else "approve", "approver": rec.decided_by,
                                    "reason": rec.decision_reason, "approval_request_id": rid}
             if modified:
                 dec["args"] = rec.approved_args
-        elif rec.state == "rejected":
+        elif rec.state == RequestState.REJECTED:
             dec = {"decision": "reject", "approver": rec.decided_by or "unknown",
                    "reason": rec.decision_reason or "rejected", "approval_request_id": rid}
         else:

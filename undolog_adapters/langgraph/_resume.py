@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from langgraph.types import Command
 
-from undolog_core import errors
+from undolog_core import RequestState, errors
 
 from ._payload import ours as _ours
 from ._payload import resume_value_for as _resume_value_for
@@ -114,7 +114,8 @@ def _decided_threads(u: UndoLog, thread_ids: Iterable[str] | None) -> list[str]:
     if thread_ids is not None:
         return list(dict.fromkeys(str(t) for t in thread_ids))
     sessions: dict[str, None] = {}
-    for state in ("approved", "rejected", "timed_out", "auto_approved", "cancelled"):
+    for state in (RequestState.APPROVED, RequestState.REJECTED, RequestState.TIMED_OUT, RequestState.AUTO_APPROVED,
+                  RequestState.CANCELLED):
         for rec in u.approvals.list(state=state):
             sessions[rec.session_id] = None
     return list(dict.fromkeys(_base_of(s) for s in sessions))
@@ -123,7 +124,7 @@ def _decided_threads(u: UndoLog, thread_ids: Iterable[str] | None) -> list[str]:
 def _all_decided(u: UndoLog, interrupts: Sequence[Any]) -> bool:
     for i in interrupts:
         for req in i.value.get("requests") or [i.value]:
-            if u.approvals.get(req["approval_request_id"]).state == "pending":
+            if u.approvals.get(req["approval_request_id"]).state == RequestState.PENDING:
                 return False
     return True
 
