@@ -88,18 +88,22 @@ def _tool_error(out: Any) -> bool:
     return isinstance(out, ToolMessage) and out.status == "error"
 
 
-def run_call(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
-    """One tool call through UndoLog (sync): intercept, pause or run, then complete, fail or release.
+@dataclass
+class _Answer:
+    """The node's answer without running the tool (a refusal, a replay, a parked approval)."""
 
-    The whole sequence of a LangGraph call is here (``arun_call`` is its async twin). A
-    LangGraph interrupt inside the tool (``GraphBubbleUp``) releases the call untouched; the tool's own
-    exception is recorded and answered with the rollback message, or re-raised as itself.
+    value: Any
+
+
+def _decide(guard: _Guard, request: Any) -> tuple[_Run | _Answer, _Batch | None, str | None]:
+    """The decision for one call, shared by the sync and the async run: a ``_Run`` to execute, or the answer.
+
+    A pause for approval outside a node run asks LangGraph's ``interrupt`` here (it raises on the first pass
+    and returns the decision on resume), then decides again.
     """
-    if request.tool is None:
-        return execute(request)  # an unknown tool name: ToolNode answers with its own error, nothing runs
     batch, call_id = _pending(guard, request)
     if batch is not None and call_id in batch.done:
-        return batch.done[call_id]
+        return _Answer(batch.done[call_id]), batch, call_id
     # What the node's gate pass decided for this call, if it ran one (IRREVERSIBLE calls only).
     gated = batch.gated.pop(call_id, None) if batch is not None and call_id else None
     config = _config_of(request)
@@ -108,19 +112,33 @@ def run_call(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
         try:
             step = gated if gated is not None else guard.prepare(request, config)  # the driver's decision
         except _REFUSED as exc:
-            return _remember(batch, call_id, guard.refusal(request, exc))
+            return _Answer(_remember(batch, call_id, guard.refusal(request, exc))), batch, call_id
         gated = None
         if isinstance(step, ToolMessage):
-            return _remember(batch, call_id, step)
+            return _Answer(_remember(batch, call_id, step)), batch, call_id
         if isinstance(step, _Reply):
-            return _remember(batch, call_id, step.message)
+            return _Answer(_remember(batch, call_id, step.message)), batch, call_id
         if isinstance(step, _Pause):
             parked = _wait(guard, batch, request, step)
             if parked is not None:
-                return parked
+                return _Answer(parked), batch, call_id
             error = guard.ask([step], error)
             continue
-        break
+        return step, batch, call_id
+
+
+def run_call(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
+    """One tool call through UndoLog (sync): decide, pause or run, then mark, fail or release.
+
+    ``arun_call`` is its async twin; both share ``_decide``, ``_hooks`` and ``_settled`` and differ only in
+    awaiting the tool. A LangGraph interrupt inside the tool (``GraphBubbleUp``) releases the call untouched; the
+    tool's own exception is recorded and answered with the rollback message, or re-raised as itself.
+    """
+    if request.tool is None:
+        return execute(request)  # an unknown tool name: ToolNode answers with its own error, nothing runs
+    step, batch, call_id = _decide(guard, request)
+    if isinstance(step, _Answer):
+        return step.value
     req, box = guard.runnable(request, step)
     token = _admit(req, step)
     try:
@@ -135,33 +153,12 @@ def run_call(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
 
 
 async def arun_call(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
-    """Async :func:`run_call`: the same sequence, awaiting the tool."""
+    """Async :func:`run_call`: the same steps, awaiting the tool."""
     if request.tool is None:
         return await execute(request)
-    batch, call_id = _pending(guard, request)
-    if batch is not None and call_id in batch.done:
-        return batch.done[call_id]
-    # What the node's gate pass decided for this call, if it ran one (IRREVERSIBLE calls only).
-    gated = batch.gated.pop(call_id, None) if batch is not None and call_id else None
-    config = _config_of(request)
-    error: str | None = None
-    while True:
-        try:
-            step = gated if gated is not None else guard.prepare(request, config)  # the driver's decision
-        except _REFUSED as exc:
-            return _remember(batch, call_id, guard.refusal(request, exc))
-        gated = None
-        if isinstance(step, ToolMessage):
-            return _remember(batch, call_id, step)
-        if isinstance(step, _Reply):
-            return _remember(batch, call_id, step.message)
-        if isinstance(step, _Pause):
-            parked = _wait(guard, batch, request, step)
-            if parked is not None:
-                return parked
-            error = guard.ask([step], error)
-            continue
-        break
+    step, batch, call_id = _decide(guard, request)
+    if isinstance(step, _Answer):
+        return step.value
     req, box = guard.runnable(request, step)
     token = _admit(req, step)
     try:
