@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from undolog_core import ApprovalPending, ToolTier, UndoLog, undolog_tool  # noqa: E402
 from undolog_server import create_app  # noqa: E402
 from undolog_server.state import ServerSettings  # noqa: E402
-from undolog_server.store import ServerStore  # noqa: E402
+from undolog_server.storage import ServerStore  # noqa: E402
 from undolog_server.sweeper import Sweeper  # noqa: E402
 
 

@@ -473,7 +473,7 @@ def db_upgrade(
         typer.echo(f"upgraded {where} from {before or 'an empty database'} to {after}")
     if server:
         try:
-            from undolog_server import store as server_store
+            from undolog_server import storage as server_store
         except ImportError:
             raise ConfigurationError(SERVER_EXTRA_HINT) from None
         s_before = server_store.migration_current(u.store)

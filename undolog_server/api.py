@@ -19,7 +19,7 @@ from undolog_core import RollbackReport, errors
 from .auth import AuthFirstRoute, is_admin, require, server_state
 from .problems import Problem
 from .state import ServerState
-from .store import ROLES, ApiKey, ApproverGroup, NotificationPolicy
+from .storage import ROLES, ApiKey, ApproverGroup, NotificationPolicy
 from .views import groups_for, may_see
 
 router = APIRouter(prefix="/v1", route_class=AuthFirstRoute)

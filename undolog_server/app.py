@@ -18,7 +18,7 @@ from undolog_core import UndoLog, errors, load_app
 from . import api, dashboard, problems
 from . import proxy as proxy_mod
 from .state import ServerSettings, ServerState
-from .store import ServerStore
+from .storage import ServerStore
 from .sweeper import Sweeper
 from .views import CoreViews
 
@@ -143,7 +143,7 @@ def create_app(
 
     Args:
         undolog: An open ``UndoLog`` (its database holds the server's tables too; they are created or
-            upgraded here, see :func:`undolog_server.store.migrate`).
+            upgraded here, see :func:`undolog_server.storage.migrate`).
         app_spec: ``module:attribute`` whose tools and compensations rollback may need (see
             :func:`undolog_core.load_app`, the loader every ``--app`` goes through); when it names the
             app's UndoLog, that instance is served.

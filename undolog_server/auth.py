@@ -16,7 +16,7 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from .problems import Problem
-from .store import ApiKey
+from .storage import ApiKey
 
 if TYPE_CHECKING:
     from .state import ServerState

@@ -101,7 +101,7 @@ def keys_create(
     schema: SchemaOpt = None,
 ) -> None:
     """Create an API key and print it once."""
-    from .store import ServerStore
+    from .storage import ServerStore
 
     undolog = _open(db, schema)
     try:
@@ -123,7 +123,7 @@ def keys_create(
 @keys_app.command("list")
 def keys_list(db: DbOpt = None, schema: SchemaOpt = None) -> None:
     """List keys (never their secrets)."""
-    from .store import ServerStore
+    from .storage import ServerStore
 
     undolog = _open(db, schema)
     try:
@@ -139,7 +139,7 @@ def keys_list(db: DbOpt = None, schema: SchemaOpt = None) -> None:
 @keys_app.command("revoke")
 def keys_revoke(key_id: str, db: DbOpt = None, schema: SchemaOpt = None) -> None:
     """Revoke a key; requests with it fail from now on."""
-    from .store import ServerStore
+    from .storage import ServerStore
 
     undolog = _open(db, schema)
     try:

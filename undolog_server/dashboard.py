@@ -24,7 +24,7 @@ from undolog_core import errors
 from .api import approval_detail, rollback_out, session_detail
 from .auth import server_state
 from .state import ServerState
-from .store import ApiKey, utcnow
+from .storage import ApiKey, utcnow
 from .views import groups_for, may_see
 
 SESSION_COOKIE = "undolog_session"

@@ -38,7 +38,7 @@ from undolog_core import errors
 
 from .auth import AuthFirstRoute, require, server_state
 from .problems import Problem, problem_response
-from .store import ApiKey
+from .storage import ApiKey
 
 TIERS = ("safe", "compensable", "irreversible")
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from undolog_core import UndoLog
 
-from .store import ServerStore
+from .storage import ServerStore
 from .views import CoreViews
 
 if TYPE_CHECKING:

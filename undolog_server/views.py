@@ -13,7 +13,7 @@ from typing import Any
 from undolog_core import UndoLog
 from undolog_core.errors import ApprovalNotFound, SessionNotFound
 
-from .store import ApiKey, ApproverGroup, utcnow
+from .storage import ApiKey, ApproverGroup, utcnow
 
 
 def approval_dict(row: Any) -> dict[str, Any]:

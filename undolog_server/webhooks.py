@@ -25,7 +25,7 @@ import httpx
 from undolog_core import OutboxEvent
 from undolog_core.webhooks import SIGNATURE_HEADER, sign, verify_signature
 
-from .store import NotificationPolicy, WebhookTarget, utcnow
+from .storage import NotificationPolicy, WebhookTarget, utcnow
 
 if TYPE_CHECKING:
     from .state import ServerState

@@ -16,7 +16,7 @@ import uvicorn
 from undolog_core import ApprovalPending
 from undolog_server import create_app
 from undolog_server.state import ServerSettings
-from undolog_server.store import ApiKey, ServerStore
+from undolog_server.storage import ApiKey, ServerStore
 
 from . import demo_app
 

@@ -58,14 +58,14 @@ def webhook(d: Desk) -> dict[str, str]:
 
 
 def group(d: Desk) -> dict[str, str]:
-    from undolog_server.store import ApproverGroup
+    from undolog_server.storage import ApproverGroup
 
     d.store.put_group(ApproverGroup("g1", ("nothing",), ()))
     return {"name": "g1"}
 
 
 def policy(d: Desk) -> dict[str, str]:
-    from undolog_server.store import NotificationPolicy
+    from undolog_server.storage import NotificationPolicy
 
     d.store.put_policy(NotificationPolicy("pii"))
     return {"risk_tag": "pii"}
@@ -220,7 +220,7 @@ def test_invalid_and_revoked_keys_are_401(desk: Desk) -> None:
 def test_keys_are_stored_hashed(desk: Desk) -> None:
     import sqlalchemy as sa
 
-    from undolog_server.store import api_keys
+    from undolog_server.storage import api_keys
 
     with desk.store.core.tx() as conn:
         hashes = conn.execute(sa.select(api_keys.c.secret_hash)).scalars().all()
@@ -253,7 +253,7 @@ def test_no_one_decides_a_request_of_a_session_their_key_created(desk: Desk) -> 
 
 
 def test_approver_groups_route_visibility_and_decisions(desk: Desk) -> None:
-    from undolog_server.store import ApproverGroup
+    from undolog_server.storage import ApproverGroup
 
     desk.store.put_group(ApproverGroup("billing", (), ("billing",)))
     desk.store.put_group(ApproverGroup("security", ("delete_user_account",), ()))
@@ -287,7 +287,7 @@ def test_pending_raises_for_irreversible(desk: Desk) -> None:
 
 
 def test_group_filtered_listing_pages_over_visible_requests(desk: Desk) -> None:
-    from undolog_server.store import ApproverGroup
+    from undolog_server.storage import ApproverGroup
 
     desk.store.put_group(ApproverGroup("billing", ("wire_money",), ()))
     desk.store.put_group(ApproverGroup("security", ("delete_user_account",), ()))

@@ -16,9 +16,9 @@ from undolog_core.cli import app
 from undolog_core.storage import migrate as _migrate
 from undolog_core.storage.base import _MIGRATION_LOCK_KEY, Store
 from undolog_server import create_app
-from undolog_server import store as server_store
+from undolog_server import storage as server_store
 from undolog_server.state import ServerSettings
-from undolog_server.store import ServerStore
+from undolog_server.storage import ServerStore
 
 from ..test_cli import CLEAN_ENV, runner
 

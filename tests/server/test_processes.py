@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from undolog_core import ApprovalPending
 from undolog_core.storage import schema as core
-from undolog_server.store import ServerStore
+from undolog_server.storage import ServerStore
 
 from . import demo_app
 from .receiver import Receiver

@@ -122,7 +122,7 @@ def test_a_stalled_receiver_does_not_hold_up_the_others(db: Any, receiver: Recei
 
 
 def test_events_raised_while_the_server_is_down_are_delivered_later(db: Any, receiver: Receiver) -> None:
-    from undolog_server.store import ServerStore
+    from undolog_server.storage import ServerStore
 
     from . import demo_app
 

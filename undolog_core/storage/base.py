@@ -23,6 +23,10 @@ from .pool import is_unavailable
 
 DEFAULT_SQLITE_FILE = "undolog.db"
 FAST_POOL_SIZE = 2
+# The general pools' overflow: rare paths (approvals, the desk's requests, sweeps) may burst past the pool, never
+# without bound. Kept generous because a thread waiting for a slot holds up whatever it serves (an event loop
+# calling the store inline stalls every task on it until a slot frees).
+GENERAL_OVERFLOW = 20
 _MIGRATION_LOCK_KEY = 0x756E646F6C6F67  # "undolog" as an advisory-lock key
 
 
@@ -75,7 +79,7 @@ class Store:
         # a write may be nested in another on the same thread (never across threads).
         self.write_lock: Any = threading.RLock() if self.dialect == "sqlite" else _NoLock()
         # Bounded whatever the number of threads: a thread that finds every connection in use waits for one
-        # (an overflow as large as the pool lets a transaction that reads on a second connection finish).
+        # (the overflow lets a transaction that reads on a second connection finish, and bursts pass).
         self.engine = self._make_engine(durable=True, pool_size=pool_size)
         self.fast = self._make_engine(durable=False, pool_size=FAST_POOL_SIZE)
 
@@ -83,7 +87,8 @@ class Store:
     def max_connections(self) -> int:
         """The most connections UndoLog holds to the database at once: the general pools (durable and fast, each
         with its overflow) and the hot path's two pools."""
-        return 2 * self.pool_size + 2 * FAST_POOL_SIZE + self.pool_size + FAST_POOL_SIZE
+        general = self.pool_size + GENERAL_OVERFLOW + FAST_POOL_SIZE + GENERAL_OVERFLOW
+        return general + self.pool_size + FAST_POOL_SIZE
 
     @property
     def is_postgres(self) -> bool:
@@ -99,7 +104,7 @@ class Store:
                 self.url,
                 connect_args={"check_same_thread": False, "timeout": 30, "isolation_level": None},
                 pool_size=pool_size,
-                max_overflow=pool_size,
+                max_overflow=GENERAL_OVERFLOW,
             )
             sync = "FULL" if durable else "OFF"
 
@@ -140,7 +145,7 @@ class Store:
             self.url,
             connect_args=connect_args,
             pool_size=pool_size,
-            max_overflow=pool_size,
+            max_overflow=GENERAL_OVERFLOW,
             pool_pre_ping=False,
         )
 

@@ -2,7 +2,7 @@
 
 This revision used to create the server's tables (API keys, approver groups, webhooks, policies, deliveries,
 escalations, settings). They now belong to the server's own migration branch
-(``undolog_server/migrations``, revision ``s0001_server_tables``), which creates each one only if it does not
+(``undolog_server/storage/migrations``, revision ``s0001_server_tables``), which creates each one only if it does not
 exist. The revision keeps its id so every database already past it (and ``0003_effect_seq``, which revises
 it) stays on one chain; it no longer does anything, in either direction: a database migrated before the move
 keeps its server tables and their rows untouched, and a new one gets them when the server migrates.

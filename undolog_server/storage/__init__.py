@@ -1,7 +1,7 @@
 """The server's own tables (API keys, approver groups, webhooks, policies, deliveries) and their access.
 
 This is the only module of the server with SQL (and the only one importing SQLAlchemy). Its tables are
-created by the server's own migration branch (``undolog_server/migrations``). Every statement runs on the
+created by the server's own migration branch (``undolog_server/storage/migrations``). Every statement runs on the
 core store's public transaction helpers: reads on ``store.read()`` (a deferred ``BEGIN`` on SQLite, so a
 read never takes the database's write lock), writes on ``store.tx()``. All access is synchronous
 SQLAlchemy Core, so FastAPI runs it in its worker threads.

@@ -1,4 +1,4 @@
-"""Alembic environment of the server's own tables (see ``undolog_server.store.migrate``).
+"""Alembic environment of the server's own tables (see ``undolog_server.storage.migrate``).
 
 A branch of its own, with its own version table, so the core's migrations and its "database is at head"
 check never depend on whether the server is installed.
@@ -6,7 +6,7 @@ check never depend on whether the server is installed.
 
 from alembic import context
 
-from undolog_server.store import SERVER_VERSION_TABLE, metadata
+from undolog_server.storage import SERVER_VERSION_TABLE, metadata
 
 connection = context.config.attributes["connection"]
 context.configure(

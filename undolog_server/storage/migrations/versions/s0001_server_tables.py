@@ -15,7 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 from alembic import op
 
-from undolog_server.store import UTCDateTime
+from undolog_server.storage import UTCDateTime
 
 revision = "s0001_server_tables"
 down_revision = None
