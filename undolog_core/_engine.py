@@ -42,7 +42,6 @@ from .errors import (
     ToolNotRegistered,
 )
 from .storage.base import FAST_POOL_SIZE, from_epoch, new_id, utcnow
-from .storage.hotpath import HotPath
 from .storage.pool import IntegrityConflict, WouldBlock
 from .storage.schema import IN_FLIGHT, EffectState, RequestState, SessionState
 
@@ -242,7 +241,7 @@ class Engine:
         self._sessions: dict[str, SessionCache] = {}
         self._sessions_lock = threading.Lock()
         self._inflight = leases.inflight
-        self.hot = HotPath(store, pool_size=store.pool_size, fast_pool_size=FAST_POOL_SIZE)
+        self.hot = store.hot_path(pool_size=store.pool_size, fast_pool_size=FAST_POOL_SIZE)
         # Deferred commit marks (fast mode, or a mark a dropped connection held back) wait here for the flusher (a
         # batch every MARK_FLUSH_SECONDS, not fsynced). Their effects stay in flight (leased) until written.
         self._marks: collections.deque[tuple[str, str, float]] = collections.deque()  # (effect, result, epoch s)

@@ -16,13 +16,19 @@ Example:
 
 from __future__ import annotations
 
-from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import make_url
+from collections.abc import Mapping
+from typing import Any
 
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Connection, make_url
+
+from ..errors import ConfigurationError
+from . import postgres, schema, sqlite
 from .approvals import ApprovalsSQL
 from .audit import AuditSQL
-from .base import Store
+from .base import Store, resolve_url
 from .calls import CallsSQL
+from .hotpath import HotPath
 from .outbox import OutboxSQL
 from .policy import PolicySQL
 from .recovery import InFlight, RecoverySQL
@@ -54,6 +60,64 @@ class Storage(ApprovalsSQL, AuditSQL, RegistrySQL, PolicySQL, SessionsSQL, Recov
     def where(self) -> str:
         """The database for messages: its URL without the password, and the schema if one is set."""
         return safe_url(self.url) + (f" (schema {self.schema})" if self.schema else "")
+
+
+    def __new__(cls, url: str | None = None, *, schema: str | None = None, pool_size: int = 5) -> Storage:
+        # ``Storage(url)`` is the storage of that database: one implementation per database (DBOS's shape).
+        if cls is Storage:
+            cls = SQLiteStorage if resolve_url(url).startswith("sqlite") else PostgresStorage
+        return super().__new__(cls)
+
+    def hot_path(self, *, pool_size: int, fast_pool_size: int) -> HotPath:
+        """The COMPENSABLE pre-write and commit mark on raw connections of their own."""
+        raise ConfigurationError(f"no hot path for {self.dialect}")
+
+
+class SQLiteStorage(Storage):
+    """A SQLite file: one writer (queued on an in-process lock), the undo entry written by a trigger inside the
+    pre-write's one statement, recovery reading what was written since its cursor."""
+
+    def hot_path(self, *, pool_size: int, fast_pool_size: int) -> HotPath:
+        return sqlite.SQLiteHotPath(self, pool_size=pool_size, fast_pool_size=fast_pool_size)
+
+    def insert_undo_in(self, conn: Connection, values: Mapping[str, Any]) -> None:
+        return None  # the schema's trigger wrote it, in the statement that inserted the effect
+
+    def back_in_flight_in(self, conn: Connection, seq: int) -> None:
+        sqlite.back_in_flight_in(conn, seq)
+
+    def effects_in_flight_in(self, conn: Connection) -> tuple[list[Any], tuple[Any, int] | None]:
+        # SQLite has one writer, so ids become visible in order: what was written since the cursor is all that
+        # can be in flight (the one way back, a claim, moves the cursor back in its own transaction).
+        cursor, newest = sqlite.cursor_in(conn)
+        effects = list(conn.execute(self.in_flight_q().where(schema.effect_log.c.seq > cursor.effect_seq)).all())
+        # Everything up to the oldest effect still in flight (or up to the newest row) has been seen settled.
+        return effects, (cursor, effects[0].seq - 1 if effects else newest)
+
+    def advance_cursor(self, cursor: Any, upto: int) -> None:
+        if upto > cursor.effect_seq:
+            with self.tx() as conn:
+                sqlite.advance_cursor_in(conn, cursor, upto)
+
+
+class PostgresStorage(Storage):
+    """PostgreSQL through psycopg 3: the pre-write as one CTE statement, row locks (``FOR UPDATE SKIP LOCKED``)
+    for claims, a partial index holding exactly the effects in flight."""
+
+    def hot_path(self, *, pool_size: int, fast_pool_size: int) -> HotPath:
+        return postgres.PostgresHotPath(self, pool_size=pool_size, fast_pool_size=fast_pool_size)
+
+    def insert_undo_in(self, conn: Connection, values: Mapping[str, Any]) -> None:
+        conn.execute(schema.undo_stack.insert(), dict(values))
+
+    def back_in_flight_in(self, conn: Connection, seq: int) -> None:
+        return None  # the partial index finds it again by its state
+
+    def effects_in_flight_in(self, conn: Connection) -> tuple[list[Any], tuple[Any, int] | None]:
+        return list(conn.execute(self.in_flight_q()).all()), None
+
+    def advance_cursor(self, cursor: Any, upto: int) -> None:
+        return None
 
 
 def open_storage(url: str | None = None, *, schema: str | None = None, pool_size: int = 5) -> Storage:
@@ -89,6 +153,8 @@ def database_error_detail(exc: BaseException) -> str:
 
 
 __all__ = [
+    "PostgresStorage",
+    "SQLiteStorage",
     "DATABASE_ERRORS",
     "ApprovalsSQL",
     "AuditSQL",

@@ -5,16 +5,11 @@ from __future__ import annotations
 import datetime as dt
 import os
 import socket
-import sqlite3
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-import sqlalchemy as sa
-from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
 
@@ -95,59 +90,16 @@ class Store:
         return self.dialect == "postgresql"
 
     def _make_engine(self, *, durable: bool, pool_size: int) -> Engine:
+        # Each database's engine (pragmas and transaction modes, or connection options) is made by its own module.
         if self.dialect == "sqlite":
-            path = self.url.split("///", 1)[1] if "///" in self.url else DEFAULT_SQLITE_FILE
-            parent = Path(path).expanduser().resolve().parent
-            if not parent.is_dir():
-                raise ConfigurationError(f"the folder for the SQLite database does not exist: {parent}")
-            eng = sa.create_engine(
-                self.url,
-                connect_args={"check_same_thread": False, "timeout": 30, "isolation_level": None},
-                pool_size=pool_size,
-                max_overflow=GENERAL_OVERFLOW,
-            )
-            sync = "FULL" if durable else "OFF"
+            from . import sqlite
 
-            @event.listens_for(eng, "connect")
-            def _pragmas(dbapi_conn: Any, _rec: Any) -> None:
-                cur = dbapi_conn.cursor()
-                cur.execute("PRAGMA busy_timeout=30000")
-                _wal(cur)
-                cur.execute(f"PRAGMA synchronous={sync}")
-                cur.execute("PRAGMA foreign_keys=ON")
-                cur.close()
+            return sqlite.make_engine(self.url, durable=durable, pool_size=pool_size, overflow=GENERAL_OVERFLOW,
+                                      default_file=DEFAULT_SQLITE_FILE)
+        from . import postgres
 
-            @event.listens_for(eng, "begin")
-            def _begin(conn: Connection) -> None:
-                # IMMEDIATE takes the write lock up front, so two writers queue on busy_timeout
-                # instead of failing when a read transaction tries to upgrade. Reads stay deferred:
-                # in WAL mode they never wait for a writer.
-                if conn.get_execution_options().get("undolog_read"):
-                    conn.exec_driver_sql("BEGIN")
-                else:
-                    conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-            return eng
-        connect_args: dict[str, Any] = {}
-        options = []
-        if self.schema:
-            options.append(f"-csearch_path={self.schema}")
-        if not durable:
-            options.append("-csynchronous_commit=off")
-        if options:
-            connect_args["options"] = " ".join(options)
-        if "application_name" not in sa.engine.make_url(self.url).query:
-            # So an operator (or a test) can tell UndoLog's connections apart in pg_stat_activity.
-            connect_args["application_name"] = "undolog"
-        # No pre-ping round trip per checkout: a connection found dead fails one statement, SQLAlchemy then drops
-        # every connection of the pool opened before it, and the next transaction connects afresh.
-        return sa.create_engine(
-            self.url,
-            connect_args=connect_args,
-            pool_size=pool_size,
-            max_overflow=GENERAL_OVERFLOW,
-            pool_pre_ping=False,
-        )
+        return postgres.make_engine(self.url, schema=self.schema, durable=durable, pool_size=pool_size,
+                                    overflow=GENERAL_OVERFLOW)
 
     @contextmanager
     def tx(self, *, fast: bool = False) -> Iterator[Connection]:
@@ -243,22 +195,3 @@ class Owner:
         if current is None:
             return True
         return ticks != "0" and current != ticks
-
-
-def _wal(cur: Any) -> None:
-    """Put the database in WAL mode (it stays so, in the file), waiting out another connection's lock.
-
-    Asking for WAL is a no-op when the file already is in WAL mode, but it can still answer "database is locked"
-    without going through the busy handler while another connection changes the schema (a migration); so the
-    mode is read first, and set with a bounded retry only on a database that is not in WAL mode yet.
-    """
-    for attempt in range(300):
-        try:
-            if str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
-                return
-            cur.execute("PRAGMA journal_mode=WAL")
-            return
-        except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) or attempt == 299:
-                raise
-            time.sleep(0.01 * min(10, attempt + 1))

@@ -113,10 +113,6 @@ class CallsSQL(Store):
         assert key is not None
         return int(key[0])
 
-    def insert_undo_in(self, conn: Connection, values: Mapping[str, Any]) -> None:
-        if self.is_postgres:  # SQLite's trigger wrote it with the effect
-            conn.execute(t.undo_stack.insert(), dict(values))
-
     def call_exists(self, session_id: str, call_id: str) -> bool:
         with self.read() as conn:
             return conn.execute(
@@ -149,15 +145,12 @@ class CallsSQL(Store):
         )
         return bool(res.rowcount == 1)
 
-    def back_in_flight_in(self, conn: Connection, seq: int) -> None:
-        """The effect ``seq`` is in flight again: on SQLite, move recovery's cursor back to it (see ``storage/schema.py``)."""
-        if self.is_postgres:
-            return  # PostgreSQL finds in-flight effects through its partial index
-        rc = t.recovery_cursor
-        conn.execute(
-            rc.update().where(rc.c.cursor_id == 1, rc.c.effect_seq >= seq)
-            .values(effect_seq=seq - 1, version=rc.c.version + 1)
-        )
+    if TYPE_CHECKING:  # per database (sqlite.py, postgres.py)
+        def insert_undo_in(self, conn: Connection, values: Mapping[str, Any]) -> None:
+            """Write a COMPENSABLE effect's undo entry (on SQLite the schema's trigger already did)."""
+
+        def back_in_flight_in(self, conn: Connection, seq: int) -> None:
+            """The effect ``seq`` is in flight again (a released call re-claimed, an approved call claimed)."""
 
     def release_effect(self, effect_id: str) -> str | None:
         """Hand an in-flight call back without an outcome; returns the state it had (None: no such effect)."""

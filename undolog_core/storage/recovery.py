@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
@@ -30,36 +30,28 @@ def _same(col: Any, value: Any) -> Any:
 
 class RecoverySQL(CallsSQL):
     def in_flight(self) -> InFlight:
-        """Everything in flight. On SQLite only the effects written since recovery's cursor are read (see
-        ``storage/schema.py``), and the cursor moves up to just before the oldest one still in flight."""
-        e, u = t.effect_log, t.undo_stack
+        """Everything in flight: effects (found the way each database finds them, see ``effects_in_flight_in``),
+        undo entries being compensated, rollbacks requested."""
+        u = t.undo_stack
         with self.read() as conn:
-            q = (sa.select(e.c.seq, e.c.effect_id, e.c.session_id, e.c.tool_name, e.c.tier, e.c.state, e.c.owner,
-                           e.c.lease_until).where(e.c.state.in_(IN_FLIGHT)).order_by(e.c.seq))
-            cursor = None
-            if not self.is_postgres:
-                rc = t.recovery_cursor
-                cursor = conn.execute(sa.select(rc.c.effect_seq, rc.c.version).where(rc.c.cursor_id == 1)).one()
-                newest = conn.execute(sa.select(sa.func.coalesce(sa.func.max(e.c.seq), 0))).scalar_one()
-                q = q.where(e.c.seq > cursor.effect_seq)
-            effects = list(conn.execute(q).all())
+            effects, seen_up_to = self.effects_in_flight_in(conn)
             undos = list(conn.execute(
                 sa.select(u.c.undo_id, u.c.effect_id, u.c.session_id, u.c.owner, u.c.lease_until)
                 .where(u.c.state == UndoState.COMPENSATING.value)
             ).all())
             intents = list(conn.execute(sa.select(t.rollbacks)).all())
-        if cursor is not None:
-            # Everything up to the oldest effect still in flight (or up to the newest row) has been seen settled.
-            # Effects reconciled after this read are settled too, but stay ahead of the cursor until the next
-            # pass: a re-read of a few rows, never a missed one.
-            upto = effects[0].seq - 1 if effects else newest
-            if upto > cursor.effect_seq:
-                rc = t.recovery_cursor
-                with self.tx() as conn:
-                    # Compare-and-swap on the version: a claim that moved the cursor back meanwhile wins.
-                    conn.execute(rc.update().where(rc.c.cursor_id == 1, rc.c.version == cursor.version)
-                                 .values(effect_seq=upto, version=rc.c.version + 1))
+        if seen_up_to is not None:
+            self.advance_cursor(*seen_up_to)
         return InFlight(effects, undos, intents)
+
+    def in_flight_q(self) -> Any:
+        e = t.effect_log
+        return (sa.select(e.c.seq, e.c.effect_id, e.c.session_id, e.c.tool_name, e.c.tier, e.c.state, e.c.owner,
+                          e.c.lease_until).where(e.c.state.in_(IN_FLIGHT)).order_by(e.c.seq))
+
+    if TYPE_CHECKING:  # per database (sqlite.py, postgres.py)
+        def effects_in_flight_in(self, conn: Any) -> tuple[list[Any], tuple[Any, int] | None]: ...
+        def advance_cursor(self, cursor: Any, upto: int) -> None: ...
 
     def claim_intent(self, session_id: str, seen_owner: str | None, owner: str, lease_until: dt.datetime) -> bool:
         """Compare-and-swap a rollback's owner: of several recoverers, one walks it."""

@@ -1,0 +1,204 @@
+"""SQLite: the engine (WAL, ``synchronous=FULL``, deferred reads, immediate writes), the hot path's statements
+(the pre-write as one autocommit statement, its undo entry written by a trigger), recovery's cursor.
+
+The DBOS shape: ``SQLiteStorage`` is the ``Storage`` of a SQLite file; ``postgres.py`` holds the other one.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import Connection, Engine
+
+from ..errors import ConfigurationError
+from . import schema as t
+from .hotpath import _EFFECT_COLS, _WRITABLE, HotPath
+from .pool import WouldBlock
+
+_SQLITE_GUARD = (
+    f"UPDATE undolog_sessions SET tool_calls_total = tool_calls_total + ?, updated_at = ? "
+    f"WHERE session_id = ? AND {_WRITABLE}"
+)
+_SQLITE_EFFECT = (
+    f"INSERT INTO undolog_effect_log ({_EFFECT_COLS}) "
+    "VALUES (?, ?, ?, ?, ?, 'compensable', 'pending', ?, ?, ?, ?, 0, ?, ?)"
+)
+# With no counts to flush, the session is only checked, not written: one page less in every pre-write.
+_SQLITE_EFFECT_CHECKED = (
+    f"INSERT INTO undolog_effect_log ({_EFFECT_COLS}) "
+    "SELECT ?, ?, ?, ?, ?, 'compensable', 'pending', ?, ?, ?, ?, 0, ?, ? "
+    f"WHERE EXISTS (SELECT 1 FROM undolog_sessions WHERE session_id = ? AND {_WRITABLE})"
+)
+_SQLITE_MARK = (
+    "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = ?, owner = NULL, lease_until = NULL, "
+    "updated_at = ? WHERE effect_id = ? AND state IN ('pending', 'running')"
+)
+
+
+_seconds: dict[int, str] = {}
+
+
+def _sqlite_time(t: float) -> str:
+    """The text SQLAlchemy's SQLite DateTime writes for the UTC instant ``t`` (epoch seconds).
+
+    ``YYYY-MM-DD HH:MM:SS.ffffff``: the seconds part changes once a second, so it is formatted once and kept (a
+    call formats two seconds: now and its lease's end; a few are kept, and a dict's get and set are atomic under
+    the GIL). Working from ``time.time()`` instead of datetimes keeps object churn off the hot path.
+    """
+    sec = int(t)
+    text = _seconds.get(sec)
+    if text is None:
+        if len(_seconds) > 16:
+            _seconds.clear()
+        text = _seconds[sec] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(sec))
+    return f"{text}.{int((t - sec) * 1e6):06d}"
+
+
+
+
+class SQLiteHotPath(HotPath):
+    integrity_error = (sqlite3.IntegrityError,)
+
+    def _setup(self, conn: Any) -> None:
+        # What the pool's connections check by foreign key, the hot path's statements guarantee themselves:
+        # the effect is inserted only where the session row exists (in the same statement), its undo entry
+        # refers to it, and a commit mark changes no key. Skipping the checks saves two lookups per pre-write.
+        conn.execute("PRAGMA foreign_keys=OFF")
+
+    def _lock(self, wait: bool) -> None:
+        # SQLite has one writer: this process's writers queue on a lock that hands over at once (SQLite's own
+        # busy handler sleeps a millisecond or more). On an event loop it is never waited for.
+        if not self.write_lock.acquire(blocking=wait):
+            raise WouldBlock()
+
+    def _prewrite(self, conn: Any, wait: bool, session_id: str, count: int, effect_id: str, call_id: str,
+                  tool_name: str, revision: int, args_text: str, digest: str, owner: str, now: float, lease: float,
+                  comp: str, comp_version: int) -> bool:
+        now_s = _sqlite_time(now)
+        # The undo entry is written by the schema's trigger (schema.SQLITE_UNDO_TRIGGER), in the same statement as
+        # the effect.
+        row = (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner, _sqlite_time(lease),
+               now_s, now_s)
+        self._lock(wait)
+        try:
+            if not count:
+                # One autocommit statement: a write statement takes the write lock before it reads, like BEGIN
+                # IMMEDIATE, so the session check and the insert see one state.
+                return bool(conn.execute(_SQLITE_EFFECT_CHECKED, (*row, session_id)).rowcount == 1)
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                if conn.execute(_SQLITE_GUARD, (count, now_s, session_id)).rowcount != 1:
+                    conn.execute("ROLLBACK")
+                    return False
+                conn.execute(_SQLITE_EFFECT, row)
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            return True
+        finally:
+            self.write_lock.release()
+
+    def _mark(self, conn: Any, wait: bool, effect_id: str, text: str, now: float) -> bool:
+        self._lock(wait)
+        try:
+            return bool(conn.execute(_SQLITE_MARK, (text, _sqlite_time(now), effect_id)).rowcount == 1)
+        finally:
+            self.write_lock.release()
+
+    def _mark_many(self, conn: Any, marks: list[tuple[str, str, float]]) -> None:
+        rows = [(text, _sqlite_time(now), eid) for eid, text, now in marks]
+        with self.write_lock:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.executemany(_SQLITE_MARK, rows)
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+
+
+def make_engine(url: str, *, durable: bool, pool_size: int, overflow: int, default_file: str) -> Engine:
+    """A SQLite engine: WAL, ``synchronous=FULL`` (``OFF`` for the fast engine), foreign keys on, reads deferred
+    and writes ``BEGIN IMMEDIATE``."""
+    path = url.split("///", 1)[1] if "///" in url else default_file
+    parent = Path(path).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise ConfigurationError(f"the folder for the SQLite database does not exist: {parent}")
+    eng = sa.create_engine(
+        url,
+        connect_args={"check_same_thread": False, "timeout": 30, "isolation_level": None},
+        pool_size=pool_size,
+        max_overflow=overflow,
+    )
+    sync = "FULL" if durable else "OFF"
+
+    @event.listens_for(eng, "connect")
+    def _pragmas(dbapi_conn: Any, _rec: Any) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA busy_timeout=30000")
+        _wal(cur)
+        cur.execute(f"PRAGMA synchronous={sync}")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(eng, "begin")
+    def _begin(conn: Connection) -> None:
+        # IMMEDIATE takes the write lock up front, so two writers queue on busy_timeout instead of failing when
+        # a read transaction tries to upgrade. Reads stay deferred: in WAL mode they never wait for a writer.
+        if conn.get_execution_options().get("undolog_read"):
+            conn.exec_driver_sql("BEGIN")
+        else:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return eng
+
+
+def _wal(cur: Any) -> None:
+    """Put the database in WAL mode (it stays so, in the file), waiting out another connection's lock.
+
+    Asking for WAL is a no-op when the file already is in WAL mode, but it can still answer "database is locked"
+    without going through the busy handler while another connection changes the schema (a migration); so the
+    mode is read first, and set with a bounded retry only on a database that is not in WAL mode yet.
+    """
+    for attempt in range(300):
+        try:
+            if str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
+                return
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or attempt == 299:
+                raise
+            time.sleep(0.01 * min(10, attempt + 1))
+
+
+def back_in_flight_in(conn: Connection, seq: int) -> None:
+    """The effect ``seq`` is in flight again: move recovery's cursor back to it (see ``schema.py``)."""
+    rc = t.recovery_cursor
+    conn.execute(
+        rc.update().where(rc.c.cursor_id == 1, rc.c.effect_seq >= seq)
+        .values(effect_seq=seq - 1, version=rc.c.version + 1)
+    )
+
+
+def cursor_in(conn: Connection) -> tuple[Any, int]:
+    """Recovery's cursor (how far every effect was seen settled, and its version) and the newest effect's seq."""
+    rc, e = t.recovery_cursor, t.effect_log
+    cursor = conn.execute(sa.select(rc.c.effect_seq, rc.c.version).where(rc.c.cursor_id == 1)).one()
+    newest = int(conn.execute(sa.select(sa.func.coalesce(sa.func.max(e.c.seq), 0))).scalar_one())
+    return cursor, newest
+
+
+def advance_cursor_in(conn: Connection, cursor: Any, upto: int) -> None:
+    """Move the cursor up, by compare-and-swap on its version: a claim that moved it back meanwhile wins."""
+    rc = t.recovery_cursor
+    conn.execute(rc.update().where(rc.c.cursor_id == 1, rc.c.version == cursor.version)
+                 .values(effect_seq=upto, version=rc.c.version + 1))
