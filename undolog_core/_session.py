@@ -5,7 +5,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._engine import SessionCache
 from ._saga import RollbackReport
@@ -17,8 +17,21 @@ from .storage.records import SessionRecord, SessionState, StateChange
 SAFE = ToolTier.SAFE
 
 if TYPE_CHECKING:
-    from ._undolog import UndoLog
+    from ._driver import CallDriver
+    from ._engine import Engine
+    from ._registry import Registry
+    from ._saga import Saga
     from .storage.sessions import SessionsSQL
+
+
+class SessionHost(Protocol):
+    """What a ``Session`` uses of the UndoLog that opened it (the facade satisfies it; no import of it here)."""
+
+    engine: Engine
+    saga: Saga
+    driver: CallDriver
+    registry: Registry
+    sessions: SessionService
 
 
 class Session:
@@ -29,7 +42,7 @@ class Session:
         ...     await s.call(search_knowledge_base, query="refund policy")
     """
 
-    def __init__(self, undolog: UndoLog, cache: SessionCache) -> None:
+    def __init__(self, undolog: SessionHost, cache: SessionCache) -> None:
         self._u = undolog
         self._sc = cache
         self.id = cache.session_id

@@ -10,10 +10,11 @@ per database, in ``sqlite.py`` and ``postgres.py``.
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, Protocol
+
+from sqlalchemy.engine import Engine
 
 from ..errors import DatabaseUnavailable
-from .base import Store
 from .pool import IntegrityConflict, RawPool, WouldBlock, is_unavailable
 
 _EFFECT_COLS = (
@@ -28,6 +29,14 @@ _WRITABLE = "state IN ('active', 'awaiting_approval')"
 
 
 
+class HotStore(Protocol):
+    """What the hot path uses of its store: the two engines its pools draw from, and SQLite's writer lock."""
+
+    engine: Engine
+    fast: Engine
+    write_lock: Any
+
+
 class HotPath(abc.ABC):
     """The pre-write and the commit mark on raw connections from two small pools (durable and fast).
 
@@ -38,7 +47,7 @@ class HotPath(abc.ABC):
     #: The driver's unique-violation exception (the same call id written twice).
     integrity_error: tuple[type[BaseException], ...] = ()
 
-    def __init__(self, store: Store, *, pool_size: int, fast_pool_size: int) -> None:
+    def __init__(self, store: HotStore, *, pool_size: int, fast_pool_size: int) -> None:
         self.store = store
         self.write_lock = store.write_lock
         self.durable = RawPool(store.engine, pool_size, setup=self._setup)
