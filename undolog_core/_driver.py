@@ -122,7 +122,7 @@ class CallDriver:
             try:
                 value = invoke(d.args)
             except control_flow:
-                self._release(d)
+                self.release(d)
                 raise
             except BaseException as exc:
                 return self._failed_sync(d, exc, rollback_on_failure, note=note)
@@ -145,7 +145,7 @@ class CallDriver:
                 if inspect.isawaitable(value):
                     value = await value
             except control_flow:
-                await self._off_loop(self._release, d)
+                await self._off_loop(self.release, d)
                 raise
             except BaseException as exc:
                 return await self._failed_async(d, exc, rollback_on_failure, note=note)
@@ -228,8 +228,6 @@ class CallDriver:
         it after the gate): its re-issue decides again, under the same effect."""
         if d.effect_id is not None:
             self.engine.release(d.effect_id)
-
-    _release = release
 
     def _record_failure(self, d: Execute, error: BaseException | str) -> str | None:
         """The failure's policy, or None when nothing is to be done (a SAFE call, or a store that is down)."""

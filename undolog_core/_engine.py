@@ -319,9 +319,6 @@ class Engine:
 
     # -- routing ---------------------------------------------------------------------------------
 
-    def spec(self, tool: Any) -> ToolSpec:
-        return self._registry.spec_for(tool)
-
     def session_cache(self, session_id: str) -> SessionCache:
         """This process's record of a session, made (not persisted) on first sight."""
         sc = self._sessions.get(session_id)
@@ -827,18 +824,6 @@ class Engine:
         """Expose ``current_call()`` to the tool while it runs (a context manager)."""
         return _Running(CallContext(session_id or d.session_id, d.effect_id, d.call_id, d.tool_name,
                                     d.idempotency_key))
-
-    # -- session state, shared with approvals, saga and recovery ----------------------------------
-
-    def halt(self, conn: Any, session_id: str, reason: str, *, now: dt.datetime | None = None) -> None:
-        self.store.halt_in(conn, session_id, reason, now or utcnow())
-        self.note_state(session_id, SessionState.HALTED)
-
-    def refresh_awaiting(self, conn: Any, session_id: str, *, now: dt.datetime | None = None) -> None:
-        """A session is ``awaiting_approval`` exactly while one of its requests is pending."""
-        changed = self.store.refresh_awaiting_in(conn, session_id, now or utcnow())
-        if changed is not None:
-            self.note_state(session_id, changed)
 
     # -- deferred marks ------------------------------------------------------------------------------
 
