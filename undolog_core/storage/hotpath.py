@@ -16,6 +16,7 @@ from sqlalchemy.engine import Engine
 
 from ..errors import DatabaseUnavailable
 from .pool import IntegrityConflict, RawPool, WouldBlock, is_unavailable
+from .schema import WRITABLE
 
 _EFFECT_COLS = (
     "effect_id, session_id, call_id, tool_name, tool_revision, tier, state, args_snapshot, args_digest, owner, "
@@ -25,7 +26,8 @@ _UNDO_COLS = (
     "undo_id, effect_id, session_id, compensation_name, compensation_version, args_snapshot, state, attempts, created_at, "
     "updated_at"
 )
-_WRITABLE = "state IN ('active', 'awaiting_approval')"
+# The states in which a session accepts calls, rendered once from the schema's own list.
+_WRITABLE = f"state IN ({', '.join(repr(v) for v in WRITABLE)})"
 
 
 
