@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._tools import build_args_model, canonical_json, sha256_hex
 from .errors import ApprovalAlreadyDecided, ApprovalNotFound, ArgumentsInvalid, UndoLogError
+from .storage.approvals import EXPIRE_BATCH
 from .storage.base import utcnow
 from .storage.records import ApprovalEvent, ApprovalRecord, RequestState, StateChange
 
@@ -189,25 +190,36 @@ class ApprovalService:
     # -- timeouts ------------------------------------------------------------------------------------
 
     def expire_due(self, now: dt.datetime | None = None) -> builtins.list[str]:
-        """Apply the timeout to every pending request past ``timeout_at``; returns their ids.
+        """Apply the timeout to every pending request past ``timeout_at``; returns the ids timed out or
+        auto-approved here.
 
-        Several processes may call it at once: on PostgreSQL rows are claimed with SKIP LOCKED, and each
-        request's state change is conditional, so each timeout is applied exactly once.
+        Due requests are claimed in batches of ``storage.EXPIRE_BATCH`` (one transaction, one audit-chain lock
+        each). Several processes may call it at once: on PostgreSQL each batch is claimed with SKIP LOCKED and
+        each state change is conditional, so each timeout is applied exactly once, and more sweepers never make
+        it slower. A request cancelled because another request of its session timed out is not in the result.
+
+        Example:
+            >>> undolog.approvals.expire_due()
+            ['3f2c9d...', ...]
         """
         now = now or utcnow()
-        due = self._storage.due_request_ids(now)
-        return self.expire(due, now=now) if due else []
+        done: builtins.list[str] = []
+        while True:
+            got, changes = self._storage.expire_batch(now)
+            if not got:
+                return done
+            self._changed(changes)
+            done.extend(got)
 
     def expire(self, ids: Iterable[str], *, now: dt.datetime | None = None) -> builtins.list[str]:
         """Apply the timeout (per the org policy) to each of ``ids`` that is due; returns the ones expired here."""
         now = now or utcnow()
+        wanted = list(ids)
         done: builtins.list[str] = []
-        for rid in ids:
-            changes = self._storage.expire_request(rid, now)
-            if changes is None:
-                continue
+        for i in range(0, len(wanted), EXPIRE_BATCH):
+            got, changes = self._storage.expire_batch(now, only=wanted[i:i + EXPIRE_BATCH])
             self._changed(changes)
-            done.append(rid)
+            done.extend(got)
         return done
 
 
