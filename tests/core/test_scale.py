@@ -53,11 +53,12 @@ def _count(u: Any, q: Any) -> Any:
 # -- the Done-when test: 4 processes, new batch sizes, each row exactly once ---------------------------------
 
 
-def test_four_processes_recover_and_expire_each_row_exactly_once(db, tmp_path):
+def test_four_processes_recover_and_expire_each_row_exactly_once(db, tmp_path, monkeypatch):
     """Four processes run recover() and expire_due() at the same moment over more rows than one batch holds:
     every in-flight effect is compensated exactly once and every due request timed out exactly once, with one
     audit event and one outbox row each, and the chain verifies."""
-    n_effects, n_requests = RECOVER_BATCH + 150, EXPIRE_BATCH + 150
+    n_effects, n_requests = RECOVER_BATCH + 30, EXPIRE_BATCH + 10
+    monkeypatch.setenv("SCALE_STATE", str(tmp_path))
     u = db.open()
     u.register(scale_app.scale_charge, scale_app.scale_undo, scale_app.scale_close)
     seeded = subprocess.run([sys.executable, "-m", "tests.core.scale_app", "seed", str(n_effects)],
@@ -66,7 +67,7 @@ def test_four_processes_recover_and_expire_each_row_exactly_once(db, tmp_path):
     u.policy.set(actor="test", approval_timeout_seconds=1)
     # Two requests per session for some: one times out, the other is cancelled with its session's halt.
     ids = _raise_requests(u, n_requests, per_session=1)
-    pairs = _raise_requests(u, 40, per_session=2)
+    pairs = _raise_requests(u, 20, per_session=2)
     time.sleep(1.1)
     go = tmp_path / "go"
     procs = [subprocess.Popen([sys.executable, "-m", "tests.core.scale_app", "sweep"],
@@ -94,21 +95,21 @@ def test_four_processes_recover_and_expire_each_row_exactly_once(db, tmp_path):
 
     # Expiry: each due request timed out once (or, the second of a session, cancelled once).
     expired = [rid for o in outs for rid in o["expired"]]
-    assert len(expired) == len(set(expired)) == n_requests + 20
+    assert len(expired) == len(set(expired)) == n_requests + 10
     r, ev, ob = t.approval_requests, t.approval_events, t.outbox
     states = dict(_count(u, sa.select(r.c.state, sa.func.count()).group_by(r.c.state)))
-    assert states == {"timed_out": n_requests + 20, "cancelled": 20}
+    assert states == {"timed_out": n_requests + 10, "cancelled": 10}
     per_request = collections.Counter(
         (x.approval_request_id, x.action) for x in _count(u, sa.select(ev.c.approval_request_id, ev.c.action)
                                                              .where(ev.c.approval_request_id.isnot(None))))
     assert set(per_request.values()) == {1}
-    assert sum(1 for (_, a) in per_request if a == "timeout") == n_requests + 20
-    assert sum(1 for (_, a) in per_request if a == "cancel") == 20
+    assert sum(1 for (_, a) in per_request if a == "timeout") == n_requests + 10
+    assert sum(1 for (_, a) in per_request if a == "cancel") == 10
     assert set(expired) == {rid for (rid, a) in per_request if a == "timeout"}
-    assert set(ids) <= set(expired) and len(set(pairs) & set(expired)) == 20
+    assert set(ids) <= set(expired) and len(set(pairs) & set(expired)) == 10
     timed_out_rows = _count(u, sa.select(sa.func.count()).select_from(ob)
                             .where(ob.c.event_type == "approval.timed_out"))[0][0]
-    assert timed_out_rows == n_requests + 20
+    assert timed_out_rows == n_requests + 10
     assert u.verify_audit().ok
 
 
@@ -339,7 +340,7 @@ def _lists_stay_fast(db: Any, n_effects: int) -> None:
     u.register(refund, undo_refund)
     try:
         _seed_bulk(u, n_effects)
-        for i in range(30):
+        for _ in range(30):
             desk.pending()
         # The queue's and the sessions list's statements walk an index instead of sorting the table.
         r, s = t.approval_requests, t.sessions
