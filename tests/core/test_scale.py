@@ -358,8 +358,11 @@ def _lists_stay_fast(db: Any, n_effects: int) -> None:
         ui = _login_ui(desk)
         for path, client in (("/v1/approvals?state=pending", c), ("/v1/sessions", c), ("/ui/", ui),
                              ("/ui/sessions", ui), ("/ui/sessions/bulk-7", ui)):
+            t0 = time.perf_counter()
             resp = client.get(path, timeout=60)
             assert resp.status_code == 200, (path, resp.text[:300])
+            # Printed, not asserted (-s shows it): the README quotes these.
+            print(f"{n_effects} effects, {db.kind}: GET {path} {1000 * (time.perf_counter() - t0):.0f} ms")
         assert len(c.get("/v1/approvals?state=pending").json()) == 30
     finally:
         desk.close()
