@@ -345,8 +345,7 @@ archive = sa.Table(
 )
 sa.Index("ix_undolog_archive_session", archive.c.session_id)
 
-# The lists of the dashboard and the CLI, newest first, stay an index walk however large the store grows; gc
-# finds settled sessions by state and age.
+# The lists of the dashboard and the CLI, newest first, stay an index walk however large the store grows. (None
+# on the sessions' state and updated_at for gc: the pre-write that carries a call count updates updated_at.)
 sa.Index("ix_undolog_sessions_created", sessions.c.created_at, sessions.c.session_id)
-sa.Index("ix_undolog_sessions_state_updated", sessions.c.state, sessions.c.updated_at)
 sa.Index("ix_undolog_approval_state_created", approval_requests.c.state, approval_requests.c.created_at)

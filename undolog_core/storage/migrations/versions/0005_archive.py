@@ -1,8 +1,9 @@
 """`undolog gc`'s archive table, and the indexes that keep the lists fast in a large store.
 
 ``undolog_archive`` holds the effects and undo entries gc moved out of the live tables (each row as JSON).
-Indexes: sessions newest first (the sessions lists), sessions by state and age (what gc looks for), requests by
-state newest first (the approval queue).
+Indexes: sessions newest first (the sessions lists) and requests by state newest first (the approval queue).
+None on the sessions' state and age for gc: the pre-write that carries a session's call count updates
+``updated_at``, and an index on it would cost that hot statement an index update.
 
 Revision ID: 0005_archive
 Revises: 0004_rollback_intent
@@ -20,7 +21,6 @@ depends_on = None
 
 _INDEXES = (
     ("ix_undolog_sessions_created", "undolog_sessions", ["created_at", "session_id"]),
-    ("ix_undolog_sessions_state_updated", "undolog_sessions", ["state", "updated_at"]),
     ("ix_undolog_approval_state_created", "undolog_approval_requests", ["state", "created_at"]),
 )
 
