@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import builtins
-import logging
 import datetime as dt
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -96,8 +97,13 @@ class CallDriver:
         spec = self.spec(tool)
         check_id("session_id", session_id)
         if spec.tier is IRREVERSIBLE and obs.tracing():
-            with _gate_span(spec, session_id, call_id) as s:
-                return _gated(s, self.engine.intercept_spec(session_id, spec, args, call_id, match_digest))
+            start = time.time_ns()
+            try:
+                return _gated(spec, session_id, call_id, start,
+                              self.engine.intercept_spec(session_id, spec, args, call_id, match_digest))
+            except UndoLogError as exc:
+                _refused(spec, session_id, call_id, start, exc)
+                raise
         return self.engine.intercept_spec(session_id, spec, args, call_id, match_digest)
 
     async def adecide(
@@ -109,8 +115,13 @@ class CallDriver:
         spec = self.spec(tool)
         check_id("session_id", session_id)
         if spec.tier is IRREVERSIBLE and obs.tracing():
-            with _gate_span(spec, session_id, call_id) as s:
-                return _gated(s, await self._adecide(session_id, spec, args, call_id, match_digest))
+            start = time.time_ns()
+            try:
+                return _gated(spec, session_id, call_id, start,
+                              await self._adecide(session_id, spec, args, call_id, match_digest))
+            except UndoLogError as exc:
+                _refused(spec, session_id, call_id, start, exc)
+                raise
         return await self._adecide(session_id, spec, args, call_id, match_digest)
 
     async def _adecide(self, session_id: str, spec: ToolSpec, args: Mapping[str, Any], call_id: str | None,
@@ -352,32 +363,34 @@ _REFUSALS = {"approval_rejected": "rejected", "approval_timed_out": "timed_out",
              "approval_cancelled": "cancelled"}
 
 
-@contextlib.contextmanager
-def _gate_span(spec: ToolSpec, session_id: str, call_id: str | None) -> Iterator[Any]:
-    """The ``execute_tool`` span of an IRREVERSIBLE call's gate (the call may run later, in its own span).
-
-    A refusal (rejected, timed out, cancelled...) is named on it and propagates unchanged."""
-    with obs.span(f"{obs.OP_EXECUTE_TOOL} {spec.name}", obs.tool_attrs(
-            spec.name, spec.tier.value, call_id=call_id, session_id=session_id, effect_id=None)) as s:
-        try:
-            yield s
-        except UndoLogError as exc:
-            s.set_attribute(obs.A_DECISION, _REFUSALS.get(exc.code, "refused"))
-            obs.failed(s, exc)
-            raise
+# An IRREVERSIBLE call's gate gets its own ``execute_tool`` span only when the tool does not run now (it waits for a
+# person, was refused, or replays a stored result): a call let through is traced once, by its run's span, which
+# carries the approval request and the decision. So each attempt of the agent to call the tool is one span.
 
 
-def _gated(s: Any, d: Decision) -> Decision:
-    """Name on the gate's span what the gate decided."""
+def _gate_attrs(spec: ToolSpec, session_id: str, call_id: str | None) -> dict[str, Any]:
+    return obs.tool_attrs(spec.name, spec.tier.value, call_id=call_id, session_id=session_id, effect_id=None)
+
+
+def _gated(spec: ToolSpec, session_id: str, call_id: str | None, start: int, d: Decision) -> Decision:
+    if isinstance(d, Execute):
+        return d
+    attrs = _gate_attrs(spec, session_id, call_id)
+    attrs[obs.A_EFFECT] = d.effect_id
     if isinstance(d, AwaitingApproval):
-        s.set_attributes({obs.A_EFFECT: d.effect_id, obs.A_REQUEST: d.approval_request_id,
-                          obs.A_DECISION: "awaiting_approval", obs.A_TOOL_CALL_ID: d.call_id})
-    elif isinstance(d, Completed):
-        s.set_attributes({obs.A_EFFECT: d.effect_id, obs.A_DECISION: "replayed"})
+        attrs.update({obs.A_REQUEST: d.approval_request_id, obs.A_DECISION: "awaiting_approval",
+                      obs.A_TOOL_CALL_ID: d.call_id})
     else:
-        s.set_attributes({obs.A_EFFECT: d.effect_id, obs.A_REQUEST: d.approval_request_id or "",
-                          obs.A_DECISION: d.decision or "approve"})
+        attrs[obs.A_DECISION] = "replayed"
+    obs.record_span(f"{obs.OP_EXECUTE_TOOL} {spec.name}", attrs, start)
     return d
+
+
+def _refused(spec: ToolSpec, session_id: str, call_id: str | None, start: int, exc: UndoLogError) -> None:
+    attrs = _gate_attrs(spec, session_id, call_id)
+    attrs[obs.A_DECISION] = _REFUSALS.get(exc.code, "refused")
+    attrs[obs.A_REQUEST] = getattr(exc, "approval_request_id", None)
+    obs.record_span(f"{obs.OP_EXECUTE_TOOL} {spec.name}", attrs, start, error=exc)
 
 
 @contextlib.contextmanager

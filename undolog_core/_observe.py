@@ -41,6 +41,7 @@ except ImportError:  # pragma: no cover - exercised by tests/core/test_observe.p
     _trace = None  # type: ignore[assignment]
     _metrics = None  # type: ignore[assignment]
 
+_ProxyMeterProvider: type | None
 try:  # the API's placeholder before an SDK sets a provider; private, hence the fallback
     from opentelemetry.metrics._internal import _ProxyMeterProvider
 except ImportError:  # pragma: no cover - another API version: always record (the proxy makes it a no-op)
@@ -120,6 +121,16 @@ def span(name: str, attrs: dict[str, Any]) -> Iterator[Any]:
     with tracer.start_as_current_span(name, attributes=_clean(attrs), record_exception=False,
                                       set_status_on_exception=False) as s:
         yield s
+
+
+def record_span(name: str, attrs: dict[str, Any], start_time_ns: int, *, error: BaseException | None = None) -> None:
+    """A span that began at ``start_time_ns`` and ends now (for a step whose outcome decides whether it is one)."""
+    if not tracing():
+        return
+    s = _trace.get_tracer(SCOPE).start_span(name, attributes=_clean(attrs), start_time=start_time_ns)
+    if error is not None:
+        failed(s, error)
+    s.end()
 
 
 def tool_attrs(tool_name: str, tier: str, *, call_id: str | None, session_id: str | None,

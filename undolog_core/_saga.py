@@ -207,7 +207,7 @@ class Saga:
                                       owner=leases.owner, lease_until=leases.until(), now=now)
         if mismatch is not None:
             self._note_state(session_id, SessionState.HALTED)
-            obs.saga_log.warning("halt: session %s halted before its rollback: %s", session_id, mismatch.message,
+            obs.saga_log.warning("halt: session %s halted before its rollback: %s", session_id, mismatch,
                                  extra=obs.ids(session_id))
             raise mismatch
         if only_effect is None:
