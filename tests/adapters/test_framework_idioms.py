@@ -18,6 +18,7 @@ from examples.crewai_support_crew import support as crew_support
 from examples.crewai_support_crew.demo import build_crew
 from examples.semantic_kernel_support import support
 from examples.semantic_kernel_support.llm import ScriptedChat, auto_settings, call
+from tests.otel import in_memory_otel
 from undolog_adapters import crewai as crewai_adapter
 from undolog_adapters.semantic_kernel import UndoLogFilter, invoke, resume, undolog_session
 from undolog_core import ApprovalPending, ToolTier, errors, undolog_tool
@@ -33,6 +34,12 @@ def _backends() -> Any:
     clear_all_global_hooks()
     yield
     clear_all_global_hooks()
+
+
+@pytest.fixture
+def otel(monkeypatch: pytest.MonkeyPatch) -> Any:
+    with in_memory_otel(monkeypatch) as exported:
+        yield exported
 
 
 @pytest.fixture
@@ -172,3 +179,25 @@ def test_crewai_tool_arguments_are_exactly_what_the_model_sent(undolog: Any) -> 
     run = tools.kickoff(crew, inputs={"ticket": "help u1"})
     [effect] = undolog.sessions.effects(run.session_id)
     assert set(effect["args_snapshot"]) == {"user_id", "amount"}
+
+
+# ------------------------------------------------------------------------------ traces through an adapter
+
+
+async def test_sk_tool_span_carries_the_models_call_id(ul: Any, otel: Any) -> None:
+    exporter, _ = otel
+    kernel = Kernel()
+    kernel.add_plugin(support.SupportPlugin(), plugin_name="support")
+    undolog_filter = UndoLogFilter(ul)
+    kernel.add_filter(FilterTypes.FUNCTION_INVOCATION, undolog_filter)
+    kernel.add_filter(FilterTypes.AUTO_FUNCTION_INVOCATION, undolog_filter.auto_invocation)
+    chat = ScriptedChat(ai_model_id="scripted", turns=[[REFUND_U1], [DELETE_U1]])
+    history = ChatHistory()
+    history.add_user_message("help u1")
+    with undolog_session("idiom-ot"):
+        await chat.get_chat_message_content(history, auto_settings(), kernel=kernel)
+    # SK traces its own function calls too; UndoLog's spans are the ones with undolog.* attributes.
+    ours = [(s.name, s.attributes["gen_ai.tool.call.id"], s.attributes.get("undolog.decision"))
+            for s in exporter.get_finished_spans() if "undolog.tier" in (s.attributes or {})]
+    assert ours == [("execute_tool support-send_refund_email", "m-2", None),
+                    ("execute_tool support-delete_user_account", "m-4", "awaiting_approval")]

@@ -15,6 +15,7 @@ import pytest
 from undolog_core import ApprovalPending, _observe
 from undolog_core.storage import schema as t
 
+from ..otel import in_memory_otel
 from .toolkit import setup
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,31 +146,8 @@ def test_a_recovery_action_is_logged(undolog: Any, caplog: pytest.LogCaptureFixt
 
 @pytest.fixture
 def otel(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """An SDK tracer and meter provider with in-memory export, for this test only.
-
-    .ci/run sets OTEL_SDK_DISABLED for CrewAI; the SDK would then hand out no-op tracers. The API lets a global
-    provider be set once per process, so the test swaps the globals in and monkeypatch puts them back."""
-    monkeypatch.delenv("OTEL_SDK_DISABLED", raising=False)
-    import opentelemetry.metrics._internal as metrics_internal
-    import opentelemetry.trace as trace_api
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    exporter = InMemorySpanExporter()
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
-    reader = InMemoryMetricReader()
-    meter_provider = MeterProvider(metric_readers=[reader])
-    monkeypatch.setattr(trace_api, "_TRACER_PROVIDER", tracer_provider)
-    monkeypatch.setattr(metrics_internal, "_METER_PROVIDER", meter_provider)
-    monkeypatch.setattr(_observe, "_instruments", None)
-    assert _observe.tracing() and _observe.metering()
-    yield exporter, reader
-    tracer_provider.shutdown()
-    meter_provider.shutdown()
+    with in_memory_otel(monkeypatch) as exported:
+        yield exported
 
 
 def _metrics(reader: Any) -> dict[str, list[tuple[dict[str, Any], Any]]]:
