@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -176,6 +177,7 @@ class _Instruments:
 
 
 _instruments: _Instruments | None = None
+_instruments_lock = threading.Lock()
 
 
 def metering() -> bool:
@@ -191,7 +193,9 @@ def instruments() -> _Instruments | None:
     if not metering():
         return None
     if _instruments is None:
-        _instruments = _Instruments()
+        with _instruments_lock:  # made once: two threads' first calls must not register them twice
+            if _instruments is None:
+                _instruments = _Instruments()
     return _instruments
 
 
