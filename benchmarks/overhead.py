@@ -22,6 +22,11 @@ paired: each round divides the variant's batch by the baseline's batch of the sa
 apart, under the same disk weather), and the figure is the median of those per-round ratios, with their
 p25-p75 beside it.
 
+3. OpenTelemetry, no database: what UndoLog's instrumentation adds to each gated (COMPENSABLE/IRREVERSIBLE) call
+   with ``opentelemetry-api`` installed and no SDK configured (goal: at most 5 us), beside what a no-op span and a
+   recorded span (SDK, in-memory exporter) would cost, for scale. Without the API installed the cost is one
+   ``is None`` test. The COMPENSABLE rows above already include the no-SDK checks.
+
 It is a report: the exit status is 0 whatever the numbers (non-zero only if the benchmark itself breaks).
 ``--quick`` is a smoke run for CI (well under 30 s for both databases).
 """
@@ -136,9 +141,14 @@ class Row:
     goal: float | None
     ratio_lo: float | None = None
     ratio_hi: float | None = None
+    goal_us: float | None = None  # an absolute goal (the OpenTelemetry rows)
 
     @property
     def verdict(self) -> str:
+        if self.goal_us is not None:
+            return "PASS" if self.median_us <= self.goal_us else "MISS"
+        if self.group == "OTEL":
+            return "scale"
         if self.ratio is None:
             return "baseline"
         if self.goal is None:
@@ -365,6 +375,65 @@ def lower_bound(u: UndoLog, loop: asyncio.AbstractEventLoop, *, durable: bool = 
     return lambda n: loop.run_until_complete(go(n))
 
 
+# -- OpenTelemetry ---------------------------------------------------------------------------------
+
+
+def otel_rows(plan: Plan, rng: random.Random) -> list[Row]:
+    """Per gated call: UndoLog's checks with the API but no SDK, against a no-op and a recorded span."""
+    from undolog_core import _observe as obs
+
+    try:
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    except ImportError:
+        print("[otel] opentelemetry-api/-sdk not installed: no OpenTelemetry rows", file=sys.stderr)
+        return []
+    if obs.tracing():
+        print("[otel] an SDK is configured in this process: the no-SDK row would not mean anything", file=sys.stderr)
+        return []
+    attrs = obs.tool_attrs("bench_refund", "compensable", call_id="c-1", session_id="s-1", effect_id="e" * 32)
+    noop = trace.get_tracer("bench")  # the API's proxy: a no-op span while no SDK is set
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    recording = provider.get_tracer("bench")  # not the global provider: the no-SDK row stays true
+
+    def checks(n: int) -> float:
+        # Exactly what CallDriver.run_sync/run_async add to a gated call when no SDK is configured.
+        tracing, count = obs.tracing, obs.count_call
+        t0 = time.perf_counter()
+        for _ in range(n):
+            count("compensable", "bench_refund")
+            tracing()
+        return time.perf_counter() - t0
+
+    def noop_span(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            with noop.start_as_current_span("execute_tool bench_refund", attributes=attrs):
+                pass
+        return time.perf_counter() - t0
+
+    def recorded_span(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            with recording.start_as_current_span("execute_tool bench_refund", attributes=attrs):
+                pass
+        exporter.clear()
+        return time.perf_counter() - t0
+
+    variants = [Variant("gated call's checks, API without SDK", checks),
+                Variant("(a no-op span, API without SDK: skipped)", noop_span),
+                Variant("(a recorded span, SDK + in-memory exporter)", recorded_span)]
+    measure(variants, rounds=plan.safe_rounds, batch=plan.safe_batch, rng=rng)
+    provider.shutdown()
+    rows = rows_for("-", "OTEL", variants)
+    rows[0].goal_us = 5.0
+    return rows
+
+
 # -- per database ----------------------------------------------------------------------------------
 
 
@@ -437,9 +506,10 @@ def print_table(rows: list[Row], plan: Plan, elapsed: float) -> None:
                 r.variant,
                 f"{r.median_us:,.1f}",
                 f"{r.p25_us:,.1f}-{r.p75_us:,.1f}",
-                f"{r.ratio:.2f}x" if r.ratio is not None else "1.00x",
+                f"{r.ratio:.2f}x" if r.ratio is not None else "" if r.group == "OTEL" else "1.00x",
                 f"{r.ratio_lo:.2f}-{r.ratio_hi:.2f}" if r.ratio_lo is not None and r.ratio_hi is not None else "",
-                f"<= {r.goal:.1f}x" if r.goal is not None else "",
+                f"<= {r.goal_us:.0f} us" if r.goal_us is not None else f"<= {r.goal:.1f}x" if r.goal is not None
+                else "",
                 r.verdict,
             )
         )
@@ -496,6 +566,11 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - report what could not be measured, keep the rest
             broken = True
             print(f"[{kind}] the benchmark could not run: {type(exc).__name__}: {exc}", file=sys.stderr)
+    try:
+        rows += otel_rows(plan, rng)
+    except Exception as exc:  # noqa: BLE001 - as above
+        broken = True
+        print(f"[otel] the benchmark could not run: {type(exc).__name__}: {exc}", file=sys.stderr)
     if rows:
         print_table(rows, plan, time.perf_counter() - t0)
     # A report: missed goals do not fail the run; a benchmark that cannot run does (CI smoke).

@@ -11,15 +11,28 @@ in never waiting for a connection or a lock (a step that would wait is run in a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
-from collections.abc import Awaitable, Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._engine import SAFE, AwaitingApproval, Completed, Decision, Engine, Execute, SessionCache, check_id
+from . import _observe as obs
+from ._engine import (
+    IRREVERSIBLE,
+    SAFE,
+    AwaitingApproval,
+    Completed,
+    Decision,
+    Engine,
+    Execute,
+    SessionCache,
+    check_id,
+)
 from ._saga import RollbackReport, Saga, run_coro_blocking
 from ._tools import ToolSpec
-from .errors import ApprovalPending
+from .errors import ApprovalPending, UndoLogError
 from .storage.pool import WouldBlock
 
 ControlFlow = tuple[type[BaseException], ...]
@@ -83,6 +96,14 @@ class CallDriver:
         """
         spec = self.spec(tool)
         check_id("session_id", session_id)
+        if spec.tier is IRREVERSIBLE and obs.tracing():
+            start = time.time_ns()
+            try:
+                return _gated(spec, session_id, call_id, start,
+                              self.engine.intercept_spec(session_id, spec, args, call_id, match_digest))
+            except UndoLogError as exc:
+                _refused(spec, session_id, call_id, start, exc)
+                raise
         return self.engine.intercept_spec(session_id, spec, args, call_id, match_digest)
 
     async def adecide(
@@ -93,6 +114,18 @@ class CallDriver:
         worker thread (a gated call, a session's first call, a busy pool or write lock)."""
         spec = self.spec(tool)
         check_id("session_id", session_id)
+        if spec.tier is IRREVERSIBLE and obs.tracing():
+            start = time.time_ns()
+            try:
+                return _gated(spec, session_id, call_id, start,
+                              await self._adecide(session_id, spec, args, call_id, match_digest))
+            except UndoLogError as exc:
+                _refused(spec, session_id, call_id, start, exc)
+                raise
+        return await self._adecide(session_id, spec, args, call_id, match_digest)
+
+    async def _adecide(self, session_id: str, spec: ToolSpec, args: Mapping[str, Any], call_id: str | None,
+                       match_digest: bool) -> Decision:
         try:
             return self.engine.intercept_spec(session_id, spec, args, call_id, match_digest, False)
         except WouldBlock:
@@ -118,6 +151,19 @@ class CallDriver:
         (the failure's text, or None); ``result_of`` picks what is stored as the result (default: the value).
         ``note=False``: the caller tells the rollback's outcome itself, so it is not noted on the exception.
         """
+        if d.effect_id is None:  # SAFE: no span, no metric (its budget is a few microseconds)
+            return self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note)
+        obs.count_call(d.tier.value, d.tool_name)
+        if not obs.tracing():
+            return self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note)
+        with _tool_span(d) as s:
+            return _ran(s, self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note))
+
+    def _run_sync(
+        self, d: Execute, invoke: Callable[[dict[str, Any]], Any], control_flow: ControlFlow,
+        rollback_on_failure: bool, failure_of: Callable[[Any], str | None] | None,
+        result_of: Callable[[Any], Any] | None, note: bool,
+    ) -> Outcome:
         with self.engine.running(d):
             try:
                 value = invoke(d.args)
@@ -139,6 +185,20 @@ class CallDriver:
         note: bool = True,
     ) -> Outcome:
         """The async twin of :meth:`run_sync`: the same steps, the tool and the rollback awaited on this loop."""
+        if d.effect_id is None:
+            return await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note)
+        obs.count_call(d.tier.value, d.tool_name)
+        if not obs.tracing():
+            return await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note)
+        with _tool_span(d) as s:
+            return _ran(s, await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of,
+                                                 result_of, note))
+
+    async def _run_async(
+        self, d: Execute, invoke: Callable[[dict[str, Any]], Awaitable[Any] | Any], control_flow: ControlFlow,
+        rollback_on_failure: bool, failure_of: Callable[[Any], str | None] | None,
+        result_of: Callable[[Any], Any] | None, note: bool,
+    ) -> Outcome:
         with self.engine.running(d):
             try:
                 value = invoke(d.args)
@@ -297,6 +357,73 @@ class CallDriver:
 
     async def arollback_noting(self, session_id: str, exc: BaseException, reason: str) -> RollbackReport | None:
         return await self._rollback_async(session_id, exc, reason)
+
+
+_REFUSALS = {"approval_rejected": "rejected", "approval_timed_out": "timed_out",
+             "approval_cancelled": "cancelled"}
+
+
+# An IRREVERSIBLE call's gate gets its own ``execute_tool`` span only when the tool does not run now (it waits for a
+# person, was refused, or replays a stored result): a call let through is traced once, by its run's span, which
+# carries the approval request and the decision. So each attempt of the agent to call the tool is one span.
+
+
+def _gate_attrs(spec: ToolSpec, session_id: str, call_id: str | None) -> dict[str, Any]:
+    return obs.tool_attrs(spec.name, spec.tier.value, call_id=call_id, session_id=session_id, effect_id=None)
+
+
+def _gated(spec: ToolSpec, session_id: str, call_id: str | None, start: int, d: Decision) -> Decision:
+    if isinstance(d, Execute):
+        return d
+    attrs = _gate_attrs(spec, session_id, call_id)
+    attrs[obs.A_EFFECT] = d.effect_id
+    if isinstance(d, AwaitingApproval):
+        attrs.update({obs.A_REQUEST: d.approval_request_id, obs.A_DECISION: "awaiting_approval",
+                      obs.A_TOOL_CALL_ID: d.call_id})
+    else:
+        attrs[obs.A_DECISION] = "replayed"
+    obs.record_span(f"{obs.OP_EXECUTE_TOOL} {spec.name}", attrs, start)
+    return d
+
+
+def _refused(spec: ToolSpec, session_id: str, call_id: str | None, start: int, exc: UndoLogError) -> None:
+    attrs = _gate_attrs(spec, session_id, call_id)
+    attrs[obs.A_DECISION] = _REFUSALS.get(exc.code, "refused")
+    attrs[obs.A_REQUEST] = getattr(exc, "approval_request_id", None)
+    obs.record_span(f"{obs.OP_EXECUTE_TOOL} {spec.name}", attrs, start, error=exc)
+
+
+@contextlib.contextmanager
+def _tool_span(d: Execute) -> Iterator[Any]:
+    """The ``execute_tool`` span around a COMPENSABLE or IRREVERSIBLE tool's run.
+
+    The tool's failure comes back in the ``Outcome`` (see :func:`_ran`); only a framework's control flow passes
+    through here: the call was handed back unrun (``released``), which is not an error."""
+    attrs = obs.tool_attrs(d.tool_name, d.tier.value, call_id=d.call_id, session_id=d.session_id,
+                           effect_id=d.effect_id)
+    if d.approval_request_id is not None:
+        attrs[obs.A_REQUEST] = d.approval_request_id
+        attrs[obs.A_DECISION] = d.decision
+    with obs.span(f"{obs.OP_EXECUTE_TOOL} {d.tool_name}", attrs) as s:
+        try:
+            yield s
+        except BaseException:
+            s.set_attribute(obs.A_OUTCOME, "released")
+            raise
+
+
+def _ran(s: Any, outcome: Outcome) -> Outcome:
+    """Mark the tool span as failed when the tool failed, with what the failure policy did about it."""
+    if outcome.ok:
+        return outcome
+    if outcome.rollback is None:
+        what = "none"
+    elif outcome.rollback.complete:
+        what = "rolled_back"
+    else:
+        what = "halted"
+    obs.failed(s, outcome.error if outcome.error is not None else str(outcome.failure), what)
+    return outcome
 
 
 def _call_blocking(spec: ToolSpec, args: dict[str, Any]) -> Any:
