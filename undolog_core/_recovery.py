@@ -13,7 +13,7 @@ from ._leases import Leases, owner_alive
 from ._saga import Saga, run_coro_blocking
 from ._tools import ToolTier, jsonable
 from .errors import UndoLogError
-from .storage.schema import EffectState, SessionState
+from .storage.schema import IN_FLIGHT, EffectState, SessionState
 
 if TYPE_CHECKING:
     from ._registry import Registry
@@ -123,6 +123,28 @@ class Recovery:
                 progress(done, total, f"{r.tool_name} {r.effect_id}: {settled or 'skipped'}")
         return report
 
+    def settle_in_doubt(self, effect_id: str) -> str | None:
+        """Settle now, as recovery would after a crash, a call of this process whose outcome its caller cannot tell
+        (the connection to the tool was lost mid-call, or it timed out): its probe decides when it has one; else a
+        COMPENSABLE call is compensated (a compensation tolerates "never happened") and an IRREVERSIBLE one, or one
+        whose compensation needs the result it never got, becomes ``unknown``; the session halts for a person.
+
+        Returns the outcome (``committed``, ``compensated``, ``unknown``, ``not_run``), or None when the effect was
+        no longer in flight.
+
+        Example:
+            >>> undolog.driver.in_doubt(effect_id)   # what the call driver does for ``unknown_on`` exceptions
+            'compensated'
+        """
+        row = self._store.effect(effect_id)
+        if row.state not in IN_FLIGHT:
+            return None
+        report = RecoveryReport()
+        outcome = self._reconcile(row, report)
+        if outcome is None and report.errors:
+            raise UndoLogError("; ".join(report.errors))
+        return outcome
+
     def _halt(self, session_id: str, reason: str) -> None:
         self._store.halt_session(session_id, reason)
         self._note_state(session_id, SessionState.HALTED)
@@ -190,6 +212,16 @@ class Recovery:
             self._store.settle_effect(
                 r.effect_id, EffectState.UNKNOWN, error="interrupted mid-run; no probe to tell whether it happened",
                 halt=(r.session_id, f"{r.tool_name} ({r.effect_id}) was interrupted mid-run: outcome unknown"),
+            )
+            self._note_state(r.session_id, SessionState.HALTED)
+            return "unknown"
+        if spec.compensation_needs_result:
+            # Its undo is built from the result, which nobody saw: a person decides.
+            self._store.settle_effect(
+                r.effect_id, EffectState.UNKNOWN,
+                error="outcome unknown, and its compensation needs the result it never returned",
+                halt=(r.session_id, f"{r.tool_name} ({r.effect_id}): outcome unknown and its compensation needs "
+                                    "its result; check the tool, then resume or roll back"),
             )
             self._note_state(r.session_id, SessionState.HALTED)
             return "unknown"

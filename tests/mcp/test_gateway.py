@@ -1,0 +1,283 @@
+"""The MCP gateway, driven the way the world drives it: the SDK's own client over stdio, talking to
+``undolog mcp serve`` (a real subprocess), which talks to a real upstream MCP server written with the SDK
+(``tickets_server.py``), on SQLite and PostgreSQL. Decisions go through the real ``undolog`` CLI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("mcp", reason="the mcp extra is part of the dev install")
+
+from mcp import ClientSession, StdioServerParameters, types  # noqa: E402
+from mcp.client.stdio import stdio_client  # noqa: E402
+
+from undolog_core import EffectState, SessionState, UndoLog  # noqa: E402
+
+HERE = Path(__file__).parent
+UPSTREAM = HERE / "tickets_server.py"
+KEY = "dev.undolog/idempotency-key"
+
+
+def write_config(tmp: Path, *, timeout: float = 30.0, extra: str = "") -> Path:
+    state = tmp / "tickets.json"
+    cfg = tmp / "gateway.toml"
+    # The upstream's command is relative to the config file's folder: copied there, resolved from there.
+    (tmp / "tickets_server.py").write_text(UPSTREAM.read_text())
+    cfg.write_text(textwrap.dedent(f"""
+        [upstreams.tickets]
+        command = [{json.dumps(sys.executable)}, "tickets_server.py"]
+        env = {{ TICKETS_STATE = {json.dumps(str(state))} }}
+        timeout = {timeout}
+
+        [tools.tickets.search_tickets]
+        tier = "safe"
+
+        [tools.tickets.create_ticket]
+        tier = "compensable"
+        compensation = {{ tool = "close_ticket", args = {{ id = "{{result.id}}" }} }}
+
+        [tools.tickets.reserve_seat]
+        tier = "compensable"
+        compensation = {{ tool = "release_seat", args = {{ seat = "{{args.seat}}" }} }}
+
+        [tools.tickets.delete_project]
+        tier = "irreversible"
+        reason = "Deletes the project and every ticket in it"
+        risk_tags = ["data-loss"]
+        {extra}
+    """))
+    return cfg
+
+
+def world(tmp: Path) -> dict[str, Any]:
+    return dict(json.loads((tmp / "tickets.json").read_text()))
+
+
+@contextlib.asynccontextmanager
+async def gateway(db: Any, cfg: Path, *, elicit: Any = None, name: str = "test-client") -> AsyncIterator[ClientSession]:
+    env = {**os.environ, **db.env}
+    params = StdioServerParameters(command=sys.executable, args=["-m", "undolog_core.cli", "mcp", "serve",
+                                                                  "--config", str(cfg)], env=env)
+    async with stdio_client(params) as (read, write):
+        async with ClientSession(read, write, elicitation_callback=elicit,
+                                 client_info=types.Implementation(name=name, version="1.0")) as session:
+            await session.initialize()
+            yield session
+
+
+def cli(db: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **db.env, "UNDOLOG_ACTOR": "ana@desk"}
+    return subprocess.run([sys.executable, "-m", "undolog_core.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def text(result: types.CallToolResult) -> str:
+    return "\n".join(c.text for c in result.content if isinstance(c, types.TextContent))
+
+
+def only_session(u: UndoLog) -> Any:
+    sessions = [s for s in u.sessions.list() if (s.agent_id or "").startswith("mcp:")]
+    assert len(sessions) == 1, sessions
+    return sessions[0]
+
+
+async def test_each_tier_and_what_is_not_exposed(db: Any, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path)
+    async with gateway(db, cfg) as client:
+        listed = {t.name: t for t in (await client.list_tools()).tools}
+        # Unclassified tools are not exposed: nothing unclassified can run.
+        assert set(listed) == {"search_tickets", "create_ticket", "reserve_seat", "delete_project"}
+        assert listed["delete_project"].outputSchema is None
+        assert listed["create_ticket"].outputSchema is not None  # passed through for the tiers that run at once
+        unknown = await client.call_tool("export_everything", {})
+        assert unknown.isError and "unknown tool" in text(unknown)
+
+        safe = await client.call_tool("search_tickets", {"q": "x"})
+        assert not safe.isError
+
+        made = await client.call_tool("create_ticket", {"title": "printer"})
+        assert not made.isError and made.structuredContent == {"id": 1, "title": "printer", "status": "open"}
+
+        gated = await client.call_tool("delete_project", {"name": "acme"})
+        assert not gated.isError  # a normal tool result, not a protocol error
+        info = gated.structuredContent or {}
+        assert info["status"] == "awaiting_approval" and info["reason"].startswith("Deletes the project")
+        assert "approval" in text(gated)
+    state = world(tmp_path)
+    assert [c["tool"] for c in state["calls"]] == ["search_tickets", "create_ticket"]  # delete_project not forwarded
+    assert state["calls"][0]["key"] is None  # SAFE: no key, nothing logged
+    u = db.open()
+    s = only_session(u)
+    assert s.agent_id == "mcp:test-client/1.0"
+    effects = u.sessions.effects(s.session_id)
+    by_tool = {e["tool_name"]: e for e in effects}
+    assert "search_tickets" not in by_tool  # SAFE calls touch no database
+    assert by_tool["create_ticket"]["state"] == EffectState.COMMITTED
+    assert state["calls"][1]["key"] == f"do-{by_tool['create_ticket']['effect_id']}"
+    assert by_tool["delete_project"]["state"] == EffectState.AWAITING_APPROVAL
+
+
+async def test_approved_through_the_cli_runs_once_then_replays(db: Any, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path)
+    async with gateway(db, cfg) as client:
+        first = await client.call_tool("delete_project", {"name": "acme"})
+        request_id = (first.structuredContent or {})["approval_request_id"]
+        again = await client.call_tool("delete_project", {"name": "acme"})  # still pending: same request
+        assert (again.structuredContent or {})["approval_request_id"] == request_id
+        done = cli(db, "approvals", "approve", request_id)
+        assert done.returncode == 0, done.stderr
+        ran = await client.call_tool("delete_project", {"name": "acme"})
+        assert not ran.isError and "deleted acme" in text(ran)
+        replay = await client.call_tool("delete_project", {"name": "acme"})
+        assert "deleted acme" in text(replay) and (replay.meta or {}).get("dev.undolog/call", {}).get("replayed")
+        other = await client.call_tool("delete_project", {"name": "globex"})  # other arguments: a new call
+        assert (other.structuredContent or {})["status"] == "awaiting_approval"
+    assert [c["tool"] for c in world(tmp_path)["calls"]] == ["delete_project"]  # ran exactly once
+
+
+async def test_rejected_through_the_cli_is_told_truthfully(db: Any, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path)
+    async with gateway(db, cfg) as client:
+        first = await client.call_tool("delete_project", {"name": "acme"})
+        request_id = (first.structuredContent or {})["approval_request_id"]
+        done = cli(db, "approvals", "reject", request_id, "--reason", "not today")
+        assert done.returncode == 0, done.stderr
+        answer = await client.call_tool("delete_project", {"name": "acme"})
+        assert answer.isError and "not today" in text(answer)
+    assert not (tmp_path / "tickets.json").exists() or world(tmp_path)["calls"] == []
+
+
+async def test_rollback_through_the_cli_calls_the_templated_compensations(db: Any, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path)
+    async with gateway(db, cfg) as client:
+        await client.call_tool("create_ticket", {"title": "a"})
+        await client.call_tool("reserve_seat", {"seat": "12A"})
+        await client.call_tool("create_ticket", {"title": "b"})
+    u = db.open()
+    s = only_session(u)
+    # The CLI reaches the upstreams through the gateway's config (--app), from another process.
+    out = cli(db, "--app", str(cfg), "sessions", "rollback", s.session_id)
+    assert out.returncode == 0, out.stdout + out.stderr
+    state = world(tmp_path)
+    undo = [c for c in state["calls"] if c["tool"] in ("close_ticket", "release_seat")]
+    assert [(c["tool"], c["args"]) for c in undo] == [
+        ("close_ticket", {"id": 2}), ("release_seat", {"seat": "12A"}), ("close_ticket", {"id": 1}),
+    ]  # newest first, arguments from {result.id} and {args.seat}
+    assert all(c["key"].startswith("undo-") for c in undo)
+    assert {t["status"] for t in state["tickets"].values()} == {"closed"} and state["seats"] == []
+    assert u.sessions.get(s.session_id).state == SessionState.ROLLED_BACK
+
+
+async def test_a_bad_argument_is_refused_with_nothing_logged(db: Any, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path)
+    async with gateway(db, cfg) as client:
+        bad = await client.call_tool("create_ticket", {"title": 5})
+        assert bad.isError and "title" in text(bad)
+        missing = await client.call_tool("reserve_seat", {})
+        assert missing.isError and "seat" in text(missing)
+    assert not (tmp_path / "tickets.json").exists()  # the upstream never saw them
+    u = db.open()
+    assert all(not u.sessions.effects(s.session_id) for s in u.sessions.list())
+
+
+async def test_an_upstream_error_is_a_definite_failure_never_compensated(db: Any, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path)
+    async with gateway(db, cfg) as client:
+        await client.call_tool("reserve_seat", {"seat": "1A"})
+        refused = await client.call_tool("reserve_seat", {"seat": "bad-seat"})
+        assert refused.isError and "no such seat" in text(refused)
+        ok = await client.call_tool("reserve_seat", {"seat": "2B"})  # the session goes on: the model saw an error
+        assert not ok.isError
+    u = db.open()
+    s = only_session(u)
+    failed = [e for e in u.sessions.effects(s.session_id) if e["state"] == EffectState.FAILED]
+    assert len(failed) == 1 and failed[0]["undo_id"] is None  # its undo entry went: nothing happened
+    out = cli(db, "--app", str(cfg), "sessions", "rollback", s.session_id)
+    assert out.returncode == 0, out.stdout + out.stderr
+    released = [c["args"]["seat"] for c in world(tmp_path)["calls"] if c["tool"] == "release_seat"]
+    assert released == ["2B", "1A"]  # nothing for the call that did not happen
+
+
+async def test_an_upstream_that_crashes_mid_call_is_settled_not_lost(db: Any, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path)
+    async with gateway(db, cfg) as client:
+        await client.call_tool("reserve_seat", {"seat": "1A"})
+        lost = await client.call_tool("reserve_seat", {"seat": "crash"})
+        assert lost.isError and "did not answer" in text(lost)
+        assert (lost.meta or {}).get("dev.undolog/call", {}).get("error") == "outcome_unknown"
+    u = db.open()
+    s = only_session(u)
+    crashed = [e for e in u.sessions.effects(s.session_id) if e["args_snapshot"] == {"seat": "crash"}]
+    # Its compensation needs no result, so it was undone in case it happened, and a person looks at the session.
+    assert crashed[0]["state"] == EffectState.COMPENSATED
+    assert "crash" not in world(tmp_path)["seats"]
+    assert u.sessions.get(s.session_id).state == SessionState.HALTED
+
+
+async def test_a_crash_whose_undo_needs_the_result_becomes_unknown(db: Any, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path)
+    async with gateway(db, cfg) as client:
+        lost = await client.call_tool("create_ticket", {"title": "crash"})
+        assert lost.isError and "outcome is unknown" in text(lost)
+    u = db.open()
+    s = only_session(u)
+    (effect,) = u.sessions.effects(s.session_id)
+    assert effect["state"] == EffectState.UNKNOWN
+    assert u.sessions.get(s.session_id).state == SessionState.HALTED
+
+
+async def test_an_upstream_timeout_is_an_unknown_outcome(db: Any, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, timeout=0.5)
+    async with gateway(db, cfg) as client:
+        slow = await client.call_tool("create_ticket", {"title": "slow"})
+        assert slow.isError and "did not answer" in text(slow)
+    u = db.open()
+    (effect,) = u.sessions.effects(only_session(u).session_id)
+    assert effect["state"] == EffectState.UNKNOWN
+
+
+async def test_an_upstream_contract_change_cancels_pending_approvals(db: Any, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, extra="""
+        [tools.tickets.close_ticket]
+        tier = "irreversible"
+        [tools.tickets.export_everything]
+        tier = "irreversible"
+    """)
+    async with gateway(db, cfg) as client:
+        close = await client.call_tool("close_ticket", {"id": 1})
+        export = await client.call_tool("export_everything", {})
+    close_id = (close.structuredContent or {})["approval_request_id"]
+    export_id = (export.structuredContent or {})["approval_request_id"]
+    # The upstream changes close_ticket's input schema (v2 also changes create_ticket): loading the gateway's
+    # config again, here through the CLI, registers a new revision, which cancels the request bound to the old one.
+    (tmp_path / "tickets_server.py").write_text(UPSTREAM.read_text().replace(
+        "def close_ticket(id: int, ctx: Context[Any, Any, Any])",
+        "def close_ticket(id: int, ctx: Context[Any, Any, Any], reason: str = '')"))
+    out = cli(db, "--app", str(cfg), "approvals", "list", "--state", "all")
+    assert out.returncode == 0, out.stdout + out.stderr
+    u = db.open()
+    history = [h for h in u.registry.history("close_ticket")]
+    assert len(history) == 2 and "reason" in json.dumps(history[-1], default=str)
+    assert u.approvals.get(close_id).state.value == "cancelled"
+    assert u.approvals.get(export_id).state.value == "pending"  # its tool did not change
+
+
+async def test_loading_the_config_twice_makes_no_new_revision(db: Any, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path)
+    db.open()  # the database exists (the gateway creates it when it starts)
+    for _ in range(2):
+        out = cli(db, "--app", str(cfg), "sessions", "list")
+        assert out.returncode == 0, out.stdout + out.stderr
+    u = db.open()
+    assert len(u.registry.history("create_ticket")) == 1
