@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -37,10 +38,15 @@ def serve(
     ctx: typer.Context,
     db: DbOpt = None,
     schema: SchemaOpt = None,
+    http: Annotated[bool, typer.Option("--http", help="Serve streamable HTTP at /mcp instead of stdio.")] = False,
+    host: Annotated[str, typer.Option("--host", help="With --http: the interface (loopback unless told).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="With --http: the port (0: any free one).")] = 8765,
 ) -> None:
     """Serve MCP over stdio (the client starts this command), fronting the config's upstreams.
 
-    Logs go to stderr: stdout is the protocol.
+    With ``--http``, serve MCP's streamable HTTP transport at ``http://HOST:PORT/mcp`` behind the desk's API keys
+    (a key with the agent role; create one with ``undolog keys create --role agent``). Logs go to stderr: over
+    stdio, stdout is the protocol.
     """
     import anyio
 
@@ -68,9 +74,38 @@ def serve(
     except UndoLogError as exc:
         _fail(exc.message)
     try:
-        anyio.run(Gateway(cfg, undolog).serve_stdio)
+        gw = Gateway(cfg, undolog)
+        if not http:
+            anyio.run(gw.serve_stdio)
+            return
+        authenticate = _agent_keys(undolog)
+        if host not in ("127.0.0.1", "::1", "localhost"):
+            logging.getLogger("undolog.mcp").warning("listening beyond loopback on %s, as asked", host)
+
+        def ready(bound: int) -> None:
+            typer.echo(f"undolog mcp: serving http://{host}:{bound}/mcp", err=True)
+
+        anyio.run(lambda: gw.serve_http(host, port, authenticate, ready=ready))
     finally:
         undolog.close()
+
+
+def _agent_keys(undolog: object) -> Callable[[str], str | None]:
+    """Bearer tokens checked against the desk's API keys: a key with the agent role acts as an MCP client."""
+    try:
+        from undolog_server.storage import ServerStore
+    except ImportError:
+        _fail("--http uses the desk's API keys: pip install 'undolog[server]'")
+    store = ServerStore(undolog.store)  # type: ignore[attr-defined]
+    store.migrate()
+
+    def authenticate(token: str) -> str | None:
+        key = store.authenticate(token)
+        if key is None or "agent" not in key.roles:
+            return None
+        return str(key.identity)
+
+    return authenticate
 
 
 @mcp_app.command("init", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -78,6 +113,7 @@ def init(
     ctx: typer.Context,
     upstream: Annotated[str, typer.Option("--upstream", help="A name for the upstream server.")],
     out: Annotated[Path | None, typer.Option("--out", help="Write here instead of stdout.")] = None,
+    env: Annotated[list[str] | None, typer.Option("--env", help="KEY=VALUE for the upstream; repeat.")] = None,
 ) -> None:
     """List an upstream's tools and propose a gateway.toml: ``undolog mcp init --upstream NAME -- COMMAND...``.
 
@@ -92,9 +128,15 @@ def init(
     command = [a for a in ctx.args if a != "--"]
     if not command:
         _fail("give the upstream's command after --, e.g. undolog mcp init --upstream tickets -- python server.py")
+    from .app import first_cause
     from .init import propose
 
-    text = propose(upstream, command)
+    pairs = dict(e.split("=", 1) for e in env or [] if "=" in e)
+    try:
+        text = propose(upstream, command, env=pairs)
+    except Exception as exc:  # noqa: BLE001 - one line saying what went wrong, not a task group's traceback
+        _fail(f"could not list the tools of {' '.join(command)}: {first_cause(exc)}")
+        return
     if out is None:
         typer.echo(text, nl=False)
     else:

@@ -35,12 +35,21 @@ from undolog_core import (
 from undolog_core.errors import UndoLogError
 
 from .config import Approval, GatewayConfig, ToolConfig
-from .upstream import OutcomeUnknown, Upstream, UpstreamRefused, connect
+from .upstream import PORTAL, OutcomeUnknown, Upstream, UpstreamRefused, connect
 
 log = logging.getLogger("undolog.mcp")
 
 # Where UndoLog's own fields ride in a result's structured content and _meta.
 META_KEY = "dev.undolog/call"
+# Who the HTTP transport authenticated, in the ASGI scope of the request (absent over stdio).
+PRINCIPAL_SCOPE_KEY = "undolog.principal"
+
+
+async def _plain(send: Any, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps({"error": message}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
 
 
 @dataclass
@@ -105,7 +114,7 @@ class Gateway:
         self.exposure = Exposure()
         self.upstreams: dict[str, Upstream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._sessions: dict[int, str] = {}
+        self._sessions: dict[int, tuple[str, str | None]] = {}
         self.server: Server[Any, Any] = self._build_server()
 
     # -- registration -------------------------------------------------------------------------------
@@ -154,8 +163,7 @@ class Gateway:
             live = self.upstreams.get(upstream)
             if live is not None and asyncio.get_running_loop() is self._loop:
                 return await live.call(name, args, key)
-            async with connect(cfg) as up:
-                return await up.call(name, args, key)
+            return await PORTAL.call(cfg, name, args, key)
 
         return call
 
@@ -197,7 +205,9 @@ class Gateway:
     # -- the MCP server -----------------------------------------------------------------------------
 
     def _build_server(self) -> Server[Any, Any]:
-        server: Server[Any, Any] = Server("undolog-gateway", lifespan=self._lifespan)
+        # No per-session lifespan: the upstreams are connected once for the gateway (``running``), however many
+        # MCP client sessions the HTTP transport serves.
+        server: Server[Any, Any] = Server("undolog-gateway")
 
         @server.list_tools()  # type: ignore[no-untyped-call, untyped-decorator]
         async def _list() -> list[types.Tool]:
@@ -209,11 +219,6 @@ class Gateway:
             return await self.call(name, arguments or {})
 
         return server
-
-    @contextlib.asynccontextmanager
-    async def _lifespan(self, _server: Server[Any, Any]) -> AsyncIterator[dict[str, Any]]:
-        async with self.running():
-            yield {}
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[Gateway]:
@@ -262,7 +267,10 @@ class Gateway:
             # Refused before anything is logged: nothing ran, nothing to undo.
             where = "/".join(str(p) for p in problems[0].absolute_path) or "(arguments)"
             return error_result(f"invalid arguments for {name}: {where}: {problems[0].message}")
-        session_id = await self._session_id()
+        try:
+            session_id = await self._session_id()
+        except UndoLogError as exc:
+            return error_result(exc.message, code=exc.code)
         call_id = call_key(name, arguments) if ex.config.tier is ToolTier.IRREVERSIBLE else None
         driver = self.undolog.driver
         try:
@@ -303,13 +311,18 @@ class Gateway:
         """The UndoLog session of the MCP client session making this request (one for one)."""
         session = self.server.request_context.session
         key = id(session)
+        request = getattr(self.server.request_context, "request", None)
+        principal = getattr(request, "scope", {}).get(PRINCIPAL_SCOPE_KEY) if request is not None else None
         found = self._sessions.get(key)
         if found is not None:
-            return found
+            if found[1] != principal:
+                # Over HTTP an MCP session belongs to the key that opened it.
+                raise UndoLogError("this MCP session was opened with another API key")
+            return found[0]
         info = session.client_params.clientInfo if session.client_params else None
         label = f"mcp:{info.name}/{info.version}" if info else "mcp:unknown-client"
-        s = await asyncio.to_thread(self.undolog.session, agent_id=label)
-        self._sessions[key] = s.id
+        s = await asyncio.to_thread(self.undolog.session, agent_id=label, created_by=principal)
+        self._sessions[key] = (s.id, principal)
         log.info("MCP client %s is session %s", label, s.id)
         return s.id
 
@@ -324,8 +337,50 @@ class Gateway:
         """Serve one MCP client over stdin/stdout until it disconnects."""
         from mcp.server.stdio import stdio_server
 
-        async with stdio_server() as (read, write):
+        async with self.running(), stdio_server() as (read, write):
             await self.server.run(read, write, self.server.create_initialization_options())
+
+    async def serve_http(self, host: str, port: int, authenticate: Any, *,
+                         ready: Any = None) -> None:
+        """Serve MCP's streamable HTTP transport at ``http://host:port/mcp``.
+
+        ``authenticate(token)`` returns the principal of a bearer token allowed to act as an agent, or None
+        (401); every request must carry one. ``ready(port)`` is called once listening (the port actually bound).
+        """
+        import uvicorn
+        from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+
+        manager = StreamableHTTPSessionManager(app=self.server, stateless=False)
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                return
+            if scope.get("path", "").rstrip("/") != "/mcp":
+                await _plain(send, 404, "not found: the MCP endpoint is /mcp")
+                return
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+            auth = headers.get("authorization", "")
+            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            principal = await asyncio.to_thread(authenticate, token) if token else None
+            if principal is None:
+                await _plain(send, 401, "an agent API key is required: Authorization: Bearer <key>",
+                             [(b"www-authenticate", b"Bearer")])
+                return
+            # The request's handler runs in the MCP session's own task, not this one: the principal travels in
+            # the ASGI scope, which the SDK hands to it as the request context's request.
+            scope[PRINCIPAL_SCOPE_KEY] = principal
+            await manager.handle_request(scope, receive, send)
+
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+        server = uvicorn.Server(config)
+        async with self.running(), manager.run():
+            serving = asyncio.ensure_future(server.serve())
+            while not server.started and not serving.done():
+                await asyncio.sleep(0.02)
+            if ready is not None and server.started:
+                bound = server.servers[0].sockets[0].getsockname()[1]
+                ready(bound)
+            await serving
 
 
 # -- results ------------------------------------------------------------------------------------------

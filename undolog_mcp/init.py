@@ -17,17 +17,18 @@ from .config import UpstreamConfig
 from .upstream import list_tools
 
 
-def propose(upstream: str, command: list[str], *, cwd: Path | None = None) -> str:
-    """The proposed config text for the upstream started by ``command``.
+def propose(upstream: str, command: list[str], *, cwd: Path | None = None,
+            env: dict[str, str] | None = None) -> str:
+    """The proposed config text for the upstream started by ``command`` (with ``env`` added to its environment).
 
     Example:
         >>> print(propose("tickets", ["python", "tickets_server.py"]))
     """
-    tools = asyncio.run(list_tools(UpstreamConfig(upstream, tuple(command), cwd=cwd)))
-    return render(upstream, command, tools)
+    tools = asyncio.run(list_tools(UpstreamConfig(upstream, tuple(command), cwd=cwd, env=dict(env or {}))))
+    return render(upstream, command, tools, env)
 
 
-def render(upstream: str, command: list[str], tools: list[types.Tool]) -> str:
+def render(upstream: str, command: list[str], tools: list[types.Tool], env: dict[str, str] | None = None) -> str:
     lines = [
         "# PROPOSAL written by `undolog mcp init`: review every line before serving.",
         "# MCP annotations are hints, not guarantees; this file decides each tool's tier.",
@@ -35,8 +36,10 @@ def render(upstream: str, command: list[str], tools: list[types.Tool]) -> str:
         "",
         f"[upstreams.{_key(upstream)}]",
         f"command = {json.dumps(command)}",
-        "",
     ]
+    if env:
+        lines.append("env = { " + ", ".join(f"{_key(k)} = {json.dumps(v)}" for k, v in sorted(env.items())) + " }")
+    lines.append("")
     for tool in sorted(tools, key=lambda t: t.name):
         ann = tool.annotations
         head = f"[tools.{_key(upstream)}.{_key(tool.name)}]"

@@ -6,9 +6,11 @@ elsewhere (``undolog sessions rollback --app gateway.toml``, the desk's recovery
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import datetime as dt
-import os
+import threading
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -76,8 +78,10 @@ async def connect(config: UpstreamConfig) -> AsyncIterator[Upstream]:
     """
     async with contextlib.AsyncExitStack() as stack:
         if config.command:
-            env = {**os.environ, **config.env} if config.env else None
-            params = StdioServerParameters(command=config.command[0], args=list(config.command[1:]), env=env,
+            # The SDK's safe default environment (PATH, HOME, ...) plus the config's env: never the gateway's own
+            # environment, which may hold the database's credentials.
+            params = StdioServerParameters(command=config.command[0], args=list(config.command[1:]),
+                                           env=dict(config.env) or None,
                                            cwd=str(config.cwd) if config.cwd else None)
             read, write = await stack.enter_async_context(stdio_client(params))
         else:
@@ -99,3 +103,66 @@ async def list_tools(config: UpstreamConfig) -> list[types.Tool]:
     """The upstream's tools, through a connection opened for this question alone."""
     async with connect(config) as up:
         return up.tools
+
+
+class Portal:
+    """Connections to upstreams for code that runs outside the gateway (the CLI's rollback, the desk's recovery):
+    one background event loop in this process holds one connection per upstream, so a rollback of many calls
+    starts each upstream once, whatever loop (or none) each compensation is called from.
+
+    Example:
+        >>> result = await PORTAL.call(cfg.upstreams["tickets"], "close_ticket", {"id": 7}, "undo-12")
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._open: dict[tuple[Any, ...], asyncio.Future[Upstream]] = {}
+
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="undolog-mcp-portal", daemon=True).start()
+                self._loop = loop
+            return self._loop
+
+    async def call(self, config: UpstreamConfig, name: str, args: Mapping[str, Any],
+                   key: str | None) -> types.CallToolResult:
+        """One call over this process's connection to ``config``'s upstream (opened on first use)."""
+        loop = self._ensure_loop()
+        fut: concurrent.futures.Future[types.CallToolResult] = asyncio.run_coroutine_threadsafe(
+            self._call(config, name, args, key), loop)
+        return await asyncio.wrap_future(fut)
+
+    async def _call(self, config: UpstreamConfig, name: str, args: Mapping[str, Any],
+                    key: str | None) -> types.CallToolResult:
+        ident = (config.name, config.command, config.url, str(config.cwd), tuple(sorted(config.env.items())))
+        opened = self._open.get(ident)
+        if opened is None:
+            opened = self._open[ident] = asyncio.get_running_loop().create_future()
+            asyncio.ensure_future(self._hold(config, opened))
+        try:
+            up = await asyncio.shield(opened)
+        except BaseException:
+            self._open.pop(ident, None)
+            raise
+        try:
+            return await up.call(name, args, key)
+        except OutcomeUnknown:
+            self._open.pop(ident, None)  # that connection is gone: the next call opens another
+            raise
+
+    async def _hold(self, config: UpstreamConfig, opened: asyncio.Future[Upstream]) -> None:
+        # The connection's context is entered and left by this one task, as anyio requires; it stays open for
+        # the life of the process (the upstream exits when its stdin closes with us).
+        try:
+            async with connect(config) as up:
+                opened.set_result(up)
+                await asyncio.Event().wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting callers
+            if not opened.done():
+                opened.set_exception(exc)
+
+
+PORTAL = Portal()

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -128,12 +129,15 @@ async def test_each_tier_and_what_is_not_exposed(db: Any, tmp_path: Path) -> Non
     assert by_tool["delete_project"]["state"] == EffectState.AWAITING_APPROVAL
 
 
-async def test_approved_through_the_cli_runs_once_then_replays(db: Any, tmp_path: Path) -> None:
-    cfg = write_config(tmp_path)
+async def test_approve_and_reject_through_the_cli(db: Any, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, extra="""
+        [tools.tickets.close_ticket]
+        tier = "irreversible"
+    """)
     async with gateway(db, cfg) as client:
         first = await client.call_tool("delete_project", {"name": "acme"})
         request_id = (first.structuredContent or {})["approval_request_id"]
-        again = await client.call_tool("delete_project", {"name": "acme"})  # still pending: same request
+        again = await client.call_tool("delete_project", {"name": "acme"})  # still pending: the same request
         assert (again.structuredContent or {})["approval_request_id"] == request_id
         done = cli(db, "approvals", "approve", request_id)
         assert done.returncode == 0, done.stderr
@@ -143,19 +147,26 @@ async def test_approved_through_the_cli_runs_once_then_replays(db: Any, tmp_path
         assert "deleted acme" in text(replay) and (replay.meta or {}).get("dev.undolog/call", {}).get("replayed")
         other = await client.call_tool("delete_project", {"name": "globex"})  # other arguments: a new call
         assert (other.structuredContent or {})["status"] == "awaiting_approval"
+        # A reject is told truthfully, and (as everywhere in UndoLog) halts the session.
+        close = await client.call_tool("close_ticket", {"id": 9})
+        close_id = (close.structuredContent or {})["approval_request_id"]
+        done = cli(db, "approvals", "reject", close_id, "--reason", "not today")
+        assert done.returncode == 0, done.stderr
+        answer = await client.call_tool("close_ticket", {"id": 9})
+        assert answer.isError and "not today" in text(answer)
     assert [c["tool"] for c in world(tmp_path)["calls"]] == ["delete_project"]  # ran exactly once
 
 
-async def test_rejected_through_the_cli_is_told_truthfully(db: Any, tmp_path: Path) -> None:
+async def test_an_approval_timeout_is_told_truthfully(db: Any, tmp_path: Path) -> None:
     cfg = write_config(tmp_path)
+    db.open().policy.set(actor="admin:test", approval_timeout_seconds=1)
     async with gateway(db, cfg) as client:
         first = await client.call_tool("delete_project", {"name": "acme"})
-        request_id = (first.structuredContent or {})["approval_request_id"]
-        done = cli(db, "approvals", "reject", request_id, "--reason", "not today")
-        assert done.returncode == 0, done.stderr
-        answer = await client.call_tool("delete_project", {"name": "acme"})
-        assert answer.isError and "not today" in text(answer)
-    assert not (tmp_path / "tickets.json").exists() or world(tmp_path)["calls"] == []
+        assert (first.structuredContent or {})["status"] == "awaiting_approval"
+        await asyncio.sleep(1.5)
+        late = await client.call_tool("delete_project", {"name": "acme"})
+        assert late.isError and "timed out" in text(late).lower()
+    assert not (tmp_path / "tickets.json").exists()  # never forwarded
 
 
 async def test_rollback_through_the_cli_calls_the_templated_compensations(db: Any, tmp_path: Path) -> None:
@@ -163,50 +174,34 @@ async def test_rollback_through_the_cli_calls_the_templated_compensations(db: An
     async with gateway(db, cfg) as client:
         await client.call_tool("create_ticket", {"title": "a"})
         await client.call_tool("reserve_seat", {"seat": "12A"})
+        # An upstream isError is a definite failure: nothing happened, nothing to compensate; the session goes on
+        # (the model saw an error, as with any MCP tool).
+        refused = await client.call_tool("reserve_seat", {"seat": "bad-seat"})
+        assert refused.isError and "no such seat" in text(refused)
         await client.call_tool("create_ticket", {"title": "b"})
-    u = db.open()
-    s = only_session(u)
-    # The CLI reaches the upstreams through the gateway's config (--app), from another process.
-    out = cli(db, "--app", str(cfg), "sessions", "rollback", s.session_id)
-    assert out.returncode == 0, out.stdout + out.stderr
-    state = world(tmp_path)
-    undo = [c for c in state["calls"] if c["tool"] in ("close_ticket", "release_seat")]
-    assert [(c["tool"], c["args"]) for c in undo] == [
-        ("close_ticket", {"id": 2}), ("release_seat", {"seat": "12A"}), ("close_ticket", {"id": 1}),
-    ]  # newest first, arguments from {result.id} and {args.seat}
-    assert all(c["key"].startswith("undo-") for c in undo)
-    assert {t["status"] for t in state["tickets"].values()} == {"closed"} and state["seats"] == []
-    assert u.sessions.get(s.session_id).state == SessionState.ROLLED_BACK
-
-
-async def test_a_bad_argument_is_refused_with_nothing_logged(db: Any, tmp_path: Path) -> None:
-    cfg = write_config(tmp_path)
-    async with gateway(db, cfg) as client:
+        # A bad argument is refused before anything is logged, naming the field; the upstream never sees it.
         bad = await client.call_tool("create_ticket", {"title": 5})
         assert bad.isError and "title" in text(bad)
         missing = await client.call_tool("reserve_seat", {})
         assert missing.isError and "seat" in text(missing)
-    assert not (tmp_path / "tickets.json").exists()  # the upstream never saw them
-    u = db.open()
-    assert all(not u.sessions.effects(s.session_id) for s in u.sessions.list())
-
-
-async def test_an_upstream_error_is_a_definite_failure_never_compensated(db: Any, tmp_path: Path) -> None:
-    cfg = write_config(tmp_path)
-    async with gateway(db, cfg) as client:
-        await client.call_tool("reserve_seat", {"seat": "1A"})
-        refused = await client.call_tool("reserve_seat", {"seat": "bad-seat"})
-        assert refused.isError and "no such seat" in text(refused)
-        ok = await client.call_tool("reserve_seat", {"seat": "2B"})  # the session goes on: the model saw an error
-        assert not ok.isError
     u = db.open()
     s = only_session(u)
-    failed = [e for e in u.sessions.effects(s.session_id) if e["state"] == EffectState.FAILED]
+    effects = u.sessions.effects(s.session_id)
+    assert len(effects) == 4  # the two refused arguments left nothing
+    failed = [e for e in effects if e["state"] == EffectState.FAILED]
     assert len(failed) == 1 and failed[0]["undo_id"] is None  # its undo entry went: nothing happened
+    # The CLI reaches the upstreams through the gateway's config (--app), from another process.
     out = cli(db, "--app", str(cfg), "sessions", "rollback", s.session_id)
     assert out.returncode == 0, out.stdout + out.stderr
-    released = [c["args"]["seat"] for c in world(tmp_path)["calls"] if c["tool"] == "release_seat"]
-    assert released == ["2B", "1A"]  # nothing for the call that did not happen
+    state = world(tmp_path)
+    assert all(c["args"] != {"title": 5} for c in state["calls"])
+    undo = [c for c in state["calls"] if c["tool"] in ("close_ticket", "release_seat")]
+    assert [(c["tool"], c["args"]) for c in undo] == [
+        ("close_ticket", {"id": 2}), ("release_seat", {"seat": "12A"}), ("close_ticket", {"id": 1}),
+    ]  # newest first, arguments from {result.id} and {args.seat}; nothing for the refused seat
+    assert all(c["key"].startswith("undo-") for c in undo)
+    assert {t["status"] for t in state["tickets"].values()} == {"closed"} and state["seats"] == []
+    assert u.sessions.get(s.session_id).state == SessionState.ROLLED_BACK
 
 
 async def test_an_upstream_that_crashes_mid_call_is_settled_not_lost(db: Any, tmp_path: Path) -> None:
@@ -259,25 +254,119 @@ async def test_an_upstream_contract_change_cancels_pending_approvals(db: Any, tm
         export = await client.call_tool("export_everything", {})
     close_id = (close.structuredContent or {})["approval_request_id"]
     export_id = (export.structuredContent or {})["approval_request_id"]
-    # The upstream changes close_ticket's input schema (v2 also changes create_ticket): loading the gateway's
-    # config again, here through the CLI, registers a new revision, which cancels the request bound to the old one.
+    # Loading the same config again (the CLI, the desk) registers the same contracts: no new revision.
+    out = cli(db, "--app", str(cfg), "sessions", "list")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert len(db.open().registry.history("close_ticket")) == 1
+    # The upstream changes close_ticket's input schema: loading the config again registers a new revision,
+    # which cancels the request bound to the old one.
     (tmp_path / "tickets_server.py").write_text(UPSTREAM.read_text().replace(
         "def close_ticket(id: int, ctx: Context[Any, Any, Any])",
         "def close_ticket(id: int, ctx: Context[Any, Any, Any], reason: str = '')"))
     out = cli(db, "--app", str(cfg), "approvals", "list", "--state", "all")
     assert out.returncode == 0, out.stdout + out.stderr
     u = db.open()
-    history = [h for h in u.registry.history("close_ticket")]
+    history = u.registry.history("close_ticket")
     assert len(history) == 2 and "reason" in json.dumps(history[-1], default=str)
     assert u.approvals.get(close_id).state.value == "cancelled"
     assert u.approvals.get(export_id).state.value == "pending"  # its tool did not change
 
 
-async def test_loading_the_config_twice_makes_no_new_revision(db: Any, tmp_path: Path) -> None:
-    cfg = write_config(tmp_path)
-    db.open()  # the database exists (the gateway creates it when it starts)
-    for _ in range(2):
-        out = cli(db, "--app", str(cfg), "sessions", "list")
-        assert out.returncode == 0, out.stdout + out.stderr
+async def test_decided_at_the_client_through_elicitation(db: Any, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, extra="""
+        [tools.tickets.close_ticket]
+        tier = "irreversible"
+        approval = "elicit"
+        [tools.tickets.export_everything]
+        tier = "irreversible"
+        approval = "elicit"
+    """)
+    asked: list[types.ElicitRequestParams] = []
+
+    async def person(context: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
+        asked.append(params)
+        if "export_everything" in params.message:
+            return types.ElicitResult(action="decline", content={"approve": False, "reason": "no exports"})
+        return types.ElicitResult(action="accept", content={"approve": True, "id": 7})  # edited: 7, not 1
+
+    async with gateway(db, cfg, elicit=person, name="editor") as client:
+        closed = await client.call_tool("close_ticket", {"id": 1})
+        assert not closed.isError and "closed" in text(closed)
+        declined = await client.call_tool("export_everything", {})
+        assert declined.isError and "no exports" in text(declined)
+    assert len(asked) == 2
+    schema = asked[0].requestedSchema
+    assert set(schema["properties"]) >= {"approve", "reason", "id"}  # a flat schema: its field is editable
+    calls = world(tmp_path)["calls"]
+    assert [(c["tool"], c["args"]) for c in calls] == [("close_ticket", {"id": 7})]  # the edit ran, once
     u = db.open()
-    assert len(u.registry.history("create_ticket")) == 1
+    s = only_session(u)
+    decided = u.approvals.list(session_id=s.session_id)
+    approvers = {a.tool_name: a.decided_by for a in decided}
+    assert approvers["close_ticket"] == "mcp-client:editor/1.0 (unverified)"
+
+
+async def test_served_over_http_behind_agent_keys(db: Any, tmp_path: Path) -> None:
+    from mcp.client.streamable_http import streamablehttp_client
+
+    cfg = write_config(tmp_path)
+    db.open()
+    agent = cli(db, "keys", "create", "--name", "bot", "--role", "agent")
+    approver = cli(db, "keys", "create", "--name", "ana", "--role", "approver")
+    assert agent.returncode == 0 and approver.returncode == 0, agent.stderr + approver.stderr
+    agent_token, approver_token = agent.stdout.strip().split()[-1], approver.stdout.strip().split()[-1]
+    env = {**os.environ, **db.env}
+    proc = subprocess.Popen([sys.executable, "-m", "undolog_core.cli", "mcp", "serve", "--config", str(cfg),
+                             "--http", "--port", "0"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "serving http://" in line:
+                url = line.split("serving ", 1)[1].strip()
+                break
+        assert url and url.startswith("http://127.0.0.1:"), "the gateway listens on loopback by default"
+        import httpx
+
+        async with httpx.AsyncClient() as raw:
+            assert (await raw.post(url, json={})).status_code == 401
+            refused = await raw.post(url, json={}, headers={"Authorization": f"Bearer {approver_token}"})
+            assert refused.status_code == 401  # an approver key is not an agent
+        async with streamablehttp_client(url, headers={"Authorization": f"Bearer {agent_token}"}) as (r, w, _):
+            async with ClientSession(r, w, client_info=types.Implementation(name="remote", version="2")) as client:
+                await client.initialize()
+                names = {t.name for t in (await client.list_tools()).tools}
+                assert "export_everything" not in names and "create_ticket" in names
+                made = await client.call_tool("create_ticket", {"title": "over http"})
+                assert not made.isError
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    u = db.open()
+    s = only_session(u)
+    assert s.agent_id == "mcp:remote/2" and (s.created_by or "").startswith("bot")
+
+
+def test_init_proposes_a_config_to_review(db: Any, tmp_path: Path) -> None:
+    (tmp_path / "tickets.json").write_text(json.dumps({"tickets": {}, "seats": [], "calls": [], "next": 1}))
+    out = cli(db, "mcp", "init", "--upstream", "tickets", "--env", f"TICKETS_STATE={tmp_path / 'tickets.json'}",
+              "--", sys.executable, str(UPSTREAM))
+    assert out.returncode == 0, out.stderr
+    proposal = out.stdout
+    assert proposal.startswith("# PROPOSAL")
+    assert '[tools.tickets.search_tickets]  # Search tickets by title.\ntier = "safe"' in proposal  # readOnlyHint
+    assert '[tools.tickets.delete_project]' in proposal and 'tier = "irreversible"' in proposal  # destructiveHint
+    assert "# [tools.tickets.create_ticket]" in proposal  # no hint: left unclassified, commented out
+    import tomllib
+
+    parsed = tomllib.loads(proposal)
+    assert set(parsed["tools"]["tickets"]) == {"search_tickets", "delete_project"}
+
+
+def test_the_gateway_installs_beside_the_crewai_and_semantic_kernel_extras() -> None:
+    # `pip install 'undolog[all,mcp]'` resolved in this environment (the dev extra includes both): the SDK is on
+    # its 1.x line, which the frameworks pin, next to both frameworks.
+    from importlib.metadata import version
+
+    assert int(version("mcp").split(".")[0]) == 1
+    assert version("crewai") and version("semantic-kernel")
