@@ -280,7 +280,17 @@ async def test_decided_at_the_client_through_elicitation(db: Any, tmp_path: Path
         [tools.tickets.export_everything]
         tier = "irreversible"
         approval = "elicit"
+        [tools.tickets.release_seat]
+        tier = "irreversible"
+        approval = "elicit"
+        risk_tags = ["billing"]
     """)
+    # An approver group covers the billing risk tag: those calls are decided by verified approvers only.
+    from undolog_server.storage import ApproverGroup, ServerStore
+
+    store = ServerStore(db.open().store)
+    store.migrate()
+    store.put_group(ApproverGroup("finance", (), ("billing",), "billing approvers"))
     asked: list[types.ElicitRequestParams] = []
 
     async def person(context: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
@@ -292,9 +302,13 @@ async def test_decided_at_the_client_through_elicitation(db: Any, tmp_path: Path
     async with gateway(db, cfg, elicit=person, name="editor") as client:
         closed = await client.call_tool("close_ticket", {"id": 1})
         assert not closed.isError and "closed" in text(closed)
+        grouped = await client.call_tool("release_seat", {"seat": "1A"})
+        assert (grouped.structuredContent or {}).get("status") == "awaiting_approval", text(grouped)
+        assert "finance" in text(grouped)
+        # A decline is a reject with its reason (and, as every reject, it halts the session).
         declined = await client.call_tool("export_everything", {})
         assert declined.isError and "no exports" in text(declined)
-    assert len(asked) == 2
+    assert len(asked) == 2  # never asked for the grouped tool
     schema = asked[0].requestedSchema
     assert set(schema["properties"]) >= {"approve", "reason", "id"}  # a flat schema: its field is editable
     calls = world(tmp_path)["calls"]
