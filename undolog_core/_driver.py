@@ -39,6 +39,21 @@ ControlFlow = tuple[type[BaseException], ...]
 
 
 @dataclass(frozen=True)
+class NothingHappened:
+    """What ``failure_of`` returns for a failure that, by the tool's contract, changed nothing (an MCP upstream's
+    ``isError`` result): the call is recorded failed and its undo entry dropped, so no rollback compensates it.
+
+    Example:
+        >>> failure_of = lambda r: NothingHappened(r.text) if r.isError else None
+    """
+
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass(frozen=True)
 class Outcome:
     """How a run ended: the tool's ``value``, or its ``error`` with what the failure policy did about it.
 
@@ -51,6 +66,9 @@ class Outcome:
     error: BaseException | None = None
     rollback: RollbackReport | None = None
     failure: str | None = None  # a failure the framework reported as a value (``failure_of``)
+    # How a call whose outcome was unknown (an ``unknown_on`` exception) was settled: committed (its probe said
+    # it happened), compensated, unknown (the session halted for a person), not_run; None otherwise.
+    in_doubt: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -83,6 +101,8 @@ class CallDriver:
         self.engine = engine
         self.saga = saga
         self._spec_for = spec_for
+        # Settles one call of this process whose outcome is unknown, as recovery would (bound by the facade).
+        self.in_doubt: Callable[[str], str | None] | None = None
 
     # -- deciding --------------------------------------------------------------------------------
 
@@ -138,8 +158,8 @@ class CallDriver:
 
     def run_sync(
         self, d: Execute, invoke: Callable[[dict[str, Any]], Any], *, control_flow: ControlFlow = (),
-        rollback_on_failure: bool = True, failure_of: Callable[[Any], str | None] | None = None,
-        result_of: Callable[[Any], Any] | None = None, note: bool = True,
+        rollback_on_failure: bool = True, failure_of: Callable[[Any], str | NothingHappened | None] | None = None,
+        result_of: Callable[[Any], Any] | None = None, note: bool = True, unknown_on: ControlFlow = (),
     ) -> Outcome:
         """Run ``invoke(args)`` under the decision, then record its outcome.
 
@@ -150,19 +170,21 @@ class CallDriver:
         A framework that turns a tool's exception into a value (an error message) says so with ``failure_of``
         (the failure's text, or None); ``result_of`` picks what is stored as the result (default: the value).
         ``note=False``: the caller tells the rollback's outcome itself, so it is not noted on the exception.
+        ``unknown_on`` exceptions leave the call's outcome unknown (a lost connection, a timeout): it is settled at
+        once as recovery would (``Outcome.in_doubt``), never recorded as a failure that nothing happened in.
         """
         if d.effect_id is None:  # SAFE: no span, no metric (its budget is a few microseconds)
-            return self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note)
+            return self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
         obs.count_call(d.tier.value, d.tool_name)
         if not obs.tracing():
-            return self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note)
+            return self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
         with _tool_span(d) as s:
-            return _ran(s, self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note))
+            return _ran(s, self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on))
 
     def _run_sync(
         self, d: Execute, invoke: Callable[[dict[str, Any]], Any], control_flow: ControlFlow,
-        rollback_on_failure: bool, failure_of: Callable[[Any], str | None] | None,
-        result_of: Callable[[Any], Any] | None, note: bool,
+        rollback_on_failure: bool, failure_of: Callable[[Any], str | NothingHappened | None] | None,
+        result_of: Callable[[Any], Any] | None, note: bool, unknown_on: ControlFlow,
     ) -> Outcome:
         with self.engine.running(d):
             try:
@@ -170,6 +192,8 @@ class CallDriver:
             except control_flow:
                 self.release(d)
                 raise
+            except unknown_on as exc:
+                return Outcome(error=exc, in_doubt=self._settle_in_doubt(d, exc))
             except BaseException as exc:
                 return self._failed_sync(d, exc, rollback_on_failure, note=note)
         failure = failure_of(value) if failure_of is not None else None
@@ -181,23 +205,23 @@ class CallDriver:
     async def run_async(
         self, d: Execute, invoke: Callable[[dict[str, Any]], Awaitable[Any] | Any], *,
         control_flow: ControlFlow = (), rollback_on_failure: bool = True,
-        failure_of: Callable[[Any], str | None] | None = None, result_of: Callable[[Any], Any] | None = None,
-        note: bool = True,
+        failure_of: Callable[[Any], str | NothingHappened | None] | None = None,
+        result_of: Callable[[Any], Any] | None = None, note: bool = True, unknown_on: ControlFlow = (),
     ) -> Outcome:
         """The async twin of :meth:`run_sync`: the same steps, the tool and the rollback awaited on this loop."""
         if d.effect_id is None:
-            return await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note)
+            return await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
         obs.count_call(d.tier.value, d.tool_name)
         if not obs.tracing():
-            return await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note)
+            return await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
         with _tool_span(d) as s:
             return _ran(s, await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of,
-                                                 result_of, note))
+                                                 result_of, note, unknown_on))
 
     async def _run_async(
         self, d: Execute, invoke: Callable[[dict[str, Any]], Awaitable[Any] | Any], control_flow: ControlFlow,
-        rollback_on_failure: bool, failure_of: Callable[[Any], str | None] | None,
-        result_of: Callable[[Any], Any] | None, note: bool,
+        rollback_on_failure: bool, failure_of: Callable[[Any], str | NothingHappened | None] | None,
+        result_of: Callable[[Any], Any] | None, note: bool, unknown_on: ControlFlow,
     ) -> Outcome:
         with self.engine.running(d):
             try:
@@ -207,6 +231,8 @@ class CallDriver:
             except control_flow:
                 await self._off_loop(self.release, d)
                 raise
+            except unknown_on as exc:
+                return Outcome(error=exc, in_doubt=await self._off_loop(self._settle_in_doubt, d, exc))
             except BaseException as exc:
                 return await self._failed_async(d, exc, rollback_on_failure, note=note)
         failure = failure_of(value) if failure_of is not None else None
@@ -220,8 +246,18 @@ class CallDriver:
                 await asyncio.to_thread(self._complete, d, result)
         return Outcome(value=value)
 
-    def _failed_sync(self, d: Execute, error: BaseException | str, rollback: bool, value: Any = None,
-                     note: bool = True) -> Outcome:
+    def _settle_in_doubt(self, d: Execute, exc: BaseException) -> str | None:
+        if d.effect_id is None or self.in_doubt is None:
+            return None  # a SAFE call: nothing was logged, nothing to settle
+        try:
+            return self.in_doubt(d.effect_id)
+        except Exception as book:  # noqa: BLE001 - the caller's exception wins; recovery settles it later
+            _note(exc, f"undolog: {d.tool_name} (effect {d.effect_id}) could not be settled now: {book}; "
+                       "run recover()")
+            return None
+
+    def _failed_sync(self, d: Execute, error: BaseException | NothingHappened | str, rollback: bool,
+                     value: Any = None, note: bool = True) -> Outcome:
         exc = error if isinstance(error, BaseException) else None
         policy = self._record_failure(d, error)
         report = None
@@ -229,7 +265,7 @@ class CallDriver:
             report = self._rollback_sync(d.session_id, exc if note else None, self._why(d, error))
         return Outcome(value=value, error=exc, rollback=report, failure=None if exc else str(error))
 
-    async def _failed_async(self, d: Execute, error: BaseException | str, rollback: bool,
+    async def _failed_async(self, d: Execute, error: BaseException | NothingHappened | str, rollback: bool,
                             value: Any = None, note: bool = True) -> Outcome:
         exc = error if isinstance(error, BaseException) else None
         policy = await self._off_loop(self._record_failure, d, error)
@@ -289,11 +325,13 @@ class CallDriver:
         if d.effect_id is not None:
             self.engine.release(d.effect_id)
 
-    def _record_failure(self, d: Execute, error: BaseException | str) -> str | None:
+    def _record_failure(self, d: Execute, error: BaseException | NothingHappened | str) -> str | None:
         """The failure's policy, or None when nothing is to be done (a SAFE call, or a store that is down)."""
         if d.effect_id is None:
             return None
         try:
+            if isinstance(error, NothingHappened):
+                return self.engine.record_failure(d.effect_id, error.text, nothing_happened=True).on_failure
             return self.engine.record_failure(d.effect_id, error).on_failure
         except Exception as book:  # noqa: BLE001 - the user's exception wins; ours is noted on it
             # The effect stays in flight without a live owner, so recover() settles it.
@@ -302,8 +340,8 @@ class CallDriver:
             return None
 
     @staticmethod
-    def _why(d: Execute, error: BaseException | str) -> str:
-        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    def _why(d: Execute, error: BaseException | NothingHappened | str) -> str:
+        text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
         return f"{d.tool_name} failed: {text}"
 
     def _rollback_sync(self, session_id: str, exc: BaseException | None, reason: str) -> RollbackReport | None:
@@ -432,7 +470,7 @@ def _call_blocking(spec: ToolSpec, args: dict[str, Any]) -> Any:
     return run_coro_blocking(out) if spec.is_async else out
 
 
-def _note(exc: BaseException | str | None, text: str) -> None:
+def _note(exc: object, text: str) -> None:
     if isinstance(exc, BaseException):
         exc.add_note(text)
 
@@ -448,4 +486,4 @@ def summary(report: RollbackReport) -> str:
     return text
 
 
-__all__ = ["CallDriver", "Outcome", "settle", "summary"]
+__all__ = ["CallDriver", "NothingHappened", "Outcome", "settle", "summary"]

@@ -811,12 +811,16 @@ class Engine:
         if state is not None:
             self._missing_or_moved(effect_id, state, EffectState.COMMITTED)
 
-    def record_failure(self, effect_id: str, error: BaseException | str) -> FailureRecord:
-        """Record failure only; returns the session and its on_failure policy for the caller (the driver)."""
+    def record_failure(self, effect_id: str, error: BaseException | str, *,
+                       nothing_happened: bool = False) -> FailureRecord:
+        """Record failure only; returns the session and its on_failure policy for the caller (the driver).
+
+        ``nothing_happened``: the tool reported, by its contract, that it changed nothing; its undo entry goes.
+        """
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         self.flush_marks()
         try:
-            state, row = self.store.mark_failed(effect_id, text, utcnow())
+            state, row = self.store.mark_failed(effect_id, text, utcnow(), nothing_happened)
         finally:
             self._inflight.discard(effect_id)
         if state is not None:

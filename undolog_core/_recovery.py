@@ -14,7 +14,7 @@ from ._leases import Leases, owner_alive
 from ._saga import Saga, run_coro_blocking
 from ._tools import ToolTier, jsonable
 from .errors import UndoLogError
-from .storage.schema import EffectState, SessionState
+from .storage.schema import IN_FLIGHT, EffectState, SessionState
 
 if TYPE_CHECKING:
     from ._registry import Registry
@@ -153,6 +153,28 @@ class Recovery:
                 progress(done, total, f"{r.tool_name} {r.effect_id}: {settled or 'skipped'}")
         return report
 
+    def settle_in_doubt(self, effect_id: str) -> str | None:
+        """Settle now, as recovery would after a crash, a call of this process whose outcome its caller cannot tell
+        (the connection to the tool was lost mid-call, or it timed out): its probe decides when it has one; else a
+        COMPENSABLE call is compensated (a compensation tolerates "never happened") and an IRREVERSIBLE one, or one
+        whose compensation needs the result it never got, becomes ``unknown``; the session halts for a person.
+
+        Returns the outcome (``committed``, ``compensated``, ``unknown``, ``not_run``), or None when the effect was
+        no longer in flight.
+
+        Example:
+            >>> undolog.driver.in_doubt(effect_id)   # what the call driver does for ``unknown_on`` exceptions
+            'compensated'
+        """
+        row = self._store.effect(effect_id)
+        if row.state not in IN_FLIGHT:
+            return None
+        report = RecoveryReport()
+        outcome = self._reconcile(row, report)
+        if outcome is None and report.errors:
+            raise UndoLogError("; ".join(report.errors))
+        return outcome
+
     def _halt(self, session_id: str, reason: str) -> None:
         self._store.halt_session(session_id, reason)
         self._note_state(session_id, SessionState.HALTED)
@@ -225,6 +247,16 @@ class Recovery:
             self._note_state(r.session_id, SessionState.HALTED)
             obs.recovery_log.warning("halt: session %s halted: %s (%s) was interrupted mid-run, outcome unknown",
                                      r.session_id, r.tool_name, r.effect_id, extra=obs.ids(r.session_id, r.effect_id))
+            return "unknown"
+        if spec.compensation_needs_result:
+            # Its undo is built from the result, which nobody saw: a person decides.
+            self._store.settle_effect(
+                r.effect_id, EffectState.UNKNOWN,
+                error="outcome unknown, and its compensation needs the result it never returned",
+                halt=(r.session_id, f"{r.tool_name} ({r.effect_id}): outcome unknown and its compensation needs "
+                                    "its result; check the tool, then resume or roll back"),
+            )
+            self._note_state(r.session_id, SessionState.HALTED)
             return "unknown"
         # COMPENSABLE, no proof it happened: compensate (a compensation tolerates "never happened").
         report = self._saga.rollback_sync(r.session_id, actor="undolog:recovery",

@@ -39,7 +39,7 @@ from rich.table import Table
 from rich.text import Text
 from typer.core import TyperGroup
 
-from ._app import load_app
+from ._app import is_gateway_config, load_app
 from ._registry import default_actor
 from ._saga import RollbackStep
 from ._undolog import UndoLog
@@ -253,7 +253,8 @@ def _open(ctx: typer.Context, *, migrate: bool = False) -> UndoLog:
     st = _settings(ctx)
     if st.undolog is not None:
         return st.undolog
-    if st.app_spec:
+    gateway = bool(st.app_spec and is_gateway_config(st.app_spec))
+    if st.app_spec and not gateway:
         u = load_app(st.app_spec)
         ctx.find_root().call_on_close(u.close)
         if st.db_given:
@@ -286,6 +287,10 @@ def _open(ctx: typer.Context, *, migrate: bool = False) -> UndoLog:
             where = u.store.where()
             state = "has no UndoLog tables" if current is None else f"is at schema revision {current}, not {head}"
             raise ConfigurationError(f"the database {where} {state}: run `undolog db upgrade`")
+    if gateway:
+        # An MCP gateway's config names no database of its own: its upstreams' tools and compensations are
+        # loaded into the one --db names.
+        load_app(st.app_spec, into=u)
     return u
 
 
@@ -1191,6 +1196,21 @@ def demo(
 # -- the server's commands ------------------------------------------------------------------------
 
 
+def _register_mcp_commands() -> None:
+    # The MCP gateway is its own package (undolog_mcp, the mcp extra); its CLI module imports the SDK only when
+    # a command runs. Without it, ``undolog mcp`` still exists and says what to install.
+    try:
+        from undolog_mcp import cli as mcp_cli
+    except ImportError:
+        def _missing() -> None:
+            raise ConfigurationError("the MCP gateway needs the mcp extra: pip install 'undolog[mcp]'")
+
+        ctx = {"allow_extra_args": True, "ignore_unknown_options": True}
+        app.command("mcp", help="The MCP gateway (needs the mcp extra).", context_settings=ctx)(_missing)
+    else:
+        mcp_cli.register(app)
+
+
 def _register_server_commands() -> None:
     # The desk is its own package (undolog_server) and its dependencies (FastAPI, uvicorn, httpx) are the
     # optional [server] extra. Only its small CLI module is imported here, and it imports those dependencies
@@ -1213,6 +1233,7 @@ def _register_server_commands() -> None:
 
 
 _register_server_commands()
+_register_mcp_commands()
 
 
 def main() -> None:
