@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import builtins
 import datetime as dt
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from . import _observe as obs
 from ._tools import build_args_model, canonical_json, sha256_hex
 from .errors import ApprovalAlreadyDecided, ApprovalNotFound, ArgumentsInvalid, UndoLogError
 from .storage.approvals import EXPIRE_BATCH
 from .storage.base import utcnow
-from .storage.records import ApprovalEvent, ApprovalRecord, RequestState, StateChange
+from .storage.records import (
+    ApprovalEvent,
+    ApprovalRecord,
+    ExpiredRequest,
+    RequestState,
+    SessionState,
+    StateChange,
+)
 
 if TYPE_CHECKING:
     from ._registry import Registry
@@ -35,9 +44,12 @@ class ApprovalService:
         self._registry = registry
         self._note_state = note_state
 
-    def _changed(self, changes: Iterable[StateChange]) -> None:
+    def _changed(self, changes: Iterable[StateChange], why: str = "") -> None:
         for change in changes:
             self._note_state(change.session_id, change.state.value)
+            if change.state is SessionState.HALTED:
+                obs.approvals_log.warning("halt: session %s halted: %s", change.session_id, why,
+                                          extra=obs.ids(change.session_id))
 
     # -- reading -------------------------------------------------------------------------------------
 
@@ -176,11 +188,37 @@ class ApprovalService:
         # A request's tool and revision never change, so the edit is validated before the decision's transaction;
         # the storage re-checks that the request is still pending under its lock (a racing decision loses there).
         approved = self._validate_edit(rec, args or {}) if action == "modify" else None
-        self._changed(self._storage.decide_request(
+        changes = self._storage.decide_request(
             approval_request_id, action=action, approver=approver, reason=reason, approved_args=approved,
             now=utcnow(),
-        ))
-        return self._get(approval_request_id)
+        )
+        done = self._get(approval_request_id)
+        self._logged(done, action)
+        self._changed(changes, f"approval request {approval_request_id} ({rec.tool_name}) was rejected by {approver}: "
+                               f"{reason}")
+        return done
+
+    @staticmethod
+    def _logged(rec: ApprovalRecord | ExpiredRequest, decision: str) -> None:
+        """A decision's log record and metrics: who decided what, and how long the call waited."""
+        level = logging.WARNING if decision in ("reject", "timeout") else logging.INFO
+        if obs.approvals_log.isEnabledFor(level):
+            obs.approvals_log.log(
+                level, "decision: %s on approval request %s for %s by %s (session %s, effect %s)%s", decision,
+                rec.approval_request_id, rec.tool_name, rec.decided_by, rec.session_id, rec.effect_id,
+                f": {rec.decision_reason}" if rec.decision_reason else "",
+                extra=obs.ids(rec.session_id, rec.effect_id, rec.approval_request_id))
+        obs.count_decision(decision, rec.tool_name, rec.created_at, rec.decided_at)
+
+    def _settled(self, got: builtins.list[ExpiredRequest], changes: builtins.list[StateChange]) -> None:
+        """A sweep batch's logs, metrics and cache updates (from what the batch returned: nothing is read back)."""
+        why: dict[str, str] = {}
+        for rec in got:
+            self._logged(rec, "auto_approve" if rec.state is RequestState.AUTO_APPROVED else "timeout")
+            why.setdefault(rec.session_id, f"approval request {rec.approval_request_id} ({rec.tool_name}) timed "
+                                           "out without a decision")
+        for change in changes:
+            self._changed([change], why.get(change.session_id, ""))
 
     def cancel(self, conn: Any, request_id: str, effect_id: str, why: str, now: dt.datetime) -> None:
         """Cancel a request (and its effect if it has not run) inside the caller's transaction (the engine's and
@@ -208,8 +246,8 @@ class ApprovalService:
             got, changes = self._storage.expire_batch(now)
             if not got:
                 return done
-            self._changed(changes)
-            done.extend(got)
+            self._settled(got, changes)
+            done.extend(x.approval_request_id for x in got)
 
     def expire(self, ids: Iterable[str], *, now: dt.datetime | None = None) -> builtins.list[str]:
         """Apply the timeout (per the org policy) to each of ``ids`` that is due; returns the ones expired here."""
@@ -218,8 +256,8 @@ class ApprovalService:
         done: builtins.list[str] = []
         for i in range(0, len(wanted), EXPIRE_BATCH):
             got, changes = self._storage.expire_batch(now, only=wanted[i:i + EXPIRE_BATCH])
-            self._changed(changes)
-            done.extend(got)
+            self._settled(got, changes)
+            done.extend(x.approval_request_id for x in got)
         return done
 
 

@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from . import _observe as obs
 from ._faults import FaultPoint, fault
 from ._leases import Leases, owner_alive
 from ._saga import Saga, _call_sync, _Entry, run_coro_blocking
 from ._tools import ToolTier, jsonable
 from .errors import UndoLogError
-from .storage.schema import EffectState, SessionState, UndoState
+from .storage.schema import IN_FLIGHT, EffectState, SessionState, UndoState
 
 if TYPE_CHECKING:
     from ._registry import Registry
@@ -81,6 +82,21 @@ class Recovery:
             >>> report.reconciled
             [{'effect_id': '...', 'tool_name': 'send_refund_email', 'outcome': 'compensated'}]
         """
+        with obs.span("undolog.recover", {}) as sp:
+            report = self._recover(progress)
+            sp.set_attributes({"undolog.reconciled": len(report.reconciled), "undolog.left_alive": report.left_alive,
+                               "undolog.rollbacks_resumed": len(report.rollbacks_resumed),
+                               "undolog.dead_lettered": len(report.dead_lettered), "undolog.errors": len(report.errors)})
+            if report.errors or report.dead_lettered:
+                obs.failed(sp, "; ".join(report.errors) or "dead-lettered effects", error_type="recovery_incomplete")
+        if report.reconciled or report.rollbacks_resumed or report.errors or report.dead_lettered:
+            obs.recovery_log.info(
+                "recovery: %d reconciled, %d rollback(s) resumed, %d dead-lettered, %d error(s), %d live call(s) left "
+                "alone", len(report.reconciled), len(report.rollbacks_resumed), len(report.dead_lettered),
+                len(report.errors), report.left_alive)
+        return report
+
+    def _recover(self, progress: Callable[[int, int, str], None] | None) -> RecoveryReport:
         report = RecoveryReport()
         self._flush_marks()
         seen = self._store.in_flight()
@@ -106,8 +122,12 @@ class Recovery:
                 self._saga.rollback_sync(ri.session_id, actor=ri.actor,
                                          reason=f"{ri.reason or 'requested'} (interrupted, resumed by recovery)")
                 report.rollbacks_resumed.append(ri.session_id)
+                obs.recovery_log.info("recovery: resumed the interrupted rollback of session %s", ri.session_id,
+                                      extra=obs.ids(ri.session_id))
             except UndoLogError as exc:
                 report.errors.append(f"session {ri.session_id}: {exc.message}")
+                obs.recovery_log.warning("recovery: could not resume the rollback of session %s: %s", ri.session_id,
+                                         exc.message, extra=obs.ids(ri.session_id))
             if progress:
                 progress(done, total, f"rollback {ri.session_id}")
         for ru in stray_undos:
@@ -116,6 +136,9 @@ class Recovery:
             if finished:
                 report.reconciled.append({"effect_id": ru.effect_id, "tool_name": finished[0],
                                           "outcome": finished[1]})
+                obs.recovery_log.info("recovery: finished the interrupted compensation of %s: %s (session %s, "
+                                      "effect %s)", finished[0], finished[1], ru.session_id, ru.effect_id,
+                                      extra=obs.ids(ru.session_id, ru.effect_id))
             if progress:
                 progress(done, total, f"undo {ru.undo_id}: {finished[1] if finished else 'skipped'}")
         todo = [r for r in dead_effects if not (r.session_id in with_intent and r.tier == ToolTier.COMPENSABLE)]
@@ -132,12 +155,41 @@ class Recovery:
         for r in (SimpleNamespace(**{**r._mapping, "owner": slow[r.effect_id]}) for r in todo
                   if r.effect_id in slow):
             done += 1
-            settled = self._reconcile(r, report)
+            with obs.span(f"undolog.reconcile {r.tool_name}", {
+                    obs.A_TOOL_NAME: r.tool_name, obs.A_TIER: str(r.tier), obs.A_SESSION: r.session_id,
+                    obs.A_EFFECT: r.effect_id}) as sp:
+                settled = self._reconcile(r, report)
+                sp.set_attribute(obs.A_OUTCOME, settled or "skipped")
             if settled:
                 report.reconciled.append({"effect_id": r.effect_id, "tool_name": r.tool_name, "outcome": settled})
+                log = obs.recovery_log.error if settled == "dead_letter" else obs.recovery_log.info
+                log("recovery: %s (session %s, effect %s) in flight after a crash: %s", r.tool_name, r.session_id,
+                    r.effect_id, settled, extra=obs.ids(r.session_id, r.effect_id))
             if progress:
                 progress(done, total, f"{r.tool_name} {r.effect_id}: {settled or 'skipped'}")
         return report
+
+    def settle_in_doubt(self, effect_id: str) -> str | None:
+        """Settle now, as recovery would after a crash, a call of this process whose outcome its caller cannot tell
+        (the connection to the tool was lost mid-call, or it timed out): its probe decides when it has one; else a
+        COMPENSABLE call is compensated (a compensation tolerates "never happened") and an IRREVERSIBLE one, or one
+        whose compensation needs the result it never got, becomes ``unknown``; the session halts for a person.
+
+        Returns the outcome (``committed``, ``compensated``, ``unknown``, ``not_run``), or None when the effect was
+        no longer in flight.
+
+        Example:
+            >>> undolog.driver.in_doubt(effect_id)   # what the call driver does for ``unknown_on`` exceptions
+            'compensated'
+        """
+        row = self._store.effect(effect_id)
+        if row.state not in IN_FLIGHT:
+            return None
+        report = RecoveryReport()
+        outcome = self._reconcile(row, report)
+        if outcome is None and report.errors:
+            raise UndoLogError("; ".join(report.errors))
+        return outcome
 
     def _batchable(self, row: Any) -> bool:
         """Whether the batch path can finish this claimed-to-be row: its entry armed and unowned (no earlier
@@ -145,6 +197,7 @@ class Recovery:
         spec = self._registry.tools.get(row.tool_name)
         comp = self._registry.compensations.get(row.compensation_name)
         return (spec is not None and comp is not None and comp[1] == row.compensation_version
+                and not spec.compensation_needs_result  # an unseen result: a person decides (_reconcile)
                 and row.undo_state == UndoState.ARMED and row.undo_owner is None)
 
     def _recover_batch(self, batch: list[Any], report: RecoveryReport,
@@ -193,8 +246,7 @@ class Recovery:
             for effect_id, _ in committed:
                 leases.inflight.discard(effect_id)
                 done += 1
-                report.reconciled.append({"effect_id": effect_id, "tool_name": self._tool_of(claimed, effect_id),
-                                          "outcome": "committed"})
+                self._reconciled(report, claimed, effect_id, "committed")
                 if progress:
                     progress(done, total, f"{self._tool_of(claimed, effect_id)} {effect_id}: committed")
             leases.compensating.update(mine)
@@ -209,8 +261,7 @@ class Recovery:
                 leases.inflight.discard(c.effect_id)
                 done += 1
                 if outcome:
-                    report.reconciled.append({"effect_id": c.effect_id, "tool_name": c.tool_name,
-                                              "outcome": outcome})
+                    self._reconciled(report, claimed, c.effect_id, outcome)
                 if progress:
                     progress(done, total, f"{c.tool_name} {c.effect_id}: {outcome or 'skipped'}")
         finally:
@@ -221,6 +272,14 @@ class Recovery:
     @staticmethod
     def _tool_of(rows: list[Any], effect_id: str) -> str:
         return next(str(r.tool_name) for r in rows if r.effect_id == effect_id)
+
+    def _reconciled(self, report: RecoveryReport, rows: list[Any], effect_id: str, outcome: str) -> None:
+        """Report and log one outcome of the batch path, as the one-by-one path does."""
+        row = next(r for r in rows if r.effect_id == effect_id)
+        report.reconciled.append({"effect_id": effect_id, "tool_name": row.tool_name, "outcome": outcome})
+        log = obs.recovery_log.error if outcome == "dead_letter" else obs.recovery_log.info
+        log("recovery: %s (session %s, effect %s) in flight after a crash: %s", row.tool_name, row.session_id,
+            effect_id, outcome, extra=obs.ids(row.session_id, effect_id))
 
     def _compensate_claimed(self, c: Any, report: RecoveryReport, *, durable: bool) -> str | None:
         """Run one claimed compensation with the saga's retries; on success record it and halt the session
@@ -247,6 +306,8 @@ class Recovery:
                 f"recovered after a crash: {c.tool_name} ({c.effect_id}) was compensated; review, then resume or "
                 "roll back", durable=durable)
             self._note_state(c.session_id, SessionState.HALTED)
+            obs.recovery_log.warning("halt: session %s halted: recovered after a crash: %s (%s) was compensated",
+                                     c.session_id, c.tool_name, c.effect_id, extra=obs.ids(c.session_id))
             return "compensated"
         why = self._saga._failed(c.session_id, entry, error)
         self._leases.inflight.discard(c.effect_id)
@@ -255,6 +316,7 @@ class Recovery:
     def _halt(self, session_id: str, reason: str) -> None:
         self._store.halt_session(session_id, reason)
         self._note_state(session_id, SessionState.HALTED)
+        obs.recovery_log.warning("halt: session %s halted: %s", session_id, reason, extra=obs.ids(session_id))
 
     def _finish_stray(self, r: Any, report: RecoveryReport) -> tuple[str, str] | None:
         """Finish the one compensation that was interrupted, and halt the session for a person."""
@@ -321,6 +383,18 @@ class Recovery:
                 halt=(r.session_id, f"{r.tool_name} ({r.effect_id}) was interrupted mid-run: outcome unknown"),
             )
             self._note_state(r.session_id, SessionState.HALTED)
+            obs.recovery_log.warning("halt: session %s halted: %s (%s) was interrupted mid-run, outcome unknown",
+                                     r.session_id, r.tool_name, r.effect_id, extra=obs.ids(r.session_id, r.effect_id))
+            return "unknown"
+        if spec.compensation_needs_result:
+            # Its undo is built from the result, which nobody saw: a person decides.
+            self._store.settle_effect(
+                r.effect_id, EffectState.UNKNOWN,
+                error="outcome unknown, and its compensation needs the result it never returned",
+                halt=(r.session_id, f"{r.tool_name} ({r.effect_id}): outcome unknown and its compensation needs "
+                                    "its result; check the tool, then resume or roll back"),
+            )
+            self._note_state(r.session_id, SessionState.HALTED)
             return "unknown"
         # COMPENSABLE, no proof it happened: compensate (a compensation tolerates "never happened").
         report = self._saga.rollback_sync(r.session_id, actor="undolog:recovery",
@@ -341,4 +415,6 @@ class Recovery:
             report.dead_lettered.append(r.effect_id)
             return "dead_letter"
         report.errors.append(f"effect {r.effect_id}: recovery attempt {attempts} failed: {error}")
+        obs.recovery_log.warning("recovery: attempt %d for %s (session %s, effect %s) failed: %s", attempts,
+                                 r.tool_name, r.session_id, r.effect_id, error, extra=obs.ids(r.session_id, r.effect_id))
         return None

@@ -16,7 +16,7 @@ from ..errors import ApprovalAlreadyDecided, ApprovalNotFound, UndoLogError
 from . import schema as t
 from .audit import PendingEvent
 from .base import Store
-from .records import ApprovalEvent, ApprovalRecord, OrgPolicy, StateChange
+from .records import ApprovalEvent, ApprovalRecord, ExpiredRequest, OrgPolicy, StateChange
 from .schema import EffectState, RequestState, SessionState
 
 if TYPE_CHECKING:
@@ -228,8 +228,9 @@ class ApprovalsSQL(Store):
 
     def expire_batch(
         self, now: dt.datetime, *, limit: int = EXPIRE_BATCH, only: Sequence[str] | None = None
-    ) -> tuple[builtins.list[str], builtins.list[StateChange]]:
-        """Apply the timeout to up to ``limit`` due requests in ONE transaction; (ids expired here, state changes).
+    ) -> tuple[builtins.list[ExpiredRequest], builtins.list[StateChange]]:
+        """Apply the timeout to up to ``limit`` due requests in ONE transaction; (requests expired here, state
+        changes).
 
         The claim is one ``SELECT ... FOR UPDATE SKIP LOCKED`` (PostgreSQL), so several sweepers take disjoint
         batches instead of queuing on the same rows; the state changes are a handful of set-wise statements and
@@ -243,7 +244,7 @@ class ApprovalsSQL(Store):
         """
         r, e, s = t.approval_requests, t.effect_log, t.sessions
         q = (sa.select(r.c.approval_request_id, r.c.session_id, r.c.effect_id, r.c.tool_name, r.c.timeout_at,
-                       r.c.proposed_args)
+                       r.c.proposed_args, r.c.created_at)
              .where(r.c.state == RequestState.PENDING, r.c.timeout_at <= now)
              .order_by(r.c.timeout_at, r.c.approval_request_id).limit(limit))
         if only is not None:
@@ -294,7 +295,10 @@ class ApprovalsSQL(Store):
                                      ~sa.exists(still))
                     .values(state=SessionState.ACTIVE, updated_at=now).returning(s.c.session_id)
                 ).scalars().all()
-                return ids, [StateChange(sid, SessionState.ACTIVE) for sid in woke]
+                auto = [ExpiredRequest(x.approval_request_id, x.effect_id, x.session_id, x.tool_name,
+                                       RequestState.AUTO_APPROVED, x.created_at, now, "undolog:timeout-policy",
+                                       "auto-approved on timeout by org policy") for x in due]
+                return auto, [StateChange(sid, SessionState.ACTIVE) for sid in woke]
             # Timed out: the oldest due request of each session; the session's others are cancelled with it.
             cause: dict[str, Any] = {}
             for x in due:
@@ -362,7 +366,9 @@ class ApprovalsSQL(Store):
                     events.append(PendingEvent(subject=f"approval:{rid}", approval_request_id=rid, action="cancel",
                                                actor="undolog", payload={"reason": why[sid]}))
             self.append_events_in(conn, events, now=now)
-            return ([x.approval_request_id for x in timed_out],
+            return ([ExpiredRequest(x.approval_request_id, x.effect_id, x.session_id, x.tool_name,
+                                    RequestState.TIMED_OUT, x.created_at, now, "undolog:timeout",
+                                    "no decision before timeout_at") for x in timed_out],
                     [StateChange(sid, SessionState.HALTED) for sid in why])
 
     # -- cancellations (inside the caller's transaction) ---------------------------------------------
