@@ -59,6 +59,18 @@ def serve(
     sweep_interval: Annotated[float, typer.Option(help="Seconds between sweeps of due approvals.")] = 1.0,
     recover_interval: Annotated[float, typer.Option(help="Seconds between recovery runs.")] = 30.0,
     webhook_backoff: Annotated[float, typer.Option(help="First webhook retry delay in seconds.")] = 1.0,
+    webhook_timeout: Annotated[
+        float, typer.Option(help="Total deadline of one webhook attempt in seconds (not per read).")
+    ] = 5.0,
+    webhook_per_target: Annotated[int, typer.Option(help="Most webhook sends in flight to one target.")] = 4,
+    webhook_allow_private: Annotated[
+        bool,
+        typer.Option(
+            "--webhook-allow-private/--no-webhook-allow-private",
+            envvar="UNDOLOG_WEBHOOK_ALLOW_PRIVATE",
+            help="Allow webhook targets on private, loopback and link-local addresses (refused by default).",
+        ),
+    ] = False,
     secure_cookies: Annotated[
         bool | None, typer.Option("--secure-cookies/--no-secure-cookies", help="Force the cookie Secure flag.")
     ] = None,
@@ -78,6 +90,10 @@ def serve(
         sweep_interval=sweep_interval,
         recover_interval=recover_interval,
         webhook_backoff_base=webhook_backoff,
+        webhook_timeout=webhook_timeout,
+        webhook_per_target=webhook_per_target,
+        webhook_lease=max(60.0, webhook_timeout * 2 + 10),
+        webhook_allow_private=webhook_allow_private,
         secure_cookies=secure_cookies,
     )
     application = create_app(
