@@ -71,6 +71,14 @@ def serve(
             help="Allow webhook targets on private, loopback and link-local addresses (refused by default).",
         ),
     ] = False,
+    audit_checkpoint_key: Annotated[
+        str | None,
+        typer.Option(envvar="UNDOLOG_AUDIT_KEY", help="Ed25519 private key (PEM) signing audit checkpoints."),
+    ] = None,
+    audit_checkpoint_dir: Annotated[
+        str | None, typer.Option(help="Directory (outside the database) for signed audit checkpoints.")
+    ] = None,
+    audit_checkpoint_interval: Annotated[float, typer.Option(help="Seconds between audit checkpoints.")] = 300.0,
     secure_cookies: Annotated[
         bool | None, typer.Option("--secure-cookies/--no-secure-cookies", help="Force the cookie Secure flag.")
     ] = None,
@@ -86,16 +94,24 @@ def serve(
         typer.echo(f"undolog serve needs the server extra: pip install 'undolog[server]' ({exc})", err=True)
         raise typer.Exit(2) from None
     undolog, from_app = _serve_undolog(db, schema, app)
-    settings = ServerSettings(
-        sweep_interval=sweep_interval,
-        recover_interval=recover_interval,
-        webhook_backoff_base=webhook_backoff,
-        webhook_timeout=webhook_timeout,
-        webhook_per_target=webhook_per_target,
-        webhook_lease=max(60.0, webhook_timeout * 2 + 10),
-        webhook_allow_private=webhook_allow_private,
-        secure_cookies=secure_cookies,
-    )
+    try:
+        settings = ServerSettings(
+            sweep_interval=sweep_interval,
+            recover_interval=recover_interval,
+            webhook_backoff_base=webhook_backoff,
+            webhook_timeout=webhook_timeout,
+            webhook_per_target=webhook_per_target,
+            webhook_lease=max(60.0, webhook_timeout * 2 + 10),
+            webhook_allow_private=webhook_allow_private,
+            audit_checkpoint_key=audit_checkpoint_key,
+            audit_checkpoint_dir=audit_checkpoint_dir,
+            audit_checkpoint_interval=audit_checkpoint_interval,
+            secure_cookies=secure_cookies,
+        )
+    except ValueError as exc:
+        undolog.close()
+        typer.echo(f"error[invalid_input]: {exc}", err=True)
+        raise typer.Exit(2) from None
     application = create_app(
         undolog, app_spec=None if from_app else app, proxy_config=proxy_config, settings=settings
     )

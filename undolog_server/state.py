@@ -39,6 +39,11 @@ class ServerSettings:
         webhook_max_attempts: Attempts before a delivery is given up as ``failed``.
         webhook_backoff_base: First retry delay; doubles each attempt.
         webhook_backoff_max: Ceiling of the retry delay.
+        audit_checkpoint_key: Ed25519 private key file (PEM) signing audit checkpoints; with
+            ``audit_checkpoint_dir``, the server signs the chain head every ``audit_checkpoint_interval``.
+        audit_checkpoint_dir: Directory (outside the database) the signed checkpoints are written to.
+        audit_checkpoint_interval: Seconds between checkpoints: the window in which a rewrite of the newest
+            events is caught only by the chain, not by a signature.
         context_calls: How many of the session's last calls a request page shows.
         cookie_max_age: Dashboard login lifetime in seconds.
         secure_cookies: Force the cookie ``Secure`` flag; None sets it on HTTPS requests only.
@@ -54,6 +59,9 @@ class ServerSettings:
     webhook_max_inflight: int = 64
     webhook_lease: float = 60.0
     webhook_allow_private: bool = False
+    audit_checkpoint_key: str | None = None
+    audit_checkpoint_dir: str | None = None
+    audit_checkpoint_interval: float = 300.0
     webhook_max_attempts: int = 8
     webhook_backoff_base: float = 1.0
     webhook_backoff_max: float = 300.0
@@ -67,6 +75,10 @@ class ServerSettings:
             raise ValueError(f"webhook_timeout must be positive, not {self.webhook_timeout}")
         if self.webhook_per_target < 1 or self.webhook_max_inflight < 1:
             raise ValueError("webhook_per_target and webhook_max_inflight must be at least 1")
+        if (self.audit_checkpoint_key is None) != (self.audit_checkpoint_dir is None):
+            raise ValueError("audit checkpoints need both audit_checkpoint_key and audit_checkpoint_dir")
+        if self.audit_checkpoint_interval <= 0:
+            raise ValueError(f"audit_checkpoint_interval must be positive, not {self.audit_checkpoint_interval}")
         # The lease must outlast a whole attempt plus recording its outcome, or another pass (or server)
         # would claim and send a delivery that is still in flight.
         if self.webhook_lease < self.webhook_timeout + WEBHOOK_LEASE_MARGIN:
