@@ -219,7 +219,7 @@ def write_checkpoint(
 ) -> Path:
     """Sign the chain head and write it to ``out_dir`` as ``checkpoint-<position>-<timestamp>.json``.
 
-    The checkpoints already in ``out_dir`` are checked first, so a chain rewritten since the last one is
+    The newest checkpoint already in ``out_dir`` is checked first, so a chain rewritten since then is
     refused instead of signed again. The file is written to a temporary name and renamed, so a reader
     never sees half of one.
 
@@ -228,7 +228,10 @@ def write_checkpoint(
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    previous = [c.head() for c in load_checkpoints(out_dir, key.public_key())] if any(out_dir.glob("*.json")) else []
+    # The newest checkpoint is enough: it was signed only after the chain matched every earlier one, and a
+    # chain that is intact and matches it has, up to it, exactly the events it had then.
+    names = sorted(out_dir.glob("checkpoint-*.json"))
+    previous = [read_checkpoint(names[-1], key.public_key()).head()] if names else []
     cp = make_checkpoint(storage, key, previous=previous, now=now)
     stamp = cp.created_at.replace(":", "").replace("-", "").replace("+0000", "Z")
     name = f"checkpoint-{cp.position:012d}-{stamp}-{os.getpid()}.json"

@@ -309,3 +309,24 @@ def test_the_delivery_id_is_covered_by_the_signature() -> None:
     assert verify_signature(key, header, body, delivery_id="dl_1", now=1_767_052_800)
     # A replay under a fresh delivery id (to slip past the receiver's deduplication) does not verify.
     assert not verify_signature(key, header, body, delivery_id="dl_2", now=1_767_052_800)
+
+
+def test_the_desk_signs_audit_checkpoints_on_a_schedule(db: Any, tmp_path: Any) -> None:
+    from undolog_core._checkpoints import generate_keypair
+
+    key, pub = generate_keypair(tmp_path / "audit.key")
+    out = tmp_path / "checkpoints"
+    settings = ServerSettings(**QUICK, audit_checkpoint_key=str(key), audit_checkpoint_dir=str(out),
+                              audit_checkpoint_interval=0.2)
+    d = make_desk(db, settings=settings)
+    try:
+        rid, _ = d.pending()
+        assert d.client("approver").post(f"/v1/approvals/{rid}:approve", json={}).status_code == 200
+        # A checkpoint that covers the decision (request = event 1, approve = event 2) appears by itself.
+        _wait(lambda: any('"position": 2' in p.read_text() for p in out.glob("*.json")), timeout=15)
+        report = d.undolog.verify_audit(checkpoints=out, public_key=pub)
+        assert report.ok and report.checkpoints_checked >= 1, report
+    finally:
+        d.close()
+    with pytest.raises(ValueError, match="audit_checkpoint_dir"):
+        ServerSettings(audit_checkpoint_key=str(key))
