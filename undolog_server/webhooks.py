@@ -490,6 +490,9 @@ class WebhookDispatcher:
         headers = {
             "Content-Type": "application/json",
             "User-Agent": "undolog-webhooks/1",
+            # No reuse: the pool keys connections by the pinned address, so a kept-alive TLS connection made
+            # for one host name could otherwise carry a request for another name on the same address.
+            "Connection": "close",
             "UndoLog-Event": row["event_type"],
             DELIVERY_HEADER: row["delivery_id"],
             SIGNATURE_HEADER: sign(target.secret, int(time.time()), body, delivery_id=row["delivery_id"]),
