@@ -112,9 +112,17 @@ def serve(
         undolog.close()
         typer.echo(f"error[invalid_input]: {exc}", err=True)
         raise typer.Exit(2) from None
-    application = create_app(
-        undolog, app_spec=None if from_app else app, proxy_config=proxy_config, settings=settings
-    )
+    from undolog_core.errors import UndoLogError
+
+    try:
+        application = create_app(
+            undolog, app_spec=None if from_app else app, proxy_config=proxy_config, settings=settings
+        )
+    except UndoLogError as exc:
+        # A key it cannot read, a proxy config that does not load: one line, not a traceback.
+        undolog.close()
+        typer.echo(f"error[{exc.code}]: {exc.message}", err=True)
+        raise typer.Exit(2) from None
     try:
         uvicorn.run(application, host=host, port=port, log_level=log_level, proxy_headers=False)
     finally:
