@@ -99,14 +99,18 @@ class Sweeper:
             await self._sleep(self.state.settings.sweep_interval)
 
     def checkpoint(self) -> str:
-        """Sign the audit chain head into the checkpoint directory now; returns the file written.
+        """Sign the audit chain head into the checkpoint directory now, and send it to the targets
+        subscribed to ``audit.checkpoint``; returns the file written.
 
         Raises:
             AuditChainBroken: The chain is broken or was rewritten since the last checkpoint (nothing signed).
         """
         s = self.state.settings
         assert s.audit_checkpoint_key and s.audit_checkpoint_dir
-        return self.state.undolog.checkpoint_audit(key=s.audit_checkpoint_key, out=s.audit_checkpoint_dir)
+        path = self.state.undolog.checkpoint_audit(key=s.audit_checkpoint_key, out=s.audit_checkpoint_dir)
+        # A second copy away from this host, for the targets that asked for it.
+        self.webhooks.announce_checkpoint(path)
+        return path
 
     async def _checkpoint_loop(self) -> None:
         while not self._stop.is_set():

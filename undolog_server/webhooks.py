@@ -38,6 +38,7 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -77,7 +78,11 @@ EVENT_TYPES = (
     "approval.escalated",
     "session.halted",
     "session.rolled_back",
+    "audit.checkpoint",
 )
+
+#: Sent only to targets that name it in their ``event_types`` (not to ``*``): it comes every interval.
+CHECKPOINT_EVENT = "audit.checkpoint"
 
 
 class DeliveryError(enum.StrEnum):
@@ -297,6 +302,30 @@ class WebhookDispatcher:
                 store.enqueue(conn, f"outbox:{e.outbox_id}", e.event_type, _body(envelope), [t.target_id for t in chosen])
 
         return self.state.undolog.outbox.drain(handle, limit=limit)
+
+    # ---- signed audit checkpoints (sync) ---------------------------------------------------------
+
+    def announce_checkpoint(self, path: str | Path) -> int:
+        """Queue a signed audit checkpoint for the targets subscribed to ``audit.checkpoint`` by name.
+
+        The event's ``data`` is the checkpoint file's document unchanged: a receiver that saves it as a
+        ``.json`` file has a directory ``undolog audit verify --checkpoints`` reads, held away from the server.
+
+        Returns:
+            How many deliveries were queued.
+        """
+        chosen = [t.target_id for t in self.state.store.targets() if t.active and CHECKPOINT_EVENT in t.event_types]
+        if not chosen:
+            return 0
+        path = Path(path)
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        envelope = {
+            "id": f"ckp_{path.stem}",
+            "type": CHECKPOINT_EVENT,
+            "created_at": doc["checkpoint"]["created_at"],
+            "data": doc,
+        }
+        return self.state.store.enqueue_now(f"checkpoint:{path.stem}", CHECKPOINT_EVENT, _body(envelope), chosen)
 
     # ---- escalation (sync) ----------------------------------------------------------------------
 

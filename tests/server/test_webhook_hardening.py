@@ -315,21 +315,39 @@ def test_the_delivery_id_is_covered_by_the_signature() -> None:
     assert not verify_signature(key, header, body, delivery_id="dl_2", now=1_767_052_800)
 
 
-def test_the_desk_signs_audit_checkpoints_on_a_schedule(db: Any, tmp_path: Any) -> None:
+def test_the_desk_signs_audit_checkpoints_on_a_schedule(db: Any, tmp_path: Any, receiver: Receiver) -> None:
+    import json
+
     from undolog_core._checkpoints import generate_keypair
 
     key, pub = generate_keypair(tmp_path / "audit.key")
     out = tmp_path / "checkpoints"
     settings = ServerSettings(**QUICK, audit_checkpoint_key=str(key), audit_checkpoint_dir=str(out),
-                              audit_checkpoint_interval=0.2)
+                              audit_checkpoint_interval=0.2, webhook_allow_private=True)
     d = make_desk(db, settings=settings)
     try:
+        admin = d.client("admin")
+        offsite = admin.post("/v1/webhooks", json={"name": "offsite", "url": f"{receiver.url}/offsite",
+                                                   "event_types": ["audit.checkpoint"]}).json()
+        receiver.secrets["/offsite"] = offsite["secret"]
+        everything = admin.post("/v1/webhooks", json={"name": "all", "url": f"{receiver.url}/all"}).json()
+        receiver.secrets["/all"] = everything["secret"]
         rid, _ = d.pending()
         assert d.client("approver").post(f"/v1/approvals/{rid}:approve", json={}).status_code == 200
-        # A checkpoint that covers the decision (request = event 1, approve = event 2) appears by itself.
+        # A checkpoint that covers the decision (request = event 1, approve = event 2) appears by itself...
         _wait(lambda: any('"position": 2' in p.read_text() for p in out.glob("*.json")), timeout=15)
         report = d.undolog.verify_audit(checkpoints=out, public_key=pub)
         assert report.ok and report.checkpoints_checked >= 1, report
+        # ...and a copy reaches the target that asked for them by name (not the "*" one), signed, in the
+        # form `audit verify --checkpoints` reads from a directory the receiver keeps.
+        receiver.wait(lambda: any(g.body["data"]["checkpoint"]["position"] == 2 for g in receiver.events("/offsite")))
+        copies = tmp_path / "offsite"
+        copies.mkdir()
+        for i, g in enumerate(receiver.events("/offsite")):
+            assert g.event_type == "audit.checkpoint" and g.signature_ok
+            (copies / f"{i}.json").write_text(json.dumps(g.body["data"]))
+        assert d.undolog.verify_audit(checkpoints=copies, public_key=pub).ok
+        assert not [g for g in receiver.events("/all") if g.event_type == "audit.checkpoint"]
     finally:
         d.close()
     with pytest.raises(ValueError, match="audit_checkpoint_dir"):

@@ -583,6 +583,11 @@ class ServerStore:
         ]
         return insert_ignore(conn, webhook_deliveries, rows)
 
+    def enqueue_now(self, event_id: str, event_type: str, body: str, target_ids: Iterable[str]) -> int:
+        """:meth:`enqueue` in a transaction of its own (events the server raises itself, not the outbox)."""
+        with self.core.tx() as conn:
+            return self.enqueue(conn, event_id, event_type, body, target_ids)
+
     def escalated(self, approval_request_ids: Sequence[str]) -> set[tuple[str, str]]:
         """The (request, risk tag) pairs already escalated among these requests."""
         if not approval_request_ids:
