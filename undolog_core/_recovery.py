@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,8 +67,11 @@ class Recovery:
     ) -> bool:
         return not owner_alive(owner, lease, effect_id=effect_id, undo_id=undo_id, rolling=rolling)
 
-    def recover(self, progress: Callable[[int, int, str], None] | None = None) -> RecoveryReport:
+    def recover(self, progress: Callable[[int, int, str], None] | None = None, *,
+                sessions: Collection[str] | None = None) -> RecoveryReport:
         """Finish what crashed processes left in flight. Safe to run from several processes at once.
+
+        ``sessions`` limits it to those sessions (the undo-check harness recovers only its own runs).
 
         Example:
             >>> report = undolog.recover()
@@ -79,6 +82,11 @@ class Recovery:
         self._flush_marks()
         seen = self._store.in_flight()
         effects, undos, intents = seen.effects, seen.undos, seen.intents
+        if sessions is not None:
+            only = set(sessions)
+            effects = [r for r in effects if r.session_id in only]
+            undos = [r for r in undos if r.session_id in only]
+            intents = [r for r in intents if r.session_id in only]
         dead_effects = [r for r in effects if self._dead(r.owner, r.lease_until, r.effect_id)]
         report.left_alive = len(effects) - len(dead_effects)
         # A requested rollback whose walker is gone is finished: the whole session, as was asked.

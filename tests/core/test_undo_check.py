@@ -1,0 +1,173 @@
+"""check_undo (undolog_core.testing): correct compensations pass; each kind of broken one is caught on its own step."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from undolog_core.testing import RunKind, ScenarioError, check_undo
+
+# The plugin's fixture, imported the way pytest's `pytest11` entry point would load it (the shared venv is not
+# reinstalled with the new entry point; test_plugin_entry_point checks the entry point itself).
+from undolog_core.testing.pytest_plugin import undo_check  # noqa: F401
+
+from . import undo_world as w
+from .undo_world import (
+    aadd_credit,
+    add_bonus,
+    add_credit,
+    change_email,
+    close_account,
+    send_note,
+    update_profile,
+)
+
+
+@pytest.fixture(autouse=True)
+def world_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("UNDO_WORLD", str(tmp_path / "world.json"))
+    w.reset()
+    from undolog_core._saga import Saga
+
+    monkeypatch.setattr(Saga, "backoff_seconds", 0.001)  # a broken compensation's retries, quickly
+
+
+def check(scenario, undolog, **kw):
+    w.register(undolog)
+    return check_undo(scenario, snapshot=w.snapshot, reset=w.reset, undolog=undolog, **kw)
+
+
+def test_correct_scenario_every_step_restored_idempotent_and_tolerant(undolog):
+    report = check(w.correct_scenario, undolog)
+    assert report.ok, report.explain()
+    assert [(s.index, s.tool, s.compensation) for s in report.steps] == [
+        (1, "change_email", "restore_email"), (2, "add_credit", "remove_credit"), (3, "change_email", "restore_email"),
+    ]
+    assert all(s.restored and s.idempotent and s.tolerates_never_happened for s in report.steps)
+    assert all(report.fault_points[k].restored for k in (1, 2, 3))
+    assert report.runs == 1 + 3 + 3
+    assert w.snapshot() == w.START["accounts"]  # the harness leaves the world at its starting point
+    # Each run used its own session; the harness's sessions are rolled back or halted, none left writable.
+    sessions = undolog.sessions.list(limit=50)
+    assert len(sessions) == 7 and len({s.session_id for s in sessions}) == 7
+    assert {s.state for s in sessions} <= {"rolled_back", "halted"}
+    text = report.explain()
+    for head in ("step", "tool", "compensation", "restored", "idempotent", "never-happened"):
+        assert head in text
+    assert "OK: 3 step(s)" in text
+
+
+def test_a_compensation_that_forgets_a_field_is_pinned_on_its_step_and_the_diff_names_the_field(undolog):
+    def scenario(ul, run):
+        with ul.session(session_id=f"p-{run.id}") as s:
+            s.call_sync(change_email, user_id="u1", email="ana@new.example")
+            s.call_sync(update_profile, user_id="u2", email="b@x.example", name="Robert")
+            s.call_sync(add_credit, user_id="u1", amount=3)
+
+    report = check(scenario, undolog)
+    assert not report.ok
+    first, broken, last = report.steps
+    assert first.restored and last.restored  # pinned on its own step, not on the steps around it
+    assert broken.restored is False and broken.tool == "update_profile"
+    assert [(d.path, d.expected, d.actual) for d in broken.diff] == [("['u2']['name']", "Bo", "Robert")]
+    assert report.fault_points[1].restored and not report.fault_points[2].restored
+    assert "['u2']['name']: expected 'Bo', got 'Robert'" in report.explain()
+    assert "NO" in report.explain()
+
+
+def test_a_non_idempotent_compensation_decrements_the_counter_twice(undolog):
+    def scenario(ul, run):
+        with ul.session(session_id=f"b-{run.id}") as s:
+            s.call_sync(add_bonus, user_id="u1", amount=4)
+
+    report = check(scenario, undolog)
+    (step,) = report.steps
+    assert step.restored and step.tolerates_never_happened
+    assert step.idempotent is False
+    assert [(d.path, d.expected, d.actual) for d in step.idempotency_diff] == [("['u1']['credit']", 10, 6)]
+    assert not report.ok
+
+
+def test_a_compensation_raising_on_never_happened(undolog):
+    def scenario(ul, run):
+        with ul.session(session_id=f"n-{run.id}") as s:
+            s.call_sync(send_note, user_id="u1", text="hello")
+
+    report = check(scenario, undolog)
+    (step,) = report.steps
+    assert step.restored and step.idempotent is False or step.restored  # restored in any case
+    assert step.tolerates_never_happened is False
+    assert any("never happened" in e and "TypeError" in e for e in step.errors), step.errors
+    assert not report.ok
+
+
+async def test_async_tools_and_compensations_in_an_async_scenario(undolog):
+    async def scenario(ul, run):
+        async with ul.session(session_id=f"a-{run.id}") as s:
+            await s.call(aadd_credit, user_id="u1", amount=2)
+            await asyncio.sleep(0)
+            await s.call(aadd_credit, user_id="u2", amount=7)
+
+    # check_undo is sync; called from a running loop it runs the scenario on a loop of its own.
+    report = await asyncio.to_thread(check, scenario, undolog)
+    assert report.ok, report.explain()
+    assert [s.tool for s in report.steps] == ["aadd_credit", "aadd_credit"]
+
+
+def test_an_irreversible_call_ends_the_checked_part(undolog):
+    def scenario(ul, run):
+        with ul.session(session_id=f"i-{run.id}") as s:
+            s.call_sync(add_credit, user_id="u1", amount=1)
+            s.call_sync(close_account, user_id="u1")
+            s.call_sync(add_credit, user_id="u2", amount=1)
+
+    report = check(scenario, undolog)
+    assert report.ok, report.explain()
+    assert [s.tool for s in report.steps] == ["add_credit"]
+    assert report.stopped_before and "close_account" in report.stopped_before
+    assert "the checked part ends before IRREVERSIBLE close_account" in report.explain()
+    assert undolog.approvals.pending() == []  # it was stopped before its gate: no request was raised
+
+
+def test_a_scenario_whose_steps_change_between_runs_is_refused(undolog):
+    runs: list[RunKind] = []
+
+    def scenario(ul, run):
+        runs.append(run.kind)
+        with ul.session(session_id=f"d-{run.id}") as s:
+            s.call_sync(add_credit, user_id="u1", amount=1)
+            if len(runs) > 1:
+                s.call_sync(change_email, user_id="u1", email="x@y.example")
+            s.call_sync(add_credit, user_id="u1", amount=1)
+
+    with pytest.raises(ScenarioError, match="not deterministic: COMPENSABLE step 2 was change_email"):
+        check(scenario, undolog)
+
+
+def test_the_session_and_policy_rollbacks_are_off_while_checking(undolog):
+    """A `with` block left by the harness's stop, or a failing tool, would roll the session back itself and run
+    every compensation before the harness could look at the first one."""
+    seen: list[str] = []
+
+    def scenario(ul, run):
+        with ul.session(session_id=f"r-{run.id}") as s:
+            s.call_sync(change_email, user_id="u1", email="ana@new.example")
+            s.call_sync(add_credit, user_id="u1", amount=2)
+            seen.append(ul.sessions.get(s.id).state)
+
+    report = check(scenario, undolog, never_happened=False)
+    assert report.ok and report.runs == 3
+    assert undolog.driver.failure_rollbacks  # switched back on after the check
+
+
+def test_fixture_fails_the_test_with_the_table(undolog, undo_check):  # noqa: F811
+    w.register(undolog)
+    ok = undo_check(w.correct_scenario, snapshot=w.snapshot, reset=w.reset, never_happened=False)
+    assert ok.ok
+    with pytest.raises(pytest.fail.Exception) as failed:
+        undo_check(w.broken_scenario, snapshot=w.snapshot, reset=w.reset, never_happened=False)
+    assert "update_profile" in str(failed.value) and "['u2']['name']" in str(failed.value)
+    report = undo_check(w.broken_scenario, snapshot=w.snapshot, reset=w.reset, expect_ok=False,
+                        never_happened=False)
+    assert not report.ok
