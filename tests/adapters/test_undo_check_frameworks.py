@@ -73,3 +73,25 @@ def test_a_broken_recall_is_caught_through_the_langgraph_agent(undolog, support_
     assert step.restored and step.idempotent
     assert step.tolerates_never_happened is False and not report.ok
     assert "TypeError" in " ".join(step.errors)
+
+
+def test_crewai_support_crew_refund_emails(undolog):
+    from examples.crewai_support_crew import undo_check as uc
+
+    report = check_undo(uc.refunds, snapshot=uc.snapshot, reset=uc.reset, undolog=undolog)
+    assert report.ok, report.explain()
+    assert [s.tool for s in report.steps] == ["send_refund_email", "send_refund_email"]
+    assert "delete_user_account" in (report.stopped_before or "")
+    assert all(s.restored and s.idempotent and s.tolerates_never_happened for s in report.steps)
+    assert report.scenario_error is None
+
+
+def test_semantic_kernel_support_refund_emails(undolog):
+    from examples.semantic_kernel_support import undo_check as uc
+
+    report = check_undo(uc.refunds, snapshot=uc.snapshot, reset=uc.reset, undolog=undolog)
+    assert report.ok, report.explain()
+    assert [s.tool for s in report.steps] == ["support-send_refund_email", "support-send_refund_email"]
+    assert "support-delete_user_account" in (report.stopped_before or "")
+    assert all(s.restored and s.idempotent and s.tolerates_never_happened for s in report.steps)
+    assert report.scenario_error is None
