@@ -199,3 +199,16 @@ def broken_scenario(undolog: Any, run: Any) -> None:
     with undolog.session(session_id=f"crm-{run.id}") as s:
         s.call_sync(change_email, user_id="u1", email="ana@new.example")
         s.call_sync(update_profile, user_id="u2", email="b@x.example", name="Robert")
+
+
+def two_step_scenario(undolog: Any, run: Any) -> None:
+    register(undolog)
+    with undolog.session(session_id=f"crm-{run.id}") as s:
+        s.call_sync(change_email, user_id="u1", email="ana@new.example")
+        s.call_sync(add_credit, user_id="u2", amount=5)
+
+
+def note_scenario(undolog: Any, run: Any) -> None:
+    register(undolog)
+    with undolog.session(session_id=f"crm-{run.id}") as s:
+        s.call_sync(send_note, user_id="u1", text="hello")

@@ -178,9 +178,9 @@ class UndoReport:
         return rows
 
     def _headers(self) -> list[str]:
-        heads = ["step", "tool", "compensation", "restored", "idempotent", "never-happened", "rollback to start"]
+        heads = ["step", "tool", "compensation", "restored", "idempotent", "never-happened", "to start"]
         if self.crash:
-            heads += ["crash: restored", "crash: never-happened"]
+            heads += ["crash restored", "crash never-happened"]
         return heads
 
     def _details(self) -> list[str]:
