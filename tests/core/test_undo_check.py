@@ -195,3 +195,22 @@ def test_crash_mode_catches_a_compensation_raising_on_never_happened(undolog):
     assert step.crash_restored is True and step.crash_tolerates_never_happened is False
     assert step.tolerates_never_happened is None  # the in-process variant was not asked for
     assert not report.ok and "TypeError" in " ".join(step.errors)
+
+
+def test_the_readme_example_passes_check_undo(db, tmp_path, monkeypatch):
+    """The README's "Check your compensations" example, run as it is written (on this test's database)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text[text.index("## Check your compensations"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    opened = 'UndoLog.open("sqlite:///undolog.db")'
+    assert opened in code
+    code = code.replace(opened, "__open__()")
+    monkeypatch.chdir(tmp_path)
+    scope = {"__name__": "readme_example", "__open__": db.open}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
+    report = scope["report"]
+    assert report.ok and [s.tool for s in report.steps] == ["change_email", "change_email"]
+    assert all(s.restored and s.idempotent and s.tolerates_never_happened for s in report.steps)

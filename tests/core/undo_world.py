@@ -73,8 +73,9 @@ def change_email(user_id: str, email: str) -> dict[str, Any]:
 def restore_email(ctx: Any) -> None:
     with world() as w:
         before = w["writes"].get(f"do-{ctx.effect_id}")
-        if before is None:
-            return  # the change never happened: nothing to restore
+        if before is None or ctx.idempotency_key in w["undone"]:
+            return  # the change never happened, or was already taken back under this key
+        w["undone"].append(ctx.idempotency_key)
         w["accounts"][before["user_id"]]["email"] = before["email"]
 
 
