@@ -214,3 +214,66 @@ def test_the_readme_example_passes_check_undo(db, tmp_path, monkeypatch):
     report = scope["report"]
     assert report.ok and [s.tool for s in report.steps] == ["change_email", "change_email"]
     assert all(s.restored and s.idempotent and s.tolerates_never_happened for s in report.steps)
+
+
+def test_cli_check_undo_exit_codes_table_and_json(db, undolog):
+    import json
+
+    from typer.testing import CliRunner
+
+    from undolog_core.cli import app
+
+    base = ["--db", db.url] + (["--schema", db.schema] if db.schema else [])
+    world = ["--snapshot", "tests.core.undo_world:snapshot", "--reset", "tests.core.undo_world:reset"]
+    clean = {"UNDOLOG_APP": None, "UNDOLOG_DATABASE_URL": None, "UNDOLOG_SCHEMA": None, "COLUMNS": "160"}
+    runner = CliRunner()
+    good = runner.invoke(app, [*base, "check-undo", "tests.core.undo_world:two_step_scenario", *world,
+                               "--no-never-happened"], env=clean, catch_exceptions=False)
+    assert good.exit_code == 0, good.output
+    assert "restore_email" in good.stdout and "OK: 2 step(s)" in good.stdout
+    bad = runner.invoke(app, [*base, "check-undo", "tests.core.undo_world:broken_scenario", *world, "--json"],
+                        env=clean, catch_exceptions=False)
+    assert bad.exit_code == 1, bad.output
+    data = json.loads(bad.stdout)
+    assert data["ok"] is False and [s["restored"] for s in data["steps"]] == [True, False]
+    assert data["steps"][1]["diff"] == [{"path": "['u2']['name']", "expected": "Bo", "actual": "Robert"}]
+    typo = runner.invoke(app, [*base, "check-undo", "tests.core.undo_world:no_such_scenario", *world], env=clean)
+    assert typo.exit_code == 2 and typo.stderr.startswith("error[invalid_input]: ")
+    assert "no_such_scenario" in typo.stderr
+
+
+def test_plugin_entry_point_gives_the_fixture(tmp_path):
+    """pyproject.toml registers the plugin under `pytest11`; a pytest run with the plugin module loaded (what the
+    entry point does once the package is installed) has the `undo_check` fixture and fails a test with the table."""
+    import subprocess
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    meta = tomllib.loads((root / "pyproject.toml").read_text())
+    assert meta["project"]["entry-points"]["pytest11"] == {"undolog": "undolog_core.testing.pytest_plugin"}
+    (tmp_path / "test_uses_fixture.py").write_text(
+        "import pytest\n"
+        "from undolog_core import UndoLog\n"
+        "from tests.core import undo_world as w\n\n"
+        "@pytest.fixture\n"
+        "def undolog(tmp_path, monkeypatch):\n"
+        "    monkeypatch.setenv('UNDO_WORLD', str(tmp_path / 'w.json'))\n"
+        "    u = UndoLog.open(f'sqlite:///{tmp_path}/u.db')\n"
+        "    yield u\n"
+        "    u.close()\n\n"
+        "def test_good(undo_check):\n"
+        "    undo_check(w.two_step_scenario, snapshot=w.snapshot, reset=w.reset, never_happened=False)\n\n"
+        "def test_broken(undo_check):\n"
+        "    undo_check(w.broken_scenario, snapshot=w.snapshot, reset=w.reset, never_happened=False)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "undolog_core.testing.pytest_plugin",
+         "--rootdir", str(tmp_path), "-c", "/dev/null", str(tmp_path / "test_uses_fixture.py")],
+        cwd=root, capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": str(root)},
+    )
+    assert "1 failed, 1 passed" in proc.stdout, proc.stdout + proc.stderr
+    assert "check_undo: a compensation does not undo its step" in proc.stdout
+    assert "restore_profile_forgets_name" in proc.stdout and "['u2']['name']" in proc.stdout
