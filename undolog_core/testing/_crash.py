@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._check import RunKind, ScenarioError, _Seen, _Tracker, _json_snapshot, run_scenario
+from ._check import RunKind, ScenarioError, _json_snapshot, _Seen, _Tracker, run_scenario
 from ._report import diff
 
 if TYPE_CHECKING:
