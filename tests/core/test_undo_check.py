@@ -176,7 +176,9 @@ def test_fixture_fails_the_test_with_the_table(undolog, undo_check):  # noqa: F8
 PATHS = {"snapshot": "tests.core.undo_world:snapshot", "reset": "tests.core.undo_world:reset"}
 
 
+@pytest.mark.long
 def test_crash_mode_real_sigkills_in_a_child_then_recover_here(undolog):
+    """Four children (two steps, two faults each): the long version of the test below."""
     report = check(w.two_step_scenario, undolog, crash=True,
                    crash_paths={"scenario": "tests.core.undo_world:two_step_scenario", **PATHS})
     assert report.ok, report.explain()
@@ -189,6 +191,8 @@ def test_crash_mode_real_sigkills_in_a_child_then_recover_here(undolog):
 
 
 def test_crash_mode_catches_a_compensation_raising_on_never_happened(undolog):
+    """Two children, SIGKILLed: right after the step (recovered and rolled back here: restored), and after its
+    pre-write (recover() here cannot compensate it: the compensation raises on "never happened")."""
     report = check(w.note_scenario, undolog, crash=True, never_happened=False,
                    crash_paths={"scenario": "tests.core.undo_world:note_scenario", **PATHS})
     (step,) = report.steps
@@ -242,17 +246,31 @@ def test_cli_check_undo_exit_codes_table_and_json(db, undolog):
     assert "no_such_scenario" in typo.stderr
 
 
-def test_plugin_entry_point_gives_the_fixture(tmp_path):
-    """pyproject.toml registers the plugin under `pytest11`; a pytest run with the plugin module loaded (what the
-    entry point does once the package is installed) has the `undo_check` fixture and fails a test with the table."""
-    import subprocess
-    import sys
+def test_plugin_is_registered_as_a_pytest11_entry_point():
+    import importlib
     import tomllib
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     meta = tomllib.loads((root / "pyproject.toml").read_text())
     assert meta["project"]["entry-points"]["pytest11"] == {"undolog": "undolog_core.testing.pytest_plugin"}
+    plugin = importlib.import_module(meta["project"]["entry-points"]["pytest11"]["undolog"])
+    assert plugin.undo_check is undo_check
+    # Importable without pytest: only the plugin module imports it.
+    from undolog_core.testing import _check, _crash, _report
+
+    assert all("pytest" not in vars(m) for m in (_check, _crash, _report))
+
+
+@pytest.mark.long
+def test_plugin_entry_point_gives_the_fixture(tmp_path):
+    """A pytest run with the plugin module loaded (what the entry point does once the package is installed) has
+    the `undo_check` fixture and fails a test with the table."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
     (tmp_path / "test_uses_fixture.py").write_text(
         "import pytest\n"
         "from undolog_core import UndoLog\n"
