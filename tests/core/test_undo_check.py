@@ -146,19 +146,40 @@ def test_a_scenario_whose_steps_change_between_runs_is_refused(undolog):
 
 
 def test_the_session_and_policy_rollbacks_are_off_while_checking(undolog):
-    """A `with` block left by the harness's stop, or a failing tool, would roll the session back itself and run
-    every compensation before the harness could look at the first one."""
-    seen: list[str] = []
+    """A failing tool would roll its session back by the default policy, and a `with` block left by the harness's
+    stop would too: every compensation would run before the harness could look at the first one."""
+    states: list[str] = []
 
     def scenario(ul, run):
-        with ul.session(session_id=f"r-{run.id}") as s:
+        with ul.session(session_id=f"r-{run.id}") as s:  # on_failure="rollback", the default
             s.call_sync(change_email, user_id="u1", email="ana@new.example")
-            s.call_sync(add_credit, user_id="u1", amount=2)
-            seen.append(ul.sessions.get(s.id).state)
+            try:
+                s.call_sync(w.add_credit_then_fail, user_id="u1", amount=2)
+            except RuntimeError:
+                states.append(ul.sessions.get(s.id).state)
+            s.call_sync(add_credit, user_id="u2", amount=1)
 
     report = check(scenario, undolog, never_happened=False)
-    assert report.ok and report.runs == 3
+    assert report.ok, report.explain()
+    assert [s.tool for s in report.steps] == ["change_email", "add_credit_then_fail", "add_credit"]
+    assert set(states) == {"active"}  # recorded as failed, never rolled back by the policy during the check
     assert undolog.driver.failure_rollbacks  # switched back on after the check
+    with undolog.session() as s, pytest.raises(RuntimeError):
+        s.call_sync(w.add_credit_then_fail, user_id="u1", amount=2)
+    assert undolog.sessions.get(s.id).state == "rolled_back"  # and the policy works again
+
+
+def test_a_step_whose_session_was_rolled_back_behind_the_harness_is_not_restored(undolog):
+    def scenario(ul, run):
+        with ul.session(session_id=f"x-{run.id}") as s:
+            s.call_sync(add_credit, user_id="u1", amount=2)
+            if run.kind is not RunKind.LEARN:
+                ul.rollback(s.id)  # the scenario undoes itself: nothing is left for the harness to prove
+
+    report = check(scenario, undolog, idempotency=False, never_happened=False)
+    (step,) = report.steps
+    assert step.restored is False and "did not run in the harness's rollback" in step.errors[0]
+    assert not report.ok
 
 
 def test_fixture_fails_the_test_with_the_table(undolog, undo_check):  # noqa: F811

@@ -157,6 +157,13 @@ def unsend_trusting_result(ctx: Any) -> None:
             del w["accounts"][user_id]["notes"]
 
 
+@undolog_tool(tier=ToolTier.COMPENSABLE, compensation=CompensationDescriptor.new("remove_credit"))
+def add_credit_then_fail(user_id: str, amount: int) -> dict[str, Any]:
+    """Writes like add_credit, then fails: the session's on_failure policy would roll back at once."""
+    add_credit(user_id, amount)  # a plain call: the write is keyed by this call's own do-key
+    raise RuntimeError("the ledger went away after the write")
+
+
 # -- async twins ---------------------------------------------------------------------------------------------
 
 @undolog_tool(tier=ToolTier.COMPENSABLE, compensation=CompensationDescriptor.new("aremove_credit"))
@@ -175,7 +182,7 @@ async def aremove_credit(ctx: Any) -> None:
     remove_credit(ctx)
 
 
-CORRECT = [change_email, restore_email, add_credit, remove_credit, close_account]
+CORRECT = [change_email, restore_email, add_credit, remove_credit, close_account, add_credit_then_fail]
 BROKEN = [update_profile, restore_profile_forgets_name, add_bonus, remove_credit_twice, send_note,
           unsend_trusting_result]
 ASYNC = [aadd_credit, aremove_credit]

@@ -319,6 +319,13 @@ class _Checker:
         self.report.fault_points[k] = fp
         outcomes = self._rollback(tracker, target.effect_id, lambda s: self._first(step, tracker, s), fp)
         fp.rollback_steps = [f"{s.compensation_name} of {s.tool_name}: {s.outcome}" for s in outcomes]
+        if step.restored is None:
+            # Its compensation never ran in the harness's walk: something rolled the session back before (or
+            # refused the walk), so nothing proves the step can be undone.
+            step.restored = False
+            step.errors.append(f"the compensation of step {k} did not run in the harness's rollback"
+                               + (f" ({'; '.join(fp.errors)})" if fp.errors else " (was the session rolled back "
+                                  "already?)"))
         after = _json_snapshot(self.snapshot, f"after rolling back from step {k}")
         fp.diff = diff(start, after)
         fp.restored = not fp.diff and not fp.errors
