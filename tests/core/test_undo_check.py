@@ -316,3 +316,13 @@ def test_plugin_entry_point_gives_the_fixture(tmp_path):
     assert "1 failed, 1 passed" in proc.stdout, proc.stdout + proc.stderr
     assert "check_undo: a compensation does not undo its step" in proc.stdout
     assert "restore_profile_forgets_name" in proc.stdout and "['u2']['name']" in proc.stdout
+
+
+def test_a_scenario_reusing_its_session_id_is_told_to_use_run_id(undolog):
+    def scenario(ul):
+        with ul.session(session_id="always-the-same") as s:
+            s.call_sync(add_credit, user_id="u1", amount=1)
+
+    with pytest.raises(ScenarioError, match="put run.id in it") as refused:
+        check(scenario, undolog)
+    assert "ended with SessionClosed: session 'always-the-same' is rolled_back" in str(refused.value)

@@ -276,8 +276,11 @@ class _Checker:
             raise ScenarioError(f"the scenario is not deterministic: {tracker.mismatch}; check_undo needs the same "
                                 "COMPENSABLE calls in the same order on every run")
         if expected is not None and kind is not RunKind.LEARN and len(tracker.steps) < k:
-            raise ScenarioError(f"the scenario is not deterministic: it made {len(tracker.steps)} COMPENSABLE "
-                                f"call(s) in run {run.id}, {len(expected)} in the first run")
+            raise ScenarioError(
+                f"the scenario is not deterministic: it made {len(tracker.steps)} COMPENSABLE call(s) in run "
+                f"{run.id}, {len(expected)} in the first run" + (f" (it ended with {error})" if error else "")
+                + "; a scenario that reuses a session or thread id meets its earlier, rolled-back run: put run.id "
+                "in it")
         return tracker, start, error
 
     def check(self, idempotency: bool, never_happened: bool, crash: bool,
