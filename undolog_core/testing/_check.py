@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import json
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -139,8 +140,6 @@ class _Tracker:
 
 
 def _json_snapshot(snapshot: Callable[[], Any], when: str) -> Any:
-    import json
-
     value = snapshot()
     if inspect.isawaitable(value):
         value = run_coro_blocking(value)
