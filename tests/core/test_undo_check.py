@@ -326,3 +326,18 @@ def test_a_scenario_reusing_its_session_id_is_told_to_use_run_id(undolog):
     with pytest.raises(ScenarioError, match="put run.id in it") as refused:
         check(scenario, undolog)
     assert "ended with SessionClosed: session 'always-the-same' is rolled_back" in str(refused.value)
+
+
+def test_the_stop_is_recognised_inside_a_task_group(undolog):
+    async def scenario(ul, run):
+        async with ul.session(session_id=f"tg-{run.id}") as s:
+            async def work():
+                await s.call(aadd_credit, user_id="u1", amount=2)
+                await s.call(aadd_credit, user_id="u2", amount=3)
+
+            async with asyncio.TaskGroup() as tg:  # gathers the harness's stop into a BaseExceptionGroup
+                tg.create_task(work())
+
+    report = check(scenario, undolog, never_happened=False)
+    assert report.ok, report.explain()
+    assert report.scenario_error is None and len(report.steps) == 2

@@ -176,6 +176,8 @@ def _stopped_by_us(exc: BaseException) -> bool:
     while cur is not None and id(cur) not in seen:
         if isinstance(cur, InjectedStop):
             return True
+        if isinstance(cur, BaseExceptionGroup) and any(_stopped_by_us(e) for e in cur.exceptions):
+            return True  # a task group (asyncio's, a framework's) gathered the stop with its siblings
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__
     return False

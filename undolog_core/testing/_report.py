@@ -192,10 +192,16 @@ class UndoReport:
                     lines.append(f"step {s.index} {s.tool} ({s.compensation}), {title}:")
                     lines.extend(f"    {d}" for d in diffs)
             lines.extend(f"step {s.index} {s.tool}: {e}" for e in s.errors)
+        shown: list[str] | None = None
         for k, f in self.fault_points.items():
             if f.diff:
-                lines.append(f"stopped after step {k}, rolled back whole, the world differs from the start:")
-                lines.extend(f"    {d}" for d in f.diff)
+                text = [f"    {d}" for d in f.diff]
+                if text == shown:  # a broken step spoils every later rollback the same way: say it once
+                    lines.append(f"stopped after step {k}, rolled back whole: the same difference")
+                else:
+                    lines.append(f"stopped after step {k}, rolled back whole, the world differs from the start:")
+                    lines.extend(text)
+                shown = text
             lines.extend(f"stopped after step {k}: {e}" for e in f.errors)
         if self.stopped_before:
             lines.append(f"the checked part ends before {self.stopped_before}")
