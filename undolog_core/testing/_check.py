@@ -417,7 +417,7 @@ class _Checker:
         target = tracker.steps[k - 1]
         # What a crash right here leaves: the effect pending, its owner gone. This process stops counting it as
         # its own, so recovery treats it exactly as a dead process's call.
-        self.u.leases.inflight.discard(target.effect_id)
+        self.u.leases.abandon(target.effect_id)
         rep = self.u.recover(sessions=tracker.sessions)
         outcome = next((r["outcome"] for r in rep.reconciled if r["effect_id"] == target.effect_id), None)
         now = _json_snapshot(self.snapshot, f"after recovering step {k}")
