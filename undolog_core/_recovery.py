@@ -80,7 +80,7 @@ class Recovery:
             [{'effect_id': '...', 'tool_name': 'send_refund_email', 'outcome': 'compensated'}]
         """
         with obs.span("undolog.recover", {}) as sp:
-            report = self._recover(progress)
+            report = self._recover(progress, sessions)
             sp.set_attributes({"undolog.reconciled": len(report.reconciled), "undolog.left_alive": report.left_alive,
                                "undolog.rollbacks_resumed": len(report.rollbacks_resumed),
                                "undolog.dead_lettered": len(report.dead_lettered), "undolog.errors": len(report.errors)})
@@ -93,7 +93,8 @@ class Recovery:
                 len(report.errors), report.left_alive)
         return report
 
-    def _recover(self, progress: Callable[[int, int, str], None] | None) -> RecoveryReport:
+    def _recover(self, progress: Callable[[int, int, str], None] | None,
+                 sessions: Collection[str] | None = None) -> RecoveryReport:
         report = RecoveryReport()
         self._flush_marks()
         seen = self._store.in_flight()
