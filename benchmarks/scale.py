@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -43,6 +44,9 @@ sys.path.insert(0, str(ROOT))
 
 from undolog_core import ApprovalPending, ToolTier, UndoLog, compensation, undolog_tool  # noqa: E402
 from undolog_core._driver import Execute  # noqa: E402
+
+# The halts recovery and expiry make are logged at WARNING, one per session: thousands of lines here.
+logging.getLogger("undolog").setLevel(logging.ERROR)
 
 PG_URL = os.environ.get("UNDOLOG_BENCH_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 

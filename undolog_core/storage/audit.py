@@ -136,27 +136,27 @@ class AuditSQL(Store):
         """
         if not events:
             return []
-        head = conn.execute(self.for_update(sa.select(t.audit_head).where(t.audit_head.c.head_id == 1))).one()
         created_at = now or utcnow()
+        # The outbox rows first: they do not depend on the chain, so concurrent sweepers write them in parallel
+        # and hold the chain head (until their commit) only for the events themselves.
+        self.insert_many_in(conn, t.outbox, [{"event_type": et, "payload": dict(p), "created_at": created_at,
+                                              "attempts": 0} for ev in events for et, p in ev.outbox])
+        bodies = [canonical_json(dict(ev.payload)) for ev in events]
+        head = conn.execute(self.for_update(sa.select(t.audit_head).where(t.audit_head.c.head_id == 1))).one()
         prev, event_id = str(head.last_hash), int(head.last_event_id)
         rows: list[dict[str, Any]] = []
-        outbox: list[OutboxItem] = []
-        for ev in events:
+        for ev, body in zip(events, bodies, strict=True):
             event_id += 1
-            body = canonical_json(dict(ev.payload))
             h = event_hash(event_id=event_id, approval_request_id=ev.approval_request_id, subject=ev.subject,
                            action=ev.action, actor=ev.actor, payload=body, created_at=created_at, prev_hash=prev)
             rows.append({"event_id": event_id, "approval_request_id": ev.approval_request_id, "subject": ev.subject,
                          "action": ev.action, "actor": ev.actor, "payload": body, "created_at": created_at,
                          "prev_hash": prev, "hash": h})
-            outbox.extend(ev.outbox)
             prev = h
         self.insert_many_in(conn, t.approval_events, rows)
         conn.execute(
             t.audit_head.update().where(t.audit_head.c.head_id == 1).values(last_event_id=event_id, last_hash=prev)
         )
-        self.insert_many_in(conn, t.outbox, [{"event_type": et, "payload": dict(p), "created_at": created_at,
-                                              "attempts": 0} for et, p in outbox])
         return [int(r["event_id"]) for r in rows]
 
     def append_event(self, **kw: Any) -> int:
