@@ -272,7 +272,7 @@ def langgraph_variants(stores: dict[str, UndoLog], pg_saver: PgSaver | None,
     for tier, goal in (("SAFE", 1.05), ("COMPENSABLE", 1.16)):
         model = _scripted_model(*CALLS[tier])
 
-        def agent(middleware: list[Any], saver: Any = None) -> Any:
+        def agent(middleware: list[Any], saver: Any = None, model: Any = model) -> Any:
             return create_agent(model, tools, checkpointer=saver or InMemorySaver(), middleware=middleware)
 
         def undolog(u: UndoLog) -> list[Any]:

@@ -305,6 +305,21 @@ class Engine:
             raise SessionNotFound(session_id)
         return self.remember(row)
 
+    def session_states(self, session_ids: list[str], *, wait: bool = True) -> dict[str, tuple[str, str | None]]:
+        """``{session_id: (state, halted_reason)}`` of those that exist, read in one statement on the hot path's
+        pool (an adapter's check at the start of an agent turn); the cache of those known here follows.
+
+        ``wait=False`` raises ``WouldBlock`` instead of waiting for a connection (an event loop).
+
+        Example:
+            >>> undolog.engine.session_states(["ticket-1", "ticket-1#2"])
+            {'ticket-1': ('active', None)}
+        """
+        found = self.hot.session_states(session_ids, wait=wait)
+        for sid, (state, _) in found.items():
+            self.note_state(sid, state)
+        return found
+
     def flush_counts(self, session_id: str | None = None) -> None:
         """Write the in-memory SAFE call counters (on session exit and close), and any deferred marks."""
         self.flush_marks()
