@@ -308,6 +308,136 @@ def langgraph_variants(stores: dict[str, UndoLog], pg_saver: PgSaver | None,
     return variants, shares
 
 
+# -- CrewAI ------------------------------------------------------------------------------------------------
+
+
+def crewai_variants(stores: dict[str, UndoLog]) -> tuple[list[Variant], list[Share]]:
+    """One kickoff of a one-agent crew (scripted LLM, native tool calling) per step; wrapped tools vs plain."""
+    from crewai import Agent, Crew, Task
+    from crewai.tools import tool as crewai_tool
+
+    from examples.crewai_support_crew.llm import ScriptedLLM
+    from undolog_adapters.crewai import wrap_tools
+
+    variants: list[Variant] = []
+    for tier, goal in (("SAFE", 1.05), ("COMPENSABLE", 1.16)):
+        name, args = CALLS[tier]
+
+        def crew_of(tools: list[Any], name: str = name, args: dict[str, Any] = args) -> Any:
+            llm = ScriptedLLM(model="scripted", steps=[{"tool": name, "args": args}], native=True)
+            agent = Agent(role="Support agent", goal="Help the customer", backstory="Scripted", llm=llm,
+                          tools=tools, verbose=False, max_iter=3)
+            task = Task(description="Handle the ticket", expected_output="a summary", agent=agent)
+            return Crew(agents=[agent], tasks=[task], verbose=False)
+
+        plain = crew_of([crewai_tool(lookup_order), crewai_tool(refund_order)])
+
+        def run_plain(n: int, crew: Any = plain) -> float:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                crew.kickoff()
+            return time.perf_counter() - t0
+
+        base = f"{tier}: plain tools"
+        variants.append(Variant(base, run_plain))
+        for key, label, g in (("sqlite", "SQLite, durable marks", goal), ("postgres", "PostgreSQL", None)):
+            if key not in stores:
+                continue
+            tools = wrap_tools([lookup_order, refund_order], undolog=stores[key], compensations=[bench_cancel_refund])
+            crew = crew_of(list(tools))
+
+            def run_wrapped(n: int, crew: Any = crew, tools: Any = tools) -> float:
+                sid = "crew-" + uuid.uuid4().hex[:12]  # one session per round, its kickoffs continue it
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    tools.kickoff(crew, session_id=sid)
+                return time.perf_counter() - t0
+
+            variants.append(Variant(f"{tier}: wrap_tools, {label}", run_wrapped, base, g))
+    return variants, []
+
+
+# -- Semantic Kernel ----------------------------------------------------------------------------------------
+
+
+def sk_variants(stores: dict[str, UndoLog], loop: asyncio.AbstractEventLoop) -> tuple[list[Variant], list[Share]]:
+    """The auto function-calling loop of a scripted chat service, one user message per step; filter vs none."""
+    import json as _json
+
+    from semantic_kernel import Kernel
+    from semantic_kernel.connectors.ai.chat_completion_client_base import ChatCompletionClientBase
+    from semantic_kernel.connectors.ai.function_choice_behavior import FunctionChoiceBehavior
+    from semantic_kernel.connectors.ai.prompt_execution_settings import PromptExecutionSettings
+    from semantic_kernel.contents import AuthorRole, ChatHistory, ChatMessageContent, FunctionCallContent
+    from semantic_kernel.functions import kernel_function
+
+    from undolog_adapters.semantic_kernel import install, undolog_session
+
+    class Plugin:
+        @kernel_function(name="lookup_order", description="Look an order up.")
+        @undolog_tool(tier=ToolTier.SAFE)
+        def lookup_order(self, order_id: str) -> str:
+            return f"order {order_id}: shipped"
+
+        @kernel_function(name="refund_order", description="Refund an order.")
+        @undolog_tool(tier=ToolTier.COMPENSABLE, compensation=CompensationDescriptor.new("bench_cancel_refund"))
+        def refund_order(self, order_id: str, amount: int) -> str:
+            return f"refunded {amount} on {order_id}"
+
+    class Chat(ChatCompletionClientBase):
+        """Asks for ``fn`` after each user message, answers after its result."""
+
+        SUPPORTS_FUNCTION_CALLING: Any = True
+        fn: str = ""
+        fn_args: dict[str, Any] = {}
+
+        async def _inner_get_chat_message_contents(self, chat_history: Any, settings: Any) -> list[Any]:
+            if chat_history.messages[-1].role == AuthorRole.USER:
+                call = FunctionCallContent(id="call_" + uuid.uuid4().hex[:12], name=self.fn,
+                                           arguments=_json.dumps(self.fn_args))
+                return [ChatMessageContent(role=AuthorRole.ASSISTANT, items=[call])]
+            return [ChatMessageContent(role=AuthorRole.ASSISTANT, content="done")]
+
+    settings = PromptExecutionSettings(function_choice_behavior=FunctionChoiceBehavior.Auto())
+
+    def kernel_with(u: UndoLog | None) -> Any:
+        kernel = Kernel()
+        kernel.add_plugin(Plugin(), plugin_name="shop")
+        if u is not None:
+            install(kernel, u, compensations=[bench_cancel_refund])
+        return kernel
+
+    def runner(kernel: Any, chat: Any, session: bool) -> Callable[[int], float]:
+        async def go(n: int) -> float:
+            history = ChatHistory()
+            sid = "sk-" + uuid.uuid4().hex[:12]
+            t0 = time.perf_counter()
+            for i in range(n):
+                history.add_user_message(f"turn {i}")
+                if session:
+                    with undolog_session(sid):
+                        reply = await chat.get_chat_message_content(history, settings, kernel=kernel)
+                else:
+                    reply = await chat.get_chat_message_content(history, settings, kernel=kernel)
+                if str(reply) != "done":
+                    raise RuntimeError(f"the SK step did not finish: {reply!r}")
+            return time.perf_counter() - t0
+
+        return lambda n: loop.run_until_complete(go(n))
+
+    variants: list[Variant] = []
+    for tier, goal in (("SAFE", 1.05), ("COMPENSABLE", 1.16)):
+        name, args = CALLS[tier]
+        chat = Chat(ai_model_id="scripted", fn=f"shop-{name}", fn_args=args)
+        base = f"{tier}: no filter"
+        variants.append(Variant(base, runner(kernel_with(None), chat, False)))
+        for key, label, g in (("sqlite", "SQLite, durable marks", goal), ("postgres", "PostgreSQL", None)):
+            if key in stores:
+                variants.append(Variant(f"{tier}: UndoLog filter, {label}", runner(kernel_with(stores[key]), chat, True),
+                                        base, g))
+    return variants, []
+
+
 # -- stores -------------------------------------------------------------------------------------------------
 
 
@@ -412,6 +542,10 @@ def main(argv: list[str] | None = None) -> int:
         sections: list[tuple[str, Callable[[], tuple[list[Variant], list[Share]]]]] = []
         if "langgraph" in only:
             sections.append(("langgraph", lambda: langgraph_variants(stores.opened, stores.pg_saver, loop)))
+        if "crewai" in only:
+            sections.append(("crewai", lambda: crewai_variants(stores.opened)))
+        if "sk" in only:
+            sections.append(("sk", lambda: sk_variants(stores.opened, loop)))
         for name, build in sections:
             try:
                 variants, shares = build()

@@ -164,13 +164,23 @@ class _Guard:
         n = known or 1
         sid, nxt = _chain(base, n), _chain(base, n + 1)
         found = self.u.engine.session_states([sid, nxt], wait=wait)
-        if nxt in found or sid not in found:
-            # Rare: the chain moved on elsewhere, or the thread's first turn (the session is created): the slow path.
+        if nxt in found:
+            # Rare: another process opened the thread's next session (after a rollback): walk the chain.
             if not wait:
                 raise WouldBlock()
             sid = self.head(base, refresh=True)
             state = self.u.engine.session_states([sid]).get(sid)
             return sid, *(state or (None, None))
+        if sid not in found:
+            # The thread's first turn: its session is created here (one write per thread, not per turn), with our
+            # agent id and failure policy, before any call can create it implicitly.
+            if not wait:
+                raise WouldBlock()
+            with self.create_lock:
+                sc = self.u.engine.ensure_session(sid, agent_id=self.agent_id, on_failure=self.on_failure)
+                with self.lock:
+                    self.heads.setdefault(base, n)
+            return sid, sc.state, None
         if known is None:
             with self.lock:
                 self.heads.setdefault(base, n)
