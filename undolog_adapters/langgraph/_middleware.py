@@ -149,7 +149,7 @@ class UndoLogMiddleware(AgentMiddleware):
 
 def _turn_starts(request: Any) -> bool:
     """Whether this model call starts a user turn: the conversation ends with the user's message."""
-    messages = getattr(request, "messages", None)
+    messages: Any = getattr(request, "messages", None)
     return bool(messages) and isinstance(messages[-1], HumanMessage)
 
 
