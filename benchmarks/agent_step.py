@@ -438,6 +438,81 @@ def sk_variants(stores: dict[str, UndoLog], loop: asyncio.AbstractEventLoop) -> 
     return variants, []
 
 
+# -- group commit -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GroupRow:
+    store: str
+    workers: int
+    grouping: str
+    steps_per_s: float
+    writes: int
+    commits: int
+    largest: int
+
+
+def group_commit_rows(stores: dict[str, UndoLog], *, workers: tuple[int, ...], turns: int,
+                      rounds: int) -> list[GroupRow]:
+    """N agent threads at once (one Python thread and one UndoLog session each), COMPENSABLE tool, durable marks:
+    steps per second, and on SQLite how many durable writes each commit carried, with grouping on and off."""
+    import threading
+
+    from langchain.agents import create_agent
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    from undolog_adapters.langgraph import UndoLogMiddleware
+
+    tools = [lookup_order, refund_order, delete_account]
+    model = _scripted_model(*CALLS["COMPENSABLE"])
+    out: list[GroupRow] = []
+    for key in ("sqlite", "postgres"):
+        if key not in stores:
+            continue
+        u = stores[key]
+        agent = create_agent(model, tools, checkpointer=InMemorySaver(),
+                             middleware=[UndoLogMiddleware(u, tools=tools, compensations=[bench_cancel_refund])])
+        group = getattr(u.engine.hot, "group", None)
+        modes = (("on", True), ("off", False)) if group is not None else (("server's own", True),)
+        run = _agent_runner(agent)
+        run(2)
+        for n in workers:
+            for label, enabled in modes:
+                if group is not None:
+                    group.enabled = enabled
+                    w0, c0, group.largest = group.writes, group.commits, 0
+                best = 0.0
+                for _ in range(rounds):
+                    threads = [threading.Thread(target=run, args=(turns,)) for _ in range(n)]
+                    t0 = time.perf_counter()
+                    for th in threads:
+                        th.start()
+                    for th in threads:
+                        th.join()
+                    best = max(best, n * turns / (time.perf_counter() - t0))
+                if group is not None:
+                    out.append(GroupRow(key, n, label, best, group.writes - w0, group.commits - c0, group.largest))
+                    group.enabled = True
+                else:
+                    out.append(GroupRow(key, n, label, best, 0, 0, 0))
+    return out
+
+
+def print_group(rows: list[GroupRow]) -> None:
+    print()
+    print("Group commit: N agent threads at once, COMPENSABLE tool, durable marks (best of the rounds)")
+    headers = ("store", "threads", "grouping", "steps/s", "durable writes", "commits", "writes/commit", "largest")
+    body = [(r.store, str(r.workers), r.grouping, f"{r.steps_per_s:,.0f}",
+             str(r.writes) if r.commits else "", str(r.commits) if r.commits else "",
+             f"{r.writes / r.commits:.2f}" if r.commits else ("1.00" if r.grouping == "off" else ""),
+             str(r.largest) if r.commits else "") for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for b in body:
+        print("  ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)))
+
+
 # -- stores -------------------------------------------------------------------------------------------------
 
 
@@ -525,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pg-url", default=DEFAULT_PG_URL)
     p.add_argument("--rounds", type=int, help="rounds (each: --turns steps of every variant)")
     p.add_argument("--turns", type=int, help="steps per round and variant (default 20)")
-    p.add_argument("--only", default="langgraph,crewai,sk", help="sections to run, comma-separated")
+    p.add_argument("--only", default="langgraph,crewai,sk,group", help="sections to run, comma-separated")
     p.add_argument("--seed", type=int, default=20261130)
     args = p.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 21)
@@ -557,6 +632,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         loop.close()
         stores.close()
+    group_rows: list[GroupRow] = []
+    if "group" in only:
+        stores = Stores(kinds, args.pg_url)
+        try:
+            group_rows = group_commit_rows(stores.opened, workers=(1, 4) if args.quick else (1, 4, 8),
+                                           turns=turns, rounds=1 if args.quick else 3)
+        except Exception as exc:  # noqa: BLE001 - report what could not be measured, keep the rest
+            broken = True
+            print(f"[group] the benchmark could not run: {type(exc).__name__}: {exc}", file=sys.stderr)
+        finally:
+            stores.close()
     if rows:
         print_table(rows)
         misses = sum(r.verdict == "MISS" for r in rows)
@@ -565,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{passes} PASS, {misses} MISS; {rounds} rounds x {turns} steps per variant, interleaved; "
               f"{time.perf_counter() - t0:.1f} s. Python {platform.python_version()}, {platform.machine()}, "
               f"{os.cpu_count()} CPU.")
+    if group_rows:
+        print_group(group_rows)
     return 1 if broken else 0
 
 
