@@ -368,7 +368,14 @@ def sk_variants(stores: dict[str, UndoLog], loop: asyncio.AbstractEventLoop) -> 
     from semantic_kernel.connectors.ai.chat_completion_client_base import ChatCompletionClientBase
     from semantic_kernel.connectors.ai.function_choice_behavior import FunctionChoiceBehavior
     from semantic_kernel.connectors.ai.prompt_execution_settings import PromptExecutionSettings
-    from semantic_kernel.contents import AuthorRole, ChatHistory, ChatMessageContent, FunctionCallContent
+    from semantic_kernel.contents import (
+        AuthorRole,
+        ChatHistory,
+        ChatMessageContent,
+        FunctionCallContent,
+        FunctionResultContent,
+    )
+    from semantic_kernel.filters import FilterTypes
     from semantic_kernel.functions import kernel_function
 
     from undolog_adapters.semantic_kernel import install, undolog_session
@@ -400,11 +407,17 @@ def sk_variants(stores: dict[str, UndoLog], loop: asyncio.AbstractEventLoop) -> 
 
     settings = PromptExecutionSettings(function_choice_behavior=FunctionChoiceBehavior.Auto())
 
-    def kernel_with(u: UndoLog | None) -> Any:
+    def kernel_with(u: UndoLog | None, noop_filters: bool = False) -> Any:
         kernel = Kernel()
         kernel.add_plugin(Plugin(), plugin_name="shop")
         if u is not None:
             install(kernel, u, compensations=[bench_cancel_refund])
+        if noop_filters:
+            async def passthrough(context: Any, next: Any) -> None:  # noqa: A002 - SK passes it by this name
+                await next(context)
+
+            kernel.add_filter(FilterTypes.FUNCTION_INVOCATION, passthrough)
+            kernel.add_filter(FilterTypes.AUTO_FUNCTION_INVOCATION, passthrough)
         return kernel
 
     def runner(kernel: Any, chat: Any, session: bool) -> Callable[[int], float]:
@@ -421,7 +434,11 @@ def sk_variants(stores: dict[str, UndoLog], loop: asyncio.AbstractEventLoop) -> 
                     reply = await chat.get_chat_message_content(history, settings, kernel=kernel)
                 if str(reply) != "done":
                     raise RuntimeError(f"the SK step did not finish: {reply!r}")
-            return time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            ran = [i for m in history.messages for i in m.items if isinstance(i, FunctionResultContent)]
+            if len(ran) != n or not all(str(i.result).startswith(("order", "refunded")) for i in ran):
+                raise RuntimeError(f"the SK steps did not run their tool: {[str(i.result) for i in ran]}")
+            return elapsed
 
         return lambda n: loop.run_until_complete(go(n))
 
@@ -431,6 +448,9 @@ def sk_variants(stores: dict[str, UndoLog], loop: asyncio.AbstractEventLoop) -> 
         chat = Chat(ai_model_id="scripted", fn=f"shop-{name}", fn_args=args)
         base = f"{tier}: no filter"
         variants.append(Variant(base, runner(kernel_with(None), chat, False)))
+        # SK's own cost of having filters at all (it rebuilds and copies contexts for each): the peer figure.
+        variants.append(Variant(f"{tier}: two pass-through filters (SK's own cost)",
+                                runner(kernel_with(None, noop_filters=True), chat, False), base))
         for key, label, g in (("sqlite", "SQLite, durable marks", goal), ("postgres", "PostgreSQL", None)):
             if key in stores:
                 variants.append(Variant(f"{tier}: UndoLog filter, {label}", runner(kernel_with(stores[key]), chat, True),
@@ -599,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a short smoke run (CI)")
     p.add_argument("--pg-url", default=DEFAULT_PG_URL)
     p.add_argument("--rounds", type=int, help="rounds (each: --turns steps of every variant)")
-    p.add_argument("--turns", type=int, help="steps per round and variant (default 20)")
+    p.add_argument("--turns", type=int, help="steps per round and variant (default 20; CrewAI: a quarter)")
     p.add_argument("--only", default="langgraph,crewai,sk,group", help="sections to run, comma-separated")
     p.add_argument("--seed", type=int, default=20261130)
     args = p.parse_args(argv)
@@ -624,7 +644,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, build in sections:
             try:
                 variants, shares = build()
-                measure(variants, rounds=rounds, turns=turns, rng=rng)
+                # A CrewAI kickoff is a whole crew run (tens of ms): fewer of them per round say as much.
+                n = max(2, turns // 4) if name == "crewai" and not args.turns else turns
+                measure(variants, rounds=rounds, turns=n, rng=rng)
                 rows += rows_for(name, variants, shares)
             except Exception as exc:  # noqa: BLE001 - report what could not be measured, keep the rest
                 broken = True
