@@ -307,7 +307,8 @@ class Engine:
 
     def session_states(self, session_ids: list[str], *, wait: bool = True) -> dict[str, tuple[str, str | None]]:
         """``{session_id: (state, halted_reason)}`` of those that exist, read in one statement on the hot path's
-        pool (an adapter's check at the start of an agent turn); the cache of those known here follows.
+        pool (an adapter's check at the start of an agent turn). A read only: the session cache is left alone (a
+        state changed in this process meanwhile must not be overwritten by this older read).
 
         ``wait=False`` raises ``WouldBlock`` instead of waiting for a connection (an event loop).
 
@@ -315,10 +316,7 @@ class Engine:
             >>> undolog.engine.session_states(["ticket-1", "ticket-1#2"])
             {'ticket-1': ('active', None)}
         """
-        found = self.hot.session_states(session_ids, wait=wait)
-        for sid, (state, _) in found.items():
-            self.note_state(sid, state)
-        return found
+        return self.hot.session_states(session_ids, wait=wait)
 
     def flush_counts(self, session_id: str | None = None) -> None:
         """Write the in-memory SAFE call counters (on session exit and close), and any deferred marks."""
