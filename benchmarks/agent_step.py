@@ -305,6 +305,12 @@ def langgraph_variants(stores: dict[str, UndoLog], pg_saver: PgSaver | None,
                                         alone))
                 shares.append(Share(f"{tier}: UndoLog's share of PostgresSaver's cost", base, alone, with_,
                                     0.25 if tier == "COMPENSABLE" else None))
+                if tier == "COMPENSABLE" and "postgres-fast" in stores:
+                    fast = f"{tier}: PostgresSaver + UndoLogMiddleware, PostgreSQL, fast_commit_mark"
+                    variants.append(Variant(fast, _agent_runner(agent(undolog(stores["postgres-fast"]),
+                                                                      pg_saver.saver)), alone))
+                    shares.append(Share(f"{tier}: UndoLog's share of PostgresSaver's cost, fast_commit_mark", base,
+                                        alone, fast))
     return variants, shares
 
 
@@ -558,6 +564,8 @@ class Stores:
             with self.admin.connect() as c:
                 c.exec_driver_sql(f'CREATE SCHEMA "{self.schema}"')
             self.opened["postgres"] = UndoLog.open(pg_url, schema=self.schema)
+            self.opened["postgres-fast"] = UndoLog.open(pg_url, schema=self.schema, fast_commit_mark=True,
+                                                        migrate=False)
             self.pg_saver = PgSaver(pg_url, self.schema)
         for u in self.opened.values():
             u.register(*TOOLS)
