@@ -38,6 +38,7 @@ class Outcome:
     error: BaseException | None = None
     rollback: RollbackReport | None = None
     failure: str | None = None  # a failure the framework reported as a value (``failure_of``)
+    unknown: bool = False  # the error left the outcome unknown (``unknown_on``): recorded ``unknown``, session halted
 
     @property
     def ok(self) -> bool:
@@ -106,7 +107,7 @@ class CallDriver:
     def run_sync(
         self, d: Execute, invoke: Callable[[dict[str, Any]], Any], *, control_flow: ControlFlow = (),
         rollback_on_failure: bool = True, failure_of: Callable[[Any], str | None] | None = None,
-        result_of: Callable[[Any], Any] | None = None, note: bool = True,
+        result_of: Callable[[Any], Any] | None = None, note: bool = True, unknown_on: ControlFlow = (),
     ) -> Outcome:
         """Run ``invoke(args)`` under the decision, then record its outcome.
 
@@ -117,6 +118,8 @@ class CallDriver:
         A framework that turns a tool's exception into a value (an error message) says so with ``failure_of``
         (the failure's text, or None); ``result_of`` picks what is stored as the result (default: the value).
         ``note=False``: the caller tells the rollback's outcome itself, so it is not noted on the exception.
+        ``unknown_on`` exceptions say the call may have happened (sent, then the answer lost: an upstream timeout):
+        it is recorded ``unknown`` and the session halted for a person, never failed and rolled back.
         """
         with self.engine.running(d):
             try:
@@ -125,6 +128,10 @@ class CallDriver:
                 self.release(d)
                 raise
             except BaseException as exc:
+                if unknown_on and isinstance(exc, unknown_on):
+                    self.engine.record_unknown(str(d.effect_id), d.session_id,
+                                               f"{d.tool_name} ({d.effect_id}): {type(exc).__name__}: {exc}")
+                    return Outcome(error=exc, unknown=True)
                 return self._failed_sync(d, exc, rollback_on_failure, note=note)
         failure = failure_of(value) if failure_of is not None else None
         if failure is not None:

@@ -814,6 +814,16 @@ class Engine:
             self._missing_or_moved(effect_id, state, EffectState.FAILED)
         return FailureRecord(str(row.session_id), str(row.on_failure))
 
+    def record_unknown(self, effect_id: str, session_id: str, error: str) -> None:
+        """Record that a call's outcome cannot be known (it was sent; the answer was lost): ``unknown``, the
+        session halted for a person, as recovery does for an approved call interrupted without a probe."""
+        try:
+            self.store.settle_effect(effect_id, EffectState.UNKNOWN, error=error,
+                                     halt=(session_id, f"outcome unknown: {error}"))
+        finally:
+            self._inflight.discard(effect_id)
+        self.note_state(session_id, SessionState.HALTED.value)
+
     @staticmethod
     def _missing_or_moved(effect_id: str, state: str, target: str) -> None:
         if not state:

@@ -357,6 +357,7 @@ class ToolSpec:
     revision: int = 0
     is_async: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    endpoint: dict[str, Any] | None = None  # where the tool runs (a proxied upstream), part of the contract
     sparse: bool = False  # schema-declared: pass on only the arguments given, never defaults invented as null
 
     def __post_init__(self) -> None:
@@ -365,7 +366,7 @@ class ToolSpec:
         self._model_validate = self.args_model.__pydantic_validator__.validate_python
 
     def contract(self) -> dict[str, Any]:
-        return {
+        out = {
             "name": self.name,
             "tier": self.tier.value,
             "compensation": (
@@ -376,6 +377,11 @@ class ToolSpec:
             "risk_tags": list(self.risk_tags),
             "composite_of": sorted(self.composite_of),
         }
+        # Where a tool runs is part of what was approved (a proxied tool's upstream URL, method and non-secret
+        # headers). Only tools that declare one carry the key, so every other fingerprint stays as it was.
+        if self.endpoint:
+            out["endpoint"] = self.endpoint
+        return out
 
     def compute_fingerprint(self) -> str:
         return sha256_hex(canonical_json(self.contract()))
@@ -417,6 +423,7 @@ def build_spec(
     *,
     name: str | None = None,
     args_schema: Any = None,
+    endpoint: Mapping[str, Any] | None = None,
 ) -> ToolSpec:
     tool_name = name or decl.name or (tool_name_of(fn) if fn is not None else None)
     if not tool_name:
@@ -440,6 +447,7 @@ def build_spec(
         probe=decl.probe,
         json_schema=json_schema_of(model),
         is_async=is_async,
+        endpoint=dict(endpoint) if endpoint else None,
     )
     spec.fingerprint = spec.compute_fingerprint()
     return spec

@@ -139,8 +139,12 @@ class UndoLog:
         probe: Callable[..., Any] | None = None,
         args_schema: Any = None,
         registered_by: str | None = None,
+        endpoint: Mapping[str, Any] | None = None,
     ) -> ToolSpec:
         """Register a third-party callable (or a schema-only tool, ``fn=None``) with a tier given here.
+
+        ``endpoint`` describes where the tool runs (the desk's proxy gives an upstream's URL, method and non-secret
+        headers): it is part of the contract, so changing it is a new revision that cancels pending approvals.
 
         Example:
             >>> undolog.register_tool(vendor.delete_user, name="delete_user", tier="irreversible",
@@ -151,6 +155,8 @@ class UndoLog:
         decl = make_declaration(tier=tier, risk_level=risk_level, compensation=compensation, reason=reason,
                                risk_tags=risk_tags, composite_of=composite_of, probe=probe)
         kw: dict[str, Any] = {"name": name, "args_schema": args_schema}
+        if endpoint:
+            kw["endpoint"] = dict(endpoint)
         return self.registry.register([(fn, decl, kw)], registered_by=registered_by)[0]
 
     def register_compensation(self, fn: Callable[..., Any], *, name: str | None = None, version: int = 1) -> None:

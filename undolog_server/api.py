@@ -139,7 +139,11 @@ class ApprovalEventOut(_Out):
 class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     agent_id: str = Field(min_length=1, max_length=200)
-    session_id: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._~-]+$")
+    label: str | None = Field(
+        None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._~-]+$",
+        description="Your own label, the readable start of the minted id (`<label>.<random>`). The server always "
+        "mints the id: a caller cannot pick the id an embedded app will use later.",
+    )
     on_failure: Literal["rollback", "continue"] = "rollback"
 
 
@@ -603,20 +607,28 @@ def _event_dict(e: Any) -> dict[str, Any]:
 
 @router.post("/sessions", response_model=SessionOut, status_code=201, tags=["sessions"], summary="Create a session")
 def create_session(request: Request, body: SessionCreate, response: Response, key: ApiKey = Depends(AGENT)) -> SessionOut:
+    """Create a session owned by the calling key, under an id the server mints.
+
+    The id is never the caller's choice: an agent key that could name a session could create, ahead of time,
+    the id an embedded app will resume later (a thread id like ``ticket-1042``), and so read and roll back that
+    app's calls. A ``label`` only prefixes the minted id (``ticket.3f9c…``) so people can read it.
+    """
     st = _st(request)
-    if body.session_id is not None:
-        existing = st.views.session_row(body.session_id)
-        if existing is not None:
-            if existing.get("created_by") != key.principal_ref:
-                raise Problem(409, "session_exists", f"session {body.session_id!r} already exists")
-            response.status_code = 200
-            return SessionOut.model_validate(existing)
     from .coreops import create_session as _create
 
-    session_id = _create(st.undolog, agent_id=body.agent_id, session_id=body.session_id,
+    minted = new_session_id(body.label)
+    session_id = _create(st.undolog, agent_id=body.agent_id, session_id=minted,
                          created_by=key.principal_ref, on_failure=body.on_failure)
     response.headers["Location"] = f"/v1/sessions/{session_id}"
     return SessionOut.model_validate(st.views.session_row(session_id))
+
+
+def new_session_id(label: str | None = None) -> str:
+    """A session id for the API: 96 random bits, after the caller's label if any (``ticket.9f2c…``)."""
+    import secrets
+
+    token = secrets.token_hex(12)
+    return f"{label}.{token}" if label else f"api.{token}"
 
 
 @router.get("/sessions", response_model=list[SessionOut], tags=["sessions"], summary="List sessions")

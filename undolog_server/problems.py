@@ -79,6 +79,7 @@ _HTTP_CODES = {
     500: "internal_error",
     502: "upstream_error",
     503: "unavailable",
+    504: "upstream_timeout",
 }
 
 _TITLES = {
@@ -92,6 +93,7 @@ _TITLES = {
     500: "Internal server error",
     502: "Bad gateway",
     503: "Service unavailable",
+    504: "Gateway timeout",
 }
 
 
