@@ -227,7 +227,7 @@ def _approval_page(request: Request, key: ApiKey, approval_request_id: str, *, e
     groups = groups_for(st.store.groups(), row["tool_name"], row["risk_tags"])
     if not may_see(key, groups):
         return _forbidden(request, key, f"This request is routed to {', '.join(groups)}; you are in none of them.")
-    detail = approval_detail(st, row)
+    detail = approval_detail(st, row, key)
     session = st.views.session_row(row["session_id"]) or {}
     own = session.get("created_by") == key.principal_ref
     events = st.undolog.approvals.events(approval_request_id)

@@ -153,3 +153,64 @@ def _toml(text: str) -> dict[str, Any]:
     import tomllib
 
     return tomllib.loads(text)
+
+
+# ---------------------------------------------------------------------------------- 8. group visibility
+
+
+def _csrf(html: str) -> str:
+    m = re.search(r'name="csrf_token" value="([0-9a-f]+)"', html)
+    assert m, html[:500]
+    return m.group(1)
+
+
+def _login(desk: Desk, who: str) -> httpx.Client:
+    c = httpx.Client(base_url=desk.url, follow_redirects=False, timeout=30)
+    page = c.get("/ui/login")
+    r = c.post("/ui/login", data={"api_key": desk.token(who), "csrf_token": _csrf(page.text)})
+    assert r.status_code == 303, r.text
+    return c
+
+
+SECRET = "IBAN-DE-SECRET-4242"
+
+
+def test_an_approver_outside_a_group_never_reads_that_groups_arguments(desk: Desk) -> None:
+    admin = desk.client("admin")
+    assert admin.put("/v1/approver-groups/treasury", json={"tools": ["wire_money", "send_refund_email"]}).status_code == 200
+    desk.add_key("outsider", ["approver"], ["support"])
+    desk.add_key("insider", ["approver"], ["treasury"])
+    s = desk.session()
+    with s:
+        s.call_sync("send_refund_email", user_id=SECRET, amount=1.0, call_id="refund")
+        try:
+            s.call_sync("wire_money", to=SECRET, amount=9.0, call_id="wire")
+        except Exception as exc:  # ApprovalPending
+            wire_rid = exc.approval_request_id  # type: ignore[attr-defined]
+        try:
+            s.call_sync("delete_user_account", user_id="u1", call_id="delete")
+        except Exception as exc:
+            delete_rid = exc.approval_request_id  # type: ignore[attr-defined]
+    outsider = desk.client("outsider")
+    problem(outsider.get(f"/v1/approvals/{wire_rid}"), 403, "not_in_approver_group")
+    # The request the outsider may decide shows the session's calls, without the treasury's arguments.
+    detail = outsider.get(f"/v1/approvals/{delete_rid}")
+    assert detail.status_code == 200, detail.text
+    assert SECRET not in detail.text
+    hidden = [c for c in detail.json()["recent_calls"] if c["tool_name"] in ("wire_money", "send_refund_email")]
+    assert len(hidden) == 2 and all(c["redacted"] and c["args_snapshot"] is None for c in hidden)
+    context = detail.json()["agent_context"]
+    assert any(c["tool_name"] == "send_refund_email" and c.get("redacted") for c in context)
+    shown = outsider.get(f"/v1/sessions/{s.id}")
+    assert shown.status_code == 200 and SECRET not in shown.text
+    assert {e["tool_name"]: e["redacted"] for e in shown.json()["effects"]} == {
+        "send_refund_email": True, "wire_money": True, "delete_user_account": False}
+    # The dashboard hides them the same way.
+    page = _login(desk, "outsider")
+    assert SECRET not in page.get(f"/ui/sessions/{s.id}").text
+    request_page = page.get(f"/ui/approvals/{delete_rid}").text
+    assert SECRET not in request_page and "Arguments withheld" in request_page
+    # Members of the group, admins and the session's own key read everything.
+    for who in ("insider", "admin", "agent"):
+        assert SECRET in desk.client(who).get(f"/v1/sessions/{s.id}").text, who
+    assert SECRET in desk.client("insider").get(f"/v1/approvals/{delete_rid}").text
