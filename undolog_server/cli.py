@@ -62,6 +62,10 @@ def serve(
     secure_cookies: Annotated[
         bool | None, typer.Option("--secure-cookies/--no-secure-cookies", help="Force the cookie Secure flag.")
     ] = None,
+    docs: Annotated[
+        bool, typer.Option("--docs/--no-docs", envvar="UNDOLOG_DOCS",
+                           help="Serve Swagger UI at /docs (loaded from a CDN; off by default).")
+    ] = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Run the approval desk: REST API, dashboard, webhooks, tool proxy and the sweeper."""
@@ -79,6 +83,7 @@ def serve(
         recover_interval=recover_interval,
         webhook_backoff_base=webhook_backoff,
         secure_cookies=secure_cookies,
+        docs=docs,
     )
     application = create_app(
         undolog, app_spec=None if from_app else app, proxy_config=proxy_config, settings=settings
