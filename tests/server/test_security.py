@@ -277,3 +277,59 @@ def test_docs_are_off_by_default_and_carry_the_dashboards_headers_when_on(db: An
     finally:
         server.stop()
         undolog.close()
+
+
+# ---------------------------------------------------------------------------------- 12. approval lifetime
+
+
+def test_an_approval_not_used_within_its_ttl_expires_and_the_agent_must_ask_again(
+    db: Any, upstream: Upstream, tmp_path: Path
+) -> None:
+    import time
+
+    d = _proxy_desk(db, upstream, tmp_path)
+    try:
+        assert d.undolog.policy.get().approved_ttl_seconds == 24 * 3600  # the default
+        d.undolog.policy.set(actor="test", approved_ttl_seconds=1)
+        sweeper = d.server.server.config.app.state.sweeper
+        agent = d.client("agent")
+        sid = agent.post("/v1/sessions", json={"agent_id": "a"}).json()["session_id"]
+        url = f"/v1/sessions/{sid}/tools/close_account:invoke"
+
+        def ask(key: str) -> httpx.Response:
+            return agent.post(url, json={"account": "acme"}, headers={"Idempotency-Key": key})
+
+        # Applied by the sweeper.
+        first = ask("close-1")
+        rid = first.json()["approval_request_id"]
+        assert d.client("approver").post(f"/v1/approvals/{rid}:approve").status_code == 200
+        time.sleep(1.2)
+        assert sweeper.tick()["lapsed"] == 1
+        shown = d.client("admin").get(f"/v1/approvals/{rid}").json()
+        assert shown["state"] == "expired" and shown["decided_by"]  # who approved stays on record
+        events = d.client("admin").get(f"/v1/approvals/{rid}/events").json()
+        assert [(e["action"], e["actor"]) for e in events][-1] == ("expire", "undolog:approval-ttl")
+        session = d.client("admin").get(f"/v1/sessions/{sid}").json()
+        assert session["state"] != "halted"
+        assert [e["state"] for e in session["effects"] if e["effect_id"] == first.json()["effect_id"]] == ["expired"]
+        # Re-issuing the call raises a new request; the upstream was never called.
+        again = ask("close-1")
+        assert again.status_code == 202 and again.json()["approval_request_id"] != rid
+        assert upstream.to("/close") == []
+        assert sweeper.tick()["lapsed"] == 0
+
+        # Applied on re-issue, without a sweep: the stale approval never runs.
+        rid2 = again.json()["approval_request_id"]
+        assert d.client("approver").post(f"/v1/approvals/{rid2}:approve").status_code == 200
+        time.sleep(1.2)
+        third = ask("close-1")
+        assert third.status_code == 202 and third.json()["approval_request_id"] not in (rid, rid2)
+        assert d.undolog.approvals.get(rid2).state == "expired" and upstream.to("/close") == []
+        # A fresh approval used in time runs once.
+        rid3 = third.json()["approval_request_id"]
+        assert d.client("approver").post(f"/v1/approvals/{rid3}:approve").status_code == 200
+        assert ask("close-1").status_code == 200 and len(upstream.to("/close")) == 1
+        assert d.undolog.verify_audit().ok
+    finally:
+        d.close()
+        d.undolog.close()
