@@ -921,7 +921,8 @@ def put_policy(
     names = {t.name for t in st.store.targets()}
     unknown = sorted((set(body.notify) | set(body.escalate_to)) - names)
     if unknown:
-        raise Problem(422, "unknown_webhook_target", f"no webhook target named {', '.join(unknown)}", targets=unknown)
+        # 409: the body is valid; what it names is not there now (a client may create the target and retry).
+        raise Problem(409, "unknown_webhook_target", f"no webhook target named {', '.join(unknown)}", targets=unknown)
     st.store.put_policy(NotificationPolicy(risk_tag, tuple(body.notify), body.escalate_after_seconds, tuple(body.escalate_to)))
     return PolicyOut(risk_tag=risk_tag, **body.model_dump())
 

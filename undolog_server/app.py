@@ -231,6 +231,17 @@ def create_app(
     app.state.undolog_server = state
     app.state.sweeper = sweeper
     problems.install_handlers(app)
+
+    def openapi() -> dict[str, Any]:
+        # Every error is problem+json: the schema says so for each operation (schemathesis checks it).
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            app.openapi_schema = problems.document_problems(get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     app.include_router(api.router)
     app.include_router(proxy_mod.router)
     dashboard.install(app)
