@@ -33,6 +33,9 @@ from .upstream import Upstream
 
 CLIENTS = 50
 AGENTS, APPROVERS, POLLERS = 30, 10, 9  # + 1 hostile client
+# Between two rounds of tool calls an agent pauses (a model takes seconds to answer; this is much less), so the run
+# measures decisions under a busy desk rather than only the queue 30 tight loops would build.
+AGENT_THINK_SECONDS = 0.1
 
 
 @dataclass
@@ -167,6 +170,7 @@ def _run_load(db: Any, tmp_path: Path, seconds: float) -> None:
                     if i % 25 == 0:
                         r = tally.saw("agent", "rollback", c.post(f"/v1/sessions/{sid}:rollback"))
                         sid = None
+                    time.sleep(AGENT_THINK_SECONDS)
 
         def approver(token: str, n: int) -> None:
             rnd = random.Random(n)
@@ -256,7 +260,8 @@ def _run_load(db: Any, tmp_path: Path, seconds: float) -> None:
         p99 = decisions[max(0, math.ceil(len(decisions) * 0.99) - 1)] if decisions else float("nan")
         p50 = decisions[len(decisions) // 2] if decisions else float("nan")
         total = sum(tally.statuses.values())
-        print(f"\nload ({undolog.store.dialect}, {seconds:.0f} s, {CLIENTS} clients): {total} requests, "
+        print(f"\nload ({undolog.store.dialect}, {seconds:.0f} s, {CLIENTS} clients): {total} requests "
+              f"({total / seconds:.0f}/s), "
               f"{len(decisions)} decisions, decision p50 {p50 * 1000:.1f} ms p99 {p99 * 1000:.1f} ms, "
               f"server RSS {rss_start / 1024:.0f} -> {rss_end / 1024:.0f} MB")
         print("statuses:", dict(sorted(tally.statuses.items())))
