@@ -129,8 +129,7 @@ class CallDriver:
                 raise
             except BaseException as exc:
                 if unknown_on and isinstance(exc, unknown_on):
-                    self.engine.record_unknown(str(d.effect_id), d.session_id,
-                                               f"{d.tool_name} ({d.effect_id}): {type(exc).__name__}: {exc}")
+                    self._unknown(d, exc)
                     return Outcome(error=exc, unknown=True)
                 return self._failed_sync(d, exc, rollback_on_failure, note=note)
         failure = failure_of(value) if failure_of is not None else None
@@ -143,7 +142,7 @@ class CallDriver:
         self, d: Execute, invoke: Callable[[dict[str, Any]], Awaitable[Any] | Any], *,
         control_flow: ControlFlow = (), rollback_on_failure: bool = True,
         failure_of: Callable[[Any], str | None] | None = None, result_of: Callable[[Any], Any] | None = None,
-        note: bool = True,
+        note: bool = True, unknown_on: ControlFlow = (),
     ) -> Outcome:
         """The async twin of :meth:`run_sync`: the same steps, the tool and the rollback awaited on this loop."""
         with self.engine.running(d):
@@ -155,6 +154,9 @@ class CallDriver:
                 await self._off_loop(self.release, d)
                 raise
             except BaseException as exc:
+                if unknown_on and isinstance(exc, unknown_on):
+                    await self._off_loop(self._unknown, d, exc)
+                    return Outcome(error=exc, unknown=True)
                 return await self._failed_async(d, exc, rollback_on_failure, note=note)
         failure = failure_of(value) if failure_of is not None else None
         if failure is not None:
@@ -166,6 +168,10 @@ class CallDriver:
             except WouldBlock:
                 await asyncio.to_thread(self._complete, d, result)
         return Outcome(value=value)
+
+    def _unknown(self, d: Execute, exc: BaseException) -> None:
+        self.engine.record_unknown(str(d.effect_id), d.session_id,
+                                   f"{d.tool_name} ({d.effect_id}): {type(exc).__name__}: {exc}")
 
     def _failed_sync(self, d: Execute, error: BaseException | str, rollback: bool, value: Any = None,
                      note: bool = True) -> Outcome:

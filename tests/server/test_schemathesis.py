@@ -21,7 +21,7 @@ ST = Path(sys.executable).with_name("st")
 SEED = "20261130"
 
 
-def test_the_api_passes_every_schemathesis_check(desk: Desk) -> None:
+def test_the_api_passes_every_schemathesis_check(desk: Desk, tmp_path: Path) -> None:
     _, token = desk.add_key("schemathesis", ["admin", "approver", "agent"])
     # Something to find: a pending request, a session with calls, a webhook target.
     desk.pending()
@@ -30,7 +30,7 @@ def test_the_api_passes_every_schemathesis_check(desk: Desk) -> None:
         [str(ST), "--config-file", str(HERE / "schemathesis.toml"), "run", f"{desk.url}/openapi.json",
          "-H", f"Authorization: Bearer {token}", "--checks", "all", "--max-examples", "10", "--seed", SEED,
          "--no-color"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,  # its cache directory goes there
     )
     tail = run.stdout[-6000:]
     print(tail)
