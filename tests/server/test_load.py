@@ -47,10 +47,12 @@ class Tally:
     server_errors: list[str] = field(default_factory=list)
     decisions: list[float] = field(default_factory=list)
     transport_errors: list[str] = field(default_factory=list)
+    answered: set[tuple[str, str]] = field(default_factory=set)
 
     def saw(self, who: str, what: str, resp: httpx.Response) -> httpx.Response:
         with self.lock:
             self.statuses[(who, resp.status_code)] += 1
+            self.answered.add((who, what))
             if resp.status_code >= 500:
                 self.server_errors.append(f"{who} {what} -> {resp.status_code} {resp.text[:200]}")
         return resp
@@ -75,8 +77,6 @@ def _hostile_inputs(agent_sid: str) -> list[tuple[str, str, str, bytes, dict[str
     js = {"Content-Type": "application/json"}
     deep = "[" * 900 + "]" * 900
     return [
-        ("oversized body (2 MiB)", "POST", f"{invoke}/close_account:invoke",
-         json.dumps({"account": "x" * (2 << 20)}).encode(), js),
         ("lone surrogate in arguments", "POST", f"{invoke}/close_account:invoke", b'{"account": "\\ud800"}', js),
         ("lone surrogate in a free-form tool", "POST", f"{invoke}/flaky:invoke", b'{"note": "\\udfff"}', js),
         ("900-deep nesting", "POST", f"{invoke}/flaky:invoke", b'{"x": ' + deep.encode() + b"}", js),
@@ -96,6 +96,8 @@ def _hostile_inputs(agent_sid: str) -> list[tuple[str, str, str, bytes, dict[str
          b'{"account": "a"}', js),
         ("surrogate in a session label", "POST", "/v1/sessions", b'{"agent_id": "\\ud800"}', js),
         ("deep nesting in a session body", "POST", "/v1/sessions", b'{"agent_id": ' + deep.encode() + b"}", js),
+        ("oversized body (2 MiB)", "POST", f"{invoke}/close_account:invoke",
+         json.dumps({"account": "x" * (2 << 20)}).encode(), js),
     ]
 
 
@@ -218,9 +220,13 @@ def _run_load(db: Any, tmp_path: Path, seconds: float) -> None:
                            headers={"Authorization": f"Bearer {agent_token}"})
                 sid = r.json()["session_id"]
                 inputs = [(x, agent_token) for x in _hostile_inputs(sid)] + [(x, admin) for x in _hostile_admin_inputs()]
-                while not stop.is_set():
+                cycles = 0
+                # At least one full cycle, even if the run's time is up first (each request is bounded by the
+                # client's timeout), so every hostile input is tried in every run.
+                while cycles == 0 or not stop.is_set():
+                    cycles += 1
                     for (name, method, path, body, headers), token in inputs:
-                        if stop.is_set():
+                        if stop.is_set() and cycles > 1:
                             break
                         try:
                             r = c.request(method, path, content=body,
@@ -238,7 +244,8 @@ def _run_load(db: Any, tmp_path: Path, seconds: float) -> None:
         workers += [(poller, (approvers[APPROVERS + i],)) for i in range(POLLERS)]
         workers += [(hostile, (agents[AGENTS],))]
         assert len(workers) == CLIENTS
-        if os.environ.get("UNDOLOG_LOAD_NO_HOSTILE"):  # diagnosis only: the load without the hostile client
+        hostile_on = not os.environ.get("UNDOLOG_LOAD_NO_HOSTILE")
+        if not hostile_on:  # diagnosis only: the load without the hostile client
             workers.pop()
 
         def guarded(fn: Callable[..., None], args: tuple[Any, ...]) -> None:
@@ -269,6 +276,9 @@ def _run_load(db: Any, tmp_path: Path, seconds: float) -> None:
             print("5xx:", line)
         assert not [t for t in threads if t.is_alive()], "a client did not stop"
         assert tally.transport_errors == [], tally.transport_errors
+        if hostile_on:
+            tried = {name for (who, name) in tally.answered if who == "hostile"}
+            assert tried >= {x[0] for x in _hostile_inputs("s") + _hostile_admin_inputs()}, tried
         assert tally.server_errors == [], sorted({e.split(" -> ")[0] for e in tally.server_errors})
         assert decisions, "no decision was made"
         assert rss_end - rss_start <= 100 * 1024, (rss_start, rss_end)
