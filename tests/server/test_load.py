@@ -233,6 +233,7 @@ def _run_load(db: Any, tmp_path: Path, seconds: float) -> None:
                                           headers={**headers, "Authorization": f"Bearer {token}"})
                         except httpx.TransportError as exc:  # no answer at all is as bad as a 5xx
                             with tally.lock:
+                                tally.answered.add(("hostile", name))
                                 tally.server_errors.append(f"hostile {name} -> no answer ({type(exc).__name__})")
                             continue
                         tally.saw("hostile", name, r)
