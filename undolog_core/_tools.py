@@ -357,8 +357,14 @@ class ToolSpec:
     revision: int = 0
     is_async: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
-    endpoint: dict[str, Any] | None = None  # where the tool runs (a proxied upstream), part of the contract
     sparse: bool = False  # schema-declared: pass on only the arguments given, never defaults invented as null
+    # Where a tool that UndoLog forwards is bound (an MCP upstream's tool and its annotations, the compensation's
+    # argument template): part of the contract, so a change is a new revision. None for in-process tools, whose
+    # contract (and fingerprint) stays what it was.
+    binding: dict[str, Any] | None = None
+    # The compensation is built from the call's result (an MCP template naming {result.x}): a call whose result
+    # was never seen cannot be undone, so recovery marks it unknown and halts the session for a person.
+    compensation_needs_result: bool = False
 
     def __post_init__(self) -> None:
         self.sparse = hasattr(self.args_model, "__undolog_json_schema__")
@@ -366,7 +372,7 @@ class ToolSpec:
         self._model_validate = self.args_model.__pydantic_validator__.validate_python
 
     def contract(self) -> dict[str, Any]:
-        out = {
+        contract = {
             "name": self.name,
             "tier": self.tier.value,
             "compensation": (
@@ -377,11 +383,9 @@ class ToolSpec:
             "risk_tags": list(self.risk_tags),
             "composite_of": sorted(self.composite_of),
         }
-        # Where a tool runs is part of what was approved (a proxied tool's upstream URL, method and non-secret
-        # headers). Only tools that declare one carry the key, so every other fingerprint stays as it was.
-        if self.endpoint:
-            out["endpoint"] = self.endpoint
-        return out
+        if self.binding is not None:
+            contract["binding"] = self.binding
+        return contract
 
     def compute_fingerprint(self) -> str:
         return sha256_hex(canonical_json(self.contract()))
@@ -423,7 +427,8 @@ def build_spec(
     *,
     name: str | None = None,
     args_schema: Any = None,
-    endpoint: Mapping[str, Any] | None = None,
+    binding: Mapping[str, Any] | None = None,
+    compensation_needs_result: bool = False,
 ) -> ToolSpec:
     tool_name = name or decl.name or (tool_name_of(fn) if fn is not None else None)
     if not tool_name:
@@ -447,7 +452,8 @@ def build_spec(
         probe=decl.probe,
         json_schema=json_schema_of(model),
         is_async=is_async,
-        endpoint=dict(endpoint) if endpoint else None,
+        binding=dict(binding) if binding is not None else None,
+        compensation_needs_result=compensation_needs_result,
     )
     spec.fingerprint = spec.compute_fingerprint()
     return spec

@@ -70,8 +70,12 @@ def test_an_agent_key_cannot_pick_a_session_id_an_embedded_app_will_use(desk: De
 def test_an_upstream_timeout_on_an_approved_irreversible_call_is_unknown_and_halts(
     db: Any, upstream: Upstream, tmp_path: Path
 ) -> None:
-    d = _proxy_desk(db, upstream, tmp_path, upstream.config().replace("timeout = 5", "timeout = 0.5"))
+    # No probe: nothing can tell whether the upstream acted.
+    config = upstream.config().replace("timeout = 5", "timeout = 0.5").replace(
+        f'probe_url = "{upstream.url}/close/status"\n', "")
+    d = _proxy_desk(db, upstream, tmp_path, config)
     try:
+        assert d.undolog.tool_spec("close_account").probe is None
         sid = d.client("agent").post("/v1/sessions", json={"agent_id": "a"}).json()["session_id"]
         url = f"/v1/sessions/{sid}/tools/close_account:invoke"
         first = d.client("agent").post(url, json={"account": "acme"}, headers={"Idempotency-Key": "close-1"})
@@ -92,6 +96,34 @@ def test_an_upstream_timeout_on_an_approved_irreversible_call_is_unknown_and_hal
         # Re-issuing never re-sends it blindly.
         problem(d.client("agent").post(url, json={"account": "acme"}, headers={"Idempotency-Key": "close-1"}), 409)
         assert len(upstream.to("/close")) == 1
+    finally:
+        d.close()
+        d.undolog.close()
+
+
+def test_with_a_probe_a_lost_answer_is_settled_by_asking_the_upstream(
+    db: Any, upstream: Upstream, tmp_path: Path
+) -> None:
+    d = _proxy_desk(db, upstream, tmp_path, upstream.config().replace("timeout = 5", "timeout = 0.5"))
+    try:
+        sid = d.client("agent").post("/v1/sessions", json={"agent_id": "a"}).json()["session_id"]
+        url = f"/v1/sessions/{sid}/tools/close_account:invoke"
+        for account in ("done", "not-yet"):  # the fake probe says "done" happened, anything else did not
+            first = d.client("agent").post(url, json={"account": account}, headers={"Idempotency-Key": account})
+            rid = first.json()["approval_request_id"]
+            assert d.client("approver").post(f"/v1/approvals/{rid}:approve").status_code == 200
+        upstream.delay["/close"] = 1.5
+        happened = d.client("agent").post(url, json={"account": "done"}, headers={"Idempotency-Key": "done"})
+        assert happened.status_code == 200 and happened.json() == {"closed": True}, happened.text
+        assert happened.headers["UndoLog-Replayed"] == "true"
+        not_yet = d.client("agent").post(url, json={"account": "not-yet"}, headers={"Idempotency-Key": "not-yet"})
+        problem(not_yet, 504, "upstream_timeout")
+        assert d.client("admin").get(f"/v1/sessions/{sid}").json()["state"] != "halted"
+        # The probe said it did not happen: the approval stands and the retry runs it once.
+        upstream.delay.pop("/close")
+        again = d.client("agent").post(url, json={"account": "not-yet"}, headers={"Idempotency-Key": "not-yet"})
+        assert again.status_code == 200, again.text
+        assert [b["account"] for b, _ in upstream.to("/close")] == ["done", "not-yet", "not-yet"]
     finally:
         d.close()
         d.undolog.close()
@@ -124,8 +156,8 @@ def test_the_upstream_url_method_and_plain_headers_are_in_the_contract(
         r = d.client("agent").post(f"/v1/sessions/{sid}/tools/close_account:invoke", json={"account": "acme"})
         rid = r.json()["approval_request_id"]
         spec = d.undolog.tool_spec("close_account")
-        assert spec.contract()["endpoint"]["url"] == f"{upstream.url}/close"
-        assert spec.contract()["endpoint"]["headers"] == {"x-tenant": "acme"}
+        assert spec.contract()["binding"]["proxy"]["url"] == f"{upstream.url}/close"
+        assert spec.contract()["binding"]["proxy"]["headers"] == {"x-tenant": "acme"}
         assert "Bearer one" not in str(spec.contract())
 
         def revision_after(config: str) -> tuple[int, str]:
