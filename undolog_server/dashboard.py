@@ -184,7 +184,11 @@ async def login(request: Request) -> Response:
         return _render(request, "login.html", {"error": "The dashboard is for approvers and admins; agent keys use the API."}, 403)
     resp = RedirectResponse("/ui/", status_code=303)
     secure = _secure(st, request)
-    # A new login session every time: a cookie planted before login (session fixation) is never promoted.
+    # A new login session every time: a cookie planted before login (session fixation) is never promoted, and the
+    # browser's previous login, if any, ends here rather than living on beside the new one.
+    previous = st.store.dashboard_session(request.cookies.get(SESSION_COOKIE) or "")
+    if previous is not None:
+        st.store.end_dashboard_session(previous[1])
     token, _ = st.store.create_dashboard_session(key.key_id, st.settings.cookie_max_age)
     resp.set_cookie(SESSION_COOKIE, token, max_age=st.settings.cookie_max_age,
                     httponly=True, samesite="strict", secure=secure, path="/")

@@ -282,9 +282,17 @@ def test_logout_revokes_the_session_so_a_copied_cookie_stops_working(desk: Desk)
     # The copy (another tab, a stolen cookie) is logged out too: the session is gone server-side.
     assert copy.get("/ui/").status_code == 303 and copy.get("/ui/").headers["location"] == "/ui/login"
     assert copy.get("/ui/queue/rows").status_code == 401
-    # A fresh login is a new session with a new cookie.
+    # A fresh login is a new session with a new cookie; logging in again in the same browser ends the previous one.
     again = _login(desk, "approver")
-    assert again.cookies.get("undolog_session") != cookie
+    first = again.cookies.get("undolog_session")
+    assert first != cookie
+    stale = httpx.Client(base_url=desk.url, follow_redirects=False, cookies={"undolog_session": first})
+    assert stale.get("/ui/").status_code == 200
+    page = again.get("/ui/login")
+    assert again.post("/ui/login", data={"api_key": desk.token("approver"), "csrf_token": _csrf(page.text)}
+                      ).status_code == 303
+    assert again.cookies.get("undolog_session") != first and again.get("/ui/").status_code == 200
+    assert stale.get("/ui/").status_code == 303
 
 
 def test_docs_are_off_by_default_and_carry_the_dashboards_headers_when_on(db: Any) -> None:
