@@ -58,6 +58,10 @@ class PolicyReader(Protocol):
 class ApprovalExpirer(Protocol):
     def expire(self, ids: list[str]) -> Any: ...
 
+    def lapse(self, ids: list[str]) -> Any: ...
+
+    def lapsed(self, decided_at: Any) -> bool: ...
+
 
 @dataclass(frozen=True)
 class FailureRecord:
@@ -308,6 +312,19 @@ class Engine:
         if row is None:
             raise SessionNotFound(session_id)
         return self.remember(row)
+
+    def session_states(self, session_ids: list[str], *, wait: bool = True) -> dict[str, tuple[str, str | None]]:
+        """``{session_id: (state, halted_reason)}`` of those that exist, read in one statement on the hot path's
+        pool (an adapter's check at the start of an agent turn). A read only: the session cache is left alone (a
+        state changed in this process meanwhile must not be overwritten by this older read).
+
+        ``wait=False`` raises ``WouldBlock`` instead of waiting for a connection (an event loop).
+
+        Example:
+            >>> undolog.engine.session_states(["ticket-1", "ticket-1#2"])
+            {'ticket-1': ('active', None)}
+        """
+        return self.hot.session_states(session_ids, wait=wait)
 
     def flush_counts(self, session_id: str | None = None) -> None:
         """Write the in-memory SAFE call counters (on session exit and close), and any deferred marks."""
@@ -622,6 +639,15 @@ class Engine:
         existing = self.store.find_irreversible(session_id, spec.name, call_id, digest)
         if existing is None and call_id is not None and match_digest:
             existing = self.store.find_irreversible(session_id, spec.name, None, digest)
+        if existing is not None and existing.state == EffectState.APPROVED and self._approvals.lapsed(
+            existing.decided_at
+        ):
+            # Approved too long ago (approved_ttl_seconds) and never re-issued: the approval lapses (its effect gives
+            # the call_id up) and the agent must ask again, so this call raises a new request.
+            self._approvals.lapse([existing.approval_request_id])
+            existing = self.store.find_irreversible(session_id, spec.name, call_id, digest)
+            if existing is None and call_id is not None and match_digest:
+                existing = self.store.find_irreversible(session_id, spec.name, None, digest)
         if existing is not None:
             return self._resume_irreversible(sc, spec, existing, digest)
         return self._request_approval(sc, spec, args_json, digest, action_digest, call_id, pin)
