@@ -7,7 +7,8 @@ import datetime as dt
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._tools import build_args_model, canonical_json, sha256_hex
+from ._json import check_identity, clean_text, input_problem
+from ._tools import build_args_model, canonical_json, check_json_schema, sha256_hex
 from .errors import ApprovalAlreadyDecided, ApprovalNotFound, ArgumentsInvalid, UndoLogError
 from .storage.base import utcnow
 from .storage.records import ApprovalEvent, ApprovalRecord, RequestState, StateChange
@@ -128,7 +129,13 @@ class ApprovalService:
         """Approve with edited arguments, validated against the tool's schema (a bad edit names the field)."""
         if not isinstance(args, Mapping):
             raise ArgumentsInvalid("<unknown>", [{"loc": [], "msg": "edited arguments must be a JSON object"}])
+        problem = input_problem(args)  # too deep, or not valid Unicode: refused, the request stays pending
+        if problem is not None:
+            raise ArgumentsInvalid(self._tool_of(approval_request_id), [problem])
         return self._decide(approval_request_id, approver, "modify", reason=reason, args=dict(args))
+
+    def _tool_of(self, approval_request_id: str) -> str:
+        return self._get(approval_request_id).tool_name
 
     def reject(self, approval_request_id: str, *, approver: str, reason: str) -> ApprovalRecord:
         """Reject: the call never runs, the session halts and its other pending requests are cancelled."""
@@ -144,6 +151,7 @@ class ApprovalService:
         if stored is None:
             raise UndoLogError(f"the contract of {rec.tool_name!r} revision {rec.tool_revision} is not in the registry")
         model = build_args_model(rec.tool_name, None, stored)
+        check_json_schema(rec.tool_name, stored, args)  # the full JSON Schema, as the loaded tool would check
         try:
             return dict(model.model_validate(args).model_dump(mode="json", exclude_unset=True))
         except Exception as exc:
@@ -166,8 +174,11 @@ class ApprovalService:
     ) -> ApprovalRecord:
         if not approver or not str(approver).strip():
             raise UndoLogError("a decision needs the approver's identity (approver=...)")
+        check_identity("approver", approver)  # the one length rule: the same refusal on both databases
         if action == "reject" and not (reason and reason.strip()):
             raise UndoLogError("a rejection needs a reason")
+        if reason is not None:
+            reason = clean_text(reason)
         # Expire first, so a decision that arrives after the deadline is refused, not silently applied.
         rec = self.get(approval_request_id)
         if rec.state is not RequestState.PENDING:

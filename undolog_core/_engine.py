@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._faults import FaultPoint, fault
+from ._json import MAX_ID_LENGTH, args_problem, check_identity, clean_text, encodes, result_text
 from ._leases import LazyLoop, Leases, owner_alive
 from ._tools import (
     ToolSpec,
@@ -22,13 +23,13 @@ from ._tools import (
     canonical_text,
     json_safe,
     jsonable,
-    result_text,
     sha256_hex,
 )
 from .errors import (
     ApprovalCancelled,
     ApprovalRejected,
     ApprovalTimedOut,
+    ArgumentsInvalid,
     CallIdConflict,
     ContractChanged,
     DatabaseUnavailable,
@@ -183,12 +184,10 @@ class SessionCache:
             self.carried = itertools.count(self.take_carried() + carried)
 
 
-MAX_ID_LENGTH = 200
-
-
 def check_id(what: str, value: Any) -> None:
     """Ids are non-empty strings that fit their columns, checked before any I/O on both databases alike."""
-    if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH or value != value.strip():
+    if (not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH or value != value.strip()
+            or "\x00" in value or not (value.isascii() or encodes(value))):
         raise InvalidId(what, value, MAX_ID_LENGTH)
 
 
@@ -295,6 +294,10 @@ class Engine:
         if sc is not None and sc.persisted:
             return sc
         check_id("session_id", session_id)
+        if agent_id is not None:
+            check_identity("agent_id", agent_id)
+        if created_by is not None:
+            check_identity("created_by", created_by)
         now = utcnow()
         row = self.store.get_or_create_session(session_id, create=create, values={
             "agent_id": agent_id, "state": SessionState.ACTIVE.value, "tool_calls_total": 0,
@@ -387,6 +390,9 @@ class Engine:
         except ValueError:  # a NaN or an infinity: stored as a string, the same on both databases
             args_json = json_safe(args_json)
             args_text = canonical_text(args_json)
+        problem = args_problem(args_json, args_text)  # too deep, or not valid Unicode: refused before any write
+        if problem is not None:
+            raise ArgumentsInvalid(spec.name, [problem])
         if spec.tier is COMPENSABLE:
             return self.intercept_compensable(session_id, spec, values, args_json, call_id, args_text, wait)
         if not wait:
@@ -804,7 +810,8 @@ class Engine:
 
     def record_failure(self, effect_id: str, error: BaseException | str) -> FailureRecord:
         """Record failure only; returns the session and its on_failure policy for the caller (the driver)."""
-        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        # The error is stored as text: a lone surrogate or a NUL in it must not lose the failure.
+        text = clean_text(error if isinstance(error, str) else f"{type(error).__name__}: {error}")
         self.flush_marks()
         try:
             state, row = self.store.mark_failed(effect_id, text, utcnow())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._json import check_identity
 from .errors import PolicyInvalid
 from .storage.base import utcnow
 from .storage.records import OrgPolicy
@@ -42,6 +43,7 @@ class PolicyService:
             )
         if not actor:
             raise PolicyInvalid("a policy change needs an actor")
+        check_identity("actor", actor)
         clean: dict[str, Any] = {}
         for k, v in changes.items():
             if v is None:

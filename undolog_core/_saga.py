@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._faults import FaultPoint, fault
+from ._json import check_identity, clean_text
 from ._leases import Leases, owner_alive
 from ._tools import jsonable
 from .errors import (
@@ -277,6 +278,7 @@ class Saga:
         progress: Callable[[int, int, RollbackStep], None] | None = None,
         only_effect: str | None = None,
     ) -> RollbackReport:
+        check_identity("actor", actor)
         lock = self._lock_for(session_id)
         with lock:
             walk = _Walk(self, session_id, actor, reason, progress, only_effect)
@@ -312,6 +314,7 @@ class Saga:
         progress: Callable[[int, int, RollbackStep], None] | None = None,
     ) -> RollbackReport:
         """The async twin of :meth:`rollback_sync`: the same walk, awaiting async compensations on this loop."""
+        check_identity("actor", actor)
         lock = self._lock_for(session_id)
         # A task must not block its event loop on a thread lock: poll for it instead.
         while not lock.acquire(blocking=False):
@@ -410,7 +413,7 @@ class _Walk:
         return self.saga._ctx(self.session_id, entry, self.attempt)
 
     def attempt_failed(self, entry: _Entry, exc: Exception) -> str:
-        error = f"{type(exc).__name__}: {exc}"
+        error = clean_text(f"{type(exc).__name__}: {exc}")  # stored as text: never a surrogate or a NUL
         self.saga._attempted(entry, error)
         return error
 
