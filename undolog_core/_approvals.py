@@ -7,9 +7,9 @@ import datetime as dt
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._json import check_identity, clean_text, input_problem
 from ._tools import build_args_model, canonical_json, check_json_schema, sha256_hex
 from .errors import ApprovalAlreadyDecided, ApprovalNotFound, ArgumentsInvalid, UndoLogError
+from .limits import check_identity, clean_text, input_problem
 from .storage.base import utcnow
 from .storage.records import ApprovalEvent, ApprovalRecord, RequestState, StateChange
 

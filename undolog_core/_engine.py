@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._faults import FaultPoint, fault
-from ._json import MAX_ID_LENGTH, args_problem, check_identity, clean_text, encodes, result_text
 from ._leases import LazyLoop, Leases, owner_alive
 from ._tools import (
     ToolSpec,
@@ -42,6 +41,7 @@ from .errors import (
     SessionNotFound,
     ToolNotRegistered,
 )
+from .limits import MAX_ID_LENGTH, args_problem, check_identity, clean_text, encodes, result_text
 from .storage.base import FAST_POOL_SIZE, from_epoch, new_id, utcnow
 from .storage.pool import IntegrityConflict, WouldBlock
 from .storage.schema import IN_FLIGHT, EffectState, RequestState, SessionState

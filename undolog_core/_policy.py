@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._json import check_identity
 from .errors import PolicyInvalid
+from .limits import check_identity
 from .storage.base import utcnow
 from .storage.records import OrgPolicy
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._faults import FaultPoint, fault
-from ._json import check_identity, clean_text
 from ._leases import Leases, owner_alive
 from ._tools import jsonable
 from .errors import (
@@ -22,6 +21,7 @@ from .errors import (
     InvalidSessionState,
     SessionNotFound,
 )
+from .limits import check_identity, clean_text
 from .storage.base import utcnow
 from .storage.schema import IN_FLIGHT, EffectState, SessionState, UndoState
 

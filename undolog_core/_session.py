@@ -8,10 +8,10 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._engine import SessionCache
-from ._json import check_identity, clean_text
 from ._saga import RollbackReport
 from ._tools import ToolTier
 from .errors import ApprovalPending, InvalidSessionState, SessionNotFound
+from .limits import check_identity, clean_text
 from .storage.base import utcnow
 from .storage.records import SessionRecord, SessionState, StateChange
 

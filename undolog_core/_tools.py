@@ -16,8 +16,8 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, create_model
 from pydantic_core import to_json, to_jsonable_python
 
-from ._json import bad_string, depth_error, surrogate_error, too_deep
 from .errors import ArgumentsInvalid, InvalidDeclaration
+from .limits import bad_string, depth_error, surrogate_error, too_deep
 
 F = TypeVar("F", bound=Callable[..., Any])
 

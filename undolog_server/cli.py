@@ -62,6 +62,11 @@ def serve(
     secure_cookies: Annotated[
         bool | None, typer.Option("--secure-cookies/--no-secure-cookies", help="Force the cookie Secure flag.")
     ] = None,
+    max_body_bytes: Annotated[
+        int,
+        typer.Option("--max-body-bytes", envvar="UNDOLOG_MAX_BODY_BYTES", min=1,
+                     help="Largest request body accepted, in bytes (larger: 413)."),
+    ] = 1 << 20,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Run the approval desk: REST API, dashboard, webhooks, tool proxy and the sweeper."""
@@ -79,6 +84,7 @@ def serve(
         recover_interval=recover_interval,
         webhook_backoff_base=webhook_backoff,
         secure_cookies=secure_cookies,
+        max_body_bytes=max_body_bytes,
     )
     application = create_app(
         undolog, app_spec=None if from_app else app, proxy_config=proxy_config, settings=settings

@@ -7,6 +7,7 @@ never disagree.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -95,6 +96,15 @@ _TITLES = {
 }
 
 
+class SafeJSONResponse(JSONResponse):
+    """``JSONResponse`` that never fails on a lone surrogate (an old row, a stored upstream body): it is written as
+    its JSON escape (``\\ud800``), so the answer is still valid JSON instead of a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode(
+            "utf-8", "backslashreplace")
+
+
 class Problem(Exception):
     """An error to be rendered as problem+json.
 
@@ -148,7 +158,7 @@ def problem_response(
 ) -> JSONResponse:
     """Render a problem as a JSON response with the problem media type."""
     instance = request.url.path if request is not None else None
-    return JSONResponse(
+    return SafeJSONResponse(
         problem_body(status, code, detail, instance, **extra),
         status_code=status,
         media_type=PROBLEM_MEDIA_TYPE,

@@ -31,6 +31,8 @@ class ServerSettings:
         cookie_max_age: Dashboard login lifetime in seconds.
         secure_cookies: Force the cookie ``Secure`` flag; None sets it on HTTPS requests only.
         poll_seconds: Dashboard queue refresh period.
+        max_body_bytes: The largest request body accepted (bytes); a larger one is answered 413 before it is
+            buffered.
     """
 
     background: bool = True
@@ -45,6 +47,7 @@ class ServerSettings:
     cookie_max_age: int = 12 * 3600
     secure_cookies: bool | None = None
     poll_seconds: float = 3.0
+    max_body_bytes: int = 1 << 20
 
 
 @dataclass
