@@ -20,6 +20,7 @@ from ._engine import SAFE, AwaitingApproval, Completed, Decision, Engine, Execut
 from ._saga import RollbackReport, Saga, run_coro_blocking
 from ._tools import ToolSpec
 from .errors import ApprovalPending
+from .limits import clean_text
 from .storage.pool import WouldBlock
 
 ControlFlow = tuple[type[BaseException], ...]
@@ -244,7 +245,7 @@ class CallDriver:
     @staticmethod
     def _why(d: Execute, error: BaseException | str) -> str:
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        return f"{d.tool_name} failed: {text}"
+        return clean_text(f"{d.tool_name} failed: {text}")  # stored as the rollback's reason
 
     def _rollback_sync(self, session_id: str, exc: BaseException | None, reason: str) -> RollbackReport | None:
         try:
@@ -284,7 +285,7 @@ class CallDriver:
             return None
         session_id = failure.session_id
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        why = f"effect {effect_id} failed: {text}"
+        why = clean_text(f"effect {effect_id} failed: {text}")
         try:
             return self.saga.rollback_sync(session_id, reason=why)
         except Exception as exc:
