@@ -61,11 +61,14 @@ class ApprovalService:
         risk_tag: str | None = None,
         limit: int = 500,
         offset: int = 0,
+        brief: bool = False,
     ) -> builtins.list[ApprovalRecord]:
         """Requests newest first, without expiring any (a read only; :meth:`pending` expires first).
 
         ``offset`` skips that many of the matching requests (paging). The risk tag filter runs in Python
         (the tags are a JSON list, queried differently by the two databases), after the page is read.
+        ``brief=True`` reads the arguments and the agent context as previews (``{"undolog_truncated": ...}`` when
+        longer than ``limits.PREVIEW_CHARS``), for listings that poll.
 
         Example:
             >>> undolog.approvals.list(state="pending", tool_name="delete_user_account", limit=50, offset=50)
@@ -77,7 +80,7 @@ class ApprovalService:
                 raise UndoLogError(f"unknown approval state {state!r}; known: {', '.join(known)}")
             wanted = RequestState(state)
         rows = self._storage.list_requests(state=wanted, session_id=session_id, tool_name=tool_name, limit=limit,
-                                           offset=offset)
+                                           offset=offset, brief=brief)
         if risk_tag:
             rows = [x for x in rows if risk_tag in x.risk_tags]
         return rows

@@ -272,6 +272,8 @@ def preview(value: Any, limit: int = PREVIEW_CHARS) -> Any:
     """
     if value is None or isinstance(value, (bool, int, float)):
         return value
+    if isinstance(value, dict) and TRUNCATED in value and len(value) == 1:
+        return value  # already a preview (read as one from the database)
     try:
         text = _dump(value)
     except (ValueError, TypeError, RecursionError):

@@ -8,6 +8,7 @@ never disagree.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -198,16 +199,27 @@ def _jsonable(v: Any) -> Any:
         return str(v)
 
 
+def log_5xx(request: Request | None, exc: BaseException) -> None:
+    """Every 5xx answer is logged under ``undolog.server`` with the traceback of what caused it."""
+    where = f"{request.method} {request.url.path}" if request is not None else "a request"
+    logging.getLogger("undolog.server").error("%s answered %s: %s", where, type(exc).__name__, exc, exc_info=exc)
+
+
 def install_handlers(app: FastAPI) -> None:
     """Register exception handlers so no error escapes as HTML or a bare 500 body."""
 
     @app.exception_handler(Problem)
     async def _problem(request: Request, exc: Problem) -> JSONResponse:
+        if exc.status >= 500:
+            log_5xx(request, exc)
         return problem_response(request, exc.status, exc.code, exc.detail, exc.headers or None, **exc.extra)
 
     @app.exception_handler(UndoLogError)
     async def _core(request: Request, exc: UndoLogError) -> JSONResponse:
-        return from_undolog_error(request, exc)
+        response = from_undolog_error(request, exc)
+        if response.status_code >= 500:
+            log_5xx(request, exc)
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -226,7 +238,5 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        import logging
-
-        logging.getLogger("undolog.server").exception("unhandled error on %s %s", request.method, request.url.path)
+        log_5xx(request, exc)
         return problem_response(request, 500, "internal_error", "the server failed to handle this request")

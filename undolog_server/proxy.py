@@ -38,7 +38,7 @@ from fastapi.responses import Response
 from undolog_core import errors, limits
 
 from .auth import AuthFirstRoute, require, server_state
-from .problems import Problem, SafeJSONResponse, problem_response
+from .problems import Problem, SafeJSONResponse, log_5xx, problem_response
 from .storage import ApiKey
 
 TIERS = ("safe", "compensable", "irreversible")
@@ -342,6 +342,7 @@ def invoke(
     extra: dict[str, Any] = {"upstream_status": getattr(exc, "status_code", None)}
     if outcome.rollback is not None:
         extra["rollback"] = rollback_out(session_id, outcome.rollback).model_dump(mode="json")
+    log_5xx(request, exc)
     return problem_response(request, 502, "upstream_error", str(exc), **extra)
 
 
