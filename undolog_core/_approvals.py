@@ -154,9 +154,11 @@ class ApprovalService:
         if stored is None:
             raise UndoLogError(f"the contract of {rec.tool_name!r} revision {rec.tool_revision} is not in the registry")
         model = build_args_model(rec.tool_name, None, stored)
-        check_json_schema(rec.tool_name, stored, args)  # the full JSON Schema, as the loaded tool would check
         try:
-            return dict(model.model_validate(args).model_dump(mode="json", exclude_unset=True))
+            edited = dict(model.model_validate(args).model_dump(mode="json", exclude_unset=True))
+            # Then the full JSON Schema (enum, bounds, patterns, nested objects...), on the values to be stored.
+            check_json_schema(rec.tool_name, stored, edited)
+            return edited
         except Exception as exc:
             import pydantic
 
