@@ -41,6 +41,25 @@ def _counted_depth_may_exceed(text: str, limit: int) -> bool:
     return len(text) > 2 * limit and text.count("{") + text.count("[") > limit
 
 
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _is_container(v: Any) -> bool:
+    t = type(v)
+    if t is dict or t is list or t is tuple:
+        return True
+    return t not in _PLAIN and isinstance(v, (Mapping, list, tuple))
+
+
+def _path(node: Any) -> list[Any]:
+    out: list[Any] = []
+    while node is not None:
+        key, node = node
+        out.append(key)
+    out.reverse()
+    return out
+
+
 def too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> list[Any] | None:
     """The path to the first container nested deeper than ``limit`` (iteratively: any depth is safe), or None.
 
@@ -48,20 +67,22 @@ def too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> list[Any] | None:
         >>> too_deep({"a": {"b": [1]}}, limit=2)
         ['a', 'b']
     """
-    stack: list[tuple[Any, int, list[Any]]] = [(value, 1, [])]
+    # Paths are linked (key, parent) pairs, made into a list only for the answer: the walk allocates little.
+    stack: list[tuple[Any, int, Any]] = [(value, 1, None)]
     while stack:
-        v, depth, path = stack.pop()
-        if isinstance(v, Mapping):
+        v, depth, node = stack.pop()
+        if type(v) is dict or isinstance(v, Mapping):
             items: Any = v.items()
         elif isinstance(v, (list, tuple)):
             items = enumerate(v)
         else:
             continue
         if depth > limit:
-            return path
+            return _path(node)
+        below = depth + 1
         for k, child in items:
-            if isinstance(child, (Mapping, list, tuple)):
-                stack.append((child, depth + 1, [*path, k]))
+            if _is_container(child):
+                stack.append((child, below, (k, node)))
     return None
 
 
@@ -177,9 +198,9 @@ def input_problem(value: Any) -> dict[str, Any] | None:
 def result_text(result: Any) -> str:
     """A result's JSON text as stored (NaN and infinities as strings), never failing: the tool has already run.
 
-    Fast path: one Rust pass (``to_json``) and a length check. A result that will not encode (a lone surrogate, a
-    cycle, nesting past the serialiser's limit), is nested deeper than :data:`MAX_JSON_DEPTH` or is larger than
-    :data:`MAX_RESULT_BYTES` is made safe by :func:`safe_result` instead.
+    Fast path: one Rust pass (``to_json``) and a length check, nothing more. A result that will not encode (a lone
+    surrogate, a cycle, nesting past the encoder's own limit of 255 levels) or is larger than :data:`MAX_RESULT_BYTES`
+    is made safe by :func:`safe_result` instead (nesting capped at :data:`MAX_JSON_DEPTH`).
 
     Example:
         >>> result_text({"id": 7})
@@ -191,10 +212,9 @@ def result_text(result: Any) -> str:
         return _dump(safe_result(result))
     if len(raw) > MAX_RESULT_BYTES:
         return _dump(safe_result(result))
-    text = raw.decode()
-    if _counted_depth_may_exceed(text, MAX_JSON_DEPTH):
-        return _dump(safe_result(result))
-    return text
+    # Nesting the encoder took (it refuses 255 levels and more) is stored as is: checking every wide result for depth
+    # would cost the hot path a walk. Listings cap it at MAX_JSON_DEPTH when they show it (see `preview`).
+    return raw.decode()
 
 
 def _dump(value: Any) -> str:
@@ -264,7 +284,7 @@ class _Safe:
 
 def preview(value: Any, limit: int = PREVIEW_CHARS) -> Any:
     """``value`` itself when its JSON text is at most ``limit`` characters, else a marked preview of that text (for
-    listings, which must never return unbounded blobs).
+    listings, which must never return unbounded blobs); nesting past :data:`MAX_JSON_DEPTH` is shown capped.
 
     Example:
         >>> preview({"blob": "x" * 5000}, limit=20)["undolog_truncated"]["chars"]
@@ -277,7 +297,11 @@ def preview(value: Any, limit: int = PREVIEW_CHARS) -> Any:
     try:
         text = _dump(value)
     except (ValueError, TypeError, RecursionError):
-        text = _dump(safe_result(value))
+        value = safe_result(value)
+        text = _dump(value)
+    if _counted_depth_may_exceed(text, MAX_JSON_DEPTH) and too_deep(value) is not None:
+        value = safe_result(value)  # shown capped at MAX_JSON_DEPTH, so an answer never nests past its encoder
+        text = _dump(value)
     if len(text) <= limit:
         return value
     return {TRUNCATED: {"reason": "preview", "chars": len(text), "preview": text[:limit]}}
