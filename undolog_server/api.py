@@ -40,6 +40,15 @@ def _id() -> Any:
     return Path(min_length=1, max_length=MAX_ID_LENGTH)
 
 
+def _LIMIT() -> Any:  # noqa: N802 - reads like the Query(...) it stands for
+    """A page size for a listing: every list endpoint is paged, never unbounded."""
+    return Query(100, ge=1, le=1000)
+
+
+def _OFFSET() -> Any:  # noqa: N802
+    return Query(0, ge=0, le=1_000_000)
+
+
 # ---------------------------------------------------------------------------------------- models
 
 
@@ -778,8 +787,9 @@ def _tools(st: ServerState, name: str | None = None) -> list[ToolOut]:
 
 
 @router.get("/tools", response_model=list[ToolOut], tags=["tools"], summary="Tool registry with revisions")
-def list_tools(request: Request, key: ApiKey = Depends(ANY)) -> list[ToolOut]:
-    return _tools(_st(request))
+def list_tools(request: Request, limit: int = _LIMIT(), offset: int = _OFFSET(),
+               key: ApiKey = Depends(ANY)) -> list[ToolOut]:
+    return _tools(_st(request))[offset: offset + limit]
 
 
 @router.get("/tools/{tool_name}", response_model=ToolOut, tags=["tools"], summary="One tool and its revisions")
@@ -801,8 +811,9 @@ def audit_verify(request: Request, key: ApiKey = Depends(APPROVER)) -> AuditOut:
 
 
 @router.get("/keys", response_model=list[KeyOut], tags=["admin"], summary="List API keys (never their secrets)")
-def list_keys(request: Request, key: ApiKey = Depends(ADMIN)) -> list[KeyOut]:
-    return [KeyOut.model_validate(_key_out(k)) for k in _st(request).store.list_keys()]
+def list_keys(request: Request, limit: int = _LIMIT(), offset: int = _OFFSET(),
+              key: ApiKey = Depends(ADMIN)) -> list[KeyOut]:
+    return [KeyOut.model_validate(_key_out(k)) for k in _st(request).store.list_keys()[offset: offset + limit]]
 
 
 @router.post("/keys", response_model=KeyCreated, status_code=201, tags=["admin"], summary="Create an API key")
@@ -819,9 +830,10 @@ def revoke_key(request: Request, key_id: str = _id(), key: ApiKey = Depends(ADMI
 
 
 @router.get("/approver-groups", response_model=list[GroupOut], tags=["admin"], summary="List approver groups")
-def list_groups(request: Request, key: ApiKey = Depends(ADMIN)) -> list[GroupOut]:
+def list_groups(request: Request, limit: int = _LIMIT(), offset: int = _OFFSET(),
+                key: ApiKey = Depends(ADMIN)) -> list[GroupOut]:
     return [GroupOut(name=g.name, tools=list(g.tools), risk_tags=list(g.risk_tags), description=g.description)
-            for g in _st(request).store.groups()]
+            for g in _st(request).store.groups()[offset: offset + limit]]
 
 
 @router.put("/approver-groups/{name}", response_model=GroupOut, tags=["admin"], summary="Create or replace a group")
@@ -840,8 +852,9 @@ def delete_group(request: Request, name: str = Path(min_length=1, max_length=100
 
 
 @router.get("/webhooks", response_model=list[WebhookOut], tags=["admin"], summary="List webhook targets")
-def list_webhooks(request: Request, key: ApiKey = Depends(ADMIN)) -> list[WebhookOut]:
-    return [WebhookOut.model_validate(dataclasses.asdict(t)) for t in _st(request).store.targets()]
+def list_webhooks(request: Request, limit: int = _LIMIT(), offset: int = _OFFSET(),
+                  key: ApiKey = Depends(ADMIN)) -> list[WebhookOut]:
+    return [WebhookOut.model_validate(dataclasses.asdict(t)) for t in _st(request).store.targets()[offset: offset + limit]]
 
 
 @router.post("/webhooks", response_model=WebhookCreated, status_code=201, tags=["admin"], summary="Add a webhook target")
@@ -875,8 +888,9 @@ def webhook_deliveries(
 @router.get(
     "/notification-policies", response_model=list[PolicyOut], tags=["admin"], summary="List notification policies"
 )
-def list_policies(request: Request, key: ApiKey = Depends(ADMIN)) -> list[PolicyOut]:
-    return [PolicyOut.model_validate(dataclasses.asdict(p)) for p in _st(request).store.policies()]
+def list_policies(request: Request, limit: int = _LIMIT(), offset: int = _OFFSET(),
+                  key: ApiKey = Depends(ADMIN)) -> list[PolicyOut]:
+    return [PolicyOut.model_validate(dataclasses.asdict(p)) for p in _st(request).store.policies()[offset: offset + limit]]
 
 
 @router.put(

@@ -395,3 +395,13 @@ def test_identities_at_the_limit_work_and_longer_ones_are_4xx(desk: Desk) -> Non
     body = problem(desk.client("agent").post("/v1/sessions", json={"agent_id": "a" * (limits.MAX_ID_LENGTH + 1)}),
                    422, "validation_failed")
     assert body["errors"][0]["field"] == "body.agent_id"
+
+
+def test_every_listing_is_paged(desk: Desk) -> None:
+    admin = desk.client("admin")
+    for i in range(3):
+        assert admin.put(f"/v1/approver-groups/g{i}", json={"tools": [f"t{i}"]}).status_code == 200
+    assert [g["name"] for g in admin.get("/v1/approver-groups", params={"limit": 2, "offset": 1}).json()] == ["g1", "g2"]
+    assert len(admin.get("/v1/keys", params={"limit": 2}).json()) == 2
+    for path in ("/v1/keys", "/v1/approver-groups", "/v1/webhooks", "/v1/notification-policies", "/v1/tools"):
+        problem(admin.get(path, params={"limit": 5000}), 422, "validation_failed")
