@@ -107,6 +107,9 @@ class ApprovalService:
         """
         spec = self._registry.tools.get(tool_name)
         values = spec.snapshot(spec.validate(args)) if spec else dict(args)
+        problem = input_problem(values)  # no request was raised for such arguments: say why, not a digest error
+        if problem is not None:
+            raise ArgumentsInvalid(tool_name, [problem])
         digest = sha256_hex(canonical_json(values))
         for rec in self.list(session_id=session_id, tool_name=tool_name, limit=200):
             if sha256_hex(canonical_json(rec.proposed_args)) == digest:

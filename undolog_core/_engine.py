@@ -21,7 +21,6 @@ from ._tools import (
     canonical_json,
     canonical_text,
     json_safe,
-    jsonable,
     sha256_hex,
 )
 from .errors import (
@@ -41,7 +40,7 @@ from .errors import (
     SessionNotFound,
     ToolNotRegistered,
 )
-from .limits import MAX_ID_LENGTH, args_problem, check_identity, clean_text, encodes, result_text
+from .limits import MAX_ID_LENGTH, args_problem, check_identity, clean_text, encodes, result_text, safe_result
 from .storage.base import FAST_POOL_SIZE, from_epoch, new_id, utcnow
 from .storage.pool import IntegrityConflict, WouldBlock
 from .storage.schema import IN_FLIGHT, EffectState, RequestState, SessionState
@@ -767,7 +766,8 @@ class Engine:
             for r in self.store.recent_effects_in(conn, sc.session_id, n)
         ]
         safe = [
-            {"tool_name": name, "tier": tier, "state": state, "args": jsonable(args)}
+            # SAFE arguments are never logged, so never checked: stored here made safe (escaped, capped).
+            {"tool_name": name, "tier": tier, "state": state, "args": safe_result(args)}
             for name, tier, args, state in list(sc.recent) if tier == "safe"
         ]
         # SAFE calls have no timestamps in the log; they are shown before the logged calls.

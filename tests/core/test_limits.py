@@ -289,3 +289,21 @@ def test_an_identity_over_the_limit_is_a_clear_error_and_nothing_changes(u: Undo
         u.session(agent_id=long).call_sync(store, x=1)
     with pytest.raises(InvalidId):
         u.session(session_id="s" * (limits.MAX_ID_LENGTH + 1)).call_sync(store, x=1)
+
+
+@undolog_tool(tier=ToolTier.SAFE)
+def look(q: Any) -> str:
+    return "seen"
+
+
+def test_hostile_safe_arguments_in_the_agent_context_never_break_an_approval_request(u: UndoLog) -> None:
+    """SAFE calls are not logged, but a request's agent context shows them: stored made safe."""
+    u.register(look)
+    s = u.session(agent_id="bot")
+    s.call_sync(look, q="bad \ud800")
+    s.call_sync(look, q=nested(2000))
+    with pytest.raises(ApprovalPending) as p:
+        s.call_sync(publish, x=1)
+    context = u.approvals.get(p.value.approval_request_id).agent_context
+    assert [c["args"]["q"] for c in context][0] == "bad \\ud800"
+    assert "undolog_truncated" in json.dumps(context[1]["args"])
