@@ -417,6 +417,13 @@ class ToolSpec:
     is_async: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     sparse: bool = False  # schema-declared: pass on only the arguments given, never defaults invented as null
+    # Where a tool that UndoLog forwards is bound (an MCP upstream's tool and its annotations, the compensation's
+    # argument template): part of the contract, so a change is a new revision. None for in-process tools, whose
+    # contract (and fingerprint) stays what it was.
+    binding: dict[str, Any] | None = None
+    # The compensation is built from the call's result (an MCP template naming {result.x}): a call whose result
+    # was never seen cannot be undone, so recovery marks it unknown and halts the session for a person.
+    compensation_needs_result: bool = False
 
     def __post_init__(self) -> None:
         self.sparse = hasattr(self.args_model, "__undolog_json_schema__")
@@ -425,7 +432,7 @@ class ToolSpec:
         self._model_validate = self.args_model.__pydantic_validator__.validate_python
 
     def contract(self) -> dict[str, Any]:
-        return {
+        contract = {
             "name": self.name,
             "tier": self.tier.value,
             "compensation": (
@@ -436,6 +443,9 @@ class ToolSpec:
             "risk_tags": list(self.risk_tags),
             "composite_of": sorted(self.composite_of),
         }
+        if self.binding is not None:
+            contract["binding"] = self.binding
+        return contract
 
     def compute_fingerprint(self) -> str:
         return sha256_hex(canonical_json(self.contract()))
@@ -489,6 +499,8 @@ def build_spec(
     *,
     name: str | None = None,
     args_schema: Any = None,
+    binding: Mapping[str, Any] | None = None,
+    compensation_needs_result: bool = False,
 ) -> ToolSpec:
     tool_name = name or decl.name or (tool_name_of(fn) if fn is not None else None)
     if not tool_name:
@@ -512,6 +524,8 @@ def build_spec(
         probe=decl.probe,
         json_schema=json_schema_of(model),
         is_async=is_async,
+        binding=dict(binding) if binding is not None else None,
+        compensation_needs_result=compensation_needs_result,
     )
     spec.fingerprint = spec.compute_fingerprint()
     return spec

@@ -69,6 +69,9 @@ class UndoLog:
         self.outbox = OutboxService(store)
         self._recovery = Recovery(store, self.registry, self.saga, self.leases, flush_marks=self.engine.flush_marks,
                                   note_state=self.engine.note_state)
+        # A call whose outcome its caller cannot tell (a lost connection mid-call) is settled at once, as recovery
+        # would settle it after a crash.
+        self.driver.in_doubt = self._recovery.settle_in_doubt
 
     @classmethod
     def open(
@@ -139,6 +142,8 @@ class UndoLog:
         probe: Callable[..., Any] | None = None,
         args_schema: Any = None,
         registered_by: str | None = None,
+        binding: Mapping[str, Any] | None = None,
+        compensation_needs_result: bool = False,
     ) -> ToolSpec:
         """Register a third-party callable (or a schema-only tool, ``fn=None``) with a tier given here.
 
@@ -151,6 +156,10 @@ class UndoLog:
         decl = make_declaration(tier=tier, risk_level=risk_level, compensation=compensation, reason=reason,
                                risk_tags=risk_tags, composite_of=composite_of, probe=probe)
         kw: dict[str, Any] = {"name": name, "args_schema": args_schema}
+        if binding is not None:
+            kw["binding"] = binding
+        if compensation_needs_result:
+            kw["compensation_needs_result"] = True
         return self.registry.register([(fn, decl, kw)], registered_by=registered_by)[0]
 
     def register_compensation(self, fn: Callable[..., Any], *, name: str | None = None, version: int = 1) -> None:
