@@ -17,13 +17,13 @@ from pydantic_core import to_json, to_jsonable_python
 
 from .errors import InvalidId
 
-#: The deepest nesting accepted in arguments (and request bodies, by the desk); deeper results are capped here.
-#: ``{"a": 1}`` is depth 1, ``{"a": [1]}`` depth 2.
+#: The deepest nesting accepted in arguments (and request bodies, by the desk); where a result is made safe, or a
+#: listing shows one, nesting past it is cut. ``{"a": 1}`` is depth 1, ``{"a": [1]}`` depth 2.
 MAX_JSON_DEPTH = 64
 
-#: The one length rule for identities given as input: session ids, call ids, agent ids, approvers and actors, key
-#: and group names, tool and compensation names. Columns that add a prefix of UndoLog's own (the audit actor
-#: ``agent:<session id>``) are wider than this.
+#: The one length rule for identities given as input: session ids, call ids, agent ids, ``created_by``, approvers and
+#: actors (the desk derives its key-name limit from it, so ``name (key id)`` fits). Columns that add a prefix of
+#: UndoLog's own (the audit actor ``agent:<session id>``) are wider than this.
 MAX_ID_LENGTH = 200
 
 #: A result's JSON larger than this (bytes of UTF-8) is stored as a preview, noted ``undolog_truncated``.
