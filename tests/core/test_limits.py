@@ -91,15 +91,15 @@ def test_lone_surrogate_in_arguments_is_arguments_invalid_naming_the_path(u: Und
     assert nothing_logged(u)
 
 
-@pytest.mark.parametrize("depth", [65, 900, 5000])
-def test_nesting_past_the_limit_is_refused_with_its_path(u: UndoLog, depth: int) -> None:
+def test_nesting_past_the_limit_is_refused_with_its_path(u: UndoLog) -> None:
     s = u.session(agent_id="bot")
-    for tool in (store, publish):
-        with pytest.raises(ArgumentsInvalid) as exc:
-            s.call_sync(tool, x=nested(depth - 1))  # x's value under the arguments object: `depth` levels in all
-        err = exc.value.details["errors"][0]
-        assert err["type"] == "json_too_deep", err
-        assert err["loc"][:3] == ["x", "a", "a"]
+    for depth in (65, 900, 5000):
+        for tool in (store, publish):
+            with pytest.raises(ArgumentsInvalid) as exc:
+                s.call_sync(tool, x=nested(depth - 1))  # x's value under the arguments object: `depth` levels in all
+            err = exc.value.details["errors"][0]
+            assert err["type"] == "json_too_deep", (depth, err)
+            assert err["loc"][:3] == ["x", "a", "a"]
     assert nothing_logged(u)
 
 
@@ -131,10 +131,13 @@ HOSTILE_RESULTS = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(HOSTILE_RESULTS))
 @pytest.mark.parametrize("tier", ["compensable", "irreversible"])
-def test_a_hostile_result_is_stored_capped_and_the_call_returns_the_real_value(u: UndoLog, kind: str,
-                                                                               tier: str) -> None:
+def test_a_hostile_result_is_stored_capped_and_the_call_returns_the_real_value(u: UndoLog, tier: str) -> None:
+    for kind in sorted(HOSTILE_RESULTS):
+        _hostile_result(u, tier, kind)
+
+
+def _hostile_result(u: UndoLog, tier: str, kind: str) -> None:
     value, check = HOSTILE_RESULTS[kind]
     RETURNS["value"] = value
     s = u.session(agent_id="bot")
@@ -145,11 +148,11 @@ def test_a_hostile_result_is_stored_capped_and_the_call_returns_the_real_value(u
             s.call_sync(publish, x=1, call_id="c-1")
         u.approvals.approve(p.value.approval_request_id, approver="ana")
         got = s.call_sync(publish, x=1, call_id="c-1")
-    assert got is value  # the caller gets the tool's own value, not the stored form
+    assert got is value, kind  # the caller gets the tool's own value, not the stored form
     (e,) = effects(u, s.id)
-    assert e["state"] == "committed", e["state"]
+    assert e["state"] == "committed", (kind, e["state"])
     assert u.sessions.get(s.id).state == "active"
-    assert check(e["result_snapshot"]), str(e["result_snapshot"])[:200]
+    assert check(e["result_snapshot"]), (kind, str(e["result_snapshot"])[:200])
     # The same call again replays the stored (safe) result; recovery finds nothing in flight.
     replay = s.call_sync(store if tier == "compensable" else publish, x=1, call_id="c-1")
     assert check(replay)
@@ -191,26 +194,25 @@ def test_safe_result_and_preview_helpers() -> None:
 # -- full JSON Schema ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "args,loc,keyword",
-    [
-        ({"to": "mallory", "amount": 5}, ["to"], "enum"),
-        ({"to": "acme", "amount": 1e12}, ["amount"], "maximum"),
-        ({"to": "acme", "amount": -1}, ["amount"], "minimum"),
-        ({"to": "acme", "amount": 5, "memo": "x" * 11}, ["memo"], "maxLength"),
-        ({"to": "acme", "amount": 5, "lines": [{"sku": "S1"}, {"sku": "X"}]}, ["lines", 1, "sku"], "pattern"),
-        ({"to": "acme", "amount": 5, "lines": [{}]}, ["lines", 0, "sku"], "required"),
-        ({"to": "acme"}, ["amount"], "required"),
-        ({"to": "acme", "amount": 5, "extra": 1}, [], "additionalProperties"),
-    ],
-)
-def test_agent_input_is_validated_against_the_whole_schema(u: UndoLog, args: dict[str, Any], loc: list[Any],
-                                                           keyword: str) -> None:
+SCHEMA_CASES = [
+    ({"to": "mallory", "amount": 5}, ["to"], "enum"),
+    ({"to": "acme", "amount": 1e12}, ["amount"], "maximum"),
+    ({"to": "acme", "amount": -1}, ["amount"], "minimum"),
+    ({"to": "acme", "amount": 5, "memo": "x" * 11}, ["memo"], "maxLength"),
+    ({"to": "acme", "amount": 5, "lines": [{"sku": "S1"}, {"sku": "X"}]}, ["lines", 1, "sku"], "pattern"),
+    ({"to": "acme", "amount": 5, "lines": [{}]}, ["lines", 0, "sku"], "required"),
+    ({"to": "acme"}, ["amount"], "required"),
+    ({"to": "acme", "amount": 5, "extra": 1}, [], "additionalProperties"),
+]
+
+
+def test_agent_input_is_validated_against_the_whole_schema(u: UndoLog) -> None:
     s = u.session(agent_id="bot")
-    with pytest.raises(ArgumentsInvalid) as exc:
-        s.call_sync("pay", **args)
-    errs = exc.value.details["errors"]
-    assert {"loc": loc, "type": f"schema.{keyword}"} in [{"loc": e["loc"], "type": e["type"]} for e in errs], errs
+    for args, loc, keyword in SCHEMA_CASES:
+        with pytest.raises(ArgumentsInvalid) as exc:
+            s.call_sync("pay", **args)
+        errs = exc.value.details["errors"]
+        assert {"loc": loc, "type": f"schema.{keyword}"} in [{"loc": e["loc"], "type": e["type"]} for e in errs], errs
     assert nothing_logged(u)
 
 

@@ -152,14 +152,16 @@ def test_a_lone_surrogate_is_refused_naming_the_path_and_nothing_is_stored(desk:
     assert desk.undolog.approvals.get(rid).state == "pending"
 
 
-@pytest.mark.parametrize("depth", [65, 900, 100_000])
-def test_nesting_past_64_is_refused_naming_the_path(desk: Desk, depth: int) -> None:
+def test_nesting_past_64_is_refused_naming_the_path(desk: Desk) -> None:
     rid, _ = desk.pending()
-    raw = b'{"args": ' + b'{"a": ' * (depth - 1) + b"1" + b"}" * (depth - 1) + b"}"
-    if len(raw) > 1 << 20:
-        raw = b'{"args": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
-    body = problem(post_raw(desk, "approver", f"/v1/approvals/{rid}:modify", raw), 422, "json_too_deep")
-    assert "64" in body["detail"]
+    for depth in (65, 900, 100_000):
+        raw = b'{"args": ' + b'{"a": ' * (depth - 1) + b"1" + b"}" * (depth - 1) + b"}"
+        if len(raw) > 1 << 20:
+            raw = b'{"args": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+        body = problem(post_raw(desk, "approver", f"/v1/approvals/{rid}:modify", raw), 422, "json_too_deep")
+        assert "64" in body["detail"]
+        if depth == 65:
+            assert body["errors"][0]["field"] == "args" + ".a" * 63
     assert desk.undolog.approvals.get(rid).state == "pending"
 
 
@@ -349,10 +351,12 @@ def test_proxied_input_and_approver_edits_are_checked_against_the_whole_schema(
     assert up.calls == []  # the upstream never received any of it
 
 
-@pytest.mark.parametrize("kind", ["surrogate", "deep", "huge", "text"])
-def test_a_hostile_upstream_answer_is_stored_safe_and_the_call_commits(hostile: tuple[Desk, HostileUpstream],
-                                                                       kind: str) -> None:
-    d, _ = hostile
+def test_a_hostile_upstream_answer_is_stored_safe_and_the_call_commits(hostile: tuple[Desk, HostileUpstream]) -> None:
+    for kind in ("surrogate", "deep", "huge", "text"):
+        _hostile_answer(hostile[0], kind)
+
+
+def _hostile_answer(d: Desk, kind: str) -> None:
     sid = _session(d)
     r = d.client("agent").post(f"/v1/sessions/{sid}/tools/echo_{kind}:invoke", json={}, headers={"Idempotency-Key": "k"})
     assert r.status_code == 200, r.text
