@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -200,10 +201,53 @@ class UndoLog:
     async def arollback(self, session_id: str, *, actor: str = "undolog") -> RollbackReport:
         return await self.saga.rollback(session_id, actor=actor, reason="requested")
 
-    def recover(self, progress: Any = None) -> RecoveryReport:
-        """Reconcile effects left in flight by crashed processes; see the README's guarantees."""
-        return self._recovery.recover(progress=progress)
+    def recover(self, progress: Any = None, *, sessions: Iterable[str] | None = None) -> RecoveryReport:
+        """Reconcile effects left in flight by crashed processes; see the README's guarantees.
 
-    def verify_audit(self) -> AuditReport:
-        return verify(self.store)
+        ``sessions`` limits it to those sessions (everything in flight by default).
+        """
+        return self._recovery.recover(progress=progress, sessions=None if sessions is None else set(sessions))
+
+    def verify_audit(
+        self, *, checkpoints: str | os.PathLike[str] | None = None, public_key: str | os.PathLike[str] | None = None
+    ) -> AuditReport:
+        """Recompute the audit hash chain, and check it against signed checkpoints when given.
+
+        Args:
+            checkpoints: A directory of signed checkpoints (``undolog audit checkpoint``); every one must be
+                signed by ``public_key`` and match the chain.
+            public_key: The Ed25519 public key (PEM) that signed them; required with ``checkpoints``.
+
+        Example:
+            >>> undolog.verify_audit(checkpoints="/var/lib/undolog/checkpoints", public_key="audit.key.pub").ok
+            True
+        """
+        if checkpoints is None:
+            return verify(self.store)
+        if public_key is None:
+            raise ConfigurationError("verifying against checkpoints needs the public key that signed them")
+        from pathlib import Path
+
+        from ._checkpoints import load_public_key, verify_with_checkpoints
+
+        return verify_with_checkpoints(self.store, Path(checkpoints), load_public_key(Path(public_key)))
+
+    def checkpoint_audit(self, *, key: str | os.PathLike[str], out: str | os.PathLike[str]) -> str:
+        """Sign the verified chain head with the Ed25519 private key in ``key`` and write it into ``out``.
+
+        Returns:
+            The checkpoint file written.
+
+        Raises:
+            AuditChainBroken: The chain (or its agreement with the checkpoints already in ``out``) is broken.
+
+        Example:
+            >>> undolog.checkpoint_audit(key="/etc/undolog/audit.key", out="/var/lib/undolog/checkpoints")
+            '/var/lib/undolog/checkpoints/checkpoint-000000000042-20261130T120000Z-4242.json'
+        """
+        from pathlib import Path
+
+        from ._checkpoints import load_private_key, write_checkpoint
+
+        return str(write_checkpoint(self.store, load_private_key(Path(key)), Path(out)))
 

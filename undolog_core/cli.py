@@ -26,6 +26,7 @@ import enum
 import inspect
 import json
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -1076,14 +1077,30 @@ def recover(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
 
 @audit_app.command("verify")
-def audit_verify(ctx: typer.Context, as_json: JsonOpt = False) -> None:
-    """Recompute the audit hash chain; exit code 1 when it was tampered with."""
+def audit_verify(
+    ctx: typer.Context,
+    checkpoints: Annotated[
+        Path | None,
+        typer.Option("--checkpoints", help="Directory of signed checkpoints the chain must match (see 'checkpoint')."),
+    ] = None,
+    public_key: Annotated[
+        Path | None,
+        typer.Option("--public-key", envvar="UNDOLOG_AUDIT_PUBLIC_KEY",
+                     help="Ed25519 public key (PEM) that signed the checkpoints ('audit keygen' wrote <key>.pub)."),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Recompute the audit hash chain (and match it against signed checkpoints); exit 1 when tampered with."""
+    if checkpoints is not None and public_key is None:
+        # Never taken from the checkpoint directory: whoever can write there could swap both.
+        _fail("invalid_input", "--checkpoints needs the public key that signed them: --public-key FILE")
     u = _open(ctx)
-    report = u.verify_audit()
+    report = u.verify_audit(checkpoints=checkpoints, public_key=public_key)
     if as_json:
         _print_json(asdict(report))
     elif report.ok:
-        typer.echo(f"audit chain intact: {report.events_checked} event(s) checked")
+        signed = f", matching {report.checkpoints_checked} signed checkpoint(s)" if checkpoints is not None else ""
+        typer.echo(f"audit chain intact: {report.events_checked} event(s) checked{signed}")
     if not report.ok:
         typer.echo(
             f"audit chain BROKEN at event {report.first_bad_event_id}: {report.problem} "
@@ -1091,6 +1108,39 @@ def audit_verify(ctx: typer.Context, as_json: JsonOpt = False) -> None:
             err=True,
         )
         raise typer.Exit(1)
+
+
+@audit_app.command("keygen")
+def audit_keygen(
+    key: Annotated[Path, typer.Option("--key", help="Where to write the private key; the public key goes to <key>.pub.")],
+    force: Annotated[bool, typer.Option("--force", help="Replace existing key files.")] = False,
+) -> None:
+    """Write a new Ed25519 key pair for signed audit checkpoints (keep the private key off the database host)."""
+    from ._checkpoints import generate_keypair
+
+    private, public = generate_keypair(key, overwrite=force)
+    typer.echo(f"private key: {private} (mode 0600; only the checkpointing process may read it)")
+    typer.echo(f"public key:  {public} (give it to whoever runs 'undolog audit verify --checkpoints')")
+
+
+@audit_app.command("checkpoint")
+def audit_checkpoint(
+    ctx: typer.Context,
+    key: Annotated[Path, typer.Option("--key", envvar="UNDOLOG_AUDIT_KEY", help="Ed25519 private key (PEM).")],
+    out: Annotated[Path, typer.Option("--out", help="Directory (outside the database) to write the checkpoint into.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Verify the chain, then sign its head and write the signed checkpoint into --out (run it on a schedule)."""
+    from ._checkpoints import load_private_key, write_checkpoint
+
+    private = load_private_key(key)  # before opening the database: a bad key is the first thing to report
+    u = _open(ctx)
+    path = write_checkpoint(u.store, private, out)
+    doc = json.loads(path.read_text(encoding="utf-8"))["checkpoint"]
+    if as_json:
+        _print_json({"file": str(path), **doc})
+    else:
+        typer.echo(f"signed the chain head at event {doc['position']} ({doc['hash'][:16]}…) into {path}")
 
 
 # -- demo -----------------------------------------------------------------------------------------
@@ -1191,6 +1241,73 @@ def demo(
             kwargs["database_url"] = demo_db if "://" in demo_db else f"sqlite:///{Path(demo_db).resolve()}"
         code = run(**kwargs)
     raise typer.Exit(int(code or 0))
+
+
+# -- check-undo -----------------------------------------------------------------------------------
+
+
+def _load_callable(spec: str, what: str) -> Any:
+    """``module:attribute`` (the attribute may be dotted) imported from the current directory or the path."""
+    import importlib
+
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise CliInputError(f"{what} must look like module:function, got {spec!r}")
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise CliInputError(f"cannot import {mod_name!r} for {what}: {exc}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise CliInputError(f"{mod_name!r} has no {attr!r} for {what}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise CliInputError(f"{what} {spec!r} is not callable")
+    return obj
+
+
+@app.command("check-undo")
+def check_undo_command(
+    ctx: typer.Context,
+    scenario: Annotated[str, typer.Argument(metavar="MODULE:SCENARIO",
+                                            help="scenario(undolog) or scenario(undolog, run), sync or async.")],
+    snapshot: Annotated[str, typer.Option("--snapshot", metavar="MODULE:FN",
+                                          help="Returns a JSON-able picture of the world a compensation restores.")],
+    reset: Annotated[str, typer.Option("--reset", metavar="MODULE:FN",
+                                       help="Puts the world back to the scenario's starting point.")],
+    idempotency: Annotated[bool, typer.Option("--idempotency/--no-idempotency",
+                                              help="Run each compensation a second time with the same key.")] = True,
+    never_happened: Annotated[bool, typer.Option(
+        "--never-happened/--no-never-happened",
+        help="Crash each step after its pre-write, before the tool ran, and let recovery compensate it.")] = True,
+    crash: Annotated[bool, typer.Option("--crash", help="Also with real SIGKILLs in a child process.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Break a scenario after every COMPENSABLE step and check that its compensations restore the world.
+
+    Prints the table (step, tool, compensation, restored, idempotent, never-happened) and the diffs; exit 1 when
+    a step is not restored, not idempotent or not tolerant of "never happened".
+    \f
+    The scenario runs against the UndoLog of ``--app`` (or one on ``--db``); its runs are sessions of their own.
+    """
+    from .testing import check_undo
+
+    fns = {name: _load_callable(spec, name) for name, spec in
+           (("scenario", scenario), ("--snapshot", snapshot), ("--reset", reset))}
+    u = _open(ctx)
+    paths = {"scenario": scenario, "snapshot": snapshot, "reset": reset}
+    if _settings(ctx).app_spec:
+        paths["app"] = _settings(ctx).app_spec or ""
+    report = check_undo(fns["scenario"], snapshot=fns["--snapshot"], reset=fns["--reset"], undolog=u,
+                        idempotency=idempotency, never_happened=never_happened, crash=crash,
+                        crash_paths=paths if crash else None)
+    if as_json:
+        _print_json(report.to_dict())
+    else:
+        typer.echo(report.explain(color=sys.stdout.isatty(), width=_console().width), nl=False)
+    raise typer.Exit(0 if report.ok else 1)
 
 
 # -- the server's commands ------------------------------------------------------------------------

@@ -27,9 +27,12 @@ PROBLEM_BASE = "https://undolog.dev/problems/"
 ERROR_STATUS: dict[str, int] = {
     "undolog_error": 400,
     "configuration_error": 400,
+    "checkpoint_invalid": 422,
+    "audit_chain_broken": 409,
     "invalid_declaration": 400,
     "tool_not_classified": 400,
     "invalid_input": 422,
+    "undo_check_scenario": 422,  # undolog_core.testing: a scenario check_undo cannot check
     "tool_not_registered": 404,
     "arguments_invalid": 422,
     "session_not_found": 404,
