@@ -25,6 +25,7 @@ from undolog_server.state import ServerSettings
 from undolog_server.storage import KEY_NAME_MAX, ApproverGroup
 
 from .conftest import Desk, make_desk, problem
+from .test_dashboard import _login
 from .test_processes import _spawn, _stop, _wait_up
 
 
@@ -190,6 +191,14 @@ def test_approver_groups_refuse_a_surrogate_and_a_stored_one_never_500s_the_list
     r = admin.get("/v1/approver-groups")
     assert r.status_code == 200, r.text
     assert r.json() == [{"name": "old", "tools": ["tool \ud800"], "risk_tags": [], "description": None}]
+    # The dashboard prints it escaped too, on the page of a request routed to that group.
+    desk.store.put_group(ApproverGroup("old", ("tool \ud800", "delete_user_account"), ()))
+    rid, _ = desk.pending()
+    page = _login(desk, "admin").get(f"/ui/approvals/{rid}")
+    assert page.status_code == 200 and "old" in page.text
+    from undolog_server.dashboard import templates
+
+    assert templates.env.from_string("{{ v }}").render(v="x \ud800").encode("utf-8") == b"x \\ud800"
 
 
 def test_every_5xx_is_logged_with_its_traceback(desk: Desk, caplog: pytest.LogCaptureFixture,
