@@ -87,6 +87,10 @@ def serve(
         typer.Option("--max-body-bytes", envvar="UNDOLOG_MAX_BODY_BYTES", min=1,
                      help="Largest request body accepted, in bytes (larger: 413)."),
     ] = 1 << 20,
+    docs: Annotated[
+        bool, typer.Option("--docs/--no-docs", envvar="UNDOLOG_DOCS",
+                           help="Serve Swagger UI at /docs (loaded from a CDN; off by default).")
+    ] = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Run the approval desk: REST API, dashboard, webhooks, tool proxy and the sweeper."""
@@ -113,6 +117,7 @@ def serve(
             audit_checkpoint_interval=audit_checkpoint_interval,
             secure_cookies=secure_cookies,
             max_body_bytes=max_body_bytes,
+            docs=docs,
         )
     except ValueError as exc:
         undolog.close()

@@ -50,6 +50,8 @@ class ServerSettings:
         poll_seconds: Dashboard queue refresh period.
         max_body_bytes: The largest request body accepted (bytes); a larger one is answered 413 before it is
             buffered.
+        docs: Serve the interactive API docs at ``/docs`` (Swagger UI, loaded from a CDN); off by default.
+            ``/openapi.json`` is always served.
     """
 
     background: bool = True
@@ -72,6 +74,7 @@ class ServerSettings:
     secure_cookies: bool | None = None
     poll_seconds: float = 3.0
     max_body_bytes: int = 1 << 20
+    docs: bool = False
 
     def __post_init__(self) -> None:
         if self.webhook_timeout <= 0:
