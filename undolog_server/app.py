@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import socket
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -174,11 +176,13 @@ def body_problem(body: bytes, content_type: str) -> tuple[str, str, list[dict[st
         return ("nul_character", "NUL characters are not accepted", []) if b"%00" in body.lower() else None
     lowered = body.lower()
     suspicious = b"\\u0000" in lowered or b"\\ud" in lowered or (
-        body.count(b"{") + body.count(b"[") > limits.MAX_JSON_DEPTH)
+        body.count(b"{") + body.count(b"[") > limits.MAX_JSON_DEPTH) or _BIG_EXPONENT.search(body) is not None
     if not suspicious:
         return None
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_float=_finite)
+    except _NotFinite as exc:
+        return _field("number_out_of_range", f"the number {exc} in the JSON body is not a finite number", None)
     except RecursionError:
         return _field("json_too_deep", f"the JSON body is nested deeper than {limits.MAX_JSON_DEPTH} levels", [])
     except ValueError:
@@ -196,7 +200,25 @@ def body_problem(body: bytes, content_type: str) -> tuple[str, str, list[dict[st
     return None
 
 
-def _field(code: str, detail: str, path: list[Any]) -> tuple[str, str, list[dict[str, str]]]:
+#: A number literal whose exponent has three digits or more: it may overflow to infinity (``1e999``).
+_BIG_EXPONENT = re.compile(rb"[0-9.][eE][+-]?0*[0-9]{3,}")
+
+
+class _NotFinite(ValueError):
+    pass
+
+
+def _finite(text: str) -> float:
+    # JSON numbers are finite; Python would read 1e999 as infinity, which no upstream can be sent as JSON.
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotFinite(text[:40])
+    return value
+
+
+def _field(code: str, detail: str, path: list[Any] | None) -> tuple[str, str, list[dict[str, str]]]:
+    if path is None:  # where in the body is not known (the parser's own refusal)
+        return code, detail, [{"field": "", "message": detail, "type": code}]
     where = ".".join(str(p) for p in path)
     shown = where if len(where) <= 200 else where[:197] + "..."
     return code, f"{detail} (at {shown or 'the top level'})", [{"field": shown, "message": detail, "type": code}]

@@ -166,6 +166,15 @@ def test_nesting_past_64_is_refused_naming_the_path(desk: Desk) -> None:
     assert desk.undolog.approvals.get(rid).state == "pending"
 
 
+def test_a_number_too_large_to_be_finite_is_refused(desk: Desk) -> None:
+    """JSON numbers are finite; 1e999 read as infinity could be neither stored alike nor sent upstream (a 500)."""
+    rid, _ = desk.pending()
+    body = problem(post_raw(desk, "approver", f"/v1/approvals/{rid}:modify", b'{"args": {"user_id": 1e999}}'),
+                   422, "number_out_of_range")
+    assert "1e999" in body["detail"]
+    assert desk.undolog.approvals.get(rid).state == "pending"
+
+
 def test_a_nul_nested_deep_is_a_422_not_a_recursion_error(desk: Desk) -> None:
     """The NUL check used to recurse: 5,000 levels around a \\u0000 was a RecursionError (500)."""
     rid, _ = desk.pending()
