@@ -11,7 +11,7 @@ Example:
     >>> undolog.register(search)
 """
 
-from . import errors
+from . import errors, limits
 from ._app import load_app
 from ._approvals import ApprovalEvent, ApprovalRecord
 from ._audit import AuditReport
@@ -75,6 +75,7 @@ __all__ = [
     "compensation",
     "current_call",
     "errors",
+    "limits",
     "load_app",
     "undolog_tool",
     "__version__",

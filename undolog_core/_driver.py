@@ -33,6 +33,7 @@ from ._engine import (
 from ._saga import RollbackReport, Saga, run_coro_blocking
 from ._tools import ToolSpec
 from .errors import ApprovalPending, UndoLogError
+from .limits import clean_text
 from .storage.pool import WouldBlock
 
 ControlFlow = tuple[type[BaseException], ...]
@@ -348,7 +349,7 @@ class CallDriver:
     @staticmethod
     def _why(d: Execute, error: BaseException | NothingHappened | str) -> str:
         text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
-        return f"{d.tool_name} failed: {text}"
+        return clean_text(f"{d.tool_name} failed: {text}")  # stored as the rollback's reason
 
     def _rollback_sync(self, session_id: str, exc: BaseException | None, reason: str) -> RollbackReport | None:
         try:
@@ -388,7 +389,7 @@ class CallDriver:
             return None
         session_id = failure.session_id
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        why = f"effect {effect_id} failed: {text}"
+        why = clean_text(f"effect {effect_id} failed: {text}")
         try:
             return self.saga.rollback_sync(session_id, reason=why)
         except Exception as exc:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, create_model
 from pydantic_core import to_json, to_jsonable_python
 
 from .errors import ArgumentsInvalid, InvalidDeclaration
+from .limits import bad_string, depth_error, surrogate_error, too_deep
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -297,6 +298,61 @@ _JSON_TYPES: dict[str, Any] = {
 }
 
 
+@functools.lru_cache(maxsize=1024)
+def _compiled(schema_text: str) -> Any:
+    import jsonschema
+
+    schema = json.loads(schema_text)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def schema_validator(name: str, schema: Mapping[str, Any]) -> Any:
+    """The compiled Draft 2020-12 validator of a tool's JSON Schema, built once per schema (cached).
+
+    Raises:
+        InvalidDeclaration: the schema itself is not a valid JSON Schema.
+
+    Example:
+        >>> schema_validator("refund", {"type": "object"}).is_valid({"amount": 1})
+        True
+    """
+    import jsonschema
+
+    try:
+        return _compiled(canonical_json(schema))
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+        raise InvalidDeclaration(f"tool {name!r}: its args_schema is not a valid JSON Schema at {where}: "
+                                 f"{exc.message}") from None
+
+
+def check_json_schema(name: str, schema: Mapping[str, Any], args: Any, validator: Any = None) -> None:
+    """Validate ``args`` against the tool's full JSON Schema (Draft 2020-12); every failure names its path.
+
+    Raises:
+        ArgumentsInvalid: one entry per failing path (``loc``), with the schema keyword that failed (``type``).
+    """
+    validator = validator or schema_validator(name, schema)
+    try:
+        found = sorted(validator.iter_errors(args), key=lambda e: [str(p) for p in e.absolute_path])
+    except RecursionError:
+        raise ArgumentsInvalid(name, [depth_error([])]) from None
+    if found:
+        raise ArgumentsInvalid(name, [
+            {"loc": [*e.absolute_path, *_missing(e)], "msg": e.message, "type": f"schema.{e.validator}"}
+            for e in found
+        ])
+
+
+def _missing(e: Any) -> list[Any]:
+    # A missing required property is reported on its parent; name the property itself.
+    if e.validator == "required" and isinstance(e.instance, Mapping):
+        missing = [p for p in e.validator_value if p not in e.instance]
+        return missing[:1]
+    return []
+
+
 def _model_from_json_schema(name: str, schema: Mapping[str, Any]) -> type[BaseModel]:
     """Enough of JSON Schema for tool arguments: typed properties, required, no extras.
 
@@ -315,6 +371,9 @@ def _model_from_json_schema(name: str, schema: Mapping[str, Any]) -> type[BaseMo
         f"{name}_args", __config__=ConfigDict(extra=extra, strict=False, ser_json_inf_nan="strings"), **fields
     )
     model.__undolog_json_schema__ = dict(schema)  # type: ignore[attr-defined]
+    # The model only types the properties; the compiled JSON Schema checks everything else (enum, bounds, pattern,
+    # items, nested objects...), on agent input and on every edit.
+    model.__undolog_validator__ = schema_validator(name, schema)  # type: ignore[attr-defined]
     return model
 
 
@@ -368,6 +427,7 @@ class ToolSpec:
 
     def __post_init__(self) -> None:
         self.sparse = hasattr(self.args_model, "__undolog_json_schema__")
+        self._schema_validator = getattr(self.args_model, "__undolog_validator__", None)
         # The validator itself, without model_validate's keyword plumbing: this is the SAFE hot path.
         self._model_validate = self.args_model.__pydantic_validator__.validate_python
 
@@ -398,7 +458,17 @@ class ToolSpec:
         """The arguments as JSON, as logged for undo and approval; refused clearly when they have no JSON form."""
         try:
             return model.model_dump(mode="json", exclude_unset=self.sparse)
-        except pydantic_core.PydanticSerializationError:
+        except (ValueError, RecursionError) as exc:
+            # Nesting past the serialiser's limit, or a string that is not valid Unicode: name where.
+            values = {**model.__dict__, **(model.__pydantic_extra__ or {})}
+            path = too_deep(values)
+            if path is not None:
+                raise ArgumentsInvalid(self.name, [depth_error(path)]) from None
+            found = bad_string(values)
+            if found is not None:
+                raise ArgumentsInvalid(self.name, [surrogate_error(found[0])]) from None
+            if not isinstance(exc, pydantic_core.PydanticSerializationError):
+                raise ArgumentsInvalid(self.name, [depth_error([])]) from None
             bad = []
             for fname in model.model_fields_set | set(type(model).model_fields):
                 try:
@@ -409,6 +479,8 @@ class ToolSpec:
             raise ArgumentsInvalid(self.name, bad or [{"loc": [], "msg": "arguments have no JSON form"}]) from None
 
     def validate(self, args: Mapping[str, Any]) -> BaseModel:
+        if self._schema_validator is not None:
+            check_json_schema(self.name, self.json_schema, args, self._schema_validator)
         try:
             return self._model_validate(args)  # type: ignore[no-any-return]
         except pydantic.ValidationError as exc:
@@ -480,14 +552,6 @@ def jsonable(value: Any) -> Any:
     if _has_special_float(out):
         return json.loads(to_json(value, fallback=repr, inf_nan_mode="strings"))
     return out
-
-
-def result_text(result: Any) -> str:
-    """A result's JSON text, as ``jsonable`` would make it (NaN and infinities as strings), in one Rust pass.
-
-    Only the text is needed on the hot path; whoever needs the value parses it back (``json.loads``).
-    """
-    return to_json(result, fallback=repr, inf_nan_mode="strings").decode()
 
 
 def json_safe(value: Any) -> Any:

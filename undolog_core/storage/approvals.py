@@ -13,6 +13,7 @@ from sqlalchemy.engine import Connection
 
 from .._tools import canonical_json, sha256_hex
 from ..errors import ApprovalAlreadyDecided, ApprovalNotFound, UndoLogError
+from ..limits import PREVIEW_CHARS, TRUNCATED
 from . import schema as t
 from .base import Store
 from .records import ApprovalEvent, ApprovalRecord, OrgPolicy, StateChange
@@ -27,6 +28,30 @@ DECISIONS = ("approve", "modify", "reject")
 _OPEN = (RequestState.PENDING, RequestState.APPROVED, RequestState.AUTO_APPROVED)
 #: An effect that has not run (or was handed back without running): a cancelled request cancels it.
 _CANCELLABLE_EFFECT = (EffectState.AWAITING_APPROVAL, EffectState.APPROVED, EffectState.RELEASED)
+
+
+_BLOBS = ("proposed_args", "approved_args", "agent_context")
+
+
+class _Brief:
+    """A row read with previews in place of its blobs, shaped like a full row for ``_record``."""
+
+    def __init__(self, row: Any) -> None:
+        self.__dict__.update(row._mapping)
+
+
+def _previewed(row: Any) -> Any:
+    out = _Brief(row)
+    for name in _BLOBS:
+        text = getattr(out, name)
+        if text is None:
+            continue
+        if len(text) > PREVIEW_CHARS:
+            marker = {TRUNCATED: {"reason": "preview", "preview": text[:PREVIEW_CHARS]}}
+            setattr(out, name, [marker] if name == "agent_context" else marker)
+        else:
+            setattr(out, name, json.loads(text))
+    return out
 
 
 def _record(row: Any) -> ApprovalRecord:
@@ -83,10 +108,21 @@ class ApprovalsSQL(Store):
         tool_name: str | None = None,
         limit: int = 500,
         offset: int = 0,
+        brief: bool = False,
     ) -> builtins.list[ApprovalRecord]:
-        """Requests newest first (ties by id, so pages do not overlap); ``offset`` skips that many."""
+        """Requests newest first (ties by id, so pages do not overlap); ``offset`` skips that many.
+
+        ``brief``: the arguments and the agent context are read as previews (at most ``PREVIEW_CHARS`` of their JSON
+        text, cut in the database), so a listing never moves a large stored argument.
+        """
         r = t.approval_requests
-        q = sa.select(r).order_by(r.c.created_at.desc(), r.c.approval_request_id.desc()).limit(limit).offset(offset)
+        cols: builtins.list[Any] = list(r.c)
+        if brief:
+            cols = [c for c in cols if c.name not in _BLOBS]
+            for name in _BLOBS:
+                text = sa.cast(r.c[name], sa.Text)
+                cols.append(sa.func.substr(text, 1, PREVIEW_CHARS + 1).label(name))
+        q = sa.select(*cols).order_by(r.c.created_at.desc(), r.c.approval_request_id.desc()).limit(limit).offset(offset)
         if state:
             q = q.where(r.c.state == state)
         if session_id:
@@ -94,7 +130,7 @@ class ApprovalsSQL(Store):
         if tool_name:
             q = q.where(r.c.tool_name == tool_name)
         with self.read() as conn:
-            return [_record(x) for x in conn.execute(q)]
+            return [_record(_previewed(x) if brief else x) for x in conn.execute(q)]
 
     def get_request(self, approval_request_id: str) -> ApprovalRecord | None:
         r = t.approval_requests

@@ -285,7 +285,8 @@ approval_events = sa.Table(
     sa.Column("approval_request_id", sa.String(64)),
     sa.Column("subject", sa.String(300), nullable=False),
     sa.Column("action", sa.String(64), nullable=False),
-    sa.Column("actor", sa.String(200), nullable=False),
+    # Wider than the identity rule (200): UndoLog's own prefixes ride on it (``agent:<session id>``).
+    sa.Column("actor", sa.String(300), nullable=False),
     sa.Column("payload", sa.Text, nullable=False),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("prev_hash", sa.String(64), nullable=False),
