@@ -19,7 +19,7 @@ from langgraph.errors import GraphBubbleUp
 
 from undolog_core import AwaitingApproval, Outcome, errors
 
-from ._guard import _Guard, _Reply, _Run
+from ._guard import _Guard, _Reply, _Run, emit, rollback_events
 from ._payload import _Pause
 from ._tools import _result_of
 
@@ -190,6 +190,8 @@ def _settled(guard: _Guard, batch: _Batch | None, call_id: str | None, request: 
              outcome: Outcome) -> Any:
     """The node's answer for a call the driver ran: the tool's message, or the failure and what was undone."""
     ex, sid = step.execute, step.session_id
+    for name, data in rollback_events(outcome.rollback, ex.effect_id):
+        emit(name, data)  # the run's callbacks see each compensation (LangSmith shows what was undone)
     exc = outcome.error
     if exc is not None and (ex.effect_id is None or not isinstance(exc, Exception)):
         # SAFE: ToolNode's own error handling already decided to raise it; and an interrupt of the process

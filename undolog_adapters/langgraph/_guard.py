@@ -13,15 +13,25 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from langchain_core.callbacks import dispatch_custom_event
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool
+from langgraph.config import get_config
 from langgraph.types import interrupt
 
-from undolog_core import AwaitingApproval, Completed, Execute, ToolTier, errors
+from undolog_core import AwaitingApproval, Completed, Execute, OnFailure, ToolTier, errors
 from undolog_core._tools import tool_name_of
 
 from .._common import Registrar, TierValue, failure_text, refusal_text, rollback_outcome
-from ._payload import _ONE, ApprovalDecision, ApprovalDecisions, _Pause, payload
+from ._payload import (
+    RESPONSE_SCHEMA,
+    ApprovalDecisions,
+    _Pause,
+    asking,
+    decisions_for,
+    done_asking,
+    payload,
+)
 from ._sessions import _chain, _chain_index
 from ._tools import _Box, _capturing, _content_of, _declaration, _function_of, _sibling_call_ids
 
@@ -53,13 +63,20 @@ class _Guard:
         tiers: Mapping[str, TierValue] | None,
         compensations: Iterable[Callable[..., Any]],
         agent_id: str,
-        on_failure: str,
+        on_failure: OnFailure | str,
         session_id: Callable[[Mapping[str, Any]], str] | None,
+        approver: str | Callable[[Mapping[str, Any]], str | None] | None = None,
     ) -> None:
+        # Checked here, when the adapter is built, not when the first tool fails.
+        self.on_failure = OnFailure.coerce(on_failure).value
+        if approver is not None and not callable(approver) and not (isinstance(approver, str) and approver.strip()):
+            raise errors.ConfigurationError(
+                f"approver must be a name or a function of the run's config returning one, got {approver!r}"
+            )
         self.registrar = Registrar(undolog, tiers=tiers, compensations=compensations)
         self.u = undolog
         self.agent_id = agent_id
-        self.on_failure = on_failure
+        self.approver = approver
         self.session_fn = session_id
         self.names: dict[str, str] = {}  # LangChain tool name -> UndoLog tool name
         self.heads: dict[str, int] = {}
@@ -101,6 +118,13 @@ class _Guard:
             return name
         target = fn if _declaration(fn) is not None else tool
         if _declaration(target) is not None:
+            schema = _model_schema(tool)
+            if schema is not None:
+                # The tool takes values LangChain injects (ToolRuntime, InjectedState, InjectedStore,
+                # InjectedToolCallId, a RunnableConfig): UndoLog validates, snapshots and digests only what the
+                # model sends (LangChain's tool_call_schema); the tool still gets its injected values from ToolNode.
+                spec = self.u.registry.register([(target, _declaration(target), {"args_schema": schema})])[0]
+                return spec.name
             # The whole declaration (composite members, probe...) is registered, under its own name.
             specs = self.u.register(target)
             return str(getattr(specs[0], "name", name)) if specs and specs[0] is not None else name
@@ -249,28 +273,39 @@ class _Guard:
 
     # -- approvals -------------------------------------------------------------------------------------
 
-    def ask(self, pauses: Sequence[_Pause], error: str | None) -> str | None:
-        """Pause the graph for ``pauses``; on resume, record the decisions and return any problem."""
-        schema: Any = _ONE if len(pauses) == 1 else ApprovalDecisions
-        value = interrupt(payload(pauses, error), response_schema=schema)
+    def approver_for(self, config: Mapping[str, Any]) -> str | None:
+        """Who answers a decision that names nobody: LangGraph's authenticated user, else the adapter's ``approver``."""
+        user = (config.get("configurable") or {}).get("langgraph_auth_user")
+        identity = user.get("identity") if isinstance(user, Mapping) else getattr(user, "identity", None)
+        if identity:
+            return str(identity)
+        if callable(self.approver):
+            who = self.approver(config)
+            return None if who is None else str(who)
+        return self.approver
+
+    def ask(self, pauses: Sequence[_Pause], error: str | None, *, batched: bool = False) -> str | None:
+        """Pause the graph for ``pauses``; on resume, record the decisions and return any problem.
+
+        ``batched``: one ``HITLRequest`` for the message's calls (``UndoLogToolNode``), else one
+        ``ToolApprovalRequest`` (the middleware). The answer is checked inside ``interrupt()``, before LangGraph
+        saves it: its approver is found from this run's config, an edit is pinned to its tool.
+        """
+        schema: Any = RESPONSE_SCHEMA if len(pauses) == 1 else ApprovalDecisions
+        try:
+            config: Mapping[str, Any] = get_config()
+        except RuntimeError:
+            config = {}
+        value_ = payload(pauses, error, batched=batched, undo_plan=self.u.saga.undo_plan(pauses[0].session_id))
+        token = asking([p.awaiting.tool_name for p in pauses], lambda: self.approver_for(config))
+        try:
+            value = interrupt(value_, response_schema=schema)
+        finally:
+            done_asking(token)
         return self.apply(value, [p.awaiting for p in pauses])
 
     def apply(self, value: Any, pending: Sequence[AwaitingApproval]) -> str | None:
-        if isinstance(value, ApprovalDecisions):
-            value = value.decisions
-        pairs: list[tuple[AwaitingApproval, ApprovalDecision]] = []
-        problems: list[str] = []
-        if isinstance(value, ApprovalDecision):
-            pairs = [(pending[0], value)]
-        else:
-            for a in pending:
-                dec = value.get(a.approval_request_id) or (value.get(a.call_id) if a.call_id else None)
-                if dec is not None:
-                    pairs.append((a, dec))
-            if not pairs:
-                problems.append(
-                    "no decision matched a pending request; key the map by approval_request_id (or tool_call_id)"
-                )
+        pairs, problems = decisions_for(value, pending)
         # Approvals before rejections: a rejection halts the session and cancels what is still pending.
         pairs.sort(key=lambda p: p[1].decision == "reject")
         for a, dec in pairs:
@@ -289,6 +324,9 @@ class _Guard:
                     self.u.approvals.approve(a.approval_request_id, approver=approver, reason=dec.reason)
                 elif dec.decision == "reject":
                     self.u.approvals.reject(a.approval_request_id, approver=approver, reason=dec.reason or "")
+                elif dec.decision == "respond":
+                    self.u.approvals.respond(a.approval_request_id, approver=approver, response=dec.response or "",
+                                             reason=dec.reason)
                 else:
                     self.u.approvals.modify(a.approval_request_id, approver=approver, args=dec.args or {},
                                             reason=dec.reason)
@@ -296,4 +334,53 @@ class _Guard:
                 continue  # decided elsewhere first (or on an earlier run): the store is the authority
             except errors.UndoLogError as exc:
                 problems.append(f"{a.tool_name} ({a.approval_request_id}): {exc.message}")
+                continue
+            emit("undolog.approval_decision", {
+                "approval_request_id": a.approval_request_id, "tool": a.tool_name, "tool_call_id": a.call_id,
+                "effect_id": a.effect_id, "decision": dec.decision, "approver": approver, "reason": dec.reason,
+                "args": dec.args, "response": dec.response,
+            })
         return "; ".join(problems) or None
+
+
+def emit(name: str, data: dict[str, Any]) -> None:
+    """Tell the run's callbacks (LangSmith and other tracers) what UndoLog did, as a LangChain custom event.
+
+    Outside a run (no parent run to attach the event to) there is nobody to tell, and nothing is sent.
+    """
+    try:
+        dispatch_custom_event(name, data)
+    except RuntimeError:
+        pass
+
+
+def rollback_events(report: Any, failed: str | None) -> list[tuple[str, dict[str, Any]]]:
+    """The custom events of one rollback: a step per compensation run (newest first), then the rollback's end."""
+    if report is None:
+        return []
+    events: list[tuple[str, dict[str, Any]]] = [
+        ("undolog.compensation", {"session_id": report.session_id, **dict(step.__dict__)}) for step in report.steps
+    ]
+    events.append(("undolog.rollback", {
+        "session_id": report.session_id, "failed_effect_id": failed, "complete": report.complete,
+        "halted_reason": report.halted_reason, "compensated": sum(1 for st in report.steps
+                                                                  if st.outcome == "compensated"),
+        "kept_irreversible": list(report.kept_irreversible),
+    }))
+    return events
+
+
+def _model_schema(tool: Any) -> Any:
+    """LangChain's ``tool_call_schema`` when the tool takes injected values the model never sends, else None."""
+    if not isinstance(tool, BaseTool):
+        return None
+    schema = getattr(tool, "tool_call_schema", None)
+    full = getattr(tool, "get_input_schema", None)
+    if schema is None or full is None:
+        return None
+    try:
+        sent = set(getattr(schema, "model_fields", {}) or {})
+        takes = set(getattr(full(), "model_fields", {}) or {})
+    except Exception:  # noqa: BLE001 - an exotic tool: the function's own signature stays the schema
+        return None
+    return schema if takes - sent else None

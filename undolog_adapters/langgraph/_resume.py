@@ -13,6 +13,7 @@ from langgraph.types import Command
 from undolog_core import RequestState, errors
 
 from ._payload import ours as _ours
+from ._payload import requests_of as _requests_of
 from ._payload import resume_value_for as _resume_value_for
 from ._sessions import _ADAPTERS, _base_of, _chain, _chain_index, _default_undolog, _thread, _thread_config
 
@@ -123,7 +124,7 @@ def _decided_threads(u: UndoLog, thread_ids: Iterable[str] | None) -> list[str]:
 
 def _all_decided(u: UndoLog, interrupts: Sequence[Any]) -> bool:
     for i in interrupts:
-        for req in i.value.get("requests") or [i.value]:
+        for req in _requests_of(i.value):
             if u.approvals.get(req["approval_request_id"]).state == RequestState.PENDING:
                 return False
     return True
