@@ -8,6 +8,7 @@ call sequence itself (run, complete, fail, release) is in ``_call``. Imports Lan
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -16,8 +17,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from langchain_core.callbacks import dispatch_custom_event
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool
+from langchain_core.tools import tool as as_tool
 from langgraph.config import get_config
 from langgraph.types import interrupt
+from pydantic import BaseModel
 
 from undolog_core import AwaitingApproval, Completed, Execute, OnFailure, ToolTier, errors
 from undolog_core._tools import tool_name_of
@@ -113,7 +116,7 @@ class _Guard:
     def _register(self, name: str, tool: Any) -> str:
         fn = _function_of(tool)
         if self.registrar.policy(name) is not None:
-            schema = getattr(tool, "tool_call_schema", None) if isinstance(tool, BaseTool) else None
+            schema = getattr(tool, "tool_call_schema", None) if isinstance(tool, BaseTool) else _model_schema(tool)
             self.registrar.register(name, fn if fn is not None else tool, args_schema=schema)
             return name
         target = fn if _declaration(fn) is not None else tool
@@ -371,16 +374,19 @@ def rollback_events(report: Any, failed: str | None) -> list[tuple[str, dict[str
 
 
 def _model_schema(tool: Any) -> Any:
-    """LangChain's ``tool_call_schema`` when the tool takes injected values the model never sends, else None."""
+    """LangChain's ``tool_call_schema`` when the tool takes values the model never sends (injected ones), else None."""
     if not isinstance(tool, BaseTool):
-        return None
+        try:
+            tool = as_tool(tool)  # as ToolNode and create_agent do with a plain function
+        except Exception:  # noqa: BLE001 - not convertible here: the function's own signature stays the schema
+            return None
     schema = getattr(tool, "tool_call_schema", None)
-    full = getattr(tool, "get_input_schema", None)
-    if schema is None or full is None:
+    fn = _function_of(tool)
+    if not (isinstance(schema, type) and issubclass(schema, BaseModel)) or fn is None:
         return None
     try:
-        sent = set(getattr(schema, "model_fields", {}) or {})
-        takes = set(getattr(full(), "model_fields", {}) or {})
-    except Exception:  # noqa: BLE001 - an exotic tool: the function's own signature stays the schema
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
         return None
-    return schema if takes - sent else None
+    takes = {n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in ("self", "cls")}
+    return schema if takes - set(schema.model_fields) else None
