@@ -30,7 +30,7 @@ ADMIN = require("admin")
 ANY = require(*ROLES)
 AGENT_OR_ADMIN = require("agent", "admin")
 
-ApprovalState = Literal["pending", "approved", "rejected", "timed_out", "auto_approved", "cancelled"]
+ApprovalState = Literal["pending", "approved", "rejected", "timed_out", "auto_approved", "cancelled", "responded"]
 SessionState = Literal["active", "awaiting_approval", "halted", "rolled_back", "completed"]
 
 
