@@ -19,9 +19,9 @@ from langgraph.errors import GraphBubbleUp
 
 from undolog_core import AwaitingApproval, Outcome, errors
 
-from ._guard import _Guard, _Reply, _Run, emit, rollback_events
+from ._guard import _Guard, _Reply, _Run
 from ._payload import _Pause
-from ._tools import _result_of
+from ._tools import _result_of, emit, rollback_events
 
 
 @dataclass

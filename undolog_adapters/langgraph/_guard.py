@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from langchain_core.callbacks import dispatch_custom_event
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool
 from langchain_core.tools import tool as as_tool
@@ -36,7 +35,7 @@ from ._payload import (
     payload,
 )
 from ._sessions import _chain, _chain_index
-from ._tools import _Box, _capturing, _content_of, _declaration, _function_of, _sibling_call_ids
+from ._tools import _Box, _capturing, _content_of, _declaration, _function_of, _sibling_call_ids, emit
 
 if TYPE_CHECKING:
     from undolog_core import UndoLog
@@ -344,33 +343,6 @@ class _Guard:
                 "args": dec.args, "response": dec.response,
             })
         return "; ".join(problems) or None
-
-
-def emit(name: str, data: dict[str, Any]) -> None:
-    """Tell the run's callbacks (LangSmith and other tracers) what UndoLog did, as a LangChain custom event.
-
-    Outside a run (no parent run to attach the event to) there is nobody to tell, and nothing is sent.
-    """
-    try:
-        dispatch_custom_event(name, data)
-    except RuntimeError:
-        pass
-
-
-def rollback_events(report: Any, failed: str | None) -> list[tuple[str, dict[str, Any]]]:
-    """The custom events of one rollback: a step per compensation run (newest first), then the rollback's end."""
-    if report is None:
-        return []
-    events: list[tuple[str, dict[str, Any]]] = [
-        ("undolog.compensation", {"session_id": report.session_id, **dict(step.__dict__)}) for step in report.steps
-    ]
-    events.append(("undolog.rollback", {
-        "session_id": report.session_id, "failed_effect_id": failed, "complete": report.complete,
-        "halted_reason": report.halted_reason, "compensated": sum(1 for st in report.steps
-                                                                  if st.outcome == "compensated"),
-        "kept_irreversible": list(report.kept_irreversible),
-    }))
-    return events
 
 
 def _model_schema(tool: Any) -> Any:
