@@ -218,6 +218,9 @@ class ApprovalDecisions(BaseModel):
     @classmethod
     def _not_single(cls, data: Any) -> Any:
         if isinstance(data, Mapping) and ("decision" in data or "type" in data):
+            asking = _ASKING.get()
+            if asking is not None and len(asking.names) == 1:
+                raise ValueError("one decision, not {'decisions': [...]}")  # the union's other branches say more
             raise ValueError(
                 "this pause holds several calls: resume with {'decisions': [one decision per action_request, "
                 "in order]} or {'decisions': {approval_request_id: decision, ...}}"
