@@ -90,3 +90,19 @@ def test_safe_errors_reach_the_middleware_which_retries_them(undolog: Any) -> No
     out = agent.invoke({"messages": [{"role": "user", "content": "look at the map"}]},
                        {"configurable": {"thread_id": uuid.uuid4().hex[:10]}})
     assert calls == [("map", "LX8"), ("map", "LX8")] and answer(out).content == "12A free"
+
+
+def test_a_third_party_tool_gets_its_policy_in_tiers(undolog: Any) -> None:
+    # README "Retries": retry= in the tiers= vocabulary, for a tool @undolog_tool cannot decorate.
+    from undolog_adapters.langgraph import UndoLogPolicy, UndoLogToolNode
+
+    def lookup(q: str) -> str:
+        """Look something up."""
+        return q
+
+    UndoLogToolNode([lookup], undolog=undolog, tiers={"lookup": UndoLogPolicy("safe", retry=2)})
+    assert undolog.tool_spec("lookup").retry == RetryPolicy(attempts=2)
+    UndoLogToolNode([lookup], undolog=undolog, tiers={"lookup": {"tier": "safe", "retry": RetryPolicy(attempts=4)}})
+    assert undolog.tool_spec("lookup").retry.attempts == 4
+    with pytest.raises(Exception, match="IRREVERSIBLE"):
+        UndoLogToolNode([lookup], undolog=undolog, tiers={"lookup": UndoLogPolicy("irreversible", retry=2)})
