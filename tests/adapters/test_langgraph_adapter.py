@@ -157,6 +157,8 @@ def test_each_tier_and_approve(kind: str, undolog: Any, world: SupportWorld, too
 
 
 @pytest.mark.parametrize("kind", KINDS)
+# README "Use a LangChain HITL client as UndoLog's approval UI" > "UndoLog's own form is accepted too": the approve,
+# modify and reject lines are run by the three tests below (respond: test_langgraph_readme.py).
 def test_modify_runs_the_edited_arguments(kind: str, undolog: Any, world: SupportWorld, tools: Any) -> None:
     graph = build(kind, undolog, tools, InMemorySaver())
     c = cfg()
@@ -569,6 +571,8 @@ class open_saver:
 
 
 @pytest.mark.parametrize(("kind", "saver_kind"), [("node", "sqlite"), ("middleware", "sqlite"), ("middleware", "postgres")])
+# README "Deciding elsewhere": undolog_resume (here), aundolog_resume (test_async_approve_and_rollback),
+# resume_decided (test_resume_decided_resumes_only_fully_decided_threads).
 def test_decided_elsewhere_then_resumed_by_a_new_process(
     kind: str, saver_kind: str, db: Any, world: SupportWorld, tools: Any, tmp_path: Path
 ) -> None:

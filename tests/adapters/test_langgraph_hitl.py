@@ -134,6 +134,8 @@ class AuthUser:
 # ------------------------------------------------------------------------------------- the middleware
 
 
+# README "Use a LangChain HITL client as UndoLog's approval UI": the payload, and the middleware's line of the
+# "Answer with LangChain's decisions" snippet.
 def test_middleware_pause_is_a_tool_approval_request_answered_by_a_decision(undolog: Any, world: World) -> None:
     a, c = agent(undolog, world, approver="ana"), cfg()
     a.invoke(user("close my account"), c)
@@ -252,6 +254,7 @@ def test_node_pause_is_an_hitl_request_answered_in_order(undolog: Any, world: Wo
     assert by_name["close_account"].content == "closed u-1" and by_name["ask_customer"].content == "Order B-7"
 
 
+# README: the node's line of the "Answer with LangChain's decisions" snippet, and the rejection paragraph.
 def test_node_reject_halts_and_the_approved_sibling_does_not_run(undolog: Any, world: World) -> None:
     g, c = graph(undolog, world, approver="ana"), cfg()
     g.invoke(user("both"), c)
@@ -277,6 +280,7 @@ class Events(BaseCallbackHandler):
         self.seen.append((name, data))
 
 
+# README "Callbacks and tracing": the Audit handler snippet.
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_callbacks_see_decisions_and_compensations(undolog: Any, world: World, mode: str) -> None:
     a = agent(undolog, world, approver="ana")
