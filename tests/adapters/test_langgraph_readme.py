@@ -188,3 +188,20 @@ def test_undologs_own_form_respond(undolog: Any, tools: Any) -> None:
 
     [msg] = [m for m in out["messages"] if isinstance(m, ToolMessage)]
     assert msg.content == "Archived instead." and msg.status == "success"
+
+
+def test_responded_elsewhere_then_resumed_from_the_store(undolog: Any, tools: Any) -> None:
+    # README "Deciding elsewhere": a respond decided through the approval service reaches the model on resume.
+    from undolog_adapters.langgraph import undolog_resume
+
+    agent = create_agent(ScriptedChatModel(scripts=SCRIPTS), tools.agent_tools, checkpointer=InMemorySaver(),
+                         middleware=[UndoLogMiddleware(undolog, tools=tools.agent_tools,
+                                                       compensations=[tools.cancel_refund_email])])
+    config = cfg()
+    agent.invoke({"messages": [{"role": "user", "content": "delete my account"}]}, config)
+    [pause] = agent.get_state(config).interrupts
+    undolog.approvals.respond(pause.value["undolog"]["approval_request_id"], approver="ana",
+                              response="Kept the account; sent the export instead.")
+    out = agent.invoke(Command(resume=undolog_resume(agent, config)), config)
+    [msg] = [m for m in out["messages"] if isinstance(m, ToolMessage)]
+    assert msg.content == "Kept the account; sent the export instead." and msg.status == "success"
