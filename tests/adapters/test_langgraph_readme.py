@@ -202,6 +202,6 @@ def test_responded_elsewhere_then_resumed_from_the_store(undolog: Any, tools: An
     [pause] = agent.get_state(config).interrupts
     undolog.approvals.respond(pause.value["undolog"]["approval_request_id"], approver="ana",
                               response="Kept the account; sent the export instead.")
-    out = agent.invoke(Command(resume=undolog_resume(agent, config)), config)
+    out = agent.invoke(Command(resume=undolog_resume(agent, config, undolog=undolog)), config)
     [msg] = [m for m in out["messages"] if isinstance(m, ToolMessage)]
     assert msg.content == "Kept the account; sent the export instead." and msg.status == "success"
