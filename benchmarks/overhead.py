@@ -10,10 +10,12 @@ Two comparisons, each on SQLite (a file in a temp dir) and PostgreSQL (a fresh s
    are trivial, so this is the worst case for the ratio. Goal: at most 2x.
 2. COMPENSABLE: ``await s.call(tool, **kw)`` against one bare durable two-row commit on the same database
    (a raw DB-API connection: sqlite3 in WAL with synchronous=FULL, or psycopg; two INSERTs into two small
-   tables, then COMMIT). Goal: at most 2.2x with the default durable commit mark, at most 1.3x with
-   ``UndoLog.open(url, fast_commit_mark=True)``. Two more rows, with no goal, are lower bounds for both modes: the
-   work that cannot be skipped (validation, snapshot and digest, the same one-statement pre-write with its undo
-   entry, the commit mark) with none of UndoLog's own bookkeeping around it (see ``lower_bound``).
+   tables, then COMMIT). Goal: at most 2.2x with the default durable commit mark. Two more rows are lower
+   bounds for both modes: the work that cannot be skipped (validation, snapshot and digest, the same
+   one-statement pre-write with its undo entry, the commit mark) with none of UndoLog's own bookkeeping around
+   it (see ``lower_bound``). UndoLog over the lower bound of its own mode is printed as a row of its own, goal
+   at most 1.1x in both modes (``UndoLog.open(url, fast_commit_mark=True)`` included; its earlier goal of
+   1.3x a bare commit was withdrawn: it sat below the lower bound itself).
 
 Machines are noisy (here, mostly the disk: the same fsync takes 0.3 ms or 0.6 ms from one second to the next),
 so the variants of a comparison are interleaved: every round runs one batch of each variant, in a shuffled
@@ -21,6 +23,11 @@ order, a few milliseconds apart. A variant's time is the median over rounds of i
 paired: each round divides the variant's batch by the baseline's batch of the same round (measured moments
 apart, under the same disk weather), and the figure is the median of those per-round ratios, with their
 p25-p75 beside it.
+
+3. OpenTelemetry, no database: what UndoLog's instrumentation adds to each gated (COMPENSABLE/IRREVERSIBLE) call
+   with ``opentelemetry-api`` installed and no SDK configured (goal: at most 5 us), beside what a no-op span and a
+   recorded span (SDK, in-memory exporter) would cost, for scale. Without the API installed the cost is one
+   ``is None`` test. The COMPENSABLE rows above already include the no-SDK checks.
 
 It is a report: the exit status is 0 whatever the numbers (non-zero only if the benchmark itself breaks).
 ``--quick`` is a smoke run for CI (well under 30 s for both databases).
@@ -100,6 +107,9 @@ class Variant:
     baseline: str | None = None  # name of the variant this one is compared with
     goal: float | None = None
     samples: list[float] = field(default_factory=list)  # per-call seconds, one per round
+    # A second, paired comparison printed as its own row: (the variant compared with, its goal). Used for
+    # UndoLog's own bookkeeping over the lower bound of the same mode.
+    over: tuple[str, str, float] | None = None  # (row label, variant compared with, goal)
 
 
 def measure(variants: list[Variant], *, rounds: int, batch: int, rng: random.Random) -> None:
@@ -136,13 +146,18 @@ class Row:
     goal: float | None
     ratio_lo: float | None = None
     ratio_hi: float | None = None
+    goal_us: float | None = None  # an absolute goal (the OpenTelemetry rows)
 
     @property
     def verdict(self) -> str:
+        if self.goal_us is not None:
+            return "PASS" if self.median_us <= self.goal_us else "MISS"
+        if self.group == "OTEL":
+            return "scale"
         if self.ratio is None:
             return "baseline"
         if self.goal is None:
-            return "bound"
+            return "bound" if self.variant.startswith("lower bound") else "report"
         return "PASS" if self.ratio <= self.goal else "MISS"
 
 
@@ -157,6 +172,15 @@ def rows_for(db: str, group: str, variants: list[Variant]) -> list[Row]:
             row.ratio = median(paired)
             row.ratio_lo, row.ratio_hi = quartiles(paired)
         out.append(row)
+    for v in variants:
+        if v.over is None:
+            continue
+        label, bound, goal = v.over
+        paired = [a / b for a, b in zip(v.samples, by_name[bound].samples, strict=True)]
+        lo, hi = quartiles(paired)
+        extra = [(a - b) * 1e6 for a, b in zip(v.samples, by_name[bound].samples, strict=True)]
+        out.append(Row(db, group, label, median(extra), *quartiles(extra), median(paired), goal,
+                       lo, hi))
     return out
 
 
@@ -313,13 +337,20 @@ def compensable_variants(
         return time.perf_counter() - t0
 
     base = "bare durable 2-row commit (DB-API)"
+    lb_durable, lb_fast = "lower bound, durable mark", "lower bound, fast mode"
+    # UndoLog's own bookkeeping (pins, leases, the in-flight set, current_call(), call-id handling, the driver)
+    # over the work no implementation can skip, in the same mode: at most 10% (issue 13's goal, which replaced
+    # the withdrawn "fast mode <= 1.3x a bare commit": that one sat below the stored work itself).
     return [
         Variant(base, baseline.run),
-        Variant("await s.call, durable commit mark", via_call(sd, durable), base, 2.2),
-        Variant("s.call_sync, durable commit mark", via_call_sync, base, 2.2),
-        Variant("await s.call, fast_commit_mark=True", via_call(sf, fast), base, 1.3),
-        Variant("lower bound, durable mark", lower_bound(durable, loop, durable=True), base),
-        Variant("lower bound, fast mode", lower_bound(fast, loop), base),
+        Variant("await s.call, durable commit mark", via_call(sd, durable), base, 2.2,
+                over=("over its lower bound: await s.call, durable", lb_durable, 1.1)),
+        Variant("s.call_sync, durable commit mark", via_call_sync, base, 2.2,
+                over=("over its lower bound: s.call_sync, durable", lb_durable, 1.1)),
+        Variant("await s.call, fast_commit_mark=True", via_call(sf, fast), base,
+                over=("over its lower bound: fast mode", lb_fast, 1.1)),
+        Variant(lb_durable, lower_bound(durable, loop, durable=True), base),
+        Variant(lb_fast, lower_bound(fast, loop), base),
     ]
 
 
@@ -363,6 +394,65 @@ def lower_bound(u: UndoLog, loop: asyncio.AbstractEventLoop, *, durable: bool = 
         return time.perf_counter() - t0
 
     return lambda n: loop.run_until_complete(go(n))
+
+
+# -- OpenTelemetry ---------------------------------------------------------------------------------
+
+
+def otel_rows(plan: Plan, rng: random.Random) -> list[Row]:
+    """Per gated call: UndoLog's checks with the API but no SDK, against a no-op and a recorded span."""
+    from undolog_core import _observe as obs
+
+    try:
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    except ImportError:
+        print("[otel] opentelemetry-api/-sdk not installed: no OpenTelemetry rows", file=sys.stderr)
+        return []
+    if obs.tracing():
+        print("[otel] an SDK is configured in this process: the no-SDK row would not mean anything", file=sys.stderr)
+        return []
+    attrs = obs.tool_attrs("bench_refund", "compensable", call_id="c-1", session_id="s-1", effect_id="e" * 32)
+    noop = trace.get_tracer("bench")  # the API's proxy: a no-op span while no SDK is set
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    recording = provider.get_tracer("bench")  # not the global provider: the no-SDK row stays true
+
+    def checks(n: int) -> float:
+        # Exactly what CallDriver.run_sync/run_async add to a gated call when no SDK is configured.
+        tracing, count = obs.tracing, obs.count_call
+        t0 = time.perf_counter()
+        for _ in range(n):
+            count("compensable", "bench_refund")
+            tracing()
+        return time.perf_counter() - t0
+
+    def noop_span(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            with noop.start_as_current_span("execute_tool bench_refund", attributes=attrs):
+                pass
+        return time.perf_counter() - t0
+
+    def recorded_span(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            with recording.start_as_current_span("execute_tool bench_refund", attributes=attrs):
+                pass
+        exporter.clear()
+        return time.perf_counter() - t0
+
+    variants = [Variant("gated call's checks, API without SDK", checks),
+                Variant("(a no-op span, API without SDK: skipped)", noop_span),
+                Variant("(a recorded span, SDK + in-memory exporter)", recorded_span)]
+    measure(variants, rounds=plan.safe_rounds, batch=plan.safe_batch, rng=rng)
+    provider.shutdown()
+    rows = rows_for("-", "OTEL", variants)
+    rows[0].goal_us = 5.0
+    return rows
 
 
 # -- per database ----------------------------------------------------------------------------------
@@ -427,6 +517,7 @@ def bench_db(kind: str, plan: Plan, pg_url: str, rng: random.Random) -> list[Row
 
 
 def print_table(rows: list[Row], plan: Plan, elapsed: float) -> None:
+    # "over its lower bound" rows: their microseconds are UndoLog's own, the difference per round.
     headers = ("db", "tier", "variant", "median us", "p25-p75 us", "ratio", "ratio p25-p75", "goal", "result")
     body = []
     for r in rows:
@@ -437,9 +528,10 @@ def print_table(rows: list[Row], plan: Plan, elapsed: float) -> None:
                 r.variant,
                 f"{r.median_us:,.1f}",
                 f"{r.p25_us:,.1f}-{r.p75_us:,.1f}",
-                f"{r.ratio:.2f}x" if r.ratio is not None else "1.00x",
+                f"{r.ratio:.2f}x" if r.ratio is not None else "" if r.group == "OTEL" else "1.00x",
                 f"{r.ratio_lo:.2f}-{r.ratio_hi:.2f}" if r.ratio_lo is not None and r.ratio_hi is not None else "",
-                f"<= {r.goal:.1f}x" if r.goal is not None else "",
+                f"<= {r.goal_us:.0f} us" if r.goal_us is not None else f"<= {r.goal:.1f}x" if r.goal is not None
+                else "",
                 r.verdict,
             )
         )
@@ -481,7 +573,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = (
         Plan(safe_rounds=9, safe_batch=500, comp_rounds=7, comp_batch=5)
         if args.quick
-        else Plan(safe_rounds=31, safe_batch=2000, comp_rounds=25, comp_batch=10)
+        # 200 COMPENSABLE rounds: a round's paired ratio spreads by +-0.15x with the disk's weather, so 25 rounds
+        # left the median itself moving by about 0.05x from run to run, as much as the margins measured here.
+        else Plan(safe_rounds=31, safe_batch=2000, comp_rounds=200, comp_batch=10)
     )
     if args.rounds:
         plan.comp_rounds = args.rounds
@@ -496,6 +590,11 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - report what could not be measured, keep the rest
             broken = True
             print(f"[{kind}] the benchmark could not run: {type(exc).__name__}: {exc}", file=sys.stderr)
+    try:
+        rows += otel_rows(plan, rng)
+    except Exception as exc:  # noqa: BLE001 - as above
+        broken = True
+        print(f"[otel] the benchmark could not run: {type(exc).__name__}: {exc}", file=sys.stderr)
     if rows:
         print_table(rows, plan, time.perf_counter() - t0)
     # A report: missed goals do not fail the run; a benchmark that cannot run does (CI smoke).

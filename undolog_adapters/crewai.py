@@ -77,8 +77,15 @@ log = logging.getLogger(__name__)
 _kickoff_session: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_crewai_session", default=None)
 
 # Frames of CrewAI's native tool-call executors; they hold the provider's tool-call id in a local
-# variable named ``call_id`` but never pass it to the tool.
+# variable named ``call_id`` but never pass it to the tool. CrewAI 1.15 has no public way to the id: not the
+# tool's arguments, not ToolCallHookContext, not the ToolUsageStartedEvent. What is read here (these function
+# names, their ``call_id`` and ``tool_call`` locals) is pinned by tests/adapters/test_framework_idioms.py
+# against the installed CrewAI, so a CrewAI release that changes it fails that test by name; at run time a
+# changed executor is logged once and calls fall back to argument digests (as on the ReAct path).
+#   crewai.agents.agent_executor.AgentExecutor._execute_single_native_tool_call
+#   crewai.utilities.agent_utils.execute_single_native_tool_call
 _NATIVE_EXECUTORS = frozenset({"_execute_single_native_tool_call", "execute_single_native_tool_call"})
+_warned_no_call_id = False
 
 _BLOCKED_PREFIX = "Tool execution blocked by hook"
 
@@ -97,11 +104,22 @@ def _native_call_id() -> str | None:
         if frame.f_code.co_name in _NATIVE_EXECUTORS and "crewai" in frame.f_code.co_filename:
             local = frame.f_locals
             cid, raw = local.get("call_id"), local.get("tool_call")
+            if "call_id" not in local or "tool_call" not in local:
+                _executor_changed(frame.f_code.co_name)
             if isinstance(cid, str) and cid and cid != "unknown" and cid != f"call_{id(raw)}":
                 return cid
             return None
         frame = frame.f_back
     return None
+
+
+def _executor_changed(name: str) -> None:
+    global _warned_no_call_id
+    if not _warned_no_call_id:
+        _warned_no_call_id = True
+        log.warning("UndoLog: CrewAI's %s no longer holds `call_id`/`tool_call`; native calls are matched by "
+                    "argument digest instead of the provider's call id (this CrewAI version is not the one UndoLog "
+                    "was tested with)", name)
 
 
 def _sanitize(name: str) -> str:

@@ -89,8 +89,16 @@ PLACEHOLDER_KEY = "undolog_approval_request_id"
 # None when nothing was rolled back (policy "continue", or the rollback could not run; the note says which).
 ROLLBACK_ATTR = "undolog_rollback"
 
-# Parameters SK fills in itself; they are not part of a call's arguments.
+# Parameters SK fills in itself; they are not part of a call's arguments. Neither is a parameter marked
+# ``include_in_function_choices: False``: the app passes it in KernelArguments, the model never sees it. UndoLog's
+# schema, snapshot and digest (what an approver sees, what a decision binds) cover only what the model sends; the
+# function still receives the rest from SK.
 _INJECTED = frozenset({"kernel", "service", "execution_settings", "arguments"})
+
+
+def _model_params(function: KernelFunction) -> list[Any]:
+    return [p for p in function.parameters
+            if p.name and p.name not in _INJECTED and p.include_in_function_choices]
 
 _session_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_sk_session", default=None)
 
@@ -142,9 +150,7 @@ def _method_spec(function: KernelFunction) -> Any:
 def _json_schema(function: KernelFunction) -> dict[str, Any]:
     props: dict[str, Any] = {}
     required: list[str] = []
-    for p in function.parameters:
-        if not p.name or p.name in _INJECTED or not p.include_in_function_choices:
-            continue
+    for p in _model_params(function):
         props[p.name] = dict(p.schema_data or {})
         if p.is_required:
             required.append(p.name)
@@ -152,7 +158,8 @@ def _json_schema(function: KernelFunction) -> dict[str, Any]:
 
 
 class UndoLogFilter:
-    """The pair of SK filters. Register with :meth:`install` (or :func:`install`).
+    """The pair of SK filters: the object itself is the FUNCTION_INVOCATION filter, ``.auto_invocation`` the
+    AUTO_FUNCTION_INVOCATION one. Register them the way SK registers any filter, or with :meth:`install`.
 
     Args:
         undolog: the :class:`UndoLog` to log into.
@@ -169,7 +176,9 @@ class UndoLogFilter:
 
     Example:
         >>> f = UndoLogFilter(ul, tiers={"support-delete_user_account": "irreversible"})  # doctest: +SKIP
-        >>> f.install(kernel)
+        >>> kernel.add_filter(FilterTypes.FUNCTION_INVOCATION, f)            # SK's own idiom, after your filters
+        >>> kernel.add_filter(FilterTypes.AUTO_FUNCTION_INVOCATION, f.auto_invocation)
+        >>> # or, the same plus a check that every kernel function has a tier:  f.install(kernel)
     """
 
     def __init__(self, undolog: UndoLog, *, tiers: Mapping[str, TierValue] | None = None,
@@ -184,6 +193,19 @@ class UndoLogFilter:
         # Bound methods are created anew on each access; keep one of each so they can be found again.
         self.function_filter = self.function_invocation
         self.auto_filter = self.auto_function_invocation
+        #: The AUTO_FUNCTION_INVOCATION half, for ``kernel.add_filter(FilterTypes.AUTO_FUNCTION_INVOCATION, ...)``.
+        self.auto_invocation = self.auto_filter
+
+    async def __call__(self, context: FunctionInvocationContext, next: Any) -> None:
+        """The FUNCTION_INVOCATION filter: ``kernel.add_filter(FilterTypes.FUNCTION_INVOCATION, undolog_filter)``.
+
+        SK calls a filter as ``filter(context, next=...)``, so the parameter must be named ``next``.
+        """
+        await self.function_invocation(context, next)
+
+    def _is_inner(self, registered: Any) -> bool:
+        # The inner half registered either as this object (SK's idiom) or as its bound method (install()).
+        return registered is self or registered == self.function_filter
 
     # ----------------------------------------------------------------- setup
     def install(self, kernel: Kernel, *, strict: bool = True) -> UndoLogFilter:
@@ -234,7 +256,7 @@ class UndoLogFilter:
 
     @staticmethod
     def _args(function: KernelFunction, arguments: KernelArguments) -> dict[str, Any]:
-        names = {p.name for p in function.parameters if p.name and p.name not in _INJECTED}
+        names = {p.name for p in _model_params(function)}
         args: dict[str, Any] = to_jsonable_python({k: v for k, v in arguments.items() if k in names})
         return args
 
@@ -312,7 +334,7 @@ class UndoLogFilter:
             return
         name = function.fully_qualified_name
         filters = context.kernel.function_invocation_filters
-        if filters and filters[0][1] != self.function_filter:
+        if filters and not self._is_inner(filters[0][1]):
             raise errors.ConfigurationError(
                 f"UndoLog refused {name}: another FUNCTION_INVOCATION filter runs inside UndoLog's and could change "
                 "the call after its gate; call install(kernel, ...) after adding your own filters"
@@ -365,11 +387,12 @@ class UndoLogFilter:
         raise exc
 
     def _check_paired(self, kernel: Kernel) -> None:
-        if not any(f == self.function_filter for _, f in kernel.function_invocation_filters):
+        if not any(self._is_inner(f) for _, f in kernel.function_invocation_filters):
             # Without the inner filter a tool exception would look like a result and never be undone.
             raise errors.ConfigurationError(
                 "UndoLogFilter: the AUTO_FUNCTION_INVOCATION filter needs its FUNCTION_INVOCATION twin on the "
-                "same kernel; register both with install(kernel, ...)"
+                "same kernel: kernel.add_filter(FilterTypes.FUNCTION_INVOCATION, undolog_filter) last, or "
+                "undolog_filter.install(kernel)"
             )
 
 

@@ -15,7 +15,7 @@ from . import errors
 from ._app import load_app
 from ._approvals import ApprovalEvent, ApprovalRecord
 from ._audit import AuditReport
-from ._driver import CallDriver, Outcome
+from ._driver import CallDriver, NothingHappened, Outcome
 from ._engine import AwaitingApproval, CallContext, Completed, Execute, current_call
 from ._outbox import OutboxEvent
 from ._policy import OrgPolicy
@@ -56,6 +56,7 @@ __all__ = [
     "Execute",
     "OnFailure",
     "OrgPolicy",
+    "NothingHappened",
     "Outcome",
     "OutboxEvent",
     "ProbeContext",

@@ -17,6 +17,23 @@ if TYPE_CHECKING:
     from ._undolog import UndoLog
 
 
+def is_gateway_config(spec: str) -> bool:
+    """An ``--app`` that names an MCP gateway's config file (``gateway.toml``) rather than a module."""
+    return spec.endswith(".toml")
+
+
+def _load_gateway(spec: str, into: UndoLog | None) -> UndoLog:
+    # The gateway lives in its own package (the mcp extra); imported only when a config file is named.
+    try:
+        from undolog_mcp import register_gateway
+    except ImportError as exc:
+        raise ConfigurationError(f"--app {spec} is an MCP gateway config: {exc}") from exc
+    from ._undolog import UndoLog
+
+    loaded: UndoLog = register_gateway(spec, into if into is not None else UndoLog.open())
+    return loaded
+
+
 def load_app(spec: str | None = None, *, into: UndoLog | None = None) -> UndoLog:
     """Load the app's UndoLog from ``module:attribute`` (or ``$UNDOLOG_APP``), so compensations are registered.
 
@@ -35,6 +52,9 @@ def load_app(spec: str | None = None, *, into: UndoLog | None = None) -> UndoLog
     Raises:
         ConfigurationError: No spec, a module or attribute that cannot be found, or something unusable.
 
+    A path ending in ``.toml`` is an MCP gateway's config: its upstreams' classified tools and their
+    compensations are registered (into ``into``, or an UndoLog on ``$UNDOLOG_DATABASE_URL``).
+
     Example:
         >>> undolog = load_app("support.app:undolog")        # the app's own UndoLog
         >>> served = load_app("support.tools", into=server)  # registers the module's tools into ``server``
@@ -44,6 +64,8 @@ def load_app(spec: str | None = None, *, into: UndoLog | None = None) -> UndoLog
     spec = spec or os.environ.get("UNDOLOG_APP")
     if not spec:
         raise ConfigurationError("no app given: pass --app module:attribute or set UNDOLOG_APP")
+    if is_gateway_config(spec):
+        return _load_gateway(spec, into)
     if ":" not in spec and into is None:
         raise ConfigurationError(f"--app must look like module:attribute, got {spec!r}")
     mod_name, _, attr = spec.partition(":")

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import builtins
 import datetime as dt
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from . import _observe as obs
 from ._tools import build_args_model, canonical_json, sha256_hex
 from .errors import ApprovalAlreadyDecided, ApprovalNotFound, ArgumentsInvalid, UndoLogError
 from .storage.base import utcnow
-from .storage.records import ApprovalEvent, ApprovalRecord, RequestState, StateChange
+from .storage.records import ApprovalEvent, ApprovalRecord, RequestState, SessionState, StateChange
 from .storage.schema import DecisionKind
 
 if TYPE_CHECKING:
@@ -35,9 +37,12 @@ class ApprovalService:
         self._registry = registry
         self._note_state = note_state
 
-    def _changed(self, changes: Iterable[StateChange]) -> None:
+    def _changed(self, changes: Iterable[StateChange], why: str = "") -> None:
         for change in changes:
             self._note_state(change.session_id, change.state.value)
+            if change.state is SessionState.HALTED:
+                obs.approvals_log.warning("halt: session %s halted: %s", change.session_id, why,
+                                          extra=obs.ids(change.session_id))
 
     # -- reading -------------------------------------------------------------------------------------
 
@@ -193,11 +198,27 @@ class ApprovalService:
         # A request's tool and revision never change, so the edit is validated before the decision's transaction;
         # the storage re-checks that the request is still pending under its lock (a racing decision loses there).
         approved = self._validate_edit(rec, args or {}) if action == "modify" else None
-        self._changed(self._storage.decide_request(
+        changes = self._storage.decide_request(
             approval_request_id, action=action, approver=approver, reason=reason, approved_args=approved,
             response=response, now=utcnow(),
-        ))
-        return self._get(approval_request_id)
+        )
+        done = self._get(approval_request_id)
+        self._logged(done, action)
+        self._changed(changes, f"approval request {approval_request_id} ({rec.tool_name}) was rejected by {approver}: "
+                               f"{reason}")
+        return done
+
+    @staticmethod
+    def _logged(rec: ApprovalRecord, decision: str) -> None:
+        """A decision's log record and metrics: who decided what, and how long the call waited."""
+        level = logging.WARNING if decision in ("reject", "timeout") else logging.INFO
+        if obs.approvals_log.isEnabledFor(level):
+            obs.approvals_log.log(
+                level, "decision: %s on approval request %s for %s by %s (session %s, effect %s)%s", decision,
+                rec.approval_request_id, rec.tool_name, rec.decided_by, rec.session_id, rec.effect_id,
+                f": {rec.decision_reason}" if rec.decision_reason else "",
+                extra=obs.ids(rec.session_id, rec.effect_id, rec.approval_request_id))
+        obs.count_decision(decision, rec.tool_name, rec.created_at, rec.decided_at)
 
     def cancel(self, conn: Any, request_id: str, effect_id: str, why: str, now: dt.datetime) -> None:
         """Cancel a request (and its effect if it has not run) inside the caller's transaction (the engine's and
@@ -224,7 +245,9 @@ class ApprovalService:
             changes = self._storage.expire_request(rid, now)
             if changes is None:
                 continue
-            self._changed(changes)
+            rec = self._get(rid)
+            self._logged(rec, "auto_approve" if rec.state is RequestState.AUTO_APPROVED else "timeout")
+            self._changed(changes, f"approval request {rid} ({rec.tool_name}) timed out without a decision")
             done.append(rid)
         return done
 

@@ -11,12 +11,14 @@ in never waiting for a connection or a lock (a step that would wait is run in a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import _observe as obs
 from ._engine import (
     IRREVERSIBLE,
     SAFE,
@@ -30,10 +32,25 @@ from ._engine import (
 )
 from ._saga import RollbackReport, Saga, run_coro_blocking
 from ._tools import RetryPolicy, ToolSpec
-from .errors import ApprovalPending
+from .errors import ApprovalPending, UndoLogError
 from .storage.pool import WouldBlock
 
 ControlFlow = tuple[type[BaseException], ...]
+
+
+@dataclass(frozen=True)
+class NothingHappened:
+    """What ``failure_of`` returns for a failure that, by the tool's contract, changed nothing (an MCP upstream's
+    ``isError`` result): the call is recorded failed and its undo entry dropped, so no rollback compensates it.
+
+    Example:
+        >>> failure_of = lambda r: NothingHappened(r.text) if r.isError else None
+    """
+
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
 
 
 @dataclass(frozen=True)
@@ -49,6 +66,9 @@ class Outcome:
     error: BaseException | None = None
     rollback: RollbackReport | None = None
     failure: str | None = None  # a failure the framework reported as a value (``failure_of``)
+    # How a call whose outcome was unknown (an ``unknown_on`` exception) was settled: committed (its probe said
+    # it happened), compensated, unknown (the session halted for a person), not_run; None otherwise.
+    in_doubt: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -81,6 +101,8 @@ class CallDriver:
         self.engine = engine
         self.saga = saga
         self._spec_for = spec_for
+        # Settles one call of this process whose outcome is unknown, as recovery would (bound by the facade).
+        self.in_doubt: Callable[[str], str | None] | None = None
 
     # -- deciding --------------------------------------------------------------------------------
 
@@ -94,6 +116,14 @@ class CallDriver:
         """
         spec = self.spec(tool)
         check_id("session_id", session_id)
+        if spec.tier is IRREVERSIBLE and obs.tracing():
+            start = time.time_ns()
+            try:
+                return _gated(spec, session_id, call_id, start,
+                              self.engine.intercept_spec(session_id, spec, args, call_id, match_digest))
+            except UndoLogError as exc:
+                _refused(spec, session_id, call_id, start, exc)
+                raise
         return self.engine.intercept_spec(session_id, spec, args, call_id, match_digest)
 
     async def adecide(
@@ -104,6 +134,18 @@ class CallDriver:
         worker thread (a gated call, a session's first call, a busy pool or write lock)."""
         spec = self.spec(tool)
         check_id("session_id", session_id)
+        if spec.tier is IRREVERSIBLE and obs.tracing():
+            start = time.time_ns()
+            try:
+                return _gated(spec, session_id, call_id, start,
+                              await self._adecide(session_id, spec, args, call_id, match_digest))
+            except UndoLogError as exc:
+                _refused(spec, session_id, call_id, start, exc)
+                raise
+        return await self._adecide(session_id, spec, args, call_id, match_digest)
+
+    async def _adecide(self, session_id: str, spec: ToolSpec, args: Mapping[str, Any], call_id: str | None,
+                       match_digest: bool) -> Decision:
         try:
             return self.engine.intercept_spec(session_id, spec, args, call_id, match_digest, False)
         except WouldBlock:
@@ -116,8 +158,8 @@ class CallDriver:
 
     def run_sync(
         self, d: Execute, invoke: Callable[[dict[str, Any]], Any], *, control_flow: ControlFlow = (),
-        rollback_on_failure: bool = True, failure_of: Callable[[Any], str | None] | None = None,
-        result_of: Callable[[Any], Any] | None = None, note: bool = True,
+        rollback_on_failure: bool = True, failure_of: Callable[[Any], str | NothingHappened | None] | None = None,
+        result_of: Callable[[Any], Any] | None = None, note: bool = True, unknown_on: ControlFlow = (),
     ) -> Outcome:
         """Run ``invoke(args)`` under the decision, then record its outcome.
 
@@ -128,17 +170,36 @@ class CallDriver:
         A framework that turns a tool's exception into a value (an error message) says so with ``failure_of``
         (the failure's text, or None); ``result_of`` picks what is stored as the result (default: the value).
         ``note=False``: the caller tells the rollback's outcome itself, so it is not noted on the exception.
+        ``unknown_on`` exceptions leave the call's outcome unknown (a lost connection, a timeout): it is settled at
+        once as recovery would (``Outcome.in_doubt``), never recorded as a failure that nothing happened in.
         """
+        if d.effect_id is None:  # SAFE: no span, no metric (its budget is a few microseconds)
+            return self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
+        obs.count_call(d.tier.value, d.tool_name)
+        if not obs.tracing():
+            return self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
+        with _tool_span(d) as s:
+            return _ran(s, self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on))
+
+    def _run_sync(
+        self, d: Execute, invoke: Callable[[dict[str, Any]], Any], control_flow: ControlFlow,
+        rollback_on_failure: bool, failure_of: Callable[[Any], str | NothingHappened | None] | None,
+        result_of: Callable[[Any], Any] | None, note: bool, unknown_on: ControlFlow,
+    ) -> Outcome:
         with self.engine.running(d):
             try:
                 value = invoke(d.args)
             except control_flow:
                 self.release(d)
                 raise
+            except unknown_on as exc:
+                return Outcome(error=exc, in_doubt=self._settle_in_doubt(d, exc))
             except BaseException as exc:
                 # The tool's retry policy, if any, runs it again (same effect, same key) before it counts as failed.
-                value, error = self._retry_sync(d, invoke, exc, control_flow)
+                value, error = self._retry_sync(d, invoke, exc, control_flow, unknown_on)
                 if error is not None:
+                    if isinstance(error, unknown_on):  # a retry's outcome is unknown: settled as in doubt
+                        return Outcome(error=error, in_doubt=self._settle_in_doubt(d, error))
                     return self._failed_sync(d, error, rollback_on_failure, note=note)
         failure = failure_of(value) if failure_of is not None else None
         if failure is not None:
@@ -149,10 +210,24 @@ class CallDriver:
     async def run_async(
         self, d: Execute, invoke: Callable[[dict[str, Any]], Awaitable[Any] | Any], *,
         control_flow: ControlFlow = (), rollback_on_failure: bool = True,
-        failure_of: Callable[[Any], str | None] | None = None, result_of: Callable[[Any], Any] | None = None,
-        note: bool = True,
+        failure_of: Callable[[Any], str | NothingHappened | None] | None = None,
+        result_of: Callable[[Any], Any] | None = None, note: bool = True, unknown_on: ControlFlow = (),
     ) -> Outcome:
         """The async twin of :meth:`run_sync`: the same steps, the tool and the rollback awaited on this loop."""
+        if d.effect_id is None:
+            return await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
+        obs.count_call(d.tier.value, d.tool_name)
+        if not obs.tracing():
+            return await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
+        with _tool_span(d) as s:
+            return _ran(s, await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of,
+                                                 result_of, note, unknown_on))
+
+    async def _run_async(
+        self, d: Execute, invoke: Callable[[dict[str, Any]], Awaitable[Any] | Any], control_flow: ControlFlow,
+        rollback_on_failure: bool, failure_of: Callable[[Any], str | NothingHappened | None] | None,
+        result_of: Callable[[Any], Any] | None, note: bool, unknown_on: ControlFlow,
+    ) -> Outcome:
         with self.engine.running(d):
             try:
                 value = invoke(d.args)
@@ -161,9 +236,13 @@ class CallDriver:
             except control_flow:
                 await self._off_loop(self.release, d)
                 raise
+            except unknown_on as exc:
+                return Outcome(error=exc, in_doubt=await self._off_loop(self._settle_in_doubt, d, exc))
             except BaseException as exc:
-                value, error = await self._retry_async(d, invoke, exc, control_flow)
+                value, error = await self._retry_async(d, invoke, exc, control_flow, unknown_on)
                 if error is not None:
+                    if isinstance(error, unknown_on):
+                        return Outcome(error=error, in_doubt=await self._off_loop(self._settle_in_doubt, d, error))
                     return await self._failed_async(d, error, rollback_on_failure, note=note)
         failure = failure_of(value) if failure_of is not None else None
         if failure is not None:
@@ -176,8 +255,18 @@ class CallDriver:
                 await asyncio.to_thread(self._complete, d, result)
         return Outcome(value=value)
 
-    def _failed_sync(self, d: Execute, error: BaseException | str, rollback: bool, value: Any = None,
-                     note: bool = True) -> Outcome:
+    def _settle_in_doubt(self, d: Execute, exc: BaseException) -> str | None:
+        if d.effect_id is None or self.in_doubt is None:
+            return None  # a SAFE call: nothing was logged, nothing to settle
+        try:
+            return self.in_doubt(d.effect_id)
+        except Exception as book:  # noqa: BLE001 - the caller's exception wins; recovery settles it later
+            _note(exc, f"undolog: {d.tool_name} (effect {d.effect_id}) could not be settled now: {book}; "
+                       "run recover()")
+            return None
+
+    def _failed_sync(self, d: Execute, error: BaseException | NothingHappened | str, rollback: bool,
+                     value: Any = None, note: bool = True) -> Outcome:
         exc = error if isinstance(error, BaseException) else None
         policy = self._record_failure(d, error)
         report = None
@@ -185,7 +274,7 @@ class CallDriver:
             report = self._rollback_sync(d.session_id, exc if note else None, self._why(d, error))
         return Outcome(value=value, error=exc, rollback=report, failure=None if exc else str(error))
 
-    async def _failed_async(self, d: Execute, error: BaseException | str, rollback: bool,
+    async def _failed_async(self, d: Execute, error: BaseException | NothingHappened | str, rollback: bool,
                             value: Any = None, note: bool = True) -> Outcome:
         exc = error if isinstance(error, BaseException) else None
         policy = await self._off_loop(self._record_failure, d, error)
@@ -254,8 +343,11 @@ class CallDriver:
             return None
 
     def _retry_sync(self, d: Execute, invoke: Callable[[dict[str, Any]], Any], exc: BaseException,
-                    control_flow: ControlFlow) -> tuple[Any, BaseException | None]:
-        """Run the tool again per its retry policy; ``(value, None)`` once an attempt succeeds, else the last error."""
+                    control_flow: ControlFlow, unknown_on: ControlFlow = ()) -> tuple[Any, BaseException | None]:
+        """Run the tool again per its retry policy; ``(value, None)`` once an attempt succeeds, else the last error.
+
+        An attempt whose outcome is unknown (``unknown_on``) ends the retries: it may have happened, and is settled
+        as in doubt by the caller, never tried again blindly."""
         policy = self._retry_policy(d, exc)
         attempt = 1
         while policy is not None and policy.retries(exc, attempt):
@@ -267,6 +359,8 @@ class CallDriver:
                 except control_flow:
                     self.release(d)
                     raise
+                except unknown_on as unknown:
+                    return None, unknown
                 except BaseException as again:
                     exc = again
         if attempt > 1:
@@ -274,7 +368,7 @@ class CallDriver:
         return None, exc
 
     async def _retry_async(self, d: Execute, invoke: Callable[[dict[str, Any]], Any], exc: BaseException,
-                           control_flow: ControlFlow) -> tuple[Any, BaseException | None]:
+                           control_flow: ControlFlow, unknown_on: ControlFlow = ()) -> tuple[Any, BaseException | None]:
         policy = self._retry_policy(d, exc)
         attempt = 1
         while policy is not None and policy.retries(exc, attempt):
@@ -287,6 +381,8 @@ class CallDriver:
                 except control_flow:
                     await self._off_loop(self.release, d)
                     raise
+                except unknown_on as unknown:
+                    return None, unknown
                 except BaseException as again:
                     exc = again
         if attempt > 1:
@@ -319,11 +415,13 @@ class CallDriver:
         if d.effect_id is not None:
             self.engine.release(d.effect_id)
 
-    def _record_failure(self, d: Execute, error: BaseException | str) -> str | None:
+    def _record_failure(self, d: Execute, error: BaseException | NothingHappened | str) -> str | None:
         """The failure's policy, or None when nothing is to be done (a SAFE call, or a store that is down)."""
         if d.effect_id is None:
             return None
         try:
+            if isinstance(error, NothingHappened):
+                return self.engine.record_failure(d.effect_id, error.text, nothing_happened=True).on_failure
             return self.engine.record_failure(d.effect_id, error).on_failure
         except Exception as book:  # noqa: BLE001 - the user's exception wins; ours is noted on it
             # The effect stays in flight without a live owner, so recover() settles it.
@@ -332,8 +430,8 @@ class CallDriver:
             return None
 
     @staticmethod
-    def _why(d: Execute, error: BaseException | str) -> str:
-        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    def _why(d: Execute, error: BaseException | NothingHappened | str) -> str:
+        text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
         return f"{d.tool_name} failed: {text}"
 
     def _rollback_sync(self, session_id: str, exc: BaseException | None, reason: str) -> RollbackReport | None:
@@ -389,13 +487,80 @@ class CallDriver:
         return await self._rollback_async(session_id, exc, reason)
 
 
+_REFUSALS = {"approval_rejected": "rejected", "approval_timed_out": "timed_out",
+             "approval_cancelled": "cancelled"}
+
+
+# An IRREVERSIBLE call's gate gets its own ``execute_tool`` span only when the tool does not run now (it waits for a
+# person, was refused, or replays a stored result): a call let through is traced once, by its run's span, which
+# carries the approval request and the decision. So each attempt of the agent to call the tool is one span.
+
+
+def _gate_attrs(spec: ToolSpec, session_id: str, call_id: str | None) -> dict[str, Any]:
+    return obs.tool_attrs(spec.name, spec.tier.value, call_id=call_id, session_id=session_id, effect_id=None)
+
+
+def _gated(spec: ToolSpec, session_id: str, call_id: str | None, start: int, d: Decision) -> Decision:
+    if isinstance(d, Execute):
+        return d
+    attrs = _gate_attrs(spec, session_id, call_id)
+    attrs[obs.A_EFFECT] = d.effect_id
+    if isinstance(d, AwaitingApproval):
+        attrs.update({obs.A_REQUEST: d.approval_request_id, obs.A_DECISION: "awaiting_approval",
+                      obs.A_TOOL_CALL_ID: d.call_id})
+    else:
+        attrs[obs.A_DECISION] = "replayed"
+    obs.record_span(f"{obs.OP_EXECUTE_TOOL} {spec.name}", attrs, start)
+    return d
+
+
+def _refused(spec: ToolSpec, session_id: str, call_id: str | None, start: int, exc: UndoLogError) -> None:
+    attrs = _gate_attrs(spec, session_id, call_id)
+    attrs[obs.A_DECISION] = _REFUSALS.get(exc.code, "refused")
+    attrs[obs.A_REQUEST] = getattr(exc, "approval_request_id", None)
+    obs.record_span(f"{obs.OP_EXECUTE_TOOL} {spec.name}", attrs, start, error=exc)
+
+
+@contextlib.contextmanager
+def _tool_span(d: Execute) -> Iterator[Any]:
+    """The ``execute_tool`` span around a COMPENSABLE or IRREVERSIBLE tool's run.
+
+    The tool's failure comes back in the ``Outcome`` (see :func:`_ran`); only a framework's control flow passes
+    through here: the call was handed back unrun (``released``), which is not an error."""
+    attrs = obs.tool_attrs(d.tool_name, d.tier.value, call_id=d.call_id, session_id=d.session_id,
+                           effect_id=d.effect_id)
+    if d.approval_request_id is not None:
+        attrs[obs.A_REQUEST] = d.approval_request_id
+        attrs[obs.A_DECISION] = d.decision
+    with obs.span(f"{obs.OP_EXECUTE_TOOL} {d.tool_name}", attrs) as s:
+        try:
+            yield s
+        except BaseException:
+            s.set_attribute(obs.A_OUTCOME, "released")
+            raise
+
+
+def _ran(s: Any, outcome: Outcome) -> Outcome:
+    """Mark the tool span as failed when the tool failed, with what the failure policy did about it."""
+    if outcome.ok:
+        return outcome
+    if outcome.rollback is None:
+        what = "none"
+    elif outcome.rollback.complete:
+        what = "rolled_back"
+    else:
+        what = "halted"
+    obs.failed(s, outcome.error if outcome.error is not None else str(outcome.failure), what)
+    return outcome
+
+
 def _call_blocking(spec: ToolSpec, args: dict[str, Any]) -> Any:
     """Call the registered function from sync code; an async one runs to completion (even under a running loop)."""
     out = spec.fn(**args)  # type: ignore[misc]
     return run_coro_blocking(out) if spec.is_async else out
 
 
-def _note(exc: BaseException | str | None, text: str) -> None:
+def _note(exc: object, text: str) -> None:
     if isinstance(exc, BaseException):
         exc.add_note(text)
 
@@ -411,4 +576,4 @@ def summary(report: RollbackReport) -> str:
     return text
 
 
-__all__ = ["CallDriver", "Outcome", "settle", "summary"]
+__all__ = ["CallDriver", "NothingHappened", "Outcome", "settle", "summary"]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ._faults import FaultPoint, fault
 from ._leases import LazyLoop, Leases, owner_alive
+from ._observe import engine_log, ids
 from ._tools import (
     ToolSpec,
     ToolTier,
@@ -83,6 +84,9 @@ class Execute:
     tool_name: str
     call_id: str | None = None
     session_id: str = ""
+    # IRREVERSIBLE only: the request a person decided and how ("approve", "modify", "auto_approved"), for traces.
+    approval_request_id: str | None = None
+    decision: str | None = None
 
 
 @dataclass(frozen=True)
@@ -689,8 +693,10 @@ class Engine:
         args = row.approved_args if row.approved_args is not None else row.args_snapshot
         validated = spec.values(spec.validate(args))
         fault(FaultPoint.AFTER_APPROVED_CLAIM)
+        decision = ("auto_approved" if row.req_state == RequestState.AUTO_APPROVED
+                    else "modify" if row.approved_digest not in (None, row.args_digest) else "approve")
         return Execute(row.effect_id, validated, f"do-{row.effect_id}", IRREVERSIBLE, spec.name, row.call_id,
-                       sc.session_id)
+                       sc.session_id, row.approval_request_id, decision)
 
     def _request_approval(
         self,
@@ -742,6 +748,9 @@ class Engine:
             raise
         sc.state = SessionState.AWAITING_APPROVAL.value
         sc.recent.append((spec.name, IRREVERSIBLE.value, args_json, EffectState.AWAITING_APPROVAL.value))
+        engine_log.info("pause: %s waits for approval request %s (session %s, effect %s, timeout at %s)",
+                        spec.name, request_id, sc.session_id, effect_id, timeout_at.isoformat(),
+                        extra=ids(sc.session_id, effect_id, request_id))
         left = float(policy.approval_timeout_seconds)
         return AwaitingApproval(
             effect_id=effect_id,
@@ -806,12 +815,16 @@ class Engine:
         if state is not None:
             self._missing_or_moved(effect_id, state, EffectState.COMMITTED)
 
-    def record_failure(self, effect_id: str, error: BaseException | str) -> FailureRecord:
-        """Record failure only; returns the session and its on_failure policy for the caller (the driver)."""
+    def record_failure(self, effect_id: str, error: BaseException | str, *,
+                       nothing_happened: bool = False) -> FailureRecord:
+        """Record failure only; returns the session and its on_failure policy for the caller (the driver).
+
+        ``nothing_happened``: the tool reported, by its contract, that it changed nothing; its undo entry goes.
+        """
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         self.flush_marks()
         try:
-            state, row = self.store.mark_failed(effect_id, text, utcnow())
+            state, row = self.store.mark_failed(effect_id, text, utcnow(), nothing_happened)
         finally:
             self._inflight.discard(effect_id)
         if state is not None:

@@ -8,12 +8,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from . import _observe as obs
 from ._faults import FaultPoint, fault
 from ._leases import Leases, owner_alive
 from ._saga import Saga, run_coro_blocking
 from ._tools import ToolTier, jsonable
 from .errors import UndoLogError
-from .storage.schema import EffectState, SessionState
+from .storage.schema import IN_FLIGHT, EffectState, SessionState
 
 if TYPE_CHECKING:
     from ._registry import Registry
@@ -75,6 +76,21 @@ class Recovery:
             >>> report.reconciled
             [{'effect_id': '...', 'tool_name': 'send_refund_email', 'outcome': 'compensated'}]
         """
+        with obs.span("undolog.recover", {}) as sp:
+            report = self._recover(progress)
+            sp.set_attributes({"undolog.reconciled": len(report.reconciled), "undolog.left_alive": report.left_alive,
+                               "undolog.rollbacks_resumed": len(report.rollbacks_resumed),
+                               "undolog.dead_lettered": len(report.dead_lettered), "undolog.errors": len(report.errors)})
+            if report.errors or report.dead_lettered:
+                obs.failed(sp, "; ".join(report.errors) or "dead-lettered effects", error_type="recovery_incomplete")
+        if report.reconciled or report.rollbacks_resumed or report.errors or report.dead_lettered:
+            obs.recovery_log.info(
+                "recovery: %d reconciled, %d rollback(s) resumed, %d dead-lettered, %d error(s), %d live call(s) left "
+                "alone", len(report.reconciled), len(report.rollbacks_resumed), len(report.dead_lettered),
+                len(report.errors), report.left_alive)
+        return report
+
+    def _recover(self, progress: Callable[[int, int, str], None] | None) -> RecoveryReport:
         report = RecoveryReport()
         self._flush_marks()
         seen = self._store.in_flight()
@@ -100,8 +116,12 @@ class Recovery:
                 self._saga.rollback_sync(ri.session_id, actor=ri.actor,
                                          reason=f"{ri.reason or 'requested'} (interrupted, resumed by recovery)")
                 report.rollbacks_resumed.append(ri.session_id)
+                obs.recovery_log.info("recovery: resumed the interrupted rollback of session %s", ri.session_id,
+                                      extra=obs.ids(ri.session_id))
             except UndoLogError as exc:
                 report.errors.append(f"session {ri.session_id}: {exc.message}")
+                obs.recovery_log.warning("recovery: could not resume the rollback of session %s: %s", ri.session_id,
+                                         exc.message, extra=obs.ids(ri.session_id))
             if progress:
                 progress(done, total, f"rollback {ri.session_id}")
         for ru in stray_undos:
@@ -110,22 +130,55 @@ class Recovery:
             if finished:
                 report.reconciled.append({"effect_id": ru.effect_id, "tool_name": finished[0],
                                           "outcome": finished[1]})
+                obs.recovery_log.info("recovery: finished the interrupted compensation of %s: %s (session %s, "
+                                      "effect %s)", finished[0], finished[1], ru.session_id, ru.effect_id,
+                                      extra=obs.ids(ru.session_id, ru.effect_id))
             if progress:
                 progress(done, total, f"undo {ru.undo_id}: {finished[1] if finished else 'skipped'}")
         for r in dead_effects:
             done += 1
             if r.session_id in with_intent and r.tier == ToolTier.COMPENSABLE:
                 continue  # a requested rollback compensates it (above, or by its live walker)
-            settled = self._reconcile(r, report)
+            with obs.span(f"undolog.reconcile {r.tool_name}", {
+                    obs.A_TOOL_NAME: r.tool_name, obs.A_TIER: str(r.tier), obs.A_SESSION: r.session_id,
+                    obs.A_EFFECT: r.effect_id}) as sp:
+                settled = self._reconcile(r, report)
+                sp.set_attribute(obs.A_OUTCOME, settled or "skipped")
             if settled:
                 report.reconciled.append({"effect_id": r.effect_id, "tool_name": r.tool_name, "outcome": settled})
+                log = obs.recovery_log.error if settled == "dead_letter" else obs.recovery_log.info
+                log("recovery: %s (session %s, effect %s) in flight after a crash: %s", r.tool_name, r.session_id,
+                    r.effect_id, settled, extra=obs.ids(r.session_id, r.effect_id))
             if progress:
                 progress(done, total, f"{r.tool_name} {r.effect_id}: {settled or 'skipped'}")
         return report
 
+    def settle_in_doubt(self, effect_id: str) -> str | None:
+        """Settle now, as recovery would after a crash, a call of this process whose outcome its caller cannot tell
+        (the connection to the tool was lost mid-call, or it timed out): its probe decides when it has one; else a
+        COMPENSABLE call is compensated (a compensation tolerates "never happened") and an IRREVERSIBLE one, or one
+        whose compensation needs the result it never got, becomes ``unknown``; the session halts for a person.
+
+        Returns the outcome (``committed``, ``compensated``, ``unknown``, ``not_run``), or None when the effect was
+        no longer in flight.
+
+        Example:
+            >>> undolog.driver.in_doubt(effect_id)   # what the call driver does for ``unknown_on`` exceptions
+            'compensated'
+        """
+        row = self._store.effect(effect_id)
+        if row.state not in IN_FLIGHT:
+            return None
+        report = RecoveryReport()
+        outcome = self._reconcile(row, report)
+        if outcome is None and report.errors:
+            raise UndoLogError("; ".join(report.errors))
+        return outcome
+
     def _halt(self, session_id: str, reason: str) -> None:
         self._store.halt_session(session_id, reason)
         self._note_state(session_id, SessionState.HALTED)
+        obs.recovery_log.warning("halt: session %s halted: %s", session_id, reason, extra=obs.ids(session_id))
 
     def _finish_stray(self, r: Any, report: RecoveryReport) -> tuple[str, str] | None:
         """Finish the one compensation that was interrupted, and halt the session for a person."""
@@ -192,6 +245,18 @@ class Recovery:
                 halt=(r.session_id, f"{r.tool_name} ({r.effect_id}) was interrupted mid-run: outcome unknown"),
             )
             self._note_state(r.session_id, SessionState.HALTED)
+            obs.recovery_log.warning("halt: session %s halted: %s (%s) was interrupted mid-run, outcome unknown",
+                                     r.session_id, r.tool_name, r.effect_id, extra=obs.ids(r.session_id, r.effect_id))
+            return "unknown"
+        if spec.compensation_needs_result:
+            # Its undo is built from the result, which nobody saw: a person decides.
+            self._store.settle_effect(
+                r.effect_id, EffectState.UNKNOWN,
+                error="outcome unknown, and its compensation needs the result it never returned",
+                halt=(r.session_id, f"{r.tool_name} ({r.effect_id}): outcome unknown and its compensation needs "
+                                    "its result; check the tool, then resume or roll back"),
+            )
+            self._note_state(r.session_id, SessionState.HALTED)
             return "unknown"
         # COMPENSABLE, no proof it happened: compensate (a compensation tolerates "never happened").
         report = self._saga.rollback_sync(r.session_id, actor="undolog:recovery",
@@ -212,4 +277,6 @@ class Recovery:
             report.dead_lettered.append(r.effect_id)
             return "dead_letter"
         report.errors.append(f"effect {r.effect_id}: recovery attempt {attempts} failed: {error}")
+        obs.recovery_log.warning("recovery: attempt %d for %s (session %s, effect %s) failed: %s", attempts,
+                                 r.tool_name, r.session_id, r.effect_id, error, extra=obs.ids(r.session_id, r.effect_id))
         return None

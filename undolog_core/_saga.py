@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from . import _observe as obs
 from ._faults import FaultPoint, fault
 from ._leases import Leases, owner_alive
 from ._tools import jsonable
@@ -206,6 +207,8 @@ class Saga:
                                       owner=leases.owner, lease_until=leases.until(), now=now)
         if mismatch is not None:
             self._note_state(session_id, SessionState.HALTED)
+            obs.saga_log.warning("halt: session %s halted before its rollback: %s", session_id, mismatch,
+                                 extra=obs.ids(session_id))
             raise mismatch
         if only_effect is None:
             leases.rolling.add(session_id)
@@ -278,7 +281,7 @@ class Saga:
         only_effect: str | None = None,
     ) -> RollbackReport:
         lock = self._lock_for(session_id)
-        with lock:
+        with lock, _rollback_span(session_id, actor, reason, only_effect) as rs:
             walk = _Walk(self, session_id, actor, reason, progress, only_effect)
             plan = walk.start()
             if isinstance(plan, RollbackReport):
@@ -287,19 +290,21 @@ class Saga:
                 for entry in plan:
                     walk.claim(entry)
                     error: str | None = None
-                    for n in range(self.max_attempts):
-                        try:
-                            _call_sync(entry.fn, walk.context(entry))
-                            fault(FaultPoint.AFTER_COMPENSATION)
-                            error = None
-                            break
-                        except Exception as exc:  # noqa: BLE001 - recorded, retried, then halts the session
-                            error = walk.attempt_failed(entry, exc)
-                            if n + 1 < self.max_attempts:
-                                time.sleep(self.backoff_seconds * (2**n))
+                    with _compensation_span(session_id, entry) as cs:
+                        for n in range(self.max_attempts):
+                            try:
+                                _call_sync(entry.fn, walk.context(entry))
+                                fault(FaultPoint.AFTER_COMPENSATION)
+                                error = None
+                                break
+                            except Exception as exc:  # noqa: BLE001 - recorded, retried, then halts the session
+                                error = walk.attempt_failed(entry, exc)
+                                if n + 1 < self.max_attempts:
+                                    time.sleep(self.backoff_seconds * (2**n))
+                        _compensated(cs, walk.attempt, error)
                     if not walk.step_done(entry, error):
-                        return walk.report
-                return walk.finish()
+                        return _rolled(rs, walk.report)
+                return _rolled(rs, walk.finish())
             finally:
                 walk.close()
 
@@ -319,31 +324,34 @@ class Saga:
         # The walk's durable steps run in a worker thread: the loop never waits on the store.
         step = asyncio.to_thread
         try:
-            walk = _Walk(self, session_id, actor, reason, progress, None)
-            plan = await step(walk.start)
-            if isinstance(plan, RollbackReport):
-                return plan
-            try:
-                for entry in plan:
-                    await step(walk.claim, entry)
-                    error: str | None = None
-                    for n in range(self.max_attempts):
-                        try:
-                            out = entry.fn(walk.context(entry))
-                            if inspect.isawaitable(out):
-                                await out
-                            fault(FaultPoint.AFTER_COMPENSATION)
-                            error = None
-                            break
-                        except Exception as exc:  # noqa: BLE001 - recorded, retried, then halts the session
-                            error = await step(walk.attempt_failed, entry, exc)
-                            if n + 1 < self.max_attempts:
-                                await asyncio.sleep(self.backoff_seconds * (2**n))
-                    if not await step(walk.step_done, entry, error):
-                        return walk.report
-                return await step(walk.finish)
-            finally:
-                walk.close()
+            with _rollback_span(session_id, actor, reason, None) as rs:
+                walk = _Walk(self, session_id, actor, reason, progress, None)
+                plan = await step(walk.start)
+                if isinstance(plan, RollbackReport):
+                    return plan
+                try:
+                    for entry in plan:
+                        await step(walk.claim, entry)
+                        error: str | None = None
+                        with _compensation_span(session_id, entry) as cs:
+                            for n in range(self.max_attempts):
+                                try:
+                                    out = entry.fn(walk.context(entry))
+                                    if inspect.isawaitable(out):
+                                        await out
+                                    fault(FaultPoint.AFTER_COMPENSATION)
+                                    error = None
+                                    break
+                                except Exception as exc:  # noqa: BLE001 - recorded, retried, then halts the session
+                                    error = await step(walk.attempt_failed, entry, exc)
+                                    if n + 1 < self.max_attempts:
+                                        await asyncio.sleep(self.backoff_seconds * (2**n))
+                            _compensated(cs, walk.attempt, error)
+                        if not await step(walk.step_done, entry, error):
+                            return _rolled(rs, walk.report)
+                    return _rolled(rs, await step(walk.finish))
+                finally:
+                    walk.close()
         finally:
             lock.release()
 
@@ -352,11 +360,20 @@ class Saga:
             self._succeeded(entry)
             report.steps.append(RollbackStep(entry.undo_id, entry.effect_id, entry.tool_name, entry.compensation_name,
                                              "compensated", attempt))
+            obs.saga_log.info("compensated: %s undid %s (session %s, effect %s, undo %s, attempt %s)",
+                              entry.compensation_name, entry.tool_name, session_id, entry.effect_id, entry.undo_id,
+                              attempt, extra=obs.ids(session_id, entry.effect_id))
             return True
         why = self._failed(session_id, entry, error)
         report.steps.append(RollbackStep(entry.undo_id, entry.effect_id, entry.tool_name, entry.compensation_name,
                                          "compensation_failed", attempt, error))
         report.halted_reason = why
+        obs.count_compensation_failure(entry.compensation_name, entry.tool_name)
+        obs.saga_log.error("compensation failed: %s could not undo %s (session %s, effect %s, undo %s): %s",
+                           entry.compensation_name, entry.tool_name, session_id, entry.effect_id, entry.undo_id,
+                           error, extra=obs.ids(session_id, entry.effect_id))
+        obs.saga_log.warning("halt: session %s halted: %s", session_id, why,
+                             extra=obs.ids(session_id, entry.effect_id))
         return False
 
     def halt_unrolled(self, session_id: str, why: str, error: BaseException) -> None:
@@ -366,6 +383,8 @@ class Saga:
             with self._store.tx() as conn:
                 self._store.halt_in(conn, session_id, f"{why}; the rollback could not run: {error}", utcnow())
             self._note_state(session_id, SessionState.HALTED)
+            obs.saga_log.warning("halt: session %s halted: %s; the rollback could not run: %s", session_id, why,
+                                 error, extra=obs.ids(session_id))
         except Exception as exc:  # noqa: BLE001 - the caller is already raising the user's exception
             error.add_note(f"undolog: could not halt session {session_id} either: {exc}")
 
@@ -395,6 +414,9 @@ class _Walk:
         plan = self.saga._plan(self.session_id, self.only_effect, actor=self.actor, reason=self.reason)
         if not isinstance(plan, RollbackReport):
             self.total = len(plan)
+            what = f"effect {self.only_effect}" if self.only_effect else f"session {self.session_id}"
+            obs.saga_log.info("rollback: %s, %d compensation(s) to run, by %s (%s)", what, len(plan), self.actor,
+                              self.reason or "no reason given", extra=obs.ids(self.session_id, self.only_effect))
         return plan
 
     def claim(self, entry: _Entry) -> None:
@@ -412,6 +434,9 @@ class _Walk:
     def attempt_failed(self, entry: _Entry, exc: Exception) -> str:
         error = f"{type(exc).__name__}: {exc}"
         self.saga._attempted(entry, error)
+        obs.saga_log.warning("compensation attempt %d of %s for %s failed (session %s, effect %s): %s", self.attempt,
+                             entry.compensation_name, entry.tool_name, self.session_id, entry.effect_id, error,
+                             extra=obs.ids(self.session_id, entry.effect_id))
         return error
 
     def step_done(self, entry: _Entry, error: str | None) -> bool:
@@ -424,6 +449,9 @@ class _Walk:
     def finish(self) -> RollbackReport:
         if self.only_effect is None:
             self.saga._finish(self.session_id, self.report, self.actor, self.reason)
+            obs.saga_log.info("rollback: session %s rolled back (%d compensated; irreversible steps kept: %s)",
+                              self.session_id, len(self.report.steps), ", ".join(self.report.kept_irreversible)
+                              or "none", extra=obs.ids(self.session_id))
         return self.report
 
     def close(self) -> None:
@@ -434,6 +462,36 @@ class _Walk:
             leases.compensating.discard(self.claimed.undo_id)
         if self.only_effect is None:
             leases.rolling.discard(self.session_id)
+
+
+def _rollback_span(session_id: str, actor: str, reason: str | None, only_effect: str | None) -> Any:
+    return obs.span("undolog.rollback", {obs.A_SESSION: session_id, "undolog.actor": actor,
+                                         "undolog.reason": reason, obs.A_EFFECT: only_effect})
+
+
+def _compensation_span(session_id: str, entry: _Entry) -> Any:
+    return obs.span(f"undolog.compensate {entry.compensation_name}", {
+        obs.A_COMPENSATION: entry.compensation_name, "undolog.compensation.version": entry.compensation_version,
+        obs.A_TOOL_NAME: entry.tool_name, obs.A_SESSION: session_id, obs.A_EFFECT: entry.effect_id,
+        "undolog.undo_id": entry.undo_id})
+
+
+def _compensated(s: Any, attempts: int, error: str | None) -> None:
+    s.set_attribute("undolog.attempts", attempts)
+    s.set_attribute(obs.A_OUTCOME, "compensated" if error is None else "compensation_failed")
+    if error is not None:
+        obs.failed(s, error, error_type="compensation_failed")
+
+
+def _rolled(s: Any, report: RollbackReport) -> RollbackReport:
+    """Count the rollback and name its outcome on its span (a walk refused before it began is not counted)."""
+    outcome = "complete" if report.complete else "halted"
+    s.set_attribute(obs.A_OUTCOME, outcome)
+    s.set_attribute("undolog.compensations", len(report.steps))
+    obs.count_rollback(outcome)
+    if not report.complete:
+        obs.failed(s, report.halted_reason or "the rollback halted", error_type="rollback_halted")
+    return report
 
 
 def _call_sync(fn: Callable[..., Any], ctx: Any) -> Any:

@@ -434,6 +434,13 @@ class ToolSpec:
     # Not part of the contract: how often to try is this process's choice, not what the tool does.
     retry: RetryPolicy | None = None
     sparse: bool = False  # schema-declared: pass on only the arguments given, never defaults invented as null
+    # Where a tool that UndoLog forwards is bound (an MCP upstream's tool and its annotations, the compensation's
+    # argument template): part of the contract, so a change is a new revision. None for in-process tools, whose
+    # contract (and fingerprint) stays what it was.
+    binding: dict[str, Any] | None = None
+    # The compensation is built from the call's result (an MCP template naming {result.x}): a call whose result
+    # was never seen cannot be undone, so recovery marks it unknown and halts the session for a person.
+    compensation_needs_result: bool = False
 
     def __post_init__(self) -> None:
         self.sparse = hasattr(self.args_model, "__undolog_json_schema__")
@@ -441,7 +448,7 @@ class ToolSpec:
         self._model_validate = self.args_model.__pydantic_validator__.validate_python
 
     def contract(self) -> dict[str, Any]:
-        return {
+        contract = {
             "name": self.name,
             "tier": self.tier.value,
             "compensation": (
@@ -452,6 +459,9 @@ class ToolSpec:
             "risk_tags": list(self.risk_tags),
             "composite_of": sorted(self.composite_of),
         }
+        if self.binding is not None:
+            contract["binding"] = self.binding
+        return contract
 
     def compute_fingerprint(self) -> str:
         return sha256_hex(canonical_json(self.contract()))
@@ -493,6 +503,8 @@ def build_spec(
     *,
     name: str | None = None,
     args_schema: Any = None,
+    binding: Mapping[str, Any] | None = None,
+    compensation_needs_result: bool = False,
 ) -> ToolSpec:
     tool_name = name or decl.name or (tool_name_of(fn) if fn is not None else None)
     if not tool_name:
@@ -517,6 +529,8 @@ def build_spec(
         json_schema=json_schema_of(model),
         is_async=is_async,
         retry=decl.retry,
+        binding=dict(binding) if binding is not None else None,
+        compensation_needs_result=compensation_needs_result,
     )
     if decl.retry is not None and decl.tier is ToolTier.IRREVERSIBLE:
         raise InvalidDeclaration(f"tool {tool_name!r}: {_NO_IRREVERSIBLE_RETRY}")

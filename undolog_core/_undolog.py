@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -70,6 +71,9 @@ class UndoLog:
         self.outbox = OutboxService(store)
         self._recovery = Recovery(store, self.registry, self.saga, self.leases, flush_marks=self.engine.flush_marks,
                                   note_state=self.engine.note_state)
+        # A call whose outcome its caller cannot tell (a lost connection mid-call) is settled at once, as recovery
+        # would settle it after a crash.
+        self.driver.in_doubt = self._recovery.settle_in_doubt
 
     @classmethod
     def open(
@@ -140,6 +144,8 @@ class UndoLog:
         probe: Callable[..., Any] | None = None,
         args_schema: Any = None,
         registered_by: str | None = None,
+        binding: Mapping[str, Any] | None = None,
+        compensation_needs_result: bool = False,
         retry: RetryPolicy | int | None = None,
     ) -> ToolSpec:
         """Register a third-party callable (or a schema-only tool, ``fn=None``) with a tier given here.
@@ -153,6 +159,10 @@ class UndoLog:
         decl = make_declaration(tier=tier, risk_level=risk_level, compensation=compensation, reason=reason,
                                risk_tags=risk_tags, composite_of=composite_of, probe=probe, retry=retry)
         kw: dict[str, Any] = {"name": name, "args_schema": args_schema}
+        if binding is not None:
+            kw["binding"] = binding
+        if compensation_needs_result:
+            kw["compensation_needs_result"] = True
         return self.registry.register([(fn, decl, kw)], registered_by=registered_by)[0]
 
     def register_compensation(self, fn: Callable[..., Any], *, name: str | None = None, version: int = 1) -> None:
@@ -196,6 +206,46 @@ class UndoLog:
         """Reconcile effects left in flight by crashed processes; see the README's guarantees."""
         return self._recovery.recover(progress=progress)
 
-    def verify_audit(self) -> AuditReport:
-        return verify(self.store)
+    def verify_audit(
+        self, *, checkpoints: str | os.PathLike[str] | None = None, public_key: str | os.PathLike[str] | None = None
+    ) -> AuditReport:
+        """Recompute the audit hash chain, and check it against signed checkpoints when given.
+
+        Args:
+            checkpoints: A directory of signed checkpoints (``undolog audit checkpoint``); every one must be
+                signed by ``public_key`` and match the chain.
+            public_key: The Ed25519 public key (PEM) that signed them; required with ``checkpoints``.
+
+        Example:
+            >>> undolog.verify_audit(checkpoints="/var/lib/undolog/checkpoints", public_key="audit.key.pub").ok
+            True
+        """
+        if checkpoints is None:
+            return verify(self.store)
+        if public_key is None:
+            raise ConfigurationError("verifying against checkpoints needs the public key that signed them")
+        from pathlib import Path
+
+        from ._checkpoints import load_public_key, verify_with_checkpoints
+
+        return verify_with_checkpoints(self.store, Path(checkpoints), load_public_key(Path(public_key)))
+
+    def checkpoint_audit(self, *, key: str | os.PathLike[str], out: str | os.PathLike[str]) -> str:
+        """Sign the verified chain head with the Ed25519 private key in ``key`` and write it into ``out``.
+
+        Returns:
+            The checkpoint file written.
+
+        Raises:
+            AuditChainBroken: The chain (or its agreement with the checkpoints already in ``out``) is broken.
+
+        Example:
+            >>> undolog.checkpoint_audit(key="/etc/undolog/audit.key", out="/var/lib/undolog/checkpoints")
+            '/var/lib/undolog/checkpoints/checkpoint-000000000042-20261130T120000Z-4242.json'
+        """
+        from pathlib import Path
+
+        from ._checkpoints import load_private_key, write_checkpoint
+
+        return str(write_checkpoint(self.store, load_private_key(Path(key)), Path(out)))
 

@@ -5,7 +5,8 @@ decision taken here is validated, audited and hash-chained exactly like one take
 
 Conventions every command follows:
 
-* Global options come before the command: ``undolog --db URL [--schema S] [--app mod:attr] COMMAND``.
+* Global options go before or after the command: ``undolog --db URL approvals list`` and
+  ``undolog approvals list --db URL`` are the same (``--db``, ``--schema``, ``--app``).
 * ``--json`` prints machine-readable output with stable keys on stdout; tables are for people.
 * An :class:`~undolog_core.errors.UndoLogError` prints ``error[<code>]: <message>`` on stderr and exits 2;
   never a traceback. Exit 1 means "ran, but something needs a person" (a tampered audit chain, a rollback
@@ -38,7 +39,7 @@ from rich.table import Table
 from rich.text import Text
 from typer.core import TyperGroup
 
-from ._app import load_app
+from ._app import is_gateway_config, load_app
 from ._registry import default_actor
 from ._saga import RollbackStep
 from ._undolog import UndoLog
@@ -78,6 +79,9 @@ class _RootGroup(TyperGroup):
     which calls the group directly rather than :func:`main`.
     """
 
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, _hoist_globals(self, ctx, list(args)))
+
     def invoke(self, ctx: Any) -> Any:  # typer.Context is a subclass of the vendored click Context
         try:
             return super().invoke(ctx)
@@ -86,6 +90,54 @@ class _RootGroup(TyperGroup):
         except DATABASE_ERRORS as exc:
             # Unreachable server, missing schema, locked file: an environment problem, not a bug in UndoLog.
             _fail("database_error", database_error_detail(exc))
+
+
+#: The root's options, which users also type after the command (``undolog approvals list --db URL``).
+GLOBAL_OPTIONS = frozenset({"--db", "--schema", "--app"})
+
+
+def _hoist_globals(group: Any, ctx: Any, args: list[str]) -> list[str]:
+    """Move global options given after the command in front of it, where the root group parses them.
+
+    Click parses a group's options only before its sub-command. A command that has an option of the same name
+    itself (``serve --db``) keeps it; so does anything after ``--``.
+
+    Example:
+        >>> _hoist_globals(app_group, ctx, ["approvals", "list", "--db", "sqlite:///x.db"])   # doctest: +SKIP
+        ['--db', 'sqlite:///x.db', 'approvals', 'list']
+    """
+    i = 0  # the root's own options, before the command
+    while i < len(args) and args[i].startswith("-") and args[i] != "--":
+        i += 1 if "=" in args[i] or args[i] not in GLOBAL_OPTIONS else 2
+    head, tail = args[:i], args[i:]
+    cmd, k = group, 0
+    while k < len(tail) and not tail[k].startswith("-") and hasattr(cmd, "get_command"):
+        sub = cmd.get_command(ctx, tail[k])
+        if sub is None:
+            break
+        cmd, k = sub, k + 1
+    own = set() if cmd is group else {o for p in cmd.params for o in getattr(p, "opts", ())}
+    moved: list[str] = []
+    kept: list[str] = []
+    j = 0
+    while j < len(tail):
+        tok = tail[j]
+        if tok == "--":
+            kept += tail[j:]
+            break
+        name = tok.split("=", 1)[0]
+        if name in GLOBAL_OPTIONS and name not in own and j >= k:
+            if "=" in tok:
+                moved.append(tok)
+                j += 1
+                continue
+            if j + 1 < len(tail):
+                moved += tail[j:j + 2]
+                j += 2
+                continue
+        kept.append(tok)
+        j += 1
+    return head + moved + kept
 
 
 def _fail(code: str, message: str, exit_code: int = 2) -> None:
@@ -201,7 +253,8 @@ def _open(ctx: typer.Context, *, migrate: bool = False) -> UndoLog:
     st = _settings(ctx)
     if st.undolog is not None:
         return st.undolog
-    if st.app_spec:
+    gateway = bool(st.app_spec and is_gateway_config(st.app_spec))
+    if st.app_spec and not gateway:
         u = load_app(st.app_spec)
         ctx.find_root().call_on_close(u.close)
         if st.db_given:
@@ -234,6 +287,10 @@ def _open(ctx: typer.Context, *, migrate: bool = False) -> UndoLog:
             where = u.store.where()
             state = "has no UndoLog tables" if current is None else f"is at schema revision {current}, not {head}"
             raise ConfigurationError(f"the database {where} {state}: run `undolog db upgrade`")
+    if gateway:
+        # An MCP gateway's config names no database of its own: its upstreams' tools and compensations are
+        # loaded into the one --db names.
+        load_app(st.app_spec, into=u)
     return u
 
 
@@ -1020,14 +1077,30 @@ def recover(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
 
 @audit_app.command("verify")
-def audit_verify(ctx: typer.Context, as_json: JsonOpt = False) -> None:
-    """Recompute the audit hash chain; exit code 1 when it was tampered with."""
+def audit_verify(
+    ctx: typer.Context,
+    checkpoints: Annotated[
+        Path | None,
+        typer.Option("--checkpoints", help="Directory of signed checkpoints the chain must match (see 'checkpoint')."),
+    ] = None,
+    public_key: Annotated[
+        Path | None,
+        typer.Option("--public-key", envvar="UNDOLOG_AUDIT_PUBLIC_KEY",
+                     help="Ed25519 public key (PEM) that signed the checkpoints ('audit keygen' wrote <key>.pub)."),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Recompute the audit hash chain (and match it against signed checkpoints); exit 1 when tampered with."""
+    if checkpoints is not None and public_key is None:
+        # Never taken from the checkpoint directory: whoever can write there could swap both.
+        _fail("invalid_input", "--checkpoints needs the public key that signed them: --public-key FILE")
     u = _open(ctx)
-    report = u.verify_audit()
+    report = u.verify_audit(checkpoints=checkpoints, public_key=public_key)
     if as_json:
         _print_json(asdict(report))
     elif report.ok:
-        typer.echo(f"audit chain intact: {report.events_checked} event(s) checked")
+        signed = f", matching {report.checkpoints_checked} signed checkpoint(s)" if checkpoints is not None else ""
+        typer.echo(f"audit chain intact: {report.events_checked} event(s) checked{signed}")
     if not report.ok:
         typer.echo(
             f"audit chain BROKEN at event {report.first_bad_event_id}: {report.problem} "
@@ -1035,6 +1108,39 @@ def audit_verify(ctx: typer.Context, as_json: JsonOpt = False) -> None:
             err=True,
         )
         raise typer.Exit(1)
+
+
+@audit_app.command("keygen")
+def audit_keygen(
+    key: Annotated[Path, typer.Option("--key", help="Where to write the private key; the public key goes to <key>.pub.")],
+    force: Annotated[bool, typer.Option("--force", help="Replace existing key files.")] = False,
+) -> None:
+    """Write a new Ed25519 key pair for signed audit checkpoints (keep the private key off the database host)."""
+    from ._checkpoints import generate_keypair
+
+    private, public = generate_keypair(key, overwrite=force)
+    typer.echo(f"private key: {private} (mode 0600; only the checkpointing process may read it)")
+    typer.echo(f"public key:  {public} (give it to whoever runs 'undolog audit verify --checkpoints')")
+
+
+@audit_app.command("checkpoint")
+def audit_checkpoint(
+    ctx: typer.Context,
+    key: Annotated[Path, typer.Option("--key", envvar="UNDOLOG_AUDIT_KEY", help="Ed25519 private key (PEM).")],
+    out: Annotated[Path, typer.Option("--out", help="Directory (outside the database) to write the checkpoint into.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Verify the chain, then sign its head and write the signed checkpoint into --out (run it on a schedule)."""
+    from ._checkpoints import load_private_key, write_checkpoint
+
+    private = load_private_key(key)  # before opening the database: a bad key is the first thing to report
+    u = _open(ctx)
+    path = write_checkpoint(u.store, private, out)
+    doc = json.loads(path.read_text(encoding="utf-8"))["checkpoint"]
+    if as_json:
+        _print_json({"file": str(path), **doc})
+    else:
+        typer.echo(f"signed the chain head at event {doc['position']} ({doc['hash'][:16]}…) into {path}")
 
 
 # -- demo -----------------------------------------------------------------------------------------
@@ -1092,7 +1198,10 @@ def demo(
         str | None, typer.Option("--model", help="A real chat model instead of the scripted one (langgraph only).")
     ] = None,
     demo_db: Annotated[
-        str | None, typer.Option("--db", metavar="PATH", help="Keep the demo's SQLite database at PATH.")
+        str | None, typer.Option("--demo-db", metavar="PATH", help="Keep the demo's SQLite database at PATH.")
+    ] = None,
+    old_demo_db: Annotated[
+        str | None, typer.Option("--db", metavar="PATH", hidden=True, help="Deprecated spelling of --demo-db.")
     ] = None,
 ) -> None:
     """Run the support-agent demo: a refund, a deletion that waits for approval, and a rollback.
@@ -1102,6 +1211,12 @@ def demo(
     their framework; they are imported only here so the rest of the CLI works without those extras.
     """
     module_name, extra = _DEMOS[framework]
+    if old_demo_db is not None:
+        # `demo --db PATH` predates the global `--db URL` that may now follow any command; it keeps working.
+        typer.echo("note: `undolog demo --db PATH` is deprecated, use `--demo-db PATH`", err=True)
+        if demo_db is not None and demo_db != old_demo_db:
+            raise CliInputError("give the demo's database once: --demo-db PATH (--db is its deprecated spelling)")
+        demo_db = old_demo_db
     if framework is not Framework.langgraph and (interactive or model):
         raise CliInputError(f"--interactive and --model apply to the langgraph demo only, not {framework.value}")
     try:
@@ -1122,13 +1237,28 @@ def demo(
         kwargs: dict[str, Any] = {"reject": reject}
         if demo_db is not None:
             if "database_url" not in inspect.signature(run).parameters:
-                raise CliInputError(f"the {framework.value} demo does not take --db")
+                raise CliInputError(f"the {framework.value} demo does not take --demo-db")
             kwargs["database_url"] = demo_db if "://" in demo_db else f"sqlite:///{Path(demo_db).resolve()}"
         code = run(**kwargs)
     raise typer.Exit(int(code or 0))
 
 
 # -- the server's commands ------------------------------------------------------------------------
+
+
+def _register_mcp_commands() -> None:
+    # The MCP gateway is its own package (undolog_mcp, the mcp extra); its CLI module imports the SDK only when
+    # a command runs. Without it, ``undolog mcp`` still exists and says what to install.
+    try:
+        from undolog_mcp import cli as mcp_cli
+    except ImportError:
+        def _missing() -> None:
+            raise ConfigurationError("the MCP gateway needs the mcp extra: pip install 'undolog[mcp]'")
+
+        ctx = {"allow_extra_args": True, "ignore_unknown_options": True}
+        app.command("mcp", help="The MCP gateway (needs the mcp extra).", context_settings=ctx)(_missing)
+    else:
+        mcp_cli.register(app)
 
 
 def _register_server_commands() -> None:
@@ -1153,6 +1283,7 @@ def _register_server_commands() -> None:
 
 
 _register_server_commands()
+_register_mcp_commands()
 
 
 def main() -> None:

@@ -35,6 +35,18 @@ class ConfigurationError(UndoLogError):
     code = "configuration_error"
 
 
+class CheckpointInvalid(UndoLogError):
+    """An audit checkpoint file that is unreadable or not signed by the given key, or a key file that is not one."""
+
+    code = "checkpoint_invalid"
+
+
+class AuditChainBroken(UndoLogError):
+    """The audit chain failed verification, so its head is not signed: a checkpoint never endorses a rewrite."""
+
+    code = "audit_chain_broken"
+
+
 class ToolNotClassified(UndoLogError):
     """A tool was handed to UndoLog without a tier: nothing runs unclassified."""
 

@@ -21,6 +21,7 @@ from .problems import Problem
 from .state import ServerState
 from .storage import ROLES, ApiKey, ApproverGroup, NotificationPolicy
 from .views import groups_for, may_see
+from .webhooks import TargetRefused, check_target
 
 router = APIRouter(prefix="/v1", route_class=AuthFirstRoute)
 
@@ -805,8 +806,14 @@ def list_webhooks(request: Request, key: ApiKey = Depends(ADMIN)) -> list[Webhoo
 
 @router.post("/webhooks", response_model=WebhookCreated, status_code=201, tags=["admin"], summary="Add a webhook target")
 def create_webhook(request: Request, body: WebhookIn, key: ApiKey = Depends(ADMIN)) -> WebhookCreated:
+    st = _st(request)
     try:
-        t = _st(request).store.create_target(body.name, body.url, body.secret, body.event_types)
+        # Checked again at every send, after resolution: this refusal is the early, readable one.
+        check_target(body.url, allow_private=st.settings.webhook_allow_private)
+    except TargetRefused as exc:
+        raise Problem(422, exc.code, str(exc)) from None
+    try:
+        t = st.store.create_target(body.name, body.url, body.secret, body.event_types)
     except ValueError as exc:
         raise Problem(409, "webhook_exists", str(exc)) from None
     return WebhookCreated.model_validate(dataclasses.asdict(t))

@@ -59,6 +59,26 @@ def serve(
     sweep_interval: Annotated[float, typer.Option(help="Seconds between sweeps of due approvals.")] = 1.0,
     recover_interval: Annotated[float, typer.Option(help="Seconds between recovery runs.")] = 30.0,
     webhook_backoff: Annotated[float, typer.Option(help="First webhook retry delay in seconds.")] = 1.0,
+    webhook_timeout: Annotated[
+        float, typer.Option(help="Total deadline of one webhook attempt in seconds (not per read).")
+    ] = 5.0,
+    webhook_per_target: Annotated[int, typer.Option(help="Most webhook sends in flight to one target.")] = 4,
+    webhook_allow_private: Annotated[
+        bool,
+        typer.Option(
+            "--webhook-allow-private/--no-webhook-allow-private",
+            envvar="UNDOLOG_WEBHOOK_ALLOW_PRIVATE",
+            help="Allow webhook targets on private, loopback and link-local addresses (refused by default).",
+        ),
+    ] = False,
+    audit_checkpoint_key: Annotated[
+        str | None,
+        typer.Option(envvar="UNDOLOG_AUDIT_KEY", help="Ed25519 private key (PEM) signing audit checkpoints."),
+    ] = None,
+    audit_checkpoint_dir: Annotated[
+        str | None, typer.Option(help="Directory (outside the database) for signed audit checkpoints.")
+    ] = None,
+    audit_checkpoint_interval: Annotated[float, typer.Option(help="Seconds between audit checkpoints.")] = 300.0,
     secure_cookies: Annotated[
         bool | None, typer.Option("--secure-cookies/--no-secure-cookies", help="Force the cookie Secure flag.")
     ] = None,
@@ -74,15 +94,35 @@ def serve(
         typer.echo(f"undolog serve needs the server extra: pip install 'undolog[server]' ({exc})", err=True)
         raise typer.Exit(2) from None
     undolog, from_app = _serve_undolog(db, schema, app)
-    settings = ServerSettings(
-        sweep_interval=sweep_interval,
-        recover_interval=recover_interval,
-        webhook_backoff_base=webhook_backoff,
-        secure_cookies=secure_cookies,
-    )
-    application = create_app(
-        undolog, app_spec=None if from_app else app, proxy_config=proxy_config, settings=settings
-    )
+    try:
+        settings = ServerSettings(
+            sweep_interval=sweep_interval,
+            recover_interval=recover_interval,
+            webhook_backoff_base=webhook_backoff,
+            webhook_timeout=webhook_timeout,
+            webhook_per_target=webhook_per_target,
+            webhook_lease=max(60.0, webhook_timeout * 2 + 10),
+            webhook_allow_private=webhook_allow_private,
+            audit_checkpoint_key=audit_checkpoint_key,
+            audit_checkpoint_dir=audit_checkpoint_dir,
+            audit_checkpoint_interval=audit_checkpoint_interval,
+            secure_cookies=secure_cookies,
+        )
+    except ValueError as exc:
+        undolog.close()
+        typer.echo(f"error[invalid_input]: {exc}", err=True)
+        raise typer.Exit(2) from None
+    from undolog_core.errors import UndoLogError
+
+    try:
+        application = create_app(
+            undolog, app_spec=None if from_app else app, proxy_config=proxy_config, settings=settings
+        )
+    except UndoLogError as exc:
+        # A key it cannot read, a proxy config that does not load: one line, not a traceback.
+        undolog.close()
+        typer.echo(f"error[{exc.code}]: {exc.message}", err=True)
+        raise typer.Exit(2) from None
     try:
         uvicorn.run(application, host=host, port=port, log_level=log_level, proxy_headers=False)
     finally:

@@ -25,6 +25,8 @@ PROBLEM_BASE = "https://undolog.dev/problems/"
 ERROR_STATUS: dict[str, int] = {
     "undolog_error": 400,
     "configuration_error": 400,
+    "checkpoint_invalid": 422,
+    "audit_chain_broken": 409,
     "invalid_declaration": 400,
     "tool_not_classified": 400,
     "invalid_input": 422,

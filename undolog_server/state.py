@@ -14,6 +14,10 @@ if TYPE_CHECKING:
     from .proxy import ProxyTools
 
 
+#: Seconds a delivery's lease must outlast the attempt's deadline (time to record the outcome).
+WEBHOOK_LEASE_MARGIN = 10.0
+
+
 @dataclass
 class ServerSettings:
     """Tunables of one server process.
@@ -23,10 +27,23 @@ class ServerSettings:
         sweep_interval: Seconds between sweeps (expire due approvals, escalate, fan out events).
         recover_interval: Seconds between recovery runs.
         webhook_interval: Seconds between polls for due webhook deliveries.
-        webhook_timeout: Seconds one webhook POST may take before it counts as failed.
+        webhook_timeout: Total deadline of one webhook attempt in seconds (resolution, connect, sending and
+            the response headers together, not per read), after which it counts as failed.
+        webhook_per_target: Most sends in flight to one target, per process, so one slow receiver cannot take
+            every slot.
+        webhook_max_inflight: Most sends in flight per process, all targets together.
+        webhook_lease: Seconds a claimed delivery stays leased to the server sending it; longer than the
+            deadline, so nothing is sent twice while in flight (it only matters when that server dies).
+        webhook_allow_private: Let webhook targets resolve to private, loopback, link-local and other
+            non-public addresses (off: such targets are refused at registration and at send time).
         webhook_max_attempts: Attempts before a delivery is given up as ``failed``.
         webhook_backoff_base: First retry delay; doubles each attempt.
         webhook_backoff_max: Ceiling of the retry delay.
+        audit_checkpoint_key: Ed25519 private key file (PEM) signing audit checkpoints; with
+            ``audit_checkpoint_dir``, the server signs the chain head every ``audit_checkpoint_interval``.
+        audit_checkpoint_dir: Directory (outside the database) the signed checkpoints are written to.
+        audit_checkpoint_interval: Seconds between checkpoints: the window in which a rewrite of the newest
+            events is caught only by the chain, not by a signature.
         context_calls: How many of the session's last calls a request page shows.
         cookie_max_age: Dashboard login lifetime in seconds.
         secure_cookies: Force the cookie ``Secure`` flag; None sets it on HTTPS requests only.
@@ -38,6 +55,13 @@ class ServerSettings:
     recover_interval: float = 30.0
     webhook_interval: float = 0.5
     webhook_timeout: float = 5.0
+    webhook_per_target: int = 4
+    webhook_max_inflight: int = 64
+    webhook_lease: float = 60.0
+    webhook_allow_private: bool = False
+    audit_checkpoint_key: str | None = None
+    audit_checkpoint_dir: str | None = None
+    audit_checkpoint_interval: float = 300.0
     webhook_max_attempts: int = 8
     webhook_backoff_base: float = 1.0
     webhook_backoff_max: float = 300.0
@@ -45,6 +69,23 @@ class ServerSettings:
     cookie_max_age: int = 12 * 3600
     secure_cookies: bool | None = None
     poll_seconds: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.webhook_timeout <= 0:
+            raise ValueError(f"webhook_timeout must be positive, not {self.webhook_timeout}")
+        if self.webhook_per_target < 1 or self.webhook_max_inflight < 1:
+            raise ValueError("webhook_per_target and webhook_max_inflight must be at least 1")
+        if (self.audit_checkpoint_key is None) != (self.audit_checkpoint_dir is None):
+            raise ValueError("audit checkpoints need both audit_checkpoint_key and audit_checkpoint_dir")
+        if self.audit_checkpoint_interval <= 0:
+            raise ValueError(f"audit_checkpoint_interval must be positive, not {self.audit_checkpoint_interval}")
+        # The lease must outlast a whole attempt plus recording its outcome, or another pass (or server)
+        # would claim and send a delivery that is still in flight.
+        if self.webhook_lease < self.webhook_timeout + WEBHOOK_LEASE_MARGIN:
+            raise ValueError(
+                f"webhook_lease ({self.webhook_lease} s) must exceed webhook_timeout ({self.webhook_timeout} s) "
+                f"by at least {WEBHOOK_LEASE_MARGIN} s"
+            )
 
 
 @dataclass

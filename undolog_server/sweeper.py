@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from undolog_core import RecoveryReport
+from undolog_core.errors import UndoLogError
 
 from .webhooks import WebhookDispatcher
 
@@ -67,6 +68,8 @@ class Sweeper:
             asyncio.create_task(self._sweep_loop(), name="undolog-sweeper"),
             asyncio.create_task(self._webhook_loop(), name="undolog-webhooks"),
         ]
+        if self.state.settings.audit_checkpoint_key and self.state.settings.audit_checkpoint_dir:
+            self._tasks.append(asyncio.create_task(self._checkpoint_loop(), name="undolog-audit-checkpoints"))
 
     async def stop(self) -> None:
         """Stop the loops, letting an in-flight sweep finish."""
@@ -94,6 +97,33 @@ class Sweeper:
                 # A failing sweep (database restarting, say) must not end the loop.
                 log.exception("sweep failed; retrying next interval")
             await self._sleep(self.state.settings.sweep_interval)
+
+    def checkpoint(self) -> str:
+        """Sign the audit chain head into the checkpoint directory now, and send it to the targets
+        subscribed to ``audit.checkpoint``; returns the file written.
+
+        Raises:
+            AuditChainBroken: The chain is broken or was rewritten since the last checkpoint (nothing signed).
+        """
+        s = self.state.settings
+        assert s.audit_checkpoint_key and s.audit_checkpoint_dir
+        path = self.state.undolog.checkpoint_audit(key=s.audit_checkpoint_key, out=s.audit_checkpoint_dir)
+        # A second copy away from this host, for the targets that asked for it.
+        self.webhooks.announce_checkpoint(path)
+        return path
+
+    async def _checkpoint_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                path = await asyncio.to_thread(self.checkpoint)
+                log.info("audit checkpoint written: %s", path)
+                self.state.stats["audit_checkpoints"] = self.state.stats.get("audit_checkpoints", 0) + 1
+            except UndoLogError as exc:
+                # A broken chain is the alarm this exists for: say it loudly, every interval, and sign nothing.
+                log.error("audit checkpoint refused: %s", exc.message)
+            except Exception:
+                log.exception("audit checkpoint failed; retrying next interval")
+            await self._sleep(self.state.settings.audit_checkpoint_interval)
 
     async def _webhook_loop(self) -> None:
         inflight: set[asyncio.Task[None]] = set()

@@ -29,13 +29,13 @@ def test_core_and_its_cli_import_no_server_or_framework_dependency() -> None:
 
 def test_webhook_signatures_verify_with_the_core_alone() -> None:
     body = b'{"id":"evt_1"}'
-    header = sign("s3cret", 1_767_052_800, body)
+    header = sign("s3cret", 1_767_052_800, body, delivery_id="dl_1")
     assert SIGNATURE_HEADER == "UndoLog-Signature"
-    assert verify_signature("s3cret", header, body, now=1_767_052_810)
-    assert not verify_signature("other", header, body, now=1_767_052_810)
-    assert not verify_signature("s3cret", header, body + b" ", now=1_767_052_810)
-    assert not verify_signature("s3cret", header, body, now=1_767_052_800 + 301)  # stale
-    assert not verify_signature("s3cret", "garbage", body)
+    assert verify_signature("s3cret", header, body, delivery_id="dl_1", now=1_767_052_810)
+    assert not verify_signature("other", header, body, delivery_id="dl_1", now=1_767_052_810)
+    assert not verify_signature("s3cret", header, body + b" ", delivery_id="dl_1", now=1_767_052_810)
+    assert not verify_signature("s3cret", header, body, delivery_id="dl_1", now=1_767_052_800 + 301)  # stale
+    assert not verify_signature("s3cret", "garbage", body, delivery_id="dl_1")
 
 
 def test_core_errors_carry_no_http_status() -> None:

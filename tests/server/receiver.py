@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from undolog_core.webhooks import SIGNATURE_HEADER, verify_signature
+from undolog_core.webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, verify_signature
 
 
 @dataclass
@@ -49,7 +49,8 @@ class Receiver:
                 if outer.delay or self.path in outer.delays:
                     time.sleep(outer.delays.get(self.path, outer.delay))
                 secret = outer.secrets.get(self.path, "")
-                ok = verify_signature(secret, self.headers.get(SIGNATURE_HEADER, ""), raw)
+                ok = verify_signature(secret, self.headers.get(SIGNATURE_HEADER, ""), raw,
+                                      delivery_id=self.headers.get(DELIVERY_HEADER, ""))
                 with outer.lock:
                     left = outer.fail_first.get(self.path, 0)
                     status = 500 if left > 0 else 200

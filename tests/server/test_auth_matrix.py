@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from undolog_core import ApprovalPending
+from undolog_server.state import ServerSettings
 
 from ..conftest import PG_URL, TEST_DB, Db
 from .conftest import Desk, make_desk, problem
@@ -161,7 +162,8 @@ def matrix_desk(tmp_path_factory: pytest.TempPathFactory, pg_admin: Any) -> Iter
         db = Db("postgres", PG_URL, "t_" + uuid.uuid4().hex[:16])
     else:
         db = Db("sqlite", f"sqlite:///{Path(tmp_path_factory.mktemp('matrix')) / 'undolog.db'}", None)
-    d = make_desk(db)
+    # The webhook rows register a loopback target, which the target policy refuses without the opt-in.
+    d = make_desk(db, settings=ServerSettings(background=False, webhook_allow_private=True))
     try:
         yield d
     finally:

@@ -48,7 +48,7 @@ def _spawn(db: Any, log: Path, *extra: str, cli: list[str] | None = None,
     with open(log, "wb") as fh:  # a file, not a pipe: an unread pipe would stall a chatty server
         proc = subprocess.Popen(
             [*(cli or [sys.executable, "-m", "undolog_server"]), "serve", "--port", str(port),
-             "--log-level", "warning", "--app", app, *extra],
+             "--log-level", "warning", "--app", app, "--webhook-allow-private", *extra],
             env=_env(db), stdout=subprocess.DEVNULL, stderr=fh,
         )
     return proc, f"http://127.0.0.1:{port}"

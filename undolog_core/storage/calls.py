@@ -18,7 +18,7 @@ from . import schema as t
 from .audit import AuditSQL, OutboxItem
 from .base import Store, utcnow
 from .pool import IntegrityConflict
-from .schema import IN_FLIGHT, WRITABLE, EffectState, RequestState, SessionState
+from .schema import IN_FLIGHT, WRITABLE, EffectState, RequestState, SessionState, UndoState
 
 _E = t.effect_log
 _S = t.sessions
@@ -218,8 +218,13 @@ class CallsSQL(Store):
                 return None
             return self.effect_state_in(conn, effect_id) or ""
 
-    def mark_failed(self, effect_id: str, error: str, now: dt.datetime) -> tuple[str | None, Any]:
-        """Record a failure: (None, the session's policy row) when written, else (its state or "", None)."""
+    def mark_failed(self, effect_id: str, error: str, now: dt.datetime,
+                    nothing_happened: bool = False) -> tuple[str | None, Any]:
+        """Record a failure: (None, the session's policy row) when written, else (its state or "", None).
+
+        ``nothing_happened``: the tool said, by its contract, that it changed nothing (an MCP ``isError``): its
+        armed undo entry is dropped in the same transaction, so no rollback calls a compensation for it.
+        """
         with self.tx() as conn:
             res = conn.execute(
                 _E.update().where(_E.c.effect_id == effect_id, _E.c.state.in_(IN_FLIGHT))
@@ -227,6 +232,9 @@ class CallsSQL(Store):
             )
             if res.rowcount != 1:
                 return self.effect_state_in(conn, effect_id) or "", None
+            if nothing_happened:
+                u = t.undo_stack
+                conn.execute(u.delete().where(u.c.effect_id == effect_id, u.c.state == UndoState.ARMED.value))
             row = conn.execute(
                 sa.select(_E.c.session_id, _E.c.tier, _S.c.on_failure)
                 .select_from(_E.join(_S, _S.c.session_id == _E.c.session_id))

@@ -583,6 +583,11 @@ class ServerStore:
         ]
         return insert_ignore(conn, webhook_deliveries, rows)
 
+    def enqueue_now(self, event_id: str, event_type: str, body: str, target_ids: Iterable[str]) -> int:
+        """:meth:`enqueue` in a transaction of its own (events the server raises itself, not the outbox)."""
+        with self.core.tx() as conn:
+            return self.enqueue(conn, event_id, event_type, body, target_ids)
+
     def escalated(self, approval_request_ids: Sequence[str]) -> set[tuple[str, str]]:
         """The (request, risk tag) pairs already escalated among these requests."""
         if not approval_request_ids:
@@ -616,8 +621,14 @@ class ServerStore:
             self.enqueue(conn, event_id, "approval.escalated", body, target_ids)
         return True
 
-    def claim_due(self, limit: int, lease_until: float) -> list[dict[str, Any]]:
-        """Lease up to ``limit`` due deliveries until ``lease_until`` (unix seconds), so no other server sends them."""
+    def claim_due(self, limit: int, lease_until: float, exclude_targets: Sequence[str] = ()) -> list[dict[str, Any]]:
+        """Lease up to ``limit`` due deliveries until ``lease_until`` (unix seconds), so no other server sends them.
+
+        Args:
+            limit: Most rows to claim.
+            lease_until: When the lease runs out (unix seconds).
+            exclude_targets: Targets whose deliveries are left alone (this process is at their ceiling).
+        """
         d = webhook_deliveries
         now = time.time()
         with self.core.tx() as conn:
@@ -631,6 +642,8 @@ class ServerStore:
                 .order_by(d.c.next_attempt_at)
                 .limit(limit)
             )
+            if exclude_targets:
+                q = q.where(d.c.target_id.not_in(list(exclude_targets)))
             if self.core.is_postgres:
                 q = q.with_for_update(skip_locked=True)
             rows = [dict(r._mapping) for r in conn.execute(q)]
@@ -639,6 +652,14 @@ class ServerStore:
                     d.update().where(d.c.delivery_id.in_([r["delivery_id"] for r in rows])).values(locked_until=lease_until)
                 )
         return rows
+
+    def release(self, delivery_ids: Sequence[str]) -> None:
+        """Drop this server's lease on deliveries it claimed but will not send now (another pass may)."""
+        if not delivery_ids:
+            return
+        d = webhook_deliveries
+        with self.core.tx() as conn:
+            conn.execute(d.update().where(d.c.delivery_id.in_(list(delivery_ids))).values(locked_until=None))
 
     def record_attempt(
         self,

@@ -1,0 +1,36 @@
+"""A forward-only MCP proxy written with the same SDK: lists the upstream's tools and forwards every call,
+nothing else. The floor any gateway pays (two hops instead of one)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import anyio
+from mcp import ClientSession, StdioServerParameters, types
+from mcp.client.stdio import stdio_client
+from mcp.server.lowlevel import Server
+from mcp.server.stdio import stdio_server
+
+
+async def main(command: list[str]) -> None:
+    params = StdioServerParameters(command=command[0], args=command[1:])
+    async with stdio_client(params) as (r, w), ClientSession(r, w) as upstream:
+        await upstream.initialize()
+        tools = (await upstream.list_tools()).tools
+        server: Server[Any, Any] = Server("forward-proxy")
+
+        @server.list_tools()  # type: ignore[misc]
+        async def _list() -> list[types.Tool]:
+            return tools
+
+        @server.call_tool(validate_input=False)  # type: ignore[misc]
+        async def _call(name: str, arguments: dict[str, Any]) -> types.CallToolResult:
+            return await upstream.call_tool(name, arguments)
+
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+
+
+if __name__ == "__main__":
+    anyio.run(main, sys.argv[1:])

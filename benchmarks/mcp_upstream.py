@@ -1,0 +1,33 @@
+"""The benchmark's upstream MCP server (official SDK, FastMCP): trivial in-memory tools, so what is measured is
+the path in front of them."""
+
+from __future__ import annotations
+
+from mcp.server.fastmcp import FastMCP
+
+mcp = FastMCP("bench-upstream")
+ITEMS: set[str] = set()
+
+
+@mcp.tool()
+def lookup(q: str) -> str:
+    """A SAFE tool."""
+    return q
+
+
+@mcp.tool()
+def add_item(name: str) -> str:
+    """A COMPENSABLE tool."""
+    ITEMS.add(name)
+    return name
+
+
+@mcp.tool()
+def remove_item(name: str) -> str:
+    """add_item's compensation."""
+    ITEMS.discard(name)
+    return name
+
+
+if __name__ == "__main__":
+    mcp.run()

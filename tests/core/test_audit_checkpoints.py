@@ -1,0 +1,212 @@
+"""Signed audit checkpoints (issue 11, finding 6): a re-chained rewrite is caught, through the real CLI.
+
+Someone with write access to the database rewrites every ``approve`` actor to ``mallory`` with the
+append-only triggers disabled and recomputes every hash and the head: plain ``audit verify`` says intact
+(the chain is self-consistent), ``audit verify --checkpoints`` names the event whose signed hash changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from typer.testing import CliRunner
+
+from undolog_core import ApprovalPending, UndoLog
+from undolog_core.cli import app
+from undolog_core.storage import schema as t
+from undolog_core.storage.audit import GENESIS_HASH, event_hash
+
+from .toolkit import setup
+
+ROOT = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+CLEAN_ENV = {"UNDOLOG_APP": None, "UNDOLOG_ACTOR": None, "UNDOLOG_DATABASE_URL": None, "UNDOLOG_SCHEMA": None,
+             "UNDOLOG_AUDIT_KEY": None, "UNDOLOG_AUDIT_PUBLIC_KEY": None, "COLUMNS": None}
+
+
+def run(db: Any, *args: str) -> Any:
+    base = ["--db", db.url] + (["--schema", db.schema] if db.schema else [])
+    return runner.invoke(app, [*base, *args], env=CLEAN_ENV, catch_exceptions=False)
+
+
+def approvals(u: UndoLog, n: int, approver: str = "ana") -> None:
+    """``n`` approved IRREVERSIBLE calls: two audit events each (request, approve)."""
+    for i in range(n):
+        s = u.session()
+        with s, pytest.raises(ApprovalPending) as p:
+            s.call_sync("delete_user_account", user_id="u1", call_id=f"c{i}")
+        u.approvals.approve(p.value.approval_request_id, approver=approver)
+
+
+def rechain_as_mallory(u: UndoLog) -> list[int]:
+    """Rewrite every approve actor to mallory behind the triggers and recompute the whole chain and head.
+
+    Returns:
+        The ids of the events rewritten.
+    """
+    e = t.approval_events
+    changed = []
+    with u.store.tx() as c:
+        if u.store.is_postgres:
+            c.exec_driver_sql("ALTER TABLE undolog_approval_events DISABLE TRIGGER USER")
+        else:
+            c.exec_driver_sql("DROP TRIGGER undolog_events_no_update")
+        prev = GENESIS_HASH
+        for r in c.execute(sa.select(e).order_by(e.c.event_id)).all():
+            actor = "mallory" if r.action == "approve" else r.actor
+            if actor != r.actor:
+                changed.append(int(r.event_id))
+            h = event_hash(event_id=r.event_id, approval_request_id=r.approval_request_id, subject=r.subject,
+                           action=r.action, actor=actor, payload=r.payload, created_at=r.created_at, prev_hash=prev)
+            c.execute(e.update().where(e.c.event_id == r.event_id).values(actor=actor, prev_hash=prev, hash=h))
+            prev = h
+        c.execute(t.audit_head.update().where(t.audit_head.c.head_id == 1).values(last_hash=prev))
+    return changed
+
+
+def test_a_rechained_rewrite_passes_plain_verify_and_fails_against_the_checkpoints(db: Any, tmp_path: Path) -> None:
+    u = db.open()
+    setup(u)
+    key, out = tmp_path / "keys" / "audit.key", tmp_path / "checkpoints"
+    gen = runner.invoke(app, ["audit", "keygen", "--key", str(key)], env=CLEAN_ENV)
+    assert gen.exit_code == 0, gen.output
+    assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
+    pub = Path(str(key) + ".pub")
+    assert b"PUBLIC KEY" in pub.read_bytes() and b"PRIVATE KEY" not in pub.read_bytes()
+    assert runner.invoke(app, ["audit", "keygen", "--key", str(key)], env=CLEAN_ENV).exit_code == 2  # no overwrite
+
+    approvals(u, 2)  # events 1-4
+    first = run(db, "audit", "checkpoint", "--key", str(key), "--out", str(out), "--json")
+    assert first.exit_code == 0, first.output
+    cp = json.loads(first.stdout)
+    assert cp["position"] == 4 and cp["format"] == "undolog-audit-checkpoint/1" and Path(cp["file"]).exists()
+    assert cp["store"] and len(cp["key_id"]) == 32
+    approvals(u, 1)  # events 5-6
+    assert run(db, "audit", "checkpoint", "--key", str(key), "--out", str(out)).exit_code == 0
+    approvals(u, 1)  # events 7-8: after the last checkpoint (the window the chain alone protects)
+
+    ok = run(db, "audit", "verify", "--checkpoints", str(out), "--public-key", str(pub))
+    assert ok.exit_code == 0, ok.output
+    assert "intact: 8 event(s) checked, matching 2 signed checkpoint(s)" in ok.stdout
+
+    changed = rechain_as_mallory(u)
+    assert changed == [2, 4, 6, 8]
+    plain = run(db, "audit", "verify")
+    assert plain.exit_code == 0 and "intact" in plain.stdout  # the rewrite is self-consistent
+
+    bad = run(db, "audit", "verify", "--checkpoints", str(out), "--public-key", str(pub))
+    assert bad.exit_code == 1, bad.output
+    assert "BROKEN at event 4" in bad.stderr and "checkpoint-000000000004" in bad.stderr
+    assert "after 0 and up to 4" in bad.stderr and "Traceback" not in bad.output
+    data = json.loads(run(db, "audit", "verify", "--checkpoints", str(out), "--public-key", str(pub), "--json").stdout)
+    assert data["ok"] is False and data["first_bad_event_id"] == 4
+
+    # The checkpointer refuses to sign the rewritten head: a new checkpoint never endorses a rewrite.
+    again = run(db, "audit", "checkpoint", "--key", str(key), "--out", str(out))
+    assert again.exit_code == 2 and again.stderr.startswith("error[audit_chain_broken]: "), again.output
+    assert len(list(out.glob("*.json"))) == 2
+
+
+def test_a_rewrite_between_two_checkpoints_is_placed_between_them(undolog: UndoLog, tmp_path: Path) -> None:
+    from undolog_core._checkpoints import generate_keypair
+
+    key, pub = generate_keypair(tmp_path / "k")
+    out = tmp_path / "cp"
+    approvals(undolog, 1)
+    undolog.checkpoint_audit(key=key, out=out)  # at event 2
+    approvals(undolog, 1, approver="bo")
+    undolog.checkpoint_audit(key=key, out=out)  # at event 4
+    e = t.approval_events
+    with undolog.store.tx() as c:  # rewrite only event 4 onwards ("bo" -> "mallory"), re-chained
+        if undolog.store.is_postgres:
+            c.exec_driver_sql("ALTER TABLE undolog_approval_events DISABLE TRIGGER USER")
+        else:
+            c.exec_driver_sql("DROP TRIGGER undolog_events_no_update")
+        r = c.execute(sa.select(e).where(e.c.event_id == 4)).one()
+        h = event_hash(event_id=4, approval_request_id=r.approval_request_id, subject=r.subject, action=r.action,
+                       actor="mallory", payload=r.payload, created_at=r.created_at, prev_hash=r.prev_hash)
+        c.execute(e.update().where(e.c.event_id == 4).values(actor="mallory", hash=h))
+        c.execute(t.audit_head.update().where(t.audit_head.c.head_id == 1).values(last_hash=h))
+    assert undolog.verify_audit().ok
+    report = undolog.verify_audit(checkpoints=out, public_key=pub)
+    assert not report.ok and report.first_bad_event_id == 4 and "after 2 and up to 4" in (report.problem or "")
+
+
+def test_forged_edited_or_foreign_checkpoints_fail_verification(undolog: UndoLog, tmp_path: Path) -> None:
+    from undolog_core._checkpoints import generate_keypair
+
+    key, pub = generate_keypair(tmp_path / "k")
+    other_key, other_pub = generate_keypair(tmp_path / "other")
+    out = tmp_path / "cp"
+    approvals(undolog, 1)
+    path = Path(undolog.checkpoint_audit(key=key, out=out))
+    assert undolog.verify_audit(checkpoints=out, public_key=pub).ok
+    # Verified with another key: not accepted.
+    r = undolog.verify_audit(checkpoints=out, public_key=other_pub)
+    assert not r.ok and "not signed by this key" in (r.problem or "")
+    # Edited to match a rewritten chain: the signature no longer holds.
+    doc = json.loads(path.read_text())
+    doc["checkpoint"]["hash"] = "f" * 64
+    path.write_text(json.dumps(doc))
+    r = undolog.verify_audit(checkpoints=out, public_key=pub)
+    assert not r.ok and "not signed by this key" in (r.problem or "")
+    path.write_text("{not json")
+    r = undolog.verify_audit(checkpoints=out, public_key=pub)
+    assert not r.ok and "unreadable" in (r.problem or "")
+
+
+def test_a_cut_back_chain_fails_against_a_later_checkpoint(undolog: UndoLog, tmp_path: Path) -> None:
+    from undolog_core._checkpoints import generate_keypair
+
+    key, pub = generate_keypair(tmp_path / "k")
+    approvals(undolog, 2)
+    undolog.checkpoint_audit(key=key, out=tmp_path / "cp")  # at event 4
+    with undolog.store.tx() as c:  # drop events 3-4 and move the head back, consistently
+        if undolog.store.is_postgres:
+            c.exec_driver_sql("ALTER TABLE undolog_approval_events DISABLE TRIGGER USER")
+        else:
+            c.exec_driver_sql("DROP TRIGGER undolog_events_no_delete")
+        c.execute(t.approval_events.delete().where(t.approval_events.c.event_id > 2))
+        h2 = c.execute(sa.select(t.approval_events.c.hash).where(t.approval_events.c.event_id == 2)).scalar_one()
+        c.execute(t.audit_head.update().values(last_event_id=2, last_hash=h2))
+    assert undolog.verify_audit().ok
+    r = undolog.verify_audit(checkpoints=tmp_path / "cp", public_key=pub)
+    assert not r.ok and r.first_bad_event_id == 3 and "cut back to 2" in (r.problem or "")
+
+
+def test_verify_with_checkpoints_needs_the_public_key(db: Any, tmp_path: Path) -> None:
+    db.open()
+    r = run(db, "audit", "verify", "--checkpoints", str(tmp_path))
+    assert r.exit_code == 2 and r.stderr.startswith("error[invalid_input]: ") and "--public-key" in r.stderr
+
+
+def test_the_cli_names_the_audit_extra_when_cryptography_is_missing(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'cryptography':\n"
+        "            raise ImportError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from undolog_core.cli import main\n"
+        f"sys.argv = ['undolog', 'audit', 'keygen', '--key', {str(tmp_path / 'k')!r}]\n"
+        "main()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "pip install 'undolog[audit]'" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.fixture
+def undolog(db: Any) -> UndoLog:
+    u = db.open()
+    setup(u)
+    return u

@@ -1,0 +1,147 @@
+"""A real upstream MCP server for the gateway's tests, written with the official SDK (FastMCP, 1.x line).
+
+Its world is a JSON file (``TICKETS_STATE``): tickets, seats, and a log of every call with the idempotency key
+that came in its ``_meta``. ``TICKETS_VARIANT=v2`` changes create_ticket's schema (a contract change).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from mcp.server.fastmcp import Context, FastMCP
+from mcp.types import ToolAnnotations
+from pydantic import BaseModel
+
+STATE = Path(os.environ["TICKETS_STATE"])
+V2 = os.environ.get("TICKETS_VARIANT") == "v2"
+KEY = "dev.undolog/idempotency-key"
+
+mcp = FastMCP("tickets")
+
+
+def load() -> dict[str, Any]:
+    if STATE.exists():
+        return dict(json.loads(STATE.read_text()))
+    return {"tickets": {}, "seats": [], "calls": [], "next": 1}
+
+
+def save(state: dict[str, Any]) -> None:
+    tmp = STATE.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state))
+    tmp.replace(STATE)
+
+
+def record(state: dict[str, Any], tool: str, args: dict[str, Any], ctx: Context[Any, Any, Any]) -> None:
+    meta = ctx.request_context.meta
+    key = (meta.model_extra or {}).get(KEY) if meta is not None else None
+    state["calls"].append({"tool": tool, "args": args, "key": key})
+
+
+class Ticket(BaseModel):
+    id: int
+    title: str
+    status: str
+
+
+@mcp.tool(annotations=ToolAnnotations(readOnlyHint=True))
+def search_tickets(q: str, ctx: Context[Any, Any, Any]) -> list[str]:
+    """Search tickets by title."""
+    state = load()
+    record(state, "search_tickets", {"q": q}, ctx)
+    save(state)
+    return [t["title"] for t in state["tickets"].values() if q in t["title"]]
+
+
+if V2:
+    @mcp.tool()
+    def create_ticket(title: str, priority: int, ctx: Context[Any, Any, Any]) -> Ticket:
+        """Open a ticket (v2: with a priority)."""
+        return _create(title, ctx)
+else:
+    @mcp.tool()
+    def create_ticket(title: str, ctx: Context[Any, Any, Any]) -> Ticket:
+        """Open a ticket."""
+        return _create(title, ctx)
+
+
+def _create(title: str, ctx: Context[Any, Any, Any]) -> Ticket:
+    state = load()
+    record(state, "create_ticket", {"title": title}, ctx)
+    if title == "crash":
+        save(state)
+        os._exit(3)  # dies mid-call, after doing its work: the gateway never gets an answer
+    if title == "slow":
+        save(state)
+        time.sleep(5)
+        state = load()
+    n = state["next"]
+    state["next"] = n + 1
+    state["tickets"][str(n)] = {"id": n, "title": title, "status": "open"}
+    save(state)
+    return Ticket(id=n, title=title, status="open")
+
+
+@mcp.tool()
+def close_ticket(id: int, ctx: Context[Any, Any, Any]) -> str:
+    """Close a ticket (idempotent; a ticket that never existed is fine)."""
+    state = load()
+    record(state, "close_ticket", {"id": id}, ctx)
+    t = state["tickets"].get(str(id))
+    if t is not None:
+        t["status"] = "closed"
+    save(state)
+    return "closed"
+
+
+@mcp.tool()
+def reserve_seat(seat: str, ctx: Context[Any, Any, Any]) -> str:
+    """Reserve a seat; an unknown seat name is refused with a tool error."""
+    state = load()
+    record(state, "reserve_seat", {"seat": seat}, ctx)
+    if seat.startswith("bad"):
+        save(state)
+        raise ValueError(f"no such seat: {seat}")
+    if seat == "crash":
+        state["seats"].append(seat)
+        save(state)
+        os._exit(3)
+    state["seats"].append(seat)
+    save(state)
+    return f"reserved {seat}"
+
+
+@mcp.tool()
+def release_seat(seat: str, ctx: Context[Any, Any, Any]) -> str:
+    """Release a seat (a seat that was never reserved is fine)."""
+    state = load()
+    record(state, "release_seat", {"seat": seat}, ctx)
+    state["seats"] = [s for s in state["seats"] if s != seat]
+    save(state)
+    return f"released {seat}"
+
+
+@mcp.tool(annotations=ToolAnnotations(destructiveHint=True))
+def delete_project(name: str, ctx: Context[Any, Any, Any]) -> str:
+    """Delete a project and every ticket in it."""
+    state = load()
+    record(state, "delete_project", {"name": name}, ctx)
+    state["tickets"] = {}
+    save(state)
+    return f"deleted {name}"
+
+
+@mcp.tool()
+def export_everything(ctx: Context[Any, Any, Any]) -> str:
+    """A tool the gateway's config does not classify: it must never be reachable."""
+    state = load()
+    record(state, "export_everything", {}, ctx)
+    save(state)
+    return "exported"
+
+
+if __name__ == "__main__":
+    mcp.run()

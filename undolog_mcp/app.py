@@ -1,0 +1,69 @@
+"""A gateway config as an ``--app``: the CLI and the desk load the upstreams' tools and compensations from it, so
+``undolog sessions rollback`` and the desk's recovery loop can undo what an MCP client did."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+from undolog_core import UndoLog
+from undolog_core.errors import ConfigurationError
+
+from .config import load_config
+
+
+def register_gateway(path: str | Path, into: UndoLog) -> UndoLog:
+    """Register every classified tool of the config's upstreams (listed now, over short-lived connections) with
+    ``into``, with the same contracts the running gateway registers, so no revision is made by loading it.
+
+    Example:
+        >>> register_gateway("gateway.toml", UndoLog.open("sqlite:///undolog.db"))
+    """
+    from .gateway import Gateway
+    from .upstream import list_tools
+
+    config = load_config(path)
+
+    async def listing() -> dict[str, Any]:
+        listed: dict[str, Any] = {}
+        for name, cfg in config.upstreams.items():
+            try:
+                listed[name] = await list_tools(cfg)
+            except Exception as exc:  # noqa: BLE001 - said as a configuration problem naming the upstream
+                raise ConfigurationError(f"upstream {name!r} of {path}: could not list its tools: "
+                                         f"{first_cause(exc)}") from exc
+        return listed
+
+    Gateway(config, into).register(_run(listing()))
+    return into
+
+
+def first_cause(exc: BaseException) -> str:
+    """The first leaf of an exception group (anyio's task groups wrap what went wrong), as text."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _run(coro: Any) -> Any:
+    """Run a coroutine to completion from sync code, even under a running loop (in a thread of its own)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box: dict[str, Any] = {}
+
+    def runner() -> None:
+        try:
+            box["v"] = asyncio.run(coro)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["e"] = exc
+
+    th = threading.Thread(target=runner)
+    th.start()
+    th.join()
+    if "e" in box:
+        raise box["e"]
+    return box["v"]

@@ -1,0 +1,306 @@
+"""The gateway's configuration: ``gateway.toml``, read and checked before anything starts.
+
+Example::
+
+    [upstreams.tickets]
+    command = ["python", "tickets_server.py"]      # a stdio upstream; or url = "http://127.0.0.1:9000/mcp"
+
+    [tools.tickets.search_tickets]
+    tier = "safe"
+
+    [tools.tickets.create_ticket]
+    tier = "compensable"
+    compensation = { tool = "close_ticket", args = { id = "{result.id}" } }
+
+    [tools.tickets.delete_project]
+    tier = "irreversible"
+    reason = "Deletes the project and every ticket in it"
+    risk_tags = ["data-loss"]
+
+Paths (an upstream's command and working directory) resolve against the folder of the config file, so the
+gateway, the CLI and the desk find the same upstreams wherever they are started.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from undolog_core import ToolTier
+from undolog_core.errors import ConfigurationError
+
+# {args.x}, {result.x.y}, {idempotency_key}: what a compensation's arguments may be built from.
+_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+_SOURCES = ("args", "result")
+
+
+class Approval(enum.StrEnum):
+    """Where an IRREVERSIBLE call is decided."""
+
+    DESK = "desk"  # the desk, the REST API or the CLI (the default)
+    ELICIT = "elicit"  # the MCP client's own form (opt-in; its person is an unverified approver)
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    """One upstream MCP server: a command spoken to over stdio, or a streamable-HTTP URL."""
+
+    name: str
+    command: tuple[str, ...] = ()
+    url: str | None = None
+    cwd: Path | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    timeout: float = 30.0  # seconds a tool call may take before its outcome counts as unknown
+
+    def describe(self) -> dict[str, Any]:
+        """What identifies the upstream in a tool's contract (no environment: it may hold secrets)."""
+        return {"command": list(self.command)} if self.command else {"url": self.url}
+
+
+@dataclass(frozen=True)
+class CompensationTemplate:
+    """The compensation of a COMPENSABLE tool: another tool of the same upstream, with arguments built from the
+    call's arguments (``{args.x}``), its result (``{result.x}``) and its idempotency key (``{idempotency_key}``).
+
+    A value that is exactly one placeholder keeps its JSON type; a placeholder inside a longer string is
+    formatted into it.
+
+    Example:
+        >>> t = CompensationTemplate("close_ticket", {"id": "{result.id}"})
+        >>> t.render({"title": "x"}, {"id": 7}, "undo-1")
+        {'id': 7}
+    """
+
+    tool: str
+    args: Mapping[str, Any]
+
+    @property
+    def needs_result(self) -> bool:
+        return any(p.split(".", 1)[0] == "result" for p in _placeholders(self.args))
+
+    def render(self, args: Mapping[str, Any], result: Any, idempotency_key: str) -> dict[str, Any]:
+        """The compensation's arguments for one call.
+
+        Raises:
+            ConfigurationError: a placeholder names something the call's arguments or result do not have.
+        """
+        sources = {"args": args, "result": result, "idempotency_key": idempotency_key}
+        out = _render(self.args, sources)
+        assert isinstance(out, dict)
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {"tool": self.tool, "args": dict(self.args)}
+
+
+@dataclass(frozen=True)
+class ToolConfig:
+    """How one upstream tool is classified; a tool with no entry is not exposed at all."""
+
+    upstream: str
+    name: str
+    tier: ToolTier
+    compensation: CompensationTemplate | None = None
+    reason: str | None = None
+    risk_tags: tuple[str, ...] = ()
+    probe: str | None = None  # a tool of the same upstream that tells whether a call with an unknown outcome happened
+    approval: Approval = Approval.DESK
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """``gateway.toml``, parsed. ``path`` is where it was read from (None when built in code)."""
+
+    upstreams: Mapping[str, UpstreamConfig]
+    tools: Mapping[tuple[str, str], ToolConfig]
+    path: Path | None = None
+
+    def tools_of(self, upstream: str) -> dict[str, ToolConfig]:
+        return {name: cfg for (up, name), cfg in self.tools.items() if up == upstream}
+
+
+def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
+    """Read and check a gateway config (a TOML file, or its already parsed mapping).
+
+    Raises:
+        ConfigurationError: naming the key that is wrong.
+
+    Example:
+        >>> cfg = load_config("gateway.toml")
+        >>> sorted(cfg.upstreams)
+        ['tickets']
+    """
+    base: Path | None = None
+    path: Path | None = None
+    if isinstance(source, Mapping):
+        data: Mapping[str, Any] = source
+    else:
+        path = Path(source).expanduser().resolve()
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigurationError(f"gateway config {str(source)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigurationError(f"gateway config {str(source)!r} is not valid TOML: {exc}") from None
+        base = path.parent
+    unknown = set(data) - {"upstreams", "tools"}
+    if unknown:
+        raise ConfigurationError(f"gateway config: unknown section(s) {', '.join(sorted(unknown))} "
+                                 "(expected [upstreams.NAME] and [tools.UPSTREAM.TOOL])")
+    upstreams = {name: _upstream(name, raw, base) for name, raw in _table(data, "upstreams").items()}
+    if not upstreams:
+        raise ConfigurationError("gateway config: no [upstreams.NAME] section; the gateway needs at least one")
+    tools: dict[tuple[str, str], ToolConfig] = {}
+    for up, table in _table(data, "tools").items():
+        if up not in upstreams:
+            raise ConfigurationError(f"gateway config: [tools.{up}] names no upstream (known: "
+                                     f"{', '.join(sorted(upstreams))})")
+        if not isinstance(table, Mapping):
+            raise ConfigurationError(f"gateway config: [tools.{up}] must be a table of tools")
+        for name, raw in table.items():
+            tools[(up, name)] = _tool(up, name, raw)
+    return GatewayConfig(upstreams, tools, path)
+
+
+def _table(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = data.get(key, {})
+    if not isinstance(value, Mapping):
+        raise ConfigurationError(f"gateway config: [{key}] must be a table")
+    return value
+
+
+def _upstream(name: str, raw: Any, base: Path | None) -> UpstreamConfig:
+    where = f"[upstreams.{name}]"
+    if not isinstance(raw, Mapping):
+        raise ConfigurationError(f"gateway config: {where} must be a table")
+    unknown = set(raw) - {"command", "url", "cwd", "env", "timeout"}
+    if unknown:
+        raise ConfigurationError(f"gateway config: {where} has unknown key(s) {', '.join(sorted(unknown))}")
+    command, url = raw.get("command"), raw.get("url")
+    if (command is None) == (url is None):
+        raise ConfigurationError(f"gateway config: {where} needs exactly one of command = [...] or url = \"...\"")
+    cmd: tuple[str, ...] = ()
+    if command is not None:
+        if isinstance(command, str):
+            command = [command]
+        if not command or not all(isinstance(c, str) and c for c in command):
+            raise ConfigurationError(f"gateway config: {where} command must be a non-empty list of strings")
+        cmd = tuple(_resolve_arg(c, base) for c in command)
+    if url is not None and not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+        raise ConfigurationError(f"gateway config: {where} url must be an http(s) URL, got {url!r}")
+    cwd_raw = raw.get("cwd")
+    cwd = None
+    if cwd_raw is not None:
+        cwd = Path(str(cwd_raw)).expanduser()
+        if not cwd.is_absolute() and base is not None:
+            cwd = base / cwd
+    elif base is not None:
+        cwd = base
+    env = raw.get("env", {})
+    if not isinstance(env, Mapping) or not all(isinstance(v, str) for v in env.values()):
+        raise ConfigurationError(f"gateway config: {where} env must be a table of strings")
+    timeout = raw.get("timeout", 30.0)
+    if not isinstance(timeout, int | float) or timeout <= 0:
+        raise ConfigurationError(f"gateway config: {where} timeout must be a positive number of seconds")
+    return UpstreamConfig(name, cmd, url, cwd, dict(env), float(timeout))
+
+
+def _resolve_arg(arg: str, base: Path | None) -> str:
+    """A relative path that exists beside the config file becomes absolute; anything else is left as written."""
+    if base is None or arg.startswith("-") or Path(arg).is_absolute():
+        return arg
+    candidate = base / arg
+    return str(candidate) if candidate.exists() else arg
+
+
+def _tool(up: str, name: str, raw: Any) -> ToolConfig:
+    where = f"[tools.{up}.{name}]"
+    if not isinstance(raw, Mapping):
+        raise ConfigurationError(f"gateway config: {where} must be a table")
+    unknown = set(raw) - {"tier", "compensation", "reason", "risk_tags", "probe", "approval"}
+    if unknown:
+        raise ConfigurationError(f"gateway config: {where} has unknown key(s) {', '.join(sorted(unknown))}")
+    try:
+        tier = ToolTier(str(raw.get("tier", "")).lower())
+    except ValueError:
+        raise ConfigurationError(f"gateway config: {where} tier must be safe, compensable or irreversible") from None
+    comp = None
+    raw_comp = raw.get("compensation")
+    if tier is ToolTier.COMPENSABLE:
+        if not isinstance(raw_comp, Mapping) or not isinstance(raw_comp.get("tool"), str):
+            raise ConfigurationError(
+                f"gateway config: {where} is compensable: it needs compensation = {{ tool = \"...\", args = {{...}} }} "
+                "naming the upstream tool that undoes it"
+            )
+        args = raw_comp.get("args", {})
+        if not isinstance(args, Mapping):
+            raise ConfigurationError(f"gateway config: {where} compensation.args must be a table")
+        for ph in _placeholders(args):
+            head = ph.split(".", 1)[0]
+            if not (ph == "idempotency_key" or (head in _SOURCES and "." in ph)):
+                raise ConfigurationError(
+                    f"gateway config: {where} compensation.args uses {{{ph}}}; placeholders are {{args.NAME}}, "
+                    "{result.NAME} and {idempotency_key}"
+                )
+        comp = CompensationTemplate(str(raw_comp["tool"]), dict(args))
+    elif raw_comp is not None:
+        raise ConfigurationError(f"gateway config: {where} is {tier.value}: only a compensable tool has a compensation")
+    risk_tags = raw.get("risk_tags", [])
+    if not isinstance(risk_tags, list) or not all(isinstance(t, str) for t in risk_tags):
+        raise ConfigurationError(f"gateway config: {where} risk_tags must be a list of strings")
+    try:
+        approval = Approval(str(raw.get("approval", "desk")))
+    except ValueError:
+        raise ConfigurationError(f"gateway config: {where} approval must be \"desk\" or \"elicit\"") from None
+    if approval is Approval.ELICIT and tier is not ToolTier.IRREVERSIBLE:
+        raise ConfigurationError(f"gateway config: {where} approval = \"elicit\" is for irreversible tools only")
+    probe = raw.get("probe")
+    if probe is not None and not isinstance(probe, str):
+        raise ConfigurationError(f"gateway config: {where} probe must name a tool of the same upstream")
+    reason = raw.get("reason")
+    return ToolConfig(up, name, tier, comp, str(reason) if reason is not None else None, tuple(risk_tags), probe,
+                      approval)
+
+
+def _placeholders(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return _PLACEHOLDER.findall(value)
+    if isinstance(value, Mapping):
+        return [p for v in value.values() for p in _placeholders(v)]
+    if isinstance(value, list):
+        return [p for v in value for p in _placeholders(v)]
+    return []
+
+
+def _lookup(path: str, sources: Mapping[str, Any]) -> Any:
+    head, _, rest = path.partition(".")
+    if head not in sources:
+        raise ConfigurationError(f"compensation template: unknown placeholder {{{path}}}")
+    value = sources[head]
+    for part in rest.split(".") if rest else ():
+        if isinstance(value, Mapping) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            raise ConfigurationError(f"compensation template: {{{path}}} is not in the call's {head}")
+    return value
+
+
+def _render(value: Any, sources: Mapping[str, Any]) -> Any:
+    if isinstance(value, str):
+        whole = _PLACEHOLDER.fullmatch(value)
+        if whole:
+            return _lookup(whole.group(1), sources)
+        return _PLACEHOLDER.sub(lambda m: str(_lookup(m.group(1), sources)), value)
+    if isinstance(value, Mapping):
+        return {k: _render(v, sources) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_render(v, sources) for v in value]
+    return value

@@ -1,0 +1,455 @@
+"""The MCP gateway: an MCP server that fronts upstream MCP servers and routes every ``tools/call`` by its tier.
+
+SAFE calls pass through. COMPENSABLE calls are pre-written (effect and undo entry), forwarded with their
+idempotency key in ``_meta``, and marked. IRREVERSIBLE calls are not forwarded until a person approves them at
+the desk, the REST API or the CLI (or, opted in per tool, through the client's own elicitation form). A tool the
+config does not classify is not exposed, so nothing unclassified can run.
+
+Every call goes through the core's one call driver, so the checks are those of every other caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import math
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+from mcp import types
+from mcp.server.lowlevel import Server
+
+from undolog_core import (
+    AwaitingApproval,
+    Completed,
+    NothingHappened,
+    ToolSpec,
+    ToolTier,
+    UndoLog,
+)
+from undolog_core.errors import UndoLogError
+
+from .config import Approval, GatewayConfig, ToolConfig
+from .upstream import PORTAL, OutcomeUnknown, Upstream, UpstreamRefused, connect
+
+log = logging.getLogger("undolog.mcp")
+
+# Where UndoLog's own fields ride in a result's structured content and _meta.
+META_KEY = "dev.undolog/call"
+# Who the HTTP transport authenticated, in the ASGI scope of the request (absent over stdio).
+PRINCIPAL_SCOPE_KEY = "undolog.principal"
+
+
+async def _plain(send: Any, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps({"error": message}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@dataclass
+class ExposedTool:
+    """One upstream tool as the gateway's clients see it."""
+
+    exposed_name: str
+    config: ToolConfig
+    listed: types.Tool
+    spec: ToolSpec | None = None
+    validator: Any = None
+
+
+@dataclass
+class Exposure:
+    """What the gateway exposes after reading the upstreams' listings, and what it said it left out."""
+
+    tools: dict[str, ExposedTool] = field(default_factory=dict)
+    unclassified: list[str] = field(default_factory=list)  # "upstream/tool": listed upstream, no tier in the config
+    missing: list[str] = field(default_factory=list)  # classified in the config, not listed by its upstream
+
+
+def plan_exposure(config: GatewayConfig, listed: Mapping[str, list[types.Tool]]) -> Exposure:
+    """Decide the exposed names: an upstream's own name, prefixed ``<upstream>_`` only where two would clash."""
+    exposure = Exposure()
+    counts: dict[str, int] = {}
+    for up, tools in listed.items():
+        for t in tools:
+            if (up, t.name) in config.tools:
+                counts[t.name] = counts.get(t.name, 0) + 1
+    for up, tools in listed.items():
+        by_name = {t.name: t for t in tools}
+        for t in tools:
+            cfg = config.tools.get((up, t.name))
+            if cfg is None:
+                exposure.unclassified.append(f"{up}/{t.name}")
+                continue
+            exposed = t.name if counts[t.name] == 1 else f"{up}_{t.name}"
+            for needed, what in ((cfg.compensation.tool if cfg.compensation else None, "compensation"),
+                                 (cfg.probe, "probe")):
+                if needed is not None and needed not in by_name:
+                    raise UndoLogError(f"gateway config: the {what} tool {needed!r} of [tools.{up}.{t.name}] is not "
+                                       f"a tool of upstream {up!r} (it lists {', '.join(sorted(by_name))})")
+            exposure.tools[exposed] = ExposedTool(exposed, cfg, t)
+    for (up, name) in config.tools:
+        if up in listed and name not in {t.name for t in listed[up]}:
+            exposure.missing.append(f"{up}/{name}")
+    return exposure
+
+
+class Gateway:
+    """The gateway over one config and one UndoLog.
+
+    Example:
+        >>> gw = Gateway(load_config("gateway.toml"), UndoLog.open("sqlite:///undolog.db"))
+        >>> anyio.run(gw.serve_stdio)
+    """
+
+    def __init__(self, config: GatewayConfig, undolog: UndoLog) -> None:
+        self.config = config
+        self.undolog = undolog
+        self.exposure = Exposure()
+        self.upstreams: dict[str, Upstream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sessions: dict[int, tuple[str, str | None]] = {}
+        self.server: Server[Any, Any] = self._build_server()
+
+    # -- registration -------------------------------------------------------------------------------
+
+    def register(self, listed: Mapping[str, list[types.Tool]]) -> Exposure:
+        """Register every classified tool of the upstreams' listings with the UndoLog, with its compensation and
+        probe. The contract holds the upstream's schema and annotations, the upstream and the compensation's
+        template: an upstream that changes a tool makes a new revision, which cancels approvals bound to the old."""
+        self.exposure = exposure = plan_exposure(self.config, listed)
+        for ex in exposure.tools.values():
+            cfg, tool = ex.config, ex.listed
+            up = self.config.upstreams[cfg.upstream]
+            schema = dict(tool.inputSchema or {"type": "object"})
+            binding: dict[str, Any] = {
+                "kind": "mcp",
+                "upstream": cfg.upstream,
+                "upstream_tool": tool.name,
+                "server": up.describe(),
+                "annotations": tool.annotations.model_dump(mode="json", exclude_none=True) if tool.annotations else None,
+                "output_schema": tool.outputSchema,
+            }
+            kwargs: dict[str, Any] = {
+                "name": ex.exposed_name, "tier": cfg.tier.value, "reason": cfg.reason or tool.description,
+                "risk_tags": list(cfg.risk_tags), "args_schema": schema,
+            }
+            if cfg.compensation is not None:
+                binding["compensation"] = cfg.compensation.describe()
+                comp_name = f"mcp:{cfg.upstream}.{tool.name}.undo"
+                self.undolog.register_compensation(self._compensator(cfg), name=comp_name)
+                kwargs["compensation"] = comp_name
+                kwargs["compensation_needs_result"] = cfg.compensation.needs_result
+            if cfg.probe is not None:
+                binding["probe"] = cfg.probe
+                kwargs["probe"] = self._prober(cfg)
+            ex.spec = self.undolog.register_tool(None, binding=binding, registered_by="undolog:mcp-gateway",
+                                                 **kwargs)
+            ex.validator = jsonschema.Draft202012Validator(schema)
+        return exposure
+
+    def _upstream_call(self, upstream: str) -> Any:
+        """A coroutine function calling one tool of ``upstream``: over the gateway's live session when this runs
+        on the gateway's own loop, else over a connection opened for it (the CLI, the desk, recovery)."""
+        cfg = self.config.upstreams[upstream]
+
+        async def call(name: str, args: Mapping[str, Any], key: str | None) -> types.CallToolResult:
+            live = self.upstreams.get(upstream)
+            if live is not None and asyncio.get_running_loop() is self._loop:
+                return await live.call(name, args, key)
+            return await PORTAL.call(cfg, name, args, key)
+
+        return call
+
+    def _compensator(self, cfg: ToolConfig) -> Any:
+        template = cfg.compensation
+        assert template is not None
+        call = self._upstream_call(cfg.upstream)
+
+        async def compensate(ctx: Any) -> None:
+            result = structured(ctx.result)
+            args = template.render(ctx.args, result, ctx.idempotency_key)
+            out = await call(template.tool, args, ctx.idempotency_key)
+            if out.isError:
+                raise UndoLogError(f"compensation {template.tool} of {cfg.name} answered an error: {text_of(out)}")
+
+        compensate.__name__ = f"compensate_{cfg.name}"
+        return compensate
+
+    def _prober(self, cfg: ToolConfig) -> Any:
+        """Recovery's question to the upstream: did this call happen? The probe tool gets the call's arguments and
+        idempotency key, and answers ``{"happened": bool, "result": ...}`` in its structured content."""
+        probe_tool = cfg.probe
+        assert probe_tool is not None
+        call = self._upstream_call(cfg.upstream)
+
+        async def probe(ctx: Any) -> Any:
+            out = await call(probe_tool, {"tool": cfg.name, "args": ctx.args, "idempotency_key": ctx.idempotency_key},
+                             None)
+            if out.isError:
+                raise UndoLogError(f"probe {probe_tool} answered an error: {text_of(out)}")
+            verdict = out.structuredContent or {}
+            if not verdict.get("happened"):
+                return False
+            result = verdict.get("result")
+            return result if result is not None else True
+
+        return probe
+
+    # -- the MCP server -----------------------------------------------------------------------------
+
+    def _build_server(self) -> Server[Any, Any]:
+        # No per-session lifespan: the upstreams are connected once for the gateway (``running``), however many
+        # MCP client sessions the HTTP transport serves.
+        server: Server[Any, Any] = Server("undolog-gateway")
+
+        @server.list_tools()  # type: ignore[no-untyped-call, untyped-decorator]
+        async def _list() -> list[types.Tool]:
+            return [self._advertised(ex) for ex in self.exposure.tools.values()]
+
+        # Input is validated here, against the upstream's schema, so a bad call names the failing path.
+        @server.call_tool(validate_input=False)  # type: ignore[untyped-decorator]
+        async def _call(name: str, arguments: dict[str, Any] | None) -> types.CallToolResult:
+            return await self.call(name, arguments or {})
+
+        return server
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[Gateway]:
+        """Connect the upstreams, register their classified tools, and finish what a crash left in flight."""
+        self._loop = asyncio.get_running_loop()
+        async with contextlib.AsyncExitStack() as stack:
+            for name, cfg in self.config.upstreams.items():
+                self.upstreams[name] = await stack.enter_async_context(connect(cfg))
+            exposure = self.register({n: up.tools for n, up in self.upstreams.items()})
+            for skipped in exposure.unclassified:
+                log.warning("not exposed (no tier in the config): %s", skipped)
+            for gone in exposure.missing:
+                log.warning("classified in the config but not listed by its upstream: %s", gone)
+            report = await asyncio.to_thread(self.undolog.recover)
+            if report.reconciled or report.rollbacks_resumed:
+                log.warning("recovery at start: %s", report.to_dict())
+            try:
+                yield self
+            finally:
+                self.upstreams.clear()
+                self._loop = None
+
+    def _advertised(self, ex: ExposedTool) -> types.Tool:
+        tool = ex.listed.model_copy(update={"name": ex.exposed_name})
+        if ex.config.tier is ToolTier.IRREVERSIBLE:
+            # Before approval the gateway answers with a notice, not the upstream's result shape; SDK clients
+            # reject a result that does not match an advertised outputSchema.
+            tool = tool.model_copy(update={"outputSchema": None})
+        note = {
+            ToolTier.SAFE: "",
+            ToolTier.COMPENSABLE: " [UndoLog: compensable: logged and undoable]",
+            ToolTier.IRREVERSIBLE: " [UndoLog: irreversible: runs only after a person approves it]",
+        }[ex.config.tier]
+        return tool.model_copy(update={"description": (tool.description or "") + note})
+
+    # -- one call -----------------------------------------------------------------------------------
+
+    async def call(self, name: str, arguments: Mapping[str, Any]) -> types.CallToolResult:
+        """Route one ``tools/call`` by its tier; always answers with a tool result (never a protocol error)."""
+        ex = self.exposure.tools.get(name)
+        if ex is None or ex.spec is None:
+            return error_result(f"unknown tool {name!r}: this gateway exposes "
+                                f"{', '.join(sorted(self.exposure.tools)) or 'no tools'}")
+        problems = sorted(ex.validator.iter_errors(dict(arguments)), key=lambda e: list(e.absolute_path))
+        if problems:
+            # Refused before anything is logged: nothing ran, nothing to undo.
+            where = "/".join(str(p) for p in problems[0].absolute_path) or "(arguments)"
+            return error_result(f"invalid arguments for {name}: {where}: {problems[0].message}")
+        try:
+            session_id = await self._session_id()
+        except UndoLogError as exc:
+            return error_result(exc.message, code=exc.code)
+        call_id = call_key(name, arguments) if ex.config.tier is ToolTier.IRREVERSIBLE else None
+        driver = self.undolog.driver
+        try:
+            d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+        except UndoLogError as exc:
+            return error_result(exc.message, code=exc.code)
+        if isinstance(d, Completed):
+            return replayed(d.result)
+        if isinstance(d, AwaitingApproval):
+            if ex.config.approval is Approval.ELICIT:
+                decided = await self._elicit(ex, d)
+                if decided is not None:
+                    return decided
+                return await self.call(name, arguments)
+            return awaiting_result(name, d)
+        upstream = self.upstreams[ex.config.upstream]
+        tool_name = ex.listed.name
+
+        async def invoke(args: dict[str, Any]) -> types.CallToolResult:
+            try:
+                return await upstream.call(tool_name, args, d.idempotency_key)
+            except UpstreamRefused as exc:
+                return error_result(str(exc))  # a protocol refusal: it did not run
+
+        outcome = await driver.run_async(
+            d, invoke, rollback_on_failure=False, note=False, unknown_on=(OutcomeUnknown,),
+            failure_of=lambda r: NothingHappened(text_of(r) or "the upstream answered isError") if r.isError else None,
+            result_of=lambda r: r.model_dump(mode="json", by_alias=True, exclude_none=True),
+        )
+        if outcome.error is not None:
+            if isinstance(outcome.error, OutcomeUnknown):
+                return unknown_result(name, outcome.error, outcome.in_doubt)
+            raise outcome.error
+        value: types.CallToolResult = outcome.value
+        return value
+
+    async def _session_id(self) -> str:
+        """The UndoLog session of the MCP client session making this request (one for one)."""
+        session = self.server.request_context.session
+        key = id(session)
+        request = getattr(self.server.request_context, "request", None)
+        principal = getattr(request, "scope", {}).get(PRINCIPAL_SCOPE_KEY) if request is not None else None
+        found = self._sessions.get(key)
+        if found is not None:
+            if found[1] != principal:
+                # Over HTTP an MCP session belongs to the key that opened it.
+                raise UndoLogError("this MCP session was opened with another API key")
+            return found[0]
+        info = session.client_params.clientInfo if session.client_params else None
+        label = f"mcp:{info.name}/{info.version}" if info else "mcp:unknown-client"
+        s = await asyncio.to_thread(self.undolog.session, agent_id=label, created_by=principal)
+        self._sessions[key] = (s.id, principal)
+        log.info("MCP client %s is session %s", label, s.id)
+        return s.id
+
+    async def _elicit(self, ex: ExposedTool, d: AwaitingApproval) -> types.CallToolResult | None:
+        from .elicit import elicit_decision
+
+        return await elicit_decision(self, ex, d)
+
+    # -- transports ---------------------------------------------------------------------------------
+
+    async def serve_stdio(self) -> None:
+        """Serve one MCP client over stdin/stdout until it disconnects."""
+        from mcp.server.stdio import stdio_server
+
+        async with self.running(), stdio_server() as (read, write):
+            await self.server.run(read, write, self.server.create_initialization_options())
+
+    async def serve_http(self, host: str, port: int, authenticate: Any, *,
+                         ready: Any = None) -> None:
+        """Serve MCP's streamable HTTP transport at ``http://host:port/mcp``.
+
+        ``authenticate(token)`` returns the principal of a bearer token allowed to act as an agent, or None
+        (401); every request must carry one. ``ready(port)`` is called once listening (the port actually bound).
+        """
+        import uvicorn
+        from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+
+        manager = StreamableHTTPSessionManager(app=self.server, stateless=False)
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                return
+            if scope.get("path", "").rstrip("/") != "/mcp":
+                await _plain(send, 404, "not found: the MCP endpoint is /mcp")
+                return
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+            auth = headers.get("authorization", "")
+            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            principal = await asyncio.to_thread(authenticate, token) if token else None
+            if principal is None:
+                await _plain(send, 401, "an agent API key is required: Authorization: Bearer <key>",
+                             [(b"www-authenticate", b"Bearer")])
+                return
+            # The request's handler runs in the MCP session's own task, not this one: the principal travels in
+            # the ASGI scope, which the SDK hands to it as the request context's request.
+            scope[PRINCIPAL_SCOPE_KEY] = principal
+            await manager.handle_request(scope, receive, send)
+
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+        server = uvicorn.Server(config)
+        async with self.running(), manager.run():
+            serving = asyncio.ensure_future(server.serve())
+            while not server.started and not serving.done():
+                await asyncio.sleep(0.02)
+            if ready is not None and server.started:
+                bound = server.servers[0].sockets[0].getsockname()[1]
+                ready(bound)
+            await serving
+
+
+# -- results ------------------------------------------------------------------------------------------
+
+
+def call_key(name: str, arguments: Mapping[str, Any]) -> str:
+    """An IRREVERSIBLE call's id: the same tool with the same arguments in the same session is the same call, so
+    asking again after approval runs it once, and asking after that replays its stored result."""
+    text = json.dumps({"tool": name, "args": arguments}, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      default=str)
+    return "mcp-" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:40]
+
+
+def text_of(result: types.CallToolResult) -> str:
+    return "\n".join(c.text for c in result.content if isinstance(c, types.TextContent))
+
+
+def structured(stored: Any) -> Any:
+    """A stored call result as a compensation template reads it: its structured content, else its text parsed as
+    JSON, else the text."""
+    if not isinstance(stored, Mapping):
+        return stored
+    if stored.get("structuredContent") is not None:
+        return stored["structuredContent"]
+    texts = [c.get("text") for c in stored.get("content") or [] if isinstance(c, Mapping) and c.get("type") == "text"]
+    if len(texts) == 1 and isinstance(texts[0], str):
+        try:
+            return json.loads(texts[0])
+        except ValueError:
+            return texts[0]
+    return stored
+
+
+def error_result(message: str, *, code: str | None = None) -> types.CallToolResult:
+    meta = {META_KEY: {"error": code}} if code else None
+    return types.CallToolResult(content=[types.TextContent(type="text", text=message)], isError=True,
+                                _meta=meta)
+
+
+def replayed(stored: Any) -> types.CallToolResult:
+    result = types.CallToolResult.model_validate(stored)
+    meta = dict(result.meta or {})
+    meta[META_KEY] = {"replayed": True}
+    return result.model_copy(update={"meta": meta})
+
+
+def awaiting_result(name: str, d: AwaitingApproval, *, note: str = "") -> types.CallToolResult:
+    retry = max(1, math.ceil(d.retry_after))
+    info = {
+        "status": "awaiting_approval",
+        "tool": name,
+        "approval_request_id": d.approval_request_id,
+        "reason": d.reason,
+        "risk_tags": list(d.risk_tags),
+        "retry_after_seconds": retry,
+        "timeout_at": d.timeout_at.isoformat(),
+    }
+    text = (f"{name} was not run: it needs a person's approval first (request {d.approval_request_id}"
+            f"{': ' + d.reason if d.reason else ''}). Call it again with the same arguments in about {retry} s; "
+            "it runs once approved." + note)
+    return types.CallToolResult(content=[types.TextContent(type="text", text=text)], structuredContent=info,
+                                isError=False)
+
+
+def unknown_result(name: str, exc: Exception, settled: str | None) -> types.CallToolResult:
+    what = {
+        "compensated": "it was undone (its compensation ran) in case it happened",
+        "committed": "the upstream confirms it happened",
+        "unknown": "its outcome is unknown and the session is halted until a person checks it",
+        "not_run": "the upstream confirms it did not happen",
+    }.get(settled or "", "its outcome is unknown; recovery will settle it")
+    return error_result(f"{name}: the upstream did not answer ({exc}); {what}.", code="outcome_unknown")

@@ -1,0 +1,168 @@
+"""Connections to the upstream MCP servers the gateway fronts (the official SDK's client, 1.x line).
+
+The gateway holds one live session per upstream for its lifetime. A compensation or a probe that runs
+elsewhere (``undolog sessions rollback --app gateway.toml``, the desk's recovery loop) opens a short-lived one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import datetime as dt
+import threading
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mcp import ClientSession, McpError, StdioServerParameters, types
+from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamablehttp_client
+
+from .config import UpstreamConfig
+
+# The idempotency key travels in the call's _meta under this name; an upstream that does not know it ignores it.
+IDEMPOTENCY_META = "dev.undolog/idempotency-key"
+# httpx.codes.REQUEST_TIMEOUT, which the SDK's client answers a timed-out request with.
+_TIMEOUT_CODE = 408
+
+
+class OutcomeUnknown(Exception):
+    """The upstream did not answer a call (timeout, crash, lost connection): whether it ran is not known."""
+
+
+class UpstreamRefused(Exception):
+    """The upstream refused the call with a protocol error (unknown tool, bad params): it did not run."""
+
+
+@dataclass
+class Upstream:
+    """A live client session to one upstream, with the tools it listed."""
+
+    config: UpstreamConfig
+    session: ClientSession
+    tools: list[types.Tool]
+
+    async def call(self, name: str, args: Mapping[str, Any], idempotency_key: str | None) -> types.CallToolResult:
+        """One ``tools/call``; a call that gets no answer raises :class:`OutcomeUnknown`.
+
+        Raises:
+            OutcomeUnknown: no answer within the upstream's timeout, or the connection was lost.
+            UpstreamRefused: a JSON-RPC error answer (the call did not run).
+        """
+        meta = {IDEMPOTENCY_META: idempotency_key} if idempotency_key else None
+        try:
+            return await self.session.call_tool(
+                name, dict(args), read_timeout_seconds=dt.timedelta(seconds=self.config.timeout), meta=meta,
+            )
+        except McpError as exc:
+            if exc.error.code in (types.CONNECTION_CLOSED, _TIMEOUT_CODE):
+                raise OutcomeUnknown(f"upstream {self.config.name}: {exc.error.message}") from exc
+            raise UpstreamRefused(f"upstream {self.config.name} refused {name}: {exc.error.message}") from exc
+        except (TimeoutError, OSError, EOFError) as exc:
+            raise OutcomeUnknown(f"upstream {self.config.name}: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:
+            # anyio's ClosedResourceError / BrokenResourceError: the stream under the session went away.
+            if type(exc).__module__.startswith("anyio"):
+                raise OutcomeUnknown(f"upstream {self.config.name}: the connection was lost") from exc
+            raise
+
+
+@contextlib.asynccontextmanager
+async def connect(config: UpstreamConfig) -> AsyncIterator[Upstream]:
+    """Open a session to ``config``'s upstream, initialise it and list its tools.
+
+    Example:
+        >>> async with connect(cfg.upstreams["tickets"]) as up:
+        ...     result = await up.call("search_tickets", {"q": "refund"}, None)
+    """
+    async with contextlib.AsyncExitStack() as stack:
+        if config.command:
+            # The SDK's safe default environment (PATH, HOME, ...) plus the config's env: never the gateway's own
+            # environment, which may hold the database's credentials.
+            params = StdioServerParameters(command=config.command[0], args=list(config.command[1:]),
+                                           env=dict(config.env) or None,
+                                           cwd=str(config.cwd) if config.cwd else None)
+            read, write = await stack.enter_async_context(stdio_client(params))
+        else:
+            assert config.url is not None
+            read, write, _ = await stack.enter_async_context(streamablehttp_client(config.url))
+        session = await stack.enter_async_context(ClientSession(read, write))
+        await session.initialize()
+        listed = await session.list_tools()
+        tools = list(listed.tools)
+        cursor = listed.nextCursor
+        while cursor:
+            page = await session.list_tools(cursor=cursor)
+            tools.extend(page.tools)
+            cursor = page.nextCursor
+        yield Upstream(config, session, tools)
+
+
+async def list_tools(config: UpstreamConfig) -> list[types.Tool]:
+    """The upstream's tools, through a connection opened for this question alone."""
+    async with connect(config) as up:
+        return up.tools
+
+
+class Portal:
+    """Connections to upstreams for code that runs outside the gateway (the CLI's rollback, the desk's recovery):
+    one background event loop in this process holds one connection per upstream, so a rollback of many calls
+    starts each upstream once, whatever loop (or none) each compensation is called from.
+
+    Example:
+        >>> result = await PORTAL.call(cfg.upstreams["tickets"], "close_ticket", {"id": 7}, "undo-12")
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._open: dict[tuple[Any, ...], asyncio.Future[Upstream]] = {}
+
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="undolog-mcp-portal", daemon=True).start()
+                self._loop = loop
+            return self._loop
+
+    async def call(self, config: UpstreamConfig, name: str, args: Mapping[str, Any],
+                   key: str | None) -> types.CallToolResult:
+        """One call over this process's connection to ``config``'s upstream (opened on first use)."""
+        loop = self._ensure_loop()
+        fut: concurrent.futures.Future[types.CallToolResult] = asyncio.run_coroutine_threadsafe(
+            self._call(config, name, args, key), loop)
+        return await asyncio.wrap_future(fut)
+
+    async def _call(self, config: UpstreamConfig, name: str, args: Mapping[str, Any],
+                    key: str | None) -> types.CallToolResult:
+        ident = (config.name, config.command, config.url, str(config.cwd), tuple(sorted(config.env.items())))
+        opened = self._open.get(ident)
+        if opened is None:
+            opened = self._open[ident] = asyncio.get_running_loop().create_future()
+            asyncio.ensure_future(self._hold(config, opened))
+        try:
+            up = await asyncio.shield(opened)
+        except BaseException:
+            self._open.pop(ident, None)
+            raise
+        try:
+            return await up.call(name, args, key)
+        except OutcomeUnknown:
+            self._open.pop(ident, None)  # that connection is gone: the next call opens another
+            raise
+
+    async def _hold(self, config: UpstreamConfig, opened: asyncio.Future[Upstream]) -> None:
+        # The connection's context is entered and left by this one task, as anyio requires; it stays open for
+        # the life of the process (the upstream exits when its stdin closes with us).
+        try:
+            async with connect(config) as up:
+                opened.set_result(up)
+                await asyncio.Event().wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting callers
+            if not opened.done():
+                opened.set_exception(exc)
+
+
+PORTAL = Portal()
