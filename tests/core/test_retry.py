@@ -149,3 +149,23 @@ def test_respond_is_its_own_audited_decision(undolog: Any) -> None:
     assert s.call_sync(ask_customer, question="Which order?", call_id="c1") == "Order A-1042"
     assert ran == [] and undolog.sessions.get(s.id).state == "active"
     assert undolog.verify_audit().ok
+
+
+def test_an_attempt_of_unknown_outcome_ends_the_retries(undolog: Any) -> None:
+    # A retry that times out may have happened: it is settled as in doubt (like recovery), never tried again.
+    body = Flaky(5)
+    body.exc = ConnectionError
+
+    def invoke(args: dict[str, Any]) -> Any:
+        if len(body.seen) == 1:
+            body.seen.append(("second", 2))
+            raise TimeoutError("no answer")
+        return body(**args)
+
+    charge, undone = make(undolog, body, RetryPolicy(attempts=5, backoff=0.0))
+    s = undolog.session()
+    d = undolog.driver.decide(s.id, charge, {"amount": 3}, call_id="c1")
+    outcome = undolog.driver.run_sync(d, invoke, unknown_on=(TimeoutError,))
+    assert isinstance(outcome.error, TimeoutError) and len(body.seen) == 2
+    [effect] = undolog.sessions.effects(s.id)
+    assert effect["state"] != EffectState.FAILED  # not recorded as a failure that nothing happened in
