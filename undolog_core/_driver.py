@@ -101,6 +101,9 @@ class CallDriver:
         self.engine = engine
         self.saga = saga
         self._spec_for = spec_for
+        # False while undolog_core.testing.check_undo runs a scenario: failures are recorded, but no session rolls
+        # back on its own (policy, adapters, a `with` block left by an exception); the harness rolls back itself.
+        self.failure_rollbacks = True
         # Settles one call of this process whose outcome is unknown, as recovery would (bound by the facade).
         self.in_doubt: Callable[[str], str | None] | None = None
 
@@ -270,7 +273,7 @@ class CallDriver:
         exc = error if isinstance(error, BaseException) else None
         policy = self._record_failure(d, error)
         report = None
-        if policy == "rollback" and rollback:
+        if policy == "rollback" and rollback and self.failure_rollbacks:
             report = self._rollback_sync(d.session_id, exc if note else None, self._why(d, error))
         return Outcome(value=value, error=exc, rollback=report, failure=None if exc else str(error))
 
@@ -279,7 +282,7 @@ class CallDriver:
         exc = error if isinstance(error, BaseException) else None
         policy = await self._off_loop(self._record_failure, d, error)
         report = None
-        if policy == "rollback" and rollback:
+        if policy == "rollback" and rollback and self.failure_rollbacks:
             report = await self._rollback_async(d.session_id, exc if note else None, self._why(d, error))
         return Outcome(value=value, error=exc, rollback=report, failure=None if exc else str(error))
 
@@ -468,7 +471,7 @@ class CallDriver:
         this effect's own compensation included. Returns the rollback report, or None when the session's policy
         is "continue"."""
         failure = self.engine.record_failure(effect_id, error)
-        if failure.on_failure != "rollback":
+        if failure.on_failure != "rollback" or not self.failure_rollbacks:
             return None
         session_id = failure.session_id
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"

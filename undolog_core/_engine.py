@@ -456,7 +456,7 @@ class Engine:
         comp = spec.compensation
         assert comp is not None
         self._inflight.add(effect_id)
-        fault(FaultPoint.BEFORE_PREWRITE)
+        fault(FaultPoint.BEFORE_PREWRITE, session_id, spec.name)
         try:
             if pin is None and self.hot.prewrite(
                 session_id, safe + carried, effect_id, call_id or effect_id, spec.name, spec.revision, args_text,
@@ -492,7 +492,7 @@ class Engine:
             raise
         self.leases.start()
         sc.recent.append((spec.name, "compensable", args_json, "pending"))
-        fault(FaultPoint.AFTER_PREWRITE)
+        fault(FaultPoint.AFTER_PREWRITE, session_id, spec.name, effect_id)
         return Execute(effect_id, values, f"do-{effect_id}", COMPENSABLE, spec.name, call_id, session_id)
 
     def _prewrite_core(
@@ -614,6 +614,7 @@ class Engine:
     def intercept_irreversible(
         self, session_id: str, spec: ToolSpec, args_json: Any, call_id: str | None, *, match_digest: bool = False
     ) -> Decision:
+        fault(FaultPoint.BEFORE_GATE, session_id, spec.name)
         sc = self._session(session_id)
         pin = spec if self._check_pin(sc, spec) else None
         args_canon = canonical_json(args_json)

@@ -118,6 +118,15 @@ class Leases:
     def start(self) -> None:
         self._loop.ensure()
 
+    def abandon(self, effect_id: str) -> None:
+        """Stop counting ``effect_id`` as running here, as if this process had crashed while it ran: its lease
+        is no longer renewed and ``owner_alive`` says its owner is gone, so ``recover()`` takes it up.
+
+        Example (what ``check_undo`` does to "crash" a call after its pre-write):
+            >>> undolog.leases.abandon(effect_id); undolog.recover()
+        """
+        self.inflight.discard(effect_id)
+
     def _renew(self) -> None:
         effects, undos, rolling = list(self.inflight), list(self.compensating), list(self.rolling)
         if effects or undos or rolling:

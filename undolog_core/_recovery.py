@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -68,8 +68,11 @@ class Recovery:
     ) -> bool:
         return not owner_alive(owner, lease, effect_id=effect_id, undo_id=undo_id, rolling=rolling)
 
-    def recover(self, progress: Callable[[int, int, str], None] | None = None) -> RecoveryReport:
+    def recover(self, progress: Callable[[int, int, str], None] | None = None, *,
+                sessions: Collection[str] | None = None) -> RecoveryReport:
         """Finish what crashed processes left in flight. Safe to run from several processes at once.
+
+        ``sessions`` limits it to those sessions (the undo-check harness recovers only its own runs).
 
         Example:
             >>> report = undolog.recover()
@@ -77,7 +80,7 @@ class Recovery:
             [{'effect_id': '...', 'tool_name': 'send_refund_email', 'outcome': 'compensated'}]
         """
         with obs.span("undolog.recover", {}) as sp:
-            report = self._recover(progress)
+            report = self._recover(progress, sessions)
             sp.set_attributes({"undolog.reconciled": len(report.reconciled), "undolog.left_alive": report.left_alive,
                                "undolog.rollbacks_resumed": len(report.rollbacks_resumed),
                                "undolog.dead_lettered": len(report.dead_lettered), "undolog.errors": len(report.errors)})
@@ -90,11 +93,17 @@ class Recovery:
                 len(report.errors), report.left_alive)
         return report
 
-    def _recover(self, progress: Callable[[int, int, str], None] | None) -> RecoveryReport:
+    def _recover(self, progress: Callable[[int, int, str], None] | None,
+                 sessions: Collection[str] | None = None) -> RecoveryReport:
         report = RecoveryReport()
         self._flush_marks()
         seen = self._store.in_flight()
         effects, undos, intents = seen.effects, seen.undos, seen.intents
+        if sessions is not None:
+            only = set(sessions)
+            effects = [r for r in effects if r.session_id in only]
+            undos = [r for r in undos if r.session_id in only]
+            intents = [r for r in intents if r.session_id in only]
         dead_effects = [r for r in effects if self._dead(r.owner, r.lease_until, r.effect_id)]
         report.left_alive = len(effects) - len(dead_effects)
         # A requested rollback whose walker is gone is finished: the whole session, as was asked.

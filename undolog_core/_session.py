@@ -109,7 +109,7 @@ class Session:
 
     def _should_rollback(self, exc: BaseException) -> bool:
         # Waiting for a person is not a failure; a halted session is for a person to resolve.
-        if isinstance(exc, ApprovalPending):
+        if isinstance(exc, ApprovalPending) or not self._driver.failure_rollbacks:
             return False
         rec = self._u.sessions.get(self.id)
         return rec.on_failure == "rollback" and rec.state in ("active", "awaiting_approval")

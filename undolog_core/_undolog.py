@@ -202,9 +202,12 @@ class UndoLog:
     async def arollback(self, session_id: str, *, actor: str = "undolog") -> RollbackReport:
         return await self.saga.rollback(session_id, actor=actor, reason="requested")
 
-    def recover(self, progress: Any = None) -> RecoveryReport:
-        """Reconcile effects left in flight by crashed processes; see the README's guarantees."""
-        return self._recovery.recover(progress=progress)
+    def recover(self, progress: Any = None, *, sessions: Iterable[str] | None = None) -> RecoveryReport:
+        """Reconcile effects left in flight by crashed processes; see the README's guarantees.
+
+        ``sessions`` limits it to those sessions (everything in flight by default).
+        """
+        return self._recovery.recover(progress=progress, sessions=None if sessions is None else set(sessions))
 
     def verify_audit(
         self, *, checkpoints: str | os.PathLike[str] | None = None, public_key: str | os.PathLike[str] | None = None

@@ -26,6 +26,7 @@ import enum
 import inspect
 import json
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -1241,6 +1242,73 @@ def demo(
             kwargs["database_url"] = demo_db if "://" in demo_db else f"sqlite:///{Path(demo_db).resolve()}"
         code = run(**kwargs)
     raise typer.Exit(int(code or 0))
+
+
+# -- check-undo -----------------------------------------------------------------------------------
+
+
+def _load_callable(spec: str, what: str) -> Any:
+    """``module:attribute`` (the attribute may be dotted) imported from the current directory or the path."""
+    import importlib
+
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise CliInputError(f"{what} must look like module:function, got {spec!r}")
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise CliInputError(f"cannot import {mod_name!r} for {what}: {exc}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise CliInputError(f"{mod_name!r} has no {attr!r} for {what}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise CliInputError(f"{what} {spec!r} is not callable")
+    return obj
+
+
+@app.command("check-undo")
+def check_undo_command(
+    ctx: typer.Context,
+    scenario: Annotated[str, typer.Argument(metavar="MODULE:SCENARIO",
+                                            help="scenario(undolog) or scenario(undolog, run), sync or async.")],
+    snapshot: Annotated[str, typer.Option("--snapshot", metavar="MODULE:FN",
+                                          help="Returns a JSON-able picture of the world a compensation restores.")],
+    reset: Annotated[str, typer.Option("--reset", metavar="MODULE:FN",
+                                       help="Puts the world back to the scenario's starting point.")],
+    idempotency: Annotated[bool, typer.Option("--idempotency/--no-idempotency",
+                                              help="Run each compensation a second time with the same key.")] = True,
+    never_happened: Annotated[bool, typer.Option(
+        "--never-happened/--no-never-happened",
+        help="Crash each step after its pre-write, before the tool ran, and let recovery compensate it.")] = True,
+    crash: Annotated[bool, typer.Option("--crash", help="Also with real SIGKILLs in a child process.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Break a scenario after every COMPENSABLE step and check that its compensations restore the world.
+
+    Prints the table (step, tool, compensation, restored, idempotent, never-happened) and the diffs; exit 1 when
+    a step is not restored, not idempotent or not tolerant of "never happened".
+    \f
+    The scenario runs against the UndoLog of ``--app`` (or one on ``--db``); its runs are sessions of their own.
+    """
+    from .testing import check_undo
+
+    fns = {name: _load_callable(spec, name) for name, spec in
+           (("scenario", scenario), ("--snapshot", snapshot), ("--reset", reset))}
+    u = _open(ctx)
+    paths = {"scenario": scenario, "snapshot": snapshot, "reset": reset}
+    if _settings(ctx).app_spec:
+        paths["app"] = _settings(ctx).app_spec or ""
+    report = check_undo(fns["scenario"], snapshot=fns["--snapshot"], reset=fns["--reset"], undolog=u,
+                        idempotency=idempotency, never_happened=never_happened, crash=crash,
+                        crash_paths=paths if crash else None)
+    if as_json:
+        _print_json(report.to_dict())
+    else:
+        typer.echo(report.explain(color=sys.stdout.isatty(), width=_console().width), nl=False)
+    raise typer.Exit(0 if report.ok else 1)
 
 
 # -- the server's commands ------------------------------------------------------------------------

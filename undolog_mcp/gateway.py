@@ -16,7 +16,7 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +35,7 @@ from undolog_core import (
 from undolog_core.errors import UndoLogError
 
 from .config import Approval, GatewayConfig, ToolConfig
-from .upstream import PORTAL, OutcomeUnknown, Upstream, UpstreamRefused, connect
+from .upstream import PORTAL, Connections, OutcomeUnknown, UpstreamRefused
 
 log = logging.getLogger("undolog.mcp")
 
@@ -112,7 +112,7 @@ class Gateway:
         self.config = config
         self.undolog = undolog
         self.exposure = Exposure()
-        self.upstreams: dict[str, Upstream] = {}
+        self.connections: Connections | None = None  # the live upstreams, while running
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sessions: dict[int, tuple[str, str | None]] = {}
         self.server: Server[Any, Any] = self._build_server()
@@ -154,15 +154,15 @@ class Gateway:
             ex.validator = jsonschema.Draft202012Validator(schema)
         return exposure
 
-    def _upstream_call(self, upstream: str) -> Any:
+    def _upstream_call(self, upstream: str) -> Callable[[str, Mapping[str, Any], str | None],
+                                                        Awaitable[types.CallToolResult]]:
         """A coroutine function calling one tool of ``upstream``: over the gateway's live session when this runs
         on the gateway's own loop, else over a connection opened for it (the CLI, the desk, recovery)."""
         cfg = self.config.upstreams[upstream]
 
         async def call(name: str, args: Mapping[str, Any], key: str | None) -> types.CallToolResult:
-            live = self.upstreams.get(upstream)
-            if live is not None and asyncio.get_running_loop() is self._loop:
-                return await live.call(name, args, key)
+            if self.connections is not None and asyncio.get_running_loop() is self._loop:
+                return await self.connections.call(cfg, name, args, key)
             return await PORTAL.call(cfg, name, args, key)
 
         return call
@@ -224,10 +224,10 @@ class Gateway:
     async def running(self) -> AsyncIterator[Gateway]:
         """Connect the upstreams, register their classified tools, and finish what a crash left in flight."""
         self._loop = asyncio.get_running_loop()
-        async with contextlib.AsyncExitStack() as stack:
-            for name, cfg in self.config.upstreams.items():
-                self.upstreams[name] = await stack.enter_async_context(connect(cfg))
-            exposure = self.register({n: up.tools for n, up in self.upstreams.items()})
+        self.connections = connections = Connections()
+        try:
+            listed = {name: (await connections.get(cfg)).tools for name, cfg in self.config.upstreams.items()}
+            exposure = self.register(listed)
             for skipped in exposure.unclassified:
                 log.warning("not exposed (no tier in the config): %s", skipped)
             for gone in exposure.missing:
@@ -235,11 +235,11 @@ class Gateway:
             report = await asyncio.to_thread(self.undolog.recover)
             if report.reconciled or report.rollbacks_resumed:
                 log.warning("recovery at start: %s", report.to_dict())
-            try:
-                yield self
-            finally:
-                self.upstreams.clear()
-                self._loop = None
+            yield self
+        finally:
+            self.connections = None
+            self._loop = None
+            await connections.close()
 
     def _advertised(self, ex: ExposedTool) -> types.Tool:
         tool = ex.listed.model_copy(update={"name": ex.exposed_name})
@@ -286,12 +286,12 @@ class Gateway:
                     return decided
                 return await self.call(name, arguments)
             return awaiting_result(name, d)
-        upstream = self.upstreams[ex.config.upstream]
+        upstream = self._upstream_call(ex.config.upstream)
         tool_name = ex.listed.name
 
         async def invoke(args: dict[str, Any]) -> types.CallToolResult:
             try:
-                return await upstream.call(tool_name, args, d.idempotency_key)
+                return await upstream(tool_name, args, d.idempotency_key)
             except UpstreamRefused as exc:
                 return error_result(str(exc))  # a protocol refusal: it did not run
 

@@ -28,7 +28,14 @@ _TIMEOUT_CODE = 408
 
 
 class OutcomeUnknown(Exception):
-    """The upstream did not answer a call (timeout, crash, lost connection): whether it ran is not known."""
+    """The upstream did not answer a call (timeout, crash, lost connection): whether it ran is not known.
+
+    ``lost``: the connection itself is gone (the next call opens another), not merely slow.
+    """
+
+    def __init__(self, message: str, *, lost: bool = True) -> None:
+        super().__init__(message)
+        self.lost = lost
 
 
 class UpstreamRefused(Exception):
@@ -57,7 +64,8 @@ class Upstream:
             )
         except McpError as exc:
             if exc.error.code in (types.CONNECTION_CLOSED, _TIMEOUT_CODE):
-                raise OutcomeUnknown(f"upstream {self.config.name}: {exc.error.message}") from exc
+                raise OutcomeUnknown(f"upstream {self.config.name}: {exc.error.message}",
+                                     lost=exc.error.code == types.CONNECTION_CLOSED) from exc
             raise UpstreamRefused(f"upstream {self.config.name} refused {name}: {exc.error.message}") from exc
         except (TimeoutError, OSError, EOFError) as exc:
             raise OutcomeUnknown(f"upstream {self.config.name}: {type(exc).__name__}: {exc}") from exc
@@ -105,6 +113,79 @@ async def list_tools(config: UpstreamConfig) -> list[types.Tool]:
         return up.tools
 
 
+class Connections:
+    """One connection per upstream on the running event loop, opened on first use and opened again after it was
+    lost (an upstream that crashed is started again by the next call to it).
+
+    Each connection's context is entered and left by a holder task of its own, as anyio requires of its cancel
+    scopes; callers on any task of the same loop share it.
+
+    Example:
+        >>> conns = Connections()
+        >>> result = await conns.call(cfg.upstreams["tickets"], "close_ticket", {"id": 7}, "undo-12")
+        >>> await conns.close()
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[Any, ...], asyncio.Future[Upstream]] = {}
+        self._stops: list[asyncio.Event] = []
+        self._holders: list[asyncio.Task[None]] = []
+
+    @staticmethod
+    def _ident(config: UpstreamConfig) -> tuple[Any, ...]:
+        return (config.name, config.command, config.url, str(config.cwd), tuple(sorted(config.env.items())))
+
+    async def get(self, config: UpstreamConfig) -> Upstream:
+        """The live connection to ``config``'s upstream, opened (and its tools listed) when there is none."""
+        ident = self._ident(config)
+        opened = self._open.get(ident)
+        if opened is None:
+            opened = self._open[ident] = asyncio.get_running_loop().create_future()
+            stop = asyncio.Event()
+            self._stops.append(stop)
+            self._holders.append(asyncio.ensure_future(self._hold(config, opened, stop)))
+        try:
+            return await asyncio.shield(opened)
+        except BaseException:
+            if self._open.get(ident) is opened:
+                del self._open[ident]
+            raise
+
+    async def call(self, config: UpstreamConfig, name: str, args: Mapping[str, Any],
+                   key: str | None) -> types.CallToolResult:
+        """One call over the live connection; a lost connection is dropped, so the next call opens another."""
+        up = await self.get(config)
+        try:
+            return await up.call(name, args, key)
+        except OutcomeUnknown as exc:
+            if exc.lost:
+                ident = self._ident(config)
+                current = self._open.get(ident)
+                if current is not None and current.done() and not current.exception() and current.result() is up:
+                    del self._open[ident]
+            raise
+
+    async def close(self) -> None:
+        """Close every connection (each holder leaves its context; stdio upstreams exit)."""
+        for stop in self._stops:
+            stop.set()
+        self._open.clear()
+        if self._holders:
+            await asyncio.gather(*self._holders, return_exceptions=True)
+        self._holders.clear()
+        self._stops.clear()
+
+    @staticmethod
+    async def _hold(config: UpstreamConfig, opened: asyncio.Future[Upstream], stop: asyncio.Event) -> None:
+        try:
+            async with connect(config) as up:
+                opened.set_result(up)
+                await stop.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting callers; a lost one is reopened
+            if not opened.done():
+                opened.set_exception(exc)
+
+
 class Portal:
     """Connections to upstreams for code that runs outside the gateway (the CLI's rollback, the desk's recovery):
     one background event loop in this process holds one connection per upstream, so a rollback of many calls
@@ -117,7 +198,7 @@ class Portal:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._open: dict[tuple[Any, ...], asyncio.Future[Upstream]] = {}
+        self._connections: Connections | None = None
 
     def _ensure_loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
@@ -137,32 +218,9 @@ class Portal:
 
     async def _call(self, config: UpstreamConfig, name: str, args: Mapping[str, Any],
                     key: str | None) -> types.CallToolResult:
-        ident = (config.name, config.command, config.url, str(config.cwd), tuple(sorted(config.env.items())))
-        opened = self._open.get(ident)
-        if opened is None:
-            opened = self._open[ident] = asyncio.get_running_loop().create_future()
-            asyncio.ensure_future(self._hold(config, opened))
-        try:
-            up = await asyncio.shield(opened)
-        except BaseException:
-            self._open.pop(ident, None)
-            raise
-        try:
-            return await up.call(name, args, key)
-        except OutcomeUnknown:
-            self._open.pop(ident, None)  # that connection is gone: the next call opens another
-            raise
-
-    async def _hold(self, config: UpstreamConfig, opened: asyncio.Future[Upstream]) -> None:
-        # The connection's context is entered and left by this one task, as anyio requires; it stays open for
-        # the life of the process (the upstream exits when its stdin closes with us).
-        try:
-            async with connect(config) as up:
-                opened.set_result(up)
-                await asyncio.Event().wait()
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting callers
-            if not opened.done():
-                opened.set_exception(exc)
+        if self._connections is None:
+            self._connections = Connections()
+        return await self._connections.call(config, name, args, key)
 
 
 PORTAL = Portal()

@@ -30,6 +30,7 @@ ERROR_STATUS: dict[str, int] = {
     "invalid_declaration": 400,
     "tool_not_classified": 400,
     "invalid_input": 422,
+    "undo_check_scenario": 422,  # undolog_core.testing: a scenario check_undo cannot check
     "tool_not_registered": 404,
     "arguments_invalid": 422,
     "session_not_found": 404,

@@ -244,6 +244,26 @@ class SupportWorld:
 
     # -- what tests and the demo look at ------------------------------------------------------------
 
+    def reset(self) -> None:
+        """Back to the seeded start: every account active, no email, no operation (``check_undo``'s reset)."""
+        with self._conn() as c:
+            for table in ("outbox", "operations", "accounts", "orders"):
+                c.execute(f"DELETE FROM {table}")  # noqa: S608 - fixed table names
+            c.executemany("INSERT INTO accounts (user_id, name, email) VALUES (?, ?, ?)", SEED_ACCOUNTS)
+            c.executemany("INSERT INTO orders VALUES (?, ?, ?)", SEED_ORDERS)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a correct compensation restores (``check_undo``'s snapshot): each account's status and the emails
+        that are on their way or delivered. A recalled email is left out: the recall is the compensation's
+        trace, on purpose (a compensation is a second action, not time travel), as is the operation log."""
+        with self._conn() as c:
+            self._settle(c)
+            accounts = {r["user_id"]: r["status"] for r in c.execute("SELECT user_id, status FROM accounts")}
+            emails = {r["message_id"]: {"to": r["to_addr"], "order_id": r["order_id"], "amount": r["amount"],
+                                        "status": r["status"]}
+                      for r in c.execute("SELECT * FROM outbox WHERE status != 'recalled' ORDER BY message_id")}
+        return {"accounts": accounts, "emails": emails}
+
     def emails(self) -> list[Email]:
         with self._conn() as c:
             self._settle(c)

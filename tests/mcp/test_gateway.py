@@ -211,6 +211,9 @@ async def test_an_upstream_that_crashes_mid_call_is_settled_not_lost(db: Any, tm
         lost = await client.call_tool("reserve_seat", {"seat": "crash"})
         assert lost.isError and "did not answer" in text(lost)
         assert (lost.meta or {}).get("dev.undolog/call", {}).get("error") == "outcome_unknown"
+        # The crashed upstream is started again by the next call to it.
+        again = await client.call_tool("search_tickets", {"q": "x"})
+        assert not again.isError, text(again)
     u = db.open()
     s = only_session(u)
     crashed = [e for e in u.sessions.effects(s.session_id) if e["args_snapshot"] == {"seat": "crash"}]

@@ -1,0 +1,343 @@
+"""check_undo (undolog_core.testing): correct compensations pass; each kind of broken one is caught on its own step."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from undolog_core.testing import RunKind, ScenarioError, check_undo
+
+# The plugin's fixture, imported the way pytest's `pytest11` entry point would load it (the shared venv is not
+# reinstalled with the new entry point; test_plugin_entry_point checks the entry point itself).
+from undolog_core.testing.pytest_plugin import undo_check  # noqa: F401
+
+from . import undo_world as w
+from .undo_world import (
+    aadd_credit,
+    add_bonus,
+    add_credit,
+    change_email,
+    close_account,
+    send_note,
+    update_profile,
+)
+
+
+@pytest.fixture(autouse=True)
+def world_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("UNDO_WORLD", str(tmp_path / "world.json"))
+    w.reset()
+    from undolog_core._saga import Saga
+
+    monkeypatch.setattr(Saga, "backoff_seconds", 0.001)  # a broken compensation's retries, quickly
+
+
+def check(scenario, undolog, **kw):
+    w.register(undolog)
+    return check_undo(scenario, snapshot=w.snapshot, reset=w.reset, undolog=undolog, **kw)
+
+
+def test_correct_scenario_every_step_restored_idempotent_and_tolerant(undolog):
+    report = check(w.correct_scenario, undolog)
+    assert report.ok, report.explain()
+    assert [(s.index, s.tool, s.compensation) for s in report.steps] == [
+        (1, "change_email", "restore_email"), (2, "add_credit", "remove_credit"), (3, "change_email", "restore_email"),
+    ]
+    assert all(s.restored and s.idempotent and s.tolerates_never_happened for s in report.steps)
+    assert all(report.fault_points[k].restored for k in (1, 2, 3))
+    assert report.runs == 1 + 3 + 3
+    assert w.snapshot() == w.START["accounts"]  # the harness leaves the world at its starting point
+    # Each run used its own session; the harness's sessions are rolled back or halted, none left writable.
+    sessions = undolog.sessions.list(limit=50)
+    assert len(sessions) == 7 and len({s.session_id for s in sessions}) == 7
+    assert {s.state for s in sessions} <= {"rolled_back", "halted"}
+    text = report.explain()
+    for head in ("step", "tool", "compensation", "restored", "idempotent", "never-happened"):
+        assert head in text
+    assert "OK: 3 step(s)" in text
+
+
+def test_a_compensation_that_forgets_a_field_is_pinned_on_its_step_and_the_diff_names_the_field(undolog):
+    def scenario(ul, run):
+        with ul.session(session_id=f"p-{run.id}") as s:
+            s.call_sync(change_email, user_id="u1", email="ana@new.example")
+            s.call_sync(update_profile, user_id="u2", email="b@x.example", name="Robert")
+            s.call_sync(add_credit, user_id="u1", amount=3)
+
+    report = check(scenario, undolog)
+    assert not report.ok
+    first, broken, last = report.steps
+    assert first.restored and last.restored  # pinned on its own step, not on the steps around it
+    assert broken.restored is False and broken.tool == "update_profile"
+    assert [(d.path, d.expected, d.actual) for d in broken.diff] == [("['u2']['name']", "Bo", "Robert")]
+    assert report.fault_points[1].restored and not report.fault_points[2].restored
+    assert "['u2']['name']: expected 'Bo', got 'Robert'" in report.explain()
+    assert "NO" in report.explain()
+
+
+def test_a_non_idempotent_compensation_decrements_the_counter_twice(undolog):
+    def scenario(ul, run):
+        with ul.session(session_id=f"b-{run.id}") as s:
+            s.call_sync(add_bonus, user_id="u1", amount=4)
+
+    report = check(scenario, undolog)
+    (step,) = report.steps
+    assert step.restored and step.tolerates_never_happened
+    assert step.idempotent is False
+    assert [(d.path, d.expected, d.actual) for d in step.idempotency_diff] == [("['u1']['credit']", 10, 6)]
+    assert not report.ok
+
+
+def test_a_compensation_raising_on_never_happened(undolog):
+    def scenario(ul, run):
+        with ul.session(session_id=f"n-{run.id}") as s:
+            s.call_sync(send_note, user_id="u1", text="hello")
+
+    report = check(scenario, undolog)
+    (step,) = report.steps
+    assert step.restored is True  # with a result to work from, it does undo the note
+    assert step.tolerates_never_happened is False
+    assert any("never happened" in e and "TypeError" in e for e in step.errors), step.errors
+    assert not report.ok
+
+
+async def test_async_tools_and_compensations_in_an_async_scenario(undolog):
+    async def scenario(ul, run):
+        async with ul.session(session_id=f"a-{run.id}") as s:
+            await s.call(aadd_credit, user_id="u1", amount=2)
+            await asyncio.sleep(0)
+            await s.call(aadd_credit, user_id="u2", amount=7)
+
+    # check_undo is sync; called from this running loop, it runs the scenario on a loop of its own.
+    report = check(scenario, undolog)
+    assert report.ok, report.explain()
+    assert [s.tool for s in report.steps] == ["aadd_credit", "aadd_credit"]
+
+
+def test_an_irreversible_call_ends_the_checked_part(undolog):
+    def scenario(ul, run):
+        with ul.session(session_id=f"i-{run.id}") as s:
+            s.call_sync(add_credit, user_id="u1", amount=1)
+            s.call_sync(close_account, user_id="u1")
+            s.call_sync(add_credit, user_id="u2", amount=1)
+
+    report = check(scenario, undolog)
+    assert report.ok, report.explain()
+    assert [s.tool for s in report.steps] == ["add_credit"]
+    assert report.stopped_before and "close_account" in report.stopped_before
+    assert "the checked part ends before IRREVERSIBLE close_account" in report.explain()
+    assert undolog.approvals.pending() == []  # it was stopped before its gate: no request was raised
+
+
+def test_a_scenario_whose_steps_change_between_runs_is_refused(undolog):
+    runs: list[RunKind] = []
+
+    def scenario(ul, run):
+        runs.append(run.kind)
+        with ul.session(session_id=f"d-{run.id}") as s:
+            s.call_sync(add_credit, user_id="u1", amount=1)
+            if len(runs) > 1:
+                s.call_sync(change_email, user_id="u1", email="x@y.example")
+            s.call_sync(add_credit, user_id="u1", amount=1)
+
+    with pytest.raises(ScenarioError, match="not deterministic: COMPENSABLE step 2 was change_email"):
+        check(scenario, undolog)
+
+
+def test_the_session_and_policy_rollbacks_are_off_while_checking(undolog):
+    """A failing tool would roll its session back by the default policy, and a `with` block left by the harness's
+    stop would too: every compensation would run before the harness could look at the first one."""
+    states: list[str] = []
+
+    def scenario(ul, run):
+        with ul.session(session_id=f"r-{run.id}") as s:  # on_failure="rollback", the default
+            s.call_sync(change_email, user_id="u1", email="ana@new.example")
+            try:
+                s.call_sync(w.add_credit_then_fail, user_id="u1", amount=2)
+            except RuntimeError:
+                states.append(ul.sessions.get(s.id).state)
+            s.call_sync(add_credit, user_id="u2", amount=1)
+
+    report = check(scenario, undolog, never_happened=False)
+    assert report.ok, report.explain()
+    assert [s.tool for s in report.steps] == ["change_email", "add_credit_then_fail", "add_credit"]
+    assert set(states) == {"active"}  # recorded as failed, never rolled back by the policy during the check
+    assert undolog.driver.failure_rollbacks  # switched back on after the check
+    with undolog.session() as s, pytest.raises(RuntimeError):
+        s.call_sync(w.add_credit_then_fail, user_id="u1", amount=2)
+    assert undolog.sessions.get(s.id).state == "rolled_back"  # and the policy works again
+
+
+def test_a_step_whose_session_was_rolled_back_behind_the_harness_is_not_restored(undolog):
+    def scenario(ul, run):
+        with ul.session(session_id=f"x-{run.id}") as s:
+            s.call_sync(add_credit, user_id="u1", amount=2)
+            if run.kind is not RunKind.LEARN:
+                ul.rollback(s.id)  # the scenario undoes itself: nothing is left for the harness to prove
+
+    report = check(scenario, undolog, idempotency=False, never_happened=False)
+    (step,) = report.steps
+    assert step.restored is False and "did not run in the harness's rollback" in step.errors[0]
+    assert not report.ok
+
+
+def test_fixture_fails_the_test_with_the_table(undolog, undo_check):  # noqa: F811
+    w.register(undolog)
+    ok = undo_check(w.correct_scenario, snapshot=w.snapshot, reset=w.reset, never_happened=False)
+    assert ok.ok
+    with pytest.raises(pytest.fail.Exception) as failed:
+        undo_check(w.broken_scenario, snapshot=w.snapshot, reset=w.reset, never_happened=False)
+    assert "update_profile" in str(failed.value) and "['u2']['name']" in str(failed.value)
+    report = undo_check(w.broken_scenario, snapshot=w.snapshot, reset=w.reset, expect_ok=False,
+                        never_happened=False)
+    assert not report.ok
+
+
+PATHS = {"snapshot": "tests.core.undo_world:snapshot", "reset": "tests.core.undo_world:reset"}
+
+
+@pytest.mark.long
+def test_crash_mode_real_sigkills_in_a_child_then_recover_here(undolog):
+    """Four children (two steps, two faults each): the long version of the test below."""
+    report = check(w.two_step_scenario, undolog, crash=True,
+                   crash_paths={"scenario": "tests.core.undo_world:two_step_scenario", **PATHS})
+    assert report.ok, report.explain()
+    assert report.crash and all(s.crash_restored and s.crash_tolerates_never_happened for s in report.steps)
+    assert report.runs == 1 + 2 + 2 + 4
+    assert "crash" in report.explain()
+    # Every child died by SIGKILL and left its sessions to this process's recover() and rollbacks.
+    crashed = [s for s in undolog.sessions.list(limit=50) if s.session_id.endswith("-crash")]
+    assert len(crashed) == 4 and {s.state for s in crashed} == {"rolled_back"}
+
+
+def test_crash_mode_catches_a_compensation_raising_on_never_happened(undolog):
+    """Two children, SIGKILLed: right after the step (recovered and rolled back here: restored), and after its
+    pre-write (recover() here cannot compensate it: the compensation raises on "never happened")."""
+    report = check(w.note_scenario, undolog, crash=True, never_happened=False,
+                   crash_paths={"scenario": "tests.core.undo_world:note_scenario", **PATHS})
+    (step,) = report.steps
+    assert step.crash_restored is True and step.crash_tolerates_never_happened is False
+    assert step.tolerates_never_happened is None  # the in-process variant was not asked for
+    assert not report.ok and "TypeError" in " ".join(step.errors)
+
+
+def test_the_readme_example_passes_check_undo(db, tmp_path, monkeypatch):
+    """The README's "Check your compensations" example, run as it is written (on this test's database)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text[text.index("## Check your compensations"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    opened = 'UndoLog.open("sqlite:///undolog.db")'
+    assert opened in code
+    code = code.replace(opened, "__open__()")
+    monkeypatch.chdir(tmp_path)
+    scope = {"__name__": "readme_example", "__open__": db.open}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
+    report = scope["report"]
+    assert report.ok and [s.tool for s in report.steps] == ["change_email", "change_email"]
+    assert all(s.restored and s.idempotent and s.tolerates_never_happened for s in report.steps)
+
+
+def test_cli_check_undo_exit_codes_table_and_json(db, undolog):
+    import json
+
+    from typer.testing import CliRunner
+
+    from undolog_core.cli import app
+
+    base = ["--db", db.url] + (["--schema", db.schema] if db.schema else [])
+    world = ["--snapshot", "tests.core.undo_world:snapshot", "--reset", "tests.core.undo_world:reset"]
+    clean = {"UNDOLOG_APP": None, "UNDOLOG_DATABASE_URL": None, "UNDOLOG_SCHEMA": None, "COLUMNS": "160"}
+    runner = CliRunner()
+    good = runner.invoke(app, [*base, "check-undo", "tests.core.undo_world:two_step_scenario", *world,
+                               "--no-never-happened"], env=clean, catch_exceptions=False)
+    assert good.exit_code == 0, good.output
+    assert "restore_email" in good.stdout and "OK: 2 step(s)" in good.stdout
+    bad = runner.invoke(app, [*base, "check-undo", "tests.core.undo_world:broken_scenario", *world, "--json"],
+                        env=clean, catch_exceptions=False)
+    assert bad.exit_code == 1, bad.output
+    data = json.loads(bad.stdout)
+    assert data["ok"] is False and [s["restored"] for s in data["steps"]] == [True, False]
+    assert data["steps"][1]["diff"] == [{"path": "['u2']['name']", "expected": "Bo", "actual": "Robert"}]
+    typo = runner.invoke(app, [*base, "check-undo", "tests.core.undo_world:no_such_scenario", *world], env=clean)
+    assert typo.exit_code == 2 and typo.stderr.startswith("error[invalid_input]: ")
+    assert "no_such_scenario" in typo.stderr
+
+
+def test_plugin_is_registered_as_a_pytest11_entry_point():
+    import importlib
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    meta = tomllib.loads((root / "pyproject.toml").read_text())
+    assert meta["project"]["entry-points"]["pytest11"] == {"undolog": "undolog_core.testing.pytest_plugin"}
+    plugin = importlib.import_module(meta["project"]["entry-points"]["pytest11"]["undolog"])
+    assert plugin.undo_check is undo_check
+    # Importable without pytest: only the plugin module imports it.
+    from undolog_core.testing import _check, _crash, _report
+
+    assert all("pytest" not in vars(m) for m in (_check, _crash, _report))
+
+
+@pytest.mark.long
+def test_plugin_entry_point_gives_the_fixture(tmp_path):
+    """A pytest run with the plugin module loaded (what the entry point does once the package is installed) has
+    the `undo_check` fixture and fails a test with the table."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "test_uses_fixture.py").write_text(
+        "import pytest\n"
+        "from undolog_core import UndoLog\n"
+        "from tests.core import undo_world as w\n\n"
+        "@pytest.fixture\n"
+        "def undolog(tmp_path, monkeypatch):\n"
+        "    monkeypatch.setenv('UNDO_WORLD', str(tmp_path / 'w.json'))\n"
+        "    u = UndoLog.open(f'sqlite:///{tmp_path}/u.db')\n"
+        "    yield u\n"
+        "    u.close()\n\n"
+        "def test_good(undo_check):\n"
+        "    undo_check(w.two_step_scenario, snapshot=w.snapshot, reset=w.reset, never_happened=False)\n\n"
+        "def test_broken(undo_check):\n"
+        "    undo_check(w.broken_scenario, snapshot=w.snapshot, reset=w.reset, never_happened=False)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "undolog_core.testing.pytest_plugin",
+         "--rootdir", str(tmp_path), "-c", "/dev/null", str(tmp_path / "test_uses_fixture.py")],
+        cwd=root, capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": str(root)},
+    )
+    assert "1 failed, 1 passed" in proc.stdout, proc.stdout + proc.stderr
+    assert "check_undo: a compensation does not undo its step" in proc.stdout
+    assert "restore_profile_forgets_name" in proc.stdout and "['u2']['name']" in proc.stdout
+
+
+def test_a_scenario_reusing_its_session_id_is_told_to_use_run_id(undolog):
+    def scenario(ul):
+        with ul.session(session_id="always-the-same") as s:
+            s.call_sync(add_credit, user_id="u1", amount=1)
+
+    with pytest.raises(ScenarioError, match="put run.id in it") as refused:
+        check(scenario, undolog)
+    assert "ended with SessionClosed: session 'always-the-same' is rolled_back" in str(refused.value)
+
+
+def test_the_stop_is_recognised_inside_a_task_group(undolog):
+    async def scenario(ul, run):
+        async with ul.session(session_id=f"tg-{run.id}") as s:
+            async def work():
+                await s.call(aadd_credit, user_id="u1", amount=2)
+                await s.call(aadd_credit, user_id="u2", amount=3)
+
+            async with asyncio.TaskGroup() as tg:  # gathers the harness's stop into a BaseExceptionGroup
+                tg.create_task(work())
+
+    report = check(scenario, undolog, never_happened=False)
+    assert report.ok, report.explain()
+    assert report.scenario_error is None and len(report.steps) == 2
