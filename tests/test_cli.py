@@ -630,7 +630,8 @@ def test_policy_show_and_set(db: Any) -> None:
     shown = run(db, "policy", "show")
     assert shown.exit_code == 0 and "approval_timeout_seconds" in shown.stdout and "3600" in shown.stdout
     assert json.loads(run(db, "policy", "show", "--json").stdout) == {
-        "approval_timeout_seconds": 3600, "auto_approve_on_timeout": False, "context_calls": 10}
+        "approval_timeout_seconds": 3600, "auto_approve_on_timeout": False, "context_calls": 10,
+        "approved_ttl_seconds": 86400}
 
     result = run(db, "policy", "set", "--approval-timeout-seconds", "900", "--auto-approve-on-timeout", "true",
                  "--context-calls", "3", "--as", "admin:ana")
@@ -640,6 +641,9 @@ def test_policy_show_and_set(db: Any) -> None:
     assert (pol.approval_timeout_seconds, pol.auto_approve_on_timeout, pol.context_calls) == (900, True, 3)
     ev = events(u, "policy.set")[-1]
     assert ev.actor == "admin:ana" and json.loads(ev.payload)["before"]["approval_timeout_seconds"] == 3600
+
+    assert run(db, "policy", "set", "--approved-ttl-seconds", "600").exit_code == 0
+    assert u.policy.get().approved_ttl_seconds == 600
 
     data = json.loads(run(db, "policy", "set", "--auto-approve-on-timeout", "false", "--json").stdout)
     assert data["before"]["auto_approve_on_timeout"] is True and data["after"]["auto_approve_on_timeout"] is False
@@ -654,7 +658,7 @@ def test_policy_set_refuses_bad_values(db: Any) -> None:
     assert "nothing to change" in assert_error(run(db, "policy", "set"), "invalid_input")
     assert run(db, "policy", "set", "--context-calls", "many").exit_code == 2  # not a number: usage error
     assert u.policy.get().to_dict() == {"approval_timeout_seconds": 3600, "auto_approve_on_timeout": False,
-                                        "context_calls": 10}
+                                        "context_calls": 10, "approved_ttl_seconds": 86400}
     assert events(u, "policy.set") == []
 
 

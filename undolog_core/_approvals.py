@@ -88,10 +88,16 @@ class ApprovalService:
         return rows
 
     def get(self, approval_request_id: str) -> ApprovalRecord:
-        """One request; a pending request past its timeout is expired on read."""
+        """One request; a pending request past its timeout is expired on read, and so is an approval whose call was
+        not re-issued within the policy's ``approved_ttl_seconds``."""
         rec = self._get(approval_request_id)
         if rec.state is RequestState.PENDING and rec.timeout_at <= utcnow():
             self.expire([approval_request_id])
+            rec = self._get(approval_request_id)
+        elif rec.state in (RequestState.APPROVED, RequestState.AUTO_APPROVED) and self._storage.approval_lapsed(
+            rec.decided_at, utcnow()
+        ):
+            self.lapse([approval_request_id])
             rec = self._get(approval_request_id)
         return rec
 
@@ -250,6 +256,40 @@ class ApprovalService:
             self._changed(changes, f"approval request {rid} ({rec.tool_name}) timed out without a decision")
             done.append(rid)
         return done
+
+    # -- approved calls never re-issued ----------------------------------------------------------------
+
+    def lapse_due(self, now: dt.datetime | None = None) -> builtins.list[str]:
+        """Expire every approval whose call was not re-issued within the policy's ``approved_ttl_seconds`` (default
+        24 h); returns their ids. Each becomes ``expired`` (request and effect), audited as ``expire`` by
+        ``undolog:approval-ttl``; its session is not halted, and re-issuing the call raises a new request.
+
+        The sweeper of ``undolog serve`` runs it; reads (:meth:`get`) and re-issues apply it too, like timeouts.
+
+        Example:
+            >>> undolog.policy.set(actor="ops", approved_ttl_seconds=3600)
+            >>> undolog.approvals.lapse_due()
+            ['3f9c...']
+        """
+        now = now or utcnow()
+        due = self._storage.lapsed_request_ids(now)
+        return self.lapse(due, now=now) if due else []
+
+    def lapse(self, ids: Iterable[str], *, now: dt.datetime | None = None) -> builtins.list[str]:
+        """Expire each of ``ids`` whose approval has lapsed; returns the ones expired here (once across processes)."""
+        now = now or utcnow()
+        done: builtins.list[str] = []
+        for rid in ids:
+            changes = self._storage.lapse_request(rid, now)
+            if changes is None:
+                continue
+            self._changed(changes)
+            done.append(rid)
+        return done
+
+    def lapsed(self, decided_at: dt.datetime | None) -> bool:
+        """Whether an approval decided at ``decided_at`` has outlived ``approved_ttl_seconds`` (one policy read)."""
+        return self._storage.approval_lapsed(decided_at, utcnow())
 
 
 __all__ = ["ApprovalEvent", "ApprovalRecord", "ApprovalService"]

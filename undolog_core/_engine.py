@@ -58,6 +58,10 @@ class PolicyReader(Protocol):
 class ApprovalExpirer(Protocol):
     def expire(self, ids: list[str]) -> Any: ...
 
+    def lapse(self, ids: list[str]) -> Any: ...
+
+    def lapsed(self, decided_at: Any) -> bool: ...
+
 
 @dataclass(frozen=True)
 class FailureRecord:
@@ -623,6 +627,15 @@ class Engine:
         existing = self.store.find_irreversible(session_id, spec.name, call_id, digest)
         if existing is None and call_id is not None and match_digest:
             existing = self.store.find_irreversible(session_id, spec.name, None, digest)
+        if existing is not None and existing.state == EffectState.APPROVED and self._approvals.lapsed(
+            existing.decided_at
+        ):
+            # Approved too long ago (approved_ttl_seconds) and never re-issued: the approval lapses (its effect gives
+            # the call_id up) and the agent must ask again, so this call raises a new request.
+            self._approvals.lapse([existing.approval_request_id])
+            existing = self.store.find_irreversible(session_id, spec.name, call_id, digest)
+            if existing is None and call_id is not None and match_digest:
+                existing = self.store.find_irreversible(session_id, spec.name, None, digest)
         if existing is not None:
             return self._resume_irreversible(sc, spec, existing, digest)
         return self._request_approval(sc, spec, args_json, digest, action_digest, call_id, pin)

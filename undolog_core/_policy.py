@@ -11,7 +11,8 @@ from .storage.records import OrgPolicy
 if TYPE_CHECKING:
     from .storage.policy import PolicySQL
 
-_LIMITS = {"approval_timeout_seconds": (1, 30 * 24 * 3600), "context_calls": (0, 1000)}
+_LIMITS = {"approval_timeout_seconds": (1, 30 * 24 * 3600), "context_calls": (0, 1000),
+           "approved_ttl_seconds": (1, 365 * 24 * 3600)}
 
 
 class PolicyService:

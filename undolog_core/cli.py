@@ -364,7 +364,7 @@ _STATE_STYLES = {
     "auto_approved": "yellow", "responded": "cyan", "awaiting_approval": "yellow", "pending": "yellow",
     "halted": "bold red",
     "rolling_back": "yellow",
-    "rolled_back": "cyan", "rejected": "red", "timed_out": "red", "cancelled": "dim", "failed": "red",
+    "rolled_back": "cyan", "rejected": "red", "timed_out": "red", "cancelled": "dim", "expired": "dim", "failed": "red",
     "unknown": "bold red", "dead_letter": "bold red", "compensation_failed": "bold red",
 }
 
@@ -988,6 +988,7 @@ def policy_show(ctx: typer.Context, as_json: JsonOpt = False) -> None:
         ("approval_timeout_seconds", f"{pol.approval_timeout_seconds} ({_duration(pol.approval_timeout_seconds)[3:]})"),
         ("auto_approve_on_timeout", str(pol.auto_approve_on_timeout).lower()),
         ("context_calls", pol.context_calls),
+        ("approved_ttl_seconds", f"{pol.approved_ttl_seconds} ({_duration(pol.approved_ttl_seconds)[3:]})"),
     ]))
 
 
@@ -1006,16 +1007,22 @@ def policy_set(
         int | None, typer.Option("--context-calls", metavar="N",
                                  help="How many recent calls go into an approval request's context.")
     ] = None,
+    approved_ttl_seconds: Annotated[
+        int | None, typer.Option("--approved-ttl-seconds", metavar="N",
+                                 help="How long an approved call may wait to be re-issued before it expires.")
+    ] = None,
     actor: ActorOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Change the organisation's approval policy (audited)."""
     changes = {"approval_timeout_seconds": approval_timeout_seconds,
-               "auto_approve_on_timeout": auto_approve_on_timeout, "context_calls": context_calls}
+               "auto_approve_on_timeout": auto_approve_on_timeout, "context_calls": context_calls,
+               "approved_ttl_seconds": approved_ttl_seconds}
     changes = {k: v for k, v in changes.items() if v is not None}
     if not changes:
         raise CliInputError(
-            "nothing to change: give --approval-timeout-seconds, --auto-approve-on-timeout and/or --context-calls"
+            "nothing to change: give --approval-timeout-seconds, --auto-approve-on-timeout, --context-calls and/or "
+            "--approved-ttl-seconds"
         )
     u = _open(ctx)
     before = u.policy.get()

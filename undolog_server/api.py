@@ -31,7 +31,8 @@ ADMIN = require("admin")
 ANY = require(*ROLES)
 AGENT_OR_ADMIN = require("agent", "admin")
 
-ApprovalState = Literal["pending", "approved", "rejected", "timed_out", "auto_approved", "cancelled", "responded"]
+ApprovalState = Literal["pending", "approved", "rejected", "timed_out", "auto_approved", "cancelled", "expired",
+                        "responded"]
 SessionState = Literal["active", "awaiting_approval", "halted", "rolled_back", "completed"]
 
 
@@ -82,6 +83,11 @@ class EffectOut(_Out):
     updated_at: datetime | None = None
     compensation_name: str | None = None
     undo_state: str | None = None
+    redacted: bool = Field(
+        False,
+        description="The call's tool is routed to approver groups the caller is not in: its arguments, result "
+        "and error are withheld (null)",
+    )
 
 
 class UndoStepPlan(_Out):
@@ -140,7 +146,11 @@ class ApprovalEventOut(_Out):
 class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     agent_id: str = Field(min_length=1, max_length=200)
-    session_id: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._~-]+$")
+    label: str | None = Field(
+        None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._~-]+$",
+        description="Your own label, the readable start of the minted id (`<label>.<random>`). The server always "
+        "mints the id: a caller cannot pick the id an embedded app will use later.",
+    )
     on_failure: Literal["rollback", "continue"] = "rollback"
 
 
@@ -402,17 +412,70 @@ def _tool_brief(st: ServerState, name: str) -> ToolBrief | None:
     )
 
 
-def _effects(st: ServerState, session_id: str, limit: int | None = None, newest_first: bool = False) -> list[EffectOut]:
-    return [EffectOut.model_validate(e) for e in st.views.effects(session_id, limit=limit, newest_first=newest_first)]
+class Visibility:
+    """What of a session one key may read: every call's arguments, or only those of tools routed to its groups.
+
+    An approver outside the groups a tool is routed to must not read that tool's calls anywhere: not in the
+    request (403), not in the session's timeline, not in another request's ``recent_calls`` or ``agent_context``.
+    Admins and the key that created the session see everything. A tool's groups are decided from its name and
+    the risk tags of the revision the call ran under (any revision's tags when the revision is not known).
+
+    Example:
+        >>> vis = Visibility(st, key, session_row)
+        >>> vis.sees("wire_money", 2)
+        False
+    """
+
+    def __init__(self, st: ServerState, key: ApiKey, session: dict[str, Any]) -> None:
+        self.key = key
+        self.groups = st.store.groups()
+        self.everything = is_admin(key) or session.get("created_by") == key.principal_ref or not self.groups
+        self._tags: dict[tuple[str, int | None], list[str]] = {}
+        if not self.everything:
+            for r in st.views.tools():
+                tags = list((r.get("contract") or {}).get("risk_tags") or [])
+                self._tags[(r["tool_name"], int(r["revision"]))] = tags
+                self._tags.setdefault((r["tool_name"], None), [])
+                self._tags[(r["tool_name"], None)] = sorted(set(self._tags[(r["tool_name"], None)]) | set(tags))
+
+    def sees(self, tool_name: str, revision: int | None = None) -> bool:
+        """Whether the key may read the arguments of a call of ``tool_name`` (at ``revision``)."""
+        if self.everything:
+            return True
+        tags = self._tags.get((tool_name, revision), self._tags.get((tool_name, None), []))
+        return may_see(self.key, groups_for(self.groups, tool_name, tags))
+
+    def effect(self, e: dict[str, Any]) -> dict[str, Any]:
+        if self.sees(e["tool_name"], e.get("tool_revision")):
+            return e
+        return {**e, "args_snapshot": None, "result_snapshot": None, "error": None, "redacted": True}
+
+    def context(self, context: Any) -> Any:
+        """An approval's ``agent_context``, each call's arguments withheld unless the key may read them."""
+        if self.everything or not isinstance(context, list):
+            return context
+        out = []
+        for c in context:
+            if isinstance(c, dict) and not self.sees(str(c.get("tool_name")), None):
+                c = {**c, "args": None, "redacted": True}
+            out.append(c)
+        return out
 
 
-def approval_detail(st: ServerState, row: dict[str, Any]) -> ApprovalDetail:
-    """Everything a person needs to decide one request."""
+def _effects(st: ServerState, session_id: str, vis: Visibility, limit: int | None = None,
+             newest_first: bool = False) -> list[EffectOut]:
+    return [EffectOut.model_validate(vis.effect(e))
+            for e in st.views.effects(session_id, limit=limit, newest_first=newest_first)]
+
+
+def approval_detail(st: ServerState, row: dict[str, Any], key: ApiKey) -> ApprovalDetail:
+    """Everything a person needs to decide one request (the session's other calls as ``key`` may see them)."""
     base = _approval_out(st, row).model_dump()
+    vis = Visibility(st, key, {"created_by": row.get("session_created_by")})
     return ApprovalDetail(
         **base,
-        agent_context=to_jsonable_python(row.get("agent_context")),
-        recent_calls=_effects(st, row["session_id"], limit=st.settings.context_calls, newest_first=True),
+        agent_context=vis.context(to_jsonable_python(row.get("agent_context"))),
+        recent_calls=_effects(st, row["session_id"], vis, limit=st.settings.context_calls, newest_first=True),
         undo_plan=_undo_plan(st, row["session_id"]),
         tool=_tool_brief(st, row["tool_name"]),
     )
@@ -512,7 +575,7 @@ def list_approvals(
 )
 def show_approval(request: Request, approval_request_id: str = _id(), key: ApiKey = Depends(APPROVER)) -> ApprovalDetail:
     st = _st(request)
-    return approval_detail(st, _visible_approval(st, key, approval_request_id))
+    return approval_detail(st, _visible_approval(st, key, approval_request_id), key)
 
 
 @router.post(
@@ -604,20 +667,28 @@ def _event_dict(e: Any) -> dict[str, Any]:
 
 @router.post("/sessions", response_model=SessionOut, status_code=201, tags=["sessions"], summary="Create a session")
 def create_session(request: Request, body: SessionCreate, response: Response, key: ApiKey = Depends(AGENT)) -> SessionOut:
+    """Create a session owned by the calling key, under an id the server mints.
+
+    The id is never the caller's choice: an agent key that could name a session could create, ahead of time,
+    the id an embedded app will resume later (a thread id like ``ticket-1042``), and so read and roll back that
+    app's calls. A ``label`` only prefixes the minted id (``ticket.3f9c…``) so people can read it.
+    """
     st = _st(request)
-    if body.session_id is not None:
-        existing = st.views.session_row(body.session_id)
-        if existing is not None:
-            if existing.get("created_by") != key.principal_ref:
-                raise Problem(409, "session_exists", f"session {body.session_id!r} already exists")
-            response.status_code = 200
-            return SessionOut.model_validate(existing)
     from .coreops import create_session as _create
 
-    session_id = _create(st.undolog, agent_id=body.agent_id, session_id=body.session_id,
+    minted = new_session_id(body.label)
+    session_id = _create(st.undolog, agent_id=body.agent_id, session_id=minted,
                          created_by=key.principal_ref, on_failure=body.on_failure)
     response.headers["Location"] = f"/v1/sessions/{session_id}"
     return SessionOut.model_validate(st.views.session_row(session_id))
+
+
+def new_session_id(label: str | None = None) -> str:
+    """A session id for the API: 96 random bits, after the caller's label if any (``ticket.9f2c…``)."""
+    import secrets
+
+    token = secrets.token_hex(12)
+    return f"{label}.{token}" if label else f"api.{token}"
 
 
 @router.get("/sessions", response_model=list[SessionOut], tags=["sessions"], summary="List sessions")
@@ -660,7 +731,7 @@ def session_detail(st: ServerState, row: dict[str, Any], key: ApiKey) -> Session
             approvals.append(_approval_out(st, a, g))
     return SessionDetail(
         **SessionOut.model_validate(row).model_dump(),
-        effects=_effects(st, sid),
+        effects=_effects(st, sid, Visibility(st, key, row)),
         undo_plan=_undo_plan(st, sid),
         approvals=approvals,
     )
@@ -858,7 +929,8 @@ def put_policy(
     names = {t.name for t in st.store.targets()}
     unknown = sorted((set(body.notify) | set(body.escalate_to)) - names)
     if unknown:
-        raise Problem(422, "unknown_webhook_target", f"no webhook target named {', '.join(unknown)}", targets=unknown)
+        # 409: the body is valid; what it names is not there now (a client may create the target and retry).
+        raise Problem(409, "unknown_webhook_target", f"no webhook target named {', '.join(unknown)}", targets=unknown)
     st.store.put_policy(NotificationPolicy(risk_tag, tuple(body.notify), body.escalate_after_seconds, tuple(body.escalate_to)))
     return PolicyOut(risk_tag=risk_tag, **body.model_dump())
 

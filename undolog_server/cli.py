@@ -82,6 +82,10 @@ def serve(
     secure_cookies: Annotated[
         bool | None, typer.Option("--secure-cookies/--no-secure-cookies", help="Force the cookie Secure flag.")
     ] = None,
+    docs: Annotated[
+        bool, typer.Option("--docs/--no-docs", envvar="UNDOLOG_DOCS",
+                           help="Serve Swagger UI at /docs (loaded from a CDN; off by default).")
+    ] = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Run the approval desk: REST API, dashboard, webhooks, tool proxy and the sweeper."""
@@ -107,6 +111,7 @@ def serve(
             audit_checkpoint_dir=audit_checkpoint_dir,
             audit_checkpoint_interval=audit_checkpoint_interval,
             secure_cookies=secure_cookies,
+            docs=docs,
         )
     except ValueError as exc:
         undolog.close()

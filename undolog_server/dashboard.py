@@ -1,8 +1,11 @@
 """The server-rendered dashboard (Jinja2, no build step).
 
-Login exchanges an API key for a signed session cookie (HttpOnly, SameSite=Strict).
-Every form carries a CSRF token: an HMAC of a per-browser nonce kept in its own
-HttpOnly cookie, rotated at login, checked on every POST.
+Login exchanges an API key for a server-side login session: the cookie (HttpOnly,
+SameSite=Strict) holds a random token whose hash names the row, so logout, expiry or a
+revoked key ends it for every copy of the cookie. Every form of a logged-in page carries a
+CSRF token bound to that login (an HMAC of its id): a token minted in another browser, or
+before login, is worthless. Only the login form itself, which has no login yet, is bound to
+a per-browser nonce cookie.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
-from itsdangerous import BadSignature, TimestampSigner
 
 from undolog_core import errors
 
@@ -45,12 +47,10 @@ class _Redirect(Exception):
         self.url = url
 
 
-def _signer(st: ServerState) -> TimestampSigner:
-    return TimestampSigner(st.secret, salt="undolog-dashboard-session")
-
-
-def _csrf_for(st: ServerState, nonce: str) -> str:
-    return hmac.new(st.secret, b"csrf:" + nonce.encode(), hashlib.sha256).hexdigest()
+def _csrf_for(st: ServerState, bound_to: str, *, login: bool = False) -> str:
+    """The CSRF token of a login session (``bound_to`` its id) or, for the login form only, of a nonce."""
+    purpose = b"csrf-login:" if login else b"csrf:"
+    return hmac.new(st.secret, purpose + bound_to.encode(), hashlib.sha256).hexdigest()
 
 
 def _secure(st: ServerState, request: Request) -> bool:
@@ -60,15 +60,17 @@ def _secure(st: ServerState, request: Request) -> bool:
 
 
 def _current_user(request: Request) -> ApiKey | None:
+    """The key of the request's live login session (remembered on the request for its CSRF check)."""
     st = server_state(request)
     raw = request.cookies.get(SESSION_COOKIE)
     if not raw:
         return None
-    try:
-        key_id = _signer(st).unsign(raw, max_age=st.settings.cookie_max_age).decode()
-    except BadSignature:
+    found = st.store.dashboard_session(raw)
+    if found is None:
         return None
-    return st.store.get_key(key_id)
+    key, session_id = found
+    request.state.dashboard_session = session_id
+    return key
 
 
 def _user_or_redirect(request: Request) -> ApiKey:
@@ -87,12 +89,19 @@ def _nonce(request: Request) -> tuple[str, bool]:
 
 def _render(request: Request, name: str, ctx: dict[str, Any], status: int = 200, *, rotate: bool = False) -> HTMLResponse:
     st = server_state(request)
-    nonce, fresh = _nonce(request)
-    if rotate:
-        nonce, fresh = secrets.token_urlsafe(24), True
+    session_id: str | None = getattr(request.state, "dashboard_session", None)
+    fresh = False
+    if session_id is not None:
+        token = _csrf_for(st, session_id)
+    else:
+        # No login yet (the login page, an error page): the login form's token fits this browser's nonce.
+        nonce, fresh = _nonce(request)
+        if rotate:
+            nonce, fresh = secrets.token_urlsafe(24), True
+        token = _csrf_for(st, nonce, login=True)
     ctx = {
         "request": request,
-        "csrf_token": _csrf_for(st, nonce),
+        "csrf_token": token,
         "user": ctx.pop("user", None),
         "poll_seconds": st.settings.poll_seconds,
         **ctx,
@@ -103,14 +112,23 @@ def _render(request: Request, name: str, ctx: dict[str, Any], status: int = 200,
     return resp
 
 
-async def _form(request: Request) -> dict[str, str]:
-    """Read a POSTed form and check its CSRF token against the browser's nonce cookie."""
+async def _form(request: Request, *, login: bool = False) -> dict[str, str]:
+    """Read a POSTed form and check its CSRF token: bound to the login session, or for the login form to the
+    browser's nonce cookie."""
     st = server_state(request)
     form = await request.form()
     data = {k: str(v) for k, v in form.items() if isinstance(v, str)}
-    nonce = request.cookies.get(CSRF_COOKIE) or ""
     sent = data.get("csrf_token", "")
-    if not nonce or not sent or not hmac.compare_digest(_csrf_for(st, nonce), sent):
+    if login:
+        nonce = request.cookies.get(CSRF_COOKIE) or ""
+        expected = _csrf_for(st, nonce, login=True) if nonce else ""
+    else:
+        session_id: str | None = getattr(request.state, "dashboard_session", None)
+        if session_id is None:
+            _current_user(request)
+            session_id = getattr(request.state, "dashboard_session", None)
+        expected = _csrf_for(st, session_id) if session_id else ""
+    if not expected or not sent or not hmac.compare_digest(expected, sent):
         raise _CsrfFailed()
     return data
 
@@ -158,7 +176,7 @@ def login_page(request: Request) -> HTMLResponse:
 @router.post("/ui/login")
 async def login(request: Request) -> Response:
     st = server_state(request)
-    data = await _form(request)
+    data = await _form(request, login=True)
     key = st.store.authenticate(data.get("api_key", "").strip())
     if key is None:
         return _render(request, "login.html", {"error": "That key is unknown or revoked."}, 401)
@@ -166,7 +184,13 @@ async def login(request: Request) -> Response:
         return _render(request, "login.html", {"error": "The dashboard is for approvers and admins; agent keys use the API."}, 403)
     resp = RedirectResponse("/ui/", status_code=303)
     secure = _secure(st, request)
-    resp.set_cookie(SESSION_COOKIE, _signer(st).sign(key.key_id).decode(), max_age=st.settings.cookie_max_age,
+    # A new login session every time: a cookie planted before login (session fixation) is never promoted, and the
+    # browser's previous login, if any, ends here rather than living on beside the new one.
+    previous = st.store.dashboard_session(request.cookies.get(SESSION_COOKIE) or "")
+    if previous is not None:
+        st.store.end_dashboard_session(previous[1])
+    token, _ = st.store.create_dashboard_session(key.key_id, st.settings.cookie_max_age)
+    resp.set_cookie(SESSION_COOKIE, token, max_age=st.settings.cookie_max_age,
                     httponly=True, samesite="strict", secure=secure, path="/")
     # A new CSRF nonce at login: a token planted before login is worthless after it.
     resp.set_cookie(CSRF_COOKIE, secrets.token_urlsafe(24), httponly=True, samesite="strict", secure=secure, path="/ui")
@@ -176,6 +200,10 @@ async def login(request: Request) -> Response:
 @router.post("/ui/logout")
 async def logout(request: Request) -> Response:
     await _form(request)
+    session_id: str | None = getattr(request.state, "dashboard_session", None)
+    if session_id is not None:
+        # Revoked server-side: a copy of the cookie (another tab, a stolen one) stops working too.
+        server_state(request).store.end_dashboard_session(session_id)
     resp = RedirectResponse("/ui/login", status_code=303)
     resp.delete_cookie(SESSION_COOKIE, path="/")
     resp.delete_cookie(CSRF_COOKIE, path="/ui")
@@ -227,7 +255,7 @@ def _approval_page(request: Request, key: ApiKey, approval_request_id: str, *, e
     groups = groups_for(st.store.groups(), row["tool_name"], row["risk_tags"])
     if not may_see(key, groups):
         return _forbidden(request, key, f"This request is routed to {', '.join(groups)}; you are in none of them.")
-    detail = approval_detail(st, row)
+    detail = approval_detail(st, row, key)
     session = st.views.session_row(row["session_id"]) or {}
     own = session.get("created_by") == key.principal_ref
     events = st.undolog.approvals.events(approval_request_id)

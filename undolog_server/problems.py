@@ -82,6 +82,7 @@ _HTTP_CODES = {
     500: "internal_error",
     502: "upstream_error",
     503: "unavailable",
+    504: "upstream_timeout",
 }
 
 _TITLES = {
@@ -95,6 +96,7 @@ _TITLES = {
     500: "Internal server error",
     502: "Bad gateway",
     503: "Service unavailable",
+    504: "Gateway timeout",
 }
 
 
@@ -171,6 +173,17 @@ def from_undolog_error(request: Request, exc: UndoLogError) -> JSONResponse:
     return problem_response(request, status, exc.code, exc.message, **extra)
 
 
+def _allowed_methods(request: Request) -> str:
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in request.app.routes:
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return ", ".join(sorted(methods))
+
+
 def _field_error(e: Any) -> Any:
     if not isinstance(e, dict):
         return _jsonable(e)
@@ -215,7 +228,12 @@ def install_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _HTTP_CODES.get(exc.status_code, "http_error")
         detail = exc.detail if isinstance(exc.detail, str) else code
-        return problem_response(request, exc.status_code, code, detail, dict(exc.headers or {}) or None)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            # Starlette's Allow names the methods of the first route whose path matched; with ``{id}`` and
+            # ``{id}:approve`` both matching one URL that is wrong. Allow lists every route's methods for this path.
+            headers["Allow"] = _allowed_methods(request)
+        return problem_response(request, exc.status_code, code, detail, headers or None)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -223,3 +241,66 @@ def install_handlers(app: FastAPI) -> None:
 
         logging.getLogger("undolog.server").exception("unhandled error on %s %s", request.method, request.url.path)
         return problem_response(request, 500, "internal_error", "the server failed to handle this request")
+
+
+#: The problem+json body every error response carries (RFC 9457), as documented in the OpenAPI schema.
+PROBLEM_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "An RFC 9457 problem. Branch on `code`, which is stable; extension members depend on it.",
+    "required": ["type", "title", "status", "code", "detail"],
+    "properties": {
+        "type": {"type": "string"},
+        "title": {"type": "string"},
+        "status": {"type": "integer"},
+        "code": {"type": "string"},
+        "detail": {"type": "string"},
+        "instance": {"type": "string"},
+    },
+    "additionalProperties": True,
+}
+
+_ERROR_DESCRIPTIONS = {
+    400: "The body is not parseable (malformed JSON or form)",
+    401: "No API key, or an unknown or revoked one",
+    403: "The key lacks the role, the approver group, or decides its own session's request",
+    404: "The addressed object does not exist (or is not the caller's to see)",
+    409: "The object's state forbids this (already decided, session halted, exists)",
+    413: "The body is larger than the server accepts",
+    415: "The body's media type is not accepted",
+    422: "The request does not validate (the failing field is named)",
+    503: "The database does not answer",
+}
+
+
+def document_problems(schema: dict[str, Any]) -> dict[str, Any]:
+    """Document every error an operation can answer, as problem+json, in a generated OpenAPI schema.
+
+    FastAPI documents only the success response and a JSON 422; the desk answers every error as
+    ``application/problem+json`` (see :func:`install_handlers`), so a client generator or a schema checker
+    (schemathesis runs with all its checks in the test suite) would otherwise meet statuses and a media type the
+    schema never mentions. Which statuses: 401/403 on every authenticated operation, 404 where a path names an
+    object, 400/413/415 where there is a body, 422 and 503 everywhere, plus what a route declared itself.
+    """
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components["Problem"] = PROBLEM_SCHEMA
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    ref = {"$ref": "#/components/schemas/Problem"}
+    for path, item in schema.get("paths", {}).items():
+        for method, op in item.items():
+            if not isinstance(op, dict) or "responses" not in op:
+                continue
+            statuses = {422, 503}
+            if op.get("security"):
+                statuses |= {401, 403}
+            if "{" in path:
+                statuses.add(404)
+            if "requestBody" in op:
+                statuses |= {400, 413, 415}
+            if method != "get":
+                statuses.add(409)
+            responses = op["responses"]
+            for status in sorted(statuses | {int(s) for s in responses if s.isdigit() and int(s) >= 400}):
+                entry = responses.setdefault(str(status), {"description": _ERROR_DESCRIPTIONS.get(status, "Error")})
+                entry["content"] = {PROBLEM_MEDIA_TYPE: {"schema": ref}}
+    return schema

@@ -42,6 +42,22 @@ from .storage import ApiKey
 
 TIERS = ("safe", "compensable", "irreversible")
 
+#: Header names whose values are credentials: their values stay out of the contract (only their names go in).
+_SECRET_HEADER_WORDS = ("authorization", "cookie", "token", "secret", "key", "password", "signature", "auth")
+
+#: Errors after which the upstream may have acted: the request was sent and the answer lost. An approved
+#: IRREVERSIBLE call that meets one is recorded ``unknown`` and its session halted, never failed and rolled back.
+#: (A connect error or connect timeout means nothing was sent: that is a plain failure.)
+OUTCOME_UNKNOWN_ERRORS: tuple[type[BaseException], ...] = (
+    httpx.ReadTimeout, httpx.WriteTimeout, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError,
+)
+
+
+def is_secret_header(name: str) -> bool:
+    """Whether a header's value is a credential (kept out of the contract fingerprint)."""
+    lowered = name.lower()
+    return any(word in lowered for word in _SECRET_HEADER_WORDS)
+
 
 class UpstreamError(Exception):
     """The upstream tool answered with an error or not at all."""
@@ -68,6 +84,21 @@ class ProxyTool:
     probe_url: str | None = None
     timeout: float = 10.0
     headers: dict[str, str] = field(default_factory=dict)
+
+    def endpoint(self) -> dict[str, Any]:
+        """Where the tool runs, as its contract records it: the URLs, the method and the non-secret headers.
+
+        A change to any of them is a new revision of the tool, which cancels its pending approvals: a person
+        approved a call to *this* upstream. Secret headers count by name only, so rotating a token is not a change.
+        """
+        return {
+            "url": self.url,
+            "method": self.method,
+            "compensation_url": self.compensation_url,
+            "probe_url": self.probe_url,
+            "headers": {k.lower(): v for k, v in sorted(self.headers.items()) if not is_secret_header(k)},
+            "secret_headers": sorted(k.lower() for k in self.headers if is_secret_header(k)),
+        }
 
 
 def _post(url: str, payload: Any, *, idempotency_key: str | None, timeout: float, headers: Mapping[str, str],
@@ -149,6 +180,8 @@ class ProxyTools:
                 "reason": tool.reason,
                 "risk_tags": list(tool.risk_tags),
                 "args_schema": tool.args_schema or {"type": "object", "additionalProperties": True},
+                # Part of the contract (the fingerprint): a changed upstream is a new revision.
+                "binding": {"proxy": tool.endpoint()},
             }
             if tool.compensation_name:
                 kwargs["compensation"] = tool.compensation_name
@@ -235,6 +268,8 @@ router = APIRouter(prefix="/v1", tags=["proxy"], route_class=AuthFirstRoute)
         200: {"description": "The upstream's response (or the stored one for a replayed call)"},
         202: {"description": "IRREVERSIBLE call awaiting approval; retry with the same Idempotency-Key"},
         403: {"description": "Approval rejected or timed out"},
+        504: {"description": "An approved IRREVERSIBLE call lost the upstream's answer: outcome unknown (session "
+                    "halted), or the probe says it did not happen (retry)"},
         409: {"description": "Session halted or closed"},
         422: {"description": "Arguments invalid for the tool's schema"},
         502: {"description": "The upstream failed"},
@@ -293,10 +328,16 @@ def invoke(
 
     # The call driver runs it, as it runs every caller's: the upstream's failure is recorded and the session
     # rolled back per its policy; the rollback is told in the problem's body.
-    outcome = st.undolog.driver.run_sync(decision, upstream, note=False)
+    # An approved IRREVERSIBLE call that was sent and then lost its answer may have happened: it is settled as
+    # recovery would (the tool's probe decides; without one it is `unknown` and the session halted for a person),
+    # never marked failed and rolled back.
+    unknown_on = OUTCOME_UNKNOWN_ERRORS if ptool.tier == "irreversible" else ()
+    outcome = st.undolog.driver.run_sync(decision, upstream, note=False, unknown_on=unknown_on)
     exc = outcome.error
     if exc is None:
         return _stored(outcome.value, replayed=False)
+    if unknown_on and isinstance(exc, unknown_on):
+        return _in_doubt(request, st, session_id, tool, args, call_id, decision, exc, outcome.in_doubt)
     if not isinstance(exc, (UpstreamError, httpx.HTTPError)):
         raise exc
     from .api import rollback_out
@@ -305,6 +346,31 @@ def invoke(
     if outcome.rollback is not None:
         extra["rollback"] = rollback_out(session_id, outcome.rollback).model_dump(mode="json")
     return problem_response(request, 502, "upstream_error", str(exc), **extra)
+
+
+def _in_doubt(request: Request, st: Any, session_id: str, tool: str, args: dict[str, Any], call_id: str | None,
+              decision: Any, exc: BaseException, settled: str | None) -> Response:
+    """The answer to a call whose upstream answer was lost, by how it was settled (``Outcome.in_doubt``)."""
+    from undolog_core import Completed
+
+    if settled == "committed":
+        # The probe says it happened: answer with what it reported, as a replay would.
+        done = st.undolog.driver.decide(session_id, tool, args, call_id=call_id or decision.call_id)
+        if isinstance(done, Completed):
+            return _stored(done.result, replayed=True)
+    if settled == "not_run":
+        return problem_response(
+            request, 504, "upstream_timeout",
+            f"{tool}: the upstream did not answer ({type(exc).__name__}) and its probe says the call did not "
+            "happen; the approval still stands: retry the same call",
+            effect_id=decision.effect_id, headers={"Retry-After": "1"},
+        )
+    return problem_response(
+        request, 504, "outcome_unknown",
+        f"{tool}: the upstream did not answer ({type(exc).__name__}); the call may have happened. It is recorded "
+        "'unknown' and the session is halted until a person checks the upstream and resumes it",
+        effect_id=decision.effect_id, session_state="halted",
+    )
 
 
 def _stored(result: Any, *, replayed: bool) -> Response:

@@ -47,8 +47,10 @@ class Sweeper:
             Counts of what this tick did.
         """
         undolog = self.state.undolog
-        counts = {"expired": 0, "recovered": 0, "escalated": 0, "events": 0}
+        counts = {"expired": 0, "lapsed": 0, "recovered": 0, "escalated": 0, "events": 0}
         counts["expired"] = len(undolog.approvals.expire_due() or ())
+        # Approvals whose call was not re-issued within the policy's approved_ttl_seconds become `expired`.
+        counts["lapsed"] = len(undolog.approvals.lapse_due() or ())
         now = time.monotonic()
         if force_recover or now - self._last_recover >= self.state.settings.recover_interval:
             self._last_recover = now

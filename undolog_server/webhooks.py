@@ -75,6 +75,7 @@ EVENT_TYPES = (
     "approval.requested",
     "approval.decided",
     "approval.timed_out",
+    "approval.expired",
     "approval.escalated",
     "session.halted",
     "session.rolled_back",

@@ -137,31 +137,32 @@ def test_modify_validates_against_the_tool_schema(desk: Desk) -> None:
 
 def test_sessions_create_show_rollback(desk: Desk) -> None:
     agent = desk.client("agent")
-    r = agent.post("/v1/sessions", json={"agent_id": "http-bot", "session_id": "sess-http-1"})
+    r = agent.post("/v1/sessions", json={"agent_id": "http-bot", "label": "sess-http"})
     assert r.status_code == 201, r.text
     assert r.json()["created_by"] == desk.key("agent").principal_ref
-    assert agent.post("/v1/sessions", json={"agent_id": "http-bot", "session_id": "sess-http-1"}).status_code == 200
-    problem(desk.client("agent2").post("/v1/sessions", json={"agent_id": "x", "session_id": "sess-http-1"}), 409,
-            "session_exists")
-    s = desk.undolog.session(agent_id="http-bot", session_id="sess-http-1")
+    sid = r.json()["session_id"]
+    assert sid.startswith("sess-http.") and r.headers["Location"] == f"/v1/sessions/{sid}"
+    # Posting the same label again mints another session: ids are never the caller's to pick.
+    assert agent.post("/v1/sessions", json={"agent_id": "http-bot", "label": "sess-http"}).json()["session_id"] != sid
+    s = desk.undolog.session(agent_id="http-bot", session_id=sid)
     with s:
         s.call_sync("send_refund_email", user_id="a", amount=1.0, call_id="m1")
         s.call_sync("send_refund_email", user_id="b", amount=2.0, call_id="m2")
-    shown = agent.get("/v1/sessions/sess-http-1").json()
+    shown = agent.get(f"/v1/sessions/{sid}").json()
     assert [e["tool_name"] for e in shown["effects"]] == ["send_refund_email"] * 2
     assert all(e["tier"] == "compensable" and e["state"] == "committed" for e in shown["effects"])
     assert shown["effects"][0]["args_snapshot"] == {"user_id": "a", "amount": 1.0}
     assert shown["effects"][0]["result_snapshot"] == {"sent_to": "a", "amount": 1.0}
     UNDONE.clear()
-    rb = agent.post("/v1/sessions/sess-http-1:rollback")
+    rb = agent.post(f"/v1/sessions/{sid}:rollback")
     assert rb.status_code == 200, rb.text
     steps = rb.json()["steps"]
     assert [st["compensation_name"] for st in steps] == ["cancel_refund_email"] * 2
     assert all(st["outcome"] for st in steps)
     assert [u["args"]["user_id"] for u in UNDONE] == ["b", "a"]  # LIFO
     assert all(u["key"].startswith("undo-") for u in UNDONE)
-    assert agent.get("/v1/sessions/sess-http-1").json()["state"] == "rolled_back"
-    again = agent.post("/v1/sessions/sess-http-1:rollback").json()
+    assert agent.get(f"/v1/sessions/{sid}").json()["state"] == "rolled_back"
+    again = agent.post(f"/v1/sessions/{sid}:rollback").json()
     assert again["steps"] == [] or again["already_rolled_back"]
 
 

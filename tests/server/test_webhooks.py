@@ -176,7 +176,7 @@ def test_policy_routes_by_risk_tag_and_escalates_once(live: Desk, receiver: Rece
         "notify": ["privacy"], "escalate_after_seconds": 1, "escalate_to": ["oncall"]}).status_code == 200
     assert admin.put("/v1/notification-policies/billing", json={"notify": ["billing"]}).status_code == 200
     r = admin.put("/v1/notification-policies/x", json={"notify": ["nobody"]})
-    assert r.status_code == 422 and r.json()["code"] == "unknown_webhook_target"
+    assert r.status_code == 409 and r.json()["code"] == "unknown_webhook_target"
     pii, _ = live.pending("delete_user_account")
     wire, _ = live.pending("wire_money")
     receiver.wait(lambda: len(receiver.events("/privacy")) == 1 and len(receiver.events("/billing")) == 1)

@@ -292,6 +292,76 @@ class ApprovalsSQL(Store):
             self.halt_in(conn, req.session_id, why, now)
             return [StateChange(req.session_id, SessionState.HALTED)]
 
+    # -- approved calls that were never re-issued (approved_ttl_seconds) ---------------------------------
+
+    def lapsed_request_ids(self, now: dt.datetime) -> builtins.list[str]:
+        """Approved requests whose call has not been re-issued (its effect still ``approved``) for longer than the
+        policy's ``approved_ttl_seconds``."""
+        r, e = t.approval_requests, t.effect_log
+        with self.read() as conn:
+            cutoff = now - dt.timedelta(seconds=self.policy_in(conn).approved_ttl_seconds)
+            return list(conn.execute(
+                sa.select(r.c.approval_request_id)
+                .select_from(r.join(e, e.c.effect_id == r.c.effect_id))
+                .where(r.c.state.in_((RequestState.APPROVED.value, RequestState.AUTO_APPROVED.value)),
+                       r.c.decided_at <= cutoff, e.c.state == EffectState.APPROVED.value)
+            ).scalars().all())
+
+    def approval_lapsed(self, decided_at: dt.datetime | None, now: dt.datetime) -> bool:
+        """Whether an approval decided at ``decided_at`` is older than the policy's ``approved_ttl_seconds``."""
+        if decided_at is None:
+            return False
+        with self.read() as conn:
+            ttl = self.policy_in(conn).approved_ttl_seconds
+        return decided_at <= now - dt.timedelta(seconds=ttl)
+
+    def lapse_request(self, approval_request_id: str, now: dt.datetime) -> builtins.list[StateChange] | None:
+        """Expire one approved request whose call was not re-issued in time, in one transaction: the request and its
+        effect ``expired``, the audited event ``expire`` (actor ``undolog:approval-ttl``) with its
+        ``approval.expired`` outbox row. The session is NOT halted: nothing ran, the agent may ask again.
+
+        The effect gives its ``call_id`` up (it becomes ``expired:<effect_id>``; the request keeps the original), so
+        re-issuing the same call raises a new request instead of finding this one.
+
+        Returns the session state changes, or None when the request is not lapsed (not approved any more, its call
+        claimed to run meanwhile, younger than the TTL) or another process is expiring it right now.
+        """
+        r, e = t.approval_requests, t.effect_log
+        rid = approval_request_id
+        with self.tx() as conn:
+            ttl = self.policy_in(conn).approved_ttl_seconds
+            cutoff = now - dt.timedelta(seconds=ttl)
+            req = conn.execute(
+                self.for_update(
+                    sa.select(r).where(
+                        r.c.approval_request_id == rid,
+                        r.c.state.in_((RequestState.APPROVED.value, RequestState.AUTO_APPROVED.value)),
+                        r.c.decided_at <= cutoff,
+                    ),
+                    skip_locked=True,
+                )
+            ).first()
+            if req is None:
+                return None
+            # Conditional on the effect: a call claimed to run (running, released, done) meanwhile is not lapsed.
+            moved = conn.execute(
+                e.update().where(e.c.effect_id == req.effect_id, e.c.state == EffectState.APPROVED.value)
+                .values(state=EffectState.EXPIRED.value, call_id=f"expired:{req.effect_id}",
+                        error=f"approval lapsed: not re-issued within {ttl} s of the decision", updated_at=now)
+            ).rowcount
+            if moved == 0:
+                return None
+            conn.execute(r.update().where(r.c.approval_request_id == rid).values(state=RequestState.EXPIRED.value))
+            payload = {"decided_at": req.decided_at.isoformat(), "decided_by": req.decided_by,
+                       "approved_ttl_seconds": ttl}
+            out = {"approval_request_id": rid, "session_id": req.session_id, "tool_name": req.tool_name,
+                   "call_id": req.call_id, **payload}
+            self.append_event_in(
+                conn, subject=f"approval:{rid}", approval_request_id=rid, action="expire",
+                actor="undolog:approval-ttl", payload=payload, outbox=[("approval.expired", out)], now=now,
+            )
+            return self.refresh_changes_in(conn, req.session_id, now)
+
     # -- cancellations (inside the caller's transaction) ---------------------------------------------
 
     def cancel_pending_in(

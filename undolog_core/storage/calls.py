@@ -169,7 +169,7 @@ class CallsSQL(Store):
         """The same call again (by call id), or, without one, the same action still waiting or approved."""
         e, r = _E, t.approval_requests
         q = sa.select(e, r.c.approval_request_id, r.c.state.label("req_state"), r.c.approved_args,
-                      r.c.approved_digest, r.c.timeout_at, r.c.decision_reason, r.c.decided_by,
+                      r.c.approved_digest, r.c.timeout_at, r.c.decision_reason, r.c.decided_by, r.c.decided_at,
                       r.c.action_digest).select_from(e.outerjoin(r, r.c.effect_id == e.c.effect_id))
         with self.read() as conn:
             if call_id is not None:

@@ -33,7 +33,8 @@ class PolicySQL(Store):
     def policy_in(self, conn: Connection) -> OrgPolicy:
         """The policy as the caller's transaction sees it."""
         row = conn.execute(sa.select(t.org_policy).where(t.org_policy.c.policy_id == 1)).one()
-        return OrgPolicy(int(row.approval_timeout_seconds), bool(row.auto_approve_on_timeout), int(row.context_calls))
+        return OrgPolicy(int(row.approval_timeout_seconds), bool(row.auto_approve_on_timeout), int(row.context_calls),
+                         int(row.approved_ttl_seconds))
 
     def get_policy(self) -> OrgPolicy:
         with self.read() as conn:

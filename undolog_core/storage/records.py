@@ -105,6 +105,8 @@ class OrgPolicy:
     approval_timeout_seconds: int
     auto_approve_on_timeout: bool
     context_calls: int
+    # How long an approved call may wait to be re-issued before its approval lapses (``expired``).
+    approved_ttl_seconds: int = 24 * 3600
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

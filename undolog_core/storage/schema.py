@@ -65,6 +65,9 @@ class EffectState(enum.StrEnum):
     UNKNOWN = "unknown"
     DEAD_LETTER = "dead_letter"
     RELEASED = "released"  # handed back by a framework's control flow; its re-issue runs it
+    # IRREVERSIBLE: approved, but not re-issued within the policy's approved_ttl_seconds. Never runs; re-issuing
+    # the call raises a new request (the expired effect gives its call_id up, see ApprovalsSQL.lapse_request).
+    EXPIRED = "expired"
 
 
 class UndoState(enum.StrEnum):
@@ -81,6 +84,7 @@ class RequestState(enum.StrEnum):
     TIMED_OUT = "timed_out"
     AUTO_APPROVED = "auto_approved"
     CANCELLED = "cancelled"
+    EXPIRED = "expired"  # approved, but the call was not re-issued in time (approved_ttl_seconds)
     # A person answered in the tool's place (LangChain's ``respond``): the tool never runs, and the person's text is
     # the call's result. Its effect is ``cancelled`` (it never ran) and holds that text as its result.
     RESPONDED = "responded"
@@ -138,6 +142,7 @@ org_policy = sa.Table(
     sa.Column("approval_timeout_seconds", sa.Integer, nullable=False),
     sa.Column("auto_approve_on_timeout", sa.Boolean, nullable=False),
     sa.Column("context_calls", sa.Integer, nullable=False),
+    sa.Column("approved_ttl_seconds", sa.Integer, nullable=False, server_default=str(24 * 3600)),
     sa.Column("updated_at", UTCDateTime, nullable=False),
     sa.Column("updated_by", sa.String(200), nullable=False),
     sa.CheckConstraint("policy_id = 1", name="ck_undolog_org_policy_single_row"),

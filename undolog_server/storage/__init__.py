@@ -136,6 +136,17 @@ escalations = sa.Table(
     sa.Column("escalated_at", UTCDateTime, nullable=False),
 )
 
+dashboard_sessions = sa.Table(
+    "undolog_dashboard_sessions",
+    metadata,
+    sa.Column("session_hash", sa.String(64), primary_key=True),
+    sa.Column("key_id", sa.String(32), nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("expires_at", UTCDateTime, nullable=False),
+    sa.Column("revoked_at", UTCDateTime, nullable=True),
+    sa.Index("ix_undolog_dashboard_sessions_expires", "expires_at"),
+)
+
 server_settings = sa.Table(
     "undolog_server_settings",
     metadata,
@@ -410,6 +421,54 @@ class ServerStore:
         if row is None or row["revoked_at"] is not None:
             return None
         return _key_from_row(row)
+
+    # ---- dashboard login sessions ---------------------------------------------------------------
+
+    def create_dashboard_session(self, key_id: str, max_age: int) -> tuple[str, str]:
+        """Start a dashboard login for ``key_id``; returns (the cookie's token, the session's id).
+
+        The token is 256 random bits and only its hash is stored; the id (that hash) is what CSRF tokens are
+        bound to. Expired logins are swept here, so the table holds only the live ones.
+
+        Example:
+            >>> token, sid = store.create_dashboard_session(key.key_id, 12 * 3600)
+        """
+        token = secrets.token_urlsafe(32)
+        session_hash = hashlib.sha256(token.encode()).hexdigest()
+        now = utcnow()
+        with self.core.tx() as conn:
+            conn.execute(dashboard_sessions.delete().where(dashboard_sessions.c.expires_at < now))
+            conn.execute(dashboard_sessions.insert().values(
+                session_hash=session_hash, key_id=key_id, created_at=now,
+                expires_at=now + timedelta(seconds=max_age),
+            ))
+        return token, session_hash
+
+    def dashboard_session(self, token: str) -> tuple[ApiKey, str] | None:
+        """The live login a cookie's token names and its key, or None (unknown, expired, logged out, key revoked)."""
+        if not token or len(token) > 100:
+            return None
+        session_hash = hashlib.sha256(token.encode()).hexdigest()
+        d = dashboard_sessions
+        with self.core.read() as conn:
+            row = conn.execute(
+                sa.select(api_keys, d.c.expires_at, d.c.revoked_at.label("session_revoked_at"))
+                .select_from(d.join(api_keys, api_keys.c.key_id == d.c.key_id))
+                .where(d.c.session_hash == session_hash)
+            ).mappings().first()
+        if row is None or row["revoked_at"] is not None or row["session_revoked_at"] is not None:
+            return None
+        expires = aware(row["expires_at"])
+        if expires is None or expires <= utcnow():
+            return None
+        return _key_from_row(row), session_hash
+
+    def end_dashboard_session(self, session_hash: str) -> None:
+        """Log out: the login is revoked, so its cookie stops working everywhere at once."""
+        d = dashboard_sessions
+        with self.core.tx() as conn:
+            conn.execute(d.update().where(d.c.session_hash == session_hash, d.c.revoked_at.is_(None))
+                         .values(revoked_at=utcnow()))
 
     def _touch(self, key_id: str) -> None:
         # One write a minute per key is enough for "last used" and keeps reads write-free.

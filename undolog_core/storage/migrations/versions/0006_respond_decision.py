@@ -4,8 +4,8 @@ Only the CHECK on ``undolog_approval_requests.state`` changes. PostgreSQL swaps 
 a CHECK in place, so the table is made anew with the same rows (foreign keys are off for the migration and checked
 once it is done, see storage/migrate.py).
 
-Revision ID: 0005_respond_decision
-Revises: 0004_rollback_intent
+Revision ID: 0006_respond_decision
+Revises: 0005_approval_ttl
 """
 
 import sqlalchemy as sa
@@ -13,12 +13,12 @@ from alembic import op
 
 from undolog_core.storage import schema as s
 
-revision = "0005_respond_decision"
-down_revision = "0004_rollback_intent"
+revision = "0006_respond_decision"
+down_revision = "0005_approval_ttl"
 branch_labels = None
 depends_on = None
 
-_OLD_STATES = ("pending", "approved", "rejected", "timed_out", "auto_approved", "cancelled")
+_OLD_STATES = ("pending", "approved", "rejected", "timed_out", "auto_approved", "cancelled", "expired")
 _CHECK = "ck_undolog_approval_state"
 
 
