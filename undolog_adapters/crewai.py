@@ -176,7 +176,17 @@ class KickoffResult:
 
     output: Any
     session_id: str
-    pending_approvals: list[Any] = field(default_factory=list)
+    _pending: list[Any] | None = field(default=None, repr=False)
+    _undolog: Any = field(default=None, repr=False)
+
+    @property
+    def pending_approvals(self) -> list[Any]:
+        """The session's approval requests still pending, read from the store when first asked for: a kickoff
+        whose result nobody asks about costs no read (two statements, a few per cent of a short kickoff)."""
+        if self._pending is None:
+            self._pending = (self._undolog.approvals.pending(session_id=self.session_id)
+                             if self._undolog is not None else [])
+        return self._pending
 
     @property
     def raw(self) -> str:
@@ -319,7 +329,7 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
         """
         with self.session(session_id) as sid:
             output = crew.kickoff(inputs=dict(inputs) if inputs is not None else None, **kwargs)
-        return KickoffResult(output=output, session_id=sid, pending_approvals=self.undolog.approvals.pending(session_id=sid))
+        return KickoffResult(output=output, session_id=sid, _undolog=self.undolog)
 
     # ----------------------------------------------------------------- hooks (second gate)
     def before_hook(self, ctx: Any) -> Any:

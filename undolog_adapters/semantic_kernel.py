@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import logging
@@ -247,10 +248,11 @@ class UndoLogFilter:
             sid = self._session_id
         return sid
 
-    def _session(self) -> str:
+    async def _asession(self) -> str:
+        # The session's first call creates it (a durable write): in a worker thread, never on the event loop.
         sid = self.session_id
         if sid not in self._ensured:
-            self.undolog.session(agent_id=self.agent_id, session_id=sid)
+            await asyncio.to_thread(self.undolog.session, agent_id=self.agent_id, session_id=sid)
             self._ensured.add(sid)
         return sid
 
@@ -275,15 +277,23 @@ class UndoLogFilter:
     # functions: _intercept (the decision, asked by whichever filter is the gate) and _run (run, then
     # complete or fail). The filters only route between them.
 
-    def _intercept(self, function: KernelFunction, arguments: KernelArguments,
-                   given_call_id: str | None) -> tuple[str, Execute | AwaitingApproval | Completed]:
-        """Classify, find the session and the call id, and ask the engine; returns (session id, decision)."""
+    async def _intercept(self, function: KernelFunction, arguments: KernelArguments,
+                         given_call_id: str | None) -> tuple[str, Execute | AwaitingApproval | Completed]:
+        """Classify, find the session and the call id, and ask the engine; returns (session id, decision).
+
+        Nothing here waits on the event loop: the driver's ``adecide`` decides inline when nothing has to wait (a
+        SAFE call, the COMPENSABLE hot path with a free connection), else in a worker thread, like the session's
+        creation and the look-up of an earlier approval.
+        """
         name = function.fully_qualified_name
         tier = self.classify(function)
-        sid = self._session()
+        sid = await self._asession()
         args = self._args(function, arguments)
-        call_id = self._call_id(sid, name, tier, args, given_call_id)
-        return sid, self.undolog.driver.decide(sid, name, args, call_id=call_id)
+        if tier is ToolTier.IRREVERSIBLE:
+            call_id = await asyncio.to_thread(self._call_id, sid, name, tier, args, given_call_id)
+        else:
+            call_id = self._call_id(sid, name, tier, args, given_call_id)
+        return sid, await self.undolog.driver.adecide(sid, name, args, call_id=call_id)
 
     # ----------------------------------------------------------------- filters
     async def auto_function_invocation(self, context: AutoFunctionInvocationContext, next: Any) -> None:
@@ -296,7 +306,8 @@ class UndoLogFilter:
         name = function.fully_qualified_name
         fcc = context.function_call_content
         try:
-            sid, decision = self._intercept(function, context.arguments, fcc.id if fcc is not None else None)
+            sid, decision = await self._intercept(function, context.arguments,
+                                                  fcc.id if fcc is not None else None)
         except errors.UndoLogError as exc:
             context.function_result = FunctionResult(function=function.metadata, value=refusal_text(name, exc))
             return
@@ -353,7 +364,7 @@ class UndoLogFilter:
                 )
             await self._run(context, next, handover.decision, handover.session_id, handover)
             return
-        sid, decision = self._intercept(function, context.arguments, None)
+        sid, decision = await self._intercept(function, context.arguments, None)
         if isinstance(decision, AwaitingApproval):
             raise ApprovalPending(decision.effect_id, decision.approval_request_id, decision.retry_after, name)
         if isinstance(decision, Completed):

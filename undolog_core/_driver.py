@@ -111,11 +111,14 @@ class CallDriver:
 
     def decide(
         self, session_id: str, tool: Any, args: Mapping[str, Any], *, call_id: str | None = None,
-        match_digest: bool = False,
+        match_digest: bool = False, wait: bool = True,
     ) -> Decision:
         """What happens to this call: ``Execute`` (run it now), ``AwaitingApproval`` or ``Completed``.
 
-        ``tool`` is a registered function, its name or its ``ToolSpec``.
+        ``tool`` is a registered function, its name or its ``ToolSpec``. ``wait=False`` (code on an event loop that
+        is not a coroutine itself, like a framework's sync hook inside ``ainvoke``) raises ``WouldBlock`` before
+        anything is written when the decision would wait for a connection or a lock, or needs more than the hot
+        path: decide again in a worker thread (what :meth:`adecide` does).
         """
         spec = self.spec(tool)
         check_id("session_id", session_id)
@@ -123,11 +126,11 @@ class CallDriver:
             start = time.time_ns()
             try:
                 return _gated(spec, session_id, call_id, start,
-                              self.engine.intercept_spec(session_id, spec, args, call_id, match_digest))
+                              self.engine.intercept_spec(session_id, spec, args, call_id, match_digest, wait))
             except UndoLogError as exc:
                 _refused(spec, session_id, call_id, start, exc)
                 raise
-        return self.engine.intercept_spec(session_id, spec, args, call_id, match_digest)
+        return self.engine.intercept_spec(session_id, spec, args, call_id, match_digest, wait)
 
     async def adecide(
         self, session_id: str, tool: Any, args: Mapping[str, Any], *, call_id: str | None = None,

@@ -314,6 +314,19 @@ class Engine:
             raise SessionNotFound(session_id)
         return self.remember(row)
 
+    def session_states(self, session_ids: list[str], *, wait: bool = True) -> dict[str, tuple[str, str | None]]:
+        """``{session_id: (state, halted_reason)}`` of those that exist, read in one statement on the hot path's
+        pool (an adapter's check at the start of an agent turn). A read only: the session cache is left alone (a
+        state changed in this process meanwhile must not be overwritten by this older read).
+
+        ``wait=False`` raises ``WouldBlock`` instead of waiting for a connection (an event loop).
+
+        Example:
+            >>> undolog.engine.session_states(["ticket-1", "ticket-1#2"])
+            {'ticket-1': ('active', None)}
+        """
+        return self.hot.session_states(session_ids, wait=wait)
+
     def flush_counts(self, session_id: str | None = None) -> None:
         """Write the in-memory SAFE call counters (on session exit and close), and any deferred marks."""
         self.flush_marks()

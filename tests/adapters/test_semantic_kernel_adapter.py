@@ -126,13 +126,13 @@ async def test_tiers_by_plugin_function_name(ul):
 async def test_each_call_is_intercepted_once(ul, backend, monkeypatch):
     kernel, _ = new_kernel(ul)
     seen = []
-    real = ul.driver.decide
+    real = ul.driver.adecide  # the filters decide on the loop through the driver's async entry
 
-    def counting(session_id, tool_name, args, *, call_id=None, match_digest=False):
+    async def counting(session_id, tool_name, args, *, call_id=None, match_digest=False):
         seen.append((tool_name, call_id))
-        return real(session_id, tool_name, args, call_id=call_id, match_digest=match_digest)
+        return await real(session_id, tool_name, args, call_id=call_id, match_digest=match_digest)
 
-    monkeypatch.setattr(ul.driver, "decide", counting)
+    monkeypatch.setattr(ul.driver, "adecide", counting)
     _, history, reply = await chat_turns(kernel, [[SEARCH], [REFUND_U1]])
     assert seen == [("support-search_knowledge_base", "c1"), ("support-send_refund_email", "c2")]
     assert [m["status"] for m in backend.outbox] == ["sent"]
@@ -373,10 +373,10 @@ async def test_failure_with_continue_policy_is_noted_and_not_rolled_back(ul, bac
 async def test_gate_failure_fails_closed(ul, backend, monkeypatch):
     kernel, _ = new_kernel(ul)
 
-    def broken(*a, **kw):
+    async def broken(*a, **kw):
         raise RuntimeError("database unreachable")
 
-    monkeypatch.setattr(ul.driver, "decide", broken)
+    monkeypatch.setattr(ul.driver, "adecide", broken)
     with pytest.raises(RuntimeError, match="database unreachable"):
         await chat_turns(kernel, [[REFUND_U1]])
     assert backend.outbox == []

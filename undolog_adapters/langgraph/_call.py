@@ -7,6 +7,7 @@ Both the node and the middleware call them. Imports LangGraph/LangChain and the 
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import threading
 from collections.abc import Callable, Mapping
@@ -18,10 +19,11 @@ from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp
 
 from undolog_core import AwaitingApproval, Outcome, errors
+from undolog_core.storage.pool import WouldBlock
 
 from ._guard import _Guard, _Reply, _Run
 from ._payload import _Pause
-from ._tools import _result_of, emit, rollback_events
+from ._tools import _CAPTURE, _Box, _result_of, emit, rollback_events
 
 
 @dataclass
@@ -77,10 +79,15 @@ def _wait(guard: _Guard, batch: _Batch | None, request: Any, step: _Pause) -> To
     return guard.refusal(request, errors.UndoLogError("waiting for approval"))
 
 
-def _admit(req: Any, step: _Run) -> contextvars.Token[_Admit | None]:
+def _admit(req: Any, step: _Run, box: _Box) -> tuple[contextvars.Token[_Admit | None], contextvars.Token[_Box | None]]:
     admit = _Admit(req.tool_call["name"], dict(req.tool_call.get("args") or {}), req.tool,
                    step.execute.effect_id is not None)
-    return _ADMIT.set(admit)
+    return _ADMIT.set(admit), _CAPTURE.set(box)
+
+
+def _unadmit(tokens: tuple[contextvars.Token[_Admit | None], contextvars.Token[_Box | None]]) -> None:
+    _CAPTURE.reset(tokens[1])
+    _ADMIT.reset(tokens[0])
 
 
 def _tool_error(out: Any) -> bool:
@@ -95,11 +102,12 @@ class _Answer:
     value: Any
 
 
-def _decide(guard: _Guard, request: Any) -> tuple[_Run | _Answer, _Batch | None, str | None]:
+def _decide(guard: _Guard, request: Any, wait: bool = True) -> tuple[_Run | _Answer, _Batch | None, str | None]:
     """The decision for one call, shared by the sync and the async run: a ``_Run`` to execute, or the answer.
 
     A pause for approval outside a node run asks LangGraph's ``interrupt`` here (it raises on the first pass
-    and returns the decision on resume), then decides again.
+    and returns the decision on resume), then decides again. ``wait=False`` (on an event loop): the first decision
+    raises ``WouldBlock`` (nothing written, nothing asked) when it would wait for the store.
     """
     batch, call_id = _pending(guard, request)
     if batch is not None and call_id in batch.done:
@@ -110,7 +118,7 @@ def _decide(guard: _Guard, request: Any) -> tuple[_Run | _Answer, _Batch | None,
     error: str | None = None
     while True:
         try:
-            step = gated if gated is not None else guard.prepare(request, config)  # the driver's decision
+            step = gated if gated is not None else guard.prepare(request, config, wait=wait)  # the driver's decision
         except _REFUSED as exc:
             return _Answer(_remember(batch, call_id, guard.refusal(request, exc))), batch, call_id
         gated = None
@@ -123,6 +131,7 @@ def _decide(guard: _Guard, request: Any) -> tuple[_Run | _Answer, _Batch | None,
             if parked is not None:
                 return _Answer(parked), batch, call_id
             error = guard.ask([step], error)
+            wait = True  # after an interrupt was asked, never retried elsewhere: it would be asked twice
             continue
         return step, batch, call_id
 
@@ -140,7 +149,7 @@ def run_call(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
     if isinstance(step, _Answer):
         return step.value
     req, box = guard.runnable(request, step)
-    token = _admit(req, step)
+    token = _admit(req, step, box)
     try:
         # The driver runs it: a LangGraph interrupt inside the tool (GraphBubbleUp) is control flow, never a
         # failure: the call is handed back without an outcome and LangGraph re-runs it on resume under the same
@@ -148,7 +157,7 @@ def run_call(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
         outcome = guard.u.driver.run_sync(step.execute, lambda _a: execute(req), control_flow=(GraphBubbleUp,),
                                           note=False, **_hooks(request, step, box))
     finally:
-        _ADMIT.reset(token)
+        _unadmit(token)
     return _settled(guard, batch, call_id, request, step, outcome)
 
 
@@ -156,17 +165,22 @@ async def arun_call(guard: _Guard, request: Any, execute: Callable[[Any], Any]) 
     """Async :func:`run_call`: the same steps, awaiting the tool."""
     if request.tool is None:
         return await execute(request)
-    step, batch, call_id = _decide(guard, request)
+    try:
+        # On the loop when nothing has to wait (SAFE, and the COMPENSABLE hot path with a free connection and
+        # write lock): no thread hop. Otherwise (a gated call, a thread's first call, a busy pool) in a thread.
+        step, batch, call_id = _decide(guard, request, wait=False)
+    except WouldBlock:
+        step, batch, call_id = await asyncio.to_thread(_decide, guard, request)
     if isinstance(step, _Answer):
         return step.value
     req, box = guard.runnable(request, step)
-    token = _admit(req, step)
+    token = _admit(req, step, box)
     try:
         outcome = await guard.u.driver.run_async(step.execute, lambda _a: execute(req),
                                                  control_flow=(GraphBubbleUp,), note=False,
                                                  **_hooks(request, step, box))
     finally:
-        _ADMIT.reset(token)
+        _unadmit(token)
     return _settled(guard, batch, call_id, request, step, outcome)
 
 

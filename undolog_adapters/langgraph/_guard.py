@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from undolog_core import AwaitingApproval, Completed, Execute, OnFailure, ToolTier, errors
 from undolog_core._tools import tool_name_of
+from undolog_core.storage.pool import WouldBlock
 
 from .._common import Registrar, TierValue, failure_text, refusal_text, rollback_outcome
 from ._payload import (
@@ -151,12 +152,16 @@ class _Guard:
             )
         return str(tid)
 
-    def head(self, base: str, *, refresh: bool = False) -> str:
-        """The thread's current session id (the newest of ``base``, ``base#2``...), created if new."""
+    def head(self, base: str, *, refresh: bool = False, wait: bool = True) -> str:
+        """The thread's current session id (the newest of ``base``, ``base#2``...), created if new.
+
+        ``wait=False`` raises ``WouldBlock`` when that needs the store (a thread seen for the first time here)."""
         with self.lock:
             n = self.heads.get(base)
         if n is not None and not refresh:
             return _chain(base, n)
+        if not wait:
+            raise WouldBlock()
         # One creator per process: ToolNode runs a message's calls on parallel threads.
         with self.create_lock:
             n = n or 1
@@ -172,6 +177,40 @@ class _Guard:
             with self.lock:
                 self.heads[base] = n
         return sid
+
+    def turn(self, base: str, *, wait: bool = True) -> tuple[str, str | None, str | None]:
+        """The thread's session at the start of a user turn: ``(session_id, state, halted_reason)``, in one read.
+
+        The head and the one after it are read together (another process may have opened the next one after a
+        rollback); the state is None when the session does not exist yet (it is created here, once per thread).
+        ``wait=False`` (an event loop) raises ``WouldBlock`` when that would wait or write: run it in a thread.
+        """
+        with self.lock:
+            known = self.heads.get(base)
+        n = known or 1
+        sid, nxt = _chain(base, n), _chain(base, n + 1)
+        found = self.u.engine.session_states([sid, nxt], wait=wait)
+        if nxt in found:
+            # Rare: another process opened the thread's next session (after a rollback): walk the chain.
+            if not wait:
+                raise WouldBlock()
+            sid = self.head(base, refresh=True)
+            state = self.u.engine.session_states([sid]).get(sid)
+            return sid, *(state or (None, None))
+        if sid not in found:
+            # The thread's first turn: its session is created here (one write per thread, not per turn), with our
+            # agent id and failure policy, before any call can create it implicitly.
+            if not wait:
+                raise WouldBlock()
+            with self.create_lock:
+                sc = self.u.engine.ensure_session(sid, agent_id=self.agent_id, on_failure=self.on_failure)
+                with self.lock:
+                    self.heads.setdefault(base, n)
+            return sid, sc.state, None
+        if known is None:
+            with self.lock:
+                self.heads.setdefault(base, n)
+        return sid, *found[sid]
 
     def advance(self, base: str) -> str:
         """Open the thread's next session (after its current one was rolled back or completed)."""
@@ -191,13 +230,15 @@ class _Guard:
 
     # -- one call ------------------------------------------------------------------------------------
 
-    def prepare(self, request: Any, config: Mapping[str, Any]) -> _Run | _Reply | _Pause:
+    def prepare(self, request: Any, config: Mapping[str, Any], *, wait: bool = True) -> _Run | _Reply | _Pause:
+        """The driver's decision for one call. ``wait=False`` (on an event loop) raises ``WouldBlock``, with nothing
+        written, when it would wait for the store or needs more than the hot path: decide again in a thread."""
         call = request.tool_call
         name = self.names[call["name"]]
         base = self.base_id(config)
-        sid = self.head(base)
+        sid = self.head(base, wait=wait)
         try:
-            d = self.u.driver.decide(sid, name, dict(call.get("args") or {}), call_id=call.get("id"))
+            d = self.u.driver.decide(sid, name, dict(call.get("args") or {}), call_id=call.get("id"), wait=wait)
         except errors.SessionClosed:
             after = self._after_close(base, sid, request)
             if after is None:

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from langchain_core.messages import AIMessage
+from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import BaseTool
-from langgraph.config import get_config
 
 from undolog_core import OnFailure, SessionState, errors
+from undolog_core.storage.pool import WouldBlock
 
 from .._common import TierValue, halted_text, missing_extra
-from ._call import arun_call, run_call
+from ._call import _config_of, arun_call, run_call
 from ._guard import _Guard
 from ._resume import rollback
 from ._sessions import _ADAPTERS
@@ -21,18 +22,13 @@ if TYPE_CHECKING:
     from undolog_core import UndoLog
 
 
-def _no_hook_config(**_: Any) -> Callable[[Any], Any]:
-    return lambda f: f
-
-
 try:
-    from langchain.agents.middleware import AgentMiddleware, hook_config
+    from langchain.agents.middleware import AgentMiddleware
 
     _HAVE_LANGCHAIN = True
 except ImportError:  # pragma: no cover - langgraph without the langchain package: UndoLogToolNode still works
     _HAVE_LANGCHAIN = False
     AgentMiddleware = object  # type: ignore[assignment,misc]
-    hook_config = _no_hook_config
 
 # The qualified name LangChain gives the handler of a middleware that has other tool-call wrappers inside it.
 _INNER_WRAPPERS = "compose_two.<locals>.composed.<locals>.call_inner"
@@ -86,41 +82,53 @@ class UndoLogMiddleware(AgentMiddleware):
     def undolog(self) -> UndoLog:
         return self._undolog_guard.u
 
-    # A new user turn: refuse it on a halted thread; open a fresh session after a rollback.
-    @hook_config(can_jump_to=["end"])
-    def before_agent(self, state: Any, runtime: Any) -> dict[str, Any] | None:
-        return self._turn_start()
-
-    @hook_config(can_jump_to=["end"])
-    async def abefore_agent(self, state: Any, runtime: Any) -> dict[str, Any] | None:
-        return self._turn_start()
-
-    def _turn_start(self) -> dict[str, Any] | None:
-        g = self._undolog_guard
-        try:
-            config = get_config()
-            base = g.base_id(config)
-        except (RuntimeError, errors.ConfigurationError):
-            return None  # no thread: every tool call will say so
-        sid = g.head(base, refresh=True)
-        rec = g.session_state(sid)
-        if rec is None:
-            return None
-        if rec.state == SessionState.HALTED:
-            text = halted_text(sid, rec.halted_reason)
-            return {"messages": [AIMessage(content=text, response_metadata={"undolog": {"refused": "session_halted"}})],
-                    "jump_to": "end"}
-        if rec.state in (SessionState.ROLLED_BACK, SessionState.COMPLETED):
-            g.advance(base)
-        return None
-
+    # A new user turn: refuse it on a halted thread; open a fresh session after a rollback. This runs inside the
+    # model call that starts the turn (its request ends with the user's message), not in a before_agent hook: a
+    # hook is a graph node, and a node per turn costs as much as a whole middleware of LangChain's (a task, a
+    # checkpoint write, a superstep). The answer on a halted thread replaces the model's, so the agent ends there.
     def wrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
         self._check(request)
+        if _turn_starts(request):
+            refused = self._turn_start(self._turn(request, wait=True))
+            if refused is not None:
+                return refused
         return handler(request)
 
     async def awrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
         self._check(request)
+        if _turn_starts(request):
+            try:
+                # One read on the loop when a connection is free at once; a wait (or the thread's first turn, which
+                # creates its session) in a worker thread.
+                turn = self._turn(request, wait=False)
+            except WouldBlock:
+                turn = await asyncio.to_thread(self._turn, request, wait=True)
+            # Opening the next session after a rollback writes: in a worker thread too.
+            needs_write = turn is not None and turn[2] in (SessionState.ROLLED_BACK, SessionState.COMPLETED)
+            refused = await asyncio.to_thread(self._turn_start, turn) if needs_write else self._turn_start(turn)
+            if refused is not None:
+                return refused
         return await handler(request)
+
+    def _turn(self, request: Any, *, wait: bool) -> tuple[str, str, str | None, str | None] | None:
+        """(base id, session id, state, halted reason) of the thread, or None outside a thread."""
+        g = self._undolog_guard
+        try:
+            base = g.base_id(_config_of(request))
+        except (RuntimeError, errors.ConfigurationError):
+            return None  # no thread: every tool call will say so
+        return (base, *g.turn(base, wait=wait))
+
+    def _turn_start(self, turn: tuple[str, str, str | None, str | None] | None) -> AIMessage | None:
+        if turn is None or turn[2] is None:
+            return None
+        base, sid, state, reason = turn
+        if state == SessionState.HALTED:
+            text = halted_text(sid, reason)
+            return AIMessage(content=text, response_metadata={"undolog": {"refused": "session_halted"}})
+        if state in (SessionState.ROLLED_BACK, SessionState.COMPLETED):
+            self._undolog_guard.advance(base)
+        return None
 
     def _check(self, request: Any) -> None:
         if not self._checked:
@@ -138,6 +146,12 @@ class UndoLogMiddleware(AgentMiddleware):
     def rollback(self, thread_id: str, *, reason: str | None = None) -> Any:
         """Roll back the thread's current session; see :func:`rollback`."""
         return rollback(thread_id, undolog=self.undolog, reason=reason)
+
+
+def _turn_starts(request: Any) -> bool:
+    """Whether this model call starts a user turn: the conversation ends with the user's message."""
+    messages: Any = getattr(request, "messages", None)
+    return bool(messages) and isinstance(messages[-1], HumanMessage)
 
 
 def _innermost(handler: Any) -> None:

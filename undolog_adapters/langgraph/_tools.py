@@ -5,6 +5,7 @@ Imports ``langchain_core`` only.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import json
 from collections.abc import Mapping
@@ -35,12 +36,25 @@ def _function_of(tool: Any) -> Any:
     return tool
 
 
+# The box of the call running in this context: the capturing copy of a tool drops its raw return value there.
+_CAPTURE: contextvars.ContextVar[_Box | None] = contextvars.ContextVar("undolog_lg_capture", default=None)
+# One capturing copy per tool, made on its first call: a copy per call would also lose what LangChain caches on the
+# tool object (its injected-argument keys, type hints), recomputed on every call at a cost of a sizeable part of a
+# step. Keyed by id, holding the tool itself so the id is not reused while the entry lives.
+_COPIES: dict[int, tuple[BaseTool, BaseTool]] = {}
+_COPIES_MAX = 1024
+
+
 def _capturing(tool: BaseTool, box: _Box) -> BaseTool:
-    """A copy of ``tool`` whose function also drops its raw return value into ``box``.
+    """The copy of ``tool`` whose function also drops its raw return value into the current box (``_CAPTURE``).
 
     LangChain turns a tool's return value into message text; compensations need the value itself
-    (the message id to recall, say), so it is taken before that conversion.
+    (the message id to recall, say), so it is taken before that conversion. The caller sets ``_CAPTURE`` to
+    ``box`` while the copy runs.
     """
+    hit = _COPIES.get(id(tool))
+    if hit is not None and hit[0] is tool:
+        return hit[1]
     func = getattr(tool, "func", None)
     coro = getattr(tool, "coroutine", None)
     if func is None and coro is None:
@@ -51,7 +65,9 @@ def _capturing(tool: BaseTool, box: _Box) -> BaseTool:
         @functools.wraps(func)
         def f(*args: Any, **kwargs: Any) -> Any:
             out = func(*args, **kwargs)
-            box.value, box.set = out, True
+            current = _CAPTURE.get()
+            if current is not None:
+                current.value, current.set = out, True
             return out
 
         update["func"] = f
@@ -60,14 +76,20 @@ def _capturing(tool: BaseTool, box: _Box) -> BaseTool:
         @functools.wraps(coro)
         async def c(*args: Any, **kwargs: Any) -> Any:
             out = await coro(*args, **kwargs)
-            box.value, box.set = out, True
+            current = _CAPTURE.get()
+            if current is not None:
+                current.value, current.set = out, True
             return out
 
         update["coroutine"] = c
     try:
-        return tool.model_copy(update=update)
+        copy = tool.model_copy(update=update)
     except Exception:  # noqa: BLE001 - an exotic tool class: fall back to the message content
         return tool
+    if len(_COPIES) >= _COPIES_MAX:
+        _COPIES.clear()  # tools made per request: start over rather than grow without bound
+    _COPIES[id(tool)] = (tool, copy)
+    return copy
 
 
 def _result_of(out: Any) -> Any:

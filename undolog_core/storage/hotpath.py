@@ -10,6 +10,7 @@ per database, in ``sqlite.py`` and ``postgres.py``.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from sqlalchemy.engine import Engine
@@ -48,6 +49,8 @@ class HotPath(abc.ABC):
 
     #: The driver's unique-violation exception (the same call id written twice).
     integrity_error: tuple[type[BaseException], ...] = ()
+    #: The driver's parameter placeholder (``?`` for sqlite3, ``%s`` for psycopg).
+    placeholder = "?"
 
     def __init__(self, store: HotStore, *, pool_size: int, fast_pool_size: int) -> None:
         self.store = store
@@ -132,6 +135,19 @@ class HotPath(abc.ABC):
             raise
         finally:
             pool.checkin(conn, gen, broken=broken)
+
+    def session_states(self, session_ids: Sequence[str], *, wait: bool = True) -> dict[str, tuple[str, str | None]]:
+        """``{session_id: (state, halted_reason)}`` for those of ``session_ids`` that exist: one read.
+
+        The framework adapters check their session once per agent turn; on a pooled raw connection that read costs
+        a fraction of what SQLAlchemy Core adds to it. ``wait=False`` raises ``WouldBlock`` when no connection is
+        free at once (an event loop).
+        """
+        marks = ", ".join([self.placeholder] * len(session_ids))
+        sql = f"SELECT session_id, state, halted_reason FROM undolog_sessions WHERE session_id IN ({marks})"
+        with self.durable.connection("reading sessions", wait=wait) as conn:
+            rows = conn.execute(sql, tuple(session_ids)).fetchall()
+        return {r[0]: (r[1], r[2]) for r in rows}
 
     def mark_many(self, marks: list[tuple[str, str, float]]) -> None:
         """Deferred commit marks (fast mode, or marks a dropped connection held back), in one transaction that is

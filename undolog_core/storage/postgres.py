@@ -52,6 +52,8 @@ def _from_epoch(t: float) -> dt.datetime:
 
 
 class PostgresHotPath(HotPath):
+    placeholder = "%s"
+
     def __init__(self, store: Any, *, pool_size: int, fast_pool_size: int) -> None:
         import psycopg  # the [postgres] extra: imported only when a PostgreSQL store is opened
 

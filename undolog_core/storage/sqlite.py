@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,9 @@ from sqlalchemy.engine import Connection, Engine
 
 from ..errors import ConfigurationError
 from . import schema as t
+from .group import GroupCommit
 from .hotpath import _EFFECT_COLS, _WRITABLE, HotPath
-from .pool import WouldBlock
+from .pool import IntegrityConflict, WouldBlock
 
 _SQLITE_GUARD = (
     f"UPDATE undolog_sessions SET tool_calls_total = tool_calls_total + ?, updated_at = ? "
@@ -63,6 +65,77 @@ def _sqlite_time(t: float) -> str:
 
 class SQLiteHotPath(HotPath):
     integrity_error = (sqlite3.IntegrityError,)
+
+    def __init__(self, store: Any, *, pool_size: int, fast_pool_size: int) -> None:
+        super().__init__(store, pool_size=pool_size, fast_pool_size=fast_pool_size)
+        # Durable pre-writes and commit marks of concurrent threads share one commit (see group.py): a caller
+        # alone writes exactly as below, at once.
+        self.group = GroupCommit(self._write_one, self._write_many)
+
+    def prewrite(self, session_id: str, count: int, effect_id: str, call_id: str, tool_name: str, revision: int,
+                 args_text: str, digest: str, owner: str, now: float, lease: float, comp: str, comp_version: int,
+                 wait: bool = True) -> bool:
+        args = (session_id, count, effect_id, call_id, tool_name, revision, args_text, digest, owner, now, lease, comp,
+                comp_version)
+        return bool(self.group.submit((True, args), wait))
+
+    def mark(self, effect_id: str, text: str, now: float, *, fast: bool, wait: bool = True) -> bool:
+        if fast:
+            return super().mark(effect_id, text, now, fast=True, wait=wait)
+        return bool(self.group.submit((False, (effect_id, text, now)), wait))
+
+    def _write_one(self, item: tuple[bool, tuple[Any, ...]], wait: bool) -> bool:
+        is_prewrite, args = item
+        if is_prewrite:
+            return HotPath.prewrite(self, *args, wait)  # type: ignore[call-arg]  # positional, as the hot path
+        effect_id, text, now = args
+        return HotPath.mark(self, effect_id, text, now, fast=False, wait=wait)
+
+    def _write_many(self, items: Sequence[tuple[bool, tuple[Any, ...]]]) -> list[Any]:
+        """Several durable writes in one transaction, each in its own savepoint: one outcome per write (True,
+        False for a refused session or an effect not in flight, or ``IntegrityConflict``)."""
+        with self.durable.connection("a group commit") as conn, self.write_lock:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                out = [self._grouped(conn, item) for item in items]
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+        return out
+
+    def _grouped(self, conn: Any, item: tuple[bool, tuple[Any, ...]]) -> Any:
+        is_prewrite, args = item
+        conflict: IntegrityConflict | None = None
+        conn.execute("SAVEPOINT undolog_w")
+        try:
+            if is_prewrite:
+                ok = self._prewrite_in(conn, *args)
+            else:
+                effect_id, text, now = args
+                ok = conn.execute(_SQLITE_MARK, (text, _sqlite_time(now), effect_id)).rowcount == 1
+        except sqlite3.IntegrityError as exc:
+            ok, conflict = False, IntegrityConflict(str(exc))
+        if not ok:
+            conn.execute("ROLLBACK TO undolog_w")  # this write only; the others in the group stand
+        conn.execute("RELEASE undolog_w")
+        return conflict if conflict is not None else ok
+
+    @staticmethod
+    def _prewrite_in(conn: Any, session_id: str, count: int, effect_id: str, call_id: str, tool_name: str,
+                     revision: int, args_text: str, digest: str, owner: str, now: float, lease: float, comp: str,
+                     comp_version: int) -> bool:
+        """The pre-write's statements inside a transaction that is already open (a group's)."""
+        now_s = _sqlite_time(now)
+        row = (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner, _sqlite_time(lease),
+               now_s, now_s)
+        if not count:
+            return bool(conn.execute(_SQLITE_EFFECT_CHECKED, (*row, session_id)).rowcount == 1)
+        if conn.execute(_SQLITE_GUARD, (count, now_s, session_id)).rowcount != 1:
+            return False
+        conn.execute(_SQLITE_EFFECT, row)
+        return True
 
     def _setup(self, conn: Any) -> None:
         # What the pool's connections check by foreign key, the hot path's statements guarantee themselves:

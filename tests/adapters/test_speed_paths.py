@@ -1,0 +1,236 @@
+"""The adapters' fast paths (issue 13) keep their behaviour: real create_agent graphs and SK kernels, scripted models.
+
+- ``UndoLogMiddleware`` adds no graph node: the turn check runs inside the model call that starts a turn, and still
+  refuses a turn on a thread whose session another process halted, and opens ``thread#2`` after a rollback made
+  elsewhere (sync and async).
+- On an event loop nothing waits for the store: LangGraph's ``awrap_tool_call`` and SK's filters decide inline when a
+  connection is free at once (no thread hop), and in a worker thread when it is not. The event loop's thread never
+  calls the engine with ``wait=True``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from typing import Any
+
+import pytest
+from langchain.agents import create_agent
+from langchain.agents.middleware import AgentMiddleware
+from langchain_core.messages import AIMessage, ToolMessage
+from langgraph.checkpoint.memory import InMemorySaver
+from semantic_kernel import Kernel
+from semantic_kernel.contents import ChatHistory
+from semantic_kernel.functions import kernel_function
+
+from examples.semantic_kernel_support.llm import ScriptedChat, auto_settings, call
+from examples.support_agent.model import ScriptedChatModel
+from undolog_adapters.langgraph import UndoLogMiddleware
+from undolog_adapters.semantic_kernel import install, undolog_session
+from undolog_core import CompensationDescriptor, ToolTier, compensation, undolog_tool
+
+BOOKED: list[str] = []
+
+
+@undolog_tool(tier=ToolTier.COMPENSABLE, compensation=CompensationDescriptor.new("sp_unbook"))
+def sp_book(day: str) -> str:
+    """Book a slot."""
+    BOOKED.append(day)
+    return f"booked {day}"
+
+
+@undolog_tool(tier=ToolTier.SAFE)
+def sp_look(day: str) -> str:
+    """Look a slot up."""
+    return f"{day} is free"
+
+
+@compensation("sp_unbook")
+def sp_unbook(ctx: Any) -> None:
+    return None
+
+
+SCRIPTS = {"book": [[("sp_book", {"day": "mon"})]], "look": [[("sp_look", {"day": "tue"})]]}
+
+
+def _agent(undolog: Any) -> Any:
+    tools = [sp_book, sp_look]
+    return create_agent(ScriptedChatModel(scripts=SCRIPTS), tools, checkpointer=InMemorySaver(),
+                        middleware=[UndoLogMiddleware(undolog, tools=tools, compensations=[sp_unbook])])
+
+
+def _cfg() -> dict[str, Any]:
+    return {"configurable": {"thread_id": "sp-" + uuid.uuid4().hex[:10]}}
+
+
+def _user(text: str) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": text}]}
+
+
+class Spy:
+    """Records every decision the engine makes: on which thread, and whether it was allowed to wait."""
+
+    def __init__(self, engine: Any) -> None:
+        self.calls: list[tuple[int, bool]] = []
+        self._real = engine.intercept_spec
+
+    def __call__(self, session_id: str, spec: Any, args: Any, call_id: Any = None, match_digest: bool = False,
+                 wait: bool = True) -> Any:
+        self.calls.append((threading.get_ident(), wait))
+        return self._real(session_id, spec, args, call_id, match_digest, wait)
+
+
+@pytest.fixture
+def spy(undolog: Any, monkeypatch: pytest.MonkeyPatch) -> Spy:
+    s = Spy(undolog.engine)
+    monkeypatch.setattr(undolog.engine, "intercept_spec", s)
+    return s
+
+
+# ------------------------------------------------------------------------------------------ LangGraph
+
+
+def test_the_middleware_adds_no_graph_node(undolog: Any) -> None:
+    plain = create_agent(ScriptedChatModel(scripts=SCRIPTS), [sp_book, sp_look], checkpointer=InMemorySaver())
+    assert set(_agent(undolog).get_graph().nodes) == set(plain.get_graph().nodes)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_a_turn_on_a_thread_halted_elsewhere_is_refused(db: Any, undolog: Any, mode: str) -> None:
+    """Another process (another UndoLog on the same store, whose changes this one's cache never saw) halts the
+    thread's session: the next user turn is answered "on hold" and nothing runs."""
+    graph, c = _agent(undolog), _cfg()
+    invoke = graph.invoke if mode == "sync" else None
+    out = invoke(_user("book"), c) if invoke else await graph.ainvoke(_user("book"), c)
+    assert BOOKED[-1:] == ["mon"] and out["messages"][-1].content.startswith("All done")
+    other = db.open(migrate=False)
+    other.sessions.set_state(c["configurable"]["thread_id"], "halted", allowed=("active",))
+    before = len(BOOKED)
+    out = invoke(_user("book"), c) if invoke else await graph.ainvoke(_user("book"), c)
+    last = out["messages"][-1]
+    assert isinstance(last, AIMessage) and last.response_metadata["undolog"] == {"refused": "session_halted"}
+    assert "halted" in last.content and len(BOOKED) == before
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_a_rollback_made_elsewhere_opens_the_next_session(db: Any, undolog: Any, mode: str) -> None:
+    graph, c = _agent(undolog), _cfg()
+    tid = c["configurable"]["thread_id"]
+    run = (lambda v: graph.invoke(v, c)) if mode == "sync" else None
+    _ = run(_user("book")) if run else await graph.ainvoke(_user("book"), c)
+    other = db.open(migrate=False)
+    other.register(sp_book, sp_look, sp_unbook)
+    assert (await asyncio.to_thread(other.rollback, tid)).complete
+    out = run(_user("book")) if run else await graph.ainvoke(_user("book"), c)
+    tool_msg = [m for m in out["messages"] if isinstance(m, ToolMessage)][-1]
+    assert tool_msg.status == "success"
+    assert tool_msg.response_metadata["undolog"]["session_id"] == f"{tid}#2"
+
+
+async def test_an_async_call_decides_on_the_loop_when_nothing_waits(undolog: Any, spy: Spy) -> None:
+    graph, c = _agent(undolog), _cfg()
+    await graph.ainvoke(_user("book"), c)  # the thread's first turn: its session is created (in a thread)
+    spy.calls.clear()
+    loop_thread = threading.get_ident()
+    out = await graph.ainvoke(_user("book"), c)
+    assert [m for m in out["messages"] if isinstance(m, ToolMessage)][-1].status == "success"
+    assert spy.calls == [(loop_thread, False)]  # decided once, inline: no thread hop
+
+
+class HogAfterModel(AgentMiddleware):
+    """Once armed, checks out every connection of the hot path's pool right after the model asked for a tool, and
+    hands them back from another thread a moment later: the tool call's decision meets a busy pool."""
+
+    def __init__(self, pool: Any) -> None:
+        super().__init__()
+        self.pool = pool
+        self.armed = False
+        self.timer: threading.Timer | None = None
+
+    async def awrap_model_call(self, request: Any, handler: Any) -> Any:
+        out = await handler(request)
+        if self.armed:
+            self.armed = False
+            held = [self.pool.checkout() for _ in range(self.pool.size)]
+            self.timer = threading.Timer(0.3, lambda: [self.pool.checkin(*x) for x in held])
+            self.timer.start()
+        return out
+
+
+async def test_an_async_call_never_waits_on_the_loop_for_a_connection(undolog: Any, spy: Spy) -> None:
+    hog = HogAfterModel(undolog.engine.hot.durable)
+    tools = [sp_book, sp_look]
+    graph = create_agent(ScriptedChatModel(scripts=SCRIPTS), tools, checkpointer=InMemorySaver(),
+                         middleware=[hog, UndoLogMiddleware(undolog, tools=tools, compensations=[sp_unbook])])
+    c = _cfg()
+    await graph.ainvoke(_user("book"), c)
+    spy.calls.clear()
+    loop_thread = threading.get_ident()
+    ticks = 0
+
+    async def heartbeat() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    beat = asyncio.create_task(heartbeat())
+    hog.armed = True
+    try:
+        out = await graph.ainvoke(_user("book"), c)
+    finally:
+        if hog.timer is not None:
+            hog.timer.join()
+        beat.cancel()
+    assert hog.timer is not None
+    assert [m for m in out["messages"] if isinstance(m, ToolMessage)][-1].status == "success"
+    assert (loop_thread, True) not in spy.calls  # the loop's thread never decided with wait=True
+    # Tried inline (the pool was busy: nothing written), then decided in a worker thread that waited for it.
+    assert spy.calls[0] == (loop_thread, False) and any(t != loop_thread and w for t, w in spy.calls)
+    assert ticks > 0  # the loop ran other tasks meanwhile
+
+
+# ------------------------------------------------------------------------------------------ Semantic Kernel
+
+
+class Shop:
+    @kernel_function(name="book", description="Book a slot.")
+    @undolog_tool(tier=ToolTier.COMPENSABLE, compensation=CompensationDescriptor.new("sp_unbook"))
+    def book(self, day: str) -> str:
+        BOOKED.append(day)
+        return f"booked {day}"
+
+
+async def _sk_turn(kernel: Any, sid: str, call_id: str) -> Any:
+    chat = ScriptedChat(ai_model_id="scripted", turns=[[call(call_id, "shop-book", day="wed")]])
+    history = ChatHistory()
+    history.add_user_message("book wed")
+    with undolog_session(sid):
+        return await chat.get_chat_message_content(history, auto_settings(), kernel=kernel)
+
+
+async def test_sk_decides_on_the_loop_when_nothing_waits_and_in_a_thread_when_it_would(
+        undolog: Any, spy: Spy) -> None:
+    kernel = Kernel()
+    kernel.add_plugin(Shop(), plugin_name="shop")
+    install(kernel, undolog, compensations=[sp_unbook])
+    sid = "sk-" + uuid.uuid4().hex[:8]
+    await _sk_turn(kernel, sid, "k1")  # the session's first call creates it
+    loop_thread = threading.get_ident()
+    spy.calls.clear()
+    reply = await _sk_turn(kernel, sid, "k2")
+    assert "booked wed" in str(reply) or BOOKED[-1] == "wed"
+    assert spy.calls == [(loop_thread, False)]
+    pool = undolog.engine.hot.durable
+    held = [pool.checkout() for _ in range(pool.size)]
+    spy.calls.clear()
+    timer = threading.Timer(0.3, lambda: [pool.checkin(*x) for x in held])
+    timer.start()
+    try:
+        await _sk_turn(kernel, sid, "k3")
+    finally:
+        timer.join()
+    assert (loop_thread, True) not in spy.calls
+    assert any(t != loop_thread and w for t, w in spy.calls)
+    assert [e["state"] for e in undolog.sessions.effects(sid)] == ["committed"] * 3
