@@ -14,6 +14,7 @@ from .errors import ApprovalAlreadyDecided, ApprovalNotFound, ArgumentsInvalid, 
 from .limits import check_identity, clean_text, input_problem
 from .storage.base import utcnow
 from .storage.records import ApprovalEvent, ApprovalRecord, RequestState, SessionState, StateChange
+from .storage.schema import DecisionKind
 
 if TYPE_CHECKING:
     from ._registry import Registry
@@ -158,6 +159,22 @@ class ApprovalService:
         """Reject: the call never runs, the session halts and its other pending requests are cancelled."""
         return self._decide(approval_request_id, approver, "reject", reason=reason)
 
+    def respond(
+        self, approval_request_id: str, *, approver: str, response: str, reason: str | None = None
+    ) -> ApprovalRecord:
+        """Answer in the tool's place (LangChain's ``respond``): the tool never runs, ``response`` is its result.
+
+        The request becomes ``responded`` (audit event ``respond``, with the response); the session goes on, as
+        after an approval. The re-issued call (same ``call_id``) returns ``response`` as the tool's result, without
+        running the tool: for "ask a person" tools, or to tell the agent what to do instead.
+
+        Example:
+            >>> undolog.approvals.respond(rid, approver="ana", response="Use the archive instead; nothing deleted.")
+        """
+        if not isinstance(response, str) or not response.strip():
+            raise UndoLogError("a respond decision needs the response text (it stands in for the tool's result)")
+        return self._decide(approval_request_id, approver, DecisionKind.RESPOND, reason=reason, response=response)
+
     def _validate_edit(self, rec: ApprovalRecord, args: dict[str, Any]) -> dict[str, Any]:
         spec = self._registry.tools.get(rec.tool_name)
         if spec is not None and spec.revision == rec.tool_revision:
@@ -190,6 +207,7 @@ class ApprovalService:
         *,
         reason: str | None = None,
         args: dict[str, Any] | None = None,
+        response: str | None = None,
     ) -> ApprovalRecord:
         if not approver or not str(approver).strip():
             raise UndoLogError("a decision needs the approver's identity (approver=...)")
@@ -207,7 +225,7 @@ class ApprovalService:
         approved = self._validate_edit(rec, args or {}) if action == "modify" else None
         changes = self._storage.decide_request(
             approval_request_id, action=action, approver=approver, reason=reason, approved_args=approved,
-            now=utcnow(),
+            response=response, now=utcnow(),
         )
         done = self._get(approval_request_id)
         self._logged(done, action)

@@ -129,6 +129,7 @@ class CallContext:
     call_id: str | None
     tool_name: str
     idempotency_key: str | None
+    attempt: int = 1  # the tool's retry policy's attempt number; the key is the same on every attempt
 
 
 _current: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("undolog_current_call", default=None)
@@ -682,6 +683,9 @@ class Engine:
         if state == EffectState.TIMED_OUT:
             raise ApprovalTimedOut(row.approval_request_id)
         if state == EffectState.CANCELLED:
+            if row.req_state == RequestState.RESPONDED:
+                # A person answered in the tool's place: their answer is the result, the tool never runs.
+                return Completed(row.effect_id, row.result_snapshot, row.tool_name)
             raise ApprovalCancelled(row.approval_request_id, row.decision_reason)
         return self._replay(row)
 
@@ -867,10 +871,10 @@ class Engine:
             raise EffectNotFound(effect_id)
         raise InvalidEffectState(f"effect {effect_id} is {state}; it cannot become {target}")
 
-    def running(self, d: Execute, session_id: str | None = None) -> _Running:
+    def running(self, d: Execute, session_id: str | None = None, attempt: int = 1) -> _Running:
         """Expose ``current_call()`` to the tool while it runs (a context manager)."""
         return _Running(CallContext(session_id or d.session_id, d.effect_id, d.call_id, d.tool_name,
-                                    d.idempotency_key))
+                                    d.idempotency_key, attempt))
 
     # -- deferred marks ------------------------------------------------------------------------------
 

@@ -65,6 +65,11 @@ class ToolTier(enum.StrEnum):
             ) from None
 
 
+_NO_IRREVERSIBLE_RETRY = (
+    "an IRREVERSIBLE tool takes no retry policy: a person approved one run, and a blind retry could do it twice "
+    "(give the tool a probe, and let a person decide again)"
+)
+
 _TIER_TO_RISK = {ToolTier.SAFE: "low", ToolTier.COMPENSABLE: "medium", ToolTier.IRREVERSIBLE: "high"}
 _RISK_TO_TIER = {v: k for k, v in _TIER_TO_RISK.items()}
 _RANK = {ToolTier.SAFE: 0, ToolTier.COMPENSABLE: 1, ToolTier.IRREVERSIBLE: 2}
@@ -92,6 +97,66 @@ class CompensationDescriptor:
 
 
 @dataclass(frozen=True)
+class RetryPolicy:
+    """How often UndoLog retries a SAFE or COMPENSABLE tool that raised, before the call counts as failed.
+
+    Every attempt runs under the same effect and the same idempotency key (``do-{effect_id}``), so an API that
+    honours the key applies the call once however many attempts it took; ``current_call().attempt`` says which
+    attempt is running. Only the exceptions in ``on`` are retried; after the last attempt the call fails as usual
+    (recorded, the session rolled back per its policy). IRREVERSIBLE tools take no retry policy: a person approved
+    one run, and a blind second one could do the irreversible thing twice.
+
+    Args:
+        attempts: attempts in all, the first one included (``1`` = no retry).
+        backoff: seconds before the first retry; each later wait is ``factor`` times longer, at most ``max_backoff``.
+        on: the exception classes worth retrying (default: any ``Exception``).
+
+    Example:
+        >>> @undolog_tool(tier=ToolTier.COMPENSABLE, compensation="cancel_refund_email",
+        ...               retry=RetryPolicy(attempts=3, backoff=0.2, on=(TimeoutError, ConnectionError)))
+        ... def send_refund_email(user_id: str, amount: float) -> dict: ...
+    """
+
+    attempts: int = 3
+    backoff: float = 0.5
+    factor: float = 2.0
+    max_backoff: float = 30.0
+    on: tuple[type[BaseException], ...] = (Exception,)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
+            raise InvalidDeclaration(f"retry: attempts must be a positive integer (the first included), "
+                                     f"got {self.attempts!r}")
+        for fname in ("backoff", "factor", "max_backoff"):
+            value = getattr(self, fname)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise InvalidDeclaration(f"retry: {fname} must be a number of seconds >= 0, got {value!r}")
+        if self.factor < 1:
+            raise InvalidDeclaration(f"retry: factor must be >= 1 (waits never shrink), got {self.factor!r}")
+        on = (self.on,) if isinstance(self.on, type) else tuple(self.on)
+        if not on or not all(isinstance(c, type) and issubclass(c, BaseException) for c in on):
+            raise InvalidDeclaration(f"retry: on must be exception classes, got {self.on!r}")
+        object.__setattr__(self, "on", on)
+
+    @classmethod
+    def coerce(cls, value: RetryPolicy | int | None) -> RetryPolicy | None:
+        """A ``RetryPolicy``, or ``retry=3`` as shorthand for three attempts with the default backoff."""
+        if value is None or isinstance(value, RetryPolicy):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(attempts=value)
+        raise InvalidDeclaration(f"retry must be a RetryPolicy or a number of attempts, got {value!r}")
+
+    def delay(self, retry: int) -> float:
+        """Seconds to wait before retry number ``retry`` (1 for the second attempt)."""
+        return float(min(self.max_backoff, self.backoff * self.factor ** (retry - 1)))
+
+    def retries(self, exc: BaseException, attempt: int) -> bool:
+        """Whether attempt number ``attempt`` (1-based), which raised ``exc``, is followed by another."""
+        return attempt < self.attempts and isinstance(exc, self.on)
+
+
+@dataclass(frozen=True)
 class ToolDeclaration:
     """What ``@undolog_tool`` attaches to a function (``fn.__undolog_spec__``)."""
 
@@ -103,6 +168,7 @@ class ToolDeclaration:
     probe: Callable[..., Any] | None = None
     name: str | None = None
     inherit_tier: bool = False
+    retry: RetryPolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +200,7 @@ def make_declaration(
     composite_of: Iterable[Any] = (),
     probe: Callable[..., Any] | None = None,
     name: str | None = None,
+    retry: RetryPolicy | int | None = None,
 ) -> ToolDeclaration:
     members = tuple(m if isinstance(m, str) else tool_name_of(m) for m in composite_of)
     inherit = tier is None and risk_level is None and bool(members)
@@ -152,6 +219,9 @@ def make_declaration(
         raise InvalidDeclaration("a COMPENSABLE tool must declare its compensation")
     if not inherit and resolved is not ToolTier.COMPENSABLE and desc is not None:
         raise InvalidDeclaration(f"only COMPENSABLE tools take a compensation (this one is {resolved.value})")
+    policy = RetryPolicy.coerce(retry)
+    if policy is not None and not inherit and resolved is ToolTier.IRREVERSIBLE:
+        raise InvalidDeclaration(_NO_IRREVERSIBLE_RETRY)
     return ToolDeclaration(
         tier=resolved,
         compensation=desc,
@@ -161,6 +231,7 @@ def make_declaration(
         probe=probe,
         name=name,
         inherit_tier=inherit,
+        retry=policy,
     )
 
 
@@ -174,6 +245,7 @@ def undolog_tool(
     composite_of: Iterable[Any] = (),
     probe: Callable[..., Any] | None = None,
     name: str | None = None,
+    retry: RetryPolicy | int | None = None,
 ) -> Callable[[F], F]:
     """Classify a tool. The function is returned unchanged but for ``__undolog_spec__``.
 
@@ -186,6 +258,7 @@ def undolog_tool(
         composite_of: tools this one may call; it inherits the highest of their tiers.
         probe: an idempotent status check ``probe(ctx) -> bool | result`` used by recovery.
         name: the tool name, if not the function's.
+        retry: a ``RetryPolicy`` (or a number of attempts) for a SAFE or COMPENSABLE tool that raises.
 
     Example:
         >>> @undolog_tool(tier=ToolTier.IRREVERSIBLE, reason="Deletes the account", risk_tags=["pii"])
@@ -201,6 +274,7 @@ def undolog_tool(
         composite_of=composite_of,
         probe=probe,
         name=name,
+        retry=retry,
     )
 
     def wrap(fn: F) -> F:
@@ -416,6 +490,8 @@ class ToolSpec:
     revision: int = 0
     is_async: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # Not part of the contract: how often to try is this process's choice, not what the tool does.
+    retry: RetryPolicy | None = None
     sparse: bool = False  # schema-declared: pass on only the arguments given, never defaults invented as null
     # Where a tool that UndoLog forwards is bound (an MCP upstream's tool and its annotations, the compensation's
     # argument template): part of the contract, so a change is a new revision. None for in-process tools, whose
@@ -524,9 +600,12 @@ def build_spec(
         probe=decl.probe,
         json_schema=json_schema_of(model),
         is_async=is_async,
+        retry=decl.retry,
         binding=dict(binding) if binding is not None else None,
         compensation_needs_result=compensation_needs_result,
     )
+    if decl.retry is not None and decl.tier is ToolTier.IRREVERSIBLE:
+        raise InvalidDeclaration(f"tool {tool_name!r}: {_NO_IRREVERSIBLE_RETRY}")
     spec.fingerprint = spec.compute_fingerprint()
     return spec
 

@@ -32,7 +32,8 @@ ADMIN = require("admin")
 ANY = require(*ROLES)
 AGENT_OR_ADMIN = require("agent", "admin")
 
-ApprovalState = Literal["pending", "approved", "rejected", "timed_out", "auto_approved", "cancelled", "expired"]
+ApprovalState = Literal["pending", "approved", "rejected", "timed_out", "auto_approved", "cancelled", "expired",
+                        "responded"]
 SessionState = Literal["active", "awaiting_approval", "halted", "rolled_back", "completed"]
 
 

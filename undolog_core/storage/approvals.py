@@ -17,13 +17,13 @@ from ..limits import PREVIEW_CHARS, TRUNCATED
 from . import schema as t
 from .base import Store
 from .records import ApprovalEvent, ApprovalRecord, OrgPolicy, StateChange
-from .schema import EffectState, RequestState, SessionState
+from .schema import DecisionKind, EffectState, RequestState, SessionState
 
 if TYPE_CHECKING:
     from .audit import OutboxItem
 
 #: What a person may decide, and the audit action each one is recorded as.
-DECISIONS = ("approve", "modify", "reject")
+DECISIONS = tuple(d.value for d in DecisionKind)
 #: A request that may still lead to a run: cancelling it stops that run.
 _OPEN = (RequestState.PENDING, RequestState.APPROVED, RequestState.AUTO_APPROVED)
 #: An effect that has not run (or was handed back without running): a cancelled request cancels it.
@@ -171,12 +171,14 @@ class ApprovalsSQL(Store):
         reason: str | None,
         now: dt.datetime,
         approved_args: Mapping[str, Any] | None = None,
+        response: str | None = None,
     ) -> builtins.list[StateChange]:
         """Record a person's decision in one transaction: the request, its effect, the audit event with its
         ``approval.decided`` outbox row and, on a rejection, the session halted with its other pending requests
         cancelled. Returns the session state changes.
 
-        ``action`` is one of ``DECISIONS``; ``modify`` needs ``approved_args`` (already validated).
+        ``action`` is one of ``DECISIONS``; ``modify`` needs ``approved_args`` (already validated); ``respond`` needs
+        ``response`` (the person's answer, stored as the call's result: the tool never runs).
 
         Raises:
             ApprovalNotFound: no such request.
@@ -186,6 +188,8 @@ class ApprovalsSQL(Store):
             raise UndoLogError(f"unknown decision {action!r}; known: {', '.join(DECISIONS)}")
         if action == "modify" and approved_args is None:
             raise UndoLogError("a modify decision needs the edited arguments")
+        if action == "respond" and response is None:
+            raise UndoLogError("a respond decision needs the response (the text that stands in for the result)")
         r, e = t.approval_requests, t.effect_log
         with self.tx() as conn:
             req = conn.execute(
@@ -214,6 +218,21 @@ class ApprovalsSQL(Store):
                     .values(state=EffectState.APPROVED, updated_at=now)
                 )
                 decided = RequestState.APPROVED
+            elif action == "respond":
+                payload["response"] = response
+                conn.execute(
+                    r.update().where(*pending).values(
+                        state=RequestState.RESPONDED, decided_at=now, decided_by=approver, decision_reason=reason
+                    )
+                )
+                # The tool never runs: its effect ends cancelled, with the person's answer as its result (what a
+                # re-issued call replays).
+                conn.execute(
+                    e.update().where(e.c.effect_id == req.effect_id, e.c.state == EffectState.AWAITING_APPROVAL)
+                    .values(state=EffectState.CANCELLED, result_snapshot=response,
+                            error=f"answered by {approver} in the tool's place; the tool did not run", updated_at=now)
+                )
+                decided = RequestState.RESPONDED
             else:
                 conn.execute(
                     r.update().where(*pending).values(
