@@ -1,16 +1,16 @@
 """The audit actor has room for UndoLog's own prefix: ``agent:<session id>`` with a session id at the one length
-rule's limit (200, ``undolog_core._json.MAX_ID_LENGTH``) did not fit PostgreSQL's ``VARCHAR(200)``.
+rule's limit (200, ``undolog_core.limits.MAX_ID_LENGTH``) did not fit PostgreSQL's ``VARCHAR(200)``.
 
 SQLite does not enforce ``VARCHAR`` lengths, so only PostgreSQL changes (widening a varchar is a catalog change).
 
-Revision ID: 0005_identity_widths
-Revises: 0004_rollback_intent
+Revision ID: 0007_identity_widths
+Revises: 0006_respond_decision
 """
 
 from alembic import op
 
-revision = "0005_identity_widths"
-down_revision = "0004_rollback_intent"
+revision = "0007_identity_widths"
+down_revision = "0006_respond_decision"
 branch_labels = None
 depends_on = None
 
