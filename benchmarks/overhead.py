@@ -58,9 +58,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from undolog_core import CompensationDescriptor, ToolTier, UndoLog, compensation, undolog_tool  # noqa: E402
 from undolog_core._tools import (  # noqa: E402 - the lower bound runs the same code
     canonical_text,
-    result_text,
     sha256_hex,  # noqa: E402
 )
+from undolog_core.limits import result_text  # noqa: E402
 from undolog_core.storage.base import new_id  # noqa: E402
 
 DEFAULT_PG_URL = os.environ.get("UNDOLOG_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from undolog_core import CompensationDescriptor, ToolTier, compensation, errors
+from undolog_core import CompensationDescriptor, RetryPolicy, ToolTier, compensation, errors
 
 if TYPE_CHECKING:
     from undolog_core import ToolSpec, UndoLog
@@ -69,6 +69,8 @@ class UndoLogPolicy:
         reason: for IRREVERSIBLE tools, why; shown to the approver.
         risk_tags: labels used to route approvals, e.g. ``["pii"]``.
         probe: an idempotent status check ``probe(ctx)`` used by recovery (see ``@undolog_tool``).
+        retry: for SAFE and COMPENSABLE tools, a ``RetryPolicy`` (or a number of attempts): UndoLog retries the
+            tool under the same effect and idempotency key before the call counts as failed.
 
     Example:
         >>> tiers = {
@@ -84,6 +86,7 @@ class UndoLogPolicy:
     reason: str | None = None
     risk_tags: Sequence[str] = ()
     probe: Callable[..., Any] | None = None
+    retry: RetryPolicy | int | None = None
 
     @property
     def resolved_tier(self) -> ToolTier:
@@ -93,7 +96,7 @@ class UndoLogPolicy:
 
 TierValue: TypeAlias = "UndoLogPolicy | ToolTier | str | Mapping[str, Any]"
 
-_POLICY_KEYS = frozenset({"tier", "risk_level", "compensation", "reason", "risk_tags", "probe"})
+_POLICY_KEYS = frozenset({"tier", "risk_level", "compensation", "reason", "risk_tags", "probe", "retry"})
 
 
 def tier_of(value: ToolTier | str) -> ToolTier:
@@ -134,7 +137,8 @@ def policy_of(value: TierValue) -> UndoLogPolicy:
         if isinstance(tags, str):
             raise errors.InvalidDeclaration("risk_tags must be a list of strings, not one string")
         policy = UndoLogPolicy(tier=tier_of(given), compensation=value.get("compensation"),
-                               reason=value.get("reason"), risk_tags=tuple(tags), probe=value.get("probe"))
+                               reason=value.get("reason"), risk_tags=tuple(tags), probe=value.get("probe"),
+                               retry=value.get("retry"))
         if "tier" in value and "risk_level" in value and tier_of(value["risk_level"]) is not policy.tier:
             raise errors.InvalidDeclaration(
                 f"tier {value['tier']!r} contradicts risk_level {value['risk_level']!r}"
@@ -257,7 +261,8 @@ class Registrar:
         policy = self.policy(name, *aliases)
         if policy is None and declared is not None:
             policy = UndoLogPolicy(declared.tier, compensation=declared.compensation, reason=declared.reason,
-                                   risk_tags=tuple(declared.risk_tags), probe=declared.probe)
+                                   risk_tags=tuple(declared.risk_tags), probe=declared.probe,
+                                   retry=getattr(declared, "retry", None))
         known = self.known(name)
         if policy is None:
             if known is None:
@@ -266,11 +271,12 @@ class Registrar:
         tier = policy.resolved_tier
         comp = register_compensation(self.undolog, policy.compensation)
         tags = tuple(sorted({str(t) for t in policy.risk_tags}))
+        retry = RetryPolicy.coerce(policy.retry)
         if (known is not None and known.tier is tier and _comp_key(known.compensation) == _comp_key(comp)
-                and known.reason == policy.reason and tuple(known.risk_tags) == tags):
+                and known.reason == policy.reason and tuple(known.risk_tags) == tags and known.retry == retry):
             return tier
         self.undolog.register_tool(fn, name=name, tier=tier, compensation=comp, reason=policy.reason,
-                                   risk_tags=list(tags), probe=policy.probe, args_schema=args_schema)
+                                   risk_tags=list(tags), probe=policy.probe, args_schema=args_schema, retry=retry)
         return tier
 
 

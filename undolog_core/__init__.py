@@ -11,7 +11,7 @@ Example:
     >>> undolog.register(search)
 """
 
-from . import errors
+from . import errors, limits
 from ._app import load_app
 from ._approvals import ApprovalEvent, ApprovalRecord
 from ._audit import AuditReport
@@ -22,7 +22,7 @@ from ._policy import OrgPolicy
 from ._recovery import ProbeContext, RecoveryReport
 from ._saga import CompensationContext, RollbackReport, RollbackStep
 from ._session import Session, SessionRecord
-from ._tools import CompensationDescriptor, ToolSpec, ToolTier, compensation, undolog_tool
+from ._tools import CompensationDescriptor, RetryPolicy, ToolSpec, ToolTier, compensation, undolog_tool
 from ._undolog import UndoLog
 from .errors import (
     ApprovalPending,
@@ -33,7 +33,7 @@ from .errors import (
     ToolNotClassified,
     UndoLogError,
 )
-from .storage.schema import EffectState, RequestState, SessionState, UndoState
+from .storage.schema import DecisionKind, EffectState, OnFailure, RequestState, SessionState, UndoState
 
 __version__ = "0.1.0"
 
@@ -51,8 +51,10 @@ __all__ = [
     "CompensationContext",
     "CompensationDescriptor",
     "Completed",
+    "DecisionKind",
     "EffectState",
     "Execute",
+    "OnFailure",
     "OrgPolicy",
     "NothingHappened",
     "Outcome",
@@ -60,6 +62,7 @@ __all__ = [
     "ProbeContext",
     "RecoveryReport",
     "RequestState",
+    "RetryPolicy",
     "RollbackReport",
     "RollbackStep",
     "Session",
@@ -75,6 +78,7 @@ __all__ = [
     "compensation",
     "current_call",
     "errors",
+    "limits",
     "load_app",
     "undolog_tool",
     "__version__",

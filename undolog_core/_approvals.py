@@ -9,8 +9,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import _observe as obs
-from ._tools import build_args_model, canonical_json, sha256_hex
+from ._tools import build_args_model, canonical_json, check_json_schema, sha256_hex
 from .errors import ApprovalAlreadyDecided, ApprovalNotFound, ArgumentsInvalid, UndoLogError
+from .limits import check_identity, clean_text, input_problem
 from .storage.approvals import EXPIRE_BATCH
 from .storage.base import utcnow
 from .storage.records import (
@@ -21,6 +22,7 @@ from .storage.records import (
     SessionState,
     StateChange,
 )
+from .storage.schema import DecisionKind
 
 if TYPE_CHECKING:
     from ._registry import Registry
@@ -73,11 +75,14 @@ class ApprovalService:
         risk_tag: str | None = None,
         limit: int = 500,
         offset: int = 0,
+        brief: bool = False,
     ) -> builtins.list[ApprovalRecord]:
         """Requests newest first, without expiring any (a read only; :meth:`pending` expires first).
 
         ``offset`` skips that many of the matching requests (paging). The risk tag filter runs in Python
         (the tags are a JSON list, queried differently by the two databases), after the page is read.
+        ``brief=True`` reads the arguments and the agent context as previews (``{"undolog_truncated": ...}`` when
+        longer than ``limits.PREVIEW_CHARS``), for listings that poll.
 
         Example:
             >>> undolog.approvals.list(state="pending", tool_name="delete_user_account", limit=50, offset=50)
@@ -89,7 +94,7 @@ class ApprovalService:
                 raise UndoLogError(f"unknown approval state {state!r}; known: {', '.join(known)}")
             wanted = RequestState(state)
         rows = self._storage.list_requests(state=wanted, session_id=session_id, tool_name=tool_name, limit=limit,
-                                           offset=offset)
+                                           offset=offset, brief=brief)
         if risk_tag:
             rows = [x for x in rows if risk_tag in x.risk_tags]
         return rows
@@ -122,6 +127,9 @@ class ApprovalService:
         """
         spec = self._registry.tools.get(tool_name)
         values = spec.snapshot(spec.validate(args)) if spec else dict(args)
+        problem = input_problem(values)  # no request was raised for such arguments: say why, not a digest error
+        if problem is not None:
+            raise ArgumentsInvalid(tool_name, [problem])
         digest = sha256_hex(canonical_json(values))
         for rec in self.list(session_id=session_id, tool_name=tool_name, limit=200):
             if sha256_hex(canonical_json(rec.proposed_args)) == digest:
@@ -147,11 +155,33 @@ class ApprovalService:
         """Approve with edited arguments, validated against the tool's schema (a bad edit names the field)."""
         if not isinstance(args, Mapping):
             raise ArgumentsInvalid("<unknown>", [{"loc": [], "msg": "edited arguments must be a JSON object"}])
+        problem = input_problem(args)  # too deep, or not valid Unicode: refused, the request stays pending
+        if problem is not None:
+            raise ArgumentsInvalid(self._tool_of(approval_request_id), [problem])
         return self._decide(approval_request_id, approver, "modify", reason=reason, args=dict(args))
+
+    def _tool_of(self, approval_request_id: str) -> str:
+        return self._get(approval_request_id).tool_name
 
     def reject(self, approval_request_id: str, *, approver: str, reason: str) -> ApprovalRecord:
         """Reject: the call never runs, the session halts and its other pending requests are cancelled."""
         return self._decide(approval_request_id, approver, "reject", reason=reason)
+
+    def respond(
+        self, approval_request_id: str, *, approver: str, response: str, reason: str | None = None
+    ) -> ApprovalRecord:
+        """Answer in the tool's place (LangChain's ``respond``): the tool never runs, ``response`` is its result.
+
+        The request becomes ``responded`` (audit event ``respond``, with the response); the session goes on, as
+        after an approval. The re-issued call (same ``call_id``) returns ``response`` as the tool's result, without
+        running the tool: for "ask a person" tools, or to tell the agent what to do instead.
+
+        Example:
+            >>> undolog.approvals.respond(rid, approver="ana", response="Use the archive instead; nothing deleted.")
+        """
+        if not isinstance(response, str) or not response.strip():
+            raise UndoLogError("a respond decision needs the response text (it stands in for the tool's result)")
+        return self._decide(approval_request_id, approver, DecisionKind.RESPOND, reason=reason, response=response)
 
     def _validate_edit(self, rec: ApprovalRecord, args: dict[str, Any]) -> dict[str, Any]:
         spec = self._registry.tools.get(rec.tool_name)
@@ -164,7 +194,10 @@ class ApprovalService:
             raise UndoLogError(f"the contract of {rec.tool_name!r} revision {rec.tool_revision} is not in the registry")
         model = build_args_model(rec.tool_name, None, stored)
         try:
-            return dict(model.model_validate(args).model_dump(mode="json", exclude_unset=True))
+            edited = dict(model.model_validate(args).model_dump(mode="json", exclude_unset=True))
+            # Then the full JSON Schema (enum, bounds, patterns, nested objects...), on the values to be stored.
+            check_json_schema(rec.tool_name, stored, edited)
+            return edited
         except Exception as exc:
             import pydantic
 
@@ -182,11 +215,15 @@ class ApprovalService:
         *,
         reason: str | None = None,
         args: dict[str, Any] | None = None,
+        response: str | None = None,
     ) -> ApprovalRecord:
         if not approver or not str(approver).strip():
             raise UndoLogError("a decision needs the approver's identity (approver=...)")
+        check_identity("approver", approver)  # the one length rule: the same refusal on both databases
         if action == "reject" and not (reason and reason.strip()):
             raise UndoLogError("a rejection needs a reason")
+        if reason is not None:
+            reason = clean_text(reason)
         # Expire first, so a decision that arrives after the deadline is refused, not silently applied.
         rec = self.get(approval_request_id)
         if rec.state is not RequestState.PENDING:
@@ -196,7 +233,7 @@ class ApprovalService:
         approved = self._validate_edit(rec, args or {}) if action == "modify" else None
         changes = self._storage.decide_request(
             approval_request_id, action=action, approver=approver, reason=reason, approved_args=approved,
-            now=utcnow(),
+            response=response, now=utcnow(),
         )
         done = self._get(approval_request_id)
         self._logged(done, action)

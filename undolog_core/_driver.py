@@ -31,8 +31,9 @@ from ._engine import (
     check_id,
 )
 from ._saga import RollbackReport, Saga, run_coro_blocking
-from ._tools import ToolSpec
+from ._tools import RetryPolicy, ToolSpec
 from .errors import ApprovalPending, UndoLogError
+from .limits import clean_text
 from .storage.pool import WouldBlock
 
 ControlFlow = tuple[type[BaseException], ...]
@@ -201,7 +202,12 @@ class CallDriver:
             except unknown_on as exc:
                 return Outcome(error=exc, in_doubt=self._settle_in_doubt(d, exc))
             except BaseException as exc:
-                return self._failed_sync(d, exc, rollback_on_failure, note=note)
+                # The tool's retry policy, if any, runs it again (same effect, same key) before it counts as failed.
+                value, error = self._retry_sync(d, invoke, exc, control_flow, unknown_on)
+                if error is not None:
+                    if isinstance(error, unknown_on):  # a retry's outcome is unknown: settled as in doubt
+                        return Outcome(error=error, in_doubt=self._settle_in_doubt(d, error))
+                    return self._failed_sync(d, error, rollback_on_failure, note=note)
         failure = failure_of(value) if failure_of is not None else None
         if failure is not None:
             return self._failed_sync(d, failure, rollback_on_failure, value=value, note=note)
@@ -240,7 +246,11 @@ class CallDriver:
             except unknown_on as exc:
                 return Outcome(error=exc, in_doubt=await self._off_loop(self._settle_in_doubt, d, exc))
             except BaseException as exc:
-                return await self._failed_async(d, exc, rollback_on_failure, note=note)
+                value, error = await self._retry_async(d, invoke, exc, control_flow, unknown_on)
+                if error is not None:
+                    if isinstance(error, unknown_on):
+                        return Outcome(error=error, in_doubt=await self._off_loop(self._settle_in_doubt, d, error))
+                    return await self._failed_async(d, error, rollback_on_failure, note=note)
         failure = failure_of(value) if failure_of is not None else None
         if failure is not None:
             return await self._failed_async(d, failure, rollback_on_failure, value=value, note=note)
@@ -296,8 +306,13 @@ class CallDriver:
             # The whole SAFE path: validate, count in memory, call. No I/O, no effect, no context to set.
             values = spec.values(spec.validate(args))
             self.engine.note_safe_in(cache or self.engine.session_cache(session_id), spec, values)
-            out = spec.fn(**values)  # type: ignore[misc]
-            return run_coro_blocking(out) if spec.is_async else out
+            try:
+                out = spec.fn(**values)  # type: ignore[misc]
+                return run_coro_blocking(out) if spec.is_async else out
+            except Exception as exc:
+                if spec.retry is None:
+                    raise
+                return self._retry_safe_sync(spec, values, exc)
         d = self.decide(session_id, spec, args, call_id=call_id)
         if not isinstance(d, Execute):
             return settle(d)
@@ -312,12 +327,88 @@ class CallDriver:
         if spec.tier is SAFE and invoke is None:
             values = spec.values(spec.validate(args))
             self.engine.note_safe_in(cache or self.engine.session_cache(session_id), spec, values)
-            out = spec.fn(**values)  # type: ignore[misc]
-            return (await out) if spec.is_async else out
+            try:
+                out = spec.fn(**values)  # type: ignore[misc]
+                return (await out) if spec.is_async else out
+            except Exception as exc:
+                if spec.retry is None:
+                    raise
+                return await self._retry_safe_async(spec, values, exc)
         d = await self.adecide(session_id, spec, args, call_id=call_id)
         if not isinstance(d, Execute):
             return settle(d)
         return (await self.run_async(d, invoke or (lambda a: spec.fn(**a)))).unwrap()  # type: ignore[misc]
+
+    # -- retries (only after a tool raised: the call that succeeds at once never comes here) ---------
+
+    def _retry_policy(self, d: Execute, exc: BaseException) -> RetryPolicy | None:
+        if d.tier is IRREVERSIBLE or not isinstance(exc, Exception):
+            return None  # an approved irreversible call is never re-run blindly; an interrupt is never retried
+        try:
+            return self._spec_for(d.tool_name).retry
+        except Exception:  # noqa: BLE001 - no spec here (a caller's own name): no retry, the failure stands
+            return None
+
+    def _retry_sync(self, d: Execute, invoke: Callable[[dict[str, Any]], Any], exc: BaseException,
+                    control_flow: ControlFlow, unknown_on: ControlFlow = ()) -> tuple[Any, BaseException | None]:
+        """Run the tool again per its retry policy; ``(value, None)`` once an attempt succeeds, else the last error.
+
+        An attempt whose outcome is unknown (``unknown_on``) ends the retries: it may have happened, and is settled
+        as in doubt by the caller, never tried again blindly."""
+        policy = self._retry_policy(d, exc)
+        attempt = 1
+        while policy is not None and policy.retries(exc, attempt):
+            time.sleep(policy.delay(attempt))
+            attempt += 1
+            with self.engine.running(d, attempt=attempt):
+                try:
+                    return invoke(d.args), None
+                except control_flow:
+                    self.release(d)
+                    raise
+                except unknown_on as unknown:
+                    return None, unknown
+                except BaseException as again:
+                    exc = again
+        if attempt > 1:
+            _note(exc, f"undolog: {d.tool_name} failed on each of {attempt} attempts (its retry policy)")
+        return None, exc
+
+    async def _retry_async(self, d: Execute, invoke: Callable[[dict[str, Any]], Any], exc: BaseException,
+                           control_flow: ControlFlow, unknown_on: ControlFlow = ()) -> tuple[Any, BaseException | None]:
+        policy = self._retry_policy(d, exc)
+        attempt = 1
+        while policy is not None and policy.retries(exc, attempt):
+            await asyncio.sleep(policy.delay(attempt))
+            attempt += 1
+            with self.engine.running(d, attempt=attempt):
+                try:
+                    value = invoke(d.args)
+                    return (await value) if inspect.isawaitable(value) else value, None
+                except control_flow:
+                    await self._off_loop(self.release, d)
+                    raise
+                except unknown_on as unknown:
+                    return None, unknown
+                except BaseException as again:
+                    exc = again
+        if attempt > 1:
+            _note(exc, f"undolog: {d.tool_name} failed on each of {attempt} attempts (its retry policy)")
+        return None, exc
+
+    def _retry_safe_sync(self, spec: ToolSpec, values: dict[str, Any], exc: Exception) -> Any:
+        d = Execute(None, values, None, SAFE, spec.name, None, "")
+        value, error = self._retry_sync(d, lambda a: _call_blocking(spec, a), exc, ())
+        if error is not None:
+            raise error
+        return value
+
+    async def _retry_safe_async(self, spec: ToolSpec, values: dict[str, Any], exc: Exception) -> Any:
+        d = Execute(None, values, None, SAFE, spec.name, None, "")
+        value, error = await self._retry_async(d, lambda a: spec.fn(**a), exc, ())  # type: ignore[misc]
+        if error is not None:
+            raise error
+        return value
 
     # -- the shared steps ------------------------------------------------------------------------
 
@@ -348,7 +439,7 @@ class CallDriver:
     @staticmethod
     def _why(d: Execute, error: BaseException | NothingHappened | str) -> str:
         text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
-        return f"{d.tool_name} failed: {text}"
+        return clean_text(f"{d.tool_name} failed: {text}")  # stored as the rollback's reason
 
     def _rollback_sync(self, session_id: str, exc: BaseException | None, reason: str) -> RollbackReport | None:
         try:
@@ -388,7 +479,7 @@ class CallDriver:
             return None
         session_id = failure.session_id
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        why = f"effect {effect_id} failed: {text}"
+        why = clean_text(f"effect {effect_id} failed: {text}")
         try:
             return self.saga.rollback_sync(session_id, reason=why)
         except Exception as exc:

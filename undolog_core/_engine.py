@@ -22,14 +22,13 @@ from ._tools import (
     canonical_json,
     canonical_text,
     json_safe,
-    jsonable,
-    result_text,
     sha256_hex,
 )
 from .errors import (
     ApprovalCancelled,
     ApprovalRejected,
     ApprovalTimedOut,
+    ArgumentsInvalid,
     CallIdConflict,
     ContractChanged,
     DatabaseUnavailable,
@@ -42,6 +41,7 @@ from .errors import (
     SessionNotFound,
     ToolNotRegistered,
 )
+from .limits import MAX_ID_LENGTH, args_problem, check_identity, clean_text, encodes, result_text, safe_result
 from .storage.base import FAST_POOL_SIZE, from_epoch, new_id, utcnow
 from .storage.pool import IntegrityConflict, WouldBlock
 from .storage.schema import IN_FLIGHT, EffectState, RequestState, SessionState
@@ -129,6 +129,7 @@ class CallContext:
     call_id: str | None
     tool_name: str
     idempotency_key: str | None
+    attempt: int = 1  # the tool's retry policy's attempt number; the key is the same on every attempt
 
 
 _current: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("undolog_current_call", default=None)
@@ -191,12 +192,10 @@ class SessionCache:
             self.carried = itertools.count(self.take_carried() + carried)
 
 
-MAX_ID_LENGTH = 200
-
-
 def check_id(what: str, value: Any) -> None:
     """Ids are non-empty strings that fit their columns, checked before any I/O on both databases alike."""
-    if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH or value != value.strip():
+    if (not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH or value != value.strip()
+            or "\x00" in value or not (value.isascii() or encodes(value))):
         raise InvalidId(what, value, MAX_ID_LENGTH)
 
 
@@ -303,6 +302,10 @@ class Engine:
         if sc is not None and sc.persisted:
             return sc
         check_id("session_id", session_id)
+        if agent_id is not None:
+            check_identity("agent_id", agent_id)
+        if created_by is not None:
+            check_identity("created_by", created_by)
         now = utcnow()
         row = self.store.get_or_create_session(session_id, create=create, values={
             "agent_id": agent_id, "state": SessionState.ACTIVE.value, "tool_calls_total": 0,
@@ -408,6 +411,9 @@ class Engine:
         except ValueError:  # a NaN or an infinity: stored as a string, the same on both databases
             args_json = json_safe(args_json)
             args_text = canonical_text(args_json)
+        problem = args_problem(args_json, args_text)  # too deep, or not valid Unicode: refused before any write
+        if problem is not None:
+            raise ArgumentsInvalid(spec.name, [problem])
         if spec.tier is COMPENSABLE:
             return self.intercept_compensable(session_id, spec, values, args_json, call_id, args_text, wait)
         if not wait:
@@ -677,6 +683,9 @@ class Engine:
         if state == EffectState.TIMED_OUT:
             raise ApprovalTimedOut(row.approval_request_id)
         if state == EffectState.CANCELLED:
+            if row.req_state == RequestState.RESPONDED:
+                # A person answered in the tool's place: their answer is the result, the tool never runs.
+                return Completed(row.effect_id, row.result_snapshot, row.tool_name)
             raise ApprovalCancelled(row.approval_request_id, row.decision_reason)
         return self._replay(row)
 
@@ -797,7 +806,8 @@ class Engine:
             for r in self.store.recent_effects_in(conn, sc.session_id, n)
         ]
         safe = [
-            {"tool_name": name, "tier": tier, "state": state, "args": jsonable(args)}
+            # SAFE arguments are never logged, so never checked: stored here made safe (escaped, capped).
+            {"tool_name": name, "tier": tier, "state": state, "args": safe_result(args)}
             for name, tier, args, state in list(sc.recent) if tier == "safe"
         ]
         # SAFE calls have no timestamps in the log; they are shown before the logged calls.
@@ -844,7 +854,8 @@ class Engine:
 
         ``nothing_happened``: the tool reported, by its contract, that it changed nothing; its undo entry goes.
         """
-        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        # The error is stored as text: a lone surrogate or a NUL in it must not lose the failure.
+        text = clean_text(error if isinstance(error, str) else f"{type(error).__name__}: {error}")
         self.flush_marks()
         try:
             state, row = self.store.mark_failed(effect_id, text, utcnow(), nothing_happened)
@@ -860,10 +871,10 @@ class Engine:
             raise EffectNotFound(effect_id)
         raise InvalidEffectState(f"effect {effect_id} is {state}; it cannot become {target}")
 
-    def running(self, d: Execute, session_id: str | None = None) -> _Running:
+    def running(self, d: Execute, session_id: str | None = None, attempt: int = 1) -> _Running:
         """Expose ``current_call()`` to the tool while it runs (a context manager)."""
         return _Running(CallContext(session_id or d.session_id, d.effect_id, d.call_id, d.tool_name,
-                                    d.idempotency_key))
+                                    d.idempotency_key, attempt))
 
     # -- deferred marks ------------------------------------------------------------------------------
 

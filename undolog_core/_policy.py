@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .errors import PolicyInvalid
+from .limits import check_identity
 from .storage.base import utcnow
 from .storage.records import OrgPolicy
 
@@ -43,6 +44,7 @@ class PolicyService:
             )
         if not actor:
             raise PolicyInvalid("a policy change needs an actor")
+        check_identity("actor", actor)
         clean: dict[str, Any] = {}
         for k, v in changes.items():
             if v is None:

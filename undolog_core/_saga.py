@@ -22,6 +22,7 @@ from .errors import (
     InvalidSessionState,
     SessionNotFound,
 )
+from .limits import check_identity, clean_text
 from .storage.base import utcnow
 from .storage.schema import IN_FLIGHT, EffectState, SessionState, UndoState
 
@@ -280,6 +281,7 @@ class Saga:
         progress: Callable[[int, int, RollbackStep], None] | None = None,
         only_effect: str | None = None,
     ) -> RollbackReport:
+        check_identity("actor", actor)
         lock = self._lock_for(session_id)
         with lock, _rollback_span(session_id, actor, reason, only_effect) as rs:
             walk = _Walk(self, session_id, actor, reason, progress, only_effect)
@@ -317,6 +319,7 @@ class Saga:
         progress: Callable[[int, int, RollbackStep], None] | None = None,
     ) -> RollbackReport:
         """The async twin of :meth:`rollback_sync`: the same walk, awaiting async compensations on this loop."""
+        check_identity("actor", actor)
         lock = self._lock_for(session_id)
         # A task must not block its event loop on a thread lock: poll for it instead.
         while not lock.acquire(blocking=False):
@@ -432,7 +435,7 @@ class _Walk:
         return self.saga._ctx(self.session_id, entry, self.attempt)
 
     def attempt_failed(self, entry: _Entry, exc: Exception) -> str:
-        error = f"{type(exc).__name__}: {exc}"
+        error = clean_text(f"{type(exc).__name__}: {exc}")  # stored as text: never a surrogate or a NUL
         self.saga._attempted(entry, error)
         obs.saga_log.warning("compensation attempt %d of %s for %s failed (session %s, effect %s): %s", self.attempt,
                              entry.compensation_name, entry.tool_name, self.session_id, entry.effect_id, error,

@@ -11,6 +11,7 @@ from ._engine import SessionCache
 from ._saga import RollbackReport
 from ._tools import ToolTier
 from .errors import ApprovalPending, InvalidSessionState, SessionNotFound
+from .limits import check_identity, clean_text
 from .storage.base import utcnow
 from .storage.records import SessionRecord, SessionState, StateChange
 
@@ -198,6 +199,8 @@ class SessionService:
 
     def resume(self, session_id: str, *, actor: str, reason: str | None = None) -> SessionRecord:
         """A person looked at a halted session and lets it go on (audited)."""
+        check_identity("actor", actor)
+        reason = clean_text(reason) if reason is not None else None
         self._changed(self._storage.resume_session(session_id, actor=actor, reason=reason, now=utcnow()))
         return self.get(session_id)
 
@@ -206,6 +209,7 @@ class SessionService:
 
         A process with no tools loaded (the CLI without ``--app``) pins every tool to its newest stored revision.
         """
+        check_identity("actor", actor)
         changed, pins = self._storage.revalidate_session(
             session_id, actor=actor, current=self._current_pins(), now=utcnow()
         )

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, create_model
 from pydantic_core import to_json, to_jsonable_python
 
 from .errors import ArgumentsInvalid, InvalidDeclaration
+from .limits import bad_string, depth_error, surrogate_error, too_deep
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -64,6 +65,11 @@ class ToolTier(enum.StrEnum):
             ) from None
 
 
+_NO_IRREVERSIBLE_RETRY = (
+    "an IRREVERSIBLE tool takes no retry policy: a person approved one run, and a blind retry could do it twice "
+    "(give the tool a probe, and let a person decide again)"
+)
+
 _TIER_TO_RISK = {ToolTier.SAFE: "low", ToolTier.COMPENSABLE: "medium", ToolTier.IRREVERSIBLE: "high"}
 _RISK_TO_TIER = {v: k for k, v in _TIER_TO_RISK.items()}
 _RANK = {ToolTier.SAFE: 0, ToolTier.COMPENSABLE: 1, ToolTier.IRREVERSIBLE: 2}
@@ -91,6 +97,66 @@ class CompensationDescriptor:
 
 
 @dataclass(frozen=True)
+class RetryPolicy:
+    """How often UndoLog retries a SAFE or COMPENSABLE tool that raised, before the call counts as failed.
+
+    Every attempt runs under the same effect and the same idempotency key (``do-{effect_id}``), so an API that
+    honours the key applies the call once however many attempts it took; ``current_call().attempt`` says which
+    attempt is running. Only the exceptions in ``on`` are retried; after the last attempt the call fails as usual
+    (recorded, the session rolled back per its policy). IRREVERSIBLE tools take no retry policy: a person approved
+    one run, and a blind second one could do the irreversible thing twice.
+
+    Args:
+        attempts: attempts in all, the first one included (``1`` = no retry).
+        backoff: seconds before the first retry; each later wait is ``factor`` times longer, at most ``max_backoff``.
+        on: the exception classes worth retrying (default: any ``Exception``).
+
+    Example:
+        >>> @undolog_tool(tier=ToolTier.COMPENSABLE, compensation="cancel_refund_email",
+        ...               retry=RetryPolicy(attempts=3, backoff=0.2, on=(TimeoutError, ConnectionError)))
+        ... def send_refund_email(user_id: str, amount: float) -> dict: ...
+    """
+
+    attempts: int = 3
+    backoff: float = 0.5
+    factor: float = 2.0
+    max_backoff: float = 30.0
+    on: tuple[type[BaseException], ...] = (Exception,)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
+            raise InvalidDeclaration(f"retry: attempts must be a positive integer (the first included), "
+                                     f"got {self.attempts!r}")
+        for fname in ("backoff", "factor", "max_backoff"):
+            value = getattr(self, fname)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise InvalidDeclaration(f"retry: {fname} must be a number of seconds >= 0, got {value!r}")
+        if self.factor < 1:
+            raise InvalidDeclaration(f"retry: factor must be >= 1 (waits never shrink), got {self.factor!r}")
+        on = (self.on,) if isinstance(self.on, type) else tuple(self.on)
+        if not on or not all(isinstance(c, type) and issubclass(c, BaseException) for c in on):
+            raise InvalidDeclaration(f"retry: on must be exception classes, got {self.on!r}")
+        object.__setattr__(self, "on", on)
+
+    @classmethod
+    def coerce(cls, value: RetryPolicy | int | None) -> RetryPolicy | None:
+        """A ``RetryPolicy``, or ``retry=3`` as shorthand for three attempts with the default backoff."""
+        if value is None or isinstance(value, RetryPolicy):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(attempts=value)
+        raise InvalidDeclaration(f"retry must be a RetryPolicy or a number of attempts, got {value!r}")
+
+    def delay(self, retry: int) -> float:
+        """Seconds to wait before retry number ``retry`` (1 for the second attempt)."""
+        return float(min(self.max_backoff, self.backoff * self.factor ** (retry - 1)))
+
+    def retries(self, exc: BaseException, attempt: int) -> bool:
+        """Whether attempt number ``attempt`` (1-based), which raised ``exc``, is followed by another."""
+        return attempt < self.attempts and isinstance(exc, self.on)
+
+
+@dataclass(frozen=True)
 class ToolDeclaration:
     """What ``@undolog_tool`` attaches to a function (``fn.__undolog_spec__``)."""
 
@@ -102,6 +168,7 @@ class ToolDeclaration:
     probe: Callable[..., Any] | None = None
     name: str | None = None
     inherit_tier: bool = False
+    retry: RetryPolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +200,7 @@ def make_declaration(
     composite_of: Iterable[Any] = (),
     probe: Callable[..., Any] | None = None,
     name: str | None = None,
+    retry: RetryPolicy | int | None = None,
 ) -> ToolDeclaration:
     members = tuple(m if isinstance(m, str) else tool_name_of(m) for m in composite_of)
     inherit = tier is None and risk_level is None and bool(members)
@@ -151,6 +219,9 @@ def make_declaration(
         raise InvalidDeclaration("a COMPENSABLE tool must declare its compensation")
     if not inherit and resolved is not ToolTier.COMPENSABLE and desc is not None:
         raise InvalidDeclaration(f"only COMPENSABLE tools take a compensation (this one is {resolved.value})")
+    policy = RetryPolicy.coerce(retry)
+    if policy is not None and not inherit and resolved is ToolTier.IRREVERSIBLE:
+        raise InvalidDeclaration(_NO_IRREVERSIBLE_RETRY)
     return ToolDeclaration(
         tier=resolved,
         compensation=desc,
@@ -160,6 +231,7 @@ def make_declaration(
         probe=probe,
         name=name,
         inherit_tier=inherit,
+        retry=policy,
     )
 
 
@@ -173,6 +245,7 @@ def undolog_tool(
     composite_of: Iterable[Any] = (),
     probe: Callable[..., Any] | None = None,
     name: str | None = None,
+    retry: RetryPolicy | int | None = None,
 ) -> Callable[[F], F]:
     """Classify a tool. The function is returned unchanged but for ``__undolog_spec__``.
 
@@ -185,6 +258,7 @@ def undolog_tool(
         composite_of: tools this one may call; it inherits the highest of their tiers.
         probe: an idempotent status check ``probe(ctx) -> bool | result`` used by recovery.
         name: the tool name, if not the function's.
+        retry: a ``RetryPolicy`` (or a number of attempts) for a SAFE or COMPENSABLE tool that raises.
 
     Example:
         >>> @undolog_tool(tier=ToolTier.IRREVERSIBLE, reason="Deletes the account", risk_tags=["pii"])
@@ -200,6 +274,7 @@ def undolog_tool(
         composite_of=composite_of,
         probe=probe,
         name=name,
+        retry=retry,
     )
 
     def wrap(fn: F) -> F:
@@ -297,6 +372,61 @@ _JSON_TYPES: dict[str, Any] = {
 }
 
 
+@functools.lru_cache(maxsize=1024)
+def _compiled(schema_text: str) -> Any:
+    import jsonschema
+
+    schema = json.loads(schema_text)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def schema_validator(name: str, schema: Mapping[str, Any]) -> Any:
+    """The compiled Draft 2020-12 validator of a tool's JSON Schema, built once per schema (cached).
+
+    Raises:
+        InvalidDeclaration: the schema itself is not a valid JSON Schema.
+
+    Example:
+        >>> schema_validator("refund", {"type": "object"}).is_valid({"amount": 1})
+        True
+    """
+    import jsonschema
+
+    try:
+        return _compiled(canonical_json(schema))
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+        raise InvalidDeclaration(f"tool {name!r}: its args_schema is not a valid JSON Schema at {where}: "
+                                 f"{exc.message}") from None
+
+
+def check_json_schema(name: str, schema: Mapping[str, Any], args: Any, validator: Any = None) -> None:
+    """Validate ``args`` against the tool's full JSON Schema (Draft 2020-12); every failure names its path.
+
+    Raises:
+        ArgumentsInvalid: one entry per failing path (``loc``), with the schema keyword that failed (``type``).
+    """
+    validator = validator or schema_validator(name, schema)
+    try:
+        found = sorted(validator.iter_errors(args), key=lambda e: [str(p) for p in e.absolute_path])
+    except RecursionError:
+        raise ArgumentsInvalid(name, [depth_error([])]) from None
+    if found:
+        raise ArgumentsInvalid(name, [
+            {"loc": [*e.absolute_path, *_missing(e)], "msg": e.message, "type": f"schema.{e.validator}"}
+            for e in found
+        ])
+
+
+def _missing(e: Any) -> list[Any]:
+    # A missing required property is reported on its parent; name the property itself.
+    if e.validator == "required" and isinstance(e.instance, Mapping):
+        missing = [p for p in e.validator_value if p not in e.instance]
+        return missing[:1]
+    return []
+
+
 def _model_from_json_schema(name: str, schema: Mapping[str, Any]) -> type[BaseModel]:
     """Enough of JSON Schema for tool arguments: typed properties, required, no extras.
 
@@ -315,6 +445,9 @@ def _model_from_json_schema(name: str, schema: Mapping[str, Any]) -> type[BaseMo
         f"{name}_args", __config__=ConfigDict(extra=extra, strict=False, ser_json_inf_nan="strings"), **fields
     )
     model.__undolog_json_schema__ = dict(schema)  # type: ignore[attr-defined]
+    # The model only types the properties; the compiled JSON Schema checks everything else (enum, bounds, pattern,
+    # items, nested objects...), on agent input and on every edit.
+    model.__undolog_validator__ = schema_validator(name, schema)  # type: ignore[attr-defined]
     return model
 
 
@@ -357,6 +490,8 @@ class ToolSpec:
     revision: int = 0
     is_async: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # Not part of the contract: how often to try is this process's choice, not what the tool does.
+    retry: RetryPolicy | None = None
     sparse: bool = False  # schema-declared: pass on only the arguments given, never defaults invented as null
     # Where a tool that UndoLog forwards is bound (an MCP upstream's tool and its annotations, the compensation's
     # argument template): part of the contract, so a change is a new revision. None for in-process tools, whose
@@ -368,6 +503,7 @@ class ToolSpec:
 
     def __post_init__(self) -> None:
         self.sparse = hasattr(self.args_model, "__undolog_json_schema__")
+        self._schema_validator = getattr(self.args_model, "__undolog_validator__", None)
         # The validator itself, without model_validate's keyword plumbing: this is the SAFE hot path.
         self._model_validate = self.args_model.__pydantic_validator__.validate_python
 
@@ -398,7 +534,17 @@ class ToolSpec:
         """The arguments as JSON, as logged for undo and approval; refused clearly when they have no JSON form."""
         try:
             return model.model_dump(mode="json", exclude_unset=self.sparse)
-        except pydantic_core.PydanticSerializationError:
+        except (ValueError, RecursionError) as exc:
+            # Nesting past the serialiser's limit, or a string that is not valid Unicode: name where.
+            values = {**model.__dict__, **(model.__pydantic_extra__ or {})}
+            path = too_deep(values)
+            if path is not None:
+                raise ArgumentsInvalid(self.name, [depth_error(path)]) from None
+            found = bad_string(values)
+            if found is not None:
+                raise ArgumentsInvalid(self.name, [surrogate_error(found[0])]) from None
+            if not isinstance(exc, pydantic_core.PydanticSerializationError):
+                raise ArgumentsInvalid(self.name, [depth_error([])]) from None
             bad = []
             for fname in model.model_fields_set | set(type(model).model_fields):
                 try:
@@ -409,6 +555,8 @@ class ToolSpec:
             raise ArgumentsInvalid(self.name, bad or [{"loc": [], "msg": "arguments have no JSON form"}]) from None
 
     def validate(self, args: Mapping[str, Any]) -> BaseModel:
+        if self._schema_validator is not None:
+            check_json_schema(self.name, self.json_schema, args, self._schema_validator)
         try:
             return self._model_validate(args)  # type: ignore[no-any-return]
         except pydantic.ValidationError as exc:
@@ -452,9 +600,12 @@ def build_spec(
         probe=decl.probe,
         json_schema=json_schema_of(model),
         is_async=is_async,
+        retry=decl.retry,
         binding=dict(binding) if binding is not None else None,
         compensation_needs_result=compensation_needs_result,
     )
+    if decl.retry is not None and decl.tier is ToolTier.IRREVERSIBLE:
+        raise InvalidDeclaration(f"tool {tool_name!r}: {_NO_IRREVERSIBLE_RETRY}")
     spec.fingerprint = spec.compute_fingerprint()
     return spec
 
@@ -480,14 +631,6 @@ def jsonable(value: Any) -> Any:
     if _has_special_float(out):
         return json.loads(to_json(value, fallback=repr, inf_nan_mode="strings"))
     return out
-
-
-def result_text(result: Any) -> str:
-    """A result's JSON text, as ``jsonable`` would make it (NaN and infinities as strings), in one Rust pass.
-
-    Only the text is needed on the hot path; whoever needs the value parses it back (``json.loads``).
-    """
-    return to_json(result, fallback=repr, inf_nan_mode="strings").decode()
 
 
 def json_safe(value: Any) -> Any:

@@ -17,10 +17,11 @@ from ._recovery import Recovery, RecoveryReport
 from ._registry import Registry
 from ._saga import RollbackReport, Saga
 from ._session import Session, SessionService
-from ._tools import ToolSpec, ToolTier, make_declaration
+from ._tools import RetryPolicy, ToolSpec, ToolTier, make_declaration
 from .errors import ConfigurationError, InvalidDeclaration
 from .storage import Storage, open_storage
 from .storage.base import new_id
+from .storage.schema import OnFailure
 
 
 class UndoLog:
@@ -145,6 +146,7 @@ class UndoLog:
         registered_by: str | None = None,
         binding: Mapping[str, Any] | None = None,
         compensation_needs_result: bool = False,
+        retry: RetryPolicy | int | None = None,
     ) -> ToolSpec:
         """Register a third-party callable (or a schema-only tool, ``fn=None``) with a tier given here.
 
@@ -155,7 +157,7 @@ class UndoLog:
         if fn is None and name is None:
             raise InvalidDeclaration("register_tool needs a function or a name")
         decl = make_declaration(tier=tier, risk_level=risk_level, compensation=compensation, reason=reason,
-                               risk_tags=risk_tags, composite_of=composite_of, probe=probe)
+                               risk_tags=risk_tags, composite_of=composite_of, probe=probe, retry=retry)
         kw: dict[str, Any] = {"name": name, "args_schema": args_schema}
         if binding is not None:
             kw["binding"] = binding
@@ -177,15 +179,14 @@ class UndoLog:
         agent_id: str | None = None,
         session_id: str | None = None,
         created_by: str | None = None,
-        on_failure: str = "rollback",
+        on_failure: OnFailure | str = OnFailure.ROLLBACK,
     ) -> Session:
         """Start a session, or resume one by id (one read).
 
         ``on_failure="rollback"`` (default) rolls the session back when a COMPENSABLE call fails;
         ``"continue"`` records the failure and lets the caller decide.
         """
-        if on_failure not in ("rollback", "continue"):
-            raise ConfigurationError(f"on_failure must be 'rollback' or 'continue', got {on_failure!r}")
+        on_failure = OnFailure.coerce(on_failure).value
         if session_id is not None:
             check_id("session_id", session_id)
         sid = session_id or new_id()

@@ -361,7 +361,8 @@ def _duration(seconds: float) -> str:
 
 _STATE_STYLES = {
     "active": "green", "completed": "green", "committed": "green", "compensated": "cyan", "approved": "green",
-    "auto_approved": "yellow", "awaiting_approval": "yellow", "pending": "yellow", "halted": "bold red",
+    "auto_approved": "yellow", "responded": "cyan", "awaiting_approval": "yellow", "pending": "yellow",
+    "halted": "bold red",
     "rolling_back": "yellow",
     "rolled_back": "cyan", "rejected": "red", "timed_out": "red", "cancelled": "dim", "expired": "dim", "failed": "red",
     "unknown": "bold red", "dead_letter": "bold red", "compensation_failed": "bold red",

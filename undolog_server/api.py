@@ -14,12 +14,13 @@ from fastapi import APIRouter, Body, Depends, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import to_jsonable_python
 
-from undolog_core import RollbackReport, errors
+from undolog_core import RollbackReport, errors, limits
+from undolog_core.limits import MAX_ID_LENGTH
 
 from .auth import AuthFirstRoute, is_admin, require, server_state
 from .problems import Problem
 from .state import ServerState
-from .storage import ROLES, ApiKey, ApproverGroup, NotificationPolicy
+from .storage import KEY_NAME_MAX, ROLES, ApiKey, ApproverGroup, NotificationPolicy
 from .views import groups_for, may_see
 from .webhooks import TargetRefused, check_target
 
@@ -31,13 +32,23 @@ ADMIN = require("admin")
 ANY = require(*ROLES)
 AGENT_OR_ADMIN = require("agent", "admin")
 
-ApprovalState = Literal["pending", "approved", "rejected", "timed_out", "auto_approved", "cancelled", "expired"]
+ApprovalState = Literal["pending", "approved", "rejected", "timed_out", "auto_approved", "cancelled", "expired",
+                        "responded"]
 SessionState = Literal["active", "awaiting_approval", "halted", "rolled_back", "completed"]
 
 
 def _id() -> Any:
     """A fresh path-parameter declaration (FastAPI binds one FieldInfo to one parameter)."""
-    return Path(min_length=1, max_length=200)
+    return Path(min_length=1, max_length=MAX_ID_LENGTH)
+
+
+def _LIMIT() -> Any:  # noqa: N802 - reads like the Query(...) it stands for
+    """A page size for a listing: every list endpoint is paged, never unbounded."""
+    return Query(100, ge=1, le=1000)
+
+
+def _OFFSET() -> Any:  # noqa: N802
+    return Query(0, ge=0, le=1_000_000)
 
 
 # ---------------------------------------------------------------------------------------- models
@@ -144,7 +155,7 @@ class ApprovalEventOut(_Out):
 
 class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    agent_id: str = Field(min_length=1, max_length=200)
+    agent_id: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
     label: str | None = Field(
         None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._~-]+$",
         description="Your own label, the readable start of the minted id (`<label>.<random>`). The server always "
@@ -229,7 +240,7 @@ class AuditOut(_Out):
 
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1, max_length=200)
+    name: str = Field(min_length=1, max_length=KEY_NAME_MAX)
     roles: list[Literal["agent", "approver", "admin"]] = Field(min_length=1)
     groups: list[str] = []
 
@@ -272,7 +283,7 @@ class WebhookIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=100)
     url: str = Field(pattern=r"^https?://", max_length=2000)
-    secret: str | None = Field(None, min_length=16, max_length=200)
+    secret: str | None = Field(None, min_length=16, max_length=MAX_ID_LENGTH)
     event_types: list[str] = ["*"]
 
 
@@ -324,12 +335,22 @@ def _st(request: Request) -> ServerState:
     return server_state(request)
 
 
-def _approval_out(st: ServerState, d: Any, groups: list[str] | None = None) -> ApprovalOut:
+def _approval_out(st: ServerState, d: Any, groups: list[str] | None = None, *, brief: bool = True) -> ApprovalOut:
+    """A request as listed: its arguments as previews (``brief``), so a listing never carries unbounded blobs."""
     from .views import approval_dict
 
     d = approval_dict(d)
+    if brief:
+        _brief_args(d)
     d["groups"] = groups if groups is not None else groups_for(st.store.groups(), d["tool_name"], d["risk_tags"])
     return ApprovalOut.model_validate(d)
+
+
+def _brief_args(d: dict[str, Any]) -> dict[str, Any]:
+    for k in ("proposed_args", "approved_args"):
+        if d.get(k) is not None:
+            d[k] = limits.preview(d[k])
+    return d
 
 
 def _visible_approval(st: ServerState, key: ApiKey, approval_request_id: str) -> dict[str, Any]:
@@ -462,18 +483,30 @@ class Visibility:
 
 
 def _effects(st: ServerState, session_id: str, vis: Visibility, limit: int | None = None,
-             newest_first: bool = False) -> list[EffectOut]:
-    return [EffectOut.model_validate(vis.effect(e))
-            for e in st.views.effects(session_id, limit=limit, newest_first=newest_first)]
+             newest_first: bool = False, offset: int = 0) -> list[EffectOut]:
+    """A session's effects as ``vis`` lets the key read them, arguments and results as previews (a timeline never
+    carries unbounded blobs)."""
+    rows = st.views.effects(session_id, newest_first=newest_first)
+    rows = rows[offset: offset + limit] if limit is not None else rows[offset:]
+    out = []
+    for e in rows:
+        e = dict(vis.effect(e))
+        e["args_snapshot"] = limits.preview(e.get("args_snapshot"))
+        e["result_snapshot"] = limits.preview(e.get("result_snapshot"))
+        out.append(EffectOut.model_validate(e))
+    return out
 
 
 def approval_detail(st: ServerState, row: dict[str, Any], key: ApiKey) -> ApprovalDetail:
     """Everything a person needs to decide one request (the session's other calls as ``key`` may see them)."""
-    base = _approval_out(st, row).model_dump()
+    base = _approval_out(st, row, brief=False).model_dump()  # the arguments in full: a person decides on them
     vis = Visibility(st, key, {"created_by": row.get("session_created_by")})
+    context = vis.context(to_jsonable_python(row.get("agent_context")))
+    if isinstance(context, list):
+        context = [{**c, "args": limits.preview(c.get("args"))} if isinstance(c, dict) else c for c in context]
     return ApprovalDetail(
         **base,
-        agent_context=vis.context(to_jsonable_python(row.get("agent_context"))),
+        agent_context=context,
         recent_calls=_effects(st, row["session_id"], vis, limit=st.settings.context_calls, newest_first=True),
         undo_plan=_undo_plan(st, row["session_id"]),
         tool=_tool_brief(st, row["tool_name"]),
@@ -535,8 +568,8 @@ def me(key: ApiKey = Depends(ANY)) -> MeOut:
 def list_approvals(
     request: Request,
     state: ApprovalState | None = None,
-    session_id: str | None = Query(None, max_length=200),
-    tool: str | None = Query(None, max_length=200),
+    session_id: str | None = Query(None, max_length=MAX_ID_LENGTH),
+    tool: str | None = Query(None, max_length=MAX_ID_LENGTH),
     risk_tag: str | None = Query(None, max_length=100),
     limit: int = Query(50, ge=1, le=500),
     offset: int = Query(0, ge=0, le=1_000_000),
@@ -561,7 +594,7 @@ def list_approvals(
                 to_skip -= 1
                 continue
             r["groups"] = g
-            out.append(ApprovalOut.model_validate(r))
+            out.append(ApprovalOut.model_validate(_brief_args(r)))
             if len(out) >= limit:
                 return out
         if len(rows) < limit:
@@ -635,11 +668,21 @@ def modify(
     summary="Event history of a request",
 )
 def approval_events(
-    request: Request, approval_request_id: str = _id(), key: ApiKey = Depends(APPROVER)
+    request: Request,
+    approval_request_id: str = _id(),
+    limit: int = Query(100, ge=1, le=1000),
+    offset: int = Query(0, ge=0, le=1_000_000),
+    key: ApiKey = Depends(APPROVER),
 ) -> list[ApprovalEventOut]:
     st = _st(request)
     _visible_approval(st, key, approval_request_id)
-    return [ApprovalEventOut.model_validate(_event_dict(e)) for e in st.undolog.approvals.events(approval_request_id)]
+    events = st.undolog.approvals.events(approval_request_id)[offset: offset + limit]
+    out = []
+    for e in events:
+        d = _event_dict(e)
+        d["payload"] = limits.preview(d.get("payload"))  # a modify event holds both argument sets
+        out.append(ApprovalEventOut.model_validate(d))
+    return out
 
 
 def _event_dict(e: Any) -> dict[str, Any]:
@@ -694,7 +737,7 @@ def new_session_id(label: str | None = None) -> str:
 def list_sessions(
     request: Request,
     state: SessionState | None = None,
-    agent_id: str | None = Query(None, max_length=200),
+    agent_id: str | None = Query(None, max_length=MAX_ID_LENGTH),
     limit: int = Query(50, ge=1, le=500),
     offset: int = Query(0, ge=0, le=1_000_000),
     key: ApiKey = Depends(ANY),
@@ -708,13 +751,20 @@ def list_sessions(
 
 
 @router.get("/sessions/{session_id}", response_model=SessionDetail, tags=["sessions"], summary="Session timeline")
-def show_session(request: Request, session_id: str = _id(), key: ApiKey = Depends(ANY)) -> SessionDetail:
+def show_session(
+    request: Request,
+    session_id: str = _id(),
+    effects_limit: int = Query(500, ge=1, le=1000, description="Effects shown (oldest first), a page of the timeline"),
+    effects_offset: int = Query(0, ge=0, le=1_000_000),
+    key: ApiKey = Depends(ANY),
+) -> SessionDetail:
     st = _st(request)
     row = _session_for(st, key, session_id)
-    return session_detail(st, row, key)
+    return session_detail(st, row, key, effects_limit=effects_limit, effects_offset=effects_offset)
 
 
-def session_detail(st: ServerState, row: dict[str, Any], key: ApiKey) -> SessionDetail:
+def session_detail(st: ServerState, row: dict[str, Any], key: ApiKey, *, effects_limit: int = 500,
+                   effects_offset: int = 0) -> SessionDetail:
     """A session with its effects, undo plan and the approval requests ``key`` may see.
 
     The key that created the session sees all of its requests; an approver sees only those
@@ -730,7 +780,7 @@ def session_detail(st: ServerState, row: dict[str, Any], key: ApiKey) -> Session
             approvals.append(_approval_out(st, a, g))
     return SessionDetail(
         **SessionOut.model_validate(row).model_dump(),
-        effects=_effects(st, sid, Visibility(st, key, row)),
+        effects=_effects(st, sid, Visibility(st, key, row), limit=effects_limit, offset=effects_offset),
         undo_plan=_undo_plan(st, sid),
         approvals=approvals,
     )
@@ -808,8 +858,9 @@ def _tools(st: ServerState, name: str | None = None) -> list[ToolOut]:
 
 
 @router.get("/tools", response_model=list[ToolOut], tags=["tools"], summary="Tool registry with revisions")
-def list_tools(request: Request, key: ApiKey = Depends(ANY)) -> list[ToolOut]:
-    return _tools(_st(request))
+def list_tools(request: Request, limit: int = _LIMIT(), offset: int = _OFFSET(),
+               key: ApiKey = Depends(ANY)) -> list[ToolOut]:
+    return _tools(_st(request))[offset: offset + limit]
 
 
 @router.get("/tools/{tool_name}", response_model=ToolOut, tags=["tools"], summary="One tool and its revisions")
@@ -831,8 +882,9 @@ def audit_verify(request: Request, key: ApiKey = Depends(APPROVER)) -> AuditOut:
 
 
 @router.get("/keys", response_model=list[KeyOut], tags=["admin"], summary="List API keys (never their secrets)")
-def list_keys(request: Request, key: ApiKey = Depends(ADMIN)) -> list[KeyOut]:
-    return [KeyOut.model_validate(_key_out(k)) for k in _st(request).store.list_keys()]
+def list_keys(request: Request, limit: int = _LIMIT(), offset: int = _OFFSET(),
+              key: ApiKey = Depends(ADMIN)) -> list[KeyOut]:
+    return [KeyOut.model_validate(_key_out(k)) for k in _st(request).store.list_keys()[offset: offset + limit]]
 
 
 @router.post("/keys", response_model=KeyCreated, status_code=201, tags=["admin"], summary="Create an API key")
@@ -849,9 +901,10 @@ def revoke_key(request: Request, key_id: str = _id(), key: ApiKey = Depends(ADMI
 
 
 @router.get("/approver-groups", response_model=list[GroupOut], tags=["admin"], summary="List approver groups")
-def list_groups(request: Request, key: ApiKey = Depends(ADMIN)) -> list[GroupOut]:
+def list_groups(request: Request, limit: int = _LIMIT(), offset: int = _OFFSET(),
+                key: ApiKey = Depends(ADMIN)) -> list[GroupOut]:
     return [GroupOut(name=g.name, tools=list(g.tools), risk_tags=list(g.risk_tags), description=g.description)
-            for g in _st(request).store.groups()]
+            for g in _st(request).store.groups()[offset: offset + limit]]
 
 
 @router.put("/approver-groups/{name}", response_model=GroupOut, tags=["admin"], summary="Create or replace a group")
@@ -870,8 +923,9 @@ def delete_group(request: Request, name: str = Path(min_length=1, max_length=100
 
 
 @router.get("/webhooks", response_model=list[WebhookOut], tags=["admin"], summary="List webhook targets")
-def list_webhooks(request: Request, key: ApiKey = Depends(ADMIN)) -> list[WebhookOut]:
-    return [WebhookOut.model_validate(dataclasses.asdict(t)) for t in _st(request).store.targets()]
+def list_webhooks(request: Request, limit: int = _LIMIT(), offset: int = _OFFSET(),
+                  key: ApiKey = Depends(ADMIN)) -> list[WebhookOut]:
+    return [WebhookOut.model_validate(dataclasses.asdict(t)) for t in _st(request).store.targets()[offset: offset + limit]]
 
 
 @router.post("/webhooks", response_model=WebhookCreated, status_code=201, tags=["admin"], summary="Add a webhook target")
@@ -911,8 +965,9 @@ def webhook_deliveries(
 @router.get(
     "/notification-policies", response_model=list[PolicyOut], tags=["admin"], summary="List notification policies"
 )
-def list_policies(request: Request, key: ApiKey = Depends(ADMIN)) -> list[PolicyOut]:
-    return [PolicyOut.model_validate(dataclasses.asdict(p)) for p in _st(request).store.policies()]
+def list_policies(request: Request, limit: int = _LIMIT(), offset: int = _OFFSET(),
+                  key: ApiKey = Depends(ADMIN)) -> list[PolicyOut]:
+    return [PolicyOut.model_validate(dataclasses.asdict(p)) for p in _st(request).store.policies()[offset: offset + limit]]
 
 
 @router.put(

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import re
 import socket
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -10,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from undolog_core import UndoLog, errors, load_app
+from undolog_core import UndoLog, errors, limits, load_app
 
 from . import api, dashboard, problems
 from . import proxy as proxy_mod
@@ -56,14 +58,20 @@ _DOCS_HTML = f"""<!doctype html>
 
 
 class _Guard:
-    """Refuses NUL characters and adds security headers (plain ASGI: no per-request task overhead).
+    """The door of every HTTP request (plain ASGI: no per-request task overhead).
 
-    PostgreSQL text cannot hold NUL; refusing it at the door keeps both databases alike and
-    turns what would be a database error into a 422.
+    - A body larger than ``max_body_bytes`` is answered 413 before it is buffered: a ``Content-Length`` over the
+      limit up front, and a body without one (chunked) as soon as the bytes read pass the limit.
+    - NUL characters are refused (PostgreSQL text cannot hold NUL; refusing it at the door keeps both databases
+      alike and turns what would be a database error into a 422), as are JSON bodies nested deeper than
+      :data:`undolog_core.limits.MAX_JSON_DEPTH` or holding a lone surrogate. The checks walk the parsed body
+      iteratively (no recursion, whatever the depth) and only when a byte scan finds something to look at.
+    - Security headers are added to every response.
     """
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, max_body_bytes: int = 1 << 20) -> None:
         self.app = app
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -72,24 +80,41 @@ class _Guard:
         path: str = scope.get("path", "")
         query: bytes = scope.get("query_string", b"")
         if "\x00" in path or b"%00" in query.lower() or b"\x00" in query:
-            await self._refuse(scope, receive, send)
+            await self._refuse(scope, receive, send, "nul_character", "NUL characters are not accepted")
             return
-        if scope.get("method") in ("POST", "PUT", "PATCH"):
+        length: bytes | None = None
+        chunked = False
+        ctype = ""
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length":
+                length = v
+            elif k == b"transfer-encoding":
+                chunked = True
+            elif k == b"content-type":
+                ctype = v.decode("latin-1")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            await self._too_large(scope, receive, send)
+            return
+        if chunked or (length is not None and length != b"0") or scope.get("method") in ("POST", "PUT", "PATCH"):
             chunks = []
+            size = 0
             more = True
             while more:
                 message = await receive()
                 if message["type"] != "http.request":
                     break
-                chunks.append(message.get("body", b""))
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    # Counted while reading: nothing past the limit is ever held.
+                    await self._too_large(scope, receive, send)
+                    return
+                chunks.append(chunk)
                 more = message.get("more_body", False)
             body = b"".join(chunks)
-            ctype = ""
-            for k, v in scope.get("headers", ()):
-                if k == b"content-type":
-                    ctype = v.decode("latin-1")
-            if _has_nul(body, ctype):
-                await self._refuse(scope, receive, send)
+            refused = body_problem(body, ctype)
+            if refused is not None:
+                await self._refuse(scope, receive, send, *refused)
                 return
             replayed = False
 
@@ -120,35 +145,100 @@ class _Guard:
         await self.app(scope, receive, send_with_headers)
 
     @staticmethod
-    async def _refuse(scope: Any, receive: Any, send: Any) -> None:
-        body = problems.problem_body(422, "nul_character", "NUL characters are not accepted", scope.get("path"))
-        await JSONResponse(body, status_code=422, media_type=problems.PROBLEM_MEDIA_TYPE)(scope, receive, send)
+    async def _refuse(scope: Any, receive: Any, send: Any, code: str, detail: str,
+                      errors: list[dict[str, str]] | None = None) -> None:
+        extra = {"errors": errors} if errors else {}
+        body = problems.problem_body(422, code, detail, scope.get("path"), **extra)
+        await problems.SafeJSONResponse(body, status_code=422, media_type=problems.PROBLEM_MEDIA_TYPE)(
+            scope, receive, send)
+
+    async def _too_large(self, scope: Any, receive: Any, send: Any) -> None:
+        body = problems.problem_body(
+            413, "payload_too_large",
+            f"the request body is larger than the limit of {self.max_body_bytes} bytes (--max-body-bytes)",
+            scope.get("path"), limit=self.max_body_bytes,
+        )
+        # The rest of the body is never read: the connection closes after this answer.
+        await problems.SafeJSONResponse(body, status_code=413, media_type=problems.PROBLEM_MEDIA_TYPE,
+                                        headers={"Connection": "close"})(scope, receive, send)
 
 
-def _has_nul(body: bytes, content_type: str) -> bool:
+def body_problem(body: bytes, content_type: str) -> tuple[str, str, list[dict[str, str]]] | None:
+    """Why a request body is refused at the door (code, detail, field errors), or None.
+
+    Example:
+        >>> body_problem(b'{"a": "\\ud800"}', "application/json")[0]
+        'invalid_unicode'
+    """
     if b"\x00" in body:
-        return True
+        return "nul_character", "NUL characters are not accepted", []
     if "form-urlencoded" in content_type:
-        return b"%00" in body.lower()
-    if b"\\u0000" not in body.lower():
-        return False
-    import json
-
+        return ("nul_character", "NUL characters are not accepted", []) if b"%00" in body.lower() else None
+    lowered = body.lower()
+    suspicious = b"\\u0000" in lowered or b"\\ud" in lowered or (
+        body.count(b"{") + body.count(b"[") > limits.MAX_JSON_DEPTH) or _BIG_EXPONENT.search(body) is not None
+    if not suspicious:
+        return None
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_float=_finite)
+    except _NotFinite as exc:
+        return _field("number_out_of_range", f"the number {exc} in the JSON body is not a finite number", None)
+    except RecursionError:
+        return _field("json_too_deep", f"the JSON body is nested deeper than {limits.MAX_JSON_DEPTH} levels", [])
     except ValueError:
-        return False  # invalid JSON is answered by the validation error
+        return None  # invalid JSON is answered by the validation error
+    path = limits.too_deep(data)
+    if path is not None:
+        return _field("json_too_deep", f"the JSON body is nested deeper than {limits.MAX_JSON_DEPTH} levels", path)
+    nul = _nul_path(data)
+    if nul is not None:
+        return _field("nul_character", "NUL characters are not accepted", nul)
+    bad = limits.bad_string(data)
+    if bad is not None:
+        return _field("invalid_unicode", "the JSON body holds a lone surrogate (\\ud800-\\udfff), which is not "
+                      "valid Unicode", bad[0])
+    return None
 
-    def walk(v: Any) -> bool:
+
+#: A number literal whose exponent has three digits or more: it may overflow to infinity (``1e999``).
+_BIG_EXPONENT = re.compile(rb"[0-9.][eE][+-]?0*[0-9]{3,}")
+
+
+class _NotFinite(ValueError):
+    pass
+
+
+def _finite(text: str) -> float:
+    # JSON numbers are finite; Python would read 1e999 as infinity, which no upstream can be sent as JSON.
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotFinite(text[:40])
+    return value
+
+
+def _field(code: str, detail: str, path: list[Any] | None) -> tuple[str, str, list[dict[str, str]]]:
+    if path is None:  # where in the body is not known (the parser's own refusal)
+        return code, detail, [{"field": "", "message": detail, "type": code}]
+    where = ".".join(str(p) for p in path)
+    shown = where if len(where) <= 200 else where[:197] + "..."
+    return code, f"{detail} (at {shown or 'the top level'})", [{"field": shown, "message": detail, "type": code}]
+
+
+def _nul_path(data: Any) -> list[Any] | None:
+    stack: list[tuple[Any, list[Any]]] = [(data, [])]
+    while stack:
+        v, path = stack.pop()
         if isinstance(v, str):
-            return "\x00" in v
-        if isinstance(v, dict):
-            return any(walk(k) or walk(x) for k, x in v.items())
-        if isinstance(v, list):
-            return any(walk(x) for x in v)
-        return False
-
-    return walk(data)
+            if "\x00" in v:
+                return path
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if "\x00" in k:
+                    return [*path, k]
+                stack.append((x, [*path, k]))
+        elif isinstance(v, list):
+            stack.extend((x, [*path, i]) for i, x in enumerate(v))
+    return None
 
 
 def create_app(
@@ -225,6 +315,8 @@ def create_app(
         # inline script, under a CSP that admits that one CDN, and never framed (see _Guard).
         docs_url=None,
         redoc_url=None,
+        # Every JSON answer survives a lone surrogate read back from the database (escaped, never a 500).
+        default_response_class=problems.SafeJSONResponse,
     )
     if settings.docs:
         from fastapi.responses import HTMLResponse
@@ -252,5 +344,5 @@ def create_app(
     dashboard.install(app)
     app.mount("/ui/static", StaticFiles(directory=str(Path(__file__).parent / "static")), name="static")
 
-    app.add_middleware(_Guard)
+    app.add_middleware(_Guard, max_body_bytes=settings.max_body_bytes)
     return app

@@ -82,6 +82,11 @@ def serve(
     secure_cookies: Annotated[
         bool | None, typer.Option("--secure-cookies/--no-secure-cookies", help="Force the cookie Secure flag.")
     ] = None,
+    max_body_bytes: Annotated[
+        int,
+        typer.Option("--max-body-bytes", envvar="UNDOLOG_MAX_BODY_BYTES", min=1,
+                     help="Largest request body accepted, in bytes (larger: 413)."),
+    ] = 1 << 20,
     docs: Annotated[
         bool, typer.Option("--docs/--no-docs", envvar="UNDOLOG_DOCS",
                            help="Serve Swagger UI at /docs (loaded from a CDN; off by default).")
@@ -111,6 +116,7 @@ def serve(
             audit_checkpoint_dir=audit_checkpoint_dir,
             audit_checkpoint_interval=audit_checkpoint_interval,
             secure_cookies=secure_cookies,
+            max_body_bytes=max_body_bytes,
             docs=docs,
         )
     except ValueError as exc:

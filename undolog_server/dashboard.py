@@ -21,7 +21,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
-from undolog_core import errors
+from undolog_core import errors, limits
 
 from .api import approval_detail, rollback_out, session_detail
 from .auth import server_state
@@ -36,6 +36,9 @@ CSRF_COOKIE = "undolog_csrf"
 
 templates = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 templates.env.filters["pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True, default=str)
+# Every value a page prints goes out as UTF-8: a lone surrogate read back from an older row is shown as its escape
+# instead of failing the whole page.
+templates.env.finalize = lambda v: limits.escape_text(v) if isinstance(v, str) else v
 templates.env.filters["iso"] = lambda d: d.isoformat() if d else ""
 templates.env.filters["short"] = lambda s, n=8: (s or "")[:n]
 

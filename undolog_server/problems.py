@@ -7,6 +7,8 @@ never disagree.
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -100,6 +102,15 @@ _TITLES = {
 }
 
 
+class SafeJSONResponse(JSONResponse):
+    """``JSONResponse`` that never fails on a lone surrogate (an old row, a stored upstream body): it is written as
+    its JSON escape (``\\ud800``), so the answer is still valid JSON instead of a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode(
+            "utf-8", "backslashreplace")
+
+
 class Problem(Exception):
     """An error to be rendered as problem+json.
 
@@ -153,7 +164,7 @@ def problem_response(
 ) -> JSONResponse:
     """Render a problem as a JSON response with the problem media type."""
     instance = request.url.path if request is not None else None
-    return JSONResponse(
+    return SafeJSONResponse(
         problem_body(status, code, detail, instance, **extra),
         status_code=status,
         media_type=PROBLEM_MEDIA_TYPE,
@@ -204,16 +215,27 @@ def _jsonable(v: Any) -> Any:
         return str(v)
 
 
+def log_5xx(request: Request | None, exc: BaseException) -> None:
+    """Every 5xx answer is logged under ``undolog.server`` with the traceback of what caused it."""
+    where = f"{request.method} {request.url.path}" if request is not None else "a request"
+    logging.getLogger("undolog.server").error("%s answered %s: %s", where, type(exc).__name__, exc, exc_info=exc)
+
+
 def install_handlers(app: FastAPI) -> None:
     """Register exception handlers so no error escapes as HTML or a bare 500 body."""
 
     @app.exception_handler(Problem)
     async def _problem(request: Request, exc: Problem) -> JSONResponse:
+        if exc.status >= 500:
+            log_5xx(request, exc)
         return problem_response(request, exc.status, exc.code, exc.detail, exc.headers or None, **exc.extra)
 
     @app.exception_handler(UndoLogError)
     async def _core(request: Request, exc: UndoLogError) -> JSONResponse:
-        return from_undolog_error(request, exc)
+        response = from_undolog_error(request, exc)
+        if response.status_code >= 500:
+            log_5xx(request, exc)
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -237,9 +259,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        import logging
-
-        logging.getLogger("undolog.server").exception("unhandled error on %s %s", request.method, request.url.path)
+        log_5xx(request, exc)
         return problem_response(request, 500, "internal_error", "the server failed to handle this request")
 
 

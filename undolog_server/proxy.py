@@ -22,6 +22,7 @@ Example config::
 
 from __future__ import annotations
 
+import json
 import math
 import tomllib
 from collections.abc import Mapping
@@ -32,15 +33,18 @@ from typing import Any
 import httpx
 from fastapi import APIRouter, Body, Depends, Header, Request
 from fastapi import Path as PathParam
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from undolog_core import errors
+from undolog_core import errors, limits
 
 from .auth import AuthFirstRoute, require, server_state
-from .problems import Problem, problem_response
+from .problems import Problem, SafeJSONResponse, log_5xx, problem_response
 from .storage import ApiKey
 
 TIERS = ("safe", "compensable", "irreversible")
+
+#: The most of an upstream answer read (bytes); the rest is never read and the stored body says so.
+MAX_RESPONSE_BYTES = 1 << 20
 
 #: Header names whose values are credentials: their values stay out of the contract (only their names go in).
 _SECRET_HEADER_WORDS = ("authorization", "cookie", "token", "secret", "key", "password", "signature", "auth")
@@ -84,6 +88,7 @@ class ProxyTool:
     probe_url: str | None = None
     timeout: float = 10.0
     headers: dict[str, str] = field(default_factory=dict)
+    max_response_bytes: int = MAX_RESPONSE_BYTES
 
     def endpoint(self) -> dict[str, Any]:
         """Where the tool runs, as its contract records it: the URLs, the method and the non-secret headers.
@@ -101,20 +106,52 @@ class ProxyTool:
         }
 
 
+@dataclass
+class Upstream:
+    """An upstream answer, its body read up to a limit (``truncated`` when there was more)."""
+
+    status_code: int
+    headers: httpx.Headers
+    content: bytes
+    truncated: bool = False
+
+    @property
+    def is_success(self) -> bool:
+        return 200 <= self.status_code < 300
+
+
 def _post(url: str, payload: Any, *, idempotency_key: str | None, timeout: float, headers: Mapping[str, str],
-          method: str = "POST") -> httpx.Response:
+          method: str = "POST", max_bytes: int = MAX_RESPONSE_BYTES) -> Upstream:
     h = dict(headers)
     if idempotency_key:
         h["Idempotency-Key"] = idempotency_key
-    with httpx.Client(timeout=timeout, follow_redirects=False) as client:
-        return client.request(method, url, json=payload, headers=h)
+    with httpx.Client(timeout=timeout, follow_redirects=False) as client, \
+            client.stream(method, url, json=payload, headers=h) as resp:
+        chunks: list[bytes] = []
+        size = 0
+        truncated = False
+        for chunk in resp.iter_bytes():
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > max_bytes:
+                truncated = True  # the upstream did its work: keep what fits, note the rest, read no more
+                break
+        content = b"".join(chunks)[:max_bytes]
+        return Upstream(resp.status_code, resp.headers, content, truncated)
 
 
-def _body(resp: httpx.Response) -> Any:
+def _body(resp: Upstream) -> Any:
+    """The upstream's body as a value that can always be stored and served (see ``limits.safe_result``)."""
+    if resp.truncated:
+        return {limits.TRUNCATED: {"reason": f"the upstream answered more than {len(resp.content)} bytes",
+                                   "preview": resp.content[: limits.PREVIEW_CHARS].decode("utf-8", "replace")}}
     try:
-        return resp.json()
+        value: Any = json.loads(resp.content)
+    except RecursionError:
+        return {limits.TRUNCATED: f"the upstream's JSON is nested deeper than {limits.MAX_JSON_DEPTH} levels"}
     except ValueError:
-        return resp.text
+        value = resp.content.decode("utf-8", "replace")
+    return limits.safe_result(value)
 
 
 class ProxyTools:
@@ -165,6 +202,7 @@ class ProxyTools:
                 compensation_name=cfg.get("compensation") or (f"{name}.compensate" if tier == "compensable" else None),
                 probe_url=cfg.get("probe_url"),
                 timeout=float(cfg.get("timeout", 10.0)),
+                max_response_bytes=int(cfg.get("max_response_bytes", MAX_RESPONSE_BYTES)),
                 headers={str(k): str(v) for k, v in (cfg.get("headers") or {}).items()},
             )
         return cls(tools)
@@ -189,10 +227,10 @@ class ProxyTools:
                 kwargs["probe"] = _prober(tool)
             undolog.register_tool(_forwarder(tool), **kwargs)
 
-    def call(self, tool: ProxyTool, args: Mapping[str, Any], idempotency_key: str | None) -> httpx.Response:
-        """Forward one call upstream."""
+    def call(self, tool: ProxyTool, args: Mapping[str, Any], idempotency_key: str | None) -> Upstream:
+        """Forward one call upstream; its answer is read up to ``tool.max_response_bytes``."""
         return _post(tool.url, dict(args), idempotency_key=idempotency_key, timeout=tool.timeout,
-                     headers=tool.headers, method=tool.method)
+                     headers=tool.headers, method=tool.method, max_bytes=tool.max_response_bytes)
 
 
 def _forwarder(tool: ProxyTool) -> Any:
@@ -201,7 +239,7 @@ def _forwarder(tool: ProxyTool) -> Any:
 
         ctx = current_call()
         resp = _post(tool.url, kwargs, idempotency_key=ctx.idempotency_key if ctx else None,
-                     timeout=tool.timeout, headers=tool.headers, method=tool.method)
+                     timeout=tool.timeout, headers=tool.headers, method=tool.method, max_bytes=tool.max_response_bytes)
         if not resp.is_success:
             raise UpstreamError(f"{tool.name} upstream answered {resp.status_code}", resp.status_code, _body(resp))
         return {"status_code": resp.status_code, "body": _body(resp)}
@@ -301,7 +339,7 @@ def invoke(
     decision = st.undolog.driver.decide(session_id, tool, args, call_id=call_id)
     if isinstance(decision, AwaitingApproval):
         retry = max(1, math.ceil(decision.retry_after))
-        return JSONResponse(
+        return SafeJSONResponse(
             {
                 "status": "awaiting_approval",
                 "approval_request_id": decision.approval_request_id,
@@ -345,6 +383,7 @@ def invoke(
     extra: dict[str, Any] = {"upstream_status": getattr(exc, "status_code", None)}
     if outcome.rollback is not None:
         extra["rollback"] = rollback_out(session_id, outcome.rollback).model_dump(mode="json")
+    log_5xx(request, exc)
     return problem_response(request, 502, "upstream_error", str(exc), **extra)
 
 
@@ -380,5 +419,5 @@ def _stored(result: Any, *, replayed: bool) -> Response:
         if isinstance(body, str) and not str(result.get("media_type") or "").startswith("application/json"):
             return Response(body, status_code=int(result["status_code"]), headers=headers,
                             media_type=result.get("media_type") or "text/plain")
-        return JSONResponse(body, status_code=int(result["status_code"]), headers=headers)
-    return JSONResponse(result, headers=headers)
+        return SafeJSONResponse(body, status_code=int(result["status_code"]), headers=headers)
+    return SafeJSONResponse(result, headers=headers)

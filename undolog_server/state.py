@@ -48,6 +48,8 @@ class ServerSettings:
         cookie_max_age: Dashboard login lifetime in seconds.
         secure_cookies: Force the cookie ``Secure`` flag; None sets it on HTTPS requests only.
         poll_seconds: Dashboard queue refresh period.
+        max_body_bytes: The largest request body accepted (bytes); a larger one is answered 413 before it is
+            buffered.
         docs: Serve the interactive API docs at ``/docs`` (Swagger UI, loaded from a CDN); off by default.
             ``/openapi.json`` is always served.
     """
@@ -71,6 +73,7 @@ class ServerSettings:
     cookie_max_age: int = 12 * 3600
     secure_cookies: bool | None = None
     poll_seconds: float = 3.0
+    max_body_bytes: int = 1 << 20
     docs: bool = False
 
     def __post_init__(self) -> None:

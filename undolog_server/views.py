@@ -87,16 +87,18 @@ class CoreViews:
         limit: int = 50,
         offset: int = 0,
     ) -> list[dict[str, Any]]:
-        """List approval requests, newest first (never expiring any: a read only)."""
+        """List approval requests, newest first (never expiring any: a read only), their arguments as previews."""
         a = self.undolog.approvals
         if risk_tag is None:
-            recs = a.list(state=state, session_id=session_id, tool_name=tool_name, limit=limit, offset=offset)
+            recs = a.list(state=state, session_id=session_id, tool_name=tool_name, limit=limit, offset=offset,
+                          brief=True)
             return [approval_dict(r) for r in recs]
         # The core filters tags after reading a page, so page over the matches here.
         out: list[dict[str, Any]] = []
         skipped, db_offset, batch = 0, 0, 500
         while len(out) < limit:
-            recs = a.list(state=state, session_id=session_id, tool_name=tool_name, limit=batch, offset=db_offset)
+            recs = a.list(state=state, session_id=session_id, tool_name=tool_name, limit=batch, offset=db_offset,
+                          brief=True)
             for r in recs:
                 if risk_tag not in r.risk_tags:
                     continue
@@ -167,5 +169,5 @@ class CoreViews:
 
     def pending_approvals(self, limit: int | None = None) -> list[dict[str, Any]]:
         """Pending requests, newest first."""
-        recs = self.undolog.approvals.list(state="pending", limit=limit if limit is not None else 10_000)
+        recs = self.undolog.approvals.list(state="pending", limit=limit if limit is not None else 10_000, brief=True)
         return [approval_dict(r) for r in recs]

@@ -156,9 +156,10 @@ def run_demo(
             break
         resume: dict[str, Any] = {}
         for intr in pending:
-            timeline.approval_request(intr.value)
-            decision = decide(intr.value)
-            result.decisions.append({"tool": intr.value["tool"], **decision})
+            request = intr.value["undolog"]  # UndoLog's fields, beside LangChain's ToolApprovalRequest ones
+            timeline.approval_request(request)
+            decision = decide(request)
+            result.decisions.append({"tool": request["tool"], **decision})
             timeline.decision(decision)
             resume[intr.id] = decision
         from langgraph.types import Command
@@ -233,7 +234,8 @@ def _run(agent: Any, payload: Any, config: dict[str, Any], timeline: _Timeline) 
 def _undolog_interrupts(interrupts: Iterable[Any]) -> list[Any]:
     from undolog_adapters.langgraph import APPROVAL_INTERRUPT_TYPE
 
-    return [i for i in interrupts if isinstance(i.value, dict) and i.value.get("type") == APPROVAL_INTERRUPT_TYPE]
+    return [i for i in interrupts
+            if isinstance(i.value, dict) and (i.value.get("undolog") or {}).get("type") == APPROVAL_INTERRUPT_TYPE]
 
 
 def _decider(reject: bool, interactive: bool, ask: Callable[[str, list[str]], str] | None,

@@ -130,7 +130,13 @@ def test_each_tier_and_approve(kind: str, undolog: Any, world: SupportWorld, too
     assert count(world, "search") == 1 and count(world, "send_refund_email") == 1
     assert count(world, "delete_account") == 0
     [intr] = graph.get_state(c).interrupts
-    v = intr.value
+    # LangChain's vocabulary on the outside (a ToolApprovalRequest per call, an HITLRequest per message), UndoLog's
+    # own fields under "undolog".
+    if kind == "middleware":
+        assert intr.value["type"] == "tool_approval" and intr.value["name"] == "delete_user_account"
+    else:
+        assert [a["name"] for a in intr.value["action_requests"]] == ["delete_user_account"]
+    v = intr.value["undolog"]
     assert v["type"] == "undolog.approval_request" and v["tool"] == "delete_user_account"
     assert v["args"] == {"user_id": "u-1042"} and v["reason"].startswith("Deletes every record")
     assert v["risk_tags"] == ["account-deletion", "pii"] and v["approval_request_id"]
@@ -151,6 +157,8 @@ def test_each_tier_and_approve(kind: str, undolog: Any, world: SupportWorld, too
 
 
 @pytest.mark.parametrize("kind", KINDS)
+# README "Use a LangChain HITL client as UndoLog's approval UI" > "UndoLog's own form is accepted too": the approve,
+# modify and reject lines are run by the three tests below (respond: test_langgraph_readme.py).
 def test_modify_runs_the_edited_arguments(kind: str, undolog: Any, world: SupportWorld, tools: Any) -> None:
     graph = build(kind, undolog, tools, InMemorySaver())
     c = cfg()
@@ -158,7 +166,7 @@ def test_modify_runs_the_edited_arguments(kind: str, undolog: Any, world: Suppor
     # A bad edit is refused by the core and the graph asks again, saying why.
     graph.invoke(Command(resume={"decision": "modify", "args": {"user_id": 7, "x": 1}, "approver": "ana"}), c)
     [intr] = graph.get_state(c).interrupts
-    assert intr.value["error"] and "x" in intr.value["error"]
+    assert intr.value["undolog"]["error"] and "x" in intr.value["undolog"]["error"]
     graph.invoke(Command(resume={"decision": "modify", "args": {"user_id": "u-3003"}, "approver": "ana"}), c)
     assert world.account_status("u-3003") == "deleted" and world.account_status("u-1042") == "active"
     assert count(world, "delete_account") == 1
@@ -209,10 +217,10 @@ def test_resume_before_any_decision_runs_nothing(kind: str, undolog: Any, world:
     graph = build(kind, undolog, tools, InMemorySaver())
     c = cfg()
     graph.invoke(user("delete only"), c)
-    first = graph.get_state(c).interrupts[0].value["approval_request_id"]
+    first = graph.get_state(c).interrupts[0].value["undolog"]["approval_request_id"]
     graph.invoke(Command(resume=undolog_resume(graph, c, undolog=undolog)), c)
     [again] = graph.get_state(c).interrupts
-    assert again.value["approval_request_id"] == first  # the same request, not a second one
+    assert again.value["undolog"]["approval_request_id"] == first  # the same request, not a second one
     assert len(undolog.approvals.list()) == 1 and count(world, "delete_account") == 0
     undolog.approvals.approve(first, approver="ana")
     graph.invoke(Command(resume=undolog_resume(graph, c, undolog=undolog)), c)
@@ -261,7 +269,7 @@ def test_node_rerun_on_resume_runs_no_sibling_twice(undolog: Any, world: Support
     graph.invoke(user("parallel"), c)
     graph.invoke(Command(resume=undolog_resume(graph, c, undolog=undolog)), c)
     graph.invoke(Command(resume={"decision": "modify", "args": {"nope": 1}, "approver": "ana"}), c)
-    assert graph.get_state(c).interrupts[0].value["error"]
+    assert graph.get_state(c).interrupts[0].value["undolog"]["error"]
     assert count(world, "search") == 0 and count(world, "send_refund_email") == 0
     graph.invoke(Command(resume=ANA), c)
     assert count(world, "search") == 1 and count(world, "send_refund_email") == 2
@@ -274,18 +282,18 @@ def test_two_gated_calls_in_one_message(kind: str, undolog: Any, world: SupportW
     c = cfg()
     graph.invoke(user("two gated"), c)
     interrupts = graph.get_state(c).interrupts
-    reqs = [r for i in interrupts for r in i.value["requests"]]
+    reqs = [r for i in interrupts for r in i.value["undolog"]["requests"]]
     assert sorted(r["args"]["user_id"] for r in reqs) == ["u-1042", "u-3003"]
     assert len(undolog.approvals.pending()) == 2
     if kind == "node":
         # One interrupt holding both requests; a single decision would be ambiguous and is refused.
         [intr] = interrupts
-        with pytest.raises(Exception, match="several approval requests"):
+        with pytest.raises(Exception, match="holds several calls"):
             graph.invoke(Command(resume=ANA), c)
         first, second = reqs
         graph.invoke(Command(resume={"decisions": {first["approval_request_id"]: ANA}}), c)
         [left] = graph.get_state(c).interrupts
-        assert [r["approval_request_id"] for r in left.value["requests"]] == [second["approval_request_id"]]
+        assert [r["approval_request_id"] for r in left.value["undolog"]["requests"]] == [second["approval_request_id"]]
         graph.invoke(Command(resume=ANA), c)
     else:
         graph.invoke(Command(resume={i.id: ANA for i in interrupts}), c)
@@ -472,7 +480,7 @@ def test_middleware_must_be_the_innermost_tool_wrapper(undolog: Any, world: Supp
     graph = agent(Switcher(), ul_mw)
     graph.invoke(user("look it up"), c)
     [intr] = graph.get_state(c).interrupts
-    assert intr.value["tool"] == "delete_user_account" and count(world, "delete_account") == 0
+    assert intr.value["undolog"]["tool"] == "delete_user_account" and count(world, "delete_account") == 0
 
 
 def test_unclassified_tools_are_refused_before_anything_runs(undolog: Any, world: SupportWorld, tools: Any) -> None:
@@ -563,6 +571,8 @@ class open_saver:
 
 
 @pytest.mark.parametrize(("kind", "saver_kind"), [("node", "sqlite"), ("middleware", "sqlite"), ("middleware", "postgres")])
+# README "Deciding elsewhere": undolog_resume (here), aundolog_resume (test_async_approve_and_rollback),
+# resume_decided (test_resume_decided_resumes_only_fully_decided_threads).
 def test_decided_elsewhere_then_resumed_by_a_new_process(
     kind: str, saver_kind: str, db: Any, world: SupportWorld, tools: Any, tmp_path: Path
 ) -> None:
@@ -576,7 +586,7 @@ def test_decided_elsewhere_then_resumed_by_a_new_process(
     assert count(world, "send_refund_email") == (2 if kind == "middleware" else 0)
     # An approver decides through the core API (as the CLI or dashboard would), from another UndoLog.
     other = db.open()
-    other.approvals.approve(intr.value["approval_request_id"], approver="ana", reason="checked")
+    other.approvals.approve(intr.value["undolog"]["approval_request_id"], approver="ana", reason="checked")
     env = {**os.environ, **db.env, "TEST_DIR": str(Path(__file__).parent), "PYTHONPATH": str(ROOT),
            "ARGS": json.dumps({"kind": kind, "world": world.path, "saver": saver_kind, "saver_path": saver_path,
                                "thread": thread})}
@@ -594,8 +604,8 @@ def test_resume_decided_resumes_only_fully_decided_threads(undolog: Any, world: 
     a, b = cfg(), cfg()
     graph.invoke(user("delete only"), a)
     graph.invoke(user("two gated"), b)
-    undolog.approvals.approve(graph.get_state(a).interrupts[0].value["approval_request_id"], approver="ana")
-    first_b = graph.get_state(b).interrupts[0].value["approval_request_id"]
+    undolog.approvals.approve(graph.get_state(a).interrupts[0].value["undolog"]["approval_request_id"], approver="ana")
+    first_b = graph.get_state(b).interrupts[0].value["undolog"]["approval_request_id"]
     undolog.approvals.approve(first_b, approver="ana")
     done = resume_decided(graph, undolog=undolog)
     assert list(done) == [a["configurable"]["thread_id"]]

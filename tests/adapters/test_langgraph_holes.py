@@ -54,13 +54,13 @@ def test_approved_sibling_never_runs_once_the_session_is_halted_by_a_reject(undo
 
     graph.invoke({"messages": [{"role": "user", "content": "two gated"}]}, c)
     [intr] = graph.get_state(c).interrupts
-    first, second = intr.value["requests"]
+    first, second = intr.value["undolog"]["requests"]
     assert (first["args"]["user_id"], second["args"]["user_id"]) == ("u-1042", "u-3003")
 
     # Resume 1: approve the second only. The node claims it, sees the first still undecided, and releases it.
     graph.invoke(Command(resume={"decisions": {second["approval_request_id"]: ANA}}), c)
     [left] = graph.get_state(c).interrupts
-    assert [r["approval_request_id"] for r in left.value["requests"]] == [first["approval_request_id"]]
+    assert [r["approval_request_id"] for r in left.value["undolog"]["requests"]] == [first["approval_request_id"]]
     assert undolog.approvals.get(second["approval_request_id"]).state == "approved"
     # Today the node claims it and hands it back ("released"); a fix may as well leave it unclaimed ("approved").
     waiting = [e for e in undolog.sessions.effects(thread) if e["call_id"] == second["tool_call_id"]]

@@ -532,7 +532,8 @@ def test_refresh_awaiting_follows_the_pending_requests(undolog):
 
 def test_state_enums_are_the_stored_strings():
     assert t.SESSION_STATES == ("active", "awaiting_approval", "halted", "rolling_back", "rolled_back", "completed")
-    assert t.REQUEST_STATES == ("pending", "approved", "rejected", "timed_out", "auto_approved", "cancelled", "expired")
+    assert t.REQUEST_STATES == ("pending", "approved", "rejected", "timed_out", "auto_approved", "cancelled", "expired",
+                                "responded")
     assert t.UNDO_STATES == ("armed", "compensating", "compensated", "compensation_failed")
     assert set(t.EFFECT_STATES) == {s.value for s in EffectState} and "released" in t.EFFECT_STATES
     assert "expired" in t.EFFECT_STATES

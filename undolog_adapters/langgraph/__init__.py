@@ -6,8 +6,10 @@ Every tool call the graph makes goes through UndoLog's engine first:
 * COMPENSABLE tools run with an undo entry; if one fails, the session is rolled back per policy and
   the model is told what was undone;
 * IRREVERSIBLE tools pause the graph with LangGraph's own ``interrupt()`` until a person decides,
-  either in the resume value (``Command(resume={"decision": "approve", "approver": "ana"})``) or
-  elsewhere (CLI, REST, dashboard) followed by ``Command(resume=undolog_resume(graph, config))``.
+  either in the resume value, in LangChain's human-in-the-loop vocabulary (``Command(resume={"type":
+  "approve"})``; the pause is a ``ToolApprovalRequest`` or an ``HITLRequest``) or in UndoLog's own
+  (``{"decision": "approve", "approver": "ana"}``), or elsewhere (CLI, REST, dashboard) followed by
+  ``Command(resume=undolog_resume(graph, config))``.
 
 The UndoLog session is the LangGraph thread (``thread_id``) and the tool call id is UndoLog's
 ``call_id``: LangGraph re-runs a whole interrupted node on resume, and UndoLog's call-id
@@ -39,7 +41,14 @@ except ImportError as exc:  # exercised by tests/adapters/test_common.py with La
 
 from ._middleware import UndoLogMiddleware
 from ._node import UndoLogToolNode
-from ._payload import APPROVAL_INTERRUPT_TYPE, ApprovalDecision, ApprovalDecisions  # noqa: F401 - public since 0.1
+from ._payload import (
+    ALLOWED_DECISIONS,
+    APPROVAL_INTERRUPT_TYPE,
+    RESPONSE_SCHEMA,
+    ApprovalDecision,
+    ApprovalDecisions,
+    HITLDecision,
+)
 from ._resume import (
     aresume_decided,
     arollback,
@@ -52,8 +61,12 @@ from ._resume import (
 )
 
 __all__ = [
+    "ALLOWED_DECISIONS",
     "APPROVAL_INTERRUPT_TYPE",
+    "RESPONSE_SCHEMA",
     "ApprovalDecision",
+    "ApprovalDecisions",
+    "HITLDecision",
     "UndoLogMiddleware",
     "UndoLogPolicy",
     "UndoLogToolNode",

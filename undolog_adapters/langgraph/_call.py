@@ -23,7 +23,7 @@ from undolog_core.storage.pool import WouldBlock
 
 from ._guard import _Guard, _Reply, _Run
 from ._payload import _Pause
-from ._tools import _CAPTURE, _Box, _result_of
+from ._tools import _CAPTURE, _Box, _result_of, emit, rollback_events
 
 
 @dataclass
@@ -204,6 +204,8 @@ def _settled(guard: _Guard, batch: _Batch | None, call_id: str | None, request: 
              outcome: Outcome) -> Any:
     """The node's answer for a call the driver ran: the tool's message, or the failure and what was undone."""
     ex, sid = step.execute, step.session_id
+    for name, data in rollback_events(outcome.rollback, ex.effect_id):
+        emit(name, data)  # the run's callbacks see each compensation (LangSmith shows what was undone)
     exc = outcome.error
     if exc is not None and (ex.effect_id is None or not isinstance(exc, Exception)):
         # SAFE: ToolNode's own error handling already decided to raise it; and an interrupt of the process

@@ -8,6 +8,7 @@ call sequence itself (run, complete, fail, release) is in ``_call``. Imports Lan
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,16 +16,27 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool
+from langchain_core.tools import tool as as_tool
+from langgraph.config import get_config
 from langgraph.types import interrupt
+from pydantic import BaseModel
 
-from undolog_core import AwaitingApproval, Completed, Execute, ToolTier, errors
+from undolog_core import AwaitingApproval, Completed, Execute, OnFailure, ToolTier, errors
 from undolog_core._tools import tool_name_of
 from undolog_core.storage.pool import WouldBlock
 
 from .._common import Registrar, TierValue, failure_text, refusal_text, rollback_outcome
-from ._payload import _ONE, ApprovalDecision, ApprovalDecisions, _Pause, payload
+from ._payload import (
+    RESPONSE_SCHEMA,
+    ApprovalDecisions,
+    _Pause,
+    asking,
+    decisions_for,
+    done_asking,
+    payload,
+)
 from ._sessions import _chain, _chain_index
-from ._tools import _Box, _capturing, _content_of, _declaration, _function_of, _sibling_call_ids
+from ._tools import _Box, _capturing, _content_of, _declaration, _function_of, _sibling_call_ids, emit
 
 if TYPE_CHECKING:
     from undolog_core import UndoLog
@@ -54,13 +66,20 @@ class _Guard:
         tiers: Mapping[str, TierValue] | None,
         compensations: Iterable[Callable[..., Any]],
         agent_id: str,
-        on_failure: str,
+        on_failure: OnFailure | str,
         session_id: Callable[[Mapping[str, Any]], str] | None,
+        approver: str | Callable[[Mapping[str, Any]], str | None] | None = None,
     ) -> None:
+        # Checked here, when the adapter is built, not when the first tool fails.
+        self.on_failure = OnFailure.coerce(on_failure).value
+        if approver is not None and not callable(approver) and not (isinstance(approver, str) and approver.strip()):
+            raise errors.ConfigurationError(
+                f"approver must be a name or a function of the run's config returning one, got {approver!r}"
+            )
         self.registrar = Registrar(undolog, tiers=tiers, compensations=compensations)
         self.u = undolog
         self.agent_id = agent_id
-        self.on_failure = on_failure
+        self.approver = approver
         self.session_fn = session_id
         self.names: dict[str, str] = {}  # LangChain tool name -> UndoLog tool name
         self.heads: dict[str, int] = {}
@@ -97,11 +116,18 @@ class _Guard:
     def _register(self, name: str, tool: Any) -> str:
         fn = _function_of(tool)
         if self.registrar.policy(name) is not None:
-            schema = getattr(tool, "tool_call_schema", None) if isinstance(tool, BaseTool) else None
+            schema = getattr(tool, "tool_call_schema", None) if isinstance(tool, BaseTool) else _model_schema(tool)
             self.registrar.register(name, fn if fn is not None else tool, args_schema=schema)
             return name
         target = fn if _declaration(fn) is not None else tool
         if _declaration(target) is not None:
+            schema = _model_schema(tool)
+            if schema is not None:
+                # The tool takes values LangChain injects (ToolRuntime, InjectedState, InjectedStore,
+                # InjectedToolCallId, a RunnableConfig): UndoLog validates, snapshots and digests only what the
+                # model sends (LangChain's tool_call_schema); the tool still gets its injected values from ToolNode.
+                spec = self.u.registry.register([(target, _declaration(target), {"args_schema": schema})])[0]
+                return spec.name
             # The whole declaration (composite members, probe...) is registered, under its own name.
             specs = self.u.register(target)
             return str(getattr(specs[0], "name", name)) if specs and specs[0] is not None else name
@@ -290,28 +316,39 @@ class _Guard:
 
     # -- approvals -------------------------------------------------------------------------------------
 
-    def ask(self, pauses: Sequence[_Pause], error: str | None) -> str | None:
-        """Pause the graph for ``pauses``; on resume, record the decisions and return any problem."""
-        schema: Any = _ONE if len(pauses) == 1 else ApprovalDecisions
-        value = interrupt(payload(pauses, error), response_schema=schema)
+    def approver_for(self, config: Mapping[str, Any]) -> str | None:
+        """Who answers a decision that names nobody: LangGraph's authenticated user, else the adapter's ``approver``."""
+        user = (config.get("configurable") or {}).get("langgraph_auth_user")
+        identity = user.get("identity") if isinstance(user, Mapping) else getattr(user, "identity", None)
+        if identity:
+            return str(identity)
+        if callable(self.approver):
+            who = self.approver(config)
+            return None if who is None else str(who)
+        return self.approver
+
+    def ask(self, pauses: Sequence[_Pause], error: str | None, *, batched: bool = False) -> str | None:
+        """Pause the graph for ``pauses``; on resume, record the decisions and return any problem.
+
+        ``batched``: one ``HITLRequest`` for the message's calls (``UndoLogToolNode``), else one
+        ``ToolApprovalRequest`` (the middleware). The answer is checked inside ``interrupt()``, before LangGraph
+        saves it: its approver is found from this run's config, an edit is pinned to its tool.
+        """
+        schema: Any = RESPONSE_SCHEMA if len(pauses) == 1 else ApprovalDecisions
+        try:
+            config: Mapping[str, Any] = get_config()
+        except RuntimeError:
+            config = {}
+        value_ = payload(pauses, error, batched=batched, undo_plan=self.u.saga.undo_plan(pauses[0].session_id))
+        token = asking([p.awaiting.tool_name for p in pauses], lambda: self.approver_for(config))
+        try:
+            value = interrupt(value_, response_schema=schema)
+        finally:
+            done_asking(token)
         return self.apply(value, [p.awaiting for p in pauses])
 
     def apply(self, value: Any, pending: Sequence[AwaitingApproval]) -> str | None:
-        if isinstance(value, ApprovalDecisions):
-            value = value.decisions
-        pairs: list[tuple[AwaitingApproval, ApprovalDecision]] = []
-        problems: list[str] = []
-        if isinstance(value, ApprovalDecision):
-            pairs = [(pending[0], value)]
-        else:
-            for a in pending:
-                dec = value.get(a.approval_request_id) or (value.get(a.call_id) if a.call_id else None)
-                if dec is not None:
-                    pairs.append((a, dec))
-            if not pairs:
-                problems.append(
-                    "no decision matched a pending request; key the map by approval_request_id (or tool_call_id)"
-                )
+        pairs, problems = decisions_for(value, pending)
         # Approvals before rejections: a rejection halts the session and cancels what is still pending.
         pairs.sort(key=lambda p: p[1].decision == "reject")
         for a, dec in pairs:
@@ -330,6 +367,9 @@ class _Guard:
                     self.u.approvals.approve(a.approval_request_id, approver=approver, reason=dec.reason)
                 elif dec.decision == "reject":
                     self.u.approvals.reject(a.approval_request_id, approver=approver, reason=dec.reason or "")
+                elif dec.decision == "respond":
+                    self.u.approvals.respond(a.approval_request_id, approver=approver, response=dec.response or "",
+                                             reason=dec.reason)
                 else:
                     self.u.approvals.modify(a.approval_request_id, approver=approver, args=dec.args or {},
                                             reason=dec.reason)
@@ -337,4 +377,29 @@ class _Guard:
                 continue  # decided elsewhere first (or on an earlier run): the store is the authority
             except errors.UndoLogError as exc:
                 problems.append(f"{a.tool_name} ({a.approval_request_id}): {exc.message}")
+                continue
+            emit("undolog.approval_decision", {
+                "approval_request_id": a.approval_request_id, "tool": a.tool_name, "tool_call_id": a.call_id,
+                "effect_id": a.effect_id, "decision": dec.decision, "approver": approver, "reason": dec.reason,
+                "args": dec.args, "response": dec.response,
+            })
         return "; ".join(problems) or None
+
+
+def _model_schema(tool: Any) -> Any:
+    """LangChain's ``tool_call_schema`` when the tool takes values the model never sends (injected ones), else None."""
+    if not isinstance(tool, BaseTool):
+        try:
+            tool = as_tool(tool)  # as ToolNode and create_agent do with a plain function
+        except Exception:  # noqa: BLE001 - not convertible here: the function's own signature stays the schema
+            return None
+    schema = getattr(tool, "tool_call_schema", None)
+    fn = _function_of(tool)
+    if not (isinstance(schema, type) and issubclass(schema, BaseModel)) or fn is None:
+        return None
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+    takes = {n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in ("self", "cls")}
+    return schema if takes - set(schema.model_fields) else None

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import BaseTool
 
-from undolog_core import SessionState, errors
+from undolog_core import OnFailure, SessionState, errors
 from undolog_core.storage.pool import WouldBlock
 
 from .._common import TierValue, halted_text, missing_extra
@@ -45,7 +45,7 @@ class UndoLogMiddleware(AgentMiddleware):
     Args:
         undolog: the ``UndoLog`` instance.
         tools: the agent's tools, to check tiers at construction.
-        tiers / compensations / agent_id / on_failure / session_id: as for :class:`UndoLogToolNode`.
+        tiers / compensations / agent_id / on_failure / session_id / approver: as for :class:`UndoLogToolNode`.
 
     Example:
         >>> agent = create_agent(model, [search, send_refund_email, delete_user_account],
@@ -63,14 +63,15 @@ class UndoLogMiddleware(AgentMiddleware):
         tiers: Mapping[str, TierValue] | None = None,
         compensations: Iterable[Callable[..., Any]] = (),
         agent_id: str = "langchain-agent",
-        on_failure: str = "rollback",
+        on_failure: OnFailure | str = OnFailure.ROLLBACK,
         session_id: Callable[[Mapping[str, Any]], str] | None = None,
+        approver: str | Callable[[Mapping[str, Any]], str | None] | None = None,
     ) -> None:
         if not _HAVE_LANGCHAIN:  # pragma: no cover
             raise ImportError(missing_extra("UndoLogMiddleware", "LangChain", "langgraph"))
         super().__init__()
         self._undolog_guard = _Guard(undolog, tiers=tiers, compensations=compensations, agent_id=agent_id,
-                                     on_failure=on_failure, session_id=session_id)
+                                     on_failure=on_failure, session_id=session_id, approver=approver)
         self._checked = False
         if tools is not None:
             self._undolog_guard.classify(tools)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from langchain_core.tools import BaseTool
 from langgraph.prebuilt import ToolNode
 
-from undolog_core import ToolTier, errors
+from undolog_core import OnFailure, ToolTier, errors
 
 from .._common import TierValue
 from ._call import _BATCH, _REFUSED, _admitted, _Batch, arun_call, run_call
@@ -49,7 +49,11 @@ class UndoLogToolNode(ToolNode):
         compensations: compensation functions to register (those of decorated tools): ``@compensation``
             ones, or plain functions registered under their ``__name__``.
         agent_id: recorded on the sessions this node opens.
-        on_failure: ``"rollback"`` (default) or ``"continue"`` when a COMPENSABLE/IRREVERSIBLE tool fails.
+        on_failure: ``OnFailure.ROLLBACK`` / ``"rollback"`` (default) or ``"continue"`` when a COMPENSABLE or
+            IRREVERSIBLE tool fails; anything else is refused here, at construction.
+        approver: who answers a LangChain-style decision (``{"type": "approve"}`` names nobody) when LangGraph's
+            auth gives no ``langgraph_auth_user``: a name, or ``fn(config) -> name``. With neither, such an answer
+            is refused (nothing saved) and can be sent again in UndoLog's form, with ``approver``.
         session_id: ``fn(config) -> str`` if the session is not the thread id; a run can also pass
             ``configurable={"undolog_session_id": ...}``.
         wrap_tool_call / awrap_tool_call: your own wrappers; they run inside UndoLog's.
@@ -69,14 +73,15 @@ class UndoLogToolNode(ToolNode):
         tiers: Mapping[str, TierValue] | None = None,
         compensations: Iterable[Callable[..., Any]] = (),
         agent_id: str = "langgraph",
-        on_failure: str = "rollback",
+        on_failure: OnFailure | str = OnFailure.ROLLBACK,
         session_id: Callable[[Mapping[str, Any]], str] | None = None,
+        approver: str | Callable[[Mapping[str, Any]], str | None] | None = None,
         wrap_tool_call: Callable[..., Any] | None = None,
         awrap_tool_call: Callable[..., Any] | None = None,
         **kwargs: Any,
     ) -> None:
         guard = _Guard(undolog, tiers=tiers, compensations=compensations, agent_id=agent_id,
-                       on_failure=on_failure, session_id=session_id)
+                       on_failure=on_failure, session_id=session_id, approver=approver)
         guard.classify(tools)  # before the graph exists: nothing runs unclassified
         self._undolog_guard = guard
 
@@ -129,7 +134,7 @@ class UndoLogToolNode(ToolNode):
                     if not batch.pending:
                         return out
                     pauses = self._ordered(input, batch)  # decided, then re-opened meanwhile: ask again
-                error = self._undolog_guard.ask(pauses, error)
+                error = self._undolog_guard.ask(pauses, error, batched=True)
         finally:
             self._release_gated(batch)
             _BATCH.reset(token)
@@ -147,7 +152,7 @@ class UndoLogToolNode(ToolNode):
                     if not batch.pending:
                         return out
                     pauses = self._ordered(input, batch)
-                error = self._undolog_guard.ask(pauses, error)
+                error = self._undolog_guard.ask(pauses, error, batched=True)
         finally:
             self._release_gated(batch)
             _BATCH.reset(token)

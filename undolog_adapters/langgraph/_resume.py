@@ -13,8 +13,10 @@ from langgraph.types import Command
 from undolog_core import RequestState, errors
 
 from ._payload import ours as _ours
+from ._payload import requests_of as _requests_of
 from ._payload import resume_value_for as _resume_value_for
 from ._sessions import _ADAPTERS, _base_of, _chain, _chain_index, _default_undolog, _thread, _thread_config
+from ._tools import emit, rollback_events
 
 if TYPE_CHECKING:
     from undolog_core import UndoLog
@@ -69,14 +71,20 @@ def rollback(thread_id: str, *, undolog: UndoLog | None = None, reason: str | No
     """
     u = _default_undolog(undolog)
     sid = session_for_thread(thread_id, undolog=u)
-    return u.saga.rollback_sync(sid, reason=reason or "requested by the graph", actor="langgraph")
+    report = u.saga.rollback_sync(sid, reason=reason or "requested by the graph", actor="langgraph")
+    for name, data in rollback_events(report, None):
+        emit(name, data)  # inside a graph's node: the run's callbacks see what was undone
+    return report
 
 
 async def arollback(thread_id: str, *, undolog: UndoLog | None = None, reason: str | None = None) -> Any:
     """Async :func:`rollback`."""
     u = _default_undolog(undolog)
     sid = session_for_thread(thread_id, undolog=u)
-    return await u.saga.rollback(sid, reason=reason or "requested by the graph", actor="langgraph")
+    report = await u.saga.rollback(sid, reason=reason or "requested by the graph", actor="langgraph")
+    for name, data in rollback_events(report, None):
+        emit(name, data)
+    return report
 
 
 def undolog_resume(graph: Any, config: Mapping[str, Any], *, undolog: UndoLog | None = None) -> dict[str, Any]:
@@ -115,7 +123,7 @@ def _decided_threads(u: UndoLog, thread_ids: Iterable[str] | None) -> list[str]:
         return list(dict.fromkeys(str(t) for t in thread_ids))
     sessions: dict[str, None] = {}
     for state in (RequestState.APPROVED, RequestState.REJECTED, RequestState.TIMED_OUT, RequestState.AUTO_APPROVED,
-                  RequestState.CANCELLED):
+                  RequestState.CANCELLED, RequestState.RESPONDED):
         for rec in u.approvals.list(state=state):
             sessions[rec.session_id] = None
     return list(dict.fromkeys(_base_of(s) for s in sessions))
@@ -123,7 +131,7 @@ def _decided_threads(u: UndoLog, thread_ids: Iterable[str] | None) -> list[str]:
 
 def _all_decided(u: UndoLog, interrupts: Sequence[Any]) -> bool:
     for i in interrupts:
-        for req in i.value.get("requests") or [i.value]:
+        for req in _requests_of(i.value):
             if u.approvals.get(req["approval_request_id"]).state == RequestState.PENDING:
                 return False
     return True

@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from langchain_core.callbacks import dispatch_custom_event
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import BaseTool
 
@@ -129,3 +130,30 @@ def _sibling_call_ids(request: Any) -> set[str]:
         if call_id in ids:
             return {i for i in ids if i}
     return {call_id} if call_id else set()
+
+
+def emit(name: str, data: dict[str, Any]) -> None:
+    """Tell the run's callbacks (LangSmith and other tracers) what UndoLog did, as a LangChain custom event.
+
+    Outside a run (no parent run to attach the event to) there is nobody to tell, and nothing is sent.
+    """
+    try:
+        dispatch_custom_event(name, data)
+    except RuntimeError:
+        pass
+
+
+def rollback_events(report: Any, failed: str | None) -> list[tuple[str, dict[str, Any]]]:
+    """The custom events of one rollback: a step per compensation run (newest first), then the rollback's end."""
+    if report is None:
+        return []
+    events: list[tuple[str, dict[str, Any]]] = [
+        ("undolog.compensation", {"session_id": report.session_id, **dict(step.__dict__)}) for step in report.steps
+    ]
+    events.append(("undolog.rollback", {
+        "session_id": report.session_id, "failed_effect_id": failed, "complete": report.complete,
+        "halted_reason": report.halted_reason, "compensated": sum(1 for st in report.steps
+                                                                  if st.outcome == "compensated"),
+        "kept_irreversible": list(report.kept_irreversible),
+    }))
+    return events

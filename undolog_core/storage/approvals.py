@@ -13,11 +13,12 @@ from sqlalchemy.engine import Connection
 
 from .._tools import canonical_json, sha256_hex
 from ..errors import ApprovalAlreadyDecided, ApprovalNotFound, UndoLogError
+from ..limits import PREVIEW_CHARS, TRUNCATED
 from . import schema as t
 from .audit import PendingEvent
 from .base import Store
 from .records import ApprovalEvent, ApprovalRecord, ExpiredRequest, OrgPolicy, StateChange
-from .schema import EffectState, RequestState, SessionState
+from .schema import DecisionKind, EffectState, RequestState, SessionState
 
 if TYPE_CHECKING:
     from .audit import OutboxItem
@@ -26,11 +27,35 @@ if TYPE_CHECKING:
 #: paid once per few hundred timeouts, small enough that a transaction stays short (a few tens of ms).
 EXPIRE_BATCH = 250
 #: What a person may decide, and the audit action each one is recorded as.
-DECISIONS = ("approve", "modify", "reject")
+DECISIONS = tuple(d.value for d in DecisionKind)
 #: A request that may still lead to a run: cancelling it stops that run.
 _OPEN = (RequestState.PENDING, RequestState.APPROVED, RequestState.AUTO_APPROVED)
 #: An effect that has not run (or was handed back without running): a cancelled request cancels it.
 _CANCELLABLE_EFFECT = (EffectState.AWAITING_APPROVAL, EffectState.APPROVED, EffectState.RELEASED)
+
+
+_BLOBS = ("proposed_args", "approved_args", "agent_context")
+
+
+class _Brief:
+    """A row read with previews in place of its blobs, shaped like a full row for ``_record``."""
+
+    def __init__(self, row: Any) -> None:
+        self.__dict__.update(row._mapping)
+
+
+def _previewed(row: Any) -> Any:
+    out = _Brief(row)
+    for name in _BLOBS:
+        text = getattr(out, name)
+        if text is None:
+            continue
+        if len(text) > PREVIEW_CHARS:
+            marker = {TRUNCATED: {"reason": "preview", "preview": text[:PREVIEW_CHARS]}}
+            setattr(out, name, [marker] if name == "agent_context" else marker)
+        else:
+            setattr(out, name, json.loads(text))
+    return out
 
 
 def _record(row: Any) -> ApprovalRecord:
@@ -90,10 +115,21 @@ class ApprovalsSQL(Store):
         tool_name: str | None = None,
         limit: int = 500,
         offset: int = 0,
+        brief: bool = False,
     ) -> builtins.list[ApprovalRecord]:
-        """Requests newest first (ties by id, so pages do not overlap); ``offset`` skips that many."""
+        """Requests newest first (ties by id, so pages do not overlap); ``offset`` skips that many.
+
+        ``brief``: the arguments and the agent context are read as previews (at most ``PREVIEW_CHARS`` of their JSON
+        text, cut in the database), so a listing never moves a large stored argument.
+        """
         r = t.approval_requests
-        q = sa.select(r).order_by(r.c.created_at.desc(), r.c.approval_request_id.desc()).limit(limit).offset(offset)
+        cols: builtins.list[Any] = list(r.c)
+        if brief:
+            cols = [c for c in cols if c.name not in _BLOBS]
+            for name in _BLOBS:
+                text = sa.cast(r.c[name], sa.Text)
+                cols.append(sa.func.substr(text, 1, PREVIEW_CHARS + 1).label(name))
+        q = sa.select(*cols).order_by(r.c.created_at.desc(), r.c.approval_request_id.desc()).limit(limit).offset(offset)
         if state:
             q = q.where(r.c.state == state)
         if session_id:
@@ -101,7 +137,7 @@ class ApprovalsSQL(Store):
         if tool_name:
             q = q.where(r.c.tool_name == tool_name)
         with self.read() as conn:
-            return [_record(x) for x in conn.execute(q)]
+            return [_record(_previewed(x) if brief else x) for x in conn.execute(q)]
 
     def get_request(self, approval_request_id: str) -> ApprovalRecord | None:
         r = t.approval_requests
@@ -142,12 +178,14 @@ class ApprovalsSQL(Store):
         reason: str | None,
         now: dt.datetime,
         approved_args: Mapping[str, Any] | None = None,
+        response: str | None = None,
     ) -> builtins.list[StateChange]:
         """Record a person's decision in one transaction: the request, its effect, the audit event with its
         ``approval.decided`` outbox row and, on a rejection, the session halted with its other pending requests
         cancelled. Returns the session state changes.
 
-        ``action`` is one of ``DECISIONS``; ``modify`` needs ``approved_args`` (already validated).
+        ``action`` is one of ``DECISIONS``; ``modify`` needs ``approved_args`` (already validated); ``respond`` needs
+        ``response`` (the person's answer, stored as the call's result: the tool never runs).
 
         Raises:
             ApprovalNotFound: no such request.
@@ -157,6 +195,8 @@ class ApprovalsSQL(Store):
             raise UndoLogError(f"unknown decision {action!r}; known: {', '.join(DECISIONS)}")
         if action == "modify" and approved_args is None:
             raise UndoLogError("a modify decision needs the edited arguments")
+        if action == "respond" and response is None:
+            raise UndoLogError("a respond decision needs the response (the text that stands in for the result)")
         r, e = t.approval_requests, t.effect_log
         with self.tx() as conn:
             req = conn.execute(
@@ -185,6 +225,21 @@ class ApprovalsSQL(Store):
                     .values(state=EffectState.APPROVED, updated_at=now)
                 )
                 decided = RequestState.APPROVED
+            elif action == "respond":
+                payload["response"] = response
+                conn.execute(
+                    r.update().where(*pending).values(
+                        state=RequestState.RESPONDED, decided_at=now, decided_by=approver, decision_reason=reason
+                    )
+                )
+                # The tool never runs: its effect ends cancelled, with the person's answer as its result (what a
+                # re-issued call replays).
+                conn.execute(
+                    e.update().where(e.c.effect_id == req.effect_id, e.c.state == EffectState.AWAITING_APPROVAL)
+                    .values(state=EffectState.CANCELLED, result_snapshot=response,
+                            error=f"answered by {approver} in the tool's place; the tool did not run", updated_at=now)
+                )
+                decided = RequestState.RESPONDED
             else:
                 conn.execute(
                     r.update().where(*pending).values(

@@ -9,6 +9,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Dialect
 
+from ..errors import ConfigurationError
+
 metadata = sa.MetaData()
 
 
@@ -83,6 +85,40 @@ class RequestState(enum.StrEnum):
     AUTO_APPROVED = "auto_approved"
     CANCELLED = "cancelled"
     EXPIRED = "expired"  # approved, but the call was not re-issued in time (approved_ttl_seconds)
+    # A person answered in the tool's place (LangChain's ``respond``): the tool never runs, and the person's text is
+    # the call's result. Its effect is ``cancelled`` (it never ran) and holds that text as its result.
+    RESPONDED = "responded"
+
+
+class DecisionKind(enum.StrEnum):
+    """What a person may decide on a pending request; each is recorded as the audit event of the same name."""
+
+    APPROVE = "approve"
+    MODIFY = "modify"
+    REJECT = "reject"
+    RESPOND = "respond"
+
+
+class OnFailure(enum.StrEnum):
+    """What a session does when a COMPENSABLE or IRREVERSIBLE call fails. Values are what the database stores.
+
+    Example:
+        >>> OnFailure.coerce("continue")
+        <OnFailure.CONTINUE: 'continue'>
+    """
+
+    ROLLBACK = "rollback"  # roll the session back, newest first (the default)
+    CONTINUE = "continue"  # record the failure and let the caller decide
+
+    @classmethod
+    def coerce(cls, value: OnFailure | str) -> OnFailure:
+        """``value`` as an ``OnFailure``; anything else is refused naming the values allowed."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigurationError(
+                f"on_failure must be one of {', '.join(repr(v.value) for v in cls)}, got {value!r}"
+            ) from None
 
 
 SESSION_STATES = tuple(s.value for s in SessionState)
@@ -126,7 +162,7 @@ sessions = sa.Table(
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("updated_at", UTCDateTime, nullable=False),
     sa.CheckConstraint(_in("state", SESSION_STATES), name="ck_undolog_sessions_state"),
-    sa.CheckConstraint("on_failure IN ('rollback', 'continue')", name="ck_undolog_sessions_on_failure"),
+    sa.CheckConstraint(_in("on_failure", tuple(v.value for v in OnFailure)), name="ck_undolog_sessions_on_failure"),
 )
 
 # A 64-bit sequence on PostgreSQL; exactly INTEGER on SQLite, where that makes it the rowid.
@@ -285,7 +321,8 @@ approval_events = sa.Table(
     sa.Column("approval_request_id", sa.String(64)),
     sa.Column("subject", sa.String(300), nullable=False),
     sa.Column("action", sa.String(64), nullable=False),
-    sa.Column("actor", sa.String(200), nullable=False),
+    # Wider than the identity rule (200): UndoLog's own prefixes ride on it (``agent:<session id>``).
+    sa.Column("actor", sa.String(300), nullable=False),
     sa.Column("payload", sa.Text, nullable=False),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("prev_hash", sa.String(64), nullable=False),

@@ -25,6 +25,8 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Dialect, Engine
 
+from undolog_core.limits import MAX_ID_LENGTH
+
 
 class UTCDateTime(sa.types.TypeDecorator[datetime]):
     """Aware UTC datetimes on both databases (SQLite keeps no zone, so it is stored naive UTC).
@@ -247,6 +249,11 @@ def hash_secret(secret: str) -> str:
     return "sha256:" + hashlib.sha256(secret.encode()).hexdigest()
 
 
+KEY_ID_BYTES = 6
+#: The longest key name: its identity ``<name> (key <12 hex>)`` then fits the core's one length rule.
+KEY_NAME_MAX = MAX_ID_LENGTH - len(" (key )") - 2 * KEY_ID_BYTES
+
+
 @dataclass(frozen=True)
 class ApiKey:
     """A stored API key (never holds the secret)."""
@@ -375,7 +382,11 @@ class ServerStore:
             raise ValueError(f"roles must be a non-empty subset of {', '.join(ROLES)}; got {roles}")
         if not name.strip():
             raise ValueError("a key needs a name")
-        key_id = secrets.token_hex(6)
+        if len(name) > KEY_NAME_MAX:
+            # The holder's identity, "<name> (key <id>)", is what decisions record; it must fit the one length rule.
+            raise ValueError(f"a key name has at most {KEY_NAME_MAX} characters (the recorded identity "
+                             f"'<name> (key <id>)' must fit {MAX_ID_LENGTH}); got {len(name)}")
+        key_id = secrets.token_hex(KEY_ID_BYTES)
         secret = secrets.token_urlsafe(32)
         now = utcnow()
         with self.core.tx() as conn:

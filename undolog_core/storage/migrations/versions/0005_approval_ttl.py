@@ -21,8 +21,11 @@ down_revision = "0004_rollback_intent"
 branch_labels = None
 depends_on = None
 
+# The states this revision knows: later revisions' states (0006's "responded") are theirs to add and remove.
+_LATER = ("responded",)
 _OLD_EFFECT_STATES = tuple(v for v in s.EFFECT_STATES if v != "expired")
-_OLD_REQUEST_STATES = tuple(v for v in s.REQUEST_STATES if v != "expired")
+_OLD_REQUEST_STATES = tuple(v for v in s.REQUEST_STATES if v not in ("expired", *_LATER))
+_REQUEST_STATES = tuple(v for v in s.REQUEST_STATES if v not in _LATER)
 _CHECKS = (
     ("undolog_effect_log", "ck_undolog_effect_state"),
     ("undolog_approval_requests", "ck_undolog_approval_state"),
@@ -35,7 +38,7 @@ def upgrade() -> None:
     if "approved_ttl_seconds" not in columns:
         op.add_column("undolog_org_policy", sa.Column("approved_ttl_seconds", sa.Integer, nullable=False,
                                                       server_default=str(24 * 3600)))
-    _set_checks(bind, s.EFFECT_STATES, s.REQUEST_STATES)
+    _set_checks(bind, s.EFFECT_STATES, _REQUEST_STATES)
 
 
 def downgrade() -> None:

@@ -5,8 +5,8 @@ Indexes: sessions newest first (the sessions lists) and requests by state newest
 None on the sessions' state and age for gc: the pre-write that carries a session's call count updates
 ``updated_at``, and an index on it would cost that hot statement an index update.
 
-Revision ID: 0006_archive
-Revises: 0005_approval_ttl
+Revision ID: 0008_archive
+Revises: 0007_identity_widths
 """
 
 import sqlalchemy as sa
@@ -14,8 +14,8 @@ from alembic import op
 
 from undolog_core.storage import schema as s
 
-revision = "0006_archive"
-down_revision = "0005_approval_ttl"
+revision = "0008_archive"
+down_revision = "0007_identity_widths"
 branch_labels = None
 depends_on = None
 
