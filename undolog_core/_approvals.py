@@ -12,8 +12,16 @@ from . import _observe as obs
 from ._tools import build_args_model, canonical_json, check_json_schema, sha256_hex
 from .errors import ApprovalAlreadyDecided, ApprovalNotFound, ArgumentsInvalid, UndoLogError
 from .limits import check_identity, clean_text, input_problem
+from .storage.approvals import EXPIRE_BATCH
 from .storage.base import utcnow
-from .storage.records import ApprovalEvent, ApprovalRecord, RequestState, SessionState, StateChange
+from .storage.records import (
+    ApprovalEvent,
+    ApprovalRecord,
+    ExpiredRequest,
+    RequestState,
+    SessionState,
+    StateChange,
+)
 from .storage.schema import DecisionKind
 
 if TYPE_CHECKING:
@@ -234,7 +242,7 @@ class ApprovalService:
         return done
 
     @staticmethod
-    def _logged(rec: ApprovalRecord, decision: str) -> None:
+    def _logged(rec: ApprovalRecord | ExpiredRequest, decision: str) -> None:
         """A decision's log record and metrics: who decided what, and how long the call waited."""
         level = logging.WARNING if decision in ("reject", "timeout") else logging.INFO
         if obs.approvals_log.isEnabledFor(level):
@@ -245,6 +253,16 @@ class ApprovalService:
                 extra=obs.ids(rec.session_id, rec.effect_id, rec.approval_request_id))
         obs.count_decision(decision, rec.tool_name, rec.created_at, rec.decided_at)
 
+    def _settled(self, got: builtins.list[ExpiredRequest], changes: builtins.list[StateChange]) -> None:
+        """A sweep batch's logs, metrics and cache updates (from what the batch returned: nothing is read back)."""
+        why: dict[str, str] = {}
+        for rec in got:
+            self._logged(rec, "auto_approve" if rec.state is RequestState.AUTO_APPROVED else "timeout")
+            why.setdefault(rec.session_id, f"approval request {rec.approval_request_id} ({rec.tool_name}) timed "
+                                           "out without a decision")
+        for change in changes:
+            self._changed([change], why.get(change.session_id, ""))
+
     def cancel(self, conn: Any, request_id: str, effect_id: str, why: str, now: dt.datetime) -> None:
         """Cancel a request (and its effect if it has not run) inside the caller's transaction (the engine's and
         the saga's); ``Storage.cancel_request_in``."""
@@ -253,27 +271,36 @@ class ApprovalService:
     # -- timeouts ------------------------------------------------------------------------------------
 
     def expire_due(self, now: dt.datetime | None = None) -> builtins.list[str]:
-        """Apply the timeout to every pending request past ``timeout_at``; returns their ids.
+        """Apply the timeout to every pending request past ``timeout_at``; returns the ids timed out or
+        auto-approved here.
 
-        Several processes may call it at once: on PostgreSQL rows are claimed with SKIP LOCKED, and each
-        request's state change is conditional, so each timeout is applied exactly once.
+        Due requests are claimed in batches of ``storage.EXPIRE_BATCH`` (one transaction, one audit-chain lock
+        each). Several processes may call it at once: on PostgreSQL each batch is claimed with SKIP LOCKED and
+        each state change is conditional, so each timeout is applied exactly once, and more sweepers never make
+        it slower. A request cancelled because another request of its session timed out is not in the result.
+
+        Example:
+            >>> undolog.approvals.expire_due()
+            ['3f2c9d...', ...]
         """
         now = now or utcnow()
-        due = self._storage.due_request_ids(now)
-        return self.expire(due, now=now) if due else []
+        done: builtins.list[str] = []
+        while True:
+            got, changes = self._storage.expire_batch(now)
+            if not got:
+                return done
+            self._settled(got, changes)
+            done.extend(x.approval_request_id for x in got)
 
     def expire(self, ids: Iterable[str], *, now: dt.datetime | None = None) -> builtins.list[str]:
         """Apply the timeout (per the org policy) to each of ``ids`` that is due; returns the ones expired here."""
         now = now or utcnow()
+        wanted = list(ids)
         done: builtins.list[str] = []
-        for rid in ids:
-            changes = self._storage.expire_request(rid, now)
-            if changes is None:
-                continue
-            rec = self._get(rid)
-            self._logged(rec, "auto_approve" if rec.state is RequestState.AUTO_APPROVED else "timeout")
-            self._changed(changes, f"approval request {rid} ({rec.tool_name}) timed out without a decision")
-            done.append(rid)
+        for i in range(0, len(wanted), EXPIRE_BATCH):
+            got, changes = self._storage.expire_batch(now, only=wanted[i:i + EXPIRE_BATCH])
+            self._settled(got, changes)
+            done.extend(x.approval_request_id for x in got)
         return done
 
     # -- approved calls never re-issued ----------------------------------------------------------------

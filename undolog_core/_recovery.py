@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import datetime as dt
 import inspect
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from . import _observe as obs
 from ._faults import FaultPoint, fault
 from ._leases import Leases, owner_alive
-from ._saga import Saga, run_coro_blocking
+from ._saga import Saga, _call_sync, _Entry, run_coro_blocking
 from ._tools import ToolTier, jsonable
 from .errors import UndoLogError
-from .storage.schema import IN_FLIGHT, EffectState, SessionState
+from .storage.schema import IN_FLIGHT, EffectState, SessionState, UndoState
 
 if TYPE_CHECKING:
     from ._registry import Registry
@@ -45,6 +47,10 @@ class RecoveryReport:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+#: How many in-doubt effects one claim transaction takes.
+RECOVER_BATCH = 250
 
 
 class Recovery:
@@ -144,10 +150,20 @@ class Recovery:
                                       extra=obs.ids(ru.session_id, ru.effect_id))
             if progress:
                 progress(done, total, f"undo {ru.undo_id}: {finished[1] if finished else 'skipped'}")
-        for r in dead_effects:
+        todo = [r for r in dead_effects if not (r.session_id in with_intent and r.tier == ToolTier.COMPENSABLE)]
+        done += len(dead_effects) - len(todo)  # a requested rollback compensates those (above, or its live walker)
+        # The common case, COMPENSABLE calls of a crashed process, in batches: one claim per batch instead of a
+        # claim, a plan and an undo claim per effect. Whatever the batch path cannot finish (another tier, an
+        # entry already being compensated, a missing compensation, a failing one) goes through _reconcile.
+        compensable = [r for r in todo if r.tier == ToolTier.COMPENSABLE]
+        # effect id -> the owner _reconcile's claim must expect (the crashed one, or this one if a batch took it)
+        slow: dict[str, str | None] = {r.effect_id: r.owner for r in todo if r.tier != ToolTier.COMPENSABLE}
+        for i in range(0, len(compensable), RECOVER_BATCH):
+            left, done = self._recover_batch(compensable[i:i + RECOVER_BATCH], report, progress, done, total)
+            slow.update(left)
+        for r in (SimpleNamespace(**{**r._mapping, "owner": slow[r.effect_id]}) for r in todo
+                  if r.effect_id in slow):
             done += 1
-            if r.session_id in with_intent and r.tier == ToolTier.COMPENSABLE:
-                continue  # a requested rollback compensates it (above, or by its live walker)
             with obs.span(f"undolog.reconcile {r.tool_name}", {
                     obs.A_TOOL_NAME: r.tool_name, obs.A_TIER: str(r.tier), obs.A_SESSION: r.session_id,
                     obs.A_EFFECT: r.effect_id}) as sp:
@@ -183,6 +199,128 @@ class Recovery:
         if outcome is None and report.errors:
             raise UndoLogError("; ".join(report.errors))
         return outcome
+
+    def _batchable(self, row: Any) -> bool:
+        """Whether the batch path can finish this claimed-to-be row: its entry armed and unowned (no earlier
+        recovery left it half compensated) and its compensation loaded here at the version logged."""
+        spec = self._registry.tools.get(row.tool_name)
+        comp = self._registry.compensations.get(row.compensation_name)
+        return (spec is not None and comp is not None and comp[1] == row.compensation_version
+                and not spec.compensation_needs_result  # an unseen result: a person decides (_reconcile)
+                and row.undo_state == UndoState.ARMED and row.undo_owner is None)
+
+    def _recover_batch(self, batch: list[Any], report: RecoveryReport,
+                       progress: Callable[[int, int, str], None] | None, done: int,
+                       total: int) -> tuple[dict[str, str | None], int]:
+        """Reconcile a batch of dead COMPENSABLE effects; returns ({effect id: its owner now} of the effects left to
+        ``_reconcile``, done).
+
+        One transaction claims the batch; the probes run; one transaction records what the probes proved and
+        claims the undo entries of the rest; then each compensation runs and its outcome is committed on its
+        own, with the session's halt, before the next one starts. That last commit is per compensation on
+        purpose: a crash then re-runs at most the one compensation it interrupted (with the same ``undo-{id}``
+        key), as everywhere else.
+        """
+        leases = self._leases
+        claimed = self._store.claim_in_doubt_batch([(r.effect_id, r.state, r.owner) for r in batch], leases.owner,
+                                                   leases.until(), self._batchable)
+        got = {c.effect_id for c in claimed}
+        left = {r.effect_id: r.owner for r in batch if r.effect_id not in got}
+        if not claimed:
+            return left, done
+        leases.inflight.update(got)
+        leases.start()
+        committed: list[tuple[str, Any]] = []
+        undo: list[Any] = []
+        try:
+            for c in claimed:
+                fault(FaultPoint.DURING_RECOVERY)
+                spec = self._registry.tools[c.tool_name]
+                if spec.probe is not None:
+                    ctx = ProbeContext(dict(c.args_snapshot), f"do-{c.effect_id}", c.effect_id, c.session_id,
+                                       c.tool_name)
+                    try:
+                        verdict = spec.probe(ctx)
+                        if inspect.isawaitable(verdict):
+                            verdict = run_coro_blocking(verdict)
+                    except Exception:  # noqa: BLE001 - the effect goes the one-by-one way, which counts attempts
+                        left[c.effect_id] = leases.owner
+                        continue
+                    if verdict is not None and verdict is not False:
+                        committed.append((c.effect_id, None if verdict is True else jsonable(verdict)))
+                        continue
+                undo.append(c)
+            mine = self._store.settle_and_claim_undos(committed, [c.undo_id for c in undo], leases.owner,
+                                                      leases.until())
+            for effect_id, _ in committed:
+                leases.inflight.discard(effect_id)
+                done += 1
+                self._reconciled(report, claimed, effect_id, "committed")
+                if progress:
+                    progress(done, total, f"{self._tool_of(claimed, effect_id)} {effect_id}: committed")
+            leases.compensating.update(mine)
+            last = max((c.undo_id for c in undo if c.undo_id in mine), default=None)
+            for c in undo:
+                if c.undo_id not in mine:
+                    left[c.effect_id] = leases.owner
+                    continue
+                fault(FaultPoint.DURING_ROLLBACK)
+                outcome = self._compensate_claimed(c, report, durable=c.undo_id == last)
+                leases.compensating.discard(c.undo_id)
+                leases.inflight.discard(c.effect_id)
+                done += 1
+                if outcome:
+                    self._reconciled(report, claimed, c.effect_id, outcome)
+                if progress:
+                    progress(done, total, f"{c.tool_name} {c.effect_id}: {outcome or 'skipped'}")
+        finally:
+            # Whatever is still ours is either done or handed to _reconcile, which claims it by this owner.
+            leases.inflight.difference_update(got)
+        return left, done
+
+    @staticmethod
+    def _tool_of(rows: list[Any], effect_id: str) -> str:
+        return next(str(r.tool_name) for r in rows if r.effect_id == effect_id)
+
+    def _reconciled(self, report: RecoveryReport, rows: list[Any], effect_id: str, outcome: str) -> None:
+        """Report and log one outcome of the batch path, as the one-by-one path does."""
+        row = next(r for r in rows if r.effect_id == effect_id)
+        report.reconciled.append({"effect_id": effect_id, "tool_name": row.tool_name, "outcome": outcome})
+        log = obs.recovery_log.error if outcome == "dead_letter" else obs.recovery_log.info
+        log("recovery: %s (session %s, effect %s) in flight after a crash: %s", row.tool_name, row.session_id,
+            effect_id, outcome, extra=obs.ids(row.session_id, effect_id))
+
+    def _compensate_claimed(self, c: Any, report: RecoveryReport, *, durable: bool) -> str | None:
+        """Run one claimed compensation with the saga's retries; on success record it and halt the session
+        (``durable``: wait for the disk; the batch's last record does, see ``compensated_in_recovery``)."""
+        fn, _ = self._registry.compensations[c.compensation_name]
+        entry = _Entry(c.undo_id, c.effect_id, c.tool_name, c.compensation_name, c.compensation_version,
+                       dict(c.args_snapshot), None, c.state, c.attempts, fn, UndoState.COMPENSATING.value,
+                       self._leases.owner)
+        error: str | None = None
+        for n in range(self._saga.max_attempts):
+            try:
+                _call_sync(fn, self._saga._ctx(c.session_id, entry, c.attempts + n + 1))
+                fault(FaultPoint.AFTER_COMPENSATION)
+                error = None
+                break
+            except Exception as exc:  # noqa: BLE001 - recorded, retried, then halts the session
+                error = f"{type(exc).__name__}: {exc}"
+                self._store.undo_attempt_failed(c.undo_id, error)
+                if n + 1 < self._saga.max_attempts:
+                    time.sleep(self._saga.backoff_seconds * (2**n))
+        if error is None:
+            self._store.compensated_in_recovery(
+                c.undo_id, c.effect_id, c.session_id,
+                f"recovered after a crash: {c.tool_name} ({c.effect_id}) was compensated; review, then resume or "
+                "roll back", durable=durable)
+            self._note_state(c.session_id, SessionState.HALTED)
+            obs.recovery_log.warning("halt: session %s halted: recovered after a crash: %s (%s) was compensated",
+                                     c.session_id, c.tool_name, c.effect_id, extra=obs.ids(c.session_id))
+            return "compensated"
+        why = self._saga._failed(c.session_id, entry, error)
+        self._leases.inflight.discard(c.effect_id)
+        return self._attempt_failed(c, f"UndoLogError: {why}", report)
 
     def _halt(self, session_id: str, reason: str) -> None:
         self._store.halt_session(session_id, reason)

@@ -28,6 +28,7 @@ from .approvals import ApprovalsSQL
 from .audit import AuditSQL
 from .base import Store, resolve_url
 from .calls import CallsSQL
+from .gc import GcBatch, GcSQL
 from .hotpath import HotPath
 from .outbox import OutboxSQL
 from .policy import PolicySQL
@@ -41,7 +42,7 @@ DATABASE_ERRORS: tuple[type[Exception], ...] = (sa_exc.SQLAlchemyError,)
 
 
 class Storage(ApprovalsSQL, AuditSQL, RegistrySQL, PolicySQL, SessionsSQL, RecoverySQL, SagaSQL, CallsSQL, OutboxSQL,
-              Store):
+              GcSQL, Store):
     """The store of one database: engines and pools (``Store``) with every service's statements."""
 
     def schema_revision(self) -> str | None:
@@ -158,6 +159,8 @@ __all__ = [
     "DATABASE_ERRORS",
     "ApprovalsSQL",
     "AuditSQL",
+    "GcBatch",
+    "GcSQL",
     "CallsSQL",
     "InFlight",
     "PolicySQL",

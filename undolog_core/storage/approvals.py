@@ -5,7 +5,7 @@ from __future__ import annotations
 import builtins
 import datetime as dt
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -15,13 +15,17 @@ from .._tools import canonical_json, sha256_hex
 from ..errors import ApprovalAlreadyDecided, ApprovalNotFound, UndoLogError
 from ..limits import PREVIEW_CHARS, TRUNCATED
 from . import schema as t
+from .audit import PendingEvent
 from .base import Store
-from .records import ApprovalEvent, ApprovalRecord, OrgPolicy, StateChange
+from .records import ApprovalEvent, ApprovalRecord, ExpiredRequest, OrgPolicy, StateChange
 from .schema import DecisionKind, EffectState, RequestState, SessionState
 
 if TYPE_CHECKING:
     from .audit import OutboxItem
 
+#: How many due requests one sweep transaction claims: large enough that the chain-head lock and the commit are
+#: paid once per few hundred timeouts, small enough that a transaction stays short (a few tens of ms).
+EXPIRE_BATCH = 250
 #: What a person may decide, and the audit action each one is recorded as.
 DECISIONS = tuple(d.value for d in DecisionKind)
 #: A request that may still lead to a run: cancelling it stops that run.
@@ -89,6 +93,9 @@ class ApprovalsSQL(Store):
         def append_event_in(self, conn: Connection, *, subject: str, action: str, actor: str,
                             payload: Mapping[str, Any], approval_request_id: str | None = None,
                             outbox: Iterable[OutboxItem] = (), now: dt.datetime | None = None) -> int: ...
+
+        def append_events_in(self, conn: Connection, events: Sequence[PendingEvent], *,
+                             now: dt.datetime | None = None) -> builtins.list[int]: ...
 
         def halt_in(self, conn: Connection, session_id: str, reason: str, now: dt.datetime) -> None: ...
 
@@ -269,64 +276,155 @@ class ApprovalsSQL(Store):
         ``timed_out`` (event ``timeout``, the session halted, its other pending requests cancelled).
 
         Returns the session state changes, or None when the request was not due, not pending, or is being expired
-        by another process right now (PostgreSQL claims it with SKIP LOCKED; the update is conditional anyway).
+        by another process right now (``expire_batch`` restricted to this one id).
         """
-        r, e = t.approval_requests, t.effect_log
-        rid = approval_request_id
+        got, changes = self.expire_batch(now, only=[approval_request_id])
+        return changes if got else None
+
+    def expire_batch(
+        self, now: dt.datetime, *, limit: int = EXPIRE_BATCH, only: Sequence[str] | None = None
+    ) -> tuple[builtins.list[ExpiredRequest], builtins.list[StateChange]]:
+        """Apply the timeout to up to ``limit`` due requests in ONE transaction; (requests expired here, state
+        changes).
+
+        The claim is one ``SELECT ... FOR UPDATE SKIP LOCKED`` (PostgreSQL), so several sweepers take disjoint
+        batches instead of queuing on the same rows; the state changes are a handful of set-wise statements and
+        the audit events one ``append_events_in`` (one chain-head lock per batch). Per request the outcome is
+        exactly ``expire_request``'s: with ``auto_approve_on_timeout`` each is ``auto_approved``; otherwise the
+        oldest due request of each session is ``timed_out``, the session halted, and its other pending requests
+        cancelled. A pending request of such a session that another transaction holds locked right now (another
+        sweeper timing it out, a person deciding it) is skipped rather than waited for: waiting is how two
+        sweepers would deadlock on one session, and whoever holds it settles it. ``only`` restricts the claim to
+        those ids (``ApprovalService.expire``).
+        """
+        r, e, s = t.approval_requests, t.effect_log, t.sessions
+        q = (sa.select(r.c.approval_request_id, r.c.session_id, r.c.effect_id, r.c.tool_name, r.c.timeout_at,
+                       r.c.proposed_args, r.c.created_at)
+             .where(r.c.state == RequestState.PENDING, r.c.timeout_at <= now)
+             .order_by(r.c.timeout_at, r.c.approval_request_id).limit(limit))
+        if only is not None:
+            q = q.where(self.one_of(r.c.approval_request_id, list(only)))
         with self.tx() as conn:
-            req = conn.execute(
-                self.for_update(
-                    sa.select(r).where(r.c.approval_request_id == rid, r.c.state == RequestState.PENDING,
-                                       r.c.timeout_at <= now),
-                    skip_locked=True,
-                )
-            ).first()
-            if req is None:
-                return None
+            due = conn.execute(self.for_update(q, skip_locked=True)).all()
+            if not due:
+                return [], []
             policy = self.policy_in(conn)
-            base = {"approval_request_id": rid, "session_id": req.session_id, "tool_name": req.tool_name,
-                    "timeout_at": req.timeout_at.isoformat()}
-            pending = (r.c.approval_request_id == rid, r.c.state == RequestState.PENDING)
+            events: builtins.list[PendingEvent] = []
+            ids = [x.approval_request_id for x in due]
+
+            def base(x: Any) -> dict[str, Any]:
+                return {"approval_request_id": x.approval_request_id, "session_id": x.session_id,
+                        "tool_name": x.tool_name, "timeout_at": x.timeout_at.isoformat()}
+
             if policy.auto_approve_on_timeout:
                 conn.execute(
-                    r.update().where(*pending).values(
-                        state=RequestState.AUTO_APPROVED, approved_args=req.proposed_args,
-                        approved_digest=sha256_hex(canonical_json(req.proposed_args)),
-                        decided_at=now, decided_by="undolog:timeout-policy",
-                        decision_reason="auto-approved on timeout by org policy",
-                    )
+                    r.update().where(r.c.approval_request_id == sa.bindparam("rid"),
+                                     r.c.state == RequestState.PENDING)
+                    .values(state=RequestState.AUTO_APPROVED, approved_args=sa.bindparam("args"),
+                            approved_digest=sa.bindparam("digest"), decided_at=now,
+                            decided_by="undolog:timeout-policy",
+                            decision_reason="auto-approved on timeout by org policy")
+                    .execution_options(synchronize_session=False),
+                    [{"rid": x.approval_request_id, "args": x.proposed_args,
+                      "digest": sha256_hex(canonical_json(x.proposed_args))} for x in due],
                 )
                 conn.execute(
-                    e.update().where(e.c.effect_id == req.effect_id, e.c.state == EffectState.AWAITING_APPROVAL)
+                    e.update().where(self.one_of(e.c.effect_id, [x.effect_id for x in due]),
+                                     e.c.state == EffectState.AWAITING_APPROVAL)
                     .values(state=EffectState.APPROVED, updated_at=now)
                 )
-                self.append_event_in(
-                    conn, subject=f"approval:{rid}", approval_request_id=rid, action="auto_approve",
-                    actor="undolog:timeout-policy", payload={"policy": "auto_approve_on_timeout"},
-                    outbox=[("approval.timed_out", {**base, "outcome": "auto_approved"}),
-                            ("approval.decided", {**base, "state": "auto_approved", "decision": "auto_approve"})],
-                    now=now,
-                )
-                return self.refresh_changes_in(conn, req.session_id, now)
+                for x in due:
+                    events.append(PendingEvent(
+                        subject=f"approval:{x.approval_request_id}", approval_request_id=x.approval_request_id,
+                        action="auto_approve", actor="undolog:timeout-policy",
+                        payload={"policy": "auto_approve_on_timeout"},
+                        outbox=[("approval.timed_out", {**base(x), "outcome": "auto_approved"}),
+                                ("approval.decided", {**base(x), "state": "auto_approved",
+                                                      "decision": "auto_approve"})]))
+                self.append_events_in(conn, events, now=now)
+                sessions = sorted({x.session_id for x in due})
+                still = sa.select(r.c.approval_request_id).where(r.c.session_id == s.c.session_id,
+                                                                 r.c.state == RequestState.PENDING)
+                woke = conn.execute(
+                    s.update().where(self.one_of(s.c.session_id, sessions), s.c.state == SessionState.AWAITING_APPROVAL,
+                                     ~sa.exists(still))
+                    .values(state=SessionState.ACTIVE, updated_at=now).returning(s.c.session_id)
+                ).scalars().all()
+                auto = [ExpiredRequest(x.approval_request_id, x.effect_id, x.session_id, x.tool_name,
+                                       RequestState.AUTO_APPROVED, x.created_at, now, "undolog:timeout-policy",
+                                       "auto-approved on timeout by org policy") for x in due]
+                return auto, [StateChange(sid, SessionState.ACTIVE) for sid in woke]
+            # Timed out: the oldest due request of each session; the session's others are cancelled with it.
+            cause: dict[str, Any] = {}
+            for x in due:
+                cause.setdefault(x.session_id, x)
+            timed_out = list(cause.values())
             conn.execute(
-                r.update().where(*pending).values(
-                    state=RequestState.TIMED_OUT, decided_at=now, decided_by="undolog:timeout",
-                    decision_reason="no decision before timeout_at",
-                )
+                r.update().where(self.one_of(r.c.approval_request_id, [x.approval_request_id for x in timed_out]),
+                                 r.c.state == RequestState.PENDING)
+                .values(state=RequestState.TIMED_OUT, decided_at=now, decided_by="undolog:timeout",
+                        decision_reason="no decision before timeout_at")
             )
             conn.execute(
-                e.update().where(e.c.effect_id == req.effect_id)
+                e.update().where(self.one_of(e.c.effect_id, [x.effect_id for x in timed_out]))
                 .values(state=EffectState.TIMED_OUT, error="approval timed out", updated_at=now)
             )
-            self.append_event_in(
-                conn, subject=f"approval:{rid}", approval_request_id=rid, action="timeout",
-                actor="undolog:timeout", payload={"timeout_at": req.timeout_at.isoformat()},
-                outbox=[("approval.timed_out", {**base, "outcome": "timed_out"})], now=now,
+            why = {x.session_id: f"approval {x.approval_request_id} ({x.tool_name}) timed out without a decision"
+                   for x in timed_out}
+            # The sessions' other pending requests: those in this batch are ours already; the rest are claimed
+            # here without waiting (see above).
+            cause_ids = {x.approval_request_id for x in timed_out}
+            others = [x for x in due if x.approval_request_id not in cause_ids]
+            more = conn.execute(self.for_update(
+                sa.select(r.c.approval_request_id, r.c.session_id, r.c.effect_id)
+                .where(self.one_of(r.c.session_id, list(why)), r.c.state == RequestState.PENDING,
+                       sa.not_(self.one_of(r.c.approval_request_id, ids))), skip_locked=True)).all()
+            cancelled = [(x.approval_request_id, x.session_id, x.effect_id) for x in [*others, *more]]
+            # Each statement below is set-wise, the reason text built by the database from the session's timed-out
+            # request: a statement per row (an executemany) costs a round trip and a parse per row.
+            by = r.alias("cause")
+
+            def reason_of(session_col: Any) -> Any:
+                text = (sa.literal("approval ") + by.c.approval_request_id + sa.literal(" (") + by.c.tool_name
+                        + sa.literal(") timed out without a decision"))
+                return (sa.select(text).where(by.c.session_id == session_col,
+                                              self.one_of(by.c.approval_request_id, list(cause_ids)))
+                        .scalar_subquery())
+
+            if cancelled:
+                conn.execute(
+                    r.update().where(self.one_of(r.c.approval_request_id, [c[0] for c in cancelled]),
+                                     r.c.state == RequestState.PENDING)
+                    .values(state=RequestState.CANCELLED, decided_at=now, decided_by="undolog",
+                            decision_reason=reason_of(r.c.session_id))
+                )
+                conn.execute(
+                    e.update().where(self.one_of(e.c.effect_id, [c[2] for c in cancelled]),
+                                     e.c.state.in_([x.value for x in _CANCELLABLE_EFFECT]))
+                    .values(state=EffectState.CANCELLED, error=reason_of(e.c.session_id), updated_at=now)
+                )
+            conn.execute(
+                s.update().where(self.one_of(s.c.session_id, list(why)),
+                                 s.c.state.notin_((SessionState.ROLLED_BACK.value, SessionState.COMPLETED.value)))
+                .values(state=SessionState.HALTED.value, halted_reason=reason_of(s.c.session_id), updated_at=now)
             )
-            why = f"approval {rid} ({req.tool_name}) timed out without a decision"
-            self.cancel_pending_in(conn, req.session_id, why, now, except_id=rid)
-            self.halt_in(conn, req.session_id, why, now)
-            return [StateChange(req.session_id, SessionState.HALTED)]
+            by_session: dict[str, builtins.list[tuple[str, str, str]]] = {}
+            for c in cancelled:
+                by_session.setdefault(c[1], []).append(c)
+            for x in timed_out:
+                events.append(PendingEvent(
+                    subject=f"approval:{x.approval_request_id}", approval_request_id=x.approval_request_id,
+                    action="timeout", actor="undolog:timeout", payload={"timeout_at": x.timeout_at.isoformat()},
+                    outbox=[("approval.timed_out", {**base(x), "outcome": "timed_out"}),
+                            ("session.halted", {"session_id": x.session_id, "reason": why[x.session_id]})]))
+                for rid, sid, _ in by_session.get(x.session_id, []):
+                    events.append(PendingEvent(subject=f"approval:{rid}", approval_request_id=rid, action="cancel",
+                                               actor="undolog", payload={"reason": why[sid]}))
+            self.append_events_in(conn, events, now=now)
+            return ([ExpiredRequest(x.approval_request_id, x.effect_id, x.session_id, x.tool_name,
+                                    RequestState.TIMED_OUT, x.created_at, now, "undolog:timeout",
+                                    "no decision before timeout_at") for x in timed_out],
+                    [StateChange(sid, SessionState.HALTED) for sid in why])
 
     # -- approved calls that were never re-issued (approved_ttl_seconds) ---------------------------------
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -19,6 +20,18 @@ GENESIS_HASH = "0" * 64
 
 #: One outbox item: (event type, JSON payload).
 OutboxItem = tuple[str, Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class PendingEvent:
+    """One audit event to append with ``append_events_in`` (the arguments of ``append_event_in``)."""
+
+    subject: str
+    action: str
+    actor: str
+    payload: Mapping[str, Any]
+    approval_request_id: str | None = None
+    outbox: Sequence[OutboxItem] = ()
 
 
 def event_hash(
@@ -112,6 +125,39 @@ class AuditSQL(Store):
         )
         self.write_outbox_in(conn, outbox, now=created_at)
         return event_id
+
+    def append_events_in(self, conn: Connection, events: Sequence[PendingEvent], *,
+                         now: dt.datetime | None = None) -> list[int]:
+        """Append a batch of audit events (and their outbox rows) in order, inside the caller's transaction.
+
+        The chain head is locked once for the whole batch and each hash is computed from the one before it, so
+        a sweep of 500 timeouts queues once on the head instead of 500 times; the chain is the same as if the
+        events had been appended one by one. Returns the event ids, in order.
+        """
+        if not events:
+            return []
+        created_at = now or utcnow()
+        # The outbox rows first: they do not depend on the chain, so concurrent sweepers write them in parallel
+        # and hold the chain head (until their commit) only for the events themselves.
+        self.insert_many_in(conn, t.outbox, [{"event_type": et, "payload": dict(p), "created_at": created_at,
+                                              "attempts": 0} for ev in events for et, p in ev.outbox])
+        bodies = [canonical_json(dict(ev.payload)) for ev in events]
+        head = conn.execute(self.for_update(sa.select(t.audit_head).where(t.audit_head.c.head_id == 1))).one()
+        prev, event_id = str(head.last_hash), int(head.last_event_id)
+        rows: list[dict[str, Any]] = []
+        for ev, body in zip(events, bodies, strict=True):
+            event_id += 1
+            h = event_hash(event_id=event_id, approval_request_id=ev.approval_request_id, subject=ev.subject,
+                           action=ev.action, actor=ev.actor, payload=body, created_at=created_at, prev_hash=prev)
+            rows.append({"event_id": event_id, "approval_request_id": ev.approval_request_id, "subject": ev.subject,
+                         "action": ev.action, "actor": ev.actor, "payload": body, "created_at": created_at,
+                         "prev_hash": prev, "hash": h})
+            prev = h
+        self.insert_many_in(conn, t.approval_events, rows)
+        conn.execute(
+            t.audit_head.update().where(t.audit_head.c.head_id == 1).values(last_event_id=event_id, last_hash=prev)
+        )
+        return [int(r["event_id"]) for r in rows]
 
     def append_event(self, **kw: Any) -> int:
         """``append_event_in`` in a transaction of its own."""

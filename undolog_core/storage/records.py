@@ -47,6 +47,22 @@ class ApprovalRecord:
 
 
 @dataclass(frozen=True)
+class ExpiredRequest:
+    """A request a timeout sweep settled (``timed_out`` or ``auto_approved``): what the sweep's logs and metrics
+    need, without reading each request back."""
+
+    approval_request_id: str
+    effect_id: str
+    session_id: str
+    tool_name: str
+    state: RequestState
+    created_at: dt.datetime
+    decided_at: dt.datetime
+    decided_by: str
+    decision_reason: str
+
+
+@dataclass(frozen=True)
 class ApprovalEvent:
     """One audit event of an approval request."""
 

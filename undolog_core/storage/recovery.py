@@ -4,6 +4,7 @@ compare-and-swap, and each effect's settlement."""
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +13,7 @@ import sqlalchemy as sa
 from . import schema as t
 from .base import utcnow
 from .calls import CallsSQL
-from .schema import IN_FLIGHT, EffectState, UndoState
+from .schema import IN_FLIGHT, EffectState, SessionState, UndoState
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,27 @@ class InFlight:
     effects: list[Any]
     undos: list[Any]
     intents: list[Any]
+
+
+_u, _e, _s = t.undo_stack, t.effect_log, t.sessions
+_UNDO_DONE = _u.update().where(_u.c.undo_id == sa.bindparam("uid")).values(
+    state=UndoState.COMPENSATED.value, attempts=_u.c.attempts + 1, owner=None, lease_until=None,
+    updated_at=sa.bindparam("now"))
+_EFFECT_DONE = _e.update().where(_e.c.effect_id == sa.bindparam("eid")).values(
+    state=EffectState.COMPENSATED.value, owner=None, lease_until=None, updated_at=sa.bindparam("now"))
+# halt_in's statement and outbox row, with bound values.
+_HALT = _s.update().where(
+    _s.c.session_id == sa.bindparam("sid"), _s.c.state != SessionState.ROLLED_BACK.value,
+    _s.c.state != SessionState.COMPLETED.value,
+).values(state=SessionState.HALTED.value, halted_reason=sa.bindparam("why"), updated_at=sa.bindparam("now"))
+_HALTED_OUTBOX = t.outbox.insert().values(event_type="session.halted", payload=sa.bindparam("payload"),
+                                          created_at=sa.bindparam("now"), attempts=0)
+
+_DONE_AS_ONE = _HALTED_OUTBOX.add_cte(
+    _UNDO_DONE.returning(_u.c.undo_id).cte("undo_done"),
+    _EFFECT_DONE.returning(_e.c.effect_id).cte("effect_done"),
+    _HALT.returning(_s.c.session_id).cte("halted"),
+)
 
 
 def _same(col: Any, value: Any) -> Any:
@@ -72,6 +94,75 @@ class RecoverySQL(CallsSQL):
                 return False
             res = conn.execute(e.update().where(*same).values(owner=owner, lease_until=lease_until))
             return bool(res.rowcount == 1)
+
+    def claim_in_doubt_batch(self, seen: Sequence[tuple[str, str, str | None]], owner: str,
+                             lease_until: dt.datetime, eligible: Callable[[Any], bool]) -> list[Any]:
+        """Claim many in-doubt COMPENSABLE effects in ONE transaction; returns the rows claimed.
+
+        ``seen`` is (effect_id, state, owner) as the scan saw each: an effect is claimed only if it is still so
+        (the compare-and-swap of ``claim_in_doubt``, batched) and ``eligible(row)`` says the batch path can
+        finish it (its undo entry armed and unowned, its compensation loaded here at the logged version).
+        PostgreSQL locks the rows with SKIP LOCKED, so racing recoverers take disjoint sets. Each row carries the
+        effect (``effect_id, seq, session_id, tool_name, state, args_snapshot``) and its undo entry (``undo_id,
+        compensation_name, compensation_version, attempts``).
+        """
+        e, u = t.effect_log, t.undo_stack
+        want = {eid: (state, who) for eid, state, who in seen}
+        q = (sa.select(e.c.effect_id, e.c.seq, e.c.session_id, e.c.tool_name, e.c.state, e.c.owner,
+                       e.c.args_snapshot, u.c.undo_id, u.c.state.label("undo_state"), u.c.owner.label("undo_owner"),
+                       u.c.compensation_name, u.c.compensation_version, u.c.attempts)
+             .select_from(e.join(u, u.c.undo_id == e.c.seq))
+             .where(self.one_of(e.c.effect_id, list(want))).order_by(e.c.seq))
+        with self.tx() as conn:
+            rows = [r for r in conn.execute(self.for_update(q, skip_locked=True)).all()
+                    if (r.state, r.owner) == want[r.effect_id] and eligible(r)]
+            if rows:
+                conn.execute(e.update().where(self.one_of(e.c.effect_id, [r.effect_id for r in rows]))
+                             .values(owner=owner, lease_until=lease_until))
+        return rows
+
+    def settle_and_claim_undos(self, committed: Sequence[tuple[str, Any]], undo_ids: Sequence[int], owner: str,
+                               lease_until: dt.datetime) -> set[int]:
+        """After the probes of a batch, in one transaction: the effects a probe proved ``committed`` (with its
+        result), and the undo entries about to be compensated claimed (``compensating``, this owner). Returns the
+        undo ids claimed (an entry no longer ``armed`` is not)."""
+        e, u = t.effect_log, t.undo_stack
+        now = utcnow()
+        with self.tx() as conn:
+            for effect_id, result in committed:
+                conn.execute(e.update().where(e.c.effect_id == effect_id).values(
+                    state=EffectState.COMMITTED.value, result_snapshot=result, owner=None, lease_until=None,
+                    updated_at=now))
+            if not undo_ids:
+                return set()
+            return set(conn.execute(
+                u.update().where(self.one_of(u.c.undo_id, list(undo_ids)), u.c.state == UndoState.ARMED.value)
+                .values(state=UndoState.COMPENSATING.value, owner=owner, lease_until=lease_until, updated_at=now)
+                .returning(u.c.undo_id)
+            ).scalars().all())
+
+    def compensated_in_recovery(self, undo_id: int, effect_id: str, session_id: str, halt_reason: str, *,
+                                durable: bool = True) -> None:
+        """One compensation recovery ran, recorded in one transaction: the entry and the effect ``compensated``
+        and the session halted for a person (a crash can never leave it writable with the effect undone).
+
+        ``durable=False`` commits without waiting for the disk (the fast engine): a crashed process loses
+        nothing so committed, only a power loss can, and then the next ``recover()`` runs the compensation again
+        with the same ``undo-{id}`` key, as after a crash between a compensation and its record. Recovery
+        commits the last record of each batch durably, which flushes the ones before it.
+        """
+        now = utcnow()
+        reason = {"session_id": session_id, "reason": halt_reason}
+        with self.tx(fast=not durable) as conn:
+            # Statements built once, values bound: a thousand records do not rebuild (and re-key) three
+            # statements each.
+            params = {"uid": undo_id, "eid": effect_id, "sid": session_id, "why": halt_reason, "payload": reason,
+                      "now": now}
+            if self.is_postgres:  # one round trip: the four writes as data-modifying CTEs of one statement
+                conn.execute(_DONE_AS_ONE, params)
+                return
+            for stmt in (_UNDO_DONE, _EFFECT_DONE, _HALT, _HALTED_OUTBOX):
+                conn.execute(stmt, params)
 
     def effect(self, effect_id: str) -> Any:
         with self.read() as conn:

@@ -369,3 +369,25 @@ outbox = sa.Table(
     sa.Column("claimed_until", UTCDateTime),
 )
 sa.Index("ix_undolog_outbox_pending", outbox.c.delivered_at, outbox.c.outbox_id)
+
+# What `undolog gc` moved out of the effect log and the undo stack: one row per archived effect or undo entry, the
+# row itself as JSON (so the archive keeps every column whatever later migrations change), with the gc run and
+# the session it belonged to. Nothing reads it on a hot path; it is there to be looked at, exported or restored.
+archive = sa.Table(
+    "undolog_archive",
+    metadata,
+    sa.Column("archive_id", SEQ, primary_key=True, autoincrement=True),
+    sa.Column("run_id", sa.String(64), nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("session_id", sa.String(200), nullable=False),
+    sa.Column("ref", sa.String(64), nullable=False),
+    sa.Column("row", sa.JSON, nullable=False),
+    sa.Column("archived_at", UTCDateTime, nullable=False),
+    sa.CheckConstraint("kind IN ('effect', 'undo')", name="ck_undolog_archive_kind"),
+)
+sa.Index("ix_undolog_archive_session", archive.c.session_id)
+
+# The lists of the dashboard and the CLI, newest first, stay an index walk however large the store grows. (None
+# on the sessions' state and updated_at for gc: the pre-write that carries a call count updates updated_at.)
+sa.Index("ix_undolog_sessions_created", sessions.c.created_at, sessions.c.session_id)
+sa.Index("ix_undolog_approval_state_created", approval_requests.c.state, approval_requests.c.created_at)

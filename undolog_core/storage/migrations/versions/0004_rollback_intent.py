@@ -76,6 +76,10 @@ def _set_states_check(bind: sa.engine.Connection, states: tuple[str, ...]) -> No
         if isinstance(c, sa.CheckConstraint) and c.name == "ck_undolog_sessions_state":
             new.constraints.discard(c)
     new.append_constraint(sa.CheckConstraint(_states_check(states), name="ck_undolog_sessions_state"))
+    # The table as it was at this revision: the sessions' indexes came later (0005 makes them), and names taken
+    # by the old table's indexes would clash here.
+    for ix in list(new.indexes):
+        new.indexes.discard(ix)
     tmp.create_all(bind, tables=[new])
     op.execute(f"INSERT INTO undolog_sessions_new ({_SESSION_COLS}) SELECT {_SESSION_COLS} FROM undolog_sessions")
     op.execute("DROP TABLE undolog_sessions")
