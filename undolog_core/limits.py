@@ -210,11 +210,38 @@ def result_text(result: Any) -> str:
         raw = to_json(result, fallback=repr, inf_nan_mode="strings")
     except (ValueError, RecursionError):  # PydanticSerializationError is a ValueError
         return _dump(safe_result(result))
-    if len(raw) > MAX_RESULT_BYTES:
+    if len(raw) > MAX_RESULT_BYTES or _deeper_than(raw, MAX_JSON_DEPTH):
         return _dump(safe_result(result))
-    # Nesting the encoder took (it refuses 255 levels and more) is stored as is: checking every wide result for depth
-    # would cost the hot path a walk. Listings cap it at MAX_JSON_DEPTH when they show it (see `preview`).
     return raw.decode()
+
+
+_ONLY_BRACKETS = bytes.maketrans(b"{}", b"[]")
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"\\[]{}')
+
+
+def _deeper_than(raw: bytes, limit: int) -> bool:
+    """Whether encoded JSON nests more than ``limit`` levels, without walking the value in Python.
+
+    A result with no more than ``limit`` brackets in all cannot (two ``bytes.count`` calls: the common case). Else
+    everything but quotes, backslashes and brackets is deleted, escapes dropped, the strings' contents cut out, and
+    the innermost pairs removed one level a pass: all in C (``translate``, ``replace``, ``split``), so a wide,
+    shallow result costs a few passes over its brackets.
+    """
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    kept = raw.translate(_ONLY_BRACKETS, _NOT_STRUCTURE)
+    # An escaped backslash, then an escaped quote, then what is left of other escapes (\n, \u...): gone.
+    if b"\\" in kept:
+        kept = kept.replace(b"\\\\", b"").replace(b'\\"', b"").replace(b"\\", b"")
+    # Strings with no bracket in them are now "" (each removal takes two quotes, so which side of a quote a bracket
+    # is on stays the same); the rest are cut out: outside the strings are the even parts between quotes.
+    kept = kept.replace(b'""', b"")
+    brackets = b"".join(kept.split(b'"')[::2]) if b'"' in kept else kept
+    for _ in range(limit):
+        brackets = brackets.replace(b"[]", b"")
+        if not brackets:
+            return False
+    return bool(brackets)
 
 
 def _dump(value: Any) -> str:

@@ -124,6 +124,9 @@ HOSTILE_RESULTS = {
     "surrogate": ("\ud800", lambda r: r == "\\ud800"),
     "surrogate_key": ({"\udc00k": "v"}, lambda r: r == {"\\udc00k": "v"}),
     "deep_2000": (nested(2000), lambda r: "undolog_truncated" in json.dumps(r)),
+    # Deeper than the cap, yet within what the JSON encoder itself takes (255): capped all the same.
+    "deep_100": (nested(100), lambda r: "undolog_truncated" in json.dumps(r)),
+    "deep_64": (nested(60), lambda r: "undolog_truncated" not in json.dumps(r)),
     "huge": ("x" * (limits.MAX_RESULT_BYTES + 10), lambda r: r["undolog_truncated"]["bytes"] > limits.MAX_RESULT_BYTES),
     "cyclic": (_cyclic(), lambda r: r[0] == 1 and "undolog_truncated" in json.dumps(r)),
     "nan": ({"v": float("nan")}, lambda r: r == {"v": "NaN"}),
