@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -44,9 +45,11 @@ except ImportError:  # pragma: no cover - exercised by tests/core/test_observe.p
 
 _ProxyMeterProvider: type | None
 try:  # the API's placeholder before an SDK sets a provider; private, hence the fallback
+    from opentelemetry.metrics import _internal as _metrics_internal
     from opentelemetry.metrics._internal import _ProxyMeterProvider
 except ImportError:  # pragma: no cover - another API version: always record (the proxy makes it a no-op)
     _ProxyMeterProvider = None
+    _metrics_internal = None  # type: ignore[assignment]
 
 SCOPE = "undolog"
 
@@ -76,12 +79,26 @@ def ids(session_id: str | None = None, effect_id: str | None = None,
 # --------------------------------------------------------------------------------------------------- traces
 
 
+def _nothing_set(module: Any, attribute: str, env_var: str) -> bool:
+    """True when no provider was set in code and none is named in the environment: the API would hand out its
+    placeholder. Its own getter reads ``os.environ`` on every call (about a microsecond, on every gated call), so
+    the module's global is read first (the environment as it was when UndoLog was imported, which is when the
+    OpenTelemetry variables are set), and the getter asked only when the global is set or cannot be read."""
+    return getattr(module, attribute, _UNREADABLE) is None and env_var not in _ENV_AT_IMPORT
+
+
+_UNREADABLE = object()
+_ENV_AT_IMPORT = frozenset(k for k in os.environ if k.startswith("OTEL_PYTHON_"))
+
+
 def tracing() -> bool:
     """True when spans would be recorded: the API is installed and an SDK has set a tracer provider.
 
     Checked per call (not cached) so an SDK configured after UndoLog starts is picked up.
     """
-    return _trace is not None and not isinstance(_trace.get_tracer_provider(), _ProxyTracerProvider)
+    if _trace is None or _nothing_set(_trace, "_TRACER_PROVIDER", "OTEL_PYTHON_TRACER_PROVIDER"):
+        return False
+    return not isinstance(_trace.get_tracer_provider(), _ProxyTracerProvider)
 
 
 class _NoSpan:
@@ -183,6 +200,8 @@ _instruments_lock = threading.Lock()
 def metering() -> bool:
     """True when metrics would be recorded (the API is installed and an SDK has set a meter provider)."""
     if _metrics is None:
+        return False
+    if _nothing_set(_metrics_internal, "_METER_PROVIDER", "OTEL_PYTHON_METER_PROVIDER"):
         return False
     return _ProxyMeterProvider is None or not isinstance(_metrics.get_meter_provider(), _ProxyMeterProvider)
 
