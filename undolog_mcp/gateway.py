@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import jsonschema
 from mcp import types
 from mcp.server.lowlevel import Server
 
@@ -60,7 +59,6 @@ class ExposedTool:
     config: ToolConfig
     listed: types.Tool
     spec: ToolSpec | None = None
-    validator: Any = None
 
 
 @dataclass
@@ -151,7 +149,6 @@ class Gateway:
                 kwargs["probe"] = self._prober(cfg)
             ex.spec = self.undolog.register_tool(None, binding=binding, registered_by="undolog:mcp-gateway",
                                                  **kwargs)
-            ex.validator = jsonschema.Draft202012Validator(schema)
         return exposure
 
     def _upstream_call(self, upstream: str) -> Callable[[str, Mapping[str, Any], str | None],
@@ -262,11 +259,8 @@ class Gateway:
         if ex is None or ex.spec is None:
             return error_result(f"unknown tool {name!r}: this gateway exposes "
                                 f"{', '.join(sorted(self.exposure.tools)) or 'no tools'}")
-        problems = sorted(ex.validator.iter_errors(dict(arguments)), key=lambda e: list(e.absolute_path))
-        if problems:
-            # Refused before anything is logged: nothing ran, nothing to undo.
-            where = "/".join(str(p) for p in problems[0].absolute_path) or "(arguments)"
-            return error_result(f"invalid arguments for {name}: {where}: {problems[0].message}")
+        # The upstream's input schema is the tool's contract: the core validates every call against it (full
+        # JSON Schema) before anything is logged, and its error names the failing path.
         try:
             session_id = await self._session_id()
         except UndoLogError as exc:
