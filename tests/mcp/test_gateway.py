@@ -16,14 +16,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import pytest
+from mcp import ClientSession, StdioServerParameters, types
+from mcp.client.stdio import stdio_client
 
-pytest.importorskip("mcp", reason="the mcp extra is part of the dev install")
-
-from mcp import ClientSession, StdioServerParameters, types  # noqa: E402
-from mcp.client.stdio import stdio_client  # noqa: E402
-
-from undolog_core import EffectState, SessionState, UndoLog  # noqa: E402
+from undolog_core import EffectState, SessionState, UndoLog
 
 HERE = Path(__file__).parent
 UPSTREAM = HERE / "tickets_server.py"
