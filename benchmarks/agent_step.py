@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Frameworks that phone home are kept offline (as in .ci/run); set before any of them is imported.
 for _k, _v in {"CREWAI_DISABLE_TELEMETRY": "true", "OTEL_SDK_DISABLED": "true", "CREWAI_TESTING": "true",
@@ -55,6 +56,8 @@ for _k, _v in {"CREWAI_DISABLE_TELEMETRY": "true", "OTEL_SDK_DISABLED": "true", 
                "CREWAI_DISABLE_TRACKING": "true", "LANGCHAIN_TRACING_V2": "false",
                "LANGSMITH_TRACING": "false"}.items():
     os.environ.setdefault(_k, _v)
+
+from overhead import quartiles  # noqa: E402 - the same paired-round statistics as the core's benchmark
 
 from undolog_core import CompensationDescriptor, ToolTier, UndoLog, compensation, undolog_tool  # noqa: E402
 
@@ -125,12 +128,6 @@ def measure(variants: list[Variant], *, rounds: int, turns: int, rng: random.Ran
             gc.collect()
             v.samples.append(v.run(turns) / turns)
 
-
-def quartiles(xs: list[float]) -> tuple[float, float]:
-    if len(xs) < 4:
-        return min(xs), max(xs)
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
 
 
 @dataclass

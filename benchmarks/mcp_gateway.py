@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE))
 
 from mcp import ClientSession, StdioServerParameters  # noqa: E402
 from mcp.client.stdio import stdio_client  # noqa: E402
-from overhead import DEFAULT_PG_URL, PostgresBaseline, SqliteBaseline  # noqa: E402
+from overhead import DEFAULT_PG_URL, PostgresBaseline, SqliteBaseline, quartiles  # noqa: E402
 
 UPSTREAM = [sys.executable, str(HERE / "mcp_upstream.py")]
 
@@ -67,12 +67,6 @@ def config(tmp: Path) -> Path:
     """).replace("'", '"'))
     return cfg
 
-
-def quartiles(xs: list[float]) -> tuple[float, float]:
-    if len(xs) < 4:
-        return min(xs), max(xs)
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
 
 
 async def bench_db(kind: str, rounds: int, batch: int, pg_url: str) -> list[tuple[str, ...]]:
