@@ -58,6 +58,15 @@ def test_concurrent_sessions_each_write_once_and_share_commits(db: Any) -> None:
     errors: list[BaseException] = []
     group = getattr(u.engine.hot, "group", None)
     lock = u.engine.hot.write_lock if group is not None else None
+    groups: list[list[bool]] = []  # per group written together: True for a pre-write, False for a commit mark
+    if group is not None:
+        write_many = group._write_many
+
+        def recording(items: Any) -> Any:
+            groups.append([bool(kind) for kind, _ in items])
+            return write_many(items)
+
+        group._write_many = recording
 
     def one(i: int) -> None:
         try:
@@ -86,7 +95,11 @@ def test_concurrent_sessions_each_write_once_and_share_commits(db: Any) -> None:
         effects = u.sessions.effects(f"gc-{i}")
         assert [(e["state"], e["result_snapshot"]) for e in effects] == [("committed", {"booked": f"s{i}"})]
     if group is not None:
-        assert group.largest == n - 1  # the seven that queued went in one transaction, one fsync
+        # The seven pre-writes that queued behind the first went in one transaction, one fsync. (Commit marks queue
+        # as their tools finish, and may join that group or form others: how many is a race, so only the
+        # pre-writes are pinned.)
+        assert any(g.count(True) == n - 1 for g in groups), groups
+        assert group.largest >= n - 1
         assert group.commits < group.writes == 2 * n  # every pre-write and commit mark went through it
 
 
