@@ -13,15 +13,19 @@ no assertion depends on time. Real ``create_agent``, a scripted model, a real ``
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 import time
 import uuid
+from contextlib import closing
+from pathlib import Path
 from typing import Any
 
 import pytest
 from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, ToolMessage
 from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.types import Command
 
 from examples.support_agent.model import ScriptedChatModel
@@ -80,10 +84,10 @@ def make_tools(world: World, *, is_async: bool) -> list[Any]:
     return [close_account]
 
 
-def make_agent(undolog: Any, world: World, *, is_async: bool = False) -> tuple[Any, Gate]:
+def make_agent(undolog: Any, world: World, *, is_async: bool = False, saver: Any = None) -> tuple[Any, Gate]:
     gate = Gate(undolog, world)
     tools = make_tools(world, is_async=is_async)
-    agent = create_agent(ScriptedChatModel(scripts=SCRIPTS), tools, checkpointer=InMemorySaver(),
+    agent = create_agent(ScriptedChatModel(scripts=SCRIPTS), tools, checkpointer=saver or InMemorySaver(),
                          middleware=[UndoLogMiddleware(undolog, tools=tools, approver=gate)])
     return agent, gate
 
@@ -165,6 +169,46 @@ def test_one_resume_reject_halts_before_the_approved_sibling_runs_async(undolog:
         return out, approved, rejected
 
     out, approved, rejected = asyncio.run(go())
+    check_halted(undolog, world, gate, out, approved, rejected)
+
+
+def test_durable_checkpointer_resumed_by_a_fresh_agent(undolog: Any, tmp_path: Path) -> None:
+    # Which pause a rejection answers is read from the checkpoint itself: a fresh agent on a fresh saver (as another
+    # process would resume) finds it too.
+    world, path, c = World(), str(tmp_path / "checkpoints.sqlite"), cfg()
+    with closing(sqlite3.connect(path, check_same_thread=False)) as conn:
+        agent, _ = make_agent(undolog, world, saver=SqliteSaver(conn))
+        agent.invoke({"messages": [{"role": "user", "content": "close both"}]}, c)
+    with closing(sqlite3.connect(path, check_same_thread=False)) as conn:
+        agent, gate = make_agent(undolog, world, saver=SqliteSaver(conn))
+        found = pauses(agent.get_state(c))
+        (approved, _), (rejected, rejected_ns) = found["u-1"], found["u-2"]
+        gate.hold, gate.sibling_request = rejected_ns, approved.value["undolog"]["approval_request_id"]
+        out = agent.invoke(Command(resume={approved.id: approve("langchain"), rejected.id: reject("langchain")}), c)
+    check_halted(undolog, world, gate, out, approved, rejected)
+
+
+def test_async_durable_checkpointer_resumed_by_a_fresh_agent(undolog: Any, tmp_path: Path) -> None:
+    # The same through ainvoke and an async saver: its synchronous read runs in the task's worker thread, never on
+    # the event loop.
+    from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+
+    world, path, c = World(), str(tmp_path / "checkpoints.sqlite"), cfg()
+
+    async def go() -> tuple[Any, Any, Any, Gate]:
+        async with AsyncSqliteSaver.from_conn_string(path) as saver:
+            agent, _ = make_agent(undolog, world, is_async=True, saver=saver)
+            await agent.ainvoke({"messages": [{"role": "user", "content": "close both"}]}, c)
+        async with AsyncSqliteSaver.from_conn_string(path) as saver:
+            agent, gate = make_agent(undolog, world, is_async=True, saver=saver)
+            found = pauses(await agent.aget_state(c))
+            (approved, _), (rejected, rejected_ns) = found["u-2"], found["u-1"]
+            gate.hold, gate.sibling_request = rejected_ns, approved.value["undolog"]["approval_request_id"]
+            out = await agent.ainvoke(Command(resume={approved.id: approve("undolog"),
+                                                      rejected.id: reject("undolog")}), c)
+        return out, approved, rejected, gate
+
+    out, approved, rejected, gate = asyncio.run(go())
     check_halted(undolog, world, gate, out, approved, rejected)
 
 
