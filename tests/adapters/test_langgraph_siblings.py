@@ -135,6 +135,8 @@ def check_halted(undolog: Any, world: World, gate: Gate, out: Any, approved: Any
     assert all(isinstance(m, ToolMessage) for m in msgs[-3:-1])
 
 
+# README "Use a LangChain HITL client as UndoLog's approval UI": the rejection paragraph (approved siblings answered in
+# the same resume do not run either, whichever task comes first, in UndoLog's form too, sync or async).
 @pytest.mark.parametrize("form", ["langchain", "undolog"])
 @pytest.mark.parametrize("rejected_user", ["u-2", "u-1"], ids=["reject_second", "reject_first"])
 def test_one_resume_reject_halts_before_the_approved_sibling_runs(undolog: Any, form: str,
@@ -212,6 +214,7 @@ def test_async_durable_checkpointer_resumed_by_a_fresh_agent(undolog: Any, tmp_p
     check_halted(undolog, world, gate, out, approved, rejected)
 
 
+# README, the same paragraph: a call approved in an earlier resume has run; the later rejection halts the session.
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_approved_in_an_earlier_resume_ran_then_the_reject_halts(undolog: Any, mode: str) -> None:
     # Approved before any rejection existed: it runs (correct), the other call pauses again; its later rejection
