@@ -17,7 +17,8 @@ import sqlite3
 import threading
 import time
 import uuid
-from contextlib import closing
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, closing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -174,15 +175,49 @@ def test_one_resume_reject_halts_before_the_approved_sibling_runs_async(undolog:
     check_halted(undolog, world, gate, out, approved, rejected)
 
 
-def test_durable_checkpointer_resumed_by_a_fresh_agent(undolog: Any, tmp_path: Path) -> None:
+PG_CHECKPOINTS = "postgresql://postgres@127.0.0.1:5432/test"
+SAVERS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres_only)]
+
+
+@contextmanager
+def saver_of(kind: str, path: str) -> Iterator[Any]:
+    """A checkpointer on a durable store, opened afresh (as another process would)."""
+    if kind == "sqlite":
+        with closing(sqlite3.connect(path, check_same_thread=False)) as conn:
+            yield SqliteSaver(conn)
+        return
+    from langgraph.checkpoint.postgres import PostgresSaver
+
+    with PostgresSaver.from_conn_string(PG_CHECKPOINTS) as saver:
+        saver.setup()
+        yield saver
+
+
+@asynccontextmanager
+async def asaver_of(kind: str, path: str) -> AsyncIterator[Any]:
+    if kind == "sqlite":
+        from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+
+        async with AsyncSqliteSaver.from_conn_string(path) as saver:
+            yield saver
+        return
+    from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+
+    async with AsyncPostgresSaver.from_conn_string(PG_CHECKPOINTS) as saver:
+        await saver.setup()
+        yield saver
+
+
+@pytest.mark.parametrize("kind", SAVERS)
+def test_durable_checkpointer_resumed_by_a_fresh_agent(undolog: Any, tmp_path: Path, kind: str) -> None:
     # Which pause a rejection answers is read from the checkpoint itself: a fresh agent on a fresh saver (as another
     # process would resume) finds it too.
     world, path, c = World(), str(tmp_path / "checkpoints.sqlite"), cfg()
-    with closing(sqlite3.connect(path, check_same_thread=False)) as conn:
-        agent, _ = make_agent(undolog, world, saver=SqliteSaver(conn))
+    with saver_of(kind, path) as saver:
+        agent, _ = make_agent(undolog, world, saver=saver)
         agent.invoke({"messages": [{"role": "user", "content": "close both"}]}, c)
-    with closing(sqlite3.connect(path, check_same_thread=False)) as conn:
-        agent, gate = make_agent(undolog, world, saver=SqliteSaver(conn))
+    with saver_of(kind, path) as saver:
+        agent, gate = make_agent(undolog, world, saver=saver)
         found = pauses(agent.get_state(c))
         (approved, _), (rejected, rejected_ns) = found["u-1"], found["u-2"]
         gate.hold, gate.sibling_request = rejected_ns, approved.value["undolog"]["approval_request_id"]
@@ -190,18 +225,17 @@ def test_durable_checkpointer_resumed_by_a_fresh_agent(undolog: Any, tmp_path: P
     check_halted(undolog, world, gate, out, approved, rejected)
 
 
-def test_async_durable_checkpointer_resumed_by_a_fresh_agent(undolog: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", SAVERS)
+def test_async_durable_checkpointer_resumed_by_a_fresh_agent(undolog: Any, tmp_path: Path, kind: str) -> None:
     # The same through ainvoke and an async saver: its synchronous read runs in the task's worker thread, never on
-    # the event loop.
-    from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
-
+    # the event loop (an async saver refuses a synchronous call on its loop).
     world, path, c = World(), str(tmp_path / "checkpoints.sqlite"), cfg()
 
     async def go() -> tuple[Any, Any, Any, Gate]:
-        async with AsyncSqliteSaver.from_conn_string(path) as saver:
+        async with asaver_of(kind, path) as saver:
             agent, _ = make_agent(undolog, world, is_async=True, saver=saver)
             await agent.ainvoke({"messages": [{"role": "user", "content": "close both"}]}, c)
-        async with AsyncSqliteSaver.from_conn_string(path) as saver:
+        async with asaver_of(kind, path) as saver:
             agent, gate = make_agent(undolog, world, is_async=True, saver=saver)
             found = pauses(await agent.aget_state(c))
             (approved, _), (rejected, rejected_ns) = found["u-2"], found["u-1"]

@@ -22,14 +22,6 @@ from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
-from langgraph._internal._constants import (
-    CONFIG_KEY_CHECKPOINT_MAP,
-    CONFIG_KEY_CHECKPOINT_NS,
-    CONFIG_KEY_CHECKPOINTER,
-    CONFIG_KEY_RESUME_MAP,
-    INTERRUPT,
-    NS_SEP,
-)
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from undolog_core import AwaitingApproval, errors
@@ -49,6 +41,19 @@ if TYPE_CHECKING:
     from ._guard import _Guard
 
 log = logging.getLogger("undolog.approvals")
+
+try:
+    from langgraph._internal import _constants as _lg
+except ImportError:  # pragma: no cover - the module moved: its values, as of langgraph 1.2, below
+    _lg = None  # type: ignore[assignment]
+# LangGraph's own config keys and channel names (private: pinned by tests/adapters/test_langgraph_siblings.py, which
+# fails if any of them stops finding a sibling's pause).
+CONFIG_KEY_RESUME_MAP: str = getattr(_lg, "CONFIG_KEY_RESUME_MAP", "__pregel_resume_map")
+CONFIG_KEY_CHECKPOINTER: str = getattr(_lg, "CONFIG_KEY_CHECKPOINTER", "__pregel_checkpointer")
+CONFIG_KEY_CHECKPOINT_MAP: str = getattr(_lg, "CONFIG_KEY_CHECKPOINT_MAP", "checkpoint_map")
+CONFIG_KEY_CHECKPOINT_NS: str = getattr(_lg, "CONFIG_KEY_CHECKPOINT_NS", "checkpoint_ns")
+INTERRUPT: str = getattr(_lg, "INTERRUPT", "__interrupt__")
+NS_SEP: str = getattr(_lg, "NS_SEP", "|")
 
 
 def siblings_rejected(guard: _Guard, config: Mapping[str, Any], value: Any, pending: Sequence[AwaitingApproval],
