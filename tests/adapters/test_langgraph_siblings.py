@@ -27,6 +27,7 @@ from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, ToolMessage
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite import SqliteSaver
+from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.types import Command
 
 from examples.support_agent.model import ScriptedChatModel
@@ -55,7 +56,8 @@ class Gate:
         self.held = 0
 
     def __call__(self, config: Any) -> str:
-        if self.hold is not None and (config.get("configurable") or {}).get("checkpoint_ns") == self.hold:
+        ns = str((config.get("configurable") or {}).get("checkpoint_ns") or "")
+        if self.hold is not None and ns.endswith(self.hold):  # "<node>:<task id>", in a subgraph "...|<node>:<id>"
             self.held += 1
             deadline = time.monotonic() + 10.0
             while time.monotonic() < deadline and not self.world.ran_event.wait(0.02):
@@ -101,6 +103,9 @@ def pauses(state: Any) -> dict[str, tuple[Any, str]]:
     """``{user_id: (interrupt, its task's checkpoint namespace)}`` of the agent's pending pauses."""
     out = {}
     for task in state.tasks:
+        if task.state is not None and hasattr(task.state, "tasks"):  # a subgraph's snapshot (subgraphs=True)
+            out.update(pauses(task.state))
+            continue
         for intr in task.interrupts:
             out[intr.value["args"]["user_id"]] = (intr, f"{task.name}:{task.id}")
     return out
@@ -172,6 +177,41 @@ def test_one_resume_reject_halts_before_the_approved_sibling_runs_async(undolog:
         return out, approved, rejected
 
     out, approved, rejected = asyncio.run(go())
+    check_halted(undolog, world, gate, out, approved, rejected)
+
+
+def test_one_resume_reject_halts_with_durability_exit(undolog: Any) -> None:
+    # durability="exit" saves the checkpoint and its interrupts only when the run stops: still found on resume.
+    world = World()
+    agent, gate = make_agent(undolog, world)
+    c = cfg()
+    agent.invoke({"messages": [{"role": "user", "content": "close both"}]}, c, durability="exit")
+    found = pauses(agent.get_state(c))
+    (approved, _), (rejected, rejected_ns) = found["u-1"], found["u-2"]
+    gate.hold, gate.sibling_request = rejected_ns, approved.value["undolog"]["approval_request_id"]
+    out = agent.invoke(Command(resume={approved.id: approve("langchain"), rejected.id: reject("langchain")}), c,
+                       durability="exit")
+    check_halted(undolog, world, gate, out, approved, rejected)
+
+
+def test_one_resume_reject_halts_when_the_agent_is_a_subgraph(undolog: Any) -> None:
+    # The agent as a node of a bigger graph: the tool calls' tasks live in the subgraph's namespace, and the
+    # interrupts are read from the subgraph's own checkpoint.
+    world = World()
+    gate = Gate(undolog, world)
+    tools = make_tools(world, is_async=False)
+    inner = create_agent(ScriptedChatModel(scripts=SCRIPTS), tools,
+                         middleware=[UndoLogMiddleware(undolog, tools=tools, approver=gate)])
+    outer = StateGraph(MessagesState)
+    outer.add_node("agent", inner)
+    outer.add_edge(START, "agent")
+    graph = outer.compile(checkpointer=InMemorySaver())
+    c = cfg()
+    graph.invoke({"messages": [{"role": "user", "content": "close both"}]}, c)
+    found = pauses(graph.get_state(c, subgraphs=True))
+    (approved, _), (rejected, rejected_ns) = found["u-2"], found["u-1"]
+    gate.hold, gate.sibling_request = rejected_ns, approved.value["undolog"]["approval_request_id"]
+    out = graph.invoke(Command(resume={approved.id: approve("undolog"), rejected.id: reject("undolog")}), c)
     check_halted(undolog, world, gate, out, approved, rejected)
 
 
