@@ -331,6 +331,9 @@ class _Guard:
     def ask(self, pauses: Sequence[_Pause], error: str | None, *, batched: bool = False) -> str | None:
         """Pause the graph for ``pauses``; on resume, record the decisions and return any problem.
 
+        A rejection the same resume gives to another UndoLog pause of the session (``create_agent``'s parallel
+        calls, one pause each) is recorded first, so an approval here finds the session halted (``_siblings``).
+
         ``batched``: one ``HITLRequest`` for the message's calls (``UndoLogToolNode``), else one
         ``ToolApprovalRequest`` (the middleware). The answer is checked inside ``interrupt()``, before LangGraph
         saves it: its approver is found from this run's config, an edit is pinned to its tool.

@@ -87,23 +87,33 @@ def siblings_rejected(guard: _Guard, config: Mapping[str, Any], value: Any, pend
         ids = [str(r.get("approval_request_id")) for r in reqs]
         if own & set(ids):
             continue  # this task's own pause
+        answer = _validated(guard, config, resume_map[iid], [str(r.get("tool")) for r in reqs])
+        if answer is None or not _any_reject(answer):
+            continue  # malformed (its own task refuses it, and nothing of it is recorded), or no rejection in it
         siblings = [_awaiting(guard, rid) for rid in ids]
         if any(s is None for s in siblings):
             continue
-        answer = _validated(guard, config, resume_map[iid], [str(r.get("tool")) for r in reqs])
-        if answer is None:
-            continue  # malformed: its own task refuses it (and nothing of it is recorded)
         log.info("a sibling's rejection (interrupt %s) is recorded before requests %s of session %s are answered",
                  iid, ", ".join(sorted(own)), session_id)
         guard.apply(answer, [s for s in siblings if s is not None], only_rejects=True)
 
 
-def _only_rejects(value: Any) -> bool:
+def _decisions(value: Any) -> list[Any]:
     decisions = value.decisions if isinstance(value, ApprovalDecisions) else [value]
-    if isinstance(decisions, Mapping):
-        decisions = list(decisions.values())
-    return all(isinstance(d, RejectDecision) or (isinstance(d, ApprovalDecision) and d.decision == "reject")
-               for d in decisions)
+    return list(decisions.values()) if isinstance(decisions, Mapping) else list(decisions)
+
+
+def _is_reject(decision: Any) -> bool:
+    return isinstance(decision, RejectDecision) or (isinstance(decision, ApprovalDecision)
+                                                    and decision.decision == "reject")
+
+
+def _only_rejects(value: Any) -> bool:
+    return all(_is_reject(d) for d in _decisions(value))
+
+
+def _any_reject(value: Any) -> bool:
+    return any(_is_reject(d) for d in _decisions(value))
 
 
 def _may_reject(answer: Any) -> bool:
