@@ -79,15 +79,23 @@ def _wait(guard: _Guard, batch: _Batch | None, request: Any, step: _Pause) -> To
     return guard.refusal(request, errors.UndoLogError("waiting for approval"))
 
 
-def _admit(req: Any, step: _Run, box: _Box) -> tuple[contextvars.Token[_Admit | None], contextvars.Token[_Box | None]]:
-    admit = _Admit(req.tool_call["name"], dict(req.tool_call.get("args") or {}), req.tool,
-                   step.execute.effect_id is not None)
-    return _ADMIT.set(admit), _CAPTURE.set(box)
+_Tokens = tuple["contextvars.Token[_Admit | None] | None", "contextvars.Token[_Box | None] | None"]
 
 
-def _unadmit(tokens: tuple[contextvars.Token[_Admit | None], contextvars.Token[_Box | None]]) -> None:
-    _CAPTURE.reset(tokens[1])
-    _ADMIT.reset(tokens[0])
+def _admit(req: Any, step: _Run, box: _Box | None, admit: bool) -> _Tokens:
+    """Set what the innermost ``execute`` checks (``admit``: ``UndoLogToolNode``) and where the tool's raw value goes
+    (``box``: a logged call). The middleware is the innermost tool-call wrapper (``_innermost``), so nothing checks
+    there; a SAFE call keeps no raw value: then nothing is set at all."""
+    a = _ADMIT.set(_Admit(req.tool_call["name"], dict(req.tool_call.get("args") or {}), req.tool,
+                          step.execute.effect_id is not None)) if admit else None
+    return a, (_CAPTURE.set(box) if box is not None else None)
+
+
+def _unadmit(tokens: _Tokens) -> None:
+    if tokens[1] is not None:
+        _CAPTURE.reset(tokens[1])
+    if tokens[0] is not None:
+        _ADMIT.reset(tokens[0])
 
 
 def _tool_error(out: Any) -> bool:
@@ -136,12 +144,13 @@ def _decide(guard: _Guard, request: Any, wait: bool = True) -> tuple[_Run | _Ans
         return step, batch, call_id
 
 
-def run_call(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
+def run_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], *, admit: bool = True) -> Any:
     """One tool call through UndoLog (sync): decide, pause or run, then mark, fail or release.
 
     ``arun_call`` is its async twin; both share ``_decide``, ``_hooks`` and ``_settled`` and differ only in
     awaiting the tool. A LangGraph interrupt inside the tool (``GraphBubbleUp``) releases the call untouched; the
     tool's own exception is recorded and answered with the rollback message, or re-raised as itself.
+    ``admit``: record the call let through, for ``_admitted`` (``UndoLogToolNode``'s innermost ``execute``).
     """
     if request.tool is None:
         return execute(request)  # an unknown tool name: ToolNode answers with its own error, nothing runs
@@ -149,7 +158,7 @@ def run_call(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
     if isinstance(step, _Answer):
         return step.value
     req, box = guard.runnable(request, step)
-    token = _admit(req, step, box)
+    token = _admit(req, step, box, admit)
     try:
         # The driver runs it: a LangGraph interrupt inside the tool (GraphBubbleUp) is control flow, never a
         # failure: the call is handed back without an outcome and LangGraph re-runs it on resume under the same
@@ -161,7 +170,7 @@ def run_call(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
     return _settled(guard, batch, call_id, request, step, outcome)
 
 
-async def arun_call(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
+async def arun_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], *, admit: bool = True) -> Any:
     """Async :func:`run_call`: the same steps, awaiting the tool."""
     if request.tool is None:
         return await execute(request)
@@ -174,7 +183,7 @@ async def arun_call(guard: _Guard, request: Any, execute: Callable[[Any], Any]) 
     if isinstance(step, _Answer):
         return step.value
     req, box = guard.runnable(request, step)
-    token = _admit(req, step, box)
+    token = _admit(req, step, box, admit)
     try:
         outcome = await guard.u.driver.run_async(step.execute, lambda _a: execute(req),
                                                  control_flow=(GraphBubbleUp,), note=False,
@@ -184,7 +193,7 @@ async def arun_call(guard: _Guard, request: Any, execute: Callable[[Any], Any]) 
     return _settled(guard, batch, call_id, request, step, outcome)
 
 
-def _hooks(request: Any, step: _Run, box: Any) -> dict[str, Any]:
+def _hooks(request: Any, step: _Run, box: _Box | None) -> dict[str, Any]:
     """How the driver reads a ToolNode answer: an error ToolMessage is the tool failing (ToolNode's
     handle_tool_errors turned the exception into it), and the stored result is the tool's own value."""
     if step.execute.effect_id is None:
@@ -195,7 +204,7 @@ def _hooks(request: Any, step: _Run, box: Any) -> dict[str, Any]:
         return f"{name} failed: {out.content}" if _tool_error(out) else None
 
     def result_of(out: Any) -> Any:
-        return box.value if box.set else _result_of(out)
+        return box.value if box is not None and box.set else _result_of(out)
 
     return {"failure_of": failure_of, "result_of": result_of}
 
@@ -204,8 +213,9 @@ def _settled(guard: _Guard, batch: _Batch | None, call_id: str | None, request: 
              outcome: Outcome) -> Any:
     """The node's answer for a call the driver ran: the tool's message, or the failure and what was undone."""
     ex, sid = step.execute, step.session_id
-    for name, data in rollback_events(outcome.rollback, ex.effect_id):
-        emit(name, data)  # the run's callbacks see each compensation (LangSmith shows what was undone)
+    if outcome.rollback is not None:
+        for name, data in rollback_events(outcome.rollback, ex.effect_id):
+            emit(name, data)  # the run's callbacks see each compensation (LangSmith shows what was undone)
     exc = outcome.error
     if exc is not None and (ex.effect_id is None or not isinstance(exc, Exception)):
         # SAFE: ToolNode's own error handling already decided to raise it; and an interrupt of the process

@@ -157,8 +157,7 @@ class _Guard:
         """The thread's current session id (the newest of ``base``, ``base#2``...), created if new.
 
         ``wait=False`` raises ``WouldBlock`` when that needs the store (a thread seen for the first time here)."""
-        with self.lock:
-            n = self.heads.get(base)
+        n = self.heads.get(base)  # one dict read is atomic: the lock orders the writers only
         if n is not None and not refresh:
             return _chain(base, n)
         if not wait:
@@ -275,13 +274,17 @@ class _Guard:
         except errors.UndoLogError:
             return None
 
-    def runnable(self, request: Any, run: _Run) -> tuple[Any, _Box]:
-        box = _Box()
+    def runnable(self, request: Any, run: _Run) -> tuple[Any, _Box | None]:
+        """The request to run (the validated arguments; for a logged call, the tool copy that keeps its raw value)
+        and the box that value lands in (None for a SAFE call: nothing is stored, ToolNode's answer is the result)."""
         call = request.tool_call
         overrides: dict[str, Any] = {}
-        if dict(call.get("args") or {}) != run.execute.args:
+        args = call.get("args") or {}
+        if (args if args.__class__ is dict else dict(args)) != run.execute.args:
             overrides["tool_call"] = {**call, "args": dict(run.execute.args)}
-        if request.tool is not None:
+        box = None
+        if run.execute.effect_id is not None and request.tool is not None:
+            box = _Box()
             tool = _capturing(request.tool, box)
             if tool is not request.tool:
                 overrides["tool"] = tool
