@@ -185,8 +185,7 @@ class _Guard:
         rollback); the state is None when the session does not exist yet (it is created here, once per thread).
         ``wait=False`` (an event loop) raises ``WouldBlock`` when that would wait or write: run it in a thread.
         """
-        with self.lock:
-            known = self.heads.get(base)
+        known = self.heads.get(base)  # one dict read is atomic: the lock orders the writers only
         n = known or 1
         sid, nxt = _chain(base, n), _chain(base, n + 1)
         found = self.u.engine.session_states([sid, nxt], wait=wait)

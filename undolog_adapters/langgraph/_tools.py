@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -70,7 +71,7 @@ def _capturing(tool: BaseTool, box: _Box) -> BaseTool:
                 current.value, current.set = out, True
             return out
 
-        update["func"] = f
+        update["func"] = _same_signature(f, func)
     if coro is not None:
 
         @functools.wraps(coro)
@@ -81,7 +82,7 @@ def _capturing(tool: BaseTool, box: _Box) -> BaseTool:
                 current.value, current.set = out, True
             return out
 
-        update["coroutine"] = c
+        update["coroutine"] = _same_signature(c, coro)
     try:
         copy = tool.model_copy(update=update)
     except Exception:  # noqa: BLE001 - an exotic tool class: fall back to the message content
@@ -90,6 +91,20 @@ def _capturing(tool: BaseTool, box: _Box) -> BaseTool:
         _COPIES.clear()  # tools made per request: start over rather than grow without bound
     _COPIES[id(tool)] = (tool, copy)
     return copy
+
+
+def _same_signature(wrapper: Any, wrapped: Any) -> Any:
+    """``wrapper`` with ``wrapped``'s signature stored on it.
+
+    LangChain reads a tool function's signature on every run (its RunnableConfig parameter, its injected arguments);
+    through ``__wrapped__`` that rebuilds the wrapped function's signature from its code object each time. Stored
+    once, it is the same signature, found without rebuilding it.
+    """
+    try:
+        wrapper.__signature__ = inspect.signature(wrapped)
+    except (TypeError, ValueError):
+        pass  # nothing to store: inspect follows __wrapped__, as without it
+    return wrapper
 
 
 def _result_of(out: Any) -> Any:
