@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import uuid
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 from langchain.agents import create_agent
 from langchain.agents.middleware import AgentMiddleware
 from langchain_core.messages import AIMessage, ToolMessage
+from langchain_core.tools import tool as as_tool
 from langgraph.checkpoint.memory import InMemorySaver
 from semantic_kernel import Kernel
 from semantic_kernel.contents import ChatHistory
@@ -26,7 +28,7 @@ from semantic_kernel.functions import kernel_function
 
 from examples.semantic_kernel_support.llm import ScriptedChat, auto_settings, call
 from examples.support_agent.model import ScriptedChatModel
-from undolog_adapters.langgraph import UndoLogMiddleware
+from undolog_adapters.langgraph import UndoLogMiddleware, _call, _tools
 from undolog_adapters.semantic_kernel import install, undolog_session
 from undolog_core import CompensationDescriptor, ToolTier, compensation, undolog_tool
 
@@ -234,3 +236,66 @@ async def test_sk_decides_on_the_loop_when_nothing_waits_and_in_a_thread_when_it
     assert (loop_thread, True) not in spy.calls
     assert any(t != loop_thread and w for t, w in spy.calls)
     assert [e["state"] for e in undolog.sessions.effects(sid)] == ["committed"] * 3
+
+
+# ------------------------------------------------------------------------------------------ LangGraph: per-call work
+
+
+SEEN: list[tuple[str, Any, Any]] = []
+
+
+@undolog_tool(tier=ToolTier.SAFE)
+def sp_peek(day: str) -> str:
+    """Look a slot up, noting what UndoLog set around the call."""
+    SEEN.append(("sp_peek", _tools._CAPTURE.get(), _call._ADMIT.get()))
+    return f"{day} is free"
+
+
+RELEASED: list[Any] = []
+
+
+@compensation("sp_release")
+def sp_release(ctx: Any) -> None:
+    RELEASED.append(ctx.result)
+
+
+@undolog_tool(tier=ToolTier.COMPENSABLE, compensation=CompensationDescriptor.new("sp_release"))
+def sp_hold(day: str) -> dict[str, str]:
+    """Hold a slot, noting what UndoLog set around the call."""
+    SEEN.append(("sp_hold", _tools._CAPTURE.get(), _call._ADMIT.get()))
+    return {"hold": day}
+
+
+def test_a_safe_call_through_the_middleware_sets_nothing_around_the_tool(undolog: Any) -> None:
+    """A SAFE call keeps no raw value and nothing checks it inside the middleware (the innermost tool wrapper): the
+    tool runs as it is, with no context set. A COMPENSABLE call still keeps its raw value (the stored result)."""
+    SEEN.clear()
+    RELEASED.clear()
+    tools = [sp_peek, sp_hold]
+    scripts = {"peek": [[("sp_peek", {"day": "wed"})]], "hold": [[("sp_hold", {"day": "thu"})]]}
+    graph = create_agent(ScriptedChatModel(scripts=scripts), tools, checkpointer=InMemorySaver(),
+                         middleware=[UndoLogMiddleware(undolog, tools=tools, compensations=[sp_release])])
+    c = _cfg()
+    out = graph.invoke(_user("peek"), c)
+    assert [m for m in out["messages"] if isinstance(m, ToolMessage)][-1].content == "wed is free"
+    out = graph.invoke(_user("hold"), c)
+    msg = [m for m in out["messages"] if isinstance(m, ToolMessage)][-1]
+    assert SEEN[0] == ("sp_peek", None, None)
+    assert SEEN[1][0] == "sp_hold" and SEEN[1][1] is not None and SEEN[1][2] is None
+    assert msg.status == "success" and msg.response_metadata["undolog"]["tier"] == "compensable"
+    assert undolog.rollback(c["configurable"]["thread_id"]).complete
+    assert RELEASED == [{"hold": "thu"}]  # the compensation got the raw value, not the message's text
+
+
+def test_signatures_langchain_reads_per_call_are_stored_once(undolog: Any) -> None:
+    """LangChain (LangSmith's ``traceable`` around each hook, the tool's run) reads signatures on every call: the
+    middleware's hooks and the capturing copy of a tool carry theirs, equal to what inspect would build."""
+    for name in ("wrap_model_call", "awrap_model_call", "wrap_tool_call", "awrap_tool_call"):
+        fn = getattr(UndoLogMiddleware, name)
+        assert "__signature__" in vars(fn)
+        assert inspect.signature(fn) == inspect.signature(fn, follow_wrapped=False).replace()
+        assert list(inspect.signature(getattr(UndoLogMiddleware(undolog), name)).parameters) == ["request", "handler"]
+    tool = as_tool(sp_hold)
+    copy = _tools._capturing(tool, _tools._Box())
+    assert copy is not tool and "__signature__" in vars(copy.func)
+    assert inspect.signature(copy.func) == inspect.signature(sp_hold)
