@@ -14,6 +14,8 @@ class Upstream:
     calls: list[tuple[str, dict[str, Any], str | None]] = field(default_factory=list)
     fail: set[str] = field(default_factory=set)
     delay: dict[str, float] = field(default_factory=dict)
+    # A call to one of these paths answers only once the test sets the event (a call held in flight).
+    hold: dict[str, threading.Event] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> Upstream:
@@ -27,6 +29,8 @@ class Upstream:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 with outer.lock:
                     outer.calls.append((self.path, body, self.headers.get("Idempotency-Key")))
+                if self.path in outer.hold:
+                    outer.hold[self.path].wait(30)
                 if self.path in outer.delay:
                     import time
 

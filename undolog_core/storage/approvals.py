@@ -199,6 +199,7 @@ class ApprovalsSQL(Store):
             raise UndoLogError("a respond decision needs the response (the text that stands in for the result)")
         r, e = t.approval_requests, t.effect_log
         with self.tx() as conn:
+            self._lock_session_of_in(conn, approval_request_id)
             req = conn.execute(
                 self.for_update(sa.select(r).where(r.c.approval_request_id == approval_request_id))
             ).first()
@@ -463,6 +464,7 @@ class ApprovalsSQL(Store):
         r, e = t.approval_requests, t.effect_log
         rid = approval_request_id
         with self.tx() as conn:
+            self._lock_session_of_in(conn, rid)
             ttl = self.policy_in(conn).approved_ttl_seconds
             cutoff = now - dt.timedelta(seconds=ttl)
             req = conn.execute(
@@ -495,6 +497,26 @@ class ApprovalsSQL(Store):
                 actor="undolog:approval-ttl", payload=payload, outbox=[("approval.expired", out)], now=now,
             )
             return self.refresh_changes_in(conn, req.session_id, now)
+
+    def _lock_session_of_in(self, conn: Connection, approval_request_id: str) -> None:
+        """Lock the session row of a request first (PostgreSQL), before the request and the audit chain head.
+
+        An agent's call locks its session row first (the guard that counts its calls) and the chain head last (the
+        ``approval.requested`` event). A decision used to lock the head first (its event) and the session row after
+        it (the state refresh, a halt): an agent raising a request in the same session at that moment held the
+        row and waited for the head while the decision held the head and waited for the row, and PostgreSQL
+        aborted one of them as a deadlock (a 500 under load). Session row first, then request, then head: one
+        order for every writer. On SQLite every writer already holds the one write lock.
+        """
+        if not self.is_postgres:
+            return
+        r, s = t.approval_requests, t.sessions
+        conn.execute(
+            sa.select(s.c.session_id)
+            .where(s.c.session_id == sa.select(r.c.session_id).where(r.c.approval_request_id == approval_request_id)
+                   .scalar_subquery())
+            .with_for_update()
+        )
 
     # -- cancellations (inside the caller's transaction) ---------------------------------------------
 
