@@ -198,7 +198,8 @@ class ApprovalsSQL(Store):
         if action == "respond" and response is None:
             raise UndoLogError("a respond decision needs the response (the text that stands in for the result)")
         r, e = t.approval_requests, t.effect_log
-        with self.tx() as conn:
+        # Urgent: a person waits for this answer; on SQLite it goes ahead of the agents' queued writes.
+        with self.tx(urgent=True) as conn:
             self._lock_session_of_in(conn, approval_request_id)
             req = conn.execute(
                 self.for_update(sa.select(r).where(r.c.approval_request_id == approval_request_id))
