@@ -185,3 +185,27 @@ def test_a_decision_goes_ahead_of_the_writes_queued_for_sqlite(desk: Desk) -> No
         t.join(30)
     assert answer["decision"].status_code == 200, answer["decision"].text
     assert len(saw) == 12 and saw.count("pending") <= 2, saw
+
+
+def test_proxied_calls_share_one_tls_context(one_lane: Desk, upstream: Upstream,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every upstream call used to build a TLS context (parsing the whole CA bundle, ~20 ms of CPU with the GIL
+    held: most of the desk's CPU under the load test). Five calls now share one; each still has its own client."""
+    import httpx._transports.default as transport
+
+    agent = one_lane.client("agent")  # the test's own client, made before counting
+    made: list[int] = []
+    real = transport.create_ssl_context
+
+    def counted(*a: Any, **kw: Any) -> Any:  # observes, changes nothing
+        ctx = real(*a, **kw)
+        made.append(id(ctx))
+        return ctx
+
+    monkeypatch.setattr(transport, "create_ssl_context", counted)
+    sid = agent.post("/v1/sessions", json={"agent_id": "tls"}).json()["session_id"]
+    for i in range(5):
+        r = agent.post(f"/v1/sessions/{sid}/tools/lookup_order:invoke", json={"order_id": f"o{i}"})
+        assert r.status_code == 200, r.text
+    assert len(upstream.to("/lookup")) == 5 and len(made) == 5
+    assert len(set(made)) == 1, f"{len(set(made))} TLS contexts for 5 calls"
