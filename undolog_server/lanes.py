@@ -1,13 +1,12 @@
 """Admission lanes: how many requests run inside the desk at once, and a lane of its own for decisions.
 
-The desk is one Python process: its sync routes run on a thread pool (40 threads by default), all of them sharing
-one GIL and, on SQLite, one write lock. Measured under the load test (50 clients on 2 cores), letting 40 requests
-run at once did not make the desk faster, it made every request slower: a thread holding the SQLite write lock
-waited for the GIL behind dozens of others, so a write transaction that takes under a millisecond alone held the
-lock for 20-40 ms, and a decision queued some 500 ms behind the agents' writes for it. So the desk admits a bounded
-number of requests at a time (``max_concurrent_requests``) and queues the rest, first come first served, on the
-event loop, where waiting costs nothing. A person's decision (approve, reject, modify, respond; over the API or
-from the dashboard) does not queue behind the agents' traffic: it has a lane of its own (``decision_lane``).
+The desk is one Python process: its sync routes run on anyio's thread pool (40 threads), all of them sharing one
+GIL and, on SQLite, one write lock. Without a bound, 50 busy clients took every thread, and a person's decision
+waited for a thread behind the agents' traffic before it even started (then for the write lock, see
+``undolog_core.storage.base.WriteLock``). So the desk admits at most ``max_concurrent_requests`` requests (32,
+below the pool's 40 threads) and queues the rest, first come first served, on the event loop, where waiting
+costs nothing; a person's decision (approve, reject, modify, respond; over the API or from the dashboard) never
+queues behind them: it has a lane of its own (``decision_lane``), and so always finds a thread.
 
 A request that cannot be admitted within ``queue_timeout`` seconds is answered **503** ``server_busy`` with
 ``Retry-After``, never left hanging. ``GET /v1/health`` and the dashboard's static files bypass the lanes, so a busy
@@ -48,7 +47,7 @@ class Lane:
     """At most ``size`` requests inside at once; the others wait in arrival order, for ``timeout`` seconds at most.
 
     Example:
-        >>> lane = Lane("general", 16, timeout=30)
+        >>> lane = Lane("general", 32, timeout=30)
         >>> async with lane.admitted():  # raises LaneTimeout after 30 s of waiting
         ...     ...
     """
