@@ -93,36 +93,39 @@ def test_a_decision_does_not_queue_behind_a_full_desk(one_lane: Desk, upstream: 
 
 @pytest.mark.postgres_only
 def test_a_decision_and_an_agent_call_in_its_session_take_locks_in_one_order(desk: Desk) -> None:
-    """An agent's call locks its session row first and the audit chain head last. A transaction doing just that
-    holds the session row while a decision on a request of the same session arrives; then it takes the head. The
-    decision used to hold the head by then and wait for the row: PostgreSQL aborted it as a deadlock (a 500 under
-    the load test). Now it waits for the row before it takes anything, and both commit."""
+    """An agent's call locks its session row first and an audit chain head last. While a transaction holds the
+    session row (an agent's call in the same session), a decision waits for that row before it takes anything:
+    every audit head is free meanwhile. It used to take a head first and then wait for the row, which the agent's
+    call, wanting that head, waited for: PostgreSQL aborted the decision as a deadlock (a 500 under the load test).
+    """
     rid, sid = desk.pending()
     s, head = core.sessions, core.audit_head
     answer: dict[str, httpx.Response] = {}
     with desk.undolog.store.engine.connect() as agent:
         tx = agent.begin()
-        # The decision's backend must be the one whose deadlock check fires (1 s by default), as it would be in a
-        # real cycle where the decision waits first.
-        agent.execute(sa.text("SET LOCAL deadlock_timeout = '20s'"))
-        agent.execute(s.update().where(s.c.session_id == sid).values(tool_calls_total=s.c.tool_calls_total))
-        pid = agent.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+        try:
+            agent.execute(s.update().where(s.c.session_id == sid).values(tool_calls_total=s.c.tool_calls_total))
+            pid = agent.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
 
-        def decide() -> None:
-            answer["decision"] = desk.client("approver").post(f"/v1/approvals/{rid}:approve", json={"reason": "ok"})
+            def decide() -> None:
+                answer["decision"] = desk.client("approver").post(f"/v1/approvals/{rid}:approve",
+                                                                  json={"reason": "ok"})
 
-        t = threading.Thread(target=decide)
-        t.start()
-        with desk.undolog.store.engine.connect() as watch:
-            def blocked() -> bool:
-                n = watch.execute(sa.text("SELECT count(*) FROM pg_stat_activity WHERE :pid = ANY(pg_blocking_pids(pid))"),
-                                  {"pid": pid}).scalar_one()
-                watch.rollback()
-                return bool(n) or not t.is_alive()
+            t = threading.Thread(target=decide)
+            t.start()
+            with desk.undolog.store.engine.connect() as watch:
+                def blocked() -> bool:
+                    n = watch.execute(sa.text("SELECT count(*) FROM pg_stat_activity "
+                                              "WHERE :pid = ANY(pg_blocking_pids(pid))"), {"pid": pid}).scalar_one()
+                    watch.rollback()
+                    return bool(n) or not t.is_alive()
 
-            _wait_until("the decision waits for the session row", blocked)
-        agent.execute(sa.select(head).where(head.c.head_id == 1).with_for_update())
-        tx.commit()
+                _wait_until("the decision waits for the session row", blocked)
+            heads = set(agent.execute(sa.select(head.c.head_id)).scalars())
+            free = set(agent.execute(sa.select(head.c.head_id).with_for_update(skip_locked=True)).scalars())
+            assert free == heads, f"the decision holds audit head(s) {sorted(heads - free)} while it waits"
+        finally:
+            tx.commit()
         t.join(30)
     assert answer["decision"].status_code == 200, answer["decision"].text
     assert desk.undolog.approvals.get(rid).state == "approved"
