@@ -463,7 +463,6 @@ class ApprovalsSQL(Store):
         """
         r, e = t.approval_requests, t.effect_log
         with self.tx() as conn:
-            self._lock_session_of_in(conn, rid)
             ttl = self.policy_in(conn).approved_ttl_seconds
             cutoff = now - dt.timedelta(seconds=ttl)
             q = (sa.select(r.c.approval_request_id, r.c.effect_id, r.c.session_id, r.c.tool_name, r.c.call_id,
@@ -509,14 +508,15 @@ class ApprovalsSQL(Store):
             return ids, changes
 
     def _lock_session_of_in(self, conn: Connection, approval_request_id: str) -> None:
-        """Lock the session row of a request first (PostgreSQL), before the request and the audit chain head.
+        """Lock the session row of a request first (PostgreSQL), before the request and any audit chain head.
 
-        An agent's call locks its session row first (the guard that counts its calls) and the chain head last (the
-        ``approval.requested`` event). A decision used to lock the head first (its event) and the session row after
-        it (the state refresh, a halt): an agent raising a request in the same session at that moment held the
-        row and waited for the head while the decision held the head and waited for the row, and PostgreSQL
-        aborted one of them as a deadlock (a 500 under load). Session row first, then request, then head: one
-        order for every writer. On SQLite every writer already holds the one write lock.
+        An agent's call locks its session row first (the guard that counts its calls) and an audit head last (the
+        ``approval.requested`` event). A decision used to take a head first (its event) and the session row after it
+        (the state refresh, a halt): an agent raising a request in the same session at that moment held the row and
+        waited for a head the decision held, while the decision waited for the row, and PostgreSQL aborted one of
+        them as a deadlock (a 500 under the load test, with one chain; with several chains taken SKIP LOCKED it
+        remains possible whenever every head is held). Session row first, then request, then head: one order for
+        the agent's call and the decision. On SQLite every writer already holds the one write lock.
         """
         if not self.is_postgres:
             return
