@@ -34,16 +34,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselect (not skip) what this run does not cover: `long` tests without --long, and `postgres_only` tests
-    on the SQLite run (CI runs the suite on PostgreSQL too, where they run). A deselected test is reported as
-    deselected, never as a skip that could hide a PostgreSQL test from CI."""
+    """Deselect (not skip) what this run does not cover: `long` tests without --long, `postgres_only` tests
+    on the SQLite run (CI runs the suite on PostgreSQL too, where they run) and `sqlite_only` tests on the
+    PostgreSQL run. A deselected test is reported as deselected, never as a skip that could hide a test from CI."""
     keep: list[pytest.Item] = []
     dropped: list[pytest.Item] = []
     run_long = config.getoption("--long")
     for item in items:
         if (item.get_closest_marker("long") and not run_long) or (
             item.get_closest_marker("postgres_only") and TEST_DB != "postgres"
-        ):
+        ) or (item.get_closest_marker("sqlite_only") and TEST_DB != "sqlite"):
             dropped.append(item)
         else:
             keep.append(item)

@@ -552,7 +552,8 @@ def health(request: Request) -> HealthOut:
     try:
         st.store.ping()
     except Exception:
-        raise Problem(503, "database_unavailable", "the database does not answer") from None
+        raise Problem(503, "database_unavailable", "the database does not answer",
+                      headers={"Retry-After": "1"}) from None
     return HealthOut(status="ok", database=st.undolog.store.dialect)
 
 

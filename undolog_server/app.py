@@ -19,6 +19,7 @@ from undolog_core import UndoLog, errors, limits, load_app
 
 from . import api, dashboard, problems
 from . import proxy as proxy_mod
+from .lanes import Lanes
 from .state import ServerSettings, ServerState
 from .storage import ServerStore
 from .sweeper import Sweeper
@@ -344,5 +345,8 @@ def create_app(
     dashboard.install(app)
     app.mount("/ui/static", StaticFiles(directory=str(Path(__file__).parent / "static")), name="static")
 
+    # Inside the guard: a body is checked (and a hostile one refused) before the request waits for a lane.
+    app.add_middleware(Lanes, general=settings.max_concurrent_requests, decisions=settings.decision_lane,
+                       queue_timeout=settings.queue_timeout)
     app.add_middleware(_Guard, max_body_bytes=settings.max_body_bytes)
     return app

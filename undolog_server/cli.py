@@ -87,6 +87,16 @@ def serve(
         typer.Option("--max-body-bytes", envvar="UNDOLOG_MAX_BODY_BYTES", min=1,
                      help="Largest request body accepted, in bytes (larger: 413)."),
     ] = 1 << 20,
+    max_concurrent_requests: Annotated[
+        int,
+        typer.Option("--max-concurrent-requests", envvar="UNDOLOG_MAX_CONCURRENT_REQUESTS", min=1,
+                     help="Most requests handled at once (decisions have a lane of their own); others queue."),
+    ] = 32,
+    queue_timeout: Annotated[
+        float,
+        typer.Option("--queue-timeout", envvar="UNDOLOG_QUEUE_TIMEOUT", min=0.001,
+                     help="Seconds a request may queue before it is answered 503 server_busy with Retry-After."),
+    ] = 30.0,
     docs: Annotated[
         bool, typer.Option("--docs/--no-docs", envvar="UNDOLOG_DOCS",
                            help="Serve Swagger UI at /docs (loaded from a CDN; off by default).")
@@ -117,6 +127,8 @@ def serve(
             audit_checkpoint_interval=audit_checkpoint_interval,
             secure_cookies=secure_cookies,
             max_body_bytes=max_body_bytes,
+            max_concurrent_requests=max_concurrent_requests,
+            queue_timeout=queue_timeout,
             docs=docs,
         )
     except ValueError as exc:

@@ -181,7 +181,9 @@ def from_undolog_error(request: Request, exc: UndoLogError) -> JSONResponse:
     extra = {k: _jsonable(v) for k, v in exc.details.items()}
     if isinstance(extra.get("errors"), list):
         extra["errors"] = [_field_error(e) for e in extra["errors"]]
-    return problem_response(request, status, exc.code, exc.message, **extra)
+    # A database that does not answer (down, or no connection free in time) is worth retrying: say when.
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return problem_response(request, status, exc.code, exc.message, headers, **extra)
 
 
 def _allowed_methods(request: Request) -> str:
@@ -288,7 +290,7 @@ _ERROR_DESCRIPTIONS = {
     413: "The body is larger than the server accepts",
     415: "The body's media type is not accepted",
     422: "The request does not validate (the failing field is named)",
-    503: "The database does not answer",
+    503: "The database does not answer, or the server is busy (`server_busy`); retry after `Retry-After` seconds",
 }
 
 

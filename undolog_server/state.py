@@ -50,6 +50,12 @@ class ServerSettings:
         poll_seconds: Dashboard queue refresh period.
         max_body_bytes: The largest request body accepted (bytes); a larger one is answered 413 before it is
             buffered.
+        max_concurrent_requests: Most requests inside the desk at once (not counting decisions, the liveness
+            probe and static files); the others wait in arrival order. See :mod:`undolog_server.lanes`.
+        decision_lane: Most decisions (approve, reject, modify, respond) inside at once, in a lane of their own so
+            they never queue behind the agents' traffic.
+        queue_timeout: Seconds a request may wait for admission before it is answered 503 ``server_busy`` with
+            ``Retry-After``.
         docs: Serve the interactive API docs at ``/docs`` (Swagger UI, loaded from a CDN); off by default.
             ``/openapi.json`` is always served.
     """
@@ -74,6 +80,9 @@ class ServerSettings:
     secure_cookies: bool | None = None
     poll_seconds: float = 3.0
     max_body_bytes: int = 1 << 20
+    max_concurrent_requests: int = 32
+    decision_lane: int = 4
+    queue_timeout: float = 30.0
     docs: bool = False
 
     def __post_init__(self) -> None:
@@ -81,6 +90,10 @@ class ServerSettings:
             raise ValueError(f"webhook_timeout must be positive, not {self.webhook_timeout}")
         if self.webhook_per_target < 1 or self.webhook_max_inflight < 1:
             raise ValueError("webhook_per_target and webhook_max_inflight must be at least 1")
+        if self.max_concurrent_requests < 1 or self.decision_lane < 1:
+            raise ValueError("max_concurrent_requests and decision_lane must be at least 1")
+        if self.queue_timeout <= 0:
+            raise ValueError(f"queue_timeout must be positive, not {self.queue_timeout}")
         if (self.audit_checkpoint_key is None) != (self.audit_checkpoint_dir is None):
             raise ValueError("audit checkpoints need both audit_checkpoint_key and audit_checkpoint_dir")
         if self.audit_checkpoint_interval <= 0:

@@ -400,3 +400,46 @@ def test_the_lists_stay_an_index_walk_with_many_effects(db):
 @pytest.mark.long
 def test_the_lists_stay_an_index_walk_with_a_million_effects(db):
     _lists_stay_fast(db, 1_000_000)
+
+
+@pytest.mark.postgres_only
+def test_a_sweep_leaves_a_request_whose_session_a_decision_holds_instead_of_waiting_for_it(db):
+    """A decision locks session, then request, then an audit head. A sweep that claimed the request and then waited
+    for the session row would deadlock with it (PostgreSQL aborts one: a 500 or a failed sweep). The sweeps
+    (timeouts and lapsed approvals) take the session rows SKIP LOCKED and leave a busy session's requests to the
+    next sweep."""
+    import threading
+
+    u = db.open()
+    u.register(close_account)
+    s = u.session(agent_id="busy")
+    with pytest.raises(ApprovalPending) as p:
+        s.call_sync("close_account", n=1, call_id="c")
+    rid = p.value.approval_request_id
+    other = u.session(agent_id="idle")
+    with pytest.raises(ApprovalPending) as q:
+        other.call_sync("close_account", n=2, call_id="c")
+    later = utcnow() + dt.timedelta(hours=2)
+    holding, release = threading.Event(), threading.Event()
+
+    def decision_in_progress() -> None:  # what ApprovalsSQL.decide holds first
+        with u.store.tx() as conn:
+            conn.execute(sa.select(t.sessions.c.session_id).where(t.sessions.c.session_id == s.id).with_for_update())
+            holding.set()
+            release.wait(30)
+
+    th = threading.Thread(target=decision_in_progress)
+    th.start()
+    assert holding.wait(10)
+    got: list[list[str]] = []
+    sweep = threading.Thread(target=lambda: got.append(u.approvals.expire_due(later)))
+    sweep.start()
+    sweep.join(20)
+    stuck = sweep.is_alive()
+    release.set()
+    th.join()
+    sweep.join()
+    assert not stuck, "the sweep waited for the session row a decision holds"
+    assert got == [[q.value.approval_request_id]]  # the idle session's request only
+    assert u.approvals.expire_due(later) == [rid]  # the next sweep takes it
+    assert u.verify_audit().ok

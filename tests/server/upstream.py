@@ -9,11 +9,21 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
+class _Server(ThreadingHTTPServer):
+    # socketserver's default backlog is 5: under the load test (30 agents, a new connection per upstream call, a
+    # GIL-starved accept loop) the listen queue overflowed, a connection was reset, and the desk rightly answered
+    # 504 for an upstream that did not answer. The upstream is not what the load test measures.
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 @dataclass
 class Upstream:
     calls: list[tuple[str, dict[str, Any], str | None]] = field(default_factory=list)
     fail: set[str] = field(default_factory=set)
     delay: dict[str, float] = field(default_factory=dict)
+    # A call to one of these paths answers only once the test sets the event (a call held in flight).
+    hold: dict[str, threading.Event] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> Upstream:
@@ -27,6 +37,8 @@ class Upstream:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 with outer.lock:
                     outer.calls.append((self.path, body, self.headers.get("Idempotency-Key")))
+                if self.path in outer.hold:
+                    outer.hold[self.path].wait(30)
                 if self.path in outer.delay:
                     import time
 
@@ -45,7 +57,7 @@ class Upstream:
                 self.end_headers()
                 self.wfile.write(raw)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = _Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         return self

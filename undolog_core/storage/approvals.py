@@ -198,7 +198,9 @@ class ApprovalsSQL(Store):
         if action == "respond" and response is None:
             raise UndoLogError("a respond decision needs the response (the text that stands in for the result)")
         r, e = t.approval_requests, t.effect_log
-        with self.tx() as conn:
+        # Urgent: a person waits for this answer; on SQLite it goes ahead of the agents' queued writes.
+        with self.tx(urgent=True) as conn:
+            self._lock_session_of_in(conn, approval_request_id)
             req = conn.execute(
                 self.for_update(sa.select(r).where(r.c.approval_request_id == approval_request_id))
             ).first()
@@ -305,7 +307,7 @@ class ApprovalsSQL(Store):
         if only is not None:
             q = q.where(self.one_of(r.c.approval_request_id, list(only)))
         with self.tx() as conn:
-            due = conn.execute(self.for_update(q, skip_locked=True)).all()
+            due = self._sessions_held_in(conn, conn.execute(self.for_update(q, skip_locked=True)).all())
             if not due:
                 return [], []
             policy = self.policy_in(conn)
@@ -471,7 +473,7 @@ class ApprovalsSQL(Store):
                  .order_by(r.c.decided_at, r.c.approval_request_id).limit(limit))
             if only is not None:
                 q = q.where(self.one_of(r.c.approval_request_id, list(only)))
-            due = conn.execute(self.for_update(q, skip_locked=True)).all()
+            due = self._sessions_held_in(conn, conn.execute(self.for_update(q, skip_locked=True)).all())
             if not due:
                 return [], []
             error = f"approval lapsed: not re-issued within {ttl} s of the decision"
@@ -504,6 +506,46 @@ class ApprovalsSQL(Store):
             for sid in sorted({x.session_id for x in lapsed}):
                 changes.extend(self.refresh_changes_in(conn, sid, now))
             return ids, changes
+
+    def _sessions_held_in(self, conn: Connection, claimed: Sequence[Any]) -> builtins.list[Any]:
+        """The claimed rows (each with a ``session_id``) whose session row this sweep could lock without waiting.
+
+        A decision locks session, then request, then head (``_lock_session_of_in``); a sweep claims requests first
+        (SKIP LOCKED, so sweepers split the due rows). Had a sweep then waited for a session row a decision holds
+        while that decision waited for a request the sweep claimed, PostgreSQL would abort one as a deadlock. So the
+        sweep takes the session rows SKIP LOCKED too and leaves the requests of a busy session to the next batch or
+        sweep (their rows are released at its commit; the decision then finds them as they are). On SQLite every
+        writer holds the one write lock: nothing to skip.
+        """
+        if not self.is_postgres or not claimed:
+            return list(claimed)
+        s = t.sessions
+        held = set(conn.execute(
+            sa.select(s.c.session_id).where(self.one_of(s.c.session_id, sorted({x.session_id for x in claimed})))
+            .with_for_update(skip_locked=True)
+        ).scalars())
+        return [x for x in claimed if x.session_id in held]
+
+    def _lock_session_of_in(self, conn: Connection, approval_request_id: str) -> None:
+        """Lock the session row of a request first (PostgreSQL), before the request and any audit chain head.
+
+        An agent's call locks its session row first (the guard that counts its calls) and an audit head last (the
+        ``approval.requested`` event). A decision used to take a head first (its event) and the session row after it
+        (the state refresh, a halt): an agent raising a request in the same session at that moment held the row and
+        waited for a head the decision held, while the decision waited for the row, and PostgreSQL aborted one of
+        them as a deadlock (a 500 under the load test, with one chain; with several chains taken SKIP LOCKED it
+        remains possible whenever every head is held). Session row first, then request, then head: one order for
+        the agent's call and the decision. On SQLite every writer already holds the one write lock.
+        """
+        if not self.is_postgres:
+            return
+        r, s = t.approval_requests, t.sessions
+        conn.execute(
+            sa.select(s.c.session_id)
+            .where(s.c.session_id == sa.select(r.c.session_id).where(r.c.approval_request_id == approval_request_id)
+                   .scalar_subquery())
+            .with_for_update()
+        )
 
     # -- cancellations (inside the caller's transaction) ---------------------------------------------
 

@@ -1,0 +1,214 @@
+"""Decisions under contention: the desk's admission lanes, and one lock order for decisions and agents' calls.
+
+What the load test (``test_load.py``) found, pinned down deterministically: a decision queued behind the agents'
+traffic for the desk's threads and its write lock, and on PostgreSQL a decision and an agent's call in the same
+session could deadlock (a 500).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from undolog_core.storage import schema as core
+from undolog_server.state import ServerSettings
+
+from .conftest import Desk, make_desk, problem
+from .upstream import Upstream
+
+
+def _wait_until(what: str, cond: Any, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting: {what}")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def upstream() -> Iterator[Upstream]:
+    u = Upstream().start()
+    yield u
+    u.stop()
+
+
+@pytest.fixture
+def one_lane(db: Any, upstream: Upstream, tmp_path: Path) -> Iterator[Desk]:
+    """A desk that admits one request at a time (decisions apart) and answers 503 after 0.5 s of waiting."""
+    cfg = tmp_path / "tools.toml"
+    cfg.write_text(upstream.config())
+    d = make_desk(db, proxy_config=str(cfg),
+                  settings=ServerSettings(background=False, max_concurrent_requests=1, queue_timeout=0.5))
+    yield d
+    d.close()
+    d.undolog.close()
+
+
+def test_a_decision_does_not_queue_behind_a_full_desk(one_lane: Desk, upstream: Upstream) -> None:
+    """The only general slot is taken by an agent's call held in flight upstream: another request waits and is
+    answered 503 ``server_busy`` with Retry-After (never left hanging), the liveness probe still answers, and a
+    person's decision goes through its own lane at once."""
+    d = one_lane
+    rid, _ = d.pending()
+    rid2, _ = d.pending()
+    held = threading.Event()
+    upstream.hold["/lookup"] = held
+    r = d.client("agent").post("/v1/sessions", json={"agent_id": "busy"})
+    assert r.status_code == 201, r.text
+    sid = r.json()["session_id"]
+    answer: dict[str, httpx.Response] = {}
+
+    def invoke() -> None:
+        with httpx.Client(base_url=d.url, timeout=60,
+                          headers={"Authorization": f"Bearer {d.token('agent')}"}) as c:
+            answer["invoke"] = c.post(f"/v1/sessions/{sid}/tools/lookup_order:invoke", json={"order_id": "o1"})
+
+    t = threading.Thread(target=invoke)
+    t.start()
+    try:
+        _wait_until("the agent's call reaches the upstream", lambda: upstream.to("/lookup"))
+        busy = problem(d.client("approver").get("/v1/approvals"), 503, "server_busy")
+        assert busy["retry_after"] == 1
+        assert d.client("approver").get("/v1/approvals").headers["retry-after"] == "1"
+        assert d.client(None).get("/v1/health").status_code == 200
+        decided = d.client("approver").post(f"/v1/approvals/{rid}:approve", json={"reason": "fine"})
+        assert decided.status_code == 200, decided.text
+        assert decided.json()["state"] == "approved"
+        rejected = d.client("approver").post(f"/v1/approvals/{rid2}:reject", json={"reason": "no"})
+        assert rejected.status_code == 200, rejected.text
+        assert t.is_alive() and "invoke" not in answer  # all of it while the agent's call was still in flight
+    finally:
+        held.set()
+        t.join(30)
+    assert answer["invoke"].status_code == 200, answer["invoke"].text
+    assert d.client("approver").get("/v1/approvals").status_code == 200
+
+
+@pytest.mark.postgres_only
+def test_a_decision_and_an_agent_call_in_its_session_take_locks_in_one_order(desk: Desk) -> None:
+    """An agent's call locks its session row first and an audit chain head last. While a transaction holds the
+    session row (an agent's call in the same session), a decision waits for that row before it takes anything:
+    every audit head is free meanwhile. It used to take a head first and then wait for the row, which the agent's
+    call, wanting that head, waited for: PostgreSQL aborted the decision as a deadlock (a 500 under the load test).
+    """
+    rid, sid = desk.pending()
+    s, head = core.sessions, core.audit_head
+    answer: dict[str, httpx.Response] = {}
+    with desk.undolog.store.engine.connect() as agent:
+        tx = agent.begin()
+        try:
+            agent.execute(s.update().where(s.c.session_id == sid).values(tool_calls_total=s.c.tool_calls_total))
+            pid = agent.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+
+            def decide() -> None:
+                answer["decision"] = desk.client("approver").post(f"/v1/approvals/{rid}:approve",
+                                                                  json={"reason": "ok"})
+
+            t = threading.Thread(target=decide)
+            t.start()
+            with desk.undolog.store.engine.connect() as watch:
+                def blocked() -> bool:
+                    n = watch.execute(sa.text("SELECT count(*) FROM pg_stat_activity "
+                                              "WHERE :pid = ANY(pg_blocking_pids(pid))"), {"pid": pid}).scalar_one()
+                    watch.rollback()
+                    return bool(n) or not t.is_alive()
+
+                _wait_until("the decision waits for the session row", blocked)
+            heads = set(agent.execute(sa.select(head.c.head_id)).scalars())
+            free = set(agent.execute(sa.select(head.c.head_id).with_for_update(skip_locked=True)).scalars())
+            assert free == heads, f"the decision holds audit head(s) {sorted(heads - free)} while it waits"
+        finally:
+            tx.commit()
+        t.join(30)
+    assert answer["decision"].status_code == 200, answer["decision"].text
+    assert desk.undolog.approvals.get(rid).state == "approved"
+    assert desk.undolog.verify_audit().ok
+
+
+@pytest.mark.sqlite_only
+def test_a_database_that_does_not_answer_is_503_with_retry_after(desk: Desk) -> None:
+    """The database file's folder is gone (a lost mount): new connections cannot open it. The desk answers 503
+    ``database_unavailable`` with Retry-After, and answers again once the folder is back. (On PostgreSQL the same
+    refusal comes from a server that is down or out of connections; this shared test server cannot be.)"""
+    folder = Path(desk.undolog.store.url.removeprefix("sqlite:///")).parent
+    moved = folder.with_name(folder.name + "-gone")
+    desk.undolog.store.engine.dispose()  # idle connections would still read the moved file
+    folder.rename(moved)
+    try:
+        gone = desk.client("approver").get("/v1/approvals")
+        body = problem(gone, 503, "database_unavailable")
+        assert gone.headers["retry-after"] == "1", body
+        health = desk.client(None).get("/v1/health")
+        assert health.status_code == 503 and health.headers["retry-after"] == "1"
+    finally:
+        moved.rename(folder)
+    assert desk.client("approver").get("/v1/approvals").status_code == 200
+
+
+@pytest.mark.sqlite_only
+def test_a_decision_goes_ahead_of_the_writes_queued_for_sqlite(desk: Desk) -> None:
+    """Twelve writes queue for SQLite's in-process write lock while it is held; then a person approves a request.
+    When the lock is freed, the decision's transaction goes ahead of the queued writes (all but at most the two
+    at the front see the request approved), instead of waiting for every one of them."""
+    rid, _ = desk.pending()
+    store = desk.undolog.store
+    r = core.approval_requests
+    assert desk.client("approver").get("/v1/me").status_code == 200  # the key's "last used" write is done
+    saw: list[str] = []
+    answer: dict[str, httpx.Response] = {}
+
+    def write() -> None:
+        with store.tx() as conn:
+            saw.append(conn.execute(sa.select(r.c.state).where(r.c.approval_request_id == rid)).scalar_one())
+
+    def decide() -> None:
+        answer["decision"] = desk.client("approver").post(f"/v1/approvals/{rid}:approve", json={"reason": "ok"})
+
+    store.write_lock.acquire()
+    writers = [threading.Thread(target=write) for _ in range(12)]
+    decision = threading.Thread(target=decide)
+    try:
+        for t in writers:
+            t.start()
+        # Time for the writers to queue (if one has not yet, it queues behind the decision: the check below
+        # only gets easier), then for the decision to reach the lock.
+        time.sleep(0.3)
+        decision.start()
+        time.sleep(0.3)
+    finally:
+        store.write_lock.release()
+    for t in [*writers, decision]:
+        t.join(30)
+    assert answer["decision"].status_code == 200, answer["decision"].text
+    assert len(saw) == 12 and saw.count("pending") <= 2, saw
+
+
+def test_proxied_calls_share_one_tls_context(one_lane: Desk, upstream: Upstream,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every upstream call used to build a TLS context (parsing the whole CA bundle, ~20 ms of CPU with the GIL
+    held: most of the desk's CPU under the load test). Five calls now share one; each still has its own client."""
+    import httpx._transports.default as transport
+
+    agent = one_lane.client("agent")  # the test's own client, made before counting
+    made: list[int] = []
+    real = transport.create_ssl_context
+
+    def counted(*a: Any, **kw: Any) -> Any:  # observes, changes nothing
+        ctx = real(*a, **kw)
+        made.append(id(ctx))
+        return ctx
+
+    monkeypatch.setattr(transport, "create_ssl_context", counted)
+    sid = agent.post("/v1/sessions", json={"agent_id": "tls"}).json()["session_id"]
+    for i in range(5):
+        r = agent.post(f"/v1/sessions/{sid}/tools/lookup_order:invoke", json={"order_id": f"o{i}"})
+        assert r.status_code == 200, r.text
+    assert len(upstream.to("/lookup")) == 5 and len(made) == 5
+    assert len(set(made)) == 1, f"{len(set(made))} TLS contexts for 5 calls"
