@@ -134,6 +134,32 @@ class CallContext:
 
 _current: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("undolog_current_call", default=None)
 
+# A frozen dataclass's generated __init__ sets each field through object.__setattr__: about a microsecond for
+# Execute's nine fields, on every COMPENSABLE call. The hot path builds the same objects by setting their __dict__
+# at once (equal, hashable and frozen like any other: tests/core/test_hot_objects.py holds the field lists to the
+# classes').
+_set_attr = object.__setattr__
+_new = object.__new__
+
+
+def execute_now(effect_id: str | None, args: dict[str, Any], idempotency_key: str | None, tier: ToolTier,
+                tool_name: str, call_id: str | None, session_id: str) -> Execute:
+    """``Execute(effect_id, args, idempotency_key, tier, tool_name, call_id, session_id)``, built fast."""
+    d = _new(Execute)
+    _set_attr(d, "__dict__", {"effect_id": effect_id, "args": args, "idempotency_key": idempotency_key, "tier": tier,
+                              "tool_name": tool_name, "call_id": call_id, "session_id": session_id,
+                              "approval_request_id": None, "decision": None})
+    return d
+
+
+def call_context(session_id: str, effect_id: str | None, call_id: str | None, tool_name: str,
+                  idempotency_key: str | None, attempt: int) -> CallContext:
+    """``CallContext(...)``, built fast (see :func:`execute_now`)."""
+    ctx = _new(CallContext)
+    _set_attr(ctx, "__dict__", {"session_id": session_id, "effect_id": effect_id, "call_id": call_id,
+                                "tool_name": tool_name, "idempotency_key": idempotency_key, "attempt": attempt})
+    return ctx
+
 
 def current_call() -> CallContext | None:
     """The call being run, for tools that pass ``idempotency_key`` on to an external API.
@@ -404,7 +430,7 @@ class Engine:
         values = spec.values(model)
         if spec.tier is SAFE:
             self.note_safe(session_id, spec, values)
-            return Execute(None, values, None, SAFE, spec.name, call_id, session_id)
+            return execute_now(None, values, None, SAFE, spec.name, call_id, session_id)
         args_json = spec.snapshot(model)
         try:
             args_text = canonical_text(args_json)
@@ -515,7 +541,7 @@ class Engine:
         self.leases.start()
         sc.recent.append((spec.name, "compensable", args_json, "pending"))
         fault(FaultPoint.AFTER_PREWRITE, session_id, spec.name, effect_id)
-        return Execute(effect_id, values, f"do-{effect_id}", COMPENSABLE, spec.name, call_id, session_id)
+        return execute_now(effect_id, values, "do-" + effect_id, COMPENSABLE, spec.name, call_id, session_id)
 
     def _prewrite_core(
         self, sc: SessionCache, spec: ToolSpec, count: int, pin: ToolSpec | None, effect_id: str,
@@ -873,8 +899,8 @@ class Engine:
 
     def running(self, d: Execute, session_id: str | None = None, attempt: int = 1) -> _Running:
         """Expose ``current_call()`` to the tool while it runs (a context manager)."""
-        return _Running(CallContext(session_id or d.session_id, d.effect_id, d.call_id, d.tool_name,
-                                    d.idempotency_key, attempt))
+        return _Running(call_context(session_id or d.session_id, d.effect_id, d.call_id, d.tool_name,
+                                      d.idempotency_key, attempt))
 
     # -- deferred marks ------------------------------------------------------------------------------
 
