@@ -41,7 +41,16 @@ from .errors import (
     SessionNotFound,
     ToolNotRegistered,
 )
-from .limits import MAX_ID_LENGTH, args_problem, check_identity, clean_text, encodes, result_text, safe_result
+from .limits import (
+    MAX_ID_LENGTH,
+    MAX_JSON_DEPTH,
+    args_problem,
+    check_identity,
+    clean_text,
+    encodes,
+    result_text,
+    safe_result,
+)
 from .storage.base import FAST_POOL_SIZE, from_epoch, new_id, utcnow
 from .storage.pool import IntegrityConflict, WouldBlock
 from .storage.schema import IN_FLIGHT, EffectState, RequestState, SessionState
@@ -72,6 +81,8 @@ class FailureRecord:
 
 
 MARK_FLUSH_SECONDS = 0.05
+# JSON text this short cannot nest deeper than the limit (see limits.args_problem).
+_SHORT_JSON = 2 * MAX_JSON_DEPTH
 SAFE = ToolTier.SAFE
 COMPENSABLE = ToolTier.COMPENSABLE
 IRREVERSIBLE = ToolTier.IRREVERSIBLE
@@ -437,9 +448,12 @@ class Engine:
         except ValueError:  # a NaN or an infinity: stored as a string, the same on both databases
             args_json = json_safe(args_json)
             args_text = canonical_text(args_json)
-        problem = args_problem(args_json, args_text)  # too deep, or not valid Unicode: refused before any write
-        if problem is not None:
-            raise ArgumentsInvalid(spec.name, [problem])
+        # Too deep, or not valid Unicode: refused before any write. Short ASCII text can be neither (the common
+        # case: args_problem's own first checks, without its calls).
+        if len(args_text) > _SHORT_JSON or not args_text.isascii():
+            problem = args_problem(args_json, args_text)
+            if problem is not None:
+                raise ArgumentsInvalid(spec.name, [problem])
         if spec.tier is COMPENSABLE:
             return self.intercept_compensable(session_id, spec, values, args_json, call_id, args_text, wait)
         if not wait:
@@ -491,7 +505,8 @@ class Engine:
             if not wait:
                 raise WouldBlock()
             sc = self.ensure_session(session_id)
-        pin = spec if self._check_pin(sc, spec) else None
+        # The tool's pinned revision is this one (the common case), or _check_pin pins it or refuses the call.
+        pin = None if sc.pins.get(spec.name) == spec.revision else spec if self._check_pin(sc, spec) else None
         if pin is not None and not wait:
             raise WouldBlock()
         effect_id = new_id()
@@ -499,7 +514,7 @@ class Engine:
             args_text = canonical_text(args_json)
         digest = sha256_hex(args_text)
         now = time.time()
-        safe = sc.take_safe()
+        safe = sc.take_safe() if sc.dirty else 0
         carried = sc.take_carried() if safe else 0
         comp = spec.compensation
         assert comp is not None

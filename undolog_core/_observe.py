@@ -221,7 +221,8 @@ def instruments() -> _Instruments | None:
 def count_call(tier: str, tool_name: str) -> None:
     m = instruments()
     if m is not None:
-        m.calls.add(1, {A_TIER: tier, A_TOOL_NAME: tool_name})
+        # str(): a ToolTier (a StrEnum) is its value; its .value, on every gated call, is two Python-level calls.
+        m.calls.add(1, {A_TIER: str(tier), A_TOOL_NAME: tool_name})
 
 
 def count_decision(outcome: str, tool_name: str, created_at: dt.datetime | None,

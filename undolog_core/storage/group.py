@@ -82,12 +82,12 @@ class GroupCommit:
             # The lead with nothing queued: write alone, exactly as without grouping.
             try:
                 result = self._write_one(item, wait)
+                self.commits += 1  # counted while leading: no other thread counts meanwhile
+                self.writes += 1
+                if not self.largest:
+                    self.largest = 1
             finally:
                 self._release()
-            self.commits += 1
-            self.writes += 1
-            if not self.largest:
-                self.largest = 1
             return result
         if not wait:
             raise WouldBlock()
