@@ -147,7 +147,7 @@ _current: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("u
 
 # A frozen dataclass's generated __init__ sets each field through object.__setattr__: about a microsecond for
 # Execute's nine fields, on every COMPENSABLE call. The hot path builds the same objects by setting their __dict__
-# at once (equal, hashable and frozen like any other: tests/core/test_hot_objects.py holds the field lists to the
+# at once (equal, hashable and frozen like any other: tests/core/test_hot_path.py holds the field lists to the
 # classes').
 _set_attr = object.__setattr__
 _new = object.__new__

@@ -163,12 +163,6 @@ class SQLiteHotPath(HotPath):
         # refers to it, and a commit mark changes no key. Skipping the checks saves two lookups per pre-write.
         conn.execute("PRAGMA foreign_keys=OFF")
 
-    def _lock(self, wait: bool) -> None:
-        # SQLite has one writer: this process's writers queue on a lock that hands over at once (SQLite's own
-        # busy handler sleeps a millisecond or more). On an event loop it is never waited for.
-        if not self.write_lock.acquire(blocking=wait):
-            raise WouldBlock()
-
     def _prewrite(self, conn: Any, wait: bool, session_id: str, count: int, effect_id: str, call_id: str,
                   tool_name: str, revision: int, args_text: str, digest: str, owner: str, now: float, lease: float,
                   comp: str, comp_version: int) -> bool:
@@ -177,7 +171,9 @@ class SQLiteHotPath(HotPath):
         # the effect.
         row = (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner, _sqlite_time(lease),
                now_s, now_s)
-        if not self.write_lock.acquire(blocking=wait):  # as _lock(), inline: twice per COMPENSABLE call
+        # SQLite has one writer: this process's writers queue on a lock that hands over at once (SQLite's own
+        # busy handler sleeps a millisecond or more). On an event loop it is never waited for.
+        if not self.write_lock.acquire(blocking=wait):
             raise WouldBlock()
         try:
             if not count:
