@@ -338,7 +338,8 @@ class CallDriver:
         if spec.tier is IRREVERSIBLE:
             d = self.decide(session_id, spec, args, call_id=call_id)
         else:  # what decide() does for a COMPENSABLE call, without resolving the spec again
-            check_id("session_id", session_id)
+            if cache is None or cache.session_id is not session_id or not cache.persisted:
+                check_id("session_id", session_id)  # (a stored session's id was checked before it was stored)
             d = self.engine.intercept_spec(session_id, spec, args, call_id)
         if d.__class__ is not Execute:
             return settle(d)  # type: ignore[arg-type]
@@ -363,7 +364,8 @@ class CallDriver:
         if spec.tier is IRREVERSIBLE:
             d = await self.adecide(session_id, spec, args, call_id=call_id)
         else:
-            check_id("session_id", session_id)
+            if cache is None or cache.session_id is not session_id or not cache.persisted:
+                check_id("session_id", session_id)
             d = await self._adecide(session_id, spec, args, call_id, False)
         if d.__class__ is not Execute:
             return settle(d)  # type: ignore[arg-type]
