@@ -196,8 +196,7 @@ class CallDriver:
         """
         if d.effect_id is None:  # SAFE: no span, no metric (its budget is a few microseconds)
             return self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
-        obs.count_call(d.tier, d.tool_name)  # the tier's text only if counted
-        if not obs.tracing():
+        if not obs.count_gated(d.tier, d.tool_name):  # counted; traced only with an SDK
             return self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
         with _tool_span(d) as s:
             return _ran(s, self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on))
@@ -242,8 +241,7 @@ class CallDriver:
         """The async twin of :meth:`run_sync`: the same steps, the tool and the rollback awaited on this loop."""
         if d.effect_id is None:
             return await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
-        obs.count_call(d.tier, d.tool_name)  # the tier's text only if counted
-        if not obs.tracing():
+        if not obs.count_gated(d.tier, d.tool_name):
             return await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
         with _tool_span(d) as s:
             return _ran(s, await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of,
