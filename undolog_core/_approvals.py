@@ -307,7 +307,7 @@ class ApprovalService:
 
     def lapse_due(self, now: dt.datetime | None = None) -> builtins.list[str]:
         """Expire every approval whose call was not re-issued within the policy's ``approved_ttl_seconds`` (default
-        24 h); returns their ids. Each becomes ``expired`` (request and effect), audited as ``expire`` by
+        24 h), in batches of ``storage.EXPIRE_BATCH`` like :meth:`expire_due`; returns their ids. Each becomes ``expired`` (request and effect), audited as ``expire`` by
         ``undolog:approval-ttl``; its session is not halted, and re-issuing the call raises a new request.
 
         The sweeper of ``undolog serve`` runs it; reads (:meth:`get`) and re-issues apply it too, like timeouts.
@@ -318,19 +318,23 @@ class ApprovalService:
             ['3f9c...']
         """
         now = now or utcnow()
-        due = self._storage.lapsed_request_ids(now)
-        return self.lapse(due, now=now) if due else []
+        done: builtins.list[str] = []
+        while True:
+            got, changes = self._storage.lapse_batch(now)
+            if not got:
+                return done
+            self._changed(changes)
+            done.extend(got)
 
     def lapse(self, ids: Iterable[str], *, now: dt.datetime | None = None) -> builtins.list[str]:
         """Expire each of ``ids`` whose approval has lapsed; returns the ones expired here (once across processes)."""
         now = now or utcnow()
+        wanted = list(ids)
         done: builtins.list[str] = []
-        for rid in ids:
-            changes = self._storage.lapse_request(rid, now)
-            if changes is None:
-                continue
+        for i in range(0, len(wanted), EXPIRE_BATCH):
+            got, changes = self._storage.lapse_batch(now, only=wanted[i:i + EXPIRE_BATCH])
             self._changed(changes)
-            done.append(rid)
+            done.extend(got)
         return done
 
     def lapsed(self, decided_at: dt.datetime | None) -> bool:

@@ -1,4 +1,4 @@
-"""The audit trail: verifying the one global hash chain. Its SQL (append, outbox, reads) is ``storage.audit``.
+"""The audit trail: verifying its hash chains. Their SQL (append, outbox, reads) is ``storage.audit``.
 
 The chain alone catches edits made behind the triggers' back unless the editor recomputes the hashes;
 signed heads held outside the database (``_checkpoints``) catch that too, up to the last one signed.
@@ -9,22 +9,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ._tools import canonical_json, sha256_hex
 from .storage.audit import GENESIS_HASH, AuditSQL, event_hash
 
 
 @dataclass(frozen=True)
 class SignedHead:
-    """A chain head whose signature was already checked: event ``position`` must have ``hash``.
+    """A chain head whose signature was already checked: event ``position`` of chain ``chain`` must have ``hash``.
 
     Attributes:
-        position: Event id of the head (0: the empty chain).
+        position: Event id of the head (0: the chain was empty).
         hash: The hash that event had when the head was signed.
         source: Where it came from (a checkpoint file), named in reports.
+        chain: Which chain (a checkpoint of the single-chain format pins chain 1, where those events still are).
     """
 
     position: int
     hash: str
     source: str
+    chain: int = 1
 
 
 @dataclass(frozen=True)
@@ -32,14 +35,15 @@ class AuditReport:
     """Result of ``undolog audit verify``.
 
     Attributes:
-        ok: The chain is intact (and matches every signed head given).
+        ok: Every chain is intact (and matches every signed head given).
         events_checked: Events recomputed.
         first_bad_event_id: The event that broke it (for a rewrite caught by a signed head: the signed event,
-            whose hash changed; the rewrite lies after the last signed head that still matched).
+            whose hash changed; the rewrite lies after the last signed head of its chain that still matched).
         problem: What is wrong, for a person.
-        checkpoints_checked: Signed heads compared with the chain.
-        head_position: Event id of the chain head that was verified.
-        head_hash: Its hash.
+        checkpoints_checked: Signed heads compared with the chains.
+        head_position: The highest event id of all chain heads that were verified.
+        head_hash: One hash over every chain's head (:func:`fold_heads`); the empty trail's is the genesis hash.
+        heads: Every chain's verified head as (chain, last event id, last hash): what a checkpoint signs.
     """
 
     ok: bool
@@ -49,34 +53,48 @@ class AuditReport:
     checkpoints_checked: int = 0
     head_position: int = 0
     head_hash: str = GENESIS_HASH
+    heads: tuple[tuple[int, int, str], ...] = ()
+
+
+def fold_heads(heads: Sequence[tuple[int, int, str]]) -> str:
+    """One hash over the chains' heads (chain, last event id, last hash), empty chains left out; the genesis hash
+    when every chain is empty. A lone chain 1 folds to its own last hash, as the single-chain trail had."""
+    used = sorted(h for h in heads if h[1] != 0)
+    if not used:
+        return GENESIS_HASH
+    if len(used) == 1 and used[0][0] == 1:
+        return used[0][2]
+    return sha256_hex(canonical_json([list(h) for h in used]))
 
 
 def verify(storage: AuditSQL, checkpoints: Sequence[SignedHead] = ()) -> AuditReport:
-    """Recompute the chain; any edit, deletion or reordering behind the triggers' back shows up here.
+    """Recompute every chain; any edit, deletion or reordering behind the triggers' back shows up here.
 
     Args:
         storage: The store.
-        checkpoints: Signed heads (signatures already checked): the event at each position must have the
-            signed hash, which catches a rewrite whose hashes were recomputed.
+        checkpoints: Signed heads (signatures already checked): the event at each signed position of a chain
+            must have the signed hash, which catches a rewrite whose hashes were recomputed.
 
     Example:
         >>> verify(undolog.store).ok
         True
     """
-    by_position: dict[int, list[SignedHead]] = {}
+    by_position: dict[tuple[int, int], list[SignedHead]] = {}
     for c in checkpoints:
-        by_position.setdefault(c.position, []).append(c)
-    matched = 0  # highest signed position that matched so far
-    prev = GENESIS_HASH
-    expected_id = 1
+        by_position.setdefault((c.chain, c.position), []).append(c)
+    matched: dict[int, int] = {}  # per chain, the highest signed position that matched so far
+    last: dict[int, tuple[int, str]] = {}  # per chain, (last event id, its hash) as found
     count = 0
     with storage.audit_chain() as chain:
-        for r in chain.events():
+        for n, r in chain.events():
             count += 1
-            if r.event_id != expected_id:
-                return AuditReport(False, count, r.event_id, f"event {expected_id} is missing (found {r.event_id})")
+            last_id, prev = last.get(n, (0, GENESIS_HASH))
+            if r.event_id <= last_id:
+                return AuditReport(False, count, r.event_id, f"event {r.event_id} is out of order in chain {n}")
             if r.prev_hash != prev:
-                return AuditReport(False, count, r.event_id, "prev_hash does not match the previous event's hash")
+                return AuditReport(False, count, r.event_id, "prev_hash does not match the previous event's hash "
+                                                             f"in chain {n} (an event before it was removed or "
+                                                             "edited)")
             h = event_hash(
                 event_id=r.event_id,
                 approval_request_id=r.approval_request_id,
@@ -89,31 +107,42 @@ def verify(storage: AuditSQL, checkpoints: Sequence[SignedHead] = ()) -> AuditRe
             )
             if h != r.hash:
                 return AuditReport(False, count, r.event_id, "the event's content does not match its hash")
-            for c in by_position.get(r.event_id, ()):
+            for c in by_position.get((n, r.event_id), ()):
                 if c.hash != r.hash:
                     return AuditReport(
                         False,
                         count,
                         r.event_id,
-                        f"event {r.event_id} does not have the hash signed in {c.source}: the chain was "
-                        f"rewritten (hashes recomputed) at an event after {matched} and up to {r.event_id}",
+                        f"event {r.event_id} does not have the hash signed in {c.source}: chain {n} was "
+                        f"rewritten (hashes recomputed) at an event after {matched.get(n, 0)} and up to "
+                        f"{r.event_id}",
                     )
-                matched = r.event_id
-            prev = r.hash
-            expected_id += 1
-        last_event_id, last_hash = chain.head()
-    if last_event_id != expected_id - 1 or last_hash != prev:
-        return AuditReport(False, count, last_event_id, "events after the last one found were removed")
-    for position in sorted(by_position):
-        if position > last_event_id:
-            c = by_position[position][0]
+                matched[n] = r.event_id
+            last[n] = (r.event_id, r.hash)
+        heads = chain.heads()
+    head_of = {h.chain: h for h in heads}
+    for n, (last_id, _) in last.items():
+        if n not in head_of:
+            return AuditReport(False, count, last_id, f"chain {n} has events but no head row")
+    for head in heads:
+        last_id, last_hash = last.get(head.chain, (0, GENESIS_HASH))
+        if head.last_event_id != last_id or head.last_hash != last_hash:
+            return AuditReport(False, count, head.last_event_id,
+                               f"events after the last one found in chain {head.chain} were removed")
+    for n, position in sorted(by_position):
+        c = by_position[(n, position)][0]
+        last_id = last.get(n, (0, GENESIS_HASH))[0]
+        if position > last_id:
             return AuditReport(
-                False, count, last_event_id + 1,
-                f"event {position}, signed in {c.source}, is gone: the chain was cut back to {last_event_id}",
+                False, count, last_id + 1,
+                f"event {position} of chain {n}, signed in {c.source}, is gone: the chain was cut back to {last_id}",
             )
-        if position == 0 and any(c.hash != GENESIS_HASH for c in by_position[0]):
-            return AuditReport(False, count, None, "a checkpoint of the empty chain carries a hash")
-    return AuditReport(True, count, checkpoints_checked=len(checkpoints), head_position=last_event_id, head_hash=prev)
+        if position == 0 and any(x.hash != GENESIS_HASH for x in by_position[(n, 0)]):
+            return AuditReport(False, count, None, "a checkpoint of an empty chain carries a hash")
+    verified = tuple((x.chain, x.last_event_id, x.last_hash) for x in heads)
+    return AuditReport(True, count, checkpoints_checked=len(checkpoints),
+                       head_position=max((x[1] for x in verified), default=0), head_hash=fold_heads(verified),
+                       heads=verified)
 
 
-__all__ = ["GENESIS_HASH", "AuditReport", "SignedHead", "event_hash", "verify"]
+__all__ = ["GENESIS_HASH", "AuditReport", "SignedHead", "event_hash", "fold_heads", "verify"]

@@ -10,10 +10,16 @@ are protected only by the chain until the next checkpoint.
 
 Checkpoint file (one JSON document)::
 
-    {"checkpoint": {"format": "undolog-audit-checkpoint/1", "position": 42, "hash": "<hex>",
+    {"checkpoint": {"format": "undolog-audit-checkpoint/2", "position": 42, "hash": "<hex>",
+                    "heads": [[1, 42, "<hex>"], [2, 40, "<hex>"]],
                     "created_at": "<ISO 8601, UTC>", "store": "<database URL without password[#schema]>",
                     "key_id": "<hex SHA-256 of the raw public key, first 16 bytes>"},
      "signature": "<base64 Ed25519 signature of the canonical JSON of 'checkpoint'>"}
+
+``heads`` pins every chain's head (chain, last event id, last hash; the audit trail has several chains so that
+concurrent writers do not queue on one row); ``position`` is the highest of them and ``hash`` their fold
+(``_audit.fold_heads``). Files of format ``/1``, written when there was one chain, pin ``position``/``hash`` of
+chain 1, where those events still are, and keep verifying.
 
 Canonical JSON: keys sorted, separators ``,`` and ``:``, UTF-8. ``cryptography`` is imported only here and
 only when a key is used (the ``audit`` extra).
@@ -28,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime as dt
 import hashlib
 import json
@@ -48,6 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "CHECKPOINT_FORMAT_V1",
     "AUDIT_EXTRA_HINT",
     "AuditChainBroken",
     "Checkpoint",
@@ -61,22 +69,26 @@ __all__ = [
     "write_checkpoint",
 ]
 
-CHECKPOINT_FORMAT = "undolog-audit-checkpoint/1"
+CHECKPOINT_FORMAT = "undolog-audit-checkpoint/2"
+#: The single-chain format, still read.
+CHECKPOINT_FORMAT_V1 = "undolog-audit-checkpoint/1"
 AUDIT_EXTRA_HINT = "signed audit checkpoints need the audit extra: pip install 'undolog[audit]'"
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """One signed chain head, as written to a file.
+    """The signed heads of every chain, as written to a file.
 
     Attributes:
-        position: The event id of the head (0 for an empty chain).
-        hash: That event's hash.
+        position: The highest event id of the heads (0 for an empty trail).
+        hash: The fold of the heads (``_audit.fold_heads``).
         created_at: When it was signed (UTC, ISO 8601).
         store: Which database it was taken from (URL without password, ``#schema`` on PostgreSQL).
         key_id: Fingerprint of the public key that verifies it.
         signature: Base64 Ed25519 signature over :meth:`signed_bytes`.
         source: The file it was read from (empty before it is written).
+        heads: Every chain's head: (chain, last event id, last hash).
+        format: The file format (``CHECKPOINT_FORMAT``, or ``CHECKPOINT_FORMAT_V1`` for an older file).
     """
 
     position: int
@@ -86,16 +98,21 @@ class Checkpoint:
     key_id: str
     signature: str = ""
     source: str = ""
+    heads: tuple[tuple[int, int, str], ...] = ()
+    format: str = CHECKPOINT_FORMAT
 
     def body(self) -> dict[str, Any]:
-        return {
-            "format": CHECKPOINT_FORMAT,
+        body: dict[str, Any] = {
+            "format": self.format,
             "position": self.position,
             "hash": self.hash,
             "created_at": self.created_at,
             "store": self.store,
             "key_id": self.key_id,
         }
+        if self.format != CHECKPOINT_FORMAT_V1:
+            body["heads"] = [list(h) for h in self.heads]
+        return body
 
     def signed_bytes(self) -> bytes:
         """The exact bytes signed: canonical JSON of :meth:`body`."""
@@ -104,8 +121,12 @@ class Checkpoint:
     def to_json(self) -> str:
         return json.dumps({"checkpoint": self.body(), "signature": self.signature}, indent=2, sort_keys=True) + "\n"
 
-    def head(self) -> SignedHead:
-        return SignedHead(self.position, self.hash, self.source or f"checkpoint at event {self.position}")
+    def signed_heads(self) -> list[SignedHead]:
+        """What ``verify`` compares: one signed head per chain (a ``/1`` file: chain 1's)."""
+        source = self.source or f"checkpoint at event {self.position}"
+        if self.format == CHECKPOINT_FORMAT_V1:
+            return [SignedHead(self.position, self.hash, source, chain=1)]
+        return [SignedHead(pos, h, source, chain=chain) for chain, pos, h in self.heads]
 
 
 def _crypto() -> Any:
@@ -209,9 +230,10 @@ def make_checkpoint(
         )
     position, last_hash = report.head_position, report.head_hash
     created = (now or dt.datetime.now(dt.UTC)).astimezone(dt.UTC).isoformat(timespec="seconds")
-    unsigned = Checkpoint(position, last_hash, created, store_identity(storage), key_id(key.public_key()))
+    unsigned = Checkpoint(position, last_hash, created, store_identity(storage), key_id(key.public_key()),
+                          heads=report.heads)
     signature = base64.b64encode(key.sign(unsigned.signed_bytes())).decode("ascii")
-    return Checkpoint(position, last_hash, created, unsigned.store, unsigned.key_id, signature)
+    return dataclasses.replace(unsigned, signature=signature)
 
 
 def write_checkpoint(
@@ -231,7 +253,7 @@ def write_checkpoint(
     # The newest checkpoint is enough: it was signed only after the chain matched every earlier one, and a
     # chain that is intact and matches it has, up to it, exactly the events it had then.
     names = sorted(out_dir.glob("checkpoint-*.json"))
-    previous = [read_checkpoint(names[-1], key.public_key()).head()] if names else []
+    previous = read_checkpoint(names[-1], key.public_key()).signed_heads() if names else []
     cp = make_checkpoint(storage, key, previous=previous, now=now)
     stamp = cp.created_at.replace(":", "").replace("-", "").replace("+0000", "Z")
     name = f"checkpoint-{cp.position:012d}-{stamp}-{os.getpid()}.json"
@@ -257,8 +279,12 @@ def read_checkpoint(path: Path, public_key: Ed25519PublicKey) -> Checkpoint:
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
         body, signature = doc["checkpoint"], doc["signature"]
-        if body.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"unknown format {body.get('format')!r}")
+        fmt = body.get("format")
+        if fmt not in (CHECKPOINT_FORMAT, CHECKPOINT_FORMAT_V1):
+            raise ValueError(f"unknown format {fmt!r}")
+        heads: tuple[tuple[int, int, str], ...] = ()
+        if fmt == CHECKPOINT_FORMAT:
+            heads = tuple((int(c), int(p), str(h)) for c, p, h in body["heads"])
         cp = Checkpoint(
             position=int(body["position"]),
             hash=str(body["hash"]),
@@ -267,6 +293,8 @@ def read_checkpoint(path: Path, public_key: Ed25519PublicKey) -> Checkpoint:
             key_id=str(body["key_id"]),
             signature=str(signature),
             source=str(path),
+            heads=heads,
+            format=str(fmt),
         )
         raw_signature = base64.b64decode(cp.signature, validate=True)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -306,4 +334,6 @@ def verify_with_checkpoints(storage: AuditSQL, directory: Path, public_key: Ed25
         checkpoints = load_checkpoints(directory, public_key)
     except CheckpointInvalid as exc:
         return AuditReport(False, 0, None, exc.message)
-    return verify(storage, checkpoints=[c.head() for c in checkpoints])
+    report = verify(storage, checkpoints=[h for c in checkpoints for h in c.signed_heads()])
+    # Counted in files, not in the chains each of them pins.
+    return dataclasses.replace(report, checkpoints_checked=len(checkpoints)) if report.ok else report

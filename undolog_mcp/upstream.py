@@ -12,12 +12,16 @@ import contextlib
 import datetime as dt
 import threading
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from jsonschema import SchemaError, ValidationError
+from jsonschema.validators import validator_for
 from mcp import ClientSession, McpError, StdioServerParameters, types
 from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamablehttp_client
+from referencing import Registry
+from referencing.exceptions import Unresolvable
 
 from .config import UpstreamConfig
 
@@ -49,6 +53,12 @@ class Upstream:
     config: UpstreamConfig
     session: ClientSession
     tools: list[types.Tool]
+    # Each tool's output schema (the very object the SDK's session holds) and its compiled validator.
+    _validators: dict[str, tuple[dict[str, Any], Any]] = field(default_factory=dict)
+    _timeout: dt.timedelta = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._timeout = dt.timedelta(seconds=self.config.timeout)
 
     async def call(self, name: str, args: Mapping[str, Any], idempotency_key: str | None) -> types.CallToolResult:
         """One ``tools/call``; a call that gets no answer raises :class:`OutcomeUnknown`.
@@ -59,9 +69,15 @@ class Upstream:
         """
         meta = {IDEMPOTENCY_META: idempotency_key} if idempotency_key else None
         try:
-            return await self.session.call_tool(
-                name, dict(args), read_timeout_seconds=dt.timedelta(seconds=self.config.timeout), meta=meta,
+            result: types.CallToolResult = await self.session.send_request(
+                types.ClientRequest(types.CallToolRequest(params=types.CallToolRequestParams(
+                    name=name, arguments=dict(args), _meta=types.RequestParams.Meta(**meta) if meta else None))),
+                types.CallToolResult, request_read_timeout_seconds=self._timeout,
             )
+            if not result.isError:
+                if name not in self._schemas():
+                    await self.session.list_tools()  # fills the SDK's cache, as its call_tool does for a new tool
+                self._check_output(name, result)
         except McpError as exc:
             if exc.error.code in (types.CONNECTION_CLOSED, _TIMEOUT_CODE):
                 raise OutcomeUnknown(f"upstream {self.config.name}: {exc.error.message}",
@@ -74,6 +90,45 @@ class Upstream:
             if type(exc).__module__.startswith("anyio"):
                 raise OutcomeUnknown(f"upstream {self.config.name}: the connection was lost") from exc
             raise
+        return result
+
+    # The SDK client's check of a result's structured content against the tool's listed output schema, with the
+    # schema compiled once per tool: the SDK's own ``call_tool`` checks the schema against the JSON Schema
+    # metaschema again on every call (``jsonschema.validate``), which costs more CPU than the rest of the
+    # gateway's hop to the upstream. The outcome is the SDK's: the schemas its session holds (listed again when a
+    # tool is new to it), the same errors; a tool with no output schema is not checked.
+
+    def _schemas(self) -> dict[str, dict[str, Any] | None]:
+        # The SDK session's own cache of output schemas (mcp 1.x; refreshed by every list_tools).
+        schemas: dict[str, dict[str, Any] | None] = self.session._tool_output_schemas
+        return schemas
+
+    def _check_output(self, name: str, result: types.CallToolResult) -> None:
+        schema = self._schemas().get(name)
+        if schema is None:
+            return
+        compiled = self._validators.get(name)
+        if compiled is None or compiled[0] is not schema:  # new, or listed again since: compile what is held now
+            compiled = self._validators[name] = (schema, _compile(name, schema))
+        if result.structuredContent is None:
+            raise RuntimeError(f"Tool {name} has an output schema but did not return structured content")
+        try:
+            compiled[1].validate(result.structuredContent)
+        except ValidationError as e:
+            raise RuntimeError(f"Invalid structured content returned by tool {name}: {e}") from None
+        except Unresolvable as e:
+            raise RuntimeError(f"Invalid schema for tool {name}: {e}") from e
+
+
+def _compile(name: str, schema: dict[str, Any]) -> Any:
+    """A validator for ``schema``, checked against its metaschema once, ``$ref``s resolved within the schema itself
+    (an empty registry, as the SDK's)."""
+    cls = validator_for(schema)
+    try:
+        cls.check_schema(schema)
+    except SchemaError as e:
+        raise RuntimeError(f"Invalid schema for tool {name}: {e}") from None
+    return cls(schema, registry=Registry())
 
 
 @contextlib.asynccontextmanager

@@ -2,7 +2,8 @@
 
 Each test names the README paragraph it runs. The other snippets of the section are run by:
 ``test_langgraph_hitl.py`` ("Use a LangChain HITL client as UndoLog's approval UI": the decisions, who decided, the
-callbacks), ``test_langgraph_injected.py`` ("Injected arguments"), ``test_langgraph_retry.py`` ("Retries") and
+callbacks), ``test_langgraph_siblings.py`` (the same section's rejection paragraph, for ``create_agent``),
+``test_langgraph_injected.py`` ("Injected arguments"), ``test_langgraph_retry.py`` ("Retries") and
 ``test_langgraph_adapter.py`` (UndoLog's own resume form, deciding elsewhere: ``undolog_resume``,
 ``aundolog_resume``, ``resume_decided``).
 """

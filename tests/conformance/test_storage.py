@@ -140,7 +140,7 @@ def test_a_failed_transaction_leaves_nothing_behind(undolog):
         undolog.sessions.get("half")
 
 
-def test_concurrent_appends_keep_one_chain(undolog):
+def test_concurrent_appends_keep_every_chain_intact(undolog):
     def writer(k: int) -> None:
         for i in range(10):
             with undolog.store.tx() as c:
@@ -153,6 +153,45 @@ def test_concurrent_appends_keep_one_chain(undolog):
         th.join()
     report = undolog.verify_audit()
     assert report.ok and report.events_checked == 40
+
+
+def test_a_transaction_holding_a_chain_does_not_stop_another_from_appending(undolog):
+    """Issue 13: concurrent writers do not queue on one head row. One transaction appends and stays open; another
+    appends and commits meanwhile (on PostgreSQL to another chain, without waiting; SQLite has one writer at a time
+    and is checked for the chain alone). Both chains verify, and a transaction's appends all go to one chain."""
+    st = _storage(undolog)
+    if not undolog.store.is_postgres:
+        with undolog.store.tx() as c:
+            ids = [st.append_event_in(c, subject="s", action="test", actor="a", payload={"i": i}) for i in range(3)]
+        assert ids == [ids[0], ids[0] + 1, ids[0] + 2] and verify(st).ok
+        return
+    holding = threading.Event()
+    release = threading.Event()
+
+    def slow() -> None:
+        with undolog.store.tx() as c:
+            st.append_event_in(c, subject="slow", action="test.slow", actor="a", payload={})
+            holding.set()
+            release.wait(10)
+            st.append_event_in(c, subject="slow", action="test.slow2", actor="a", payload={})
+
+    th = threading.Thread(target=slow)
+    th.start()
+    assert holding.wait(10)
+    try:
+        with undolog.store.tx() as c:
+            # Would wait for the slow transaction's commit if it had to lock the same head: 2 s is plenty to fail.
+            c.execute(sa.text("SET LOCAL lock_timeout = '2s'"))
+            st.append_event_in(c, subject="fast", action="test.fast", actor="b", payload={})
+    finally:
+        release.set()
+        th.join()
+    with st.audit_chain() as chain:
+        by_action = {ev.action: n for n, ev in chain.events()}
+    assert by_action["test.slow"] == by_action["test.slow2"] != by_action["test.fast"]
+    report = verify(st)
+    assert report.ok, report.problem
+    assert len([h for h in report.heads if h[1]]) >= 2
 
 
 def test_bad_urls_are_clear_errors(tmp_path):
@@ -398,10 +437,13 @@ def test_audit_append_and_its_outbox_rows_commit_together_or_not_at_all(undolog)
             raise RuntimeError("the caller's transaction fails after the append")
     assert _count(undolog, t.approval_events, t.approval_events.c.action == "test.lost") == 0
     assert _count(undolog, t.outbox, t.outbox.c.event_type == "test.lost") == 0
-    # The chain as stored recomputes, and the head names its last event.
+    # The chain as stored recomputes, and the head names its last event. A lone writer appends to chain 1.
     with st.audit_chain() as chain:
-        events = list(chain.events())
-        head = chain.head()
+        found = list(chain.events())
+        heads = chain.heads()
+    assert {n for n, _ in found} == {1}
+    events = [ev for _, ev in found]
+    head = (heads[0].last_event_id, heads[0].last_hash)
     prev = GENESIS_HASH
     for ev in events:
         assert ev.prev_hash == prev

@@ -2,7 +2,7 @@
 line per write), which survives the processes and shows how often each ran.
 
     python -m tests.core.scale_app seed N        # pre-write N COMPENSABLE calls, then die by SIGKILL
-    python -m tests.core.scale_app sweep         # wait for $SCALE_GO, then recover() and expire_due() once
+    python -m tests.core.scale_app sweep         # wait for $SCALE_GO, then recover(), expire_due() and lapse_due() once
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ def sweep() -> None:
         time.sleep(0.005)
     report = u.recover()
     expired = u.approvals.expire_due()
+    lapsed = u.approvals.lapse_due()
     print(json.dumps({"reconciled": [r["effect_id"] for r in report.reconciled], "errors": report.errors,
-                      "expired": expired}))
+                      "expired": expired, "lapsed": lapsed}))
     u.close()
 
 

@@ -7,6 +7,7 @@ append-only triggers disabled and recomputes every hash and the head: plain ``au
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import stat
@@ -87,7 +88,7 @@ def test_a_rechained_rewrite_passes_plain_verify_and_fails_against_the_checkpoin
     first = run(db, "audit", "checkpoint", "--key", str(key), "--out", str(out), "--json")
     assert first.exit_code == 0, first.output
     cp = json.loads(first.stdout)
-    assert cp["position"] == 4 and cp["format"] == "undolog-audit-checkpoint/1" and Path(cp["file"]).exists()
+    assert cp["position"] == 4 and cp["format"] == "undolog-audit-checkpoint/2" and Path(cp["file"]).exists()
     assert cp["store"] and len(cp["key_id"]) == 32
     approvals(u, 1)  # events 5-6
     assert run(db, "audit", "checkpoint", "--key", str(key), "--out", str(out)).exit_code == 0
@@ -176,7 +177,7 @@ def test_a_cut_back_chain_fails_against_a_later_checkpoint(undolog: UndoLog, tmp
             c.exec_driver_sql("DROP TRIGGER undolog_events_no_delete")
         c.execute(t.approval_events.delete().where(t.approval_events.c.event_id > 2))
         h2 = c.execute(sa.select(t.approval_events.c.hash).where(t.approval_events.c.event_id == 2)).scalar_one()
-        c.execute(t.audit_head.update().values(last_event_id=2, last_hash=h2))
+        c.execute(t.audit_head.update().where(t.audit_head.c.head_id == 1).values(last_event_id=2, last_hash=h2))
     assert undolog.verify_audit().ok
     r = undolog.verify_audit(checkpoints=tmp_path / "cp", public_key=pub)
     assert not r.ok and r.first_bad_event_id == 3 and "cut back to 2" in (r.problem or "")
@@ -210,3 +211,124 @@ def undolog(db: Any) -> UndoLog:
     u = db.open()
     setup(u)
     return u
+
+
+# -- several chains (issue 13: concurrent writers do not queue on one head row) ------------------------------------
+
+
+def append_raw(u: UndoLog, chain: int, actor: str, n: int) -> list[int]:
+    """Append ``n`` events to ``chain`` as the store would (next ids, linked hashes, head moved), by hand: so both
+    databases get a trail of several chains whatever their writers did."""
+    e, h = t.approval_events, t.audit_head
+    ids = []
+    with u.store.tx() as c:
+        head = c.execute(sa.select(h).where(h.c.head_id == chain)).one()
+        prev = head.last_hash
+        next_id = int(c.execute(sa.select(sa.func.coalesce(sa.func.max(e.c.event_id), 0))).scalar_one()) + 1
+        if u.store.is_postgres:
+            c.exec_driver_sql(f"SELECT setval('undolog_audit_event_id_seq', {next_id + n}, false)")
+        now = dt.datetime.now(dt.UTC)
+        for i in range(n):
+            eid = next_id + i
+            hsh = event_hash(event_id=eid, approval_request_id=None, subject=f"raw:{chain}", action="raw",
+                             actor=actor, payload="{}", created_at=now, prev_hash=prev)
+            c.execute(e.insert().values(event_id=eid, approval_request_id=None, subject=f"raw:{chain}",
+                                        action="raw", actor=actor, payload="{}", created_at=now, prev_hash=prev,
+                                        hash=hsh, chain=chain))
+            prev = hsh
+            ids.append(eid)
+        c.execute(h.update().where(h.c.head_id == chain).values(last_event_id=ids[-1], last_hash=prev))
+    return ids
+
+
+def rechain(u: UndoLog, chain: int, from_id: int, actor: str) -> None:
+    """Rewrite the actor of ``chain``'s events from ``from_id`` on and recompute that chain's hashes and head."""
+    e = t.approval_events
+    with u.store.tx() as c:
+        if u.store.is_postgres:
+            c.exec_driver_sql("ALTER TABLE undolog_approval_events DISABLE TRIGGER USER")
+        else:
+            c.exec_driver_sql("DROP TRIGGER undolog_events_no_update")
+        prev = GENESIS_HASH
+        for r in c.execute(sa.select(e).where(e.c.chain == chain).order_by(e.c.event_id)).all():
+            who = actor if r.event_id >= from_id else r.actor
+            hsh = event_hash(event_id=r.event_id, approval_request_id=r.approval_request_id, subject=r.subject,
+                             action=r.action, actor=who, payload=r.payload, created_at=r.created_at, prev_hash=prev)
+            c.execute(e.update().where(e.c.event_id == r.event_id).values(actor=who, prev_hash=prev, hash=hsh))
+            prev = hsh
+        c.execute(t.audit_head.update().where(t.audit_head.c.head_id == chain).values(last_hash=prev))
+
+
+def test_a_rechained_rewrite_of_another_chain_is_caught_by_the_checkpoint(undolog: UndoLog, tmp_path: Path) -> None:
+    from undolog_core._checkpoints import generate_keypair
+
+    key, pub = generate_keypair(tmp_path / "k")
+    out = tmp_path / "cp"
+    approvals(undolog, 1)  # chain 1: events 1-2
+    raw = append_raw(undolog, 3, "bo", 3)  # chain 3: events 3-5
+    approvals(undolog, 1)  # chain 1 again: events 6-7
+    report = undolog.verify_audit()
+    assert report.ok and report.events_checked == 7, report.problem
+    assert {(c, p) for c, p, _ in report.heads if p} == {(1, 7), (3, 5)}
+    path = Path(undolog.checkpoint_audit(key=key, out=out))
+    doc = json.loads(path.read_text())["checkpoint"]
+    assert doc["format"] == "undolog-audit-checkpoint/2" and doc["position"] == 7
+    assert [3, 5] == [h[:2] for h in doc["heads"] if h[0] == 3][0]
+    assert undolog.verify_audit(checkpoints=out, public_key=pub).ok
+
+    rechain(undolog, 3, raw[1], "mallory")  # events 4-5 rewritten, chain 3 re-linked, its head moved
+    assert undolog.verify_audit().ok  # self-consistent without the checkpoint
+    r = undolog.verify_audit(checkpoints=out, public_key=pub)
+    assert not r.ok and r.first_bad_event_id == 5 and "chain 3 was rewritten" in (r.problem or ""), r.problem
+
+
+def test_an_edit_or_a_removal_inside_another_chain_is_caught_without_a_checkpoint(undolog: UndoLog) -> None:
+    approvals(undolog, 1)
+    raw = append_raw(undolog, 2, "bo", 3)
+    assert undolog.verify_audit().ok
+    e = t.approval_events
+    with undolog.store.tx() as c:
+        if undolog.store.is_postgres:
+            c.exec_driver_sql("ALTER TABLE undolog_approval_events DISABLE TRIGGER USER")
+        else:
+            c.exec_driver_sql("DROP TRIGGER undolog_events_no_update")
+            c.exec_driver_sql("DROP TRIGGER undolog_events_no_delete")
+        c.execute(e.update().where(e.c.event_id == raw[0]).values(actor="mallory"))
+    r = undolog.verify_audit()
+    assert not r.ok and r.first_bad_event_id == raw[0] and "does not match its hash" in (r.problem or "")
+    with undolog.store.tx() as c:
+        c.execute(e.update().where(e.c.event_id == raw[0]).values(actor="bo"))
+        c.execute(e.delete().where(e.c.event_id == raw[1]))
+    r = undolog.verify_audit()
+    assert not r.ok and r.first_bad_event_id == raw[2] and "in chain 2" in (r.problem or ""), r.problem
+
+
+def test_a_single_chain_checkpoint_file_still_verifies_and_still_catches_a_rewrite(undolog: UndoLog,
+                                                                                   tmp_path: Path) -> None:
+    """Files signed before the trail had several chains (format /1) pin chain 1, where those events still are."""
+    import base64
+
+    from undolog_core._checkpoints import (
+        CHECKPOINT_FORMAT_V1,
+        Checkpoint,
+        generate_keypair,
+        key_id,
+        load_private_key,
+    )
+
+    key, pub = generate_keypair(tmp_path / "k")
+    private = load_private_key(key)
+    approvals(undolog, 2)  # events 1-4, chain 1
+    report = undolog.verify_audit()
+    old = Checkpoint(report.head_position, report.head_hash, "2026-11-01T00:00:00+00:00", "x",
+                     key_id(private.public_key()), format=CHECKPOINT_FORMAT_V1)
+    assert "heads" not in old.body()
+    signed = Checkpoint(**{**old.__dict__, "signature": base64.b64encode(private.sign(old.signed_bytes())).decode()})
+    out = tmp_path / "cp"
+    out.mkdir()
+    (out / "checkpoint-000000000004-old.json").write_text(signed.to_json())
+    approvals(undolog, 1)
+    assert undolog.verify_audit(checkpoints=out, public_key=pub).ok
+    rechain(undolog, 1, 2, "mallory")
+    r = undolog.verify_audit(checkpoints=out, public_key=pub)
+    assert not r.ok and r.first_bad_event_id == 4 and "after 0 and up to 4" in (r.problem or ""), r.problem

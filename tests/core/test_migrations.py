@@ -199,3 +199,40 @@ def test_downgrade_to_0002_and_back_keeps_every_id(db):
     report = u2.session(session_id=sid).rollback_sync(actor="test")
     assert [st.outcome for st in report.steps] == ["compensated", "compensated"]
     assert [d[1] for w, d in world2.calls if w == "cancel"] == [f"undo-{i}" for i, _ in sorted(before, reverse=True)]
+
+
+def test_an_audit_trail_of_one_chain_upgrades_to_several_and_still_verifies(db):
+    """Revision 0009: the events of a database made before it stay in chain 1 with their hashes; appends go on
+    after them (PostgreSQL's new id sequence starts past them) and the whole trail verifies."""
+    from undolog_core.storage.audit import GENESIS_HASH, event_hash
+
+    store = Store(db.url, schema=db.schema)
+    try:
+        _migrate.upgrade(store.engine, lock_key=_MIGRATION_LOCK_KEY, schema=db.schema, target="0008_archive")
+        with store.engine.begin() as c:
+            # 0001 builds the events table from today's schema: take the column away, as the older code made it.
+            c.execute(sa.text("DROP INDEX IF EXISTS ix_undolog_events_chain"))
+            c.execute(sa.text("ALTER TABLE undolog_approval_events DROP COLUMN chain"))
+            prev = GENESIS_HASH
+            for i in (1, 2, 3):
+                at = T0 + dt.timedelta(minutes=i)
+                h = event_hash(event_id=i, approval_request_id=None, subject="policy", action="policy.set",
+                               actor="ana", payload="{}", created_at=at, prev_hash=prev)
+                c.execute(sa.text("INSERT INTO undolog_approval_events (event_id, approval_request_id, subject, "
+                                  "action, actor, payload, created_at, prev_hash, hash) VALUES (:i, NULL, 'policy', "
+                                  "'policy.set', 'ana', '{}', :at, :prev, :h)"),
+                          {"i": i, "at": _stamp(i), "prev": prev, "h": h})
+                prev = h
+            c.execute(sa.text("UPDATE undolog_audit_head SET last_event_id = 3, last_hash = :h WHERE head_id = 1"),
+                      {"h": prev})
+    finally:
+        store.dispose()
+    u = db.open()  # upgrades to head
+    report = u.verify_audit()
+    assert report.ok and report.events_checked == 3 and report.head_hash == prev, report.problem
+    with u.store.engine.connect() as c:
+        assert c.execute(sa.select(sa.func.count()).select_from(t.audit_head)).scalar_one() == t.AUDIT_CHAINS
+        assert set(c.execute(sa.select(t.approval_events.c.chain)).scalars()) == {1}
+    u.policy.set(actor="bo", approval_timeout_seconds=600)
+    report = u.verify_audit()
+    assert report.ok and report.events_checked == 4 and report.head_position == 4, report.problem

@@ -54,9 +54,10 @@ def _count(u: Any, q: Any) -> Any:
 
 
 def test_four_processes_recover_and_expire_each_row_exactly_once(db, tmp_path, monkeypatch):
-    """Four processes run recover() and expire_due() at the same moment over more rows than one batch holds:
-    every in-flight effect is compensated exactly once and every due request timed out exactly once, with one
-    audit event and one outbox row each, and the chain verifies."""
+    """Four processes run recover(), expire_due() and lapse_due() at the same moment over more rows than one batch
+    holds: every in-flight effect is compensated exactly once, every due request timed out exactly once and every
+    approval never re-issued expired exactly once, with one audit event and one outbox row each, and the audit
+    chains verify."""
     n_effects, n_requests = RECOVER_BATCH + 30, EXPIRE_BATCH + 10
     monkeypatch.setenv("SCALE_STATE", str(tmp_path))
     u = db.open()
@@ -64,7 +65,11 @@ def test_four_processes_recover_and_expire_each_row_exactly_once(db, tmp_path, m
     seeded = subprocess.run([sys.executable, "-m", "tests.core.scale_app", "seed", str(n_effects)],
                             env=_env(db, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert seeded.returncode == -signal.SIGKILL, seeded.stderr
-    u.policy.set(actor="test", approval_timeout_seconds=1)
+    # Approved calls never re-issued: they lapse once approved_ttl_seconds is 1.
+    to_lapse = _raise_requests(u, n_requests, per_session=1)
+    for rid in to_lapse:
+        u.approvals.approve(rid, approver="ana")
+    u.policy.set(actor="test", approval_timeout_seconds=1, approved_ttl_seconds=1)
     # Two requests per session for some: one times out, the other is cancelled with its session's halt.
     ids = _raise_requests(u, n_requests, per_session=1)
     pairs = _raise_requests(u, 20, per_session=2)
@@ -98,12 +103,18 @@ def test_four_processes_recover_and_expire_each_row_exactly_once(db, tmp_path, m
     assert len(expired) == len(set(expired)) == n_requests + 10
     r, ev, ob = t.approval_requests, t.approval_events, t.outbox
     states = dict(_count(u, sa.select(r.c.state, sa.func.count()).group_by(r.c.state)))
-    assert states == {"timed_out": n_requests + 10, "cancelled": 10}
+    assert states == {"timed_out": n_requests + 10, "cancelled": 10, "expired": n_requests}
     per_request = collections.Counter(
         (x.approval_request_id, x.action) for x in _count(u, sa.select(ev.c.approval_request_id, ev.c.action)
                                                              .where(ev.c.approval_request_id.isnot(None))))
     assert set(per_request.values()) == {1}
     assert sum(1 for (_, a) in per_request if a == "timeout") == n_requests + 10
+    # Lapse: each approved request expired by exactly one process, one event and one outbox row each.
+    lapsed = [rid for o in outs for rid in o["lapsed"]]
+    assert len(lapsed) == len(set(lapsed)) == n_requests and set(lapsed) == set(to_lapse)
+    assert {rid for (rid, a) in per_request if a == "expire"} == set(to_lapse)
+    lapsed_rows = _count(u, sa.select(sa.func.count()).select_from(ob).where(ob.c.event_type == "approval.expired"))
+    assert lapsed_rows[0][0] == n_requests
     assert sum(1 for (_, a) in per_request if a == "cancel") == 10
     assert set(expired) == {rid for (rid, a) in per_request if a == "timeout"}
     assert set(ids) <= set(expired) and len(set(pairs) & set(expired)) == 10

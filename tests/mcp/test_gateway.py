@@ -383,3 +383,60 @@ def test_the_gateway_installs_beside_the_crewai_and_semantic_kernel_extras() -> 
 
     assert int(version("mcp").split(".")[0]) == 1
     assert version("crewai") and version("semantic-kernel")
+
+
+async def test_upstream_results_are_checked_against_a_schema_compiled_once(tmp_path: Path,
+                                                                          monkeypatch: Any) -> None:
+    # The SDK client's call_tool checks the output schema against the JSON Schema metaschema on every call (more
+    # CPU than the rest of the gateway's hop); the gateway's connection checks each listed schema once, and still
+    # refuses a result that does not match it, with the SDK's own error.
+    from jsonschema.validators import Draft202012Validator
+
+    from undolog_mcp.config import load_config
+    from undolog_mcp.upstream import connect
+
+    checked: list[Any] = []
+    real = Draft202012Validator.check_schema.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: Any, schema: Any, *a: Any, **k: Any) -> None:
+        checked.append(schema.get("title"))
+        real(cls, schema, *a, **k)
+
+    monkeypatch.setattr(Draft202012Validator, "check_schema", classmethod(counting))
+    cfg = load_config(write_config(tmp_path))
+    async with connect(cfg.upstreams["tickets"]) as up:
+        for i in range(5):
+            made = await up.call("create_ticket", {"title": f"t{i}"}, f"key-{i}")
+            assert not made.isError and made.structuredContent == {"id": i + 1, "title": f"t{i}", "status": "open"}
+        assert checked == ["Ticket"]  # once for five calls (the SDK's call_tool: five times)
+        await up.session.list_tools()  # listed again: the schema held now is compiled again, once
+        await up.call("create_ticket", {"title": "t5"}, None)
+        await up.call("create_ticket", {"title": "t6"}, None)
+        assert len(checked) == 2
+        for i in range(2):  # import_ticket answers its id as a string: refused, with the SDK's own error
+            try:
+                await up.call("import_ticket", {"title": f"s{i}"}, None)
+            except RuntimeError as exc:
+                assert str(exc).startswith(f"Invalid structured content returned by tool import_ticket: '{8 + i}' "
+                                           "is not of type 'integer'"), exc
+            else:
+                raise AssertionError("a result that does not match the output schema was let through")
+        assert len(checked) == 3  # import_ticket's schema: once for both calls
+
+
+async def test_a_result_that_does_not_match_its_output_schema_is_refused(db: Any, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, extra="""
+        [tools.tickets.import_ticket]
+        tier = "compensable"
+        compensation = { tool = "close_ticket", args = { id = "{result.id}" } }
+    """)
+    async with gateway(db, cfg) as client:
+        sloppy = await client.call_tool("import_ticket", {"title": "printer"})
+        assert sloppy.isError
+        assert "Invalid structured content returned by tool import_ticket" in text(sloppy)
+        made = await client.call_tool("create_ticket", {"title": "fax"})
+        assert not made.isError and made.structuredContent == {"id": 2, "title": "fax", "status": "open"}
+    u = db.open()
+    by_tool = {e["tool_name"]: e for e in u.sessions.effects(only_session(u).session_id)}
+    assert by_tool["create_ticket"]["state"] == EffectState.COMMITTED
+    assert by_tool["import_ticket"]["state"] != EffectState.COMMITTED  # never recorded as the result it is not

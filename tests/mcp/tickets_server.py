@@ -10,10 +10,10 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from mcp.server.fastmcp import Context, FastMCP
-from mcp.types import ToolAnnotations
+from mcp.types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import BaseModel
 
 STATE = Path(os.environ["TICKETS_STATE"])
@@ -83,6 +83,15 @@ def _create(title: str, ctx: Context[Any, Any, Any]) -> Ticket:
     state["tickets"][str(n)] = {"id": n, "title": title, "status": "open"}
     save(state)
     return Ticket(id=n, title=title, status="open")
+
+
+@mcp.tool()
+def import_ticket(title: str, ctx: Context[Any, Any, Any]) -> Annotated[CallToolResult, Ticket]:
+    """Open a ticket, answering its id as a string: FastMCP's own (lax) check lets that through, the output schema
+    it advertises (an integer id) does not. A sloppy upstream, for the client's check of results."""
+    ticket = _create(title, ctx)
+    data = {"id": str(ticket.id), "title": ticket.title, "status": ticket.status}
+    return CallToolResult(content=[TextContent(type="text", text=json.dumps(data))], structuredContent=data)
 
 
 @mcp.tool()

@@ -36,6 +36,7 @@ from ._payload import (
     payload,
 )
 from ._sessions import _chain, _chain_index
+from ._siblings import siblings_rejected
 from ._tools import _Box, _capturing, _content_of, _declaration, _function_of, _sibling_call_ids, emit
 
 if TYPE_CHECKING:
@@ -330,6 +331,9 @@ class _Guard:
     def ask(self, pauses: Sequence[_Pause], error: str | None, *, batched: bool = False) -> str | None:
         """Pause the graph for ``pauses``; on resume, record the decisions and return any problem.
 
+        A rejection the same resume gives to another UndoLog pause of the session (``create_agent``'s parallel
+        calls, one pause each) is recorded first, so an approval here finds the session halted (``_siblings``).
+
         ``batched``: one ``HITLRequest`` for the message's calls (``UndoLogToolNode``), else one
         ``ToolApprovalRequest`` (the middleware). The answer is checked inside ``interrupt()``, before LangGraph
         saves it: its approver is found from this run's config, an edit is pinned to its tool.
@@ -345,10 +349,17 @@ class _Guard:
             value = interrupt(value_, response_schema=schema)
         finally:
             done_asking(token)
-        return self.apply(value, [p.awaiting for p in pauses])
+        pending = [p.awaiting for p in pauses]
+        # A rejection given in the same resume to a sibling pause (create_agent: one pause per call, each call its
+        # own task) halts the session before this task records its own answer: an approved sibling must not run.
+        siblings_rejected(self, config, value, pending, pauses[0].session_id)
+        return self.apply(value, pending)
 
-    def apply(self, value: Any, pending: Sequence[AwaitingApproval]) -> str | None:
+    def apply(self, value: Any, pending: Sequence[AwaitingApproval], *, only_rejects: bool = False) -> str | None:
+        """Record the decisions ``value`` gives for ``pending`` (``only_rejects``: its rejections only)."""
         pairs, problems = decisions_for(value, pending)
+        if only_rejects:
+            pairs = [p for p in pairs if p[1].decision == "reject"]
         # Approvals before rejections: a rejection halts the session and cancels what is still pending.
         pairs.sort(key=lambda p: p[1].decision == "reject")
         for a, dec in pairs:

@@ -428,19 +428,6 @@ class ApprovalsSQL(Store):
 
     # -- approved calls that were never re-issued (approved_ttl_seconds) ---------------------------------
 
-    def lapsed_request_ids(self, now: dt.datetime) -> builtins.list[str]:
-        """Approved requests whose call has not been re-issued (its effect still ``approved``) for longer than the
-        policy's ``approved_ttl_seconds``."""
-        r, e = t.approval_requests, t.effect_log
-        with self.read() as conn:
-            cutoff = now - dt.timedelta(seconds=self.policy_in(conn).approved_ttl_seconds)
-            return list(conn.execute(
-                sa.select(r.c.approval_request_id)
-                .select_from(r.join(e, e.c.effect_id == r.c.effect_id))
-                .where(r.c.state.in_((RequestState.APPROVED.value, RequestState.AUTO_APPROVED.value)),
-                       r.c.decided_at <= cutoff, e.c.state == EffectState.APPROVED.value)
-            ).scalars().all())
-
     def approval_lapsed(self, decided_at: dt.datetime | None, now: dt.datetime) -> bool:
         """Whether an approval decided at ``decided_at`` is older than the policy's ``approved_ttl_seconds``."""
         if decided_at is None:
@@ -450,51 +437,73 @@ class ApprovalsSQL(Store):
         return decided_at <= now - dt.timedelta(seconds=ttl)
 
     def lapse_request(self, approval_request_id: str, now: dt.datetime) -> builtins.list[StateChange] | None:
-        """Expire one approved request whose call was not re-issued in time, in one transaction: the request and its
-        effect ``expired``, the audited event ``expire`` (actor ``undolog:approval-ttl``) with its
-        ``approval.expired`` outbox row. The session is NOT halted: nothing ran, the agent may ask again.
-
-        The effect gives its ``call_id`` up (it becomes ``expired:<effect_id>``; the request keeps the original), so
-        re-issuing the same call raises a new request instead of finding this one.
+        """Expire one approved request whose call was not re-issued in time (``lapse_batch`` restricted to it).
 
         Returns the session state changes, or None when the request is not lapsed (not approved any more, its call
         claimed to run meanwhile, younger than the TTL) or another process is expiring it right now.
         """
+        got, changes = self.lapse_batch(now, only=[approval_request_id])
+        return changes if got else None
+
+    def lapse_batch(
+        self, now: dt.datetime, *, limit: int = EXPIRE_BATCH, only: Sequence[str] | None = None
+    ) -> tuple[builtins.list[str], builtins.list[StateChange]]:
+        """Expire up to ``limit`` approved requests whose call was not re-issued within the policy's
+        ``approved_ttl_seconds``, in ONE transaction; (the ids expired here, session state changes).
+
+        Each request and its effect become ``expired``, audited as ``expire`` (actor ``undolog:approval-ttl``) with
+        its ``approval.expired`` outbox row, the events of the batch appended together. The session is NOT halted:
+        nothing ran, the agent may ask again. The effect gives its ``call_id`` up (it becomes
+        ``expired:<effect_id>``; the request keeps the original), so re-issuing the same call raises a new request
+        instead of finding this one. Only requests whose effect is still ``approved`` are claimed (a call claimed to
+        run meanwhile is not lapsed), with ``FOR UPDATE SKIP LOCKED`` on PostgreSQL: several sweepers take disjoint
+        batches and each request is expired exactly once. ``only`` restricts the claim to those ids.
+        """
         r, e = t.approval_requests, t.effect_log
-        rid = approval_request_id
         with self.tx() as conn:
             ttl = self.policy_in(conn).approved_ttl_seconds
             cutoff = now - dt.timedelta(seconds=ttl)
-            req = conn.execute(
-                self.for_update(
-                    sa.select(r).where(
-                        r.c.approval_request_id == rid,
-                        r.c.state.in_((RequestState.APPROVED.value, RequestState.AUTO_APPROVED.value)),
-                        r.c.decided_at <= cutoff,
-                    ),
-                    skip_locked=True,
-                )
-            ).first()
-            if req is None:
-                return None
-            # Conditional on the effect: a call claimed to run (running, released, done) meanwhile is not lapsed.
-            moved = conn.execute(
-                e.update().where(e.c.effect_id == req.effect_id, e.c.state == EffectState.APPROVED.value)
-                .values(state=EffectState.EXPIRED.value, call_id=f"expired:{req.effect_id}",
-                        error=f"approval lapsed: not re-issued within {ttl} s of the decision", updated_at=now)
-            ).rowcount
-            if moved == 0:
-                return None
-            conn.execute(r.update().where(r.c.approval_request_id == rid).values(state=RequestState.EXPIRED.value))
-            payload = {"decided_at": req.decided_at.isoformat(), "decided_by": req.decided_by,
-                       "approved_ttl_seconds": ttl}
-            out = {"approval_request_id": rid, "session_id": req.session_id, "tool_name": req.tool_name,
-                   "call_id": req.call_id, **payload}
-            self.append_event_in(
-                conn, subject=f"approval:{rid}", approval_request_id=rid, action="expire",
-                actor="undolog:approval-ttl", payload=payload, outbox=[("approval.expired", out)], now=now,
-            )
-            return self.refresh_changes_in(conn, req.session_id, now)
+            q = (sa.select(r.c.approval_request_id, r.c.effect_id, r.c.session_id, r.c.tool_name, r.c.call_id,
+                           r.c.decided_at, r.c.decided_by)
+                 .select_from(r.join(e, e.c.effect_id == r.c.effect_id))
+                 .where(r.c.state.in_((RequestState.APPROVED.value, RequestState.AUTO_APPROVED.value)),
+                        r.c.decided_at <= cutoff, e.c.state == EffectState.APPROVED.value)
+                 .order_by(r.c.decided_at, r.c.approval_request_id).limit(limit))
+            if only is not None:
+                q = q.where(self.one_of(r.c.approval_request_id, list(only)))
+            due = conn.execute(self.for_update(q, skip_locked=True)).all()
+            if not due:
+                return [], []
+            error = f"approval lapsed: not re-issued within {ttl} s of the decision"
+            # Still conditional on the effect (both rows are locked on PostgreSQL; SQLite has one writer).
+            moved = set(conn.execute(
+                e.update().where(self.one_of(e.c.effect_id, [x.effect_id for x in due]),
+                                 e.c.state == EffectState.APPROVED.value)
+                .values(state=EffectState.EXPIRED.value, call_id=sa.literal("expired:") + e.c.effect_id,
+                        error=error, updated_at=now)
+                .returning(e.c.effect_id)
+            ).scalars())
+            lapsed = [x for x in due if x.effect_id in moved]
+            if not lapsed:
+                return [], []
+            ids = [x.approval_request_id for x in lapsed]
+            conn.execute(r.update().where(self.one_of(r.c.approval_request_id, ids))
+                         .values(state=RequestState.EXPIRED.value))
+            events = []
+            for x in lapsed:
+                payload = {"decided_at": x.decided_at.isoformat(), "decided_by": x.decided_by,
+                           "approved_ttl_seconds": ttl}
+                out = {"approval_request_id": x.approval_request_id, "session_id": x.session_id,
+                       "tool_name": x.tool_name, "call_id": x.call_id, **payload}
+                events.append(PendingEvent(subject=f"approval:{x.approval_request_id}",
+                                           approval_request_id=x.approval_request_id, action="expire",
+                                           actor="undolog:approval-ttl", payload=payload,
+                                           outbox=[("approval.expired", out)]))
+            self.append_events_in(conn, events, now=now)
+            changes: builtins.list[StateChange] = []
+            for sid in sorted({x.session_id for x in lapsed}):
+                changes.extend(self.refresh_changes_in(conn, sid, now))
+            return ids, changes
 
     # -- cancellations (inside the caller's transaction) ---------------------------------------------
 

@@ -312,8 +312,14 @@ rollbacks = sa.Table(
     sa.Column("requested_at", UTCDateTime, nullable=False),
 )
 
+#: How many hash chains the audit trail has (head rows 1..AUDIT_CHAINS). A transaction appends to ONE chain, the
+#: first whose head it can lock without waiting, so concurrent writers on PostgreSQL do not queue on one row; the
+#: signed checkpoints pin every chain's head at once. SQLite has one writer at a time and appends to chain 1 only.
+AUDIT_CHAINS = 16
+
 # Every audited action: approval decisions, policy changes, session resumes and revalidations.
-# One global hash chain; the table is append-only by trigger on both databases.
+# Hash-chained per ``chain`` (each event's ``prev_hash`` is the hash of the event before it in its chain, in
+# ``event_id`` order); the table is append-only by trigger on both databases.
 approval_events = sa.Table(
     "undolog_approval_events",
     metadata,
@@ -327,10 +333,14 @@ approval_events = sa.Table(
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("prev_hash", sa.String(64), nullable=False),
     sa.Column("hash", sa.String(64), nullable=False),
+    # Which chain the event is in (a head row's ``head_id``); every event before revision 0009 is in chain 1.
+    sa.Column("chain", sa.SmallInteger, nullable=False, server_default="1"),
 )
 sa.Index("ix_undolog_events_request", approval_events.c.approval_request_id)
+sa.Index("ix_undolog_events_chain", approval_events.c.chain, approval_events.c.event_id)
 
-# The chain head: locking this one row serialises appends, so two writers never fork the chain.
+# The chain heads, one row per chain: locking a chain's row serialises appends to that chain, so two writers never
+# fork it, while writers holding different chains append side by side.
 audit_head = sa.Table(
     "undolog_audit_head",
     metadata,
