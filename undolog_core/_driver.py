@@ -16,6 +16,7 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
+from types import CoroutineType
 from typing import Any
 
 from . import _observe as obs
@@ -28,8 +29,10 @@ from ._engine import (
     Engine,
     Execute,
     SessionCache,
+    call_context,
     check_id,
 )
+from ._engine import _current as CURRENT_CALL  # noqa: N812 - the ContextVar behind current_call()
 from ._saga import RollbackReport, Saga, run_coro_blocking
 from ._tools import RetryPolicy, ToolSpec
 from .errors import ApprovalPending, UndoLogError
@@ -80,6 +83,17 @@ class Outcome:
         if self.error is not None:
             raise self.error
         return self.value
+
+
+_set_attr = object.__setattr__
+
+
+def _ok(value: Any) -> Outcome:
+    """``Outcome(value=value)``, built fast: a frozen dataclass's __init__ sets each field through
+    object.__setattr__, and this is every successful call's outcome (see ``_engine.execute_now``)."""
+    out = Outcome.__new__(Outcome)
+    _set_attr(out, "__dict__", {"value": value, "error": None, "rollback": None, "failure": None, "in_doubt": None})
+    return out
 
 
 def settle(d: AwaitingApproval | Completed) -> Any:
@@ -182,8 +196,7 @@ class CallDriver:
         """
         if d.effect_id is None:  # SAFE: no span, no metric (its budget is a few microseconds)
             return self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
-        obs.count_call(d.tier.value, d.tool_name)
-        if not obs.tracing():
+        if not obs.count_gated(d.tier, d.tool_name):  # counted; traced only with an SDK
             return self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
         with _tool_span(d) as s:
             return _ran(s, self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on))
@@ -193,7 +206,9 @@ class CallDriver:
         rollback_on_failure: bool, failure_of: Callable[[Any], str | NothingHappened | None] | None,
         result_of: Callable[[Any], Any] | None, note: bool, unknown_on: ControlFlow,
     ) -> Outcome:
-        with self.engine.running(d):
+        # What `with self.engine.running(d):` does, without its three Python-level calls (the common case).
+        token = CURRENT_CALL.set(call_context(d.session_id, d.effect_id, d.call_id, d.tool_name, d.idempotency_key, 1))
+        try:
             try:
                 value = invoke(d.args)
             except control_flow:
@@ -208,11 +223,14 @@ class CallDriver:
                     if isinstance(error, unknown_on):  # a retry's outcome is unknown: settled as in doubt
                         return Outcome(error=error, in_doubt=self._settle_in_doubt(d, error))
                     return self._failed_sync(d, error, rollback_on_failure, note=note)
+        finally:
+            CURRENT_CALL.reset(token)
         failure = failure_of(value) if failure_of is not None else None
         if failure is not None:
             return self._failed_sync(d, failure, rollback_on_failure, value=value, note=note)
-        self._complete(d, result_of(value) if result_of is not None else value)
-        return Outcome(value=value)
+        if d.effect_id is not None:
+            self.engine.complete(d.effect_id, result_of(value) if result_of is not None else value)
+        return _ok(value)
 
     async def run_async(
         self, d: Execute, invoke: Callable[[dict[str, Any]], Awaitable[Any] | Any], *,
@@ -223,8 +241,7 @@ class CallDriver:
         """The async twin of :meth:`run_sync`: the same steps, the tool and the rollback awaited on this loop."""
         if d.effect_id is None:
             return await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
-        obs.count_call(d.tier.value, d.tool_name)
-        if not obs.tracing():
+        if not obs.count_gated(d.tier, d.tool_name):
             return await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
         with _tool_span(d) as s:
             return _ran(s, await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of,
@@ -235,10 +252,11 @@ class CallDriver:
         rollback_on_failure: bool, failure_of: Callable[[Any], str | NothingHappened | None] | None,
         result_of: Callable[[Any], Any] | None, note: bool, unknown_on: ControlFlow,
     ) -> Outcome:
-        with self.engine.running(d):
+        token = CURRENT_CALL.set(call_context(d.session_id, d.effect_id, d.call_id, d.tool_name, d.idempotency_key, 1))
+        try:
             try:
                 value = invoke(d.args)
-                if inspect.isawaitable(value):
+                if value.__class__ is CoroutineType or inspect.isawaitable(value):
                     value = await value
             except control_flow:
                 await self._off_loop(self.release, d)
@@ -251,6 +269,8 @@ class CallDriver:
                     if isinstance(error, unknown_on):
                         return Outcome(error=error, in_doubt=await self._off_loop(self._settle_in_doubt, d, error))
                     return await self._failed_async(d, error, rollback_on_failure, note=note)
+        finally:
+            CURRENT_CALL.reset(token)
         failure = failure_of(value) if failure_of is not None else None
         if failure is not None:
             return await self._failed_async(d, failure, rollback_on_failure, value=value, note=note)
@@ -260,7 +280,7 @@ class CallDriver:
                 self.engine.complete(d.effect_id, result, wait=False)
             except WouldBlock:
                 await asyncio.to_thread(self._complete, d, result)
-        return Outcome(value=value)
+        return _ok(value)
 
     def _settle_in_doubt(self, d: Execute, exc: BaseException) -> str | None:
         if d.effect_id is None or self.in_doubt is None:
@@ -313,9 +333,14 @@ class CallDriver:
                 if spec.retry is None:
                     raise
                 return self._retry_safe_sync(spec, values, exc)
-        d = self.decide(session_id, spec, args, call_id=call_id)
-        if not isinstance(d, Execute):
-            return settle(d)
+        if spec.tier is IRREVERSIBLE:
+            d = self.decide(session_id, spec, args, call_id=call_id)
+        else:  # what decide() does for a COMPENSABLE call, without resolving the spec again
+            if cache is None or cache.session_id is not session_id or not cache.persisted:
+                check_id("session_id", session_id)  # (a stored session's id was checked before it was stored)
+            d = self.engine.intercept_spec(session_id, spec, args, call_id)
+        if d.__class__ is not Execute:
+            return settle(d)  # type: ignore[arg-type]
         return self.run_sync(d, invoke or (lambda a: _call_blocking(spec, a))).unwrap()
 
     async def call_async(
@@ -334,9 +359,14 @@ class CallDriver:
                 if spec.retry is None:
                     raise
                 return await self._retry_safe_async(spec, values, exc)
-        d = await self.adecide(session_id, spec, args, call_id=call_id)
-        if not isinstance(d, Execute):
-            return settle(d)
+        if spec.tier is IRREVERSIBLE:
+            d = await self.adecide(session_id, spec, args, call_id=call_id)
+        else:
+            if cache is None or cache.session_id is not session_id or not cache.persisted:
+                check_id("session_id", session_id)
+            d = await self._adecide(session_id, spec, args, call_id, False)
+        if d.__class__ is not Execute:
+            return settle(d)  # type: ignore[arg-type]
         return (await self.run_async(d, invoke or (lambda a: spec.fn(**a)))).unwrap()  # type: ignore[misc]
 
     # -- retries (only after a tool raised: the call that succeeds at once never comes here) ---------

@@ -41,7 +41,16 @@ from .errors import (
     SessionNotFound,
     ToolNotRegistered,
 )
-from .limits import MAX_ID_LENGTH, args_problem, check_identity, clean_text, encodes, result_text, safe_result
+from .limits import (
+    MAX_ID_LENGTH,
+    MAX_JSON_DEPTH,
+    args_problem,
+    check_identity,
+    clean_text,
+    encodes,
+    result_text,
+    safe_result,
+)
 from .storage.base import FAST_POOL_SIZE, from_epoch, new_id, utcnow
 from .storage.pool import IntegrityConflict, WouldBlock
 from .storage.schema import IN_FLIGHT, EffectState, RequestState, SessionState
@@ -72,6 +81,8 @@ class FailureRecord:
 
 
 MARK_FLUSH_SECONDS = 0.05
+# JSON text this short cannot nest deeper than the limit (see limits.args_problem).
+_SHORT_JSON = 2 * MAX_JSON_DEPTH
 SAFE = ToolTier.SAFE
 COMPENSABLE = ToolTier.COMPENSABLE
 IRREVERSIBLE = ToolTier.IRREVERSIBLE
@@ -133,6 +144,32 @@ class CallContext:
 
 
 _current: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("undolog_current_call", default=None)
+
+# A frozen dataclass's generated __init__ sets each field through object.__setattr__: about a microsecond for
+# Execute's nine fields, on every COMPENSABLE call. The hot path builds the same objects by setting their __dict__
+# at once (equal, hashable and frozen like any other: tests/core/test_hot_path.py holds the field lists to the
+# classes').
+_set_attr = object.__setattr__
+_new = object.__new__
+
+
+def execute_now(effect_id: str | None, args: dict[str, Any], idempotency_key: str | None, tier: ToolTier,
+                tool_name: str, call_id: str | None, session_id: str) -> Execute:
+    """``Execute(effect_id, args, idempotency_key, tier, tool_name, call_id, session_id)``, built fast."""
+    d = _new(Execute)
+    _set_attr(d, "__dict__", {"effect_id": effect_id, "args": args, "idempotency_key": idempotency_key, "tier": tier,
+                              "tool_name": tool_name, "call_id": call_id, "session_id": session_id,
+                              "approval_request_id": None, "decision": None})
+    return d
+
+
+def call_context(session_id: str, effect_id: str | None, call_id: str | None, tool_name: str,
+                  idempotency_key: str | None, attempt: int) -> CallContext:
+    """``CallContext(...)``, built fast (see :func:`execute_now`)."""
+    ctx = _new(CallContext)
+    _set_attr(ctx, "__dict__", {"session_id": session_id, "effect_id": effect_id, "call_id": call_id,
+                                "tool_name": tool_name, "idempotency_key": idempotency_key, "attempt": attempt})
+    return ctx
 
 
 def current_call() -> CallContext | None:
@@ -404,16 +441,19 @@ class Engine:
         values = spec.values(model)
         if spec.tier is SAFE:
             self.note_safe(session_id, spec, values)
-            return Execute(None, values, None, SAFE, spec.name, call_id, session_id)
+            return execute_now(None, values, None, SAFE, spec.name, call_id, session_id)
         args_json = spec.snapshot(model)
         try:
             args_text = canonical_text(args_json)
         except ValueError:  # a NaN or an infinity: stored as a string, the same on both databases
             args_json = json_safe(args_json)
             args_text = canonical_text(args_json)
-        problem = args_problem(args_json, args_text)  # too deep, or not valid Unicode: refused before any write
-        if problem is not None:
-            raise ArgumentsInvalid(spec.name, [problem])
+        # Too deep, or not valid Unicode: refused before any write. Short ASCII text can be neither (the common
+        # case: args_problem's own first checks, without its calls).
+        if len(args_text) > _SHORT_JSON or not args_text.isascii():
+            problem = args_problem(args_json, args_text)
+            if problem is not None:
+                raise ArgumentsInvalid(spec.name, [problem])
         if spec.tier is COMPENSABLE:
             return self.intercept_compensable(session_id, spec, values, args_json, call_id, args_text, wait)
         if not wait:
@@ -465,7 +505,8 @@ class Engine:
             if not wait:
                 raise WouldBlock()
             sc = self.ensure_session(session_id)
-        pin = spec if self._check_pin(sc, spec) else None
+        # The tool's pinned revision is this one (the common case), or _check_pin pins it or refuses the call.
+        pin = None if sc.pins.get(spec.name) == spec.revision else spec if self._check_pin(sc, spec) else None
         if pin is not None and not wait:
             raise WouldBlock()
         effect_id = new_id()
@@ -473,7 +514,7 @@ class Engine:
             args_text = canonical_text(args_json)
         digest = sha256_hex(args_text)
         now = time.time()
-        safe = sc.take_safe()
+        safe = sc.take_safe() if sc.dirty else 0
         carried = sc.take_carried() if safe else 0
         comp = spec.compensation
         assert comp is not None
@@ -515,7 +556,7 @@ class Engine:
         self.leases.start()
         sc.recent.append((spec.name, "compensable", args_json, "pending"))
         fault(FaultPoint.AFTER_PREWRITE, session_id, spec.name, effect_id)
-        return Execute(effect_id, values, f"do-{effect_id}", COMPENSABLE, spec.name, call_id, session_id)
+        return execute_now(effect_id, values, "do-" + effect_id, COMPENSABLE, spec.name, call_id, session_id)
 
     def _prewrite_core(
         self, sc: SessionCache, spec: ToolSpec, count: int, pin: ToolSpec | None, effect_id: str,
@@ -873,8 +914,8 @@ class Engine:
 
     def running(self, d: Execute, session_id: str | None = None, attempt: int = 1) -> _Running:
         """Expose ``current_call()`` to the tool while it runs (a context manager)."""
-        return _Running(CallContext(session_id or d.session_id, d.effect_id, d.call_id, d.tool_name,
-                                    d.idempotency_key, attempt))
+        return _Running(call_context(session_id or d.session_id, d.effect_id, d.call_id, d.tool_name,
+                                      d.idempotency_key, attempt))
 
     # -- deferred marks ------------------------------------------------------------------------------
 

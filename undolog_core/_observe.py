@@ -218,10 +218,33 @@ def instruments() -> _Instruments | None:
     return _instruments
 
 
+_TRACER_ENV = "OTEL_PYTHON_TRACER_PROVIDER" in _ENV_AT_IMPORT
+_METER_ENV = "OTEL_PYTHON_METER_PROVIDER" in _ENV_AT_IMPORT
+
+
+def count_gated(tier: str, tool_name: str) -> bool:
+    """``count_call(tier, tool_name)``, then ``tracing()``: what every gated call checks, in one call.
+
+    With no SDK configured (the common case) that is two reads of the API's globals, as ``_nothing_set`` reads them;
+    anything else takes the full path.
+
+    Example:
+        >>> if count_gated("compensable", "refund"):
+        ...     ...  # record a span
+    """
+    if ((_trace is None or (getattr(_trace, "_TRACER_PROVIDER", _UNREADABLE) is None and not _TRACER_ENV))
+            and (_metrics is None
+                 or (getattr(_metrics_internal, "_METER_PROVIDER", _UNREADABLE) is None and not _METER_ENV))):
+        return False
+    count_call(tier, tool_name)
+    return tracing()
+
+
 def count_call(tier: str, tool_name: str) -> None:
     m = instruments()
     if m is not None:
-        m.calls.add(1, {A_TIER: tier, A_TOOL_NAME: tool_name})
+        # str(): a ToolTier (a StrEnum) is its value; its .value, on every gated call, is two Python-level calls.
+        m.calls.add(1, {A_TIER: str(tier), A_TOOL_NAME: tool_name})
 
 
 def count_decision(outcome: str, tool_name: str, created_at: dt.datetime | None,

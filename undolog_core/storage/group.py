@@ -52,14 +52,22 @@ class GroupCommit:
                  write_many: Callable[[Sequence[Any]], list[Any]]) -> None:
         self._write_one = write_one
         self._write_many = write_many
+        # Held by whoever writes now, alone or for a group: the lead. The caller alone takes it without waiting and
+        # gives it back, one lock round trip and nothing else (the common case: one thread, or threads that do
+        # not overlap). `_lock` guards the queue only, and is taken only when someone has to queue.
+        self._writer = threading.Lock()
         self._lock = threading.Lock()
         self._queue: list[_Slot] = []
-        self._leading = False
         self.enabled = True
         # What the batching did (the benchmark prints it): transactions committed, writes in them.
         self.commits = 0
         self.writes = 0
         self.largest = 0
+
+    @property
+    def _leading(self) -> bool:
+        """Whether someone holds the lead (writes now)."""
+        return self._writer.locked()
 
     def submit(self, item: Any, wait: bool = True) -> Any:
         """Write ``item`` durably, alone or with the writes of concurrent callers; its result.
@@ -68,27 +76,31 @@ class GroupCommit:
         """
         if not self.enabled:
             return self._write_one(item, wait)
-        with self._lock:
-            if self._leading:
-                if not wait:
-                    raise WouldBlock()
-                queued = _Slot(item)
-                self._queue.append(queued)
-                slot: _Slot | None = queued
-            else:
-                self._leading = True
-                slot = None
-        if slot is None:
+        if self._writer.acquire(False):
+            if self._queue and wait:  # callers queued behind the last lead: they go first, with this write
+                return self._lead(_Slot(item))
             # The lead with nothing queued: write alone, exactly as without grouping.
             try:
                 result = self._write_one(item, wait)
-                self.commits += 1
+                self.commits += 1  # counted while leading: no other thread counts meanwhile
                 self.writes += 1
-                self.largest = max(self.largest, 1)
-                return result
+                if not self.largest:
+                    self.largest = 1
             finally:
-                self._pass_lead()
-        slot.done.wait()
+                self._release()
+            return result
+        if not wait:
+            raise WouldBlock()
+        slot = _Slot(item)
+        with self._lock:
+            # Queued first, then the lead tried: a lead that gives up after this sees the queue (see _release),
+            # and one that gave up before it is taken here. Either way somebody writes this slot.
+            self._queue.append(slot)
+            if self._writer.acquire(False):
+                self._queue.remove(slot)
+                slot.lead = True
+        if not slot.lead:
+            slot.done.wait()
         if slot.lead:
             return self._lead(slot)
         if slot.error is not None:
@@ -96,7 +108,7 @@ class GroupCommit:
         return slot.result
 
     def _lead(self, own: _Slot) -> Any:
-        """Commit every queued write with our own, then hand the lead to whoever queued meanwhile."""
+        """Holding the lead: commit every queued write with our own, then give the lead up."""
         with self._lock:
             group, self._queue = [own, *self._queue], []
         try:
@@ -108,7 +120,7 @@ class GroupCommit:
             except BaseException as exc:  # noqa: BLE001 - the whole group failed: every caller gets it
                 outcomes = [exc] * len(group)
         finally:
-            self._pass_lead()
+            self._release()
         for s, out in zip(group[1:], outcomes[1:], strict=True):
             if isinstance(out, BaseException):
                 s.error = out
@@ -120,11 +132,16 @@ class GroupCommit:
             raise mine
         return mine
 
-    def _pass_lead(self) -> None:
+    def _release(self) -> None:
+        """Give the lead up; if callers queued meanwhile, hand it to the first of them.
+
+        The queue is read without the lock first: a caller queues before it tries the lead itself (under the lock),
+        so a queue this read misses is one whose caller will find the lead free and take it."""
+        self._writer.release()
+        if not self._queue:
+            return
         with self._lock:
-            if self._queue:
+            if self._queue and self._writer.acquire(False):
                 nxt = self._queue.pop(0)
                 nxt.lead = True
                 nxt.done.set()
-            else:
-                self._leading = False

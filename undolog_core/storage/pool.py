@@ -97,6 +97,17 @@ class RawPool:
 
     def checkout(self, *, wait: bool = True) -> tuple[Any, int]:
         """A connection and its generation; raises ``WouldBlock`` when ``wait`` is False and none is free."""
+        with self._lock:
+            # The common case, twice per COMPENSABLE call: a warm connection of this generation is idle.
+            if self._idle and self._out < self.size:
+                found = self._idle[-1]
+                if found[1] == self._generation:
+                    self._idle.pop()
+                    self._out += 1
+                    return found
+        return self._checkout(wait)
+
+    def _checkout(self, wait: bool) -> tuple[Any, int]:
         stale: list[Any] = []
         with self._lock:
             if self._out >= self.size:
@@ -137,18 +148,16 @@ class RawPool:
                 self._free.notify()
 
     def checkin(self, conn: Any, gen: int, *, broken: bool = False) -> None:
-        close = True
         with self._lock:
             self._out -= 1
-            if broken:
-                if gen == self._generation:
-                    self._generation += 1  # every idle connection of that generation is stale now
-            elif not self._closed and gen == self._generation:
+            keep = not broken and gen == self._generation and not self._closed
+            if keep:
                 self._idle.append((conn, gen))
-                close = False
+            elif broken and gen == self._generation:
+                self._generation += 1  # every idle connection of that generation is stale now
             if self._waiting:
                 self._free.notify()
-        if close:
+        if not keep:
             _close(conn)
 
     @contextmanager

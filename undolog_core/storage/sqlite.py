@@ -16,11 +16,11 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, DatabaseUnavailable
 from . import schema as t
 from .group import GroupCommit
 from .hotpath import _EFFECT_COLS, _WRITABLE, HotPath
-from .pool import IntegrityConflict, WouldBlock
+from .pool import IntegrityConflict, WouldBlock, is_unavailable
 
 _SQLITE_GUARD = (
     f"UPDATE undolog_sessions SET tool_calls_total = tool_calls_total + ?, updated_at = ? "
@@ -85,11 +85,31 @@ class SQLiteHotPath(HotPath):
         return bool(self.group.submit((False, (effect_id, text, now)), wait))
 
     def _write_one(self, item: tuple[bool, tuple[Any, ...]], wait: bool) -> bool:
+        """One durable write alone (the group's uncontended path): a connection, the write lock, one statement.
+
+        Written out here rather than through ``HotPath.prewrite``/``mark`` and their per-database hooks: this runs
+        twice per COMPENSABLE call, and each layer cost more than the lock round trips it wraps. Same statements,
+        same errors (``IntegrityConflict``, ``WouldBlock``, ``DatabaseUnavailable``) as there."""
         is_prewrite, args = item
-        if is_prewrite:
-            return HotPath.prewrite(self, *args, wait)  # type: ignore[call-arg]  # positional, as the hot path
-        effect_id, text, now = args
-        return HotPath.mark(self, effect_id, text, now, fast=False, wait=wait)
+        pool = self.durable
+        conn, gen = pool.checkout(wait=wait)
+        broken = False
+        try:
+            if is_prewrite:
+                return self._prewrite(conn, wait, *args)
+            effect_id, text, now = args
+            return self._mark(conn, wait, effect_id, text, now)
+        except sqlite3.IntegrityError as exc:
+            raise IntegrityConflict(str(exc)) from exc
+        except WouldBlock:
+            raise
+        except BaseException as exc:
+            if is_unavailable(exc):
+                broken = True
+                raise DatabaseUnavailable("the pre-write" if is_prewrite else "the commit mark", exc) from exc
+            raise
+        finally:
+            pool.checkin(conn, gen, broken=broken)
 
     def _write_many(self, items: Sequence[tuple[bool, tuple[Any, ...]]]) -> list[Any]:
         """Several durable writes in one transaction, each in its own savepoint: one outcome per write (True,
@@ -143,12 +163,6 @@ class SQLiteHotPath(HotPath):
         # refers to it, and a commit mark changes no key. Skipping the checks saves two lookups per pre-write.
         conn.execute("PRAGMA foreign_keys=OFF")
 
-    def _lock(self, wait: bool) -> None:
-        # SQLite has one writer: this process's writers queue on a lock that hands over at once (SQLite's own
-        # busy handler sleeps a millisecond or more). On an event loop it is never waited for.
-        if not self.write_lock.acquire(blocking=wait):
-            raise WouldBlock()
-
     def _prewrite(self, conn: Any, wait: bool, session_id: str, count: int, effect_id: str, call_id: str,
                   tool_name: str, revision: int, args_text: str, digest: str, owner: str, now: float, lease: float,
                   comp: str, comp_version: int) -> bool:
@@ -157,7 +171,10 @@ class SQLiteHotPath(HotPath):
         # the effect.
         row = (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner, _sqlite_time(lease),
                now_s, now_s)
-        self._lock(wait)
+        # SQLite has one writer: this process's writers queue on a lock that hands over at once (SQLite's own
+        # busy handler sleeps a millisecond or more). On an event loop it is never waited for.
+        if not self.write_lock.acquire(blocking=wait):
+            raise WouldBlock()
         try:
             if not count:
                 # One autocommit statement: a write statement takes the write lock before it reads, like BEGIN
@@ -179,7 +196,8 @@ class SQLiteHotPath(HotPath):
             self.write_lock.release()
 
     def _mark(self, conn: Any, wait: bool, effect_id: str, text: str, now: float) -> bool:
-        self._lock(wait)
+        if not self.write_lock.acquire(blocking=wait):
+            raise WouldBlock()
         try:
             return bool(conn.execute(_SQLITE_MARK, (text, _sqlite_time(now), effect_id)).rowcount == 1)
         finally:

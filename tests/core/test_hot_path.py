@@ -1,0 +1,194 @@
+"""The COMPENSABLE hot path's shortcuts keep what they shortcut.
+
+- An uncontended durable write on SQLite takes the group's lead without touching its queue lock (one lock round
+  trip), and writes exactly what it wrote before: the effect pending with its undo entry, then committed.
+- Many threads writing through one group at once: every write lands once, with its own outcome, and no caller is
+  left waiting (the lead is handed over without a lost wake-up).
+- The objects the hot path builds without their dataclass ``__init__`` are the same objects (fields, equality,
+  frozen), and ``canonical_text`` is byte for byte the JSON the digests were always taken of.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from undolog_core import CompensationDescriptor, ToolTier, UndoLog, compensation, current_call, undolog_tool
+from undolog_core._driver import Outcome, _ok
+from undolog_core._engine import CallContext, Execute, call_context, execute_now
+from undolog_core._tools import canonical_text
+from undolog_core.storage.group import GroupCommit
+from undolog_core.storage.pool import IntegrityConflict
+
+SEEN: list[Any] = []
+
+
+@undolog_tool(tier=ToolTier.COMPENSABLE, compensation=CompensationDescriptor.new("hp_undo"))
+def hp_book(slot: str) -> dict[str, Any]:
+    ctx = current_call()
+    SEEN.append(ctx)
+    return {"booked": slot}
+
+
+@undolog_tool(tier=ToolTier.COMPENSABLE, compensation=CompensationDescriptor.new("hp_undo"))
+async def hp_abook(slot: str) -> dict[str, Any]:
+    SEEN.append(current_call())
+    return {"booked": slot}
+
+
+@compensation("hp_undo")
+def hp_undo(ctx: Any) -> None:
+    return None
+
+
+class CountingLock:
+    """A real lock that counts how often it was taken."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.taken = 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got = self._lock.acquire(blocking, timeout)
+        self.taken += got
+        return got
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def test_an_uncontended_sqlite_write_never_takes_the_queue_lock(tmp_path: Any) -> None:
+    u = UndoLog.open(f"sqlite:///{tmp_path / 'hp.db'}")
+    try:
+        u.register(hp_book, hp_abook, hp_undo)
+        group = u.engine.hot.group  # type: ignore[attr-defined]  # SQLite's hot path
+        queue_lock = CountingLock()
+        group._lock = queue_lock
+        SEEN.clear()
+        with u.session(agent_id="hp", session_id="hp-1") as s:
+            assert s.call_sync(hp_book, slot="a") == {"booked": "a"}
+        assert queue_lock.taken == 0  # the pre-write and the commit mark each took the lead alone
+        assert group.writes == group.commits == 2 and not group._leading
+        [effect] = u.sessions.effects("hp-1")
+        assert (effect["state"], effect["result_snapshot"]) == ("committed", {"booked": "a"})
+        # The tool saw its call, as with the context manager the driver used to enter.
+        assert SEEN == [CallContext("hp-1", effect["effect_id"], None, "hp_book", f"do-{effect['effect_id']}", 1)]
+        assert current_call() is None
+    finally:
+        u.close()
+
+
+async def test_the_async_call_sees_its_call_and_resets_it(db: Any) -> None:
+    u = db.open()
+    u.register(hp_book, hp_abook, hp_undo)
+    SEEN.clear()
+    s = u.session(agent_id="hp", session_id="hp-async")
+    assert await s.call(hp_abook, slot="b", call_id="c-1") == {"booked": "b"}
+    [effect] = u.sessions.effects("hp-async")
+    assert effect["state"] == "committed"
+    assert SEEN == [CallContext("hp-async", effect["effect_id"], "c-1", "hp_abook", f"do-{effect['effect_id']}")]
+    assert current_call() is None
+    # The same call id again replays the stored result without running the tool.
+    assert await s.call(hp_abook, slot="b", call_id="c-1") == {"booked": "b"}
+    assert len(SEEN) == 1
+
+
+def test_many_threads_through_one_group_each_get_their_own_outcome() -> None:
+    """Writers that overlap on purpose (the lone write holds the lead while others arrive): every item is written
+    exactly once, every caller returns its own result, and none is left waiting for a lead nobody hands it."""
+    written: list[int] = []
+    guard = threading.Lock()
+    gate = threading.Barrier(8)
+
+    def write_one(item: int, wait: bool) -> int:
+        with guard:
+            written.append(item)
+        time.sleep(0.0002)  # a commit takes a while: the others arrive meanwhile and queue
+        if item % 7 == 0:
+            raise IntegrityConflict(str(item))
+        return item * 10
+
+    def write_many(items: Any) -> list[Any]:
+        out: list[Any] = []
+        for item in items:
+            with guard:
+                written.append(item)
+            out.append(IntegrityConflict(str(item)) if item % 7 == 0 else item * 10)
+        return out
+
+    group = GroupCommit(write_one, write_many)
+    results: dict[int, Any] = {}
+
+    def worker(base: int) -> None:
+        gate.wait(10)
+        for i in range(base, base + 300):
+            try:
+                results[i] = group.submit(i)
+            except IntegrityConflict as exc:
+                results[i] = exc
+
+    threads = [threading.Thread(target=worker, args=(k * 1000,), daemon=True) for k in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads), "a caller was left waiting for the lead"
+    expected = [k * 1000 + i for k in range(8) for i in range(300)]
+    assert sorted(written) == expected  # each once
+    for i in expected:
+        if i % 7 == 0:
+            assert isinstance(results[i], IntegrityConflict) and str(results[i]) == str(i)
+        else:
+            assert results[i] == i * 10
+    # Counted by whoever led, while leading (a write refused alone is not counted: nothing was committed).
+    refused = sum(1 for i in expected if i % 7 == 0)
+    assert len(expected) - refused <= group.writes <= len(expected)
+    assert group.largest > 1  # some did queue, and were written together
+    assert group.commits <= group.writes and not group._leading and not group._queue
+
+
+def test_hot_objects_are_their_dataclasses() -> None:
+    d = execute_now("e1", {"a": 1}, "do-e1", ToolTier.COMPENSABLE, "t", None, "s1")
+    assert d == Execute("e1", {"a": 1}, "do-e1", ToolTier.COMPENSABLE, "t", None, "s1")
+    assert set(vars(d)) == {f.name for f in dataclasses.fields(Execute)}
+    ctx = call_context("s1", "e1", "c1", "t", "do-e1", 2)
+    assert ctx == CallContext("s1", "e1", "c1", "t", "do-e1", 2) and hash(ctx) == hash(CallContext(
+        "s1", "e1", "c1", "t", "do-e1", 2))
+    assert set(vars(ctx)) == {f.name for f in dataclasses.fields(CallContext)}
+    out = _ok(7)
+    assert out == Outcome(value=7) and out.ok and out.unwrap() == 7
+    assert set(vars(out)) == {f.name for f in dataclasses.fields(Outcome)}
+    for obj in (d, ctx, out):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            obj.session_id = "other"  # type: ignore[misc, union-attr]
+
+
+@pytest.mark.parametrize("value", [
+    {"user_id": "u1", "amount": 25},
+    {"z": [1.5, None, True, {"b": "é\u2028\x00", "a": 1e300, "c": -0.0}], "a": "",
+     "\u00e9": {"nested": [[[]]]}},
+    "a lone string", 3, 2.5, None, [],
+])
+def test_canonical_text_is_the_json_the_digests_were_taken_of(value: Any) -> None:
+    assert canonical_text(value) == json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                                               allow_nan=False)
+
+
+def test_canonical_text_still_refuses_what_json_refuses() -> None:
+    with pytest.raises(ValueError):
+        canonical_text({"x": float("nan")})
+    with pytest.raises(TypeError):
+        canonical_text({"x": object()})
