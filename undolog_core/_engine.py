@@ -509,6 +509,9 @@ class Engine:
         pin = None if sc.pins.get(spec.name) == spec.revision else spec if self._check_pin(sc, spec) else None
         if pin is not None and not wait:
             raise WouldBlock()
+        # Before anything is taken or counted as running here: a hook that stops the call at this point (what
+        # check_undo does) leaves nothing to give back.
+        fault(FaultPoint.BEFORE_PREWRITE, session_id, spec.name)
         effect_id = new_id()
         if args_text is None:
             args_text = canonical_text(args_json)
@@ -519,7 +522,6 @@ class Engine:
         comp = spec.compensation
         assert comp is not None
         self._inflight.add(effect_id)
-        fault(FaultPoint.BEFORE_PREWRITE, session_id, spec.name)
         try:
             if pin is None and self.hot.prewrite(
                 session_id, safe + carried, effect_id, call_id or effect_id, spec.name, spec.revision, args_text,

@@ -307,8 +307,14 @@ def test_plugin_entry_point_gives_the_fixture(tmp_path):
         "def test_broken(undo_check):\n"
         "    undo_check(w.broken_scenario, snapshot=w.snapshot, reset=w.reset, never_happened=False)\n"
     )
+    from importlib.metadata import entry_points
+
+    # Installed with the entry point, pytest loads the plugin by itself (what this proves); an environment still
+    # holding an older install loads it by name instead (`-p` on top of the entry point is refused by pytest).
+    installed = any(e.value == "undolog_core.testing.pytest_plugin" for e in entry_points(group="pytest11"))
+    load = [] if installed else ["-p", "undolog_core.testing.pytest_plugin"]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "undolog_core.testing.pytest_plugin",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *load,
          "--rootdir", str(tmp_path), "-c", "/dev/null", str(tmp_path / "test_uses_fixture.py")],
         cwd=root, capture_output=True, text=True, timeout=300,
         env={**__import__("os").environ, "PYTHONPATH": str(root)},
@@ -341,3 +347,277 @@ def test_the_stop_is_recognised_inside_a_task_group(undolog):
     report = check(scenario, undolog, never_happened=False)
     assert report.ok, report.explain()
     assert report.scenario_error is None and len(report.steps) == 2
+
+
+# -- a demanding user: what the check does with scenarios, snapshots and resets that misbehave ------------------
+
+
+def _quiet(undolog, before_sessions=()):
+    """What a check must leave behind, whatever way it ended: no fault hook, the failure rollbacks back on, the
+    check's lock free, nothing in flight in this process, and no harness session with an effect still pending
+    (which a later recover() would compensate against a world the harness has reset)."""
+    from undolog_core import _faults
+    from undolog_core.testing import _check
+
+    assert _faults._hook is None and _faults._armed is None
+    assert undolog.driver.failure_rollbacks is True
+    assert _check._ONE_AT_A_TIME.acquire(blocking=False)
+    _check._ONE_AT_A_TIME.release()
+    assert undolog.leases.inflight == set()
+    for s in undolog.sessions.list(limit=200):
+        if s.session_id in before_sessions:
+            continue
+        states = {e["state"] for e in undolog.sessions.effects(s.session_id)}
+        assert "pending" not in states, (s.session_id, s.state, states)
+        # Rolled back, or halted by the recovery of a call it stopped; a session the scenario opened but made no
+        # call in before the stop holds nothing to undo.
+        assert s.state in ("rolled_back", "halted") or not states, (s.session_id, s.state, states)
+    assert undolog.recover().reconciled == []  # nothing of the harness's is left for a recovery to compensate
+    assert w.snapshot() == w.START["accounts"]
+
+
+def test_a_check_leaves_the_process_and_the_other_sessions_as_it_found_them(undolog):
+    """Another session's rows (a committed call, and a call whose owner died after its pre-write) are not touched
+    by the check; the process ends with no hook, nothing in flight, the policy rollbacks on."""
+    from undolog_core import _faults
+    from undolog_core._faults import FaultPoint
+
+    w.register(undolog)
+    with undolog.session(session_id="bystander") as s:
+        s.call_sync(add_credit, user_id="u1", amount=1)
+
+        def die_after_prewrite(point, session_id, tool, effect_id):
+            if point is FaultPoint.AFTER_PREWRITE:
+                undolog.leases.abandon(effect_id)
+                raise KeyboardInterrupt("crashed")
+
+        _faults.set_hook(die_after_prewrite)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                s.call_sync(change_email, user_id="u1", email="z@z.example")
+        finally:
+            _faults.set_hook(None)
+    before = (undolog.sessions.get("bystander").state, undolog.sessions.effects("bystander"))
+    assert [e["state"] for e in before[1]] == ["committed", "pending"]
+    w.reset()
+
+    report = check(w.correct_scenario, undolog)
+    assert report.ok, report.explain()
+    assert (undolog.sessions.get("bystander").state, undolog.sessions.effects("bystander")) == before
+    from undolog_core import _faults as f
+
+    assert f._hook is None and undolog.driver.failure_rollbacks and undolog.leases.inflight == set()
+
+
+def test_a_stop_before_a_prewrite_leaves_nothing_in_flight(undolog):
+    """The harness's stop at a call's pre-write: nothing was written, so nothing stays counted as running here
+    (a leaked id would keep the lease renewer busy for the life of the process)."""
+    report = check(w.two_step_scenario, undolog, never_happened=False)
+    assert report.ok, report.explain()
+    assert undolog.leases.inflight == set()
+
+
+def test_a_scenario_that_changes_between_runs_leaves_nothing_pending(undolog):
+    """Refused at a later run's pre-write of a different tool: that run's sessions are wound up (the effect the
+    check pre-wrote is compensated, the session rolled back) before the error is raised."""
+    runs: list[int] = []
+
+    def scenario(ul, run):
+        runs.append(run.index)
+        with ul.session(session_id=f"d-{run.id}") as s:
+            s.call_sync(add_credit, user_id="u1", amount=1)
+            s.call_sync(change_email if len(runs) > 1 else add_credit, user_id="u1", **(
+                {"email": "x@y.example"} if len(runs) > 1 else {"amount": 1}))
+
+    with pytest.raises(ScenarioError, match="not deterministic"):
+        check(scenario, undolog)
+    _quiet(undolog)
+
+
+def test_a_scenario_raising_its_own_exception_is_not_ok(undolog):
+    """A scenario that blew up did not run what it was meant to: the steps it made are checked, and the report
+    is not ok (the error is in the table's notes), so a typo never passes as 'nothing to check'."""
+    def scenario(ul, run):
+        with ul.session(session_id=f"e-{run.id}") as s:
+            s.call_sync(add_credit, user_id="u1", amount=1)
+            raise ValueError("the scenario's own bug")
+
+    report = check(scenario, undolog)
+    (step,) = report.steps
+    assert step.restored and step.idempotent and step.tolerates_never_happened
+    assert report.scenario_error == "ValueError: the scenario's own bug"
+    assert not report.ok
+    assert "the scenario ended with an error: ValueError: the scenario's own bug" in report.explain()
+    _quiet(undolog)
+
+    def typo(ul, run):
+        raise NameError("name 'add_credt' is not defined")
+
+    report = check(typo, undolog)
+    assert report.steps == [] and not report.ok
+    assert "FAILED" in report.explain()
+    _quiet(undolog)
+
+
+def test_a_snapshot_that_is_not_json_able_is_refused_clearly(undolog):
+    def snapshot():
+        return {"accounts": w.snapshot(), "tags": {"vip"}}
+
+    with pytest.raises(ScenarioError, match=r"snapshot\(\) taken at the start is not JSON-able: a set"):
+        check_undo(w.two_step_scenario, snapshot=snapshot, reset=w.reset, undolog=undolog)
+    _quiet(undolog)
+
+
+def test_a_snapshot_failing_mid_run_is_raised_not_reported_as_a_diff(undolog):
+    """The snapshot before step 2 is taken inside the scenario (at the harness's hook): its error must reach the
+    caller as it is, not end the scenario quietly and come back as a bogus difference."""
+    def snapshot():
+        accounts = w.snapshot()
+        if accounts["u1"]["email"] != "ana@example.com":
+            return {"accounts": accounts, "since": {"changed"}}  # not JSON-able once step 1 ran
+        return {"accounts": accounts}
+
+    with pytest.raises(ScenarioError, match=r"snapshot\(\) taken before step 2 is not JSON-able"):
+        check_undo(w.two_step_scenario, snapshot=snapshot, reset=w.reset, undolog=undolog)
+    _quiet(undolog)
+
+    calls = [0]
+
+    def flaky():
+        calls[0] += 1
+        if calls[0] == 3:
+            raise ConnectionError("the CRM is down")
+        return w.snapshot()
+
+    with pytest.raises(ConnectionError, match="the CRM is down"):
+        check_undo(w.two_step_scenario, snapshot=flaky, reset=w.reset, undolog=undolog)
+    _quiet(undolog)
+
+
+def test_a_reset_that_fails_is_raised_clearly_and_not_masked(undolog):
+    calls = [0]
+
+    def reset():
+        calls[0] += 1
+        if calls[0] >= 3:
+            raise RuntimeError("cannot reach the CRM")
+        w.reset()
+
+    with pytest.raises(ScenarioError, match=r"reset\(\) raised RuntimeError: cannot reach the CRM") as failed:
+        check_undo(w.two_step_scenario, snapshot=w.snapshot, reset=reset, undolog=undolog)
+    assert isinstance(failed.value.__cause__, RuntimeError)
+    w.reset()
+    _quiet(undolog)
+
+    # Only the final reset fails: the check itself was fine, and the caller is told the world was not reset.
+    def last_reset_fails():
+        calls[0] += 1
+        if calls[0] == 1 + 1 + 2 + 2 + 1:  # learn, 2 x restore, 2 x never happened, then the final one
+            raise RuntimeError("gone at the end")
+        w.reset()
+
+    calls[0] = 1
+    with pytest.raises(ScenarioError, match=r"reset\(\) raised RuntimeError: gone at the end"):
+        check_undo(w.two_step_scenario, snapshot=w.snapshot, reset=last_reset_fails, undolog=undolog)
+    w.reset()
+    _quiet(undolog)
+
+
+def test_check_undo_twice_in_a_row_and_from_two_threads(db, undolog):
+    import threading
+
+    first = check(w.two_step_scenario, undolog)
+    second = check(w.two_step_scenario, undolog)
+    assert first.ok and second.ok
+    ids = {s.session_id for s in undolog.sessions.list(limit=100)}
+    assert len(ids) == 2 * first.runs  # every run of both checks had sessions of its own
+
+    other = db.open()
+    w.register(other)
+    reports: list = []
+    errors: list = []
+
+    def go(u):
+        try:
+            reports.append(check(w.two_step_scenario, u))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(u,)) for u in (undolog, other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert errors == [] and len(reports) == 2 and all(r.ok for r in reports), [r.explain() for r in reports]
+    _quiet(undolog)
+    _quiet(other)
+
+
+def test_a_scenario_with_two_sessions(undolog):
+    def scenario(ul, run):
+        with ul.session(session_id=f"a-{run.id}") as a, ul.session(session_id=f"b-{run.id}") as b:
+            a.call_sync(change_email, user_id="u1", email="ana@new.example")
+            b.call_sync(update_profile, user_id="u2", email="b@x.example", name="Robert")
+            a.call_sync(add_credit, user_id="u1", amount=3)
+
+    report = check(scenario, undolog)
+    first, broken, last = report.steps
+    assert first.ok and last.restored and last.idempotent and last.tolerates_never_happened
+    assert broken.restored is False and [d.path for d in broken.diff] == ["['u2']['name']"]
+    assert report.fault_points[1].restored and not report.fault_points[3].restored
+    # Stopped after step 3: the sessions are rolled back as a rollback in production does, one session at a
+    # time, the one with the newest step first: a's steps 3 and 1, then b's step 2.
+    assert [r.split(" of ")[1].split(":")[0] for r in report.fault_points[3].rollback_steps] == [
+        "add_credit", "change_email", "update_profile"]
+    # Stopped after step 2: b (step 2) first, so step 2's own compensation is the first one, then a's step 1.
+    assert [r.split(" of ")[1].split(":")[0] for r in report.fault_points[2].rollback_steps] == [
+        "update_profile", "change_email"]
+    _quiet(undolog)
+
+
+@pytest.mark.parametrize("form", ["sync(undolog)", "sync(undolog, run)", "async(undolog)", "async(undolog, run)"])
+def test_every_scenario_signature(undolog, form):
+    seen: list = []
+
+    def sync1(ul):
+        with ul.session() as s:  # a fresh session id per run, made by UndoLog
+            s.call_sync(add_credit, user_id="u1", amount=1)
+
+    def sync2(ul, run):
+        seen.append(run.id)
+        with ul.session(session_id=f"s-{run.id}") as s:
+            s.call_sync(add_credit, user_id="u1", amount=1)
+
+    async def async1(ul):
+        async with ul.session() as s:
+            await s.call(aadd_credit, user_id="u1", amount=1)
+
+    async def async2(ul, run):
+        seen.append(run.id)
+        async with ul.session(session_id=f"s-{run.id}") as s:
+            await s.call(aadd_credit, user_id="u1", amount=1)
+
+    fn = {"sync(undolog)": sync1, "sync(undolog, run)": sync2, "async(undolog)": async1,
+          "async(undolog, run)": async2}[form]
+    report = check(fn, undolog)
+    assert report.ok, report.explain()
+    assert len(report.steps) == 1
+    if seen:
+        assert len(seen) == len(set(seen)) == report.runs  # run.id is unique per run
+    _quiet(undolog)
+
+
+def test_explain_without_rich_is_a_plain_table(undolog, monkeypatch):
+    import sys
+
+    report = check(w.broken_scenario, undolog, never_happened=False)
+    monkeypatch.setitem(sys.modules, "rich.console", None)  # `from rich.console import ...` raises ImportError
+    text = report.explain()
+    assert "┃" not in text and "│" not in text
+    lines = text.splitlines()
+    assert lines[0].split() == ["step", "tool", "compensation", "restored", "idempotent", "never-happened",
+                                "to", "start"]
+    assert lines[1].split() == ["1", "change_email", "restore_email", "yes", "yes", "-", "yes"]
+    assert lines[2].split() == ["2", "update_profile", "restore_profile_forgets_name", "NO", "yes", "-", "NO"]
+    assert "    ['u2']['name']: expected 'Bo', got 'Robert'" in lines
+    assert lines[-1] == "FAILED: 2 step(s), 3 run(s)"

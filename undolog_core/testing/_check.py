@@ -106,6 +106,7 @@ class _Tracker:
     irreversible: str | None = None
     mismatch: str | None = None
     stopped: bool = False
+    failure: Exception | None = None  # the snapshot failed inside the scenario: raised once the run is wound up
 
     def __call__(self, point: FaultPoint, session_id: str | None, tool: str | None, effect_id: str | None) -> None:
         if point is FaultPoint.BEFORE_PREWRITE:
@@ -114,16 +115,22 @@ class _Tracker:
         elif point is FaultPoint.AFTER_PREWRITE:
             assert session_id is not None and tool is not None and effect_id is not None
             n = len(self.steps) + 1
+            # Recorded first, even when refused below: the harness winds up every call it stopped.
+            self.steps.append(_Seen(session_id, tool, effect_id))
+            if session_id not in self.sessions:
+                self.sessions.append(session_id)
             if self.expected is not None and (n > len(self.expected) or self.expected[n - 1] != tool):
                 want = self.expected[n - 1] if n <= len(self.expected) else "no further COMPENSABLE call"
                 self.mismatch = f"COMPENSABLE step {n} was {tool} in this run, {want} in the first run"
                 self._stop()
-            self.steps.append(_Seen(session_id, tool, effect_id))
-            if session_id not in self.sessions:
-                self.sessions.append(session_id)
             if n == self.k:
-                # The tool has not run yet: this is the world just before step k.
-                self.before = _json_snapshot(self.snapshot, f"before step {n}")
+                # The tool has not run yet: this is the world just before step k. A snapshot that fails here
+                # would end the scenario as if with an error of its own: keep it, stop, and raise it after.
+                try:
+                    self.before = _json_snapshot(self.snapshot, f"before step {n}")
+                except Exception as exc:  # noqa: BLE001 - raised by the harness once the run is wound up
+                    self.failure = exc
+                    self._stop()
                 self.took_before = True
                 if self.kind is RunKind.NEVER_HAPPENED:
                     self._stop()
@@ -266,23 +273,47 @@ class _Checker:
         self.runs = 0
         self.report = UndoReport()
 
+    def reset_world(self) -> None:
+        """``reset()``, its failure told as such (it is the user's code, not the harness's)."""
+        try:
+            _call(self.reset)
+        except Exception as exc:
+            raise ScenarioError(f"reset() raised {type(exc).__name__}: {exc}") from exc
+
     def _run(self, kind: RunKind, k: int, expected: list[str] | None) -> tuple[_Tracker, Any, str | None]:
         self.runs += 1
-        _call(self.reset)
+        self.reset_world()
         start = _json_snapshot(self.snapshot, "at the start")
         tracker = _Tracker(kind, k, expected, self.snapshot)
         run = Run(f"chk-{self.token}-{self.runs}", self.runs, kind, k or None)
         error = run_scenario(self.scenario, self.u, run, tracker)
-        if tracker.mismatch:
-            raise ScenarioError(f"the scenario is not deterministic: {tracker.mismatch}; check_undo needs the same "
-                                "COMPENSABLE calls in the same order on every run")
-        if expected is not None and kind is not RunKind.LEARN and len(tracker.steps) < k:
-            raise ScenarioError(
+        refused: BaseException | None = tracker.failure
+        if refused is None and tracker.mismatch:
+            refused = ScenarioError(f"the scenario is not deterministic: {tracker.mismatch}; check_undo needs the "
+                                    "same COMPENSABLE calls in the same order on every run")
+        if refused is None and expected is not None and kind is not RunKind.LEARN and len(tracker.steps) < k:
+            refused = ScenarioError(
                 f"the scenario is not deterministic: it made {len(tracker.steps)} COMPENSABLE call(s) in run "
                 f"{run.id}, {len(expected)} in the first run" + (f" (it ended with {error})" if error else "")
                 + "; a scenario that reuses a session or thread id meets its earlier, rolled-back run: put run.id "
                 "in it")
+        if refused is not None:
+            self.wind_up(tracker)
+            raise refused
         return tracker, start, error
+
+    def wind_up(self, tracker: _Tracker) -> None:
+        """A run the check gives up on: nothing of it may stay pending in the store, where a later ``recover()``
+        would compensate it against a world the harness has reset. A call stopped after its pre-write is let go
+        as a crashed one and recovered; then the run's sessions are rolled back."""
+        try:
+            for seen in tracker.steps:
+                self.u.leases.abandon(seen.effect_id)
+            if tracker.sessions:
+                self.u.recover(sessions=tracker.sessions)
+            self._rollback(tracker, None, None)
+        except Exception:  # noqa: BLE001, S110 - the error the check raises says more than this one
+            pass
 
     def check(self, idempotency: bool, never_happened: bool, crash: bool,
               crash_paths: dict[str, str] | None) -> UndoReport:
@@ -307,9 +338,15 @@ class _Checker:
                 from ._crash import crash_checks
 
                 crash_checks(self, tools, crash_paths)
-        finally:
+        except BaseException:
             report.runs = self.runs
-            _call(self.reset)
+            try:
+                self.reset_world()
+            except ScenarioError:
+                pass  # the error already on its way says more; the world may not be at its start
+            raise
+        report.runs = self.runs
+        self.reset_world()
         return report
 
     # -- stopped after step k ---------------------------------------------------------------------------------
@@ -366,11 +403,15 @@ class _Checker:
         order = sorted(tracker.sessions, key=lambda sid: last.get(sid, -1), reverse=True)
         done: list[RollbackStep] = []
         first = [True]
+        failed: list[Exception] = []
 
         def progress(_n: int, _total: int, s: RollbackStep) -> None:
             if first[0] and on_first is not None:
                 first[0] = False
-                on_first(s)
+                try:
+                    on_first(s)
+                except Exception as exc:  # noqa: BLE001 - a snapshot that failed: raised after the walk
+                    failed.append(exc)  # not into the saga, which would stop half-way through the rollback
 
         for sid in order:
             try:
@@ -382,6 +423,8 @@ class _Checker:
             done.extend(rep.steps)
             if not rep.complete and fp is not None:
                 fp.errors.append(f"rollback of session {sid} stopped: {rep.halted_reason}")
+        if failed:
+            raise failed[0]
         return done
 
     def _again(self, step: StepReport, target: _Seen, row: dict[str, Any], before: Any) -> None:

@@ -152,8 +152,12 @@ class UndoReport:
 
     @property
     def ok(self) -> bool:
-        """Every step restored, idempotent and tolerant of "never happened", and every fault point restored."""
-        return all(s.ok for s in self.steps) and all(f.restored is not False for f in self.fault_points.values())
+        """Every step restored, idempotent and tolerant of "never happened", and every fault point restored; and
+        the check proved something: the scenario made at least one COMPENSABLE call and did not end with an error
+        of its own (a scenario that blew up, or whose tools are not COMPENSABLE, never passes as "nothing to
+        check")."""
+        return (bool(self.steps) and self.scenario_error is None and all(s.ok for s in self.steps)
+                and all(f.restored is not False for f in self.fault_points.values()))
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "steps": [s.to_dict() for s in self.steps],
@@ -206,9 +210,10 @@ class UndoReport:
         if self.stopped_before:
             lines.append(f"the checked part ends before {self.stopped_before}")
         if self.scenario_error:
-            lines.append(f"the scenario ended with an error: {self.scenario_error}")
+            lines.append(f"the scenario ended with an error: {self.scenario_error} (catch it in the scenario if "
+                         "it is expected)")
         if not self.steps:
-            lines.append("the scenario made no COMPENSABLE call: nothing to check")
+            lines.append("the scenario made no COMPENSABLE call: nothing was checked")
         lines.append(f"{'OK' if self.ok else 'FAILED'}: {len(self.steps)} step(s), {self.runs} run(s)")
         return lines
 
