@@ -1302,6 +1302,8 @@ def _load_callable(spec: str, what: str) -> Any:
         obj: Any = importlib.import_module(mod_name)
     except ImportError as exc:
         raise CliInputError(f"cannot import {mod_name!r} for {what}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing: say so, no traceback
+        raise CliInputError(f"importing {mod_name!r} for {what} raised {type(exc).__name__}: {exc}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise CliInputError(f"{mod_name!r} has no {attr!r} for {what}")

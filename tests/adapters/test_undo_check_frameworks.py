@@ -95,3 +95,31 @@ def test_semantic_kernel_support_refund_emails(undolog):
     assert "support-delete_user_account" in (report.stopped_before or "")
     assert all(s.restored and s.idempotent and s.tolerates_never_happened for s in report.steps)
     assert report.scenario_error is None
+
+
+def test_the_readme_crewai_release_callback(undolog):
+    """The CrewAI section's `book_callback` / `release_callback` (a plain function as the compensation of a
+    third-party tool, given in `tiers=`), run from the README through a real crew. The tool keeps no state, so
+    the world is empty: what this proves is that the compensation runs after the call, runs again under the same
+    key, and copes with a call that never happened (it reads only `ctx.args`), without raising."""
+    import re
+    from pathlib import Path
+
+    from undolog_adapters.crewai import wrap_tools
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("### CrewAI (`undolog_adapters.crewai`)"):]
+    code = next(c for c in re.findall(r"```python\n(.*?)```", section, re.S) if "def release_callback" in c)
+    scope = {"__name__": "readme_crewai", "undolog": undolog, "wrap_tools": wrap_tools}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
+    more = scope["more"]
+
+    def scenario(ul, run):
+        from examples.crewai_support_crew.demo import build_crew
+
+        steps = [{"tool": "book_callback", "args": {"day": "monday"}}]
+        return more.kickoff(build_crew(more, steps), inputs={"ticket": "call me back"}, session_id=f"cb-{run.id}")
+
+    report = check_undo(scenario, snapshot=dict, reset=lambda: None, undolog=undolog)
+    assert report.ok, report.explain()
+    assert [(s.tool, s.compensation) for s in report.steps] == [("book_callback", "release_callback")]

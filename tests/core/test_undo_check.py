@@ -621,3 +621,91 @@ def test_explain_without_rich_is_a_plain_table(undolog, monkeypatch):
     assert lines[2].split() == ["2", "update_profile", "restore_profile_forgets_name", "NO", "yes", "-", "NO"]
     assert "    ['u2']['name']: expected 'Bo', got 'Robert'" in lines
     assert lines[-1] == "FAILED: 2 step(s), 3 run(s)"
+
+
+def _readme_section() -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = text.index("## Check your compensations")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def test_the_readme_table_is_what_explain_prints(undolog):
+    """The table in "Check your compensations" is explain()'s output for `undo_world.readme_scenario`, as it is
+    printed today (ids aside: effect ids and undo ids differ from run to run and between the databases)."""
+    import re
+
+    block = re.search(r"```text\n(.*?)```", _readme_section(), re.S).group(1)  # type: ignore[union-attr]
+    report = check(w.readme_scenario, undolog)
+
+    def norm(text: str) -> list[str]:
+        text = re.sub(r"\b[0-9a-f]{32}\b", "<effect>", text)
+        text = re.sub(r"undo-\d+", "undo-<n>", text)
+        return [line.rstrip() for line in text.strip("\n").splitlines()]
+
+    assert norm(report.explain(width=120)) == norm(block)
+
+
+def test_every_compensation_in_the_readme_is_checked_in_ci():
+    """Every compensation the README defines or names is one that a check_undo test runs, here or in
+    tests/adapters/test_undo_check_frameworks.py: a new compensation example in the README without a check fails
+    this test. Compensations shown only as a name or a stub (`...`) are the support example's, checked through
+    each framework, or are listed here with the reason they hold no state to restore."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    named = set(re.findall(r'@compensation\("(\w+)"\)', readme))
+    named |= set(re.findall(r'CompensationDescriptor\.new\("(\w+)"\)', readme))
+    named |= set(re.findall(r'compensation="(\w+)"', readme))
+    named |= set(re.findall(r"compensations=\[(\w+)\]", readme))
+    named |= set(re.findall(r'"compensation": (\w+)\}', readme))
+    checked = {
+        # "Check your compensations": run from the README itself (test_the_readme_example_passes_check_undo).
+        "restore_email": "tests/core/test_undo_check.py::test_the_readme_example_passes_check_undo",
+        # The support example's recall, stubbed in "Classifying a tool" and passed to every adapter in the
+        # framework sections: its real body is in the examples, checked through LangGraph, CrewAI and SK.
+        "cancel_refund_email": "tests/adapters/test_undo_check_frameworks.py",
+        # The CrewAI section's plain-function compensation of a third-party tool, run from the README.
+        "release_callback": "tests/adapters/test_undo_check_frameworks.py::test_the_readme_crewai_release_callback",
+    }
+    # Named in a declaration whose body is `...` (LangGraph's injected-arguments and retry sections): the README
+    # defines no such compensation, so there is nothing of it to run.
+    declared_only = {"remove_note", "release_seat"}
+    for name in declared_only:
+        assert f'@compensation("{name}")' not in readme and f"def {name}(" not in readme, name
+    named -= declared_only
+    assert named == set(checked), named ^ set(checked)
+    root = Path(__file__).resolve().parents[2]
+    for where in checked.values():
+        path, _, test = where.partition("::")
+        assert (root / path).exists()
+        assert not test or f"def {test}(" in (root / path).read_text(), where
+
+
+def test_cli_check_undo_bad_paths_are_input_errors_not_tracebacks(db, undolog, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from undolog_core.cli import app
+
+    (tmp_path / "broken_mod.py").write_text("import json\nraise RuntimeError('this module is broken')\n")
+    (tmp_path / "bad_syntax.py").write_text("def scenario(:\n")
+    monkeypatch.chdir(tmp_path)
+    base = ["--db", db.url] + (["--schema", db.schema] if db.schema else [])
+    world = ["--snapshot", "tests.core.undo_world:snapshot", "--reset", "tests.core.undo_world:reset"]
+    clean = {"UNDOLOG_APP": None, "UNDOLOG_DATABASE_URL": None, "UNDOLOG_SCHEMA": None}
+    runner = CliRunner()
+    for spec, says in (("no_such_module:scenario", "cannot import 'no_such_module'"),
+                       ("broken_mod:scenario", "RuntimeError: this module is broken"),
+                       ("bad_syntax:scenario", "SyntaxError"),
+                       ("tests.core.undo_world", "must look like module:function"),
+                       ("tests.core.undo_world:START", "is not callable")):
+        out = runner.invoke(app, [*base, "check-undo", spec, *world], env=clean)
+        assert out.exit_code == 2, (spec, out.output, out.exception)
+        assert out.stderr.startswith("error[invalid_input]: ") and says in out.stderr, (spec, out.stderr)
+    # A scenario the check refuses (here: not JSON-able snapshot) is the check's error, exit 2, no traceback.
+    (tmp_path / "odd.py").write_text("def snap():\n    return {1, 2}\n\ndef reset():\n    pass\n")
+    out = runner.invoke(app, [*base, "check-undo", "tests.core.undo_world:two_step_scenario",
+                              "--snapshot", "odd:snap", "--reset", "odd:reset"], env=clean)
+    assert out.exit_code == 2 and out.stderr.startswith("error[undo_check_scenario]: snapshot() taken at the start")

@@ -220,3 +220,13 @@ def note_scenario(undolog: Any, run: Any) -> None:
     register(undolog)
     with undolog.session(session_id=f"crm-{run.id}") as s:
         s.call_sync(send_note, user_id="u1", text="hello")
+
+
+def readme_scenario(undolog: Any, run: Any) -> None:
+    """The README's table: one correct compensation and three deliberately broken ones."""
+    register(undolog)
+    with undolog.session(session_id=f"crm-{run.id}") as s:
+        s.call_sync(change_email, user_id="u1", email="ana@new.example")
+        s.call_sync(update_profile, user_id="u2", email="b@x.example", name="Robert")
+        s.call_sync(add_bonus, user_id="u1", amount=3)
+        s.call_sync(send_note, user_id="u1", text="hello")

@@ -236,7 +236,8 @@ class UndoReport:
         console = Console(file=buf, width=width, force_terminal=color, color_system="auto" if color else None)
         console.print(table)
         for line in self._details():
-            console.print(line, markup=False, highlight=False)
+            # Not folded at the console's width: a line of the notes stays one line (to read, grep or copy).
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
         return buf.getvalue()
 
     def _plain(self) -> str:
