@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from examples.support_backend_check import backend_snapshot
+from examples.support_backend_check import backend_snapshot, freeze
 
 from .support import BACKEND, COMPENSATIONS, TOOLS
 
@@ -41,4 +41,6 @@ def snapshot() -> dict[str, Any]:
 
 
 def reset() -> None:
+    # The outbox's delay runs on a frozen clock: a refund email is recalled before it can be delivered.
+    freeze(BACKEND)
     BACKEND.reset()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from examples.support_backend_check import backend_snapshot
+from examples.support_backend_check import backend_snapshot, freeze
 
 from .llm import call
 from .support import BACKEND, COMPENSATIONS
@@ -45,4 +45,6 @@ def snapshot() -> dict[str, Any]:
 
 
 def reset() -> None:
+    # The outbox's delay runs on a frozen clock: a refund email is recalled before it can be delivered.
+    freeze(BACKEND)
     BACKEND.reset()

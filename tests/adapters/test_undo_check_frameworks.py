@@ -75,18 +75,32 @@ def test_a_broken_recall_is_caught_through_the_langgraph_agent(undolog, support_
     assert "TypeError" in " ".join(step.errors)
 
 
-def test_crewai_support_crew_refund_emails(undolog):
+@pytest.fixture
+def shared_backends():
+    """The CrewAI and SK examples' back ends are module globals: their outbox clock is put back after a test."""
+    from examples.crewai_support_crew.support import BACKEND as crew
+    from examples.semantic_kernel_support.support import BACKEND as sk
+
+    held = [(b, b.delivery_delay, b.clock) for b in (crew, sk)]
+    yield
+    for b, delay, clock in held:
+        b.delivery_delay, b.clock = delay, clock
+        b.reset()
+
+
+def test_crewai_support_crew_refund_emails(undolog, shared_backends):
     from examples.crewai_support_crew import undo_check as uc
 
     report = check_undo(uc.refunds, snapshot=uc.snapshot, reset=uc.reset, undolog=undolog)
     assert report.ok, report.explain()
+    assert uc.BACKEND.delivery_delay == 5.0  # the outbox holds mail, on a frozen clock
     assert [s.tool for s in report.steps] == ["send_refund_email", "send_refund_email"]
     assert "delete_user_account" in (report.stopped_before or "")
     assert all(s.restored and s.idempotent and s.tolerates_never_happened for s in report.steps)
     assert report.scenario_error is None
 
 
-def test_semantic_kernel_support_refund_emails(undolog):
+def test_semantic_kernel_support_refund_emails(undolog, shared_backends):
     from examples.semantic_kernel_support import undo_check as uc
 
     report = check_undo(uc.refunds, snapshot=uc.snapshot, reset=uc.reset, undolog=undolog)
@@ -123,3 +137,21 @@ def test_the_readme_crewai_release_callback(undolog):
     report = check_undo(scenario, snapshot=dict, reset=lambda: None, undolog=undolog)
     assert report.ok, report.explain()
     assert [(s.tool, s.compensation) for s in report.steps] == [("book_callback", "release_callback")]
+
+
+def test_a_clock_that_moves_would_race_the_delivery(undolog, shared_backends):
+    """Why the check freezes the outbox's clock: with one that moves past the delay between the send and the
+    harness's rollback, the email is delivered first and the recall honestly fails, so the step is reported as
+    not restored although the compensation is right."""
+    from examples.crewai_support_crew import undo_check as uc
+    from examples.support_backend_check import FROZEN_NOW
+
+    ticks = iter(range(10**6))
+
+    def racing_reset():
+        uc.reset()
+        uc.BACKEND.clock = lambda: FROZEN_NOW + 10.0 * next(ticks)  # every look at the clock: 10 s later
+
+    report = check_undo(uc.refunds, snapshot=uc.snapshot, reset=racing_reset, undolog=undolog, never_happened=False)
+    assert not report.ok and report.steps[0].restored is False
+    assert "TooLateToRecall" in report.explain()
