@@ -709,3 +709,12 @@ def test_cli_check_undo_bad_paths_are_input_errors_not_tracebacks(db, undolog, t
     out = runner.invoke(app, [*base, "check-undo", "tests.core.undo_world:two_step_scenario",
                               "--snapshot", "odd:snap", "--reset", "odd:reset"], env=clean)
     assert out.exit_code == 2 and out.stderr.startswith("error[undo_check_scenario]: snapshot() taken at the start")
+
+
+def test_crash_mode_refusing_a_child_leaves_nothing_pending(undolog):
+    """The crash child's run differs from the first run (a different step 2): the check is refused, and the dead
+    child's sessions (its pre-written step 2 pending, its owner gone) are recovered and rolled back first."""
+    with pytest.raises(ScenarioError, match="not deterministic: COMPENSABLE step 2 was change_email"):
+        check(w.changes_in_the_crash_child, undolog, crash=True, never_happened=False, idempotency=False,
+              crash_paths={"scenario": "tests.core.undo_world:changes_in_the_crash_child", **PATHS})
+    _quiet(undolog)

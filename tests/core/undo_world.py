@@ -230,3 +230,16 @@ def readme_scenario(undolog: Any, run: Any) -> None:
         s.call_sync(update_profile, user_id="u2", email="b@x.example", name="Robert")
         s.call_sync(add_bonus, user_id="u1", amount=3)
         s.call_sync(send_note, user_id="u1", text="hello")
+
+
+def changes_in_the_crash_child(undolog: Any, run: Any) -> None:
+    """Two steps in this process, a different second step in a crash child (not deterministic there only)."""
+    import sys
+
+    register(undolog)
+    with undolog.session(session_id=f"crm-{run.id}") as s:
+        s.call_sync(change_email, user_id="u1", email="ana@new.example")
+        if sys.argv[0].endswith("_crash.py"):
+            s.call_sync(change_email, user_id="u2", email="bo@new.example")
+        else:
+            s.call_sync(add_credit, user_id="u2", amount=5)

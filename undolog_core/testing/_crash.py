@@ -81,12 +81,8 @@ def crash_checks(checker: _Checker, tools: list[str], paths: dict[str, str] | No
 
 
 def _child(checker: _Checker, kind: RunKind, k: int, tools: list[str], paths: dict[str, str]) -> dict[str, Any]:
-    from .._saga import run_coro_blocking
-
     checker.runs += 1
-    out = checker.reset()
-    if out is not None and hasattr(out, "__await__"):
-        run_coro_blocking(out)
+    checker.reset_world()
     store = checker.u.store
     with tempfile.TemporaryDirectory(prefix="undolog-check-") as tmp:
         result = Path(tmp) / "seen.json"
@@ -101,11 +97,20 @@ def _child(checker: _Checker, kind: RunKind, k: int, tools: list[str], paths: di
             raise ScenarioError(f"the crash child for step {k} did not stop where asked (exit {proc.returncode}): "
                                 f"{proc.stderr[-2000:]}")
         seen: dict[str, Any] = json.loads(result.read_text())
+    refused = None
     if seen.get("mismatch"):
-        raise ScenarioError(f"the scenario is not deterministic: {seen['mismatch']}")
-    if len(seen["steps"]) < k:
-        raise ScenarioError(f"the scenario made {len(seen['steps'])} COMPENSABLE call(s) in the crash child, "
-                            f"{len(tools)} in the first run")
+        refused = ScenarioError(f"the scenario is not deterministic: {seen['mismatch']}")
+    elif len(seen["steps"]) < k:
+        refused = ScenarioError(f"the scenario made {len(seen['steps'])} COMPENSABLE call(s) in the crash child, "
+                                f"{len(tools)} in the first run")
+    if refused is not None:
+        # The dead child's sessions are recovered and rolled back here before the check stops: left as they
+        # are, a later recover() would compensate them against a world the harness has reset.
+        tracker = _Tracker(kind, k, tools, checker.snapshot)
+        tracker.steps = [_Seen(**s) for s in seen["steps"]]
+        tracker.sessions = list(seen["sessions"])
+        checker.wind_up(tracker)
+        raise refused
     return seen
 
 
