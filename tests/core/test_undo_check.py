@@ -718,3 +718,28 @@ def test_crash_mode_refusing_a_child_leaves_nothing_pending(undolog):
         check(w.changes_in_the_crash_child, undolog, crash=True, never_happened=False, idempotency=False,
               crash_paths={"scenario": "tests.core.undo_world:changes_in_the_crash_child", **PATHS})
     _quiet(undolog)
+
+
+def test_the_stop_is_a_base_exception_raised_before_the_next_pre_write(undolog):
+    """Stopped after step k: the scenario's `except Exception` does not catch the stop, and step k+1 left no row
+    (the stop comes before its pre-write)."""
+    from undolog_core.testing import InjectedStop
+
+    assert issubclass(InjectedStop, BaseException) and not issubclass(InjectedStop, Exception)
+    caught: list[str] = []
+    sessions: dict[RunKind, list[str]] = {}
+
+    def scenario(ul, run):
+        with ul.session(session_id=f"st-{run.id}") as s:
+            sessions.setdefault(run.kind, []).append(s.id)
+            s.call_sync(add_credit, user_id="u1", amount=1)
+            try:
+                s.call_sync(change_email, user_id="u1", email="x@y.example")
+            except Exception as exc:  # noqa: BLE001 - what a framework's error handling does
+                caught.append(repr(exc))
+
+    report = check(scenario, undolog, never_happened=False, idempotency=False)
+    assert report.ok, report.explain()
+    assert caught == []
+    stopped_after_1 = sessions[RunKind.RESTORE][0]
+    assert [e["tool_name"] for e in undolog.sessions.effects(stopped_after_1)] == ["add_credit"]
