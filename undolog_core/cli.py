@@ -1333,7 +1333,8 @@ def check_undo_command(
     """Break a scenario after every COMPENSABLE step and check that its compensations restore the world.
 
     Prints the table (step, tool, compensation, restored, idempotent, never-happened) and the diffs; exit 1 when
-    a step is not restored, not idempotent or not tolerant of "never happened".
+    a step is not restored, not idempotent or not tolerant of "never happened", or when the check proved nothing
+    (the scenario raised an error of its own, or made no COMPENSABLE call).
     \f
     The scenario runs against the UndoLog of ``--app`` (or one on ``--db``); its runs are sessions of their own.
     """
