@@ -58,9 +58,18 @@ async def stdio_transport(stdin_fd: int | None = None, stdout_fd: int | None = N
     in_fd = sys.stdin.fileno() if stdin_fd is None else stdin_fd
     out_fd = sys.stdout.fileno() if stdout_fd is None else stdout_fd
     if not loop_native(in_fd, out_fd):
+        from io import TextIOWrapper
+
         from mcp.server.stdio import stdio_server
 
-        async with stdio_server() as streams:
+        if stdin_fd is None and stdout_fd is None:
+            async with stdio_server() as streams:
+                yield streams
+            return
+        # Descriptors of the caller's: the SDK's transport over them (not closed: they are the caller's).
+        fin = TextIOWrapper(open(in_fd, "rb", closefd=False), encoding="utf-8", errors="replace")  # noqa: SIM115
+        fout = TextIOWrapper(open(out_fd, "wb", closefd=False), encoding="utf-8")  # noqa: SIM115
+        async with stdio_server(anyio.wrap_file(fin), anyio.wrap_file(fout)) as streams:
             yield streams
         return
     loop = asyncio.get_running_loop()
