@@ -512,7 +512,7 @@ def sk_variants(stores: dict[str, UndoLog], loop: asyncio.AbstractEventLoop) -> 
 
     settings = PromptExecutionSettings(function_choice_behavior=FunctionChoiceBehavior.Auto())
 
-    def kernel_with(u: UndoLog | None, noop_filters: bool = False) -> Any:
+    def kernel_with(u: UndoLog | None, noop_filters: bool = False, bound: UndoLog | None = None) -> Any:
         kernel = Kernel()
         kernel.add_plugin(Plugin(), plugin_name="shop")
         if u is not None:
@@ -521,7 +521,8 @@ def sk_variants(stores: dict[str, UndoLog], loop: asyncio.AbstractEventLoop) -> 
             async def passthrough(context: Any, next: Any) -> None:  # noqa: A002 - SK passes it by this name
                 await next(context)
 
-            kernel.add_filter(FilterTypes.FUNCTION_INVOCATION, passthrough)
+            kernel.add_filter(FilterTypes.FUNCTION_INVOCATION,
+                              passthrough if bound is None else _stored_writes_filter(bound))
             kernel.add_filter(FilterTypes.AUTO_FUNCTION_INVOCATION, passthrough)
         return kernel
 
@@ -553,14 +554,48 @@ def sk_variants(stores: dict[str, UndoLog], loop: asyncio.AbstractEventLoop) -> 
         chat = Chat(ai_model_id="scripted", fn=f"shop-{name}", fn_args=args)
         base = f"{tier}: no filter"
         variants.append(Variant(base, runner(kernel_with(None), chat, False)))
-        # SK's own cost of having filters at all (it rebuilds and copies contexts for each): the peer figure.
-        variants.append(Variant(f"{tier}: two pass-through filters (SK's own cost)",
-                                runner(kernel_with(None, noop_filters=True), chat, False), base))
+        # SK's own cost of having filters at all (it rebuilds and copies contexts for each): the peer figure, and
+        # for a SAFE call the lower bound of any filter (UndoLog installs two).
+        lb = f"{tier}: lower bound: two pass-through filters (SK's own cost)"
+        variants.append(Variant(lb, runner(kernel_with(None, noop_filters=True), chat, False), base,
+                                goal if tier == "SAFE" else None))
+        if tier == "COMPENSABLE" and "sqlite" in stores:
+            # The same filters storing what a COMPENSABLE call must store (see lower_bound_middleware).
+            lb = f"{tier}: lower bound, SQLite, durable"
+            variants.append(Variant(lb, runner(kernel_with(None, noop_filters=True, bound=stores["sqlite"]), chat,
+                                               False), base, goal))
         for key, label, g in (("sqlite", "SQLite, durable marks", goal), ("postgres", "PostgreSQL", None)):
             if key in stores:
                 variants.append(Variant(f"{tier}: UndoLog filter, {label}", runner(kernel_with(stores[key]), chat, True),
-                                        base, g))
+                                        base, g, over=lb if key == "sqlite" else None, over_goal=1.10))
     return variants, []
+
+
+def _stored_writes_filter(u: UndoLog) -> Any:
+    """An SK FUNCTION_INVOCATION filter doing, around a COMPENSABLE function, the writes no implementation can skip
+    (the pre-write, durable, then the durable commit mark: see ``lower_bound_middleware``); a lower bound."""
+    from undolog_core._tools import canonical_text, sha256_hex
+    from undolog_core.limits import result_text
+    from undolog_core.storage.base import new_id
+
+    session = u.session(agent_id="bench-lower-bound").id
+
+    async def stored(context: Any, next: Any) -> None:  # noqa: A002 - SK passes it by this name
+        spec = u.tool_spec(context.function.name)
+        if spec.compensation is None:
+            await next(context)
+            return
+        hot = u.engine.hot
+        text = canonical_text(spec.snapshot(spec.validate(dict(context.arguments))))
+        effect_id, now = new_id(), time.time()
+        if not hot.prewrite(session, 0, effect_id, effect_id, spec.name, spec.revision, text, sha256_hex(text),
+                            u.engine.owner, now, now + u.lease_seconds, spec.compensation.name,
+                            spec.compensation.version):
+            raise RuntimeError("the lower bound's pre-write was refused")
+        await next(context)
+        hot.mark(effect_id, result_text(context.result.value), time.time(), fast=False)
+
+    return stored
 
 
 # -- group commit -------------------------------------------------------------------------------------------
