@@ -48,7 +48,7 @@ _DONE_AS_ONE = _HALTED_OUTBOX.add_cte(
 )
 
 # The same statement rendered once for psycopg, with the constants it binds: run on a raw autocommit connection.
-_PG_DONE = _DONE_AS_ONE.compile(dialect=pg_psycopg.dialect())
+_PG_DONE = _DONE_AS_ONE.compile(dialect=pg_psycopg.dialect())  # type: ignore[no-untyped-call]
 _PG_DONE_AS_ONE = str(_PG_DONE)
 _PG_DONE_PARAMS = dict(_PG_DONE.params)
 
