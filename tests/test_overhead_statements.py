@@ -393,8 +393,10 @@ async def test_compensable_call_one_durable_transaction_before_tool(
 ) -> None:
     u = db.open(fast_commit_mark=fast_mark)
     u.register(*TOOLS)
-    s = u.session(agent_id="overhead")
+    # The counter first: on PostgreSQL a new session is written on the hot path's pool, whose connection the
+    # counter must see opened (the pool keeps it, so the call's own checkout is not an engine checkout).
     c = counter_for(u)
+    s = u.session(agent_id="overhead")
     _MARKER["counter"] = c
     try:
         c.mark("before")
