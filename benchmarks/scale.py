@@ -141,52 +141,72 @@ _BASE_DDL = [
 ]
 
 
-def bare_worker(i: int, prepared: Any, schema: str, seconds: float) -> Any:
+def bare_worker(i: int, prepared: Any, schema: str, seconds: float, sessions: int = 1) -> Any:
+    """``sessions`` threads, each with its own connection (what a bare application serving that many requests at
+    once holds), each doing one durable two-row insert transaction after another."""
     import psycopg
 
     if prepared is None:
-        con = psycopg.connect(PG_URL.replace("postgresql+psycopg://", "postgresql://", 1),
-                              options=f"-csearch_path={schema}")
-        return con
-    con = prepared
+        return [psycopg.connect(PG_URL.replace("postgresql+psycopg://", "postgresql://", 1),
+                                options=f"-csearch_path={schema}") for _ in range(sessions)]
     args = json.dumps({"user_id": "u1", "amount": 5})
-    n = 0
     end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        a, b = uuid.uuid4().hex, uuid.uuid4().hex
-        now = dt.datetime.now()
-        with con.cursor() as cur:
-            cur.execute("INSERT INTO bench_effect VALUES (%s, %s, %s, %s, %s)", (a, f"s{i}", "scale_refund", args, now))
-            cur.execute("INSERT INTO bench_undo VALUES (%s, %s, %s, %s)", (b, a, args, now))
-        con.commit()
-        n += 1
-    con.close()
-    return n
+
+    def loop(con: Any) -> int:
+        n = 0
+        while time.perf_counter() < end:
+            a, b = uuid.uuid4().hex, uuid.uuid4().hex
+            now = dt.datetime.now()
+            with con.cursor() as cur:
+                cur.execute("INSERT INTO bench_effect VALUES (%s, %s, %s, %s, %s)",
+                            (a, f"s{i}", "scale_refund", args, now))
+                cur.execute("INSERT INTO bench_undo VALUES (%s, %s, %s, %s)", (b, a, args, now))
+            con.commit()
+            n += 1
+        con.close()
+        return n
+
+    return _in_threads(loop, prepared)
 
 
-def undolog_worker(i: int, prepared: Any, schema: str, seconds: float, fast: bool = False) -> Any:
+def _in_threads(fn: Callable[[Any], int], items: list[Any]) -> int:
+    if len(items) == 1:
+        return fn(items[0])
+    with ThreadPoolExecutor(len(items)) as pool:
+        return sum(pool.map(fn, items))
+
+
+def undolog_worker(i: int, prepared: Any, schema: str, seconds: float, sessions: int = 1,
+                   fast: bool = False) -> Any:
+    """``sessions`` threads sharing one ``UndoLog`` (one process serving that many agent sessions at once), each
+    running sessions of ten COMPENSABLE calls one after another."""
     if prepared is None:
-        u = UndoLog.open(PG_URL, schema=schema, fast_commit_mark=fast)
+        u = UndoLog.open(PG_URL, schema=schema, fast_commit_mark=fast, pool_size=max(5, sessions))
         register(u)
         s = u.session(agent_id=f"warm-{i}")
         s.call_sync("scale_refund", user_id="u", amount=1)
         s.complete()
         return u
     u = prepared
-    n = 0
     end = time.perf_counter() + seconds
     calls_per_session = 10
-    while time.perf_counter() < end:
-        s = u.session(agent_id=f"worker-{i}")
-        for k in range(calls_per_session):
-            s.call_sync("scale_refund", user_id=f"u{k}", amount=k)
-            n += 1
-        s.complete()
+
+    def loop(t: int) -> int:
+        n = 0
+        while time.perf_counter() < end:
+            s = u.session(agent_id=f"worker-{i}-{t}")
+            for k in range(calls_per_session):
+                s.call_sync("scale_refund", user_id=f"u{k}", amount=k)
+                n += 1
+            s.complete()
+        return n
+
+    n = _in_threads(loop, list(range(sessions)))
     u.close()
     return n
 
 
-def bench_throughput(workers: list[int], seconds: float, rounds: int = 2) -> list[dict[str, Any]]:
+def bench_throughput(workers: list[int], seconds: float, rounds: int = 2, sessions: int = 1) -> list[dict[str, Any]]:
     """Interleaved rounds of: bare inserts, UndoLog with durable commit marks, UndoLog in fast mode (the mark
     without fsync; the pre-write stays durable). A figure is the calls of its runs over their summed wall time."""
     rows = []
@@ -203,9 +223,9 @@ def bench_throughput(workers: list[int], seconds: float, rounds: int = 2) -> lis
         calls = {"bare": 0, "durable": 0, "fast": 0}
         wall = {"bare": 0.0, "durable": 0.0, "fast": 0.0}
         for _ in range(rounds):
-            for name, target, args in (("bare", bare_worker, (schema, seconds)),
-                                       ("durable", undolog_worker, (schema, seconds, False)),
-                                       ("fast", undolog_worker, (schema, seconds, True))):
+            for name, target, args in (("bare", bare_worker, (schema, seconds, sessions)),
+                                       ("durable", undolog_worker, (schema, seconds, sessions, False)),
+                                       ("fast", undolog_worker, (schema, seconds, sessions, True))):
                 w, res = run_workers(n, target, args)
                 calls[name] += sum(res)
                 wall[name] += w
@@ -403,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="throughput,expire,recover,api",
                     help="comma-separated: throughput, expire, recover, api")
     ap.add_argument("--workers", default="1,2,4,8")
+    ap.add_argument("--sessions", type=int, default=1,
+                    help="throughput: concurrent sessions (threads) per worker process, the same on the bare side")
     ap.add_argument("--seconds", type=float, default=5.0, help="throughput: seconds per run")
     ap.add_argument("--expire-n", type=int, default=6000, help="expire: due requests per run")
     ap.add_argument("--recover-n", default="1000,10000", help="recover: in-flight effects per run")
@@ -418,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {}
     tmp = tempfile.mkdtemp(prefix="undolog-scale-")
     if "throughput" in only:
-        out["throughput"] = bench_throughput(workers, args.seconds, rounds)
+        out["throughput"] = bench_throughput(workers, args.seconds, rounds, args.sessions)
     if "expire" in only:
         out["expire"] = bench_expire(workers, args.expire_n)
     if "recover" in only:

@@ -393,8 +393,10 @@ async def test_compensable_call_one_durable_transaction_before_tool(
 ) -> None:
     u = db.open(fast_commit_mark=fast_mark)
     u.register(*TOOLS)
-    s = u.session(agent_id="overhead")
+    # The counter first: on PostgreSQL a new session is written on the hot path's pool, whose connection the
+    # counter must see opened (the pool keeps it, so the call's own checkout is not an engine checkout).
     c = counter_for(u)
+    s = u.session(agent_id="overhead")
     _MARKER["counter"] = c
     try:
         c.mark("before")
@@ -461,3 +463,41 @@ async def test_compensable_call_one_durable_transaction_before_tool(
     assert [(e["tool_name"], e["state"], e["undo_state"]) for e in effects] == [
         ("oh_refund" if path == "call" else "oh_refund_sync", "committed", "armed")
     ]
+
+
+# -- a session's start and end on PostgreSQL: one durable statement each ---------------------------------------
+
+
+def test_postgres_session_start_and_complete_are_one_durable_statement_each(db: Any, counter_for: Any) -> None:
+    """A new session is one ``INSERT .. ON CONFLICT DO NOTHING RETURNING`` and ``complete()`` one ``UPDATE`` that
+    carries the calls counted in memory: one round trip each, durable (benchmarks/scale.py runs sessions of ten
+    calls, where the start's six round trips and the end's two transactions cost as much as the calls)."""
+    u = db.open()
+    if not u.store.is_postgres:
+        pytest.skip("SQLite starts and ends a session on the general path (its commits have no round trip)")
+    u.register(*TOOLS)
+    c = counter_for(u)
+    _MARKER["counter"] = c
+    try:
+        warm = u.session(agent_id="warm")  # the hot path's connection opened (and traced) before the windows
+        warm.call_sync(oh_refund_sync, user_id="u0", amount=1)
+        c.mark("a")
+        s = u.session(agent_id="overhead")
+        c.mark("b")
+        s.call_sync(oh_search, query="q")  # a SAFE call: counted in memory, carried by complete()
+        s.call_sync(oh_refund_sync, user_id="u1", amount=5)
+        c.mark("c")
+        s.complete()
+        c.mark("d")
+    finally:
+        _MARKER.pop("counter", None)
+    for a, b in (("a", "b"), ("c", "d")):
+        evs = [e for e in c.window(a, b) if e.main]
+        wire = [e for e in evs if e.level == "wire"]
+        assert [e.kind for e in wire] == ["stmt"], describe(evs)  # no BEGIN, no COMMIT, no read: one statement
+        assert _durability(u, c, wire[0].conn), "a session's start and end are fsynced commits"
+    rec = u.sessions.get(s.id)
+    assert rec.state == "completed" and rec.tool_calls_total == 2
+    # An id that exists is read, never overwritten: the general path, as before.
+    again = u.session(session_id=s.id)
+    assert again.state == "completed"

@@ -334,7 +334,12 @@ class Engine:
         created_by: str | None = None,
         on_failure: str = "rollback",
         create: bool = True,
+        fresh: bool = False,
     ) -> SessionCache:
+        """This process's record of the session, read from the store, or the session started there (``create``).
+
+        ``fresh``: the id was just minted, so the session is almost surely new: it is inserted first (one statement
+        where the hot path has it) and read only when that id turns out to exist."""
         sc = self._sessions.get(session_id)
         if sc is not None and sc.persisted:
             return sc
@@ -344,11 +349,16 @@ class Engine:
         if created_by is not None:
             check_identity("created_by", created_by)
         now = utcnow()
-        row = self.store.get_or_create_session(session_id, create=create, values={
+        values = {
             "agent_id": agent_id, "state": SessionState.ACTIVE.value, "tool_calls_total": 0,
             "created_by": created_by, "halted_reason": None, "on_failure": on_failure,
             "pinned_revisions": self.current_pins(), "created_at": now, "updated_at": now,
-        })
+        }
+        row = None
+        if create and fresh:  # a new id: one durable insert on the hot path's pool where the database has it
+            row = self.hot.start_session({"session_id": session_id, **values})
+        if row is None:
+            row = self.store.get_or_create_session(session_id, create=create, values=values)
         if row is None:
             raise SessionNotFound(session_id)
         return self.remember(row)
@@ -377,6 +387,25 @@ class Engine:
             if n:
                 self.store.add_call_count(sc.session_id, n, missing={
                     "on_failure": sc.on_failure, "pinned_revisions": sc.pins or self.current_pins()})
+
+    def end_session(self, session_id: str, state: SessionState, allowed: tuple[str, ...]) -> bool | None:
+        """The session moved to ``state`` from one of ``allowed`` with its in-memory call counts, in one durable
+        statement (after any deferred marks): True when done, False when it was in no state of ``allowed``, None
+        when the hot path has no such statement here (the caller flushes the counts and changes the state itself).
+        On False or None nothing was written and the counts stay in memory."""
+        sc = self._sessions.get(session_id)
+        if sc is None or not sc.persisted:
+            return None  # known only from SAFE calls (or not at all here): the general path records it
+        self.flush_marks()
+        safe, carried = sc.take_safe(), sc.take_carried()
+        try:
+            done = self.hot.end_session(session_id, safe + carried, state.value, allowed, time.time())
+        except BaseException:
+            sc.give_back(safe, carried)
+            raise
+        if not done:
+            sc.give_back(safe, carried)
+        return done
 
     # -- routing ---------------------------------------------------------------------------------
 

@@ -83,7 +83,12 @@ class Session:
 
     def complete(self) -> None:
         """End the session: it accepts no more calls and stays in the log as ``completed``."""
-        self._u.engine.flush_counts(self.id)
+        engine = self._u.engine
+        # One durable statement where the hot path has it (the counts and the state together).
+        if engine.end_session(self.id, SessionState.COMPLETED, (SessionState.ACTIVE.value,)):
+            engine.note_state(self.id, SessionState.COMPLETED.value)
+            return
+        engine.flush_counts(self.id)
         self._u.sessions.set_state(self.id, SessionState.COMPLETED, allowed=(SessionState.ACTIVE,))
 
     def revalidate(self, *, actor: str) -> dict[str, Any]:

@@ -192,7 +192,8 @@ class UndoLog:
         sid = session_id or new_id()
         sc = self.engine.cached(sid)
         if sc is None or not sc.persisted:
-            sc = self.engine.ensure_session(sid, agent_id=agent_id, created_by=created_by, on_failure=on_failure)
+            sc = self.engine.ensure_session(sid, agent_id=agent_id, created_by=created_by, on_failure=on_failure,
+                                            fresh=session_id is None)
         return Session(self, sc)
 
     def rollback(self, session_id: str, *, actor: str = "undolog", progress: Any = None) -> RollbackReport:

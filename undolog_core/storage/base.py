@@ -127,6 +127,27 @@ class Store:
                 raise DatabaseUnavailable("a write transaction", exc) from exc
             raise
 
+    def one_statement(self, sql: str, params: Mapping[str, Any], *, fast: bool = False) -> None:
+        """Run ONE statement (psycopg's ``%(name)s`` parameters) as its own transaction in autocommit on PostgreSQL:
+        one round trip where ``tx()`` takes three (psycopg sends ``BEGIN`` and ``COMMIT`` as statements of their
+        own). The connection comes from the general pool and goes back to it out of autocommit."""
+        raw = (self.fast if fast else self.engine).raw_connection()
+        try:
+            conn = raw.driver_connection
+            assert conn is not None
+            conn.autocommit = True
+            try:
+                conn.execute(sql, params)
+            finally:
+                conn.autocommit = False
+        except BaseException as exc:
+            if is_unavailable(exc):
+                raw.invalidate()
+                raise DatabaseUnavailable("a write", exc) from exc
+            raise
+        finally:
+            raw.close()
+
     @contextmanager
     def read(self) -> Iterator[Connection]:
         """One read transaction (deferred on SQLite: it never takes the write lock)."""

@@ -149,6 +149,19 @@ class HotPath(abc.ABC):
             rows = conn.execute(sql, tuple(session_ids)).fetchall()
         return {r[0]: (r[1], r[2]) for r in rows}
 
+    def start_session(self, values: dict[str, Any]) -> Any:
+        """A new session's row written durably in one round trip, or None: the database has no such statement
+        here (the caller takes the general path), or a row with that id already exists (the caller reads it).
+
+        The returned row has ``session_id``, ``state``, ``pinned_revisions`` and ``on_failure``."""
+        return None
+
+    def end_session(self, session_id: str, count: int, state: str, allowed: Sequence[str], now: float) -> bool | None:
+        """Move the session to ``state`` from one of ``allowed`` and add ``count`` calls, in one durable statement:
+        True when done, False when the session was in no state of ``allowed`` (nothing written), None when the
+        database has no such statement here (the caller takes the general path)."""
+        return None
+
     def mark_many(self, marks: list[tuple[str, str, float]]) -> None:
         """Deferred commit marks (fast mode, or marks a dropped connection held back), in one transaction that is
         not fsynced."""

@@ -7,7 +7,9 @@ The DBOS shape: ``PostgresStorage`` is the ``Storage`` of a PostgreSQL database;
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+import json
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -47,6 +49,31 @@ _PG_MARK = (
 
 
 
+# A session started and its first state read back in one statement (the general path reads, inserts under a
+# savepoint and reads again: six round trips). ``ON CONFLICT DO NOTHING``: an id that exists returns no row, and the
+# caller reads that one instead.
+_PG_START_SESSION = (
+    "INSERT INTO undolog_sessions (session_id, agent_id, state, tool_calls_total, created_by, halted_reason, "
+    "on_failure, pinned_revisions, created_at, updated_at) "
+    "VALUES (%(session_id)s, %(agent_id)s, %(state)s, 0, %(created_by)s, NULL, %(on_failure)s, "
+    "%(pinned_revisions)s::json, %(created_at)s, %(updated_at)s) "
+    "ON CONFLICT (session_id) DO NOTHING RETURNING session_id, state, pinned_revisions, on_failure"
+)
+# A session ended with the calls it counted in memory: one durable statement instead of a count flush and a state
+# change in two transactions.
+_PG_END_SESSION = (
+    "UPDATE undolog_sessions SET state = %s, tool_calls_total = tool_calls_total + %s, updated_at = %s "
+    "WHERE session_id = %s AND state = ANY(%s)"
+)
+
+
+class _StartedSession(NamedTuple):
+    session_id: str
+    state: str
+    pinned_revisions: Any
+    on_failure: str
+
+
 def _from_epoch(t: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(t, dt.UTC)
 
@@ -76,6 +103,17 @@ class PostgresHotPath(HotPath):
 
     def _mark(self, conn: Any, wait: bool, effect_id: str, text: str, now: float) -> bool:
         return bool(conn.execute(_PG_MARK, (text, _from_epoch(now), effect_id)).rowcount == 1)
+
+    def start_session(self, values: dict[str, Any]) -> Any:
+        params = {**values, "pinned_revisions": json.dumps(values["pinned_revisions"])}
+        with self.durable.connection("starting a session") as conn:
+            row = conn.execute(_PG_START_SESSION, params).fetchone()
+        return None if row is None else _StartedSession(*row)
+
+    def end_session(self, session_id: str, count: int, state: str, allowed: Sequence[str], now: float) -> bool | None:
+        with self.durable.connection("ending a session") as conn:
+            cur = conn.execute(_PG_END_SESSION, (state, count, _from_epoch(now), session_id, list(allowed)))
+            return bool(cur.rowcount == 1)
 
     def _mark_many(self, conn: Any, marks: list[tuple[str, str, float]]) -> None:
         with conn.transaction():

@@ -4,11 +4,13 @@ compare-and-swap, and each effect's settlement."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 
 from . import schema as t
 from .base import utcnow
@@ -44,6 +46,11 @@ _DONE_AS_ONE = _HALTED_OUTBOX.add_cte(
     _EFFECT_DONE.returning(_e.c.effect_id).cte("effect_done"),
     _HALT.returning(_s.c.session_id).cte("halted"),
 )
+
+# The same statement rendered once for psycopg, with the constants it binds: run on a raw autocommit connection.
+_PG_DONE = _DONE_AS_ONE.compile(dialect=pg_psycopg.dialect())  # type: ignore[no-untyped-call]
+_PG_DONE_AS_ONE = str(_PG_DONE)
+_PG_DONE_PARAMS = dict(_PG_DONE.params)
 
 
 def _same(col: Any, value: Any) -> Any:
@@ -153,14 +160,14 @@ class RecoverySQL(CallsSQL):
         """
         now = utcnow()
         reason = {"session_id": session_id, "reason": halt_reason}
+        # Statements built once, values bound: a thousand records do not rebuild (and re-key) three statements each.
+        params = {"uid": undo_id, "eid": effect_id, "sid": session_id, "why": halt_reason, "payload": reason,
+                  "now": now}
+        if self.is_postgres:  # one round trip: the four writes as data-modifying CTEs of one autocommit statement
+            self.one_statement(_PG_DONE_AS_ONE, {**_PG_DONE_PARAMS, **params, "payload": json.dumps(reason)},
+                               fast=not durable)
+            return
         with self.tx(fast=not durable) as conn:
-            # Statements built once, values bound: a thousand records do not rebuild (and re-key) three
-            # statements each.
-            params = {"uid": undo_id, "eid": effect_id, "sid": session_id, "why": halt_reason, "payload": reason,
-                      "now": now}
-            if self.is_postgres:  # one round trip: the four writes as data-modifying CTEs of one statement
-                conn.execute(_DONE_AS_ONE, params)
-                return
             for stmt in (_UNDO_DONE, _EFFECT_DONE, _HALT, _HALTED_OUTBOX):
                 conn.execute(stmt, params)
 
