@@ -91,6 +91,62 @@ def test_a_decision_does_not_queue_behind_a_full_desk(one_lane: Desk, upstream: 
     assert d.client("approver").get("/v1/approvals").status_code == 200
 
 
+@pytest.fixture
+def two_lanes(db: Any, upstream: Upstream, tmp_path: Path) -> Iterator[Desk]:
+    """A desk that admits two requests at a time (decisions apart) and answers 503 after 0.5 s of waiting."""
+    cfg = tmp_path / "tools.toml"
+    cfg.write_text(upstream.config())
+    d = make_desk(db, proxy_config=str(cfg),
+                  settings=ServerSettings(background=False, max_concurrent_requests=2, queue_timeout=0.5))
+    yield d
+    d.close()
+    d.undolog.close()
+
+
+def test_proxied_calls_waiting_on_their_upstream_leave_the_lane_to_others(two_lanes: Desk,
+                                                                         upstream: Upstream) -> None:
+    """Two proxied calls wait for an upstream that holds its answer, in a lane of two. The wait needs no slot (no
+    database, no CPU): other agents' requests are admitted meanwhile, not queued and answered 503. They used to
+    hold both slots until the upstream answered. Once it does, both calls take a slot again to record their
+    outcome: 200, and their effects committed."""
+    d = two_lanes
+    held = threading.Event()
+    upstream.hold["/refund"] = held
+    agent = d.client("agent")
+    sids = [agent.post("/v1/sessions", json={"agent_id": f"slow-{i}"}).json()["session_id"] for i in range(2)]
+    answer: dict[int, httpx.Response] = {}
+
+    def invoke(i: int) -> None:
+        with httpx.Client(base_url=d.url, timeout=60,
+                          headers={"Authorization": f"Bearer {d.token('agent')}"}) as c:
+            answer[i] = c.post(f"/v1/sessions/{sids[i]}/tools/refund:invoke", json={"order_id": f"o{i}", "amount": 5})
+
+    calls = [threading.Thread(target=invoke, args=(i,)) for i in range(2)]
+    for t in calls:
+        t.start()
+    try:
+        _wait_until("both calls reach the upstream", lambda: len(upstream.to("/refund")) == 2)
+        me = agent.get("/v1/me")
+        assert me.status_code == 200, me.text
+        sid = agent.post("/v1/sessions", json={"agent_id": "quick"})
+        assert sid.status_code == 201, sid.text
+        safe = agent.post(f"/v1/sessions/{sid.json()['session_id']}/tools/lookup_order:invoke",
+                          json={"order_id": "o9"})
+        assert safe.status_code == 200, safe.text
+        assert all(t.is_alive() for t in calls) and not answer  # all of it while both calls were in flight
+    finally:
+        held.set()
+        for t in calls:
+            t.join(30)
+    for i in range(2):
+        assert answer[i].status_code == 200, answer[i].text
+        assert answer[i].json()["path"] == "/refund"
+        effects = d.undolog.sessions.effects(sids[i])
+        assert [(e["tool_name"], e["state"]) for e in effects] == [("refund", "committed")], effects
+    # Every slot came back: the lane admits two at once again.
+    assert d.client("approver").get("/v1/approvals").status_code == 200
+
+
 @pytest.mark.postgres_only
 def test_a_decision_and_an_agent_call_in_its_session_take_locks_in_one_order(desk: Desk) -> None:
     """An agent's call locks its session row first and an audit chain head last. While a transaction holds the
