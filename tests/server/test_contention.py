@@ -52,28 +52,31 @@ def one_lane(db: Any, upstream: Upstream, tmp_path: Path) -> Iterator[Desk]:
 
 
 def test_a_decision_does_not_queue_behind_a_full_desk(one_lane: Desk, upstream: Upstream) -> None:
-    """The only general slot is taken by an agent's call held in flight upstream: another request waits and is
-    answered 503 ``server_busy`` with Retry-After (never left hanging), the liveness probe still answers, and a
-    person's decision goes through its own lane at once."""
+    """The only general slot is taken by an agent's rollback whose compensation is held in flight upstream: another
+    request waits and is answered 503 ``server_busy`` with Retry-After (never left hanging), the liveness probe
+    still answers, and a person's decision goes through its own lane at once. (A rollback keeps its slot while
+    its compensations run; a proxied call gives its slot back while it waits, see the next test.)"""
     d = one_lane
     rid, _ = d.pending()
     rid2, _ = d.pending()
-    held = threading.Event()
-    upstream.hold["/lookup"] = held
     r = d.client("agent").post("/v1/sessions", json={"agent_id": "busy"})
     assert r.status_code == 201, r.text
     sid = r.json()["session_id"]
+    done = d.client("agent").post(f"/v1/sessions/{sid}/tools/refund:invoke", json={"order_id": "o1", "amount": 5})
+    assert done.status_code == 200, done.text
+    held = threading.Event()
+    upstream.hold["/refund/cancel"] = held
     answer: dict[str, httpx.Response] = {}
 
-    def invoke() -> None:
+    def rollback() -> None:
         with httpx.Client(base_url=d.url, timeout=60,
                           headers={"Authorization": f"Bearer {d.token('agent')}"}) as c:
-            answer["invoke"] = c.post(f"/v1/sessions/{sid}/tools/lookup_order:invoke", json={"order_id": "o1"})
+            answer["rollback"] = c.post(f"/v1/sessions/{sid}:rollback")
 
-    t = threading.Thread(target=invoke)
+    t = threading.Thread(target=rollback)
     t.start()
     try:
-        _wait_until("the agent's call reaches the upstream", lambda: upstream.to("/lookup"))
+        _wait_until("the compensation reaches the upstream", lambda: upstream.to("/refund/cancel"))
         busy = problem(d.client("approver").get("/v1/approvals"), 503, "server_busy")
         assert busy["retry_after"] == 1
         assert d.client("approver").get("/v1/approvals").headers["retry-after"] == "1"
@@ -83,11 +86,11 @@ def test_a_decision_does_not_queue_behind_a_full_desk(one_lane: Desk, upstream: 
         assert decided.json()["state"] == "approved"
         rejected = d.client("approver").post(f"/v1/approvals/{rid2}:reject", json={"reason": "no"})
         assert rejected.status_code == 200, rejected.text
-        assert t.is_alive() and "invoke" not in answer  # all of it while the agent's call was still in flight
+        assert t.is_alive() and "rollback" not in answer  # all of it while the rollback was still in flight
     finally:
         held.set()
         t.join(30)
-    assert answer["invoke"].status_code == 200, answer["invoke"].text
+    assert answer["rollback"].status_code == 200, answer["rollback"].text
     assert d.client("approver").get("/v1/approvals").status_code == 200
 
 
@@ -145,6 +148,50 @@ def test_proxied_calls_waiting_on_their_upstream_leave_the_lane_to_others(two_la
         assert [(e["tool_name"], e["state"]) for e in effects] == [("refund", "committed")], effects
     # Every slot came back: the lane admits two at once again.
     assert d.client("approver").get("/v1/approvals").status_code == 200
+
+
+def test_a_proxied_call_whose_upstream_answered_waits_for_a_slot_and_is_never_refused(one_lane: Desk,
+                                                                                      upstream: Upstream) -> None:
+    """A proxied call waits for its upstream with its slot given back; meanwhile a rollback, held in flight by its
+    compensation, takes the lane's only slot. The upstream answers: the call waits for a slot to record its outcome
+    longer than the queue timeout (after which a new request is answered 503), and is not refused: the upstream has
+    acted. Once the rollback is done, the call answers 200 with its effect committed."""
+    d = one_lane
+    agent = d.client("agent")
+    sid_call, sid_undo = (agent.post("/v1/sessions", json={"agent_id": n}).json()["session_id"] for n in "ab")
+    done = agent.post(f"/v1/sessions/{sid_undo}/tools/refund:invoke", json={"order_id": "o0", "amount": 1})
+    assert done.status_code == 200, done.text
+    call_held, undo_held = threading.Event(), threading.Event()
+    upstream.hold["/refund/cancel"] = undo_held
+    answer: dict[str, httpx.Response] = {}
+
+    def post(name: str, path: str, body: Any) -> None:
+        with httpx.Client(base_url=d.url, timeout=60,
+                          headers={"Authorization": f"Bearer {d.token('agent')}"}) as c:
+            answer[name] = c.post(path, json=body)
+
+    call = threading.Thread(target=post, args=("call", f"/v1/sessions/{sid_call}/tools/refund:invoke",
+                                               {"order_id": "o1", "amount": 5}))
+    upstream.hold["/refund"] = call_held
+    call.start()
+    undo = threading.Thread(target=post, args=("rollback", f"/v1/sessions/{sid_undo}:rollback", None))
+    try:
+        _wait_until("the call reaches the upstream", lambda: len(upstream.to("/refund")) == 2)
+        undo.start()
+        _wait_until("the compensation reaches the upstream", lambda: upstream.to("/refund/cancel"))
+        call_held.set()  # the upstream answers; the lane's one slot is the rollback's
+        time.sleep(1.0)  # twice the queue timeout
+        assert call.is_alive() and "call" not in answer, answer.get("call")
+    finally:
+        call_held.set()
+        undo_held.set()
+        for t in (call, undo):
+            if t.ident is not None:
+                t.join(30)
+    assert answer["rollback"].status_code == 200, answer["rollback"].text
+    assert answer["call"].status_code == 200, answer["call"].text
+    effects = d.undolog.sessions.effects(sid_call)
+    assert [(e["tool_name"], e["state"]) for e in effects] == [("refund", "committed")], effects
 
 
 @pytest.mark.postgres_only
