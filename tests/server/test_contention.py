@@ -194,6 +194,41 @@ def test_a_proxied_call_whose_upstream_answered_waits_for_a_slot_and_is_never_re
     assert [(e["tool_name"], e["state"]) for e in effects] == [("refund", "committed")], effects
 
 
+def test_a_proxied_call_keeps_its_slot_when_no_thread_is_left_to_spare(db: Any, upstream: Upstream,
+                                                                         tmp_path: Path) -> None:
+    """Every call waiting outside the lanes still holds a thread of the pool (anyio's 40), and the lanes' own
+    requests must always find one. Here the two lanes take all 40 (1 general, 39 decisions): a proxied call waiting
+    for its upstream keeps its slot, and another request is answered 503 as before."""
+    cfg = tmp_path / "tools.toml"
+    cfg.write_text(upstream.config())
+    d = make_desk(db, proxy_config=str(cfg), settings=ServerSettings(
+        background=False, max_concurrent_requests=1, decision_lane=39, queue_timeout=0.5))
+    try:
+        held = threading.Event()
+        upstream.hold["/lookup"] = held
+        sid = d.client("agent").post("/v1/sessions", json={"agent_id": "busy"}).json()["session_id"]
+        answer: dict[str, httpx.Response] = {}
+
+        def invoke() -> None:
+            with httpx.Client(base_url=d.url, timeout=60,
+                              headers={"Authorization": f"Bearer {d.token('agent')}"}) as c:
+                answer["invoke"] = c.post(f"/v1/sessions/{sid}/tools/lookup_order:invoke", json={"order_id": "o1"})
+
+        t = threading.Thread(target=invoke)
+        t.start()
+        try:
+            _wait_until("the call reaches the upstream", lambda: upstream.to("/lookup"))
+            problem(d.client("agent").get("/v1/me"), 503, "server_busy")
+        finally:
+            held.set()
+            t.join(30)
+        assert answer["invoke"].status_code == 200, answer["invoke"].text
+        assert d.client("agent").get("/v1/me").status_code == 200
+    finally:
+        d.close()
+        d.undolog.close()
+
+
 @pytest.mark.postgres_only
 def test_a_decision_and_an_agent_call_in_its_session_take_locks_in_one_order(desk: Desk) -> None:
     """An agent's call locks its session row first and an audit chain head last. While a transaction holds the
