@@ -7,7 +7,12 @@ A *step* is one user turn of a real agent loop: the scripted model (no network, 
 the framework runs it, the model answers. A round runs ``--turns`` steps (20) on a fresh thread of each variant, in
 a shuffled order; a variant's sample is its mean step time in that round. Its ratio is paired: each round divides
 the variant's sample by its baseline's sample of the same round, and the figure is the median of those per-round
-ratios, with their p25-p75 beside it (the spread; a goal is met when the median is under it).
+ratios, with their p25-p75 beside it (the spread; a goal is met when the median is under it). The same ratios in CPU time
+of the process (all its threads) are printed beside: they hold on a loaded machine, where wall time mostly measures
+the other processes, but leave out what is no CPU time (an fsync's wait, the database server's own work).
+"Lower bound" rows are not competitors: the work no implementation can skip (see ``lower_bound_middleware``); when
+one misses a goal, the goal is out of reach on this machine in this run, and "over its lower bound" rows show
+UndoLog's own cost above it (goal 1.10x, as in ``overhead.py``).
 
 1. LangGraph ``create_agent`` (InMemorySaver unless said), one tool per turn, for a SAFE and a COMPENSABLE tool:
    no middleware (the baseline); LangChain's ``HumanInTheLoopMiddleware`` gating only the IRREVERSIBLE tool (which
@@ -105,6 +110,10 @@ class Variant:
     baseline: str | None = None
     goal: float | None = None
     samples: list[float] = field(default_factory=list)  # per-step seconds, one per round
+    cpu: list[float] = field(default_factory=list)  # per-step CPU seconds of the process (all threads), per round
+    # A lower bound's name: the "over its lower bound" row divides this variant by it, per round (goal: over_goal).
+    over: str | None = None
+    over_goal: float | None = None
 
 
 @dataclass
@@ -126,7 +135,11 @@ def measure(variants: list[Variant], *, rounds: int, turns: int, rng: random.Ran
         rng.shuffle(order)
         for v in order:
             gc.collect()
+            # CPU time beside wall time: on a loaded machine the wall clock mostly measures the other processes
+            # (and the disk's fsyncs, which are no CPU time: a step's durable commits show in wall time only).
+            c0 = time.process_time()
             v.samples.append(v.run(turns) / turns)
+            v.cpu.append((time.process_time() - c0) / turns)
 
 
 
@@ -142,6 +155,9 @@ class Row:
     ratio_hi: float | None = None
     goal: float | None = None
     share: bool = False
+    cpu_ratio: float | None = None
+    cpu_lo: float | None = None
+    cpu_hi: float | None = None
 
     @property
     def verdict(self) -> str:
@@ -149,6 +165,9 @@ class Row:
             return "baseline"
         if self.goal is None:
             return ""
+        if ": lower bound" in self.variant:
+            # Not UndoLog: whether the goal is within reach of any implementation on this machine, in this run.
+            return "reachable" if self.ratio <= self.goal else "OUT OF REACH"
         return "PASS" if self.ratio <= self.goal else "MISS"
 
 
@@ -162,7 +181,20 @@ def rows_for(section: str, variants: list[Variant], shares: list[Share] = ()) ->
             paired = [a / b for a, b in zip(v.samples, by_name[v.baseline].samples, strict=True)]
             row.ratio = statistics.median(paired)
             row.ratio_lo, row.ratio_hi = quartiles(paired)
+            cpu = [a / b for a, b in zip(v.cpu, by_name[v.baseline].cpu, strict=True)]
+            row.cpu_ratio = statistics.median(cpu)
+            row.cpu_lo, row.cpu_hi = quartiles(cpu)
         out.append(row)
+        if v.over:
+            # UndoLog over the lower bound of its own mode, per round: what its own bookkeeping adds.
+            lb = by_name[v.over]
+            paired = [a / b for a, b in zip(v.samples, lb.samples, strict=True)]
+            cpu = [a / b for a, b in zip(v.cpu, lb.cpu, strict=True)]
+            over = Row(section, f"{v.name.split(':')[0]}: ... over its lower bound", float("nan"), float("nan"),
+                       float("nan"), statistics.median(paired), *quartiles(paired), v.over_goal, share=False,
+                       cpu_ratio=statistics.median(cpu))
+            over.cpu_lo, over.cpu_hi = quartiles(cpu)
+            out.append(over)
     for s in shares:
         none, alone, with_ = by_name[s.none].samples, by_name[s.alone].samples, by_name[s.with_].samples
         per_round = [(w - a) / (a - n) if a > n else float("inf") for n, a, w in zip(none, alone, with_, strict=True)]
@@ -171,6 +203,11 @@ def rows_for(section: str, variants: list[Variant], shares: list[Share] = ()) ->
         saver = statistics.median([a - n for n, a in zip(none, alone, strict=True)]) * 1e3
         out.append(Row(section, f"{s.name} (+{added:.2f} ms vs +{saver:.2f} ms)", float("nan"), float("nan"),
                        float("nan"), statistics.median(per_round), lo, hi, s.goal, share=True))
+        # The same share in CPU time (what the fsyncs and the server's own work leave out).
+        cn, ca, cw = by_name[s.none].cpu, by_name[s.alone].cpu, by_name[s.with_].cpu
+        cpu_rounds = [(w - a) / (a - n) if a > n else float("inf") for n, a, w in zip(cn, ca, cw, strict=True)]
+        out[-1].cpu_ratio = statistics.median(cpu_rounds)
+        out[-1].cpu_lo, out[-1].cpu_hi = quartiles(cpu_rounds)
     return out
 
 
@@ -255,6 +292,62 @@ class PgSaver:
         self.conn.close()
 
 
+def lower_bound_middleware(u: UndoLog | None, *, durable: bool = True) -> Any:
+    """A lower bound for UndoLog's middleware, not a competitor: the work no middleware can skip, with nothing else.
+
+    With ``u=None``: a pass-through middleware with UndoLog's hooks (``wrap_model_call`` and ``wrap_tool_call``):
+    LangChain's own cost of having them (it wraps each hook in LangSmith's ``traceable`` and composes handlers),
+    which UndoLog cannot go under. With a store: the same, and around each tool call what a COMPENSABLE call must
+    store: its arguments validated, snapshotted and digested, an effect id, UndoLog's one-statement pre-write
+    (the effect and its undo entry, the session checked), then the tool, then the commit mark: with ``durable``
+    at once and fsynced, else queued and written per batch without fsync (fast mode's flusher). Left out, though
+    UndoLog needs them: the turn's session check, the pin check, the in-flight set and lease, ``current_call()``,
+    the tool's raw value, the effect's metadata on the message. If this row misses a goal, no trimming of
+    UndoLog's own code meets it on this machine: only storing less (or a faster disk) would.
+    """
+    from langchain.agents.middleware import AgentMiddleware
+
+    from undolog_core._tools import canonical_text, sha256_hex
+    from undolog_core.limits import result_text
+    from undolog_core.storage.base import new_id
+
+    class LowerBound(AgentMiddleware):
+        def __init__(self) -> None:
+            super().__init__()
+            self.marks: list[tuple[str, str, float]] = []
+            if u is not None:
+                self.session = u.session(agent_id="bench-lower-bound").id
+
+        def wrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
+            return handler(request)
+
+        def wrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
+            if u is None:
+                return handler(request)
+            spec = u.tool_spec(request.tool_call["name"])
+            if spec.compensation is None:
+                return handler(request)  # SAFE: nothing stored
+            hot = u.engine.hot
+            model = spec.validate(request.tool_call["args"])
+            text = canonical_text(spec.snapshot(model))
+            effect_id, now = new_id(), time.time()
+            if not hot.prewrite(self.session, 0, effect_id, effect_id, spec.name, spec.revision, text,
+                                sha256_hex(text), u.engine.owner, now, now + u.lease_seconds, spec.compensation.name,
+                                spec.compensation.version):
+                raise RuntimeError("the lower bound's pre-write was refused")
+            out = handler(request)
+            if durable:
+                hot.mark(effect_id, result_text(out.content), time.time(), fast=False)
+            else:
+                self.marks.append((effect_id, result_text(out.content), time.time()))
+                if len(self.marks) >= 20:  # a flusher's batch
+                    hot.mark_many(self.marks)
+                    self.marks = []
+            return out
+
+    return LowerBound()
+
+
 def langgraph_variants(stores: dict[str, UndoLog], pg_saver: PgSaver | None,
                        loop: asyncio.AbstractEventLoop) -> tuple[list[Variant], list[Share]]:
     from langchain.agents import create_agent
@@ -281,11 +374,20 @@ def langgraph_variants(stores: dict[str, UndoLog], pg_saver: PgSaver | None,
                                 _agent_runner(agent([HumanInTheLoopMiddleware(interrupt_on={"delete_account": True})])),
                                 base))
         if "sqlite" in stores:
+            lb = f"{tier}: lower bound, SQLite, durable" if tier == "COMPENSABLE" else \
+                f"{tier}: lower bound: a pass-through middleware with UndoLog's hooks"
+            variants.append(Variant(lb, _agent_runner(agent([lower_bound_middleware(
+                stores["sqlite"] if tier == "COMPENSABLE" else None)])), base, goal))
             variants.append(Variant(f"{tier}: UndoLogMiddleware, SQLite, durable marks",
-                                    _agent_runner(agent(undolog(stores["sqlite"]))), base, goal))
+                                    _agent_runner(agent(undolog(stores["sqlite"]))), base, goal, over=lb,
+                                    over_goal=1.10))
             if tier == "COMPENSABLE":
+                lbf = f"{tier}: lower bound, SQLite, fast mode"
+                variants.append(Variant(lbf, _agent_runner(agent([lower_bound_middleware(stores["sqlite-fast"],
+                                                                                         durable=False)])), base))
                 variants.append(Variant(f"{tier}: UndoLogMiddleware, SQLite, fast_commit_mark",
-                                        _agent_runner(agent(undolog(stores["sqlite-fast"]))), base))
+                                        _agent_runner(agent(undolog(stores["sqlite-fast"]))), base, over=lbf,
+                                        over_goal=1.10))
                 abase = f"{tier}: no middleware, ainvoke"
                 variants.append(Variant(abase, _agent_runner(agent([]), is_async=True, loop=loop)))
                 variants.append(Variant(f"{tier}: UndoLogMiddleware, SQLite, durable, ainvoke",
@@ -410,7 +512,7 @@ def sk_variants(stores: dict[str, UndoLog], loop: asyncio.AbstractEventLoop) -> 
 
     settings = PromptExecutionSettings(function_choice_behavior=FunctionChoiceBehavior.Auto())
 
-    def kernel_with(u: UndoLog | None, noop_filters: bool = False) -> Any:
+    def kernel_with(u: UndoLog | None, noop_filters: bool = False, bound: UndoLog | None = None) -> Any:
         kernel = Kernel()
         kernel.add_plugin(Plugin(), plugin_name="shop")
         if u is not None:
@@ -419,7 +521,8 @@ def sk_variants(stores: dict[str, UndoLog], loop: asyncio.AbstractEventLoop) -> 
             async def passthrough(context: Any, next: Any) -> None:  # noqa: A002 - SK passes it by this name
                 await next(context)
 
-            kernel.add_filter(FilterTypes.FUNCTION_INVOCATION, passthrough)
+            kernel.add_filter(FilterTypes.FUNCTION_INVOCATION,
+                              passthrough if bound is None else _stored_writes_filter(bound))
             kernel.add_filter(FilterTypes.AUTO_FUNCTION_INVOCATION, passthrough)
         return kernel
 
@@ -451,14 +554,48 @@ def sk_variants(stores: dict[str, UndoLog], loop: asyncio.AbstractEventLoop) -> 
         chat = Chat(ai_model_id="scripted", fn=f"shop-{name}", fn_args=args)
         base = f"{tier}: no filter"
         variants.append(Variant(base, runner(kernel_with(None), chat, False)))
-        # SK's own cost of having filters at all (it rebuilds and copies contexts for each): the peer figure.
-        variants.append(Variant(f"{tier}: two pass-through filters (SK's own cost)",
-                                runner(kernel_with(None, noop_filters=True), chat, False), base))
+        # SK's own cost of having filters at all (it rebuilds and copies contexts for each): the peer figure, and
+        # for a SAFE call the lower bound of any filter (UndoLog installs two).
+        lb = f"{tier}: lower bound: two pass-through filters (SK's own cost)"
+        variants.append(Variant(lb, runner(kernel_with(None, noop_filters=True), chat, False), base,
+                                goal if tier == "SAFE" else None))
+        if tier == "COMPENSABLE" and "sqlite" in stores:
+            # The same filters storing what a COMPENSABLE call must store (see lower_bound_middleware).
+            lb = f"{tier}: lower bound, SQLite, durable"
+            variants.append(Variant(lb, runner(kernel_with(None, noop_filters=True, bound=stores["sqlite"]), chat,
+                                               False), base, goal))
         for key, label, g in (("sqlite", "SQLite, durable marks", goal), ("postgres", "PostgreSQL", None)):
             if key in stores:
                 variants.append(Variant(f"{tier}: UndoLog filter, {label}", runner(kernel_with(stores[key]), chat, True),
-                                        base, g))
+                                        base, g, over=lb if key == "sqlite" else None, over_goal=1.10))
     return variants, []
+
+
+def _stored_writes_filter(u: UndoLog) -> Any:
+    """An SK FUNCTION_INVOCATION filter doing, around a COMPENSABLE function, the writes no implementation can skip
+    (the pre-write, durable, then the durable commit mark: see ``lower_bound_middleware``); a lower bound."""
+    from undolog_core._tools import canonical_text, sha256_hex
+    from undolog_core.limits import result_text
+    from undolog_core.storage.base import new_id
+
+    session = u.session(agent_id="bench-lower-bound").id
+
+    async def stored(context: Any, next: Any) -> None:  # noqa: A002 - SK passes it by this name
+        spec = u.tool_spec(context.function.name)
+        if spec.compensation is None:
+            await next(context)
+            return
+        hot = u.engine.hot
+        text = canonical_text(spec.snapshot(spec.validate(dict(context.arguments))))
+        effect_id, now = new_id(), time.time()
+        if not hot.prewrite(session, 0, effect_id, effect_id, spec.name, spec.revision, text, sha256_hex(text),
+                            u.engine.owner, now, now + u.lease_seconds, spec.compensation.name,
+                            spec.compensation.version):
+            raise RuntimeError("the lower bound's pre-write was refused")
+        await next(context)
+        hot.mark(effect_id, result_text(context.result.value), time.time(), fast=False)
+
+    return stored
 
 
 # -- group commit -------------------------------------------------------------------------------------------
@@ -586,22 +723,26 @@ class Stores:
 
 
 def print_table(rows: list[Row]) -> None:
-    headers = ("section", "variant", "median ms/step", "p25-p75 ms", "ratio", "ratio p25-p75", "goal", "result")
+    headers = ("section", "variant", "median ms/step", "p25-p75 ms", "ratio", "ratio p25-p75", "goal", "result",
+               "cpu ratio", "cpu p25-p75")
     body = []
     for r in rows:
         body.append((
             r.section,
             r.variant,
-            "" if r.share else f"{r.median_ms:,.2f}",
-            "" if r.share else f"{r.p25_ms:,.2f}-{r.p75_ms:,.2f}",
+            "" if r.share or r.median_ms != r.median_ms else f"{r.median_ms:,.2f}",
+            "" if r.share or r.median_ms != r.median_ms else f"{r.p25_ms:,.2f}-{r.p75_ms:,.2f}",
             (f"{r.ratio:.0%}" if r.share else f"{r.ratio:.3f}x") if r.ratio is not None else "1.000x",
             ((f"{r.ratio_lo:.0%}-{r.ratio_hi:.0%}" if r.share else f"{r.ratio_lo:.3f}-{r.ratio_hi:.3f}")
              if r.ratio_lo is not None and r.ratio_hi is not None else ""),
             (f"<= {r.goal:.0%}" if r.share else f"<= {r.goal:.2f}x") if r.goal is not None else "",
             r.verdict,
+            ((f"{r.cpu_ratio:.0%}" if r.share else f"{r.cpu_ratio:.3f}x") if r.cpu_ratio is not None else ""),
+            ((f"{r.cpu_lo:.0%}-{r.cpu_hi:.0%}" if r.share else f"{r.cpu_lo:.3f}-{r.cpu_hi:.3f}")
+             if r.cpu_lo is not None and r.cpu_hi is not None else ""),
         ))
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(headers)]
-    right = {2, 3, 4, 5}
+    right = {2, 3, 4, 5, 8, 9}
 
     def line(cells: tuple[str, ...]) -> str:
         return "  ".join(c.rjust(w) if i in right else c.ljust(w)
@@ -634,6 +775,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     kinds = ("sqlite", "postgres") if args.db == "both" else (args.db,)
     t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
     rows: list[Row] = []
     broken = False
     stores = Stores(kinds, args.pg_url)
@@ -677,7 +819,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(f"{passes} PASS, {misses} MISS; {rounds} rounds x {turns} steps per variant, interleaved; "
               f"{time.perf_counter() - t0:.1f} s. Python {platform.python_version()}, {platform.machine()}, "
-              f"{os.cpu_count()} CPU.")
+              f"{os.cpu_count()} CPU; load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
+              "(wall-clock ratios are only meaningful on a quiet machine; the CPU ratios leave out the fsyncs).")
     if group_rows:
         print_group(group_rows)
     return 1 if broken else 0

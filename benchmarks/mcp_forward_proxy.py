@@ -3,6 +3,7 @@ nothing else. The floor any gateway pays (two hops instead of one)."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
@@ -33,4 +34,6 @@ async def main(command: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    # Quiet, as the gateway runs (WARNING): no "Processing request of type ..." line per request on the console.
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     anyio.run(main, sys.argv[1:])

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from mcp.server.fastmcp import FastMCP
 
-mcp = FastMCP("bench-upstream")
+# WARNING, not FastMCP's INFO: the SDK logs "Processing request of type ..." for every request to stderr, which
+# the benchmark's console would show between its table's lines.
+mcp = FastMCP("bench-upstream", log_level="WARNING")
 ITEMS: set[str] = set()
 
 

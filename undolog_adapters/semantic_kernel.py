@@ -112,6 +112,8 @@ class _Handover:
     consumed: bool = False
     # What the model should read when the function raised (set by the inner filter).
     failure_text: str | None = None
+    # The call's arguments as JSON values, as let through: what the inner filter compares the call it runs with.
+    approved: dict[str, Any] | None = None
 
 
 # The auto filter's decision for the call it is about to run; read (once) by the inner filter in the
@@ -278,8 +280,10 @@ class UndoLogFilter:
     # complete or fail). The filters only route between them.
 
     async def _intercept(self, function: KernelFunction, arguments: KernelArguments,
-                         given_call_id: str | None) -> tuple[str, Execute | AwaitingApproval | Completed]:
-        """Classify, find the session and the call id, and ask the engine; returns (session id, decision).
+                         given_call_id: str | None) -> tuple[str, Execute | AwaitingApproval | Completed,
+                                                             dict[str, Any]]:
+        """Classify, find the session and the call id, and ask the engine; returns (session id, decision, the
+        arguments asked about, as JSON values).
 
         Nothing here waits on the event loop: the driver's ``adecide`` decides inline when nothing has to wait (a
         SAFE call, the COMPENSABLE hot path with a free connection), else in a worker thread, like the session's
@@ -293,7 +297,7 @@ class UndoLogFilter:
             call_id = await asyncio.to_thread(self._call_id, sid, name, tier, args, given_call_id)
         else:
             call_id = self._call_id(sid, name, tier, args, given_call_id)
-        return sid, await self.undolog.driver.adecide(sid, name, args, call_id=call_id)
+        return sid, await self.undolog.driver.adecide(sid, name, args, call_id=call_id), args
 
     # ----------------------------------------------------------------- filters
     async def auto_function_invocation(self, context: AutoFunctionInvocationContext, next: Any) -> None:
@@ -306,8 +310,8 @@ class UndoLogFilter:
         name = function.fully_qualified_name
         fcc = context.function_call_content
         try:
-            sid, decision = await self._intercept(function, context.arguments,
-                                                  fcc.id if fcc is not None else None)
+            sid, decision, asked = await self._intercept(function, context.arguments,
+                                                         fcc.id if fcc is not None else None)
         except errors.UndoLogError as exc:
             context.function_result = FunctionResult(function=function.metadata, value=refusal_text(name, exc))
             return
@@ -324,7 +328,10 @@ class UndoLogFilter:
             context.function_result = FunctionResult(function=function.metadata, value=decision.result)
             return
         context.arguments.update(decision.args)
-        handover = _Handover(name, decision, sid)
+        # The arguments let through, as JSON values: those asked about when validation kept them as they were (the
+        # common case: one conversion fewer per call), else the validated ones converted.
+        approved = asked if decision.args == asked else to_jsonable_python(dict(decision.args))
+        handover = _Handover(name, decision, sid, approved=approved)
         token = _handover.set(handover)
         try:
             await next(context)
@@ -353,7 +360,9 @@ class UndoLogFilter:
         handover = _handover.get()
         if handover is not None and not handover.consumed and handover.name == name:
             handover.consumed = True
-            approved = to_jsonable_python(dict(handover.decision.args))
+            approved = handover.approved
+            if approved is None:
+                approved = to_jsonable_python(dict(handover.decision.args))
             if self._args(function, context.arguments) != approved:
                 # A filter between the gate and the function edited the call: it is not the call that was let
                 # through (approved, for an IRREVERSIBLE one), so it does not run.
@@ -364,7 +373,7 @@ class UndoLogFilter:
                 )
             await self._run(context, next, handover.decision, handover.session_id, handover)
             return
-        sid, decision = await self._intercept(function, context.arguments, None)
+        sid, decision, _ = await self._intercept(function, context.arguments, None)
         if isinstance(decision, AwaitingApproval):
             raise ApprovalPending(decision.effect_id, decision.approval_request_id, decision.retry_after, name)
         if isinstance(decision, Completed):

@@ -328,10 +328,11 @@ class Gateway:
     # -- transports ---------------------------------------------------------------------------------
 
     async def serve_stdio(self) -> None:
-        """Serve one MCP client over stdin/stdout until it disconnects."""
-        from mcp.server.stdio import stdio_server
+        """Serve one MCP client over stdin/stdout until it disconnects (on the loop itself when they are pipes:
+        see ``stdio.py``)."""
+        from .stdio import stdio_transport
 
-        async with self.running(), stdio_server() as (read, write):
+        async with self.running(), stdio_transport() as (read, write):
             await self.server.run(read, write, self.server.create_initialization_options())
 
     async def serve_http(self, host: str, port: int, authenticate: Any, *,

@@ -32,7 +32,7 @@ from undolog_adapters.semantic_kernel import (
     resume_agent,
     undolog_session,
 )
-from undolog_core import ApprovalPending, errors
+from undolog_core import ApprovalPending, CompensationDescriptor, ToolTier, compensation, errors, undolog_tool
 from undolog_core.storage import schema as schema
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -484,3 +484,38 @@ def test_running_as_a_module(db):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "ana approved" in proc.stdout and time.monotonic() - started < 60
+
+
+
+class _Notes:
+    @kernel_function(name="add_note", description="Add a note to a ticket.")
+    @undolog_tool(tier=ToolTier.COMPENSABLE, compensation=CompensationDescriptor.new("sk_drop_note"))
+    def add_note(self, ticket: str, text: str, pinned: bool = False, weight: float = 1.0) -> str:
+        NOTES.append((ticket, text, pinned, weight))
+        return f"noted {ticket}"
+
+
+NOTES: list[tuple[str, str, bool, float]] = []
+
+
+@compensation("sk_drop_note")
+def sk_drop_note(ctx):
+    return None
+
+
+@pytest.mark.parametrize("args", [{"ticket": "T1", "text": "hi", "pinned": True, "weight": 2.5},
+                                  {"ticket": "T1", "text": "hi", "pinned": False, "weight": 2},
+                                  {"ticket": "T1", "text": "hi"}])
+async def test_the_call_let_through_runs_whether_or_not_validation_changed_its_arguments(ul, args):
+    # The inner filter compares the call it runs with the arguments let through, as JSON values: those the gate was
+    # asked about when validation kept them (weight=2.5; weight=2, equal to 2.0), else the validated ones (the
+    # defaults filled in), converted.
+    NOTES.clear()
+    ul.register(sk_drop_note)
+    kernel = Kernel()
+    kernel.add_plugin(_Notes(), plugin_name="notes")
+    install(kernel, ul)
+    _, history, _ = await chat_turns(kernel, [[call("c9", "notes-add_note", **args)]])
+    assert NOTES == [("T1", "hi", args.get("pinned", False), args.get("weight", 1.0))], results(history)
+    [effect] = ul.sessions.effects("chat-1")
+    assert effect["state"] == "committed"

@@ -299,3 +299,42 @@ def test_signatures_langchain_reads_per_call_are_stored_once(undolog: Any) -> No
     copy = _tools._capturing(tool, _tools._Box())
     assert copy is not tool and "__signature__" in vars(copy.func)
     assert inspect.signature(copy.func) == inspect.signature(sp_hold)
+
+
+def test_a_safe_turn_reads_the_session_once_and_writes_nothing(undolog: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user turn whose tool is SAFE, after the thread's first (which creates its session): the store is reached
+    once, for the turn's session check (one read on the hot path's pool), and never by the SAFE call itself: no
+    SQLAlchemy statement, no other checkout, no write (benchmarks/agent_step.py's SAFE row counts on it)."""
+    from sqlalchemy import event
+
+    graph, c = _agent(undolog), _cfg()
+    graph.invoke(_user("look"), c)
+    store, hot = undolog.engine.store, undolog.engine.hot
+    statements: list[str] = []
+    checkouts: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    for pool, name in ((hot.durable, "durable"), (hot.fast, "fast")):
+        real = pool.checkout
+        monkeypatch.setattr(pool, "checkout", lambda *, wait=True, real=real, name=name: (
+            checkouts.append(name), real(wait=wait))[1])
+    reads: list[list[str]] = []
+    real_states = hot.session_states
+    monkeypatch.setattr(hot, "session_states", lambda ids, *, wait=True: (reads.append(list(ids)),
+                                                                          real_states(ids, wait=wait))[1])
+    engines = {store.engine, store.fast}
+    for e in engines:
+        event.listen(e, "before_cursor_execute", count)
+    try:
+        out = graph.invoke(_user("look"), c)
+    finally:
+        for e in engines:
+            event.remove(e, "before_cursor_execute", count)
+    assert [m for m in out["messages"] if isinstance(m, ToolMessage)][-1].content == "tue is free"
+    assert statements == []
+    assert checkouts == ["durable"] and len(reads) == 1  # the turn's check, nothing else
+    # The counters are live: a COMPENSABLE turn is seen writing.
+    graph.invoke(_user("book"), c)
+    assert len(checkouts) >= 3

@@ -291,7 +291,7 @@ def test_a_database_that_does_not_answer_is_503_with_retry_after(desk: Desk) -> 
 
 
 @pytest.mark.sqlite_only
-def test_a_decision_goes_ahead_of_the_writes_queued_for_sqlite(desk: Desk) -> None:
+def test_a_decision_goes_ahead_of_the_writes_queued_for_sqlite(desk: Desk, monkeypatch: pytest.MonkeyPatch) -> None:
     """Twelve writes queue for SQLite's in-process write lock while it is held; then a person approves a request.
     When the lock is freed, the decision's transaction goes ahead of the queued writes (all but at most the two
     at the front see the request approved), instead of waiting for every one of them."""
@@ -309,7 +309,19 @@ def test_a_decision_goes_ahead_of_the_writes_queued_for_sqlite(desk: Desk) -> No
     def decide() -> None:
         answer["decision"] = desk.client("approver").post(f"/v1/approvals/{rid}:approve", json={"reason": "ok"})
 
-    store.write_lock.acquire()
+    # The decision's arrival at the lock is watched, not guessed with a sleep: under a loaded CI machine the
+    # request took longer than any fixed pause to get through the server to its transaction.
+    lock = store.write_lock
+    plain_acquire = lock.acquire
+    urgent_arrived = threading.Event()
+
+    def watched_acquire(blocking: bool = True, *, urgent: bool = False) -> bool:
+        if urgent:
+            urgent_arrived.set()
+        return plain_acquire(blocking, urgent=urgent)
+
+    monkeypatch.setattr(lock, "acquire", watched_acquire)
+    lock.acquire()
     writers = [threading.Thread(target=write) for _ in range(12)]
     decision = threading.Thread(target=decide)
     try:
@@ -319,7 +331,8 @@ def test_a_decision_goes_ahead_of_the_writes_queued_for_sqlite(desk: Desk) -> No
         # only gets easier), then for the decision to reach the lock.
         time.sleep(0.3)
         decision.start()
-        time.sleep(0.3)
+        assert urgent_arrived.wait(30), "the decision never reached SQLite's write lock"
+        time.sleep(0.1)  # from the event to the blocking acquire: a few bytecodes
     finally:
         store.write_lock.release()
     for t in [*writers, decision]:
