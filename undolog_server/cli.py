@@ -91,7 +91,7 @@ def serve(
         int,
         typer.Option("--max-concurrent-requests", envvar="UNDOLOG_MAX_CONCURRENT_REQUESTS", min=1,
                      help="Most requests handled at once (decisions have a lane of their own); others queue."),
-    ] = 32,
+    ] = 8,
     queue_timeout: Annotated[
         float,
         typer.Option("--queue-timeout", envvar="UNDOLOG_QUEUE_TIMEOUT", min=0.001,

@@ -39,6 +39,7 @@ from fastapi.responses import Response
 
 from undolog_core import errors, limits
 
+from . import lanes
 from .auth import AuthFirstRoute, require, server_state
 from .problems import Problem, SafeJSONResponse, log_5xx, problem_response
 from .storage import ApiKey
@@ -374,7 +375,12 @@ def invoke(
     key_for_upstream = decision.idempotency_key or idempotency_key
 
     def upstream(call_args: dict[str, Any]) -> dict[str, Any]:
-        resp = proxy.call(ptool, call_args, key_for_upstream)
+        # The wait for the upstream needs no slot of the desk's lane (a blocked socket: no database, no CPU), so
+        # it gives its slot back meanwhile: slow upstreams do not keep other agents' requests waiting. Reading
+        # the answer and recording the outcome (the commit mark; a failure and its rollback) take one again,
+        # waiting without a time limit: the upstream has acted, its outcome is never refused with a 503.
+        with lanes.given_back(request.scope):
+            resp = proxy.call(ptool, call_args, key_for_upstream)
         if not resp.is_success:
             raise UpstreamError(f"{tool} upstream answered {resp.status_code}", resp.status_code, _body(resp))
         return {"status_code": resp.status_code, "body": _body(resp), "media_type": resp.headers.get("content-type")}

@@ -80,7 +80,7 @@ class ServerSettings:
     secure_cookies: bool | None = None
     poll_seconds: float = 3.0
     max_body_bytes: int = 1 << 20
-    max_concurrent_requests: int = 32
+    max_concurrent_requests: int = 8
     decision_lane: int = 4
     queue_timeout: float = 30.0
     docs: bool = False

@@ -52,28 +52,31 @@ def one_lane(db: Any, upstream: Upstream, tmp_path: Path) -> Iterator[Desk]:
 
 
 def test_a_decision_does_not_queue_behind_a_full_desk(one_lane: Desk, upstream: Upstream) -> None:
-    """The only general slot is taken by an agent's call held in flight upstream: another request waits and is
-    answered 503 ``server_busy`` with Retry-After (never left hanging), the liveness probe still answers, and a
-    person's decision goes through its own lane at once."""
+    """The only general slot is taken by an agent's rollback whose compensation is held in flight upstream: another
+    request waits and is answered 503 ``server_busy`` with Retry-After (never left hanging), the liveness probe
+    still answers, and a person's decision goes through its own lane at once. (A rollback keeps its slot while
+    its compensations run; a proxied call gives its slot back while it waits, see the next test.)"""
     d = one_lane
     rid, _ = d.pending()
     rid2, _ = d.pending()
-    held = threading.Event()
-    upstream.hold["/lookup"] = held
     r = d.client("agent").post("/v1/sessions", json={"agent_id": "busy"})
     assert r.status_code == 201, r.text
     sid = r.json()["session_id"]
+    done = d.client("agent").post(f"/v1/sessions/{sid}/tools/refund:invoke", json={"order_id": "o1", "amount": 5})
+    assert done.status_code == 200, done.text
+    held = threading.Event()
+    upstream.hold["/refund/cancel"] = held
     answer: dict[str, httpx.Response] = {}
 
-    def invoke() -> None:
+    def rollback() -> None:
         with httpx.Client(base_url=d.url, timeout=60,
                           headers={"Authorization": f"Bearer {d.token('agent')}"}) as c:
-            answer["invoke"] = c.post(f"/v1/sessions/{sid}/tools/lookup_order:invoke", json={"order_id": "o1"})
+            answer["rollback"] = c.post(f"/v1/sessions/{sid}:rollback")
 
-    t = threading.Thread(target=invoke)
+    t = threading.Thread(target=rollback)
     t.start()
     try:
-        _wait_until("the agent's call reaches the upstream", lambda: upstream.to("/lookup"))
+        _wait_until("the compensation reaches the upstream", lambda: upstream.to("/refund/cancel"))
         busy = problem(d.client("approver").get("/v1/approvals"), 503, "server_busy")
         assert busy["retry_after"] == 1
         assert d.client("approver").get("/v1/approvals").headers["retry-after"] == "1"
@@ -83,12 +86,147 @@ def test_a_decision_does_not_queue_behind_a_full_desk(one_lane: Desk, upstream: 
         assert decided.json()["state"] == "approved"
         rejected = d.client("approver").post(f"/v1/approvals/{rid2}:reject", json={"reason": "no"})
         assert rejected.status_code == 200, rejected.text
-        assert t.is_alive() and "invoke" not in answer  # all of it while the agent's call was still in flight
+        assert t.is_alive() and "rollback" not in answer  # all of it while the rollback was still in flight
     finally:
         held.set()
         t.join(30)
-    assert answer["invoke"].status_code == 200, answer["invoke"].text
+    assert answer["rollback"].status_code == 200, answer["rollback"].text
     assert d.client("approver").get("/v1/approvals").status_code == 200
+
+
+@pytest.fixture
+def two_lanes(db: Any, upstream: Upstream, tmp_path: Path) -> Iterator[Desk]:
+    """A desk that admits two requests at a time (decisions apart) and answers 503 after 0.5 s of waiting."""
+    cfg = tmp_path / "tools.toml"
+    cfg.write_text(upstream.config())
+    d = make_desk(db, proxy_config=str(cfg),
+                  settings=ServerSettings(background=False, max_concurrent_requests=2, queue_timeout=0.5))
+    yield d
+    d.close()
+    d.undolog.close()
+
+
+def test_proxied_calls_waiting_on_their_upstream_leave_the_lane_to_others(two_lanes: Desk,
+                                                                         upstream: Upstream) -> None:
+    """Two proxied calls wait for an upstream that holds its answer, in a lane of two. The wait needs no slot (no
+    database, no CPU): other agents' requests are admitted meanwhile, not queued and answered 503. They used to
+    hold both slots until the upstream answered. Once it does, both calls take a slot again to record their
+    outcome: 200, and their effects committed."""
+    d = two_lanes
+    held = threading.Event()
+    upstream.hold["/refund"] = held
+    agent = d.client("agent")
+    sids = [agent.post("/v1/sessions", json={"agent_id": f"slow-{i}"}).json()["session_id"] for i in range(2)]
+    answer: dict[int, httpx.Response] = {}
+
+    def invoke(i: int) -> None:
+        with httpx.Client(base_url=d.url, timeout=60,
+                          headers={"Authorization": f"Bearer {d.token('agent')}"}) as c:
+            answer[i] = c.post(f"/v1/sessions/{sids[i]}/tools/refund:invoke", json={"order_id": f"o{i}", "amount": 5})
+
+    calls = [threading.Thread(target=invoke, args=(i,)) for i in range(2)]
+    for t in calls:
+        t.start()
+    try:
+        _wait_until("both calls reach the upstream", lambda: len(upstream.to("/refund")) == 2)
+        me = agent.get("/v1/me")
+        assert me.status_code == 200, me.text
+        sid = agent.post("/v1/sessions", json={"agent_id": "quick"})
+        assert sid.status_code == 201, sid.text
+        safe = agent.post(f"/v1/sessions/{sid.json()['session_id']}/tools/lookup_order:invoke",
+                          json={"order_id": "o9"})
+        assert safe.status_code == 200, safe.text
+        assert all(t.is_alive() for t in calls) and not answer  # all of it while both calls were in flight
+    finally:
+        held.set()
+        for t in calls:
+            t.join(30)
+    for i in range(2):
+        assert answer[i].status_code == 200, answer[i].text
+        assert answer[i].json()["path"] == "/refund"
+        effects = d.undolog.sessions.effects(sids[i])
+        assert [(e["tool_name"], e["state"]) for e in effects] == [("refund", "committed")], effects
+    # Every slot came back: the lane admits two at once again.
+    assert d.client("approver").get("/v1/approvals").status_code == 200
+
+
+def test_a_proxied_call_whose_upstream_answered_waits_for_a_slot_and_is_never_refused(one_lane: Desk,
+                                                                                      upstream: Upstream) -> None:
+    """A proxied call waits for its upstream with its slot given back; meanwhile a rollback, held in flight by its
+    compensation, takes the lane's only slot. The upstream answers: the call waits for a slot to record its outcome
+    longer than the queue timeout (after which a new request is answered 503), and is not refused: the upstream has
+    acted. Once the rollback is done, the call answers 200 with its effect committed."""
+    d = one_lane
+    agent = d.client("agent")
+    sid_call, sid_undo = (agent.post("/v1/sessions", json={"agent_id": n}).json()["session_id"] for n in "ab")
+    done = agent.post(f"/v1/sessions/{sid_undo}/tools/refund:invoke", json={"order_id": "o0", "amount": 1})
+    assert done.status_code == 200, done.text
+    call_held, undo_held = threading.Event(), threading.Event()
+    upstream.hold["/refund/cancel"] = undo_held
+    answer: dict[str, httpx.Response] = {}
+
+    def post(name: str, path: str, body: Any) -> None:
+        with httpx.Client(base_url=d.url, timeout=60,
+                          headers={"Authorization": f"Bearer {d.token('agent')}"}) as c:
+            answer[name] = c.post(path, json=body)
+
+    call = threading.Thread(target=post, args=("call", f"/v1/sessions/{sid_call}/tools/refund:invoke",
+                                               {"order_id": "o1", "amount": 5}))
+    upstream.hold["/refund"] = call_held
+    call.start()
+    undo = threading.Thread(target=post, args=("rollback", f"/v1/sessions/{sid_undo}:rollback", None))
+    try:
+        _wait_until("the call reaches the upstream", lambda: len(upstream.to("/refund")) == 2)
+        undo.start()
+        _wait_until("the compensation reaches the upstream", lambda: upstream.to("/refund/cancel"))
+        call_held.set()  # the upstream answers; the lane's one slot is the rollback's
+        time.sleep(1.0)  # twice the queue timeout
+        assert call.is_alive() and "call" not in answer, answer.get("call")
+    finally:
+        call_held.set()
+        undo_held.set()
+        for t in (call, undo):
+            if t.ident is not None:
+                t.join(30)
+    assert answer["rollback"].status_code == 200, answer["rollback"].text
+    assert answer["call"].status_code == 200, answer["call"].text
+    effects = d.undolog.sessions.effects(sid_call)
+    assert [(e["tool_name"], e["state"]) for e in effects] == [("refund", "committed")], effects
+
+
+def test_a_proxied_call_keeps_its_slot_when_no_thread_is_left_to_spare(db: Any, upstream: Upstream,
+                                                                         tmp_path: Path) -> None:
+    """Every call waiting outside the lanes still holds a thread of the pool (anyio's 40), and the lanes' own
+    requests must always find one. Here the two lanes take all 40 (1 general, 39 decisions): a proxied call waiting
+    for its upstream keeps its slot, and another request is answered 503 as before."""
+    cfg = tmp_path / "tools.toml"
+    cfg.write_text(upstream.config())
+    d = make_desk(db, proxy_config=str(cfg), settings=ServerSettings(
+        background=False, max_concurrent_requests=1, decision_lane=39, queue_timeout=0.5))
+    try:
+        held = threading.Event()
+        upstream.hold["/lookup"] = held
+        sid = d.client("agent").post("/v1/sessions", json={"agent_id": "busy"}).json()["session_id"]
+        answer: dict[str, httpx.Response] = {}
+
+        def invoke() -> None:
+            with httpx.Client(base_url=d.url, timeout=60,
+                              headers={"Authorization": f"Bearer {d.token('agent')}"}) as c:
+                answer["invoke"] = c.post(f"/v1/sessions/{sid}/tools/lookup_order:invoke", json={"order_id": "o1"})
+
+        t = threading.Thread(target=invoke)
+        t.start()
+        try:
+            _wait_until("the call reaches the upstream", lambda: upstream.to("/lookup"))
+            problem(d.client("agent").get("/v1/me"), 503, "server_busy")
+        finally:
+            held.set()
+            t.join(30)
+        assert answer["invoke"].status_code == 200, answer["invoke"].text
+        assert d.client("agent").get("/v1/me").status_code == 200
+    finally:
+        d.close()
+        d.undolog.close()
 
 
 @pytest.mark.postgres_only
