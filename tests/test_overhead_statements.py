@@ -468,13 +468,12 @@ async def test_compensable_call_one_durable_transaction_before_tool(
 # -- a session's start and end on PostgreSQL: one durable statement each ---------------------------------------
 
 
+@pytest.mark.postgres_only  # SQLite starts and ends a session on the general path (its commits have no round trip)
 def test_postgres_session_start_and_complete_are_one_durable_statement_each(db: Any, counter_for: Any) -> None:
     """A new session is one ``INSERT .. ON CONFLICT DO NOTHING RETURNING`` and ``complete()`` one ``UPDATE`` that
     carries the calls counted in memory: one round trip each, durable (benchmarks/scale.py runs sessions of ten
     calls, where the start's six round trips and the end's two transactions cost as much as the calls)."""
     u = db.open()
-    if not u.store.is_postgres:
-        pytest.skip("SQLite starts and ends a session on the general path (its commits have no round trip)")
     u.register(*TOOLS)
     c = counter_for(u)
     _MARKER["counter"] = c
