@@ -39,16 +39,22 @@ def upstream() -> Iterator[Upstream]:
     u.stop()
 
 
-@pytest.fixture
-def one_lane(db: Any, upstream: Upstream, tmp_path: Path) -> Iterator[Desk]:
-    """A desk that admits one request at a time (decisions apart) and answers 503 after 0.5 s of waiting."""
+def _desk_with_lanes(db: Any, upstream: Upstream, tmp_path: Path, lanes: int) -> Iterator[Desk]:
+    """A desk proxying to ``upstream`` that admits ``lanes`` requests at a time (decisions apart) and answers 503
+    after 0.5 s of waiting."""
     cfg = tmp_path / "tools.toml"
     cfg.write_text(upstream.config())
     d = make_desk(db, proxy_config=str(cfg),
-                  settings=ServerSettings(background=False, max_concurrent_requests=1, queue_timeout=0.5))
+                  settings=ServerSettings(background=False, max_concurrent_requests=lanes, queue_timeout=0.5))
     yield d
     d.close()
     d.undolog.close()
+
+
+@pytest.fixture
+def one_lane(db: Any, upstream: Upstream, tmp_path: Path) -> Iterator[Desk]:
+    """A desk that admits one request at a time (decisions apart) and answers 503 after 0.5 s of waiting."""
+    yield from _desk_with_lanes(db, upstream, tmp_path, 1)
 
 
 def test_a_decision_does_not_queue_behind_a_full_desk(one_lane: Desk, upstream: Upstream) -> None:
@@ -97,13 +103,7 @@ def test_a_decision_does_not_queue_behind_a_full_desk(one_lane: Desk, upstream: 
 @pytest.fixture
 def two_lanes(db: Any, upstream: Upstream, tmp_path: Path) -> Iterator[Desk]:
     """A desk that admits two requests at a time (decisions apart) and answers 503 after 0.5 s of waiting."""
-    cfg = tmp_path / "tools.toml"
-    cfg.write_text(upstream.config())
-    d = make_desk(db, proxy_config=str(cfg),
-                  settings=ServerSettings(background=False, max_concurrent_requests=2, queue_timeout=0.5))
-    yield d
-    d.close()
-    d.undolog.close()
+    yield from _desk_with_lanes(db, upstream, tmp_path, 2)
 
 
 def test_proxied_calls_waiting_on_their_upstream_leave_the_lane_to_others(two_lanes: Desk,
