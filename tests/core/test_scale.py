@@ -4,6 +4,7 @@ whole across batches, gc archives settled sessions, and the lists stay an index 
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime as dt
 import json
 import os
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +35,13 @@ def _env(db: Any, state: Path, **extra: str) -> dict[str, str]:
     return {**os.environ, **db.env, "SCALE_STATE": str(state), "PYTHONPATH": str(ROOT), **extra}
 
 
-def _raise_requests(u: Any, n: int, per_session: int = 1) -> list[str]:
+def _raise_requests(u: Any, n: int, per_session: int = 1, tool: str = "scale_close") -> list[str]:
     ids = []
     for i in range(0, n, per_session):
         s = u.session(agent_id=f"gated-{i}")
         for k in range(per_session):
             try:
-                s.call_sync("scale_close", n=i + k, call_id=f"g{k}")
+                s.call_sync(tool, n=i + k, call_id=f"g{k}")
             except ApprovalPending as p:
                 ids.append(p.approval_request_id)
     return ids
@@ -442,4 +444,75 @@ def test_a_sweep_leaves_a_request_whose_session_a_decision_holds_instead_of_wait
     assert not stuck, "the sweep waited for the session row a decision holds"
     assert got == [[q.value.approval_request_id]]  # the idle session's request only
     assert u.approvals.expire_due(later) == [rid]  # the next sweep takes it
+    assert u.verify_audit().ok
+
+
+def _bench_scale() -> Any:
+    """``benchmarks/scale.py`` as a module (it quietens the ``undolog`` logger for its runs: restored here)."""
+    import importlib.util
+    import logging
+
+    level = logging.getLogger("undolog").level
+    spec = importlib.util.spec_from_file_location("undolog_bench_scale", ROOT / "benchmarks" / "scale.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        logging.getLogger("undolog").setLevel(level)
+    return mod
+
+
+@contextlib.contextmanager
+def _compiles(u: Any) -> Iterator[list[str]]:
+    """The statements SQLAlchemy compiles for ``u``'s durable engine inside the block (misses of its cache)."""
+    from sqlalchemy import event
+    from sqlalchemy.engine.default import CACHE_MISS
+
+    compiled: list[str] = []
+
+    def seen(conn: Any, cursor: Any, statement: str, params: Any, context: Any, executemany: bool) -> None:
+        if context is not None and context.cache_hit is CACHE_MISS:
+            compiled.append(statement)
+
+    event.listen(u.store.engine, "after_cursor_execute", seen)
+    try:
+        yield compiled
+    finally:
+        event.remove(u.store.engine, "after_cursor_execute", seen)
+
+
+def test_the_expire_benchmark_times_warm_sweepers_that_compile_nothing_in_the_timed_sweep(db):
+    """benchmarks/scale.py times one sweep per worker process. A process's first real sweep compiles every statement
+    of the batch (SQLAlchemy, psycopg) and fills its database backend's caches: 15-35 ms of CPU per process, paid
+    inside the timed window once per worker, which made 8 workers slower than 4 on 2 cores while warm sweepers
+    spend the same CPU per timeout at 4 and 8. Its warm-up (``warm_sweeper``) now sweeps requests of its own first,
+    as a running server's sweeper has: the timed sweep compiles nothing. The old warm-up (the claim only) shows
+    the count is live."""
+    scale = _bench_scale()
+    u = db.open()
+    u.register(close_account)
+    u.policy.set(actor="test", approval_timeout_seconds=1)
+    later = utcnow() + dt.timedelta(seconds=5)
+
+    # The old warm-up: only the claim statement (nothing is due in 2000); the timed sweep compiles the rest.
+    cold_ids = _raise_requests(u, 3, tool="close_account")
+    cold = db.open()
+    assert cold.store.engine is not u.store.engine  # a sweeper process of its own: its own statement cache
+    assert scale.warm_sweeper(cold, [], now=later) == []
+    with _compiles(cold) as compiled:
+        assert sorted(cold.approvals.expire_due(later)) == sorted(cold_ids)
+    assert len(compiled) >= 5, compiled  # the updates, the outbox and event inserts, ...
+
+    # The benchmark's warm-up: two due requests of its own (it compiles the batch); then the timed sweep of many
+    # sessions compiles nothing.
+    ids = _raise_requests(u, 7, tool="close_account")
+    mine, rest = ids[:scale.WARM_REQUESTS], ids[scale.WARM_REQUESTS:]
+    warm = db.open()
+    with _compiles(warm) as warming:
+        assert scale.warm_sweeper(warm, mine, now=later) == mine
+    assert len(warming) >= 5, warming
+    with _compiles(warm) as compiled:
+        assert sorted(warm.approvals.expire_due(later)) == sorted(rest)
+    assert compiled == []
     assert u.verify_audit().ok
