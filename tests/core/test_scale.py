@@ -516,3 +516,44 @@ def test_the_expire_benchmark_times_warm_sweepers_that_compile_nothing_in_the_ti
         assert sorted(warm.approvals.expire_due(later)) == sorted(rest)
     assert compiled == []
     assert u.verify_audit().ok
+
+
+def test_a_sweep_claim_walks_the_timeout_index_and_stops_at_the_batch(db):
+    """Each batch of a sweep claims the oldest due requests. Ordered by (timeout_at, id), no index gave that order
+    and every claim sorted (PostgreSQL: an incremental sort here, a full sort of the whole backlog when its
+    estimates were stale, as on the benchmark's freshly filled table; SQLite: a temporary B-tree). Ordered by
+    timeout_at, the (state, timeout_at) index gives it: the plan has no sort, the walk stops at the batch."""
+    u = db.open()
+    u.register(refund, undo_refund)
+    n = 5_000
+    _seed_bulk(u, n)
+    with u.store.engine.begin() as conn:
+        if u.store.is_postgres:
+            conn.exec_driver_sql(f"""
+                INSERT INTO undolog_approval_requests (approval_request_id, effect_id, session_id, call_id, tool_name,
+                    tool_revision, tool_fingerprint, proposed_args, action_digest, risk_tags, agent_context, state,
+                    timeout_at, created_at)
+                SELECT 'r' || g, md5(g::text), 'bulk-' || (g / 10 + 1), 'c' || g, 'refund', 1, 'f', '{{}}', 'd',
+                       '[]', '[]', 'pending', now() - (g || ' seconds')::interval, now() - interval '1 day'
+                FROM generate_series(0, {n - 1}) g""")
+            conn.exec_driver_sql("ANALYZE undolog_approval_requests")
+        else:
+            conn.exec_driver_sql(f"""
+                WITH RECURSIVE g(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM g WHERE i < {n - 1})
+                INSERT INTO undolog_approval_requests (approval_request_id, effect_id, session_id, call_id, tool_name,
+                    tool_revision, tool_fingerprint, proposed_args, action_digest, risk_tags, agent_context, state,
+                    timeout_at, created_at)
+                SELECT 'r' || i, printf('%032x', i), 'bulk-' || (i / 10 + 1), 'c' || i, 'refund', 1, 'f', '{{}}', 'd',
+                       '[]', '[]', 'pending', strftime('%Y-%m-%d %H:%M:%f', 'now', '-' || i || ' seconds'),
+                       strftime('%Y-%m-%d %H:%M:%f', 'now', '-1 days')
+                FROM g""")
+            conn.exec_driver_sql("ANALYZE")
+    plan = _plan(u, u.store.for_update(u.store.due_claim(utcnow()), skip_locked=True))
+    if u.store.is_postgres:
+        assert "Sort" not in plan and "ix_undolog_approval_state_timeout" in plan, plan
+    else:
+        assert "TEMP B-TREE" not in plan and "ix_undolog_approval_state_timeout" in plan, plan
+    # The batch is still the oldest due requests, in (timeout_at, id) order.
+    with u.store.read() as conn:
+        rows = conn.execute(u.store.due_claim(utcnow(), limit=3)).all()
+    assert [x.approval_request_id for x in rows] == [f"r{n - 1}", f"r{n - 2}", f"r{n - 3}"]

@@ -283,6 +283,23 @@ class ApprovalsSQL(Store):
         got, changes = self.expire_batch(now, only=[approval_request_id])
         return changes if got else None
 
+    def due_claim(self, now: dt.datetime, *, limit: int = EXPIRE_BATCH, only: Sequence[str] | None = None) -> Any:
+        """The SELECT of up to ``limit`` pending requests due at ``now`` (``expire_batch`` locks it), oldest first.
+
+        Ordered by ``timeout_at`` alone, the order of the ``(state, timeout_at)`` index, so the database walks the
+        index and stops after ``limit`` rows. Ordered by the id as well, no index gave the order and the claim
+        sorted: on a freshly filled table PostgreSQL's estimates chose a full sort of every due row, each batch of a
+        sweep re-reading the whole backlog (4.5 ms a claim with 6,000 due, against 0.3 ms).
+        """
+        r = t.approval_requests
+        q = (sa.select(r.c.approval_request_id, r.c.session_id, r.c.effect_id, r.c.tool_name, r.c.timeout_at,
+                       r.c.proposed_args, r.c.created_at)
+             .where(r.c.state == RequestState.PENDING, r.c.timeout_at <= now)
+             .order_by(r.c.timeout_at).limit(limit))
+        if only is not None:
+            q = q.where(self.one_of(r.c.approval_request_id, list(only)))
+        return q
+
     def expire_batch(
         self, now: dt.datetime, *, limit: int = EXPIRE_BATCH, only: Sequence[str] | None = None
     ) -> tuple[builtins.list[ExpiredRequest], builtins.list[StateChange]]:
@@ -300,16 +317,14 @@ class ApprovalsSQL(Store):
         those ids (``ApprovalService.expire``).
         """
         r, e, s = t.approval_requests, t.effect_log, t.sessions
-        q = (sa.select(r.c.approval_request_id, r.c.session_id, r.c.effect_id, r.c.tool_name, r.c.timeout_at,
-                       r.c.proposed_args, r.c.created_at)
-             .where(r.c.state == RequestState.PENDING, r.c.timeout_at <= now)
-             .order_by(r.c.timeout_at, r.c.approval_request_id).limit(limit))
-        if only is not None:
-            q = q.where(self.one_of(r.c.approval_request_id, list(only)))
         with self.tx() as conn:
-            due = self._sessions_held_in(conn, conn.execute(self.for_update(q, skip_locked=True)).all())
+            claim = self.for_update(self.due_claim(now, limit=limit, only=only), skip_locked=True)
+            due = self._sessions_held_in(conn, conn.execute(claim).all())
             if not due:
                 return [], []
+            # The claim's order stops at timeout_at (see ``due_claim``); the tie-break is applied to the batch here,
+            # so which request of a session is its oldest due one (timed out; the others cancelled) stays decided.
+            due.sort(key=lambda x: (x.timeout_at, x.approval_request_id))
             policy = self.policy_in(conn)
             events: builtins.list[PendingEvent] = []
             ids = [x.approval_request_id for x in due]
