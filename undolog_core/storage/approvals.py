@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import datetime as dt
 import json
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,24 @@ if TYPE_CHECKING:
 #: How many due requests one sweep transaction claims: large enough that the chain-head lock and the commit are
 #: paid once per few hundred timeouts, small enough that a transaction stays short (a few tens of ms).
 EXPIRE_BATCH = 250
+#: PostgreSQL: at most this many sweep batches (``expire_due``) of one schema run at once, whatever the number of
+#: sweeping processes. Each holds a transaction-level advisory lock ``(sweep_slot_key(schema), 0..SWEEP_SLOTS-1)``;
+#: a sweeper that finds none free waits for one (no CPU spent) rather than claiming beside the others. Beyond a few
+#: concurrent batches the machine only spends more CPU per timeout (each claim steps over the rows the other
+#: batches hold, more processes share the cores): on the loaded 2-core machine 8 warm sweepers used 7-8% more CPU
+#: than 4 for the same 6,000 timeouts without the slots, 1-7% more with them (paired runs; a small effect next to
+#: the noise). A dead holder frees its slot with its connection.
+SWEEP_SLOTS = 4
+#: Whether anything is due, and (only then) a free slot, in one round trip: a sweep with nothing due takes no slot
+#: and never waits (``pending()`` sweeps before every listing). The slot subquery is evaluated only when the CASE
+#: reaches it; the generate_series is walked in order and stops at the first slot locked.
+_DUE_AND_SLOT = sa.text(
+    "SELECT d.due, CASE WHEN d.due THEN (SELECT s FROM generate_series(0, :n - 1) AS s "
+    "WHERE pg_try_advisory_xact_lock(:key, s) LIMIT 1) END AS slot "
+    "FROM (SELECT EXISTS (SELECT 1 FROM undolog_approval_requests WHERE state = 'pending' AND timeout_at <= :now) "
+    "AS due) AS d"
+).bindparams(sa.bindparam("now", type_=t.approval_requests.c.timeout_at.type))
+_WAIT_SLOT = sa.text("SELECT pg_advisory_xact_lock(:key, :slot)")
 #: What a person may decide, and the audit action each one is recorded as.
 DECISIONS = tuple(d.value for d in DecisionKind)
 #: A request that may still lead to a run: cancelling it stops that run.
@@ -318,6 +337,8 @@ class ApprovalsSQL(Store):
         """
         r, e, s = t.approval_requests, t.effect_log, t.sessions
         with self.tx() as conn:
+            if self.is_postgres and only is None and not self._sweep_slot_in(conn, now):
+                return [], []
             claim = self.for_update(self.due_claim(now, limit=limit, only=only), skip_locked=True)
             due = self._sessions_held_in(conn, conn.execute(claim).all())
             if not due:
@@ -521,6 +542,23 @@ class ApprovalsSQL(Store):
             for sid in sorted({x.session_id for x in lapsed}):
                 changes.extend(self.refresh_changes_in(conn, sid, now))
             return ids, changes
+
+    def sweep_slot_key(self) -> int:
+        """The first key of this schema's sweep slots (PostgreSQL advisory locks ``(key, 0..SWEEP_SLOTS-1)``)."""
+        return zlib.crc32((self.schema or "").encode()) & 0x7FFFFFFF  # an int4, as two-key advisory locks take
+
+    def _sweep_slot_in(self, conn: Connection, now: dt.datetime) -> bool:
+        """PostgreSQL, a sweep batch's first statement: False when nothing is due at ``now`` (no slot taken);
+        otherwise one of ``SWEEP_SLOTS`` slots held until the transaction ends (waited for if none is free: the
+        waiters spread over the slots by connection) and True."""
+        key = self.sweep_slot_key()
+        row = conn.execute(_DUE_AND_SLOT, {"n": SWEEP_SLOTS, "key": key, "now": now}).one()
+        if not row.due:
+            return False
+        if row.slot is None:
+            pid = conn.connection.dbapi_connection.info.backend_pid  # type: ignore[union-attr]
+            conn.execute(_WAIT_SLOT, {"key": key, "slot": pid % SWEEP_SLOTS})
+        return True
 
     def _sessions_held_in(self, conn: Connection, claimed: Sequence[Any]) -> builtins.list[Any]:
         """The claimed rows (each with a ``session_id``) whose session row this sweep could lock without waiting.
