@@ -243,13 +243,7 @@ def test_sqlite_prewrite_moves_from_the_registry_trigger_to_the_view_and_back(db
     """Revision 0010 (SQLite): the effect log's AFTER INSERT trigger goes, the pre-write view and its trigger
     come; a database upgraded with calls in it goes on writing effects with their undo entries, and a downgrade
     puts the old trigger back."""
-    store = Store(db.url, schema=db.schema)
-    try:
-        _migrate.upgrade(store.engine, lock_key=_MIGRATION_LOCK_KEY, schema=db.schema, target="0009_audit_chains")
-        with store.engine.connect() as c:
-            assert _sqlite_objects(c) == {"trigger": {"undolog_effect_undo_entry"}, "view": set()}
-    finally:
-        store.dispose()
+    assert _objects_at(db, _migrate.upgrade) == {"trigger": {"undolog_effect_undo_entry"}, "view": set()}
     u = db.open()  # upgrades to head
     with u.store.engine.connect() as c:
         assert _sqlite_objects(c) == {"trigger": {"undolog_prewrite_insert"}, "view": {"undolog_prewrite"}}
@@ -263,11 +257,16 @@ def test_sqlite_prewrite_moves_from_the_registry_trigger_to_the_view_and_back(db
     report = s.rollback_sync(actor="test")
     assert [st.outcome for st in report.steps] == ["compensated"]
     u.close()
+    assert _objects_at(db, _migrate.downgrade) == {"trigger": {"undolog_effect_undo_entry"}, "view": set()}
+
+
+def _objects_at(db, move) -> dict[str, set[str]]:
+    """Move the database to revision 0009 (``migrate.upgrade`` or ``downgrade``); its triggers and views then."""
     store = Store(db.url, schema=db.schema)
     try:
-        _migrate.downgrade(store.engine, lock_key=_MIGRATION_LOCK_KEY, schema=db.schema, target="0009_audit_chains")
+        move(store.engine, lock_key=_MIGRATION_LOCK_KEY, schema=db.schema, target="0009_audit_chains")
         with store.engine.connect() as c:
-            assert _sqlite_objects(c) == {"trigger": {"undolog_effect_undo_entry"}, "view": set()}
+            return _sqlite_objects(c)
     finally:
         store.dispose()
 
