@@ -562,11 +562,8 @@ def test_a_sweep_claim_walks_the_timeout_index_and_stops_at_the_batch(db):
 @pytest.mark.postgres_only
 def test_at_most_sweep_slots_sweepers_claim_at_once_and_a_dead_holder_frees_its_slot(db):
     """On PostgreSQL at most ``SWEEP_SLOTS`` sweep batches run at once per schema (transaction advisory locks): with
-    every slot held, a sweep with something due waits (claiming nothing), a sweep with nothing due returns at once
-    without a slot, and when a holder's connection dies its slot passes to the waiting sweep, which then times each
-    due request out once."""
-    import threading
-
+    every slot held, a sweep claims nothing and returns (the holders finish the work); when a holder's connection
+    dies its slot is free again and the next sweep times each due request out once."""
     from undolog_core.storage.approvals import SWEEP_SLOTS
 
     u = db.open()
@@ -575,42 +572,27 @@ def test_at_most_sweep_slots_sweepers_claim_at_once_and_a_dead_holder_frees_its_
     later = utcnow() + dt.timedelta(hours=2)
     key = u.store.sweep_slot_key()
     holders = []
-    victim = (None, -1)
     for slot in range(SWEEP_SLOTS):  # other sweepers, each in a batch holding one slot
         c = u.store.engine.connect()
         c.exec_driver_sql(f"SELECT pg_advisory_xact_lock({key}, {slot})")
         holders.append((c, c.exec_driver_sql("SELECT pg_backend_pid()").scalar()))
+    victim = holders[1]
     try:
-        # Nothing due (an hour before the timeouts): no slot wanted, no wait.
-        quick: list[list[str]] = []
-        nothing = threading.Thread(target=lambda: quick.append(u.approvals.expire_due(utcnow())))
-        nothing.start()
-        nothing.join(20)
-        assert not nothing.is_alive() and quick == [[]]
-
-        got: list[list[str]] = []
-        sweep = threading.Thread(target=lambda: got.append(u.approvals.expire_due(later)))
-        sweep.start()
-        waited = None
-        with u.store.engine.connect() as watch:
-            for _ in range(400):  # until the sweep waits for a slot (a wait, not a timing assertion)
-                waited = watch.exec_driver_sql(
-                    f"SELECT objid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND classid = {key} "
-                    f"AND objsubid = 2").scalar()
-                if waited is not None:
+        assert u.approvals.expire_due(later) == []  # every slot held: nothing claimed
+        pending = _count(u, sa.select(sa.func.count()).select_from(t.approval_requests)
+                         .where(t.approval_requests.c.state == "pending"))
+        assert pending == [(3,)]
+        with u.store.engine.connect() as watch:  # a holder dies: its transaction and its lock end with it
+            watch.exec_driver_sql(f"SELECT pg_terminate_backend({victim[1]})")
+            for _ in range(200):  # until its lock is gone (a wait, not a timing assertion)
+                held = watch.exec_driver_sql(
+                    f"SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = {key} "
+                    "AND objsubid = 2").scalar()
+                if held == SWEEP_SLOTS - 1:
                     break
                 time.sleep(0.05)
-            assert waited is not None, "the sweep did not wait for a slot"
-            assert sweep.is_alive() and got == []
-            pending = watch.execute(sa.select(sa.func.count()).select_from(t.approval_requests)
-                                    .where(t.approval_requests.c.state == "pending")).scalar()
-            assert pending == 3  # it claimed nothing while every slot was held
-            # The holder of the slot it waits for dies: its connection ends, its transaction and lock with it.
-            victim = holders[int(waited) % SWEEP_SLOTS]
-            watch.exec_driver_sql(f"SELECT pg_terminate_backend({victim[1]})")
-        sweep.join(30)
-        assert not sweep.is_alive(), "the dead holder's slot was not freed"
-        assert sorted(got[0]) == sorted(ids)
+            assert held == SWEEP_SLOTS - 1
+        assert sorted(u.approvals.expire_due(later)) == sorted(ids)
     finally:
         for c, pid in holders:
             if pid == victim[1]:

@@ -29,11 +29,13 @@ if TYPE_CHECKING:
 EXPIRE_BATCH = 250
 #: PostgreSQL: at most this many sweep batches (``expire_due``) of one schema run at once, whatever the number of
 #: sweeping processes. Each holds a transaction-level advisory lock ``(sweep_slot_key(schema), 0..SWEEP_SLOTS-1)``;
-#: a sweeper that finds none free waits for one (no CPU spent) rather than claiming beside the others. Beyond a few
-#: concurrent batches the machine only spends more CPU per timeout (each claim steps over the rows the other
-#: batches hold, more processes share the cores): on the loaded 2-core machine 8 warm sweepers used 7-8% more CPU
-#: than 4 for the same 6,000 timeouts without the slots, 1-7% more with them (paired runs; a small effect next to
-#: the noise). A dead holder frees its slot with its connection.
+#: a sweeper that finds none free stops (``expire_due`` returns what it did): the holders keep claiming until
+#: nothing is left, and a dead holder frees its slot with its connection. Beyond a few concurrent batches the
+#: machine only spends more CPU per timeout (more processes share the cores, each claim steps over the rows the
+#: other batches hold): on the 2-core machine 8 warm sweepers used 4-11% more CPU than 4 for the same 6,000
+#: timeouts without the slots, about 1% more with them (paired runs). A sweeper that WAITED for a slot did not
+#: help: its waiting statement holds a snapshot, which keeps the rows the others time out from being pruned, and
+#: every claim walks them again (the due index is walked oldest first).
 SWEEP_SLOTS = 4
 #: Whether anything is due, and (only then) a free slot, in one round trip: a sweep with nothing due takes no slot
 #: and never waits (``pending()`` sweeps before every listing). The slot subquery is evaluated only when the CASE
@@ -44,7 +46,6 @@ _DUE_AND_SLOT = sa.text(
     "FROM (SELECT EXISTS (SELECT 1 FROM undolog_approval_requests WHERE state = 'pending' AND timeout_at <= :now) "
     "AS due) AS d"
 ).bindparams(sa.bindparam("now", type_=t.approval_requests.c.timeout_at.type))
-_WAIT_SLOT = sa.text("SELECT pg_advisory_xact_lock(:key, :slot)")
 #: What a person may decide, and the audit action each one is recorded as.
 DECISIONS = tuple(d.value for d in DecisionKind)
 #: A request that may still lead to a run: cancelling it stops that run.
@@ -548,17 +549,14 @@ class ApprovalsSQL(Store):
         return zlib.crc32((self.schema or "").encode()) & 0x7FFFFFFF  # an int4, as two-key advisory locks take
 
     def _sweep_slot_in(self, conn: Connection, now: dt.datetime) -> bool:
-        """PostgreSQL, a sweep batch's first statement: False when nothing is due at ``now`` (no slot taken);
-        otherwise one of ``SWEEP_SLOTS`` slots held until the transaction ends (waited for if none is free: the
-        waiters spread over the slots by connection) and True."""
+        """PostgreSQL, a sweep batch's first statement: True with one of ``SWEEP_SLOTS`` slots held until the
+        transaction ends; False when nothing is due at ``now`` or every slot is held (the sweep then stops: the
+        holders loop until nothing they can claim is left, so every due request is still settled, once)."""
         key = self.sweep_slot_key()
         row = conn.execute(_DUE_AND_SLOT, {"n": SWEEP_SLOTS, "key": key, "now": now}).one()
         if not row.due:
             return False
-        if row.slot is None:
-            pid = conn.connection.dbapi_connection.info.backend_pid  # type: ignore[union-attr]
-            conn.execute(_WAIT_SLOT, {"key": key, "slot": pid % SWEEP_SLOTS})
-        return True
+        return row.slot is not None
 
     def _sessions_held_in(self, conn: Connection, claimed: Sequence[Any]) -> builtins.list[Any]:
         """The claimed rows (each with a ``session_id``) whose session row this sweep could lock without waiting.
