@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
+import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -78,6 +80,126 @@ def _from_epoch(t: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(t, dt.UTC)
 
 
+def _stamp(t: float) -> bytes:
+    """Epoch seconds as the text of the same aware UTC datetime ``_from_epoch`` makes (a timestamptz parameter)."""
+    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat().encode()
+
+
+class Prepared(NamedTuple):
+    """A hot statement run as a named prepared statement through libpq itself (``PGconn.exec_prepared``).
+
+    psycopg's own execute (adapting the parameters, its prepared-statement cache, the cursor and its result
+    handling, in Python) costs about as much client CPU as the statement's round trip on a 2-core machine where
+    clients and the server share the cores; the hot path's parameters are a few strings and numbers whose text
+    form is known, so they go to libpq as bytes and the statement is prepared once per connection. libpq's
+    blocking call releases the GIL, as psycopg's waiting does.
+    """
+
+    name: bytes
+    sql: bytes
+    params: tuple[str, ...]  # the parameter names, in $n order
+
+
+def prepared(name: str, sql: str) -> Prepared:
+    """``sql`` written with ``%(name)s`` placeholders, numbered ``$1..$n`` for ``PREPARE`` (a name used twice is one
+    parameter)."""
+    names: list[str] = []
+
+    def number(m: re.Match[str]) -> str:
+        if m.group(1) not in names:
+            names.append(m.group(1))
+        return f"${names.index(m.group(1)) + 1}"
+
+    return Prepared(name.encode(), re.sub(r"%\((\w+)\)s", number, sql).encode(), tuple(names))
+
+
+# Which hot statements each connection has prepared (a connection is used by one thread at a time).
+_PREPARED_ON: weakref.WeakKeyDictionary[Any, set[bytes]] = weakref.WeakKeyDictionary()
+
+
+def run_prepared(conn: Any, stmt: Prepared, values: Sequence[bytes | None]) -> Any:
+    """Run ``stmt`` on ``conn`` (a psycopg connection in autocommit, UTF-8) with ``values`` in ``$n`` order, as
+    text; the libpq result. Raises what psycopg's own execute would: an ``IntegrityError`` for a unique key written
+    twice, an ``OperationalError`` when the server went away (no SQLSTATE, or class 08 or 57P)."""
+    from psycopg import errors, pq
+
+    pgconn = conn.pgconn
+    done = _PREPARED_ON.get(conn)
+    if done is None:
+        done = _PREPARED_ON.setdefault(conn, set())
+    if stmt.name not in done:
+        _check(pgconn, pgconn.prepare(stmt.name, stmt.sql), pq, errors)
+        done.add(stmt.name)
+    return _check(pgconn, pgconn.exec_prepared(stmt.name, values), pq, errors)
+
+
+def _check(pgconn: Any, res: Any, pq: Any, errors: Any) -> Any:
+    if res.status in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
+        return res
+    if res.error_field(pq.DiagnosticField.SQLSTATE) is None or pgconn.status != pq.ConnStatus.OK:
+        # No SQLSTATE: the client lost the server (psycopg says so with an OperationalError too).
+        raise errors.OperationalError(res.get_error_message() or "the connection to the server was lost")
+    raise errors.error_from_result(res)
+
+
+def _text(s: str | None) -> bytes | None:
+    return None if s is None else s.encode()
+
+
+_PW_CHECKED = prepared("undolog_prewrite_checked", _PG_PREWRITE_CHECKED)
+_PW_COUNTED = prepared("undolog_prewrite", _PG_PREWRITE)
+_MARK = prepared("undolog_mark", _PG_MARK.replace("%s", "%(text)s", 1).replace("%s", "%(now)s", 1)
+                 .replace("%s", "%(effect_id)s", 1))
+
+
+def pg_prewrite(conn: Any, session_id: str, count: int, effect_id: str, call_id: str, tool_name: str,
+                revision: int, args_text: str, digest: str, owner: str, now: float, lease: float, comp: str,
+                comp_version: int) -> bool:
+    """The pre-write (the session checked, and its count flushed when ``count``; the effect and its undo entry) as
+    one autocommit statement on ``conn``: False when the session does not accept writes (nothing written)."""
+    stmt = _PW_COUNTED if count else _PW_CHECKED
+    v = {"count": str(count).encode(), "now": _stamp(now), "session_id": session_id.encode(),
+         "effect_id": effect_id.encode(), "call_id": call_id.encode(), "tool_name": tool_name.encode(),
+         "revision": str(revision).encode(), "args": args_text.encode(), "digest": digest.encode(),
+         "owner": owner.encode(), "lease": _stamp(lease), "comp": comp.encode(),
+         "comp_version": str(comp_version).encode()}
+    return bool(run_prepared(conn, stmt, [v[k] for k in stmt.params]).command_tuples == 1)
+
+
+_START = prepared("undolog_start_session", _PG_START_SESSION)
+_END = prepared("undolog_end_session", _PG_END_SESSION.replace("%s", "%(state)s", 1).replace("%s", "%(count)s", 1)
+                .replace("%s", "%(now)s", 1).replace("%s", "%(session_id)s", 1).replace("%s", "%(allowed)s", 1))
+
+
+def _array(items: Sequence[str]) -> bytes:
+    """A text array literal of plain words (session states)."""
+    return ("{" + ",".join(f'"{s}"' for s in items) + "}").encode()
+
+
+def pg_start_session(conn: Any, values: dict[str, Any]) -> Any:
+    """A new session's row inserted on ``conn``; its first state as a row, or None when the id exists."""
+    v = {**values, "pinned_revisions": json.dumps(values["pinned_revisions"])}
+    params = [None if v[k] is None else (v[k].isoformat() if isinstance(v[k], dt.datetime) else str(v[k])).encode()
+              for k in _START.params]
+    res = run_prepared(conn, _START, params)
+    if res.ntuples == 0:
+        return None
+    sid, state, pins, on_failure = (res.get_value(0, i) for i in range(4))
+    return _StartedSession(sid.decode(), state.decode(), json.loads(pins), on_failure.decode())
+
+
+def pg_end_session(conn: Any, session_id: str, count: int, state: str, allowed: Sequence[str], now: float) -> bool:
+    """The session moved to ``state`` from one of ``allowed`` with ``count`` calls added, one statement on ``conn``."""
+    res = run_prepared(conn, _END, [state.encode(), str(count).encode(), _stamp(now), session_id.encode(),
+                                    _array(allowed)])
+    return bool(res.command_tuples == 1)
+
+
+def pg_mark(conn: Any, effect_id: str, text: str, now: float) -> bool:
+    """The commit mark as one autocommit statement on ``conn``: False when the effect was not in flight."""
+    return bool(run_prepared(conn, _MARK, [text.encode(), _stamp(now), effect_id.encode()]).command_tuples == 1)
+
+
 class PostgresHotPath(HotPath):
     placeholder = "%s"
 
@@ -89,31 +211,25 @@ class PostgresHotPath(HotPath):
 
     def _setup(self, conn: Any) -> None:
         conn.autocommit = True  # one statement, one commit: no BEGIN round trip
+        if conn.info.encoding != "utf-8":  # the prepared statements' parameters are sent as UTF-8 text
+            conn.execute("SET client_encoding TO 'UTF8'")
 
     def _prewrite(self, conn: Any, wait: bool, session_id: str, count: int, effect_id: str, call_id: str,
                   tool_name: str, revision: int, args_text: str, digest: str, owner: str, now: float, lease: float,
                   comp: str, comp_version: int) -> bool:
-        cur = conn.execute(
-            _PG_PREWRITE if count else _PG_PREWRITE_CHECKED,
-            {"count": count, "now": _from_epoch(now), "session_id": session_id, "effect_id": effect_id,
-             "call_id": call_id, "tool_name": tool_name, "revision": revision, "args": args_text, "digest": digest,
-             "owner": owner, "lease": _from_epoch(lease), "comp": comp, "comp_version": comp_version},
-        )
-        return bool(cur.rowcount == 1)
+        return pg_prewrite(conn, session_id, count, effect_id, call_id, tool_name, revision, args_text, digest,
+                           owner, now, lease, comp, comp_version)
 
     def _mark(self, conn: Any, wait: bool, effect_id: str, text: str, now: float) -> bool:
-        return bool(conn.execute(_PG_MARK, (text, _from_epoch(now), effect_id)).rowcount == 1)
+        return pg_mark(conn, effect_id, text, now)
 
     def start_session(self, values: dict[str, Any]) -> Any:
-        params = {**values, "pinned_revisions": json.dumps(values["pinned_revisions"])}
         with self.durable.connection("starting a session") as conn:
-            row = conn.execute(_PG_START_SESSION, params).fetchone()
-        return None if row is None else _StartedSession(*row)
+            return pg_start_session(conn, values)
 
     def end_session(self, session_id: str, count: int, state: str, allowed: Sequence[str], now: float) -> bool | None:
         with self.durable.connection("ending a session") as conn:
-            cur = conn.execute(_PG_END_SESSION, (state, count, _from_epoch(now), session_id, list(allowed)))
-            return bool(cur.rowcount == 1)
+            return pg_end_session(conn, session_id, count, state, allowed, now)
 
     def _mark_many(self, conn: Any, marks: list[tuple[str, str, float]]) -> None:
         with conn.transaction():
