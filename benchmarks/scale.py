@@ -310,7 +310,7 @@ def lower_bound_worker(i: int, prepared: Any, schema: str, seconds: float, sessi
     recent-calls ring, call-id handling, the driver. If this misses the goal, no trimming of UndoLog's own code
     meets it on this machine: only storing less (or in fewer commits) would. The statements are sent by the hot
     path's own functions (``undolog_core.storage.postgres``), so the client's cost per statement is the same too.
-    The fast marks go as fast mode's flush sends them (``executemany`` in one transaction, ``_mark_many``)."""
+    The fast marks go as fast mode's flush sends them (one statement per batch, ``pg_mark_many``)."""
     import psycopg
 
     from undolog_core._tools import canonical_text, sha256_hex
@@ -361,11 +361,10 @@ def lower_bound_worker(i: int, prepared: Any, schema: str, seconds: float, sessi
                     if not mark(con, effect_id, result, time.time()):
                         raise RuntimeError("the lower bound's mark found no effect in flight")
                 else:
-                    marks.append((result, pg._from_epoch(time.time()), effect_id))
+                    marks.append((effect_id, result, time.time()))
                 n += 1
             if marks:
-                with fast_con.transaction():
-                    fast_con.cursor().executemany(pg._PG_MARK, marks)
+                pg.pg_mark_many(fast_con, marks)
             if not end_session(con, sid, CALLS_PER_SESSION, "completed", ["active"], time.time()):
                 raise RuntimeError("the lower bound's session did not end")
         return n

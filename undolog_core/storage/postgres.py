@@ -43,6 +43,14 @@ WITH e AS (
 INSERT INTO undolog_undo_stack ({_UNDO_COLS})
 SELECT e.seq, e.effect_id, e.session_id, %(comp)s, %(comp_version)s, %(args)s::json, 'armed', 0, %(now)s, %(now)s FROM e
 """
+# Many commit marks (fast mode's flush) as one statement: one round trip and one commit instead of a BEGIN, a
+# statement per mark and a COMMIT. Each effect is marked at most once per batch (an effect has one mark).
+_PG_MARK_MANY = (
+    "UPDATE undolog_effect_log e SET state = 'committed', result_snapshot = m.result::json, owner = NULL, "
+    "lease_until = NULL, updated_at = m.at "
+    "FROM unnest(%(results)s::text[], %(ats)s::timestamptz[], %(ids)s::text[]) AS m(result, at, effect_id) "
+    "WHERE e.effect_id = m.effect_id AND e.state IN ('pending', 'running')"
+)
 _PG_MARK = (
     "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = %s::json, owner = NULL, "
     "lease_until = NULL, updated_at = %s WHERE effect_id = %s AND state IN ('pending', 'running')"
@@ -76,12 +84,9 @@ class _StartedSession(NamedTuple):
     on_failure: str
 
 
-def _from_epoch(t: float) -> dt.datetime:
-    return dt.datetime.fromtimestamp(t, dt.UTC)
-
-
 def _stamp(t: float) -> bytes:
-    """Epoch seconds as the text of the same aware UTC datetime ``_from_epoch`` makes (a timestamptz parameter)."""
+    """Epoch seconds as the text of an aware UTC datetime (a timestamptz parameter), to the microsecond as
+    ``datetime.fromtimestamp`` rounds it, the value the general path would write for the same instant."""
     return dt.datetime.fromtimestamp(t, dt.UTC).isoformat().encode()
 
 
@@ -157,13 +162,21 @@ def pg_prewrite(conn: Any, session_id: str, count: int, effect_id: str, call_id:
                 comp_version: int) -> bool:
     """The pre-write (the session checked, and its count flushed when ``count``; the effect and its undo entry) as
     one autocommit statement on ``conn``: False when the session does not accept writes (nothing written)."""
-    stmt = _PW_COUNTED if count else _PW_CHECKED
-    v = {"count": str(count).encode(), "now": _stamp(now), "session_id": session_id.encode(),
-         "effect_id": effect_id.encode(), "call_id": call_id.encode(), "tool_name": tool_name.encode(),
-         "revision": str(revision).encode(), "args": args_text.encode(), "digest": digest.encode(),
-         "owner": owner.encode(), "lease": _stamp(lease), "comp": comp.encode(),
-         "comp_version": str(comp_version).encode()}
-    return bool(run_prepared(conn, stmt, [v[k] for k in stmt.params]).command_tuples == 1)
+    stamp = _stamp(now)
+    # In the order of the statements' $n (asserted at import, below).
+    tail = [effect_id.encode(), call_id.encode(), tool_name.encode(), str(revision).encode(), args_text.encode(),
+            digest.encode(), owner.encode(), _stamp(lease)]
+    if count:
+        params = [str(count).encode(), stamp, session_id.encode(), *tail, comp.encode(), str(comp_version).encode()]
+        return bool(run_prepared(conn, _PW_COUNTED, params).command_tuples == 1)
+    params = [*tail, stamp, session_id.encode(), comp.encode(), str(comp_version).encode()]
+    return bool(run_prepared(conn, _PW_CHECKED, params).command_tuples == 1)
+
+
+assert _PW_CHECKED.params == ("effect_id", "call_id", "tool_name", "revision", "args", "digest", "owner", "lease",
+                              "now", "session_id", "comp", "comp_version"), _PW_CHECKED.params
+assert _PW_COUNTED.params == ("count", "now", "session_id", "effect_id", "call_id", "tool_name", "revision", "args",
+                              "digest", "owner", "lease", "comp", "comp_version"), _PW_COUNTED.params
 
 
 _START = prepared("undolog_start_session", _PG_START_SESSION)
@@ -193,6 +206,23 @@ def pg_end_session(conn: Any, session_id: str, count: int, state: str, allowed: 
     res = run_prepared(conn, _END, [state.encode(), str(count).encode(), _stamp(now), session_id.encode(),
                                     _array(allowed)])
     return bool(res.command_tuples == 1)
+
+
+_MARK_MANY = prepared("undolog_mark_many", _PG_MARK_MANY)
+
+
+def _quoted(s: str) -> str:
+    """``s`` as an element of a text array literal."""
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def pg_mark_many(conn: Any, marks: Sequence[tuple[str, str, float]]) -> int:
+    """``(effect_id, result text, epoch seconds)`` commit marks as one autocommit statement on ``conn``; how many
+    effects were in flight and are marked now."""
+    results = "{" + ",".join(_quoted(text) for _, text, _ in marks) + "}"
+    ats = "{" + ",".join(_quoted(dt.datetime.fromtimestamp(t, dt.UTC).isoformat()) for _, _, t in marks) + "}"
+    ids = "{" + ",".join(_quoted(eid) for eid, _, _ in marks) + "}"
+    return int(run_prepared(conn, _MARK_MANY, [results.encode(), ats.encode(), ids.encode()]).command_tuples or 0)
 
 
 def pg_mark(conn: Any, effect_id: str, text: str, now: float) -> bool:
@@ -232,8 +262,7 @@ class PostgresHotPath(HotPath):
             return pg_end_session(conn, session_id, count, state, allowed, now)
 
     def _mark_many(self, conn: Any, marks: list[tuple[str, str, float]]) -> None:
-        with conn.transaction():
-            conn.cursor().executemany(_PG_MARK, [(text, _from_epoch(now), eid) for eid, text, now in marks])
+        pg_mark_many(conn, marks)
 
 
 def make_engine(url: str, *, schema: str | None, durable: bool, pool_size: int, overflow: int) -> Engine:
