@@ -4,7 +4,11 @@ Four measurements, each printed with what it is compared against:
 
 1. ``throughput``: N worker processes (1, 2, 4, 8) each running sessions of COMPENSABLE calls, against the same
    number of processes doing bare durable two-row inserts (psycopg, default ``synchronous_commit``) on the same
-   database. Goal: UndoLog >= 80% of the bare throughput at every N.
+   database. Goal: UndoLog >= 80% of the bare throughput at every N. Beside UndoLog, in both modes, its lower
+   bound (``lower_bound_worker``: the same statements on raw connections, none of UndoLog's bookkeeping), marked
+   reachable or OUT OF REACH for the goal, and UndoLog over it. Each row has its CPU per call, the workers' own
+   (client) and their PostgreSQL backends' (server, from /proc): from 2 workers on, a 2-core machine that runs
+   both is CPU bound, and the ratio is the bare CPU per insert over the CPU per call.
 2. ``expire``: approval requests past their timeout expired by ``approvals.expire_due()`` from N processes at
    once. Goal: >= 3,000/s with 4 workers, more workers never slower, each request timed out exactly once
    (checked: one ``timeout`` audit event and one ``approval.timed_out`` outbox row per request).
@@ -16,6 +20,7 @@ Four measurements, each printed with what it is compared against:
     python benchmarks/scale.py                      # everything (several minutes)
     python benchmarks/scale.py --quick              # a few seconds: the CI smoke run
     python benchmarks/scale.py --only expire,recover --workers 1,2,4,8
+    python benchmarks/scale.py --only throughput --variants bare,durable,fast   # without the lower bounds
 """
 
 from __future__ import annotations

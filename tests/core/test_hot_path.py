@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import re
 import threading
 import time
 from typing import Any
@@ -230,3 +231,21 @@ def test_the_hot_path_stores_arguments_results_and_times_exactly(db: Any, fast: 
     rec = u.sessions.get("hp-exact")
     assert (rec.state, rec.tool_calls_total) == ("completed", len(TRICKY))
     assert rec.pinned_revisions == {"hp_echo": u.tool_spec("hp_echo").revision}
+
+
+@pytest.mark.postgres_only
+def test_postgres_hot_statements_match_libpq_and_their_parameters() -> None:
+    """The PostgreSQL hot path runs its statements through libpq with hand-ordered parameters: the statuses it
+    takes for success are libpq's, and each statement's ``$n`` are the names its builder sends, in that order."""
+    from psycopg import pq
+
+    from undolog_core.storage import postgres as pg
+
+    assert pg._DONE == {pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK}
+    assert pg._MARK.params == ("text", "now", "effect_id")
+    assert pg._END.params == ("state", "count", "now", "session_id", "allowed")
+    assert pg._MARK_MANY.params == ("results", "ats", "ids")
+    for stmt in (pg._PW_CHECKED, pg._PW_COUNTED, pg._MARK, pg._MARK_MANY, pg._START, pg._END):
+        sql = stmt.sql.decode()
+        assert "%(" not in sql and "%s" not in sql, sql
+        assert {int(n) for n in re.findall(r"\$(\d+)", sql)} == set(range(1, len(stmt.params) + 1)), sql

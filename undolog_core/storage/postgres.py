@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
-import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -118,37 +117,38 @@ def prepared(name: str, sql: str) -> Prepared:
     return Prepared(name.encode(), re.sub(r"%\((\w+)\)s", number, sql).encode(), tuple(names))
 
 
-# Which hot statements each connection has prepared (a connection is used by one thread at a time).
-_PREPARED_ON: weakref.WeakKeyDictionary[Any, set[bytes]] = weakref.WeakKeyDictionary()
+# libpq's result statuses of a statement that succeeded (COMMAND_OK, TUPLES_OK), as the ints it returns.
+_DONE = frozenset((1, 2))
 
 
 def run_prepared(conn: Any, stmt: Prepared, values: Sequence[bytes | None]) -> Any:
     """Run ``stmt`` on ``conn`` (a psycopg connection in autocommit, UTF-8) with ``values`` in ``$n`` order, as
     text; the libpq result. Raises what psycopg's own execute would: an ``IntegrityError`` for a unique key written
-    twice, an ``OperationalError`` when the server went away (no SQLSTATE, or class 08 or 57P)."""
+    twice, an ``OperationalError`` when the server went away (no SQLSTATE, or class 08 or 57P).
+
+    Which statements a connection has prepared is kept on the connection itself (a set in an attribute: a lookup
+    per statement, not a weak dictionary's); a connection is used by one thread at a time."""
+    pgconn = conn.pgconn
+    try:
+        done = conn._undolog_prepared
+    except AttributeError:
+        done = conn._undolog_prepared = set()
+    if stmt.name not in done:
+        _check(pgconn, pgconn.prepare(stmt.name, stmt.sql))
+        done.add(stmt.name)
+    res = pgconn.exec_prepared(stmt.name, values)
+    return res if res.status in _DONE else _check(pgconn, res)
+
+
+def _check(pgconn: Any, res: Any) -> Any:
     from psycopg import errors, pq
 
-    pgconn = conn.pgconn
-    done = _PREPARED_ON.get(conn)
-    if done is None:
-        done = _PREPARED_ON.setdefault(conn, set())
-    if stmt.name not in done:
-        _check(pgconn, pgconn.prepare(stmt.name, stmt.sql), pq, errors)
-        done.add(stmt.name)
-    return _check(pgconn, pgconn.exec_prepared(stmt.name, values), pq, errors)
-
-
-def _check(pgconn: Any, res: Any, pq: Any, errors: Any) -> Any:
     if res.status in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
         return res
     if res.error_field(pq.DiagnosticField.SQLSTATE) is None or pgconn.status != pq.ConnStatus.OK:
         # No SQLSTATE: the client lost the server (psycopg says so with an OperationalError too).
         raise errors.OperationalError(res.get_error_message() or "the connection to the server was lost")
     raise errors.error_from_result(res)
-
-
-def _text(s: str | None) -> bytes | None:
-    return None if s is None else s.encode()
 
 
 _PW_CHECKED = prepared("undolog_prewrite_checked", _PG_PREWRITE_CHECKED)
