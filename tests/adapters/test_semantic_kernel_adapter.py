@@ -126,15 +126,21 @@ async def test_tiers_by_plugin_function_name(ul):
 async def test_each_call_is_intercepted_once(ul, backend, monkeypatch):
     kernel, _ = new_kernel(ul)
     seen = []
-    real = ul.driver.adecide  # the filters decide on the loop through the driver's async entry
+    # The filters decide on the loop through the driver: a SAFE call in memory (safe), a logged one by adecide.
+    real, real_safe = ul.driver.adecide, ul.driver.safe
 
     async def counting(session_id, tool_name, args, *, call_id=None, match_digest=False):
         seen.append((tool_name, call_id))
         return await real(session_id, tool_name, args, call_id=call_id, match_digest=match_digest)
 
+    def counting_safe(spec, args, cache):
+        seen.append((spec.name, "safe"))
+        return real_safe(spec, args, cache)
+
     monkeypatch.setattr(ul.driver, "adecide", counting)
+    monkeypatch.setattr(ul.driver, "safe", counting_safe)
     _, history, reply = await chat_turns(kernel, [[SEARCH], [REFUND_U1]])
-    assert seen == [("support-search_knowledge_base", "c1"), ("support-send_refund_email", "c2")]
+    assert seen == [("support-search_knowledge_base", "safe"), ("support-send_refund_email", "c2")]
     assert [m["status"] for m in backend.outbox] == ["sent"]
     assert "Refunds are confirmed" in reply.content and "msg-1" in reply.content
     report = ul.rollback("chat-1")
