@@ -30,7 +30,7 @@ import contextlib
 import contextvars
 import logging
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,19 +142,30 @@ class _Handover:
 _handover: contextvars.ContextVar[_Handover | None] = contextvars.ContextVar("undolog_sk_handover", default=None)
 
 
-@contextlib.contextmanager
-def undolog_session(session_id: str) -> Iterator[str]:
+class undolog_session:  # noqa: N801 - used as a function (``with undolog_session(id):``), as it always was
     """Run what is inside as UndoLog session ``session_id`` (a chat or agent-thread id).
+
+    A plain class rather than a generator-based context manager: it wraps every turn, and this costs a third.
 
     Example:
         >>> with undolog_session(thread.id):                         # doctest: +SKIP
         ...     await agent.get_response(messages="hi", thread=thread)
     """
-    token = _session_var.set(session_id)
-    try:
-        yield session_id
-    finally:
-        _session_var.reset(token)
+
+    __slots__ = ("session_id", "_token")
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        self._token: contextvars.Token[str | None] | None = None
+
+    def __enter__(self) -> str:
+        self._token = _session_var.set(self.session_id)
+        return self.session_id
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _session_var.reset(self._token)
+            self._token = None
 
 
 def _is_tool(function: KernelFunction) -> bool:
@@ -273,11 +284,9 @@ class UndoLogFilter:
             sid = self._session_id
         return sid
 
-    def _know(self, function: KernelFunction) -> _Known:
-        """The function's name, tier and model parameters, computed once (SK computes its name on each access)."""
-        known = self._known.get(id(function))
-        if known is not None and known.function is function:
-            return known
+    def _learn(self, function: KernelFunction) -> _Known:
+        """The function's name, tier and model parameters, computed once (SK computes its name on each access);
+        the filters look them up by the function's id first."""
         tier = self.classify(function)
         known = _Known(function, function.fully_qualified_name, tier,
                        frozenset(p.name for p in _model_params(function)))
@@ -341,9 +350,9 @@ class UndoLogFilter:
 
     async def _intercept(self, known: _Known, arguments: KernelArguments,
                          given_call_id: str | None) -> tuple[str, Execute | AwaitingApproval | Completed,
-                                                             dict[str, Any]]:
+                                                             dict[str, Any], bool]:
         """Find the session and the call id, and ask the engine; returns (session id, decision, the arguments asked
-        about, as JSON values).
+        about, as JSON values, whether the call is plain: SAFE with no retry policy, nothing to record).
 
         Nothing here waits on the event loop: a SAFE call is decided in memory (validated, pinned, counted: the
         driver's ``safe``), a COMPENSABLE one by the driver's ``adecide`` inline when nothing has to wait (the hot
@@ -351,15 +360,16 @@ class UndoLogFilter:
         and the look-up of an earlier approval.
         """
         name = known.name
-        sid = self.session_id
-        sc = await self._cache(sid)
-        args = self._args(known, arguments)
+        sid = _session_var.get() or self.session_id
+        sc = self._seen.get(sid) or await self._cache(sid)
+        params = known.params
+        args: dict[str, Any] = to_jsonable_python({k: v for k, v in arguments.items() if k in params})
         driver = self.undolog.driver
         if known.tier is SAFE:
             spec = driver.spec(name)
             if spec.tier is SAFE:
                 values = driver.safe(spec, args, sc)
-                return sid, execute_now(None, values, None, SAFE, name, given_call_id, sid), args
+                return sid, execute_now(None, values, None, SAFE, name, given_call_id, sid), args, spec.retry is None
         if not sc.persisted:
             # The session's first logged call writes it (one durable write, with this filter's agent id), in a
             # worker thread; a session that was created elsewhere meanwhile is read instead.
@@ -368,27 +378,33 @@ class UndoLogFilter:
             call_id = await asyncio.to_thread(self._call_id, sid, name, known.tier, args, given_call_id)
         else:
             call_id = self._call_id(sid, name, known.tier, args, given_call_id)
-        return sid, await driver.adecide(sid, name, args, call_id=call_id), args
+        return sid, await driver.adecide(sid, name, args, call_id=call_id), args, False
 
     # ----------------------------------------------------------------- filters
     async def auto_function_invocation(self, context: AutoFunctionInvocationContext, next: Any) -> None:
         """AUTO_FUNCTION_INVOCATION filter: the gate under auto function calling."""
         function = context.function
-        if not _is_tool(function):
+        if not isinstance(function, KernelFunctionFromMethod):  # a prompt function is no tool: untouched
             await next(context)
             return
-        self._check_paired(context.kernel)
-        try:
-            known = self._know(function)
-        except errors.UndoLogError as exc:
-            context.function_result = FunctionResult(function=function.metadata,
-                                                     value=refusal_text(function.fully_qualified_name, exc))
-            return
+        for _, registered in context.kernel.function_invocation_filters:
+            if registered is self or registered == self.function_filter:
+                break
+        else:
+            self._check_paired(context.kernel)
+        known = self._known.get(id(function))
+        if known is None or known.function is not function:
+            try:
+                known = self._learn(function)
+            except errors.UndoLogError as exc:
+                context.function_result = FunctionResult(function=function.metadata,
+                                                         value=refusal_text(function.fully_qualified_name, exc))
+                return
         name = known.name
         fcc = context.function_call_content
         try:
-            sid, decision, asked = await self._intercept(known, context.arguments,
-                                                         fcc.id if fcc is not None else None)
+            sid, decision, asked, plain = await self._intercept(known, context.arguments,
+                                                                fcc.id if fcc is not None else None)
         except errors.UndoLogError as exc:
             context.function_result = FunctionResult(function=function.metadata, value=refusal_text(name, exc))
             return
@@ -408,8 +424,7 @@ class UndoLogFilter:
         # The arguments let through, as JSON values: those asked about when validation kept them as they were (the
         # common case: one conversion fewer per call), else the validated ones converted.
         approved = asked if decision.args == asked else to_jsonable_python(dict(decision.args))
-        handover = _Handover(name, decision, sid, approved=approved,
-                             plain=decision.effect_id is None and self.undolog.driver.spec(name).retry is None)
+        handover = _Handover(name, decision, sid, approved=approved, plain=plain)
         token = _handover.set(handover)
         try:
             await next(context)
@@ -425,13 +440,15 @@ class UndoLogFilter:
     async def function_invocation(self, context: FunctionInvocationContext, next: Any) -> None:
         """FUNCTION_INVOCATION filter: runs the tool; the gate too under a plain ``kernel.invoke``."""
         function = context.function
-        if not _is_tool(function):
+        if not isinstance(function, KernelFunctionFromMethod):  # a prompt function is no tool: untouched
             await next(context)
             return
-        known = self._know(function)
+        known = self._known.get(id(function))
+        if known is None or known.function is not function:
+            known = self._learn(function)
         name = known.name
         filters = context.kernel.function_invocation_filters
-        if filters and not self._is_inner(filters[0][1]):
+        if filters and not ((inner := filters[0][1]) is self or inner == self.function_filter):
             raise errors.ConfigurationError(
                 f"UndoLog refused {name}: another FUNCTION_INVOCATION filter runs inside UndoLog's and could change "
                 "the call after its gate; call install(kernel, ...) after adding your own filters"
@@ -453,14 +470,14 @@ class UndoLogFilter:
                 return
             await self._run(context, next, handover.decision, handover.session_id, handover)
             return
-        sid, decision, _ = await self._intercept(known, context.arguments, None)
+        sid, decision, _, plain = await self._intercept(known, context.arguments, None)
         if isinstance(decision, AwaitingApproval):
             raise ApprovalPending(decision.effect_id, decision.approval_request_id, decision.retry_after, name)
         if isinstance(decision, Completed):
             context.result = FunctionResult(function=function.metadata, value=decision.result)
             return
         context.arguments.update(decision.args)
-        if decision.effect_id is None and self.undolog.driver.spec(name).retry is None:
+        if plain:
             await next(context)  # SAFE: nothing to record (see the auto half)
             return
         await self._run(context, next, decision, sid)
