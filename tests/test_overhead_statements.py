@@ -528,7 +528,7 @@ def test_postgres_session_start_and_complete_are_one_durable_statement_each(db: 
     c = counter_for(u)
     _MARKER["counter"] = c
     try:
-        u.session(agent_id="warm")  # the hot path's connection opened (and traced) before the windows
+        warm = u.session(agent_id="warm")  # the hot path's connection opened (and traced) before the windows
         warm.call_sync(oh_refund_sync, user_id="u0", amount=1)
         c.mark("a")
         s = u.session(agent_id="overhead")
