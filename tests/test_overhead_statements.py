@@ -435,13 +435,14 @@ async def test_compensable_call_one_durable_transaction_before_tool(
         # libpq's trace shows a prepared statement only as Execute: the pre-write is one statement, one round
         # trip; the rows it wrote are checked below.
         assert len(stmts) == 1, describe(pre)
-    else:
+    elif u.store.is_postgres:
         assert sum(st.count("insert into undolog_effect_log") for st in stmts) == 1, describe(pre)
-        if u.store.is_postgres:
-            assert sum(st.count("insert into undolog_undo_stack") for st in stmts) == 1, describe(pre)
-        else:
-            # SQLite: the schema's trigger writes the undo entry inside the effect's INSERT (checked below).
-            assert len(stmts) == 1 and not stmts[0].startswith("begin"), "one autocommit statement" + describe(pre)
+        assert sum(st.count("insert into undolog_undo_stack") for st in stmts) == 1, describe(pre)
+    else:
+        # SQLite: one INSERT into the pre-write view, whose trigger writes the effect and its undo entry (the rows
+        # are checked below).
+        assert len(stmts) == 1 and stmts[0].startswith("insert into undolog_prewrite"), (
+            "one autocommit statement" + describe(pre))
     assert not any(st.startswith("select") for st in stmts), (
         "a read before the tool costs a round trip\n" + describe(pre)
     )

@@ -1,5 +1,5 @@
 """SQLite: the engine (WAL, ``synchronous=FULL``, deferred reads, immediate writes), the hot path's statements
-(the pre-write as one autocommit statement, its undo entry written by a trigger), recovery's cursor.
+(the pre-write as one autocommit statement into a view whose trigger writes the effect and its undo entry), recovery's cursor.
 
 The DBOS shape: ``SQLiteStorage`` is the ``Storage`` of a SQLite file; ``postgres.py`` holds the other one.
 """
@@ -20,22 +20,19 @@ from sqlalchemy.engine import Connection, Engine
 from ..errors import ConfigurationError, DatabaseUnavailable
 from . import schema as t
 from .group import GroupCommit
-from .hotpath import _EFFECT_COLS, _WRITABLE, HotPath, SessionRow
+from .hotpath import _WRITABLE, HotPath, SessionRow
 from .pool import IntegrityConflict, WouldBlock, is_unavailable
 
 _SQLITE_GUARD = (
     f"UPDATE undolog_sessions SET tool_calls_total = tool_calls_total + ?, updated_at = ? "
     f"WHERE session_id = ? AND {_WRITABLE}"
 )
-_SQLITE_EFFECT = (
-    f"INSERT INTO undolog_effect_log ({_EFFECT_COLS}) "
-    "VALUES (?, ?, ?, ?, ?, 'compensable', 'pending', ?, ?, ?, ?, 0, ?, ?)"
-)
-# With no counts to flush, the session is only checked, not written: one page less in every pre-write.
-_SQLITE_EFFECT_CHECKED = (
-    f"INSERT INTO undolog_effect_log ({_EFFECT_COLS}) "
-    "SELECT ?, ?, ?, ?, ?, 'compensable', 'pending', ?, ?, ?, ?, 0, ?, ? "
-    f"WHERE EXISTS (SELECT 1 FROM undolog_sessions WHERE session_id = ? AND {_WRITABLE})"
+# The pre-write: one INSERT into the view of revision 0010 (schema.SQLITE_PREWRITE_VIEW), whose trigger writes the
+# effect while its session accepts writes, and its undo entry with the compensation given.
+_SQLITE_PREWRITE = (
+    "INSERT INTO undolog_prewrite (effect_id, session_id, call_id, tool_name, tool_revision, args_snapshot, "
+    "args_digest, owner, lease_until, created_at, compensation_name, compensation_version) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 # A new session in one durable autocommit statement (see HotPath.start_session); an id that exists returns no row.
 _SQLITE_START_SESSION = (
@@ -156,13 +153,12 @@ class SQLiteHotPath(HotPath):
         """The pre-write's statements inside a transaction that is already open (a group's)."""
         now_s = _sqlite_time(now)
         row = (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner, _sqlite_time(lease),
-               now_s, now_s)
-        if not count:
-            return bool(conn.execute(_SQLITE_EFFECT_CHECKED, (*row, session_id)).rowcount == 1)
-        if conn.execute(_SQLITE_GUARD, (count, now_s, session_id)).rowcount != 1:
+               now_s, comp, comp_version)
+        if count and conn.execute(_SQLITE_GUARD, (count, now_s, session_id)).rowcount != 1:
             return False
-        conn.execute(_SQLITE_EFFECT, row)
-        return True
+        before = conn.total_changes
+        conn.execute(_SQLITE_PREWRITE, row)
+        return bool(conn.total_changes - before == 2)
 
     def _setup(self, conn: Any) -> None:
         # What the pool's connections check by foreign key, the hot path's statements guarantee themselves:
@@ -172,18 +168,17 @@ class SQLiteHotPath(HotPath):
         # Likewise the CHECK constraints: every value these connections write is a constant of the statements
         # above ('compensable', 'pending', 'committed', the trigger's 'armed') or a counter, never a caller's value,
         # so re-proving the enum lists on every row proves nothing; SQLite evaluates each IN-list check per row,
-        # about a sixth of the CPU of a COMPENSABLE call's two statements. The general engine's connections,
-        # which write every other state, keep every check (tests/core/test_hot_path_checks.py).
+        # about a sixth of the CPU of a COMPENSABLE call's two statements. The one caller's value that meets a CHECK
+        # here, a new session's on_failure, is checked by start_session before it is written. The general engine's
+        # connections, which write every other state, keep every check (tests/core/test_hot_path_checks.py).
         conn.execute("PRAGMA ignore_check_constraints=ON")
 
     def _prewrite(self, conn: Any, wait: bool, session_id: str, count: int, effect_id: str, call_id: str,
                   tool_name: str, revision: int, args_text: str, digest: str, owner: str, now: float, lease: float,
                   comp: str, comp_version: int) -> bool:
         now_s = _sqlite_time(now)
-        # The undo entry is written by the schema's trigger (schema.SQLITE_UNDO_TRIGGER), in the same statement as
-        # the effect.
         row = (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner, _sqlite_time(lease),
-               now_s, now_s)
+               now_s, comp, comp_version)
         # SQLite has one writer: this process's writers queue on a lock that hands over at once (SQLite's own
         # busy handler sleeps a millisecond or more). On an event loop it is never waited for.
         if not self.write_lock.acquire(blocking=wait):
@@ -191,14 +186,17 @@ class SQLiteHotPath(HotPath):
         try:
             if not count:
                 # One autocommit statement: a write statement takes the write lock before it reads, like BEGIN
-                # IMMEDIATE, so the session check and the insert see one state.
-                return bool(conn.execute(_SQLITE_EFFECT_CHECKED, (*row, session_id)).rowcount == 1)
+                # IMMEDIATE, so the view trigger's session check and its inserts see one state. An INSERT into a
+                # view reports no rowcount: the connection's change counter says whether both rows were written.
+                before = conn.total_changes
+                conn.execute(_SQLITE_PREWRITE, row)
+                return bool(conn.total_changes - before == 2)
             conn.execute("BEGIN IMMEDIATE")
             try:
                 if conn.execute(_SQLITE_GUARD, (count, now_s, session_id)).rowcount != 1:
                     conn.execute("ROLLBACK")
                     return False
-                conn.execute(_SQLITE_EFFECT, row)
+                conn.execute(_SQLITE_PREWRITE, row)
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:
