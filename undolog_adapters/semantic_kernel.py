@@ -123,7 +123,7 @@ class _Known:
     params: frozenset[str]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Handover:
     name: str
     decision: Execute
