@@ -242,6 +242,10 @@ def test_postgres_hot_statements_match_libpq_and_their_parameters() -> None:
     from undolog_core.storage import postgres as pg
 
     assert pg._DONE == {pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK}
+    assert pg._PW_CHECKED.params == ("effect_id", "call_id", "tool_name", "revision", "args", "digest", "owner",
+                                     "lease", "now", "session_id", "comp", "comp_version")
+    assert pg._PW_COUNTED.params == ("count", "now", "session_id", "effect_id", "call_id", "tool_name", "revision",
+                                     "args", "digest", "owner", "lease", "comp", "comp_version")
     assert pg._MARK.params == ("text", "now", "effect_id")
     assert pg._END.params == ("state", "count", "now", "session_id", "allowed")
     assert pg._MARK_MANY.params == ("results", "ats", "ids")

@@ -1,5 +1,6 @@
 """PostgreSQL through psycopg 3: the engine (``application_name``, the schema's search path, ``synchronous_commit``
-off for the fast engine), the hot path's statements (the pre-write as one CTE statement), row locks.
+off for the fast engine), the hot path's statements (the pre-write as one CTE statement, fast mode's marks as one
+statement per batch), each prepared once per connection and run through libpq itself (``Prepared``), row locks.
 
 The DBOS shape: ``PostgresStorage`` is the ``Storage`` of a PostgreSQL database; ``sqlite.py`` holds the other one.
 """
@@ -51,8 +52,8 @@ _PG_MARK_MANY = (
     "WHERE e.effect_id = m.effect_id AND e.state IN ('pending', 'running')"
 )
 _PG_MARK = (
-    "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = %s::json, owner = NULL, "
-    "lease_until = NULL, updated_at = %s WHERE effect_id = %s AND state IN ('pending', 'running')"
+    "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = %(text)s::json, owner = NULL, "
+    "lease_until = NULL, updated_at = %(now)s WHERE effect_id = %(effect_id)s AND state IN ('pending', 'running')"
 )
 
 
@@ -71,8 +72,8 @@ _PG_START_SESSION = (
 # A session ended with the calls it counted in memory: one durable statement instead of a count flush and a state
 # change in two transactions.
 _PG_END_SESSION = (
-    "UPDATE undolog_sessions SET state = %s, tool_calls_total = tool_calls_total + %s, updated_at = %s "
-    "WHERE session_id = %s AND state = ANY(%s)"
+    "UPDATE undolog_sessions SET state = %(state)s, tool_calls_total = tool_calls_total + %(count)s, "
+    "updated_at = %(now)s WHERE session_id = %(session_id)s AND state = ANY(%(allowed)s)"
 )
 
 
@@ -153,8 +154,7 @@ def _check(pgconn: Any, res: Any) -> Any:
 
 _PW_CHECKED = prepared("undolog_prewrite_checked", _PG_PREWRITE_CHECKED)
 _PW_COUNTED = prepared("undolog_prewrite", _PG_PREWRITE)
-_MARK = prepared("undolog_mark", _PG_MARK.replace("%s", "%(text)s", 1).replace("%s", "%(now)s", 1)
-                 .replace("%s", "%(effect_id)s", 1))
+_MARK = prepared("undolog_mark", _PG_MARK)
 
 
 def pg_prewrite(conn: Any, session_id: str, count: int, effect_id: str, call_id: str, tool_name: str,
@@ -163,7 +163,7 @@ def pg_prewrite(conn: Any, session_id: str, count: int, effect_id: str, call_id:
     """The pre-write (the session checked, and its count flushed when ``count``; the effect and its undo entry) as
     one autocommit statement on ``conn``: False when the session does not accept writes (nothing written)."""
     stamp = _stamp(now)
-    # In the order of the statements' $n (asserted at import, below).
+    # In the order of the statements' $n (``Prepared.params``; a test holds the two in step).
     tail = [effect_id.encode(), call_id.encode(), tool_name.encode(), str(revision).encode(), args_text.encode(),
             digest.encode(), owner.encode(), _stamp(lease)]
     if count:
@@ -173,15 +173,8 @@ def pg_prewrite(conn: Any, session_id: str, count: int, effect_id: str, call_id:
     return bool(run_prepared(conn, _PW_CHECKED, params).command_tuples == 1)
 
 
-assert _PW_CHECKED.params == ("effect_id", "call_id", "tool_name", "revision", "args", "digest", "owner", "lease",
-                              "now", "session_id", "comp", "comp_version"), _PW_CHECKED.params
-assert _PW_COUNTED.params == ("count", "now", "session_id", "effect_id", "call_id", "tool_name", "revision", "args",
-                              "digest", "owner", "lease", "comp", "comp_version"), _PW_COUNTED.params
-
-
 _START = prepared("undolog_start_session", _PG_START_SESSION)
-_END = prepared("undolog_end_session", _PG_END_SESSION.replace("%s", "%(state)s", 1).replace("%s", "%(count)s", 1)
-                .replace("%s", "%(now)s", 1).replace("%s", "%(session_id)s", 1).replace("%s", "%(allowed)s", 1))
+_END = prepared("undolog_end_session", _PG_END_SESSION)
 
 
 def _array(items: Sequence[str]) -> bytes:
