@@ -175,6 +175,17 @@ class CallDriver:
     def spec(self, tool: Any) -> ToolSpec:
         return tool if isinstance(tool, ToolSpec) else self._spec_for(tool)
 
+    def safe(self, spec: ToolSpec, args: Mapping[str, Any], cache: SessionCache) -> dict[str, Any]:
+        """A SAFE call's whole decision, as :meth:`call_sync` makes it: the arguments validated, the session's pin
+        on the tool checked (``ContractChanged``) and the call counted in memory; returns the values to run it with.
+
+        For an adapter that keeps the session's ``cache`` (``engine.look_up_session``) and runs the tool itself:
+        nothing is written, no ``Execute`` is built, and ``current_call()`` stays None, as on the core's SAFE path.
+        """
+        values = spec.values(spec.validate(args))
+        self.engine.note_safe_in(cache, spec, values)
+        return values
+
     # -- running ---------------------------------------------------------------------------------
 
     def run_sync(

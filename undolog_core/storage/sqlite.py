@@ -6,6 +6,7 @@ The DBOS shape: ``SQLiteStorage`` is the ``Storage`` of a SQLite file; ``postgre
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from sqlalchemy.engine import Connection, Engine
 from ..errors import ConfigurationError, DatabaseUnavailable
 from . import schema as t
 from .group import GroupCommit
-from .hotpath import _WRITABLE, HotPath
+from .hotpath import _WRITABLE, HotPath, SessionRow
 from .pool import IntegrityConflict, WouldBlock, is_unavailable
 
 _SQLITE_GUARD = (
@@ -32,6 +33,12 @@ _SQLITE_PREWRITE = (
     "INSERT INTO undolog_prewrite (effect_id, session_id, call_id, tool_name, tool_revision, args_snapshot, "
     "args_digest, owner, lease_until, created_at, compensation_name, compensation_version) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+# A new session in one durable autocommit statement (see HotPath.start_session); an id that exists returns no row.
+_SQLITE_START_SESSION = (
+    "INSERT INTO undolog_sessions (session_id, agent_id, state, tool_calls_total, created_by, halted_reason, "
+    "on_failure, pinned_revisions, created_at, updated_at) VALUES (?, ?, 'active', 0, ?, NULL, ?, ?, ?, ?) "
+    "ON CONFLICT (session_id) DO NOTHING RETURNING session_id, state, pinned_revisions, on_failure"
 )
 _SQLITE_MARK = (
     "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = ?, owner = NULL, lease_until = NULL, "
@@ -161,8 +168,9 @@ class SQLiteHotPath(HotPath):
         # Likewise the CHECK constraints: every value these connections write is a constant of the statements
         # above ('compensable', 'pending', 'committed', the trigger's 'armed') or a counter, never a caller's value,
         # so re-proving the enum lists on every row proves nothing; SQLite evaluates each IN-list check per row,
-        # about a sixth of the CPU of a COMPENSABLE call's two statements. The general engine's connections,
-        # which write every other state, keep every check (tests/core/test_hot_path_checks.py).
+        # about a sixth of the CPU of a COMPENSABLE call's two statements. The one caller's value that meets a CHECK
+        # here, a new session's on_failure, is checked by start_session before it is written. The general engine's
+        # connections, which write every other state, keep every check (tests/core/test_hot_path_checks.py).
         conn.execute("PRAGMA ignore_check_constraints=ON")
 
     def _prewrite(self, conn: Any, wait: bool, session_id: str, count: int, effect_id: str, call_id: str,
@@ -197,6 +205,25 @@ class SQLiteHotPath(HotPath):
             return True
         finally:
             self.write_lock.release()
+
+    def start_session(self, values: dict[str, Any]) -> Any:
+        """A new session's row in one durable autocommit statement, or None when the id exists (the caller reads it).
+
+        The general path's read, savepoint and insert through SQLAlchemy cost about a millisecond of CPU; an adapter
+        starts a session per conversation, and a conversation may be a few calls. The values are those Core would
+        write (the same datetime text, the same JSON); this pool's connections skip CHECK constraints, so the one
+        value a caller chose (``on_failure``) is checked here first."""
+        on_failure = t.OnFailure(values["on_failure"]).value  # ValueError for anything the CHECK would refuse
+        now_s = _sqlite_time(values["created_at"].timestamp())
+        params = (values["session_id"], values["agent_id"], values["created_by"], on_failure,
+                  json.dumps(values["pinned_revisions"]), now_s, now_s)
+        with self.durable.connection("starting a session") as conn, self.write_lock:
+            # fetchall: the autocommit statement ends (and commits) only once its RETURNING rows are read.
+            rows = conn.execute(_SQLITE_START_SESSION, params).fetchall()
+        if not rows:
+            return None
+        sid, state, pins, failure = rows[0]
+        return SessionRow(sid, state, json.loads(pins) if pins else {}, failure)
 
     def _mark(self, conn: Any, wait: bool, effect_id: str, text: str, now: float) -> bool:
         if not self.write_lock.acquire(blocking=wait):
