@@ -33,7 +33,7 @@ EXPIRE_BATCH = 250
 #: nothing is left, and a dead holder frees its slot with its connection. Beyond a few concurrent batches the
 #: machine only spends more CPU per timeout (more processes share the cores, each claim steps over the rows the
 #: other batches hold): on the 2-core machine 8 warm sweepers used 4-11% more CPU than 4 for the same 6,000
-#: timeouts without the slots, about 1% more with them (paired runs). A sweeper that WAITED for a slot did not
+#: timeouts without the slots, the same or less with them (paired runs). A sweeper that WAITED for a slot did not
 #: help: its waiting statement holds a snapshot, which keeps the rows the others time out from being pruned, and
 #: every claim walks them again (the due index is walked oldest first).
 SWEEP_SLOTS = 4
