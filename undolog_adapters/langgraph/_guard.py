@@ -202,7 +202,8 @@ class _Guard:
             if not wait:
                 raise WouldBlock()
             with self.create_lock:
-                sc = self.u.engine.ensure_session(sid, agent_id=self.agent_id, on_failure=self.on_failure)
+                # Just read as missing: inserted first, in one statement where the store has it (``fresh``).
+                sc = self.u.engine.ensure_session(sid, agent_id=self.agent_id, on_failure=self.on_failure, fresh=True)
                 with self.lock:
                     self.heads.setdefault(base, n)
             return sid, sc.state, None
