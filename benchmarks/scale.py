@@ -4,7 +4,11 @@ Four measurements, each printed with what it is compared against:
 
 1. ``throughput``: N worker processes (1, 2, 4, 8) each running sessions of COMPENSABLE calls, against the same
    number of processes doing bare durable two-row inserts (psycopg, default ``synchronous_commit``) on the same
-   database. Goal: UndoLog >= 80% of the bare throughput at every N.
+   database. Goal: UndoLog >= 80% of the bare throughput at every N. Beside UndoLog, in both modes, its lower
+   bound (``lower_bound_worker``: the same statements on raw connections, none of UndoLog's bookkeeping), marked
+   reachable or OUT OF REACH for the goal, and UndoLog over it. Each row has its CPU per call, the workers' own
+   (client) and their PostgreSQL backends' (server, from /proc): from 2 workers on, a 2-core machine that runs
+   both is CPU bound, and the ratio is the bare CPU per insert over the CPU per call.
 2. ``expire``: approval requests past their timeout expired by ``approvals.expire_due()`` from N processes at
    once. Goal: >= 3,000/s with 4 workers, more workers never slower, each request timed out exactly once
    (checked: one ``timeout`` audit event and one ``approval.timed_out`` outbox row per request).
@@ -16,6 +20,7 @@ Four measurements, each printed with what it is compared against:
     python benchmarks/scale.py                      # everything (several minutes)
     python benchmarks/scale.py --quick              # a few seconds: the CI smoke run
     python benchmarks/scale.py --only expire,recover --workers 1,2,4,8
+    python benchmarks/scale.py --only throughput --variants bare,durable,fast   # without the lower bounds
 """
 
 from __future__ import annotations
@@ -130,6 +135,83 @@ def _worker_main(target: Callable[..., Any], i: int, start: Any, out: Any, args:
         out.put(f"error in worker {i}: {exc!r}\n{traceback.format_exc()}")
 
 
+# -- CPU accounting: the workers' own (client) and their PostgreSQL backends' (server) ---------------------------
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _proc_cpu(pid: int) -> float:
+    """Seconds of CPU (user + system) process ``pid`` has used, from /proc (0 if it is gone or unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _backends(app: str) -> list[int]:
+    """The pids of the PostgreSQL backends whose ``application_name`` is ``app`` (one worker's connections)."""
+    import psycopg
+
+    with psycopg.connect(PG_URL.replace("postgresql+psycopg://", "postgresql://", 1), autocommit=True) as con:
+        return [r[0] for r in con.execute("SELECT pid FROM pg_stat_activity WHERE application_name = %s", (app,))]
+
+
+class CpuMeter:
+    """One worker's CPU over its timed run: ``time.process_time()`` of the worker process (every thread) and the
+    CPU its PostgreSQL backends used, read from /proc (the server runs on this machine). A backend opened during
+    the run counts whole (its start-up included: a connection opened per call would be charged for)."""
+
+    def __init__(self, app: str) -> None:
+        self.app = app
+        self.client0 = 0.0
+        self.server0: dict[int, float] = {}
+
+    def start(self) -> None:
+        self.server0 = {pid: _proc_cpu(pid) for pid in _backends(self.app)}
+        self.client0 = time.process_time()
+
+    def stop(self) -> tuple[float, float]:
+        """(client seconds, server seconds) since ``start``; call it before the connections close."""
+        client = time.process_time() - self.client0
+        server = sum(_proc_cpu(pid) - self.server0.get(pid, 0.0) for pid in _backends(self.app))
+        return client, server
+
+
+def _app_name(kind: str, i: int) -> str:
+    return f"scale-{kind}-{i}-{uuid.uuid4().hex[:8]}"
+
+
+def _with_app(url: str, app: str) -> str:
+    return f"{url}{'&' if '?' in url else '?'}application_name={app}"
+
+
+def _postgres_pids() -> list[int]:
+    """Every process of the local PostgreSQL server (backends of anyone, WAL writer, checkpointer...)."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/comm") as f:
+                    if f.read().strip() == "postgres":
+                        pids.append(int(name))
+            except OSError:
+                pass
+    return pids
+
+
+def _postgres_cpu() -> dict[int, float]:
+    return {pid: _proc_cpu(pid) for pid in _postgres_pids()}
+
+
+def _other_postgres_cpu(before: dict[int, float]) -> float:
+    """CPU since ``before`` of the PostgreSQL processes alive then and now: the server's own (WAL writer,
+    checkpointer, autovacuum) and anyone else's long-lived backends, not the workers' (opened after ``before``)."""
+    now = _postgres_cpu()
+    return sum(now[pid] - cpu for pid, cpu in before.items() if pid in now)
+
+
 # -- 1. throughput: sessions of COMPENSABLE calls vs bare two-row inserts ---------------------------------------
 
 
@@ -147,8 +229,11 @@ def bare_worker(i: int, prepared: Any, schema: str, seconds: float, sessions: in
     import psycopg
 
     if prepared is None:
+        app = _app_name("bare", i)
         return [psycopg.connect(PG_URL.replace("postgresql+psycopg://", "postgresql://", 1),
-                                options=f"-csearch_path={schema}") for _ in range(sessions)]
+                                options=f"-csearch_path={schema}", application_name=app)
+                for _ in range(sessions)], CpuMeter(app)
+    conns, meter = prepared
     args = json.dumps({"user_id": "u1", "amount": 5})
     end = time.perf_counter() + seconds
 
@@ -163,10 +248,14 @@ def bare_worker(i: int, prepared: Any, schema: str, seconds: float, sessions: in
                 cur.execute("INSERT INTO bench_undo VALUES (%s, %s, %s, %s)", (b, a, args, now))
             con.commit()
             n += 1
-        con.close()
         return n
 
-    return _in_threads(loop, prepared)
+    meter.start()
+    n = _in_threads(loop, conns)
+    client, server = meter.stop()
+    for con in conns:
+        con.close()
+    return {"calls": n, "client": client, "server": server}
 
 
 def _in_threads(fn: Callable[[Any], int], items: list[Any]) -> int:
@@ -176,39 +265,136 @@ def _in_threads(fn: Callable[[Any], int], items: list[Any]) -> int:
         return sum(pool.map(fn, items))
 
 
+CALLS_PER_SESSION = 10
+
+
 def undolog_worker(i: int, prepared: Any, schema: str, seconds: float, sessions: int = 1,
                    fast: bool = False) -> Any:
     """``sessions`` threads sharing one ``UndoLog`` (one process serving that many agent sessions at once), each
     running sessions of ten COMPENSABLE calls one after another."""
     if prepared is None:
-        u = UndoLog.open(PG_URL, schema=schema, fast_commit_mark=fast, pool_size=max(5, sessions))
+        app = _app_name("fast" if fast else "durable", i)
+        u = UndoLog.open(_with_app(PG_URL, app), schema=schema, fast_commit_mark=fast, pool_size=max(5, sessions))
         register(u)
         s = u.session(agent_id=f"warm-{i}")
-        s.call_sync("scale_refund", user_id="u", amount=1)
+        for k in range(CALLS_PER_SESSION):
+            s.call_sync("scale_refund", user_id="u", amount=k)
         s.complete()
-        return u
-    u = prepared
+        return u, CpuMeter(app)
+    u, meter = prepared
     end = time.perf_counter() + seconds
-    calls_per_session = 10
 
     def loop(t: int) -> int:
         n = 0
         while time.perf_counter() < end:
             s = u.session(agent_id=f"worker-{i}-{t}")
-            for k in range(calls_per_session):
+            for k in range(CALLS_PER_SESSION):
                 s.call_sync("scale_refund", user_id=f"u{k}", amount=k)
                 n += 1
             s.complete()
         return n
 
+    meter.start()
     n = _in_threads(loop, list(range(sessions)))
+    u.engine.flush_marks()  # fast mode: every queued mark written inside the measured CPU
+    client, server = meter.stop()
     u.close()
-    return n
+    return {"calls": n, "client": client, "server": server}
 
 
-def bench_throughput(workers: list[int], seconds: float, rounds: int = 2, sessions: int = 1) -> list[dict[str, Any]]:
+def lower_bound_worker(i: int, prepared: Any, schema: str, seconds: float, sessions: int = 1,
+                       fast: bool = False) -> Any:
+    """The work no implementation of UndoLog's guarantees can skip, with none of UndoLog's bookkeeping: a lower
+    bound, not a competitor. Raw psycopg connections (one per thread, autocommit), and per call: validate the
+    arguments, take their JSON snapshot and canonical text, digest it, mint an effect id, run UndoLog's own
+    one-statement pre-write (the session checked, the effect and its undo entry, durably), run the tool, serialise
+    its result and run UndoLog's own commit mark: durably at once, or (``fast``) queued and written per session in
+    one transaction without fsync, as fast mode's flush at ``complete()`` does. Per session of ten calls, UndoLog's
+    own session start and end statements (the session row the pre-write checks has to exist). Left out, although
+    UndoLog needs them: the pool, the session cache and pins, the in-flight set and lease, ``current_call()``, the
+    recent-calls ring, call-id handling, the driver. If this misses the goal, no trimming of UndoLog's own code
+    meets it on this machine: only storing less (or in fewer commits) would. The statements are sent by the hot
+    path's own functions (``undolog_core.storage.postgres``), so the client's cost per statement is the same too.
+    The fast marks go as fast mode's flush sends them (one statement per batch, ``pg_mark_many``)."""
+    import psycopg
+
+    from undolog_core._tools import canonical_text, sha256_hex
+    from undolog_core.limits import result_text
+    from undolog_core.storage import postgres as pg
+    from undolog_core.storage.base import new_id
+
+    if prepared is None:
+        app = _app_name("lb-fast" if fast else "lb-durable", i)
+        u = open_undolog(PG_URL, schema)
+        spec, owner, lease = u.tool_spec("scale_refund"), u.engine.owner, u.lease_seconds
+        u.close()
+        dsn = PG_URL.replace("postgresql+psycopg://", "postgresql://", 1)
+        conns = [(psycopg.connect(dsn, options=f"-csearch_path={schema}", application_name=app, autocommit=True),
+                  psycopg.connect(dsn, options=f"-csearch_path={schema} -csynchronous_commit=off",
+                                  application_name=app, autocommit=True) if fast else None)
+                 for _ in range(sessions)]
+        return conns, CpuMeter(app), spec, owner, lease
+    conns, meter, spec, owner, lease = prepared
+    assert spec.compensation is not None
+    comp, version, name, revision = spec.compensation.name, spec.compensation.version, spec.name, spec.revision
+    validate, fn, pins = spec.args_model.__pydantic_validator__.validate_python, scale_refund, {name: revision}
+    # The hot path's own statement functions (PostgreSQL), on these raw connections.
+    prewrite, mark, start_session, end_session = pg.pg_prewrite, pg.pg_mark, pg.pg_start_session, pg.pg_end_session
+    end = time.perf_counter() + seconds
+
+    def loop(pair: tuple[Any, Any]) -> int:
+        con, fast_con = pair
+        n = 0
+        while time.perf_counter() < end:
+            sid = new_id()
+            now = dt.datetime.now(dt.UTC)
+            row = start_session(con, {
+                "session_id": sid, "agent_id": f"lb-{i}", "state": "active", "created_by": None,
+                "on_failure": "rollback", "pinned_revisions": pins, "created_at": now, "updated_at": now})
+            assert row is not None
+            marks: list[tuple[str, str, float]] = []
+            for k in range(CALLS_PER_SESSION):
+                model = validate({"user_id": f"u{k}", "amount": k})
+                text = canonical_text(model.model_dump(mode="json"))
+                effect_id = new_id()
+                t = time.time()
+                if not prewrite(con, sid, 0, effect_id, effect_id, name, revision, text, sha256_hex(text), owner,
+                                t, t + lease, comp, version):
+                    raise RuntimeError("the lower bound's pre-write was refused")
+                result = result_text(fn(**model.__dict__))
+                if fast_con is None:
+                    if not mark(con, effect_id, result, time.time()):
+                        raise RuntimeError("the lower bound's mark found no effect in flight")
+                else:
+                    marks.append((effect_id, result, time.time()))
+                n += 1
+            if marks:
+                pg.pg_mark_many(fast_con, marks)
+            if not end_session(con, sid, CALLS_PER_SESSION, "completed", ["active"], time.time()):
+                raise RuntimeError("the lower bound's session did not end")
+        return n
+
+    meter.start()
+    n = _in_threads(loop, conns)
+    client, server = meter.stop()
+    for pair in conns:
+        for con in pair:
+            if con is not None:
+                con.close()
+    return {"calls": n, "client": client, "server": server}
+
+
+GOAL = 0.8
+VARIANTS = ("bare", "durable", "fast", "lb_durable", "lb_fast")
+
+
+def bench_throughput(workers: list[int], seconds: float, rounds: int = 2, sessions: int = 1,
+                     variants: tuple[str, ...] = VARIANTS) -> list[dict[str, Any]]:
     """Interleaved rounds of: bare inserts, UndoLog with durable commit marks, UndoLog in fast mode (the mark
-    without fsync; the pre-write stays durable). A figure is the calls of its runs over their summed wall time."""
+    without fsync; the pre-write stays durable), and the lower bound of each mode (``lower_bound_worker``). A rate
+    is the calls of its runs over their summed wall time; CPU per call is the workers' own (client) and their
+    backends' (server), summed over the runs and divided by their calls. ``server_other`` is the CPU of the other
+    PostgreSQL processes over the runs (the WAL writer, and anyone else's backends: noisy on a shared machine)."""
     rows = []
     for n in workers:
         schema = fresh_schema()
@@ -220,21 +406,68 @@ def bench_throughput(workers: list[int], seconds: float, rounds: int = 2, sessio
                              options=f"-csearch_path={schema}", autocommit=True) as con:
             for ddl in _BASE_DDL:
                 con.execute(ddl)
-        calls = {"bare": 0, "durable": 0, "fast": 0}
-        wall = {"bare": 0.0, "durable": 0.0, "fast": 0.0}
+        assert "bare" in variants, "every ratio is over the bare inserts"
+        tot = {k: {"calls": 0, "wall": 0.0, "client": 0.0, "server": 0.0, "server_other": 0.0} for k in variants}
+        plan = (("bare", bare_worker, (schema, seconds, sessions)),
+                ("durable", undolog_worker, (schema, seconds, sessions, False)),
+                ("fast", undolog_worker, (schema, seconds, sessions, True)),
+                ("lb_durable", lower_bound_worker, (schema, seconds, sessions, False)),
+                ("lb_fast", lower_bound_worker, (schema, seconds, sessions, True)))
+        plan = tuple(p for p in plan if p[0] in variants)
         for _ in range(rounds):
-            for name, target, args in (("bare", bare_worker, (schema, seconds, sessions)),
-                                       ("durable", undolog_worker, (schema, seconds, sessions, False)),
-                                       ("fast", undolog_worker, (schema, seconds, sessions, True))):
+            for name, target, args in plan:
+                pg0 = _postgres_cpu()
                 w, res = run_workers(n, target, args)
-                calls[name] += sum(res)
-                wall[name] += w
+                t = tot[name]
+                t["server_other"] += _other_postgres_cpu(pg0)
+                t["wall"] += w
+                for r in res:
+                    t["calls"] += r["calls"]
+                    t["client"] += r["client"]
+                    t["server"] += r["server"]
         drop_schema(schema)
-        rate = {k: calls[k] / wall[k] for k in calls}
-        rows.append({"workers": n, "bare_per_s": round(rate["bare"]), "undolog_per_s": round(rate["durable"]),
-                     "ratio": round(rate["durable"] / rate["bare"], 3), "undolog_fast_per_s": round(rate["fast"]),
-                     "ratio_fast": round(rate["fast"] / rate["bare"], 3)})
+        row: dict[str, Any] = {"workers": n}
+        rate = {k: tot[k]["calls"] / tot[k]["wall"] for k in variants}
+        for k in variants:
+            t = tot[k]
+            row[k] = {"per_s": round(rate[k]), "ratio": round(rate[k] / rate["bare"], 3),
+                      "client_us": round(1e6 * t["client"] / t["calls"], 1),
+                      "server_us": round(1e6 * t["server"] / t["calls"], 1),
+                      "server_other_us": round(1e6 * t["server_other"] / t["calls"], 1)}
+        # UndoLog over the lower bound of its own mode: how much of the gap its own bookkeeping is.
+        # What the ratio tends to where the machine is CPU bound (2 cores, from 2 workers on): the bare insert's CPU
+        # (client + server) over the call's. Less swayed than the rates by what else the machine runs meanwhile.
+        bare_cpu = row["bare"]["client_us"] + row["bare"]["server_us"]
+        for k in variants:
+            row[k]["cpu_ratio"] = round(bare_cpu / (row[k]["client_us"] + row[k]["server_us"]), 3)
+        for mode in ("durable", "fast"):
+            if mode in rate and f"lb_{mode}" in rate:
+                row[mode]["over_lower_bound"] = round(rate[f"lb_{mode}"] / rate[mode], 3)
+        rows.append(row)
     return rows
+
+
+def print_throughput(rows: list[dict[str, Any]]) -> None:
+    labels = {"bare": "bare 2-row inserts", "durable": "UndoLog, durable marks", "fast": "UndoLog, fast mode",
+              "lb_durable": "lower bound, durable", "lb_fast": "lower bound, fast"}
+    for r in rows:
+        print(f"throughput  {r['workers']} workers (goal: UndoLog >= {GOAL:.2f} of bare; CPU: the bare insert's CPU "
+              "over the call's, what the ratio tends to when CPU bound)")
+        for k in VARIANTS:
+            if k not in r:
+                continue
+            v = r[k]
+            cpu = (f"CPU/call client {v['client_us']:>6.1f} us, server {v['server_us']:>6.1f} us "
+                   f"(other postgres {v['server_other_us']:>6.1f})")
+            note = ""
+            if k in ("durable", "fast"):
+                note = f"  {'meets' if v['ratio'] >= GOAL else 'misses'} the goal"
+                if "over_lower_bound" in v:
+                    note += f"; {v['over_lower_bound']:.2f}x its lower bound's time"
+            elif k.startswith("lb_"):
+                note = f"  goal {'reachable' if v['ratio'] >= GOAL else 'OUT OF REACH'} on this machine"
+            ratio = "" if k == "bare" else f"ratio {v['ratio']:.2f} (CPU {v['cpu_ratio']:.2f})"
+            print(f"  {labels[k]:<24} {v['per_s']:>6}/s {ratio:<22} {cpu}{note}")
 
 
 # -- 2. expiry of due approval requests from N processes --------------------------------------------------------
@@ -426,6 +659,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=1,
                     help="throughput: concurrent sessions (threads) per worker process, the same on the bare side")
     ap.add_argument("--seconds", type=float, default=5.0, help="throughput: seconds per run")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="throughput: comma-separated, of " + ", ".join(VARIANTS) + " (bare is needed)")
+    ap.add_argument("--rounds", type=int, default=2, help="throughput: interleaved rounds")
     ap.add_argument("--expire-n", type=int, default=6000, help="expire: due requests per run")
     ap.add_argument("--recover-n", default="1000,10000", help="recover: in-flight effects per run")
     ap.add_argument("--api-n", type=int, default=2000)
@@ -434,13 +670,14 @@ def main(argv: list[str] | None = None) -> int:
     only = set(args.only.split(","))
     workers = [int(x) for x in args.workers.split(",")]
     recover_ns = [int(x) for x in args.recover_n.split(",")]
-    rounds = 2
+    rounds = args.rounds
     if args.quick:  # a smoke run: every path once, small
         workers, args.seconds, args.expire_n, recover_ns, args.api_n, rounds = [2], 0.3, 300, [100], 40, 1
     out: dict[str, Any] = {}
     tmp = tempfile.mkdtemp(prefix="undolog-scale-")
     if "throughput" in only:
-        out["throughput"] = bench_throughput(workers, args.seconds, rounds, args.sessions)
+        out["throughput"] = bench_throughput(workers, args.seconds, rounds, args.sessions,
+                                             tuple(args.variants.split(",")))
     if "expire" in only:
         out["expire"] = bench_expire(workers, args.expire_n)
     if "recover" in only:
@@ -451,10 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    for r in out.get("throughput", []):
-        print(f"throughput  {r['workers']} workers: bare 2-row inserts {r['bare_per_s']:>6}/s; UndoLog durable marks "
-              f"{r['undolog_per_s']:>6} calls/s (ratio {r['ratio']:.2f}), fast mode {r['undolog_fast_per_s']:>6} "
-              f"calls/s (ratio {r['ratio_fast']:.2f}); goal >= 0.80")
+    print_throughput(out.get("throughput", []))
     for r in out.get("expire", []):
         print(f"expire      {r['workers']} workers: {r['expired_per_s']:>6} timeouts/s ({r['requests']} in "
               f"{r['seconds']} s, each exactly once)")

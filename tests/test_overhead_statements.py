@@ -27,7 +27,15 @@ from typing import Any
 import pytest
 from sqlalchemy import event
 
-from undolog_core import CompensationDescriptor, ToolTier, UndoLog, compensation, current_call, undolog_tool
+from undolog_core import (
+    CompensationDescriptor,
+    ToolTier,
+    UndoLog,
+    compensation,
+    current_call,
+    errors,
+    undolog_tool,
+)
 from undolog_core._engine import Execute
 
 # -- the counter -----------------------------------------------------------------------------------
@@ -427,13 +435,14 @@ async def test_compensable_call_one_durable_transaction_before_tool(
         # libpq's trace shows a prepared statement only as Execute: the pre-write is one statement, one round
         # trip; the rows it wrote are checked below.
         assert len(stmts) == 1, describe(pre)
-    else:
+    elif u.store.is_postgres:
         assert sum(st.count("insert into undolog_effect_log") for st in stmts) == 1, describe(pre)
-        if u.store.is_postgres:
-            assert sum(st.count("insert into undolog_undo_stack") for st in stmts) == 1, describe(pre)
-        else:
-            # SQLite: the schema's trigger writes the undo entry inside the effect's INSERT (checked below).
-            assert len(stmts) == 1 and not stmts[0].startswith("begin"), "one autocommit statement" + describe(pre)
+        assert sum(st.count("insert into undolog_undo_stack") for st in stmts) == 1, describe(pre)
+    else:
+        # SQLite: one INSERT into the pre-write view, whose trigger writes the effect and its undo entry (the rows
+        # are checked below).
+        assert len(stmts) == 1 and stmts[0].startswith("insert into undolog_prewrite"), (
+            "one autocommit statement" + describe(pre))
     assert not any(st.startswith("select") for st in stmts), (
         "a read before the tool costs a round trip\n" + describe(pre)
     )
@@ -463,6 +472,48 @@ async def test_compensable_call_one_durable_transaction_before_tool(
     assert [(e["tool_name"], e["state"], e["undo_state"]) for e in effects] == [
         ("oh_refund" if path == "call" else "oh_refund_sync", "committed", "armed")
     ]
+
+
+# -- a session's start on SQLite: one durable statement --------------------------------------------------------
+
+
+@pytest.mark.sqlite_only  # PostgreSQL's start (and end) is the test below
+def test_sqlite_session_start_is_one_durable_statement_and_writes_what_core_writes(db: Any, counter_for: Any) -> None:
+    """A new session is one autocommit ``INSERT .. ON CONFLICT DO NOTHING RETURNING`` on the hot path's pool (the
+    general path's read, savepoint and insert through SQLAlchemy cost about a millisecond of CPU per session: an
+    adapter starts one per conversation). The row reads back as the general path writes it; an id that exists is
+    read, never overwritten; an ``on_failure`` the schema's CHECK would refuse is refused before anything is
+    written, though the hot path's connections skip CHECK constraints."""
+    u = db.open()
+    u.register(*TOOLS)
+    c = counter_for(u)
+    u.session(agent_id="warm")  # the hot path's connection opened (and traced) before the window
+    c.mark("a")
+    s = u.session(agent_id="overhead", created_by="ana")
+    c.mark("b")
+    evs = [e for e in c.window("a", "b") if e.main]
+    wire = [e for e in evs if e.level == "wire" and e.kind != "setup"]
+    assert [e.kind for e in wire] == ["stmt"] and wire[0].text.startswith("INSERT"), describe(evs)
+    assert _durability(u, c, wire[0].conn), "a session's start is an fsynced commit"
+    # The general path's row for the same values (what UndoLog.session(session_id=...) writes for a new id).
+    general = u.engine.ensure_session("general", agent_id="overhead", created_by="ana")
+    rec, ref = u.sessions.get(s.id), u.sessions.get(general.session_id)
+    assert (rec.agent_id, rec.created_by, rec.state, rec.on_failure, rec.tool_calls_total, rec.pinned_revisions) == (
+        ref.agent_id, ref.created_by, ref.state, ref.on_failure, ref.tool_calls_total, ref.pinned_revisions)
+    assert rec.created_at.tzinfo is not None and abs((rec.created_at - ref.created_at).total_seconds()) < 60
+    _MARKER["counter"] = c
+    try:
+        s.call_sync(oh_refund_sync, user_id="u1", amount=5)  # the row takes calls like any other
+    finally:
+        _MARKER.pop("counter", None)
+    s.complete()
+    # An id that exists is read, never overwritten.
+    assert u.engine.ensure_session(s.id, agent_id="someone-else", fresh=True) is not None
+    assert (u.sessions.get(s.id).agent_id, u.sessions.get(s.id).state) == ("overhead", "completed")
+    with pytest.raises(ValueError):
+        u.engine.ensure_session("bad-policy", on_failure="sometimes", fresh=True)
+    with pytest.raises(errors.SessionNotFound):
+        u.sessions.get("bad-policy")
 
 
 # -- a session's start and end on PostgreSQL: one durable statement each ---------------------------------------

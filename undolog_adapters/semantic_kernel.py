@@ -30,7 +30,7 @@ import contextlib
 import contextvars
 import logging
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,8 @@ from undolog_core import (
     UndoLog,
     errors,
 )
+from undolog_core._engine import SessionCache, execute_now
+from undolog_core.storage.pool import WouldBlock
 
 __all__ = [
     "ROLLBACK_ATTR",
@@ -103,8 +105,25 @@ def _model_params(function: KernelFunction) -> list[Any]:
 
 _session_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_sk_session", default=None)
 
+SAFE = ToolTier.SAFE
+IRREVERSIBLE = ToolTier.IRREVERSIBLE
+_MISSING = object()
+# Kernel functions and sessions a filter keeps what it learnt of, each looked up once; past this many, it starts over
+# (a long-lived filter serving many conversations must not grow without bound).
+_KEEP = 4096
 
-@dataclass
+
+@dataclass(frozen=True)
+class _Known:
+    """What a filter learnt once of a kernel function: its UndoLog name, tier and the parameters the model sends."""
+
+    function: KernelFunction  # held so that the id it is kept under is not reused by another object
+    name: str
+    tier: ToolTier
+    params: frozenset[str]
+
+
+@dataclass(slots=True)
 class _Handover:
     name: str
     decision: Execute
@@ -114,6 +133,8 @@ class _Handover:
     failure_text: str | None = None
     # The call's arguments as JSON values, as let through: what the inner filter compares the call it runs with.
     approved: dict[str, Any] | None = None
+    # SAFE and without a retry policy: the inner filter runs it as it is, with no outcome to record.
+    plain: bool = False
 
 
 # The auto filter's decision for the call it is about to run; read (once) by the inner filter in the
@@ -121,19 +142,30 @@ class _Handover:
 _handover: contextvars.ContextVar[_Handover | None] = contextvars.ContextVar("undolog_sk_handover", default=None)
 
 
-@contextlib.contextmanager
-def undolog_session(session_id: str) -> Iterator[str]:
+class undolog_session:  # noqa: N801 - used as a function (``with undolog_session(id):``), as it always was
     """Run what is inside as UndoLog session ``session_id`` (a chat or agent-thread id).
+
+    A plain class rather than a generator-based context manager: it wraps every turn, and this costs a third.
 
     Example:
         >>> with undolog_session(thread.id):                         # doctest: +SKIP
         ...     await agent.get_response(messages="hi", thread=thread)
     """
-    token = _session_var.set(session_id)
-    try:
-        yield session_id
-    finally:
-        _session_var.reset(token)
+
+    __slots__ = ("session_id", "_token")
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        self._token: contextvars.Token[str | None] | None = None
+
+    def __enter__(self) -> str:
+        self._token = _session_var.set(self.session_id)
+        return self.session_id
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _session_var.reset(self._token)
+            self._token = None
 
 
 def _is_tool(function: KernelFunction) -> bool:
@@ -192,7 +224,9 @@ class UndoLogFilter:
         self._session_id = session_id
         self.agent_id = agent_id
         self._classified: dict[str, ToolTier] = {}
-        self._ensured: set[str] = set()
+        self._known: dict[int, _Known] = {}
+        # The sessions this filter has seen, as the engine keeps them (read once; see _cache).
+        self._seen: dict[str, SessionCache] = {}
         # Bound methods are created anew on each access; keep one of each so they can be found again.
         self.function_filter = self.function_invocation
         self.auto_filter = self.auto_function_invocation
@@ -250,19 +284,54 @@ class UndoLogFilter:
             sid = self._session_id
         return sid
 
-    async def _asession(self) -> str:
-        # The session's first call creates it (a durable write): in a worker thread, never on the event loop.
-        sid = self.session_id
-        if sid not in self._ensured:
-            await asyncio.to_thread(self.undolog.session, agent_id=self.agent_id, session_id=sid)
-            self._ensured.add(sid)
-        return sid
+    def _learn(self, function: KernelFunction) -> _Known:
+        """The function's name, tier and model parameters, computed once (SK computes its name on each access);
+        the filters look them up by the function's id first."""
+        tier = self.classify(function)
+        known = _Known(function, function.fully_qualified_name, tier,
+                       frozenset(p.name for p in _model_params(function)))
+        if len(self._known) >= _KEEP:
+            self._known.clear()
+        self._known[id(function)] = known
+        return known
+
+    async def _cache(self, sid: str) -> SessionCache:
+        """The session as this process knows it. The first sight reads it (its state and pins, so a session resumed
+        here keeps them; nothing is written); a session the store does not have is written by its first
+        COMPENSABLE or IRREVERSIBLE call (see _intercept), so a conversation of SAFE calls writes nothing."""
+        sc = self._seen.get(sid)
+        if sc is not None:
+            return sc
+        engine = self.undolog.engine
+        try:
+            sc = engine.look_up_session(sid, agent_id=self.agent_id, wait=False)
+        except WouldBlock:  # no free connection at once: never wait on the event loop
+            sc = await asyncio.to_thread(engine.look_up_session, sid, agent_id=self.agent_id)
+        if len(self._seen) >= _KEEP:
+            self._seen.clear()
+        self._seen[sid] = sc
+        return sc
 
     @staticmethod
-    def _args(function: KernelFunction, arguments: KernelArguments) -> dict[str, Any]:
-        names = {p.name for p in _model_params(function)}
-        args: dict[str, Any] = to_jsonable_python({k: v for k, v in arguments.items() if k in names})
+    def _args(known: _Known, arguments: KernelArguments) -> dict[str, Any]:
+        params = known.params
+        args: dict[str, Any] = to_jsonable_python({k: v for k, v in arguments.items() if k in params})
         return args
+
+    def _unchanged(self, known: _Known, arguments: KernelArguments, handover: _Handover) -> bool:
+        """Whether the call about to run is the call let through: the same value objects under the same model
+        parameters (no conversion: the common case), else equal once converted to JSON."""
+        let_through = handover.decision.args
+        for k, v in let_through.items():
+            if arguments.get(k, _MISSING) is not v:
+                break
+        else:
+            if len(known.params & arguments.keys()) == len(let_through):
+                return True
+        approved = handover.approved
+        if approved is None:
+            approved = to_jsonable_python(dict(let_through))
+        return self._args(known, arguments) == approved
 
     def _call_id(self, sid: str, name: str, tier: ToolTier, args: dict[str, Any], given: str | None) -> str:
         if tier is ToolTier.IRREVERSIBLE:
@@ -279,39 +348,63 @@ class UndoLogFilter:
     # functions: _intercept (the decision, asked by whichever filter is the gate) and _run (run, then
     # complete or fail). The filters only route between them.
 
-    async def _intercept(self, function: KernelFunction, arguments: KernelArguments,
+    async def _intercept(self, known: _Known, arguments: KernelArguments,
                          given_call_id: str | None) -> tuple[str, Execute | AwaitingApproval | Completed,
-                                                             dict[str, Any]]:
-        """Classify, find the session and the call id, and ask the engine; returns (session id, decision, the
-        arguments asked about, as JSON values).
+                                                             dict[str, Any], bool]:
+        """Find the session and the call id, and ask the engine; returns (session id, decision, the arguments asked
+        about, as JSON values, whether the call is plain: SAFE with no retry policy, nothing to record).
 
-        Nothing here waits on the event loop: the driver's ``adecide`` decides inline when nothing has to wait (a
-        SAFE call, the COMPENSABLE hot path with a free connection), else in a worker thread, like the session's
-        creation and the look-up of an earlier approval.
+        Nothing here waits on the event loop: a SAFE call is decided in memory (validated, pinned, counted: the
+        driver's ``safe``), a COMPENSABLE one by the driver's ``adecide`` inline when nothing has to wait (the hot
+        path with a free connection), else in a worker thread, like the session's creation at its first logged call
+        and the look-up of an earlier approval.
         """
-        name = function.fully_qualified_name
-        tier = self.classify(function)
-        sid = await self._asession()
-        args = self._args(function, arguments)
-        if tier is ToolTier.IRREVERSIBLE:
-            call_id = await asyncio.to_thread(self._call_id, sid, name, tier, args, given_call_id)
+        name = known.name
+        sid = _session_var.get() or self.session_id
+        sc = self._seen.get(sid) or await self._cache(sid)
+        params = known.params
+        args: dict[str, Any] = to_jsonable_python({k: v for k, v in arguments.items() if k in params})
+        driver = self.undolog.driver
+        if known.tier is SAFE:
+            spec = driver.spec(name)
+            if spec.tier is SAFE:
+                values = driver.safe(spec, args, sc)
+                return sid, execute_now(None, values, None, SAFE, name, given_call_id, sid), args, spec.retry is None
+        if not sc.persisted:
+            # The session's first logged call writes it (one durable write, with this filter's agent id), in a
+            # worker thread; a session that was created elsewhere meanwhile is read instead.
+            await asyncio.to_thread(self.undolog.engine.ensure_session, sid, agent_id=self.agent_id, fresh=True)
+        if known.tier is IRREVERSIBLE:
+            call_id = await asyncio.to_thread(self._call_id, sid, name, known.tier, args, given_call_id)
         else:
-            call_id = self._call_id(sid, name, tier, args, given_call_id)
-        return sid, await self.undolog.driver.adecide(sid, name, args, call_id=call_id), args
+            call_id = self._call_id(sid, name, known.tier, args, given_call_id)
+        return sid, await driver.adecide(sid, name, args, call_id=call_id), args, False
 
     # ----------------------------------------------------------------- filters
     async def auto_function_invocation(self, context: AutoFunctionInvocationContext, next: Any) -> None:
         """AUTO_FUNCTION_INVOCATION filter: the gate under auto function calling."""
         function = context.function
-        if not _is_tool(function):
+        if not isinstance(function, KernelFunctionFromMethod):  # a prompt function is no tool: untouched
             await next(context)
             return
-        self._check_paired(context.kernel)
-        name = function.fully_qualified_name
+        for _, registered in context.kernel.function_invocation_filters:
+            if registered is self or registered == self.function_filter:
+                break
+        else:
+            self._check_paired(context.kernel)
+        known = self._known.get(id(function))
+        if known is None or known.function is not function:
+            try:
+                known = self._learn(function)
+            except errors.UndoLogError as exc:
+                context.function_result = FunctionResult(function=function.metadata,
+                                                         value=refusal_text(function.fully_qualified_name, exc))
+                return
+        name = known.name
         fcc = context.function_call_content
         try:
-            sid, decision, asked = await self._intercept(function, context.arguments,
-                                                         fcc.id if fcc is not None else None)
+            sid, decision, asked, plain = await self._intercept(known, context.arguments,
+                                                                fcc.id if fcc is not None else None)
         except errors.UndoLogError as exc:
             context.function_result = FunctionResult(function=function.metadata, value=refusal_text(name, exc))
             return
@@ -331,7 +424,7 @@ class UndoLogFilter:
         # The arguments let through, as JSON values: those asked about when validation kept them as they were (the
         # common case: one conversion fewer per call), else the validated ones converted.
         approved = asked if decision.args == asked else to_jsonable_python(dict(decision.args))
-        handover = _Handover(name, decision, sid, approved=approved)
+        handover = _Handover(name, decision, sid, approved=approved, plain=plain)
         token = _handover.set(handover)
         try:
             await next(context)
@@ -347,12 +440,15 @@ class UndoLogFilter:
     async def function_invocation(self, context: FunctionInvocationContext, next: Any) -> None:
         """FUNCTION_INVOCATION filter: runs the tool; the gate too under a plain ``kernel.invoke``."""
         function = context.function
-        if not _is_tool(function):
+        if not isinstance(function, KernelFunctionFromMethod):  # a prompt function is no tool: untouched
             await next(context)
             return
-        name = function.fully_qualified_name
+        known = self._known.get(id(function))
+        if known is None or known.function is not function:
+            known = self._learn(function)
+        name = known.name
         filters = context.kernel.function_invocation_filters
-        if filters and not self._is_inner(filters[0][1]):
+        if filters and not ((inner := filters[0][1]) is self or inner == self.function_filter):
             raise errors.ConfigurationError(
                 f"UndoLog refused {name}: another FUNCTION_INVOCATION filter runs inside UndoLog's and could change "
                 "the call after its gate; call install(kernel, ...) after adding your own filters"
@@ -360,10 +456,7 @@ class UndoLogFilter:
         handover = _handover.get()
         if handover is not None and not handover.consumed and handover.name == name:
             handover.consumed = True
-            approved = handover.approved
-            if approved is None:
-                approved = to_jsonable_python(dict(handover.decision.args))
-            if self._args(function, context.arguments) != approved:
+            if not self._unchanged(known, context.arguments, handover):
                 # A filter between the gate and the function edited the call: it is not the call that was let
                 # through (approved, for an IRREVERSIBLE one), so it does not run.
                 if handover.decision.effect_id is not None:
@@ -371,15 +464,22 @@ class UndoLogFilter:
                 raise errors.ConfigurationError(
                     f"UndoLog refused {name}: its arguments were changed after UndoLog's gate; it was NOT run"
                 )
+            if handover.plain:
+                # A SAFE call: nothing to record, whatever happens; its exception, if any, goes on untouched.
+                await next(context)
+                return
             await self._run(context, next, handover.decision, handover.session_id, handover)
             return
-        sid, decision, _ = await self._intercept(function, context.arguments, None)
+        sid, decision, _, plain = await self._intercept(known, context.arguments, None)
         if isinstance(decision, AwaitingApproval):
             raise ApprovalPending(decision.effect_id, decision.approval_request_id, decision.retry_after, name)
         if isinstance(decision, Completed):
             context.result = FunctionResult(function=function.metadata, value=decision.result)
             return
         context.arguments.update(decision.args)
+        if plain:
+            await next(context)  # SAFE: nothing to record (see the auto half)
+            return
         await self._run(context, next, decision, sid)
 
     async def _run(self, context: FunctionInvocationContext, next: Any, decision: Execute, sid: str,

@@ -175,6 +175,17 @@ class CallDriver:
     def spec(self, tool: Any) -> ToolSpec:
         return tool if isinstance(tool, ToolSpec) else self._spec_for(tool)
 
+    def safe(self, spec: ToolSpec, args: Mapping[str, Any], cache: SessionCache) -> dict[str, Any]:
+        """A SAFE call's whole decision, as :meth:`call_sync` makes it: the arguments validated, the session's pin
+        on the tool checked (``ContractChanged``) and the call counted in memory; returns the values to run it with.
+
+        For an adapter that keeps the session's ``cache`` (``engine.look_up_session``) and runs the tool itself:
+        nothing is written, no ``Execute`` is built, and ``current_call()`` stays None, as on the core's SAFE path.
+        """
+        values = spec.values(spec.validate(args))
+        self.engine.note_safe_in(cache, spec, values)
+        return values
+
     # -- running ---------------------------------------------------------------------------------
 
     def run_sync(
@@ -384,13 +395,12 @@ class CallDriver:
         """Run the tool again per its retry policy; ``(value, None)`` once an attempt succeeds, else the last error.
 
         An attempt whose outcome is unknown (``unknown_on``) ends the retries: it may have happened, and is settled
-        as in doubt by the caller, never tried again blindly."""
-        policy = self._retry_policy(d, exc)
-        attempt = 1
-        while policy is not None and policy.retries(exc, attempt):
-            time.sleep(policy.delay(attempt))
-            attempt += 1
-            with self.engine.running(d, attempt=attempt):
+        as in doubt by the caller, never tried again blindly. The attempts are counted by ``_Retrying``; this loop
+        and ``_retry_async`` differ only in how they sleep, call and release."""
+        retrying = _Retrying(self._retry_policy(d, exc), exc)
+        while (delay := retrying.next_delay()) is not None:
+            time.sleep(delay)
+            with self.engine.running(d, attempt=retrying.attempt):
                 try:
                     return invoke(d.args), None
                 except control_flow:
@@ -399,19 +409,15 @@ class CallDriver:
                 except unknown_on as unknown:
                     return None, unknown
                 except BaseException as again:
-                    exc = again
-        if attempt > 1:
-            _note(exc, f"undolog: {d.tool_name} failed on each of {attempt} attempts (its retry policy)")
-        return None, exc
+                    retrying.error = again
+        return None, retrying.gave_up(d)
 
     async def _retry_async(self, d: Execute, invoke: Callable[[dict[str, Any]], Any], exc: BaseException,
                            control_flow: ControlFlow, unknown_on: ControlFlow = ()) -> tuple[Any, BaseException | None]:
-        policy = self._retry_policy(d, exc)
-        attempt = 1
-        while policy is not None and policy.retries(exc, attempt):
-            await asyncio.sleep(policy.delay(attempt))
-            attempt += 1
-            with self.engine.running(d, attempt=attempt):
+        retrying = _Retrying(self._retry_policy(d, exc), exc)
+        while (delay := retrying.next_delay()) is not None:
+            await asyncio.sleep(delay)
+            with self.engine.running(d, attempt=retrying.attempt):
                 try:
                     value = invoke(d.args)
                     return (await value) if inspect.isawaitable(value) else value, None
@@ -421,10 +427,8 @@ class CallDriver:
                 except unknown_on as unknown:
                     return None, unknown
                 except BaseException as again:
-                    exc = again
-        if attempt > 1:
-            _note(exc, f"undolog: {d.tool_name} failed on each of {attempt} attempts (its retry policy)")
-        return None, exc
+                    retrying.error = again
+        return None, retrying.gave_up(d)
 
     def _retry_safe_sync(self, spec: ToolSpec, values: dict[str, Any], exc: Exception) -> Any:
         d = Execute(None, values, None, SAFE, spec.name, None, "")
@@ -589,6 +593,31 @@ def _ran(s: Any, outcome: Outcome) -> Outcome:
         what = "halted"
     obs.failed(s, outcome.error if outcome.error is not None else str(outcome.failure), what)
     return outcome
+
+
+class _Retrying:
+    """The state of a tool's retries, shared by the sync and the async driver: which attempt comes next, after
+    what delay, and the note on the last error when they all failed."""
+
+    __slots__ = ("policy", "error", "attempt")
+
+    def __init__(self, policy: RetryPolicy | None, error: BaseException) -> None:
+        self.policy = policy
+        self.error = error  # the last attempt's error
+        self.attempt = 1  # the attempt that failed last, then the one about to run
+
+    def next_delay(self) -> float | None:
+        """How long to wait before the next attempt, or None: no retry (left) for this error."""
+        if self.policy is None or not self.policy.retries(self.error, self.attempt):
+            return None
+        delay = self.policy.delay(self.attempt)
+        self.attempt += 1
+        return delay
+
+    def gave_up(self, d: Execute) -> BaseException:
+        if self.attempt > 1:
+            _note(self.error, f"undolog: {d.tool_name} failed on each of {self.attempt} attempts (its retry policy)")
+        return self.error
 
 
 def _call_blocking(spec: ToolSpec, args: dict[str, Any]) -> Any:

@@ -202,6 +202,9 @@ class SessionCache:
     counter: Iterator[int] = field(default_factory=itertools.count)
     carried: Iterator[int] = field(default_factory=itertools.count)
     dirty: bool = False
+    # The agent a session not yet in the store is recorded under, whichever write creates it first (its first
+    # logged call, or the flush of its SAFE calls' count).
+    agent_id: str | None = None
 
     def count_safe(self) -> None:
         next(self.counter)
@@ -344,6 +347,8 @@ class Engine:
         if sc is not None and sc.persisted:
             return sc
         check_id("session_id", session_id)
+        if agent_id is None and sc is not None:
+            agent_id = sc.agent_id  # the agent it was looked up for (see look_up_session)
         if agent_id is not None:
             check_identity("agent_id", agent_id)
         if created_by is not None:
@@ -362,6 +367,34 @@ class Engine:
         if row is None:
             raise SessionNotFound(session_id)
         return self.remember(row)
+
+    def look_up_session(self, session_id: str, *, agent_id: str | None = None, wait: bool = True) -> SessionCache:
+        """This process's record of the session, without writing: read once from the store (its state and pins)
+        when this process does not know it yet; a session the store does not have is recorded in memory only, and
+        written (with ``agent_id``) by its first logged call, or by the flush of its SAFE calls' count.
+
+        What a framework adapter calls when it first sees a session: a session it resumes keeps its pins (a SAFE
+        call of a changed contract is refused) and state, and a run of SAFE calls only writes nothing.
+        ``wait=False`` raises ``WouldBlock`` when the read would wait for a connection (an event loop).
+
+        Example:
+            >>> sc = undolog.engine.look_up_session("chat-42", agent_id="semantic-kernel")
+            >>> sc.persisted     # False: no row yet, none written
+            False
+        """
+        sc = self._sessions.get(session_id)
+        if sc is not None and sc.persisted:
+            return sc
+        check_id("session_id", session_id)
+        if agent_id is not None:
+            check_identity("agent_id", agent_id)
+        row = self.hot.read_session(session_id, wait=wait)
+        if row is not None:
+            return self.remember(row)
+        sc = self.session_cache(session_id)
+        if sc.agent_id is None:
+            sc.agent_id = agent_id
+        return sc
 
     def session_states(self, session_ids: list[str], *, wait: bool = True) -> dict[str, tuple[str, str | None]]:
         """``{session_id: (state, halted_reason)}`` of those that exist, read in one statement on the hot path's
@@ -388,7 +421,8 @@ class Engine:
             n = sc.take_count()
             if n:
                 self.store.add_call_count(sc.session_id, n, missing={
-                    "on_failure": sc.on_failure, "pinned_revisions": sc.pins or self.current_pins()})
+                    "on_failure": sc.on_failure, "pinned_revisions": sc.pins or self.current_pins(),
+                    "agent_id": sc.agent_id})
 
     def end_session(self, session_id: str, state: SessionState, allowed: tuple[str, ...]) -> bool | None:
         """The session moved to ``state`` from one of ``allowed`` with its in-memory call counts, in one durable

@@ -234,6 +234,24 @@ class UndoLog:
 
         return verify_with_checkpoints(self.store, Path(checkpoints), load_public_key(Path(public_key)))
 
+    @staticmethod
+    def check_checkpoint_key(key: str | os.PathLike[str]) -> None:
+        """Read the Ed25519 private key that :meth:`checkpoint_audit` would sign with, and nothing else: a service
+        that signs checkpoints on a timer calls it at start, so a key it cannot read fails there, not at the first
+        interval.
+
+        Raises:
+            CheckpointInvalid: The file cannot be read, or is not an Ed25519 private key (the message says which).
+
+        Example:
+            >>> UndoLog.check_checkpoint_key("/etc/undolog/audit.key")
+        """
+        from pathlib import Path
+
+        from ._checkpoints import load_private_key
+
+        load_private_key(Path(key))
+
     def checkpoint_audit(self, *, key: str | os.PathLike[str], out: str | os.PathLike[str]) -> str:
         """Sign the verified chain head with the Ed25519 private key in ``key`` and write it into ``out``.
 

@@ -278,10 +278,8 @@ def create_app(
         proxy_tools = proxy_config if isinstance(proxy_config, proxy_mod.ProxyTools) else proxy_mod.ProxyTools.load(proxy_config)
         proxy_tools.register(undolog)
     if settings.audit_checkpoint_key:
-        from undolog_core._checkpoints import load_private_key
-
         # Fail at start, not at the first interval: a key that cannot be read means no checkpoints at all.
-        load_private_key(Path(settings.audit_checkpoint_key))
+        UndoLog.check_checkpoint_key(settings.audit_checkpoint_key)
     store = ServerStore(undolog.store)
     # The server's tables are its own migration branch: bring them to head before anything reads them.
     store.migrate()

@@ -126,15 +126,21 @@ async def test_tiers_by_plugin_function_name(ul):
 async def test_each_call_is_intercepted_once(ul, backend, monkeypatch):
     kernel, _ = new_kernel(ul)
     seen = []
-    real = ul.driver.adecide  # the filters decide on the loop through the driver's async entry
+    # The filters decide on the loop through the driver: a SAFE call in memory (safe), a logged one by adecide.
+    real, real_safe = ul.driver.adecide, ul.driver.safe
 
     async def counting(session_id, tool_name, args, *, call_id=None, match_digest=False):
         seen.append((tool_name, call_id))
         return await real(session_id, tool_name, args, call_id=call_id, match_digest=match_digest)
 
+    def counting_safe(spec, args, cache):
+        seen.append((spec.name, "safe"))
+        return real_safe(spec, args, cache)
+
     monkeypatch.setattr(ul.driver, "adecide", counting)
+    monkeypatch.setattr(ul.driver, "safe", counting_safe)
     _, history, reply = await chat_turns(kernel, [[SEARCH], [REFUND_U1]])
-    assert seen == [("support-search_knowledge_base", "c1"), ("support-send_refund_email", "c2")]
+    assert seen == [("support-search_knowledge_base", "safe"), ("support-send_refund_email", "c2")]
     assert [m["status"] for m in backend.outbox] == ["sent"]
     assert "Refunds are confirmed" in reply.content and "msg-1" in reply.content
     report = ul.rollback("chat-1")
@@ -519,3 +525,82 @@ async def test_the_call_let_through_runs_whether_or_not_validation_changed_its_a
     assert NOTES == [("T1", "hi", args.get("pinned", False), args.get("weight", 1.0))], results(history)
     [effect] = ul.sessions.effects("chat-1")
     assert effect["state"] == "committed"
+
+
+# -- the session is written by its first logged call, not by the first sight of the kernel run ------------------
+
+
+async def test_a_safe_only_kernel_run_writes_nothing_and_its_count_keeps_the_agent_id(db, ul, backend):
+    from tests.test_overhead_statements import StatementCounter, wire_transactions
+
+    kernel, _ = new_kernel(ul, agent_id="support-bot")
+    before = {s.session_id for s in ul.sessions.list()}
+    counter = StatementCounter(ul)  # before the hot path takes a connection: traced from the first
+    try:
+        counter.mark("start")
+        _, history, reply = await chat_turns(kernel, [[SEARCH], [call("c9", "support-search_knowledge_base",
+                                                                       query="refund")]], session_id="chat-safe")
+        counter.mark("end")
+        window = counter.window("start", "end")
+    finally:
+        counter.close()
+    assert "Refunds are confirmed" in reply.content and len(results(history)) == 2
+    done, left_open = wire_transactions(window)
+    statements = [e for e in window if e.level == "wire" and e.kind == "stmt"]
+    # At most one read (the session looked up once, for its state and pins), no transaction, no write.
+    assert len(statements) <= 1 and not [t for t in done if len(t) > 1] and not left_open, statements
+    if not ul.store.is_postgres:  # sqlite3's trace shows the text; libpq's only that one statement was executed
+        assert all(e.text.startswith("SELECT") for e in statements)
+    assert {s.session_id for s in ul.sessions.list()} == before
+    with pytest.raises(errors.SessionNotFound):
+        ul.sessions.get("chat-safe")
+    # What UndoLog's close writes: the SAFE calls' count, on a session row that keeps the filter's agent id.
+    ul.engine.flush_counts()
+    rec = db.open().sessions.get("chat-safe")
+    assert (rec.agent_id, rec.tool_calls_total, rec.state) == ("support-bot", 2, "active")
+
+
+async def test_a_safe_run_then_a_logged_call_creates_the_session_once_with_the_agent_id(ul, backend):
+    kernel, _ = new_kernel(ul, agent_id="support-bot")
+    await chat_turns(kernel, [[SEARCH]], session_id="chat-mixed")
+    with pytest.raises(errors.SessionNotFound):
+        ul.sessions.get("chat-mixed")
+    await chat_turns(kernel, [[REFUND_U1]], session_id="chat-mixed")
+    rec = ul.sessions.get("chat-mixed")
+    assert rec.agent_id == "support-bot" and rec.tool_calls_total >= 1  # the SAFE call rode along with the write
+    assert [m["status"] for m in backend.outbox] == ["sent"]
+    assert [e["tool_name"] for e in ul.sessions.effects("chat-mixed")] == ["support-send_refund_email"]
+
+
+async def test_a_session_halted_by_another_process_refuses_logged_calls_through_the_filter(db, ul, backend):
+    other = db.open()
+    other.register(*support.COMPENSATIONS)
+    other.session(agent_id="elsewhere", session_id="chat-halted")
+    other.sessions.set_state("chat-halted", "halted", allowed=("active",))
+    kernel, _ = new_kernel(ul)
+    _, history, _ = await chat_turns(kernel, [[SEARCH], [REFUND_U1]], session_id="chat-halted")
+    searched, refused = results(history)
+    # The core's contract (README, "a halted session refuses COMPENSABLE and IRREVERSIBLE calls; SAFE calls still
+    # run"), the same through the filter whether or not the session was read before.
+    assert "Refunds are confirmed" in searched
+    assert "halted" in refused and backend.outbox == []
+    rec = ul.sessions.get("chat-halted")
+    assert (rec.state, rec.agent_id) == ("halted", "elsewhere")  # read, never re-created nor overwritten
+    assert ul.sessions.effects("chat-halted") == []
+
+
+async def test_a_resumed_session_keeps_its_pins_for_safe_calls(db, ul, backend):
+    # Another process started the session under another contract of the SAFE tool; this process's filter, seeing
+    # the session for the first time, must not run the SAFE call under its own (changed) contract.
+    other = db.open()
+
+    @undolog_tool(tier=ToolTier.SAFE, name="support-search_knowledge_base")
+    def older_search(query: str, limit: int = 3) -> list[str]:
+        return []
+
+    other.register(older_search)
+    other.session(agent_id="elsewhere", session_id="chat-pinned")
+    kernel, _ = new_kernel(ul)
+    _, history, _ = await chat_turns(kernel, [[SEARCH]], session_id="chat-pinned")
+    [answer] = results(history)
+    assert "UndoLog refused" in answer and "changed since session 'chat-pinned'" in answer, answer

@@ -234,15 +234,28 @@ def test_a_compensable_effect_is_never_stored_without_its_undo_entry(undolog):
         "no-such-session", 0, "e-orphan", "c", "send_refund_email", 1, "{}", "d", "o", now.timestamp(),
         now.timestamp() + 30, "cancel_refund_email", 1,
     ) is False
-    if not undolog.store.is_postgres:
-        # SQLite's trigger refuses an effect whose tool revision declares no compensation, instead of storing it
-        # without an undo entry.
-        with pytest.raises(sa.exc.IntegrityError, match="needs its tool revision"):
-            with undolog.store.tx() as c:
-                c.execute(t.effect_log.insert().values(
-                    effect_id="e-unknown", session_id=s.id, call_id="x", tool_name="never_registered",
-                    tool_revision=1, tier="compensable", state="pending", args_snapshot={}, args_digest="d",
-                    recovery_attempts=0, created_at=now, updated_at=now))
+    # The general path (here: the first call of a tool registered after the session began, which pins it in the
+    # same transaction) writes both rows too, on every database; no database-level trigger is needed for that
+    # (SQLite's was replaced by the pre-write view in revision 0010, PostgreSQL never had one).
+    from undolog_core import CompensationDescriptor, ToolTier, compensation, undolog_tool
+
+    @undolog_tool(tier=ToolTier.COMPENSABLE, compensation=CompensationDescriptor.new("cf_late_undo"))
+    def cf_late_tool(n: int) -> int:
+        return n
+
+    @compensation("cf_late_undo")
+    def cf_late_undo(ctx: Any) -> None:
+        return None
+
+    undolog.register(cf_late_tool, cf_late_undo)
+    late = undolog.engine.intercept(s.id, "cf_late_tool", {"n": 1})
+    with undolog.store.read() as c:
+        comp = c.execute(
+            sa.select(t.undo_stack.c.compensation_name)
+            .select_from(t.effect_log.join(t.undo_stack, t.undo_stack.c.undo_id == t.effect_log.c.seq))
+            .where(t.effect_log.c.effect_id == late.effect_id)
+        ).scalar_one()
+    assert comp == "cf_late_undo"
     with undolog.store.read() as c:
         effects = c.execute(sa.select(sa.func.count()).select_from(t.effect_log)
                             .where(t.effect_log.c.effect_id.in_(["e-orphan", "e-unknown"]))).scalar()

@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import json
+import re
 import threading
 import time
 from typing import Any
@@ -192,3 +194,62 @@ def test_canonical_text_still_refuses_what_json_refuses() -> None:
         canonical_text({"x": float("nan")})
     with pytest.raises(TypeError):
         canonical_text({"x": object()})
+
+
+@undolog_tool(tier=ToolTier.COMPENSABLE, compensation=CompensationDescriptor.new("hp_undo"))
+def hp_echo(text: str) -> dict[str, Any]:
+    return {"echo": text, "nested": [text, {"k\"ey\\": text}]}
+
+
+# Text that a hand-built parameter or array literal could get wrong: quotes, backslashes, braces and commas (array
+# syntax), a JSON escape spelled out, the word NULL, non-ASCII, an emoji outside the BMP, nothing.
+TRICKY = ['a"b', "back\\slash", "{x,y}", '"}", "{', "nul\\u0000?", "é ü 中", "\U0001f600", "NULL", ""]
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["durable_mark", "fast_mark"])
+def test_the_hot_path_stores_arguments_results_and_times_exactly(db: Any, fast: bool) -> None:
+    """The hot path's statements (on PostgreSQL prepared and sent as text by hand, the fast marks as array literals
+    in one statement) store exactly what the general path would: the arguments and results as the same JSON, the
+    times as aware UTC instants of the call, the session's count, its end state."""
+    u = db.open(fast_commit_mark=fast)
+    u.register(hp_echo, hp_undo)
+    t0 = dt.datetime.now(dt.UTC)
+    s = u.session(agent_id="hp", session_id="hp-exact")
+    for i, text in enumerate(TRICKY):
+        assert s.call_sync(hp_echo, text=text, call_id=f"c{i}") == {"echo": text, "nested": [text, {"k\"ey\\": text}]}
+    s.complete()
+    t1 = dt.datetime.now(dt.UTC)
+    effects = u.sessions.effects("hp-exact")
+    assert [e["call_id"] for e in effects] == [f"c{i}" for i in range(len(TRICKY))]
+    for e, text in zip(effects, TRICKY, strict=True):
+        assert e["state"] == "committed" and e["undo_state"] == "armed" and e["owner"] is None
+        assert e["args_snapshot"] == {"text": text}
+        assert e["result_snapshot"] == {"echo": text, "nested": [text, {"k\"ey\\": text}]}
+        for when in (e["created_at"], e["updated_at"]):
+            assert when.tzinfo is not None and t0 - dt.timedelta(seconds=1) <= when <= t1 + dt.timedelta(seconds=1)
+        assert e["created_at"] <= e["updated_at"]
+    rec = u.sessions.get("hp-exact")
+    assert (rec.state, rec.tool_calls_total) == ("completed", len(TRICKY))
+    assert rec.pinned_revisions == {"hp_echo": u.tool_spec("hp_echo").revision}
+
+
+@pytest.mark.postgres_only
+def test_postgres_hot_statements_match_libpq_and_their_parameters() -> None:
+    """The PostgreSQL hot path runs its statements through libpq with hand-ordered parameters: the statuses it
+    takes for success are libpq's, and each statement's ``$n`` are the names its builder sends, in that order."""
+    from psycopg import pq
+
+    from undolog_core.storage import postgres as pg
+
+    assert pg._DONE == {pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK}
+    assert pg._PW_CHECKED.params == ("effect_id", "call_id", "tool_name", "revision", "args", "digest", "owner",
+                                     "lease", "now", "session_id", "comp", "comp_version")
+    assert pg._PW_COUNTED.params == ("count", "now", "session_id", "effect_id", "call_id", "tool_name", "revision",
+                                     "args", "digest", "owner", "lease", "comp", "comp_version")
+    assert pg._MARK.params == ("text", "now", "effect_id")
+    assert pg._END.params == ("state", "count", "now", "session_id", "allowed")
+    assert pg._MARK_MANY.params == ("results", "ats", "ids")
+    for stmt in (pg._PW_CHECKED, pg._PW_COUNTED, pg._MARK, pg._MARK_MANY, pg._START, pg._END):
+        sql = stmt.sql.decode()
+        assert "%(" not in sql and "%s" not in sql, sql
+        assert {int(n) for n in re.findall(r"\$(\d+)", sql)} == set(range(1, len(stmt.params) + 1)), sql

@@ -13,7 +13,6 @@ foreign keys off), to save the per-row IN-list checks. What must hold:
 
 from __future__ import annotations
 
-import sqlite3
 import threading
 from typing import Any
 
@@ -22,6 +21,7 @@ import sqlalchemy as sa
 
 from undolog_core import CompensationDescriptor, ToolTier, UndoLog, compensation, undolog_tool
 from undolog_core.storage import schema as t
+from undolog_core.storage.pool import IntegrityConflict
 
 pytestmark = pytest.mark.sqlite_only
 
@@ -98,18 +98,37 @@ def test_rows_written_through_the_hot_path_satisfy_every_check(undolog: UndoLog)
     assert n == 5 + 16 + 2
 
 
-def test_the_trigger_still_refuses_an_effect_without_its_compensation(undolog: UndoLog) -> None:
-    """Checks off is not "anything goes": the trigger's own refusal (a compensable effect whose revision has no
-    compensation in the registry) is not a CHECK constraint and still fires on the hot path's connections."""
+def test_the_prewrite_view_writes_both_rows_or_neither(undolog: UndoLog) -> None:
+    """Checks off is not "anything goes": the pre-write view's trigger writes the effect only while its session
+    accepts writes, and the undo entry only with it; a refused pre-write leaves no row; a compensation that is
+    missing fails the NOT NULL constraint (not a CHECK: still enforced) and leaves no row either."""
     undolog.register(hpc_book, hpc_undo)
     s = undolog.session(agent_id="a")
     s.call_sync("hpc_book", slot="x")
-    conn = _hot_connection(undolog)
-    with pytest.raises(sqlite3.IntegrityError, match="compensable effect needs"):
-        conn.execute(
-            "INSERT INTO undolog_effect_log (effect_id, session_id, call_id, tool_name, tool_revision, tier, state, "
-            "args_snapshot, args_digest, recovery_attempts, created_at, updated_at) "
-            "VALUES ('e-x', ?, 'c-x', 'no_such_tool', 1, 'compensable', 'pending', '{}', 'd', 0, '2026-01-01', "
-            "'2026-01-01')",
-            (s.id,),
-        )
+    hot = undolog.engine.hot
+    now = 1_800_000_000.0
+
+    def prewrite(effect_id: str, comp: Any = "hpc_undo") -> bool:
+        return bool(hot.prewrite(s.id, 0, effect_id, effect_id, "hpc_book", 1, "{}", "d" * 64, "me", now, now + 30,
+                                 comp, 1))
+
+    def rows(effect_id: str) -> tuple[int, int]:
+        with undolog.store.tx() as conn:
+            e = conn.execute(sa.select(sa.func.count()).select_from(t.effect_log)
+                             .where(t.effect_log.c.effect_id == effect_id)).scalar_one()
+            u = conn.execute(sa.select(sa.func.count()).select_from(t.undo_stack)
+                             .where(t.undo_stack.c.effect_id == effect_id)).scalar_one()
+        return e, u
+
+    assert prewrite("e-ok") is True and rows("e-ok") == (1, 1)
+    with undolog.store.tx() as conn:
+        undo = conn.execute(sa.select(t.undo_stack, t.effect_log.c.seq).join(
+            t.effect_log, t.effect_log.c.effect_id == t.undo_stack.c.effect_id)
+            .where(t.undo_stack.c.effect_id == "e-ok")).one()
+    assert (undo.undo_id, undo.compensation_name, undo.state) == (undo.seq, "hpc_undo", "armed")
+    with pytest.raises(IntegrityConflict, match="NOT NULL constraint failed: undolog_undo_stack"):
+        prewrite("e-nocomp", comp=None)
+    assert rows("e-nocomp") == (0, 0)
+    with undolog.store.tx() as conn:
+        conn.execute(t.sessions.update().where(t.sessions.c.session_id == s.id).values(state="halted"))
+    assert prewrite("e-halted") is False and rows("e-halted") == (0, 0)

@@ -236,3 +236,42 @@ def test_an_audit_trail_of_one_chain_upgrades_to_several_and_still_verifies(db):
     u.policy.set(actor="bo", approval_timeout_seconds=600)
     report = u.verify_audit()
     assert report.ok and report.events_checked == 4 and report.head_position == 4, report.problem
+
+
+@pytest.mark.sqlite_only
+def test_sqlite_prewrite_moves_from_the_registry_trigger_to_the_view_and_back(db):
+    """Revision 0010 (SQLite): the effect log's AFTER INSERT trigger goes, the pre-write view and its trigger
+    come; a database upgraded with calls in it goes on writing effects with their undo entries, and a downgrade
+    puts the old trigger back."""
+    assert _objects_at(db, _migrate.upgrade) == {"trigger": {"undolog_effect_undo_entry"}, "view": set()}
+    u = db.open()  # upgrades to head
+    with u.store.engine.connect() as c:
+        assert _sqlite_objects(c) == {"trigger": {"undolog_prewrite_insert"}, "view": {"undolog_prewrite"}}
+    world, tools = setup(u)
+    s = u.session(agent_id="after-0010")
+    s.call_sync(tools["send_refund_email"], user_id="u2", amount=7)
+    with u.store.engine.connect() as c:
+        undo = c.execute(sa.select(t.undo_stack.c.undo_id, t.undo_stack.c.compensation_name, t.effect_log.c.seq)
+                         .join(t.effect_log, t.effect_log.c.effect_id == t.undo_stack.c.effect_id)).all()
+    assert len(undo) == 1 and undo[0].undo_id == undo[0].seq and undo[0].compensation_name
+    report = s.rollback_sync(actor="test")
+    assert [st.outcome for st in report.steps] == ["compensated"]
+    u.close()
+    assert _objects_at(db, _migrate.downgrade) == {"trigger": {"undolog_effect_undo_entry"}, "view": set()}
+
+
+def _objects_at(db, move) -> dict[str, set[str]]:
+    """Move the database to revision 0009 (``migrate.upgrade`` or ``downgrade``); its triggers and views then."""
+    store = Store(db.url, schema=db.schema)
+    try:
+        move(store.engine, lock_key=_MIGRATION_LOCK_KEY, schema=db.schema, target="0009_audit_chains")
+        with store.engine.connect() as c:
+            return _sqlite_objects(c)
+    finally:
+        store.dispose()
+
+
+def _sqlite_objects(c) -> dict[str, set[str]]:
+    rows = c.execute(sa.text("SELECT type, name FROM sqlite_master WHERE type IN ('trigger', 'view') "
+                             "AND name NOT LIKE 'undolog_events_%'")).all()
+    return {kind: {n for k, n in rows if k == kind} for kind in ("trigger", "view")}

@@ -73,3 +73,18 @@ def test_serve_without_the_server_extra_says_what_to_install() -> None:
         assert out.returncode == 2, (blocked, out.stdout, out.stderr)
         assert "undolog[server]" in out.stderr, (blocked, out.stderr)
     assert "undolog[server]" in _cli_without("undolog_server", "keys", "list").stderr
+
+
+def test_the_server_uses_only_the_cores_public_modules() -> None:
+    """The desk is a client of the core: it imports ``undolog_core`` and its public modules (``errors``, ``limits``,
+    ``webhooks``, ``storage`` for its own tables' engine, ``testing``), never a private ``undolog_core._x``."""
+    import ast
+
+    private: list[str] = []
+    for path in sorted((ROOT / "undolog_server").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            private += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
+                        if n.startswith("undolog_core.") and any(p.startswith("_") for p in n.split(".")[1:])]
+    assert private == []

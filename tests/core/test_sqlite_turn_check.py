@@ -1,4 +1,4 @@
-"""SQLite's turn check without a statement, and a new session in one (issue 13: the LangGraph SAFE step).
+"""SQLite's turn check without a statement (issue 13: the LangGraph SAFE step).
 
 ``SQLiteHotPath.session_states`` answers from its last read while the wal-index header (``WalStamp``), which every
 commit of every connection of every process rewrites, is the one seen just before that read. What must hold:
@@ -6,9 +6,7 @@ commit of every connection of every process rewrites, is the one seen just befor
 - a commit by another process (a plain sqlite3 connection, not UndoLog) or by another connection of this process
   changes the stamp, and the next check reads the store and sees the change;
 - with no commit in between, the check issues no statement at all;
-- where there is no wal-index to read (a database not in WAL mode) there is no stamp: every check reads;
-- ``start_session`` writes exactly the row Core writes, and returns None (nothing written) for an id that exists
-  or a value its CHECK-less connection must not store.
+- where there is no wal-index to read (a database not in WAL mode) there is no stamp: every check reads.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -93,38 +90,3 @@ def test_no_stamp_where_there_is_no_wal_index(tmp_path: Path) -> None:
         assert stamp.stamp() not in (None, before)
     finally:
         stamp.close()
-
-
-def _raw_row(u: UndoLog, sid: str) -> tuple[Any, ...]:
-    c = sqlite3.connect(_path(u))
-    try:
-        return tuple(c.execute(
-            "SELECT agent_id, state, tool_calls_total, created_by, halted_reason, on_failure, pinned_revisions, "
-            "typeof(pinned_revisions), length(created_at), typeof(created_at), created_at = updated_at "
-            "FROM undolog_sessions WHERE session_id = ?", (sid,)).fetchone())
-    finally:
-        c.close()
-
-
-def test_a_session_started_in_one_statement_is_the_row_core_writes(undolog: UndoLog) -> None:
-    e = undolog.engine
-    hot = e.hot.start_session
-    calls: list[Any] = []
-    e.hot.start_session = lambda values: calls.append(hot(values)) or calls[-1]  # type: ignore[method-assign]
-    e.ensure_session("hot-1", agent_id="agent", on_failure="continue", fresh=True)
-    assert calls and calls[-1] is not None  # written by the hot path's statement
-    e.ensure_session("core-1", agent_id="agent", on_failure="continue")
-    assert _raw_row(undolog, "hot-1") == _raw_row(undolog, "core-1")
-    rec = undolog.sessions.get("hot-1")
-    assert rec.on_failure == "continue" and rec.agent_id == "agent" and rec.created_at.tzinfo is not None
-    # An id that exists: nothing written, None (the caller reads the existing row).
-    values = {"session_id": "hot-1", "agent_id": "other", "state": "active", "tool_calls_total": 0,
-              "created_by": None, "halted_reason": None, "on_failure": "rollback", "pinned_revisions": {},
-              "created_at": rec.created_at, "updated_at": rec.created_at}
-    assert hot(values) is None and undolog.sessions.get("hot-1").agent_id == "agent"
-    # A value its connections (CHECK constraints off) must not store is left to the general path.
-    assert hot({**values, "session_id": "hot-2", "on_failure": "explode"}) is None
-    assert hot({**values, "session_id": "hot-3", "state": "halted"}) is None
-    c = sqlite3.connect(_path(undolog))
-    assert c.execute("SELECT count(*) FROM undolog_sessions WHERE session_id IN ('hot-2', 'hot-3')").fetchone()[0] == 0
-    c.close()

@@ -352,3 +352,19 @@ def test_the_desk_signs_audit_checkpoints_on_a_schedule(db: Any, tmp_path: Any, 
         d.close()
     with pytest.raises(ValueError, match="audit_checkpoint_dir"):
         ServerSettings(audit_checkpoint_key=str(key))
+
+
+def test_a_desk_with_an_unreadable_checkpoint_key_fails_at_start(db: Any, tmp_path: Any) -> None:
+    """The key is read when the desk starts (``UndoLog.check_checkpoint_key``), not at the first interval: a key
+    that cannot be read would otherwise mean no checkpoints at all, found out hours later."""
+    from undolog_core import UndoLog
+    from undolog_core.errors import CheckpointInvalid
+
+    not_a_key = tmp_path / "audit.key"
+    not_a_key.write_text("not a PEM key")
+    settings = ServerSettings(**QUICK, audit_checkpoint_key=str(not_a_key), audit_checkpoint_dir=str(tmp_path / "c"),
+                              audit_checkpoint_interval=0.2)
+    with pytest.raises(CheckpointInvalid, match="cannot read the private key"):
+        make_desk(db, settings=settings)
+    with pytest.raises(CheckpointInvalid, match="cannot read the private key"):
+        UndoLog.check_checkpoint_key(tmp_path / "missing.key")

@@ -16,7 +16,6 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import exc as sa_exc
@@ -75,14 +74,11 @@ class Storage(ApprovalsSQL, AuditSQL, RegistrySQL, PolicySQL, SessionsSQL, Recov
 
 
 class SQLiteStorage(Storage):
-    """A SQLite file: one writer (queued on an in-process lock), the undo entry written by a trigger inside the
-    pre-write's one statement, recovery reading what was written since its cursor."""
+    """A SQLite file: one writer (queued on an in-process lock), the hot path's pre-write one statement (a view's
+    trigger writes the effect and its undo entry), recovery reading what was written since its cursor."""
 
     def hot_path(self, *, pool_size: int, fast_pool_size: int) -> HotPath:
         return sqlite.SQLiteHotPath(self, pool_size=pool_size, fast_pool_size=fast_pool_size)
-
-    def insert_undo_in(self, conn: Connection, values: Mapping[str, Any]) -> None:
-        return None  # the schema's trigger wrote it, in the statement that inserted the effect
 
     def back_in_flight_in(self, conn: Connection, seq: int) -> None:
         sqlite.back_in_flight_in(conn, seq)
@@ -107,9 +103,6 @@ class PostgresStorage(Storage):
 
     def hot_path(self, *, pool_size: int, fast_pool_size: int) -> HotPath:
         return postgres.PostgresHotPath(self, pool_size=pool_size, fast_pool_size=fast_pool_size)
-
-    def insert_undo_in(self, conn: Connection, values: Mapping[str, Any]) -> None:
-        conn.execute(schema.undo_stack.insert(), dict(values))
 
     def back_in_flight_in(self, conn: Connection, seq: int) -> None:
         return None  # the partial index finds it again by its state

@@ -104,8 +104,8 @@ class CallsSQL(Store):
     # -- effects: the general pre-write, re-issues, claims ----------------------------------------------
 
     def insert_effect_in(self, conn: Connection, values: Mapping[str, Any]) -> int:
-        """An effect row; its seq (the undo entry's id). On SQLite a COMPENSABLE effect's undo entry is written
-        by the schema's trigger in the same statement; elsewhere call ``insert_undo_in``."""
+        """An effect row; its seq (the undo entry's id). A COMPENSABLE effect's undo entry is written by
+        ``insert_undo_in`` in the same transaction (the hot path's pre-write writes both in one statement)."""
         try:
             key = conn.execute(_E.insert(), dict(values)).inserted_primary_key
         except IntegrityError as exc:  # the same call id again: the whole transaction is rolled back by the caller
@@ -145,10 +145,11 @@ class CallsSQL(Store):
         )
         return bool(res.rowcount == 1)
 
-    if TYPE_CHECKING:  # per database (sqlite.py, postgres.py)
-        def insert_undo_in(self, conn: Connection, values: Mapping[str, Any]) -> None:
-            """Write a COMPENSABLE effect's undo entry (on SQLite the schema's trigger already did)."""
+    def insert_undo_in(self, conn: Connection, values: Mapping[str, Any]) -> None:
+        """Write a COMPENSABLE effect's undo entry (its ``undo_id`` is the effect's seq)."""
+        conn.execute(t.undo_stack.insert(), dict(values))
 
+    if TYPE_CHECKING:  # per database (sqlite.py, postgres.py)
         def back_in_flight_in(self, conn: Connection, seq: int) -> None:
             """The effect ``seq`` is in flight again (a released call re-claimed, an approved call claimed)."""
 

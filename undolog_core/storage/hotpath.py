@@ -10,8 +10,9 @@ per database, in ``sqlite.py`` and ``postgres.py``.
 from __future__ import annotations
 
 import abc
+import json
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from sqlalchemy.engine import Engine
 
@@ -30,6 +31,15 @@ _UNDO_COLS = (
 # The states in which a session accepts calls, rendered once from the schema's own list.
 _WRITABLE = f"state IN ({', '.join(repr(v) for v in WRITABLE)})"
 
+
+
+class SessionRow(NamedTuple):
+    """A session as :meth:`HotPath.read_session` reads it (what ``Engine.remember`` needs)."""
+
+    session_id: str
+    state: str
+    pinned_revisions: dict[str, int]
+    on_failure: str
 
 
 class HotStore(Protocol):
@@ -148,6 +158,25 @@ class HotPath(abc.ABC):
         with self.durable.connection("reading sessions", wait=wait) as conn:
             rows = conn.execute(sql, tuple(session_ids)).fetchall()
         return {r[0]: (r[1], r[2]) for r in rows}
+
+    def read_session(self, session_id: str, *, wait: bool = True) -> Any:
+        """The session's row (``session_id``, ``state``, ``pinned_revisions`` as a dict, ``on_failure``), or None
+        when the store has no such session: one read, nothing written.
+
+        What an adapter reads the first time it sees a session in this process, so that a session it resumes keeps
+        its pins and state while one it starts is written only by its first logged call. ``wait=False`` raises
+        ``WouldBlock`` when no connection is free at once (an event loop).
+        """
+        sql = ("SELECT session_id, state, pinned_revisions, on_failure FROM undolog_sessions "
+               f"WHERE session_id = {self.placeholder}")
+        with self.durable.connection("reading a session", wait=wait) as conn:
+            row = conn.execute(sql, (session_id,)).fetchone()
+        if row is None:
+            return None
+        pins = row[2]
+        if isinstance(pins, (str, bytes)):
+            pins = json.loads(pins)  # SQLite keeps JSON as text; psycopg decodes it
+        return SessionRow(row[0], row[1], pins or {}, row[3])
 
     def start_session(self, values: dict[str, Any]) -> Any:
         """A new session's row written durably in one round trip, or None: the database has no such statement

@@ -1,5 +1,6 @@
 """PostgreSQL through psycopg 3: the engine (``application_name``, the schema's search path, ``synchronous_commit``
-off for the fast engine), the hot path's statements (the pre-write as one CTE statement), row locks.
+off for the fast engine), the hot path's statements (the pre-write as one CTE statement, fast mode's marks as one
+statement per batch), each prepared once per connection and run through libpq itself (``Prepared``), row locks.
 
 The DBOS shape: ``PostgresStorage`` is the ``Storage`` of a PostgreSQL database; ``sqlite.py`` holds the other one.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -41,9 +43,17 @@ WITH e AS (
 INSERT INTO undolog_undo_stack ({_UNDO_COLS})
 SELECT e.seq, e.effect_id, e.session_id, %(comp)s, %(comp_version)s, %(args)s::json, 'armed', 0, %(now)s, %(now)s FROM e
 """
+# Many commit marks (fast mode's flush) as one statement: one round trip and one commit instead of a BEGIN, a
+# statement per mark and a COMMIT. Each effect is marked at most once per batch (an effect has one mark).
+_PG_MARK_MANY = (
+    "UPDATE undolog_effect_log e SET state = 'committed', result_snapshot = m.result::json, owner = NULL, "
+    "lease_until = NULL, updated_at = m.at "
+    "FROM unnest(%(results)s::text[], %(ats)s::timestamptz[], %(ids)s::text[]) AS m(result, at, effect_id) "
+    "WHERE e.effect_id = m.effect_id AND e.state IN ('pending', 'running')"
+)
 _PG_MARK = (
-    "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = %s::json, owner = NULL, "
-    "lease_until = NULL, updated_at = %s WHERE effect_id = %s AND state IN ('pending', 'running')"
+    "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = %(text)s::json, owner = NULL, "
+    "lease_until = NULL, updated_at = %(now)s WHERE effect_id = %(effect_id)s AND state IN ('pending', 'running')"
 )
 
 
@@ -62,8 +72,8 @@ _PG_START_SESSION = (
 # A session ended with the calls it counted in memory: one durable statement instead of a count flush and a state
 # change in two transactions.
 _PG_END_SESSION = (
-    "UPDATE undolog_sessions SET state = %s, tool_calls_total = tool_calls_total + %s, updated_at = %s "
-    "WHERE session_id = %s AND state = ANY(%s)"
+    "UPDATE undolog_sessions SET state = %(state)s, tool_calls_total = tool_calls_total + %(count)s, "
+    "updated_at = %(now)s WHERE session_id = %(session_id)s AND state = ANY(%(allowed)s)"
 )
 
 
@@ -74,8 +84,143 @@ class _StartedSession(NamedTuple):
     on_failure: str
 
 
-def _from_epoch(t: float) -> dt.datetime:
-    return dt.datetime.fromtimestamp(t, dt.UTC)
+def _stamp(t: float) -> bytes:
+    """Epoch seconds as the text of an aware UTC datetime (a timestamptz parameter), to the microsecond as
+    ``datetime.fromtimestamp`` rounds it, the value the general path would write for the same instant."""
+    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat().encode()
+
+
+class Prepared(NamedTuple):
+    """A hot statement run as a named prepared statement through libpq itself (``PGconn.exec_prepared``).
+
+    psycopg's own execute (adapting the parameters, its prepared-statement cache, the cursor and its result
+    handling, in Python) costs about as much client CPU as the statement's round trip on a 2-core machine where
+    clients and the server share the cores; the hot path's parameters are a few strings and numbers whose text
+    form is known, so they go to libpq as bytes and the statement is prepared once per connection. libpq's
+    blocking call releases the GIL, as psycopg's waiting does.
+    """
+
+    name: bytes
+    sql: bytes
+    params: tuple[str, ...]  # the parameter names, in $n order
+
+
+def prepared(name: str, sql: str) -> Prepared:
+    """``sql`` written with ``%(name)s`` placeholders, numbered ``$1..$n`` for ``PREPARE`` (a name used twice is one
+    parameter)."""
+    names: list[str] = []
+
+    def number(m: re.Match[str]) -> str:
+        if m.group(1) not in names:
+            names.append(m.group(1))
+        return f"${names.index(m.group(1)) + 1}"
+
+    return Prepared(name.encode(), re.sub(r"%\((\w+)\)s", number, sql).encode(), tuple(names))
+
+
+# libpq's result statuses of a statement that succeeded (COMMAND_OK, TUPLES_OK), as the ints it returns.
+_DONE = frozenset((1, 2))
+
+
+def run_prepared(conn: Any, stmt: Prepared, values: Sequence[bytes | None]) -> Any:
+    """Run ``stmt`` on ``conn`` (a psycopg connection in autocommit, UTF-8) with ``values`` in ``$n`` order, as
+    text; the libpq result. Raises what psycopg's own execute would: an ``IntegrityError`` for a unique key written
+    twice, an ``OperationalError`` when the server went away (no SQLSTATE, or class 08 or 57P).
+
+    Which statements a connection has prepared is kept on the connection itself (a set in an attribute: a lookup
+    per statement, not a weak dictionary's); a connection is used by one thread at a time."""
+    pgconn = conn.pgconn
+    try:
+        done = conn._undolog_prepared
+    except AttributeError:
+        done = conn._undolog_prepared = set()
+    if stmt.name not in done:
+        _check(pgconn, pgconn.prepare(stmt.name, stmt.sql))
+        done.add(stmt.name)
+    res = pgconn.exec_prepared(stmt.name, values)
+    return res if res.status in _DONE else _check(pgconn, res)
+
+
+def _check(pgconn: Any, res: Any) -> Any:
+    from psycopg import errors, pq
+
+    if res.status in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
+        return res
+    if res.error_field(pq.DiagnosticField.SQLSTATE) is None or pgconn.status != pq.ConnStatus.OK:
+        # No SQLSTATE: the client lost the server (psycopg says so with an OperationalError too).
+        raise errors.OperationalError(res.get_error_message() or "the connection to the server was lost")
+    raise errors.error_from_result(res)
+
+
+_PW_CHECKED = prepared("undolog_prewrite_checked", _PG_PREWRITE_CHECKED)
+_PW_COUNTED = prepared("undolog_prewrite", _PG_PREWRITE)
+_MARK = prepared("undolog_mark", _PG_MARK)
+
+
+def pg_prewrite(conn: Any, session_id: str, count: int, effect_id: str, call_id: str, tool_name: str,
+                revision: int, args_text: str, digest: str, owner: str, now: float, lease: float, comp: str,
+                comp_version: int) -> bool:
+    """The pre-write (the session checked, and its count flushed when ``count``; the effect and its undo entry) as
+    one autocommit statement on ``conn``: False when the session does not accept writes (nothing written)."""
+    stamp = _stamp(now)
+    # In the order of the statements' $n (``Prepared.params``; a test holds the two in step).
+    tail = [effect_id.encode(), call_id.encode(), tool_name.encode(), str(revision).encode(), args_text.encode(),
+            digest.encode(), owner.encode(), _stamp(lease)]
+    if count:
+        params = [str(count).encode(), stamp, session_id.encode(), *tail, comp.encode(), str(comp_version).encode()]
+        return bool(run_prepared(conn, _PW_COUNTED, params).command_tuples == 1)
+    params = [*tail, stamp, session_id.encode(), comp.encode(), str(comp_version).encode()]
+    return bool(run_prepared(conn, _PW_CHECKED, params).command_tuples == 1)
+
+
+_START = prepared("undolog_start_session", _PG_START_SESSION)
+_END = prepared("undolog_end_session", _PG_END_SESSION)
+
+
+def _array(items: Sequence[str]) -> bytes:
+    """A text array literal of plain words (session states)."""
+    return ("{" + ",".join(f'"{s}"' for s in items) + "}").encode()
+
+
+def pg_start_session(conn: Any, values: dict[str, Any]) -> Any:
+    """A new session's row inserted on ``conn``; its first state as a row, or None when the id exists."""
+    v = {**values, "pinned_revisions": json.dumps(values["pinned_revisions"])}
+    params = [None if v[k] is None else (v[k].isoformat() if isinstance(v[k], dt.datetime) else str(v[k])).encode()
+              for k in _START.params]
+    res = run_prepared(conn, _START, params)
+    if res.ntuples == 0:
+        return None
+    sid, state, pins, on_failure = (res.get_value(0, i) for i in range(4))
+    return _StartedSession(sid.decode(), state.decode(), json.loads(pins), on_failure.decode())
+
+
+def pg_end_session(conn: Any, session_id: str, count: int, state: str, allowed: Sequence[str], now: float) -> bool:
+    """The session moved to ``state`` from one of ``allowed`` with ``count`` calls added, one statement on ``conn``."""
+    res = run_prepared(conn, _END, [state.encode(), str(count).encode(), _stamp(now), session_id.encode(),
+                                    _array(allowed)])
+    return bool(res.command_tuples == 1)
+
+
+_MARK_MANY = prepared("undolog_mark_many", _PG_MARK_MANY)
+
+
+def _quoted(s: str) -> str:
+    """``s`` as an element of a text array literal."""
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def pg_mark_many(conn: Any, marks: Sequence[tuple[str, str, float]]) -> int:
+    """``(effect_id, result text, epoch seconds)`` commit marks as one autocommit statement on ``conn``; how many
+    effects were in flight and are marked now."""
+    results = "{" + ",".join(_quoted(text) for _, text, _ in marks) + "}"
+    ats = "{" + ",".join(_quoted(dt.datetime.fromtimestamp(t, dt.UTC).isoformat()) for _, _, t in marks) + "}"
+    ids = "{" + ",".join(_quoted(eid) for eid, _, _ in marks) + "}"
+    return int(run_prepared(conn, _MARK_MANY, [results.encode(), ats.encode(), ids.encode()]).command_tuples or 0)
+
+
+def pg_mark(conn: Any, effect_id: str, text: str, now: float) -> bool:
+    """The commit mark as one autocommit statement on ``conn``: False when the effect was not in flight."""
+    return bool(run_prepared(conn, _MARK, [text.encode(), _stamp(now), effect_id.encode()]).command_tuples == 1)
 
 
 class PostgresHotPath(HotPath):
@@ -89,35 +234,28 @@ class PostgresHotPath(HotPath):
 
     def _setup(self, conn: Any) -> None:
         conn.autocommit = True  # one statement, one commit: no BEGIN round trip
+        if conn.info.encoding != "utf-8":  # the prepared statements' parameters are sent as UTF-8 text
+            conn.execute("SET client_encoding TO 'UTF8'")
 
     def _prewrite(self, conn: Any, wait: bool, session_id: str, count: int, effect_id: str, call_id: str,
                   tool_name: str, revision: int, args_text: str, digest: str, owner: str, now: float, lease: float,
                   comp: str, comp_version: int) -> bool:
-        cur = conn.execute(
-            _PG_PREWRITE if count else _PG_PREWRITE_CHECKED,
-            {"count": count, "now": _from_epoch(now), "session_id": session_id, "effect_id": effect_id,
-             "call_id": call_id, "tool_name": tool_name, "revision": revision, "args": args_text, "digest": digest,
-             "owner": owner, "lease": _from_epoch(lease), "comp": comp, "comp_version": comp_version},
-        )
-        return bool(cur.rowcount == 1)
+        return pg_prewrite(conn, session_id, count, effect_id, call_id, tool_name, revision, args_text, digest,
+                           owner, now, lease, comp, comp_version)
 
     def _mark(self, conn: Any, wait: bool, effect_id: str, text: str, now: float) -> bool:
-        return bool(conn.execute(_PG_MARK, (text, _from_epoch(now), effect_id)).rowcount == 1)
+        return pg_mark(conn, effect_id, text, now)
 
     def start_session(self, values: dict[str, Any]) -> Any:
-        params = {**values, "pinned_revisions": json.dumps(values["pinned_revisions"])}
         with self.durable.connection("starting a session") as conn:
-            row = conn.execute(_PG_START_SESSION, params).fetchone()
-        return None if row is None else _StartedSession(*row)
+            return pg_start_session(conn, values)
 
     def end_session(self, session_id: str, count: int, state: str, allowed: Sequence[str], now: float) -> bool | None:
         with self.durable.connection("ending a session") as conn:
-            cur = conn.execute(_PG_END_SESSION, (state, count, _from_epoch(now), session_id, list(allowed)))
-            return bool(cur.rowcount == 1)
+            return pg_end_session(conn, session_id, count, state, allowed, now)
 
     def _mark_many(self, conn: Any, marks: list[tuple[str, str, float]]) -> None:
-        with conn.transaction():
-            conn.cursor().executemany(_PG_MARK, [(text, _from_epoch(now), eid) for eid, text, now in marks])
+        pg_mark_many(conn, marks)
 
 
 def make_engine(url: str, *, schema: str | None, durable: bool, pool_size: int, overflow: int) -> Engine:

@@ -241,11 +241,9 @@ undo_stack = sa.Table(
     sa.Column("updated_at", UTCDateTime, nullable=False),
     sa.CheckConstraint(_in("state", UNDO_STATES), name="ck_undolog_undo_state"),
 )
-# SQLite: the undo entry of a COMPENSABLE effect is written by this trigger, in the statement that inserts the
-# effect, so the pre-write is one autocommit statement (no BEGIN, second INSERT and COMMIT to pay for: a fifth
-# of its cost). The compensation is the one the effect's tool revision declared (revisions are immutable);
-# an effect whose revision is unknown is refused rather than left without its undo entry. PostgreSQL writes
-# both rows in one statement too (a CTE, see storage/hotpath.py) and has no such trigger.
+# SQLite, revisions 0003 to 0009: the undo entry of a COMPENSABLE effect was written by this trigger, looking the
+# compensation up in the registry. Kept for those migrations (and 0010's downgrade); 0010 replaced it by the
+# pre-write view below.
 SQLITE_UNDO_TRIGGER = """
 CREATE TRIGGER undolog_effect_undo_entry AFTER INSERT ON undolog_effect_log
 WHEN NEW.tier = 'compensable' AND NEW.state = 'pending'
@@ -258,6 +256,39 @@ BEGIN
   WHERE r.tool_name = NEW.tool_name AND r.revision = NEW.tool_revision AND r.compensation_name IS NOT NULL;
   SELECT RAISE(ABORT, 'undolog: a compensable effect needs its tool revision and compensation in the registry')
   WHERE NOT EXISTS (SELECT 1 FROM undolog_undo_stack WHERE undo_id = NEW.seq);
+END
+"""
+
+# SQLite (revision 0010): the hot path's pre-write is one autocommit INSERT into this view, whose INSTEAD OF trigger
+# writes the effect (only while its session accepts writes: the same check as the statement's EXISTS before) and
+# its undo entry (only if the effect was written; ``changes()`` inside a trigger counts the trigger's own last
+# statement), with the compensation the caller passes: what PostgreSQL's one-statement pre-write takes too. One
+# statement, so no BEGIN and COMMIT to pay for; no registry lookup. An INSERT into a view reports no changes, so
+# the caller reads the connection's ``total_changes`` (2: both rows written; 0: the session refused). The view
+# reads no table: nothing later done to the effect log has to rebuild it. The writable states are fixed here, as a
+# migration writes them (a change to them is a new migration).
+SQLITE_PREWRITE_VIEW = """
+CREATE VIEW undolog_prewrite AS SELECT
+  NULL AS effect_id, NULL AS session_id, NULL AS call_id, NULL AS tool_name, NULL AS tool_revision,
+  NULL AS args_snapshot, NULL AS args_digest, NULL AS owner, NULL AS lease_until, NULL AS created_at,
+  NULL AS compensation_name, NULL AS compensation_version
+WHERE 0
+"""
+SQLITE_PREWRITE_TRIGGER = """
+CREATE TRIGGER undolog_prewrite_insert INSTEAD OF INSERT ON undolog_prewrite
+BEGIN
+  INSERT INTO undolog_effect_log (effect_id, session_id, call_id, tool_name, tool_revision, tier, state,
+                                  args_snapshot, args_digest, owner, lease_until, recovery_attempts, created_at,
+                                  updated_at)
+  SELECT NEW.effect_id, NEW.session_id, NEW.call_id, NEW.tool_name, NEW.tool_revision, 'compensable', 'pending',
+         NEW.args_snapshot, NEW.args_digest, NEW.owner, NEW.lease_until, 0, NEW.created_at, NEW.created_at
+  WHERE EXISTS (SELECT 1 FROM undolog_sessions
+                WHERE session_id = NEW.session_id AND state IN ('active', 'awaiting_approval'));
+  INSERT INTO undolog_undo_stack (undo_id, effect_id, session_id, compensation_name, compensation_version,
+                                  args_snapshot, state, attempts, created_at, updated_at)
+  SELECT last_insert_rowid(), NEW.effect_id, NEW.session_id, NEW.compensation_name, NEW.compensation_version,
+         NEW.args_snapshot, 'armed', 0, NEW.created_at, NEW.created_at
+  WHERE changes() = 1;
 END
 """
 

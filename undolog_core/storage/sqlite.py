@@ -1,12 +1,11 @@
 """SQLite: the engine (WAL, ``synchronous=FULL``, deferred reads, immediate writes), the hot path's statements
-(the pre-write as one autocommit statement, its undo entry written by a trigger), recovery's cursor.
+(the pre-write as one autocommit statement into a view whose trigger writes the effect and its undo entry), recovery's cursor.
 
 The DBOS shape: ``SQLiteStorage`` is the ``Storage`` of a SQLite file; ``postgres.py`` holds the other one.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import mmap
 import os
@@ -16,7 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -25,30 +24,26 @@ from sqlalchemy.engine import Connection, Engine
 from ..errors import ConfigurationError, DatabaseUnavailable
 from . import schema as t
 from .group import GroupCommit
-from .hotpath import _EFFECT_COLS, _WRITABLE, HotPath
+from .hotpath import _WRITABLE, HotPath, SessionRow
 from .pool import IntegrityConflict, WouldBlock, is_unavailable
 
 _SQLITE_GUARD = (
     f"UPDATE undolog_sessions SET tool_calls_total = tool_calls_total + ?, updated_at = ? "
     f"WHERE session_id = ? AND {_WRITABLE}"
 )
-_SQLITE_EFFECT = (
-    f"INSERT INTO undolog_effect_log ({_EFFECT_COLS}) "
-    "VALUES (?, ?, ?, ?, ?, 'compensable', 'pending', ?, ?, ?, ?, 0, ?, ?)"
+# The pre-write: one INSERT into the view of revision 0010 (schema.SQLITE_PREWRITE_VIEW), whose trigger writes the
+# effect while its session accepts writes, and its undo entry with the compensation given.
+_SQLITE_PREWRITE = (
+    "INSERT INTO undolog_prewrite (effect_id, session_id, call_id, tool_name, tool_revision, args_snapshot, "
+    "args_digest, owner, lease_until, created_at, compensation_name, compensation_version) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
-# With no counts to flush, the session is only checked, not written: one page less in every pre-write.
-_SQLITE_EFFECT_CHECKED = (
-    f"INSERT INTO undolog_effect_log ({_EFFECT_COLS}) "
-    "SELECT ?, ?, ?, ?, ?, 'compensable', 'pending', ?, ?, ?, ?, 0, ?, ? "
-    f"WHERE EXISTS (SELECT 1 FROM undolog_sessions WHERE session_id = ? AND {_WRITABLE})"
-)
-# A new session in one statement (the hot path's start_session); no row back when its id already exists.
+# A new session in one durable autocommit statement (see HotPath.start_session); an id that exists returns no row.
 _SQLITE_START_SESSION = (
     "INSERT INTO undolog_sessions (session_id, agent_id, state, tool_calls_total, created_by, halted_reason, "
     "on_failure, pinned_revisions, created_at, updated_at) VALUES (?, ?, 'active', 0, ?, NULL, ?, ?, ?, ?) "
-    "ON CONFLICT (session_id) DO NOTHING RETURNING session_id"
+    "ON CONFLICT (session_id) DO NOTHING RETURNING session_id, state, pinned_revisions, on_failure"
 )
-_ON_FAILURE = frozenset(v.value for v in t.OnFailure)
 _SQLITE_MARK = (
     "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = ?, owner = NULL, lease_until = NULL, "
     "updated_at = ? WHERE effect_id = ? AND state IN ('pending', 'running')"
@@ -74,18 +69,6 @@ def _sqlite_time(t: float) -> str:
     return f"{text}.{int((t - sec) * 1e6):06d}"
 
 
-
-
-class _StartedSession(NamedTuple):
-    session_id: str
-    state: str
-    pinned_revisions: Any
-    on_failure: str
-
-
-def _sqlite_datetime(value: dt.datetime) -> str:
-    """The text SQLAlchemy's SQLite DateTime stores for an aware datetime (naive UTC, as ``schema.UTCDateTime``)."""
-    return value.astimezone(dt.UTC).replace(tzinfo=None).strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
 # The wal-index header (https://www.sqlite.org/walformat.html): two 48-byte copies at the start of the -shm file,
@@ -195,23 +178,6 @@ class SQLiteHotPath(HotPath):
             self._states[key] = (stamp, now, dict(found))
         return found
 
-    def start_session(self, values: dict[str, Any]) -> Any:
-        """The session's row written in one autocommit statement on a durable hot-path connection (Core's read, then
-        insert in a savepoint, cost about as much CPU again as the write). Only for what a constant statement can
-        store: an ``active`` session with a known failure policy (these connections skip CHECK constraints, see
-        ``_setup``); anything else, or an id that exists, returns None and takes the general path."""
-        if values.get("state") != t.SessionState.ACTIVE.value or values.get("on_failure") not in _ON_FAILURE:
-            return None
-        params = (values["session_id"], values.get("agent_id"), values.get("created_by"), values["on_failure"],
-                  json.dumps(values["pinned_revisions"]), _sqlite_datetime(values["created_at"]),
-                  _sqlite_datetime(values["updated_at"]))
-        with self.durable.connection("starting a session") as conn, self.write_lock:
-            row = conn.execute(_SQLITE_START_SESSION, params).fetchone()
-        if row is None:
-            return None
-        return _StartedSession(values["session_id"], t.SessionState.ACTIVE.value, values["pinned_revisions"],
-                               values["on_failure"])
-
     def _open_watch(self, wait: bool) -> WalStamp | None:
         if not wait:
             return None  # opening a connection may wait: on an event loop, read as before until a thread opens it
@@ -311,13 +277,12 @@ class SQLiteHotPath(HotPath):
         """The pre-write's statements inside a transaction that is already open (a group's)."""
         now_s = _sqlite_time(now)
         row = (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner, _sqlite_time(lease),
-               now_s, now_s)
-        if not count:
-            return bool(conn.execute(_SQLITE_EFFECT_CHECKED, (*row, session_id)).rowcount == 1)
-        if conn.execute(_SQLITE_GUARD, (count, now_s, session_id)).rowcount != 1:
+               now_s, comp, comp_version)
+        if count and conn.execute(_SQLITE_GUARD, (count, now_s, session_id)).rowcount != 1:
             return False
-        conn.execute(_SQLITE_EFFECT, row)
-        return True
+        before = conn.total_changes
+        conn.execute(_SQLITE_PREWRITE, row)
+        return bool(conn.total_changes - before == 2)
 
     def _setup(self, conn: Any) -> None:
         # What the pool's connections check by foreign key, the hot path's statements guarantee themselves:
@@ -327,18 +292,17 @@ class SQLiteHotPath(HotPath):
         # Likewise the CHECK constraints: every value these connections write is a constant of the statements
         # above ('compensable', 'pending', 'committed', the trigger's 'armed') or a counter, never a caller's value,
         # so re-proving the enum lists on every row proves nothing; SQLite evaluates each IN-list check per row,
-        # about a sixth of the CPU of a COMPENSABLE call's two statements. The general engine's connections,
-        # which write every other state, keep every check (tests/core/test_hot_path_checks.py).
+        # about a sixth of the CPU of a COMPENSABLE call's two statements. The one caller's value that meets a CHECK
+        # here, a new session's on_failure, is checked by start_session before it is written. The general engine's
+        # connections, which write every other state, keep every check (tests/core/test_hot_path_checks.py).
         conn.execute("PRAGMA ignore_check_constraints=ON")
 
     def _prewrite(self, conn: Any, wait: bool, session_id: str, count: int, effect_id: str, call_id: str,
                   tool_name: str, revision: int, args_text: str, digest: str, owner: str, now: float, lease: float,
                   comp: str, comp_version: int) -> bool:
         now_s = _sqlite_time(now)
-        # The undo entry is written by the schema's trigger (schema.SQLITE_UNDO_TRIGGER), in the same statement as
-        # the effect.
         row = (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner, _sqlite_time(lease),
-               now_s, now_s)
+               now_s, comp, comp_version)
         # SQLite has one writer: this process's writers queue on a lock that hands over at once (SQLite's own
         # busy handler sleeps a millisecond or more). On an event loop it is never waited for.
         if not self.write_lock.acquire(blocking=wait):
@@ -346,14 +310,17 @@ class SQLiteHotPath(HotPath):
         try:
             if not count:
                 # One autocommit statement: a write statement takes the write lock before it reads, like BEGIN
-                # IMMEDIATE, so the session check and the insert see one state.
-                return bool(conn.execute(_SQLITE_EFFECT_CHECKED, (*row, session_id)).rowcount == 1)
+                # IMMEDIATE, so the view trigger's session check and its inserts see one state. An INSERT into a
+                # view reports no rowcount: the connection's change counter says whether both rows were written.
+                before = conn.total_changes
+                conn.execute(_SQLITE_PREWRITE, row)
+                return bool(conn.total_changes - before == 2)
             conn.execute("BEGIN IMMEDIATE")
             try:
                 if conn.execute(_SQLITE_GUARD, (count, now_s, session_id)).rowcount != 1:
                     conn.execute("ROLLBACK")
                     return False
-                conn.execute(_SQLITE_EFFECT, row)
+                conn.execute(_SQLITE_PREWRITE, row)
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:
@@ -362,6 +329,25 @@ class SQLiteHotPath(HotPath):
             return True
         finally:
             self.write_lock.release()
+
+    def start_session(self, values: dict[str, Any]) -> Any:
+        """A new session's row in one durable autocommit statement, or None when the id exists (the caller reads it).
+
+        The general path's read, savepoint and insert through SQLAlchemy cost about a millisecond of CPU; an adapter
+        starts a session per conversation, and a conversation may be a few calls. The values are those Core would
+        write (the same datetime text, the same JSON); this pool's connections skip CHECK constraints, so the one
+        value a caller chose (``on_failure``) is checked here first."""
+        on_failure = t.OnFailure(values["on_failure"]).value  # ValueError for anything the CHECK would refuse
+        now_s = _sqlite_time(values["created_at"].timestamp())
+        params = (values["session_id"], values["agent_id"], values["created_by"], on_failure,
+                  json.dumps(values["pinned_revisions"]), now_s, now_s)
+        with self.durable.connection("starting a session") as conn, self.write_lock:
+            # fetchall: the autocommit statement ends (and commits) only once its RETURNING rows are read.
+            rows = conn.execute(_SQLITE_START_SESSION, params).fetchall()
+        if not rows:
+            return None
+        sid, state, pins, failure = rows[0]
+        return SessionRow(sid, state, json.loads(pins) if pins else {}, failure)
 
     def _mark(self, conn: Any, wait: bool, effect_id: str, text: str, now: float) -> bool:
         if not self.write_lock.acquire(blocking=wait):
