@@ -384,3 +384,30 @@ def test_a_halt_or_rollback_by_another_process_stops_the_next_safe_turn(db: Any,
     else:
         assert out["messages"][-2].content == "tue is free"
         assert undolog.sessions.get(f"{tid}#2").state == "active"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_a_safe_call_on_the_middlewares_short_path_keeps_its_checks(undolog: Any, mode: str) -> None:
+    """The middleware decides a SAFE call of a known thread on a short path (``_Guard.safe``): its arguments are still
+    validated (bad ones are refused and the tool does not run), coerced ones reach the tool as validated, and every
+    call is counted for the session."""
+    SEEN.clear()
+    tools = [sp_peek]
+    scripts = {"bad": [[("sp_peek", {})]], "good": [[("sp_peek", {"day": "fri"})]]}
+    graph = create_agent(ScriptedChatModel(scripts=scripts), tools, checkpointer=InMemorySaver(),
+                         middleware=[UndoLogMiddleware(undolog, tools=tools)])
+    c = _cfg()
+
+    async def turn(text: str) -> Any:
+        return graph.invoke(_user(text), c) if mode == "sync" else await graph.ainvoke(_user(text), c)
+
+    await turn("good")  # the thread's session is made: the next calls take the short path
+    out = await turn("bad")
+    msg = [m for m in out["messages"] if isinstance(m, ToolMessage)][-1]
+    assert msg.status == "error" and msg.response_metadata["undolog"] == {"refused": "arguments_invalid"}
+    assert len(SEEN) == 1  # the tool did not run
+    out = await turn("good")
+    assert [m for m in out["messages"] if isinstance(m, ToolMessage)][-1].content == "fri is free"
+    assert len(SEEN) == 2
+    undolog.engine.flush_counts(c["configurable"]["thread_id"])
+    assert undolog.sessions.get(c["configurable"]["thread_id"]).tool_calls_total == 2
