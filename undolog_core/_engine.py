@@ -398,8 +398,10 @@ class Engine:
 
     def session_states(self, session_ids: list[str], *, wait: bool = True) -> dict[str, tuple[str, str | None]]:
         """``{session_id: (state, halted_reason)}`` of those that exist, read in one statement on the hot path's
-        pool (an adapter's check at the start of an agent turn). A read only: the session cache is left alone (a
-        state changed in this process meanwhile must not be overwritten by this older read).
+        pool (an adapter's check at the start of an agent turn); on SQLite, answered without one while nothing was
+        committed to the database since the same ids were read (``storage.sqlite.WalStamp``). A read only: the
+        session cache is left alone (a state changed in this process meanwhile must not be overwritten by this older
+        read).
 
         ``wait=False`` raises ``WouldBlock`` instead of waiting for a connection (an event loop).
 

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+import subprocess
+import sys
 import threading
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +36,7 @@ from undolog_adapters.langgraph import UndoLogMiddleware, _call, _tools
 from undolog_adapters.semantic_kernel import install, undolog_session
 from undolog_core import CompensationDescriptor, ToolTier, compensation, undolog_tool
 
+ROOT = Path(__file__).resolve().parents[2]
 BOOKED: list[str] = []
 
 
@@ -301,13 +306,18 @@ def test_signatures_langchain_reads_per_call_are_stored_once(undolog: Any) -> No
     assert inspect.signature(copy.func) == inspect.signature(sp_hold)
 
 
-def test_a_safe_turn_reads_the_session_once_and_writes_nothing(undolog: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A user turn whose tool is SAFE, after the thread's first (which creates its session): the store is reached
-    once, for the turn's session check (one read on the hot path's pool), and never by the SAFE call itself: no
-    SQLAlchemy statement, no other checkout, no write (benchmarks/agent_step.py's SAFE row counts on it)."""
+def test_a_safe_turn_checks_the_session_without_a_statement_and_writes_nothing(
+    db: Any, undolog: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user turn whose tool is SAFE, once the thread's session exists: the turn's session check is the only time
+    the store is asked, and never the SAFE call itself: no SQLAlchemy statement, no write. On PostgreSQL the check
+    is one read on the hot path's pool; on SQLite, while nothing was committed since its last read, not even that:
+    the wal-index header says so (a statement lets go of the GIL, which inside a LangGraph step costs about ten times
+    the read; benchmarks/agent_step.py's SAFE row counts on it)."""
     from sqlalchemy import event
 
     graph, c = _agent(undolog), _cfg()
+    graph.invoke(_user("look"), c)  # creates the thread's session (a commit: the next check reads)
     graph.invoke(_user("look"), c)
     store, hot = undolog.engine.store, undolog.engine.hot
     statements: list[str] = []
@@ -334,7 +344,70 @@ def test_a_safe_turn_reads_the_session_once_and_writes_nothing(undolog: Any, mon
             event.remove(e, "before_cursor_execute", count)
     assert [m for m in out["messages"] if isinstance(m, ToolMessage)][-1].content == "tue is free"
     assert statements == []
-    assert checkouts == ["durable"] and len(reads) == 1  # the turn's check, nothing else
+    assert len(reads) == 1  # the turn's check, nothing else
+    assert checkouts == ([] if db.kind == "sqlite" else ["durable"])
     # The counters are live: a COMPENSABLE turn is seen writing.
     graph.invoke(_user("book"), c)
-    assert len(checkouts) >= 3
+    assert len(checkouts) >= 2
+
+
+_ELSEWHERE = """
+import os, sys
+from undolog_core import UndoLog
+u = UndoLog.open(os.environ["UNDOLOG_DATABASE_URL"], schema=os.environ.get("UNDOLOG_SCHEMA"), migrate=False)
+if sys.argv[2] == "halt":
+    u.sessions.set_state(sys.argv[1], "halted", allowed=("active",))
+else:
+    assert u.rollback(sys.argv[1]).complete
+u.close()
+"""
+
+
+@pytest.mark.parametrize("action", ["halt", "rollback"])
+def test_a_halt_or_rollback_by_another_process_stops_the_next_safe_turn(db: Any, undolog: Any, action: str) -> None:
+    """The turn's check answered from memory (SQLite, nothing committed since its last read) still sees what another
+    process commits: after SAFE turns that read nothing, a halt made in another process refuses the next turn, and
+    a rollback there moves it to the thread's next session."""
+    graph, c = _agent(undolog), _cfg()
+    tid = c["configurable"]["thread_id"]
+    for _ in range(3):
+        graph.invoke(_user("look"), c)
+    env = {**os.environ, **db.env, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _ELSEWHERE, tid, action], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = graph.invoke(_user("look"), c)
+    last = out["messages"][-1]
+    if action == "halt":
+        assert isinstance(last, AIMessage) and last.response_metadata["undolog"] == {"refused": "session_halted"}
+        assert not isinstance(out["messages"][-2], ToolMessage)  # the turn ran nothing
+    else:
+        assert out["messages"][-2].content == "tue is free"
+        assert undolog.sessions.get(f"{tid}#2").state == "active"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_a_safe_call_on_the_middlewares_short_path_keeps_its_checks(undolog: Any, mode: str) -> None:
+    """The middleware decides a SAFE call of a known thread on a short path (``_Guard.safe``): its arguments are still
+    validated (bad ones are refused and the tool does not run), coerced ones reach the tool as validated, and every
+    call is counted for the session."""
+    SEEN.clear()
+    tools = [sp_peek]
+    scripts = {"bad": [[("sp_peek", {})]], "good": [[("sp_peek", {"day": "fri"})]]}
+    graph = create_agent(ScriptedChatModel(scripts=scripts), tools, checkpointer=InMemorySaver(),
+                         middleware=[UndoLogMiddleware(undolog, tools=tools)])
+    c = _cfg()
+
+    async def turn(text: str) -> Any:
+        return graph.invoke(_user(text), c) if mode == "sync" else await graph.ainvoke(_user(text), c)
+
+    await turn("good")  # the thread's session is made: the next calls take the short path
+    out = await turn("bad")
+    msg = [m for m in out["messages"] if isinstance(m, ToolMessage)][-1]
+    assert msg.status == "error" and msg.response_metadata["undolog"] == {"refused": "arguments_invalid"}
+    assert len(SEEN) == 1  # the tool did not run
+    out = await turn("good")
+    assert [m for m in out["messages"] if isinstance(m, ToolMessage)][-1].content == "fri is free"
+    assert len(SEEN) == 2
+    undolog.engine.flush_counts(c["configurable"]["thread_id"])
+    assert undolog.sessions.get(c["configurable"]["thread_id"]).tool_calls_total == 2

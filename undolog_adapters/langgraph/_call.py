@@ -10,18 +10,17 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from langchain_core.messages import ToolMessage
-from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp
 
-from undolog_core import AwaitingApproval, Outcome, errors
+from undolog_core import AwaitingApproval, Execute, Outcome, errors
 from undolog_core.storage.pool import WouldBlock
 
-from ._guard import _Guard, _Reply, _Run
+from ._guard import _config_of, _Guard, _Reply, _Run
 from ._payload import _Pause
 from ._tools import _CAPTURE, _Box, _result_of, emit, rollback_events
 
@@ -55,12 +54,6 @@ _ADMIT: contextvars.ContextVar[_Admit | None] = contextvars.ContextVar("undolog_
 
 _REFUSED = (errors.ApprovalRejected, errors.ApprovalTimedOut, errors.ApprovalCancelled, errors.SessionHalted,
             errors.SessionClosed, errors.ArgumentsInvalid)
-
-
-def _config_of(request: Any) -> Mapping[str, Any]:
-    rt = getattr(request, "runtime", None)
-    cfg = getattr(rt, "config", None)
-    return cfg if cfg else get_config()
 
 
 def _pending(guard: _Guard, request: Any) -> tuple[_Batch | None, str | None]:
@@ -154,6 +147,15 @@ def run_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], *, admi
     """
     if request.tool is None:
         return execute(request)  # an unknown tool name: ToolNode answers with its own error, nothing runs
+    if not admit and _BATCH.get() is None:
+        try:
+            safe = guard.safe(request)
+        except _REFUSED as exc:
+            return guard.refusal(request, exc)
+        if safe is not None:
+            req = _with_args(request, safe)
+            outcome = guard.u.driver.run_sync(safe, lambda _a: execute(req), control_flow=(GraphBubbleUp,), note=False)
+            return _safe_answer(outcome)
     step, batch, call_id = _decide(guard, request)
     if isinstance(step, _Answer):
         return step.value
@@ -174,6 +176,15 @@ async def arun_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], 
     """Async :func:`run_call`: the same steps, awaiting the tool."""
     if request.tool is None:
         return await execute(request)
+    if not admit and _BATCH.get() is None:
+        try:
+            safe = guard.safe(request)  # in memory only: never waits
+        except _REFUSED as exc:
+            return guard.refusal(request, exc)
+        if safe is not None:
+            req = _with_args(request, safe)
+            return _safe_answer(await guard.u.driver.run_async(safe, lambda _a: execute(req),
+                                                                control_flow=(GraphBubbleUp,), note=False))
     try:
         # On the loop when nothing has to wait (SAFE, and the COMPENSABLE hot path with a free connection and
         # write lock): no thread hop. Otherwise (a gated call, a thread's first call, a busy pool) in a thread.
@@ -191,6 +202,22 @@ async def arun_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], 
     finally:
         _unadmit(token)
     return _settled(guard, batch, call_id, request, step, outcome)
+
+
+def _with_args(request: Any, d: Execute) -> Any:
+    """The request with the validated arguments (what ``_Guard.runnable`` does for a SAFE call)."""
+    call = request.tool_call
+    args = call.get("args") or {}
+    if (args if args.__class__ is dict else dict(args)) == d.args:
+        return request
+    return request.override(tool_call={**call, "args": dict(d.args)})
+
+
+def _safe_answer(outcome: Outcome) -> Any:
+    """ToolNode's answer to a SAFE call: nothing was recorded; its exception, if ToolNode raised one, goes on."""
+    if outcome.error is not None:
+        raise outcome.error
+    return outcome.value
 
 
 def _hooks(request: Any, step: _Run, box: _Box | None) -> dict[str, Any]:

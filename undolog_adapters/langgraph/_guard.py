@@ -202,7 +202,8 @@ class _Guard:
             if not wait:
                 raise WouldBlock()
             with self.create_lock:
-                sc = self.u.engine.ensure_session(sid, agent_id=self.agent_id, on_failure=self.on_failure)
+                # Just read as missing: inserted first, in one statement where the store has it (``fresh``).
+                sc = self.u.engine.ensure_session(sid, agent_id=self.agent_id, on_failure=self.on_failure, fresh=True)
                 with self.lock:
                     self.heads.setdefault(base, n)
             return sid, sc.state, None
@@ -250,6 +251,22 @@ class _Guard:
         if isinstance(d, AwaitingApproval):
             return _Pause(d, sid)
         return _Run(d, sid)
+
+    def safe(self, request: Any) -> Execute | None:
+        """A SAFE call's whole decision (its arguments validated, counted in memory), or None when the call is not
+        SAFE or its thread has no session known here yet: then ``prepare`` decides. What ``prepare`` does for a SAFE
+        call, without the driver's lookups by name and the decision's wrapping: it runs on every SAFE tool call."""
+        call = request.tool_call
+        name = self.names.get(call["name"])
+        spec = self.u.registry.tools.get(name) if name is not None else None
+        if spec is None or spec.tier is not ToolTier.SAFE:
+            return None
+        base = self.base_id(_config_of(request))
+        n = self.heads.get(base)  # known from the turn's check (its session exists); else prepare creates it
+        if n is None:
+            return None
+        d = self.u.engine.intercept_spec(_chain(base, n), spec, call.get("args") or {}, call.get("id"))
+        return d if isinstance(d, Execute) else None  # (a SAFE decision is always Execute)
 
     def _after_close(self, base: str, sid: str, request: Any) -> str | None:
         """A call on a rolled-back/completed session: a new plan gets a new session, the old plan none."""
@@ -397,6 +414,12 @@ class _Guard:
                 "args": dec.args, "response": dec.response,
             })
         return "; ".join(problems) or None
+
+
+def _config_of(request: Any) -> Mapping[str, Any]:
+    rt = getattr(request, "runtime", None)
+    cfg = getattr(rt, "config", None)
+    return cfg if cfg else get_config()
 
 
 def _model_schema(tool: Any) -> Any:

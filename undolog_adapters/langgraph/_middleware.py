@@ -14,8 +14,8 @@ from undolog_core import OnFailure, SessionState, errors
 from undolog_core.storage.pool import WouldBlock
 
 from .._common import TierValue, halted_text, missing_extra
-from ._call import _config_of, arun_call, run_call
-from ._guard import _Guard
+from ._call import arun_call, run_call
+from ._guard import _config_of, _Guard
 from ._resume import rollback
 from ._sessions import _ADAPTERS
 

@@ -7,7 +7,11 @@ The DBOS shape: ``SQLiteStorage`` is the ``Storage`` of a SQLite file; ``postgre
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import sqlite3
+import struct
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,6 +71,72 @@ def _sqlite_time(t: float) -> str:
 
 
 
+# The wal-index header (https://www.sqlite.org/walformat.html): two 48-byte copies at the start of the -shm file,
+# which every connection to the database, in every process, maps and updates on each commit. Its first word is the
+# format's version, its 13th byte isInit.
+_WAL_HDR = 48
+_WAL_INDEX_VERSION = 3007000
+# How long a remembered session read may be answered from the header alone: a safety net for what the header
+# cannot see (the database taken out of WAL mode by another process, or its file replaced), not the mechanism.
+STATE_MEMO_SECONDS = 1.0
+_STATE_MEMO_SIZE = 4096
+
+
+class WalStamp:
+    """The database's wal-index header, read from shared memory: it changes with every commit of any connection of
+    any process, and reading it is a memory read (no statement, no system call, the GIL kept).
+
+    A session read taken after a stamp still holds while the stamp is unchanged: nothing was committed since. It
+    takes a connection of its own, held open: while one is open in this process, SQLite never re-initialises the
+    ``-shm`` file (its "DMS" lock), so the mapped bytes stay the live header. ``open`` returns None where there is no
+    such header to read (an in-memory database, another journal mode, exclusive locking): callers read every time.
+    """
+
+    def __init__(self, conn: Any, fd: int, mem: mmap.mmap) -> None:
+        self._conn, self._fd, self._mem = conn, fd, mem
+
+    @classmethod
+    def open(cls, conn: Any) -> WalStamp | None:
+        """Watch the database of ``conn`` (a raw connection this object then owns and closes), or None."""
+        try:
+            rows = conn.execute("PRAGMA database_list").fetchall()
+            path = next((r[2] for r in rows if r[1] == "main"), "")
+            if not path or str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal" or \
+                    str(conn.execute("PRAGMA locking_mode").fetchone()[0]).lower() != "normal":
+                conn.close()
+                return None
+            # A read maps the connection's wal-index, and with it the lock that keeps the file from being reset.
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            fd = os.open(path + "-shm", os.O_RDONLY)
+        except (OSError, sqlite3.Error):
+            conn.close()
+            return None
+        try:
+            mem = mmap.mmap(fd, 2 * _WAL_HDR, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            os.close(fd)
+            conn.close()
+            return None
+        version = struct.unpack_from("=I", mem, 0)[0]
+        if version != _WAL_INDEX_VERSION or mem[12] != 1:
+            mem.close()
+            os.close(fd)
+            conn.close()
+            return None  # not a wal-index this code knows how to read
+        return cls(conn, fd, mem)
+
+    def stamp(self) -> bytes | None:
+        """The header now, or None while a commit is writing it (its two copies differ: read the store)."""
+        both = self._mem[: 2 * _WAL_HDR]
+        head = both[:_WAL_HDR]
+        return head if head == both[_WAL_HDR:] else None
+
+    def close(self) -> None:
+        self._mem.close()
+        os.close(self._fd)
+        self._conn.close()
+
+
 class SQLiteHotPath(HotPath):
     integrity_error = (sqlite3.IntegrityError,)
 
@@ -75,6 +145,60 @@ class SQLiteHotPath(HotPath):
         # Durable pre-writes and commit marks of concurrent threads share one commit (see group.py): a caller
         # alone writes exactly as below, at once.
         self.group = GroupCommit(self._write_one, self._write_many)
+        # Session reads remembered with the wal-index stamp taken before them (see session_states).
+        self._watch: WalStamp | None = None
+        self._watch_tried = False
+        self._watch_lock = threading.Lock()
+        self._states: dict[tuple[str, ...], tuple[bytes, float, dict[str, tuple[str, str | None]]]] = {}
+
+    def session_states(self, session_ids: Sequence[str], *, wait: bool = True) -> dict[str, tuple[str, str | None]]:
+        """The read of ``HotPath.session_states``, skipped while nothing was committed since the same ids were read.
+
+        An adapter checks its session at every agent turn, so that a halt or a rollback made by another process stops
+        the next turn. Any such change is a commit, and every commit rewrites the wal-index header (``WalStamp``):
+        when the header is the one seen just before the last read of these ids, that read is still the store's
+        answer. A read costs little in itself, but it is a statement: the driver lets go of the GIL, and inside an
+        agent step that hands the interpreter to the framework's background threads (LangGraph's checkpoint writes)
+        and costs some ten times the read (benchmarks/agent_step.py's SAFE row). A remembered answer is reused for at
+        most ``STATE_MEMO_SECONDS``.
+        """
+        watch = self._watch if self._watch_tried else self._open_watch(wait)
+        if watch is None:
+            return super().session_states(session_ids, wait=wait)
+        key = tuple(session_ids)
+        stamp = watch.stamp()  # before the read: a commit after it changes the stamp the next turn compares
+        now = time.monotonic()
+        seen = self._states.get(key)
+        if seen is not None and stamp is not None and seen[0] == stamp and now - seen[1] < STATE_MEMO_SECONDS:
+            return dict(seen[2])
+        found = super().session_states(session_ids, wait=wait)
+        if stamp is not None:
+            if len(self._states) >= _STATE_MEMO_SIZE:
+                self._states.clear()
+            self._states[key] = (stamp, now, dict(found))
+        return found
+
+    def _open_watch(self, wait: bool) -> WalStamp | None:
+        if not wait:
+            return None  # opening a connection may wait: on an event loop, read as before until a thread opens it
+        with self._watch_lock:
+            if not self._watch_tried:
+                try:
+                    fairy = self.store.engine.raw_connection()
+                    fairy.detach()  # owned by the stamp, outside SQLAlchemy's pool accounting
+                    self._watch = WalStamp.open(fairy.dbapi_connection)
+                except Exception:  # noqa: BLE001 - no stamp: every turn reads, as without one
+                    self._watch = None
+                self._watch_tried = True
+        return self._watch
+
+    def close(self) -> None:
+        with self._watch_lock:
+            watch, self._watch, self._watch_tried = self._watch, None, True
+            self._states.clear()
+        if watch is not None:
+            watch.close()
+        super().close()
 
     def prewrite(self, session_id: str, count: int, effect_id: str, call_id: str, tool_name: str, revision: int,
                  args_text: str, digest: str, owner: str, now: float, lease: float, comp: str, comp_version: int,
