@@ -10,13 +10,13 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from .hotpath import _EFFECT_COLS, _UNDO_COLS, _WRITABLE, HotPath
+from .hotpath import _EFFECT_COLS, _UNDO_COLS, _WRITABLE, HotPath, SessionRow
 
 # One statement, one round trip, one commit: the session check, the effect and its undo entry.
 _PG_PREWRITE = f"""
@@ -75,13 +75,6 @@ _PG_END_SESSION = (
     "UPDATE undolog_sessions SET state = %(state)s, tool_calls_total = tool_calls_total + %(count)s, "
     "updated_at = %(now)s WHERE session_id = %(session_id)s AND state = ANY(%(allowed)s)"
 )
-
-
-class _StartedSession(NamedTuple):
-    session_id: str
-    state: str
-    pinned_revisions: Any
-    on_failure: str
 
 
 def _stamp(t: float) -> bytes:
@@ -177,9 +170,14 @@ _START = prepared("undolog_start_session", _PG_START_SESSION)
 _END = prepared("undolog_end_session", _PG_END_SESSION)
 
 
-def _array(items: Sequence[str]) -> bytes:
-    """A text array literal of plain words (session states)."""
-    return ("{" + ",".join(f'"{s}"' for s in items) + "}").encode()
+def _quoted(s: str) -> str:
+    """``s`` as an element of a text array literal."""
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _array(items: Iterable[str]) -> bytes:
+    """A text array literal of ``items`` (each quoted and escaped), as a parameter's text."""
+    return ("{" + ",".join(_quoted(s) for s in items) + "}").encode()
 
 
 def pg_start_session(conn: Any, values: dict[str, Any]) -> Any:
@@ -191,7 +189,7 @@ def pg_start_session(conn: Any, values: dict[str, Any]) -> Any:
     if res.ntuples == 0:
         return None
     sid, state, pins, on_failure = (res.get_value(0, i) for i in range(4))
-    return _StartedSession(sid.decode(), state.decode(), json.loads(pins), on_failure.decode())
+    return SessionRow(sid.decode(), state.decode(), json.loads(pins), on_failure.decode())
 
 
 def pg_end_session(conn: Any, session_id: str, count: int, state: str, allowed: Sequence[str], now: float) -> bool:
@@ -204,18 +202,13 @@ def pg_end_session(conn: Any, session_id: str, count: int, state: str, allowed: 
 _MARK_MANY = prepared("undolog_mark_many", _PG_MARK_MANY)
 
 
-def _quoted(s: str) -> str:
-    """``s`` as an element of a text array literal."""
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def pg_mark_many(conn: Any, marks: Sequence[tuple[str, str, float]]) -> int:
     """``(effect_id, result text, epoch seconds)`` commit marks as one autocommit statement on ``conn``; how many
     effects were in flight and are marked now."""
-    results = "{" + ",".join(_quoted(text) for _, text, _ in marks) + "}"
-    ats = "{" + ",".join(_quoted(dt.datetime.fromtimestamp(t, dt.UTC).isoformat()) for _, _, t in marks) + "}"
-    ids = "{" + ",".join(_quoted(eid) for eid, _, _ in marks) + "}"
-    return int(run_prepared(conn, _MARK_MANY, [results.encode(), ats.encode(), ids.encode()]).command_tuples or 0)
+    results = _array(text for _, text, _ in marks)
+    ats = _array(dt.datetime.fromtimestamp(t, dt.UTC).isoformat() for _, _, t in marks)
+    ids = _array(eid for eid, _, _ in marks)
+    return int(run_prepared(conn, _MARK_MANY, [results, ats, ids]).command_tuples or 0)
 
 
 def pg_mark(conn: Any, effect_id: str, text: str, now: float) -> bool:

@@ -98,32 +98,32 @@ class WalStamp:
     @classmethod
     def open(cls, conn: Any) -> WalStamp | None:
         """Watch the database of ``conn`` (a raw connection this object then owns and closes), or None."""
+        fd: int | None = None
+        mem: mmap.mmap | None = None
+        stamp: WalStamp | None = None
         try:
             rows = conn.execute("PRAGMA database_list").fetchall()
             path = next((r[2] for r in rows if r[1] == "main"), "")
             if not path or str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal" or \
                     str(conn.execute("PRAGMA locking_mode").fetchone()[0]).lower() != "normal":
-                conn.close()
                 return None
             # A read maps the connection's wal-index, and with it the lock that keeps the file from being reset.
             conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
             fd = os.open(path + "-shm", os.O_RDONLY)
-        except (OSError, sqlite3.Error):
-            conn.close()
-            return None
-        try:
             mem = mmap.mmap(fd, 2 * _WAL_HDR, access=mmap.ACCESS_READ)
-        except (OSError, ValueError):
-            os.close(fd)
-            conn.close()
+            if struct.unpack_from("=I", mem, 0)[0] != _WAL_INDEX_VERSION or mem[12] != 1:
+                return None  # not a wal-index this code knows how to read
+            stamp = cls(conn, fd, mem)  # owns them from here: closed by close()
+            return stamp
+        except (OSError, ValueError, sqlite3.Error):
             return None
-        version = struct.unpack_from("=I", mem, 0)[0]
-        if version != _WAL_INDEX_VERSION or mem[12] != 1:
-            mem.close()
-            os.close(fd)
-            conn.close()
-            return None  # not a wal-index this code knows how to read
-        return cls(conn, fd, mem)
+        finally:
+            if stamp is None:  # not watched: what was opened here is closed here
+                if mem is not None:
+                    mem.close()
+                if fd is not None:
+                    os.close(fd)
+                conn.close()
 
     def stamp(self) -> bytes | None:
         """The header now, or None while a commit is writing it (its two copies differ: read the store)."""
@@ -274,7 +274,9 @@ class SQLiteHotPath(HotPath):
     def _prewrite_in(conn: Any, session_id: str, count: int, effect_id: str, call_id: str, tool_name: str,
                      revision: int, args_text: str, digest: str, owner: str, now: float, lease: float, comp: str,
                      comp_version: int) -> bool:
-        """The pre-write's statements inside a transaction that is already open (a group's)."""
+        """The pre-write's statements: alone, one autocommit statement; with ``count``, inside a transaction that
+        is already open (the caller's, or a group's). An INSERT into the view reports no rowcount: the connection's
+        change counter says whether both rows were written."""
         now_s = _sqlite_time(now)
         row = (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner, _sqlite_time(lease),
                now_s, comp, comp_version)
@@ -300,9 +302,8 @@ class SQLiteHotPath(HotPath):
     def _prewrite(self, conn: Any, wait: bool, session_id: str, count: int, effect_id: str, call_id: str,
                   tool_name: str, revision: int, args_text: str, digest: str, owner: str, now: float, lease: float,
                   comp: str, comp_version: int) -> bool:
-        now_s = _sqlite_time(now)
-        row = (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner, _sqlite_time(lease),
-               now_s, comp, comp_version)
+        args = (session_id, count, effect_id, call_id, tool_name, revision, args_text, digest, owner, now, lease, comp,
+                comp_version)
         # SQLite has one writer: this process's writers queue on a lock that hands over at once (SQLite's own
         # busy handler sleeps a millisecond or more). On an event loop it is never waited for.
         if not self.write_lock.acquire(blocking=wait):
@@ -310,23 +311,17 @@ class SQLiteHotPath(HotPath):
         try:
             if not count:
                 # One autocommit statement: a write statement takes the write lock before it reads, like BEGIN
-                # IMMEDIATE, so the view trigger's session check and its inserts see one state. An INSERT into a
-                # view reports no rowcount: the connection's change counter says whether both rows were written.
-                before = conn.total_changes
-                conn.execute(_SQLITE_PREWRITE, row)
-                return bool(conn.total_changes - before == 2)
+                # IMMEDIATE, so the view trigger's session check and its inserts see one state.
+                return self._prewrite_in(conn, *args)
             conn.execute("BEGIN IMMEDIATE")
             try:
-                if conn.execute(_SQLITE_GUARD, (count, now_s, session_id)).rowcount != 1:
-                    conn.execute("ROLLBACK")
-                    return False
-                conn.execute(_SQLITE_PREWRITE, row)
-                conn.execute("COMMIT")
+                ok = self._prewrite_in(conn, *args)
+                conn.execute("COMMIT" if ok else "ROLLBACK")
             except BaseException:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
-            return True
+            return ok
         finally:
             self.write_lock.release()
 
