@@ -360,10 +360,9 @@ class UndoLogFilter:
         and the look-up of an earlier approval.
         """
         name = known.name
-        sid = _session_var.get() or self.session_id
-        sc = self._seen.get(sid) or await self._cache(sid)
-        params = known.params
-        args: dict[str, Any] = to_jsonable_python({k: v for k, v in arguments.items() if k in params})
+        sid = self.session_id
+        sc = self._seen.get(sid) or await self._cache(sid)  # (the look-up first: no coroutine for a known session)
+        args = self._args(known, arguments)
         driver = self.undolog.driver
         if known.tier is SAFE:
             spec = driver.spec(name)
@@ -384,14 +383,10 @@ class UndoLogFilter:
     async def auto_function_invocation(self, context: AutoFunctionInvocationContext, next: Any) -> None:
         """AUTO_FUNCTION_INVOCATION filter: the gate under auto function calling."""
         function = context.function
-        if not isinstance(function, KernelFunctionFromMethod):  # a prompt function is no tool: untouched
+        if not _is_tool(function):
             await next(context)
             return
-        for _, registered in context.kernel.function_invocation_filters:
-            if registered is self or registered == self.function_filter:
-                break
-        else:
-            self._check_paired(context.kernel)
+        self._check_paired(context.kernel)
         known = self._known.get(id(function))
         if known is None or known.function is not function:
             try:
@@ -440,7 +435,7 @@ class UndoLogFilter:
     async def function_invocation(self, context: FunctionInvocationContext, next: Any) -> None:
         """FUNCTION_INVOCATION filter: runs the tool; the gate too under a plain ``kernel.invoke``."""
         function = context.function
-        if not isinstance(function, KernelFunctionFromMethod):  # a prompt function is no tool: untouched
+        if not _is_tool(function):
             await next(context)
             return
         known = self._known.get(id(function))
@@ -448,7 +443,7 @@ class UndoLogFilter:
             known = self._learn(function)
         name = known.name
         filters = context.kernel.function_invocation_filters
-        if filters and not ((inner := filters[0][1]) is self or inner == self.function_filter):
+        if filters and not self._is_inner(filters[0][1]):
             raise errors.ConfigurationError(
                 f"UndoLog refused {name}: another FUNCTION_INVOCATION filter runs inside UndoLog's and could change "
                 "the call after its gate; call install(kernel, ...) after adding your own filters"

@@ -17,7 +17,7 @@ from typing import Any
 from langchain_core.messages import ToolMessage
 from langgraph.errors import GraphBubbleUp
 
-from undolog_core import AwaitingApproval, Execute, Outcome, errors
+from undolog_core import AwaitingApproval, Outcome, errors
 from undolog_core.storage.pool import WouldBlock
 
 from ._guard import _config_of, _Guard, _Reply, _Run
@@ -153,8 +153,9 @@ def run_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], *, admi
         except _REFUSED as exc:
             return guard.refusal(request, exc)
         if safe is not None:
-            req = _with_args(request, safe)
-            outcome = guard.u.driver.run_sync(safe, lambda _a: execute(req), control_flow=(GraphBubbleUp,), note=False)
+            req, _ = guard.runnable(request, safe)  # the validated arguments; nothing is stored for a SAFE call
+            outcome = guard.u.driver.run_sync(safe.execute, lambda _a: execute(req), control_flow=(GraphBubbleUp,),
+                                              note=False)
             return _safe_answer(outcome)
     step, batch, call_id = _decide(guard, request)
     if isinstance(step, _Answer):
@@ -182,8 +183,8 @@ async def arun_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], 
         except _REFUSED as exc:
             return guard.refusal(request, exc)
         if safe is not None:
-            req = _with_args(request, safe)
-            return _safe_answer(await guard.u.driver.run_async(safe, lambda _a: execute(req),
+            req, _ = guard.runnable(request, safe)
+            return _safe_answer(await guard.u.driver.run_async(safe.execute, lambda _a: execute(req),
                                                                 control_flow=(GraphBubbleUp,), note=False))
     try:
         # On the loop when nothing has to wait (SAFE, and the COMPENSABLE hot path with a free connection and
@@ -202,15 +203,6 @@ async def arun_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], 
     finally:
         _unadmit(token)
     return _settled(guard, batch, call_id, request, step, outcome)
-
-
-def _with_args(request: Any, d: Execute) -> Any:
-    """The request with the validated arguments (what ``_Guard.runnable`` does for a SAFE call)."""
-    call = request.tool_call
-    args = call.get("args") or {}
-    if (args if args.__class__ is dict else dict(args)) == d.args:
-        return request
-    return request.override(tool_call={**call, "args": dict(d.args)})
 
 
 def _safe_answer(outcome: Outcome) -> Any:

@@ -252,7 +252,7 @@ class _Guard:
             return _Pause(d, sid)
         return _Run(d, sid)
 
-    def safe(self, request: Any) -> Execute | None:
+    def safe(self, request: Any) -> _Run | None:
         """A SAFE call's whole decision (its arguments validated, counted in memory), or None when the call is not
         SAFE or its thread has no session known here yet: then ``prepare`` decides. What ``prepare`` does for a SAFE
         call, without the driver's lookups by name and the decision's wrapping: it runs on every SAFE tool call."""
@@ -265,8 +265,9 @@ class _Guard:
         n = self.heads.get(base)  # known from the turn's check (its session exists); else prepare creates it
         if n is None:
             return None
-        d = self.u.engine.intercept_spec(_chain(base, n), spec, call.get("args") or {}, call.get("id"))
-        return d if isinstance(d, Execute) else None  # (a SAFE decision is always Execute)
+        sid = _chain(base, n)
+        d = self.u.engine.intercept_spec(sid, spec, call.get("args") or {}, call.get("id"))
+        return _Run(d, sid) if isinstance(d, Execute) else None  # (a SAFE decision is always Execute)
 
     def _after_close(self, base: str, sid: str, request: Any) -> str | None:
         """A call on a rolled-back/completed session: a new plan gets a new session, the old plan none."""
