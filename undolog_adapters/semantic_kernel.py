@@ -70,6 +70,7 @@ from undolog_core import (
     errors,
 )
 from undolog_core._engine import SessionCache, execute_now
+from undolog_core._tools import ToolSpec
 from undolog_core.storage.pool import WouldBlock
 
 __all__ = [
@@ -115,11 +116,11 @@ _KEEP = 4096
 
 @dataclass(frozen=True)
 class _Known:
-    """What a filter learnt once of a kernel function: its UndoLog name, tier and the parameters the model sends."""
+    """What a filter learnt once of a kernel function: its UndoLog name and the parameters the model sends (its tier
+    is read from the registry on each call: a tool registered again under another tier is routed by that)."""
 
     function: KernelFunction  # held so that the id it is kept under is not reused by another object
     name: str
-    tier: ToolTier
     params: frozenset[str]
 
 
@@ -133,13 +134,15 @@ class _Handover:
     failure_text: str | None = None
     # The call's arguments as JSON values, as let through: what the inner filter compares the call it runs with.
     approved: dict[str, Any] | None = None
-    # SAFE and without a retry policy: the inner filter runs it as it is, with no outcome to record.
-    plain: bool = False
 
 
-# The auto filter's decision for the call it is about to run; read (once) by the inner filter in the
-# same task. Sibling calls run in their own asyncio tasks, each with its own copy.
-_handover: contextvars.ContextVar[_Handover | None] = contextvars.ContextVar("undolog_sk_handover", default=None)
+# What the auto filter hands the inner filter for the call it is about to run, read (once) by the inner filter in
+# the same task; sibling calls run in their own asyncio tasks, each with its own copy. A _Handover: the gate's
+# decision on a call it let through. A ToolSpec: a SAFE call (no retry policy), which the inner filter decides itself
+# under that contract, right before the function runs (no filter can change it after); a refusal then answers the
+# model, as the gate's would.
+_handover: contextvars.ContextVar[_Handover | ToolSpec | None] = contextvars.ContextVar("undolog_sk_handover",
+                                                                                       default=None)
 
 
 class undolog_session:  # noqa: N801 - used as a function (``with undolog_session(id):``), as it always was
@@ -180,6 +183,11 @@ def _method_spec(function: KernelFunction) -> Any:
         if spec is not None:
             return spec
     return None
+
+
+def _refusal(function: KernelFunction, name: str, exc: errors.UndoLogError) -> FunctionResult:
+    """What the model reads of a call UndoLog refused under auto function calling (nothing ran)."""
+    return FunctionResult(function=function.metadata, value=refusal_text(name, exc))
 
 
 def _json_schema(function: KernelFunction) -> dict[str, Any]:
@@ -225,6 +233,8 @@ class UndoLogFilter:
         self.agent_id = agent_id
         self._classified: dict[str, ToolTier] = {}
         self._known: dict[int, _Known] = {}
+        # The registry's tools by name, read on each call (a tool registered again is a new ToolSpec there).
+        self._tools = undolog.registry.tools
         # The sessions this filter has seen, as the engine keeps them (read once; see _cache).
         self._seen: dict[str, SessionCache] = {}
         # Bound methods are created anew on each access; keep one of each so they can be found again.
@@ -241,8 +251,9 @@ class UndoLogFilter:
         await self.function_invocation(context, next)
 
     def _is_inner(self, registered: Any) -> bool:
-        # The inner half registered either as this object (SK's idiom) or as its bound method (install()).
-        return registered is self or registered == self.function_filter
+        # The inner half registered either as this object (SK's idiom) or as its bound method (install()'s, else one
+        # obtained anew: equal, not the same object).
+        return registered is self.function_filter or registered is self or registered == self.function_filter
 
     # ----------------------------------------------------------------- setup
     def install(self, kernel: Kernel, *, strict: bool = True) -> UndoLogFilter:
@@ -287,9 +298,8 @@ class UndoLogFilter:
     def _learn(self, function: KernelFunction) -> _Known:
         """The function's name, tier and model parameters, computed once (SK computes its name on each access);
         the filters look them up by the function's id first."""
-        tier = self.classify(function)
-        known = _Known(function, function.fully_qualified_name, tier,
-                       frozenset(p.name for p in _model_params(function)))
+        self.classify(function)
+        known = _Known(function, function.fully_qualified_name, frozenset(p.name for p in _model_params(function)))
         if len(self._known) >= _KEEP:
             self._known.clear()
         self._known[id(function)] = known
@@ -315,8 +325,15 @@ class UndoLogFilter:
     @staticmethod
     def _args(known: _Known, arguments: KernelArguments) -> dict[str, Any]:
         params = known.params
-        args: dict[str, Any] = to_jsonable_python({k: v for k, v in arguments.items() if k in params})
+        # (All of them the model's, the common case: converted as they are, without a filtered copy first.)
+        args: dict[str, Any] = to_jsonable_python(
+            {**arguments} if params.issuperset(arguments) else {k: v for k, v in arguments.items() if k in params})
         return args
+
+    def _spec(self, name: str) -> ToolSpec:
+        """The tool's contract as registered now (its tier decides the route)."""
+        spec = self._tools.get(name)
+        return spec if spec is not None else self.undolog.driver.spec(name)  # (raises ToolNotRegistered)
 
     def _unchanged(self, known: _Known, arguments: KernelArguments, handover: _Handover) -> bool:
         """Whether the call about to run is the call let through: the same value objects under the same model
@@ -344,64 +361,76 @@ class UndoLogFilter:
 
     # ----------------------------------------------------------------- the call
     #
-    # SK splits one call over two filters (see the module docstring), so the engine's sequence is in two
-    # functions: _intercept (the decision, asked by whichever filter is the gate) and _run (run, then
-    # complete or fail). The filters only route between them.
+    # SK splits one call over two filters (see the module docstring), so the engine's sequence is in parts: a SAFE
+    # call (without a retry policy) is decided whole by the inner filter, right before the function runs; any other
+    # by _intercept (the decision, asked by whichever filter is the gate), then _run (run, then complete or fail).
+    # The filters only route between them.
 
-    async def _intercept(self, known: _Known, arguments: KernelArguments,
+    async def _intercept(self, known: _Known, spec: ToolSpec, arguments: KernelArguments,
                          given_call_id: str | None) -> tuple[str, Execute | AwaitingApproval | Completed,
-                                                             dict[str, Any], bool]:
+                                                             dict[str, Any]]:
         """Find the session and the call id, and ask the engine; returns (session id, decision, the arguments asked
-        about, as JSON values, whether the call is plain: SAFE with no retry policy, nothing to record).
+        about, as JSON values).
 
-        Nothing here waits on the event loop: a SAFE call is decided in memory (validated, pinned, counted: the
-        driver's ``safe``), a COMPENSABLE one by the driver's ``adecide`` inline when nothing has to wait (the hot
-        path with a free connection), else in a worker thread, like the session's creation at its first logged call
-        and the look-up of an earlier approval.
+        Nothing here waits on the event loop: a SAFE call with a retry policy is decided in memory (the driver's
+        ``safe``, as the inner filter decides the others), a COMPENSABLE one by the driver's ``adecide`` inline when
+        nothing has to wait (the hot path with a free connection), else in a worker thread, like the session's
+        creation at its first logged call and the look-up of an earlier approval.
         """
         name = known.name
         sid = self.session_id
         sc = self._seen.get(sid) or await self._cache(sid)  # (the look-up first: no coroutine for a known session)
         args = self._args(known, arguments)
         driver = self.undolog.driver
-        if known.tier is SAFE:
-            spec = driver.spec(name)
-            if spec.tier is SAFE:
-                values = driver.safe(spec, args, sc)
-                return sid, execute_now(None, values, None, SAFE, name, given_call_id, sid), args, spec.retry is None
+        if spec.tier is SAFE:
+            values = driver.safe(spec, args, sc)
+            return sid, execute_now(None, values, None, SAFE, name, given_call_id, sid), args
         if not sc.persisted:
             # The session's first logged call writes it (one durable write, with this filter's agent id), in a
             # worker thread; a session that was created elsewhere meanwhile is read instead.
             await asyncio.to_thread(self.undolog.engine.ensure_session, sid, agent_id=self.agent_id, fresh=True)
-        if known.tier is IRREVERSIBLE:
-            call_id = await asyncio.to_thread(self._call_id, sid, name, known.tier, args, given_call_id)
+        if spec.tier is IRREVERSIBLE:
+            call_id = await asyncio.to_thread(self._call_id, sid, name, spec.tier, args, given_call_id)
         else:
-            call_id = self._call_id(sid, name, known.tier, args, given_call_id)
-        return sid, await driver.adecide(sid, name, args, call_id=call_id), args, False
+            call_id = self._call_id(sid, name, spec.tier, args, given_call_id)
+        return sid, await driver.adecide(sid, name, args, call_id=call_id), args
 
     # ----------------------------------------------------------------- filters
     async def auto_function_invocation(self, context: AutoFunctionInvocationContext, next: Any) -> None:
         """AUTO_FUNCTION_INVOCATION filter: the gate under auto function calling."""
         function = context.function
-        if not _is_tool(function):
-            await next(context)
-            return
-        self._check_paired(context.kernel)
         known = self._known.get(id(function))
         if known is None or known.function is not function:
+            if not _is_tool(function):
+                await next(context)
+                return
             try:
                 known = self._learn(function)
             except errors.UndoLogError as exc:
-                context.function_result = FunctionResult(function=function.metadata,
-                                                         value=refusal_text(function.fully_qualified_name, exc))
+                context.function_result = _refusal(function, function.fully_qualified_name, exc)
                 return
+        self._check_paired(context.kernel)
         name = known.name
+        try:
+            spec = self._spec(name)
+        except errors.UndoLogError as exc:
+            context.function_result = _refusal(function, name, exc)
+            return
+        if spec.tier is SAFE and spec.retry is None:
+            # Nothing to gate and nothing to record: the inner filter decides it (validated, pinned, counted) right
+            # before the function runs, under the contract seen here.
+            token = _handover.set(spec)
+            try:
+                await next(context)
+            finally:
+                _handover.reset(token)
+            return
         fcc = context.function_call_content
         try:
-            sid, decision, asked, plain = await self._intercept(known, context.arguments,
-                                                                fcc.id if fcc is not None else None)
+            sid, decision, asked = await self._intercept(known, spec, context.arguments,
+                                                         fcc.id if fcc is not None else None)
         except errors.UndoLogError as exc:
-            context.function_result = FunctionResult(function=function.metadata, value=refusal_text(name, exc))
+            context.function_result = _refusal(function, name, exc)
             return
         if isinstance(decision, AwaitingApproval):
             text = awaiting_text(name, decision.approval_request_id, decision.reason)
@@ -419,7 +448,7 @@ class UndoLogFilter:
         # The arguments let through, as JSON values: those asked about when validation kept them as they were (the
         # common case: one conversion fewer per call), else the validated ones converted.
         approved = asked if decision.args == asked else to_jsonable_python(dict(decision.args))
-        handover = _Handover(name, decision, sid, approved=approved, plain=plain)
+        handover = _Handover(name, decision, sid, approved=approved)
         token = _handover.set(handover)
         try:
             await next(context)
@@ -433,23 +462,27 @@ class UndoLogFilter:
             self.undolog.driver.fail(decision.effect_id, RuntimeError("the function was not run (a filter answered)"))
 
     async def function_invocation(self, context: FunctionInvocationContext, next: Any) -> None:
-        """FUNCTION_INVOCATION filter: runs the tool; the gate too under a plain ``kernel.invoke``."""
+        """FUNCTION_INVOCATION filter: runs the tool; decides a SAFE call; the gate of any other under a plain
+        ``kernel.invoke``."""
         function = context.function
-        if not _is_tool(function):
-            await next(context)
-            return
         known = self._known.get(id(function))
         if known is None or known.function is not function:
+            if not _is_tool(function):
+                await next(context)
+                return
             known = self._learn(function)
         name = known.name
         filters = context.kernel.function_invocation_filters
-        if filters and not self._is_inner(filters[0][1]):
+        if filters and filters[0][1] is not self.function_filter and not self._is_inner(filters[0][1]):
             raise errors.ConfigurationError(
                 f"UndoLog refused {name}: another FUNCTION_INVOCATION filter runs inside UndoLog's and could change "
                 "the call after its gate; call install(kernel, ...) after adding your own filters"
             )
         handover = _handover.get()
-        if handover is not None and not handover.consumed and handover.name == name:
+        if isinstance(handover, ToolSpec) and handover.name == name:
+            _handover.set(None)  # taken: a call the function itself makes through the kernel is its own
+            spec, answer = handover, True  # under the auto gate: a refusal answers the model, as the gate's would
+        elif isinstance(handover, _Handover) and not handover.consumed and handover.name == name:
             handover.consumed = True
             if not self._unchanged(known, context.arguments, handover):
                 # A filter between the gate and the function edited the call: it is not the call that was let
@@ -459,22 +492,32 @@ class UndoLogFilter:
                 raise errors.ConfigurationError(
                     f"UndoLog refused {name}: its arguments were changed after UndoLog's gate; it was NOT run"
                 )
-            if handover.plain:
-                # A SAFE call: nothing to record, whatever happens; its exception, if any, goes on untouched.
-                await next(context)
-                return
             await self._run(context, next, handover.decision, handover.session_id, handover)
             return
-        sid, decision, _, plain = await self._intercept(known, context.arguments, None)
+        else:
+            spec, answer = self._spec(name), False
+        if spec.tier is SAFE and spec.retry is None:
+            # A SAFE call's whole decision, here, after every other filter: validated (and converted) against its
+            # contract, checked against the session's pin and counted in memory. No I/O once the session is known.
+            try:
+                sid = _session_var.get() or self.session_id
+                sc = self._seen.get(sid) or await self._cache(sid)
+                values = self.undolog.driver.safe(spec, self._args(known, context.arguments), sc)
+            except errors.UndoLogError as exc:
+                if not answer:
+                    raise
+                context.result = _refusal(function, name, exc)
+                return
+            context.arguments.update(values)
+            await next(context)  # nothing to record, whatever happens: its exception, if any, goes on untouched
+            return
+        sid, decision, _ = await self._intercept(known, spec, context.arguments, None)
         if isinstance(decision, AwaitingApproval):
             raise ApprovalPending(decision.effect_id, decision.approval_request_id, decision.retry_after, name)
         if isinstance(decision, Completed):
             context.result = FunctionResult(function=function.metadata, value=decision.result)
             return
         context.arguments.update(decision.args)
-        if plain:
-            await next(context)  # SAFE: nothing to record (see the auto half)
-            return
         await self._run(context, next, decision, sid)
 
     async def _run(self, context: FunctionInvocationContext, next: Any, decision: Execute, sid: str,
@@ -502,7 +545,10 @@ class UndoLogFilter:
         raise exc
 
     def _check_paired(self, kernel: Kernel) -> None:
-        if not any(self._is_inner(f) for _, f in kernel.function_invocation_filters):
+        filters = kernel.function_invocation_filters
+        if filters and filters[0][1] is self.function_filter:
+            return  # install()'s pairing, the common case: the inner filter is there, innermost
+        if not any(self._is_inner(f) for _, f in filters):
             # Without the inner filter a tool exception would look like a result and never be undone.
             raise errors.ConfigurationError(
                 "UndoLogFilter: the AUTO_FUNCTION_INVOCATION filter needs its FUNCTION_INVOCATION twin on the "

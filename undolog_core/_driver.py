@@ -182,7 +182,7 @@ class CallDriver:
         For an adapter that keeps the session's ``cache`` (``engine.look_up_session``) and runs the tool itself:
         nothing is written, no ``Execute`` is built, and ``current_call()`` stays None, as on the core's SAFE path.
         """
-        values = spec.values(spec.validate(args))
+        values = spec.checked(args)
         self.engine.note_safe_in(cache, spec, values)
         return values
 
@@ -335,7 +335,7 @@ class CallDriver:
         spec = tool if tool.__class__ is ToolSpec else self._spec_for(tool)
         if spec.tier is SAFE and invoke is None:
             # The whole SAFE path: validate, count in memory, call. No I/O, no effect, no context to set.
-            values = spec.values(spec.validate(args))
+            values = spec.checked(args)
             self.engine.note_safe_in(cache or self.engine.session_cache(session_id), spec, values)
             try:
                 out = spec.fn(**values)  # type: ignore[misc]
@@ -361,7 +361,7 @@ class CallDriver:
         """The async twin of :meth:`call_sync`."""
         spec = tool if tool.__class__ is ToolSpec else self._spec_for(tool)
         if spec.tier is SAFE and invoke is None:
-            values = spec.values(spec.validate(args))
+            values = spec.checked(args)
             self.engine.note_safe_in(cache or self.engine.session_cache(session_id), spec, values)
             try:
                 out = spec.fn(**values)  # type: ignore[misc]

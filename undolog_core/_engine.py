@@ -688,7 +688,7 @@ class Engine:
             self._inflight.discard(row.effect_id)
             raise
         self.leases.start()
-        args = spec.values(spec.validate(args_json))
+        args = spec.checked(args_json)
         return Execute(row.effect_id, args, f"do-{row.effect_id}", spec.tier, spec.name, row.call_id, row.session_id)
 
     @staticmethod
@@ -831,7 +831,7 @@ class Engine:
             raise
         self.leases.start()
         args = row.approved_args if row.approved_args is not None else row.args_snapshot
-        validated = spec.values(spec.validate(args))
+        validated = spec.checked(args)
         fault(FaultPoint.AFTER_APPROVED_CLAIM)
         decision = ("auto_approved" if row.req_state == RequestState.AUTO_APPROVED
                     else "modify" if row.approved_digest not in (None, row.args_digest) else "approve")

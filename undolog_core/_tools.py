@@ -412,17 +412,9 @@ _SIMPLE_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
-def simple_checker(schema: Mapping[str, Any]) -> Callable[[Any], bool] | None:
-    """A fast validity check for the schemas most tools have (typed properties, ``required``, extras allowed or
-    not), or None when the schema uses anything else.
-
-    It answers True only when jsonschema would (Draft 2020-12); False means "ask jsonschema", which also names
-    the failing path. jsonschema itself costs tens to hundreds of microseconds a call; this, a few.
-
-    Example:
-        >>> simple_checker({"type": "object", "properties": {"n": {"type": "integer"}}})({"n": 1})
-        True
-    """
+def _simple_kinds(schema: Mapping[str, Any]) -> tuple[tuple[str, ...], dict[str, tuple[type, ...] | None], bool] | None:
+    """A simple schema's required properties, each property's Python types (None: anything goes) and whether extras
+    are allowed; None when the schema uses anything else."""
     if schema.get("type", "object") != "object" or not set(schema) <= _SIMPLE_ROOT:
         return None
     extras = schema.get("additionalProperties", True)
@@ -444,7 +436,24 @@ def simple_checker(schema: Mapping[str, Any]) -> Callable[[Any], bool] | None:
         if not all(isinstance(n, str) and n in _SIMPLE_TYPES for n in names):
             return None
         kinds[pname] = tuple(c for n in names for c in _SIMPLE_TYPES[n])
-    needed = tuple(required)
+    return tuple(required), kinds, extras
+
+
+def simple_checker(schema: Mapping[str, Any]) -> Callable[[Any], bool] | None:
+    """A fast validity check for the schemas most tools have (typed properties, ``required``, extras allowed or
+    not), or None when the schema uses anything else.
+
+    It answers True only when jsonschema would (Draft 2020-12); False means "ask jsonschema", which also names
+    the failing path. jsonschema itself costs tens to hundreds of microseconds a call; this, a few.
+
+    Example:
+        >>> simple_checker({"type": "object", "properties": {"n": {"type": "integer"}}})({"n": 1})
+        True
+    """
+    parts = _simple_kinds(schema)
+    if parts is None:
+        return None
+    needed, kinds, extras = parts
 
     def valid(args: Any) -> bool:
         if type(args) is not dict:
@@ -465,6 +474,54 @@ def simple_checker(schema: Mapping[str, Any]) -> Callable[[Any], bool] | None:
         return True
 
     return valid
+
+
+# The field types of an args model built from a simple schema (_model_from_json_schema, by _JSON_TYPES) that give a
+# value of these exact types back unchanged. A float field converts an int, a dict or list field copies its value;
+# an Any field (no type, or several) keeps whatever the schema allows.
+_KEPT_AS_IS: dict[Any, tuple[type, ...]] = {str: (str,), int: (int,), float: (float,), bool: (bool,),
+                                            type(None): (type(None),)}
+
+
+def as_is_checker(schema: Mapping[str, Any]) -> Callable[[Any], bool] | None:
+    """For a simple schema (see :func:`simple_checker`), a check that ``args`` are valid and that the args model built
+    from the schema would give them back unchanged: the same keys, each value of a type its field keeps as it is.
+    Such arguments need no model (see ``ToolSpec.checked``); any others (an int for a ``number``, an object, an
+    array, an extra key...) say False and take the model. None when the schema is not simple.
+
+    Example:
+        >>> as_is_checker({"type": "object", "properties": {"x": {"type": "number"}}})({"x": 1})
+        False
+    """
+    parts = _simple_kinds(schema)
+    if parts is None:
+        return None
+    needed, kinds, _ = parts
+    props = schema.get("properties", {})
+    kept: dict[str, tuple[type, ...] | None] = {}
+    for pname in kinds:
+        t = props[pname].get("type")
+        py = _JSON_TYPES.get(t, Any) if isinstance(t, str) else Any
+        kept[pname] = None if py is Any else _KEPT_AS_IS.get(py, ())
+
+    def as_is(args: Any) -> bool:
+        if type(args) is not dict:
+            return False
+        for key in needed:
+            if key not in args:
+                return False
+        for key, value in args.items():
+            exact = kept.get(key, ())  # a key the schema does not name: the model decides (extras)
+            if exact is None:  # an Any field: whatever the JSON check allows (as in simple_checker)
+                allowed = kinds[key]
+                if allowed is not None and (type(value) is bool and bool not in allowed
+                                            or not isinstance(value, allowed)):
+                    return False
+            elif type(value) not in exact:
+                return False
+        return True
+
+    return as_is
 
 
 def check_json_schema(name: str, schema: Mapping[str, Any], args: Any, validator: Any = None) -> None:
@@ -574,6 +631,8 @@ class ToolSpec:
         self._simply_valid = simple_checker(self.json_schema) if self._schema_validator is not None else None
         # The validator itself, without model_validate's keyword plumbing: this is the SAFE hot path.
         self._model_validate = self.args_model.__pydantic_validator__.validate_python
+        # A simple schema-declared contract: arguments its model would give back unchanged skip it (see checked).
+        self._as_is = as_is_checker(self.json_schema) if self.sparse else None
 
     def contract(self) -> dict[str, Any]:
         contract = {
@@ -597,6 +656,14 @@ class ToolSpec:
     def values(self, model: BaseModel) -> dict[str, Any]:
         # A validated model keeps its fields in __dict__ (extra="forbid"): copying it is the cheap way out.
         return model.model_dump(exclude_unset=True) if self.sparse else model.__dict__.copy()
+
+    def checked(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        """The values to run the tool with: ``values(validate(args))``, the arguments validated and converted by the
+        contract (``ArgumentsInvalid`` when they break it). Arguments that the contract's model would give back
+        unchanged (see :func:`as_is_checker`) are not run through it: their copy is the same values."""
+        if self._as_is is not None and self._as_is(args):
+            return dict(args)
+        return self.values(self.validate(args))
 
     def snapshot(self, model: BaseModel) -> dict[str, Any]:
         """The arguments as JSON, as logged for undo and approval; refused clearly when they have no JSON form."""
