@@ -549,7 +549,8 @@ class UndoLogFilter:
         if filters and filters[0][1] is self.function_filter:
             return  # install()'s pairing, the common case: the inner filter is there, innermost
         if not any(self._is_inner(f) for _, f in filters):
-            # Without the inner filter a tool exception would look like a result and never be undone.
+            # Without the inner filter a SAFE call would run unchecked, and a tool exception would look like a
+            # result and never be undone.
             raise errors.ConfigurationError(
                 "UndoLogFilter: the AUTO_FUNCTION_INVOCATION filter needs its FUNCTION_INVOCATION twin on the "
                 "same kernel: kernel.add_filter(FilterTypes.FUNCTION_INVOCATION, undolog_filter) last, or "

@@ -604,3 +604,109 @@ async def test_a_resumed_session_keeps_its_pins_for_safe_calls(db, ul, backend):
     _, history, _ = await chat_turns(kernel, [[SEARCH]], session_id="chat-pinned")
     [answer] = results(history)
     assert "UndoLog refused" in answer and "changed since session 'chat-pinned'" in answer, answer
+
+
+# -- a SAFE call is decided by the inner filter, right before the function runs -----------------------------------
+
+
+class _Lookup:
+    @kernel_function(name="lookup", description="Look an order up.")
+    @undolog_tool(tier=ToolTier.SAFE)
+    def lookup(self, order_id: str, weight: float = 1.0) -> str:
+        LOOKED_UP.append((order_id, weight))
+        if order_id == "boom":
+            raise LookupError("the order service is down")
+        return f"order {order_id}: shipped"
+
+
+LOOKED_UP: list[tuple[str, float]] = []
+
+
+def _lookup_kernel(ul, *, before=(), after=()):
+    """A kernel with the SAFE lookup tool; ``before``: FUNCTION_INVOCATION filters added before install (they run
+    outside UndoLog's inner filter); ``after``: AUTO_FUNCTION_INVOCATION filters added after it (they run inside
+    UndoLog's auto filter, between it and the function)."""
+    LOOKED_UP.clear()
+    kernel = Kernel()
+    kernel.add_plugin(_Lookup(), plugin_name="shop")
+    for f in before:
+        kernel.add_filter(FilterTypes.FUNCTION_INVOCATION, f)
+    install(kernel, ul)
+    for f in after:
+        kernel.add_filter(FilterTypes.AUTO_FUNCTION_INVOCATION, f)
+    return kernel
+
+
+async def test_a_safe_call_is_validated_and_converted_against_its_contract_both_ways(ul):
+    seen = []
+
+    async def outer(context, next):  # runs around UndoLog's inner filter: sees the arguments it let through
+        await next(context)
+        seen.append(dict(context.arguments))
+
+    kernel = _lookup_kernel(ul, before=[outer])
+    _, history, _ = await chat_turns(kernel, [[call("k1", "shop-lookup", order_id="A-1", weight=2)],
+                                             [call("k2", "shop-lookup", order_id=5)]], session_id="chat-safe")
+    ok, refused = results(history)
+    assert ok == "order A-1: shipped" and "UndoLog refused shop-lookup" in refused, refused
+    # (The refused call went through the outer filter too, as under a plain invoke: UndoLog refused it innermost.)
+    assert LOOKED_UP == [("A-1", 2.0)] and seen == [{"order_id": "A-1", "weight": 2.0}, {"order_id": 5}]
+    assert type(seen[0]["weight"]) is float  # the contract's conversion (a number is a float), not the model's int
+    with undolog_session("chat-safe"), pytest.raises(errors.ArgumentsInvalid):
+        await invoke(kernel, plugin_name="shop", function_name="lookup", order_id=["A-1"])
+    assert LOOKED_UP == [("A-1", 2.0)]
+    ul.engine.flush_counts()
+    assert ul.sessions.get("chat-safe").tool_calls_total == 1  # the call that ran, counted once; refusals are not
+
+
+async def test_a_safe_call_edited_after_the_auto_gate_is_validated_as_it_runs(ul):
+    # A SAFE call is checked innermost, after every other filter: an edit is validated (and runs when valid), never
+    # slips past the check. (Before, the check ran in the auto filter and any edit made after it was refused.)
+    async def edit(context, next):
+        context.arguments["order_id"] = context.arguments["order_id"].upper() if context.arguments[
+            "order_id"] != "bad" else 7
+        await next(context)
+
+    kernel = _lookup_kernel(ul, after=[edit])
+    _, history, _ = await chat_turns(kernel, [[call("k1", "shop-lookup", order_id="a-1")],
+                                             [call("k2", "shop-lookup", order_id="bad")]])
+    ok, refused = results(history)
+    assert ok == "order A-1: shipped" and "UndoLog refused shop-lookup" in refused, refused
+    assert LOOKED_UP == [("A-1", 1.0)]
+
+
+async def test_a_safe_functions_own_exception_goes_on_untouched(ul):
+    kernel = _lookup_kernel(ul)
+    with undolog_session("chat-boom"), pytest.raises(KernelInvokeException) as raised:
+        await invoke(kernel, plugin_name="shop", function_name="lookup", order_id="boom")
+    cause = raised.value.__cause__
+    assert type(cause) is LookupError and str(cause) == "the order service is down"
+    assert not getattr(cause, "__notes__", None) and not hasattr(cause, "undolog_rollback")
+    _, history, _ = await chat_turns(kernel, [[call("k1", "shop-lookup", order_id="boom")]], session_id="chat-boom")
+    assert "the order service is down" in results(history)[0]  # SK's own text of it, as without UndoLog
+    assert [o for o, _ in LOOKED_UP] == ["boom", "boom"]
+
+
+async def test_a_tool_registered_again_is_routed_and_checked_by_its_new_contract(ul):
+    kernel = _lookup_kernel(ul)
+    await chat_turns(kernel, [[call("k1", "shop-lookup", order_id="A-1")]], session_id="chat-r1")
+    assert LOOKED_UP == [("A-1", 1.0)]
+
+    @undolog_tool(tier=ToolTier.SAFE, name="shop-lookup")
+    def lookup_v2(order_id: str, region: str) -> str:
+        return ""
+
+    ul.register(lookup_v2)  # still SAFE, a new contract: the call without 'region' is refused, not run
+    _, history, _ = await chat_turns(kernel, [[call("k2", "shop-lookup", order_id="A-2")]], session_id="chat-r2")
+    assert "UndoLog refused shop-lookup" in results(history)[0] and "region" in results(history)[0]
+
+    @undolog_tool(tier=ToolTier.IRREVERSIBLE, name="shop-lookup", reason="now it deletes")
+    def lookup_v3(order_id: str, weight: float = 1.0) -> str:
+        return ""
+
+    ul.register(lookup_v3)  # now IRREVERSIBLE: gated for a person under auto, and under a plain invoke
+    _, history, _ = await chat_turns(kernel, [[call("k3", "shop-lookup", order_id="A-3")]], session_id="chat-r3")
+    assert "awaiting approval" in results(history)[0]
+    with undolog_session("chat-r4"), pytest.raises(ApprovalPending):
+        await invoke(kernel, plugin_name="shop", function_name="lookup", order_id="A-4")
+    assert LOOKED_UP == [("A-1", 1.0)]

@@ -1,14 +1,17 @@
-"""The fast check of simple JSON Schemas never says valid where jsonschema (Draft 2020-12) says invalid."""
+"""The fast checks of simple JSON Schemas: never valid where jsonschema (Draft 2020-12) says invalid, and never "as
+it is" where the args model would change a value (what lets ``ToolSpec.checked`` skip the model)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import jsonschema
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from undolog_core._tools import simple_checker
+from undolog_core._tools import _model_from_json_schema, as_is_checker, simple_checker
+from undolog_core.errors import ArgumentsInvalid
 
 SCHEMAS: list[dict[str, Any]] = [
     {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}, "required": ["n"]},
@@ -41,3 +44,40 @@ def test_valid_arguments_take_the_fast_path_and_other_schemas_do_not() -> None:
     assert not check({"n": True})  # a bool is not an integer to JSON Schema: left to jsonschema, which refuses it
     assert simple_checker({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}) is None
     assert simple_checker({"type": "object", "additionalProperties": {"type": "string"}}) is None
+
+
+SCHEMAS_AS_IS = [*SCHEMAS, {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"},
+                                                          "s": {"type": "string"}, "b": {"type": "boolean"}},
+                            "required": ["n"], "additionalProperties": True}]
+
+
+@settings(max_examples=300, deadline=None)
+@given(args=args)
+def test_as_is_only_where_the_model_gives_the_arguments_back_unchanged(args: dict[str, Any]) -> None:
+    for schema in SCHEMAS_AS_IS:
+        as_is = as_is_checker(schema)
+        assert as_is is not None
+        if as_is(args):
+            assert jsonschema.Draft202012Validator(schema).is_valid(args), (schema, args)
+            model = _model_from_json_schema("t", schema)
+            values = model.__pydantic_validator__.validate_python(args).model_dump(exclude_unset=True)
+            assert values == args and {k: type(v) for k, v in values.items()} == {k: type(v) for k, v in args.items()}
+
+
+def test_checked_skips_the_model_only_for_arguments_it_keeps_and_still_refuses_bad_ones(undolog: Any) -> None:
+    schema = {"type": "object", "properties": {"q": {"type": "string"}, "x": {"type": "number"}}, "required": ["q"],
+              "additionalProperties": False}
+    spec = undolog.register_tool(lambda **kw: kw, name="search", tier="safe", args_schema=schema)
+    calls: list[Any] = []
+    real = spec._model_validate
+    spec._model_validate = lambda a: calls.append(a) or real(a)
+    args = {"q": "refund", "x": 2.5}
+    values = spec.checked(args)
+    assert values == args and values is not args and calls == []  # as it is: no model, a copy
+    converted = spec.checked({"q": "refund", "x": 2})  # the model's conversion is kept: a number field takes floats
+    assert converted == {"q": "refund", "x": 2.0} and type(converted["x"]) is float and len(calls) == 1
+    for bad in ({"q": 5}, {"x": 1.0}, {"q": "a", "extra": 1}, {"q": True}):
+        with pytest.raises(ArgumentsInvalid):
+            spec.checked(bad)
+    # A contract declared by a Python signature is not schema-declared: always through its model (defaults filled).
+    assert spec._as_is is not None and undolog.register_tool(lambda q="x": q, name="sig", tier="safe")._as_is is None
