@@ -330,11 +330,6 @@ class UndoLogFilter:
             {**arguments} if params.issuperset(arguments) else {k: v for k, v in arguments.items() if k in params})
         return args
 
-    def _spec(self, name: str) -> ToolSpec:
-        """The tool's contract as registered now (its tier decides the route)."""
-        spec = self._tools.get(name)
-        return spec if spec is not None else self.undolog.driver.spec(name)  # (raises ToolNotRegistered)
-
     def _unchanged(self, known: _Known, arguments: KernelArguments, handover: _Handover) -> bool:
         """Whether the call about to run is the call let through: the same value objects under the same model
         parameters (no conversion: the common case), else equal once converted to JSON."""
@@ -409,13 +404,17 @@ class UndoLogFilter:
             except errors.UndoLogError as exc:
                 context.function_result = _refusal(function, function.fully_qualified_name, exc)
                 return
-        self._check_paired(context.kernel)
+        filters = context.kernel.function_invocation_filters
+        if not filters or filters[0][1] is not self.function_filter:  # (install()'s pairing: the common case)
+            self._check_paired(filters)
         name = known.name
-        try:
-            spec = self._spec(name)
-        except errors.UndoLogError as exc:
-            context.function_result = _refusal(function, name, exc)
-            return
+        spec = self._tools.get(name)
+        if spec is None:
+            try:
+                spec = self.undolog.driver.spec(name)  # not registered: raises ToolNotRegistered
+            except errors.UndoLogError as exc:
+                context.function_result = _refusal(function, name, exc)
+                return
         if spec.tier is SAFE and spec.retry is None:
             # Nothing to gate and nothing to record: the inner filter decides it (validated, pinned, counted) right
             # before the function runs, under the contract seen here.
@@ -495,7 +494,7 @@ class UndoLogFilter:
             await self._run(context, next, handover.decision, handover.session_id, handover)
             return
         else:
-            spec, answer = self._spec(name), False
+            spec, answer = self._tools.get(name) or self.undolog.driver.spec(name), False
         if spec.tier is SAFE and spec.retry is None:
             # A SAFE call's whole decision, here, after every other filter: validated (and converted) against its
             # contract, checked against the session's pin and counted in memory. No I/O once the session is known.
@@ -544,10 +543,9 @@ class UndoLogFilter:
             handover.failure_text = failure_text(name, f"{type(exc).__name__}: {exc}", text)
         raise exc
 
-    def _check_paired(self, kernel: Kernel) -> None:
-        filters = kernel.function_invocation_filters
-        if filters and filters[0][1] is self.function_filter:
-            return  # install()'s pairing, the common case: the inner filter is there, innermost
+    def _check_paired(self, filters: list[tuple[int, Any]]) -> None:
+        """Refuse a kernel whose FUNCTION_INVOCATION filters (``kernel.function_invocation_filters``) lack the inner
+        half."""
         if not any(self._is_inner(f) for _, f in filters):
             # Without the inner filter a SAFE call would run unchecked, and a tool exception would look like a
             # result and never be undone.
