@@ -7,9 +7,12 @@ Two filters work as a pair so that each call is intercepted once:
   person;
 * the FUNCTION_INVOCATION filter runs the tool: SK turns tool exceptions into text before the auto
   filter sees them, so only this filter can hand the exception to the saga. Under a plain
-  ``kernel.invoke`` it owns the gate too, and raises :class:`ApprovalPending`.
+  ``kernel.invoke`` it owns the gate too, and raises :class:`ApprovalPending`. It decides every SAFE
+  call itself (validated against its contract, checked against the session's pin, counted), last
+  before the function runs, whichever way the call came: nothing to gate, nothing to record.
 
-The auto filter hands its decision to the inner filter through a context variable.
+The auto filter hands its decision (for a SAFE call, the contract it routed the call by) to the inner
+filter through a context variable.
 
 A COMPENSABLE/IRREVERSIBLE function that raises is never replaced by an UndoLog error: its own
 exception object goes on, with the rollback outcome added as a note and as the attribute
