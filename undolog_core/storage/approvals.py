@@ -330,9 +330,11 @@ class ApprovalsSQL(Store):
         sweep re-reading the whole backlog (4.5 ms a claim with 6,000 due, against 0.3 ms).
         """
         r = t.approval_requests
+        # Restricted to ids, the rows are found by key (``_still``: otherwise a batch of ids read every due row).
+        pending = r.c.state == RequestState.PENDING if only is None else _still(RequestState.PENDING)
         q = (sa.select(r.c.approval_request_id, r.c.session_id, r.c.effect_id, r.c.tool_name, r.c.timeout_at,
                        r.c.proposed_args, r.c.created_at)
-             .where(r.c.state == RequestState.PENDING, r.c.timeout_at <= now)
+             .where(pending, r.c.timeout_at <= now)
              .order_by(r.c.timeout_at).limit(limit))
         if only is not None:
             q = q.where(self.one_of(r.c.approval_request_id, list(only)))
