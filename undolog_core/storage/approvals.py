@@ -321,8 +321,10 @@ class ApprovalsSQL(Store):
         got, changes = self.expire_batch(now, only=[approval_request_id])
         return changes if got else None
 
-    def due_claim(self, now: dt.datetime, *, limit: int = EXPIRE_BATCH, only: Sequence[str] | None = None) -> Any:
-        """The SELECT of up to ``limit`` pending requests due at ``now`` (``expire_batch`` locks it), oldest first.
+    def due_claim(self, now: dt.datetime, *, limit: int = EXPIRE_BATCH, only: Sequence[str] | None = None,
+                  with_args: bool = False) -> Any:
+        """The SELECT of up to ``limit`` pending requests due at ``now`` (``expire_batch`` locks it), oldest first;
+        ``with_args``: with their ``proposed_args`` (what an auto-approval approves; a timeout does not read them).
 
         Ordered by ``timeout_at`` alone, the order of the ``(state, timeout_at)`` index, so the database walks the
         index and stops after ``limit`` rows. Ordered by the id as well, no index gave the order and the claim
@@ -332,8 +334,8 @@ class ApprovalsSQL(Store):
         r = t.approval_requests
         # Restricted to ids, the rows are found by key (``_still``: otherwise a batch of ids read every due row).
         pending = r.c.state == RequestState.PENDING if only is None else _still(RequestState.PENDING)
-        q = (sa.select(r.c.approval_request_id, r.c.session_id, r.c.effect_id, r.c.tool_name, r.c.timeout_at,
-                       r.c.proposed_args, r.c.created_at)
+        cols = [r.c.approval_request_id, r.c.session_id, r.c.effect_id, r.c.tool_name, r.c.timeout_at, r.c.created_at]
+        q = (sa.select(*cols, *([r.c.proposed_args] if with_args else []))
              .where(pending, r.c.timeout_at <= now)
              .order_by(r.c.timeout_at).limit(limit))
         if only is not None:
@@ -360,14 +362,16 @@ class ApprovalsSQL(Store):
         with self.tx() as conn:
             if self.is_postgres and only is None and not self._sweep_slot_in(conn, now):
                 return [], []
-            claim = self.for_update(self.due_claim(now, limit=limit, only=only), skip_locked=True)
+            # The policy first: only an auto-approval needs the requests' arguments (a JSON document per row).
+            policy = self.policy_in(conn)
+            claim = self.for_update(self.due_claim(now, limit=limit, only=only,
+                                                   with_args=policy.auto_approve_on_timeout), skip_locked=True)
             due = self._sessions_held_in(conn, conn.execute(claim).all())
             if not due:
                 return [], []
             # The claim's order stops at timeout_at (see ``due_claim``); the tie-break is applied to the batch here,
             # so which request of a session is its oldest due one (timed out; the others cancelled) stays decided.
             due.sort(key=lambda x: (x.timeout_at, x.approval_request_id))
-            policy = self.policy_in(conn)
             events: builtins.list[PendingEvent] = []
             ids = [x.approval_request_id for x in due]
 
