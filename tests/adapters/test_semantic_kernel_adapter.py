@@ -710,3 +710,25 @@ async def test_a_tool_registered_again_is_routed_and_checked_by_its_new_contract
     with undolog_session("chat-r4"), pytest.raises(ApprovalPending):
         await invoke(kernel, plugin_name="shop", function_name="lookup", order_id="A-4")
     assert LOOKED_UP == [("A-1", 1.0)]
+
+
+async def test_a_safe_tool_with_a_retry_policy_is_retried_through_the_gate(ul):
+    from undolog_core import RetryPolicy
+
+    tries = []
+
+    class Flaky:
+        @kernel_function(name="quote", description="Quote a price.")
+        def quote(self, sku: str) -> str:
+            tries.append(sku)
+            if len(tries) < 3:
+                raise TimeoutError("the price service timed out")
+            return f"{sku}: 12.50"
+
+    kernel = Kernel()
+    kernel.add_plugin(Flaky(), plugin_name="shop")
+    install(kernel, ul, tiers={"shop-quote": {"tier": "safe", "retry": RetryPolicy(attempts=3, backoff=0.0)}})
+    _, history, _ = await chat_turns(kernel, [[call("q1", "shop-quote", sku="S-1")]], session_id="chat-retry")
+    assert results(history) == ["S-1: 12.50"] and tries == ["S-1"] * 3
+    ul.engine.flush_counts()
+    assert ul.sessions.get("chat-retry").tool_calls_total == 1 and ul.sessions.effects("chat-retry") == []
