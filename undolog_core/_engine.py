@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from . import _faults
 from ._faults import FaultPoint, fault
 from ._leases import LazyLoop, Leases, owner_alive
 from ._observe import engine_log, ids
@@ -143,7 +144,11 @@ class CallContext:
     attempt: int = 1  # the tool's retry policy's attempt number; the key is the same on every attempt
 
 
-_current: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("undolog_current_call", default=None)
+# The call being run: its CallContext, or (a first attempt run by the driver) the Execute decision it runs under,
+# which current_call() turns into one when a tool asks. Every COMPENSABLE call sets it; few tools read it, so the
+# CallContext is built on the read instead of on every call.
+_current: contextvars.ContextVar[CallContext | Execute | None] = contextvars.ContextVar(
+    "undolog_current_call", default=None)
 
 # A frozen dataclass's generated __init__ sets each field through object.__setattr__: about a microsecond for
 # Execute's nine fields, on every COMPENSABLE call. The hot path builds the same objects by setting their __dict__
@@ -180,7 +185,11 @@ def current_call() -> CallContext | None:
         ... def refund(amount: int) -> dict:
         ...     return payments.refund(amount, idempotency_key=current_call().idempotency_key)
     """
-    return _current.get()
+    running = _current.get()
+    if running is None or running.__class__ is CallContext:
+        return running
+    return call_context(running.session_id, running.effect_id, running.call_id, running.tool_name,
+                        running.idempotency_key, 1)
 
 
 @dataclass
@@ -247,7 +256,7 @@ class _Running:
 
     def __init__(self, ctx: CallContext) -> None:
         self.ctx = ctx
-        self.token: contextvars.Token[CallContext | None] | None = None
+        self.token: contextvars.Token[CallContext | Execute | None] | None = None
 
     def __enter__(self) -> CallContext:
         self.token = _current.set(self.ctx)
@@ -576,7 +585,8 @@ class Engine:
             raise WouldBlock()
         # Before anything is taken or counted as running here: a hook that stops the call at this point (what
         # check_undo does) leaves nothing to give back.
-        fault(FaultPoint.BEFORE_PREWRITE, session_id, spec.name)
+        if _faults._armed is not None:  # a call per point costs more than the test, on every COMPENSABLE call
+            fault(FaultPoint.BEFORE_PREWRITE, session_id, spec.name)
         effect_id = new_id()
         if args_text is None:
             args_text = canonical_text(args_json)
@@ -622,7 +632,8 @@ class Engine:
             raise
         self.leases.start()
         sc.recent.append((spec.name, "compensable", args_json, "pending"))
-        fault(FaultPoint.AFTER_PREWRITE, session_id, spec.name, effect_id)
+        if _faults._armed is not None:
+            fault(FaultPoint.AFTER_PREWRITE, session_id, spec.name, effect_id)
         return execute_now(effect_id, values, "do-" + effect_id, COMPENSABLE, spec.name, call_id, session_id)
 
     def _prewrite_core(
@@ -928,12 +939,14 @@ class Engine:
 
         ``wait=False`` raises ``WouldBlock`` (nothing written) instead of waiting for a connection or a lock.
         """
-        fault(FaultPoint.AFTER_TOOL)
+        if _faults._armed is not None:
+            fault(FaultPoint.AFTER_TOOL)
         text = result_text(result)
         now = time.time()
         if self.fast_commit_mark:
             self._marks.append((effect_id, text, now))
-            fault(FaultPoint.AFTER_MARK_QUEUED)
+            if _faults._armed is not None:
+                fault(FaultPoint.AFTER_MARK_QUEUED)
             self._flusher.ensure()
             return
         try:
