@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from undolog_core import CompensationDescriptor, RetryPolicy, ToolTier, compensation, errors
 
 if TYPE_CHECKING:
-    from undolog_core import ToolSpec, UndoLog
-    from undolog_core._saga import RollbackReport
+    from undolog_core import RollbackReport, ToolSpec, UndoLog
 
 __all__ = [
     "Registrar",

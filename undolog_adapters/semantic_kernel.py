@@ -69,8 +69,7 @@ from undolog_core import (
     UndoLog,
     errors,
 )
-from undolog_core._engine import SessionCache, execute_now
-from undolog_core.storage.pool import WouldBlock
+from undolog_core.integration import SessionCache, WouldBlock, execute_now
 
 __all__ = [
     "ROLLBACK_ATTR",

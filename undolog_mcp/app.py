@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from pathlib import Path
 from typing import Any
 
 from undolog_core import UndoLog
 from undolog_core.errors import ConfigurationError
+from undolog_core.integration import run_coro_blocking
 
 from .config import load_config
 
@@ -36,7 +35,7 @@ def register_gateway(path: str | Path, into: UndoLog) -> UndoLog:
                                          f"{first_cause(exc)}") from exc
         return listed
 
-    Gateway(config, into).register(_run(listing()))
+    Gateway(config, into).register(run_coro_blocking(listing()))
     return into
 
 
@@ -45,25 +44,3 @@ def first_cause(exc: BaseException) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return f"{type(exc).__name__}: {exc}"
-
-
-def _run(coro: Any) -> Any:
-    """Run a coroutine to completion from sync code, even under a running loop (in a thread of its own)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    box: dict[str, Any] = {}
-
-    def runner() -> None:
-        try:
-            box["v"] = asyncio.run(coro)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            box["e"] = exc
-
-    th = threading.Thread(target=runner)
-    th.start()
-    th.join()
-    if "e" in box:
-        raise box["e"]
-    return box["v"]

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from undolog_core import errors
 from undolog_core.webhooks import SIGNATURE_HEADER, sign, verify_signature
 
@@ -75,16 +77,21 @@ def test_serve_without_the_server_extra_says_what_to_install() -> None:
     assert "undolog[server]" in _cli_without("undolog_server", "keys", "list").stderr
 
 
-def test_the_server_uses_only_the_cores_public_modules() -> None:
-    """The desk is a client of the core: it imports ``undolog_core`` and its public modules (``errors``, ``limits``,
-    ``webhooks``, ``storage`` for its own tables' engine, ``testing``), never a private ``undolog_core._x``."""
+@pytest.mark.parametrize("package", ["undolog_server", "undolog_adapters", "undolog_mcp"])
+def test_the_cores_clients_use_only_its_public_modules(package: str) -> None:
+    """The desk, the adapters and the gateway are clients of the core: they import ``undolog_core`` and its public
+    modules (``errors``, ``limits``, ``webhooks``, ``integration``, ``storage`` for the desk's own tables' engine,
+    ``testing``), never a private ``undolog_core._x``; the adapters and the gateway not ``storage`` either (what an
+    integration needs of the internals is in ``undolog_core.integration``)."""
     import ast
 
     private: list[str] = []
-    for path in sorted((ROOT / "undolog_server").rglob("*.py")):
+    for path in sorted((ROOT / package).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             private += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
-                        if n.startswith("undolog_core.") and any(p.startswith("_") for p in n.split(".")[1:])]
+                        if n.startswith("undolog_core.") and (
+                            any(p.startswith("_") for p in n.split(".")[1:])
+                            or (package != "undolog_server" and n.startswith("undolog_core.storage")))]
     assert private == []

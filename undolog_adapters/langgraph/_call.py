@@ -18,7 +18,7 @@ from langchain_core.messages import ToolMessage
 from langgraph.errors import GraphBubbleUp
 
 from undolog_core import AwaitingApproval, Outcome, errors
-from undolog_core.storage.pool import WouldBlock
+from undolog_core.integration import WouldBlock
 
 from ._guard import _config_of, _Guard, _Reply, _Run
 from ._payload import _Pause

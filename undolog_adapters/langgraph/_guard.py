@@ -22,8 +22,7 @@ from langgraph.types import interrupt
 from pydantic import BaseModel
 
 from undolog_core import AwaitingApproval, Completed, Execute, OnFailure, ToolTier, errors
-from undolog_core._tools import tool_name_of
-from undolog_core.storage.pool import WouldBlock
+from undolog_core.integration import WouldBlock, tool_name_of
 
 from .._common import Registrar, TierValue, failure_text, refusal_text, rollback_outcome
 from ._payload import (
@@ -40,8 +39,7 @@ from ._siblings import siblings_rejected
 from ._tools import _Box, _capturing, _content_of, _declaration, _function_of, _sibling_call_ids, emit
 
 if TYPE_CHECKING:
-    from undolog_core import UndoLog
-    from undolog_core._saga import RollbackReport
+    from undolog_core import RollbackReport, UndoLog
 
 
 @dataclass(frozen=True)

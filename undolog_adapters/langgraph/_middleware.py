@@ -11,7 +11,7 @@ from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import BaseTool
 
 from undolog_core import OnFailure, SessionState, errors
-from undolog_core.storage.pool import WouldBlock
+from undolog_core.integration import WouldBlock
 
 from .._common import TierValue, halted_text, missing_extra
 from ._call import arun_call, run_call

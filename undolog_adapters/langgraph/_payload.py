@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, PrivateAttr, model_validator
 
 from undolog_core import AwaitingApproval, RequestState
-from undolog_core._tools import jsonable
+from undolog_core.integration import jsonable
 
 if TYPE_CHECKING:
     from undolog_core import UndoLog

@@ -1,0 +1,27 @@
+"""What a framework integration needs beyond the public API: the adapters and the MCP gateway import these from
+here, never from the core's private modules, so the core can move its internals without breaking them.
+
+- ``WouldBlock``: raised by the call driver, before anything is written, when a caller on an event loop asked not
+  to wait (``wait=False``) and the decision would wait for a pool slot or SQLite's write lock; decide again in a
+  worker thread.
+- ``execute_now`` and ``SessionCache``: the decision of a SAFE call built without the outcome machinery, and what
+  the process knows of a session (for adapters that keep a session per conversation).
+- ``tool_name_of``: the name a tool is registered under (its declaration's name, a framework tool's ``name``, or
+  the function's ``__name__``).
+- ``jsonable``: a value as the store keeps it (JSON; NaN and infinities as strings, the same on both databases).
+- ``run_coro_blocking``: a coroutine run to completion from sync code, in a thread of its own when this thread
+  already runs an event loop (the caller's context variables travel with it).
+
+Example:
+    >>> from undolog_core.integration import jsonable, tool_name_of
+    >>> def refund(user_id: str) -> None: ...
+    >>> tool_name_of(refund), jsonable({"amount": float("nan")})
+    ('refund', {'amount': 'NaN'})
+"""
+
+from ._engine import SessionCache, execute_now
+from ._saga import run_coro_blocking
+from ._tools import jsonable, tool_name_of
+from .storage.pool import WouldBlock
+
+__all__ = ["SessionCache", "WouldBlock", "execute_now", "jsonable", "run_coro_blocking", "tool_name_of"]
