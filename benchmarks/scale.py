@@ -104,11 +104,17 @@ def drop_schema(schema: str) -> None:
 
 
 def run_workers(n: int, target: Callable[..., Any], args: tuple[Any, ...]) -> tuple[float, list[Any]]:
-    """Start ``n`` processes, release them at once, return (wall seconds from the release, their results)."""
+    """Start ``n`` processes, release them at once, return (wall seconds from the release, their results).
+
+    A worker that is done waits, alive, until every worker is: a process exiting (its interpreter torn down, its
+    PostgreSQL backend ended) is no part of the work measured, and a running server's worker does not exit when it
+    has nothing left to do. Exiting at once, a worker that finished early (an expire worker that found every sweep
+    slot held: half of them at 8) spent its teardown, about 5 ms of CPU and its backend's exit, on the cores the
+    others were still working on, inside the timed window."""
     ctx = mp.get_context("fork")
-    start = ctx.Event()
+    start, done = ctx.Event(), ctx.Event()
     out = ctx.Queue()
-    procs = [ctx.Process(target=_worker_main, args=(target, i, start, out, args)) for i in range(n)]
+    procs = [ctx.Process(target=_worker_main, args=(target, i, start, out, args, done)) for i in range(n)]
     for p in procs:
         p.start()
     ready = [out.get(timeout=120) for _ in procs]
@@ -117,6 +123,7 @@ def run_workers(n: int, target: Callable[..., Any], args: tuple[Any, ...]) -> tu
     start.set()
     results = [out.get(timeout=600) for _ in procs]
     wall = time.perf_counter() - t0
+    done.set()
     for p in procs:
         p.join(60)
     errors = [r for r in results if isinstance(r, str) and r.startswith("error")]
@@ -125,7 +132,8 @@ def run_workers(n: int, target: Callable[..., Any], args: tuple[Any, ...]) -> tu
     return wall, results
 
 
-def _worker_main(target: Callable[..., Any], i: int, start: Any, out: Any, args: tuple[Any, ...]) -> None:
+def _worker_main(target: Callable[..., Any], i: int, start: Any, out: Any, args: tuple[Any, ...],
+                 done: Any) -> None:
     try:
         prepared = target(i, None, *args)  # prepare (connect, warm up)
         out.put("ready")
@@ -135,6 +143,7 @@ def _worker_main(target: Callable[..., Any], i: int, start: Any, out: Any, args:
         import traceback
 
         out.put(f"error in worker {i}: {exc!r}\n{traceback.format_exc()}")
+    done.wait(600)  # exit once every worker is done (see ``run_workers``)
 
 
 # -- CPU accounting: the workers' own (client) and their PostgreSQL backends' (server) ---------------------------

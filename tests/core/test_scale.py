@@ -604,3 +604,66 @@ def test_at_most_sweep_slots_sweepers_claim_at_once_and_a_dead_holder_frees_its_
                     .where(t.approval_events.c.action == "timeout"))
     assert sorted(r[0] for r in events) == sorted(ids)
     assert u.verify_audit().ok
+
+
+def _seed_due(u: Any, n: int, per_session: int = 10) -> None:
+    """``n`` pending requests past their timeout over the bulk sessions and effects (``_seed_bulk``), inserted in SQL
+    AFTER the tables were analyzed: the statistics say there are none, as with a backlog newer than them."""
+    with u.store.engine.begin() as conn:
+        conn.exec_driver_sql(f"""
+            INSERT INTO undolog_approval_requests (approval_request_id, effect_id, session_id, call_id, tool_name,
+                tool_revision, tool_fingerprint, proposed_args, action_digest, risk_tags, agent_context, state,
+                timeout_at, created_at)
+            SELECT 'r' || g, md5(g::text), 'bulk-' || (g / {per_session} + 1), 'c' || g, 'refund', 1, 'f', '{{}}',
+                   'd', '[]', '[]', 'pending', now() - (g || ' seconds')::interval, now() - interval '1 day'
+            FROM generate_series(0, {n - 1}) g""")
+
+
+@contextlib.contextmanager
+def _index_reads(u: Any) -> Iterator[list[dict[str, int]]]:
+    """The index entries each transaction read from the approval requests' indexes, per index, counted in the
+    transaction itself just before it commits (pg_stat_get_xact_tuples_returned of each index)."""
+    read: list[dict[str, int]] = []
+
+    def count_reads(conn: Any) -> None:
+        cur = conn.connection.dbapi_connection.execute(
+            "SELECT c.relname, pg_stat_get_xact_tuples_returned(c.oid) FROM pg_index i "
+            "JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = 'undolog_approval_requests'::regclass")
+        read.append({name: int(k) for name, k in cur.fetchall()})
+
+    sa.event.listen(u.store.engine, "commit", count_reads)
+    try:
+        yield read
+    finally:
+        sa.event.remove(u.store.engine, "commit", count_reads)
+
+
+@pytest.mark.postgres_only
+def test_a_sweep_batch_reads_about_its_batch_of_the_backlog_whatever_the_statistics(db):
+    """A sweep batch reads its batch, not the backlog. With statistics older than the backlog (analyzed before the
+    due requests came) PostgreSQL estimated a handful of pending rows: the claim read every due row through a
+    bitmap scan and sorted them, and the batch's updates by id and its lookup of the sessions' other pending
+    requests read every pending row through the (state, ..) indexes, so a batch's cost grew with the backlog (per
+    batch of 50 here: 6,727 index entries read for 2,000 due). The same for a batch restricted to ids
+    (``approvals.expire(ids)``): 2,052 entries of the (state, ..) indexes before, 52 now. Counted, not
+    timed."""
+    u = db.open()
+    u.register(refund, undo_refund)
+    n, batch = 2_000, 50
+    _seed_bulk(u, n)
+    _seed_due(u, n)
+    now = utcnow()
+    with _index_reads(u) as read:
+        got, _ = u.store.expire_batch(now, limit=batch)
+    assert len(got) == batch // 10  # one timed out per session of ten, the other nine cancelled with it
+    # Now: the claim's walk (50), and the sessions' other requests through the session index, read once per
+    # request the batch changes (10 a session here).
+    assert sum(read[-1].values()) < 30 * batch, read[-1]
+    by_state = {k: v for k, v in read[-1].items() if "state" in k}
+    assert sum(by_state.values()) < 2 * batch, by_state
+    ids = [f"r{i}" for i in range(1_000, 1_000 + batch)]  # five whole sessions, by id
+    with _index_reads(u) as read:
+        got, _ = u.store.expire_batch(now, only=ids)
+    assert len(got) == batch // 10
+    by_state = {k: v for k, v in read[-1].items() if "state" in k}
+    assert sum(by_state.values()) < 2 * batch, by_state
