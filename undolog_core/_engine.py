@@ -85,6 +85,8 @@ MARK_FLUSH_SECONDS = 0.05
 # JSON text this short cannot nest deeper than the limit (see limits.args_problem).
 _SHORT_JSON = 2 * MAX_JSON_DEPTH
 SAFE = ToolTier.SAFE
+# States a session never leaves: its record leaves the session cache (``Engine._forget``).
+_ENDED = frozenset({SessionState.COMPLETED.value, SessionState.ROLLED_BACK.value})
 COMPENSABLE = ToolTier.COMPENSABLE
 IRREVERSIBLE = ToolTier.IRREVERSIBLE
 
@@ -314,10 +316,27 @@ class Engine:
         return self._sessions.get(session_id)
 
     def note_state(self, session_id: str, state: str) -> None:
-        """A session's state changed in the store (a rollback, a halt, a resume): the cache follows."""
+        """A session's state changed in the store (a rollback, a halt, a resume): the cache follows; a session that
+        ended (completed, rolled back) leaves it (see ``_forget``)."""
         sc = self._sessions.get(session_id)
         if sc is not None:
             sc.state = state
+            if state in _ENDED:
+                self._forget(sc)
+
+    def _forget(self, sc: SessionCache) -> None:
+        """Drop an ended session's record: it takes no more logged calls, and a process that runs for months sees
+        millions of sessions (each record keeps its last calls' arguments). Kept while it still holds counts to
+        write; a holder of the record (a ``Session``) still counts SAFE calls into it and flushes them itself
+        (``flush_counts(.., cache)``), and a later look-up reads the session from the store again."""
+        carried = sc.take_carried()
+        if carried or sc.dirty:
+            sc.give_back(0, carried)
+            return
+        with self._sessions_lock:
+            if self._sessions.get(sc.session_id) is sc:
+                del self._sessions[sc.session_id]
+        sc.recent.clear()
 
     def remember(self, row: Any) -> SessionCache:
         sc = SessionCache(
@@ -420,10 +439,14 @@ class Engine:
         """
         return self.hot.session_states(session_ids, wait=wait)
 
-    def flush_counts(self, session_id: str | None = None) -> None:
-        """Write the in-memory SAFE call counters (on session exit and close), and any deferred marks."""
+    def flush_counts(self, session_id: str | None = None, cache: SessionCache | None = None) -> None:
+        """Write the in-memory SAFE call counters (on session exit and close), and any deferred marks; ``cache``:
+        the caller's own record of ``session_id`` as well (it may have left this cache: an ended session)."""
         self.flush_marks()
-        targets = [self._sessions[session_id]] if session_id in self._sessions else []
+        mapped = self._sessions.get(session_id) if session_id is not None else None
+        targets = [mapped] if mapped is not None else []
+        if cache is not None and cache is not mapped:
+            targets.append(cache)
         if session_id is None:
             targets = list(self._sessions.values())
         for sc in targets:
