@@ -29,7 +29,6 @@ from ._engine import (
     Engine,
     Execute,
     SessionCache,
-    call_context,
     check_id,
 )
 from ._engine import _current as CURRENT_CALL  # noqa: N812 - the ContextVar behind current_call()
@@ -218,7 +217,7 @@ class CallDriver:
         result_of: Callable[[Any], Any] | None, note: bool, unknown_on: ControlFlow,
     ) -> Outcome:
         # What `with self.engine.running(d):` does, without its three Python-level calls (the common case).
-        token = CURRENT_CALL.set(call_context(d.session_id, d.effect_id, d.call_id, d.tool_name, d.idempotency_key, 1))
+        token = CURRENT_CALL.set(d)  # current_call() builds its CallContext (attempt 1) if a tool asks
         try:
             try:
                 value = invoke(d.args)
@@ -263,7 +262,7 @@ class CallDriver:
         rollback_on_failure: bool, failure_of: Callable[[Any], str | NothingHappened | None] | None,
         result_of: Callable[[Any], Any] | None, note: bool, unknown_on: ControlFlow,
     ) -> Outcome:
-        token = CURRENT_CALL.set(call_context(d.session_id, d.effect_id, d.call_id, d.tool_name, d.idempotency_key, 1))
+        token = CURRENT_CALL.set(d)
         try:
             try:
                 value = invoke(d.args)

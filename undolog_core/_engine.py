@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from . import _faults
 from ._faults import FaultPoint, fault
 from ._leases import LazyLoop, Leases, owner_alive
 from ._observe import engine_log, ids
@@ -84,6 +85,8 @@ MARK_FLUSH_SECONDS = 0.05
 # JSON text this short cannot nest deeper than the limit (see limits.args_problem).
 _SHORT_JSON = 2 * MAX_JSON_DEPTH
 SAFE = ToolTier.SAFE
+# States a session never leaves: its record leaves the session cache (``Engine._forget``).
+_ENDED = frozenset({SessionState.COMPLETED.value, SessionState.ROLLED_BACK.value})
 COMPENSABLE = ToolTier.COMPENSABLE
 IRREVERSIBLE = ToolTier.IRREVERSIBLE
 
@@ -143,7 +146,11 @@ class CallContext:
     attempt: int = 1  # the tool's retry policy's attempt number; the key is the same on every attempt
 
 
-_current: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("undolog_current_call", default=None)
+# The call being run: its CallContext, or (a first attempt run by the driver) the Execute decision it runs under,
+# which current_call() turns into one when a tool asks. Every COMPENSABLE call sets it; few tools read it, so the
+# CallContext is built on the read instead of on every call.
+_current: contextvars.ContextVar[CallContext | Execute | None] = contextvars.ContextVar(
+    "undolog_current_call", default=None)
 
 # A frozen dataclass's generated __init__ sets each field through object.__setattr__: about a microsecond for
 # Execute's nine fields, on every COMPENSABLE call. The hot path builds the same objects by setting their __dict__
@@ -180,7 +187,11 @@ def current_call() -> CallContext | None:
         ... def refund(amount: int) -> dict:
         ...     return payments.refund(amount, idempotency_key=current_call().idempotency_key)
     """
-    return _current.get()
+    running = _current.get()
+    if running is None or running.__class__ is CallContext:
+        return running
+    return call_context(running.session_id, running.effect_id, running.call_id, running.tool_name,
+                        running.idempotency_key, 1)
 
 
 @dataclass
@@ -247,7 +258,7 @@ class _Running:
 
     def __init__(self, ctx: CallContext) -> None:
         self.ctx = ctx
-        self.token: contextvars.Token[CallContext | None] | None = None
+        self.token: contextvars.Token[CallContext | Execute | None] | None = None
 
     def __enter__(self) -> CallContext:
         self.token = _current.set(self.ctx)
@@ -305,10 +316,27 @@ class Engine:
         return self._sessions.get(session_id)
 
     def note_state(self, session_id: str, state: str) -> None:
-        """A session's state changed in the store (a rollback, a halt, a resume): the cache follows."""
+        """A session's state changed in the store (a rollback, a halt, a resume): the cache follows; a session that
+        ended (completed, rolled back) leaves it (see ``_forget``)."""
         sc = self._sessions.get(session_id)
         if sc is not None:
             sc.state = state
+            if state in _ENDED:
+                self._forget(sc)
+
+    def _forget(self, sc: SessionCache) -> None:
+        """Drop an ended session's record: it takes no more logged calls, and a process that runs for months sees
+        millions of sessions (each record keeps its last calls' arguments). Kept while it still holds counts to
+        write; a holder of the record (a ``Session``) still counts SAFE calls into it and flushes them itself
+        (``flush_counts(.., cache)``), and a later look-up reads the session from the store again."""
+        carried = sc.take_carried()
+        if carried or sc.dirty:
+            sc.give_back(0, carried)
+            return
+        with self._sessions_lock:
+            if self._sessions.get(sc.session_id) is sc:
+                del self._sessions[sc.session_id]
+        sc.recent.clear()
 
     def remember(self, row: Any) -> SessionCache:
         sc = SessionCache(
@@ -411,10 +439,14 @@ class Engine:
         """
         return self.hot.session_states(session_ids, wait=wait)
 
-    def flush_counts(self, session_id: str | None = None) -> None:
-        """Write the in-memory SAFE call counters (on session exit and close), and any deferred marks."""
+    def flush_counts(self, session_id: str | None = None, cache: SessionCache | None = None) -> None:
+        """Write the in-memory SAFE call counters (on session exit and close), and any deferred marks; ``cache``:
+        the caller's own record of ``session_id`` as well (it may have left this cache: an ended session)."""
         self.flush_marks()
-        targets = [self._sessions[session_id]] if session_id in self._sessions else []
+        mapped = self._sessions.get(session_id) if session_id is not None else None
+        targets = [mapped] if mapped is not None else []
+        if cache is not None and cache is not mapped:
+            targets.append(cache)
         if session_id is None:
             targets = list(self._sessions.values())
         for sc in targets:
@@ -576,7 +608,8 @@ class Engine:
             raise WouldBlock()
         # Before anything is taken or counted as running here: a hook that stops the call at this point (what
         # check_undo does) leaves nothing to give back.
-        fault(FaultPoint.BEFORE_PREWRITE, session_id, spec.name)
+        if _faults._armed is not None:  # a call per point costs more than the test, on every COMPENSABLE call
+            fault(FaultPoint.BEFORE_PREWRITE, session_id, spec.name)
         effect_id = new_id()
         if args_text is None:
             args_text = canonical_text(args_json)
@@ -622,7 +655,8 @@ class Engine:
             raise
         self.leases.start()
         sc.recent.append((spec.name, "compensable", args_json, "pending"))
-        fault(FaultPoint.AFTER_PREWRITE, session_id, spec.name, effect_id)
+        if _faults._armed is not None:
+            fault(FaultPoint.AFTER_PREWRITE, session_id, spec.name, effect_id)
         return execute_now(effect_id, values, "do-" + effect_id, COMPENSABLE, spec.name, call_id, session_id)
 
     def _prewrite_core(
@@ -928,12 +962,14 @@ class Engine:
 
         ``wait=False`` raises ``WouldBlock`` (nothing written) instead of waiting for a connection or a lock.
         """
-        fault(FaultPoint.AFTER_TOOL)
+        if _faults._armed is not None:
+            fault(FaultPoint.AFTER_TOOL)
         text = result_text(result)
         now = time.time()
         if self.fast_commit_mark:
             self._marks.append((effect_id, text, now))
-            fault(FaultPoint.AFTER_MARK_QUEUED)
+            if _faults._armed is not None:
+                fault(FaultPoint.AFTER_MARK_QUEUED)
             self._flusher.ensure()
             return
         try:

@@ -74,11 +74,11 @@ class Session:
 
     async def rollback(self, *, actor: str = "undolog") -> RollbackReport:
         """Undo every compensable effect of the session, newest first."""
-        self._u.engine.flush_counts(self.id)
+        self._u.engine.flush_counts(self.id, self._sc)
         return await self._u.saga.rollback(self.id, actor=actor, reason="requested")
 
     def rollback_sync(self, *, actor: str = "undolog") -> RollbackReport:
-        self._u.engine.flush_counts(self.id)
+        self._u.engine.flush_counts(self.id, self._sc)
         return self._u.saga.rollback_sync(self.id, actor=actor, reason="requested")
 
     def complete(self) -> None:
@@ -88,7 +88,7 @@ class Session:
         if engine.end_session(self.id, SessionState.COMPLETED, (SessionState.ACTIVE.value,)):
             engine.note_state(self.id, SessionState.COMPLETED.value)
             return
-        engine.flush_counts(self.id)
+        engine.flush_counts(self.id, self._sc)
         self._u.sessions.set_state(self.id, SessionState.COMPLETED, allowed=(SessionState.ACTIVE,))
 
     def revalidate(self, *, actor: str) -> dict[str, Any]:
@@ -101,7 +101,7 @@ class Session:
         return self
 
     async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self._u.engine.flush_counts(self.id)
+        self._u.engine.flush_counts(self.id, self._sc)
         if exc is not None and self._should_rollback(exc):
             await self._driver.arollback_noting(self.id, exc, f"session left by {type(exc).__name__}: {exc}")
 
@@ -109,7 +109,7 @@ class Session:
         return self
 
     def __exit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self._u.engine.flush_counts(self.id)
+        self._u.engine.flush_counts(self.id, self._sc)
         if exc is not None and self._should_rollback(exc):
             self._driver.rollback_noting(self.id, exc, f"session left by {type(exc).__name__}: {exc}")
 

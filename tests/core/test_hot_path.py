@@ -253,3 +253,23 @@ def test_postgres_hot_statements_match_libpq_and_their_parameters() -> None:
         sql = stmt.sql.decode()
         assert "%(" not in sql and "%s" not in sql, sql
         assert {int(n) for n in re.findall(r"\$(\d+)", sql)} == set(range(1, len(stmt.params) + 1)), sql
+
+
+def test_postgres_timestamps_are_the_text_datetime_would_write() -> None:
+    """The PostgreSQL hot path formats its timestamptz parameters without building a datetime: the text is exactly
+    ``datetime.fromtimestamp(t, UTC).isoformat()`` for every instant, whole seconds (no fraction), fractions that
+    round up into the next second (and the next day), halves rounded to even, and many random instants."""
+    import random
+
+    from undolog_core.storage import postgres as pg
+
+    now = time.time()
+    day = float(int(now) - int(now) % 86400)
+    edges = [now, float(int(now)), day, day - 0.0000004, day - 0.0000005, day - 0.0000006, 1e9 + 0.9999995,
+             1e9 + 0.0000005, 1e9 + 0.0000015, 1e9 + 0.5, 1767225599.9999999, 0.0, 0.25, 4102444800.000001, -1.5]
+    rng = random.Random(13)
+    many = [rng.uniform(0, 4.1e9) for _ in range(20000)] + [now + rng.uniform(-5, 5) for _ in range(20000)]
+    for t in edges + many:
+        want = dt.datetime.fromtimestamp(t, dt.UTC).isoformat()
+        assert pg._stamp_text(t) == want, (t, pg._stamp_text(t), want)
+        assert pg._stamp(t) == want.encode()
