@@ -13,7 +13,9 @@ Four measurements, each printed with what it is compared against:
    once. Goal: >= 3,000/s with 4 workers, more workers never slower, each request timed out exactly once
    (checked: one ``timeout`` audit event and one ``approval.timed_out`` outbox row per request). Each worker
    first sweeps two requests of its own, as a running server's sweeper has (``warm_sweeper``); ``--expire-cold``
-   also times each process's very first sweep.
+   also times each process's very first sweep. ``--expire-rounds`` (3) runs every worker count once per round in a
+   shuffled order: the medians, and each count's paired ratio to the next smaller one (one run's rate moves by
+   10-20% from run to run on a 2-core machine, more than the differences it is asked about).
 3. ``recover``: ``recover()`` of 1,000 (and 10,000) in-flight COMPENSABLE effects left by a SIGKILLed process,
    trivial compensations, on PostgreSQL and SQLite. Goal: 1,000 in < 2 s, 10,000 in < 20 s; each compensation
    run exactly once.
@@ -33,8 +35,10 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -558,24 +562,45 @@ def check_expired_once(u: UndoLog, ids: list[str], expired: list[str]) -> None:
     assert u.verify_audit().ok, "the audit chain does not verify"
 
 
-def bench_expire(workers: list[int], n: int, *, cold: bool = False) -> list[dict[str, Any]]:
-    """``n`` due requests swept by each worker count; warm sweepers (``warm_sweeper``) unless ``cold``."""
+def expire_once(w: int, n: int, *, cold: bool = False) -> float:
+    """``n`` due requests swept by ``w`` worker processes released at once; returns the seconds it took (checked:
+    each request timed out exactly once)."""
+    schema = fresh_schema()
+    u = open_undolog(PG_URL, schema)
+    u.policy.set(actor="bench", approval_timeout_seconds=1)
+    k = 0 if cold else WARM_REQUESTS
+    ids = raise_requests(u, n + k * w)
+    warm = [ids[n + k * i:n + k * (i + 1)] for i in range(w)]
+    time.sleep(1.05)
+    wall, res = run_workers(w, expire_worker, (PG_URL, schema, warm))
+    expired = [x for r in res for x in r]
+    check_expired_once(u, ids, expired + [x for mine in warm for x in mine])
+    u.close()
+    drop_schema(schema)
+    return wall
+
+
+def bench_expire(workers: list[int], n: int, *, rounds: int = 1, cold: bool = False,
+                 rng: random.Random | None = None) -> list[dict[str, Any]]:
+    """``n`` due requests swept by each worker count, ``rounds`` times, the counts in a shuffled order each round;
+    warm sweepers (``warm_sweeper``) unless ``cold``. Per count: the median rate and its range, and the paired
+    ratio to the next smaller count (per round, then the median): "more workers never slower" is read there, as
+    one run's rate moves by 10-20% from run to run on a 2-core machine."""
+    rng = rng or random.Random(13)
+    walls: dict[int, list[float]] = {w: [] for w in workers}
+    for _ in range(rounds):
+        for w in rng.sample(workers, len(workers)):
+            walls[w].append(expire_once(w, n, cold=cold))
     rows = []
-    for w in workers:
-        schema = fresh_schema()
-        u = open_undolog(PG_URL, schema)
-        u.policy.set(actor="bench", approval_timeout_seconds=1)
-        k = 0 if cold else WARM_REQUESTS
-        ids = raise_requests(u, n + k * w)
-        warm = [ids[n + k * i:n + k * (i + 1)] for i in range(w)]
-        time.sleep(1.05)
-        wall, res = run_workers(w, expire_worker, (PG_URL, schema, warm))
-        expired = [x for r in res for x in r]
-        check_expired_once(u, ids, expired + [x for mine in warm for x in mine])
-        u.close()
-        drop_schema(schema)
-        rows.append({"workers": w, "requests": n, "expired_per_s": round(n / wall), "seconds": round(wall, 3),
-                     "sweepers": "cold" if cold else "warm"})
+    for i, w in enumerate(workers):
+        rates = [n / s for s in walls[w]]
+        row: dict[str, Any] = {"workers": w, "requests": n, "rounds": rounds, "expired_per_s": round(statistics.median(rates)),
+                               "min_per_s": round(min(rates)), "max_per_s": round(max(rates)),
+                               "sweepers": "cold" if cold else "warm"}
+        if i:
+            prev = workers[i - 1]
+            row["vs_fewer"] = (prev, round(statistics.median([a / b for a, b in zip(walls[prev], walls[w], strict=True)]), 3))
+        rows.append(row)
     return rows
 
 
@@ -705,6 +730,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="throughput: comma-separated, of " + ", ".join(VARIANTS) + " (bare is needed)")
     ap.add_argument("--rounds", type=int, default=2, help="throughput: interleaved rounds")
     ap.add_argument("--expire-n", type=int, default=6000, help="expire: due requests per run")
+    ap.add_argument("--expire-rounds", type=int, default=3,
+                    help="expire: rounds, every worker count once per round in a shuffled order (medians)")
     ap.add_argument("--expire-cold", action="store_true",
                     help="expire: also time each worker process's first sweep (statements compiled, the backend's "
                          "caches filled inside the timed window), after the warm sweepers")
@@ -718,15 +745,17 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds
     if args.quick:  # a smoke run: every path once, small
         workers, args.seconds, args.expire_n, recover_ns, args.api_n, rounds = [2], 0.3, 300, [100], 40, 1
+        args.expire_rounds = 1
     out: dict[str, Any] = {}
     tmp = tempfile.mkdtemp(prefix="undolog-scale-")
     if "throughput" in only:
         out["throughput"] = bench_throughput(workers, args.seconds, rounds, args.sessions,
                                              tuple(args.variants.split(",")))
     if "expire" in only:
-        out["expire"] = bench_expire(workers, args.expire_n)
+        sweepers = [1, 2] if args.quick else workers  # the quick run still pairs two counts
+        out["expire"] = bench_expire(sweepers, args.expire_n, rounds=args.expire_rounds)
         if args.expire_cold:
-            out["expire"] += bench_expire(workers, args.expire_n, cold=True)
+            out["expire"] += bench_expire(sweepers, args.expire_n, rounds=args.expire_rounds, cold=True)
     if "recover" in only:
         out["recover"] = [bench_recover(db, k) for k in recover_ns
                           for db in (PG_URL, f"sqlite:///{tmp}/recover-{k}.db")]
@@ -737,8 +766,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print_throughput(out.get("throughput", []))
     for r in out.get("expire", []):
-        print(f"expire      {r['workers']} workers: {r['expired_per_s']:>6} timeouts/s ({r['requests']} in "
-              f"{r['seconds']} s, each exactly once; {r['sweepers']} sweepers)")
+        vs = ""
+        if "vs_fewer" in r:
+            fewer, ratio = r["vs_fewer"]
+            vs = f"; {ratio:.3f}x the rate of {fewer} (paired median)"
+        print(f"expire      {r['workers']} workers: {r['expired_per_s']:>6} timeouts/s (median of {r['rounds']}, "
+              f"{r['min_per_s']}-{r['max_per_s']}; {r['requests']} due, each exactly once; {r['sweepers']} "
+              f"sweepers{vs})")
     for r in out.get("recover", []):
         print(f"recover     {r['database']:<10} {r['effects']:>6} in-flight effects in {r['seconds']:>7} s "
               f"({r['per_s']}/s)")
