@@ -466,14 +466,17 @@ def simple_checker(schema: Mapping[str, Any]) -> Callable[[Any], bool] | None:
                 if not extras:
                     return False
                 continue
-            allowed = kinds[key]
-            # bool is an int to Python but not a number to JSON Schema; a float integer (1.0) is left to jsonschema.
-            if allowed is not None and (type(value) is bool and bool not in allowed
-                                        or not isinstance(value, allowed)):
+            if not _of_kind(value, kinds[key]):
                 return False
         return True
 
     return valid
+
+
+def _of_kind(value: Any, allowed: tuple[type, ...] | None) -> bool:
+    """Whether ``value`` is of a simple schema property's JSON types (``allowed``: their Python types; None: any).
+    bool is an int to Python but not a number to JSON Schema; a float integer (1.0) is left to jsonschema."""
+    return allowed is None or (isinstance(value, allowed) and (type(value) is not bool or bool in allowed))
 
 
 # The field types of an args model built from a simple schema (_model_from_json_schema, by _JSON_TYPES) that give a
@@ -513,9 +516,7 @@ def as_is_checker(schema: Mapping[str, Any]) -> Callable[[Any], bool] | None:
         for key, value in args.items():
             exact = kept.get(key, ())  # a key the schema does not name: the model decides (extras)
             if exact is None:  # an Any field: whatever the JSON check allows (as in simple_checker)
-                allowed = kinds[key]
-                if allowed is not None and (type(value) is bool and bool not in allowed
-                                            or not isinstance(value, allowed)):
+                if not _of_kind(value, kinds[key]):
                     return False
             elif type(value) not in exact:
                 return False
