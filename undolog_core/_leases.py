@@ -59,7 +59,7 @@ class LazyLoop:
     (``is_alive`` is a lock round trip, and this is asked on every COMPENSABLE call).
     """
 
-    def __init__(self, name: str, period: float, step: Callable[[], None]) -> None:
+    def __init__(self, name: str, period: float, step: Callable[[], float | None]) -> None:
         self.name = name
         self.period = period
         self._step = step
@@ -81,11 +81,13 @@ class LazyLoop:
             self._started = True
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period):
+        """``step`` may return how long to wait before it is due again (None: a whole period)."""
+        delay: float | None = self.period
+        while not self._stop.wait(self.period if delay is None else delay):
             try:
-                self._step()
-            except Exception:  # noqa: BLE001, S112 - retried next period (a lease is long, a queued mark is kept)
-                continue
+                delay = self._step()
+            except Exception:  # noqa: BLE001 - retried next period (a lease is long, a queued mark is kept)
+                delay = None
 
     def stop(self) -> None:
         self._stop.set()

@@ -273,3 +273,38 @@ def test_postgres_timestamps_are_the_text_datetime_would_write() -> None:
         want = dt.datetime.fromtimestamp(t, dt.UTC).isoformat()
         assert pg._stamp_text(t) == want, (t, pg._stamp_text(t), want)
         assert pg._stamp(t) == want.encode()
+
+
+def test_fast_marks_go_in_one_batch_per_session_unless_one_waits_a_whole_period(db: Any, monkeypatch: Any) -> None:
+    """Fast mode's flusher writes the queued marks once the oldest is a period old, not on a fixed beat: a beat
+    falling inside a session split its marks into two batches (two statements and commits) where the session's end
+    writes them all a moment later. A mark nobody flushes is still written within about a period."""
+    import undolog_core._engine as engine_mod
+
+    period = 0.5
+    monkeypatch.setattr(engine_mod, "MARK_FLUSH_SECONDS", period)
+    u = db.open(fast_commit_mark=True)
+    u.register(hp_book, hp_undo)
+    batches: list[int] = []
+    hot_mark_many = u.engine.hot.mark_many
+    monkeypatch.setattr(u.engine.hot, "mark_many", lambda marks: (batches.append(len(marks)), hot_mark_many(marks)))
+    t0 = time.monotonic()
+    s = u.session(agent_id="hp", session_id="hp-beat-1")
+    s.call_sync(hp_book, slot="a")  # starts the flusher: a fixed beat would fall at t0 + period
+    s.complete()
+    assert batches == [1]
+    time.sleep(max(0.0, t0 + 0.7 * period - time.monotonic()))
+    s = u.session(agent_id="hp", session_id="hp-beat-2")
+    s.call_sync(hp_book, slot="b")
+    time.sleep(0.6 * period)  # across t0 + period, and less than a period after the first mark of this session
+    s.call_sync(hp_book, slot="c")
+    s.complete()
+    assert batches == [1, 2]  # before: [1, 1, 1], the beat at t0 + period wrote "b" alone
+    s = u.session(agent_id="hp", session_id="hp-beat-3")
+    s.call_sync(hp_book, slot="d")
+    queued = time.monotonic()
+    while not batches[2:] and time.monotonic() < queued + 10 * period:
+        time.sleep(0.01)
+    assert batches == [1, 2, 1] and time.monotonic() - queued < 3 * period  # written by the flusher, in time
+    assert u.engine._inflight == set()
+    s.complete()
