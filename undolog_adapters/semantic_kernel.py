@@ -410,13 +410,11 @@ class UndoLogFilter:
         if not filters or filters[0][1] is not self.function_filter:  # (install()'s pairing: the common case)
             self._check_paired(filters)
         name = known.name
-        spec = self._tools.get(name)
-        if spec is None:
-            try:
-                spec = self.undolog.driver.spec(name)  # not registered: raises ToolNotRegistered
-            except errors.UndoLogError as exc:
-                context.function_result = _refusal(function, name, exc)
-                return
+        try:
+            spec = self._spec(name)
+        except errors.UndoLogError as exc:
+            context.function_result = _refusal(function, name, exc)
+            return
         if spec.tier is SAFE and spec.retry is None:
             # Nothing to gate and nothing to record: the inner filter decides it (validated, pinned, counted) right
             # before the function runs, under the contract seen here.
@@ -496,7 +494,7 @@ class UndoLogFilter:
             await self._run(context, next, handover.decision, handover.session_id, handover)
             return
         else:
-            spec, answer = self._tools.get(name) or self.undolog.driver.spec(name), False
+            spec, answer = self._spec(name), False
         if spec.tier is SAFE and spec.retry is None:
             # A SAFE call's whole decision, here, after every other filter: validated (and converted) against its
             # contract, checked against the session's pin and counted in memory. No I/O once the session is known.
@@ -544,6 +542,11 @@ class UndoLogFilter:
         if handover is not None:
             handover.failure_text = failure_text(name, f"{type(exc).__name__}: {exc}", text)
         raise exc
+
+    def _spec(self, name: str) -> ToolSpec:
+        """The tool's contract as registered now (a tool registered again is a new ToolSpec); the driver's look-up
+        for a name the registry lacks, which raises ``ToolNotRegistered``."""
+        return self._tools.get(name) or self.undolog.driver.spec(name)
 
     def _check_paired(self, filters: list[tuple[int, Any]]) -> None:
         """Refuse a kernel whose FUNCTION_INVOCATION filters (``kernel.function_invocation_filters``) lack the inner
