@@ -4,10 +4,14 @@
                                               [--only langgraph,crewai,sk] [--rounds N] [--turns N]
 
 A *step* is one user turn of a real agent loop: the scripted model (no network, no keys) asks for one tool call,
-the framework runs it, the model answers. A round runs ``--turns`` steps (20) on a fresh thread of each variant, in
-a shuffled order; a variant's sample is its mean step time in that round. Its ratio is paired: each round divides
-the variant's sample by its baseline's sample of the same round, and the figure is the median of those per-round
-ratios, with their p25-p75 beside it (the spread; a goal is met when the median is under it). The same ratios in CPU time
+the framework runs it, the model answers. A round runs ``--turns`` steps (20) on a fresh thread of each variant; a
+variant's sample is its mean step time in that round. LangGraph's variants are interleaved turn by turn (turn 1 of
+each variant in a shuffled order, then turn 2...: a change of the machine's load falls on all of them alike); the
+other sections run each variant's turns as one block, in a shuffled order. Every round starts with ``gc.collect()``.
+A ratio is paired: each round divides the variant's sample by its baseline's sample of the same round, and the figure
+is the median of those per-round ratios, with their p25-p75 beside it (the spread; a goal is met when the median is
+under it). The SAFE "no middleware, again" row is the baseline measured against itself: its spread is the
+measurement's own resolution in that run. The same ratios in CPU time
 of the process (all its threads) are printed beside: they hold on a loaded machine, where wall time mostly measures
 the other processes, but leave out what is no CPU time (an fsync's wait, the database server's own work).
 "Lower bound" rows are not competitors: the work no implementation can skip (see ``lower_bound_middleware``); when
@@ -39,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import inspect
 import os
 import platform
 import random
@@ -114,6 +119,9 @@ class Variant:
     # A lower bound's name: the "over its lower bound" row divides this variant by it, per round (goal: over_goal).
     over: str | None = None
     over_goal: float | None = None
+    # Opens a fresh thread/session and returns its step (runs turn i): lets ``measure`` interleave the variants
+    # turn by turn. None: the variant's turns of a round run as one block.
+    open: Callable[[], Callable[[int], None]] | None = None
 
 
 @dataclass
@@ -128,10 +136,25 @@ class Share:
 
 
 def measure(variants: list[Variant], *, rounds: int, turns: int, rng: random.Random) -> None:
+    """``rounds`` paired samples of every variant: its mean step time (wall and CPU) over ``turns`` steps.
+
+    Each round starts from a full collection (``gc.collect()``), the same for every variant. When every variant can
+    be stepped (``Variant.open``), a round runs turn 1 of each variant (on its own fresh thread, in a shuffled order),
+    then turn 2 of each, and so on: each step is timed alone, and the steps a ratio compares ran moments apart, so a
+    change of the machine's load (other processes, CPU frequency) falls on every variant alike instead of on the
+    variant whose block it hit. The steps are the same as in a block (the same thread, turn after turn), and all that
+    happens inside a step (its collections, its threads) is counted in it. Otherwise each variant runs its turns as
+    one block, in a shuffled order.
+    """
     for v in variants:  # warm-up: imports, graph compilation caches, pool connections, the lease thread
         v.run(max(2, turns // 4))
+    stepped = all(v.open is not None for v in variants)
     for _ in range(rounds):
         order = list(variants)
+        if stepped:
+            gc.collect()
+            _stepped_round(order, turns, rng)
+            continue
         rng.shuffle(order)
         for v in order:
             gc.collect()
@@ -141,6 +164,24 @@ def measure(variants: list[Variant], *, rounds: int, turns: int, rng: random.Ran
             v.samples.append(v.run(turns) / turns)
             v.cpu.append((time.process_time() - c0) / turns)
 
+
+def _stepped_round(variants: list[Variant], turns: int, rng: random.Random) -> None:
+    steps = [v.open() for v in variants if v.open is not None]  # a fresh thread/session of each
+    wall = [0.0] * len(variants)
+    cpu = [0.0] * len(variants)
+    order = list(range(len(variants)))
+    for i in range(turns):
+        rng.shuffle(order)
+        for j in order:
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            steps[j](i)
+            t1 = time.perf_counter()
+            cpu[j] += time.process_time() - c0
+            wall[j] += t1 - t0
+    for v, w, c in zip(variants, wall, cpu, strict=True):
+        v.samples.append(w / turns)
+        v.cpu.append(c / turns)
 
 
 @dataclass
@@ -240,29 +281,37 @@ def _scripted_model(tool: str, args: dict[str, Any]) -> Any:
     return Scripted()
 
 
-def _agent_runner(agent: Any, *, is_async: bool = False,
-                  loop: asyncio.AbstractEventLoop | None = None) -> Callable[[int], float]:
-    """n user turns on a fresh thread of ``agent`` (a fresh UndoLog session); the seconds they took."""
+def _agent_steps(agent: Any, *, is_async: bool = False,
+                 loop: asyncio.AbstractEventLoop | None = None) -> Callable[[], Callable[[int], None]]:
+    """Opens a fresh thread of ``agent`` (a fresh UndoLog session) and returns its step: user turn i, checked."""
+
+    def open_thread() -> Callable[[int], None]:
+        config = {"configurable": {"thread_id": "t-" + uuid.uuid4().hex[:12]}}
+
+        def step(i: int) -> None:
+            _check(agent.invoke({"messages": [{"role": "user", "content": f"turn {i}"}]}, config))
+
+        async def astep(i: int) -> None:
+            _check(await agent.ainvoke({"messages": [{"role": "user", "content": f"turn {i}"}]}, config))
+
+        if is_async:
+            assert loop is not None
+            return lambda i: loop.run_until_complete(astep(i))
+        return step
+
+    return open_thread
+
+
+def _agent_runner(open_thread: Callable[[], Callable[[int], None]]) -> Callable[[int], float]:
+    """n user turns on a fresh thread (``_agent_steps``); the seconds they took."""
 
     def run(n: int) -> float:
-        config = {"configurable": {"thread_id": "t-" + uuid.uuid4().hex[:12]}}
+        step = open_thread()
         t0 = time.perf_counter()
         for i in range(n):
-            out = agent.invoke({"messages": [{"role": "user", "content": f"turn {i}"}]}, config)
-            _check(out)
+            step(i)
         return time.perf_counter() - t0
 
-    async def arun(n: int) -> float:
-        config = {"configurable": {"thread_id": "t-" + uuid.uuid4().hex[:12]}}
-        t0 = time.perf_counter()
-        for i in range(n):
-            out = await agent.ainvoke({"messages": [{"role": "user", "content": f"turn {i}"}]}, config)
-            _check(out)
-        return time.perf_counter() - t0
-
-    if is_async:
-        assert loop is not None
-        return lambda n: loop.run_until_complete(arun(n))
     return run
 
 
@@ -345,6 +394,11 @@ def lower_bound_middleware(u: UndoLog | None, *, durable: bool = True) -> Any:
                     self.marks = []
             return out
 
+    # UndoLog's middleware stores its hooks' signatures once, as any middleware can (LangSmith's ``traceable``, which
+    # LangChain wraps every hook in, rebuilds a hook's signature on each call otherwise): so does the lower bound.
+    for hook in ("wrap_model_call", "wrap_tool_call"):
+        fn = getattr(LowerBound, hook)
+        fn.__signature__ = inspect.signature(fn)
     return LowerBound()
 
 
@@ -368,46 +422,47 @@ def langgraph_variants(stores: dict[str, UndoLog], pg_saver: PgSaver | None,
         def undolog(u: UndoLog) -> list[Any]:
             return [UndoLogMiddleware(u, tools=tools, compensations=[bench_cancel_refund])]
 
+        def lg(name: str, graph: Any, baseline: str | None = None, goal: float | None = None, *,
+               is_async: bool = False, **kw: Any) -> Variant:
+            steps = _agent_steps(graph, is_async=is_async, loop=loop)
+            return Variant(name, _agent_runner(steps), baseline, goal, open=steps, **kw)
+
         base = f"{tier}: no middleware"
-        variants.append(Variant(base, _agent_runner(agent([]))))
-        variants.append(Variant(f"{tier}: HumanInTheLoopMiddleware (gating delete_account only)",
-                                _agent_runner(agent([HumanInTheLoopMiddleware(interrupt_on={"delete_account": True})])),
-                                base))
+        variants.append(lg(base, agent([])))
+        if tier == "SAFE":
+            # The same graph again, measured as a variant: its ratio (1.000x but for noise) and spread are the
+            # measurement's own, the resolution every other row of the section has in this run.
+            variants.append(lg(f"{tier}: no middleware, again (the measurement's own spread)", agent([]), base))
+        variants.append(lg(f"{tier}: HumanInTheLoopMiddleware (gating delete_account only)",
+                           agent([HumanInTheLoopMiddleware(interrupt_on={"delete_account": True})]), base))
         if "sqlite" in stores:
             lb = f"{tier}: lower bound, SQLite, durable" if tier == "COMPENSABLE" else \
                 f"{tier}: lower bound: a pass-through middleware with UndoLog's hooks"
-            variants.append(Variant(lb, _agent_runner(agent([lower_bound_middleware(
-                stores["sqlite"] if tier == "COMPENSABLE" else None)])), base, goal))
-            variants.append(Variant(f"{tier}: UndoLogMiddleware, SQLite, durable marks",
-                                    _agent_runner(agent(undolog(stores["sqlite"]))), base, goal, over=lb,
-                                    over_goal=1.10))
+            variants.append(lg(lb, agent([lower_bound_middleware(stores["sqlite"] if tier == "COMPENSABLE" else None)]),
+                               base, goal))
+            variants.append(lg(f"{tier}: UndoLogMiddleware, SQLite, durable marks", agent(undolog(stores["sqlite"])),
+                               base, goal, over=lb, over_goal=1.10))
             if tier == "COMPENSABLE":
                 lbf = f"{tier}: lower bound, SQLite, fast mode"
-                variants.append(Variant(lbf, _agent_runner(agent([lower_bound_middleware(stores["sqlite-fast"],
-                                                                                         durable=False)])), base))
-                variants.append(Variant(f"{tier}: UndoLogMiddleware, SQLite, fast_commit_mark",
-                                        _agent_runner(agent(undolog(stores["sqlite-fast"]))), base, over=lbf,
-                                        over_goal=1.10))
+                variants.append(lg(lbf, agent([lower_bound_middleware(stores["sqlite-fast"], durable=False)]), base))
+                variants.append(lg(f"{tier}: UndoLogMiddleware, SQLite, fast_commit_mark",
+                                   agent(undolog(stores["sqlite-fast"])), base, over=lbf, over_goal=1.10))
                 abase = f"{tier}: no middleware, ainvoke"
-                variants.append(Variant(abase, _agent_runner(agent([]), is_async=True, loop=loop)))
-                variants.append(Variant(f"{tier}: UndoLogMiddleware, SQLite, durable, ainvoke",
-                                        _agent_runner(agent(undolog(stores["sqlite"])), is_async=True, loop=loop),
-                                        abase, goal))
+                variants.append(lg(abase, agent([]), is_async=True))
+                variants.append(lg(f"{tier}: UndoLogMiddleware, SQLite, durable, ainvoke",
+                                   agent(undolog(stores["sqlite"])), abase, goal, is_async=True))
         if "postgres" in stores:
-            variants.append(Variant(f"{tier}: UndoLogMiddleware, PostgreSQL",
-                                    _agent_runner(agent(undolog(stores["postgres"]))), base))
+            variants.append(lg(f"{tier}: UndoLogMiddleware, PostgreSQL", agent(undolog(stores["postgres"])), base))
             if pg_saver is not None:
                 alone = f"{tier}: PostgresSaver alone"
                 with_ = f"{tier}: PostgresSaver + UndoLogMiddleware, PostgreSQL"
-                variants.append(Variant(alone, _agent_runner(agent([], pg_saver.saver)), base))
-                variants.append(Variant(with_, _agent_runner(agent(undolog(stores["postgres"]), pg_saver.saver)),
-                                        alone))
+                variants.append(lg(alone, agent([], pg_saver.saver), base))
+                variants.append(lg(with_, agent(undolog(stores["postgres"]), pg_saver.saver), alone))
                 shares.append(Share(f"{tier}: UndoLog's share of PostgresSaver's cost", base, alone, with_,
                                     0.25 if tier == "COMPENSABLE" else None))
                 if tier == "COMPENSABLE" and "postgres-fast" in stores:
                     fast = f"{tier}: PostgresSaver + UndoLogMiddleware, PostgreSQL, fast_commit_mark"
-                    variants.append(Variant(fast, _agent_runner(agent(undolog(stores["postgres-fast"]),
-                                                                      pg_saver.saver)), alone))
+                    variants.append(lg(fast, agent(undolog(stores["postgres-fast"]), pg_saver.saver), alone))
                     shares.append(Share(f"{tier}: UndoLog's share of PostgresSaver's cost, fast_commit_mark", base,
                                         alone, fast))
     return variants, shares
