@@ -6,14 +6,14 @@
 A *step* is one user turn of a real agent loop: the scripted model (no network, no keys) asks for one tool call,
 the framework runs it, the model answers. A round runs ``--turns`` steps (20) on a fresh thread of each variant; a
 variant's sample is its mean step time in that round. LangGraph's variants are interleaved turn by turn (turn 1 of
-each variant in a shuffled order, then turn 2...: a change of the machine's load falls on all of them alike); the
-other sections run each variant's turns as one block, in a shuffled order. Every round starts with ``gc.collect()``.
-A ratio is paired: each round divides the variant's sample by its baseline's sample of the same round, and the figure
-is the median of those per-round ratios, with their p25-p75 beside it (the spread; a goal is met when the median is
-under it). The SAFE "no middleware, again" row is the baseline measured against itself: its spread is the
-measurement's own resolution in that run. The same ratios in CPU time
-of the process (all its threads) are printed beside: they hold on a loaded machine, where wall time mostly measures
-the other processes, but leave out what is no CPU time (an fsync's wait, the database server's own work).
+each variant of a tier in a shuffled order, then turn 2...: a change of the machine's load falls on all of them
+alike); the other sections run each variant's turns as one block, in a shuffled order. Every round starts with
+``gc.collect()``. A ratio is paired: each round divides the variant's sample by its baseline's sample of the same
+round, and the figure is the median of those per-round ratios, with their p25-p75 beside it (the spread; a goal is
+met when the median is under it). The SAFE "no middleware, again" row is the baseline measured against itself: its
+spread is the measurement's own resolution in that run. The same ratios in CPU time of the process (all its
+threads) are printed beside: they hold on a loaded machine, where wall time mostly measures the other processes,
+but leave out what is no CPU time (an fsync's wait, the database server's own work).
 "Lower bound" rows are not competitors: the work no implementation can skip (see ``lower_bound_middleware``); when
 one misses a goal, the goal is out of reach on this machine in this run, and "over its lower bound" rows show
 UndoLog's own cost above it (goal 1.10x, as in ``overhead.py``).
@@ -122,6 +122,9 @@ class Variant:
     # Opens a fresh thread/session and returns its step (runs turn i): lets ``measure`` interleave the variants
     # turn by turn. None: the variant's turns of a round run as one block.
     open: Callable[[], Callable[[int], None]] | None = None
+    # Stepped variants are interleaved with those of their group only (a tier: a COMPENSABLE step's commits between
+    # two SAFE steps would make every SAFE turn re-read its session, which a SAFE agent alone does not).
+    group: str = ""
 
 
 @dataclass
@@ -139,22 +142,26 @@ def measure(variants: list[Variant], *, rounds: int, turns: int, rng: random.Ran
     """``rounds`` paired samples of every variant: its mean step time (wall and CPU) over ``turns`` steps.
 
     Each round starts from a full collection (``gc.collect()``), the same for every variant. When every variant can
-    be stepped (``Variant.open``), a round runs turn 1 of each variant (on its own fresh thread, in a shuffled order),
-    then turn 2 of each, and so on: each step is timed alone, and the steps a ratio compares ran moments apart, so a
-    change of the machine's load (other processes, CPU frequency) falls on every variant alike instead of on the
-    variant whose block it hit. The steps are the same as in a block (the same thread, turn after turn), and all that
-    happens inside a step (its collections, its threads) is counted in it. Otherwise each variant runs its turns as
-    one block, in a shuffled order.
+    be stepped (``Variant.open``), a round runs, group by group (``Variant.group``), turn 1 of each variant of the
+    group (on its own fresh thread, in a shuffled order), then turn 2 of each, and so on: each step is timed alone,
+    and the steps a ratio compares ran moments apart, so a change of the machine's load (other processes, CPU
+    frequency) falls on every variant alike instead of on the variant whose block it hit. The steps are the same as
+    in a block (the same thread, turn after turn), and all that happens inside a step (its collections, its threads)
+    is counted in it. Otherwise each variant runs its turns as one block, in a shuffled order.
     """
     for v in variants:  # warm-up: imports, graph compilation caches, pool connections, the lease thread
         v.run(max(2, turns // 4))
     stepped = all(v.open is not None for v in variants)
+    groups: dict[str, list[Variant]] = {}
+    for v in variants:
+        groups.setdefault(v.group, []).append(v)
     for _ in range(rounds):
-        order = list(variants)
         if stepped:
-            gc.collect()
-            _stepped_round(order, turns, rng)
+            for group in rng.sample(list(groups.values()), len(groups)):
+                gc.collect()
+                _stepped_round(group, turns, rng)
             continue
+        order = list(variants)
         rng.shuffle(order)
         for v in order:
             gc.collect()
@@ -423,9 +430,9 @@ def langgraph_variants(stores: dict[str, UndoLog], pg_saver: PgSaver | None,
             return [UndoLogMiddleware(u, tools=tools, compensations=[bench_cancel_refund])]
 
         def lg(name: str, graph: Any, baseline: str | None = None, goal: float | None = None, *,
-               is_async: bool = False, **kw: Any) -> Variant:
+               is_async: bool = False, tier: str = tier, **kw: Any) -> Variant:
             steps = _agent_steps(graph, is_async=is_async, loop=loop)
-            return Variant(name, _agent_runner(steps), baseline, goal, open=steps, **kw)
+            return Variant(name, _agent_runner(steps), baseline, goal, open=steps, group=tier, **kw)
 
         base = f"{tier}: no middleware"
         variants.append(lg(base, agent([])))
@@ -689,7 +696,7 @@ def group_commit_rows(stores: dict[str, UndoLog], *, workers: tuple[int, ...], t
                              middleware=[UndoLogMiddleware(u, tools=tools, compensations=[bench_cancel_refund])])
         group = getattr(u.engine.hot, "group", None)
         modes = (("on", True), ("off", False)) if group is not None else (("server's own", True),)
-        run = _agent_runner(agent)
+        run = _agent_runner(_agent_steps(agent))
         run(2)
         for n in workers:
             for label, enabled in modes:
