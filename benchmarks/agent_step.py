@@ -341,7 +341,7 @@ class PgSaver:
         conninfo = pg_url.replace("postgresql+psycopg://", "postgresql://", 1)
         self.conn = psycopg.connect(conninfo, autocommit=True, prepare_threshold=0, row_factory=dict_row,
                                     options=f"-csearch_path={schema}")
-        self.saver = PostgresSaver(self.conn)  # type: ignore[arg-type]
+        self.saver = PostgresSaver(self.conn)
         self.saver.setup()
 
     def close(self) -> None:
@@ -417,7 +417,7 @@ def langgraph_variants(stores: dict[str, UndoLog], pg_saver: PgSaver | None,
 
     from undolog_adapters.langgraph import UndoLogMiddleware
 
-    tools = [lookup_order, refund_order, delete_account]
+    tools: list[Any] = [lookup_order, refund_order, delete_account]
     variants: list[Variant] = []
     shares: list[Share] = []
     for tier, goal in (("SAFE", 1.05), ("COMPENSABLE", 1.16)):
@@ -685,7 +685,7 @@ def group_commit_rows(stores: dict[str, UndoLog], *, workers: tuple[int, ...], t
 
     from undolog_adapters.langgraph import UndoLogMiddleware
 
-    tools = [lookup_order, refund_order, delete_account]
+    tools: list[Any] = [lookup_order, refund_order, delete_account]
     model = _scripted_model(*CALLS["COMPENSABLE"])
     out: list[GroupRow] = []
     for key in ("sqlite", "postgres"):
