@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import inspect
 import os
 import platform
 import random
@@ -363,6 +362,7 @@ def lower_bound_middleware(u: UndoLog | None, *, durable: bool = True) -> Any:
     """
     from langchain.agents.middleware import AgentMiddleware
 
+    from undolog_adapters.langgraph._middleware import _plain_hook
     from undolog_core._tools import canonical_text, sha256_hex
     from undolog_core.limits import result_text
     from undolog_core.storage.base import new_id
@@ -401,12 +401,13 @@ def lower_bound_middleware(u: UndoLog | None, *, durable: bool = True) -> Any:
                     self.marks = []
             return out
 
-    # UndoLog's middleware stores its hooks' signatures once, as any middleware can (LangSmith's ``traceable``, which
-    # LangChain wraps every hook in, rebuilds a hook's signature on each call otherwise): so does the lower bound.
+    # UndoLog's middleware binds its hooks as plain functions carrying their signatures, as any middleware can
+    # (LangSmith's ``traceable``, which LangChain wraps every hook in, rebuilds a bound method's signature on each
+    # call): so does the lower bound.
+    lower = LowerBound()
     for hook in ("wrap_model_call", "wrap_tool_call"):
-        fn = getattr(LowerBound, hook)
-        fn.__signature__ = inspect.signature(fn)
-    return LowerBound()
+        setattr(lower, hook, _plain_hook(getattr(lower, hook)))
+    return lower
 
 
 def langgraph_variants(stores: dict[str, UndoLog], pg_saver: PgSaver | None,

@@ -14,7 +14,8 @@ this is beside agent_step.py's ratios, not instead of them.
 
 Variants: ``none`` (the baseline); ``model``/``tool``/``both``: a pass-through middleware with a
 ``wrap_model_call`` hook, a ``wrap_tool_call`` hook, or both (LangChain's own cost of a middleware with UndoLog's
-hooks: each is wrapped in LangSmith's ``traceable``; the hooks store their signatures once, as UndoLog's do);
+hooks: each is wrapped in LangSmith's ``traceable``; the hooks are bound as plain functions carrying their
+signatures, as UndoLog's are);
 ``undolog``: ``UndoLogMiddleware``; ``hitl``: ``HumanInTheLoopMiddleware`` gating the tool the model never calls.
 """
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import os
 import subprocess
 import sys
@@ -39,6 +39,8 @@ def _middleware(variant: str, store_dir: str) -> list[Any]:
     import agent_step as bench
     from langchain.agents.middleware import AgentMiddleware, HumanInTheLoopMiddleware
 
+    from undolog_adapters.langgraph._middleware import _plain_hook
+
     class Model(AgentMiddleware):
         def wrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
             return handler(request)
@@ -54,15 +56,14 @@ def _middleware(variant: str, store_dir: str) -> list[Any]:
         def wrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
             return handler(request)
 
-    for cls in (Model, Tool, Both):  # as UndoLogMiddleware does (see agent_step.lower_bound_middleware)
-        for hook in ("wrap_model_call", "wrap_tool_call"):
-            if hook in cls.__dict__:
-                fn = cls.__dict__[hook]
-                fn.__signature__ = inspect.signature(fn)
     if variant == "none":
         return []
     if variant in ("model", "tool", "both"):
-        return [{"model": Model, "tool": Tool, "both": Both}[variant]()]
+        passing = {"model": Model, "tool": Tool, "both": Both}[variant]()
+        for hook in ("wrap_model_call", "wrap_tool_call"):  # bound as UndoLogMiddleware binds its own
+            if hook in type(passing).__dict__:
+                setattr(passing, hook, _plain_hook(getattr(passing, hook)))
+        return [passing]
     if variant == "hitl":
         return [HumanInTheLoopMiddleware(interrupt_on={"delete_account": True})]
     from undolog_adapters.langgraph import UndoLogMiddleware

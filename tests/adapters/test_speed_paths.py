@@ -306,6 +306,33 @@ def test_signatures_langchain_reads_per_call_are_stored_once(undolog: Any) -> No
     assert inspect.signature(copy.func) == inspect.signature(sp_hold)
 
 
+def test_hooks_langchain_wraps_are_plain_functions_and_a_subclass_keeps_its_own(undolog: Any) -> None:
+    """LangSmith's ``traceable`` (around each hook) reads the hook's signature per call, which ``inspect`` rebuilds for
+    a bound method: the middleware's hooks are plain functions carrying theirs (sync and async as they were). A
+    subclass that overrides a hook keeps its override, and it runs."""
+    mw = UndoLogMiddleware(undolog)
+    for name in ("wrap_model_call", "awrap_model_call", "wrap_tool_call", "awrap_tool_call"):
+        hook = getattr(mw, name)
+        assert not inspect.ismethod(hook) and "__signature__" in vars(hook)
+        assert inspect.iscoroutinefunction(hook) is name.startswith("a")
+        assert list(inspect.signature(hook).parameters) == ["request", "handler"]
+    seen: list[str] = []
+
+    class Counting(UndoLogMiddleware):
+        def wrap_tool_call(self, request: Any, handler: Any) -> Any:
+            seen.append(request.tool_call["name"])
+            return super().wrap_tool_call(request, handler)
+
+    tools = [sp_peek]
+    counting = Counting(undolog, tools=tools)
+    assert inspect.ismethod(counting.wrap_tool_call) and not inspect.ismethod(counting.wrap_model_call)
+    graph = create_agent(ScriptedChatModel(scripts={"peek": [[("sp_peek", {"day": "fri"})]]}), tools,
+                         checkpointer=InMemorySaver(), middleware=[counting])
+    out = graph.invoke(_user("peek"), _cfg())
+    assert seen == ["sp_peek"]
+    assert [m for m in out["messages"] if isinstance(m, ToolMessage)][-1].content == "fri is free"
+
+
 def test_a_safe_turn_checks_the_session_without_a_statement_and_writes_nothing(
     db: Any, undolog: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
