@@ -69,10 +69,10 @@ _CANCELLABLE_EFFECT = (EffectState.AWAITING_APPROVAL, EffectState.APPROVED, Effe
 _BLOBS = ("proposed_args", "approved_args", "agent_context")
 
 
-#: ``state = 'pending'`` written as the due index's predicate is (``schema.DUE_PREDICATE``), with the value in the
-#: statement: a bound parameter proves nothing about a partial index's predicate (SQLite never matches it;
-#: PostgreSQL's generic plan of a statement psycopg has prepared cannot), and without the index the claim would
-#: read the table.
+#: ``state = 'pending'`` written as the due index's predicate is (``schema.DUE_PREDICATE``), the value in the
+#: statement's text: psycopg prepares a statement from its sixth run, and PostgreSQL's generic plan of it, made
+#: without the parameters' values, cannot prove a partial index's predicate from a bound state. With one the claim's
+#: generic plan read the whole table and sorted it (a test EXPLAINs the generic plan).
 _DUE = t.approval_requests.c.state == sa.literal_column(f"'{RequestState.PENDING.value}'")
 
 
