@@ -9,7 +9,8 @@ in its own process under ``valgrind --tool=callgrind`` (needs valgrind): two war
 then the counters are zeroed (at ``os.getppid()``), one fresh thread of ``--turns`` steps runs, and the counters are
 dumped (at ``os.getpgrp()``): instructions of every thread of the process, per step. The same step as
 agent_step.py's (scripted model, InMemorySaver, the tier's one tool call a turn, UndoLog on SQLite with durable
-marks); repeated runs agree within 0.01%. Instructions are not time (a cache miss or an fsync costs none), so
+marks); the GIL's switch interval is scaled by valgrind's slowdown, so that the machine's load changes the counts
+little. Instructions are not time (a cache miss or an fsync costs none), so
 this is beside agent_step.py's ratios, not instead of them.
 
 Variants: ``none`` (the baseline); ``model``/``tool``/``both``: a pass-through middleware with a
@@ -77,6 +78,11 @@ def _middleware(variant: str, store_dir: str) -> list[Any]:
 
 def child(variant: str, tier: str, turns: int) -> None:
     """Runs under callgrind: warm-up, then one counted thread of ``turns`` steps between getppid and getpgrp."""
+    # The GIL's switch interval is wall-clock time: under valgrind, some 50 times slower, the default 5 ms would
+    # force a switch every 0.1 ms of the program's own work, and as often more as the machine is loaded (each switch
+    # wakes LangGraph's threads: instructions that depend on the load). Scaled by the slowdown, the program switches
+    # about as often per unit of work as it does natively.
+    sys.setswitchinterval(0.25)
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE.parent))
     import agent_step as bench
