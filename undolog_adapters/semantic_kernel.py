@@ -111,6 +111,9 @@ _session_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("undol
 SAFE = ToolTier.SAFE
 IRREVERSIBLE = ToolTier.IRREVERSIBLE
 _MISSING = object()
+# Values that JSON conversion (to_jsonable_python) gives back as the same objects; a subclass (a str enum...) or
+# anything else is converted.
+_PLAIN = frozenset({str, int, float, bool, type(None)})
 # Kernel functions and sessions a filter keeps what it learnt of, each looked up once; past this many, it starts over
 # (a long-lived filter serving many conversations must not grow without bound).
 _KEEP = 4096
@@ -167,7 +170,8 @@ class undolog_session:  # noqa: N801 - used as a function (``with undolog_sessio
         self._token = _session_var.set(self.session_id)
         return self.session_id
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # (Named parameters, not *exc: a call with exactly these arguments is the interpreter's cheap one.)
         if self._token is not None:
             _session_var.reset(self._token)
             self._token = None
@@ -237,6 +241,7 @@ class UndoLogFilter:
         self._known: dict[int, _Known] = {}
         # The registry's tools by name, read on each call (a tool registered again is a new ToolSpec there).
         self._tools = undolog.registry.tools
+        self._driver = undolog.driver  # (one attribute look-up fewer on each SAFE call)
         # The sessions this filter has seen, as the engine keeps them (read once; see _cache).
         self._seen: dict[str, SessionCache] = {}
         # Bound methods are created anew on each access; keep one of each so they can be found again.
@@ -326,10 +331,19 @@ class UndoLogFilter:
 
     @staticmethod
     def _args(known: _Known, arguments: KernelArguments) -> dict[str, Any]:
+        """The model's arguments of the call as JSON values (a new plain dict: KernelArguments is a dict subclass)."""
         params = known.params
-        # (All of them the model's, the common case: converted as they are, without a filtered copy first.)
-        args: dict[str, Any] = to_jsonable_python(
-            {**arguments} if params.issuperset(arguments) else {k: v for k, v in arguments.items() if k in params})
+        if params.issuperset(arguments):
+            # All of them the model's, the common case. Exact str/int/float/bool/None values are what the conversion
+            # would give back (the same objects): a plain copy is the same dict, without the converter's cost.
+            for value in arguments.values():
+                if type(value) not in _PLAIN:
+                    break
+            else:
+                return dict(arguments)
+            args: dict[str, Any] = to_jsonable_python(dict(arguments))
+            return args
+        args = to_jsonable_python({k: v for k, v in arguments.items() if k in params})
         return args
 
     def _unchanged(self, known: _Known, arguments: KernelArguments, handover: _Handover) -> bool:
@@ -410,11 +424,13 @@ class UndoLogFilter:
         if not filters or filters[0][1] is not self.function_filter:  # (install()'s pairing: the common case)
             self._check_paired(filters)
         name = known.name
-        try:
-            spec = self._spec(name)
-        except errors.UndoLogError as exc:
-            context.function_result = _refusal(function, name, exc)
-            return
+        spec = self._tools.get(name)  # (_spec's look-up, inline: the common case)
+        if spec is None:
+            try:
+                spec = self._spec(name)
+            except errors.UndoLogError as exc:
+                context.function_result = _refusal(function, name, exc)
+                return
         if spec.tier is SAFE and spec.retry is None:
             # Nothing to gate and nothing to record: the inner filter decides it (validated, pinned, counted) right
             # before the function runs, under the contract seen here.
@@ -498,16 +514,17 @@ class UndoLogFilter:
         if spec.tier is SAFE and spec.retry is None:
             # A SAFE call's whole decision, here, after every other filter: validated (and converted) against its
             # contract, checked against the session's pin and counted in memory. No I/O once the session is known.
+            arguments = context.arguments
             try:
                 sid = _session_var.get() or self.session_id
                 sc = self._seen.get(sid) or await self._cache(sid)
-                values = self.undolog.driver.safe(spec, self._args(known, context.arguments), sc)
+                values = self._driver.safe(spec, self._args(known, arguments), sc)
             except errors.UndoLogError as exc:
                 if not answer:
                     raise
                 context.result = _refusal(function, name, exc)
                 return
-            context.arguments.update(values)
+            arguments.update(values)
             await next(context)  # nothing to record, whatever happens: its exception, if any, goes on untouched
             return
         sid, decision, _ = await self._intercept(known, spec, context.arguments, None)

@@ -732,3 +732,25 @@ async def test_a_safe_tool_with_a_retry_policy_is_retried_through_the_gate(ul):
     assert results(history) == ["S-1: 12.50"] and tries == ["S-1"] * 3
     ul.engine.flush_counts()
     assert ul.sessions.get("chat-retry").tool_calls_total == 1 and ul.sessions.effects("chat-retry") == []
+
+
+async def test_a_safe_calls_arguments_of_other_types_than_exact_scalars_are_still_converted_and_checked(ul):
+    # Exact str/int/float/bool/None values skip the JSON conversion (it would give them back unchanged); anything
+    # else still takes it, and the contract's check follows either way: a str subclass runs as a plain str, a bool
+    # for a number and a list for a string are refused (nothing runs).
+    import enum
+
+    class Order(enum.StrEnum):
+        A1 = "A-1"
+
+    kernel = _lookup_kernel(ul)
+    with undolog_session("chat-kinds"):
+        await invoke(kernel, plugin_name="shop", function_name="lookup", order_id=Order.A1, weight=2.5)
+        assert LOOKED_UP == [("A-1", 2.5)] and type(LOOKED_UP[0][0]) is str
+        for bad in ({"order_id": "A-2", "weight": True}, {"order_id": ["A-2"]}, {"order_id": None}):
+            with pytest.raises(errors.ArgumentsInvalid):
+                await invoke(kernel, plugin_name="shop", function_name="lookup", **bad)
+        await invoke(kernel, plugin_name="shop", function_name="lookup", order_id="A-3", weight=3)
+    assert LOOKED_UP == [("A-1", 2.5), ("A-3", 3.0)] and type(LOOKED_UP[1][1]) is float
+    ul.engine.flush_counts()
+    assert ul.sessions.get("chat-kinds").tool_calls_total == 2
