@@ -242,6 +242,7 @@ class UndoLogFilter:
         # The registry's tools by name, read on each call (a tool registered again is a new ToolSpec there).
         self._tools = undolog.registry.tools
         self._driver = undolog.driver  # (one attribute look-up fewer on each SAFE call)
+        self._engine = undolog.engine
         # The sessions this filter has seen, as the engine keeps them (read once; see _cache).
         self._seen: dict[str, SessionCache] = {}
         # Bound methods are created anew on each access; keep one of each so they can be found again.
@@ -518,13 +519,20 @@ class UndoLogFilter:
             try:
                 sid = _session_var.get() or self.session_id
                 sc = self._seen.get(sid) or await self._cache(sid)
-                values = self._driver.safe(spec, self._args(known, arguments), sc)
+                # The common case: only the model's parameters, each an exact str/int/float/bool/None of the type its
+                # field keeps. Checked as they are, without a JSON conversion (it would give the same objects back)
+                # and nothing to write back; else converted and validated (and converted) by the contract.
+                values = spec.as_is_copy(arguments) if known.params.issuperset(arguments) else None
+                if values is None:
+                    values = self._driver.safe(spec, self._args(known, arguments), sc)
+                    arguments.update(values)
+                else:
+                    self._engine.note_safe_in(sc, spec, values)  # (the rest of the driver's safe(), as it does it)
             except errors.UndoLogError as exc:
                 if not answer:
                     raise
                 context.result = _refusal(function, name, exc)
                 return
-            arguments.update(values)
             await next(context)  # nothing to record, whatever happens: its exception, if any, goes on untouched
             return
         sid, decision, _ = await self._intercept(known, spec, context.arguments, None)

@@ -126,19 +126,20 @@ async def test_tiers_by_plugin_function_name(ul):
 async def test_each_call_is_intercepted_once(ul, backend, monkeypatch):
     kernel, _ = new_kernel(ul)
     seen = []
-    # The filters decide on the loop through the driver: a SAFE call in memory (safe), a logged one by adecide.
-    real, real_safe = ul.driver.adecide, ul.driver.safe
+    # The filters decide on the loop: a SAFE call in memory (checked by its contract, then the engine's
+    # note_safe_in, which the driver's safe() ends with too), a logged one by the driver's adecide.
+    real, real_safe = ul.driver.adecide, ul.engine.note_safe_in
 
     async def counting(session_id, tool_name, args, *, call_id=None, match_digest=False):
         seen.append((tool_name, call_id))
         return await real(session_id, tool_name, args, call_id=call_id, match_digest=match_digest)
 
-    def counting_safe(spec, args, cache):
+    def counting_safe(cache, spec, args):
         seen.append((spec.name, "safe"))
-        return real_safe(spec, args, cache)
+        return real_safe(cache, spec, args)
 
     monkeypatch.setattr(ul.driver, "adecide", counting)
-    monkeypatch.setattr(ul.driver, "safe", counting_safe)
+    monkeypatch.setattr(ul.engine, "note_safe_in", counting_safe)
     _, history, reply = await chat_turns(kernel, [[SEARCH], [REFUND_U1]])
     assert seen == [("support-search_knowledge_base", "safe"), ("support-send_refund_email", "c2")]
     assert [m["status"] for m in backend.outbox] == ["sent"]
