@@ -143,11 +143,12 @@ class _Handover:
 
 # What the auto filter hands the inner filter for the call it is about to run, read (once) by the inner filter in
 # the same task; sibling calls run in their own asyncio tasks, each with its own copy. A _Handover: the gate's
-# decision on a call it let through. A ToolSpec: a SAFE call (no retry policy), which the inner filter decides itself
-# under that contract, right before the function runs (no filter can change it after); a refusal then answers the
-# model, as the gate's would.
-_handover: contextvars.ContextVar[_Handover | ToolSpec | None] = contextvars.ContextVar("undolog_sk_handover",
-                                                                                       default=None)
+# decision on a call it let through. A list of one ToolSpec: a SAFE call (no retry policy), which the inner filter
+# decides itself under that contract, right before the function runs (no filter can change it after); a refusal then
+# answers the model, as the gate's would. The inner filter takes the spec out of the list (emptying it, where setting
+# the variable again would cost a new context mapping), so a call the function itself makes is its own.
+_handover: contextvars.ContextVar[_Handover | list[ToolSpec] | None] = contextvars.ContextVar("undolog_sk_handover",
+                                                                                             default=None)
 
 
 class undolog_session:  # noqa: N801 - used as a function (``with undolog_session(id):``), as it always was
@@ -435,7 +436,7 @@ class UndoLogFilter:
         if spec.tier is SAFE and spec.retry is None:
             # Nothing to gate and nothing to record: the inner filter decides it (validated, pinned, counted) right
             # before the function runs, under the contract seen here.
-            token = _handover.set(spec)
+            token = _handover.set([spec])
             try:
                 await next(context)
             finally:
@@ -495,9 +496,10 @@ class UndoLogFilter:
                 "the call after its gate; call install(kernel, ...) after adding your own filters"
             )
         handover = _handover.get()
-        if isinstance(handover, ToolSpec) and handover.name == name:
-            _handover.set(None)  # taken: a call the function itself makes through the kernel is its own
-            spec, answer = handover, True  # under the auto gate: a refusal answers the model, as the gate's would
+        if type(handover) is list and handover and handover[0].name == name:
+            # Taken (the list emptied): a call the function itself makes through the kernel is its own. Under the
+            # auto gate a refusal answers the model, as the gate's would.
+            spec, answer = handover.pop(), True
         elif isinstance(handover, _Handover) and not handover.consumed and handover.name == name:
             handover.consumed = True
             if not self._unchanged(known, context.arguments, handover):

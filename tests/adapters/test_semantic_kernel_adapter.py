@@ -755,3 +755,27 @@ async def test_a_safe_calls_arguments_of_other_types_than_exact_scalars_are_stil
     assert LOOKED_UP == [("A-1", 2.5), ("A-3", 3.0)] and type(LOOKED_UP[1][1]) is float
     ul.engine.flush_counts()
     assert ul.sessions.get("chat-kinds").tool_calls_total == 2
+
+
+async def test_a_call_a_safe_function_makes_through_the_kernel_is_its_own(ul):
+    # The auto gate's hand-over is taken by the call it was made for: a call the function itself makes through the
+    # kernel is decided as a plain invoke (a refusal raises in the function), not as the model's call (answered).
+    outcomes: list[str] = []
+
+    class Nested:
+        @kernel_function(name="lookup", description="Look an order up.")
+        @undolog_tool(tier=ToolTier.SAFE)
+        async def lookup(self, order_id: str) -> str:
+            if order_id == "outer":
+                try:
+                    await kernel.invoke(plugin_name="shop", function_name="lookup", order_id=7)
+                    outcomes.append("answered")
+                except KernelInvokeException as exc:
+                    outcomes.append(type(exc.__cause__).__name__)
+            return f"order {order_id}: shipped"
+
+    kernel = Kernel()
+    kernel.add_plugin(Nested(), plugin_name="shop")
+    install(kernel, ul)
+    _, history, _ = await chat_turns(kernel, [[call("n1", "shop-lookup", order_id="outer")]], session_id="chat-nest")
+    assert results(history) == ["order outer: shipped"] and outcomes == ["ArgumentsInvalid"]
