@@ -324,15 +324,16 @@ def lower_bound_worker(i: int, prepared: Any, schema: str, seconds: float, sessi
     bound, not a competitor. Raw psycopg connections (one per thread, autocommit), and per call: validate the
     arguments, take their JSON snapshot and canonical text, digest it, mint an effect id, run UndoLog's own
     one-statement pre-write (the session checked, the effect and its undo entry, durably), run the tool, serialise
-    its result and run UndoLog's own commit mark: durably at once, or (``fast``) queued and written per session in
-    one transaction without fsync, as fast mode's flush at ``complete()`` does. Per session of ten calls, UndoLog's
+    its result and run UndoLog's own commit mark: durably at once, or (``fast``) queued and written by the
+    session's end statement, as fast mode's ``complete()`` does on PostgreSQL. Per session of ten calls, UndoLog's
     own session start and end statements (the session row the pre-write checks has to exist). Left out, although
     UndoLog needs them: the pool, the session cache and pins, the in-flight set and lease, ``current_call()``, the
     recent-calls ring, call-id handling, the driver. If this misses the goal, no trimming of UndoLog's own code
     meets it on this machine: only storing less (or in fewer commits) would. The statements are sent by the hot
     path's own functions (``undolog_core.storage.postgres``), so the client's cost per statement is the same too.
-    The fast marks go as fast mode's flush sends them (one statement per batch, ``pg_mark_many``), and as often:
-    at the session's end and whenever ``MARK_FLUSH_SECONDS`` passed since the last batch, since fast mode promises
+    The fast marks go as fast mode sends them, and as often: in the session's end statement (``pg_end_session``
+    with the queued marks), and in a batch of their own (``pg_mark_many``, not fsynced) whenever
+    ``MARK_FLUSH_SECONDS`` passed since the last batch, since fast mode promises
     a queued mark is written within that period (its background flusher), not only at ``complete()``. Without
     that periodic batch the bound left out a statement UndoLog must send (1.0 batches per session here against
     1.6-1.8 for UndoLog on a loaded machine, where a session outlasts the period)."""
@@ -392,11 +393,11 @@ def lower_bound_worker(i: int, prepared: Any, schema: str, seconds: float, sessi
                         pg.pg_mark_many(fast_con, marks)
                         marks, flushed = [], time.monotonic()
                 n += 1
-            if marks:
-                pg.pg_mark_many(fast_con, marks)
-                flushed = time.monotonic()
-            if not end_session(con, sid, CALLS_PER_SESSION, "completed", ["active"], time.time()):
+            # The marks still queued ride in the end's statement, as fast mode's end sends them.
+            if not end_session(con, sid, CALLS_PER_SESSION, "completed", ["active"], time.time(), marks):
                 raise RuntimeError("the lower bound's session did not end")
+            if marks:
+                flushed = time.monotonic()
         return n
 
     meter.start()

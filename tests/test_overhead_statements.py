@@ -551,3 +551,43 @@ def test_postgres_session_start_and_complete_are_one_durable_statement_each(db: 
     # An id that exists is read, never overwritten: the general path, as before.
     again = u.session(session_id=s.id)
     assert again.state == "completed"
+
+
+# -- a fast-mode session of ten COMPENSABLE calls on PostgreSQL: the statements it sends, counted ----------------
+
+
+@pytest.mark.postgres_only  # SQLite's commits have no round trip; its end takes the general path
+def test_postgres_fast_session_of_ten_calls_sends_twelve_statements(db: Any, counter_for: Any,
+                                                                     monkeypatch: Any) -> None:
+    """benchmarks/scale.py's session (ten COMPENSABLE calls in fast mode) on PostgreSQL: the start, ten
+    pre-writes and the end, one statement each; the ten marks ride in the end's statement (and commit), where a
+    marks batch of their own went before it (13 statements: the batch, then the end). Every queued mark is
+    written, and the session reads back completed with its ten calls."""
+    import undolog_core._engine as engine_mod
+
+    # No period passes inside the session: the flusher's own batch (a mark queued a whole period) stays out.
+    monkeypatch.setattr(engine_mod, "MARK_FLUSH_SECONDS", 60.0)
+    u = db.open(fast_commit_mark=True)
+    u.register(*TOOLS)
+    c = counter_for(u)
+    _MARKER["counter"] = c
+    try:
+        warm = u.session(agent_id="warm")  # both pools' connections opened (and traced) before the window
+        warm.call_sync(oh_refund_sync, user_id="u0", amount=1)
+        u.engine.flush_marks()
+        c.mark("a")
+        s = u.session(agent_id="ten")
+        for k in range(10):
+            s.call_sync(oh_refund_sync, user_id=f"u{k}", amount=k)
+        s.complete()
+        c.mark("b")
+    finally:
+        _MARKER.pop("counter", None)
+    evs = [e for e in c.window("a", "b") if e.level == "wire" and e.kind != "setup"]
+    assert [e.kind for e in evs] == ["stmt"] * 12, describe(evs)  # no BEGIN, COMMIT or read either
+    durable = [e for e in evs if e.engine == "durable"]
+    assert len(durable) == 12, describe(evs)  # the marks went with the end, none on the fast engine
+    assert u.engine._inflight == set() and not u.engine._marks
+    rec = u.sessions.get(s.id)
+    assert rec.state == "completed" and rec.tool_calls_total == 10
+    assert [e["state"] for e in u.sessions.effects(s.id)] == ["committed"] * 10

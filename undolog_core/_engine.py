@@ -459,16 +459,36 @@ class Engine:
 
     def end_session(self, session_id: str, state: SessionState, allowed: tuple[str, ...]) -> bool | None:
         """The session moved to ``state`` from one of ``allowed`` with its in-memory call counts, in one durable
-        statement (after any deferred marks): True when done, False when it was in no state of ``allowed``, None
-        when the hot path has no such statement here (the caller flushes the counts and changes the state itself).
-        On False or None nothing was written and the counts stay in memory."""
+        statement that also writes this process's deferred marks where the hot path can (PostgreSQL; elsewhere
+        they are written first): True when done, False when it was in no state of ``allowed``, None when the hot
+        path has no such statement here (the caller flushes the counts and changes the state itself). On False or
+        None nothing of the session was written and the counts stay in memory (the marks were written)."""
         sc = self._sessions.get(session_id)
         if sc is None or not sc.persisted:
             return None  # known only from SAFE calls (or not at all here): the general path records it
-        self.flush_marks()
+        if not self.hot.ends_with_marks:
+            self.flush_marks()
+            return self._end_session(sc, state, allowed, [])
+        # The deferred marks (fast mode's, this session's and any other's queued here) ride in the end's own
+        # statement and commit: a marks batch of its own before it was a statement and a commit more per session.
+        with self._marks_lock:
+            batch: list[tuple[str, str, float]] = []
+            while self._marks:
+                batch.append(self._marks.popleft())
+            try:
+                done = self._end_session(sc, state, allowed, batch)
+            except BaseException:
+                self._marks.extendleft(reversed(batch))  # not written: still queued, the effects still in flight
+                raise
+        for effect_id, _, _ in batch:
+            self._inflight.discard(effect_id)
+        return done
+
+    def _end_session(self, sc: SessionCache, state: SessionState, allowed: tuple[str, ...],
+                     marks: list[tuple[str, str, float]]) -> bool | None:
         safe, carried = sc.take_safe(), sc.take_carried()
         try:
-            done = self.hot.end_session(session_id, safe + carried, state.value, allowed, time.time())
+            done = self.hot.end_session(sc.session_id, safe + carried, state.value, allowed, time.time(), marks)
         except BaseException:
             sc.give_back(safe, carried)
             raise

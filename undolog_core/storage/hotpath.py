@@ -185,10 +185,17 @@ class HotPath(abc.ABC):
         The returned row has ``session_id``, ``state``, ``pinned_revisions`` and ``on_failure``."""
         return None
 
-    def end_session(self, session_id: str, count: int, state: str, allowed: Sequence[str], now: float) -> bool | None:
+    #: Whether :meth:`end_session` exists here and writes the deferred commit marks it is given in the same
+    #: statement (PostgreSQL); elsewhere the caller writes them first (:meth:`mark_many`).
+    ends_with_marks = False
+
+    def end_session(self, session_id: str, count: int, state: str, allowed: Sequence[str], now: float,
+                    marks: Sequence[tuple[str, str, float]] = ()) -> bool | None:
         """Move the session to ``state`` from one of ``allowed`` and add ``count`` calls, in one durable statement:
-        True when done, False when the session was in no state of ``allowed`` (nothing written), None when the
-        database has no such statement here (the caller takes the general path)."""
+        True when done, False when the session was in no state of ``allowed`` (nothing of the session written),
+        None when the database has no such statement here (the caller takes the general path). ``marks``: deferred
+        commit marks (``(effect_id, result text, epoch seconds)``) written by the same statement, whether or not
+        the session moves (only where ``ends_with_marks``)."""
         return None
 
     def mark_many(self, marks: list[tuple[str, str, float]]) -> None:

@@ -76,6 +76,11 @@ _PG_END_SESSION = (
     "UPDATE undolog_sessions SET state = %(state)s, tool_calls_total = tool_calls_total + %(count)s, "
     "updated_at = %(now)s WHERE session_id = %(session_id)s AND state = ANY(%(allowed)s)"
 )
+# Fast mode's session end: the queued commit marks and the state change as one durable statement, one commit,
+# where a marks batch (a statement and its commit of its own) came first. A data-modifying CTE runs to completion
+# whether or not the outer statement reads it, so the marks are written even when the session is in no allowed
+# state; the statement's row count is the session's update alone.
+_PG_END_SESSION_MARKED = f"WITH m AS ({_PG_MARK_MANY}) {_PG_END_SESSION}"
 
 
 _seconds: dict[int, str] = {}
@@ -194,6 +199,7 @@ def pg_prewrite(conn: Any, session_id: str, count: int, effect_id: str, call_id:
 
 _START = prepared("undolog_start_session", _PG_START_SESSION)
 _END = prepared("undolog_end_session", _PG_END_SESSION)
+_END_MARKED = prepared("undolog_end_session_marked", _PG_END_SESSION_MARKED)
 
 
 def _quoted(s: str) -> str:
@@ -218,11 +224,25 @@ def pg_start_session(conn: Any, values: dict[str, Any]) -> Any:
     return SessionRow(sid.decode(), state.decode(), json.loads(pins), on_failure.decode())
 
 
-def pg_end_session(conn: Any, session_id: str, count: int, state: str, allowed: Sequence[str], now: float) -> bool:
-    """The session moved to ``state`` from one of ``allowed`` with ``count`` calls added, one statement on ``conn``."""
-    res = run_prepared(conn, _END, [state.encode(), str(count).encode(), _stamp(now), session_id.encode(),
-                                    _array(allowed)])
+def pg_end_session(conn: Any, session_id: str, count: int, state: str, allowed: Sequence[str], now: float,
+                   marks: Sequence[tuple[str, str, float]] = ()) -> bool:
+    """The session moved to ``state`` from one of ``allowed`` with ``count`` calls added, one statement on ``conn``;
+    with ``marks`` (``(effect_id, result text, epoch seconds)``, as :func:`pg_mark_many` takes them) those commit
+    marks are written by the same statement (whether or not the session moves)."""
+    values = {"state": state.encode(), "count": str(count).encode(), "now": _stamp(now),
+              "session_id": session_id.encode(), "allowed": _array(allowed)}
+    stmt = _END
+    if marks:
+        stmt = _END_MARKED
+        values.update(_mark_arrays(marks))
+    res = run_prepared(conn, stmt, [values[k] for k in stmt.params])
     return bool(res.command_tuples == 1)
+
+
+def _mark_arrays(marks: Sequence[tuple[str, str, float]]) -> dict[str, bytes]:
+    """The parameters of :data:`_PG_MARK_MANY` for ``marks``."""
+    return {"results": _array(text for _, text, _ in marks), "ats": _array(_stamp_text(t) for _, _, t in marks),
+            "ids": _array(eid for eid, _, _ in marks)}
 
 
 _MARK_MANY = prepared("undolog_mark_many", _PG_MARK_MANY)
@@ -231,10 +251,8 @@ _MARK_MANY = prepared("undolog_mark_many", _PG_MARK_MANY)
 def pg_mark_many(conn: Any, marks: Sequence[tuple[str, str, float]]) -> int:
     """``(effect_id, result text, epoch seconds)`` commit marks as one autocommit statement on ``conn``; how many
     effects were in flight and are marked now."""
-    results = _array(text for _, text, _ in marks)
-    ats = _array(_stamp_text(t) for _, _, t in marks)
-    ids = _array(eid for eid, _, _ in marks)
-    return int(run_prepared(conn, _MARK_MANY, [results, ats, ids]).command_tuples or 0)
+    values = _mark_arrays(marks)
+    return int(run_prepared(conn, _MARK_MANY, [values[k] for k in _MARK_MANY.params]).command_tuples or 0)
 
 
 def pg_mark(conn: Any, effect_id: str, text: str, now: float) -> bool:
@@ -269,9 +287,12 @@ class PostgresHotPath(HotPath):
         with self.durable.connection("starting a session") as conn:
             return pg_start_session(conn, values)
 
-    def end_session(self, session_id: str, count: int, state: str, allowed: Sequence[str], now: float) -> bool | None:
+    ends_with_marks = True
+
+    def end_session(self, session_id: str, count: int, state: str, allowed: Sequence[str], now: float,
+                    marks: Sequence[tuple[str, str, float]] = ()) -> bool | None:
         with self.durable.connection("ending a session") as conn:
-            return pg_end_session(conn, session_id, count, state, allowed, now)
+            return pg_end_session(conn, session_id, count, state, allowed, now, marks)
 
     def _mark_many(self, conn: Any, marks: list[tuple[str, str, float]]) -> None:
         pg_mark_many(conn, marks)
