@@ -44,6 +44,26 @@ WITH e AS (
 INSERT INTO undolog_undo_stack ({_UNDO_COLS})
 SELECT e.seq, e.effect_id, e.session_id, %(comp)s, %(comp_version)s, %(args)s::json, 'armed', 0, %(now)s, %(now)s FROM e
 """
+# A session's first logged call: its row inserted by the pre-write's own statement (where a start of its own was a
+# statement and a durable commit more per session). The effect's foreign key to the session is checked at the
+# statement's end, when the row is there. ``ON CONFLICT DO NOTHING``: an id that exists writes nothing (the caller
+# reads that session and takes the general path).
+_PG_PREWRITE_STARTING = f"""
+WITH g AS (
+  INSERT INTO undolog_sessions (session_id, agent_id, state, tool_calls_total, created_by, halted_reason, on_failure,
+                                pinned_revisions, created_at, updated_at)
+  VALUES (%(session_id)s, %(agent_id)s, 'active', %(count)s, %(created_by)s, NULL, %(on_failure)s,
+          %(pinned_revisions)s::json, %(created_at)s, %(now)s)
+  ON CONFLICT (session_id) DO NOTHING RETURNING session_id
+), e AS (
+  INSERT INTO undolog_effect_log ({_EFFECT_COLS})
+  SELECT %(effect_id)s, g.session_id, %(call_id)s, %(tool_name)s, %(revision)s, 'compensable', 'pending',
+         %(args)s::json, %(digest)s, %(owner)s, %(lease)s, 0, %(now)s, %(now)s FROM g
+  RETURNING seq, effect_id, session_id
+)
+INSERT INTO undolog_undo_stack ({_UNDO_COLS})
+SELECT e.seq, e.effect_id, e.session_id, %(comp)s, %(comp_version)s, %(args)s::json, 'armed', 0, %(now)s, %(now)s FROM e
+"""
 # Many commit marks (fast mode's flush) as one statement: one round trip and one commit instead of a BEGIN, a
 # statement per mark and a COMMIT. Each effect is marked at most once per batch (an effect has one mark).
 # The state is tested as ``state || ''`` so that the planner cannot answer it from the in-flight partial index
@@ -203,6 +223,25 @@ def pg_prewrite(conn: Any, session_id: str, count: int, effect_id: str, call_id:
     return bool(run_prepared(conn, _PW_CHECKED, params).command_tuples == 1)
 
 
+_PW_STARTING = prepared("undolog_prewrite_starting", _PG_PREWRITE_STARTING)
+
+
+def pg_prewrite_starting(conn: Any, start: dict[str, Any], session_id: str, count: int, effect_id: str,
+                         call_id: str, tool_name: str, revision: int, args_text: str, digest: str, owner: str,
+                         now: float, lease: float, comp: str, comp_version: int) -> bool:
+    """The pre-write of a session's first logged call with the session's row (``start``: ``agent_id``,
+    ``created_by``, ``on_failure``, ``pinned_revisions``, ``created_at`` in epoch seconds) as one autocommit
+    statement on ``conn``: False when a session with that id exists (nothing written)."""
+    values = {"session_id": session_id, "agent_id": start["agent_id"], "count": str(count),
+              "created_by": start["created_by"], "on_failure": start["on_failure"],
+              "pinned_revisions": json.dumps(start["pinned_revisions"]), "created_at": _stamp_text(start["created_at"]),
+              "now": _stamp_text(now), "effect_id": effect_id, "call_id": call_id, "tool_name": tool_name,
+              "revision": str(revision), "args": args_text, "digest": digest, "owner": owner,
+              "lease": _stamp_text(lease), "comp": comp, "comp_version": str(comp_version)}
+    params = [None if (v := values[k]) is None else v.encode() for k in _PW_STARTING.params]
+    return bool(run_prepared(conn, _PW_STARTING, params).command_tuples == 1)
+
+
 _START = prepared("undolog_start_session", _PG_START_SESSION)
 _END = prepared("undolog_end_session", _PG_END_SESSION)
 _END_MARKED = prepared("undolog_end_session_marked", _PG_END_SESSION_MARKED)
@@ -288,6 +327,14 @@ class PostgresHotPath(HotPath):
 
     def _mark(self, conn: Any, wait: bool, effect_id: str, text: str, now: float) -> bool:
         return pg_mark(conn, effect_id, text, now)
+
+    starts_with_prewrite = True
+
+    def _prewrite_starting(self, conn: Any, start: dict[str, Any], session_id: str, count: int, effect_id: str,
+                           call_id: str, tool_name: str, revision: int, args_text: str, digest: str, owner: str,
+                           now: float, lease: float, comp: str, comp_version: int) -> bool:
+        return pg_prewrite_starting(conn, start, session_id, count, effect_id, call_id, tool_name, revision,
+                                    args_text, digest, owner, now, lease, comp, comp_version)
 
     def start_session(self, values: dict[str, Any]) -> Any:
         with self.durable.connection("starting a session") as conn:
