@@ -108,8 +108,10 @@ def drop_schema(schema: str) -> None:
         con.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
-def run_workers(n: int, target: Callable[..., Any], args: tuple[Any, ...]) -> tuple[float, list[Any]]:
-    """Start ``n`` processes, release them at once, return (wall seconds from the release, their results).
+def run_workers(n: int, target: Callable[..., Any], args: tuple[Any, ...],
+                released: list[float] | None = None) -> tuple[float, list[Any]]:
+    """Start ``n`` processes, release them at once, return (wall seconds from the release, their results);
+    ``released`` gets the release's ``time.monotonic()``.
 
     A worker that is done waits, alive, until every worker is: a process exiting (its interpreter torn down, its
     PostgreSQL backend ended) is no part of the work measured, and a running server's worker does not exit when it
@@ -124,6 +126,8 @@ def run_workers(n: int, target: Callable[..., Any], args: tuple[Any, ...]) -> tu
         p.start()
     ready = [out.get(timeout=120) for _ in procs]
     assert all(r == "ready" for r in ready), ready
+    if released is not None:
+        released.append(time.monotonic())
     t0 = time.perf_counter()
     start.set()
     results = [out.get(timeout=600) for _ in procs]
@@ -324,15 +328,17 @@ def lower_bound_worker(i: int, prepared: Any, schema: str, seconds: float, sessi
     bound, not a competitor. Raw psycopg connections (one per thread, autocommit), and per call: validate the
     arguments, take their JSON snapshot and canonical text, digest it, mint an effect id, run UndoLog's own
     one-statement pre-write (the session checked, the effect and its undo entry, durably), run the tool, serialise
-    its result and run UndoLog's own commit mark: durably at once, or (``fast``) queued and written per session in
-    one transaction without fsync, as fast mode's flush at ``complete()`` does. Per session of ten calls, UndoLog's
-    own session start and end statements (the session row the pre-write checks has to exist). Left out, although
+    its result and run UndoLog's own commit mark: durably at once, or (``fast``) queued and written by the
+    session's end statement, as fast mode's ``complete()`` does on PostgreSQL. Per session of ten calls, UndoLog's
+    own session statements: its row written by the first call's pre-write statement (the row the other pre-writes
+    check has to exist), and its end. Left out, although
     UndoLog needs them: the pool, the session cache and pins, the in-flight set and lease, ``current_call()``, the
     recent-calls ring, call-id handling, the driver. If this misses the goal, no trimming of UndoLog's own code
     meets it on this machine: only storing less (or in fewer commits) would. The statements are sent by the hot
     path's own functions (``undolog_core.storage.postgres``), so the client's cost per statement is the same too.
-    The fast marks go as fast mode's flush sends them (one statement per batch, ``pg_mark_many``), and as often:
-    at the session's end and whenever ``MARK_FLUSH_SECONDS`` passed since the last batch, since fast mode promises
+    The fast marks go as fast mode sends them, and as often: in the session's end statement (``pg_end_session``
+    with the queued marks), and in a batch of their own (``pg_mark_many``, not fsynced) whenever
+    ``MARK_FLUSH_SECONDS`` passed since the last batch, since fast mode promises
     a queued mark is written within that period (its background flusher), not only at ``complete()``. Without
     that periodic batch the bound left out a statement UndoLog must send (1.0 batches per session here against
     1.6-1.8 for UndoLog on a loaded machine, where a session outlasts the period)."""
@@ -359,7 +365,8 @@ def lower_bound_worker(i: int, prepared: Any, schema: str, seconds: float, sessi
     comp, version, name, revision = spec.compensation.name, spec.compensation.version, spec.name, spec.revision
     validate, fn, pins = spec.args_model.__pydantic_validator__.validate_python, scale_refund, {name: revision}
     # The hot path's own statement functions (PostgreSQL), on these raw connections.
-    prewrite, mark, start_session, end_session = pg.pg_prewrite, pg.pg_mark, pg.pg_start_session, pg.pg_end_session
+    prewrite, mark, end_session = pg.pg_prewrite, pg.pg_mark, pg.pg_end_session
+    first_prewrite = pg.pg_prewrite_starting
     end = time.perf_counter() + seconds
 
     def loop(pair: tuple[Any, Any]) -> int:
@@ -368,19 +375,19 @@ def lower_bound_worker(i: int, prepared: Any, schema: str, seconds: float, sessi
         flushed = time.monotonic()
         while time.perf_counter() < end:
             sid = new_id()
-            now = dt.datetime.now(dt.UTC)
-            row = start_session(con, {
-                "session_id": sid, "agent_id": f"lb-{i}", "state": "active", "created_by": None,
-                "on_failure": "rollback", "pinned_revisions": pins, "created_at": now, "updated_at": now})
-            assert row is not None
+            start = {"agent_id": f"lb-{i}", "created_by": None, "on_failure": "rollback", "pinned_revisions": pins,
+                     "created_at": time.time()}
             marks: list[tuple[str, str, float]] = []
             for k in range(CALLS_PER_SESSION):
                 model = validate({"user_id": f"u{k}", "amount": k})
                 text = canonical_text(model.model_dump(mode="json"))
                 effect_id = new_id()
                 t = time.time()
-                if not prewrite(con, sid, 0, effect_id, effect_id, name, revision, text, sha256_hex(text), owner,
-                                t, t + lease, comp, version):
+                # The session's row goes in with its first call's pre-write, as UndoLog writes it.
+                if not (first_prewrite(con, start, sid, 0, effect_id, effect_id, name, revision, text,
+                                       sha256_hex(text), owner, t, t + lease, comp, version) if k == 0 else
+                        prewrite(con, sid, 0, effect_id, effect_id, name, revision, text, sha256_hex(text), owner,
+                                 t, t + lease, comp, version)):
                     raise RuntimeError("the lower bound's pre-write was refused")
                 result = result_text(fn(**model.__dict__))
                 if fast_con is None:
@@ -392,11 +399,11 @@ def lower_bound_worker(i: int, prepared: Any, schema: str, seconds: float, sessi
                         pg.pg_mark_many(fast_con, marks)
                         marks, flushed = [], time.monotonic()
                 n += 1
-            if marks:
-                pg.pg_mark_many(fast_con, marks)
-                flushed = time.monotonic()
-            if not end_session(con, sid, CALLS_PER_SESSION, "completed", ["active"], time.time()):
+            # The marks still queued ride in the end's statement, as fast mode's end sends them.
+            if not end_session(con, sid, CALLS_PER_SESSION, "completed", ["active"], time.time(), marks):
                 raise RuntimeError("the lower bound's session did not end")
+            if marks:
+                flushed = time.monotonic()
         return n
 
     meter.start()
@@ -538,15 +545,49 @@ def warm_sweeper(u: UndoLog, own: list[str], now: dt.datetime | None = None) -> 
     return got
 
 
+def _schedstat_ns(pid: int) -> int:
+    """Nanoseconds on CPU of process ``pid`` (/proc/<pid>/schedstat, exact where /proc/<pid>/stat counts ticks)."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[0])
+    except OSError:
+        return 0
+
+
+def _postgres_aux_pids() -> list[int]:
+    """The PostgreSQL server's own processes (WAL writer, checkpointer, background writer, autovacuum), not its
+    client backends: the machine's other users' backends are no part of a sweep."""
+    aux = []
+    for pid in _postgres_pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if "(" not in title and "[local]" not in title:  # a client backend's title names its client's address
+            aux.append(pid)
+    return aux
+
+
 def expire_worker(i: int, prepared: Any, url: str, schema: str | None, warm: list[list[str]] | None = None) -> Any:
+    """One sweeper process: prepared (opened, warmed, its backends' CPU noted), then one sweep. Returns the ids it
+    timed out, its own CPU and its backends' over the sweep (``client_s``, ``server_s``: /proc/<pid>/schedstat) and
+    when it started and ended (``time.monotonic``, the same clock in every process: the start lag after the
+    release)."""
     if prepared is None:
-        u = open_undolog(url, schema)
+        app = _app_name("expire", i)
+        u = open_undolog(_with_app(url, app), schema)
         warm_sweeper(u, warm[i] if warm else [])
-        return u
-    u = prepared
+        backends = _backends(app)
+        return u, backends, {pid: _schedstat_ns(pid) for pid in backends}
+    u, backends, server0 = prepared
+    began, client0 = time.monotonic(), time.process_time()
     # One sweep per process, as each server's sweeper does it: it claims batches until none is left to claim
     # (rows another worker holds are that worker's to finish).
-    return u.approvals.expire_due()  # the process exits without closing: closing is not part of the sweep
+    got = u.approvals.expire_due()  # the process exits without closing: closing is not part of the sweep
+    client, ended = time.process_time() - client0, time.monotonic()
+    server = sum(_schedstat_ns(pid) - ns for pid, ns in server0.items()) / 1e9
+    return {"expired": got, "client_s": client, "server_s": server, "began": began, "ended": ended}
 
 
 def check_expired_once(u: UndoLog, ids: list[str], expired: list[str]) -> None:
@@ -572,9 +613,12 @@ def check_expired_once(u: UndoLog, ids: list[str], expired: list[str]) -> None:
     assert u.verify_audit().ok, "the audit chain does not verify"
 
 
-def expire_once(w: int, n: int, *, cold: bool = False) -> float:
+def expire_once(w: int, n: int, *, cold: bool = False) -> tuple[float, dict[str, float]]:
     """``n`` due requests swept by ``w`` worker processes released at once; returns the seconds it took (checked:
-    each request timed out exactly once)."""
+    each request timed out exactly once) and where the CPU went: the workers that swept (``sweeping``: client and
+    backend CPU) and those that found every sweep slot held and stopped (``stopped``), the server's other
+    processes (``other``: WAL writer, checkpointer, autovacuum), and the release (``lag``: seconds from the release
+    to the last worker's start)."""
     schema = fresh_schema()
     u = open_undolog(PG_URL, schema)
     u.policy.set(actor="bench", approval_timeout_seconds=1)
@@ -582,12 +626,21 @@ def expire_once(w: int, n: int, *, cold: bool = False) -> float:
     ids = raise_requests(u, n + k * w)
     warm = [ids[n + k * i:n + k * (i + 1)] for i in range(w)]
     time.sleep(1.05)
-    wall, res = run_workers(w, expire_worker, (PG_URL, schema, warm))
-    expired = [x for r in res for x in r]
+    released: list[float] = []
+    aux0 = {pid: _schedstat_ns(pid) for pid in _postgres_aux_pids()}
+    wall, res = run_workers(w, expire_worker, (PG_URL, schema, warm), released)
+    other = sum(_schedstat_ns(pid) - ns for pid, ns in aux0.items()) / 1e9
+    t0 = released[0]
+    expired = [x for r in res for x in r["expired"]]
     check_expired_once(u, ids, expired + [x for mine in warm for x in mine])
     u.close()
     drop_schema(schema)
-    return wall
+    swept = [r for r in res if r["expired"]]
+    stopped = [r for r in res if not r["expired"]]
+    cpu = {"sweeping_client": sum(r["client_s"] for r in swept), "sweeping_server": sum(r["server_s"] for r in swept),
+           "stopped_client": sum(r["client_s"] for r in stopped), "stopped_server": sum(r["server_s"] for r in stopped),
+           "other": other, "lag": max(r["began"] for r in res) - t0, "sweepers": len(swept)}
+    return wall, cpu
 
 
 def bench_expire(workers: list[int], n: int, *, rounds: int = 1, cold: bool = False,
@@ -598,15 +651,24 @@ def bench_expire(workers: list[int], n: int, *, rounds: int = 1, cold: bool = Fa
     one run's rate moves by 10-20% from run to run on a 2-core machine."""
     rng = rng or random.Random(13)
     walls: dict[int, list[float]] = {w: [] for w in workers}
+    cpus: dict[int, list[dict[str, float]]] = {w: [] for w in workers}
     for _ in range(rounds):
         for w in rng.sample(workers, len(workers)):
-            walls[w].append(expire_once(w, n, cold=cold))
+            wall, cpu = expire_once(w, n, cold=cold)
+            walls[w].append(wall)
+            cpus[w].append(cpu)
     rows = []
     for i, w in enumerate(workers):
         rates = [n / s for s in walls[w]]
         row: dict[str, Any] = {"workers": w, "requests": n, "rounds": rounds, "expired_per_s": round(statistics.median(rates)),
                                "min_per_s": round(min(rates)), "max_per_s": round(max(rates)),
                                "sweepers": "cold" if cold else "warm"}
+        # CPU per timeout (µs, medians over the rounds): the workers that swept, client + their backends, and what
+        # the workers that stopped at once cost in all.
+        row["cpu_us"] = {k: round(statistics.median(c[k] for c in cpus[w]) * 1e6 / n, 1)
+                         for k in ("sweeping_client", "sweeping_server", "stopped_client", "stopped_server", "other")}
+        row["lag_ms"] = round(statistics.median(c["lag"] for c in cpus[w]) * 1e3, 1)
+        row["swept_by"] = sorted({int(c["sweepers"]) for c in cpus[w]})
         if i:
             prev = workers[i - 1]
             row["vs_fewer"] = (prev, round(statistics.median([a / b for a, b in zip(walls[prev], walls[w], strict=True)]), 3))
@@ -783,6 +845,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"expire      {r['workers']} workers: {r['expired_per_s']:>6} timeouts/s (median of {r['rounds']}, "
               f"{r['min_per_s']}-{r['max_per_s']}; {r['requests']} due, each exactly once; {r['sweepers']} "
               f"sweepers{vs})")
+        c = r["cpu_us"]
+        print(f"            CPU per timeout: sweeping {c['sweeping_client']} + {c['sweeping_server']} us (client + "
+              f"backend; swept by {r['swept_by']} workers), stopped at once {c['stopped_client']} + "
+              f"{c['stopped_server']} us, server's own processes {c['other']} us; last worker started {r['lag_ms']} ms after "
+              "the release")
     for r in out.get("recover", []):
         print(f"recover     {r['database']:<10} {r['effects']:>6} in-flight effects in {r['seconds']:>7} s "
               f"({r['per_s']}/s)")

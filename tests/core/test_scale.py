@@ -8,6 +8,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -338,10 +339,53 @@ def _seed_bulk(u: Any, n_effects: int, per_session: int = 10) -> None:
             conn.exec_driver_sql("ANALYZE")
 
 
-def _plan(u: Any, stmt: Any) -> str:
+class _Sent(Exception):
+    """Stops a statement before it reaches the database (``_plan``), with what would have been sent."""
+
+
+def _plan(u: Any, stmt: Any, *, binds: bool = False) -> str:
+    """The plan of ``stmt``; ``binds``: planned with its parameters bound as the application sends them (a partial
+    index's predicate is proved from the statement's text only), else with them written into its text."""
+    prefix = "EXPLAIN " if u.store.is_postgres else "EXPLAIN QUERY PLAN "
+    if binds:
+        def stop(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+            if statement.lstrip().upper().startswith("SELECT"):  # not the read's own BEGIN (SQLite)
+                raise _Sent(statement, parameters)
+
+        with u.store.read() as conn:
+            sa.event.listen(conn, "before_cursor_execute", stop)
+            try:
+                conn.execute(stmt)
+            except _Sent as sent:
+                statement, parameters = sent.args
+            finally:
+                sa.event.remove(conn, "before_cursor_execute", stop)
+        with u.store.read() as conn:
+            if not u.store.is_postgres:
+                return "\n".join(str(r[-1]) for r in conn.exec_driver_sql(prefix + statement, parameters).all())
+            # PostgreSQL: the generic plan, what a statement psycopg has prepared (from its sixth run) may get: made
+            # without the parameters' values, so only the statement's text can prove a partial index's predicate.
+            import psycopg.sql
+
+            order: list[str] = []
+
+            def number(m: Any) -> str:
+                if m.group(1) not in order:
+                    order.append(m.group(1))
+                return f"${order.index(m.group(1)) + 1}"
+
+            raw = conn.connection.dbapi_connection
+            text = re.sub(r"%\((\w+)\)s", number, statement)
+            args = ", ".join(psycopg.sql.Literal(parameters[k]).as_string(raw) for k in order)
+            conn.exec_driver_sql(f"PREPARE undolog_plan_probe AS {text}")
+            conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
+            try:
+                return "\n".join(str(r[-1]) for r in conn.exec_driver_sql(
+                    f"EXPLAIN EXECUTE undolog_plan_probe({args})".replace("%", "%%")).all())
+            finally:
+                conn.exec_driver_sql("DEALLOCATE undolog_plan_probe")
     with u.store.read() as conn:
         compiled = stmt.compile(dialect=conn.dialect, compile_kwargs={"literal_binds": True})
-        prefix = "EXPLAIN " if u.store.is_postgres else "EXPLAIN QUERY PLAN "
         return "\n".join(str(r[-1]) for r in conn.exec_driver_sql(prefix + str(compiled)).all())
 
 
@@ -522,7 +566,10 @@ def test_a_sweep_claim_walks_the_timeout_index_and_stops_at_the_batch(db):
     """Each batch of a sweep claims the oldest due requests. Ordered by (timeout_at, id), no index gave that order
     and every claim sorted (PostgreSQL: an incremental sort here, a full sort of the whole backlog when its
     estimates were stale, as on the benchmark's freshly filled table; SQLite: a temporary B-tree). Ordered by
-    timeout_at, the (state, timeout_at) index gives it: the plan has no sort, the walk stops at the batch."""
+    timeout_at, the due index (pending requests by timeout_at) gives it: the plan has no sort, the walk stops at
+    the batch. The claim is planned as the sweep sends it, its clock a bound parameter: the partial index's
+    predicate is matched by the statement's own text (``state = 'pending'`` written in it), which a bound state
+    would not prove (SQLite then read the table through another index)."""
     u = db.open()
     u.register(refund, undo_refund)
     n = 5_000
@@ -548,11 +595,11 @@ def test_a_sweep_claim_walks_the_timeout_index_and_stops_at_the_batch(db):
                        strftime('%Y-%m-%d %H:%M:%f', 'now', '-1 days')
                 FROM g""")
             conn.exec_driver_sql("ANALYZE")
-    plan = _plan(u, u.store.for_update(u.store.due_claim(utcnow()), skip_locked=True))
+    plan = _plan(u, u.store.for_update(u.store.due_claim(utcnow()), skip_locked=True), binds=True)
     if u.store.is_postgres:
-        assert "Sort" not in plan and "ix_undolog_approval_state_timeout" in plan, plan
+        assert "Sort" not in plan and "ix_undolog_approval_due" in plan, plan
     else:
-        assert "TEMP B-TREE" not in plan and "ix_undolog_approval_state_timeout" in plan, plan
+        assert "TEMP B-TREE" not in plan and "ix_undolog_approval_due" in plan, plan
     # The batch is still the oldest due requests, in (timeout_at, id) order.
     with u.store.read() as conn:
         rows = conn.execute(u.store.due_claim(utcnow(), limit=3)).all()
@@ -667,3 +714,62 @@ def test_a_sweep_batch_reads_about_its_batch_of_the_backlog_whatever_the_statist
     assert len(got) == batch // 10
     by_state = {k: v for k, v in read[-1].items() if "state" in k}
     assert sum(by_state.values()) < 2 * batch, by_state
+
+
+@contextlib.contextmanager
+def _index_blocks(u: Any) -> Iterator[list[dict[str, int]]]:
+    """The blocks each transaction fetched from the approval requests' indexes whose key has ``timeout_at``
+    (``due``) and from their primary key (``pkey``): pg_stat_get_xact_blocks_fetched when the transaction begins and
+    just before it commits (the backend's counts not yet reported include earlier transactions'). An index
+    insertion descends the index, so it fetches blocks of it."""
+    fetched: list[dict[str, int]] = []
+    began: dict[str, int] = {}
+
+    def counts(conn: Any) -> dict[str, int]:
+        cur = conn.connection.dbapi_connection.execute(
+            "SELECT CASE WHEN i.indisprimary THEN 'pkey' ELSE 'due' END, "
+            "sum(pg_stat_get_xact_blocks_fetched(c.oid)) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+            "WHERE i.indrelid = 'undolog_approval_requests'::regclass AND (i.indisprimary OR "
+            "pg_get_indexdef(i.indexrelid) LIKE '%timeout_at%') GROUP BY 1")
+        return {kind: int(k) for kind, k in cur.fetchall()}
+
+    def begin(conn: Any) -> None:
+        began.clear()
+        began.update(counts(conn))
+
+    def commit(conn: Any) -> None:
+        fetched.append({k: v - began.get(k, 0) for k, v in counts(conn).items()})
+
+    sa.event.listen(u.store.engine, "begin", begin)
+    sa.event.listen(u.store.engine, "commit", commit)
+    try:
+        yield fetched
+    finally:
+        sa.event.remove(u.store.engine, "begin", begin)
+        sa.event.remove(u.store.engine, "commit", commit)
+
+
+@pytest.mark.postgres_only
+def test_settling_a_due_request_writes_nothing_into_the_due_index(db):
+    """The sweep's due index holds pending requests only (``ix_undolog_approval_due``, revision 0011). It was
+    ``(state, timeout_at)`` over every request: each request a batch timed out or cancelled took one more entry
+    there, which no query reads (per batch of 250 here: 513 blocks of that index fetched, two per insertion). Now
+    a settled row is outside the index's predicate: the batch fetches only the blocks of the claim's walk (6). The
+    primary key, which every such update still writes, shows the count sees insertions. Counted, not timed."""
+    u = db.open()
+    u.register(refund, undo_refund)
+    n = 2_000
+    _seed_bulk(u, n)
+    _seed_due(u, n)
+    with _index_blocks(u) as fetched:
+        got, _ = u.store.expire_batch(utcnow(), limit=EXPIRE_BATCH)
+    assert len(got) == EXPIRE_BATCH // 10  # one timed out per session of ten, the nine others cancelled with it
+    assert fetched[-1]["pkey"] >= EXPIRE_BATCH, fetched[-1]  # an entry per row changed (and the lookups by key)
+    assert fetched[-1]["due"] < 20, fetched[-1]  # the claim's walk over 250 entries: a few leaf pages
+    # And the index the claim walked is the partial one, in the plan PostgreSQL may cache for the sweep.
+    plan = _plan(u, u.store.for_update(u.store.due_claim(utcnow()), skip_locked=True), binds=True)
+    assert "ix_undolog_approval_due" in plan and "Sort" not in plan, plan
+    with u.store.read() as conn:
+        left = conn.execute(sa.select(sa.func.count()).select_from(t.approval_requests)
+                            .where(t.approval_requests.c.state == "pending")).scalar_one()
+    assert left == n - EXPIRE_BATCH

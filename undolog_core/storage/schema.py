@@ -326,7 +326,13 @@ approval_requests = sa.Table(
     sa.Column("decision_reason", sa.Text),
     sa.CheckConstraint(_in("state", REQUEST_STATES), name="ck_undolog_approval_state"),
 )
-sa.Index("ix_undolog_approval_state_timeout", approval_requests.c.state, approval_requests.c.timeout_at)
+# The sweep's due index: the pending requests by timeout_at, and only them (revision 0011; it was (state,
+# timeout_at) over every request). A request leaves it when it is settled: the update that times it out, decides or
+# cancels it writes no entry here (a settled row is outside the predicate), where the full index took one per
+# change, and the claim walks pending rows only. The lists by state use ``ix_undolog_approval_state_created``.
+DUE_PREDICATE = "state = 'pending'"
+sa.Index("ix_undolog_approval_due", approval_requests.c.timeout_at,
+         sqlite_where=sa.text(DUE_PREDICATE), postgresql_where=sa.text(DUE_PREDICATE))
 sa.Index("ix_undolog_approval_session", approval_requests.c.session_id)
 
 # A requested rollback, written before its first compensation and deleted when the walk ends (rolled back, or
