@@ -328,15 +328,17 @@ def lower_bound_worker(i: int, prepared: Any, schema: str, seconds: float, sessi
     bound, not a competitor. Raw psycopg connections (one per thread, autocommit), and per call: validate the
     arguments, take their JSON snapshot and canonical text, digest it, mint an effect id, run UndoLog's own
     one-statement pre-write (the session checked, the effect and its undo entry, durably), run the tool, serialise
-    its result and run UndoLog's own commit mark: durably at once, or (``fast``) queued and written per session in
-    one transaction without fsync, as fast mode's flush at ``complete()`` does. Per session of ten calls, UndoLog's
-    own session start and end statements (the session row the pre-write checks has to exist). Left out, although
+    its result and run UndoLog's own commit mark: durably at once, or (``fast``) queued and written by the
+    session's end statement, as fast mode's ``complete()`` does on PostgreSQL. Per session of ten calls, UndoLog's
+    own session statements: its row written by the first call's pre-write statement (the row the other pre-writes
+    check has to exist), and its end. Left out, although
     UndoLog needs them: the pool, the session cache and pins, the in-flight set and lease, ``current_call()``, the
     recent-calls ring, call-id handling, the driver. If this misses the goal, no trimming of UndoLog's own code
     meets it on this machine: only storing less (or in fewer commits) would. The statements are sent by the hot
     path's own functions (``undolog_core.storage.postgres``), so the client's cost per statement is the same too.
-    The fast marks go as fast mode's flush sends them (one statement per batch, ``pg_mark_many``), and as often:
-    at the session's end and whenever ``MARK_FLUSH_SECONDS`` passed since the last batch, since fast mode promises
+    The fast marks go as fast mode sends them, and as often: in the session's end statement (``pg_end_session``
+    with the queued marks), and in a batch of their own (``pg_mark_many``, not fsynced) whenever
+    ``MARK_FLUSH_SECONDS`` passed since the last batch, since fast mode promises
     a queued mark is written within that period (its background flusher), not only at ``complete()``. Without
     that periodic batch the bound left out a statement UndoLog must send (1.0 batches per session here against
     1.6-1.8 for UndoLog on a loaded machine, where a session outlasts the period)."""
@@ -363,7 +365,8 @@ def lower_bound_worker(i: int, prepared: Any, schema: str, seconds: float, sessi
     comp, version, name, revision = spec.compensation.name, spec.compensation.version, spec.name, spec.revision
     validate, fn, pins = spec.args_model.__pydantic_validator__.validate_python, scale_refund, {name: revision}
     # The hot path's own statement functions (PostgreSQL), on these raw connections.
-    prewrite, mark, start_session, end_session = pg.pg_prewrite, pg.pg_mark, pg.pg_start_session, pg.pg_end_session
+    prewrite, mark, end_session = pg.pg_prewrite, pg.pg_mark, pg.pg_end_session
+    first_prewrite = pg.pg_prewrite_starting
     end = time.perf_counter() + seconds
 
     def loop(pair: tuple[Any, Any]) -> int:
@@ -372,19 +375,19 @@ def lower_bound_worker(i: int, prepared: Any, schema: str, seconds: float, sessi
         flushed = time.monotonic()
         while time.perf_counter() < end:
             sid = new_id()
-            now = dt.datetime.now(dt.UTC)
-            row = start_session(con, {
-                "session_id": sid, "agent_id": f"lb-{i}", "state": "active", "created_by": None,
-                "on_failure": "rollback", "pinned_revisions": pins, "created_at": now, "updated_at": now})
-            assert row is not None
+            start = {"agent_id": f"lb-{i}", "created_by": None, "on_failure": "rollback", "pinned_revisions": pins,
+                     "created_at": time.time()}
             marks: list[tuple[str, str, float]] = []
             for k in range(CALLS_PER_SESSION):
                 model = validate({"user_id": f"u{k}", "amount": k})
                 text = canonical_text(model.model_dump(mode="json"))
                 effect_id = new_id()
                 t = time.time()
-                if not prewrite(con, sid, 0, effect_id, effect_id, name, revision, text, sha256_hex(text), owner,
-                                t, t + lease, comp, version):
+                # The session's row goes in with its first call's pre-write, as UndoLog writes it.
+                if not (first_prewrite(con, start, sid, 0, effect_id, effect_id, name, revision, text,
+                                       sha256_hex(text), owner, t, t + lease, comp, version) if k == 0 else
+                        prewrite(con, sid, 0, effect_id, effect_id, name, revision, text, sha256_hex(text), owner,
+                                 t, t + lease, comp, version)):
                     raise RuntimeError("the lower bound's pre-write was refused")
                 result = result_text(fn(**model.__dict__))
                 if fast_con is None:
@@ -396,11 +399,11 @@ def lower_bound_worker(i: int, prepared: Any, schema: str, seconds: float, sessi
                         pg.pg_mark_many(fast_con, marks)
                         marks, flushed = [], time.monotonic()
                 n += 1
-            if marks:
-                pg.pg_mark_many(fast_con, marks)
-                flushed = time.monotonic()
-            if not end_session(con, sid, CALLS_PER_SESSION, "completed", ["active"], time.time()):
+            # The marks still queued ride in the end's statement, as fast mode's end sends them.
+            if not end_session(con, sid, CALLS_PER_SESSION, "completed", ["active"], time.time(), marks):
                 raise RuntimeError("the lower bound's session did not end")
+            if marks:
+                flushed = time.monotonic()
         return n
 
     meter.start()

@@ -275,6 +275,7 @@ TOOLS = (oh_search, oh_asearch, oh_refund, oh_refund_sync, oh_cancel_refund)
 
 
 def _assert_counters_live(u: UndoLog, c: StatementCounter, session_id: str) -> None:
+    u.engine.persist(session_id)  # a session started here and not written yet (PostgreSQL): written before the probe
     c.mark("probe_a")
     u.sessions.get(session_id)  # one read on the durable engine
     c.mark("probe_b")
@@ -521,9 +522,10 @@ def test_sqlite_session_start_is_one_durable_statement_and_writes_what_core_writ
 
 @pytest.mark.postgres_only  # SQLite starts and ends a session on the general path (its commits have no round trip)
 def test_postgres_session_start_and_complete_are_one_durable_statement_each(db: Any, counter_for: Any) -> None:
-    """A new session is one ``INSERT .. ON CONFLICT DO NOTHING RETURNING`` and ``complete()`` one ``UPDATE`` that
-    carries the calls counted in memory: one round trip each, durable (benchmarks/scale.py runs sessions of ten
-    calls, where the start's six round trips and the end's two transactions cost as much as the calls)."""
+    """A new session is written by its first logged call's pre-write statement (an ``INSERT .. ON CONFLICT DO
+    NOTHING`` in it, carrying the SAFE calls counted before), and ``complete()`` is one ``UPDATE`` that carries the
+    calls counted in memory: one round trip each, durable (benchmarks/scale.py runs sessions of ten calls, where
+    the start's six round trips and the end's two transactions cost as much as the calls)."""
     u = db.open()
     u.register(*TOOLS)
     c = counter_for(u)
@@ -541,13 +543,59 @@ def test_postgres_session_start_and_complete_are_one_durable_statement_each(db: 
         c.mark("d")
     finally:
         _MARKER.pop("counter", None)
-    for a, b in (("a", "b"), ("c", "d")):
+    # The start writes nothing: the session's row goes in with its first logged call's pre-write statement.
+    assert [e for e in c.window("a", "b") if e.main] == [], describe(c.window("a", "b"))
+    for a, b in (("b", "tool_start"), ("c", "d")):
         evs = [e for e in c.window(a, b) if e.main]
         wire = [e for e in evs if e.level == "wire"]
         assert [e.kind for e in wire] == ["stmt"], describe(evs)  # no BEGIN, no COMMIT, no read: one statement
-        assert _durability(u, c, wire[0].conn), "a session's start and end are fsynced commits"
+        assert _durability(u, c, wire[0].conn), "a session's start (with its first call) and end are fsynced"
     rec = u.sessions.get(s.id)
-    assert rec.state == "completed" and rec.tool_calls_total == 2
+    assert rec.state == "completed" and rec.tool_calls_total == 2 and rec.agent_id == "overhead"
     # An id that exists is read, never overwritten: the general path, as before.
     again = u.session(session_id=s.id)
     assert again.state == "completed"
+
+
+# -- a fast-mode session of ten COMPENSABLE calls on PostgreSQL: the statements it sends, counted ----------------
+
+
+@pytest.mark.postgres_only  # SQLite's commits have no round trip; its end takes the general path
+def test_postgres_fast_session_of_ten_calls_sends_eleven_statements(db: Any, counter_for: Any,
+                                                                    monkeypatch: Any) -> None:
+    """benchmarks/scale.py's session (ten COMPENSABLE calls in fast mode) on PostgreSQL: ten pre-writes and the
+    end, one statement each. The session's row goes in with the first pre-write's statement, where a start of its
+    own went before (a statement and a durable commit); the ten marks ride in the end's statement (and commit),
+    where a marks batch of their own went before it. 13 statements before, 11 now. Every queued mark is written,
+    and the session reads back completed with its ten calls, as it was started."""
+    import undolog_core._engine as engine_mod
+
+    # No period passes inside the session: the flusher's own batch (a mark queued a whole period) stays out.
+    monkeypatch.setattr(engine_mod, "MARK_FLUSH_SECONDS", 60.0)
+    u = db.open(fast_commit_mark=True)
+    u.register(*TOOLS)
+    c = counter_for(u)
+    _MARKER["counter"] = c
+    try:
+        warm = u.session(agent_id="warm")  # both pools' connections opened (and traced) before the window
+        warm.call_sync(oh_refund_sync, user_id="u0", amount=1)
+        u.engine.flush_marks()
+        c.mark("a")
+        s = u.session(agent_id="ten", created_by="ana", on_failure="continue")
+        for k in range(10):
+            s.call_sync(oh_refund_sync, user_id=f"u{k}", amount=k)
+        s.complete()
+        c.mark("b")
+    finally:
+        _MARKER.pop("counter", None)
+    evs = [e for e in c.window("a", "b") if e.level == "wire" and e.kind != "setup"]
+    assert [e.kind for e in evs] == ["stmt"] * 11, describe(evs)  # no BEGIN, COMMIT or read either
+    durable = [e for e in evs if e.engine == "durable"]
+    assert len(durable) == 11, describe(evs)  # the marks went with the end, none on the fast engine
+    assert all(_durability(u, c, e.conn) for e in durable)
+    assert u.engine._inflight == set() and not u.engine._marks
+    rec = u.sessions.get(s.id)
+    assert rec.state == "completed" and rec.tool_calls_total == 10
+    assert (rec.agent_id, rec.created_by, rec.on_failure) == ("ten", "ana", "continue")
+    assert rec.pinned_revisions == u.engine.current_pins()
+    assert [e["state"] for e in u.sessions.effects(s.id)] == ["committed"] * 10

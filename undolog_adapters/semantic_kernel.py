@@ -111,6 +111,9 @@ _session_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("undol
 SAFE = ToolTier.SAFE
 IRREVERSIBLE = ToolTier.IRREVERSIBLE
 _MISSING = object()
+# Values that JSON conversion (to_jsonable_python) gives back as the same objects; a subclass (a str enum...) or
+# anything else is converted.
+_PLAIN = frozenset({str, int, float, bool, type(None)})
 # Kernel functions and sessions a filter keeps what it learnt of, each looked up once; past this many, it starts over
 # (a long-lived filter serving many conversations must not grow without bound).
 _KEEP = 4096
@@ -140,11 +143,12 @@ class _Handover:
 
 # What the auto filter hands the inner filter for the call it is about to run, read (once) by the inner filter in
 # the same task; sibling calls run in their own asyncio tasks, each with its own copy. A _Handover: the gate's
-# decision on a call it let through. A ToolSpec: a SAFE call (no retry policy), which the inner filter decides itself
-# under that contract, right before the function runs (no filter can change it after); a refusal then answers the
-# model, as the gate's would.
-_handover: contextvars.ContextVar[_Handover | ToolSpec | None] = contextvars.ContextVar("undolog_sk_handover",
-                                                                                       default=None)
+# decision on a call it let through. A list of one ToolSpec: a SAFE call (no retry policy), which the inner filter
+# decides itself under that contract, right before the function runs (no filter can change it after); a refusal then
+# answers the model, as the gate's would. The inner filter takes the spec out of the list (emptying it, where setting
+# the variable again would cost a new context mapping), so a call the function itself makes is its own.
+_handover: contextvars.ContextVar[_Handover | list[ToolSpec] | None] = contextvars.ContextVar("undolog_sk_handover",
+                                                                                             default=None)
 
 
 class undolog_session:  # noqa: N801 - used as a function (``with undolog_session(id):``), as it always was
@@ -167,7 +171,8 @@ class undolog_session:  # noqa: N801 - used as a function (``with undolog_sessio
         self._token = _session_var.set(self.session_id)
         return self.session_id
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # (Named parameters, not *exc: a call with exactly these arguments is the interpreter's cheap one.)
         if self._token is not None:
             _session_var.reset(self._token)
             self._token = None
@@ -237,6 +242,8 @@ class UndoLogFilter:
         self._known: dict[int, _Known] = {}
         # The registry's tools by name, read on each call (a tool registered again is a new ToolSpec there).
         self._tools = undolog.registry.tools
+        self._driver = undolog.driver  # (one attribute look-up fewer on each SAFE call)
+        self._engine = undolog.engine
         # The sessions this filter has seen, as the engine keeps them (read once; see _cache).
         self._seen: dict[str, SessionCache] = {}
         # Bound methods are created anew on each access; keep one of each so they can be found again.
@@ -326,10 +333,19 @@ class UndoLogFilter:
 
     @staticmethod
     def _args(known: _Known, arguments: KernelArguments) -> dict[str, Any]:
+        """The model's arguments of the call as JSON values (a new plain dict: KernelArguments is a dict subclass)."""
         params = known.params
-        # (All of them the model's, the common case: converted as they are, without a filtered copy first.)
-        args: dict[str, Any] = to_jsonable_python(
-            {**arguments} if params.issuperset(arguments) else {k: v for k, v in arguments.items() if k in params})
+        if params.issuperset(arguments):
+            # All of them the model's, the common case. Exact str/int/float/bool/None values are what the conversion
+            # would give back (the same objects): a plain copy is the same dict, without the converter's cost.
+            for value in arguments.values():
+                if type(value) not in _PLAIN:
+                    break
+            else:
+                return dict(arguments)
+            args: dict[str, Any] = to_jsonable_python(dict(arguments))
+            return args
+        args = to_jsonable_python({k: v for k, v in arguments.items() if k in params})
         return args
 
     def _unchanged(self, known: _Known, arguments: KernelArguments, handover: _Handover) -> bool:
@@ -410,15 +426,17 @@ class UndoLogFilter:
         if not filters or filters[0][1] is not self.function_filter:  # (install()'s pairing: the common case)
             self._check_paired(filters)
         name = known.name
-        try:
-            spec = self._spec(name)
-        except errors.UndoLogError as exc:
-            context.function_result = _refusal(function, name, exc)
-            return
+        spec = self._tools.get(name)  # (_spec's look-up, inline: the common case)
+        if spec is None:
+            try:
+                spec = self._spec(name)
+            except errors.UndoLogError as exc:
+                context.function_result = _refusal(function, name, exc)
+                return
         if spec.tier is SAFE and spec.retry is None:
             # Nothing to gate and nothing to record: the inner filter decides it (validated, pinned, counted) right
             # before the function runs, under the contract seen here.
-            token = _handover.set(spec)
+            token = _handover.set([spec])
             try:
                 await next(context)
             finally:
@@ -478,9 +496,10 @@ class UndoLogFilter:
                 "the call after its gate; call install(kernel, ...) after adding your own filters"
             )
         handover = _handover.get()
-        if isinstance(handover, ToolSpec) and handover.name == name:
-            _handover.set(None)  # taken: a call the function itself makes through the kernel is its own
-            spec, answer = handover, True  # under the auto gate: a refusal answers the model, as the gate's would
+        if type(handover) is list and handover and handover[0].name == name:
+            # Taken (the list emptied): a call the function itself makes through the kernel is its own. Under the
+            # auto gate a refusal answers the model, as the gate's would.
+            spec, answer = handover.pop(), True
         elif isinstance(handover, _Handover) and not handover.consumed and handover.name == name:
             handover.consumed = True
             if not self._unchanged(known, context.arguments, handover):
@@ -498,16 +517,24 @@ class UndoLogFilter:
         if spec.tier is SAFE and spec.retry is None:
             # A SAFE call's whole decision, here, after every other filter: validated (and converted) against its
             # contract, checked against the session's pin and counted in memory. No I/O once the session is known.
+            arguments = context.arguments
             try:
                 sid = _session_var.get() or self.session_id
                 sc = self._seen.get(sid) or await self._cache(sid)
-                values = self.undolog.driver.safe(spec, self._args(known, context.arguments), sc)
+                # The common case: only the model's parameters, each an exact str/int/float/bool/None of the type its
+                # field keeps. Checked as they are, without a JSON conversion (it would give the same objects back)
+                # and nothing to write back; else converted and validated (and converted) by the contract.
+                values = spec.as_is_copy(arguments) if known.params.issuperset(arguments) else None
+                if values is None:
+                    values = self._driver.safe(spec, self._args(known, arguments), sc)
+                    arguments.update(values)
+                else:
+                    self._engine.note_safe_in(sc, spec, values)  # (the rest of the driver's safe(), as it does it)
             except errors.UndoLogError as exc:
                 if not answer:
                     raise
                 context.result = _refusal(function, name, exc)
                 return
-            context.arguments.update(values)
             await next(context)  # nothing to record, whatever happens: its exception, if any, goes on untouched
             return
         sid, decision, _ = await self._intercept(known, spec, context.arguments, None)

@@ -53,8 +53,9 @@ from .limits import (
     safe_result,
 )
 from .storage.base import FAST_POOL_SIZE, from_epoch, new_id, utcnow
+from .storage.hotpath import SessionRow
 from .storage.pool import IntegrityConflict, WouldBlock
-from .storage.schema import IN_FLIGHT, EffectState, RequestState, SessionState
+from .storage.schema import IN_FLIGHT, EffectState, OnFailure, RequestState, SessionState
 
 if TYPE_CHECKING:
     from ._registry import Registry
@@ -216,6 +217,9 @@ class SessionCache:
     # The agent a session not yet in the store is recorded under, whichever write creates it first (its first
     # logged call, or the flush of its SAFE calls' count).
     agent_id: str | None = None
+    # A session this process minted and has not written yet (``Engine.defer_start``): the row's values, written by
+    # its first logged call's own pre-write statement, or first by whatever else needs the row (``Engine.persist``).
+    start: dict[str, Any] | None = None
 
     def count_safe(self) -> None:
         next(self.counter)
@@ -306,6 +310,9 @@ class Engine:
         self._marks: collections.deque[tuple[str, str, float]] = collections.deque()  # (effect, result, epoch s)
         self._marks_lock = threading.Lock()
         self._flusher = LazyLoop("undolog-marks", MARK_FLUSH_SECONDS, self._flush_due_marks)
+        # The sessions started here that wait for their first write (defer_start); a set's add and discard are
+        # atomic under the GIL, and readers skip persist() while it is empty.
+        self._pending: set[str] = set()
 
     @property
     def owner(self) -> str:
@@ -351,9 +358,60 @@ class Engine:
             if old is not None:
                 # Keep the counter and recent calls gathered before the session reached the store.
                 old.state, old.pins, old.on_failure, old.persisted = sc.state, sc.pins, sc.on_failure, True
+                if old.start is not None:
+                    old.start = None
+                    self._pending.discard(row.session_id)
                 return old
             self._sessions[row.session_id] = sc
         return sc
+
+    def defer_start(self, session_id: str, *, agent_id: str | None = None, created_by: str | None = None,
+                    on_failure: str = "rollback") -> SessionCache:
+        """A session with an id this process just minted, recorded here and written to the store by its first
+        logged call's own pre-write statement (one statement and one commit fewer per session), where the hot
+        path can (``hot.starts_with_prewrite``); elsewhere written now, as :meth:`ensure_session` does.
+
+        Until then the store has no row for it. Every reader in this process finds it all the same: the session
+        service, the saga and :meth:`session_states` write it first (:meth:`persist`), as do a SAFE calls' count
+        flush, ``complete()``, a gated call and ``close()``. Another process sees it from its first logged call on,
+        as it sees a framework adapter's session (:meth:`look_up_session`).
+
+        Example:
+            >>> sc = undolog.engine.defer_start(new_id(), agent_id="support-bot")
+            >>> sc.persisted     # False on PostgreSQL: written with the first COMPENSABLE call
+            False
+        """
+        if not self.hot.starts_with_prewrite:
+            return self.ensure_session(session_id, agent_id=agent_id, created_by=created_by, on_failure=on_failure,
+                                       fresh=True)
+        check_id("session_id", session_id)
+        if agent_id is not None:
+            check_identity("agent_id", agent_id)
+        if created_by is not None:
+            check_identity("created_by", created_by)
+        on_failure = OnFailure(on_failure).value  # what the table's CHECK takes, refused before anything is kept
+        pins = self.current_pins()
+        sc = SessionCache(session_id, SessionState.ACTIVE.value, dict(pins), on_failure, persisted=False,
+                          agent_id=agent_id)
+        sc.start = {"agent_id": agent_id, "created_by": created_by, "on_failure": on_failure,
+                    "pinned_revisions": pins, "created_at": time.time()}
+        with self._sessions_lock:
+            old = self._sessions.setdefault(session_id, sc)
+        if old is not sc:  # an id minted here is new: only a caller's own reuse of it gets here
+            return self.ensure_session(session_id, agent_id=agent_id, created_by=created_by, on_failure=on_failure,
+                                       fresh=True)
+        self._pending.add(session_id)
+        return sc
+
+    def persist(self, session_id: str | None = None) -> None:
+        """Write the session ``session_id`` (every one, when None) this process started and has not written yet
+        (:meth:`defer_start`): what a reader of the store calls first, so that it finds the session."""
+        if not self._pending:
+            return
+        for sid in [session_id] if session_id is not None else list(self._pending):
+            sc = self._sessions.get(sid)
+            if sc is not None and sc.start is not None:
+                self.ensure_session(sid)
 
     def current_pins(self) -> dict[str, int]:
         return {name: spec.revision for name, spec in self._registry.tools.items()}
@@ -376,6 +434,10 @@ class Engine:
         if sc is not None and sc.persisted:
             return sc
         check_id("session_id", session_id)
+        start = sc.start if sc is not None else None
+        if start is not None:  # minted here (defer_start): written with the values it was started with
+            agent_id, created_by, on_failure = start["agent_id"], start["created_by"], start["on_failure"]
+            create = fresh = True
         if agent_id is None and sc is not None:
             agent_id = sc.agent_id  # the agent it was looked up for (see look_up_session)
         if agent_id is not None:
@@ -388,6 +450,8 @@ class Engine:
             "created_by": created_by, "halted_reason": None, "on_failure": on_failure,
             "pinned_revisions": self.current_pins(), "created_at": now, "updated_at": now,
         }
+        if start is not None:
+            values["pinned_revisions"], values["created_at"] = start["pinned_revisions"], from_epoch(start["created_at"])
         row = None
         if create and fresh:  # a new id: one durable insert on the hot path's pool where the database has it
             row = self.hot.start_session({"session_id": session_id, **values})
@@ -438,12 +502,19 @@ class Engine:
             >>> undolog.engine.session_states(["ticket-1", "ticket-1#2"])
             {'ticket-1': ('active', None)}
         """
+        if self._pending:
+            if not wait and any((sc := self._sessions.get(i)) is not None and sc.start is not None
+                                for i in session_ids):
+                raise WouldBlock()
+            for i in session_ids:
+                self.persist(i)
         return self.hot.session_states(session_ids, wait=wait)
 
     def flush_counts(self, session_id: str | None = None, cache: SessionCache | None = None) -> None:
         """Write the in-memory SAFE call counters (on session exit and close), and any deferred marks; ``cache``:
         the caller's own record of ``session_id`` as well (it may have left this cache: an ended session)."""
         self.flush_marks()
+        self.persist(session_id)  # a session started here and not written yet is written now, with its values
         mapped = self._sessions.get(session_id) if session_id is not None else None
         targets = [mapped] if mapped is not None else []
         if cache is not None and cache is not mapped:
@@ -459,16 +530,36 @@ class Engine:
 
     def end_session(self, session_id: str, state: SessionState, allowed: tuple[str, ...]) -> bool | None:
         """The session moved to ``state`` from one of ``allowed`` with its in-memory call counts, in one durable
-        statement (after any deferred marks): True when done, False when it was in no state of ``allowed``, None
-        when the hot path has no such statement here (the caller flushes the counts and changes the state itself).
-        On False or None nothing was written and the counts stay in memory."""
+        statement that also writes this process's deferred marks where the hot path can (PostgreSQL; elsewhere
+        they are written first): True when done, False when it was in no state of ``allowed``, None when the hot
+        path has no such statement here (the caller flushes the counts and changes the state itself). On False or
+        None nothing of the session was written and the counts stay in memory (the marks were written)."""
         sc = self._sessions.get(session_id)
         if sc is None or not sc.persisted:
             return None  # known only from SAFE calls (or not at all here): the general path records it
-        self.flush_marks()
+        if not self.hot.ends_with_marks:
+            self.flush_marks()
+            return self._end_session(sc, state, allowed, [])
+        # The deferred marks (fast mode's, this session's and any other's queued here) ride in the end's own
+        # statement and commit: a marks batch of its own before it was a statement and a commit more per session.
+        with self._marks_lock:
+            batch: list[tuple[str, str, float]] = []
+            while self._marks:
+                batch.append(self._marks.popleft())
+            try:
+                done = self._end_session(sc, state, allowed, batch)
+            except BaseException:
+                self._marks.extendleft(reversed(batch))  # not written: still queued, the effects still in flight
+                raise
+        for effect_id, _, _ in batch:
+            self._inflight.discard(effect_id)
+        return done
+
+    def _end_session(self, sc: SessionCache, state: SessionState, allowed: tuple[str, ...],
+                     marks: list[tuple[str, str, float]]) -> bool | None:
         safe, carried = sc.take_safe(), sc.take_carried()
         try:
-            done = self.hot.end_session(session_id, safe + carried, state.value, allowed, time.time())
+            done = self.hot.end_session(sc.session_id, safe + carried, state.value, allowed, time.time(), marks)
         except BaseException:
             sc.give_back(safe, carried)
             raise
@@ -599,14 +690,21 @@ class Engine:
         wait: bool = True,
     ) -> Decision:
         sc = self._sessions.get(session_id)
+        start = None
         if sc is None or not sc.persisted:
-            if not wait:
-                raise WouldBlock()
-            sc = self.ensure_session(session_id)
+            start = sc.start if sc is not None else None
+            if start is None:
+                if not wait:
+                    raise WouldBlock()
+                sc = self.ensure_session(session_id)
+        assert sc is not None
         # The tool's pinned revision is this one (the common case), or _check_pin pins it or refuses the call.
         pin = None if sc.pins.get(spec.name) == spec.revision else spec if self._check_pin(sc, spec) else None
-        if pin is not None and not wait:
-            raise WouldBlock()
+        if pin is not None:
+            if not wait:
+                raise WouldBlock()
+            if start is not None:  # a tool registered since the session started: the general path, row first
+                sc, start = self.ensure_session(session_id), None
         # Before anything is taken or counted as running here: a hook that stops the call at this point (what
         # check_undo does) leaves nothing to give back.
         if _faults._armed is not None:  # a call per point costs more than the test, on every COMPENSABLE call
@@ -622,14 +720,30 @@ class Engine:
         assert comp is not None
         self._inflight.add(effect_id)
         try:
-            if pin is None and self.hot.prewrite(
-                session_id, safe + carried, effect_id, call_id or effect_id, spec.name, spec.revision, args_text,
-                digest, self.leases.owner, now, now + self.lease_seconds, comp.name, comp.version, wait,
-            ):
+            if pin is not None:
+                written = False
+            elif start is None:
+                written = self.hot.prewrite(
+                    session_id, safe + carried, effect_id, call_id or effect_id, spec.name, spec.revision,
+                    args_text, digest, self.leases.owner, now, now + self.lease_seconds, comp.name, comp.version,
+                    wait,
+                )
+            else:  # the session's row written by this same statement
+                written = self.hot.prewrite_starting(
+                    start, session_id, safe + carried, effect_id, call_id or effect_id, spec.name, spec.revision,
+                    args_text, digest, self.leases.owner, now, now + self.lease_seconds, comp.name, comp.version,
+                    wait,
+                )
+            if written:
+                if start is not None:  # the session's row went in with this call
+                    self.remember(SessionRow(session_id, SessionState.ACTIVE.value, start["pinned_revisions"],
+                                             start["on_failure"]))
                 next(sc.carried)  # this call rides along with the session's next flushing write
             elif not wait:
                 raise WouldBlock()  # refused: the precise error needs more reads, in a thread
             else:
+                if start is not None:  # its id was in the store already (nothing written): read it, as before
+                    sc = self.ensure_session(session_id)
                 # Pinning a newly registered tool, or the session refused the write: the general path
                 # does the same transaction and raises the precise error.
                 self._prewrite_core(sc, spec, safe + carried + 1, pin, effect_id, call_id, args_json, digest,

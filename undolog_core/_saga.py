@@ -130,12 +130,15 @@ class Saga:
         *,
         flush_marks: Callable[[], None],
         note_state: Callable[[str, str], None],
+        persist: Callable[[str], None] | None = None,
     ) -> None:
         self._store = store
         self._registry = registry
         self._leases = leases
         self._approvals = approvals
         self._flush_marks = flush_marks
+        # Writes a session this process started and has not written yet, so that a rollback finds it.
+        self._persist = persist or (lambda session_id: None)
         self._note_state = note_state
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
@@ -156,6 +159,7 @@ class Saga:
         the intent is written, so a refused rollback changes nothing. ``only_effect`` (recovery of one in-doubt
         call) writes no intent and leaves the session's state alone.
         """
+        self._persist(session_id)
         self._flush_marks()
         store = self._store
         leases = self._leases

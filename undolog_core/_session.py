@@ -137,6 +137,7 @@ class SessionService:
         current_pins: Callable[[], Mapping[str, int]],
         note_state: Callable[[str, str], None],
         note_pins: Callable[[str, Mapping[str, int]], None],
+        persist: Callable[[str | None], None] | None = None,
     ) -> None:
         """Args:
             storage: the sessions' statements.
@@ -145,18 +146,22 @@ class SessionService:
             note_state: ``(session_id, state)``, keeps the in-memory session caches in step with the states
                 written here.
             note_pins: the same for a session's pinned revisions.
+            persist: writes a session this process started and has not written yet (every one, given None), so
+                a read finds it (``Engine.persist``).
         """
         self._storage = storage
         self._flush_marks = flush_marks
         self._current_pins = current_pins
         self._note_state = note_state
         self._note_pins = note_pins
+        self._persist = persist or (lambda session_id: None)
 
     def _changed(self, changes: Iterable[StateChange]) -> None:
         for change in changes:
             self._note_state(change.session_id, change.state.value)
 
     def get(self, session_id: str) -> SessionRecord:
+        self._persist(session_id)
         rec = self._storage.get_session(session_id)
         if rec is None:
             raise SessionNotFound(session_id)
@@ -179,6 +184,7 @@ class SessionService:
         """
         if state and state not in [s.value for s in SessionState]:
             return []
+        self._persist(None)
         return self._storage.list_sessions(state=SessionState(state) if state else None, agent_id=agent_id,
                                            created_by=created_by, limit=limit, offset=offset)
 
@@ -195,6 +201,7 @@ class SessionService:
             InvalidSessionState: it is in another state.
         """
         target = SessionState(state)
+        self._persist(session_id)
         if not self._storage.set_session_state(
             session_id, target, allowed=[SessionState(a) for a in allowed], now=utcnow()
         ):
@@ -206,6 +213,7 @@ class SessionService:
         """A person looked at a halted session and lets it go on (audited)."""
         check_identity("actor", actor)
         reason = clean_text(reason) if reason is not None else None
+        self._persist(session_id)
         self._changed(self._storage.resume_session(session_id, actor=actor, reason=reason, now=utcnow()))
         return self.get(session_id)
 
@@ -215,6 +223,7 @@ class SessionService:
         A process with no tools loaded (the CLI without ``--app``) pins every tool to its newest stored revision.
         """
         check_identity("actor", actor)
+        self._persist(session_id)
         changed, pins = self._storage.revalidate_session(
             session_id, actor=actor, current=self._current_pins(), now=utcnow()
         )

@@ -486,6 +486,20 @@ _KEPT_AS_IS: dict[Any, tuple[type, ...]] = {str: (str,), int: (int,), float: (fl
                                             type(None): (type(None),)}
 
 
+# dict subclasses, by class: whether they read as a dict (see _reads_as_dict). A program has few such classes.
+_READS_AS_DICT: dict[type, bool] = {}
+_DICT_READERS = ("items", "keys", "values", "__iter__", "__contains__", "__getitem__", "__len__")
+
+
+def _reads_as_dict(cls: type) -> bool:
+    """Whether a dict subclass overrides none of what reads its items (a framework's arguments, like Semantic
+    Kernel's ``KernelArguments``): what :func:`as_is_checker` checks is then what a copy of it (``dict(args)``) holds."""
+    known = _READS_AS_DICT.get(cls)
+    if known is None:
+        known = _READS_AS_DICT[cls] = all(getattr(cls, n) is getattr(dict, n) for n in _DICT_READERS)
+    return known
+
+
 def as_is_checker(schema: Mapping[str, Any]) -> Callable[[Any], bool] | None:
     """For a simple schema (see :func:`simple_checker`), a check that ``args`` are valid and that the args model built
     from the schema would give them back unchanged: the same keys, each value of a type its field keeps as it is.
@@ -508,7 +522,7 @@ def as_is_checker(schema: Mapping[str, Any]) -> Callable[[Any], bool] | None:
         kept[pname] = None if py is Any else _KEPT_AS_IS.get(py, ())
 
     def as_is(args: Any) -> bool:
-        if type(args) is not dict:
+        if type(args) is not dict and not (isinstance(args, dict) and _reads_as_dict(type(args))):
             return False
         for key in needed:
             if key not in args:
@@ -665,6 +679,19 @@ class ToolSpec:
         if self._as_is is not None and self._as_is(args):
             return dict(args)
         return self.values(self.validate(args))
+
+    def as_is_copy(self, args: Mapping[str, Any]) -> dict[str, Any] | None:
+        """``checked(args)`` when the contract's model would give ``args`` back unchanged (a copy of them: valid, each
+        value of the exact type its field keeps; a dict or a dict subclass that reads as one), else None: the caller
+        then converts them as it would for the model and calls :meth:`checked`.
+
+        Example:
+            >>> spec.as_is_copy({"order_id": "A-17"})           # doctest: +SKIP
+            {'order_id': 'A-17'}
+        """
+        if self._as_is is not None and self._as_is(args):
+            return dict(args)
+        return None
 
     def snapshot(self, model: BaseModel) -> dict[str, Any]:
         """The arguments as JSON, as logged for undo and approval; refused clearly when they have no JSON form."""

@@ -59,7 +59,7 @@ class UndoLog:
         self.engine = Engine(store, self.registry, self.policy, self.approvals, self.leases,
                              fast_commit_mark=fast_commit_mark)
         self.saga = Saga(store, self.registry, self.leases, self.approvals, flush_marks=self.engine.flush_marks,
-                         note_state=self.engine.note_state)
+                         note_state=self.engine.note_state, persist=self.engine.persist)
         self.driver = CallDriver(self.engine, self.saga, self.registry.spec_for)
         self.sessions = SessionService(
             store,
@@ -67,6 +67,7 @@ class UndoLog:
             current_pins=self.engine.current_pins,
             note_state=self.engine.note_state,
             note_pins=self._note_pins,
+            persist=self.engine.persist,
         )
         self.outbox = OutboxService(store)
         self._recovery = Recovery(store, self.registry, self.saga, self.leases, flush_marks=self.engine.flush_marks,
@@ -189,11 +190,13 @@ class UndoLog:
         on_failure = OnFailure.coerce(on_failure).value
         if session_id is not None:
             check_id("session_id", session_id)
-        sid = session_id or new_id()
-        sc = self.engine.cached(sid)
+        if session_id is None:  # a new id: its row is written with its first logged call where the store can
+            return Session(self, self.engine.defer_start(new_id(), agent_id=agent_id, created_by=created_by,
+                                                         on_failure=on_failure))
+        sc = self.engine.cached(session_id)
         if sc is None or not sc.persisted:
-            sc = self.engine.ensure_session(sid, agent_id=agent_id, created_by=created_by, on_failure=on_failure,
-                                            fresh=session_id is None)
+            sc = self.engine.ensure_session(session_id, agent_id=agent_id, created_by=created_by,
+                                            on_failure=on_failure)
         return Session(self, sc)
 
     def rollback(self, session_id: str, *, actor: str = "undolog", progress: Any = None) -> RollbackReport:

@@ -11,8 +11,12 @@ from undolog_core import UndoLog
 def create_session(
     undolog: UndoLog, *, agent_id: str, session_id: str | None, created_by: str, on_failure: str
 ) -> str:
-    """Create (persist) a session for an HTTP agent and return its id (``undolog.session`` persists it)."""
+    """Create (persist) a session for an HTTP agent and return its id.
+
+    Written at once: the agent's next request may reach another server process, which knows the session only from
+    the store (``undolog.session`` leaves a minted id's row to its first logged call on PostgreSQL)."""
     s = undolog.session(agent_id=agent_id, session_id=session_id, created_by=created_by, on_failure=on_failure)
+    undolog.engine.persist(s.id)
     return str(s.id)
 
 

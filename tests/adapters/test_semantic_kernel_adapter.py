@@ -126,19 +126,20 @@ async def test_tiers_by_plugin_function_name(ul):
 async def test_each_call_is_intercepted_once(ul, backend, monkeypatch):
     kernel, _ = new_kernel(ul)
     seen = []
-    # The filters decide on the loop through the driver: a SAFE call in memory (safe), a logged one by adecide.
-    real, real_safe = ul.driver.adecide, ul.driver.safe
+    # The filters decide on the loop: a SAFE call in memory (checked by its contract, then the engine's
+    # note_safe_in, which the driver's safe() ends with too), a logged one by the driver's adecide.
+    real, real_safe = ul.driver.adecide, ul.engine.note_safe_in
 
     async def counting(session_id, tool_name, args, *, call_id=None, match_digest=False):
         seen.append((tool_name, call_id))
         return await real(session_id, tool_name, args, call_id=call_id, match_digest=match_digest)
 
-    def counting_safe(spec, args, cache):
+    def counting_safe(cache, spec, args):
         seen.append((spec.name, "safe"))
-        return real_safe(spec, args, cache)
+        return real_safe(cache, spec, args)
 
     monkeypatch.setattr(ul.driver, "adecide", counting)
-    monkeypatch.setattr(ul.driver, "safe", counting_safe)
+    monkeypatch.setattr(ul.engine, "note_safe_in", counting_safe)
     _, history, reply = await chat_turns(kernel, [[SEARCH], [REFUND_U1]])
     assert seen == [("support-search_knowledge_base", "safe"), ("support-send_refund_email", "c2")]
     assert [m["status"] for m in backend.outbox] == ["sent"]
@@ -732,3 +733,49 @@ async def test_a_safe_tool_with_a_retry_policy_is_retried_through_the_gate(ul):
     assert results(history) == ["S-1: 12.50"] and tries == ["S-1"] * 3
     ul.engine.flush_counts()
     assert ul.sessions.get("chat-retry").tool_calls_total == 1 and ul.sessions.effects("chat-retry") == []
+
+
+async def test_a_safe_calls_arguments_of_other_types_than_exact_scalars_are_still_converted_and_checked(ul):
+    # Exact str/int/float/bool/None values skip the JSON conversion (it would give them back unchanged); anything
+    # else still takes it, and the contract's check follows either way: a str subclass runs as a plain str, a bool
+    # for a number and a list for a string are refused (nothing runs).
+    import enum
+
+    class Order(enum.StrEnum):
+        A1 = "A-1"
+
+    kernel = _lookup_kernel(ul)
+    with undolog_session("chat-kinds"):
+        await invoke(kernel, plugin_name="shop", function_name="lookup", order_id=Order.A1, weight=2.5)
+        assert LOOKED_UP == [("A-1", 2.5)] and type(LOOKED_UP[0][0]) is str
+        for bad in ({"order_id": "A-2", "weight": True}, {"order_id": ["A-2"]}, {"order_id": None}):
+            with pytest.raises(errors.ArgumentsInvalid):
+                await invoke(kernel, plugin_name="shop", function_name="lookup", **bad)
+        await invoke(kernel, plugin_name="shop", function_name="lookup", order_id="A-3", weight=3)
+    assert LOOKED_UP == [("A-1", 2.5), ("A-3", 3.0)] and type(LOOKED_UP[1][1]) is float
+    ul.engine.flush_counts()
+    assert ul.sessions.get("chat-kinds").tool_calls_total == 2
+
+
+async def test_a_call_a_safe_function_makes_through_the_kernel_is_its_own(ul):
+    # The auto gate's hand-over is taken by the call it was made for: a call the function itself makes through the
+    # kernel is decided as a plain invoke (a refusal raises in the function), not as the model's call (answered).
+    outcomes: list[str] = []
+
+    class Nested:
+        @kernel_function(name="lookup", description="Look an order up.")
+        @undolog_tool(tier=ToolTier.SAFE)
+        async def lookup(self, order_id: str) -> str:
+            if order_id == "outer":
+                try:
+                    await kernel.invoke(plugin_name="shop", function_name="lookup", order_id=7)
+                    outcomes.append("answered")
+                except KernelInvokeException as exc:
+                    outcomes.append(type(exc.__cause__).__name__)
+            return f"order {order_id}: shipped"
+
+    kernel = Kernel()
+    kernel.add_plugin(Nested(), plugin_name="shop")
+    install(kernel, ul)
+    _, history, _ = await chat_turns(kernel, [[call("n1", "shop-lookup", order_id="outer")]], session_id="chat-nest")
+    assert results(history) == ["order outer: shipped"] and outcomes == ["ArgumentsInvalid"]

@@ -525,7 +525,7 @@ def test_policy_is_one_row_changed_with_an_audit_event(undolog):
 
 def test_session_halt_resume_and_state_changes(undolog):
     st = _storage(undolog)
-    s = undolog.session(agent_id="conf")
+    s = undolog.session(agent_id="conf", session_id="conf-halt")  # an id given: in the store at once
     assert st.get_session("nope") is None
     with undolog.store.tx() as c:
         st.halt_in(c, s.id, "a person must look", utcnow())
@@ -556,7 +556,7 @@ def test_session_halt_resume_and_state_changes(undolog):
 
 def test_session_revalidate_repins_and_audits(undolog):
     st = _storage(undolog)
-    s = undolog.session()
+    s = undolog.session(session_id="conf-revalidate")  # an id given: in the store at once
     st.register_revisions([ContractRevision("tool_y", "safe", "a" * 64, {"args_schema": {}}, None, None)],
                           actor="ci", now=utcnow())
     st.register_revisions([ContractRevision("tool_y", "safe", "b" * 64, {"args_schema": {}}, None, None)],

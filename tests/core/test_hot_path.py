@@ -286,8 +286,16 @@ def test_fast_marks_go_in_one_batch_per_session_unless_one_waits_a_whole_period(
     u = db.open(fast_commit_mark=True)
     u.register(hp_book, hp_undo)
     batches: list[int] = []
-    hot_mark_many = u.engine.hot.mark_many
-    monkeypatch.setattr(u.engine.hot, "mark_many", lambda marks: (batches.append(len(marks)), hot_mark_many(marks)))
+    hot = u.engine.hot
+    hot_mark_many, hot_end_session = hot.mark_many, hot.end_session
+    monkeypatch.setattr(hot, "mark_many", lambda marks: (batches.append(len(marks)), hot_mark_many(marks)))
+
+    def end_session(*args: Any) -> Any:  # on PostgreSQL the session's end writes its queued marks itself
+        if args[5:] and args[5]:
+            batches.append(len(args[5]))
+        return hot_end_session(*args)
+
+    monkeypatch.setattr(hot, "end_session", end_session)
     t0 = time.monotonic()
     s = u.session(agent_id="hp", session_id="hp-beat-1")
     s.call_sync(hp_book, slot="a")  # starts the flusher: a fixed beat would fall at t0 + period
@@ -303,8 +311,60 @@ def test_fast_marks_go_in_one_batch_per_session_unless_one_waits_a_whole_period(
     s = u.session(agent_id="hp", session_id="hp-beat-3")
     s.call_sync(hp_book, slot="d")
     queued = time.monotonic()
-    while not batches[2:] and time.monotonic() < queued + 10 * period:
+    # Until the flusher's batch is written and its effect left the in-flight set (just after the write).
+    while (not batches[2:] or u.engine._inflight) and time.monotonic() < queued + 10 * period:
         time.sleep(0.01)
     assert batches == [1, 2, 1] and time.monotonic() - queued < 3 * period  # written by the flusher, in time
     assert u.engine._inflight == set()
     s.complete()
+
+
+@pytest.mark.postgres_only  # the in-flight partial index is PostgreSQL's (SQLite recovers from a cursor)
+def test_a_marks_batch_reads_its_own_rows_whatever_was_marked_before(db: Any) -> None:
+    """Fast mode's marks batch (and the session's end that carries it) reaches each effect through its effect_id,
+    never through the in-flight partial index: that index keeps an entry for every effect marked since the last
+    vacuum, and the bitmap scan of it the planner chose (estimating it at a few rows) read every one of them, so a
+    batch of ten cost more the more had been marked before. Counted in plan nodes and buffers, not time: after
+    10,000 marked effects, a batch of ten reads tens of pages (before: the in-flight index's 10,010 entries and
+    every heap page they point to), with the plan PostgreSQL picks for the prepared statement after its first runs
+    as well. (On a table of a few dozen pages the planner may scan it whole instead: as cheap, and bounded by the
+    table, not by what was marked.)"""
+    import psycopg
+
+    from undolog_core.storage import postgres as pg
+
+    u = db.open(fast_commit_mark=True)
+    u.register(hp_book, hp_undo)
+    s = u.session(agent_id="hp", session_id="hp-bloat")
+    s.call_sync(hp_book, slot="warm")
+    u.engine.flush_marks()
+    dsn = db.url.replace("postgresql+psycopg://", "postgresql://", 1)
+    with psycopg.connect(dsn, options=f"-csearch_path={db.schema}", autocommit=True) as con:
+        # 10,000 effects written in flight and marked since: dead entries of the in-flight index until a vacuum.
+        con.execute(
+            "INSERT INTO undolog_effect_log (effect_id, session_id, call_id, tool_name, tool_revision, tier, state, "
+            "args_snapshot, args_digest, recovery_attempts, created_at, updated_at) "
+            "SELECT 'old-' || g, 'hp-bloat', 'old-' || g, 'hp_book', 1, 'compensable', 'pending', '{}', 'd', 0, "
+            "now(), now() FROM generate_series(1, 10000) g")
+        con.execute("UPDATE undolog_effect_log SET state = 'committed' WHERE effect_id LIKE 'old-%'")
+        con.execute(
+            "INSERT INTO undolog_effect_log (effect_id, session_id, call_id, tool_name, tool_revision, tier, state, "
+            "args_snapshot, args_digest, recovery_attempts, created_at, updated_at) "
+            "SELECT 'new-' || g, 'hp-bloat', 'new-' || g, 'hp_book', 1, 'compensable', 'pending', '{}', 'd', 0, "
+            "now(), now() FROM generate_series(1, 20) g")
+        sql = pg._PG_MARK_MANY.replace("%(results)s", "$1").replace("%(ats)s", "$2").replace("%(ids)s", "$3")
+        con.execute(f"PREPARE marks(text[], timestamptz[], text[]) AS {sql}")
+        for mode, batch in (("force_custom_plan", range(1, 11)), ("force_generic_plan", range(11, 21))):
+            con.execute(f"SET plan_cache_mode = {mode}")
+            ids = "{" + ",".join(f"new-{i}" for i in batch) + "}"
+            results = "{" + ",".join('"{}"' for _ in batch) + "}"
+            ats = "{" + ",".join('"2026-01-01T00:00:00+00:00"' for _ in batch) + "}"
+            plan = "\n".join(r[0] for r in con.execute(
+                f"EXPLAIN (ANALYZE, BUFFERS, FORMAT TEXT) EXECUTE marks('{results}', '{ats}', '{ids}')"))
+            assert "ix_undolog_effect_in_flight" not in plan, plan
+            assert "undolog_effect_log_effect_id_key" in plan, plan
+            hits = [int(h) for h in re.findall(r"shared hit=(\d+)", plan)]
+            assert hits and max(hits) < 200, plan  # before: 301 (every heap page of the 10,000 marked rows)
+            marked = con.execute("SELECT count(*) FROM undolog_effect_log WHERE effect_id = ANY(%s::text[]) "
+                                 "AND state = 'committed'", (ids,)).fetchone()
+            assert marked == (10,)

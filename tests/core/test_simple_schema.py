@@ -81,3 +81,22 @@ def test_checked_skips_the_model_only_for_arguments_it_keeps_and_still_refuses_b
             spec.checked(bad)
     # A contract declared by a Python signature is not schema-declared: always through its model (defaults filled).
     assert spec._as_is is not None and undolog.register_tool(lambda q="x": q, name="sig", tier="safe")._as_is is None
+
+
+def test_a_dict_subclass_is_taken_as_it_is_only_when_it_reads_as_a_dict(undolog: Any) -> None:
+    # A framework's arguments (Semantic Kernel's KernelArguments) are a dict subclass that reads as a dict: checked as
+    # they are and copied to a plain dict. One that overrides how its items are read is never taken as it is.
+    class Arguments(dict):  # type: ignore[type-arg]
+        execution_settings = None
+
+    class Rewriting(dict):  # type: ignore[type-arg]
+        def items(self) -> Any:
+            return [(k, "rewritten") for k in self]
+
+    schema = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"],
+              "additionalProperties": False}
+    spec = undolog.register_tool(lambda **kw: kw, name="search", tier="safe", args_schema=schema)
+    copy = spec.as_is_copy(Arguments(q="refund"))
+    assert copy == {"q": "refund"} and type(copy) is dict
+    assert spec.as_is_copy(Rewriting(q="refund")) is None and spec.as_is_copy(Arguments(q=5)) is None
+    assert spec.as_is_copy(Arguments(q="refund", extra=1)) is None

@@ -129,6 +129,42 @@ class HotPath(abc.ABC):
         finally:
             pool.checkin(conn, gen, broken=broken)
 
+    #: Whether :meth:`prewrite_starting` exists here (PostgreSQL): a session's row written by the statement of
+    #: its first logged call's pre-write.
+    starts_with_prewrite = False
+
+    def prewrite_starting(self, start: dict[str, Any], session_id: str, count: int, effect_id: str, call_id: str,
+                          tool_name: str, revision: int, args_text: str, digest: str, owner: str, now: float,
+                          lease: float, comp: str, comp_version: int, wait: bool = True) -> bool:
+        """:meth:`prewrite` of a session's first logged call that also writes the session's row, ``active`` with
+        ``count`` calls and ``start``'s values (``agent_id``, ``created_by``, ``on_failure``, ``pinned_revisions``,
+        ``created_at`` in epoch seconds), in the same statement and commit. False, nothing written, when a session
+        with that id exists already (the caller reads it and takes the general path). Only where
+        ``starts_with_prewrite``; errors as :meth:`prewrite`'s."""
+        pool = self.durable
+        conn, gen = pool.checkout(wait=wait)
+        broken = False
+        try:
+            return self._prewrite_starting(conn, start, session_id, count, effect_id, call_id, tool_name, revision,
+                                           args_text, digest, owner, now, lease, comp, comp_version)
+        except self.integrity_error as exc:
+            raise IntegrityConflict(str(exc)) from exc
+        except WouldBlock:
+            raise
+        except BaseException as exc:
+            if is_unavailable(exc):
+                broken = True
+                raise DatabaseUnavailable("the pre-write", exc) from exc
+            raise
+        finally:
+            pool.checkin(conn, gen, broken=broken)
+
+    def _prewrite_starting(self, conn: Any, start: dict[str, Any], session_id: str, count: int, effect_id: str,
+                           call_id: str, tool_name: str, revision: int, args_text: str, digest: str, owner: str,
+                           now: float, lease: float, comp: str, comp_version: int) -> bool:
+        """:meth:`prewrite_starting`'s statement on ``conn``."""
+        raise NotImplementedError("this database's hot path writes a session's row on its own")
+
     def mark(self, effect_id: str, text: str, now: float, *, fast: bool, wait: bool = True) -> bool:
         """The commit mark as one autocommit UPDATE; False when the effect was not in flight."""
         pool = self.fast if fast else self.durable
@@ -185,10 +221,17 @@ class HotPath(abc.ABC):
         The returned row has ``session_id``, ``state``, ``pinned_revisions`` and ``on_failure``."""
         return None
 
-    def end_session(self, session_id: str, count: int, state: str, allowed: Sequence[str], now: float) -> bool | None:
+    #: Whether :meth:`end_session` exists here and writes the deferred commit marks it is given in the same
+    #: statement (PostgreSQL); elsewhere the caller writes them first (:meth:`mark_many`).
+    ends_with_marks = False
+
+    def end_session(self, session_id: str, count: int, state: str, allowed: Sequence[str], now: float,
+                    marks: Sequence[tuple[str, str, float]] = ()) -> bool | None:
         """Move the session to ``state`` from one of ``allowed`` and add ``count`` calls, in one durable statement:
-        True when done, False when the session was in no state of ``allowed`` (nothing written), None when the
-        database has no such statement here (the caller takes the general path)."""
+        True when done, False when the session was in no state of ``allowed`` (nothing of the session written),
+        None when the database has no such statement here (the caller takes the general path). ``marks``: deferred
+        commit marks (``(effect_id, result text, epoch seconds)``) written by the same statement, whether or not
+        the session moves (only where ``ends_with_marks``)."""
         return None
 
     def mark_many(self, marks: list[tuple[str, str, float]]) -> None:

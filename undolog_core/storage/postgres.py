@@ -44,13 +44,39 @@ WITH e AS (
 INSERT INTO undolog_undo_stack ({_UNDO_COLS})
 SELECT e.seq, e.effect_id, e.session_id, %(comp)s, %(comp_version)s, %(args)s::json, 'armed', 0, %(now)s, %(now)s FROM e
 """
+# A session's first logged call: its row inserted by the pre-write's own statement (where a start of its own was a
+# statement and a durable commit more per session). The effect's foreign key to the session is checked at the
+# statement's end, when the row is there. ``ON CONFLICT DO NOTHING``: an id that exists writes nothing (the caller
+# reads that session and takes the general path).
+_PG_PREWRITE_STARTING = f"""
+WITH g AS (
+  INSERT INTO undolog_sessions (session_id, agent_id, state, tool_calls_total, created_by, halted_reason, on_failure,
+                                pinned_revisions, created_at, updated_at)
+  VALUES (%(session_id)s, %(agent_id)s, 'active', %(count)s, %(created_by)s, NULL, %(on_failure)s,
+          %(pinned_revisions)s::json, %(created_at)s, %(now)s)
+  ON CONFLICT (session_id) DO NOTHING RETURNING session_id
+), e AS (
+  INSERT INTO undolog_effect_log ({_EFFECT_COLS})
+  SELECT %(effect_id)s, g.session_id, %(call_id)s, %(tool_name)s, %(revision)s, 'compensable', 'pending',
+         %(args)s::json, %(digest)s, %(owner)s, %(lease)s, 0, %(now)s, %(now)s FROM g
+  RETURNING seq, effect_id, session_id
+)
+INSERT INTO undolog_undo_stack ({_UNDO_COLS})
+SELECT e.seq, e.effect_id, e.session_id, %(comp)s, %(comp_version)s, %(args)s::json, 'armed', 0, %(now)s, %(now)s FROM e
+"""
 # Many commit marks (fast mode's flush) as one statement: one round trip and one commit instead of a BEGIN, a
 # statement per mark and a COMMIT. Each effect is marked at most once per batch (an effect has one mark).
+# The state is tested as ``state || ''`` so that the planner cannot answer it from the in-flight partial index
+# (whose predicate ``state IN ('pending', 'running')`` it would match): it estimated that index at a few rows and
+# took a bitmap scan of it, hashed against the batch, and that index keeps the entry of every effect marked since
+# the last vacuum (a bitmap scan never marks an entry dead), so a batch of ten visited every row marked since then
+# (10,010 index entries and 693 heap pages for a batch of ten, 4x the statement's time, after 1,000 sessions). Tested
+# on the effect's own row, reached through the effect_id index, a batch reads its own rows only.
 _PG_MARK_MANY = (
     "UPDATE undolog_effect_log e SET state = 'committed', result_snapshot = m.result::json, owner = NULL, "
     "lease_until = NULL, updated_at = m.at "
     "FROM unnest(%(results)s::text[], %(ats)s::timestamptz[], %(ids)s::text[]) AS m(result, at, effect_id) "
-    "WHERE e.effect_id = m.effect_id AND e.state IN ('pending', 'running')"
+    "WHERE e.effect_id = m.effect_id AND (e.state || '') IN ('pending', 'running')"
 )
 _PG_MARK = (
     "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = %(text)s::json, owner = NULL, "
@@ -76,6 +102,11 @@ _PG_END_SESSION = (
     "UPDATE undolog_sessions SET state = %(state)s, tool_calls_total = tool_calls_total + %(count)s, "
     "updated_at = %(now)s WHERE session_id = %(session_id)s AND state = ANY(%(allowed)s)"
 )
+# Fast mode's session end: the queued commit marks and the state change as one durable statement, one commit,
+# where a marks batch (a statement and its commit of its own) came first. A data-modifying CTE runs to completion
+# whether or not the outer statement reads it, so the marks are written even when the session is in no allowed
+# state; the statement's row count is the session's update alone.
+_PG_END_SESSION_MARKED = f"WITH m AS ({_PG_MARK_MANY}) {_PG_END_SESSION}"
 
 
 _seconds: dict[int, str] = {}
@@ -192,8 +223,28 @@ def pg_prewrite(conn: Any, session_id: str, count: int, effect_id: str, call_id:
     return bool(run_prepared(conn, _PW_CHECKED, params).command_tuples == 1)
 
 
+_PW_STARTING = prepared("undolog_prewrite_starting", _PG_PREWRITE_STARTING)
+
+
+def pg_prewrite_starting(conn: Any, start: dict[str, Any], session_id: str, count: int, effect_id: str,
+                         call_id: str, tool_name: str, revision: int, args_text: str, digest: str, owner: str,
+                         now: float, lease: float, comp: str, comp_version: int) -> bool:
+    """The pre-write of a session's first logged call with the session's row (``start``: ``agent_id``,
+    ``created_by``, ``on_failure``, ``pinned_revisions``, ``created_at`` in epoch seconds) as one autocommit
+    statement on ``conn``: False when a session with that id exists (nothing written)."""
+    values = {"session_id": session_id, "agent_id": start["agent_id"], "count": str(count),
+              "created_by": start["created_by"], "on_failure": start["on_failure"],
+              "pinned_revisions": json.dumps(start["pinned_revisions"]), "created_at": _stamp_text(start["created_at"]),
+              "now": _stamp_text(now), "effect_id": effect_id, "call_id": call_id, "tool_name": tool_name,
+              "revision": str(revision), "args": args_text, "digest": digest, "owner": owner,
+              "lease": _stamp_text(lease), "comp": comp, "comp_version": str(comp_version)}
+    params = [None if (v := values[k]) is None else v.encode() for k in _PW_STARTING.params]
+    return bool(run_prepared(conn, _PW_STARTING, params).command_tuples == 1)
+
+
 _START = prepared("undolog_start_session", _PG_START_SESSION)
 _END = prepared("undolog_end_session", _PG_END_SESSION)
+_END_MARKED = prepared("undolog_end_session_marked", _PG_END_SESSION_MARKED)
 
 
 def _quoted(s: str) -> str:
@@ -218,11 +269,25 @@ def pg_start_session(conn: Any, values: dict[str, Any]) -> Any:
     return SessionRow(sid.decode(), state.decode(), json.loads(pins), on_failure.decode())
 
 
-def pg_end_session(conn: Any, session_id: str, count: int, state: str, allowed: Sequence[str], now: float) -> bool:
-    """The session moved to ``state`` from one of ``allowed`` with ``count`` calls added, one statement on ``conn``."""
-    res = run_prepared(conn, _END, [state.encode(), str(count).encode(), _stamp(now), session_id.encode(),
-                                    _array(allowed)])
+def pg_end_session(conn: Any, session_id: str, count: int, state: str, allowed: Sequence[str], now: float,
+                   marks: Sequence[tuple[str, str, float]] = ()) -> bool:
+    """The session moved to ``state`` from one of ``allowed`` with ``count`` calls added, one statement on ``conn``;
+    with ``marks`` (``(effect_id, result text, epoch seconds)``, as :func:`pg_mark_many` takes them) those commit
+    marks are written by the same statement (whether or not the session moves)."""
+    values = {"state": state.encode(), "count": str(count).encode(), "now": _stamp(now),
+              "session_id": session_id.encode(), "allowed": _array(allowed)}
+    stmt = _END
+    if marks:
+        stmt = _END_MARKED
+        values.update(_mark_arrays(marks))
+    res = run_prepared(conn, stmt, [values[k] for k in stmt.params])
     return bool(res.command_tuples == 1)
+
+
+def _mark_arrays(marks: Sequence[tuple[str, str, float]]) -> dict[str, bytes]:
+    """The parameters of :data:`_PG_MARK_MANY` for ``marks``."""
+    return {"results": _array(text for _, text, _ in marks), "ats": _array(_stamp_text(t) for _, _, t in marks),
+            "ids": _array(eid for eid, _, _ in marks)}
 
 
 _MARK_MANY = prepared("undolog_mark_many", _PG_MARK_MANY)
@@ -231,10 +296,8 @@ _MARK_MANY = prepared("undolog_mark_many", _PG_MARK_MANY)
 def pg_mark_many(conn: Any, marks: Sequence[tuple[str, str, float]]) -> int:
     """``(effect_id, result text, epoch seconds)`` commit marks as one autocommit statement on ``conn``; how many
     effects were in flight and are marked now."""
-    results = _array(text for _, text, _ in marks)
-    ats = _array(_stamp_text(t) for _, _, t in marks)
-    ids = _array(eid for eid, _, _ in marks)
-    return int(run_prepared(conn, _MARK_MANY, [results, ats, ids]).command_tuples or 0)
+    values = _mark_arrays(marks)
+    return int(run_prepared(conn, _MARK_MANY, [values[k] for k in _MARK_MANY.params]).command_tuples or 0)
 
 
 def pg_mark(conn: Any, effect_id: str, text: str, now: float) -> bool:
@@ -265,13 +328,24 @@ class PostgresHotPath(HotPath):
     def _mark(self, conn: Any, wait: bool, effect_id: str, text: str, now: float) -> bool:
         return pg_mark(conn, effect_id, text, now)
 
+    starts_with_prewrite = True
+
+    def _prewrite_starting(self, conn: Any, start: dict[str, Any], session_id: str, count: int, effect_id: str,
+                           call_id: str, tool_name: str, revision: int, args_text: str, digest: str, owner: str,
+                           now: float, lease: float, comp: str, comp_version: int) -> bool:
+        return pg_prewrite_starting(conn, start, session_id, count, effect_id, call_id, tool_name, revision,
+                                    args_text, digest, owner, now, lease, comp, comp_version)
+
     def start_session(self, values: dict[str, Any]) -> Any:
         with self.durable.connection("starting a session") as conn:
             return pg_start_session(conn, values)
 
-    def end_session(self, session_id: str, count: int, state: str, allowed: Sequence[str], now: float) -> bool | None:
+    ends_with_marks = True
+
+    def end_session(self, session_id: str, count: int, state: str, allowed: Sequence[str], now: float,
+                    marks: Sequence[tuple[str, str, float]] = ()) -> bool | None:
         with self.durable.connection("ending a session") as conn:
-            return pg_end_session(conn, session_id, count, state, allowed, now)
+            return pg_end_session(conn, session_id, count, state, allowed, now, marks)
 
     def _mark_many(self, conn: Any, marks: list[tuple[str, str, float]]) -> None:
         pg_mark_many(conn, marks)
