@@ -720,20 +720,11 @@ class Engine:
         assert comp is not None
         self._inflight.add(effect_id)
         try:
-            if pin is not None:
-                written = False
-            elif start is None:
-                written = self.hot.prewrite(
-                    session_id, safe + carried, effect_id, call_id or effect_id, spec.name, spec.revision,
-                    args_text, digest, self.leases.owner, now, now + self.lease_seconds, comp.name, comp.version,
-                    wait,
-                )
-            else:  # the session's row written by this same statement
-                written = self.hot.prewrite_starting(
-                    start, session_id, safe + carried, effect_id, call_id or effect_id, spec.name, spec.revision,
-                    args_text, digest, self.leases.owner, now, now + self.lease_seconds, comp.name, comp.version,
-                    wait,
-                )
+            # With ``start``, the session's row is written by this same statement.
+            written = pin is None and self.hot.prewrite(
+                session_id, safe + carried, effect_id, call_id or effect_id, spec.name, spec.revision, args_text,
+                digest, self.leases.owner, now, now + self.lease_seconds, comp.name, comp.version, wait, start,
+            )
             if written:
                 if start is not None:  # the session's row went in with this call
                     self.remember(SessionRow(session_id, SessionState.ACTIVE.value, start["pinned_revisions"],

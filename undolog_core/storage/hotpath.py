@@ -102,6 +102,7 @@ class HotPath(abc.ABC):
         comp: str,
         comp_version: int,
         wait: bool = True,
+        start: dict[str, Any] | None = None,
     ) -> bool:
         """One durable transaction; False when the session does not accept writes (nothing written).
 
@@ -110,41 +111,19 @@ class HotPath(abc.ABC):
         Positional on purpose: this runs on every COMPENSABLE call. A database that went away raises
         ``DatabaseUnavailable``; the effect may then exist (the commit's outcome is unknown), owned by this
         process and never run: ``recover()`` settles it by its id, and it is never written a second time.
+
+        ``start`` (only where ``starts_with_prewrite``): the call is its session's first logged call and the
+        session's row is written by the same statement, ``active`` with ``count`` calls and ``start``'s values
+        (``agent_id``, ``created_by``, ``on_failure``, ``pinned_revisions``, ``created_at`` in epoch seconds); False,
+        nothing written, when a session with that id exists already (the caller reads it and takes the general path).
         """
         pool = self.durable
         conn, gen = pool.checkout(wait=wait)
         broken = False
         try:
-            return self._prewrite(conn, wait, session_id, count, effect_id, call_id, tool_name, revision, args_text,
-                                  digest, owner, now, lease, comp, comp_version)
-        except self.integrity_error as exc:
-            raise IntegrityConflict(str(exc)) from exc
-        except WouldBlock:
-            raise
-        except BaseException as exc:
-            if is_unavailable(exc):
-                broken = True
-                raise DatabaseUnavailable("the pre-write", exc) from exc
-            raise
-        finally:
-            pool.checkin(conn, gen, broken=broken)
-
-    #: Whether :meth:`prewrite_starting` exists here (PostgreSQL): a session's row written by the statement of
-    #: its first logged call's pre-write.
-    starts_with_prewrite = False
-
-    def prewrite_starting(self, start: dict[str, Any], session_id: str, count: int, effect_id: str, call_id: str,
-                          tool_name: str, revision: int, args_text: str, digest: str, owner: str, now: float,
-                          lease: float, comp: str, comp_version: int, wait: bool = True) -> bool:
-        """:meth:`prewrite` of a session's first logged call that also writes the session's row, ``active`` with
-        ``count`` calls and ``start``'s values (``agent_id``, ``created_by``, ``on_failure``, ``pinned_revisions``,
-        ``created_at`` in epoch seconds), in the same statement and commit. False, nothing written, when a session
-        with that id exists already (the caller reads it and takes the general path). Only where
-        ``starts_with_prewrite``; errors as :meth:`prewrite`'s."""
-        pool = self.durable
-        conn, gen = pool.checkout(wait=wait)
-        broken = False
-        try:
+            if start is None:
+                return self._prewrite(conn, wait, session_id, count, effect_id, call_id, tool_name, revision,
+                                      args_text, digest, owner, now, lease, comp, comp_version)
             return self._prewrite_starting(conn, start, session_id, count, effect_id, call_id, tool_name, revision,
                                            args_text, digest, owner, now, lease, comp, comp_version)
         except self.integrity_error as exc:
@@ -159,10 +138,14 @@ class HotPath(abc.ABC):
         finally:
             pool.checkin(conn, gen, broken=broken)
 
+    #: Whether :meth:`prewrite` takes ``start`` here (PostgreSQL): a session's row written by the statement of
+    #: its first logged call's pre-write.
+    starts_with_prewrite = False
+
     def _prewrite_starting(self, conn: Any, start: dict[str, Any], session_id: str, count: int, effect_id: str,
                            call_id: str, tool_name: str, revision: int, args_text: str, digest: str, owner: str,
                            now: float, lease: float, comp: str, comp_version: int) -> bool:
-        """:meth:`prewrite_starting`'s statement on ``conn``."""
+        """The statement of :meth:`prewrite` given ``start``, on ``conn``."""
         raise NotImplementedError("this database's hot path writes a session's row on its own")
 
     def mark(self, effect_id: str, text: str, now: float, *, fast: bool, wait: bool = True) -> bool:

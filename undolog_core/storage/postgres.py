@@ -19,13 +19,8 @@ from sqlalchemy.engine import Engine
 
 from .hotpath import _EFFECT_COLS, _UNDO_COLS, _WRITABLE, HotPath, SessionRow
 
-# One statement, one round trip, one commit: the session check, the effect and its undo entry.
-_PG_PREWRITE = f"""
-WITH g AS (
-  UPDATE undolog_sessions SET tool_calls_total = tool_calls_total + %(count)s, updated_at = %(now)s
-  WHERE session_id = %(session_id)s AND {_WRITABLE} RETURNING session_id
-), e AS (
-  INSERT INTO undolog_effect_log ({_EFFECT_COLS})
+# The effect and its undo entry, inserted for the session row that CTE ``g`` returned (none: nothing written).
+_EFFECT_AND_UNDO_FROM_G = f"""  INSERT INTO undolog_effect_log ({_EFFECT_COLS})
   SELECT %(effect_id)s, g.session_id, %(call_id)s, %(tool_name)s, %(revision)s, 'compensable', 'pending',
          %(args)s::json, %(digest)s, %(owner)s, %(lease)s, 0, %(now)s, %(now)s FROM g
   RETURNING seq, effect_id, session_id
@@ -33,6 +28,13 @@ WITH g AS (
 INSERT INTO undolog_undo_stack ({_UNDO_COLS})
 SELECT e.seq, e.effect_id, e.session_id, %(comp)s, %(comp_version)s, %(args)s::json, 'armed', 0, %(now)s, %(now)s FROM e
 """
+# One statement, one round trip, one commit: the session check, the effect and its undo entry.
+_PG_PREWRITE = f"""
+WITH g AS (
+  UPDATE undolog_sessions SET tool_calls_total = tool_calls_total + %(count)s, updated_at = %(now)s
+  WHERE session_id = %(session_id)s AND {_WRITABLE} RETURNING session_id
+), e AS (
+{_EFFECT_AND_UNDO_FROM_G}"""
 _PG_PREWRITE_CHECKED = f"""
 WITH e AS (
   INSERT INTO undolog_effect_log ({_EFFECT_COLS})
@@ -56,14 +58,7 @@ WITH g AS (
           %(pinned_revisions)s::json, %(created_at)s, %(now)s)
   ON CONFLICT (session_id) DO NOTHING RETURNING session_id
 ), e AS (
-  INSERT INTO undolog_effect_log ({_EFFECT_COLS})
-  SELECT %(effect_id)s, g.session_id, %(call_id)s, %(tool_name)s, %(revision)s, 'compensable', 'pending',
-         %(args)s::json, %(digest)s, %(owner)s, %(lease)s, 0, %(now)s, %(now)s FROM g
-  RETURNING seq, effect_id, session_id
-)
-INSERT INTO undolog_undo_stack ({_UNDO_COLS})
-SELECT e.seq, e.effect_id, e.session_id, %(comp)s, %(comp_version)s, %(args)s::json, 'armed', 0, %(now)s, %(now)s FROM e
-"""
+{_EFFECT_AND_UNDO_FROM_G}"""
 # Many commit marks (fast mode's flush) as one statement: one round trip and one commit instead of a BEGIN, a
 # statement per mark and a COMMIT. Each effect is marked at most once per batch (an effect has one mark).
 # The state is tested as ``state || ''`` so that the planner cannot answer it from the in-flight partial index

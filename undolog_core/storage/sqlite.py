@@ -202,7 +202,9 @@ class SQLiteHotPath(HotPath):
 
     def prewrite(self, session_id: str, count: int, effect_id: str, call_id: str, tool_name: str, revision: int,
                  args_text: str, digest: str, owner: str, now: float, lease: float, comp: str, comp_version: int,
-                 wait: bool = True) -> bool:
+                 wait: bool = True, start: dict[str, Any] | None = None) -> bool:
+        # A session's row is written at its start here (``starts_with_prewrite`` is False): ``start`` is never given.
+        assert start is None
         args = (session_id, count, effect_id, call_id, tool_name, revision, args_text, digest, owner, now, lease, comp,
                 comp_version)
         return bool(self.group.submit((True, args), wait))
