@@ -373,6 +373,7 @@ def lower_bound_middleware(u: UndoLog | None, *, durable: bool = True) -> Any:
             self.marks: list[tuple[str, str, float]] = []
             if u is not None:
                 self.session = u.session(agent_id="bench-lower-bound").id
+                u.engine.persist(self.session)  # the bound writes straight to the hot path: the row first
 
         def wrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
             return handler(request)
@@ -642,6 +643,7 @@ def _stored_writes_filter(u: UndoLog) -> Any:
     from undolog_core.storage.base import new_id
 
     session = u.session(agent_id="bench-lower-bound").id
+    u.engine.persist(session)  # the bound writes straight to the hot path: the row first
 
     async def stored(context: Any, next: Any) -> None:  # noqa: A002 - SK passes it by this name
         spec = u.tool_spec(context.function.name)

@@ -367,6 +367,9 @@ def lower_bound(u: UndoLog, loop: asyncio.AbstractEventLoop, *, durable: bool = 
     """
     spec = u.tool_spec("bench_refund")
     s = u.session(agent_id="bench-lower-bound")
+    # Written now: the bound's statements go straight to the hot path, which finds a session only in the store (on
+    # PostgreSQL UndoLog writes a new session's row with its first logged call).
+    u.engine.persist(s.id)
     hot, owner, lease = u.engine.hot, u.engine.owner, u.lease_seconds
     validate, kw, fn = spec.args_model.__pydantic_validator__.validate_python, dict(COMP_KW), bench_refund
     assert spec.compensation is not None
