@@ -75,8 +75,9 @@ class HotPath(abc.ABC):
     @abc.abstractmethod
     def _prewrite(self, conn: Any, wait: bool, session_id: str, count: int, effect_id: str, call_id: str,
                   tool_name: str, revision: int, args_text: str, digest: str, owner: str, now: float, lease: float,
-                  comp: str, comp_version: int) -> bool:
-        """The pre-write's statements on ``conn``: the session checked, the effect and its undo entry written."""
+                  comp: str, comp_version: int, start: dict[str, Any] | None = None) -> bool:
+        """The pre-write's statements on ``conn``: the session checked, the effect and its undo entry written; with
+        ``start`` (only where ``starts_with_prewrite``), the session's row written by the same statement."""
 
     @abc.abstractmethod
     def _mark(self, conn: Any, wait: bool, effect_id: str, text: str, now: float) -> bool:
@@ -121,11 +122,8 @@ class HotPath(abc.ABC):
         conn, gen = pool.checkout(wait=wait)
         broken = False
         try:
-            if start is None:
-                return self._prewrite(conn, wait, session_id, count, effect_id, call_id, tool_name, revision,
-                                      args_text, digest, owner, now, lease, comp, comp_version)
-            return self._prewrite_starting(conn, start, session_id, count, effect_id, call_id, tool_name, revision,
-                                           args_text, digest, owner, now, lease, comp, comp_version)
+            return self._prewrite(conn, wait, session_id, count, effect_id, call_id, tool_name, revision, args_text,
+                                  digest, owner, now, lease, comp, comp_version, start)
         except self.integrity_error as exc:
             raise IntegrityConflict(str(exc)) from exc
         except WouldBlock:
@@ -141,12 +139,6 @@ class HotPath(abc.ABC):
     #: Whether :meth:`prewrite` takes ``start`` here (PostgreSQL): a session's row written by the statement of
     #: its first logged call's pre-write.
     starts_with_prewrite = False
-
-    def _prewrite_starting(self, conn: Any, start: dict[str, Any], session_id: str, count: int, effect_id: str,
-                           call_id: str, tool_name: str, revision: int, args_text: str, digest: str, owner: str,
-                           now: float, lease: float, comp: str, comp_version: int) -> bool:
-        """The statement of :meth:`prewrite` given ``start``, on ``conn``."""
-        raise NotImplementedError("this database's hot path writes a session's row on its own")
 
     def mark(self, effect_id: str, text: str, now: float, *, fast: bool, wait: bool = True) -> bool:
         """The commit mark as one autocommit UPDATE; False when the effect was not in flight."""

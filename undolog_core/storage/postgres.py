@@ -316,20 +316,17 @@ class PostgresHotPath(HotPath):
 
     def _prewrite(self, conn: Any, wait: bool, session_id: str, count: int, effect_id: str, call_id: str,
                   tool_name: str, revision: int, args_text: str, digest: str, owner: str, now: float, lease: float,
-                  comp: str, comp_version: int) -> bool:
-        return pg_prewrite(conn, session_id, count, effect_id, call_id, tool_name, revision, args_text, digest,
-                           owner, now, lease, comp, comp_version)
+                  comp: str, comp_version: int, start: dict[str, Any] | None = None) -> bool:
+        if start is None:
+            return pg_prewrite(conn, session_id, count, effect_id, call_id, tool_name, revision, args_text, digest,
+                               owner, now, lease, comp, comp_version)
+        return pg_prewrite_starting(conn, start, session_id, count, effect_id, call_id, tool_name, revision,
+                                    args_text, digest, owner, now, lease, comp, comp_version)
 
     def _mark(self, conn: Any, wait: bool, effect_id: str, text: str, now: float) -> bool:
         return pg_mark(conn, effect_id, text, now)
 
     starts_with_prewrite = True
-
-    def _prewrite_starting(self, conn: Any, start: dict[str, Any], session_id: str, count: int, effect_id: str,
-                           call_id: str, tool_name: str, revision: int, args_text: str, digest: str, owner: str,
-                           now: float, lease: float, comp: str, comp_version: int) -> bool:
-        return pg_prewrite_starting(conn, start, session_id, count, effect_id, call_id, tool_name, revision,
-                                    args_text, digest, owner, now, lease, comp, comp_version)
 
     def start_session(self, values: dict[str, Any]) -> Any:
         with self.durable.connection("starting a session") as conn:

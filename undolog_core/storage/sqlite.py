@@ -303,7 +303,8 @@ class SQLiteHotPath(HotPath):
 
     def _prewrite(self, conn: Any, wait: bool, session_id: str, count: int, effect_id: str, call_id: str,
                   tool_name: str, revision: int, args_text: str, digest: str, owner: str, now: float, lease: float,
-                  comp: str, comp_version: int) -> bool:
+                  comp: str, comp_version: int, start: dict[str, Any] | None = None) -> bool:
+        # ``start`` is never given here: a session's row is written at its start (``starts_with_prewrite`` False).
         args = (session_id, count, effect_id, call_id, tool_name, revision, args_text, digest, owner, now, lease, comp,
                 comp_version)
         # SQLite has one writer: this process's writers queue on a lock that hands over at once (SQLite's own
