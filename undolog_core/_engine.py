@@ -9,9 +9,9 @@ import datetime as dt
 import itertools
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from . import _faults
 from ._faults import FaultPoint, fault
@@ -56,6 +56,8 @@ from .storage.base import FAST_POOL_SIZE, from_epoch, new_id, utcnow
 from .storage.hotpath import SessionRow
 from .storage.pool import IntegrityConflict, WouldBlock
 from .storage.schema import IN_FLIGHT, EffectState, OnFailure, RequestState, SessionState
+
+_T = TypeVar("_T")
 
 if TYPE_CHECKING:
     from ._registry import Registry
@@ -542,18 +544,7 @@ class Engine:
             return self._end_session(sc, state, allowed, [])
         # The deferred marks (fast mode's, this session's and any other's queued here) ride in the end's own
         # statement and commit: a marks batch of its own before it was a statement and a commit more per session.
-        with self._marks_lock:
-            batch: list[tuple[str, str, float]] = []
-            while self._marks:
-                batch.append(self._marks.popleft())
-            try:
-                done = self._end_session(sc, state, allowed, batch)
-            except BaseException:
-                self._marks.extendleft(reversed(batch))  # not written: still queued, the effects still in flight
-                raise
-        for effect_id, _, _ in batch:
-            self._inflight.discard(effect_id)
-        return done
+        return self._with_queued_marks(lambda batch: self._end_session(sc, state, allowed, batch))
 
     def _end_session(self, sc: SessionCache, state: SessionState, allowed: tuple[str, ...],
                      marks: list[tuple[str, str, float]]) -> bool | None:
@@ -1132,19 +1123,24 @@ class Engine:
         """Write the deferred commit marks now (fast mode); readers in this process call it first."""
         if not self._marks:
             return
+        self._with_queued_marks(lambda batch: self.hot.mark_many(batch) if batch else None)
+
+    def _with_queued_marks(self, write: Callable[[list[tuple[str, str, float]]], _T]) -> _T:
+        """``write(batch)`` of every deferred mark queued now, taken under the marks lock (one writer at a time, in
+        queue order); written, their effects leave the in-flight set; if ``write`` raises, they go back to the
+        front of the queue, still in flight, and the error goes on."""
         with self._marks_lock:
             batch: list[tuple[str, str, float]] = []
             while self._marks:
                 batch.append(self._marks.popleft())
-            if not batch:
-                return
             try:
-                self.hot.mark_many(batch)
+                result = write(batch)
             except BaseException:
                 self._marks.extendleft(reversed(batch))
                 raise
             for effect_id, _, _ in batch:
                 self._inflight.discard(effect_id)
+        return result
 
     def _flush_due_marks(self) -> float:
         """The flusher's step: the queued marks written once the oldest is ``MARK_FLUSH_SECONDS`` old (each mark is
