@@ -243,7 +243,6 @@ class UndoLogFilter:
         # The registry's tools by name, read on each call (a tool registered again is a new ToolSpec there).
         self._tools = undolog.registry.tools
         self._driver = undolog.driver  # (one attribute look-up fewer on each SAFE call)
-        self._engine = undolog.engine
         # The sessions this filter has seen, as the engine keeps them (read once; see _cache).
         self._seen: dict[str, SessionCache] = {}
         # Bound methods are created anew on each access; keep one of each so they can be found again.
@@ -524,12 +523,8 @@ class UndoLogFilter:
                 # The common case: only the model's parameters, each an exact str/int/float/bool/None of the type its
                 # field keeps. Checked as they are, without a JSON conversion (it would give the same objects back)
                 # and nothing to write back; else converted and validated (and converted) by the contract.
-                values = spec.as_is_copy(arguments) if known.params.issuperset(arguments) else None
-                if values is None:
-                    values = self._driver.safe(spec, self._args(known, arguments), sc)
-                    arguments.update(values)
-                else:
-                    self._engine.note_safe_in(sc, spec, values)  # (the rest of the driver's safe(), as it does it)
+                if not known.params.issuperset(arguments) or self._driver.safe_as_is(spec, arguments, sc) is None:
+                    arguments.update(self._driver.safe(spec, self._args(known, arguments), sc))
             except errors.UndoLogError as exc:
                 if not answer:
                     raise

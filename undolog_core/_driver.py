@@ -185,6 +185,20 @@ class CallDriver:
         self.engine.note_safe_in(cache, spec, values)
         return values
 
+    def safe_as_is(self, spec: ToolSpec, args: Mapping[str, Any], cache: SessionCache) -> dict[str, Any] | None:
+        """:meth:`safe` for arguments the contract's model would give back unchanged (``ToolSpec.as_is_copy``: a
+        framework's own mapping, like Semantic Kernel's ``KernelArguments``, checked as it is), else None with
+        nothing checked or counted: the caller then converts them and calls :meth:`safe`.
+
+        Example:
+            >>> driver.safe_as_is(spec, {"order_id": "A-17"}, cache)     # doctest: +SKIP
+            {'order_id': 'A-17'}
+        """
+        values = spec.as_is_copy(args)
+        if values is not None:
+            self.engine.note_safe_in(cache, spec, values)
+        return values
+
     # -- running ---------------------------------------------------------------------------------
 
     def run_sync(

@@ -676,9 +676,8 @@ class ToolSpec:
         """The values to run the tool with: ``values(validate(args))``, the arguments validated and converted by the
         contract (``ArgumentsInvalid`` when they break it). Arguments that the contract's model would give back
         unchanged (see :func:`as_is_checker`) are not run through it: their copy is the same values."""
-        if self._as_is is not None and self._as_is(args):
-            return dict(args)
-        return self.values(self.validate(args))
+        values = self.as_is_copy(args)
+        return values if values is not None else self.values(self.validate(args))
 
     def as_is_copy(self, args: Mapping[str, Any]) -> dict[str, Any] | None:
         """``checked(args)`` when the contract's model would give ``args`` back unchanged (a copy of them: valid, each
