@@ -165,8 +165,9 @@ _HOOKS = ("wrap_model_call", "awrap_model_call", "wrap_tool_call", "awrap_tool_c
 for _hook in _HOOKS:
     _fn = getattr(UndoLogMiddleware, _hook)
     _fn.__signature__ = inspect.signature(_fn)
-_HOOK_SIGNATURE = inspect.signature(UndoLogMiddleware.wrap_tool_call).replace(
-    parameters=list(inspect.signature(UndoLogMiddleware.wrap_tool_call).parameters.values())[1:])
+# The hooks' (request, handler), without self: what _plain_hook's functions carry (the same for all four).
+_with_self = inspect.signature(UndoLogMiddleware.wrap_tool_call)
+_HOOK_SIGNATURE = _with_self.replace(parameters=list(_with_self.parameters.values())[1:])
 
 
 def _plain_hook(method: Callable[[Any, Callable[[Any], Any]], Any]) -> Callable[[Any, Callable[[Any], Any]], Any]:
