@@ -157,17 +157,14 @@ def _worker_main(target: Callable[..., Any], i: int, start: Any, out: Any, args:
 
 # -- CPU accounting: the workers' own (client) and their PostgreSQL backends' (server) ---------------------------
 
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
 def _proc_cpu(pid: int) -> float:
-    """Seconds of CPU (user + system) process ``pid`` has used, from /proc (0 if it is gone or unreadable)."""
+    """Seconds of CPU process ``pid`` has used (/proc/<pid>/schedstat: on-CPU time in nanoseconds, exact where
+    /proc/<pid>/stat counts clock ticks); 0 if it is gone or unreadable."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 def _backends(app: str) -> list[int]:
@@ -545,15 +542,6 @@ def warm_sweeper(u: UndoLog, own: list[str], now: dt.datetime | None = None) -> 
     return got
 
 
-def _schedstat_ns(pid: int) -> int:
-    """Nanoseconds on CPU of process ``pid`` (/proc/<pid>/schedstat, exact where /proc/<pid>/stat counts ticks)."""
-    try:
-        with open(f"/proc/{pid}/schedstat") as f:
-            return int(f.read().split()[0])
-    except OSError:
-        return 0
-
-
 def _postgres_aux_pids() -> list[int]:
     """The PostgreSQL server's own processes (WAL writer, checkpointer, background writer, autovacuum), not its
     client backends: the machine's other users' backends are no part of a sweep."""
@@ -579,14 +567,14 @@ def expire_worker(i: int, prepared: Any, url: str, schema: str | None, warm: lis
         u = open_undolog(_with_app(url, app), schema)
         warm_sweeper(u, warm[i] if warm else [])
         backends = _backends(app)
-        return u, backends, {pid: _schedstat_ns(pid) for pid in backends}
+        return u, backends, {pid: _proc_cpu(pid) for pid in backends}
     u, backends, server0 = prepared
     began, client0 = time.monotonic(), time.process_time()
     # One sweep per process, as each server's sweeper does it: it claims batches until none is left to claim
     # (rows another worker holds are that worker's to finish).
     got = u.approvals.expire_due()  # the process exits without closing: closing is not part of the sweep
     client, ended = time.process_time() - client0, time.monotonic()
-    server = sum(_schedstat_ns(pid) - ns for pid, ns in server0.items()) / 1e9
+    server = sum(_proc_cpu(pid) - cpu for pid, cpu in server0.items())
     return {"expired": got, "client_s": client, "server_s": server, "began": began, "ended": ended}
 
 
@@ -627,9 +615,9 @@ def expire_once(w: int, n: int, *, cold: bool = False) -> tuple[float, dict[str,
     warm = [ids[n + k * i:n + k * (i + 1)] for i in range(w)]
     time.sleep(1.05)
     released: list[float] = []
-    aux0 = {pid: _schedstat_ns(pid) for pid in _postgres_aux_pids()}
+    aux0 = {pid: _proc_cpu(pid) for pid in _postgres_aux_pids()}
     wall, res = run_workers(w, expire_worker, (PG_URL, schema, warm), released)
-    other = sum(_schedstat_ns(pid) - ns for pid, ns in aux0.items()) / 1e9
+    other = sum(_proc_cpu(pid) - cpu for pid, cpu in aux0.items())
     t0 = released[0]
     expired = [x for r in res for x in r["expired"]]
     check_expired_once(u, ids, expired + [x for mine in warm for x in mine])
