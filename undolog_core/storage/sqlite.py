@@ -23,6 +23,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from ..errors import ConfigurationError, DatabaseUnavailable
 from . import schema as t
+from .checkpoint import HARD_PAGES, WalCheckpointer
 from .group import GroupCommit
 from .hotpath import _WRITABLE, HotPath, SessionRow
 from .pool import IntegrityConflict, WouldBlock, is_unavailable
@@ -150,6 +151,16 @@ class SQLiteHotPath(HotPath):
         self._watch_tried = False
         self._watch_lock = threading.Lock()
         self._states: dict[tuple[str, ...], tuple[bytes, float, dict[str, tuple[str, str | None]]]] = {}
+        # WAL checkpoints in a thread of their own, not inside a caller's commit (see checkpoint.py); none for an
+        # in-memory database, which has no WAL.
+        self.checkpointer = WalCheckpointer(self._checkpointer_connection) if _on_file(store.engine) else None
+
+    def _checkpointer_connection(self) -> Any:
+        # The durable engine's (synchronous=FULL: a checkpoint fsyncs the WAL before copying it and the file
+        # after, whatever mode the callers write in), owned by the checkpointer outside the pool's accounting.
+        fairy = self.store.engine.raw_connection()
+        fairy.detach()
+        return fairy.dbapi_connection
 
     def session_states(self, session_ids: Sequence[str], *, wait: bool = True) -> dict[str, tuple[str, str | None]]:
         """The read of ``HotPath.session_states``, skipped while nothing was committed since the same ids were read.
@@ -198,6 +209,8 @@ class SQLiteHotPath(HotPath):
             self._states.clear()
         if watch is not None:
             watch.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         super().close()
 
     def prewrite(self, session_id: str, count: int, effect_id: str, call_id: str, tool_name: str, revision: int,
@@ -300,6 +313,9 @@ class SQLiteHotPath(HotPath):
         # here, a new session's on_failure, is checked by start_session before it is written. The general engine's
         # connections, which write every other state, keep every check (tests/core/test_hot_path_checks.py).
         conn.execute("PRAGMA ignore_check_constraints=ON")
+        # The WAL is checkpointed by the hot path's thread (checkpoint.py): a commit here checkpoints only past
+        # HARD_PAGES, the safeguard for when that thread cannot keep up.
+        conn.execute(f"PRAGMA wal_autocheckpoint={HARD_PAGES}")
 
     def _prewrite(self, conn: Any, wait: bool, session_id: str, count: int, effect_id: str, call_id: str,
                   tool_name: str, revision: int, args_text: str, digest: str, owner: str, now: float, lease: float,
@@ -366,6 +382,12 @@ class SQLiteHotPath(HotPath):
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
+
+
+def _on_file(engine: Engine) -> bool:
+    """Whether ``engine`` is on a database file (not ``:memory:``, a temporary database or a ``mode=memory`` URI)."""
+    database = engine.url.database or ""
+    return database not in ("", ":memory:") and "mode=memory" not in str(engine.url)
 
 
 def make_engine(url: str, *, durable: bool, pool_size: int, overflow: int, default_file: str) -> Engine:
