@@ -11,11 +11,16 @@ Four measurements, each printed with what it is compared against:
    both is CPU bound, and the ratio is the bare CPU per insert over the CPU per call.
 2. ``expire``: approval requests past their timeout expired by ``approvals.expire_due()`` from N processes at
    once. Goal: >= 3,000/s with 4 workers, more workers never slower, each request timed out exactly once
-   (checked: one ``timeout`` audit event and one ``approval.timed_out`` outbox row per request). Each worker
-   first sweeps two requests of its own, as a running server's sweeper has (``warm_sweeper``); ``--expire-cold``
-   also times each process's very first sweep. ``--expire-rounds`` (3) runs every worker count once per round in a
-   shuffled order: the medians, and each count's paired ratio to the next smaller one (one run's rate moves by
-   10-20% from run to run on a 2-core machine, more than the differences it is asked about).
+   (checked: one ``timeout`` audit event and one ``approval.timed_out`` outbox row per request, the audit chain
+   verifies). The due requests are raised once (``seed_expire_template``) and copied into a fresh schema per run
+   (``clone_schema``), so every run starts from the same rows. Each worker first sweeps two requests of its own, as
+   a running server's sweeper has (``warm_sweeper``); ``--expire-cold`` also times each process's very first
+   sweep. ``--expire-rounds`` (7) runs every worker count once per round, and the base count (2) a second time,
+   in a shuffled order: per pair (each count against the next smaller one), the median of the per-round ratios
+   with their p25-p75, in rate and in CPU per timeout, and a verdict read against the base count's pair with
+   itself, the measurement's own spread (``expire_verdict``), and the same for the database work per timeout
+   (blocks and index entries read, from PostgreSQL's statistics: counts, steady on a busy machine).
+   ``--expire-probe`` adds the sweepers' wait events (sampled; it takes CPU in the timed window).
 3. ``recover``: ``recover()`` of 1,000 (and 10,000) in-flight COMPENSABLE effects left by a SIGKILLed process,
    trivial compensations, on PostgreSQL and SQLite. Goal: 1,000 in < 2 s, 10,000 in < 20 s; each compensation
    run exactly once.
@@ -561,7 +566,7 @@ def _postgres_aux_pids() -> list[int]:
     return aux
 
 
-#: The database work done in a schema's tables and indexes, from the cumulative statistics (``--expire-probe``):
+#: The database work done in a schema's tables and indexes, from the cumulative statistics (every expire run):
 #: blocks read (found in shared buffers or not), index entries read, index scans, rows inserted and updated. Counts,
 #: not times: the same on a busy machine as on a quiet one.
 _SCHEMA_WORK = """
@@ -601,17 +606,17 @@ def _flush_stats(u: UndoLog) -> None:
 
 
 def expire_worker(i: int, prepared: Any, url: str, schema: str | None, warm: list[list[str]] | None = None,
-                  probe: bool = False) -> Any:
+                  count: bool = False) -> Any:
     """One sweeper process: prepared (opened, warmed, its backends' CPU noted), then one sweep. Returns the ids it
     timed out, its own CPU and its backends' over the sweep (``client_s``, ``server_s``: /proc/<pid>/schedstat) and
     when it started and ended (``time.monotonic``, the same clock in every process: the start lag after the
-    release); with ``probe``, its backends report their statistics before the release and after the sweep
+    release); with ``count``, its backends report their statistics before the release and after the sweep
     (``_flush_stats``), so the parent can count the sweep's database work (``_schema_work``)."""
     if prepared is None:
         app = _app_name("expire", i)
         u = open_undolog(_with_app(url, app), schema)
         warm_sweeper(u, warm[i] if warm else [])
-        if probe:  # the warm-up's work counted before the release (``expire_once`` reads the baseline then)
+        if count:  # the warm-up's work counted before the release (``expire_once`` reads the baseline then)
             _flush_stats(u)
         backends = _backends(app)
         return u, backends, {pid: _proc_cpu(pid) for pid in backends}
@@ -622,7 +627,7 @@ def expire_worker(i: int, prepared: Any, url: str, schema: str | None, warm: lis
     got = u.approvals.expire_due()  # the process exits without closing: closing is not part of the sweep
     client, ended = time.process_time() - client0, time.monotonic()
     server = sum(_proc_cpu(pid) - cpu for pid, cpu in server0.items())
-    if probe:  # after the timed window: the sweep's work reported before the parent reads it
+    if count:  # after the timed window: the sweep's work reported before the parent reads it
         _flush_stats(u)
     return {"expired": got, "client_s": client, "server_s": server, "began": began, "ended": ended}
 
@@ -773,10 +778,14 @@ def expire_once(template: tuple[str, list[str]], n: int, w: int, *, cold: bool =
     sampler = WaitSampler(released) if probe else None
     aux0 = {pid: _proc_cpu(pid) for pid in _postgres_aux_pids()}
     work0: dict[str, int] = {}
-    ready = (lambda: work0.update(_schema_work(schema))) if probe else None
-    wall, res = run_workers(w, expire_worker, (PG_URL, schema, warm, probe), released, ready=ready)
+    # The database work is counted in every run: the backends report their statistics outside the timed window
+    # (after the warm-up, and after the sweep once its times are taken).
+    def ready() -> None:
+        work0.update(_schema_work(schema))
+
+    wall, res = run_workers(w, expire_worker, (PG_URL, schema, warm, True), released, ready=ready)
     other = sum(_proc_cpu(pid) - cpu for pid, cpu in aux0.items())
-    work = {k: v - work0[k] for k, v in _schema_work(schema).items()} if probe else {}
+    work = {k: v - work0[k] for k, v in _schema_work(schema).items()}
     sampled = sampler.done() if sampler else {}
     t0 = released[0]
     expired = [x for r in res for x in r["expired"]]
@@ -805,22 +814,24 @@ def quartiles(xs: list[float]) -> tuple[float, float]:
 EXPIRE_TOLERANCE = 0.10
 
 
-def expire_verdict(ratio: float, own_lo: float) -> str:
+def expire_verdict(ratio: float, own_lo: float, *, what: str = "slower") -> str:
     """"More workers never slower" for one pair, from its median paired rate ratio (more workers over fewer) and
     the measurement's own pair's spread (``own_lo``: how far from 1.0 a count compared with itself falls in a
-    quarter of the rounds, either way: min(p25, 1 / p75)).
+    quarter of the rounds, either way: min(p25, 1 / p75)). ``what``: the word for worse (CPU and database work per
+    timeout are given as fewer over more, "more").
 
     Example:
         >>> expire_verdict(0.97, own_lo=0.95)
         "not slower beyond the measurement's own spread"
     """
-    if ratio >= 1.0:
-        return "not slower"
+    # The spread first: a median above 1.0 says nothing either when the count against itself strays further.
     if 1.0 - own_lo > EXPIRE_TOLERANCE:
         return f"cannot tell: the measurement's own spread ({own_lo:.3f}x) is wider than {EXPIRE_TOLERANCE:.0%}"
+    if ratio >= 1.0:
+        return f"not {what}"
     if ratio >= own_lo:
-        return "not slower beyond the measurement's own spread"
-    return "SLOWER"
+        return f"not {what} beyond the measurement's own spread"
+    return what.upper()
 
 
 def bench_expire(workers: list[int], n: int, *, rounds: int = 1, cold: bool = False, probe: bool = False,
@@ -864,9 +875,9 @@ def bench_expire(workers: list[int], n: int, *, rounds: int = 1, cold: bool = Fa
         row["cpu_us"]["all_workers"] = round(statistics.median(total(c) for c in cpus[x]) * 1e6 / n, 1)
         row["lag_ms"] = round(statistics.median(c["lag"] for c in cpus[x]) * 1e3, 1)
         row["swept_by"] = sorted({int(c["sweepers"]) for c in cpus[x]})
+        row["work_per_timeout"] = {k: round(statistics.median(c["work"][k] for c in cpus[x]) / n, 2)
+                                   for k in WORK_KEYS}
         if probe:
-            row["work_per_timeout"] = {k: round(statistics.median(c["work"][k] for c in cpus[x]) / n, 2)
-                                       for k in WORK_KEYS}
             merged: dict[str, int] = {}
             for c in cpus[x]:
                 for k, v in c["waits"].items():
@@ -875,23 +886,31 @@ def bench_expire(workers: list[int], n: int, *, rounds: int = 1, cold: bool = Fa
         rows.append(row)
     pairs = [(workers[i], workers[i - 1]) for i in range(1, len(workers))]
     pairs.insert(0, (again, base))
-    own_lo = 1.0
+    own_lo = own_cpu_lo = own_work_lo = 1.0
     out_pairs = []
     for more, fewer in pairs:
         rate = [b / a for a, b in zip(walls[more], walls[fewer], strict=True)]  # rate(more) / rate(fewer)
         cpu = [total(a) / total(b) for a, b in zip(cpus[more], cpus[fewer], strict=True)]  # CPU per timeout
+        # The database work (blocks read) per timeout: a count, which the machine's other load does not move.
+        work = [a["work"]["blocks"] / b["work"]["blocks"] for a, b in zip(cpus[more], cpus[fewer], strict=True)]
         lo, hi = quartiles(rate)
         clo, chi = quartiles(cpu)
+        wlo, whi = quartiles(work)
         pair: dict[str, Any] = {"more": str(more), "fewer": str(fewer), "rate_ratio": round(statistics.median(rate), 3),
                                 "rate_p25": round(lo, 3), "rate_p75": round(hi, 3),
                                 "cpu_ratio": round(statistics.median(cpu), 3), "cpu_p25": round(clo, 3),
-                                "cpu_p75": round(chi, 3)}
+                                "cpu_p75": round(chi, 3), "work_ratio": round(statistics.median(work), 3),
+                                "work_p25": round(wlo, 3), "work_p75": round(whi, 3)}
         if more == again:
             # Which of the two runs of the base count is "more" is arbitrary: the spread is taken both ways.
-            own_lo = min(lo, 1.0 / hi)
-            pair["verdict"] = "the measurement's own spread"
+            own_lo, own_cpu_lo, own_work_lo = min(lo, 1.0 / hi), min(1.0 / chi, clo), min(1.0 / whi, wlo)
+            pair["verdict"] = pair["cpu_verdict"] = pair["work_verdict"] = "the measurement's own spread"
         else:
             pair["verdict"] = expire_verdict(pair["rate_ratio"], own_lo)
+            # The same question in CPU per timeout (fewer over more: >= 1 is no more CPU), steadier than the rate
+            # while other programs share the cores: on 2 cores two sweepers are CPU bound.
+            pair["cpu_verdict"] = expire_verdict(1.0 / pair["cpu_ratio"], own_cpu_lo, what="more")
+            pair["work_verdict"] = expire_verdict(1.0 / pair["work_ratio"], own_work_lo, what="more")
         out_pairs.append(pair)
     return {"rows": rows, "pairs": out_pairs, "base": base}
 
@@ -915,11 +934,14 @@ def print_expire(res: dict[str, Any]) -> None:
             top = ", ".join(f"{k} {v}" for k, v in sorted(w.items(), key=lambda kv: -kv[1])[:6])
             print(f"            backends seen active in {samples} samples: {top}")
     print("expire      more workers never slower (paired per round: median [p25-p75]; rate more/fewer, >= 1 is "
-          "not slower; CPU per timeout more/fewer, all workers)")
+          "not slower; CPU and database work (blocks) per timeout more/fewer, all workers, <= 1 is no more)")
     for p in res["pairs"]:
         print(f"            {p['more']:>7} vs {p['fewer']}: rate {p['rate_ratio']:.3f}x [{p['rate_p25']:.3f}-"
-              f"{p['rate_p75']:.3f}], CPU {p['cpu_ratio']:.3f}x [{p['cpu_p25']:.3f}-{p['cpu_p75']:.3f}]  "
-              f"{p['verdict']}")
+              f"{p['rate_p75']:.3f}], CPU {p['cpu_ratio']:.3f}x [{p['cpu_p25']:.3f}-{p['cpu_p75']:.3f}], "
+              f"database work {p['work_ratio']:.3f}x [{p['work_p25']:.3f}-{p['work_p75']:.3f}]")
+        if p["more"] != f"{res['base']} again":
+            print(f"                rate: {p['verdict']}; CPU per timeout: {p['cpu_verdict']}; database work per "
+                  f"timeout: {p['work_verdict']}")
 
 
 # -- 3. recovery of in-flight effects of a SIGKILLed process ----------------------------------------------------
@@ -1048,15 +1070,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="throughput: comma-separated, of " + ", ".join(VARIANTS) + " (bare is needed)")
     ap.add_argument("--rounds", type=int, default=2, help="throughput: interleaved rounds")
     ap.add_argument("--expire-n", type=int, default=6000, help="expire: due requests per run")
-    ap.add_argument("--expire-rounds", type=int, default=3,
+    ap.add_argument("--expire-rounds", type=int, default=7,
                     help="expire: rounds, every worker count once per round in a shuffled order (medians)")
     ap.add_argument("--expire-cold", action="store_true",
                     help="expire: also time each worker process's first sweep (statements compiled, the backend's "
                          "caches filled inside the timed window), after the warm sweepers")
     ap.add_argument("--expire-probe", action="store_true",
-                    help="expire: count each sweep transaction's database work (pg_stat_get_xact_*) and sample the "
-                         "sweepers' backends in pg_stat_activity (wait events); diagnostic: both take CPU in the timed "
-                         "window")
+                    help="expire: sample the sweepers' backends in pg_stat_activity (wait events); diagnostic: the "
+                         "sampling takes CPU in the timed window")
     ap.add_argument("--recover-n", default="1000,10000", help="recover: in-flight effects per run")
     ap.add_argument("--api-n", type=int, default=2000)
     ap.add_argument("--json", action="store_true")

@@ -711,6 +711,20 @@ def test_a_sweeper_that_finds_every_slot_held_stops_without_reading_the_requests
     assert u.verify_audit().ok
 
 
+def test_the_expire_benchmark_says_not_slower_beyond_its_spread_only_when_its_own_spread_is_narrow():
+    """benchmarks/scale.py reads "more workers never slower" against the base count paired with itself: a median
+    under 1.0 passes as within the measurement's spread only when that spread is within the tolerance, and never
+    when it is below the spread; with a spread wider than the tolerance no verdict is given, whatever the median."""
+    scale = _bench_scale()
+    tol = scale.EXPIRE_TOLERANCE
+    assert scale.expire_verdict(1.02, 1.0 - tol / 2) == "not slower"
+    assert scale.expire_verdict(1.20, 0.5).startswith("cannot tell")
+    assert scale.expire_verdict(0.97, 1.0 - tol / 2) == "not slower beyond the measurement's own spread"
+    assert scale.expire_verdict(0.97, 1.0 - 2 * tol).startswith("cannot tell")
+    assert scale.expire_verdict(0.90, 1.0 - tol / 2) == "SLOWER"
+    assert scale.expire_verdict(0.90, 1.0 - tol / 2, what="more") == "MORE"
+
+
 def _seed_due(u: Any, n: int, per_session: int = 10) -> None:
     """``n`` pending requests past their timeout over the bulk sessions and effects (``_seed_bulk``), inserted in SQL
     AFTER the tables were analyzed: the statistics say there are none, as with a backlog newer than them."""
