@@ -784,7 +784,8 @@ def expire_once(template: tuple[str, list[str]], n: int, w: int, *, cold: bool =
         work0.update(_schema_work(schema))
 
     wall, res = run_workers(w, expire_worker, (PG_URL, schema, warm, True), released, ready=ready)
-    other = sum(_proc_cpu(pid) - cpu for pid, cpu in aux0.items())
+    # A process that ended meanwhile (an autovacuum worker) reads 0, or its pid's next owner less: not counted.
+    other = sum(max(0.0, _proc_cpu(pid) - cpu) for pid, cpu in aux0.items())
     work = {k: v - work0[k] for k, v in _schema_work(schema).items()}
     sampled = sampler.done() if sampler else {}
     t0 = released[0]
