@@ -427,11 +427,15 @@ class Engine:
         on_failure: str = "rollback",
         create: bool = True,
         fresh: bool = False,
+        durable: bool = True,
     ) -> SessionCache:
         """This process's record of the session, read from the store, or the session started there (``create``).
 
         ``fresh``: the id was just minted, so the session is almost surely new: it is inserted first (one statement
-        where the hot path has it) and read only when that id turns out to exist."""
+        where the hot path has it) and read only when that id turns out to exist. ``durable=False`` (with ``fresh``):
+        that insert may commit without waiting for the disk where the row is then made durable by the next durable
+        commit of anything (SQLite's WAL, see ``SQLiteHotPath.start_session``): for a session whose row nothing
+        refers to yet, started on an agent's turn."""
         sc = self._sessions.get(session_id)
         if sc is not None and sc.persisted:
             return sc
@@ -456,7 +460,7 @@ class Engine:
             values["pinned_revisions"], values["created_at"] = start["pinned_revisions"], from_epoch(start["created_at"])
         row = None
         if create and fresh:  # a new id: one durable insert on the hot path's pool where the database has it
-            row = self.hot.start_session({"session_id": session_id, **values})
+            row = self.hot.start_session({"session_id": session_id, **values}, durable=durable)
         if row is None:
             row = self.store.get_or_create_session(session_id, create=create, values=values)
         if row is None:

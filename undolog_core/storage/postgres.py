@@ -328,7 +328,8 @@ class PostgresHotPath(HotPath):
 
     starts_with_prewrite = True
 
-    def start_session(self, values: dict[str, Any]) -> Any:
+    def start_session(self, values: dict[str, Any], *, durable: bool = True) -> Any:
+        # Durable whatever ``durable`` says: the first turn's write on PostgreSQL is left as it was measured.
         with self.durable.connection("starting a session") as conn:
             return pg_start_session(conn, values)
 
