@@ -34,7 +34,7 @@ from ._payload import (
     done_asking,
     payload,
 )
-from ._sessions import _chain, _chain_index
+from ._sessions import SEP, _chain, _chain_index
 from ._siblings import siblings_rejected
 from ._tools import _Box, _capturing, _content_of, _declaration, _function_of, _sibling_call_ids, emit
 
@@ -185,7 +185,8 @@ class _Guard:
         """
         known = self.heads.get(base)  # one dict read is atomic: the lock orders the writers only
         n = known or 1
-        sid, nxt = _chain(base, n), _chain(base, n + 1)
+        # _chain(base, n) and _chain(base, n + 1), inline: this runs at every user turn.
+        sid, nxt = (base if n <= 1 else f"{base}{SEP}{n}"), f"{base}{SEP}{n + 1}"
         found = self.u.engine.session_states([sid, nxt], wait=wait)
         if nxt in found:
             # Rare: another process opened the thread's next session (after a rollback): walk the chain.
