@@ -467,6 +467,33 @@ class Engine:
             raise SessionNotFound(session_id)
         return self.remember(row)
 
+    def try_start(self, session_id: str, *, agent_id: str | None = None, on_failure: str = "rollback",
+                  unless: str | None = None, durable: bool = True) -> SessionCache | None:
+        """The session started in one statement when neither it nor the session ``unless`` exists, else None with
+        nothing written (also where the hot path has no such statement, or this process already has a record of
+        it): the caller then reads the store. ``durable``: as for :meth:`ensure_session`.
+
+        An adapter's first look at a conversation it has not seen (most often a new one): started without reading
+        the store first, and never next to a later session of the same conversation (``unless``).
+
+        Example:
+            >>> sc = undolog.engine.try_start("ticket-1", agent_id="bot", unless="ticket-1#2")
+            >>> sc is None or sc.state == "active"
+            True
+        """
+        if session_id in self._sessions:
+            return None
+        check_id("session_id", session_id)
+        if agent_id is not None:
+            check_identity("agent_id", agent_id)
+        now = utcnow()
+        row = self.hot.start_session({
+            "session_id": session_id, "agent_id": agent_id, "state": SessionState.ACTIVE.value,
+            "tool_calls_total": 0, "created_by": None, "halted_reason": None, "on_failure": on_failure,
+            "pinned_revisions": self.current_pins(), "created_at": now, "updated_at": now,
+        }, durable=durable, unless=unless)
+        return None if row is None else self.remember(row)
+
     def look_up_session(self, session_id: str, *, agent_id: str | None = None, wait: bool = True) -> SessionCache:
         """This process's record of the session, without writing: read once from the store (its state and pins)
         when this process does not know it yet; a session the store does not have is recorded in memory only, and

@@ -187,6 +187,18 @@ class _Guard:
         n = known or 1
         # _chain(base, n) and _chain(base, n + 1), inline: this runs at every user turn.
         sid, nxt = (base if n <= 1 else f"{base}{SEP}{n}"), f"{base}{SEP}{n + 1}"
+        if known is None and wait:
+            # A thread this process has not seen (most often a new one): its session inserted first, in one
+            # statement that writes nothing when it or the next one exists (then read below), where the store has
+            # it (SQLite). A new thread's first turn so skips a read, which inside a step costs as much as the
+            # insert (both run SQLite's code cold). Not waiting for the disk: see below.
+            with self.create_lock:
+                sc = self.u.engine.try_start(sid, agent_id=self.agent_id, on_failure=self.on_failure, unless=nxt,
+                                             durable=False)
+            if sc is not None:
+                with self.lock:
+                    self.heads.setdefault(base, n)
+                return sid, sc.state, None
         found = self.u.engine.session_states([sid, nxt], wait=wait)
         if nxt in found:
             # Rare: another process opened the thread's next session (after a rollback): walk the chain.
