@@ -610,6 +610,26 @@ class Engine:
         sc.count_safe()
         sc.recent.append((spec.name, "safe", args, "done"))
 
+    def decide_safe(self, session_id: str, spec: ToolSpec, args: Mapping[str, Any],
+                    call_id: str | None = None) -> Execute:
+        """:meth:`intercept_spec` for a SAFE ``spec``: the call id checked, the arguments validated against the
+        contract, the session's pin checked (``ContractChanged``) and the call counted in memory; nothing is written.
+
+        In one frame (:meth:`note_safe` inline): a framework adapter decides every SAFE call here, inside an agent
+        step where each frame's code and data are cold.
+
+        Example:
+            >>> d = undolog.engine.decide_safe("thread-1", spec, {"order_id": "A-17"}, "call-1")   # doctest: +SKIP
+            >>> d.effect_id is None
+            True
+        """
+        if call_id is not None:
+            check_id("call_id", call_id)
+        values = spec.values(spec.validate(args))
+        sc = self._sessions.get(session_id)
+        self.note_safe_in(sc if sc is not None else self.session_cache(session_id), spec, values)
+        return execute_now(None, values, None, SAFE, spec.name, call_id, session_id)
+
     def intercept(
         self,
         session_id: str,
@@ -646,13 +666,12 @@ class Engine:
         have to wait for a connection or a lock, or needs more than the hot path's one statement: the caller
         then runs the same call in a thread.
         """
+        if spec.tier is SAFE:
+            return self.decide_safe(session_id, spec, args, call_id)
         if call_id is not None:
             check_id("call_id", call_id)
         model = spec.validate(args)
         values = spec.values(model)
-        if spec.tier is SAFE:
-            self.note_safe(session_id, spec, values)
-            return execute_now(None, values, None, SAFE, spec.name, call_id, session_id)
         args_json = spec.snapshot(model)
         try:
             args_text = canonical_text(args_json)

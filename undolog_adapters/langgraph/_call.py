@@ -178,7 +178,7 @@ def run_safe(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
     """The middleware's SAFE call of a thread whose session is known here, decided and run: the tool's answer (or
     the refusal of invalid arguments), or ``NOT_SAFE`` with nothing done when the call takes ``run_call``'s path.
 
-    ``guard.safe`` decides (the arguments validated against the contract, the session's pin checked, the call
+    ``guard.safe_decision`` decides (the arguments validated against the contract, the session's pin checked, the call
     counted) and the driver runs it as ``run_sync`` runs a SAFE call (``current_call()`` set, the retry policy,
     ``GraphBubbleUp`` passed on), with the fewest frames: every SAFE tool call of an agent step comes here, and
     inside a step each frame's code and data are cold (a frame costs 1-3 us there, 0.1-0.3 us in a loop).
@@ -186,12 +186,11 @@ def run_safe(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
     if request.tool is None or _BATCH.get() is not None:
         return NOT_SAFE
     try:
-        safe = guard.safe(request)
+        d = guard.safe_decision(request)
     except _REFUSED as exc:
         return guard.refusal(request, exc)
-    if safe is None:
+    if d is None:
         return NOT_SAFE
-    d = safe.execute
     call = request.tool_call
     args = call.get("args") or {}
     # The validated arguments (guard.runnable's test, inline); nothing is stored for a SAFE call.

@@ -272,18 +272,24 @@ class _Guard:
         """A SAFE call's whole decision (its arguments validated, counted in memory), or None when the call is not
         SAFE or its thread has no session known here yet: then ``prepare`` decides. What ``prepare`` does for a SAFE
         call, without the driver's lookups by name and the decision's wrapping: it runs on every SAFE tool call."""
+        d = self.safe_decision(request)
+        return None if d is None else _Run(d, d.session_id)
+
+    def safe_decision(self, request: Any) -> Execute | None:
+        """:meth:`safe`'s decision itself (its ``session_id`` is the thread's session), with the fewest frames: the
+        middleware's sync SAFE call takes it, inside an agent step where each frame costs 1-3 us (cold code)."""
         call = request.tool_call
         name = self.names.get(call["name"])
         spec = self.u.registry.tools.get(name) if name is not None else None
         if spec is None or spec.tier is not ToolTier.SAFE:
             return None
-        base = self.base_id(_config_of(request))
+        rt = getattr(request, "runtime", None)  # _config_of, inline
+        base = self.base_id(getattr(rt, "config", None) or get_config())
         n = self.heads.get(base)  # known from the turn's check (its session exists); else prepare creates it
         if n is None:
             return None
-        sid = _chain(base, n)
-        d = self.u.engine.intercept_spec(sid, spec, call.get("args") or {}, call.get("id"))
-        return _Run(d, sid) if isinstance(d, Execute) else None  # (a SAFE decision is always Execute)
+        return self.u.engine.decide_safe(base if n <= 1 else f"{base}{SEP}{n}", spec, call.get("args") or {},
+                                         call.get("id"))
 
     def _after_close(self, base: str, sid: str, request: Any) -> str | None:
         """A call on a rolled-back/completed session: a new plan gets a new session, the old plan none."""
