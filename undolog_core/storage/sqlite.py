@@ -45,6 +45,14 @@ _SQLITE_START_SESSION = (
     "on_failure, pinned_revisions, created_at, updated_at) VALUES (?, ?, 'active', 0, ?, NULL, ?, ?, ?, ?) "
     "ON CONFLICT (session_id) DO NOTHING RETURNING session_id, state, pinned_revisions, on_failure"
 )
+# The same insert, unless another session (``unless``: the thread's next one) exists: an adapter's first look at a
+# thread, which is then started without reading the store first (nothing is written when either exists).
+_SQLITE_START_SESSION_UNLESS = (
+    "INSERT INTO undolog_sessions (session_id, agent_id, state, tool_calls_total, created_by, halted_reason, "
+    "on_failure, pinned_revisions, created_at, updated_at) SELECT ?, ?, 'active', 0, ?, NULL, ?, ?, ?, ? "
+    "WHERE NOT EXISTS (SELECT 1 FROM undolog_sessions WHERE session_id = ?) "
+    "ON CONFLICT (session_id) DO NOTHING RETURNING session_id, state, pinned_revisions, on_failure"
+)
 _SQLITE_MARK = (
     "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = ?, owner = NULL, lease_until = NULL, "
     "updated_at = ? WHERE effect_id = ? AND state IN ('pending', 'running')"
@@ -405,24 +413,63 @@ class SQLiteHotPath(HotPath):
         finally:
             self.write_lock.release()
 
-    def start_session(self, values: dict[str, Any]) -> Any:
+    def start_session(self, values: dict[str, Any], *, durable: bool = True, unless: str | None = None) -> Any:
         """A new session's row in one durable autocommit statement, or None when the id exists (the caller reads it).
 
         The general path's read, savepoint and insert through SQLAlchemy cost about a millisecond of CPU; an adapter
         starts a session per conversation, and a conversation may be a few calls. The values are those Core would
         write (the same datetime text, the same JSON); this pool's connections skip CHECK constraints, so the one
-        value a caller chose (``on_failure``) is checked here first."""
+        value a caller chose (``on_failure``) is checked here first.
+
+        ``durable=False``: committed without waiting for the disk (``synchronous=NORMAL`` for this one statement:
+        the WAL is written, not fsynced). Visible to every connection at once, and durable with the next durable
+        commit of any connection of any process: that commit fsyncs the whole WAL file, this row's frames with it
+        (a checkpoint syncs the database first). Every write that depends on the row is such a commit (a pre-write
+        checks the session in its own statement, a halt or a rollback changes the row), so a power loss can only
+        take the row while nothing in the store refers to it: the same store as if it had not been started yet.
+
+        ``unless``: nothing is written (None) when a session with that id exists either, checked in the same
+        statement."""
         on_failure = t.OnFailure(values["on_failure"]).value  # ValueError for anything the CHECK would refuse
         now_s = _sqlite_time(values["created_at"].timestamp())
-        params = (values["session_id"], values["agent_id"], values["created_by"], on_failure,
-                  json.dumps(values["pinned_revisions"]), now_s, now_s)
-        with self.durable.connection("starting a session") as conn, self.write_lock:
-            # fetchall: the autocommit statement ends (and commits) only once its RETURNING rows are read.
-            rows = conn.execute(_SQLITE_START_SESSION, params).fetchall()
+        params: tuple[Any, ...] = (values["session_id"], values["agent_id"], values["created_by"], on_failure,
+                                   json.dumps(values["pinned_revisions"]), now_s, now_s)
+        sql = _SQLITE_START_SESSION
+        if unless is not None:
+            sql, params = _SQLITE_START_SESSION_UNLESS, (*params, unless)
+        if not durable:
+            rows = self._start_unsynced(sql, params)
+        else:
+            with self.durable.connection("starting a session") as conn, self.write_lock:
+                # fetchall: the autocommit statement ends (and commits) only once its RETURNING rows are read.
+                rows = conn.execute(sql, params).fetchall()
         if not rows:
             return None
         sid, state, pins, failure = rows[0]
         return SessionRow(sid, state, json.loads(pins) if pins else {}, failure)
+
+    def _start_unsynced(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
+        """``start_session(durable=False)``'s statement, on a durable connection switched to ``synchronous=NORMAL``
+        for it alone. A connection that could not be switched back to FULL is closed, never pooled: every other
+        write of this pool must keep waiting for the disk."""
+        pool = self.durable
+        conn, gen = pool.checkout()
+        restored = False
+        try:
+            with self.write_lock:
+                conn.execute("PRAGMA synchronous=NORMAL")
+                try:
+                    rows: list[Any] = conn.execute(sql, params).fetchall()
+                finally:
+                    conn.execute("PRAGMA synchronous=FULL")
+                    restored = True
+        except BaseException as exc:
+            pool.checkin(conn, gen, broken=not restored or is_unavailable(exc))
+            if is_unavailable(exc):
+                raise DatabaseUnavailable("starting a session", exc) from exc
+            raise
+        pool.checkin(conn, gen)
+        return rows
 
     def _mark(self, conn: Any, wait: bool, effect_id: str, text: str, now: float) -> bool:
         if not self.write_lock.acquire(blocking=wait):
