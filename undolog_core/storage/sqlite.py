@@ -23,6 +23,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from ..errors import ConfigurationError, DatabaseUnavailable
 from . import schema as t
+from .checkpoint import HARD_PAGES, WalCheckpointer
 from .group import GroupCommit
 from .hotpath import _WRITABLE, HotPath, SessionRow
 from .pool import IntegrityConflict, WouldBlock, is_unavailable
@@ -90,6 +91,16 @@ STATE_MEMO_SECONDS = 1.0
 _STATE_MEMO_SIZE = 4096
 
 
+# The header's third word: iChange, which every commit of every connection increments by one (a restart of the WAL
+# or a checkpoint does not: a header changed without it is no new commit).
+_ICHANGE = struct.Struct("=I")
+
+
+def _commits_between(before: bytes, after: bytes) -> int:
+    """How many commits the wal-index header counted from ``before`` to ``after`` (two ``WalStamp.stamp`` values)."""
+    return int(_ICHANGE.unpack_from(after, 8)[0] - _ICHANGE.unpack_from(before, 8)[0]) & 0xFFFFFFFF
+
+
 class WalStamp:
     """The database's wal-index header, read from shared memory: it changes with every commit of any connection of
     any process, and reading it is a memory read (no statement, no system call, the GIL kept).
@@ -152,12 +163,24 @@ class SQLiteHotPath(HotPath):
         super().__init__(store, pool_size=pool_size, fast_pool_size=fast_pool_size)
         # Durable pre-writes and commit marks of concurrent threads share one commit (see group.py): a caller
         # alone writes exactly as below, at once.
-        self.group = GroupCommit(self._write_one, self._write_many)
+        self.group = GroupCommit(self._own_write_one, self._own_write_many)
         # Session reads remembered with the wal-index stamp taken before them (see session_states).
         self._watch: WalStamp | None = None
         self._watch_tried = False
         self._watch_lock = threading.Lock()
         self._states: dict[tuple[str, ...], tuple[bytes, float, dict[str, tuple[str, str | None]]]] = {}
+        # This hot path's own commits, each seen alone (``_own_commit``): the stamp after it -> the stamp before it.
+        self._own: dict[bytes, bytes] = {}
+        # WAL checkpoints in a thread of their own, not inside a caller's commit (see checkpoint.py); none for an
+        # in-memory database, which has no WAL.
+        self.checkpointer = WalCheckpointer(self._checkpointer_connection) if _on_file(store.engine) else None
+
+    def _checkpointer_connection(self) -> Any:
+        # The durable engine's (synchronous=FULL: a checkpoint fsyncs the WAL before copying it and the file
+        # after, whatever mode the callers write in), owned by the checkpointer outside the pool's accounting.
+        fairy = self.store.engine.raw_connection()
+        fairy.detach()
+        return fairy.dbapi_connection
 
     def session_states(self, session_ids: Sequence[str], *, wait: bool = True) -> dict[str, tuple[str, str | None]]:
         """The read of ``HotPath.session_states``, skipped while nothing was committed since the same ids were read.
@@ -177,14 +200,54 @@ class SQLiteHotPath(HotPath):
         stamp = watch.stamp()  # before the read: a commit after it changes the stamp the next turn compares
         now = time.monotonic()
         seen = self._states.get(key)
-        if seen is not None and stamp is not None and seen[0] == stamp and now - seen[1] < STATE_MEMO_SECONDS:
-            return dict(seen[2])
+        if seen is not None and stamp is not None and now - seen[1] < STATE_MEMO_SECONDS:
+            if seen[0] == stamp:
+                return dict(seen[2])
+            if self._only_own_since(seen[0], stamp):
+                # Kept from the same read (and its age), under the newer stamp: the next turn walks from here.
+                self._states[key] = (stamp, seen[1], seen[2])
+                return dict(seen[2])
         found = super().session_states(session_ids, wait=wait)
         if stamp is not None:
             if len(self._states) >= _STATE_MEMO_SIZE:
                 self._states.clear()
             self._states[key] = (stamp, now, dict(found))
         return found
+
+    def _only_own_since(self, then: bytes, now: bytes) -> bool:
+        """Whether every commit from stamp ``then`` to stamp ``now`` was one of this hot path's pre-writes or commit
+        marks, each seen alone (see ``_own_commit``). Those change no session's state or halt reason (a pre-write
+        adds to the session's call count and writes the effect and its undo entry; a mark changes the effect; no
+        trigger of the schema writes a session), so a session read taken at ``then`` is still the store's answer.
+
+        A COMPENSABLE agent step commits twice (its pre-write and its mark): without this, every turn of such an
+        agent would read its session again, though nothing but its own calls was written since the last read."""
+        own = self._own
+        for _ in range(8):  # a turn's own commits are a few; a longer walk is not worth it: read
+            before = own.get(now)
+            if before is None:
+                return False
+            if before == then:
+                return True
+            now = before
+        return False
+
+    def _own_commit(self, write: Any, *args: Any, **kw: Any) -> Any:
+        """``write(*args)``, remembered as this hot path's own commit when it was the only commit between the
+        header read just before it and the one read just after it (any other commit of any connection or process
+        in between counts too: then nothing is remembered, and the next turn's check reads the store)."""
+        watch = self._watch
+        if watch is None:
+            return write(*args, **kw)
+        before = watch.stamp()
+        out = write(*args, **kw)
+        after = watch.stamp()
+        if before is not None and after is not None and _commits_between(before, after) == 1:
+            own = self._own
+            if len(own) >= _STATE_MEMO_SIZE:
+                own.clear()
+            own[after] = before
+        return out
 
     def _open_watch(self, wait: bool) -> WalStamp | None:
         if not wait:
@@ -206,6 +269,8 @@ class SQLiteHotPath(HotPath):
             self._states.clear()
         if watch is not None:
             watch.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         super().close()
 
     def prewrite(self, session_id: str, count: int, effect_id: str, call_id: str, tool_name: str, revision: int,
@@ -219,8 +284,17 @@ class SQLiteHotPath(HotPath):
 
     def mark(self, effect_id: str, text: str, now: float, *, fast: bool, wait: bool = True) -> bool:
         if fast:
-            return super().mark(effect_id, text, now, fast=True, wait=wait)
+            return bool(self._own_commit(super().mark, effect_id, text, now, fast=True, wait=wait))
         return bool(self.group.submit((False, (effect_id, text, now)), wait))
+
+    def _own_write_one(self, item: tuple[bool, tuple[Any, ...]], wait: bool) -> bool:
+        return bool(self._own_commit(self._write_one, item, wait))
+
+    def _own_write_many(self, items: Sequence[tuple[bool, tuple[Any, ...]]]) -> list[Any]:
+        return list(self._own_commit(self._write_many, items))
+
+    def mark_many(self, marks: list[tuple[str, str, float]]) -> None:
+        self._own_commit(super().mark_many, marks)
 
     def _write_one(self, item: tuple[bool, tuple[Any, ...]], wait: bool) -> bool:
         """One durable write alone (the group's uncontended path): a connection, the write lock, one statement.
@@ -308,6 +382,9 @@ class SQLiteHotPath(HotPath):
         # here, a new session's on_failure, is checked by start_session before it is written. The general engine's
         # connections, which write every other state, keep every check (tests/core/test_hot_path_checks.py).
         conn.execute("PRAGMA ignore_check_constraints=ON")
+        # The WAL is checkpointed by the hot path's thread (checkpoint.py): a commit here checkpoints only past
+        # HARD_PAGES, the safeguard for when that thread cannot keep up.
+        conn.execute(f"PRAGMA wal_autocheckpoint={HARD_PAGES}")
 
     def _prewrite(self, conn: Any, wait: bool, session_id: str, count: int, effect_id: str, call_id: str,
                   tool_name: str, revision: int, args_text: str, digest: str, owner: str, now: float, lease: float,
@@ -413,6 +490,12 @@ class SQLiteHotPath(HotPath):
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
+
+
+def _on_file(engine: Engine) -> bool:
+    """Whether ``engine`` is on a database file (not ``:memory:``, a temporary database or a ``mode=memory`` URI)."""
+    database = engine.url.database or ""
+    return database not in ("", ":memory:") and "mode=memory" not in str(engine.url)
 
 
 def make_engine(url: str, *, durable: bool, pool_size: int, overflow: int, default_file: str) -> Engine:
