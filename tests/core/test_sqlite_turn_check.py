@@ -142,3 +142,43 @@ def test_own_calls_do_not_make_the_check_read_again(db: Any, fast: bool) -> None
     u.store.halt_session("s1", "stop")
     assert hot.session_states(ids)["s1"][0] == "halted"
     assert _reads(seen) == 2
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["durable", "fast_commit_mark"])
+def test_a_write_that_changed_nothing_is_not_taken_for_an_own_commit(
+    db: Any, fast: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit mark that changes no row commits nothing; if exactly one commit of another process falls between the
+    stamps read around it (here: a halt), that commit is not this process's, and the next check must read the halt.
+    Fails before the fix: the halt was taken for the mark's own commit and the check answered "active"."""
+    u = db.open(fast_commit_mark=fast)
+    hot = u.engine.hot
+    u.engine.ensure_session("s1")
+    ids = ["s1", "s1#2"]
+    assert hot.session_states(ids) == {"s1": ("active", None)}
+
+    def halt_elsewhere() -> None:
+        c = sqlite3.connect(_path(u))
+        c.execute("UPDATE undolog_sessions SET state = 'halted', halted_reason = 'elsewhere' WHERE session_id = 's1'")
+        c.commit()
+        c.close()
+
+    if fast:
+        real_rows = hot._marked_rows
+
+        def rows_after_a_halt(conn: Any, marks: Any) -> int:
+            halt_elsewhere()
+            return real_rows(conn, marks)
+
+        monkeypatch.setattr(hot, "_marked_rows", rows_after_a_halt)
+        hot.mark_many([("no-such-effect", "{}", 0.0)])
+    else:
+        real_one = hot._write_one
+
+        def one_after_a_halt(item: Any, wait: bool) -> bool:
+            halt_elsewhere()
+            return real_one(item, wait)
+
+        monkeypatch.setattr(hot, "_write_one", one_after_a_halt)
+        assert hot.mark("no-such-effect", "{}", 0.0, fast=False) is False
+    assert hot.session_states(ids) == {"s1": ("halted", "elsewhere")}

@@ -13,7 +13,7 @@ import sqlite3
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +94,11 @@ _STATE_MEMO_SIZE = 4096
 # The header's third word: iChange, which every commit of every connection increments by one (a restart of the WAL
 # or a checkpoint does not: a header changed without it is no new commit).
 _ICHANGE = struct.Struct("=I")
+
+
+def _any_written(outcomes: Sequence[Any]) -> bool:
+    """Whether a group's transaction wrote anything (one of its writes says True: the rest may be refusals)."""
+    return any(o is True for o in outcomes)
 
 
 def _commits_between(before: bytes, after: bytes) -> int:
@@ -232,17 +237,20 @@ class SQLiteHotPath(HotPath):
             now = before
         return False
 
-    def _own_commit(self, write: Any, *args: Any, **kw: Any) -> Any:
+    def _own_commit(self, write: Any, *args: Any, wrote: Callable[[Any], bool] = bool, **kw: Any) -> Any:
         """``write(*args)``, remembered as this hot path's own commit when it was the only commit between the
         header read just before it and the one read just after it (any other commit of any connection or process
-        in between counts too: then nothing is remembered, and the next turn's check reads the store)."""
+        in between counts too: then nothing is remembered, and the next turn's check reads the store).
+
+        Only a write that says it wrote (``wrote(out)``) counts: one that changed nothing commits no frame, so the
+        one commit counted across it would be another's (a halt made elsewhere, which the next turn must read)."""
         watch = self._watch
         if watch is None:
             return write(*args, **kw)
         before = watch.stamp()
         out = write(*args, **kw)
         after = watch.stamp()
-        if before is not None and after is not None and _commits_between(before, after) == 1:
+        if before is not None and after is not None and wrote(out) and _commits_between(before, after) == 1:
             own = self._own
             if len(own) >= _STATE_MEMO_SIZE:
                 own.clear()
@@ -291,10 +299,11 @@ class SQLiteHotPath(HotPath):
         return bool(self._own_commit(self._write_one, item, wait))
 
     def _own_write_many(self, items: Sequence[tuple[bool, tuple[Any, ...]]]) -> list[Any]:
-        return list(self._own_commit(self._write_many, items))
+        return list(self._own_commit(self._write_many, items, wrote=_any_written))
 
     def mark_many(self, marks: list[tuple[str, str, float]]) -> None:
-        self._own_commit(super().mark_many, marks)
+        with self.fast.connection("the deferred commit marks") as conn:
+            self._own_commit(self._marked_rows, conn, marks)
 
     def _write_one(self, item: tuple[bool, tuple[Any, ...]], wait: bool) -> bool:
         """One durable write alone (the group's uncontended path): a connection, the write lock, one statement.
@@ -480,16 +489,21 @@ class SQLiteHotPath(HotPath):
             self.write_lock.release()
 
     def _mark_many(self, conn: Any, marks: list[tuple[str, str, float]]) -> None:
+        self._marked_rows(conn, marks)
+
+    def _marked_rows(self, conn: Any, marks: list[tuple[str, str, float]]) -> int:
+        """The marks in one transaction; how many effects they changed (none: nothing was committed)."""
         rows = [(text, _sqlite_time(now), eid) for eid, text, now in marks]
         with self.write_lock:
             conn.execute("BEGIN IMMEDIATE")
             try:
-                conn.executemany(_SQLITE_MARK, rows)
+                changed = int(conn.executemany(_SQLITE_MARK, rows).rowcount)
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
+        return changed
 
 
 def _on_file(engine: Engine) -> bool:
