@@ -11,11 +11,16 @@ Four measurements, each printed with what it is compared against:
    both is CPU bound, and the ratio is the bare CPU per insert over the CPU per call.
 2. ``expire``: approval requests past their timeout expired by ``approvals.expire_due()`` from N processes at
    once. Goal: >= 3,000/s with 4 workers, more workers never slower, each request timed out exactly once
-   (checked: one ``timeout`` audit event and one ``approval.timed_out`` outbox row per request). Each worker
-   first sweeps two requests of its own, as a running server's sweeper has (``warm_sweeper``); ``--expire-cold``
-   also times each process's very first sweep. ``--expire-rounds`` (3) runs every worker count once per round in a
-   shuffled order: the medians, and each count's paired ratio to the next smaller one (one run's rate moves by
-   10-20% from run to run on a 2-core machine, more than the differences it is asked about).
+   (checked: one ``timeout`` audit event and one ``approval.timed_out`` outbox row per request, the audit chain
+   verifies). The due requests are raised once (``seed_expire_template``) and copied into a fresh schema per run
+   (``clone_schema``), so every run starts from the same rows. Each worker first sweeps two requests of its own, as
+   a running server's sweeper has (``warm_sweeper``); ``--expire-cold`` also times each process's very first
+   sweep. ``--expire-rounds`` (7) runs every worker count once per round, and the base count (2) a second time,
+   in a shuffled order: per pair (each count against the next smaller one), the median of the per-round ratios
+   with their p25-p75, in rate and in CPU per timeout, and a verdict read against the base count's pair with
+   itself, the measurement's own spread (``expire_verdict``), and the same for the database work per timeout
+   (blocks and index entries read, from PostgreSQL's statistics: counts, steady on a busy machine).
+   ``--expire-probe`` adds the sweepers' wait events (sampled; it takes CPU in the timed window).
 3. ``recover``: ``recover()`` of 1,000 (and 10,000) in-flight COMPENSABLE effects left by a SIGKILLed process,
    trivial compensations, on PostgreSQL and SQLite. Goal: 1,000 in < 2 s, 10,000 in < 20 s; each compensation
    run exactly once.
@@ -109,9 +114,11 @@ def drop_schema(schema: str) -> None:
 
 
 def run_workers(n: int, target: Callable[..., Any], args: tuple[Any, ...],
-                released: list[float] | None = None) -> tuple[float, list[Any]]:
+                released: list[float] | None = None,
+                ready: Callable[[], None] | None = None) -> tuple[float, list[Any]]:
     """Start ``n`` processes, release them at once, return (wall seconds from the release, their results);
-    ``released`` gets the release's ``time.monotonic()``.
+    ``released`` gets the release's ``time.monotonic()``; ``ready`` is called once every worker is prepared, before
+    the release.
 
     A worker that is done waits, alive, until every worker is: a process exiting (its interpreter torn down, its
     PostgreSQL backend ended) is no part of the work measured, and a running server's worker does not exit when it
@@ -124,8 +131,10 @@ def run_workers(n: int, target: Callable[..., Any], args: tuple[Any, ...],
     procs = [ctx.Process(target=_worker_main, args=(target, i, start, out, args, done)) for i in range(n)]
     for p in procs:
         p.start()
-    ready = [out.get(timeout=120) for _ in procs]
-    assert all(r == "ready" for r in ready), ready
+    ready_ = [out.get(timeout=120) for _ in procs]
+    assert all(r == "ready" for r in ready_), ready_
+    if ready is not None:
+        ready()
     if released is not None:
         released.append(time.monotonic())
     t0 = time.perf_counter()
@@ -502,9 +511,9 @@ def print_throughput(rows: list[dict[str, Any]]) -> None:
 # -- 2. expiry of due approval requests from N processes --------------------------------------------------------
 
 
-def raise_requests(u: UndoLog, n: int, threads: int = 4) -> list[str]:
+def raise_requests(u: UndoLog, n: int, threads: int = 4, prefix: str = "") -> list[str]:
     def one(i: int) -> str:
-        s = u.session(agent_id=f"bench-{i}")
+        s = u.session(agent_id=f"bench-{prefix}{i}")
         try:
             s.call_sync("scale_close", account=f"a{i}", call_id="c")
         except ApprovalPending as p:
@@ -557,15 +566,58 @@ def _postgres_aux_pids() -> list[int]:
     return aux
 
 
-def expire_worker(i: int, prepared: Any, url: str, schema: str | None, warm: list[list[str]] | None = None) -> Any:
+#: The database work done in a schema's tables and indexes, from the cumulative statistics (every expire run):
+#: blocks read (found in shared buffers or not), index entries read, index scans, rows inserted and updated. Counts,
+#: not times: the same on a busy machine as on a quiet one.
+_SCHEMA_WORK = """
+SELECT coalesce(sum(coalesce(io.heap_blks_hit, 0) + coalesce(io.heap_blks_read, 0) + coalesce(io.idx_blks_hit, 0)
+                    + coalesce(io.idx_blks_read, 0) + coalesce(io.toast_blks_hit, 0) + coalesce(io.toast_blks_read, 0)
+                    + coalesce(io.tidx_blks_hit, 0) + coalesce(io.tidx_blks_read, 0)), 0),
+       coalesce(sum(st.idx_tup_fetch), 0), coalesce(sum(st.idx_scan), 0), coalesce(sum(st.seq_scan), 0),
+       coalesce(sum(st.n_tup_ins), 0), coalesce(sum(st.n_tup_upd), 0),
+       (SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes WHERE schemaname = %(s)s)
+FROM pg_statio_user_tables io JOIN pg_stat_user_tables st USING (relid) WHERE io.schemaname = %(s)s"""
+WORK_KEYS = ("blocks", "heap_fetched_by_index", "index_scans", "seq_scans", "inserted", "updated", "index_read")
+
+
+def _schema_work(schema: str) -> dict[str, int]:
+    import psycopg
+
+    with psycopg.connect(PG_URL.replace("postgresql+psycopg://", "postgresql://", 1), autocommit=True) as con:
+        row = con.execute(_SCHEMA_WORK, {"s": schema}).fetchone()
+    assert row is not None
+    return {k: int(v) for k, v in zip(WORK_KEYS, row, strict=True)}
+
+
+def _flush_stats(u: UndoLog) -> None:
+    """Make every pooled connection's backend report its pending statistics now (PostgreSQL 15+: a backend
+    reports them at most once a second, or when it exits): each runs ``pg_stat_force_next_flush()``, and the
+    backend reports before it answers that statement. Every idle pooled connection is checked out at once, so
+    each backend gets it."""
+    engine = u.store.engine
+    conns = [engine.connect() for _ in range(max(1, engine.pool.checkedin()))]  # type: ignore[attr-defined]
+    try:
+        for c in conns:
+            c.exec_driver_sql("SELECT pg_stat_force_next_flush()")
+            c.commit()
+    finally:
+        for c in conns:
+            c.close()
+
+
+def expire_worker(i: int, prepared: Any, url: str, schema: str | None, warm: list[list[str]] | None = None,
+                  count: bool = False) -> Any:
     """One sweeper process: prepared (opened, warmed, its backends' CPU noted), then one sweep. Returns the ids it
     timed out, its own CPU and its backends' over the sweep (``client_s``, ``server_s``: /proc/<pid>/schedstat) and
     when it started and ended (``time.monotonic``, the same clock in every process: the start lag after the
-    release)."""
+    release); with ``count``, its backends report their statistics before the release and after the sweep
+    (``_flush_stats``), so the parent can count the sweep's database work (``_schema_work``)."""
     if prepared is None:
         app = _app_name("expire", i)
         u = open_undolog(_with_app(url, app), schema)
         warm_sweeper(u, warm[i] if warm else [])
+        if count:  # the warm-up's work counted before the release (``expire_once`` reads the baseline then)
+            _flush_stats(u)
         backends = _backends(app)
         return u, backends, {pid: _proc_cpu(pid) for pid in backends}
     u, backends, server0 = prepared
@@ -575,6 +627,8 @@ def expire_worker(i: int, prepared: Any, url: str, schema: str | None, warm: lis
     got = u.approvals.expire_due()  # the process exits without closing: closing is not part of the sweep
     client, ended = time.process_time() - client0, time.monotonic()
     server = sum(_proc_cpu(pid) - cpu for pid, cpu in server0.items())
+    if count:  # after the timed window: the sweep's work reported before the parent reads it
+        _flush_stats(u)
     return {"expired": got, "client_s": client, "server_s": server, "began": began, "ended": ended}
 
 
@@ -601,67 +655,294 @@ def check_expired_once(u: UndoLog, ids: list[str], expired: list[str]) -> None:
     assert u.verify_audit().ok, "the audit chain does not verify"
 
 
-def expire_once(w: int, n: int, *, cold: bool = False) -> tuple[float, dict[str, float]]:
-    """``n`` due requests swept by ``w`` worker processes released at once; returns the seconds it took (checked:
-    each request timed out exactly once) and where the CPU went: the workers that swept (``sweeping``: client and
-    backend CPU) and those that found every sweep slot held and stopped (``stopped``), the server's other
-    processes (``other``: WAL writer, checkpointer, autovacuum), and the release (``lag``: seconds from the release
-    to the last worker's start)."""
+def _raise_share(schema: str, n: int) -> list[str]:
+    """Child process of ``seed_expire_template``: ``n`` due requests raised through UndoLog."""
+    u = open_undolog(PG_URL, schema)
+    try:
+        return raise_requests(u, n, prefix=f"p{os.getpid()}-")
+    finally:
+        u.close()
+
+
+def seed_expire_template(n: int, max_workers: int, procs: int = 2) -> tuple[str, list[str]]:
+    """The due requests every expire run starts from, raised once through UndoLog (a gated call each, in a session
+    of its own) in a schema of their own: ``n`` to sweep, then ``WARM_REQUESTS`` per worker of the largest count.
+    Returns (the schema, the request ids in that order). Raising them costs 2-5 ms of CPU each: once per benchmark
+    in ``procs`` processes, not once per run (12 runs of 6,000 took over ten minutes on the loaded 2-core
+    machine)."""
     schema = fresh_schema()
     u = open_undolog(PG_URL, schema)
     u.policy.set(actor="bench", approval_timeout_seconds=1)
+    u.close()
+    total = n + WARM_REQUESTS * max_workers
+    shares = [total // procs + (1 if i < total % procs else 0) for i in range(procs)]
+    with mp.get_context("fork").Pool(procs) as pool:
+        ids = [x for part in pool.starmap(_raise_share, [(schema, k) for k in shares]) for x in part]
+    time.sleep(1.05)  # every one due
+    return schema, ids
+
+
+def clone_schema(src: str) -> tuple[str, UndoLog]:
+    """A fresh schema holding a copy of ``src``'s rows (an UndoLog schema): tables, indexes, triggers and sequences
+    made by UndoLog's own migrations (the UndoLog opened to make them is returned, open), the rows copied with triggers off (``session_replication_role = replica``:
+    the audit tables refuse changes, and the copy of a chain is the chain), the sequences set as in ``src``, then
+    analyzed, with autovacuum off for its tables.
+
+    Every run of a comparison starts from the same rows laid out the same way, with the same statistics: the
+    runs paired differ by the worker count, not by their seeding, nor by whether autovacuum's minute fell inside
+    one of them (it analyzed a freshly seeded table during some runs only)."""
+    import psycopg
+
+    dst = fresh_schema()
+    u = open_undolog(PG_URL, dst)
+    with psycopg.connect(PG_URL.replace("postgresql+psycopg://", "postgresql://", 1)) as con:
+        con.execute("SET LOCAL session_replication_role = replica")
+        tables = [r[0] for r in con.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = %s AND table_type = 'BASE TABLE'",
+            (src,))]
+        con.execute("TRUNCATE " + ", ".join(f'"{dst}"."{name}"' for name in tables))
+        for name in tables:
+            cols = ", ".join(f'"{r[0]}"' for r in con.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_schema = %s AND table_name = %s "
+                "ORDER BY ordinal_position", (src, name)))
+            con.execute(f'INSERT INTO "{dst}"."{name}" ({cols}) OVERRIDING SYSTEM VALUE '
+                        f'SELECT {cols} FROM "{src}"."{name}"')
+        for seq, last, called in con.execute(
+                "SELECT s.relname, q.last_value, q.last_value IS NOT NULL FROM pg_sequences q "
+                "JOIN pg_class s ON s.relname = q.sequencename JOIN pg_namespace ns ON ns.oid = s.relnamespace "
+                "AND ns.nspname = q.schemaname WHERE q.schemaname = %s", (src,)).fetchall():
+            if called:
+                con.execute("SELECT setval(format('%%I.%%I', %s::text, %s::text)::regclass, %s)", (dst, seq, last))
+        con.commit()
+        con.autocommit = True
+        for name in tables:
+            con.execute(f'ALTER TABLE "{dst}"."{name}" SET (autovacuum_enabled = false)')
+            con.execute(f'ANALYZE "{dst}"."{name}"')
+    return dst, u
+
+
+class WaitSampler:
+    """What the sweepers' backends are doing, sampled from ``pg_stat_activity`` every ``period`` seconds from
+    the release until stopped (``--expire-probe``; diagnostic: the sampling itself takes CPU in the timed window,
+    so rates measured with it are not reported as figures). Counts per ``wait_event_type:wait_event`` of the
+    active backends (``CPU`` when not waiting), and how often a sample saw more than ``SWEEP_SLOTS`` of them in a
+    sweep statement at once."""
+
+    def __init__(self, released: list[float], period: float = 0.002) -> None:
+        import threading
+
+        self.released, self.period = released, period
+        self.counts: dict[str, int] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import psycopg
+
+        with psycopg.connect(PG_URL.replace("postgresql+psycopg://", "postgresql://", 1), autocommit=True) as con:
+            while not self.released and not self.stop.is_set():
+                time.sleep(0.001)
+            while not self.stop.is_set():
+                rows = con.execute(
+                    "SELECT coalesce(wait_event_type || ':' || wait_event, 'CPU') FROM pg_stat_activity "
+                    "WHERE application_name LIKE 'scale-expire-%' AND state = 'active'").fetchall()
+                for (what,) in rows:
+                    self.counts[what] = self.counts.get(what, 0) + 1
+                self.counts["samples"] = self.counts.get("samples", 0) + 1
+                time.sleep(self.period)
+
+    def done(self) -> dict[str, int]:
+        self.stop.set()
+        self.thread.join(5)
+        return self.counts
+
+
+def expire_once(template: tuple[str, list[str]], n: int, w: int, *, cold: bool = False,
+                probe: bool = False) -> tuple[float, dict[str, Any]]:
+    """The ``n`` due requests of ``template`` (``seed_expire_template``), in a copy of their own
+    (``clone_schema``), swept by ``w`` worker processes released at once; returns the seconds it took (checked:
+    each request timed out exactly once) and where the CPU went: the workers that swept (``sweeping``: client and
+    backend CPU) and those that found every sweep slot held and stopped (``stopped``), the server's other
+    processes (``other``: WAL writer, checkpointer), and the release (``lag``: seconds from the release to the
+    last worker's start). The warm-up requests of the workers a run does not start are timed out before the
+    release, so every run starts with the same rows in the same states."""
+    src, ids = template
+    schema, u = clone_schema(src)
     k = 0 if cold else WARM_REQUESTS
-    ids = raise_requests(u, n + k * w)
     warm = [ids[n + k * i:n + k * (i + 1)] for i in range(w)]
-    time.sleep(1.05)
+    spare = ids[n + k * w:]
+    if spare:
+        assert sorted(u.approvals.expire(spare)) == sorted(spare)
     released: list[float] = []
+    sampler = WaitSampler(released) if probe else None
     aux0 = {pid: _proc_cpu(pid) for pid in _postgres_aux_pids()}
-    wall, res = run_workers(w, expire_worker, (PG_URL, schema, warm), released)
-    other = sum(_proc_cpu(pid) - cpu for pid, cpu in aux0.items())
+    work0: dict[str, int] = {}
+    # The database work is counted in every run: the backends report their statistics outside the timed window
+    # (after the warm-up, and after the sweep once its times are taken).
+    def ready() -> None:
+        work0.update(_schema_work(schema))
+
+    wall, res = run_workers(w, expire_worker, (PG_URL, schema, warm, True), released, ready=ready)
+    # A process that ended meanwhile (an autovacuum worker) reads 0, or its pid's next owner less: not counted.
+    other = sum(max(0.0, _proc_cpu(pid) - cpu) for pid, cpu in aux0.items())
+    work = {k: v - work0[k] for k, v in _schema_work(schema).items()}
+    sampled = sampler.done() if sampler else {}
     t0 = released[0]
     expired = [x for r in res for x in r["expired"]]
-    check_expired_once(u, ids, expired + [x for mine in warm for x in mine])
+    check_expired_once(u, ids, expired + [x for mine in warm for x in mine] + spare)
     u.close()
     drop_schema(schema)
     swept = [r for r in res if r["expired"]]
     stopped = [r for r in res if not r["expired"]]
     cpu = {"sweeping_client": sum(r["client_s"] for r in swept), "sweeping_server": sum(r["server_s"] for r in swept),
            "stopped_client": sum(r["client_s"] for r in stopped), "stopped_server": sum(r["server_s"] for r in stopped),
-           "other": other, "lag": max(r["began"] for r in res) - t0, "sweepers": len(swept)}
+           "other": other, "lag": max(r["began"] for r in res) - t0, "sweepers": len(swept), "waits": sampled,
+           "work": work}
     return wall, cpu
 
 
-def bench_expire(workers: list[int], n: int, *, rounds: int = 1, cold: bool = False,
-                 rng: random.Random | None = None) -> list[dict[str, Any]]:
-    """``n`` due requests swept by each worker count, ``rounds`` times, the counts in a shuffled order each round;
-    warm sweepers (``warm_sweeper``) unless ``cold``. Per count: the median rate and its range, and the paired
-    ratio to the next smaller count (per round, then the median): "more workers never slower" is read there, as
-    one run's rate moves by 10-20% from run to run on a 2-core machine."""
+def quartiles(xs: list[float]) -> tuple[float, float]:
+    """(p25, p75); with fewer than four values, (min, max)."""
+    if len(xs) < 4:
+        return min(xs), max(xs)
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+#: The widest spread of the measurement's own pair (the same worker count run twice per round) under which "not
+#: slower beyond the measurement's own spread" is said at all: past it the run cannot tell, and says so.
+EXPIRE_TOLERANCE = 0.10
+
+
+def expire_verdict(ratio: float, own_lo: float, *, what: str = "slower") -> str:
+    """"More workers never slower" for one pair, from its median paired rate ratio (more workers over fewer) and
+    the measurement's own pair's spread (``own_lo``: how far from 1.0 a count compared with itself falls in a
+    quarter of the rounds, either way: min(p25, 1 / p75)). ``what``: the word for worse (CPU and database work per
+    timeout are given as fewer over more, "more").
+
+    Example:
+        >>> expire_verdict(0.97, own_lo=0.95)
+        "not slower beyond the measurement's own spread"
+    """
+    # The spread first: a median above 1.0 says nothing either when the count against itself strays further.
+    if 1.0 - own_lo > EXPIRE_TOLERANCE:
+        return f"cannot tell: the measurement's own spread ({own_lo:.3f}x) is wider than {EXPIRE_TOLERANCE:.0%}"
+    if ratio >= 1.0:
+        return f"not {what}"
+    if ratio >= own_lo:
+        return f"not {what} beyond the measurement's own spread"
+    return what.upper()
+
+
+def bench_expire(workers: list[int], n: int, *, rounds: int = 1, cold: bool = False, probe: bool = False,
+                 rng: random.Random | None = None) -> dict[str, Any]:
+    """``n`` due requests (one template, copied per run: ``expire_once``) swept by each worker count once per
+    round, and the base count (2, or the second count) a second time: the measurement's own pair. The runs of a
+    round go in a shuffled order. Per count: the median rate and its range, CPU per timeout; per pair (each count
+    against the next smaller one, and the base against itself), the median of the per-round ratios with their
+    p25-p75, in rate and in CPU per timeout (all the workers' client and backend CPU), and the verdict
+    (``expire_verdict``). Warm sweepers (``warm_sweeper``) unless ``cold``."""
     rng = rng or random.Random(13)
-    walls: dict[int, list[float]] = {w: [] for w in workers}
-    cpus: dict[int, list[dict[str, float]]] = {w: [] for w in workers}
-    for _ in range(rounds):
-        for w in rng.sample(workers, len(workers)):
-            wall, cpu = expire_once(w, n, cold=cold)
-            walls[w].append(wall)
-            cpus[w].append(cpu)
+    base = 2 if 2 in workers else workers[min(1, len(workers) - 1)]
+    again = f"{base} again"
+    labels: list[Any] = [*workers, again]
+    template = seed_expire_template(n, max(workers))
+    walls: dict[Any, list[float]] = {x: [] for x in labels}
+    cpus: dict[Any, list[dict[str, Any]]] = {x: [] for x in labels}
+    try:
+        for _ in range(rounds):
+            for x in rng.sample(labels, len(labels)):
+                wall, cpu = expire_once(template, n, base if x == again else x, cold=cold, probe=probe)
+                walls[x].append(wall)
+                cpus[x].append(cpu)
+    finally:
+        drop_schema(template[0])
+
+    def total(c: dict[str, Any]) -> float:
+        return float(c["sweeping_client"] + c["sweeping_server"] + c["stopped_client"] + c["stopped_server"])
+
     rows = []
-    for i, w in enumerate(workers):
-        rates = [n / s for s in walls[w]]
-        row: dict[str, Any] = {"workers": w, "requests": n, "rounds": rounds, "expired_per_s": round(statistics.median(rates)),
-                               "min_per_s": round(min(rates)), "max_per_s": round(max(rates)),
-                               "sweepers": "cold" if cold else "warm"}
+    for x in labels:
+        w = base if x == again else x
+        rates = [n / s for s in walls[x]]
+        row: dict[str, Any] = {"workers": w, "label": str(x), "requests": n, "rounds": rounds,
+                               "expired_per_s": round(statistics.median(rates)), "min_per_s": round(min(rates)),
+                               "max_per_s": round(max(rates)), "sweepers": "cold" if cold else "warm"}
         # CPU per timeout (µs, medians over the rounds): the workers that swept, client + their backends, and what
         # the workers that stopped at once cost in all.
-        row["cpu_us"] = {k: round(statistics.median(c[k] for c in cpus[w]) * 1e6 / n, 1)
+        row["cpu_us"] = {k: round(statistics.median(c[k] for c in cpus[x]) * 1e6 / n, 1)
                          for k in ("sweeping_client", "sweeping_server", "stopped_client", "stopped_server", "other")}
-        row["lag_ms"] = round(statistics.median(c["lag"] for c in cpus[w]) * 1e3, 1)
-        row["swept_by"] = sorted({int(c["sweepers"]) for c in cpus[w]})
-        if i:
-            prev = workers[i - 1]
-            row["vs_fewer"] = (prev, round(statistics.median([a / b for a, b in zip(walls[prev], walls[w], strict=True)]), 3))
+        row["cpu_us"]["all_workers"] = round(statistics.median(total(c) for c in cpus[x]) * 1e6 / n, 1)
+        row["lag_ms"] = round(statistics.median(c["lag"] for c in cpus[x]) * 1e3, 1)
+        row["swept_by"] = sorted({int(c["sweepers"]) for c in cpus[x]})
+        row["work_per_timeout"] = {k: round(statistics.median(c["work"][k] for c in cpus[x]) / n, 2)
+                                   for k in WORK_KEYS}
+        if probe:
+            merged: dict[str, int] = {}
+            for c in cpus[x]:
+                for k, v in c["waits"].items():
+                    merged[k] = merged.get(k, 0) + v
+            row["waits"] = merged
         rows.append(row)
-    return rows
+    pairs = [(workers[i], workers[i - 1]) for i in range(1, len(workers))]
+    pairs.insert(0, (again, base))
+    own_lo = own_cpu_lo = own_work_lo = 1.0
+    out_pairs = []
+    for more, fewer in pairs:
+        rate = [b / a for a, b in zip(walls[more], walls[fewer], strict=True)]  # rate(more) / rate(fewer)
+        cpu = [total(a) / total(b) for a, b in zip(cpus[more], cpus[fewer], strict=True)]  # CPU per timeout
+        # The database work (blocks read) per timeout: a count, which the machine's other load does not move.
+        work = [a["work"]["blocks"] / b["work"]["blocks"] for a, b in zip(cpus[more], cpus[fewer], strict=True)]
+        lo, hi = quartiles(rate)
+        clo, chi = quartiles(cpu)
+        wlo, whi = quartiles(work)
+        pair: dict[str, Any] = {"more": str(more), "fewer": str(fewer), "rate_ratio": round(statistics.median(rate), 3),
+                                "rate_p25": round(lo, 3), "rate_p75": round(hi, 3),
+                                "cpu_ratio": round(statistics.median(cpu), 3), "cpu_p25": round(clo, 3),
+                                "cpu_p75": round(chi, 3), "work_ratio": round(statistics.median(work), 3),
+                                "work_p25": round(wlo, 3), "work_p75": round(whi, 3)}
+        if more == again:
+            # Which of the two runs of the base count is "more" is arbitrary: the spread is taken both ways.
+            own_lo, own_cpu_lo, own_work_lo = min(lo, 1.0 / hi), min(1.0 / chi, clo), min(1.0 / whi, wlo)
+            pair["verdict"] = pair["cpu_verdict"] = pair["work_verdict"] = "the measurement's own spread"
+        else:
+            pair["verdict"] = expire_verdict(pair["rate_ratio"], own_lo)
+            # The same question in CPU per timeout (fewer over more: >= 1 is no more CPU), steadier than the rate
+            # while other programs share the cores: on 2 cores two sweepers are CPU bound.
+            pair["cpu_verdict"] = expire_verdict(1.0 / pair["cpu_ratio"], own_cpu_lo, what="more")
+            pair["work_verdict"] = expire_verdict(1.0 / pair["work_ratio"], own_work_lo, what="more")
+        out_pairs.append(pair)
+    return {"rows": rows, "pairs": out_pairs, "base": base}
+
+
+def print_expire(res: dict[str, Any]) -> None:
+    for r in res["rows"]:
+        c = r["cpu_us"]
+        print(f"expire      {r['label']:>7} workers: {r['expired_per_s']:>6} timeouts/s (median of {r['rounds']}, "
+              f"{r['min_per_s']}-{r['max_per_s']}; {r['requests']} due, each exactly once; {r['sweepers']} sweepers)"
+              f"{'  goal >= 3,000/s: ' + ('met' if r['expired_per_s'] >= 3000 else 'MISSED') if r['label'] == '4' else ''}")
+        print(f"            CPU per timeout: all workers {c['all_workers']} us = sweeping {c['sweeping_client']} + "
+              f"{c['sweeping_server']} us (client + backend; swept by {r['swept_by']} workers), stopped at once "
+              f"{c['stopped_client']} + {c['stopped_server']} us; server's own processes {c['other']} us; last "
+              f"worker started {r['lag_ms']} ms after the release")
+        if "work_per_timeout" in r:
+            wk = r["work_per_timeout"]
+            print("            database work per timeout (all workers): " + ", ".join(f"{k} {v}" for k, v in wk.items()))
+        if "waits" in r:
+            w = dict(r["waits"])
+            samples = w.pop("samples", 0)
+            top = ", ".join(f"{k} {v}" for k, v in sorted(w.items(), key=lambda kv: -kv[1])[:6])
+            print(f"            backends seen active in {samples} samples: {top}")
+    print("expire      more workers never slower (paired per round: median [p25-p75]; rate more/fewer, >= 1 is "
+          "not slower; CPU and database work (blocks) per timeout more/fewer, all workers, <= 1 is no more)")
+    for p in res["pairs"]:
+        print(f"            {p['more']:>7} vs {p['fewer']}: rate {p['rate_ratio']:.3f}x [{p['rate_p25']:.3f}-"
+              f"{p['rate_p75']:.3f}], CPU {p['cpu_ratio']:.3f}x [{p['cpu_p25']:.3f}-{p['cpu_p75']:.3f}], "
+              f"database work {p['work_ratio']:.3f}x [{p['work_p25']:.3f}-{p['work_p75']:.3f}]")
+        if p["more"] != f"{res['base']} again":
+            print(f"                rate: {p['verdict']}; CPU per timeout: {p['cpu_verdict']}; database work per "
+                  f"timeout: {p['work_verdict']}")
 
 
 # -- 3. recovery of in-flight effects of a SIGKILLed process ----------------------------------------------------
@@ -790,11 +1071,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="throughput: comma-separated, of " + ", ".join(VARIANTS) + " (bare is needed)")
     ap.add_argument("--rounds", type=int, default=2, help="throughput: interleaved rounds")
     ap.add_argument("--expire-n", type=int, default=6000, help="expire: due requests per run")
-    ap.add_argument("--expire-rounds", type=int, default=3,
+    ap.add_argument("--expire-rounds", type=int, default=7,
                     help="expire: rounds, every worker count once per round in a shuffled order (medians)")
     ap.add_argument("--expire-cold", action="store_true",
                     help="expire: also time each worker process's first sweep (statements compiled, the backend's "
                          "caches filled inside the timed window), after the warm sweepers")
+    ap.add_argument("--expire-probe", action="store_true",
+                    help="expire: sample the sweepers' backends in pg_stat_activity (wait events); diagnostic: the "
+                         "sampling takes CPU in the timed window")
     ap.add_argument("--recover-n", default="1000,10000", help="recover: in-flight effects per run")
     ap.add_argument("--api-n", type=int, default=2000)
     ap.add_argument("--json", action="store_true")
@@ -813,9 +1097,9 @@ def main(argv: list[str] | None = None) -> int:
                                              tuple(args.variants.split(",")))
     if "expire" in only:
         sweepers = [1, 2] if args.quick else workers  # the quick run still pairs two counts
-        out["expire"] = bench_expire(sweepers, args.expire_n, rounds=args.expire_rounds)
+        out["expire"] = [bench_expire(sweepers, args.expire_n, rounds=args.expire_rounds, probe=args.expire_probe)]
         if args.expire_cold:
-            out["expire"] += bench_expire(sweepers, args.expire_n, rounds=args.expire_rounds, cold=True)
+            out["expire"].append(bench_expire(sweepers, args.expire_n, rounds=args.expire_rounds, cold=True))
     if "recover" in only:
         out["recover"] = [bench_recover(db, k) for k in recover_ns
                           for db in (PG_URL, f"sqlite:///{tmp}/recover-{k}.db")]
@@ -825,19 +1109,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out))
         return 0
     print_throughput(out.get("throughput", []))
-    for r in out.get("expire", []):
-        vs = ""
-        if "vs_fewer" in r:
-            fewer, ratio = r["vs_fewer"]
-            vs = f"; {ratio:.3f}x the rate of {fewer} (paired median)"
-        print(f"expire      {r['workers']} workers: {r['expired_per_s']:>6} timeouts/s (median of {r['rounds']}, "
-              f"{r['min_per_s']}-{r['max_per_s']}; {r['requests']} due, each exactly once; {r['sweepers']} "
-              f"sweepers{vs})")
-        c = r["cpu_us"]
-        print(f"            CPU per timeout: sweeping {c['sweeping_client']} + {c['sweeping_server']} us (client + "
-              f"backend; swept by {r['swept_by']} workers), stopped at once {c['stopped_client']} + "
-              f"{c['stopped_server']} us, server's own processes {c['other']} us; last worker started {r['lag_ms']} ms after "
-              "the release")
+    if "expire" in out:
+        for res in out["expire"]:
+            print_expire(res)
     for r in out.get("recover", []):
         print(f"recover     {r['database']:<10} {r['effects']:>6} in-flight effects in {r['seconds']:>7} s "
               f"({r['per_s']}/s)")

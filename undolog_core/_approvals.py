@@ -276,8 +276,9 @@ class ApprovalService:
 
         Due requests are claimed in batches of ``storage.EXPIRE_BATCH`` (one transaction, one audit-chain lock
         each). Several processes may call it at once: on PostgreSQL each batch is claimed with SKIP LOCKED and
-        each state change is conditional, so each timeout is applied exactly once, and more sweepers never make
-        it slower. A request cancelled because another request of its session timed out is not in the result.
+        each state change is conditional, so each timeout is applied exactly once; at most ``SWEEP_SLOTS``
+        (storage) processes sweep at once, and one that finds every slot held returns having read nothing of the
+        requests, so more sweepers add no work to the ones sweeping. A request cancelled because another request of its session timed out is not in the result.
 
         Example:
             >>> undolog.approvals.expire_due()

@@ -257,6 +257,35 @@ class CallDriver:
             self.engine.complete(d.effect_id, result_of(value) if result_of is not None else value)
         return _ok(value)
 
+    def run_safe_sync(self, d: Execute, invoke: Callable[[dict[str, Any]], Any], *,
+                      control_flow: ControlFlow = ()) -> Any:
+        """:meth:`run_sync` for a SAFE decision, returning the tool's value or raising its exception.
+
+        The same steps as there for a call nothing is recorded for (``current_call()`` set around it, a framework's
+        ``control_flow`` exceptions passed on, the tool's retry policy applied before it counts as failed, no
+        rollback), in one frame and without an ``Outcome``: a framework adapter runs it on every SAFE tool call,
+        inside a step where each frame's code and data are cold.
+
+        Example:
+            >>> driver.run_safe_sync(decision, lambda args: lookup_order(**args))     # doctest: +SKIP
+            'order A-17: shipped'
+        """
+        if d.effect_id is not None:
+            raise ValueError(f"run_safe_sync runs SAFE decisions only; {d.tool_name} has effect {d.effect_id}")
+        token = CURRENT_CALL.set(d)
+        try:
+            try:
+                return invoke(d.args)
+            except control_flow:
+                raise  # a SAFE call holds nothing to release
+            except BaseException as exc:
+                value, error = self._retry_sync(d, invoke, exc, control_flow)
+        finally:
+            CURRENT_CALL.reset(token)
+        if error is not None:
+            raise error  # raised as run_sync's Outcome hands it back to be raised: outside any handler
+        return value
+
     async def run_async(
         self, d: Execute, invoke: Callable[[dict[str, Any]], Awaitable[Any] | Any], *,
         control_flow: ControlFlow = (), rollback_on_failure: bool = True,

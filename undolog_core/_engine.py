@@ -427,11 +427,15 @@ class Engine:
         on_failure: str = "rollback",
         create: bool = True,
         fresh: bool = False,
+        durable: bool = True,
     ) -> SessionCache:
         """This process's record of the session, read from the store, or the session started there (``create``).
 
         ``fresh``: the id was just minted, so the session is almost surely new: it is inserted first (one statement
-        where the hot path has it) and read only when that id turns out to exist."""
+        where the hot path has it) and read only when that id turns out to exist. ``durable=False`` (with ``fresh``):
+        that insert may commit without waiting for the disk where the row is then made durable by the next durable
+        commit of anything (SQLite's WAL, see ``SQLiteHotPath.start_session``): for a session whose row nothing
+        refers to yet, started on an agent's turn."""
         sc = self._sessions.get(session_id)
         if sc is not None and sc.persisted:
             return sc
@@ -456,12 +460,39 @@ class Engine:
             values["pinned_revisions"], values["created_at"] = start["pinned_revisions"], from_epoch(start["created_at"])
         row = None
         if create and fresh:  # a new id: one durable insert on the hot path's pool where the database has it
-            row = self.hot.start_session({"session_id": session_id, **values})
+            row = self.hot.start_session({"session_id": session_id, **values}, durable=durable)
         if row is None:
             row = self.store.get_or_create_session(session_id, create=create, values=values)
         if row is None:
             raise SessionNotFound(session_id)
         return self.remember(row)
+
+    def try_start(self, session_id: str, *, agent_id: str | None = None, on_failure: str = "rollback",
+                  unless: str | None = None, durable: bool = True) -> SessionCache | None:
+        """The session started in one statement when neither it nor the session ``unless`` exists, else None with
+        nothing written (also where the hot path has no such statement, or this process already has a record of
+        it): the caller then reads the store. ``durable``: as for :meth:`ensure_session`.
+
+        An adapter's first look at a conversation it has not seen (most often a new one): started without reading
+        the store first, and never next to a later session of the same conversation (``unless``).
+
+        Example:
+            >>> sc = undolog.engine.try_start("ticket-1", agent_id="bot", unless="ticket-1#2")
+            >>> sc is None or sc.state == "active"
+            True
+        """
+        if session_id in self._sessions:
+            return None
+        check_id("session_id", session_id)
+        if agent_id is not None:
+            check_identity("agent_id", agent_id)
+        now = utcnow()
+        row = self.hot.start_session({
+            "session_id": session_id, "agent_id": agent_id, "state": SessionState.ACTIVE.value,
+            "tool_calls_total": 0, "created_by": None, "halted_reason": None, "on_failure": on_failure,
+            "pinned_revisions": self.current_pins(), "created_at": now, "updated_at": now,
+        }, durable=durable, unless=unless)
+        return None if row is None else self.remember(row)
 
     def look_up_session(self, session_id: str, *, agent_id: str | None = None, wait: bool = True) -> SessionCache:
         """This process's record of the session, without writing: read once from the store (its state and pins)
@@ -580,6 +611,26 @@ class Engine:
         sc.dirty = True
         sc.recent.append((spec.name, "safe", args, "done"))
 
+    def decide_safe(self, session_id: str, spec: ToolSpec, args: Mapping[str, Any],
+                    call_id: str | None = None) -> Execute:
+        """:meth:`intercept_spec` for a SAFE ``spec``: the call id checked, the arguments validated against the
+        contract, the session's pin checked (``ContractChanged``) and the call counted in memory; nothing is written.
+
+        In one frame (:meth:`note_safe` inline): a framework adapter decides every SAFE call here, inside an agent
+        step where each frame's code and data are cold.
+
+        Example:
+            >>> d = undolog.engine.decide_safe("thread-1", spec, {"order_id": "A-17"}, "call-1")   # doctest: +SKIP
+            >>> d.effect_id is None
+            True
+        """
+        if call_id is not None:
+            check_id("call_id", call_id)
+        values = spec.values(spec.validate(args))
+        sc = self._sessions.get(session_id)
+        self.note_safe_in(sc if sc is not None else self.session_cache(session_id), spec, values)
+        return execute_now(None, values, None, SAFE, spec.name, call_id, session_id)
+
     def intercept(
         self,
         session_id: str,
@@ -616,13 +667,12 @@ class Engine:
         have to wait for a connection or a lock, or needs more than the hot path's one statement: the caller
         then runs the same call in a thread.
         """
+        if spec.tier is SAFE:
+            return self.decide_safe(session_id, spec, args, call_id)
         if call_id is not None:
             check_id("call_id", call_id)
         model = spec.validate(args)
         values = spec.values(model)
-        if spec.tier is SAFE:
-            self.note_safe(session_id, spec, values)
-            return execute_now(None, values, None, SAFE, spec.name, call_id, session_id)
         args_json = spec.snapshot(model)
         try:
             args_text = canonical_text(args_json)

@@ -378,6 +378,88 @@ def test_a_safe_turn_checks_the_session_without_a_statement_and_writes_nothing(
     assert len(checkouts) >= 2
 
 
+@pytest.mark.sqlite_only
+def test_a_threads_first_turn_starts_its_session_without_waiting_for_the_disk(
+    db: Any, undolog: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite: the thread's session is started on its first turn by one insert committed with ``synchronous=NORMAL``
+    (written to the WAL, not fsynced: the fsync was most of what UndoLog added to a SAFE agent step), on a durable
+    connection that is back at ``FULL`` before anything else uses it. The row is committed all the same: another
+    connection reads it at once (a halt made elsewhere finds it, see the test below), and the next durable commit
+    fsyncs the WAL with it."""
+    import sqlite3
+
+    graph, c = _agent(undolog), _cfg()
+    graph.invoke(_user("look"), _cfg())  # another thread first: the pool's connections are opened and warm
+    hot = undolog.engine.hot
+    traced: list[str] = []
+    real = hot.durable.checkout
+
+    def checkout(*, wait: bool = True) -> Any:
+        conn, gen = real(wait=wait)
+        conn.set_trace_callback(traced.append)
+        return conn, gen
+
+    monkeypatch.setattr(hot.durable, "checkout", checkout)
+    out = graph.invoke(_user("look"), c)
+    assert out["messages"][-2].content == "tue is free"
+    tid = c["configurable"]["thread_id"]
+    start = [i for i, s in enumerate(traced) if s.startswith("INSERT INTO undolog_sessions")]
+    assert len(start) == 1, traced
+    assert traced[start[0] - 1: start[0] + 2:2] == ["PRAGMA synchronous=NORMAL", "PRAGMA synchronous=FULL"], traced
+    for conn, _gen in hot.durable._idle:  # every write of the pool after it waits for the disk again
+        conn.set_trace_callback(None)
+        assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2
+    path = undolog.engine.store.engine.url.database
+    other = sqlite3.connect(path)
+    try:
+        assert other.execute("SELECT state FROM undolog_sessions WHERE session_id = ?", (tid,)).fetchall() == [
+            ("active",)]
+    finally:
+        other.close()
+    # A session started by anything else (here: the core's own) keeps its fsynced start.
+    traced.clear()
+    undolog.engine.ensure_session("sp-core-" + uuid.uuid4().hex[:8], agent_id="core", fresh=True)
+    assert not any(s.startswith("PRAGMA synchronous") for s in traced), traced
+
+
+@pytest.mark.sqlite_only
+def test_a_new_threads_first_turn_inserts_its_session_without_reading_first(
+    db: Any, undolog: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite: a thread this process has not seen is started by one insert that writes nothing when the thread's
+    session or its next one exists, with no read of the store before it (inside a step that read costs as much as
+    the insert). A thread whose next session exists, even without its first one (made elsewhere), is not started
+    over: its turn finds that session, and is refused when it is halted."""
+    graph = _agent(undolog)
+    graph.invoke(_user("look"), _cfg())  # the pool's connections opened and warm
+    hot = undolog.engine.hot
+    traced: list[str] = []
+    real = hot.durable.checkout
+
+    def checkout(*, wait: bool = True) -> Any:
+        conn, gen = real(wait=wait)
+        conn.set_trace_callback(traced.append)
+        return conn, gen
+
+    monkeypatch.setattr(hot.durable, "checkout", checkout)
+    c = _cfg()
+    graph.invoke(_user("look"), c)
+    statements = [t for t in traced if not t.startswith("PRAGMA")]
+    assert statements and statements[0].startswith("INSERT INTO undolog_sessions"), traced
+    assert undolog.sessions.get(c["configurable"]["thread_id"]).agent_id == "langchain-agent"
+    # Elsewhere: the thread's second session exists (halted), its first one does not.
+    tid = "sp-" + uuid.uuid4().hex[:10]
+    undolog.engine.ensure_session(f"{tid}#2", agent_id="elsewhere")
+    undolog.sessions.set_state(f"{tid}#2", "halted", allowed=("active",))
+    out = graph.invoke(_user("look"), {"configurable": {"thread_id": tid}})
+    last = out["messages"][-1]
+    assert isinstance(last, AIMessage) and last.response_metadata["undolog"] == {"refused": "session_halted"}
+    assert not isinstance(out["messages"][-2], ToolMessage)  # the turn ran nothing
+    with pytest.raises(Exception, match=tid):
+        undolog.sessions.get(tid)  # not started over next to its later session
+
+
 _ELSEWHERE = """
 import os, sys
 from undolog_core import UndoLog

@@ -653,6 +653,78 @@ def test_at_most_sweep_slots_sweepers_claim_at_once_and_a_dead_holder_frees_its_
     assert u.verify_audit().ok
 
 
+def _requests_scans(u: Any) -> tuple[int, int]:
+    """(scans, index entries read) of the approval requests' table and indexes so far, from the cumulative
+    statistics (read in a transaction of its own: a fresh snapshot of them)."""
+    with u.store.engine.connect() as conn:
+        row = conn.exec_driver_sql(
+            "SELECT coalesce(seq_scan, 0) + coalesce(idx_scan, 0), "
+            "(SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes i WHERE i.relid = st.relid) "
+            "FROM pg_stat_user_tables st WHERE st.relid = 'undolog_approval_requests'::regclass").one()
+        conn.rollback()
+    return int(row[0]), int(row[1])
+
+
+def _flush_stats(u: Any) -> None:
+    """Every pooled connection of ``u`` reports its pending statistics now (PostgreSQL 15+: before it answers)."""
+    conns = [u.store.engine.connect() for _ in range(max(1, u.store.engine.pool.checkedin()))]
+    for c in conns:
+        c.exec_driver_sql("SELECT pg_stat_force_next_flush()")
+        c.commit()
+        c.close()
+
+
+@pytest.mark.postgres_only
+def test_a_sweeper_that_finds_every_slot_held_stops_without_reading_the_requests(db):
+    """A sweeper beyond ``SWEEP_SLOTS`` adds no work to the ones sweeping: finding every slot held, it stops before
+    it reads anything of the requests (no walk of the due index over the rows the holders are timing out, no
+    buffer locks on its pages). It used to ask whether anything was due first: one index scan of the due index per
+    extra sweeper, counted here in the cumulative statistics (its backend made to report them before and after)."""
+    from undolog_core.storage.approvals import SWEEP_SLOTS
+
+    u = db.open()
+    u.register(close_account)
+    ids = _raise_requests(u, 3, tool="close_account")
+    later = utcnow() + dt.timedelta(hours=2)
+    extra = db.open()  # the extra sweeper: a process of its own, its own connections
+    assert extra.approvals.expire_due(utcnow() - dt.timedelta(days=1)) == []  # connected, nothing due then
+    key = u.store.sweep_slot_key()
+    holders = []
+    for slot in range(SWEEP_SLOTS):  # the sweepers at work, each in a batch holding one slot
+        c = u.store.engine.connect()
+        c.exec_driver_sql(f"SELECT pg_advisory_xact_lock({key}, {slot})")
+        holders.append(c)
+    try:
+        _flush_stats(extra)
+        before = _requests_scans(u)
+        assert extra.approvals.expire_due(later) == []
+        _flush_stats(extra)
+        after = _requests_scans(u)
+    finally:
+        for c in holders:
+            c.rollback()
+            c.close()
+    assert after == before, (before, after)
+    # With a slot free the same sweeper times every due request out, once.
+    assert sorted(extra.approvals.expire_due(later)) == sorted(ids)
+    assert u.approvals.expire_due(later) == []
+    assert u.verify_audit().ok
+
+
+def test_the_expire_benchmark_says_not_slower_beyond_its_spread_only_when_its_own_spread_is_narrow():
+    """benchmarks/scale.py reads "more workers never slower" against the base count paired with itself: a median
+    under 1.0 passes as within the measurement's spread only when that spread is within the tolerance, and never
+    when it is below the spread; with a spread wider than the tolerance no verdict is given, whatever the median."""
+    scale = _bench_scale()
+    tol = scale.EXPIRE_TOLERANCE
+    assert scale.expire_verdict(1.02, 1.0 - tol / 2) == "not slower"
+    assert scale.expire_verdict(1.20, 0.5).startswith("cannot tell")
+    assert scale.expire_verdict(0.97, 1.0 - tol / 2) == "not slower beyond the measurement's own spread"
+    assert scale.expire_verdict(0.97, 1.0 - 2 * tol).startswith("cannot tell")
+    assert scale.expire_verdict(0.90, 1.0 - tol / 2) == "SLOWER"
+    assert scale.expire_verdict(0.90, 1.0 - tol / 2, what="more") == "MORE"
+
+
 def _seed_due(u: Any, n: int, per_session: int = 10) -> None:
     """``n`` pending requests past their timeout over the bulk sessions and effects (``_seed_bulk``), inserted in SQL
     AFTER the tables were analyzed: the statistics say there are none, as with a backlog newer than them."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,8 @@ except ImportError:  # pragma: no cover - langgraph without the langchain packag
 
 # The qualified name LangChain gives the handler of a middleware that has other tool-call wrappers inside it.
 _INNER_WRAPPERS = "compose_two.<locals>.composed.<locals>.call_inner"
+# The session states at a turn's start that _turn_start acts on (refuse the turn, or open the next session).
+_STOPS_OR_MOVES = frozenset({SessionState.HALTED.value, SessionState.ROLLED_BACK.value, SessionState.COMPLETED.value})
 
 
 class UndoLogMiddleware(AgentMiddleware):
@@ -96,11 +99,17 @@ class UndoLogMiddleware(AgentMiddleware):
     # hook is a graph node, and a node per turn costs as much as a whole middleware of LangChain's (a task, a
     # checkpoint write, a superstep). The answer on a halted thread replaces the model's, so the agent ends there.
     def wrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
-        self._check(request)
-        if _turn_starts(request):
-            refused = self._turn_start(self._turn(request, wait=True))
-            if refused is not None:
-                return refused
+        # _check and _turn_starts inline, and _turn_start called only for a state that stops or moves the turn:
+        # this runs twice per agent step, where each frame's code and data are cold (1-3 us a frame).
+        if not self._checked:
+            self._check(request)
+        messages: Any = getattr(request, "messages", None)
+        if messages and isinstance(messages[-1], HumanMessage):
+            turn = self._turn(request, wait=True)
+            if turn is not None and turn[2] in _STOPS_OR_MOVES:
+                refused = self._turn_start(turn)
+                if refused is not None:
+                    return refused
         return handler(request)
 
     async def awrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
@@ -145,7 +154,8 @@ class UndoLogMiddleware(AgentMiddleware):
             self._checked = True
 
     def wrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
-        _innermost(handler)
+        if _INNER_WRAPPERS in getattr(handler, "__qualname__", ""):
+            _innermost(handler)  # refuses: _innermost's test, inline (a frame less on every tool call)
         return run_call(self._undolog_guard, request, handler, admit=False)
 
     async def awrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
@@ -171,17 +181,13 @@ _HOOK_SIGNATURE = _with_self.replace(parameters=list(_with_self.parameters.value
 
 
 def _plain_hook(method: Callable[[Any, Callable[[Any], Any]], Any]) -> Callable[[Any, Callable[[Any], Any]], Any]:
-    """The bound hook ``method`` as a plain function of ``(request, handler)`` carrying its signature: what LangSmith's
-    ``traceable`` reads on every call without rebuilding it."""
-    if inspect.iscoroutinefunction(method):
-        async def ahook(request: Any, handler: Callable[[Any], Any]) -> Any:
-            return await method(request, handler)
+    """The bound hook ``method`` as a plain callable of ``(request, handler)`` carrying its signature: what LangSmith's
+    ``traceable`` reads on every call without rebuilding it.
 
-        hook: Any = ahook
-    else:
-        def hook(request: Any, handler: Callable[[Any], Any]) -> Any:
-            return method(request, handler)
-
+    A ``functools.partial`` of the method's function on its instance: called from C, it adds no Python frame of its
+    own (a wrapper function did: one frame more on each of a step's three hook calls, where each frame's code is
+    cold). ``inspect`` sees it as a coroutine function when the method is one, and reads the signature set here."""
+    hook: Any = functools.partial(method.__func__, method.__self__)  # type: ignore[attr-defined]
     hook.__name__, hook.__qualname__, hook.__doc__ = method.__name__, method.__qualname__, method.__doc__
     hook.__signature__ = _HOOK_SIGNATURE
     return hook  # type: ignore[no-any-return]

@@ -189,10 +189,14 @@ class HotPath(abc.ABC):
             pins = json.loads(pins)  # SQLite keeps JSON as text; psycopg decodes it
         return SessionRow(row[0], row[1], pins or {}, row[3])
 
-    def start_session(self, values: dict[str, Any]) -> Any:
+    def start_session(self, values: dict[str, Any], *, durable: bool = True, unless: str | None = None) -> Any:
         """A new session's row written durably in one round trip, or None: the database has no such statement
         here (the caller takes the general path), or a row with that id already exists (the caller reads it).
 
+        ``durable=False`` allows the commit not to wait for the disk where the row then becomes durable with the
+        next durable commit of anything (SQLite's WAL); elsewhere it is written durably all the same. ``unless``: no
+        row is written (None) when a session with that id exists, checked in the same statement; a hot path without
+        that statement answers None (the caller reads the store).
         The returned row has ``session_id``, ``state``, ``pinned_revisions`` and ``on_failure``."""
         return None
 

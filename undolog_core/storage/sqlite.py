@@ -13,7 +13,7 @@ import sqlite3
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from ..errors import ConfigurationError, DatabaseUnavailable
 from . import schema as t
+from .checkpoint import HARD_PAGES, WalCheckpointer
 from .group import GroupCommit
 from .hotpath import _WRITABLE, HotPath, SessionRow
 from .pool import IntegrityConflict, WouldBlock, is_unavailable
@@ -42,6 +43,14 @@ _SQLITE_PREWRITE = (
 _SQLITE_START_SESSION = (
     "INSERT INTO undolog_sessions (session_id, agent_id, state, tool_calls_total, created_by, halted_reason, "
     "on_failure, pinned_revisions, created_at, updated_at) VALUES (?, ?, 'active', 0, ?, NULL, ?, ?, ?, ?) "
+    "ON CONFLICT (session_id) DO NOTHING RETURNING session_id, state, pinned_revisions, on_failure"
+)
+# The same insert, unless another session (``unless``: the thread's next one) exists: an adapter's first look at a
+# thread, which is then started without reading the store first (nothing is written when either exists).
+_SQLITE_START_SESSION_UNLESS = (
+    "INSERT INTO undolog_sessions (session_id, agent_id, state, tool_calls_total, created_by, halted_reason, "
+    "on_failure, pinned_revisions, created_at, updated_at) SELECT ?, ?, 'active', 0, ?, NULL, ?, ?, ?, ? "
+    "WHERE NOT EXISTS (SELECT 1 FROM undolog_sessions WHERE session_id = ?) "
     "ON CONFLICT (session_id) DO NOTHING RETURNING session_id, state, pinned_revisions, on_failure"
 )
 _SQLITE_MARK = (
@@ -80,6 +89,21 @@ _WAL_INDEX_VERSION = 3007000
 # cannot see (the database taken out of WAL mode by another process, or its file replaced), not the mechanism.
 STATE_MEMO_SECONDS = 1.0
 _STATE_MEMO_SIZE = 4096
+
+
+# The header's third word: iChange, which every commit of every connection increments by one (a restart of the WAL
+# or a checkpoint does not: a header changed without it is no new commit).
+_ICHANGE = struct.Struct("=I")
+
+
+def _any_written(outcomes: Sequence[Any]) -> bool:
+    """Whether a group's transaction wrote anything (one of its writes says True: the rest may be refusals)."""
+    return any(o is True for o in outcomes)
+
+
+def _commits_between(before: bytes, after: bytes) -> int:
+    """How many commits the wal-index header counted from ``before`` to ``after`` (two ``WalStamp.stamp`` values)."""
+    return int(_ICHANGE.unpack_from(after, 8)[0] - _ICHANGE.unpack_from(before, 8)[0]) & 0xFFFFFFFF
 
 
 class WalStamp:
@@ -144,12 +168,24 @@ class SQLiteHotPath(HotPath):
         super().__init__(store, pool_size=pool_size, fast_pool_size=fast_pool_size)
         # Durable pre-writes and commit marks of concurrent threads share one commit (see group.py): a caller
         # alone writes exactly as below, at once.
-        self.group = GroupCommit(self._write_one, self._write_many)
+        self.group = GroupCommit(self._own_write_one, self._own_write_many)
         # Session reads remembered with the wal-index stamp taken before them (see session_states).
         self._watch: WalStamp | None = None
         self._watch_tried = False
         self._watch_lock = threading.Lock()
         self._states: dict[tuple[str, ...], tuple[bytes, float, dict[str, tuple[str, str | None]]]] = {}
+        # This hot path's own commits, each seen alone (``_own_commit``): the stamp after it -> the stamp before it.
+        self._own: dict[bytes, bytes] = {}
+        # WAL checkpoints in a thread of their own, not inside a caller's commit (see checkpoint.py); none for an
+        # in-memory database, which has no WAL.
+        self.checkpointer = WalCheckpointer(self._checkpointer_connection) if _on_file(store.engine) else None
+
+    def _checkpointer_connection(self) -> Any:
+        # The durable engine's (synchronous=FULL: a checkpoint fsyncs the WAL before copying it and the file
+        # after, whatever mode the callers write in), owned by the checkpointer outside the pool's accounting.
+        fairy = self.store.engine.raw_connection()
+        fairy.detach()
+        return fairy.dbapi_connection
 
     def session_states(self, session_ids: Sequence[str], *, wait: bool = True) -> dict[str, tuple[str, str | None]]:
         """The read of ``HotPath.session_states``, skipped while nothing was committed since the same ids were read.
@@ -169,14 +205,57 @@ class SQLiteHotPath(HotPath):
         stamp = watch.stamp()  # before the read: a commit after it changes the stamp the next turn compares
         now = time.monotonic()
         seen = self._states.get(key)
-        if seen is not None and stamp is not None and seen[0] == stamp and now - seen[1] < STATE_MEMO_SECONDS:
-            return dict(seen[2])
+        if seen is not None and stamp is not None and now - seen[1] < STATE_MEMO_SECONDS:
+            if seen[0] == stamp:
+                return dict(seen[2])
+            if self._only_own_since(seen[0], stamp):
+                # Kept from the same read (and its age), under the newer stamp: the next turn walks from here.
+                self._states[key] = (stamp, seen[1], seen[2])
+                return dict(seen[2])
         found = super().session_states(session_ids, wait=wait)
         if stamp is not None:
             if len(self._states) >= _STATE_MEMO_SIZE:
                 self._states.clear()
             self._states[key] = (stamp, now, dict(found))
         return found
+
+    def _only_own_since(self, then: bytes, now: bytes) -> bool:
+        """Whether every commit from stamp ``then`` to stamp ``now`` was one of this hot path's pre-writes or commit
+        marks, each seen alone (see ``_own_commit``). Those change no session's state or halt reason (a pre-write
+        adds to the session's call count and writes the effect and its undo entry; a mark changes the effect; no
+        trigger of the schema writes a session), so a session read taken at ``then`` is still the store's answer.
+
+        A COMPENSABLE agent step commits twice (its pre-write and its mark): without this, every turn of such an
+        agent would read its session again, though nothing but its own calls was written since the last read."""
+        own = self._own
+        for _ in range(8):  # a turn's own commits are a few; a longer walk is not worth it: read
+            before = own.get(now)
+            if before is None:
+                return False
+            if before == then:
+                return True
+            now = before
+        return False
+
+    def _own_commit(self, write: Any, *args: Any, wrote: Callable[[Any], bool] = bool, **kw: Any) -> Any:
+        """``write(*args)``, remembered as this hot path's own commit when it was the only commit between the
+        header read just before it and the one read just after it (any other commit of any connection or process
+        in between counts too: then nothing is remembered, and the next turn's check reads the store).
+
+        Only a write that says it wrote (``wrote(out)``) counts: one that changed nothing commits no frame, so the
+        one commit counted across it would be another's (a halt made elsewhere, which the next turn must read)."""
+        watch = self._watch
+        if watch is None:
+            return write(*args, **kw)
+        before = watch.stamp()
+        out = write(*args, **kw)
+        after = watch.stamp()
+        if before is not None and after is not None and wrote(out) and _commits_between(before, after) == 1:
+            own = self._own
+            if len(own) >= _STATE_MEMO_SIZE:
+                own.clear()
+            own[after] = before
+        return out
 
     def _open_watch(self, wait: bool) -> WalStamp | None:
         if not wait:
@@ -198,6 +277,8 @@ class SQLiteHotPath(HotPath):
             self._states.clear()
         if watch is not None:
             watch.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         super().close()
 
     def prewrite(self, session_id: str, count: int, effect_id: str, call_id: str, tool_name: str, revision: int,
@@ -211,8 +292,18 @@ class SQLiteHotPath(HotPath):
 
     def mark(self, effect_id: str, text: str, now: float, *, fast: bool, wait: bool = True) -> bool:
         if fast:
-            return super().mark(effect_id, text, now, fast=True, wait=wait)
+            return bool(self._own_commit(super().mark, effect_id, text, now, fast=True, wait=wait))
         return bool(self.group.submit((False, (effect_id, text, now)), wait))
+
+    def _own_write_one(self, item: tuple[bool, tuple[Any, ...]], wait: bool) -> bool:
+        return bool(self._own_commit(self._write_one, item, wait))
+
+    def _own_write_many(self, items: Sequence[tuple[bool, tuple[Any, ...]]]) -> list[Any]:
+        return list(self._own_commit(self._write_many, items, wrote=_any_written))
+
+    def mark_many(self, marks: list[tuple[str, str, float]]) -> None:
+        with self.fast.connection("the deferred commit marks") as conn:
+            self._own_commit(self._marked_rows, conn, marks)
 
     def _write_one(self, item: tuple[bool, tuple[Any, ...]], wait: bool) -> bool:
         """One durable write alone (the group's uncontended path): a connection, the write lock, one statement.
@@ -300,6 +391,9 @@ class SQLiteHotPath(HotPath):
         # here, a new session's on_failure, is checked by start_session before it is written. The general engine's
         # connections, which write every other state, keep every check (tests/core/test_hot_path_checks.py).
         conn.execute("PRAGMA ignore_check_constraints=ON")
+        # The WAL is checkpointed by the hot path's thread (checkpoint.py): a commit here checkpoints only past
+        # HARD_PAGES, the safeguard for when that thread cannot keep up.
+        conn.execute(f"PRAGMA wal_autocheckpoint={HARD_PAGES}")
 
     def _prewrite(self, conn: Any, wait: bool, session_id: str, count: int, effect_id: str, call_id: str,
                   tool_name: str, revision: int, args_text: str, digest: str, owner: str, now: float, lease: float,
@@ -328,24 +422,63 @@ class SQLiteHotPath(HotPath):
         finally:
             self.write_lock.release()
 
-    def start_session(self, values: dict[str, Any]) -> Any:
+    def start_session(self, values: dict[str, Any], *, durable: bool = True, unless: str | None = None) -> Any:
         """A new session's row in one durable autocommit statement, or None when the id exists (the caller reads it).
 
         The general path's read, savepoint and insert through SQLAlchemy cost about a millisecond of CPU; an adapter
         starts a session per conversation, and a conversation may be a few calls. The values are those Core would
         write (the same datetime text, the same JSON); this pool's connections skip CHECK constraints, so the one
-        value a caller chose (``on_failure``) is checked here first."""
+        value a caller chose (``on_failure``) is checked here first.
+
+        ``durable=False``: committed without waiting for the disk (``synchronous=NORMAL`` for this one statement:
+        the WAL is written, not fsynced). Visible to every connection at once, and durable with the next durable
+        commit of any connection of any process: that commit fsyncs the whole WAL file, this row's frames with it
+        (a checkpoint syncs the database first). Every write that depends on the row is such a commit (a pre-write
+        checks the session in its own statement, a halt or a rollback changes the row), so a power loss can only
+        take the row while nothing in the store refers to it: the same store as if it had not been started yet.
+
+        ``unless``: nothing is written (None) when a session with that id exists either, checked in the same
+        statement."""
         on_failure = t.OnFailure(values["on_failure"]).value  # ValueError for anything the CHECK would refuse
         now_s = _sqlite_time(values["created_at"].timestamp())
-        params = (values["session_id"], values["agent_id"], values["created_by"], on_failure,
-                  json.dumps(values["pinned_revisions"]), now_s, now_s)
-        with self.durable.connection("starting a session") as conn, self.write_lock:
-            # fetchall: the autocommit statement ends (and commits) only once its RETURNING rows are read.
-            rows = conn.execute(_SQLITE_START_SESSION, params).fetchall()
+        params: tuple[Any, ...] = (values["session_id"], values["agent_id"], values["created_by"], on_failure,
+                                   json.dumps(values["pinned_revisions"]), now_s, now_s)
+        sql = _SQLITE_START_SESSION
+        if unless is not None:
+            sql, params = _SQLITE_START_SESSION_UNLESS, (*params, unless)
+        if not durable:
+            rows = self._start_unsynced(sql, params)
+        else:
+            with self.durable.connection("starting a session") as conn, self.write_lock:
+                # fetchall: the autocommit statement ends (and commits) only once its RETURNING rows are read.
+                rows = conn.execute(sql, params).fetchall()
         if not rows:
             return None
         sid, state, pins, failure = rows[0]
         return SessionRow(sid, state, json.loads(pins) if pins else {}, failure)
+
+    def _start_unsynced(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
+        """``start_session(durable=False)``'s statement, on a durable connection switched to ``synchronous=NORMAL``
+        for it alone. A connection that could not be switched back to FULL is closed, never pooled: every other
+        write of this pool must keep waiting for the disk."""
+        pool = self.durable
+        conn, gen = pool.checkout()
+        restored = False
+        try:
+            with self.write_lock:
+                conn.execute("PRAGMA synchronous=NORMAL")
+                try:
+                    rows: list[Any] = conn.execute(sql, params).fetchall()
+                finally:
+                    conn.execute("PRAGMA synchronous=FULL")
+                    restored = True
+        except BaseException as exc:
+            pool.checkin(conn, gen, broken=not restored or is_unavailable(exc))
+            if is_unavailable(exc):
+                raise DatabaseUnavailable("starting a session", exc) from exc
+            raise
+        pool.checkin(conn, gen)
+        return rows
 
     def _mark(self, conn: Any, wait: bool, effect_id: str, text: str, now: float) -> bool:
         if not self.write_lock.acquire(blocking=wait):
@@ -356,20 +489,31 @@ class SQLiteHotPath(HotPath):
             self.write_lock.release()
 
     def _mark_many(self, conn: Any, marks: list[tuple[str, str, float]]) -> None:
+        self._marked_rows(conn, marks)
+
+    def _marked_rows(self, conn: Any, marks: list[tuple[str, str, float]]) -> int:
+        """The marks in one transaction; how many effects they changed (none: nothing was committed)."""
         rows = [(text, _sqlite_time(now), eid) for eid, text, now in marks]
         with self.write_lock:
             conn.execute("BEGIN IMMEDIATE")
             try:
-                conn.executemany(_SQLITE_MARK, rows)
+                changed = int(conn.executemany(_SQLITE_MARK, rows).rowcount)
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
+        return changed
+
+
+def _on_file(engine: Engine) -> bool:
+    """Whether ``engine`` is on a database file (not ``:memory:``, a temporary database or a ``mode=memory`` URI)."""
+    database = engine.url.database or ""
+    return database not in ("", ":memory:") and "mode=memory" not in str(engine.url)
 
 
 def make_engine(url: str, *, durable: bool, pool_size: int, overflow: int, default_file: str) -> Engine:
-    """A SQLite engine: WAL, ``synchronous=FULL`` (``OFF`` for the fast engine), foreign keys on, reads deferred
+    """A SQLite engine: WAL, ``synchronous=FULL`` (``NORMAL`` for the fast engine), foreign keys on, reads deferred
     and writes ``BEGIN IMMEDIATE``."""
     path = url.split("///", 1)[1] if "///" in url else default_file
     parent = Path(path).expanduser().resolve().parent
@@ -381,7 +525,10 @@ def make_engine(url: str, *, durable: bool, pool_size: int, overflow: int, defau
         pool_size=pool_size,
         max_overflow=overflow,
     )
-    sync = "FULL" if durable else "OFF"
+    # The fast engine: NORMAL, not OFF. In WAL mode neither fsyncs a commit (the same cost), but with OFF a
+    # checkpoint run on that connection does not fsync the database file before the WAL may be started over, so a
+    # power loss could take commits that other connections had made durable (synchronous=FULL) in the WAL.
+    sync = "FULL" if durable else "NORMAL"
 
     @event.listens_for(eng, "connect")
     def _pragmas(dbapi_conn: Any, _rec: Any) -> None:

@@ -1,0 +1,231 @@
+"""SQLite's WAL checkpoints off the callers' path (undolog_core/storage/checkpoint.py).
+
+What must hold, for an engine with durable commit marks and one with ``fast_commit_mark``:
+
+- a committing caller never checkpoints at SQLite's default threshold: the hot path's connections checkpoint only
+  past ``HARD_PAGES``, and the checkpoints below it run on the checkpointer's thread;
+- the WAL stays bounded under thousands of commits: near ``SOFT_PAGES`` while the thread runs, and below
+  ``HARD_PAGES`` (plus one commit) when it does not (the callers' safeguard);
+- ``close()`` stops the thread and gives back its connection and file descriptors; an in-memory database has none.
+
+The tests open their own SQLite files, so they run whichever database the suite is run on.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from undolog_core import CompensationDescriptor, ToolTier, UndoLog, compensation, undolog_tool
+from undolog_core.storage import checkpoint
+from undolog_core.storage.checkpoint import HARD_PAGES, CheckpointerState, WalCheckpointer, _WalIndex
+
+
+@undolog_tool(tier=ToolTier.COMPENSABLE, compensation=CompensationDescriptor.new("wal_unbook"))
+def wal_book(slot: str) -> dict[str, str]:
+    return {"booked": slot}
+
+
+@compensation("wal_unbook")
+def wal_unbook(ctx: Any) -> None:
+    return None
+
+
+THREAD = "undolog-wal-checkpointer"
+
+
+def _open(path: Path, fast: bool) -> UndoLog:
+    u = UndoLog.open(f"sqlite:///{path}", fast_commit_mark=fast)
+    u.register(wal_book, wal_unbook)
+    return u
+
+
+def _checkpointers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == THREAD]
+
+
+def _wait_for(cond: Any, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def _index(u: UndoLog) -> _WalIndex:
+    u.engine.hot.session_states(["x"])  # a read: the -shm file exists and is initialised
+    return _WalIndex(str(u.store.engine.url.database))
+
+
+def _frames(index: _WalIndex) -> int:
+    while (f := index.frames()) is None:
+        pass
+    return f[0]
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["durable", "fast_commit_mark"])
+def test_the_thread_checkpoints_and_the_wal_stays_near_its_threshold(tmp_path: Path, fast: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls paced like an agent's (a gap between two): every checkpoint runs on the checkpointer's thread, the WAL
+    starts over again and again, and it never comes near the callers' safeguard."""
+    ran_on: list[str] = []
+    real = WalCheckpointer._checkpoint
+
+    def spy(self: WalCheckpointer, conn: Any) -> None:
+        ran_on.append(threading.current_thread().name)
+        real(self, conn)
+
+    monkeypatch.setattr(WalCheckpointer, "_checkpoint", spy)
+    # A lower threshold than SQLite's 1,000 pages, so that the WAL starts over three times in a few hundred calls.
+    monkeypatch.setattr(checkpoint, "SOFT_PAGES", 300)
+    u = _open(tmp_path / "w.db", fast)
+    try:
+        hot = u.engine.hot
+        assert hot.checkpointer is not None
+        _wait_for(lambda: hot.checkpointer.state is CheckpointerState.WATCHING, "the checkpointer to watch the file")
+        index = _index(u)
+        session = u.session(agent_id="wal")
+        longest, starts, last = 0, 0, 0
+        calls = 0
+        # A few thresholds' worth of frames: well past the threshold, well below HARD_PAGES.
+        while starts < 3 or calls < 100:
+            assert session.call_sync(wal_book, slot=f"s{calls}") == {"booked": f"s{calls}"}
+            calls += 1
+            length = _frames(index)
+            starts += length < last  # the WAL started over
+            longest, last = max(longest, length), length
+            if calls % 10 == 0:
+                time.sleep(0.005)  # the model's turn: the gap a checkpoint finishes in
+            assert calls < 5000, f"the WAL did not start over three times ({longest} frames at most)"
+        index.close()
+        assert ran_on and set(ran_on) == {THREAD}
+        assert hot.checkpointer.checkpoints >= 3
+        assert 300 <= longest < HARD_PAGES
+    finally:
+        u.close()
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["durable", "fast_commit_mark"])
+def test_callers_checkpoint_only_past_the_hard_limit(tmp_path: Path, fast: bool) -> None:
+    """With the thread stopped: the WAL grows past SQLite's default threshold (no caller checkpointed at 1,000
+    pages: fails with SQLite's default), and the safeguard starts it over at HARD_PAGES: bounded under thousands of
+    commits."""
+    u = _open(tmp_path / "w.db", fast)
+    try:
+        hot = u.engine.hot
+        assert hot.checkpointer is not None
+        hot.checkpointer.close()
+        assert not hot.checkpointer.alive
+        index = _index(u)
+        for pool in (hot.durable, hot.fast):
+            with pool.connection("test") as conn:
+                assert conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == HARD_PAGES
+        # Thousands of small commits on a hot connection, without fsync so that the test is quick (the frames
+        # and the checkpoint threshold are the same).
+        with hot.durable.connection("test") as conn:
+            conn.execute("PRAGMA synchronous=OFF")
+            conn.execute("CREATE TABLE scratch (b BLOB)")
+            longest, last, starts, commits = 0, 0, 0, 0
+            while starts < 1:
+                conn.execute("INSERT INTO scratch VALUES (randomblob(6000))")  # two pages of their own
+                commits += 1
+                length = _frames(index)
+                if length < last:
+                    starts += 1
+                    assert last >= HARD_PAGES  # not before the safeguard (SQLite's default: at 1,000)
+                longest, last = max(longest, length), length
+                assert commits < 4 * HARD_PAGES
+            conn.execute("PRAGMA synchronous=FULL")
+        index.close()
+        assert longest < HARD_PAGES + 10  # a commit's frames past the limit, then the caller checkpoints
+        assert commits > 2000
+    finally:
+        u.close()
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["durable", "fast_commit_mark"])
+def test_close_stops_the_thread_and_gives_back_its_descriptors(tmp_path: Path, fast: bool) -> None:
+    before_threads = len(_checkpointers())
+    before_fds = set(os.listdir("/proc/self/fd"))
+    u = _open(tmp_path / "w.db", fast)
+    hot = u.engine.hot
+    assert hot.checkpointer is not None
+    _wait_for(lambda: hot.checkpointer.state is CheckpointerState.WATCHING, "the checkpointer to watch the file")
+    assert len(_checkpointers()) == before_threads + 1
+    u.session(agent_id="wal").call_sync(wal_book, slot="a")
+    u.close()
+    assert not hot.checkpointer.alive
+    assert hot.checkpointer.state is CheckpointerState.STOPPED
+    assert len(_checkpointers()) == before_threads
+    assert set(os.listdir("/proc/self/fd")) <= before_fds
+
+
+def test_two_engines_on_one_file_each_checkpoint_without_waiting(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two checkpointers on one file (as two processes would have): both run, neither blocks the other or a caller
+    (PASSIVE: one that finds the other's checkpoint running skips its turn), and the WAL still starts over."""
+    monkeypatch.setattr(checkpoint, "SOFT_PAGES", 300)
+    durable = _open(tmp_path / "w.db", False)
+    fast = UndoLog.open(f"sqlite:///{tmp_path / 'w.db'}", fast_commit_mark=True, migrate=False)
+    fast.register(wal_book, wal_unbook)
+    try:
+        index = _index(durable)
+        sessions = [durable.session(agent_id="a"), fast.session(agent_id="b")]
+        starts, last = 0, 0
+        for i in range(3000):
+            sessions[i % 2].call_sync(wal_book, slot=f"s{i}")
+            length = _frames(index)
+            starts += length < last
+            last = length
+            if i % 10 == 0:
+                time.sleep(0.005)
+            if starts >= 2:
+                break
+        index.close()
+        assert starts >= 2
+        assert durable.engine.hot.checkpointer.checkpoints + fast.engine.hot.checkpointer.checkpoints >= 2
+    finally:
+        fast.close()
+        durable.close()
+
+
+def test_no_thread_for_an_in_memory_database() -> None:
+    """UndoLog refuses an in-memory database (it cannot be durable); an engine on one would get no thread."""
+    import sqlalchemy as sa
+
+    from undolog_core.storage.sqlite import _on_file
+
+    for url in ("sqlite://", "sqlite:///:memory:", "sqlite:///file:x?mode=memory&uri=true"):
+        assert not _on_file(sa.create_engine(url))
+    assert _on_file(sa.create_engine("sqlite:///some/file.db"))
+
+
+def test_a_file_not_in_wal_mode_is_waited_for(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = str(tmp_path / "plain.db")
+    sqlite3.connect(path).close()
+    cp = WalCheckpointer(lambda: sqlite3.connect(path, check_same_thread=False), poll_min=0.01, poll_max=0.02)
+    try:
+        time.sleep(0.1)
+        assert cp.state is CheckpointerState.WAITING
+        c = sqlite3.connect(path)
+        c.execute("PRAGMA journal_mode=WAL")
+        c.execute("CREATE TABLE x (a)")
+        c.commit()
+        _wait_for(lambda: cp.state is CheckpointerState.WATCHING, "the checkpointer to watch the file")
+        c.close()
+    finally:
+        cp.close()
+    assert cp.state is CheckpointerState.STOPPED
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="soft_pages=0"):
+        WalCheckpointer(lambda: None, soft_pages=0)
+    assert checkpoint.POLL_MIN <= checkpoint.POLL_MAX
