@@ -141,14 +141,10 @@ class _Handover:
     approved: dict[str, Any] | None = None
 
 
-# What the auto filter hands the inner filter for the call it is about to run, read (once) by the inner filter in
-# the same task; sibling calls run in their own asyncio tasks, each with its own copy. A _Handover: the gate's
-# decision on a call it let through. A list of one ToolSpec: a SAFE call (no retry policy), which the inner filter
-# decides itself under that contract, right before the function runs (no filter can change it after); a refusal then
-# answers the model, as the gate's would. The inner filter takes the spec out of the list (emptying it, where setting
-# the variable again would cost a new context mapping), so a call the function itself makes is its own.
-_handover: contextvars.ContextVar[_Handover | list[ToolSpec] | None] = contextvars.ContextVar("undolog_sk_handover",
-                                                                                             default=None)
+# The gate's decision on a call it let through (a COMPENSABLE or IRREVERSIBLE one), handed by the auto filter to the
+# inner filter, which reads it (once) in the same task; sibling calls run in their own asyncio tasks, each with its
+# own copy. (A SAFE call is handed over without a context variable: see UndoLogFilter._safe_calls.)
+_handover: contextvars.ContextVar[_Handover | None] = contextvars.ContextVar("undolog_sk_handover", default=None)
 
 
 class undolog_session:  # noqa: N801 - used as a function (``with undolog_session(id):``), as it always was
@@ -245,6 +241,18 @@ class UndoLogFilter:
         self._driver = undolog.driver  # (one attribute look-up fewer on each SAFE call)
         # The sessions this filter has seen, as the engine keeps them (read once; see _cache).
         self._seen: dict[str, SessionCache] = {}
+        # SAFE calls (no retry policy) the auto filter routed and the inner filter has not taken yet: id of the call's
+        # KernelArguments -> (that object, what the filter knows of the function, the contract the call was routed
+        # by). SK hands the auto context's
+        # arguments object itself to the function's invocation (sibling calls each have their own copy), so the inner
+        # filter finds its call by it, takes it out at first sight (a call the function itself makes is its own), and
+        # decides it under that contract right before the function runs (no filter can change it after), a refusal
+        # answering the model as the gate's would. An entry lives only while the auto filter awaits (it removes one
+        # left untaken; the entry holds the object too), so its id is not reused meanwhile. (A filter between the two halves that puts
+        # another arguments object in the call leaves the call to be decided as under a plain invoke: checked all
+        # the same, a refusal raised.) A dict, not a context variable: setting and resetting one costs a new context
+        # mapping each, on every call.
+        self._safe_calls: dict[int, tuple[KernelArguments, _Known, ToolSpec]] = {}
         # Bound methods are created anew on each access; keep one of each so they can be found again.
         self.function_filter = self.function_invocation
         self.auto_filter = self.auto_function_invocation
@@ -434,12 +442,16 @@ class UndoLogFilter:
                 return
         if spec.tier is SAFE and spec.retry is None:
             # Nothing to gate and nothing to record: the inner filter decides it (validated, pinned, counted) right
-            # before the function runs, under the contract seen here.
-            token = _handover.set([spec])
+            # before the function runs, under the contract seen here (see _safe_calls).
+            arguments = context.arguments
+            key = id(arguments)
+            safe_calls = self._safe_calls
+            safe_calls[key] = (arguments, known, spec)
             try:
                 await next(context)
             finally:
-                _handover.reset(token)
+                if key in safe_calls:  # not taken: another filter answered, or put other arguments in the call
+                    del safe_calls[key]
             return
         fcc = context.function_call_content
         try:
@@ -481,62 +493,80 @@ class UndoLogFilter:
         """FUNCTION_INVOCATION filter: runs the tool; decides a SAFE call; the gate of any other under a plain
         ``kernel.invoke``."""
         function = context.function
-        known = self._known.get(id(function))
-        if known is None or known.function is not function:
-            if not _is_tool(function):
-                await next(context)
+        arguments = context.arguments
+        routed = self._safe_calls.pop(id(arguments), None) if self._safe_calls else None
+        if routed is not None and routed[1].function is function:
+            # A SAFE call (no retry policy) the auto filter routed, taken: a call the function itself makes through
+            # the kernel is its own. Under the auto gate a refusal answers the model, as the gate's would.
+            _, known, spec = routed
+            filters = context.kernel.function_invocation_filters
+            if filters and filters[0][1] is not self.function_filter:  # (install()'s order: the common case)
+                self._check_innermost(filters, known.name)
+        else:
+            if routed is not None:  # another call's (a filter between the halves passed its arguments on): left
+                self._safe_calls[id(arguments)] = routed
+                routed = None
+            found = self._known.get(id(function))
+            if found is None or found.function is not function:
+                if not _is_tool(function):
+                    await next(context)
+                    return
+                found = self._learn(function)
+            known = found
+            filters = context.kernel.function_invocation_filters
+            if filters and filters[0][1] is not self.function_filter:
+                self._check_innermost(filters, known.name)
+            handover = _handover.get()
+            if handover is not None and not handover.consumed and handover.name == known.name:
+                handover.consumed = True
+                if not self._unchanged(known, arguments, handover):
+                    # A filter between the gate and the function edited the call: it is not the call that was let
+                    # through (approved, for an IRREVERSIBLE one), so it does not run.
+                    if handover.decision.effect_id is not None:
+                        self.undolog.driver.release(handover.decision)
+                    raise errors.ConfigurationError(
+                        f"UndoLog refused {known.name}: its arguments were changed after UndoLog's gate; it was NOT run"
+                    )
+                await self._run(context, next, handover.decision, handover.session_id, handover)
                 return
-            known = self._learn(function)
-        name = known.name
-        filters = context.kernel.function_invocation_filters
-        if filters and filters[0][1] is not self.function_filter and not self._is_inner(filters[0][1]):
+            spec = self._spec(known.name)
+            if spec.tier is not SAFE or spec.retry is not None:
+                await self._gate_plain(context, next, known, spec)
+                return
+        # A SAFE call's whole decision, here, after every other filter: validated (and converted) against its
+        # contract, checked against the session's pin and counted in memory. No I/O once the session is known.
+        try:
+            sid = _session_var.get() or self.session_id
+            sc = self._seen.get(sid) or await self._cache(sid)
+            # The common case: only the model's parameters, each an exact str/int/float/bool/None of the type its
+            # field keeps. Checked as they are, without a JSON conversion (it would give the same objects back)
+            # and nothing to write back; else converted and validated (and converted) by the contract.
+            if not known.params.issuperset(arguments) or self._driver.safe_as_is(spec, arguments, sc) is None:
+                arguments.update(self._driver.safe(spec, self._args(known, arguments), sc))
+        except errors.UndoLogError as exc:
+            if routed is None:  # under a plain invoke (or not routed here): raised
+                raise
+            context.result = _refusal(function, known.name, exc)
+            return
+        await next(context)  # nothing to record, whatever happens: its exception, if any, goes on untouched
+
+    def _check_innermost(self, filters: list[tuple[int, Any]], name: str) -> None:
+        """Refuse the call when another FUNCTION_INVOCATION filter (``kernel.function_invocation_filters``, the
+        innermost first) runs inside UndoLog's: it could change the call after the check."""
+        if not self._is_inner(filters[0][1]):
             raise errors.ConfigurationError(
                 f"UndoLog refused {name}: another FUNCTION_INVOCATION filter runs inside UndoLog's and could change "
                 "the call after its gate; call install(kernel, ...) after adding your own filters"
             )
-        handover = _handover.get()
-        if type(handover) is list and handover and handover[0].name == name:
-            # Taken (the list emptied): a call the function itself makes through the kernel is its own. Under the
-            # auto gate a refusal answers the model, as the gate's would.
-            spec, answer = handover.pop(), True
-        elif isinstance(handover, _Handover) and not handover.consumed and handover.name == name:
-            handover.consumed = True
-            if not self._unchanged(known, context.arguments, handover):
-                # A filter between the gate and the function edited the call: it is not the call that was let
-                # through (approved, for an IRREVERSIBLE one), so it does not run.
-                if handover.decision.effect_id is not None:
-                    self.undolog.driver.release(handover.decision)
-                raise errors.ConfigurationError(
-                    f"UndoLog refused {name}: its arguments were changed after UndoLog's gate; it was NOT run"
-                )
-            await self._run(context, next, handover.decision, handover.session_id, handover)
-            return
-        else:
-            spec, answer = self._spec(name), False
-        if spec.tier is SAFE and spec.retry is None:
-            # A SAFE call's whole decision, here, after every other filter: validated (and converted) against its
-            # contract, checked against the session's pin and counted in memory. No I/O once the session is known.
-            arguments = context.arguments
-            try:
-                sid = _session_var.get() or self.session_id
-                sc = self._seen.get(sid) or await self._cache(sid)
-                # The common case: only the model's parameters, each an exact str/int/float/bool/None of the type its
-                # field keeps. Checked as they are, without a JSON conversion (it would give the same objects back)
-                # and nothing to write back; else converted and validated (and converted) by the contract.
-                if not known.params.issuperset(arguments) or self._driver.safe_as_is(spec, arguments, sc) is None:
-                    arguments.update(self._driver.safe(spec, self._args(known, arguments), sc))
-            except errors.UndoLogError as exc:
-                if not answer:
-                    raise
-                context.result = _refusal(function, name, exc)
-                return
-            await next(context)  # nothing to record, whatever happens: its exception, if any, goes on untouched
-            return
+
+    async def _gate_plain(self, context: FunctionInvocationContext, next: Any, known: _Known, spec: ToolSpec) -> None:
+        """A COMPENSABLE/IRREVERSIBLE call (or a SAFE one with a retry policy) under a plain ``kernel.invoke``: this
+        filter is its gate."""
         sid, decision, _ = await self._intercept(known, spec, context.arguments, None)
         if isinstance(decision, AwaitingApproval):
-            raise ApprovalPending(decision.effect_id, decision.approval_request_id, decision.retry_after, name)
+            raise ApprovalPending(decision.effect_id, decision.approval_request_id, decision.retry_after, known.name)
         if isinstance(decision, Completed):
-            context.result = FunctionResult(function=function.metadata, value=decision.result)
+            context.result = FunctionResult(function=context.function.metadata, value=decision.result)
             return
         context.arguments.update(decision.args)
         await self._run(context, next, decision, sid)

@@ -510,33 +510,55 @@ def as_is_checker(schema: Mapping[str, Any]) -> Callable[[Any], bool] | None:
         >>> as_is_checker({"type": "object", "properties": {"x": {"type": "number"}}})({"x": 1})
         False
     """
+    copier = as_is_copier(schema)
+    if copier is None:
+        return None
+    return lambda args: copier(args) is not None
+
+
+def as_is_copier(schema: Mapping[str, Any]) -> Callable[[Any], dict[str, Any] | None] | None:
+    """:func:`as_is_checker` and the copy in one: a plain dict of ``args`` when the check says True, else None (the
+    SAFE hot path's one call for it; see ``ToolSpec.as_is_copy``). None when the schema is not simple.
+
+    Example:
+        >>> as_is_copier({"type": "object", "properties": {"x": {"type": "string"}}})({"x": "a"})
+        {'x': 'a'}
+    """
     parts = _simple_kinds(schema)
     if parts is None:
         return None
     needed, kinds, _ = parts
     props = schema.get("properties", {})
-    kept: dict[str, tuple[type, ...] | None] = {}
+    # Per property: the exact types kept as they are, or (an Any field: no type, or several) whatever the JSON
+    # check allows (as in simple_checker). A key the schema does not name is in neither: the model decides (extras).
+    exact: dict[str, tuple[type, ...]] = {}
+    loose: dict[str, tuple[type, ...] | None] = {}
     for pname in kinds:
         t = props[pname].get("type")
         py = _JSON_TYPES.get(t, Any) if isinstance(t, str) else Any
-        kept[pname] = None if py is Any else _KEPT_AS_IS.get(py, ())
+        if py is Any:
+            loose[pname] = kinds[pname]
+        else:
+            exact[pname] = _KEPT_AS_IS.get(py, ())
+    required = frozenset(needed)
+    reads_as_dict = _READS_AS_DICT  # (closure cells, not global look-ups: this is the SAFE hot path)
+    no_type: tuple[type, ...] = ()
 
-    def as_is(args: Any) -> bool:
-        if type(args) is not dict and not (isinstance(args, dict) and _reads_as_dict(type(args))):
-            return False
-        for key in needed:
-            if key not in args:
-                return False
+    def as_is_copy(args: Any) -> dict[str, Any] | None:
+        cls = type(args)
+        # A dict subclass that reads as a dict (known by class after its first sight, see _reads_as_dict).
+        if cls is not dict and not reads_as_dict.get(cls) and not (isinstance(args, dict) and _reads_as_dict(cls)):
+            return None
+        if required and not args.keys() >= required:
+            return None
         for key, value in args.items():
-            exact = kept.get(key, ())  # a key the schema does not name: the model decides (extras)
-            if exact is None:  # an Any field: whatever the JSON check allows (as in simple_checker)
-                if not _of_kind(value, kinds[key]):
-                    return False
-            elif type(value) not in exact:
-                return False
-        return True
+            if type(value) not in exact.get(key, no_type) and (key not in loose or not _of_kind(value, loose[key])):
+                return None
+        # {**args}, not dict(args): for a dict subclass, dict() looks its ``keys`` attribute up first; both copy the
+        # items as a dict holds them (what was just checked: the class overrides none of its readers).
+        return {**args}
 
-    return as_is
+    return as_is_copy
 
 
 def check_json_schema(name: str, schema: Mapping[str, Any], args: Any, validator: Any = None) -> None:
@@ -647,7 +669,9 @@ class ToolSpec:
         # The validator itself, without model_validate's keyword plumbing: this is the SAFE hot path.
         self._model_validate = self.args_model.__pydantic_validator__.validate_python
         # A simple schema-declared contract: arguments its model would give back unchanged skip it (see checked).
-        self._as_is = as_is_checker(self.json_schema) if self.sparse else None
+        self._as_is_copy = as_is_copier(self.json_schema) if self.sparse else None
+        copy = self._as_is_copy
+        self._as_is = None if copy is None else (lambda args: copy(args) is not None)  # (as_is_checker's answer)
 
     def contract(self) -> dict[str, Any]:
         contract = {
@@ -688,9 +712,8 @@ class ToolSpec:
             >>> spec.as_is_copy({"order_id": "A-17"})           # doctest: +SKIP
             {'order_id': 'A-17'}
         """
-        if self._as_is is not None and self._as_is(args):
-            return dict(args)
-        return None
+        copy = self._as_is_copy
+        return copy(args) if copy is not None else None
 
     def snapshot(self, model: BaseModel) -> dict[str, Any]:
         """The arguments as JSON, as logged for undo and approval; refused clearly when they have no JSON form."""

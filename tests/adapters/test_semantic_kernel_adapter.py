@@ -676,6 +676,30 @@ async def test_a_safe_call_edited_after_the_auto_gate_is_validated_as_it_runs(ul
     assert LOOKED_UP == [("A-1", 1.0)]
 
 
+async def test_a_safe_call_whose_arguments_object_is_replaced_after_the_auto_gate_is_still_checked(ul):
+    # The auto filter hands a SAFE call to the inner filter by its KernelArguments object. A filter between the two
+    # that puts another object in the call does not slip it past the check: the inner filter decides it as under a
+    # plain invoke (validated, pinned, counted; a refusal raised, which SK turns into its own error text), and the
+    # hand-over left behind is removed.
+    from semantic_kernel.functions import KernelArguments
+
+    async def replace(context, next):
+        order_id = context.arguments["order_id"]
+        context.arguments = KernelArguments(order_id=order_id.upper() if order_id != "bad" else 7)
+        await next(context)
+
+    kernel = _lookup_kernel(ul, after=[replace])
+    _, history, _ = await chat_turns(kernel, [[call("k1", "shop-lookup", order_id="a-1")],
+                                             [call("k2", "shop-lookup", order_id="bad")]], session_id="chat-swap")
+    ok, refused = results(history)
+    assert ok == "order A-1: shipped" and "invalid arguments for tool 'shop-lookup'" in refused, refused
+    assert LOOKED_UP == [("A-1", 1.0)]
+    undolog_filter = next(f for _, f in kernel.function_invocation_filters).__self__
+    assert undolog_filter._safe_calls == {}
+    ul.engine.flush_counts()
+    assert ul.sessions.get("chat-swap").tool_calls_total == 1
+
+
 async def test_a_safe_functions_own_exception_goes_on_untouched(ul):
     kernel = _lookup_kernel(ul)
     with undolog_session("chat-boom"), pytest.raises(KernelInvokeException) as raised:
