@@ -378,6 +378,20 @@ def test_a_safe_turn_checks_the_session_without_a_statement_and_writes_nothing(
     assert len(checkouts) >= 2
 
 
+def _trace_durable_checkouts(hot: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every statement run on the hot path's durable connections checked out from now on."""
+    traced: list[str] = []
+    real = hot.durable.checkout
+
+    def checkout(*, wait: bool = True) -> Any:
+        conn, gen = real(wait=wait)
+        conn.set_trace_callback(traced.append)
+        return conn, gen
+
+    monkeypatch.setattr(hot.durable, "checkout", checkout)
+    return traced
+
+
 @pytest.mark.sqlite_only
 def test_a_threads_first_turn_starts_its_session_without_waiting_for_the_disk(
     db: Any, undolog: Any, monkeypatch: pytest.MonkeyPatch
@@ -392,15 +406,7 @@ def test_a_threads_first_turn_starts_its_session_without_waiting_for_the_disk(
     graph, c = _agent(undolog), _cfg()
     graph.invoke(_user("look"), _cfg())  # another thread first: the pool's connections are opened and warm
     hot = undolog.engine.hot
-    traced: list[str] = []
-    real = hot.durable.checkout
-
-    def checkout(*, wait: bool = True) -> Any:
-        conn, gen = real(wait=wait)
-        conn.set_trace_callback(traced.append)
-        return conn, gen
-
-    monkeypatch.setattr(hot.durable, "checkout", checkout)
+    traced = _trace_durable_checkouts(hot, monkeypatch)
     out = graph.invoke(_user("look"), c)
     assert out["messages"][-2].content == "tue is free"
     tid = c["configurable"]["thread_id"]
@@ -434,15 +440,7 @@ def test_a_new_threads_first_turn_inserts_its_session_without_reading_first(
     graph = _agent(undolog)
     graph.invoke(_user("look"), _cfg())  # the pool's connections opened and warm
     hot = undolog.engine.hot
-    traced: list[str] = []
-    real = hot.durable.checkout
-
-    def checkout(*, wait: bool = True) -> Any:
-        conn, gen = real(wait=wait)
-        conn.set_trace_callback(traced.append)
-        return conn, gen
-
-    monkeypatch.setattr(hot.durable, "checkout", checkout)
+    traced = _trace_durable_checkouts(hot, monkeypatch)
     c = _cfg()
     graph.invoke(_user("look"), c)
     statements = [t for t in traced if not t.startswith("PRAGMA")]
