@@ -283,21 +283,23 @@ def test_processes_writing_one_file_and_one_killed_keep_it_whole(tmp_path: Path)
     script.write_text(_WRITER)
     calls = 600
     procs = {
-        name: subprocess.Popen([sys.executable, str(script), str(path), name, mode, str(calls)],
+        name: subprocess.Popen([sys.executable, str(script), str(path), name, mode, str(n)],
                                stdout=subprocess.PIPE, text=True)
-        for name, mode in (("p-durable", "durable"), ("p-fast", "fast"), ("p-killed", "durable"))
+        # The one to be killed is given more calls than it can make before the kill.
+        for name, mode, n in (("p-killed", "durable", 10**6), ("p-durable", "durable", calls),
+                              ("p-fast", "fast", calls))
     }
     try:
-        for p in procs.values():
-            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-        procs["p-killed"].send_signal(signal.SIGKILL)
+        killed = procs["p-killed"]
+        assert killed.stdout is not None and killed.stdout.readline().strip() == "ready"
+        killed.send_signal(signal.SIGKILL)  # while the others write (or start to)
         longest = 0
         while any(p.poll() is None for n, p in procs.items() if n != "p-killed"):
             longest = max(longest, _frames(index))
             time.sleep(0.002)
         for name in ("p-durable", "p-fast"):
             out, _ = procs[name].communicate(timeout=60)
-            assert procs[name].returncode == 0 and out.strip() == "done", (name, out)
+            assert procs[name].returncode == 0 and out.split() == ["ready", "done"], (name, out)
         assert procs["p-killed"].wait(timeout=30) == -signal.SIGKILL
         assert longest < HARD_PAGES + 100, longest  # the safeguard held whoever checkpointed
         u.recover()
