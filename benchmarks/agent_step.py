@@ -25,7 +25,9 @@ UndoLog's own cost above it (goal 1.10x, as in ``overhead.py``).
    PostgreSQL. Goals (issue 13): SAFE <= 1.05x and COMPENSABLE <= 1.16x with UndoLog on SQLite, durable marks;
    what UndoLog adds next to PostgresSaver <= 25% of what PostgresSaver itself adds (the "share" rows:
    (PostgresSaver + UndoLog - PostgresSaver) / (PostgresSaver - none), per round, then the median).
-   The same COMPENSABLE step is also run through ``ainvoke`` (the async path: middleware ``awrap_tool_call``).
+   The same COMPENSABLE step is also run through ``ainvoke`` (the async path: middleware ``awrap_tool_call``),
+   with its own lower bound (``awrap_*`` hooks, the writes on the loop), and again with LangSmith's
+   ``aio_to_thread`` run inline ("LangSmith inline": ``traceable`` otherwise makes two executor hops per async hook).
 2. CrewAI: a one-agent crew with a scripted LLM (native tool calling); one kickoff is a step; the tool wrapped by
    ``wrap_tools`` against the same tool unwrapped.
 3. Semantic Kernel: the auto function-calling loop of a scripted chat service; ``install``-ed filter against none.
