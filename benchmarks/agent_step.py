@@ -25,7 +25,9 @@ UndoLog's own cost above it (goal 1.10x, as in ``overhead.py``).
    PostgreSQL. Goals (issue 13): SAFE <= 1.05x and COMPENSABLE <= 1.16x with UndoLog on SQLite, durable marks;
    what UndoLog adds next to PostgresSaver <= 25% of what PostgresSaver itself adds (the "share" rows:
    (PostgresSaver + UndoLog - PostgresSaver) / (PostgresSaver - none), per round, then the median).
-   The same COMPENSABLE step is also run through ``ainvoke`` (the async path: middleware ``awrap_tool_call``).
+   The same COMPENSABLE step is also run through ``ainvoke`` (the async path: middleware ``awrap_tool_call``),
+   with its own lower bound (``awrap_*`` hooks, the writes on the loop), and again with LangSmith's
+   ``aio_to_thread`` run inline ("LangSmith inline": ``traceable`` otherwise makes two executor hops per async hook).
 2. CrewAI: a one-agent crew with a scripted LLM (native tool calling); one kickoff is a step; the tool wrapped by
    ``wrap_tools`` against the same tool unwrapped.
 3. Semantic Kernel: the auto function-calling loop of a scripted chat service; ``install``-ed filter against none.
@@ -287,9 +289,18 @@ def _scripted_model(tool: str, args: dict[str, Any]) -> Any:
     return Scripted()
 
 
-def _agent_steps(agent: Any, *, is_async: bool = False,
-                 loop: asyncio.AbstractEventLoop | None = None) -> Callable[[], Callable[[int], None]]:
-    """Opens a fresh thread of ``agent`` (a fresh UndoLog session) and returns its step: user turn i, checked."""
+async def _inline_to_thread(default: Any, ctx: Any, func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """LangSmith's ``aio_to_thread`` run inline, on the loop: what a deployment without tracing can install with
+    ``langsmith.set_runtime_overrides(aio_to_thread=...)`` (process-wide: it is LangSmith's, not UndoLog's, to set)."""
+    return ctx.run(func, *args, **kwargs)
+
+
+def _agent_steps(agent: Any, *, is_async: bool = False, loop: asyncio.AbstractEventLoop | None = None,
+                 inline_langsmith: bool = False) -> Callable[[], Callable[[int], None]]:
+    """Opens a fresh thread of ``agent`` (a fresh UndoLog session) and returns its step: user turn i, checked.
+
+    ``inline_langsmith``: the step runs with LangSmith's ``aio_to_thread`` inline (``_inline_to_thread``), set for
+    this step only, so the variant interleaves with the others (each of which runs with LangSmith's default)."""
 
     def open_thread() -> Callable[[int], None]:
         config = {"configurable": {"thread_id": "t-" + uuid.uuid4().hex[:12]}}
@@ -300,6 +311,18 @@ def _agent_steps(agent: Any, *, is_async: bool = False,
         async def astep(i: int) -> None:
             _check(await agent.ainvoke({"messages": [{"role": "user", "content": f"turn {i}"}]}, config))
 
+        if is_async and inline_langsmith:
+            assert loop is not None
+            import langsmith
+
+            def inlined(i: int) -> None:
+                langsmith.set_runtime_overrides(aio_to_thread=_inline_to_thread)
+                try:
+                    loop.run_until_complete(astep(i))
+                finally:
+                    langsmith.set_runtime_overrides(aio_to_thread=None)
+
+            return inlined
         if is_async:
             assert loop is not None
             return lambda i: loop.run_until_complete(astep(i))
@@ -350,7 +373,8 @@ class PgSaver:
 def lower_bound_middleware(u: UndoLog | None, *, durable: bool = True) -> Any:
     """A lower bound for UndoLog's middleware, not a competitor: the work no middleware can skip, with nothing else.
 
-    With ``u=None``: a pass-through middleware with UndoLog's hooks (``wrap_model_call`` and ``wrap_tool_call``):
+    With ``u=None``: a pass-through middleware with UndoLog's hooks (``wrap_model_call`` and ``wrap_tool_call``, and
+    their ``awrap_*`` twins for ``ainvoke``, where the writes are made on the loop):
     LangChain's own cost of having them (it wraps each hook in LangSmith's ``traceable`` and composes handlers),
     which UndoLog cannot go under. With a store: the same, and around each tool call what a COMPENSABLE call must
     store: its arguments validated, snapshotted and digested, an effect id, UndoLog's one-statement pre-write
@@ -384,6 +408,29 @@ def lower_bound_middleware(u: UndoLog | None, *, durable: bool = True) -> Any:
             spec = u.tool_spec(request.tool_call["name"])
             if spec.compensation is None:
                 return handler(request)  # SAFE: nothing stored
+            effect_id = self.prewrite(spec, request)
+            out = handler(request)
+            self.mark(effect_id, out)
+            return out
+
+        # The async path (``ainvoke``): the same writes, made on the loop, straight (the cheapest any implementation
+        # can make them: no thread hop, no wait for a lock held elsewhere, which UndoLog's hot path must handle).
+        async def awrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
+            return await handler(request)
+
+        async def awrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
+            if u is None:
+                return await handler(request)
+            spec = u.tool_spec(request.tool_call["name"])
+            if spec.compensation is None:
+                return await handler(request)
+            effect_id = self.prewrite(spec, request)
+            out = await handler(request)
+            self.mark(effect_id, out)
+            return out
+
+        def prewrite(self, spec: Any, request: Any) -> str:
+            assert u is not None
             hot = u.engine.hot
             model = spec.validate(request.tool_call["args"])
             text = canonical_text(spec.snapshot(model))
@@ -392,7 +439,11 @@ def lower_bound_middleware(u: UndoLog | None, *, durable: bool = True) -> Any:
                                 sha256_hex(text), u.engine.owner, now, now + u.lease_seconds, spec.compensation.name,
                                 spec.compensation.version):
                 raise RuntimeError("the lower bound's pre-write was refused")
-            out = handler(request)
+            return effect_id
+
+        def mark(self, effect_id: str, out: Any) -> None:
+            assert u is not None
+            hot = u.engine.hot
             if durable:
                 hot.mark(effect_id, result_text(out.content), time.time(), fast=False)
             else:
@@ -400,13 +451,12 @@ def lower_bound_middleware(u: UndoLog | None, *, durable: bool = True) -> Any:
                 if len(self.marks) >= 20:  # a flusher's batch
                     hot.mark_many(self.marks)
                     self.marks = []
-            return out
 
     # UndoLog's middleware binds its hooks as plain functions carrying their signatures, as any middleware can
     # (LangSmith's ``traceable``, which LangChain wraps every hook in, rebuilds a bound method's signature on each
     # call): so does the lower bound.
     lower = LowerBound()
-    for hook in ("wrap_model_call", "wrap_tool_call"):
+    for hook in ("wrap_model_call", "wrap_tool_call", "awrap_model_call", "awrap_tool_call"):
         setattr(lower, hook, _plain_hook(getattr(lower, hook)))
     return lower
 
@@ -432,8 +482,8 @@ def langgraph_variants(stores: dict[str, UndoLog], pg_saver: PgSaver | None,
             return [UndoLogMiddleware(u, tools=tools, compensations=[bench_cancel_refund])]
 
         def lg(name: str, graph: Any, baseline: str | None = None, goal: float | None = None, *,
-               is_async: bool = False, tier: str = tier, **kw: Any) -> Variant:
-            steps = _agent_steps(graph, is_async=is_async, loop=loop)
+               is_async: bool = False, inline_langsmith: bool = False, tier: str = tier, **kw: Any) -> Variant:
+            steps = _agent_steps(graph, is_async=is_async, loop=loop, inline_langsmith=inline_langsmith)
             return Variant(name, _agent_runner(steps), baseline, goal, open=steps, group=tier, **kw)
 
         base = f"{tier}: no middleware"
@@ -458,8 +508,22 @@ def langgraph_variants(stores: dict[str, UndoLog], pg_saver: PgSaver | None,
                                    agent(undolog(stores["sqlite-fast"])), base, over=lbf, over_goal=1.10))
                 abase = f"{tier}: no middleware, ainvoke"
                 variants.append(lg(abase, agent([]), is_async=True))
+                # The async lower bound: the same pass-through middleware and writes, through awrap_* hooks.
+                alb = f"{tier}: lower bound, SQLite, durable, ainvoke"
+                variants.append(lg(alb, agent([lower_bound_middleware(stores["sqlite"])]), abase, goal, is_async=True))
                 variants.append(lg(f"{tier}: UndoLogMiddleware, SQLite, durable, ainvoke",
-                                   agent(undolog(stores["sqlite"])), abase, goal, is_async=True))
+                                   agent(undolog(stores["sqlite"])), abase, goal, is_async=True, over=alb,
+                                   over_goal=1.10))
+                # LangSmith's ``traceable`` (which LangChain wraps every hook in) runs two functions of each async
+                # hook call in the loop's executor, traced or not: six thread hops a step, for any middleware. The
+                # same bound and UndoLog with them inline (a deployment without tracing can set that), against the
+                # no-middleware step (which has no hook: the setting changes nothing there).
+                ilb = f"{tier}: lower bound, SQLite, durable, ainvoke, LangSmith inline"
+                variants.append(lg(ilb, agent([lower_bound_middleware(stores["sqlite"])]), abase, goal,
+                                   is_async=True, inline_langsmith=True))
+                variants.append(lg(f"{tier}: UndoLogMiddleware, SQLite, durable, ainvoke, LangSmith inline",
+                                   agent(undolog(stores["sqlite"])), abase, goal, is_async=True,
+                                   inline_langsmith=True, over=ilb, over_goal=1.10))
         if "postgres" in stores:
             variants.append(lg(f"{tier}: UndoLogMiddleware, PostgreSQL", agent(undolog(stores["postgres"])), base))
             if pg_saver is not None:

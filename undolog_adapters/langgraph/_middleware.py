@@ -113,19 +113,23 @@ class UndoLogMiddleware(AgentMiddleware):
         return handler(request)
 
     async def awrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
-        self._check(request)
-        if _turn_starts(request):
+        # The check and the turn test inline, as in wrap_model_call (frames less on each of a step's two model calls).
+        if not self._checked:
+            self._check(request)
+        messages: Any = getattr(request, "messages", None)
+        if messages and isinstance(messages[-1], HumanMessage):
             try:
                 # One read on the loop when a connection is free at once; a wait (or the thread's first turn, which
                 # creates its session) in a worker thread.
                 turn = self._turn(request, wait=False)
             except WouldBlock:
                 turn = await asyncio.to_thread(self._turn, request, wait=True)
-            # Opening the next session after a rollback writes: in a worker thread too.
-            needs_write = turn is not None and turn[2] in (SessionState.ROLLED_BACK, SessionState.COMPLETED)
-            refused = await asyncio.to_thread(self._turn_start, turn) if needs_write else self._turn_start(turn)
-            if refused is not None:
-                return refused
+            if turn is not None and turn[2] in _STOPS_OR_MOVES:
+                # Opening the next session after a rollback writes: in a worker thread too.
+                needs_write = turn[2] in (SessionState.ROLLED_BACK, SessionState.COMPLETED)
+                refused = await asyncio.to_thread(self._turn_start, turn) if needs_write else self._turn_start(turn)
+                if refused is not None:
+                    return refused
         return await handler(request)
 
     def _turn(self, request: Any, *, wait: bool) -> tuple[str, str, str | None, str | None] | None:
@@ -159,7 +163,8 @@ class UndoLogMiddleware(AgentMiddleware):
         return run_call(self._undolog_guard, request, handler, admit=False)
 
     async def awrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
-        _innermost(handler)
+        if _INNER_WRAPPERS in getattr(handler, "__qualname__", ""):
+            _innermost(handler)  # refuses: _innermost's test, inline, as in wrap_tool_call
         return await arun_call(self._undolog_guard, request, handler, admit=False)
 
     def rollback(self, thread_id: str, *, reason: str | None = None) -> Any:
@@ -191,12 +196,6 @@ def _plain_hook(method: Callable[[Any, Callable[[Any], Any]], Any]) -> Callable[
     hook.__name__, hook.__qualname__, hook.__doc__ = method.__name__, method.__qualname__, method.__doc__
     hook.__signature__ = _HOOK_SIGNATURE
     return hook  # type: ignore[no-any-return]
-
-
-def _turn_starts(request: Any) -> bool:
-    """Whether this model call starts a user turn: the conversation ends with the user's message."""
-    messages: Any = getattr(request, "messages", None)
-    return bool(messages) and isinstance(messages[-1], HumanMessage)
 
 
 def _innermost(handler: Any) -> None:
