@@ -301,10 +301,6 @@ class SQLiteHotPath(HotPath):
     def _own_write_many(self, items: Sequence[tuple[bool, tuple[Any, ...]]]) -> list[Any]:
         return list(self._own_commit(self._write_many, items, wrote=_any_written))
 
-    def mark_many(self, marks: list[tuple[str, str, float]]) -> None:
-        with self.fast.connection("the deferred commit marks") as conn:
-            self._own_commit(self._marked_rows, conn, marks)
-
     def _write_one(self, item: tuple[bool, tuple[Any, ...]], wait: bool) -> bool:
         """One durable write alone (the group's uncontended path): a connection, the write lock, one statement.
 
@@ -489,7 +485,7 @@ class SQLiteHotPath(HotPath):
             self.write_lock.release()
 
     def _mark_many(self, conn: Any, marks: list[tuple[str, str, float]]) -> None:
-        self._marked_rows(conn, marks)
+        self._own_commit(self._marked_rows, conn, marks)
 
     def _marked_rows(self, conn: Any, marks: list[tuple[str, str, float]]) -> int:
         """The marks in one transaction; how many effects they changed (none: nothing was committed)."""
