@@ -450,12 +450,7 @@ class Engine:
             check_identity("agent_id", agent_id)
         if created_by is not None:
             check_identity("created_by", created_by)
-        now = utcnow()
-        values = {
-            "agent_id": agent_id, "state": SessionState.ACTIVE.value, "tool_calls_total": 0,
-            "created_by": created_by, "halted_reason": None, "on_failure": on_failure,
-            "pinned_revisions": self.current_pins(), "created_at": now, "updated_at": now,
-        }
+        values = self._new_session_row(agent_id, created_by, on_failure)
         if start is not None:
             values["pinned_revisions"], values["created_at"] = start["pinned_revisions"], from_epoch(start["created_at"])
         row = None
@@ -486,13 +481,18 @@ class Engine:
         check_id("session_id", session_id)
         if agent_id is not None:
             check_identity("agent_id", agent_id)
-        now = utcnow()
-        row = self.hot.start_session({
-            "session_id": session_id, "agent_id": agent_id, "state": SessionState.ACTIVE.value,
-            "tool_calls_total": 0, "created_by": None, "halted_reason": None, "on_failure": on_failure,
-            "pinned_revisions": self.current_pins(), "created_at": now, "updated_at": now,
-        }, durable=durable, unless=unless)
+        row = self.hot.start_session({"session_id": session_id, **self._new_session_row(agent_id, None, on_failure)},
+                                     durable=durable, unless=unless)
         return None if row is None else self.remember(row)
+
+    def _new_session_row(self, agent_id: str | None, created_by: str | None, on_failure: str) -> dict[str, Any]:
+        """A new session's row (without its id): active, no calls, pinned to the tools registered now."""
+        now = utcnow()
+        return {
+            "agent_id": agent_id, "state": SessionState.ACTIVE.value, "tool_calls_total": 0,
+            "created_by": created_by, "halted_reason": None, "on_failure": on_failure,
+            "pinned_revisions": self.current_pins(), "created_at": now, "updated_at": now,
+        }
 
     def look_up_session(self, session_id: str, *, agent_id: str | None = None, wait: bool = True) -> SessionCache:
         """This process's record of the session, without writing: read once from the store (its state and pins)
