@@ -233,24 +233,15 @@ def test_bad_settings_are_refused() -> None:
 
 _WRITER = """
 import sys
-from typing import Any
-from undolog_core import CompensationDescriptor, ToolTier, UndoLog, compensation, undolog_tool
+from undolog_core import UndoLog
 from undolog_core.storage import checkpoint
 
 checkpoint.SOFT_PAGES = 200  # the thread checkpoints often: several processes' checkpoints overlap
 
+path, name, fast, calls, here = sys.argv[1], sys.argv[2], sys.argv[3] == "fast", int(sys.argv[4]), sys.argv[5]
+sys.path.insert(0, here)
+from test_wal_checkpointer import wal_book, wal_unbook  # this test file's own tool and compensation
 
-@undolog_tool(tier=ToolTier.COMPENSABLE, compensation=CompensationDescriptor.new("wal_unbook"))
-def wal_book(slot: str) -> dict[str, str]:
-    return {"booked": slot}
-
-
-@compensation("wal_unbook")
-def wal_unbook(ctx: Any) -> None:
-    return None
-
-
-path, name, fast, calls = sys.argv[1], sys.argv[2], sys.argv[3] == "fast", int(sys.argv[4])
 u = UndoLog.open(f"sqlite:///{path}", fast_commit_mark=fast, migrate=False)
 u.register(wal_book, wal_unbook)
 done = 0
@@ -283,7 +274,8 @@ def test_processes_writing_one_file_and_one_killed_keep_it_whole(tmp_path: Path)
     script.write_text(_WRITER)
     calls = 600
     procs = {
-        name: subprocess.Popen([sys.executable, str(script), str(path), name, mode, str(n)],
+        name: subprocess.Popen([sys.executable, str(script), str(path), name, mode, str(n),
+                                str(Path(__file__).parent)],
                                stdout=subprocess.PIPE, text=True)
         # The one to be killed is given more calls than it can make before the kill.
         for name, mode, n in (("p-killed", "durable", 10**6), ("p-durable", "durable", calls),
