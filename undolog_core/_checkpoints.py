@@ -257,7 +257,7 @@ def write_checkpoint(
     cp = make_checkpoint(storage, key, previous=previous, now=now)
     stamp = cp.created_at.replace(":", "").replace("-", "").replace("+0000", "Z")
     name = f"checkpoint-{cp.position:012d}-{stamp}-{os.getpid()}.json"
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tmp-", suffix=".json")
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=_WRITING, suffix=".json")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(cp.to_json())
@@ -268,6 +268,10 @@ def write_checkpoint(
         Path(tmp).unlink(missing_ok=True)
         raise
     return out_dir / name
+
+
+#: The name prefix of a checkpoint file still being written (renamed to ``checkpoint-*.json`` once whole).
+_WRITING = ".tmp-"
 
 
 def read_checkpoint(path: Path, public_key: Ed25519PublicKey) -> Checkpoint:
@@ -318,9 +322,10 @@ def load_checkpoints(directory: Path, public_key: Ed25519PublicKey) -> list[Chec
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointInvalid(f"no checkpoint directory {directory}")
-    return sorted(
-        (read_checkpoint(p, public_key) for p in sorted(directory.glob("*.json"))), key=lambda c: c.position
-    )
+    # Not a checkpoint being written (write_checkpoint's temporary file, renamed once whole): read half-written, it
+    # failed the verification of a store that was intact. pathlib's glob matches names starting with a dot.
+    files = sorted(p for p in directory.glob("*.json") if not p.name.startswith(_WRITING))
+    return sorted((read_checkpoint(p, public_key) for p in files), key=lambda c: c.position)
 
 
 def verify_with_checkpoints(storage: AuditSQL, directory: Path, public_key: Ed25519PublicKey) -> AuditReport:
