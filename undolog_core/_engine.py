@@ -629,7 +629,11 @@ class Engine:
         values = spec.values(spec.validate(args))
         sc = self._sessions.get(session_id)
         self.note_safe_in(sc if sc is not None else self.session_cache(session_id), spec, values)
-        return execute_now(None, values, None, SAFE, spec.name, call_id, session_id)
+        d = _new(Execute)  # execute_now, inline (a frame less on every SAFE call)
+        _set_attr(d, "__dict__", {"effect_id": None, "args": values, "idempotency_key": None, "tier": SAFE,
+                                  "tool_name": spec.name, "call_id": call_id, "session_id": session_id,
+                                  "approval_request_id": None, "decision": None})
+        return d
 
     def intercept(
         self,

@@ -577,3 +577,64 @@ async def test_a_safe_call_on_the_middlewares_short_path_keeps_its_checks(undolo
     assert len(SEEN) == 2
     undolog.engine.flush_counts(c["configurable"]["thread_id"])
     assert undolog.sessions.get(c["configurable"]["thread_id"]).tool_calls_total == 2
+
+
+def _counting_hooks(mw: Any, frames: list[str], on: list[bool]) -> None:
+    """Wrap ``mw``'s sync hooks (before the agent is built: it takes them then) so that, while ``on[0]``, every
+    Python frame of UndoLog's own code run inside them, in the thread that runs the hook (the tool's hook runs in
+    ToolNode's worker thread), is recorded in ``frames``."""
+    import functools
+
+    from undolog_adapters.langgraph._middleware import _HOOK_SIGNATURE
+
+    roots = (str(ROOT / "undolog_core"), str(ROOT / "undolog_adapters"))
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(roots):
+            frames.append(frame.f_code.co_name)
+
+    def counted(inner: Any, request: Any, handler: Any) -> Any:
+        if not on[0]:
+            return inner(request, handler)
+
+        def unprofiled(req: Any) -> Any:  # LangChain's part of the step (the model, the tool) is not counted
+            sys.setprofile(None)
+            try:
+                return handler(req)
+            finally:
+                sys.setprofile(profile)
+
+        sys.setprofile(profile)
+        try:
+            return inner(request, unprofiled)
+        finally:
+            sys.setprofile(None)
+
+    for name in ("wrap_model_call", "wrap_tool_call"):
+        hook: Any = functools.partial(counted, getattr(mw, name))
+        hook.__name__, hook.__signature__ = name, _HOOK_SIGNATURE
+        setattr(mw, name, hook)
+
+
+@pytest.mark.sqlite_only
+def test_a_later_safe_turn_runs_few_python_frames_of_undologs_own(undolog: Any) -> None:
+    """A later SAFE turn of a thread (its session known, nothing committed since: no statement) runs UndoLog's hooks
+    with the fewest Python frames: inside an agent step each costs 1-3 us (its code and data are cold), and they
+    were most of what UndoLog added above a pass-through middleware with the same hooks. Counted, not timed: the
+    frames of undolog_core and undolog_adapters code under the two model calls' and the tool call's hooks."""
+    tools = [sp_book, sp_look]
+    mw = UndoLogMiddleware(undolog, tools=tools, compensations=[sp_unbook])
+    frames: list[str] = []
+    on = [False]
+    _counting_hooks(mw, frames, on)
+    graph = create_agent(ScriptedChatModel(scripts=SCRIPTS), tools, checkpointer=InMemorySaver(), middleware=[mw])
+    c = _cfg()
+    for _ in range(2):
+        graph.invoke(_user("look"), c)
+    on[0] = True
+    out = graph.invoke(_user("look"), c)
+    assert out["messages"][-2].content == "tue is free"
+    # The turn: wrap_model_call, base_id, turn, the engine's and the hot path's session_states; the model's answer:
+    # wrap_model_call; the SAFE call: wrap_tool_call, run_safe, safe_decision, base_id, decide_safe, check_id,
+    # validate, values, note_safe_in, run_safe_sync and the lambda running the tool. (There were 22.)
+    assert len(frames) <= 17, frames
