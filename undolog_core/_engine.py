@@ -105,7 +105,7 @@ DEFAULT_MAX_SESSIONS = 10_000
 # could let an evicted session's SAFE call skip its pin check.
 _EVICTED_SLOTS = 1 << 16
 _SLOT_MASK = _EVICTED_SLOTS - 1
-# How far past the oldest records a trim that may not write looks for clean ones to evict.
+# How far past the oldest records a trim that may not write looks for clean ones to evict (see trim).
 _TRIM_SCAN = 64
 
 
@@ -339,6 +339,7 @@ class Engine:
         self._evicted: weakref.WeakValueDictionary[str, SessionCache] = weakref.WeakValueDictionary()
         self._evicted_ids = bytearray(_EVICTED_SLOTS)
         self._trim_lock = threading.Lock()
+        self._trim_owner: int | None = None  # the thread trimming now
         # Writes what the oldest records hold (counts, deferred starts) when a path that may not write (a SAFE call,
         # an event loop) found the cache full of them; started only then.
         self._trimmer = LazyLoop("undolog-sessions", MARK_FLUSH_SECONDS, self._trim_step)
@@ -476,15 +477,24 @@ class Engine:
             >>> undolog.engine.trim()
             0
         """
-        if not self._trim_lock.acquire(blocking=False):
+        me = threading.get_ident()
+        if self._trim_owner == me:
+            return 0  # a write of this trim itself (a deferred start written) added a record: the trim goes on
+        if write:
+            self._trim_lock.acquire()  # may wait: after the other trim, this one sees what is left
+        elif not self._trim_lock.acquire(blocking=False):
             return 0  # another thread trims right now
+        self._trim_owner = me
         evicted = 0
         try:
             excess = len(self._sessions) - self.max_sessions
             if excess <= 0:
                 return 0
+            # Not writing, it looks past the oldest for clean records, but only in the older half: the newest are in use
+            # (the one just added is about to be counted into).
+            scan = excess if write else min(excess + _TRIM_SCAN, len(self._sessions) // 2)
             with self._sessions_lock:
-                oldest = list(islice(self._sessions.values(), excess if write else excess + _TRIM_SCAN))
+                oldest = list(islice(self._sessions.values(), scan))
             waiting = False
             for sc in oldest:
                 if evicted >= excess:
@@ -499,6 +509,7 @@ class Engine:
             if waiting and evicted < excess:
                 self._trimmer.ensure()
         finally:
+            self._trim_owner = None
             self._trim_lock.release()
         return evicted
 
