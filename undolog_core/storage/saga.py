@@ -16,12 +16,6 @@ _UNSETTLED_REQUESTS = ("pending", "approved", "auto_approved")
 
 
 class SagaSQL(CallsSQL):
-    def lock_session_in(self, conn: Connection, session_id: str) -> Any:
-        """The session row, locked for the rest of the transaction (PostgreSQL; SQLite's writer lock does it)."""
-        return conn.execute(
-            self.for_update(sa.select(t.sessions).where(t.sessions.c.session_id == session_id))
-        ).first()
-
     def rollback_intent_in(self, conn: Connection, session_id: str) -> Any:
         return conn.execute(sa.select(t.rollbacks).where(t.rollbacks.c.session_id == session_id)).first()
 
