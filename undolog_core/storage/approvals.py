@@ -68,8 +68,6 @@ _SLOT_AND_DUE = sa.text(
 ).bindparams(sa.bindparam("now", type_=t.approval_requests.c.timeout_at.type))
 #: What a person may decide, and the audit action each one is recorded as.
 DECISIONS = tuple(d.value for d in DecisionKind)
-#: A request that may still lead to a run: cancelling it stops that run.
-_OPEN = (RequestState.PENDING, RequestState.APPROVED, RequestState.AUTO_APPROVED)
 #: An effect that has not run (or was handed back without running): a cancelled request cancels it.
 _CANCELLABLE_EFFECT = (EffectState.AWAITING_APPROVAL, EffectState.APPROVED, EffectState.RELEASED)
 
@@ -663,7 +661,7 @@ class ApprovalsSQL(Store):
         r = t.approval_requests
         res = conn.execute(
             r.update()
-            .where(r.c.approval_request_id == request_id, r.c.state.in_([s.value for s in _OPEN]))
+            .where(r.c.approval_request_id == request_id, r.c.state.in_([s.value for s in t.OPEN_REQUEST_STATES]))
             .values(state=RequestState.CANCELLED, decided_at=now, decided_by="undolog", decision_reason=why)
         )
         if res.rowcount == 0:

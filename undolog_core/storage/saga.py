@@ -12,8 +12,6 @@ from . import schema as t
 from .base import utcnow
 from .calls import CallsSQL
 
-_UNSETTLED_REQUESTS = ("pending", "approved", "auto_approved")
-
 
 class SagaSQL(CallsSQL):
     def rollback_intent_in(self, conn: Connection, session_id: str) -> Any:
@@ -102,7 +100,7 @@ class SagaSQL(CallsSQL):
         r = t.approval_requests
         return list(conn.execute(
             sa.select(r.c.approval_request_id, r.c.effect_id)
-            .where(r.c.session_id == session_id, r.c.state.in_(_UNSETTLED_REQUESTS))
+            .where(r.c.session_id == session_id, r.c.state.in_([s.value for s in t.OPEN_REQUEST_STATES]))
         ).all())
 
     def mark_rolled_back_in(self, conn: Connection, session_id: str, now: dt.datetime) -> None:

@@ -90,6 +90,10 @@ class RequestState(enum.StrEnum):
     RESPONDED = "responded"
 
 
+#: A request that may still lead to a run (pending, or approved and not re-issued yet): cancelling it stops that
+#: run, and a rollback cancels a session's open requests.
+OPEN_REQUEST_STATES = (RequestState.PENDING, RequestState.APPROVED, RequestState.AUTO_APPROVED)
+
 class DecisionKind(enum.StrEnum):
     """What a person may decide on a pending request; each is recorded as the audit event of the same name."""
 
