@@ -120,35 +120,48 @@ def test_langgraph_threads_keep_memory_within_the_bound(db: Any) -> None:
     assert len(counted) == TOTAL and set(counted) == {1}
 
 
-def test_a_thread_evicted_and_halted_elsewhere_is_refused_and_a_rolled_back_one_moves_on(db: Any) -> None:
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_a_thread_evicted_and_halted_elsewhere_is_refused_and_a_rolled_back_one_moves_on(db: Any,
+                                                                                               mode: str) -> None:
     """A thread whose record and guard entry were evicted (80 newer threads, ``max_sessions=20``) behaves as before:
     halted by another process, its next turn is refused and nothing runs; rolled back, its next turn opens
-    ``thread#2``. Its SAFE and COMPENSABLE calls made before the eviction are all in the store's count."""
+    ``thread#2``; a SAFE call in it still counts. Its calls made before the eviction are all in the store's count."""
     undolog = db.open(max_sessions=20)
     saver = InMemorySaver()
     mw = UndoLogMiddleware(undolog, tools=[mb_look, mb_book], compensations=[mb_unbook], agent_id="mem-ev")
     graph = create_agent(ScriptedChatModel(scripts=SCRIPTS), [mb_look, mb_book], checkpointer=saver, middleware=[mw])
     run = uuid.uuid4().hex[:8]
+
+    async def invoke(text: str, thread: str) -> Any:
+        cfg = {"configurable": {"thread_id": thread}}
+        return graph.invoke(_user(text), cfg) if mode == "sync" else await graph.ainvoke(_user(text), cfg)
+
     halted, rolled = f"h-{run}", f"r-{run}"
     for t in (halted, rolled):
-        graph.invoke(_user("look"), {"configurable": {"thread_id": t}})
-        graph.invoke(_user("book"), {"configurable": {"thread_id": t}})
+        await invoke("look", t)
+        await invoke("book", t)
     for i in range(80):
-        graph.invoke(_user("look"), {"configurable": {"thread_id": f"other-{run}-{i}"}})
+        await invoke("look", f"other-{run}-{i}")
     assert undolog.engine.cached(halted) is None and halted not in mw._undolog_guard.heads
     assert undolog.store.get_session(halted).tool_calls_total == 2  # written before the eviction
     other = db.open(migrate=False)
     other.register_compensation(mb_unbook)
     other.sessions.set_state(halted, "halted", allowed=("active",))
     other.rollback(rolled)
-    out = graph.invoke(_user("book"), {"configurable": {"thread_id": halted}})
+    out = await invoke("book", halted)
     last = out["messages"][-1]
     assert isinstance(last, AIMessage) and last.response_metadata["undolog"] == {"refused": "session_halted"}
     assert [e["tool_name"] for e in undolog.sessions.effects(halted)] == ["mb_book"]
-    out = graph.invoke(_user("book"), {"configurable": {"thread_id": rolled}})
+    out = await invoke("book", rolled)
     msg = [m for m in out["messages"] if isinstance(m, ToolMessage)][-1]
     assert msg.status == "success" and msg.response_metadata["undolog"]["session_id"] == f"{rolled}#2"
     assert undolog.sessions.get(rolled).state == "rolled_back"
+    for i in range(80):  # the rolled-back thread's record and entry evicted in turn
+        await invoke("look", f"more-{run}-{i}")
+    out = await invoke("look", rolled)  # a SAFE call in thread#2, after its eviction
+    assert [m.content for m in out["messages"] if isinstance(m, ToolMessage)][-1] == "tue is free"
+    undolog.engine.flush_counts()
+    assert undolog.store.get_session(f"{rolled}#2").tool_calls_total == 2
 
 
 # ------------------------------------------------------------------------------------------ Semantic Kernel

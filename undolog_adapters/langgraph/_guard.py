@@ -283,11 +283,18 @@ class _Guard:
     def safe(self, request: Any) -> _Run | None:
         """A SAFE call's whole decision (its arguments validated, counted in memory), or None when the call is not
         SAFE or its thread has no session known here yet: then ``prepare`` decides. What ``prepare`` does for a SAFE
-        call, without the driver's lookups by name and the decision's wrapping: it runs on every SAFE tool call."""
-        d = self.safe_decision(request)
+        call, without the driver's lookups by name and the decision's wrapping: it runs on every SAFE tool call.
+
+        Never waits (the async path calls it on the event loop): a session whose record the engine evicted is read
+        again first (its pins), and when that read would wait this returns None too (``prepare`` then decides, in a
+        thread when it must)."""
+        try:
+            d = self.safe_decision(request, wait=False)
+        except WouldBlock:
+            return None
         return None if d is None else _Run(d, d.session_id)
 
-    def safe_decision(self, request: Any) -> Execute | None:
+    def safe_decision(self, request: Any, *, wait: bool = True) -> Execute | None:
         """:meth:`safe`'s decision itself (its ``session_id`` is the thread's session), with the fewest frames: the
         middleware's sync SAFE call takes it, inside an agent step where each frame costs 1-3 us (cold code)."""
         call = request.tool_call
@@ -301,7 +308,7 @@ class _Guard:
         if n is None:
             return None
         return self.u.engine.decide_safe(base if n <= 1 else f"{base}{SEP}{n}", spec, call.get("args") or {},
-                                         call.get("id"))
+                                         call.get("id"), wait)
 
     def _after_close(self, base: str, sid: str, request: Any) -> str | None:
         """A call on a rolled-back/completed session: a new plan gets a new session, the old plan none."""
