@@ -224,10 +224,17 @@ class SQLiteHotPath(HotPath):
 
     def _remember_states(self, key: tuple[str, ...], stamp: bytes, now: float,
                          found: dict[str, tuple[str, str | None]]) -> None:
-        """What the store answers to the check of ``key`` at ``stamp`` (read at ``now``, monotonic seconds)."""
-        if len(self._states) >= _STATE_MEMO_SIZE:
-            self._states.clear()
-        self._states[key] = (stamp, now, found)
+        """What the store answers to the check of ``key`` at ``stamp`` (read at ``now``, monotonic seconds); at most
+        ``memo_size`` kept, the oldest dropped first (a thread's start adds one: the memory stays bounded however many
+        threads are served)."""
+        states = self._states
+        states.pop(key, None)  # re-inserted: the newest
+        while len(states) >= self.memo_size:
+            try:
+                states.pop(next(iter(states)), None)
+            except (StopIteration, RuntimeError):  # emptied, or changed by another thread meanwhile: good enough
+                break
+        states[key] = (stamp, now, found)
 
     def _only_own_since(self, then: bytes, now: bytes) -> bool:
         """Whether every commit from stamp ``then`` to stamp ``now`` was one of this hot path's pre-writes or commit
