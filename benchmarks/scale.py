@@ -58,8 +58,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from undolog_core import ApprovalPending, ToolTier, UndoLog, compensation, undolog_tool  # noqa: E402
-from undolog_core._driver import Execute  # noqa: E402
+from undolog_core import ApprovalPending, Execute, ToolTier, UndoLog, compensation, undolog_tool  # noqa: E402
+
+# Internal on purpose: the lower-bound row batches its marks on fast mode's own flush period, so it is compared
+# with UndoLog under the same durability window (not a setting a user picks, hence not public API).
 from undolog_core._engine import MARK_FLUSH_SECONDS  # noqa: E402
 
 # The halts recovery and expiry make are logged at WARNING, one per session: thousands of lines here.
@@ -350,6 +352,8 @@ def lower_bound_worker(i: int, prepared: Any, schema: str, seconds: float, sessi
     1.6-1.8 for UndoLog on a loaded machine, where a session outlasts the period)."""
     import psycopg
 
+    # Internal on purpose: the lower bound canonicalises and hashes with UndoLog's own code, so the row measures
+    # the writes and not a different serialiser.
     from undolog_core._tools import canonical_text, sha256_hex
     from undolog_core.limits import result_text
     from undolog_core.storage import postgres as pg

@@ -287,6 +287,10 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
                 return
         self.undolog.session(agent_id=self.agent_id, session_id=sid)
         with self._lock:
+            if len(self._ensured) >= self.undolog.engine.max_sessions:
+                # A kickoff is a session: bounded like the engine's records. A session forgotten here is looked up
+                # again (one read, idempotent) at its next tool call.
+                self._ensured.clear()
             self._ensured.add(sid)
 
     @contextlib.contextmanager

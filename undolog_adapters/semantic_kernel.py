@@ -335,9 +335,15 @@ class UndoLogFilter:
             sc = engine.look_up_session(sid, agent_id=self.agent_id, wait=False)
         except WouldBlock:  # no free connection at once: never wait on the event loop
             sc = await asyncio.to_thread(engine.look_up_session, sid, agent_id=self.agent_id)
-        if len(self._seen) >= _KEEP:
+        # Bounded by the engine's own bound too: a record held here stays in memory when the engine evicts it (and is
+        # put back when used: see Engine._evicted), so this map must not hold more conversations than that.
+        if len(self._seen) >= min(_KEEP, engine.max_sessions):
             self._seen.clear()
         self._seen[sid] = sc
+        if engine.needs_trim():
+            # A new conversation took the engine past its bound with records whose counts are not written yet (the
+            # look-up above may not write on the event loop): written and evicted in a worker thread, now.
+            await asyncio.to_thread(engine.trim)
         return sc
 
     @staticmethod

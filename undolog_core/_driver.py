@@ -405,7 +405,12 @@ class CallDriver:
         spec = tool if tool.__class__ is ToolSpec else self._spec_for(tool)
         if spec.tier is SAFE and invoke is None:
             values = spec.checked(args)
-            self.engine.note_safe_in(cache or self.engine.session_cache(session_id), spec, values)
+            if cache is None:
+                try:
+                    cache = self.engine.session_cache(session_id, wait=False)
+                except WouldBlock:  # a session evicted from the cache is read again: not on the event loop
+                    cache = await asyncio.to_thread(self.engine.session_cache, session_id)
+            self.engine.note_safe_in(cache, spec, values)
             try:
                 out = spec.fn(**values)  # type: ignore[misc]
                 return (await out) if spec.is_async else out

@@ -9,8 +9,10 @@ import datetime as dt
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from . import _faults
@@ -31,6 +33,7 @@ from .errors import (
     ApprovalTimedOut,
     ArgumentsInvalid,
     CallIdConflict,
+    ConfigurationError,
     ContractChanged,
     DatabaseUnavailable,
     EffectNotFound,
@@ -92,6 +95,18 @@ SAFE = ToolTier.SAFE
 _ENDED = frozenset({SessionState.COMPLETED.value, SessionState.ROLLED_BACK.value})
 COMPENSABLE = ToolTier.COMPENSABLE
 IRREVERSIBLE = ToolTier.IRREVERSIBLE
+# How many session records the engine keeps in memory by default (``UndoLog(max_sessions=...)``). A record is a few
+# hundred bytes plus its last calls' arguments (``SessionCache.recent``); 10,000 idle records of ordinary calls are
+# some tens of megabytes at most, whatever the number of sessions (LangGraph threads never end) the process serves.
+DEFAULT_MAX_SESSIONS = 10_000
+# The ids of evicted sessions, hashed into this many one-byte slots (64 KiB, fixed). A session whose record is missing
+# and whose slot is marked is read from the store again before a SAFE call is decided in it (its pins); a slot marked
+# by another id (a collision) costs that one read, never a wrong decision. Slots are never cleared: a cleared slot
+# could let an evicted session's SAFE call skip its pin check.
+_EVICTED_SLOTS = 1 << 16
+_SLOT_MASK = _EVICTED_SLOTS - 1
+# How far past the oldest records a trim that may not write looks for clean ones to evict (see trim).
+_TRIM_SCAN = 64
 
 
 @dataclass(frozen=True)
@@ -222,6 +237,14 @@ class SessionCache:
     # A session this process minted and has not written yet (``Engine.defer_start``): the row's values, written by
     # its first logged call's own pre-write statement, or first by whatever else needs the row (``Engine.persist``).
     start: dict[str, Any] | None = None
+    # Set while the engine evicts the record (``Engine._evict``): a caller that counted into it right then sees it
+    # after counting and brings the record back (``Engine._come_back``), so that no count is lost to the eviction.
+    gone: bool = False
+
+    def unwritten(self) -> bool:
+        """Whether the record holds something the store does not have yet: SAFE calls counted (``dirty``), logged
+        calls carried (``carried``: read without taking it, from the counter's repr), or a deferred start."""
+        return self.dirty or self.start is not None or repr(self.carried) != "count(0)"
 
     def count_safe(self) -> None:
         next(self.counter)
@@ -294,7 +317,10 @@ class Engine:
         leases: Leases,
         *,
         fast_commit_mark: bool = False,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
     ) -> None:
+        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
+            raise ConfigurationError(f"max_sessions must be a positive whole number, got {max_sessions!r}")
         self.store = store
         self._registry = registry
         self._policy = policy
@@ -302,8 +328,21 @@ class Engine:
         self.leases = leases
         self.lease_seconds = leases.lease_seconds
         self.fast_commit_mark = fast_commit_mark
+        # This process's session records, oldest first (a dict keeps insertion order): at most ``max_sessions`` of
+        # them once a trim has run (see ``trim``), however many sessions the process has served.
+        self.max_sessions = max_sessions
         self._sessions: dict[str, SessionCache] = {}
         self._sessions_lock = threading.Lock()
+        # Evicted records something else still holds (a ``Session``, an adapter's own map): the same object is put
+        # back when the session is needed again, so its holder and the engine never count into two records. Weak:
+        # a record nobody holds leaves at once.
+        self._evicted: weakref.WeakValueDictionary[str, SessionCache] = weakref.WeakValueDictionary()
+        self._evicted_ids = bytearray(_EVICTED_SLOTS)
+        self._trim_lock = threading.Lock()
+        self._trim_owner: int | None = None  # the thread trimming now
+        # Writes what the oldest records hold (counts, deferred starts) when a path that may not write (a SAFE call,
+        # an event loop) found the cache full of them; started only then.
+        self._trimmer = LazyLoop("undolog-sessions", MARK_FLUSH_SECONDS, self._trim_step)
         self._inflight = leases.inflight
         self.hot = store.hot_path(pool_size=store.pool_size, fast_pool_size=FAST_POOL_SIZE)
         # Deferred commit marks (fast mode, or a mark a dropped connection held back) wait here for the flusher (a
@@ -323,7 +362,11 @@ class Engine:
     # -- session cache ---------------------------------------------------------------------------
 
     def cached(self, session_id: str) -> SessionCache | None:
-        return self._sessions.get(session_id)
+        sc = self._sessions.get(session_id)
+        if sc is None and session_id in self._evicted:
+            with self._sessions_lock:
+                sc = self._sessions.get(session_id) or self._revive(session_id)
+        return sc
 
     def note_state(self, session_id: str, state: str) -> None:
         """A session's state changed in the store (a rollback, a halt, a resume): the cache follows; a session that
@@ -333,6 +376,14 @@ class Engine:
             sc.state = state
             if state in _ENDED:
                 self._forget(sc)
+            return
+        held = self._evicted.get(session_id)
+        if held is not None:  # evicted, still held: its holder sees the state as a kept record's would
+            held.state = state
+            if state in _ENDED:
+                # As _forget: an ended session's record is not put back; its holder (a Session) flushes itself.
+                self._evicted.pop(session_id, None)
+                held.gone = False
 
     def _forget(self, sc: SessionCache) -> None:
         """Drop an ended session's record: it takes no more logged calls, and a process that runs for months sees
@@ -341,14 +392,156 @@ class Engine:
         (``flush_counts(.., cache)``), and a later look-up reads the session from the store again."""
         carried = sc.take_carried()
         if carried or sc.dirty:
-            sc.give_back(0, carried)
+            self._give_back(sc, 0, carried)
             return
         with self._sessions_lock:
             if self._sessions.get(sc.session_id) is sc:
                 del self._sessions[sc.session_id]
         sc.recent.clear()
 
-    def remember(self, row: Any) -> SessionCache:
+    # -- the bound on session records ------------------------------------------------------------
+    #
+    # A long-lived process serves sessions without end (a LangGraph thread's session is never completed), so the
+    # records are bounded: past ``max_sessions`` the oldest are evicted. Eviction loses nothing, because a record is
+    # evicted only when everything it holds is also in the store, and the store is what a re-read rebuilds it from:
+    # - SAFE counts (``dirty``/``counter``) and logged calls' counts (``carried``) exist only here: written first
+    #   (``add_call_count``, what ``flush_counts`` does at close), or the record is kept.
+    # - a deferred start (``start``): the row is written first (``persist``: the values it was started with), or the
+    #   record is kept; its id leaves ``_pending`` with it.
+    # - state, pins, on_failure: copies of the row (the store is the authority: a halt or a rollback made elsewhere
+    #   is read by the adapters' turn check and refused by every write's guard; ``_guard`` writes a new pin in the
+    #   same transaction as the call that pins it). A record re-read has the same ones, so a halted session is still
+    #   refused and a changed contract still raises ``ContractChanged``, for SAFE calls too: a missing record whose
+    #   id may have been evicted is read again before a SAFE call is decided in it (``session_cache``).
+    # - calls in flight: nothing of them is in the record but their count (``carried``, above); their lease, their
+    #   result mark and ``_inflight`` are kept per effect, outside it.
+    # - ``recent``: the SAFE calls shown in an approval request's agent context. Lost with the record, as when the
+    #   session is resumed by another process or after a restart: the request then shows the logged calls and the
+    #   SAFE calls made since. No decision reads it. The oldest records go first, so only a session idle while
+    #   ``max_sessions`` newer ones were served loses them.
+    # A caller may be counting into a record at the moment it is evicted: ``gone`` is set before the record is
+    # checked and read by that caller after it counted (the GIL orders both), so one of them sees the other (see
+    # ``_evict`` and ``_come_back``).
+
+    def _revive(self, session_id: str) -> SessionCache | None:
+        """(Under ``_sessions_lock``) The evicted record of ``session_id`` that something still holds, put back."""
+        sc = self._evicted.pop(session_id, None)
+        if sc is not None:
+            sc.gone = False
+            self._sessions[session_id] = sc
+        return sc
+
+    def _evict(self, sc: SessionCache) -> bool:
+        """Evict ``sc`` when it holds nothing the store does not have (else keep it; see above)."""
+        sid = sc.session_id
+        with self._sessions_lock:
+            if self._sessions.get(sid) is not sc:
+                return False
+            sc.gone = True  # before the check: a caller counting from now on sees it (note_safe_in)
+            if sc.unwritten():
+                sc.gone = False
+                return False
+            del self._sessions[sid]
+            self._evicted[sid] = sc  # (weak: gone at once unless something holds it)
+            self._evicted_ids[hash(sid) & _SLOT_MASK] = 1
+        return True
+
+    def _give_back(self, sc: SessionCache, n: int, carried: int = 0) -> None:
+        """``sc.give_back(n, carried)``: counts taken for a write that did not happen go back, to the record in the
+        cache (``sc`` looked clean meanwhile and may have been evicted: then it comes back)."""
+        sc.give_back(n, carried)
+        if sc.gone:
+            self._come_back(sc)
+
+    def _come_back(self, sc: SessionCache) -> None:
+        """A caller counted into ``sc`` while it was being evicted: the record goes back, with its count (or, when a
+        new record of the session was made meanwhile, its counts go to that one)."""
+        with self._sessions_lock:
+            cur = self._sessions.get(sc.session_id)
+            if cur is None:
+                self._evicted.pop(sc.session_id, None)
+                self._sessions[sc.session_id] = sc
+            if cur is None or cur is sc:
+                sc.gone = False
+                return
+        cur.give_back(sc.take_safe(), sc.take_carried())
+
+    def trim(self, *, write: bool = True) -> int:
+        """Bring the session records down to ``max_sessions``, oldest first; returns how many were evicted.
+
+        A record whose counts or deferred start are not in the store yet is written first (``write=True``) or left
+        to the background trimmer (``write=False``: a path that must not write, such as a SAFE call's). Called by the
+        engine itself whenever a record is added past the bound; callable to trim now.
+
+        Example:
+            >>> undolog.engine.trim()
+            0
+        """
+        me = threading.get_ident()
+        if self._trim_owner == me:
+            return 0  # a write of this trim itself (a deferred start written) added a record: the trim goes on
+        if write:
+            self._trim_lock.acquire()  # may wait: after the other trim, this one sees what is left
+        elif not self._trim_lock.acquire(blocking=False):
+            return 0  # another thread trims right now
+        self._trim_owner = me
+        evicted = 0
+        try:
+            excess = len(self._sessions) - self.max_sessions
+            if excess <= 0:
+                return 0
+            # Not writing, it looks past the oldest for clean records, but only in the older half: the newest are in use
+            # (the one just added is about to be counted into).
+            scan = excess if write else min(excess + _TRIM_SCAN, len(self._sessions) // 2)
+            with self._sessions_lock:
+                oldest = list(islice(self._sessions.values(), scan))
+            waiting = False
+            for sc in oldest:
+                if evicted >= excess:
+                    break
+                if sc.unwritten():
+                    if not write:
+                        waiting = True
+                        continue
+                    self._write_record(sc)
+                if self._evict(sc):
+                    evicted += 1
+            if waiting and evicted < excess:
+                self._trimmer.ensure()
+        finally:
+            self._trim_owner = None
+            self._trim_lock.release()
+        return evicted
+
+    def needs_trim(self) -> bool:
+        """Whether more records are kept than ``max_sessions`` (what a trim that may not write left: see ``trim``)."""
+        return len(self._sessions) > self.max_sessions
+
+    def _write_record(self, sc: SessionCache) -> None:
+        """Write what only ``sc`` holds: its deferred start, then its counts (given back if the write fails)."""
+        if sc.start is not None:
+            self.persist(sc.session_id)
+        n, carried = sc.take_safe(), sc.take_carried()
+        if n + carried:
+            try:
+                self.store.add_call_count(sc.session_id, n + carried, missing=self._missing(sc))
+            except BaseException:
+                self._give_back(sc, n, carried)
+                raise
+
+    def _missing(self, sc: SessionCache) -> dict[str, Any]:
+        """A session row's values for counts of a session the store does not have yet (known from SAFE calls)."""
+        return {"on_failure": sc.on_failure, "pinned_revisions": sc.pins or self.current_pins(),
+                "agent_id": sc.agent_id}
+
+    def _trim_step(self) -> float | None:
+        if len(self._sessions) > self.max_sessions:
+            self.trim(write=True)
+        return None
+
+    def remember(self, row: Any, *, write: bool = True) -> SessionCache:
+        """This process's record of the session ``row`` read or written (``write``: the caller may wait for the
+        store, see ``trim``)."""
         sc = SessionCache(
             session_id=row.session_id,
             state=row.state,
@@ -356,15 +549,18 @@ class Engine:
             on_failure=row.on_failure,
         )
         with self._sessions_lock:
-            old = self._sessions.get(row.session_id)
+            old = self._sessions.get(row.session_id) or self._revive(row.session_id)
             if old is not None:
                 # Keep the counter and recent calls gathered before the session reached the store.
                 old.state, old.pins, old.on_failure, old.persisted = sc.state, sc.pins, sc.on_failure, True
                 if old.start is not None:
                     old.start = None
                     self._pending.discard(row.session_id)
-                return old
-            self._sessions[row.session_id] = sc
+                sc = old
+            else:
+                self._sessions[row.session_id] = sc
+        if len(self._sessions) > self.max_sessions:
+            self.trim(write=write)
         return sc
 
     def defer_start(self, session_id: str, *, agent_id: str | None = None, created_by: str | None = None,
@@ -403,6 +599,10 @@ class Engine:
             return self.ensure_session(session_id, agent_id=agent_id, created_by=created_by, on_failure=on_failure,
                                        fresh=True)
         self._pending.add(session_id)
+        if len(self._sessions) > self.max_sessions:
+            # Not written here (the deferral saves that write; this may be an event loop): the background trimmer
+            # writes what the oldest records hold, a new record like this one is kept (see trim).
+            self.trim(write=False)
         return sc
 
     def persist(self, session_id: str | None = None) -> None:
@@ -516,8 +716,8 @@ class Engine:
             check_identity("agent_id", agent_id)
         row = self.hot.read_session(session_id, wait=wait)
         if row is not None:
-            return self.remember(row)
-        sc = self.session_cache(session_id)
+            return self.remember(row, write=wait)
+        sc = self._new_record(session_id, write=wait)
         if sc.agent_id is None:
             sc.agent_id = agent_id
         return sc
@@ -553,13 +753,10 @@ class Engine:
         if cache is not None and cache is not mapped:
             targets.append(cache)
         if session_id is None:
-            targets = list(self._sessions.values())
+            # Evicted records something still holds count too (a holder may have counted into one since).
+            targets = list(self._sessions.values()) + list(self._evicted.values())
         for sc in targets:
-            n = sc.take_count()
-            if n:
-                self.store.add_call_count(sc.session_id, n, missing={
-                    "on_failure": sc.on_failure, "pinned_revisions": sc.pins or self.current_pins(),
-                    "agent_id": sc.agent_id})
+            self._write_record(sc)
 
     def end_session(self, session_id: str, state: SessionState, allowed: tuple[str, ...]) -> bool | None:
         """The session moved to ``state`` from one of ``allowed`` with its in-memory call counts, in one durable
@@ -583,21 +780,35 @@ class Engine:
         try:
             done = self.hot.end_session(sc.session_id, safe + carried, state.value, allowed, time.time(), marks)
         except BaseException:
-            sc.give_back(safe, carried)
+            self._give_back(sc, safe, carried)
             raise
         if not done:
-            sc.give_back(safe, carried)
+            self._give_back(sc, safe, carried)
         return done
 
     # -- routing ---------------------------------------------------------------------------------
 
-    def session_cache(self, session_id: str) -> SessionCache:
-        """This process's record of a session, made (not persisted) on first sight."""
+    def session_cache(self, session_id: str, *, wait: bool = True) -> SessionCache:
+        """This process's record of a session, made (not persisted) on first sight, without I/O; a session whose
+        record may have been evicted (see ``trim``) is read from the store again instead, so that its pins still
+        hold. ``wait=False`` raises ``WouldBlock`` when that read would wait for a connection (an event loop)."""
         sc = self._sessions.get(session_id)
         if sc is None:
-            sc = SessionCache(session_id, SessionState.ACTIVE.value, {}, "rollback", persisted=False)
             with self._sessions_lock:
-                sc = self._sessions.setdefault(session_id, sc)
+                sc = self._sessions.get(session_id) or self._revive(session_id)
+            if sc is None:
+                if self._evicted_ids[hash(session_id) & _SLOT_MASK]:
+                    return self.look_up_session(session_id, wait=wait)
+                sc = self._new_record(session_id, write=False)
+        return sc
+
+    def _new_record(self, session_id: str, *, write: bool) -> SessionCache:
+        """A record of a session the store does not have (known from SAFE calls until its first write)."""
+        sc = SessionCache(session_id, SessionState.ACTIVE.value, {}, "rollback", persisted=False)
+        with self._sessions_lock:
+            sc = self._sessions.setdefault(session_id, sc)
+        if len(self._sessions) > self.max_sessions:
+            self.trim(write=write)
         return sc
 
     def note_safe(self, session_id: str, spec: ToolSpec, args: Mapping[str, Any]) -> None:
@@ -610,9 +821,11 @@ class Engine:
         next(sc.counter)  # (sc.count_safe(), inline: this is every SAFE call's path)
         sc.dirty = True
         sc.recent.append((spec.name, "safe", args, "done"))
+        if sc.gone:  # evicted meanwhile (after counting: see _evict): the record goes back, with this count
+            self._come_back(sc)
 
     def decide_safe(self, session_id: str, spec: ToolSpec, args: Mapping[str, Any],
-                    call_id: str | None = None) -> Execute:
+                    call_id: str | None = None, wait: bool = True) -> Execute:
         """:meth:`intercept_spec` for a SAFE ``spec``: the call id checked, the arguments validated against the
         contract, the session's pin checked (``ContractChanged``) and the call counted in memory; nothing is written.
 
@@ -628,7 +841,7 @@ class Engine:
             check_id("call_id", call_id)
         values = spec.values(spec.validate(args))
         sc = self._sessions.get(session_id)
-        self.note_safe_in(sc if sc is not None else self.session_cache(session_id), spec, values)
+        self.note_safe_in(sc if sc is not None else self.session_cache(session_id, wait=wait), spec, values)
         return execute_now(None, values, None, SAFE, spec.name, call_id, session_id)
 
     def intercept(
@@ -668,7 +881,7 @@ class Engine:
         then runs the same call in a thread.
         """
         if spec.tier is SAFE:
-            return self.decide_safe(session_id, spec, args, call_id)
+            return self.decide_safe(session_id, spec, args, call_id, wait)
         if call_id is not None:
             check_id("call_id", call_id)
         model = spec.validate(args)
@@ -770,8 +983,10 @@ class Engine:
             if written:
                 if start is not None:  # the session's row went in with this call
                     self.remember(SessionRow(session_id, SessionState.ACTIVE.value, start["pinned_revisions"],
-                                             start["on_failure"]))
+                                             start["on_failure"]), write=wait)
                 next(sc.carried)  # this call rides along with the session's next flushing write
+                if sc.gone:  # evicted meanwhile (see _evict): the record goes back, with this count
+                    self._come_back(sc)
             elif not wait:
                 raise WouldBlock()  # refused: the precise error needs more reads, in a thread
             else:
@@ -783,7 +998,7 @@ class Engine:
                                     from_epoch(now))
         except IntegrityConflict:
             self._inflight.discard(effect_id)
-            sc.give_back(safe, carried)
+            self._give_back(sc, safe, carried)
             if call_id is None:
                 raise
             if not wait:
@@ -791,7 +1006,7 @@ class Engine:
             return self._existing(session_id, spec, call_id, digest)
         except (SessionHalted, SessionClosed):
             self._inflight.discard(effect_id)
-            sc.give_back(safe, carried)
+            self._give_back(sc, safe, carried)
             # A framework re-running a call that already ran gets its result, even on a halted session:
             # telling the model "refused" would be a lie about what happened.
             if call_id is not None and self.store.call_exists(session_id, call_id):
@@ -799,7 +1014,7 @@ class Engine:
             raise
         except BaseException:
             self._inflight.discard(effect_id)
-            sc.give_back(safe, carried)
+            self._give_back(sc, safe, carried)
             raise
         self.leases.start()
         sc.recent.append((spec.name, "compensable", args_json, "pending"))
@@ -1009,7 +1224,7 @@ class Engine:
                 self.store.back_in_flight_in(conn, row.seq)
         except BaseException:
             self._inflight.discard(row.effect_id)
-            sc.give_back(count - 1)
+            self._give_back(sc, count - 1)
             raise
         self.leases.start()
         args = row.approved_args if row.approved_args is not None else row.args_snapshot
@@ -1059,14 +1274,14 @@ class Engine:
                     "state": RequestState.PENDING.value, "timeout_at": timeout_at, "created_at": now,
                 }, now, actor=f"agent:{sc.session_id}", payload=payload)
         except IntegrityConflict:
-            sc.give_back(count - 1)
+            self._give_back(sc, count - 1)
             if call_id is None:
                 raise
             # A concurrent re-run raised the same request first: return that one, never a second request.
             row = self.store.find_irreversible(sc.session_id, spec.name, call_id, digest)
             return self._resume_irreversible(sc, spec, row, digest)
         except BaseException:
-            sc.give_back(count - 1)
+            self._give_back(sc, count - 1)
             raise
         sc.state = SessionState.AWAITING_APPROVAL.value
         sc.recent.append((spec.name, IRREVERSIBLE.value, args_json, EffectState.AWAITING_APPROVAL.value))
@@ -1215,5 +1430,6 @@ class Engine:
             self.flush_marks()
         finally:
             self._flusher.stop()
+            self._trimmer.stop()
             self.leases.stop()
             self.hot.close()

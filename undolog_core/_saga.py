@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import datetime as dt
 import inspect
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -140,13 +141,38 @@ class Saga:
         # Writes a session this process started and has not written yet, so that a rollback finds it.
         self._persist = persist or (lambda session_id: None)
         self._note_state = note_state
-        self._locks: dict[str, threading.Lock] = {}
+        # session id -> [its lock, how many callers hold it or wait for it]: an entry lives only while it is in use
+        # (a process that rolls back millions of sessions over its life keeps none of their locks).
+        self._locks: dict[str, list[Any]] = {}
         self._locks_guard = threading.Lock()
 
     def _lock_for(self, session_id: str) -> threading.Lock:
-        # One walk per session in this process; across processes the claims' compare-and-swap decides.
+        """The session's walk lock, counted as in use by the caller until it calls :meth:`_done_with`.
+
+        One walk per session in this process; across processes the claims' compare-and-swap decides."""
         with self._locks_guard:
-            return self._locks.setdefault(session_id, threading.Lock())
+            entry = self._locks.get(session_id)
+            if entry is None:
+                entry = self._locks[session_id] = [threading.Lock(), 0]
+            entry[1] += 1
+            lock: threading.Lock = entry[0]
+            return lock
+
+    def _done_with(self, session_id: str) -> None:
+        with self._locks_guard:
+            entry = self._locks[session_id]
+            entry[1] -= 1
+            if entry[1] == 0:  # nobody holds or waits for it: a later caller makes a new one
+                del self._locks[session_id]
+
+    @contextlib.contextmanager
+    def _walking(self, session_id: str) -> Iterator[None]:
+        lock = self._lock_for(session_id)
+        try:
+            with lock:
+                yield
+        finally:
+            self._done_with(session_id)
 
     # -- planning --------------------------------------------------------------------------------
 
@@ -286,8 +312,7 @@ class Saga:
         only_effect: str | None = None,
     ) -> RollbackReport:
         check_identity("actor", actor)
-        lock = self._lock_for(session_id)
-        with lock, _rollback_span(session_id, actor, reason, only_effect) as rs:
+        with self._walking(session_id), _rollback_span(session_id, actor, reason, only_effect) as rs:
             walk = _Walk(self, session_id, actor, reason, progress, only_effect)
             plan = walk.start()
             if isinstance(plan, RollbackReport):
@@ -326,8 +351,12 @@ class Saga:
         check_identity("actor", actor)
         lock = self._lock_for(session_id)
         # A task must not block its event loop on a thread lock: poll for it instead.
-        while not lock.acquire(blocking=False):
-            await asyncio.sleep(0.005)
+        try:
+            while not lock.acquire(blocking=False):
+                await asyncio.sleep(0.005)
+        except BaseException:  # cancelled while waiting
+            self._done_with(session_id)
+            raise
         # The walk's durable steps run in a worker thread: the loop never waits on the store.
         step = asyncio.to_thread
         try:
@@ -361,6 +390,7 @@ class Saga:
                     walk.close()
         finally:
             lock.release()
+            self._done_with(session_id)
 
     def _record(self, session_id: str, entry: _Entry, error: str | None, report: RollbackReport, attempt: int) -> bool:
         if error is None:

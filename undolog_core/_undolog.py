@@ -9,7 +9,7 @@ from typing import Any
 from ._approvals import ApprovalService
 from ._audit import AuditReport, verify
 from ._driver import CallDriver
-from ._engine import Engine, check_id
+from ._engine import DEFAULT_MAX_SESSIONS, Engine, check_id
 from ._leases import Leases
 from ._outbox import OutboxService
 from ._policy import PolicyService
@@ -40,6 +40,7 @@ class UndoLog:
         *,
         fast_commit_mark: bool = False,
         lease_seconds: float = 30.0,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
     ) -> None:
         if lease_seconds <= 0:
             raise ConfigurationError("lease_seconds must be positive")
@@ -57,7 +58,7 @@ class UndoLog:
         self.policy = PolicyService(store)
         self.approvals = ApprovalService(store, self.registry, note_state=self._note_state)
         self.engine = Engine(store, self.registry, self.policy, self.approvals, self.leases,
-                             fast_commit_mark=fast_commit_mark)
+                             fast_commit_mark=fast_commit_mark, max_sessions=max_sessions)
         self.saga = Saga(store, self.registry, self.leases, self.approvals, flush_marks=self.engine.flush_marks,
                          note_state=self.engine.note_state, persist=self.engine.persist)
         self.driver = CallDriver(self.engine, self.saga, self.registry.spec_for)
@@ -86,6 +87,7 @@ class UndoLog:
         lease_seconds: float = 30.0,
         migrate: bool = True,
         pool_size: int = 5,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
     ) -> UndoLog:
         """Open (and migrate) the store.
 
@@ -98,11 +100,15 @@ class UndoLog:
             lease_seconds: how long an in-flight call's lease lasts; renewed at a third of it.
             pool_size: connections per pool; ``undolog.store.max_connections`` is the most UndoLog ever holds,
                 however many threads call it.
+            max_sessions: how many sessions' records this process keeps in memory (default 10,000), however many
+                sessions it serves (a LangGraph thread's session never ends). Past it the oldest are evicted once
+                everything they hold is in the store (their call counts, a deferred start; see ``Engine.trim``), and
+                read again when used; an adapter's own per-thread maps keep to the same bound.
         """
         store = open_storage(url, schema=schema, pool_size=pool_size)
         if migrate:
             store.migrate()
-        return cls(store, fast_commit_mark=fast_commit_mark, lease_seconds=lease_seconds)
+        return cls(store, fast_commit_mark=fast_commit_mark, lease_seconds=lease_seconds, max_sessions=max_sessions)
 
     def _note_state(self, session_id: str, state: str) -> None:
         self.engine.note_state(session_id, state)

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import math
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,7 +113,10 @@ class Gateway:
         self.exposure = Exposure()
         self.connections: Connections | None = None  # the live upstreams, while running
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._sessions: dict[int, tuple[str, str | None]] = {}
+        # MCP client session -> (its UndoLog session, the API key that opened it), while the client session lives:
+        # weak keys, not id(), so that the map does not grow with every client that ever connected, and a new client
+        # session never inherits a dead one's UndoLog session through a reused id().
+        self._sessions: weakref.WeakKeyDictionary[Any, tuple[str, str | None]] = weakref.WeakKeyDictionary()
         self.server: Server[Any, Any] = self._build_server()
 
     # -- registration -------------------------------------------------------------------------------
@@ -304,7 +308,7 @@ class Gateway:
     async def _session_id(self) -> str:
         """The UndoLog session of the MCP client session making this request (one for one)."""
         session = self.server.request_context.session
-        key = id(session)
+        key = session
         request = getattr(self.server.request_context, "request", None)
         principal = getattr(request, "scope", {}).get(PRINCIPAL_SCOPE_KEY) if request is not None else None
         found = self._sessions.get(key)

@@ -606,6 +606,26 @@ def test_a_sweep_claim_walks_the_timeout_index_and_stops_at_the_batch(db):
     assert [x.approval_request_id for x in rows] == [f"r{n - 1}", f"r{n - 2}", f"r{n - 3}"]
 
 
+def test_the_sweeps_statements_write_the_due_index_predicate_itself(db):
+    """The due index is used only if the claim's WHERE proves its predicate from the statement's text (a generic
+    plan has no parameter values). Both come from ``schema.DUE_PREDICATE``: the index as declared (and as created,
+    on SQLite), the claim as compiled for this database, and PostgreSQL's slot-and-due probe carry that string."""
+    from undolog_core.storage.approvals import _SLOT_AND_DUE
+
+    u = db.open()
+    index = next(i for i in t.approval_requests.indexes if i.name == "ix_undolog_approval_due")
+    dialect = "postgresql" if u.store.is_postgres else "sqlite"
+    assert str(index.dialect_options[dialect]["where"]) == t.DUE_PREDICATE
+    with u.store.read() as conn:
+        if not u.store.is_postgres:  # (PostgreSQL keeps a parsed predicate, not its text: the plan tests cover it)
+            made = conn.exec_driver_sql(
+                "SELECT sql FROM sqlite_master WHERE name = 'ix_undolog_approval_due'").scalar_one()
+            assert made.endswith(f"WHERE {t.DUE_PREDICATE}"), made
+        claim = str(u.store.for_update(u.store.due_claim(utcnow()), skip_locked=True).compile(dialect=conn.dialect))
+    assert f"WHERE {t.DUE_PREDICATE} AND " in claim, claim
+    assert f"WHERE {t.DUE_PREDICATE} AND " in _SLOT_AND_DUE.text
+
+
 @pytest.mark.postgres_only
 def test_at_most_sweep_slots_sweepers_claim_at_once_and_a_dead_holder_frees_its_slot(db):
     """On PostgreSQL at most ``SWEEP_SLOTS`` sweep batches run at once per schema (transaction advisory locks): with

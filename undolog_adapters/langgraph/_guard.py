@@ -12,6 +12,7 @@ import inspect
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import TYPE_CHECKING, Any, Literal
 
 from langchain_core.messages import ToolMessage
@@ -81,6 +82,9 @@ class _Guard:
         self.approver = approver
         self.session_fn = session_id
         self.names: dict[str, str] = {}  # LangChain tool name -> UndoLog tool name
+        # Thread -> the index of its current session (``thread#n``), for the threads seen here, oldest first. Bounded
+        # like the engine's session records (``UndoLog(max_sessions=...)``): a thread whose entry was dropped is
+        # found again from the store at its next turn (``turn``/``head`` walk the chain), as after a restart.
         self.heads: dict[str, int] = {}
         self.lock = threading.Lock()
         self.create_lock = threading.Lock()
@@ -172,9 +176,21 @@ class _Guard:
             sid = _chain(base, n)
             # Created here with our agent id and failure policy, before any call can create it implicitly.
             self.u.engine.ensure_session(sid, agent_id=self.agent_id, on_failure=self.on_failure)
-            with self.lock:
-                self.heads[base] = n
+            self._set_head(base, n)
         return sid
+
+    def _set_head(self, base: str, n: int, *, keep: bool = False) -> None:
+        """Record the thread's current session (``keep``: unless one is recorded), dropping the oldest entries past
+        the bound."""
+        with self.lock:
+            heads = self.heads
+            if keep and base in heads:
+                return
+            heads[base] = n
+            over = len(heads) - self.u.engine.max_sessions
+            if over > 0:
+                for old in list(islice(heads, over)):
+                    del heads[old]
 
     def turn(self, base: str, *, wait: bool = True) -> tuple[str, str | None, str | None]:
         """The thread's session at the start of a user turn: ``(session_id, state, halted_reason)``, in one read.
@@ -196,8 +212,7 @@ class _Guard:
                 sc = self.u.engine.try_start(sid, agent_id=self.agent_id, on_failure=self.on_failure, unless=nxt,
                                              durable=False)
             if sc is not None:
-                with self.lock:
-                    self.heads.setdefault(base, n)
+                self._set_head(base, n, keep=True)
                 return sid, sc.state, None
         found = self.u.engine.session_states([sid, nxt], wait=wait)
         if nxt in found:
@@ -220,12 +235,10 @@ class _Guard:
                 # added to a SAFE agent step on SQLite (one per thread: 0.2-3 ms, a twentieth of it per step).
                 sc = self.u.engine.ensure_session(sid, agent_id=self.agent_id, on_failure=self.on_failure, fresh=True,
                                                   durable=False)
-                with self.lock:
-                    self.heads.setdefault(base, n)
+                self._set_head(base, n, keep=True)
             return sid, sc.state, None
         if known is None:
-            with self.lock:
-                self.heads.setdefault(base, n)
+            self._set_head(base, n, keep=True)
         return sid, *found[sid]
 
     def advance(self, base: str) -> str:
@@ -234,8 +247,7 @@ class _Guard:
         n = _chain_index(base, current) + 1
         sid = _chain(base, n)
         self.u.engine.ensure_session(sid, agent_id=self.agent_id, on_failure=self.on_failure)
-        with self.lock:
-            self.heads[base] = n
+        self._set_head(base, n)
         return sid
 
     def session_state(self, sid: str) -> Any:
@@ -271,11 +283,18 @@ class _Guard:
     def safe(self, request: Any) -> _Run | None:
         """A SAFE call's whole decision (its arguments validated, counted in memory), or None when the call is not
         SAFE or its thread has no session known here yet: then ``prepare`` decides. What ``prepare`` does for a SAFE
-        call, without the driver's lookups by name and the decision's wrapping: it runs on every SAFE tool call."""
-        d = self.safe_decision(request)
+        call, without the driver's lookups by name and the decision's wrapping: it runs on every SAFE tool call.
+
+        Never waits (the async path calls it on the event loop): a session whose record the engine evicted is read
+        again first (its pins), and when that read would wait this returns None too (``prepare`` then decides, in a
+        thread when it must)."""
+        try:
+            d = self.safe_decision(request, wait=False)
+        except WouldBlock:
+            return None
         return None if d is None else _Run(d, d.session_id)
 
-    def safe_decision(self, request: Any) -> Execute | None:
+    def safe_decision(self, request: Any, *, wait: bool = True) -> Execute | None:
         """:meth:`safe`'s decision itself (its ``session_id`` is the thread's session), with the fewest frames: the
         middleware's sync SAFE call takes it, inside an agent step where each frame costs 1-3 us (cold code)."""
         call = request.tool_call
@@ -289,7 +308,7 @@ class _Guard:
         if n is None:
             return None
         return self.u.engine.decide_safe(base if n <= 1 else f"{base}{SEP}{n}", spec, call.get("args") or {},
-                                         call.get("id"))
+                                         call.get("id"), wait)
 
     def _after_close(self, base: str, sid: str, request: Any) -> str | None:
         """A call on a rolled-back/completed session: a new plan gets a new session, the old plan none."""

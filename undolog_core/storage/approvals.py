@@ -61,15 +61,13 @@ SWEEP_SLOTS = 2
 #: other statements look rows up by key (see ``_still``).
 _SLOT_AND_DUE = sa.text(
     "SELECT h.slot, CASE WHEN h.slot IS NOT NULL THEN EXISTS (SELECT 1 FROM undolog_approval_requests "
-    "WHERE state = 'pending' AND timeout_at <= :now) END AS due, "
+    f"WHERE {t.DUE_PREDICATE} AND timeout_at <= :now) END AS due, "
     "set_config('enable_bitmapscan', 'off', true) AS ordered_claim "
     "FROM (SELECT (SELECT s FROM generate_series(0, :n - 1) AS s WHERE pg_try_advisory_xact_lock(:key, s) LIMIT 1) "
     "AS slot) AS h"
 ).bindparams(sa.bindparam("now", type_=t.approval_requests.c.timeout_at.type))
 #: What a person may decide, and the audit action each one is recorded as.
 DECISIONS = tuple(d.value for d in DecisionKind)
-#: A request that may still lead to a run: cancelling it stops that run.
-_OPEN = (RequestState.PENDING, RequestState.APPROVED, RequestState.AUTO_APPROVED)
 #: An effect that has not run (or was handed back without running): a cancelled request cancels it.
 _CANCELLABLE_EFFECT = (EffectState.AWAITING_APPROVAL, EffectState.APPROVED, EffectState.RELEASED)
 
@@ -77,11 +75,12 @@ _CANCELLABLE_EFFECT = (EffectState.AWAITING_APPROVAL, EffectState.APPROVED, Effe
 _BLOBS = ("proposed_args", "approved_args", "agent_context")
 
 
-#: ``state = 'pending'`` written as the due index's predicate is (``schema.DUE_PREDICATE``), the value in the
-#: statement's text: psycopg prepares a statement from its sixth run, and PostgreSQL's generic plan of it, made
-#: without the parameters' values, cannot prove a partial index's predicate from a bound state. With one the claim's
-#: generic plan read the whole table and sorted it (a test EXPLAINs the generic plan).
-_DUE = t.approval_requests.c.state == sa.literal_column(f"'{RequestState.PENDING.value}'")
+#: ``state = 'pending'``: the due index's own predicate (``schema.DUE_PREDICATE``), the value in the statement's
+#: text: psycopg prepares a statement from its sixth run, and PostgreSQL's generic plan of it, made without the
+#: parameters' values, cannot prove a partial index's predicate from a bound state. With one the claim's generic
+#: plan read the whole table and sorted it (a test EXPLAINs the generic plan). Unqualified: every statement using it
+#: reads the requests table alone.
+_DUE = sa.text(t.DUE_PREDICATE)
 
 
 def _still(state: RequestState) -> Any:
@@ -662,7 +661,7 @@ class ApprovalsSQL(Store):
         r = t.approval_requests
         res = conn.execute(
             r.update()
-            .where(r.c.approval_request_id == request_id, r.c.state.in_([s.value for s in _OPEN]))
+            .where(r.c.approval_request_id == request_id, r.c.state.in_([s.value for s in t.OPEN_REQUEST_STATES]))
             .values(state=RequestState.CANCELLED, decided_at=now, decided_by="undolog", decision_reason=why)
         )
         if res.rowcount == 0:

@@ -12,16 +12,8 @@ from . import schema as t
 from .base import utcnow
 from .calls import CallsSQL
 
-_UNSETTLED_REQUESTS = ("pending", "approved", "auto_approved")
-
 
 class SagaSQL(CallsSQL):
-    def lock_session_in(self, conn: Connection, session_id: str) -> Any:
-        """The session row, locked for the rest of the transaction (PostgreSQL; SQLite's writer lock does it)."""
-        return conn.execute(
-            self.for_update(sa.select(t.sessions).where(t.sessions.c.session_id == session_id))
-        ).first()
-
     def rollback_intent_in(self, conn: Connection, session_id: str) -> Any:
         return conn.execute(sa.select(t.rollbacks).where(t.rollbacks.c.session_id == session_id)).first()
 
@@ -108,7 +100,7 @@ class SagaSQL(CallsSQL):
         r = t.approval_requests
         return list(conn.execute(
             sa.select(r.c.approval_request_id, r.c.effect_id)
-            .where(r.c.session_id == session_id, r.c.state.in_(_UNSETTLED_REQUESTS))
+            .where(r.c.session_id == session_id, r.c.state.in_([s.value for s in t.OPEN_REQUEST_STATES]))
         ).all())
 
     def mark_rolled_back_in(self, conn: Connection, session_id: str, now: dt.datetime) -> None:

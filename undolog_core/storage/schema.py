@@ -90,6 +90,10 @@ class RequestState(enum.StrEnum):
     RESPONDED = "responded"
 
 
+#: A request that may still lead to a run (pending, or approved and not re-issued yet): cancelling it stops that
+#: run, and a rollback cancels a session's open requests.
+OPEN_REQUEST_STATES = (RequestState.PENDING, RequestState.APPROVED, RequestState.AUTO_APPROVED)
+
 class DecisionKind(enum.StrEnum):
     """What a person may decide on a pending request; each is recorded as the audit event of the same name."""
 
@@ -330,7 +334,9 @@ approval_requests = sa.Table(
 # timeout_at) over every request). A request leaves it when it is settled: the update that times it out, decides or
 # cancels it writes no entry here (a settled row is outside the predicate), where the full index took one per
 # change, and the claim walks pending rows only. The lists by state use ``ix_undolog_approval_state_created``.
-DUE_PREDICATE = "state = 'pending'"
+#: The due index's predicate, and the text the sweep's statements write (``approvals._DUE``, ``_SLOT_AND_DUE``): one
+#: string, so the query's WHERE and the index's predicate cannot drift apart (a test pins it on both databases).
+DUE_PREDICATE = f"state = '{RequestState.PENDING.value}'"
 sa.Index("ix_undolog_approval_due", approval_requests.c.timeout_at,
          sqlite_where=sa.text(DUE_PREDICATE), postgresql_where=sa.text(DUE_PREDICATE))
 sa.Index("ix_undolog_approval_session", approval_requests.c.session_id)

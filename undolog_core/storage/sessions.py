@@ -46,6 +46,13 @@ class SessionsSQL(Store):
 
     # -- reads ---------------------------------------------------------------------------------------
 
+    def lock_session_in(self, conn: Connection, session_id: str) -> Any:
+        """The session row (None if there is none), locked for the rest of the transaction (PostgreSQL; SQLite's
+        writer lock does it): resume, revalidate and the saga's rollback each start from it."""
+        return conn.execute(
+            self.for_update(sa.select(t.sessions).where(t.sessions.c.session_id == session_id))
+        ).first()
+
     def get_session(self, session_id: str) -> SessionRecord | None:
         with self.read() as conn:
             row = conn.execute(sa.select(t.sessions).where(t.sessions.c.session_id == session_id)).first()
@@ -113,9 +120,7 @@ class SessionsSQL(Store):
             InvalidSessionState: it is not halted.
         """
         with self.tx() as conn:
-            row = conn.execute(
-                self.for_update(sa.select(t.sessions).where(t.sessions.c.session_id == session_id))
-            ).first()
+            row = self.lock_session_in(conn, session_id)
             if row is None:
                 raise SessionNotFound(session_id)
             if row.state != SessionState.HALTED:
@@ -140,9 +145,7 @@ class SessionsSQL(Store):
             SessionNotFound: no such session.
         """
         with self.tx() as conn:
-            row = conn.execute(
-                self.for_update(sa.select(t.sessions).where(t.sessions.c.session_id == session_id))
-            ).first()
+            row = self.lock_session_in(conn, session_id)
             if row is None:
                 raise SessionNotFound(session_id)
             old = {k: int(v) for k, v in (row.pinned_revisions or {}).items()}
