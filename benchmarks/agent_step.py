@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextvars
 import gc
 import os
 import platform
@@ -642,7 +644,8 @@ def sk_variants(stores: dict[str, UndoLog], loop: asyncio.AbstractEventLoop) -> 
 
     settings = PromptExecutionSettings(function_choice_behavior=FunctionChoiceBehavior.Auto())
 
-    def kernel_with(u: UndoLog | None, noop_filters: bool = False, bound: UndoLog | None = None) -> Any:
+    def kernel_with(u: UndoLog | None, noop_filters: bool = False, bound: UndoLog | None = None,
+                    checked: tuple[UndoLog, contextvars.ContextVar[str | None]] | None = None) -> Any:
         kernel = Kernel()
         kernel.add_plugin(Plugin(), plugin_name="shop")
         if u is not None:
@@ -651,19 +654,25 @@ def sk_variants(stores: dict[str, UndoLog], loop: asyncio.AbstractEventLoop) -> 
             async def passthrough(context: Any, next: Any) -> None:  # noqa: A002 - SK passes it by this name
                 await next(context)
 
-            kernel.add_filter(FilterTypes.FUNCTION_INVOCATION,
-                              passthrough if bound is None else _stored_writes_filter(bound))
+            inner = passthrough if bound is None else _stored_writes_filter(bound)
+            kernel.add_filter(FilterTypes.FUNCTION_INVOCATION, inner if checked is None else _checked_filter(*checked))
             kernel.add_filter(FilterTypes.AUTO_FUNCTION_INVOCATION, passthrough)
         return kernel
 
-    def runner(kernel: Any, chat: Any, session: bool) -> Callable[[int], float]:
+    def runner(kernel: Any, chat: Any, session: bool | contextvars.ContextVar[str | None]) -> Callable[[int], float]:
         async def go(n: int) -> float:
             history = ChatHistory()
             sid = "sk-" + uuid.uuid4().hex[:12]
             t0 = time.perf_counter()
             for i in range(n):
                 history.add_user_message(f"turn {i}")
-                if session:
+                if isinstance(session, contextvars.ContextVar):  # the lower bound's own: the bare variable
+                    token = session.set(sid)
+                    try:
+                        reply = await chat.get_chat_message_content(history, settings, kernel=kernel)
+                    finally:
+                        session.reset(token)
+                elif session:
                     with undolog_session(sid):
                         reply = await chat.get_chat_message_content(history, settings, kernel=kernel)
                 else:
@@ -689,6 +698,14 @@ def sk_variants(stores: dict[str, UndoLog], loop: asyncio.AbstractEventLoop) -> 
         lb = f"{tier}: lower bound: two pass-through filters (SK's own cost)"
         variants.append(Variant(lb, runner(kernel_with(None, noop_filters=True), chat, False), base,
                                 goal if tier == "SAFE" else None))
+        if tier == "SAFE" and "sqlite" in stores:
+            # What no implementation of the SAFE guarantees can skip, in the same two filters (see _checked_filter).
+            # UndoLog's own bookkeeping is shown over this one ("over its lower bound").
+            var: contextvars.ContextVar[str | None] = contextvars.ContextVar("bench_sk_session", default=None)
+            lb = f"{tier}: lower bound: session checked, arguments checked, counted"
+            variants.append(Variant(lb,
+                                    runner(kernel_with(None, noop_filters=True, checked=(stores["sqlite"], var)),
+                                           chat, var), base, goal))
         if tier == "COMPENSABLE" and "sqlite" in stores:
             # The same filters storing what a COMPENSABLE call must store (see lower_bound_middleware).
             lb = f"{tier}: lower bound, SQLite, durable"
@@ -699,6 +716,36 @@ def sk_variants(stores: dict[str, UndoLog], loop: asyncio.AbstractEventLoop) -> 
                 variants.append(Variant(f"{tier}: UndoLog filter, {label}", runner(kernel_with(stores[key]), chat, True),
                                         base, g, over=lb if key == "sqlite" else None, over_goal=1.10))
     return variants, []
+
+
+def _checked_filter(u: UndoLog, session: contextvars.ContextVar[str | None]) -> Any:
+    """An SK FUNCTION_INVOCATION filter doing, around a SAFE function, what no implementation of UndoLog's SAFE
+    guarantees can skip; a lower bound. Per conversation: its session read once (one SELECT of its row: a session
+    halted elsewhere refuses, a resumed one keeps its pins). Per turn: the session named (the runner sets the bare
+    context variable). Per call: the session's state checked, each argument's type checked against the contract (every
+    parameter required, exact types: UndoLog's own as-is path), a copy kept for the approver's view of recent calls,
+    the call counted. Nothing is written."""
+    from undolog_core.errors import SessionHalted
+
+    hot = u.engine.hot
+    seen: dict[str | None, list[Any]] = {}
+
+    async def checked(context: Any, next: Any) -> None:  # noqa: A002 - SK passes it by this name
+        sid = session.get()
+        sc = seen.get(sid)
+        if sc is None:
+            row = hot.read_session(sid, wait=False)
+            sc = seen[sid] = [row.state if row is not None else "active", 0, collections.deque(maxlen=50)]
+        if sc[0] != "active":
+            raise SessionHalted(str(sid), "halted")
+        args = context.arguments
+        if len(args) != 1 or type(args.get("order_id")) is not str:  # the one tool's contract, written out
+            raise ValueError("invalid arguments")
+        sc[1] += 1
+        sc[2].append({**args})
+        await next(context)
+
+    return checked
 
 
 def _stored_writes_filter(u: UndoLog) -> Any:

@@ -803,3 +803,48 @@ async def test_a_call_a_safe_function_makes_through_the_kernel_is_its_own(ul):
     install(kernel, ul)
     _, history, _ = await chat_turns(kernel, [[call("n1", "shop-lookup", order_id="outer")]], session_id="chat-nest")
     assert results(history) == ["order outer: shipped"] and outcomes == ["ArgumentsInvalid"]
+
+
+async def test_a_routed_safe_call_runs_four_undolog_frames_and_a_dozen_builtin_calls(ul):
+    """What a SAFE call under auto function calling costs UndoLog, counted (not timed): the two filters, the contract's
+    as-is check and the engine's count; no frame of the driver in between, no filter list read (the inner filter's
+    ``next`` is the function's own method), no key view or items loop over the arguments."""
+
+    class Shop:
+        @kernel_function(name="lookup_order", description="Look an order up.")
+        @undolog_tool(tier=ToolTier.SAFE)
+        def lookup_order(self, order_id: str) -> str:
+            return f"order {order_id}: shipped"
+
+    kernel = Kernel()
+    kernel.add_plugin(Shop(), plugin_name="shop")
+    install(kernel, ul)
+    history = ChatHistory()
+    ours = (f"{os.sep}undolog_core", f"{os.sep}undolog_adapters")
+    frames: list[str] = []
+    builtins: list[str] = []
+
+    def profile(frame, event, arg):
+        if frame.f_code.co_filename.rpartition(os.sep)[0].endswith(ours):
+            if event == "call":
+                frames.append(frame.f_code.co_name)
+            elif event == "c_call":
+                builtins.append(arg.__qualname__)
+
+    for turn in range(2):  # the first turn reads the session (once per conversation); the second is counted
+        history.add_user_message(f"turn {turn}")
+        # (The scripted model asks for call k while the history holds k calls: one call a turn.)
+        chat = ScriptedChat(ai_model_id="scripted", turns=[[call(f"k{i}", "shop-lookup_order", order_id="A-17")]
+                                                           for i in range(turn + 1)])
+        with undolog_session("chat-count"):
+            if turn:
+                sys.setprofile(profile)
+            try:
+                await chat.get_chat_message_content(history, auto_settings(), kernel=kernel)
+            finally:
+                sys.setprofile(None)
+    assert results(history) == ["order A-17: shipped"] * 2
+    # Before: the driver's safe_as_is frame too, the filter list read in the inner filter, and in the as-is check a
+    # class look-up by method call, a key view compared with a set and an items loop (16 builtin calls).
+    assert frames == ["auto_function_invocation", "function_invocation", "as_is_copy", "note_safe_in"], frames
+    assert len(builtins) <= 12, builtins

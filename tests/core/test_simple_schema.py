@@ -48,7 +48,11 @@ def test_valid_arguments_take_the_fast_path_and_other_schemas_do_not() -> None:
 
 SCHEMAS_AS_IS = [*SCHEMAS, {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"},
                                                           "s": {"type": "string"}, "b": {"type": "boolean"}},
-                            "required": ["n"], "additionalProperties": True}]
+                            "required": ["n"], "additionalProperties": True},
+                 # Every property required, each of exact types: the copier's look-up path (no key view, no loop).
+                 {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
+                  "required": ["s", "n"], "additionalProperties": False},
+                 {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s", "s"]}]
 
 
 @settings(max_examples=300, deadline=None)
