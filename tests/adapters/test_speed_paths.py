@@ -392,28 +392,46 @@ def _trace_durable_checkouts(hot: Any, monkeypatch: pytest.MonkeyPatch) -> list[
     return traced
 
 
+def _trace_pool(pool: Any, monkeypatch: pytest.MonkeyPatch, into: list[str] | None = None) -> list[str]:
+    """Every statement run on ``pool``'s connections checked out from now on (appended to ``into`` if given)."""
+    traced: list[str] = [] if into is None else into
+    real = pool.checkout
+
+    def checkout(*, wait: bool = True) -> Any:
+        conn, gen = real(wait=wait)
+        conn.set_trace_callback(traced.append)
+        return conn, gen
+
+    monkeypatch.setattr(pool, "checkout", checkout)
+    return traced
+
+
 @pytest.mark.sqlite_only
 def test_a_threads_first_turn_starts_its_session_without_waiting_for_the_disk(
     db: Any, undolog: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SQLite: the thread's session is started on its first turn by one insert committed with ``synchronous=NORMAL``
-    (written to the WAL, not fsynced: the fsync was most of what UndoLog added to a SAFE agent step), on a durable
-    connection that is back at ``FULL`` before anything else uses it. The row is committed all the same: another
-    connection reads it at once (a halt made elsewhere finds it, see the test below), and the next durable commit
-    fsyncs the WAL with it."""
+    (written to the WAL, not fsynced: the fsync was most of what UndoLog added to a SAFE agent step), on the fast
+    pool's connection, in one statement: the durable pool's connections are never switched (a switch to NORMAL and
+    back was two statements more, each letting go of the GIL inside the step). The row is committed all the same:
+    another connection reads it at once (a halt made elsewhere finds it, see the test below), and the next durable
+    commit fsyncs the WAL with it."""
     import sqlite3
 
     graph, c = _agent(undolog), _cfg()
     graph.invoke(_user("look"), _cfg())  # another thread first: the pool's connections are opened and warm
     hot = undolog.engine.hot
     traced = _trace_durable_checkouts(hot, monkeypatch)
+    fast = _trace_pool(hot.fast, monkeypatch)
     out = graph.invoke(_user("look"), c)
     assert out["messages"][-2].content == "tue is free"
     tid = c["configurable"]["thread_id"]
-    start = [i for i, s in enumerate(traced) if s.startswith("INSERT INTO undolog_sessions")]
-    assert len(start) == 1, traced
-    assert traced[start[0] - 1: start[0] + 2:2] == ["PRAGMA synchronous=NORMAL", "PRAGMA synchronous=FULL"], traced
-    for conn, _gen in hot.durable._idle:  # every write of the pool after it waits for the disk again
+    assert traced == [], traced  # nothing on the durable connections: no read, no switch
+    assert len(fast) == 1 and fast[0].startswith("INSERT INTO undolog_sessions"), fast
+    for conn, _gen in hot.fast._idle:
+        conn.set_trace_callback(None)
+        assert conn.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL: the commit did not wait for the disk
+    for conn, _gen in hot.durable._idle:  # every write of the durable pool waits for the disk
         conn.set_trace_callback(None)
         assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2
     path = undolog.engine.store.engine.url.database
@@ -423,10 +441,50 @@ def test_a_threads_first_turn_starts_its_session_without_waiting_for_the_disk(
             ("active",)]
     finally:
         other.close()
-    # A session started by anything else (here: the core's own) keeps its fsynced start.
+    # A session started by anything else (here: the core's own) keeps its fsynced start, on the durable pool.
     traced.clear()
+    fast.clear()
     undolog.engine.ensure_session("sp-core-" + uuid.uuid4().hex[:8], agent_id="core", fresh=True)
-    assert not any(s.startswith("PRAGMA synchronous") for s in traced), traced
+    assert any(s.startswith("INSERT INTO undolog_sessions") for s in traced) and fast == [], (traced, fast)
+
+
+@pytest.mark.sqlite_only
+def test_a_threads_second_turn_checks_its_session_without_a_statement(
+    db: Any, undolog: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite: the insert that starts a thread on its first turn is what the second turn's check would read (the
+    session active, its next one absent, both in that statement), so while nothing else commits the second turn
+    issues no statement at all, as every later SAFE turn: one statement a thread, not two. A commit made elsewhere
+    after the first turn (here a halt, by another connection) is still seen by the second turn."""
+    import sqlite3
+
+    graph = _agent(undolog)
+    graph.invoke(_user("look"), _cfg())  # the pools' connections opened and warm
+    hot = undolog.engine.hot
+    traced = _trace_durable_checkouts(hot, monkeypatch)
+    fast = _trace_pool(hot.fast, monkeypatch)
+    c = _cfg()
+    graph.invoke(_user("look"), c)
+    assert traced + fast, "the first turn starts the thread's session"
+    traced.clear()
+    fast.clear()
+    out = graph.invoke(_user("look"), c)
+    assert out["messages"][-2].content == "tue is free"
+    assert traced == [] and fast == [], (traced, fast)
+    # A halt made elsewhere after a thread's first turn: its second turn reads, and is refused.
+    c = _cfg()
+    graph.invoke(_user("look"), c)
+    other = sqlite3.connect(undolog.engine.store.engine.url.database)
+    try:
+        other.execute("UPDATE undolog_sessions SET state = 'halted', halted_reason = 'elsewhere' WHERE session_id = ?",
+                      (c["configurable"]["thread_id"],))
+        other.commit()
+    finally:
+        other.close()
+    out = graph.invoke(_user("look"), c)
+    last = out["messages"][-1]
+    assert isinstance(last, AIMessage) and last.response_metadata["undolog"] == {"refused": "session_halted"}
+    assert not isinstance(out["messages"][-2], ToolMessage)  # the turn ran nothing
 
 
 @pytest.mark.sqlite_only
@@ -441,6 +499,7 @@ def test_a_new_threads_first_turn_inserts_its_session_without_reading_first(
     graph.invoke(_user("look"), _cfg())  # the pool's connections opened and warm
     hot = undolog.engine.hot
     traced = _trace_durable_checkouts(hot, monkeypatch)
+    _trace_pool(hot.fast, monkeypatch, into=traced)  # in one list: the order of both pools' statements
     c = _cfg()
     graph.invoke(_user("look"), c)
     statements = [t for t in traced if not t.startswith("PRAGMA")]
@@ -518,3 +577,64 @@ async def test_a_safe_call_on_the_middlewares_short_path_keeps_its_checks(undolo
     assert len(SEEN) == 2
     undolog.engine.flush_counts(c["configurable"]["thread_id"])
     assert undolog.sessions.get(c["configurable"]["thread_id"]).tool_calls_total == 2
+
+
+def _counting_hooks(mw: Any, frames: list[str], on: list[bool]) -> None:
+    """Wrap ``mw``'s sync hooks (before the agent is built: it takes them then) so that, while ``on[0]``, every
+    Python frame of UndoLog's own code run inside them, in the thread that runs the hook (the tool's hook runs in
+    ToolNode's worker thread), is recorded in ``frames``."""
+    import functools
+
+    from undolog_adapters.langgraph._middleware import _HOOK_SIGNATURE
+
+    roots = (str(ROOT / "undolog_core"), str(ROOT / "undolog_adapters"))
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(roots):
+            frames.append(frame.f_code.co_name)
+
+    def counted(inner: Any, request: Any, handler: Any) -> Any:
+        if not on[0]:
+            return inner(request, handler)
+
+        def unprofiled(req: Any) -> Any:  # LangChain's part of the step (the model, the tool) is not counted
+            sys.setprofile(None)
+            try:
+                return handler(req)
+            finally:
+                sys.setprofile(profile)
+
+        sys.setprofile(profile)
+        try:
+            return inner(request, unprofiled)
+        finally:
+            sys.setprofile(None)
+
+    for name in ("wrap_model_call", "wrap_tool_call"):
+        hook: Any = functools.partial(counted, getattr(mw, name))
+        hook.__name__, hook.__signature__ = name, _HOOK_SIGNATURE
+        setattr(mw, name, hook)
+
+
+@pytest.mark.sqlite_only
+def test_a_later_safe_turn_runs_few_python_frames_of_undologs_own(undolog: Any) -> None:
+    """A later SAFE turn of a thread (its session known, nothing committed since: no statement) runs UndoLog's hooks
+    with the fewest Python frames: inside an agent step each costs 1-3 us (its code and data are cold), and they
+    were most of what UndoLog added above a pass-through middleware with the same hooks. Counted, not timed: the
+    frames of undolog_core and undolog_adapters code under the two model calls' and the tool call's hooks."""
+    tools = [sp_book, sp_look]
+    mw = UndoLogMiddleware(undolog, tools=tools, compensations=[sp_unbook])
+    frames: list[str] = []
+    on = [False]
+    _counting_hooks(mw, frames, on)
+    graph = create_agent(ScriptedChatModel(scripts=SCRIPTS), tools, checkpointer=InMemorySaver(), middleware=[mw])
+    c = _cfg()
+    for _ in range(2):
+        graph.invoke(_user("look"), c)
+    on[0] = True
+    out = graph.invoke(_user("look"), c)
+    assert out["messages"][-2].content == "tue is free"
+    # The turn: wrap_model_call, base_id, turn, the engine's and the hot path's session_states; the model's answer:
+    # wrap_model_call; the SAFE call: wrap_tool_call, run_safe, safe_decision, base_id, decide_safe, check_id,
+    # validate, values, note_safe_in, run_safe_sync and the lambda running the tool. (There were 22.)
+    assert len(frames) <= 17, frames

@@ -151,6 +151,13 @@ def run_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], *, admi
         out = run_safe(guard, request, execute)
         if out is not NOT_SAFE:
             return out
+    return run_logged(guard, request, execute, admit=admit)
+
+
+def run_logged(guard: _Guard, request: Any, execute: Callable[[Any], Any], *, admit: bool = True) -> Any:
+    """:func:`run_call` past its SAFE short path (``run_safe``, which the caller tried first, or skipped)."""
+    if request.tool is None:
+        return execute(request)  # an unknown tool name: ToolNode answers with its own error, nothing runs
     step, batch, call_id = _decide(guard, request)
     if isinstance(step, _Answer):
         return step.value

@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import BaseTool
+from langgraph.config import get_config
 
 from undolog_core import OnFailure, SessionState, errors
 from undolog_core.integration import WouldBlock
 
 from .._common import TierValue, halted_text, missing_extra
-from ._call import arun_call, run_call
+from ._call import NOT_SAFE, arun_call, run_logged, run_safe
 from ._guard import _config_of, _Guard
 from ._resume import rollback
 from ._sessions import _ADAPTERS
@@ -105,9 +106,16 @@ class UndoLogMiddleware(AgentMiddleware):
             self._check(request)
         messages: Any = getattr(request, "messages", None)
         if messages and isinstance(messages[-1], HumanMessage):
-            turn = self._turn(request, wait=True)
-            if turn is not None and turn[2] in _STOPS_OR_MOVES:
-                refused = self._turn_start(turn)
+            # _turn and _config_of, inline (two frames less at every user turn).
+            g = self._undolog_guard
+            rt = getattr(request, "runtime", None)
+            try:
+                base = g.base_id(getattr(rt, "config", None) or get_config())
+            except (RuntimeError, errors.ConfigurationError):
+                return handler(request)  # no thread: every tool call will say so
+            sid, state, reason = g.turn(base, wait=True)
+            if state in _STOPS_OR_MOVES:
+                refused = self._turn_start((base, sid, state, reason))
                 if refused is not None:
                     return refused
         return handler(request)
@@ -160,7 +168,9 @@ class UndoLogMiddleware(AgentMiddleware):
     def wrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
         if _INNER_WRAPPERS in getattr(handler, "__qualname__", ""):
             _innermost(handler)  # refuses: _innermost's test, inline (a frame less on every tool call)
-        return run_call(self._undolog_guard, request, handler, admit=False)
+        # run_call's own first step, taken here (a frame less on every SAFE call): the SAFE call of a known thread.
+        out = run_safe(self._undolog_guard, request, handler)
+        return out if out is not NOT_SAFE else run_logged(self._undolog_guard, request, handler, admit=False)
 
     async def awrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
         if _INNER_WRAPPERS in getattr(handler, "__qualname__", ""):

@@ -61,6 +61,9 @@ class HotPath(abc.ABC):
     integrity_error: tuple[type[BaseException], ...] = ()
     #: The driver's parameter placeholder (``?`` for sqlite3, ``%s`` for psycopg).
     placeholder = "?"
+    #: How many session reads a hot path that remembers them (SQLite's turn check) keeps at most, the oldest
+    #: dropped first; the engine lowers it to its ``max_sessions``.
+    memo_size = 4096
 
     def __init__(self, store: HotStore, *, pool_size: int, fast_pool_size: int) -> None:
         self.store = store

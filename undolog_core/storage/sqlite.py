@@ -202,7 +202,12 @@ class SQLiteHotPath(HotPath):
         if watch is None:
             return super().session_states(session_ids, wait=wait)
         key = tuple(session_ids)
-        stamp = watch.stamp()  # before the read: a commit after it changes the stamp the next turn compares
+        # Before the read: a commit after it changes the stamp the next turn compares. (WalStamp.stamp, inline: a
+        # frame less at every turn.)
+        both = watch._mem[: 2 * _WAL_HDR]
+        stamp: bytes | None = both[:_WAL_HDR]
+        if stamp != both[_WAL_HDR:]:
+            stamp = None  # a commit is writing the header: read the store
         now = time.monotonic()
         seen = self._states.get(key)
         if seen is not None and stamp is not None and now - seen[1] < STATE_MEMO_SECONDS:
@@ -214,10 +219,22 @@ class SQLiteHotPath(HotPath):
                 return dict(seen[2])
         found = super().session_states(session_ids, wait=wait)
         if stamp is not None:
-            if len(self._states) >= _STATE_MEMO_SIZE:
-                self._states.clear()
-            self._states[key] = (stamp, now, dict(found))
+            self._remember_states(key, stamp, now, dict(found))
         return found
+
+    def _remember_states(self, key: tuple[str, ...], stamp: bytes, now: float,
+                         found: dict[str, tuple[str, str | None]]) -> None:
+        """What the store answers to the check of ``key`` at ``stamp`` (read at ``now``, monotonic seconds); at most
+        ``memo_size`` kept, the oldest dropped first (a thread's start adds one: the memory stays bounded however many
+        threads are served)."""
+        states = self._states
+        states.pop(key, None)  # re-inserted: the newest
+        while len(states) >= self.memo_size:
+            try:
+                states.pop(next(iter(states)), None)
+            except (StopIteration, RuntimeError):  # emptied, or changed by another thread meanwhile: good enough
+                break
+        states[key] = (stamp, now, found)
 
     def _only_own_since(self, then: bytes, now: bytes) -> bool:
         """Whether every commit from stamp ``then`` to stamp ``now`` was one of this hot path's pre-writes or commit
@@ -426,15 +443,16 @@ class SQLiteHotPath(HotPath):
         write (the same datetime text, the same JSON); this pool's connections skip CHECK constraints, so the one
         value a caller chose (``on_failure``) is checked here first.
 
-        ``durable=False``: committed without waiting for the disk (``synchronous=NORMAL`` for this one statement:
-        the WAL is written, not fsynced). Visible to every connection at once, and durable with the next durable
+        ``durable=False``: committed without waiting for the disk (on the fast pool, ``synchronous=NORMAL``: the WAL
+        is written, not fsynced). Visible to every connection at once, and durable with the next durable
         commit of any connection of any process: that commit fsyncs the whole WAL file, this row's frames with it
         (a checkpoint syncs the database first). Every write that depends on the row is such a commit (a pre-write
         checks the session in its own statement, a halt or a rollback changes the row), so a power loss can only
         take the row while nothing in the store refers to it: the same store as if it had not been started yet.
 
         ``unless``: nothing is written (None) when a session with that id exists either, checked in the same
-        statement."""
+        statement; a row written so is also the answer the next :meth:`session_states` of ``[session_id, unless]``
+        gives without a read, while nothing else commits."""
         on_failure = t.OnFailure(values["on_failure"]).value  # ValueError for anything the CHECK would refuse
         now_s = _sqlite_time(values["created_at"].timestamp())
         params: tuple[Any, ...] = (values["session_id"], values["agent_id"], values["created_by"], on_failure,
@@ -442,6 +460,9 @@ class SQLiteHotPath(HotPath):
         sql = _SQLITE_START_SESSION
         if unless is not None:
             sql, params = _SQLITE_START_SESSION_UNLESS, (*params, unless)
+        # The wal-index header around the insert (a started thread's next turn check is answered from it, below).
+        watch = (self._watch if self._watch_tried else self._open_watch(True)) if unless is not None else None
+        before = watch.stamp() if watch is not None else None
         if not durable:
             rows = self._start_unsynced(sql, params)
         else:
@@ -451,29 +472,24 @@ class SQLiteHotPath(HotPath):
         if not rows:
             return None
         sid, state, pins, failure = rows[0]
+        if watch is not None and before is not None and unless is not None:
+            after = watch.stamp()
+            if after is not None and _commits_between(before, after) == 1:
+                # The insert was the one commit across it: the store's answer to the check of ``[sid, unless]`` at
+                # ``after`` is this row (active, no halt reason) and no ``unless`` (the statement checked it). So
+                # remembered, as that check's own read would be: the thread's second turn reads nothing either
+                # while nothing else commits (a halt or a rollback made anywhere is a commit: it reads then).
+                # Not an own commit (``_own``): a new session changes what other checks of its id would read.
+                self._remember_states((sid, unless), after, time.monotonic(), {sid: (state, None)})
         return SessionRow(sid, state, json.loads(pins) if pins else {}, failure)
 
     def _start_unsynced(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
-        """``start_session(durable=False)``'s statement, on a durable connection switched to ``synchronous=NORMAL``
-        for it alone. A connection that could not be switched back to FULL is closed, never pooled: every other
-        write of this pool must keep waiting for the disk."""
-        pool = self.durable
-        conn, gen = pool.checkout()
-        restored = False
-        try:
-            with self.write_lock:
-                conn.execute("PRAGMA synchronous=NORMAL")
-                try:
-                    rows: list[Any] = conn.execute(sql, params).fetchall()
-                finally:
-                    conn.execute("PRAGMA synchronous=FULL")
-                    restored = True
-        except BaseException as exc:
-            pool.checkin(conn, gen, broken=not restored or is_unavailable(exc))
-            if is_unavailable(exc):
-                raise DatabaseUnavailable("starting a session", exc) from exc
-            raise
-        pool.checkin(conn, gen)
+        """``start_session(durable=False)``'s statement, alone, on a connection of the fast pool: its commit writes
+        the WAL without waiting for the disk (``synchronous=NORMAL``), where a durable connection switched to NORMAL
+        and back cost two statements more (each lets go of the GIL, inside an agent step)."""
+        with self.fast.connection("starting a session") as conn, self.write_lock:
+            # fetchall: the autocommit statement ends (and commits) only once its RETURNING rows are read.
+            rows: list[Any] = conn.execute(sql, params).fetchall()
         return rows
 
     def _mark(self, conn: Any, wait: bool, effect_id: str, text: str, now: float) -> bool:
