@@ -31,6 +31,9 @@ UndoLog's own cost above it (goal 1.10x, as in ``overhead.py``).
 2. CrewAI: a one-agent crew with a scripted LLM (native tool calling); one kickoff is a step; the tool wrapped by
    ``wrap_tools`` against the same tool unwrapped.
 3. Semantic Kernel: the auto function-calling loop of a scripted chat service; ``install``-ed filter against none.
+   A step is a quarter of a millisecond, so a round runs ten conversations of ``--turns`` steps per variant (one
+   in ``--quick``), each time in a new shuffled order: one conversation's block is shorter than the machine's
+   scheduling jitter.
 
 Group commit: the last section runs N concurrent LangGraph threads (one per worker thread, each its own UndoLog
 session) with a COMPENSABLE tool on SQLite and on PostgreSQL, and prints how many durable commits the hot path
@@ -128,6 +131,10 @@ class Variant:
     # Stepped variants are interleaved with those of their group only (a tier: a COMPENSABLE step's commits between
     # two SAFE steps would make every SAFE turn re-read its session, which a SAFE agent alone does not).
     group: str = ""
+    # Blocks of n steps (each on a fresh thread/session) a round runs of this variant, the variants' blocks
+    # interleaved in a shuffled order each time (see ``measure``): for steps so short that one block is shorter
+    # than the machine's scheduling jitter.
+    reps: int = 1
 
 
 @dataclass
@@ -165,14 +172,33 @@ def measure(variants: list[Variant], *, rounds: int, turns: int, rng: random.Ran
                 _stepped_round(group, turns, rng)
             continue
         order = list(variants)
-        rng.shuffle(order)
-        for v in order:
-            gc.collect()
-            # CPU time beside wall time: on a loaded machine the wall clock mostly measures the other processes
-            # (and the disk's fsyncs, which are no CPU time: a step's durable commits show in wall time only).
-            c0 = time.process_time()
-            v.samples.append(v.run(turns) / turns)
-            v.cpu.append((time.process_time() - c0) / turns)
+        reps = max(v.reps for v in variants)
+        if reps == 1:
+            rng.shuffle(order)
+            for v in order:
+                gc.collect()
+                # CPU time beside wall time: on a loaded machine the wall clock mostly measures the other processes
+                # (and the disk's fsyncs, which are no CPU time: a step's durable commits show in wall time only).
+                c0 = time.process_time()
+                v.samples.append(v.run(turns) / turns)
+                v.cpu.append((time.process_time() - c0) / turns)
+            continue
+        # Short blocks, interleaved: ``reps`` times every variant's block in a new shuffled order, so that a slow
+        # moment of the machine falls on a block of each variant alike (one long block per variant took whole
+        # slow phases: the baseline itself spread 0.18-0.26 ms a step). One collection a round, not a block.
+        wall = dict.fromkeys(range(len(order)), 0.0)
+        cpu = dict.fromkeys(range(len(order)), 0.0)
+        gc.collect()
+        for _ in range(reps):
+            idx = list(range(len(order)))
+            rng.shuffle(idx)
+            for j in idx:
+                c0 = time.process_time()
+                wall[j] += order[j].run(turns)
+                cpu[j] += time.process_time() - c0
+        for j, v in enumerate(order):
+            v.samples.append(wall[j] / (turns * reps))
+            v.cpu.append(cpu[j] / (turns * reps))
 
 
 def _stepped_round(variants: list[Variant], turns: int, rng: random.Random) -> None:
@@ -597,8 +623,13 @@ def crewai_variants(stores: dict[str, UndoLog]) -> tuple[list[Variant], list[Sha
 # -- Semantic Kernel ----------------------------------------------------------------------------------------
 
 
-def sk_variants(stores: dict[str, UndoLog], loop: asyncio.AbstractEventLoop) -> tuple[list[Variant], list[Share]]:
-    """The auto function-calling loop of a scripted chat service, one user message per step; filter vs none."""
+def sk_variants(stores: dict[str, UndoLog], loop: asyncio.AbstractEventLoop,
+                conversations: int = 1) -> tuple[list[Variant], list[Share]]:
+    """The auto function-calling loop of a scripted chat service, one user message per step; filter vs none.
+
+    A round runs ``conversations`` fresh conversations of n steps per variant, interleaved (``Variant.reps``): an
+    SK step is a quarter of a millisecond, so one conversation's block (about 5 ms) is shorter than the machine's
+    scheduling jitter, which then decided a round's ratio (p25-p75 spreads of 0.96-1.14 against a 1.05x goal)."""
     import json as _json
 
     from semantic_kernel import Kernel
@@ -715,6 +746,8 @@ def sk_variants(stores: dict[str, UndoLog], loop: asyncio.AbstractEventLoop) -> 
             if key in stores:
                 variants.append(Variant(f"{tier}: UndoLog filter, {label}", runner(kernel_with(stores[key]), chat, True),
                                         base, g, over=lb if key == "sqlite" else None, over_goal=1.10))
+    for v in variants:
+        v.reps = conversations
     return variants, []
 
 
@@ -966,7 +999,8 @@ def main(argv: list[str] | None = None) -> int:
         if "crewai" in only:
             sections.append(("crewai", lambda: crewai_variants(stores.opened)))
         if "sk" in only:
-            sections.append(("sk", lambda: sk_variants(stores.opened, loop)))
+            # Ten conversations a run (one is shorter than the machine's jitter: see sk_variants); one in --quick.
+            sections.append(("sk", lambda: sk_variants(stores.opened, loop, conversations=1 if args.quick else 10)))
         for name, build in sections:
             try:
                 variants, shares = build()
