@@ -414,9 +414,19 @@ class UndoLogFilter:
             values = driver.safe(spec, args, sc)
             return sid, execute_now(None, values, None, SAFE, name, given_call_id, sid), args
         if not sc.persisted:
-            # The session's first logged call writes it (one durable write, with this filter's agent id), in a
-            # worker thread; a session that was created elsewhere meanwhile is read instead.
-            await asyncio.to_thread(self.undolog.engine.ensure_session, sid, agent_id=self.agent_id, fresh=True)
+            # The session's first logged call writes its row (with this filter's agent id): one insert, inline when
+            # nothing has to wait (as the pre-write is), else in a worker thread, which also reads a session created
+            # elsewhere meanwhile. Not fsynced where the database allows it (SQLite's WAL): the pre-write that
+            # follows at once, before the tool runs, is a durable commit and makes the row durable with it; until
+            # then nothing in the store refers to the row (a power loss before it loses a session with no call).
+            # A per-conversation thread hop and fsync cost this step about what UndoLog's whole per-call bookkeeping
+            # did (benchmarks/agent_step.py, "over its lower bound").
+            engine = self.undolog.engine
+            try:
+                engine.ensure_session(sid, agent_id=self.agent_id, fresh=True, durable=False, wait=False)
+            except WouldBlock:
+                await asyncio.to_thread(engine.ensure_session, sid, agent_id=self.agent_id, fresh=True,
+                                        durable=False)
         if spec.tier is IRREVERSIBLE:
             call_id = await asyncio.to_thread(self._call_id, sid, name, spec.tier, args, given_call_id)
         else:

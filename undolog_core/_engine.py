@@ -630,6 +630,7 @@ class Engine:
         create: bool = True,
         fresh: bool = False,
         durable: bool = True,
+        wait: bool = True,
     ) -> SessionCache:
         """This process's record of the session, read from the store, or the session started there (``create``).
 
@@ -637,7 +638,11 @@ class Engine:
         where the hot path has it) and read only when that id turns out to exist. ``durable=False`` (with ``fresh``):
         that insert may commit without waiting for the disk where the row is then made durable by the next durable
         commit of anything (SQLite's WAL, see ``SQLiteHotPath.start_session``): for a session whose row nothing
-        refers to yet, started on an agent's turn."""
+        refers to yet, started on an agent's turn.
+
+        ``wait=False`` (with ``fresh``; an event loop): only the hot path's one insert is tried, and ``WouldBlock``
+        is raised (nothing written) when it would wait for a connection or a lock, when the hot path has no such
+        statement, or when the id exists (reading it is the general path's work, for a worker thread)."""
         sc = self._sessions.get(session_id)
         if sc is not None and sc.persisted:
             return sc
@@ -657,12 +662,14 @@ class Engine:
             values["pinned_revisions"], values["created_at"] = start["pinned_revisions"], from_epoch(start["created_at"])
         row = None
         if create and fresh:  # a new id: one durable insert on the hot path's pool where the database has it
-            row = self.hot.start_session({"session_id": session_id, **values}, durable=durable)
+            row = self.hot.start_session({"session_id": session_id, **values}, durable=durable, wait=wait)
         if row is None:
+            if not wait:
+                raise WouldBlock()
             row = self.store.get_or_create_session(session_id, create=create, values=values)
         if row is None:
             raise SessionNotFound(session_id)
-        return self.remember(row)
+        return self.remember(row, write=wait)
 
     def try_start(self, session_id: str, *, agent_id: str | None = None, on_failure: str = "rollback",
                   unless: str | None = None, durable: bool = True) -> SessionCache | None:

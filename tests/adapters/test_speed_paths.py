@@ -243,6 +243,46 @@ async def test_sk_decides_on_the_loop_when_nothing_waits_and_in_a_thread_when_it
     assert [e["state"] for e in undolog.sessions.effects(sid)] == ["committed"] * 3
 
 
+async def test_sk_starts_a_conversations_session_on_the_loop_when_nothing_waits(
+        undolog: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new conversation's first COMPENSABLE call writes its session's row inline (wait=False), as the pre-write
+    is: no worker thread in the whole call (the hop and the fsync of a durable start were about as much as UndoLog's
+    whole per-call bookkeeping over its lower bound in benchmarks/agent_step.py's SK row). On SQLite the insert is
+    on the fast pool (not fsynced): the pre-write right after it, before the tool runs, is the durable commit that
+    makes it durable. When the insert would wait (here: every connection of its pool taken), it is made in a worker
+    thread, and the loop never waits."""
+    kernel = Kernel()
+    kernel.add_plugin(Shop(), plugin_name="shop")
+    install(kernel, undolog, compensations=[sp_unbook])
+    await _sk_turn(kernel, "sk-warm-" + uuid.uuid4().hex[:8], "w1")  # connections opened, the function learnt
+    hops: list[Any] = []
+    real = asyncio.to_thread
+
+    async def counted(fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        hops.append(getattr(fn, "__name__", fn))
+        return await real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", counted)
+    sid = "sk-" + uuid.uuid4().hex[:8]
+    await _sk_turn(kernel, sid, "n1")
+    assert hops == [], hops
+    assert [e["state"] for e in undolog.sessions.effects(sid)] == ["committed"]
+    assert undolog.sessions.get(sid).agent_id == "semantic-kernel"
+    hot = undolog.engine.hot
+    pool = hot.durable if undolog.store.is_postgres else hot.fast  # where the insert goes
+    held = [pool.checkout() for _ in range(pool.size)]
+    timer = threading.Timer(0.3, lambda: [pool.checkin(*x) for x in held])
+    sid2 = "sk-" + uuid.uuid4().hex[:8]
+    timer.start()
+    try:
+        await _sk_turn(kernel, sid2, "n2")
+    finally:
+        timer.join()
+    # (On PostgreSQL the session's first read, on the same pool, is the one that goes to the thread.)
+    assert hops == (["look_up_session"] if undolog.store.is_postgres else ["ensure_session"]), hops
+    assert [e["state"] for e in undolog.sessions.effects(sid2)] == ["committed"]
+
+
 # ------------------------------------------------------------------------------------------ LangGraph: per-call work
 
 

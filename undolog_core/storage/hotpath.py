@@ -192,9 +192,11 @@ class HotPath(abc.ABC):
             pins = json.loads(pins)  # SQLite keeps JSON as text; psycopg decodes it
         return SessionRow(row[0], row[1], pins or {}, row[3])
 
-    def start_session(self, values: dict[str, Any], *, durable: bool = True, unless: str | None = None) -> Any:
+    def start_session(self, values: dict[str, Any], *, durable: bool = True, unless: str | None = None,
+                      wait: bool = True) -> Any:
         """A new session's row written durably in one round trip, or None: the database has no such statement
         here (the caller takes the general path), or a row with that id already exists (the caller reads it).
+        ``wait=False`` raises ``WouldBlock`` (nothing written) instead of waiting for a connection or a lock.
 
         ``durable=False`` allows the commit not to wait for the disk where the row then becomes durable with the
         next durable commit of anything (SQLite's WAL); elsewhere it is written durably all the same. ``unless``: no

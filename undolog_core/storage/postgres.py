@@ -328,12 +328,13 @@ class PostgresHotPath(HotPath):
 
     starts_with_prewrite = True
 
-    def start_session(self, values: dict[str, Any], *, durable: bool = True, unless: str | None = None) -> Any:
+    def start_session(self, values: dict[str, Any], *, durable: bool = True, unless: str | None = None,
+                      wait: bool = True) -> Any:
         # Durable whatever ``durable`` says: the first turn's write on PostgreSQL is left as it was measured; and no
         # statement here for ``unless`` (the caller reads the store first, as before).
         if unless is not None:
             return None
-        with self.durable.connection("starting a session") as conn:
+        with self.durable.connection("starting a session", wait=wait) as conn:
             return pg_start_session(conn, values)
 
     ends_with_marks = True

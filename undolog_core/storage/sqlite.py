@@ -26,7 +26,7 @@ from . import schema as t
 from .checkpoint import HARD_PAGES, WalCheckpointer
 from .group import GroupCommit
 from .hotpath import _WRITABLE, HotPath, SessionRow
-from .pool import IntegrityConflict, WouldBlock, is_unavailable
+from .pool import IntegrityConflict, RawPool, WouldBlock, is_unavailable
 
 _SQLITE_GUARD = (
     f"UPDATE undolog_sessions SET tool_calls_total = tool_calls_total + ?, updated_at = ? "
@@ -435,7 +435,8 @@ class SQLiteHotPath(HotPath):
         finally:
             self.write_lock.release()
 
-    def start_session(self, values: dict[str, Any], *, durable: bool = True, unless: str | None = None) -> Any:
+    def start_session(self, values: dict[str, Any], *, durable: bool = True, unless: str | None = None,
+                      wait: bool = True) -> Any:
         """A new session's row in one durable autocommit statement, or None when the id exists (the caller reads it).
 
         The general path's read, savepoint and insert through SQLAlchemy cost about a millisecond of CPU; an adapter
@@ -463,12 +464,7 @@ class SQLiteHotPath(HotPath):
         # The wal-index header around the insert (a started thread's next turn check is answered from it, below).
         watch = (self._watch if self._watch_tried else self._open_watch(True)) if unless is not None else None
         before = watch.stamp() if watch is not None else None
-        if not durable:
-            rows = self._start_unsynced(sql, params)
-        else:
-            with self.durable.connection("starting a session") as conn, self.write_lock:
-                # fetchall: the autocommit statement ends (and commits) only once its RETURNING rows are read.
-                rows = conn.execute(sql, params).fetchall()
+        rows = self._start_one(self.durable if durable else self.fast, sql, params, wait)
         if not rows:
             return None
         sid, state, pins, failure = rows[0]
@@ -483,13 +479,19 @@ class SQLiteHotPath(HotPath):
                 self._remember_states((sid, unless), after, time.monotonic(), {sid: (state, None)})
         return SessionRow(sid, state, json.loads(pins) if pins else {}, failure)
 
-    def _start_unsynced(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
-        """``start_session(durable=False)``'s statement, alone, on a connection of the fast pool: its commit writes
-        the WAL without waiting for the disk (``synchronous=NORMAL``), where a durable connection switched to NORMAL
-        and back cost two statements more (each lets go of the GIL, inside an agent step)."""
-        with self.fast.connection("starting a session") as conn, self.write_lock:
-            # fetchall: the autocommit statement ends (and commits) only once its RETURNING rows are read.
-            rows: list[Any] = conn.execute(sql, params).fetchall()
+    def _start_one(self, pool: RawPool, sql: str, params: tuple[Any, ...], wait: bool) -> list[Any]:
+        """``start_session``'s statement, alone, on a connection of ``pool``. On the fast pool (``durable=False``)
+        its commit writes the WAL without waiting for the disk (``synchronous=NORMAL``), where a durable connection
+        switched to NORMAL and back cost two statements more (each lets go of the GIL, inside an agent step).
+        ``wait=False``: ``WouldBlock`` (nothing written) when the connection or the write lock is taken."""
+        with pool.connection("starting a session", wait=wait) as conn:
+            if not self.write_lock.acquire(blocking=wait):
+                raise WouldBlock()
+            try:
+                # fetchall: the autocommit statement ends (and commits) only once its RETURNING rows are read.
+                rows: list[Any] = conn.execute(sql, params).fetchall()
+            finally:
+                self.write_lock.release()
         return rows
 
     def _mark(self, conn: Any, wait: bool, effect_id: str, text: str, now: float) -> bool:
