@@ -18,12 +18,13 @@ import sys
 import threading
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
 from langchain.agents import create_agent
 from langchain.agents.middleware import AgentMiddleware
 from langchain_core.messages import AIMessage, ToolMessage
+from langchain_core.tools import InjectedToolCallId
 from langchain_core.tools import tool as as_tool
 from langgraph.checkpoint.memory import InMemorySaver
 from semantic_kernel import Kernel
@@ -619,19 +620,21 @@ async def test_a_safe_call_on_the_middlewares_short_path_keeps_its_checks(undolo
     assert undolog.sessions.get(c["configurable"]["thread_id"]).tool_calls_total == 2
 
 
-def _counting_hooks(mw: Any, frames: list[str], on: list[bool]) -> None:
+def _counting_hooks(mw: Any, frames: list[str], on: list[bool], *, everything: bool = False) -> None:
     """Wrap ``mw``'s sync hooks (before the agent is built: it takes them then) so that, while ``on[0]``, every
     Python frame of UndoLog's own code run inside them, in the thread that runs the hook (the tool's hook runs in
-    ToolNode's worker thread), is recorded in ``frames``."""
+    ToolNode's worker thread), is recorded in ``frames``. ``everything``: the frames of the libraries UndoLog's code
+    calls too (pydantic, LangGraph), named ``module:function``."""
     import functools
 
     from undolog_adapters.langgraph._middleware import _HOOK_SIGNATURE
 
-    roots = (str(ROOT / "undolog_core"), str(ROOT / "undolog_adapters"))
+    roots = ("",) if everything else (str(ROOT / "undolog_core"), str(ROOT / "undolog_adapters"))
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code.co_filename.startswith(roots):
-            frames.append(frame.f_code.co_name)
+            code = frame.f_code
+            frames.append(f"{Path(code.co_filename).stem}:{code.co_name}" if everything else code.co_name)
 
     def counted(inner: Any, request: Any, handler: Any) -> Any:
         if not on[0]:
@@ -678,3 +681,61 @@ def test_a_later_safe_turn_runs_few_python_frames_of_undologs_own(undolog: Any) 
     # wrap_model_call; the SAFE call: wrap_tool_call, run_safe, safe_decision, base_id, decide_safe, check_id,
     # validate, values, note_safe_in, run_safe_sync and the lambda running the tool. (There were 22.)
     assert len(frames) <= 17, frames
+
+
+@pytest.mark.sqlite_only
+def test_a_later_compensable_turn_runs_few_python_frames(undolog: Any) -> None:
+    """A later COMPENSABLE turn of a thread runs UndoLog's hooks with few Python frames, the library code they call
+    included: the tool's message is marked in place when ToolNode built it for this call (a pydantic ``model_copy``
+    of it cost some 10 us of every step), the request to run is built without ``ToolCallRequest.override`` (its
+    ``dataclasses.replace`` runs a deprecation-checking ``__setattr__`` per field: some 10 us more), and the hot
+    path reads the wal-index header around each durable write inline. Counted, not timed: every Python frame under
+    the two model calls' and the tool call's hooks, LangChain's own part (the model, the tool) left out."""
+    tools = [sp_book, sp_look]
+    mw = UndoLogMiddleware(undolog, tools=tools, compensations=[sp_unbook])
+    frames: list[str] = []
+    on = [False]
+    _counting_hooks(mw, frames, on, everything=True)
+    graph = create_agent(ScriptedChatModel(scripts=SCRIPTS), tools, checkpointer=InMemorySaver(), middleware=[mw])
+    c = _cfg()
+    for _ in range(2):
+        graph.invoke(_user("book"), c)
+    on[0] = True
+    out = graph.invoke(_user("book"), c)
+    msg = out["messages"][-2]
+    assert msg.content == "booked mon" and msg.response_metadata["undolog"]["tier"] == "compensable"
+    assert msg.response_metadata["undolog"]["session_id"] == c["configurable"]["thread_id"]
+    assert not {"main:model_copy", "tool_node:override", "sqlite:stamp"} & set(frames), frames
+    # 106 before: the message's model_copy (5 frames with copy's), override (9, its __setattr__ per field), the
+    # tier's .value (2) and the header's reads around both writes (6, WalStamp.stamp and _commits_between).
+    assert len(frames) <= 86, frames
+
+
+OWN_MESSAGES: list[ToolMessage] = []
+
+
+@undolog_tool(tier=ToolTier.COMPENSABLE, compensation=CompensationDescriptor.new("sp_unbook"))
+def sp_reply(day: str, call_id_: Annotated[str, InjectedToolCallId]) -> ToolMessage:
+    """Book a slot, answering with a message of the tool's own."""
+    msg = ToolMessage(content=f"booked {day}", tool_call_id=call_id_, response_metadata={"by": "tool"})
+    OWN_MESSAGES.append(msg)
+    return msg
+
+
+def test_the_effect_mark_goes_into_toolnodes_message_and_never_into_the_tools_own(undolog: Any) -> None:
+    """The effect's ``response_metadata["undolog"]`` is set in place only on a message ToolNode built for the call;
+    a message the tool returned itself is copied, the tool's object left as it was (its own metadata kept)."""
+    OWN_MESSAGES.clear()
+    tools = [sp_book, sp_reply]
+    scripts = {"book": [[("sp_book", {"day": "mon"})]], "reply": [[("sp_reply", {"day": "sat"})]]}
+    graph = create_agent(ScriptedChatModel(scripts=scripts), tools, checkpointer=InMemorySaver(),
+                         middleware=[UndoLogMiddleware(undolog, tools=tools, compensations=[sp_unbook])])
+    c = _cfg()
+    sid = c["configurable"]["thread_id"]
+    built = graph.invoke(_user("book"), c)["messages"][-2]
+    assert built.response_metadata["undolog"]["session_id"] == sid
+    own = graph.invoke(_user("reply"), c)["messages"][-2]
+    assert own.content == "booked sat" and own.response_metadata["by"] == "tool"
+    assert own.response_metadata["undolog"]["tier"] == "compensable"
+    assert own.response_metadata["undolog"]["effect_id"] != built.response_metadata["undolog"]["effect_id"]
+    assert [m.response_metadata for m in OWN_MESSAGES] == [{"by": "tool"}]

@@ -171,7 +171,7 @@ def run_logged(guard: _Guard, request: Any, execute: Callable[[Any], Any], *, ad
                                           note=False, **_hooks(request, step, box))
     finally:
         _unadmit(token)
-    return _settled(guard, batch, call_id, request, step, outcome)
+    return _settled(guard, batch, call_id, request, step, outcome, box)
 
 
 class _NotSafe:
@@ -235,7 +235,7 @@ async def arun_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], 
                                                  **_hooks(request, step, box))
     finally:
         _unadmit(token)
-    return _settled(guard, batch, call_id, request, step, outcome)
+    return _settled(guard, batch, call_id, request, step, outcome, box)
 
 
 def _safe_answer(outcome: Outcome) -> Any:
@@ -262,8 +262,9 @@ def _hooks(request: Any, step: _Run, box: _Box | None) -> dict[str, Any]:
 
 
 def _settled(guard: _Guard, batch: _Batch | None, call_id: str | None, request: Any, step: _Run,
-             outcome: Outcome) -> Any:
-    """The node's answer for a call the driver ran: the tool's message, or the failure and what was undone."""
+             outcome: Outcome, box: _Box | None = None) -> Any:
+    """The node's answer for a call the driver ran: the tool's message, or the failure and what was undone.
+    ``box``: the tool's raw value (a logged call), which tells whether ToolNode built the message."""
     ex, sid = step.execute, step.session_id
     if outcome.rollback is not None:
         for name, data in rollback_events(outcome.rollback, ex.effect_id):
@@ -283,7 +284,7 @@ def _settled(guard: _Guard, batch: _Batch | None, call_id: str | None, request: 
                                                        ex.effect_id))
     if ex.effect_id is None:
         return _remember(batch, call_id, outcome.value)
-    return _remember(batch, call_id, guard.committed(step, outcome.value))
+    return _remember(batch, call_id, guard.committed(step, outcome.value, box))
 
 
 def _admitted(request: Any) -> ToolMessage | None:

@@ -8,10 +8,10 @@ call sequence itself (run, complete, fail, release) is in ``_call``. Imports Lan
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -19,6 +19,7 @@ from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool
 from langchain_core.tools import tool as as_tool
 from langgraph.config import get_config
+from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import interrupt
 from pydantic import BaseModel
 
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from undolog_core import RollbackReport, UndoLog
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Run:
     """Run the tool: the engine's ``Execute`` decision, in the thread's current session."""
 
@@ -51,7 +52,7 @@ class _Run:
     session_id: str
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Reply:
     """Do not run the tool: answer with this message (a replayed result)."""
 
@@ -346,14 +347,25 @@ class _Guard:
             tool = _capturing(request.tool, box)
             if tool is not request.tool:
                 overrides["tool"] = tool
-        return (request.override(**overrides) if overrides else request), box
+        return (_override(request, overrides) if overrides else request), box
 
-    def committed(self, run: _Run, out: Any) -> Any:
-        """The tool's message, marked with its effect (what the demo and tests read)."""
+    def committed(self, run: _Run, out: Any, box: _Box | None = None) -> Any:
+        """The tool's message, marked with its effect (what the demo and tests read).
+
+        ``box``: the call's raw value. When the tool returned something other than this message, ToolNode built the
+        message for this call and nobody else holds it yet: it is marked in place. A pydantic ``model_copy`` of it
+        cost some 10 us of every COMPENSABLE agent step; a message the tool returned itself is still copied (the
+        tool's own object is left as it was)."""
         if isinstance(out, ToolMessage):
             d = run.execute
-            meta = dict(out.response_metadata or {})
-            meta["undolog"] = {"tier": d.tier.value, "effect_id": d.effect_id, "session_id": run.session_id}
+            # str() of the StrEnum is its value, without the two Python-level calls of ``.value``.
+            mark = {"tier": str(d.tier), "effect_id": d.effect_id, "session_id": run.session_id}
+            meta = out.response_metadata
+            if box is not None and box.set and box.value is not out and meta.__class__ is dict:
+                meta["undolog"] = mark
+                return out
+            meta = dict(meta or {})
+            meta["undolog"] = mark
             return out.model_copy(update={"response_metadata": meta})
         return out
 
@@ -456,6 +468,31 @@ class _Guard:
                 "args": dec.args, "response": dec.response,
             })
         return "; ".join(problems) or None
+
+
+# Whether ToolCallRequest is the plain dataclass ``_override`` copies: its fields in an instance dict, nothing run at
+# construction but the assignments. Checked once: a LangGraph that changes that takes ``override`` again.
+_PLAIN_REQUEST = (dataclasses.is_dataclass(ToolCallRequest) and not hasattr(ToolCallRequest, "__slots__")
+                  and not hasattr(ToolCallRequest, "__post_init__")
+                  and {"tool", "tool_call"} <= {f.name for f in dataclasses.fields(ToolCallRequest)})
+
+
+def _override(request: Any, overrides: dict[str, Any]) -> Any:
+    """``request.override(**overrides)`` for the fields :meth:`_Guard.runnable` replaces (the tool and the tool call).
+
+    ``override`` builds the new request with ``dataclasses.replace``, which runs ``ToolCallRequest.__setattr__`` once
+    per field (an import and two ``hasattr`` each, for a deprecation warning): some 10 us of every logged call inside
+    an agent step. The new request here is the same one (the other fields copied as they are; neither field
+    replaced here touches the runtime, which ``override`` only rebuilds for a new state); any other request type,
+    or one without an instance dict, goes through ``override``.
+    """
+    if request.__class__ is not ToolCallRequest or not _PLAIN_REQUEST:
+        return request.override(**overrides)
+    new = object.__new__(ToolCallRequest)
+    fields = new.__dict__
+    fields.update(request.__dict__)
+    fields.update(overrides)
+    return new
 
 
 def _config_of(request: Any) -> Mapping[str, Any]:
