@@ -279,25 +279,27 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
         if sid is None:
             # A plain crew.kickoff(): CrewAI's execution id is per kickoff, so it is the session.
             sid = get_execution_uuid()
+        minted = False
         if sid is None:
             with self._lock:
                 if self._fallback_session is None:
                     self._fallback_session = str(uuid.uuid4())
+                    minted = True
                 sid = self._fallback_session
         self.last_session_id = sid
-        self._ensure(sid)
+        self._ensure(sid, minted=minted)
         return sid
 
-    def _ensure(self, sid: str) -> None:
+    def _ensure(self, sid: str, *, minted: bool = False) -> None:
         """Learn the session at its first sight here: read once (its state and pins, so a session resumed here keeps
-        them), nothing written. A session the store does not have is written by its first logged call (``_call``),
-        or by the flush of its SAFE calls' count, so a kickoff of SAFE calls writes nothing, as in the other
-        adapters; writing it at the kickoff's start was an insert and an fsync per session (per kickoff, by default),
-        several times what UndoLog adds to the calls of a SAFE kickoff."""
+        them), nothing written; not even read when ``minted`` here. A session the store does not have is written by
+        its first logged call (``_call``), or by the flush of its SAFE calls' count, so a kickoff of SAFE calls writes
+        nothing, as in the other adapters; writing it at the kickoff's start was an insert and an fsync per session
+        (per kickoff, by default), several times what UndoLog adds to the calls of a SAFE kickoff."""
         with self._lock:
             if sid in self._ensured:
                 return
-        self.undolog.engine.look_up_session(sid, agent_id=self.agent_id)
+        self.undolog.engine.look_up_session(sid, agent_id=self.agent_id, minted=minted)
         with self._lock:
             if len(self._ensured) >= self.undolog.engine.max_sessions:
                 # A kickoff is a session: bounded like the engine's records. A session forgotten here is looked up
@@ -313,8 +315,12 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
             >>> with tools.session("ticket-42") as sid:          # doctest: +SKIP
             ...     crew.kickoff()
         """
-        sid = session_id or self.fixed_session_id or str(uuid.uuid4())
-        self._ensure(sid)
+        sid = session_id or self.fixed_session_id
+        if sid is None:
+            sid = str(uuid.uuid4())
+            self._ensure(sid, minted=True)
+        else:
+            self._ensure(sid)
         # The after-hook only rewrites the text of a call the gate refused: it joins this dict when one is (_refuse).
         hooks: dict[InterceptionPoint, list[Callable[[Any], Any]]] = {InterceptionPoint.PRE_TOOL_CALL: [self.before_hook]}
         token = _kickoff_session.set(sid)

@@ -448,6 +448,24 @@ def test_a_kickoff_of_safe_calls_reads_its_new_session_once_and_writes_nothing(u
 
 
 @PATHS
+def test_a_kickoff_of_safe_calls_in_a_session_it_mints_asks_the_store_nothing(undolog, native, store_traffic):
+    """``tools.kickoff(crew)`` mints its session's id: the store cannot have it, so it is not even read. Failed
+    before: the kickoff's start read the id and inserted the row with an fsync."""
+    tools = toolset(undolog)
+    crew = build_crew(tools, [SEARCH], native=native)
+    store_traffic.on()
+    run = tools.kickoff(crew)
+    assert "Refunds are confirmed by email" in crew.agents[0].llm.observations[0]
+    assert store_traffic == []
+    _, seen = kickoff(tools, [REFUND_U1], native=native, session_id=run.session_id)  # known here: no read either
+    assert "msg-1" in seen[0]
+    assert "durable" in store_traffic
+    undolog.engine.flush_counts()
+    row = undolog.sessions.get(run.session_id)
+    assert (row.agent_id, row.tool_calls_total) == ("crewai", 2)
+
+
+@PATHS
 def test_a_sessions_first_logged_call_writes_its_row_first(undolog, backend, native):
     """The row of a session first seen in a kickoff of SAFE calls is written by its first COMPENSABLE call, with the
     toolset's agent id and the SAFE calls' count, before the tool runs."""
