@@ -12,6 +12,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -93,6 +94,8 @@ _SHORT_JSON = 2 * MAX_JSON_DEPTH
 SAFE = ToolTier.SAFE
 # States a session never leaves: its record leaves the session cache (``Engine._forget``).
 _ENDED = frozenset({SessionState.COMPLETED.value, SessionState.ROLLED_BACK.value})
+# (The enum's value read once: ``.value`` is a Python-level property, two frames on each read.)
+_ACTIVE = SessionState.ACTIVE.value
 COMPENSABLE = ToolTier.COMPENSABLE
 IRREVERSIBLE = ToolTier.IRREVERSIBLE
 # How many session records the engine keeps in memory by default (``UndoLog(max_sessions=...)``). A record is a few
@@ -222,7 +225,8 @@ class SessionCache:
     on_failure: str
     persisted: bool = True
     # (tool_name, tier, args, state) of recent calls, newest last; SAFE calls are known only here.
-    recent: collections.deque[tuple[str, str, Any, str]] = field(default_factory=lambda: collections.deque(maxlen=50))
+    # (A partial, not a lambda: no Python frame and no keyword parsing when a record is made, once a conversation.)
+    recent: collections.deque[tuple[str, str, Any, str]] = field(default_factory=partial(collections.deque, (), 50))
     # next() on itertools.count is atomic under the GIL: lock-free counters for the hot paths. A count is taken by
     # swapping in a fresh counter and reading the old one's next value (it is not used again).
     # `counter` holds SAFE calls, which must reach the store with the session's next write (`dirty` says there are
@@ -817,7 +821,7 @@ class Engine:
 
     def _new_record(self, session_id: str, *, write: bool) -> SessionCache:
         """A record of a session the store does not have (known from SAFE calls until its first write)."""
-        sc = SessionCache(session_id, SessionState.ACTIVE.value, {}, "rollback", persisted=False)
+        sc = SessionCache(session_id, _ACTIVE, {}, "rollback", persisted=False)
         with self._sessions_lock:
             sc = self._sessions.setdefault(session_id, sc)
         if len(self._sessions) > self.max_sessions:

@@ -114,8 +114,9 @@ def check_identity(what: str, value: object) -> None:
         Traceback (most recent call last):
         undolog_core.errors.InvalidId: approver must be a non-empty string of at most 200 characters ...
     """
+    # (encodes' ASCII test inline: most identities are ASCII, and this runs on each new conversation's first sight.)
     if (not isinstance(value, str) or not value.strip() or len(value) > MAX_ID_LENGTH or "\x00" in value
-            or not encodes(value)):
+            or not (value.isascii() or encodes(value))):
         raise InvalidId(what, value, MAX_ID_LENGTH)
 
 

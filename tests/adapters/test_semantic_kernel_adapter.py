@@ -848,3 +848,42 @@ async def test_a_routed_safe_call_runs_four_undolog_frames_and_a_dozen_builtin_c
     # class look-up by method call, a key view compared with a set and an items loop (16 builtin calls).
     assert frames == ["auto_function_invocation", "function_invocation", "as_is_copy", "note_safe_in"], frames
     assert len(builtins) <= 12, builtins
+
+
+async def test_a_new_conversations_first_safe_call_reads_its_session_in_few_undolog_frames(ul):
+    """A conversation's first SAFE call reads its session once (a session halted elsewhere refuses, a resumed one keeps
+    its pins) and makes the process's record of it: counted (not timed), as every new conversation pays it. No
+    frame for the record's ring of recent calls (a lambda default factory before) nor for the ASCII agent id's
+    encoding check (``encodes`` before)."""
+
+    class Shop:
+        @kernel_function(name="lookup_order", description="Look an order up.")
+        @undolog_tool(tier=ToolTier.SAFE)
+        def lookup_order(self, order_id: str) -> str:
+            return f"order {order_id}: shipped"
+
+    kernel = Kernel()
+    kernel.add_plugin(Shop(), plugin_name="shop")
+    install(kernel, ul)
+    ours = (f"{os.sep}undolog_core", f"{os.sep}undolog_adapters")
+    frames: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.rpartition(os.sep)[0].endswith(ours):
+            frames.append(frame.f_code.co_name)
+
+    for sid in ("chat-warm", "chat-new"):  # the first conversation learns the function; the second is counted
+        history = ChatHistory()
+        history.add_user_message("hi")
+        chat = ScriptedChat(ai_model_id="scripted", turns=[[call("k0", "shop-lookup_order", order_id="A-17")]])
+        with undolog_session(sid):
+            if sid == "chat-new":
+                sys.setprofile(profile)
+            try:
+                await chat.get_chat_message_content(history, auto_settings(), kernel=kernel)
+            finally:
+                sys.setprofile(None)
+        assert results(history) == ["order A-17: shipped"]
+    assert "<lambda>" not in frames and "encodes" not in frames, frames
+    assert frames == ["auto_function_invocation", "function_invocation", "_cache", "look_up_session", "check_id",
+                      "check_identity", "_new_record", "needs_trim", "as_is_copy", "note_safe_in"], frames
