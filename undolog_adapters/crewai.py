@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import Any, Self, SupportsIndex
 
 from undolog_adapters._common import missing_extra
 
@@ -260,13 +260,59 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
         self.poll_interval = poll_interval
         self.user_hooks = [fail_closed(h) for h in hooks]
         self.allow_unwrapped = {_sanitize(n) for n in allow_unwrapped}
-        # The gate's test, built once: CrewAI's name sanitising is a few regex passes per tool.
-        self._gated = frozenset({_sanitize(t.name) for t in self} | self.allow_unwrapped)
+        self._refresh_gate()
         self.last_session_id: str | None = session_id
         self._fallback_session: str | None = None
         self._ensured: set[str] = set()
         self._lock = threading.Lock()
         self._blocked: dict[int, str] = {}
+
+    # ----------------------------------------------------------------- the gate's names
+    def _refresh_gate(self) -> None:
+        """The names the gate lets through, built when the list is made or changed, not per call (CrewAI's name
+        sanitising is a few regex passes per tool): UndoLog's own tools and ``allow_unwrapped``. A plain CrewAI tool
+        put into the list is not among them: it has no tier, so it is refused like any other unwrapped tool."""
+        self._gated = frozenset({_sanitize(t.name) for t in self if isinstance(t, UndoLogTool)} | self.allow_unwrapped)
+
+    # The list's changes keep the gate's names in step (a tool appended after wrap_tools is gated like the others).
+    def append(self, item: Any) -> None:
+        super().append(item)
+        self._refresh_gate()
+
+    def extend(self, items: Iterable[Any]) -> None:
+        super().extend(items)
+        self._refresh_gate()
+
+    def insert(self, index: SupportsIndex, item: Any) -> None:
+        super().insert(index, item)
+        self._refresh_gate()
+
+    def remove(self, item: Any) -> None:
+        super().remove(item)
+        self._refresh_gate()
+
+    def pop(self, index: SupportsIndex = -1) -> Any:
+        item = super().pop(index)
+        self._refresh_gate()
+        return item
+
+    def clear(self) -> None:
+        super().clear()
+        self._refresh_gate()
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        super().__setitem__(index, value)
+        self._refresh_gate()
+
+    def __delitem__(self, index: Any) -> None:
+        super().__delitem__(index)
+        self._refresh_gate()
+
+    # (mypy: ``+`` gives a plain list, ``+=`` keeps the toolset, as for any list subclass.)
+    def __iadd__(self, items: Iterable[Any]) -> Self:  # type: ignore[misc]
+        super().__iadd__(items)
+        self._refresh_gate()
+        return self
 
     # ----------------------------------------------------------------- sessions
     @property

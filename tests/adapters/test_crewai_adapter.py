@@ -478,3 +478,33 @@ def test_a_sessions_first_logged_call_writes_its_row_first(undolog, backend, nat
     assert [s.tool_name for s in undolog.rollback("ticket-comp").steps] == ["send_refund_email"]
     undolog.engine.flush_counts()
     assert undolog.sessions.get("ticket-comp").tool_calls_total == 3
+
+
+@PATHS
+def test_a_tool_added_to_the_toolset_later_is_gated_by_its_tier(undolog, backend, native):
+    """The gate's names are built once, not per call: a wrapped tool appended afterwards still passes (it failed while
+    the names were frozen at wrap time), and a plain CrewAI tool put into the list is refused (before the names were
+    built once, any name in the list passed, so that tool ran without a tier)."""
+    looked_up, wired = [], []
+
+    @tool("lookup_order")
+    def lookup_order(order_id: str) -> str:
+        """Look an order up."""
+        looked_up.append(order_id)
+        return f"order {order_id}: shipped"
+
+    @tool("wire_money")
+    def wire_money(amount: int) -> str:
+        """Wire money."""
+        wired.append(amount)
+        return "wired"
+
+    tools = toolset(undolog)
+    tools.append(wrap_tools([lookup_order], undolog=undolog, tiers={"lookup_order": "safe"})[0])
+    tools += [wire_money]
+    _, seen = kickoff(tools, [{"tool": "lookup_order", "args": {"order_id": "o-9"}},
+                              {"tool": "wire_money", "args": {"amount": 5}}], native=native)
+    assert looked_up == ["o-9"] and seen[0].startswith("order o-9: shipped")
+    assert wired == [] and "no UndoLog tier" in seen[1]
+    del tools[-1]
+    assert "wire_money" not in tools._gated and "lookup_order" in tools._gated
