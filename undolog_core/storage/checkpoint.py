@@ -11,24 +11,25 @@ only past :data:`HARD_PAGES` (the safeguard), and a daemon thread runs a PASSIVE
 What does not change: durability. A commit is durable when its WAL frames are fsynced (``synchronous=FULL``),
 before the caller's statement returns, whoever checkpoints later; a checkpoint is SQLite's own crash-safe copy (it
 fsyncs the WAL before copying and the database file before the WAL may be reused), run on a connection of the
-durable engine (``synchronous=FULL``) whichever mode the caller writes in. A PASSIVE checkpoint never waits for and
-never blocks a writer or a reader, in this process or another: several processes on one file each run a
-checkpointer, and one that finds another's checkpoint running skips its turn (SQLite answers busy at once).
+durable engine (``synchronous=FULL``) whichever mode the caller writes in. A PASSIVE checkpoint never waits for
+and never blocks a writer or a reader on SQLite's locks, in this process or another: several processes on one file
+each run a checkpointer, and one that finds another's checkpoint running skips its turn (SQLite answers busy at
+once). The one wait it may cause is this process's writers' on the in-process write lock, below.
 
 Why the WAL stays bounded: the thread checkpoints while the WAL is at least :data:`SOFT_PAGES` long and not all
 copied, every :data:`POLL_MIN` seconds; SQLite starts the WAL over when a writer begins a transaction and finds every
 frame copied (nBackfill == mxFrame) and no reader on the WAL. A writer that never pauses (a tight loop of durable
 commits, or threads committing one after the other) appends frames while each checkpoint copies, so the copy never
-catches up on its own. So when a checkpoint leaves frames behind, the thread runs one more PASSIVE checkpoint while
-it holds this process's write lock (the one every writer of the hot path and the store takes, ``WriteLock``): only
-the frames appended meanwhile are left to copy (a short hold: their copy and the fsync of the database file), and
-the next writer finds the WAL all copied and starts it over. The lock is taken only within
-:data:`LOCK_WAIT` seconds, never ahead of an urgent writer and while holding nothing a writer waits for (the turn is
-skipped otherwise), and released on every path; its holders wait for it as for any writer, and SQLite's own locks
-are not held any longer than before. Other processes' writers are not held back: if they append meanwhile, or a
-reader still reads the WAL, that turn does not start the WAL over and a later one does. Whatever still outruns the
-thread (other processes writing without a pause), and a thread that cannot run at all (it is stopped, or the file
-is not in WAL mode yet), meet the safeguard: the committing caller checkpoints itself at :data:`HARD_PAGES`
+catches up on its own (it used to grow to :data:`HARD_PAGES`). So when a checkpoint leaves frames behind, the thread
+runs one more PASSIVE checkpoint while it holds this process's write lock (``WriteLock``, which every writer of the
+hot path and of the store takes): only the frames appended meanwhile are left to copy (a short hold: their copy and
+the fsync of the database file), and the next writer finds the WAL all copied and starts it over. The lock is taken
+within :data:`LOCK_WAIT` seconds or not at all, never ahead of an urgent writer, while the thread holds nothing a
+writer waits for, and it is released on every path; a writer waits for it as for another writer's commit, and the
+copying stays off the writers' commits. Other processes' writers are not held back: if they append meanwhile, or a
+reader still reads the WAL, that turn does not start it over and a later one does. Whatever still outruns the
+thread (other processes writing without a pause), and a thread that cannot run at all (it is stopped, or the file is
+not in WAL mode yet), meet the safeguard: the committing caller checkpoints itself at :data:`HARD_PAGES`
 (``wal_autocheckpoint``), as SQLite always does, which finishes before that caller's next write. Nothing here
 truncates the file: a WAL rewritten in place is fsynced faster than a growing one (no file-size change to journal).
 
