@@ -27,13 +27,13 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import Any, Self, SupportsIndex
 
 from undolog_adapters._common import missing_extra
 
 try:
     from crewai.hooks import HookAborted, InterceptionPoint
-    from crewai.hooks.dispatch import register_scoped, scoped_hooks
+    from crewai.hooks.dispatch import scoped_hooks
     from crewai.tools import BaseTool
     from crewai.tools import tool as _crewai_tool
 except ImportError as exc:  # exercised by tests/adapters/test_common.py with CrewAI hidden
@@ -75,6 +75,11 @@ log = logging.getLogger(__name__)
 # A ContextVar (not an attribute) so two kickoffs in two threads sharing one toolset stay apart; CrewAI
 # copies the context into the threads it starts for parallel tool calls.
 _kickoff_session: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_crewai_session", default=None)
+# The hooks scoped to that kickoff (the dict CrewAI's ``scoped_hooks`` runs): the gate adds its after-hook there only
+# once it has refused a call. CrewAI emits an event for every hook point dispatched (pydantic model, event record,
+# a hop to its handler thread), so an after-hook with nothing to rewrite cost a kickoff as much as UndoLog's own call.
+_kickoff_hooks: contextvars.ContextVar[dict[InterceptionPoint, list[Callable[[Any], Any]]] | None] = (
+    contextvars.ContextVar("undolog_crewai_hooks", default=None))
 
 # Frames of CrewAI's native tool-call executors; they hold the provider's tool-call id in a local
 # variable named ``call_id`` but never pass it to the tool. CrewAI 1.15 has no public way to the id: not the
@@ -255,11 +260,59 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
         self.poll_interval = poll_interval
         self.user_hooks = [fail_closed(h) for h in hooks]
         self.allow_unwrapped = {_sanitize(n) for n in allow_unwrapped}
+        self._refresh_gate()
         self.last_session_id: str | None = session_id
         self._fallback_session: str | None = None
         self._ensured: set[str] = set()
         self._lock = threading.Lock()
         self._blocked: dict[int, str] = {}
+
+    # ----------------------------------------------------------------- the gate's names
+    def _refresh_gate(self) -> None:
+        """The names the gate lets through, built when the list is made or changed, not per call (CrewAI's name
+        sanitising is a few regex passes per tool): UndoLog's own tools and ``allow_unwrapped``. A plain CrewAI tool
+        put into the list is not among them: it has no tier, so it is refused like any other unwrapped tool."""
+        self._gated = frozenset({_sanitize(t.name) for t in self if isinstance(t, UndoLogTool)} | self.allow_unwrapped)
+
+    # The list's changes keep the gate's names in step (a tool appended after wrap_tools is gated like the others).
+    def append(self, item: Any) -> None:
+        super().append(item)
+        self._refresh_gate()
+
+    def extend(self, items: Iterable[Any]) -> None:
+        super().extend(items)
+        self._refresh_gate()
+
+    def insert(self, index: SupportsIndex, item: Any) -> None:
+        super().insert(index, item)
+        self._refresh_gate()
+
+    def remove(self, item: Any) -> None:
+        super().remove(item)
+        self._refresh_gate()
+
+    def pop(self, index: SupportsIndex = -1) -> Any:
+        item = super().pop(index)
+        self._refresh_gate()
+        return item
+
+    def clear(self) -> None:
+        super().clear()
+        self._refresh_gate()
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        super().__setitem__(index, value)
+        self._refresh_gate()
+
+    def __delitem__(self, index: Any) -> None:
+        super().__delitem__(index)
+        self._refresh_gate()
+
+    # (mypy: ``+`` gives a plain list, ``+=`` keeps the toolset, as for any list subclass.)
+    def __iadd__(self, items: Iterable[Any]) -> Self:  # type: ignore[misc]
+        super().__iadd__(items)
+        self._refresh_gate()
+        return self
 
     # ----------------------------------------------------------------- sessions
     @property
@@ -272,20 +325,27 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
         if sid is None:
             # A plain crew.kickoff(): CrewAI's execution id is per kickoff, so it is the session.
             sid = get_execution_uuid()
+        minted = False
         if sid is None:
             with self._lock:
                 if self._fallback_session is None:
                     self._fallback_session = str(uuid.uuid4())
+                    minted = True
                 sid = self._fallback_session
         self.last_session_id = sid
-        self._ensure(sid)
+        self._ensure(sid, minted=minted)
         return sid
 
-    def _ensure(self, sid: str) -> None:
+    def _ensure(self, sid: str, *, minted: bool = False) -> None:
+        """Learn the session at its first sight here: read once (its state and pins, so a session resumed here keeps
+        them), nothing written; not even read when ``minted`` here. A session the store does not have is written by
+        its first logged call (``_call``), or by the flush of its SAFE calls' count, so a kickoff of SAFE calls writes
+        nothing, as in the other adapters; writing it at the kickoff's start was an insert and an fsync per session
+        (per kickoff, by default), several times what UndoLog adds to the calls of a SAFE kickoff."""
         with self._lock:
             if sid in self._ensured:
                 return
-        self.undolog.session(agent_id=self.agent_id, session_id=sid)
+        self.undolog.engine.look_up_session(sid, agent_id=self.agent_id, minted=minted)
         with self._lock:
             if len(self._ensured) >= self.undolog.engine.max_sessions:
                 # A kickoff is a session: bounded like the engine's records. A session forgotten here is looked up
@@ -301,15 +361,21 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
             >>> with tools.session("ticket-42") as sid:          # doctest: +SKIP
             ...     crew.kickoff()
         """
-        sid = session_id or self.fixed_session_id or str(uuid.uuid4())
-        self._ensure(sid)
+        sid = session_id or self.fixed_session_id
+        if sid is None:
+            sid = str(uuid.uuid4())
+            self._ensure(sid, minted=True)
+        else:
+            self._ensure(sid)
+        # The after-hook only rewrites the text of a call the gate refused: it joins this dict when one is (_refuse).
+        hooks: dict[InterceptionPoint, list[Callable[[Any], Any]]] = {InterceptionPoint.PRE_TOOL_CALL: [self.before_hook]}
         token = _kickoff_session.set(sid)
+        hooks_token = _kickoff_hooks.set(hooks)
         try:
-            with scoped_hooks():
-                register_scoped(InterceptionPoint.PRE_TOOL_CALL, self.before_hook)
-                register_scoped(InterceptionPoint.POST_TOOL_CALL, self.after_hook)
+            with scoped_hooks(hooks):
                 yield sid
         finally:
+            _kickoff_hooks.reset(hooks_token)
             _kickoff_session.reset(token)
             self.last_session_id = sid
 
@@ -339,26 +405,34 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
     def before_hook(self, ctx: Any) -> Any:
         """Fail-closed before-tool-call hook: refuses unwrapped tools, then runs the user's hooks."""
         try:
-            name = _sanitize(str(ctx.tool_name))
-            wrapped = {_sanitize(t.name) for t in self}
-            if name not in wrapped and name not in self.allow_unwrapped:
+            if _sanitize(str(ctx.tool_name)) not in self._gated:
                 reason = (f"UndoLog refused tool {ctx.tool_name!r}: it has no UndoLog tier "
                           "(wrap it with undolog_adapters.crewai.wrap_tools)")
-                self._blocked[id(ctx.tool_input)] = reason
+                self._refuse(ctx, reason)
                 raise HookAborted(reason, source="undolog")
             for hook in self.user_hooks:
                 try:
                     if hook(ctx) is False:
-                        self._blocked[id(ctx.tool_input)] = f"UndoLog policy hook refused {ctx.tool_name!r}"
+                        self._refuse(ctx, f"UndoLog policy hook refused {ctx.tool_name!r}")
                         return False
                 except HookAborted as exc:
-                    self._blocked[id(ctx.tool_input)] = f"refused by policy: {exc.reason}"
+                    self._refuse(ctx, f"refused by policy: {exc.reason}")
                     raise
             return None
         except HookAborted:
             raise
         except Exception as exc:
             raise HookAborted(f"UndoLog gate failed ({exc!r}); the call was refused", source="undolog") from exc
+
+    def _refuse(self, ctx: Any, reason: str) -> None:
+        """Keep the reason for the after-hook, and scope the after-hook to the kickoff if it is not there yet."""
+        self._blocked[id(ctx.tool_input)] = reason
+        hooks = _kickoff_hooks.get()
+        if hooks is not None:
+            with self._lock:  # two parallel calls refused at once add it once
+                after = hooks.setdefault(InterceptionPoint.POST_TOOL_CALL, [])
+                if self.after_hook not in after:
+                    after.append(self.after_hook)
 
     def after_hook(self, ctx: Any) -> Any:
         """Turns CrewAI's bare "blocked by hook" text into the reason the agent should read."""
@@ -380,6 +454,8 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
         args = to_jsonable_python(kwargs)
         try:
             sid = self._resolve_session()
+            if tool.tier is not ToolTier.SAFE:
+                self._start(sid)
             call_id = self._call_id(sid, tool, args)
             decision = ul.driver.decide(sid, name, args, call_id=call_id)
             deadline = time.monotonic() + self.wait_for_approval
@@ -406,6 +482,18 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
         text = failure_text(name, f"{type(failed).__name__}: {failed}",
                             rollback_outcome(outcome.rollback, sid, decision.effect_id))
         return _failure(text, "tool_failed", exception=True)
+
+    def _start(self, sid: str) -> None:
+        """Write the session's row before its first logged call, if the store does not have it yet.
+
+        Not fsynced where the database allows it (SQLite's WAL): the pre-write that follows at once, before the tool
+        runs, is a durable commit and makes the row durable with it; until then nothing in the store refers to the
+        row. As the Semantic Kernel filter does; the engine's own fallback would read the session again and fsync
+        the insert.
+        """
+        sc = self.undolog.engine.cached(sid)
+        if sc is None or not sc.persisted:
+            self.undolog.engine.ensure_session(sid, agent_id=self.agent_id, fresh=True, durable=False)
 
     def _call_id(self, sid: str, tool: UndoLogTool, args: dict[str, Any]) -> str:
         if tool.tier is ToolTier.IRREVERSIBLE:

@@ -707,7 +707,8 @@ class Engine:
             "pinned_revisions": self.current_pins(), "created_at": now, "updated_at": now,
         }
 
-    def look_up_session(self, session_id: str, *, agent_id: str | None = None, wait: bool = True) -> SessionCache:
+    def look_up_session(self, session_id: str, *, agent_id: str | None = None, wait: bool = True,
+                        minted: bool = False) -> SessionCache:
         """This process's record of the session, without writing: read once from the store (its state and pins)
         when this process does not know it yet; a session the store does not have is recorded in memory only, and
         written (with ``agent_id``) by its first logged call, or by the flush of its SAFE calls' count.
@@ -715,6 +716,8 @@ class Engine:
         What a framework adapter calls when it first sees a session: a session it resumes keeps its pins (a SAFE
         call of a changed contract is refused) and state, and a run of SAFE calls only writes nothing.
         ``wait=False`` raises ``WouldBlock`` when the read would wait for a connection (an event loop).
+        ``minted=True``: the caller has just minted the id (a random UUID), so the store cannot have it: nothing is
+        read (the read was a statement, most of what a short SAFE run in a new session cost).
 
         Example:
             >>> sc = undolog.engine.look_up_session("chat-42", agent_id="semantic-kernel")
@@ -727,9 +730,10 @@ class Engine:
         check_id("session_id", session_id)
         if agent_id is not None:
             check_identity("agent_id", agent_id)
-        row = self.hot.read_session(session_id, wait=wait)
-        if row is not None:
-            return self.remember(row, write=wait)
+        if not minted:
+            row = self.hot.read_session(session_id, wait=wait)
+            if row is not None:
+                return self.remember(row, write=wait)
         sc = self._new_record(session_id, write=wait)
         if sc.agent_id is None:
             sc.agent_id = agent_id

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import importlib
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from crewai import Agent, Crew, Task
-from crewai.hooks import clear_all_global_hooks
+from crewai.hooks import InterceptionPoint, clear_all_global_hooks
 from crewai.tools import tool
 
 from examples.crewai_support_crew import support
@@ -307,6 +308,52 @@ def test_unwrapped_tool_is_refused_by_the_gate(undolog, native):
     assert "no UndoLog tier" in llm.observations[0]
 
 
+@pytest.fixture
+def tool_hook_points(monkeypatch):
+    """The tool-call hook points CrewAI dispatches, in order: it emits an event for each one (a pydantic model, an
+    entry in its event record, a hop to its handler thread), about as much as UndoLog's whole SAFE call."""
+    dispatch = importlib.import_module("crewai.hooks.dispatch")  # the package's ``dispatch`` is its function
+    points = []
+    emit = dispatch._emit_telemetry
+
+    def counted(point, *args):
+        if point in (InterceptionPoint.PRE_TOOL_CALL, InterceptionPoint.POST_TOOL_CALL):
+            points.append(point.value)
+        return emit(point, *args)
+
+    monkeypatch.setattr(dispatch, "_emit_telemetry", counted)
+    return points
+
+
+@PATHS
+def test_a_kickoff_that_refuses_nothing_dispatches_only_the_gate(undolog, backend, native, tool_hook_points):
+    """The after-hook only rewrites a refused call's text; it joins the kickoff's hooks when the gate refuses one.
+    Failed before: every call dispatched both points."""
+    tools = toolset(undolog)
+    _, seen = kickoff(tools, [SEARCH, REFUND_U1], native=native)
+    assert "msg-1" in seen[1]
+    assert tool_hook_points == ["pre_tool_call", "pre_tool_call"]
+
+
+@PATHS
+def test_the_after_hook_joins_the_kickoff_at_its_first_refusal(undolog, native, tool_hook_points):
+    @tool("wire_money")
+    def wire_money(amount: int) -> str:
+        """Wire money."""
+        return "wired"
+
+    tools = toolset(undolog)
+    steps = [SEARCH, {"tool": "wire_money", "args": {"amount": 5}}, {"tool": "wire_money", "args": {"amount": 6}}]
+    llm = ScriptedLLM(model="scripted", steps=steps, native=native)
+    agent = Agent(role="a", goal="g", backstory="b", llm=llm, tools=[*tools, wire_money], max_iter=5)
+    tools.kickoff(Crew(agents=[agent], tasks=[Task(description="d", expected_output="e", agent=agent)]))
+    assert ["no UndoLog tier" in o for o in llm.observations] == [False, True, True]
+    assert tool_hook_points == ["pre_tool_call", "pre_tool_call", "post_tool_call", "pre_tool_call", "post_tool_call"]
+    del tool_hook_points[:]
+    kickoff(tools, [SEARCH], native=native)  # the next kickoff starts without it again
+    assert tool_hook_points == ["pre_tool_call"]
+
+
 def test_gate_hooks_are_scoped_to_the_kickoff(undolog):
     ran = []
 
@@ -341,3 +388,123 @@ def test_demo_runs_offline_both_ways(db, capsys):
             ul.close()
     out = capsys.readouterr().out
     assert "ana approved" in out and "ana rejected" in out
+
+
+
+@pytest.fixture
+def store_traffic(undolog, monkeypatch):
+    """Every connection taken from the hot path's pools ("durable"/"fast") and every statement run through the
+    store's SQLAlchemy engines ("sql"), once the test starts recording (``traffic.on()``)."""
+    from sqlalchemy import event
+
+    class Traffic(list):
+        def on(self):
+            self.clear()
+            self.recording = True
+
+    seen = Traffic()
+    seen.recording = False
+    hot, store = undolog.engine.hot, undolog.engine.store
+    for pool, name in ((hot.durable, "durable"), (hot.fast, "fast")):
+        real = pool.checkout
+
+        def checkout(*, wait=True, real=real, name=name):
+            if seen.recording:
+                seen.append(name)
+            return real(wait=wait)
+
+        monkeypatch.setattr(pool, "checkout", checkout)
+
+    def count(conn, cursor, statement, *args):
+        if seen.recording:
+            seen.append("sql")
+
+    engines = {store.engine, store.fast}
+    for engine in engines:
+        event.listen(engine, "before_cursor_execute", count)
+    yield seen
+    for engine in engines:
+        event.remove(engine, "before_cursor_execute", count)
+
+
+@PATHS
+def test_a_kickoff_of_safe_calls_reads_its_new_session_once_and_writes_nothing(undolog, native, store_traffic):
+    """A session's first kickoff reads it (its state and pins) and writes nothing when its calls are all SAFE; its
+    row is written by its first logged call, or with the SAFE calls' count. Failed before: the kickoff's start
+    inserted the row with an fsync, several times what UndoLog adds to the calls of a SAFE kickoff."""
+    tools = toolset(undolog)
+    again = {"tool": "search_knowledge_base", "args": {"query": "refund time"}}
+    crew = build_crew(tools, [SEARCH, again], native=native)
+    store_traffic.on()
+    run = tools.kickoff(crew, session_id="ticket-safe")
+    assert len(crew.agents[0].llm.observations) == 2
+    assert store_traffic == ["durable"]
+    store_traffic.on()
+    tools.kickoff(build_crew(tools, [SEARCH], native=native), session_id="ticket-safe")
+    assert store_traffic == []
+    assert run.pending_approvals == []
+    undolog.engine.flush_counts()
+    assert undolog.sessions.get("ticket-safe").tool_calls_total == 3
+
+
+@PATHS
+def test_a_kickoff_of_safe_calls_in_a_session_it_mints_asks_the_store_nothing(undolog, native, store_traffic):
+    """``tools.kickoff(crew)`` mints its session's id: the store cannot have it, so it is not even read. Failed
+    before: the kickoff's start read the id and inserted the row with an fsync."""
+    tools = toolset(undolog)
+    crew = build_crew(tools, [SEARCH], native=native)
+    store_traffic.on()
+    run = tools.kickoff(crew)
+    assert "Refunds are confirmed by email" in crew.agents[0].llm.observations[0]
+    assert store_traffic == []
+    _, seen = kickoff(tools, [REFUND_U1], native=native, session_id=run.session_id)  # known here: no read either
+    assert "msg-1" in seen[0]
+    assert "durable" in store_traffic
+    undolog.engine.flush_counts()
+    row = undolog.sessions.get(run.session_id)
+    assert (row.agent_id, row.tool_calls_total) == ("crewai", 2)
+
+
+@PATHS
+def test_a_sessions_first_logged_call_writes_its_row_first(undolog, backend, native):
+    """The row of a session first seen in a kickoff of SAFE calls is written by its first COMPENSABLE call, with the
+    toolset's agent id and the SAFE calls' count, before the tool runs."""
+    tools = toolset(undolog)
+    kickoff(tools, [SEARCH], native=native, session_id="ticket-comp")
+    _, seen = kickoff(tools, [SEARCH, REFUND_U1], native=native, session_id="ticket-comp")
+    assert "msg-1" in seen[1]
+    row = undolog.sessions.get("ticket-comp")
+    assert (row.state, row.agent_id) == ("active", "crewai")
+    assert [s.tool_name for s in undolog.rollback("ticket-comp").steps] == ["send_refund_email"]
+    undolog.engine.flush_counts()
+    assert undolog.sessions.get("ticket-comp").tool_calls_total == 3
+
+
+@PATHS
+def test_a_tool_added_to_the_toolset_later_is_gated_by_its_tier(undolog, backend, native):
+    """The gate's names are built once, not per call: a wrapped tool appended afterwards still passes (it failed while
+    the names were frozen at wrap time), and a plain CrewAI tool put into the list is refused (before the names were
+    built once, any name in the list passed, so that tool ran without a tier)."""
+    looked_up, wired = [], []
+
+    @tool("lookup_order")
+    def lookup_order(order_id: str) -> str:
+        """Look an order up."""
+        looked_up.append(order_id)
+        return f"order {order_id}: shipped"
+
+    @tool("wire_money")
+    def wire_money(amount: int) -> str:
+        """Wire money."""
+        wired.append(amount)
+        return "wired"
+
+    tools = toolset(undolog)
+    tools.append(wrap_tools([lookup_order], undolog=undolog, tiers={"lookup_order": "safe"})[0])
+    tools += [wire_money]
+    _, seen = kickoff(tools, [{"tool": "lookup_order", "args": {"order_id": "o-9"}},
+                              {"tool": "wire_money", "args": {"amount": 5}}], native=native)
+    assert looked_up == ["o-9"] and seen[0].startswith("order o-9: shipped")
+    assert wired == [] and "no UndoLog tier" in seen[1]
+    del tools[-1]
+    assert "wire_money" not in tools._gated and "lookup_order" in tools._gated
