@@ -110,6 +110,133 @@ def test_the_thread_checkpoints_and_the_wal_stays_near_its_threshold(tmp_path: P
         u.close()
 
 
+# The WAL's longest length allowed under writers that never pause. What it takes to start the WAL over from
+# SOFT_PAGES: the thread's next look (POLL_MIN, 50 ms), its checkpoint of those pages (10-30 ms with the fsync of the
+# database file), the catch-up under the write lock (LOCK_WAIT at most), and the next writer's commit. A tight loop
+# appends some 3-7 frames per millisecond here (one pre-write and one mark, each fsynced), so a few hundred frames
+# past SOFT_PAGES (1,300-1,700 measured); four times SOFT_PAGES leaves room for a thread kept off the CPU for some
+# 300 ms by a loaded 2-core machine, and is still well below HARD_PAGES, which the WAL reached before (the callers'
+# safeguard was the only thing that started it over: 10,000 frames).
+NONSTOP_BOUND = 4 * checkpoint.SOFT_PAGES
+# Frames the loops append: three times the bound, so that a WAL under the bound has started over at least three times.
+NONSTOP_FRAMES = 3 * NONSTOP_BOUND
+
+
+class _WalSeen:
+    """The WAL's length as a writer sees it after each of its commits: the longest, and how often it started over."""
+
+    def __init__(self) -> None:
+        self.longest = self.starts = self.appended = self.last = 0
+
+    def saw(self, length: int) -> None:
+        self.starts += length < self.last
+        self.appended += length - self.last if length >= self.last else length
+        self.longest, self.last = max(self.longest, length), length
+
+
+def _nonstop_pairs(u: UndoLog, index: _WalIndex, sid: str, seen: _WalSeen, enough: Any) -> None:
+    """Durable pre-write and commit mark pairs on the hot path, one right after the other, until ``enough()``."""
+    hot = u.engine.hot
+    spec = u.tool_spec("wal_book")
+    now = time.time()
+    i = 0
+    while not enough():
+        eid = f"{sid}-{i}"
+        assert hot.prewrite(sid, 0, eid, eid, spec.name, spec.revision, '{"slot":"x"}', "d" * 64, u.engine.owner,
+                            now, now + 60, "wal_unbook", 1)
+        seen.saw(_frames(index))
+        assert hot.mark(eid, '"r"', now, fast=False)
+        seen.saw(_frames(index))
+        i += 1
+        assert i < 20 * NONSTOP_FRAMES  # a pair appends a few frames: never this many pairs
+
+
+@pytest.mark.parametrize("threads", [1, 4], ids=["one_writer", "four_writers_group_commit"])
+def test_the_wal_starts_over_under_writers_that_never_pause(tmp_path: Path, threads: int) -> None:
+    """Durable hot-path writes with no gap between them (one thread in a tight loop, or four at once through the
+    group commit): each checkpoint of the thread alone is outrun by the frames appended while it copies, so before
+    the catch-up under the write lock the WAL grew to HARD_PAGES (10,000 frames: a 40 MB file, each commit fsyncing
+    a growing file) and started over only in a caller's commit. Now it starts over near SOFT_PAGES, again and
+    again, and no caller checkpoints."""
+    u = _open(tmp_path / "w.db", False)
+    try:
+        hot = u.engine.hot
+        assert hot.checkpointer is not None
+        _wait_for(lambda: hot.checkpointer.state is CheckpointerState.WATCHING, "the checkpointer to watch the file")
+        for t in range(threads):
+            u.session(agent_id="wal", session_id=f"w{t}")
+        indexes = [_index(u) for _ in range(threads)]
+        seen = [_WalSeen() for _ in range(threads)]
+        errors: list[BaseException] = []
+
+        def enough() -> bool:
+            # Each writer sees every writer's frames (the WAL's length after each of its own commits).
+            return max(s.appended for s in seen) >= NONSTOP_FRAMES or bool(errors)
+
+        def writer(t: int) -> None:
+            try:
+                _nonstop_pairs(u, indexes[t], f"w{t}", seen[t], enough)
+            except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
+                errors.append(exc)
+
+        workers = [threading.Thread(target=writer, args=(t,)) for t in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(300)
+        for index in indexes:
+            index.close()
+        assert not errors, errors
+        longest = max(s.longest for s in seen)
+        assert longest < NONSTOP_BOUND, (longest, [s.starts for s in seen])
+        assert sum(s.starts for s in seen) >= 1  # implied by the bound and the frames appended; said outright
+        assert hot.checkpointer.catch_ups >= 1
+        if threads > 1:
+            assert hot.group.largest >= 2  # the writes went through the group commit, several in one transaction
+    finally:
+        u.close()
+
+
+def test_the_catch_up_lets_go_of_the_write_lock_when_its_checkpoint_fails(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A catch-up whose checkpoint raises (the thread stops: the callers' safeguard takes over) leaves the write lock
+    free: this process's writers go on."""
+    import sqlite3
+
+    from undolog_core.storage.base import WriteLock
+
+    path = str(tmp_path / "c.db")
+    c = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    c.execute("PRAGMA journal_mode=WAL")
+    c.execute("PRAGMA wal_autocheckpoint=0")
+    c.execute("CREATE TABLE x (b BLOB)")
+    for _ in range(20):
+        c.execute("INSERT INTO x VALUES (randomblob(6000))")
+    real = WalCheckpointer._checkpoint
+    lock = WriteLock()
+    under_lock: list[bool] = []
+
+    def failing(self: WalCheckpointer, conn: Any) -> bool:
+        if lock._lock._is_owned():
+            under_lock.append(True)
+            raise RuntimeError("the catch-up's checkpoint failed")
+        real(self, conn)
+        c.execute("INSERT INTO x VALUES (randomblob(6000))")  # a writer outran it: frames left to copy
+        return True
+
+    monkeypatch.setattr(WalCheckpointer, "_checkpoint", failing)
+    cp = WalCheckpointer(lambda: sqlite3.connect(path, check_same_thread=False), write_lock=lock, soft_pages=10,
+                         poll_min=0.01, poll_max=0.02)
+    try:
+        _wait_for(lambda: cp.state is CheckpointerState.STOPPED, "the thread to stop on the failure")
+        assert under_lock == [True]
+        assert lock.acquire(blocking=False)
+        lock.release()
+    finally:
+        cp.close()
+        c.close()
+
+
 @pytest.mark.parametrize("fast", [False, True], ids=["durable", "fast_commit_mark"])
 def test_callers_checkpoint_only_past_the_hard_limit(tmp_path: Path, fast: bool) -> None:
     """With the thread stopped: the WAL grows past SQLite's default threshold (no caller checkpointed at 1,000

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 from undolog_core.storage.base import WriteLock
 
@@ -69,3 +70,51 @@ def test_an_ordinary_writer_that_cannot_wait_steps_aside_for_a_waiting_urgent_on
     t.join(5)
     assert lock.acquire(blocking=False) is True
     lock.release()
+
+
+def test_acquire_within_gives_up_rather_than_wait_long_or_ahead_of_an_urgent_writer() -> None:
+    """What the WAL checkpointer takes the lock with (checkpoint.py): False while another thread holds it past the
+    timeout, False at once while an urgent writer waits, and a re-entry for the thread that holds it."""
+    lock = WriteLock()
+    held, release = threading.Event(), threading.Event()
+
+    def holder(urgent: bool) -> None:
+        with lock.held(urgent=urgent):
+            held.set()
+            release.wait(5)
+
+    t = threading.Thread(target=holder, args=(False,))
+    t.start()
+    assert held.wait(5)
+    assert lock.acquire_within(0.01) is False
+    release.set()
+    t.join(5)
+    assert lock.acquire_within(1.0) is True
+    assert lock.acquire_within(0.0) is True  # re-entered by its holder
+    lock.release()
+    lock.release()
+    # An urgent writer waiting for the lock (held here): another thread's acquire_within steps aside at once.
+    held.clear()
+    release.clear()
+    lock.acquire()
+    waiting = threading.Thread(target=holder, args=(True,))
+    waiting.start()
+    _wait_until(lambda: lock._urgent == 1)
+    got: list[bool] = []
+    other = threading.Thread(target=lambda: got.append(lock.acquire_within(60.0)))
+    other.start()
+    other.join(30)
+    assert got == [False]  # at once: not after the 60 s it would wait for a holder
+    lock.release()
+    assert held.wait(5)
+    release.set()
+    waiting.join(5)
+    assert lock.acquire_within(0.0) is True
+    lock.release()
+
+
+def _wait_until(cond: Any) -> None:
+    deadline = time.monotonic() + 10
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)

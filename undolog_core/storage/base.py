@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -251,6 +252,35 @@ class WriteLock:
                     return True
                 lock.release()  # an urgent writer came while this one waited: it goes first
 
+        finally:
+            self._turnstile.release()
+
+    def acquire_within(self, timeout: float) -> bool:
+        """Take the lock as an ordinary writer does (through the turnstile), or give up (False): after ``timeout``
+        seconds, or at once when an urgent writer waits. For work that may skip its turn (the WAL checkpointer's,
+        ``checkpoint.py``): it never waits longer than asked, and never ahead of a person's decision. A thread that
+        holds the lock already re-enters at once.
+
+        Example:
+            >>> if lock.acquire_within(0.05):
+            ...     try:
+            ...         ...  # a short piece of work with this process's writers held back
+            ...     finally:
+            ...         lock.release()
+        """
+        lock = self._lock
+        if lock._is_owned():  # type: ignore[attr-defined]  # the C RLock's method, as Condition uses
+            return lock.acquire()
+        deadline = time.monotonic() + timeout
+        if not self._turnstile.acquire(True, timeout):
+            return False
+        try:
+            if self._urgent or not lock.acquire(True, max(0.0, deadline - time.monotonic())):
+                return False
+            if self._urgent:  # an urgent writer came while this one waited: it goes first
+                lock.release()
+                return False
+            return True
         finally:
             self._turnstile.release()
 

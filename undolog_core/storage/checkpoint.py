@@ -11,17 +11,27 @@ only past :data:`HARD_PAGES` (the safeguard), and a daemon thread runs a PASSIVE
 What does not change: durability. A commit is durable when its WAL frames are fsynced (``synchronous=FULL``),
 before the caller's statement returns, whoever checkpoints later; a checkpoint is SQLite's own crash-safe copy (it
 fsyncs the WAL before copying and the database file before the WAL may be reused), run on a connection of the
-durable engine (``synchronous=FULL``) whichever mode the caller writes in. A PASSIVE checkpoint never waits for and
-never blocks a writer or a reader, in this process or another: several processes on one file each run a
-checkpointer, and one that finds another's checkpoint running skips its turn (SQLite answers busy at once).
+durable engine (``synchronous=FULL``) whichever mode the caller writes in. A PASSIVE checkpoint never waits for
+and never blocks a writer or a reader on SQLite's locks, in this process or another: several processes on one file
+each run a checkpointer, and one that finds another's checkpoint running skips its turn (SQLite answers busy at
+once). The one wait it may cause is this process's writers' on the in-process write lock, below.
 
 Why the WAL stays bounded: the thread checkpoints while the WAL is at least :data:`SOFT_PAGES` long and not all
-copied, every :data:`POLL_MIN` seconds; the next writer that finds it all copied starts it over. A writer that never
-pauses (no gap between two commits for a checkpoint to finish in) can keep it from starting over: then the committing
-caller checkpoints itself at :data:`HARD_PAGES` (``wal_autocheckpoint``), as SQLite always does, which finishes
-before that caller's next write. If the thread cannot run at all (it is stopped, or the file is not in WAL mode yet)
-the same safeguard holds. Nothing here truncates the file: a WAL rewritten in place is fsynced faster than a
-growing one (no file-size change to journal).
+copied, every :data:`POLL_MIN` seconds; SQLite starts the WAL over when a writer begins a transaction and finds every
+frame copied (nBackfill == mxFrame) and no reader on the WAL. A writer that never pauses (a tight loop of durable
+commits, or threads committing one after the other) appends frames while each checkpoint copies, so the copy never
+catches up on its own (it used to grow to :data:`HARD_PAGES`). So when a checkpoint leaves frames behind, the thread
+runs one more PASSIVE checkpoint while it holds this process's write lock (``WriteLock``, which every writer of the
+hot path and of the store takes): only the frames appended meanwhile are left to copy (a short hold: their copy and
+the fsync of the database file), and the next writer finds the WAL all copied and starts it over. The lock is taken
+within :data:`LOCK_WAIT` seconds or not at all, never ahead of an urgent writer, while the thread holds nothing a
+writer waits for, and it is released on every path; a writer waits for it as for another writer's commit, and the
+copying stays off the writers' commits. Other processes' writers are not held back: if they append meanwhile, or a
+reader still reads the WAL, that turn does not start it over and a later one does. Whatever still outruns the
+thread (other processes writing without a pause), and a thread that cannot run at all (it is stopped, or the file is
+not in WAL mode yet), meet the safeguard: the committing caller checkpoints itself at :data:`HARD_PAGES`
+(``wal_autocheckpoint``), as SQLite always does, which finishes before that caller's next write. Nothing here
+truncates the file: a WAL rewritten in place is fsynced faster than a growing one (no file-size change to journal).
 
     >>> cp = WalCheckpointer(connect)   # doctest: +SKIP - a callable opening a connection to the file
     >>> cp.close()                      # doctest: +SKIP - stops and joins the thread, closes its connection
@@ -49,6 +59,8 @@ HARD_PAGES = 10 * SOFT_PAGES
 #: WAL does not change (the wait doubles from one to the other).
 POLL_MIN = 0.05
 POLL_MAX = 1.0
+#: How long the thread waits for this process's write lock to catch up with writers (seconds) before it skips the turn.
+LOCK_WAIT = 0.05
 
 # The wal-index (https://www.sqlite.org/walformat.html), mapped from the ``-shm`` file: two copies of a 48-byte
 # header (equal unless a commit is writing them), mxFrame (the WAL's length in frames, one page each) at offset 16
@@ -99,23 +111,28 @@ class WalCheckpointer:
 
     ``connect`` opens a connection to the file (the thread's own, closed on :meth:`close`); it is called from the
     thread, again after a failure, so a file that is not in WAL mode yet (or not created yet) is simply waited for.
-    ``checkpoints`` counts the checkpoints this thread ran (one that found another's running is not counted).
+    ``write_lock`` is the process's SQLite writer lock (``WriteLock``), held for a checkpoint that catches up with
+    writers that never pause (see the module's docstring); without it the thread never holds writers back.
+    ``checkpoints`` counts the checkpoints this thread ran (one that found another's running is not counted),
+    ``catch_ups`` those of them run holding the write lock.
 
     >>> cp = WalCheckpointer(lambda: sqlite3.connect(path, check_same_thread=False))  # doctest: +SKIP
     >>> cp.close()  # doctest: +SKIP
     """
 
-    def __init__(self, connect: Callable[[], Any], *, soft_pages: int | None = None,
+    def __init__(self, connect: Callable[[], Any], *, write_lock: Any = None, soft_pages: int | None = None,
                  poll_min: float = POLL_MIN, poll_max: float = POLL_MAX) -> None:
         soft_pages = SOFT_PAGES if soft_pages is None else soft_pages
         if soft_pages < 1 or not 0 < poll_min <= poll_max:
             raise ValueError(f"bad checkpointer settings: soft_pages={soft_pages}, poll {poll_min}-{poll_max} s")
         self._connect = connect
+        self._write_lock = write_lock
         self.soft_pages = soft_pages
         self._poll_min, self._poll_max = poll_min, poll_max
         self._stop = threading.Event()
         self.state = CheckpointerState.WAITING
         self.checkpoints = 0
+        self.catch_ups = 0
         self._thread = threading.Thread(target=self._run, name="undolog-wal-checkpointer", daemon=True)
         self._thread.start()
 
@@ -145,8 +162,8 @@ class WalCheckpointer:
                     wait = self._poll_min
                     continue
                 length, copied = frames
-                if length >= self.soft_pages and copied < length:
-                    self._checkpoint(conn)
+                if length >= self.soft_pages and copied < length and self._checkpoint(conn):
+                    self._catch_up(conn, index)
                 # While the WAL grows, look often (it may pass the threshold); while it rests, less and less.
                 wait = self._poll_min if length != last else min(wait * 2, self._poll_max)
                 last = length
@@ -182,12 +199,32 @@ class WalCheckpointer:
         self.state = CheckpointerState.WATCHING
         return conn, index
 
-    def _checkpoint(self, conn: Any) -> None:
-        # PASSIVE: copies what it can without waiting for anyone; busy (1) when another checkpoint is running.
+    def _checkpoint(self, conn: Any) -> bool:
+        """One PASSIVE checkpoint: copies what it can without waiting for anyone. Whether it ran (not when another
+        checkpoint was running: SQLite answers busy at once; nor when it failed)."""
         try:
             busy, _log, _copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
         except sqlite3.OperationalError as exc:  # e.g. the file being recovered by another process: next turn
             log.debug("a WAL checkpoint did not run: %s", exc)
+            return False
+        if busy:
+            return False
+        self.checkpoints += 1
+        return True
+
+    def _catch_up(self, conn: Any, index: _WalIndex) -> None:
+        """After a checkpoint that writers outran (frames appended while it copied), one more holding this process's
+        write lock: the next writer then finds every frame copied and starts the WAL over. Skipped when the WAL is
+        all copied already, or when the lock is not free within ``LOCK_WAIT`` (next turn)."""
+        lock = self._write_lock
+        frames = index.frames()  # None: a commit is writing the header, so frames were appended
+        if lock is None or (frames is not None and frames[1] >= frames[0]):
             return
-        if not busy:
-            self.checkpoints += 1
+        if not lock.acquire_within(LOCK_WAIT):
+            return
+        try:
+            frames = index.frames()  # no writer of this process appends now; another process's may
+            if (frames is None or frames[1] < frames[0]) and self._checkpoint(conn):
+                self.catch_ups += 1
+        finally:
+            lock.release()

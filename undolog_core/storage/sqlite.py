@@ -178,7 +178,8 @@ class SQLiteHotPath(HotPath):
         self._own: dict[bytes, bytes] = {}
         # WAL checkpoints in a thread of their own, not inside a caller's commit (see checkpoint.py); none for an
         # in-memory database, which has no WAL.
-        self.checkpointer = WalCheckpointer(self._checkpointer_connection) if _on_file(store.engine) else None
+        self.checkpointer = (WalCheckpointer(self._checkpointer_connection, write_lock=self.write_lock)
+                             if _on_file(store.engine) else None)
 
     def _checkpointer_connection(self) -> Any:
         # The durable engine's (synchronous=FULL: a checkpoint fsyncs the WAL before copying it and the file
