@@ -805,10 +805,8 @@ async def test_a_call_a_safe_function_makes_through_the_kernel_is_its_own(ul):
     assert results(history) == ["order outer: shipped"] and outcomes == ["ArgumentsInvalid"]
 
 
-async def test_a_routed_safe_call_runs_four_undolog_frames_and_a_dozen_builtin_calls(ul):
-    """What a SAFE call under auto function calling costs UndoLog, counted (not timed): the two filters, the contract's
-    as-is check and the engine's count; no frame of the driver in between, no filter list read (the inner filter's
-    ``next`` is the function's own method), no key view or items loop over the arguments."""
+def _safe_shop_kernel(ul):
+    """A kernel with one SAFE function (``shop-lookup_order``) and UndoLog's filters installed: the frame counts'."""
 
     class Shop:
         @kernel_function(name="lookup_order", description="Look an order up.")
@@ -819,6 +817,15 @@ async def test_a_routed_safe_call_runs_four_undolog_frames_and_a_dozen_builtin_c
     kernel = Kernel()
     kernel.add_plugin(Shop(), plugin_name="shop")
     install(kernel, ul)
+    return kernel
+
+
+async def test_a_routed_safe_call_runs_four_undolog_frames_and_a_dozen_builtin_calls(ul):
+    """What a SAFE call under auto function calling costs UndoLog, counted (not timed): the two filters, the contract's
+    as-is check and the engine's count; no frame of the driver in between, no filter list read (the inner filter's
+    ``next`` is the function's own method), no key view or items loop over the arguments."""
+
+    kernel = _safe_shop_kernel(ul)
     history = ChatHistory()
     ours = (f"{os.sep}undolog_core", f"{os.sep}undolog_adapters")
     frames: list[str] = []
@@ -856,15 +863,7 @@ async def test_a_new_conversations_first_safe_call_reads_its_session_in_few_undo
     frame for the record's ring of recent calls (a lambda default factory before) nor for the ASCII agent id's
     encoding check (``encodes`` before)."""
 
-    class Shop:
-        @kernel_function(name="lookup_order", description="Look an order up.")
-        @undolog_tool(tier=ToolTier.SAFE)
-        def lookup_order(self, order_id: str) -> str:
-            return f"order {order_id}: shipped"
-
-    kernel = Kernel()
-    kernel.add_plugin(Shop(), plugin_name="shop")
-    install(kernel, ul)
+    kernel = _safe_shop_kernel(ul)
     ours = (f"{os.sep}undolog_core", f"{os.sep}undolog_adapters")
     frames: list[str] = []
 
