@@ -7,11 +7,11 @@ from typing import Any
 
 import jsonschema
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from undolog_core._tools import _model_from_json_schema, as_is_checker, simple_checker
-from undolog_core.errors import ArgumentsInvalid
+from undolog_core.errors import ArgumentsInvalid, InvalidDeclaration
 
 SCHEMAS: list[dict[str, Any]] = [
     {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}, "required": ["n"]},
@@ -57,12 +57,21 @@ SCHEMAS_AS_IS = [*SCHEMAS, {"type": "object", "properties": {"n": {"type": "inte
 
 @settings(max_examples=300, deadline=None)
 @given(args=args)
+@example(args={"s": "x"})  # the one draw that meets the invalid schema's model: failed now and then in CI before
 def test_as_is_only_where_the_model_gives_the_arguments_back_unchanged(args: dict[str, Any]) -> None:
     for schema in SCHEMAS_AS_IS:
         as_is = as_is_checker(schema)
         assert as_is is not None
         if as_is(args):
             assert jsonschema.Draft202012Validator(schema).is_valid(args), (schema, args)
+            try:
+                jsonschema.Draft202012Validator.check_schema(schema)
+            except jsonschema.SchemaError:
+                # Not a valid JSON Schema (a "required" name twice): registration refuses it, naming what is wrong,
+                # so the as-is path never meets it. (Reached only when hypothesis draws exactly {"s": <str>}.)
+                with pytest.raises(InvalidDeclaration, match="non-unique"):
+                    _model_from_json_schema("t", schema)
+                continue
             model = _model_from_json_schema("t", schema)
             values = model.__pydantic_validator__.validate_python(args).model_dump(exclude_unset=True)
             assert values == args and {k: type(v) for k, v in values.items()} == {k: type(v) for k, v in args.items()}
