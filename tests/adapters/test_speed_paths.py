@@ -659,23 +659,29 @@ def _counting_hooks(mw: Any, frames: list[str], on: list[bool], *, everything: b
         setattr(mw, name, hook)
 
 
+def _third_turn_frames(undolog: Any, text: str, *, everything: bool = False) -> tuple[Any, list[str], Any]:
+    """A thread's third turn asking ``text`` (the session known, the tool warm): its result, the Python frames counted
+    under UndoLog's hooks (``_counting_hooks``), and the thread's config."""
+    tools = [sp_book, sp_look]
+    mw = UndoLogMiddleware(undolog, tools=tools, compensations=[sp_unbook])
+    frames: list[str] = []
+    on = [False]
+    _counting_hooks(mw, frames, on, everything=everything)
+    graph = create_agent(ScriptedChatModel(scripts=SCRIPTS), tools, checkpointer=InMemorySaver(), middleware=[mw])
+    c = _cfg()
+    for _ in range(2):
+        graph.invoke(_user(text), c)
+    on[0] = True
+    return graph.invoke(_user(text), c), frames, c
+
+
 @pytest.mark.sqlite_only
 def test_a_later_safe_turn_runs_few_python_frames_of_undologs_own(undolog: Any) -> None:
     """A later SAFE turn of a thread (its session known, nothing committed since: no statement) runs UndoLog's hooks
     with the fewest Python frames: inside an agent step each costs 1-3 us (its code and data are cold), and they
     were most of what UndoLog added above a pass-through middleware with the same hooks. Counted, not timed: the
     frames of undolog_core and undolog_adapters code under the two model calls' and the tool call's hooks."""
-    tools = [sp_book, sp_look]
-    mw = UndoLogMiddleware(undolog, tools=tools, compensations=[sp_unbook])
-    frames: list[str] = []
-    on = [False]
-    _counting_hooks(mw, frames, on)
-    graph = create_agent(ScriptedChatModel(scripts=SCRIPTS), tools, checkpointer=InMemorySaver(), middleware=[mw])
-    c = _cfg()
-    for _ in range(2):
-        graph.invoke(_user("look"), c)
-    on[0] = True
-    out = graph.invoke(_user("look"), c)
+    out, frames, c = _third_turn_frames(undolog, "look")
     assert out["messages"][-2].content == "tue is free"
     # The turn: wrap_model_call, base_id, turn, the engine's and the hot path's session_states; the model's answer:
     # wrap_model_call; the SAFE call: wrap_tool_call, run_safe, safe_decision, base_id, decide_safe, check_id,
@@ -691,17 +697,7 @@ def test_a_later_compensable_turn_runs_few_python_frames(undolog: Any) -> None:
     ``dataclasses.replace`` runs a deprecation-checking ``__setattr__`` per field: some 10 us more), and the hot
     path reads the wal-index header around each durable write inline. Counted, not timed: every Python frame under
     the two model calls' and the tool call's hooks, LangChain's own part (the model, the tool) left out."""
-    tools = [sp_book, sp_look]
-    mw = UndoLogMiddleware(undolog, tools=tools, compensations=[sp_unbook])
-    frames: list[str] = []
-    on = [False]
-    _counting_hooks(mw, frames, on, everything=True)
-    graph = create_agent(ScriptedChatModel(scripts=SCRIPTS), tools, checkpointer=InMemorySaver(), middleware=[mw])
-    c = _cfg()
-    for _ in range(2):
-        graph.invoke(_user("book"), c)
-    on[0] = True
-    out = graph.invoke(_user("book"), c)
+    out, frames, c = _third_turn_frames(undolog, "book", everything=True)
     msg = out["messages"][-2]
     assert msg.content == "booked mon" and msg.response_metadata["undolog"]["tier"] == "compensable"
     assert msg.response_metadata["undolog"]["session_id"] == c["configurable"]["thread_id"]
