@@ -12,17 +12,23 @@ import contextvars
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from langchain_core.messages import ToolMessage
+from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp
 
-from undolog_core import AwaitingApproval, Outcome, errors
+from undolog_core import AwaitingApproval, Completed, Execute, Outcome, ToolTier, errors
 from undolog_core.integration import WouldBlock
 
-from ._guard import _config_of, _Guard, _Reply, _Run
+from ._guard import _config_of, _Guard, _override, _Reply, _Run
 from ._payload import _Pause
-from ._tools import _CAPTURE, _Box, _result_of, emit, rollback_events
+from ._sessions import SEP
+from ._tools import _CAPTURE, _COPIES, _Box, _capturing, _content_of, _result_of, emit, rollback_events
+
+# The tier as the effect's mark on a COMPENSABLE call's message says it (``_Guard.committed``: ``str(d.tier)``).
+_COMPENSABLE = str(ToolTier.COMPENSABLE)
 
 
 @dataclass
@@ -91,11 +97,6 @@ def _unadmit(tokens: _Tokens) -> None:
         _ADMIT.reset(tokens[0])
 
 
-def _tool_error(out: Any) -> bool:
-    # The tool raised and ToolNode's handle_tool_errors turned it into a message: still a failure.
-    return isinstance(out, ToolMessage) and out.status == "error"
-
-
 @dataclass
 class _Answer:
     """The node's answer without running the tool (a refusal, a replay, a parked approval)."""
@@ -148,14 +149,14 @@ def run_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], *, admi
     if request.tool is None:
         return execute(request)  # an unknown tool name: ToolNode answers with its own error, nothing runs
     if not admit:
-        out = run_safe(guard, request, execute)
+        out = run_known(guard, request, execute)
         if out is not NOT_SAFE:
             return out
     return run_logged(guard, request, execute, admit=admit)
 
 
 def run_logged(guard: _Guard, request: Any, execute: Callable[[Any], Any], *, admit: bool = True) -> Any:
-    """:func:`run_call` past its SAFE short path (``run_safe``, which the caller tried first, or skipped)."""
+    """:func:`run_call` past its short path (``run_known``, which the caller tried first, or skipped)."""
     if request.tool is None:
         return execute(request)  # an unknown tool name: ToolNode answers with its own error, nothing runs
     step, batch, call_id = _decide(guard, request)
@@ -175,35 +176,87 @@ def run_logged(guard: _Guard, request: Any, execute: Callable[[Any], Any], *, ad
 
 
 class _NotSafe:
-    """``run_safe``'s answer for a call it leaves to ``run_call`` (a sentinel: a tool may answer None)."""
+    """``run_known``'s answer for a call it leaves to ``run_logged`` (a sentinel: a tool may answer None)."""
 
 
 NOT_SAFE: Any = _NotSafe()
 
 
-def run_safe(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
-    """The middleware's SAFE call of a thread whose session is known here, decided and run: the tool's answer (or
-    the refusal of invalid arguments), or ``NOT_SAFE`` with nothing done when the call takes ``run_call``'s path.
+def run_known(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
+    """The middleware's SAFE or COMPENSABLE call of a thread whose session is known here, decided and run: the tool's
+    answer (or the refusal of the call), or ``NOT_SAFE`` with nothing done when the call takes ``run_logged``'s path
+    (a thread not seen here yet, an IRREVERSIBLE tool, an unclassified one, a node run's batch, a closed session).
 
-    ``guard.safe_decision`` decides (the arguments validated against the contract, the session's pin checked, the call
-    counted) and the driver runs it as ``run_sync`` runs a SAFE call (``current_call()`` set, the retry policy,
-    ``GraphBubbleUp`` passed on), with the fewest frames: every SAFE tool call of an agent step comes here, and
-    inside a step each frame's code and data are cold (a frame costs 1-3 us there, 0.1-0.3 us in a loop).
+    A SAFE call: the engine's ``decide_safe`` (the arguments validated against the contract, the session's pin
+    checked, the call counted), run as ``run_sync`` runs a SAFE call (``current_call()`` set, the retry policy,
+    ``GraphBubbleUp`` passed on). A COMPENSABLE call: the engine's ``intercept_spec`` (validated, snapshotted, the
+    durable pre-write before the tool), run by ``run_sync`` (the durable commit mark, or the failure and its
+    rollback), as ``run_logged`` does it. Both with the fewest frames: every tool call of an agent step comes here,
+    and inside a step each frame's code and data are cold (a frame costs 1-3 us there, 0.1-0.3 us in a loop).
     """
     if request.tool is None or _BATCH.get() is not None:
         return NOT_SAFE
-    try:
-        d = guard.safe_decision(request)
-    except _REFUSED as exc:
-        return guard.refusal(request, exc)
-    if d is None:
-        return NOT_SAFE
+    # _Guard.safe_decision's lookups, inline, for both tiers: the tool's spec and the thread's current session.
     call = request.tool_call
+    name = guard.names.get(call["name"])
+    spec = guard.u.registry.tools.get(name) if name is not None else None
+    if spec is None:
+        return NOT_SAFE
+    tier = spec.tier
+    if tier is not ToolTier.SAFE and tier is not ToolTier.COMPENSABLE:
+        return NOT_SAFE
+    rt = getattr(request, "runtime", None)  # _config_of, inline
+    base = guard.base_id(getattr(rt, "config", None) or get_config())
+    n = guard.heads.get(base)  # known from the turn's check (its session exists); else prepare creates it
+    if n is None:
+        return NOT_SAFE
+    sid = base if n <= 1 else f"{base}{SEP}{n}"
     args = call.get("args") or {}
-    # The validated arguments (guard.runnable's test, inline); nothing is stored for a SAFE call.
-    req = request if (args if args.__class__ is dict else dict(args)) == d.args else \
-        request.override(tool_call={**call, "args": dict(d.args)})
-    return guard.u.driver.run_safe_sync(d, lambda _a: execute(req), control_flow=(GraphBubbleUp,))
+    engine = guard.u.engine
+    try:
+        if tier is ToolTier.SAFE:
+            d = engine.decide_safe(sid, spec, args, call.get("id"), True)
+        else:
+            d = engine.intercept_spec(sid, spec, args, call.get("id"))
+    except _REFUSED as exc:
+        if tier is ToolTier.COMPENSABLE and isinstance(exc, errors.SessionClosed):
+            # Rolled back or completed (nothing was written): prepare opens the thread's next session for a new
+            # plan, or refuses a call of the plan that was undone.
+            return NOT_SAFE
+        return guard.refusal(request, exc)
+    if d.__class__ is not Execute:
+        # A re-issued call id (LangGraph re-runs a task): its stored result, as prepare answers it.
+        if isinstance(d, Completed):
+            return guard.message(request, _content_of(d.result), meta={"effect_id": d.effect_id, "replayed": True})
+        return NOT_SAFE  # not a decision this path makes (nothing was written for it): prepare decides again
+    # The validated arguments (guard.runnable's test, inline).
+    same = (args if args.__class__ is dict else dict(args)) == d.args
+    if tier is ToolTier.SAFE:
+        req = request if same else request.override(tool_call={**call, "args": dict(d.args)})
+        return guard.u.driver.run_safe_sync(d, lambda _a: execute(req), control_flow=(GraphBubbleUp,))
+    # guard.runnable, inline: the tool's capturing copy drops its raw value into the box (what is stored as the
+    # result), through the request to run.
+    box = _Box()
+    tool = request.tool
+    hit = _COPIES.get(id(tool))  # _capturing's own first test, inline (its copy is made once per tool)
+    copy = hit[1] if hit is not None and hit[0] is tool else _capturing(tool, box)
+    overrides: dict[str, Any] = {} if same else {"tool_call": {**call, "args": dict(d.args)}}
+    if copy is not tool:
+        overrides["tool"] = copy
+    req = _override(request, overrides) if overrides else request
+    token = _CAPTURE.set(box)
+    try:
+        outcome = guard.u.driver.run_sync(d, lambda _a: execute(req), control_flow=(GraphBubbleUp,), note=False,
+                                          failure_of=partial(_failure_of, call["name"]), result_of=box.result_of)
+    finally:
+        _CAPTURE.reset(token)
+    out = outcome.value
+    if (outcome.error is None and outcome.failure is None and outcome.rollback is None and box.set
+            and box.value is not out and out.__class__ is ToolMessage and out.response_metadata.__class__ is dict):
+        # guard.committed's common case, inline: ToolNode built this message for this call, marked in place.
+        out.response_metadata["undolog"] = {"tier": _COMPENSABLE, "effect_id": d.effect_id, "session_id": sid}
+        return out
+    return _settled(guard, None, call.get("id"), request, _Run(d, sid), outcome, box)
 
 
 async def arun_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], *, admit: bool = True) -> Any:
@@ -250,15 +303,14 @@ def _hooks(request: Any, step: _Run, box: _Box | None) -> dict[str, Any]:
     handle_tool_errors turned the exception into it), and the stored result is the tool's own value."""
     if step.execute.effect_id is None:
         return {}  # SAFE: nothing is recorded, ToolNode's answer goes back as it is
-    name = request.tool_call["name"]
+    return {"failure_of": partial(_failure_of, request.tool_call["name"]),
+            "result_of": box.result_of if box is not None else _result_of}
 
-    def failure_of(out: Any) -> str | None:
-        return f"{name} failed: {out.content}" if _tool_error(out) else None
 
-    def result_of(out: Any) -> Any:
-        return box.value if box is not None and box.set else _result_of(out)
-
-    return {"failure_of": failure_of, "result_of": result_of}
+def _failure_of(name: str, out: Any) -> str | None:
+    """The failure's text when ToolNode's answer says the tool failed (it raised, and ToolNode's handle_tool_errors
+    turned that into an error message: still a failure), else None."""
+    return f"{name} failed: {out.content}" if isinstance(out, ToolMessage) and out.status == "error" else None
 
 
 def _settled(guard: _Guard, batch: _Batch | None, call_id: str | None, request: Any, step: _Run,

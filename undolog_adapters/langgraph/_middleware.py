@@ -16,7 +16,7 @@ from undolog_core import OnFailure, SessionState, errors
 from undolog_core.integration import WouldBlock
 
 from .._common import TierValue, halted_text, missing_extra
-from ._call import NOT_SAFE, arun_call, run_logged, run_safe
+from ._call import NOT_SAFE, arun_call, run_known, run_logged
 from ._guard import _config_of, _Guard
 from ._resume import rollback
 from ._sessions import _ADAPTERS
@@ -168,8 +168,9 @@ class UndoLogMiddleware(AgentMiddleware):
     def wrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
         if _INNER_WRAPPERS in getattr(handler, "__qualname__", ""):
             _innermost(handler)  # refuses: _innermost's test, inline (a frame less on every tool call)
-        # run_call's own first step, taken here (a frame less on every SAFE call): the SAFE call of a known thread.
-        out = run_safe(self._undolog_guard, request, handler)
+        # run_call's own first step, taken here (a frame less on every call): the SAFE or COMPENSABLE call of a known
+        # thread.
+        out = run_known(self._undolog_guard, request, handler)
         return out if out is not NOT_SAFE else run_logged(self._undolog_guard, request, handler, admit=False)
 
     async def awrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
