@@ -182,21 +182,21 @@ class _NotSafe:
 NOT_SAFE: Any = _NotSafe()
 
 
-def run_known(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
-    """The middleware's SAFE or COMPENSABLE call of a thread whose session is known here, decided and run: the tool's
-    answer (or the refusal of the call), or ``NOT_SAFE`` with nothing done when the call takes ``run_logged``'s path
-    (a thread not seen here yet, an IRREVERSIBLE tool, an unclassified one, a node run's batch, a closed session).
+def _known(guard: _Guard, request: Any, wait: bool) -> Any:
+    """The decision for the middleware's SAFE or COMPENSABLE call of a thread whose session is known here: the
+    engine's ``Execute`` (its ``session_id`` the thread's session), the call's answer without running it (a refusal,
+    a replayed result), or ``NOT_SAFE`` with nothing written when the call takes ``run_logged``'s path (a thread not
+    seen here yet, an IRREVERSIBLE tool, an unclassified one, a node run's batch, a closed session; with ``wait``
+    False, a decision that would wait).
 
     A SAFE call: the engine's ``decide_safe`` (the arguments validated against the contract, the session's pin
-    checked, the call counted), run as ``run_sync`` runs a SAFE call (``current_call()`` set, the retry policy,
-    ``GraphBubbleUp`` passed on). A COMPENSABLE call: the engine's ``intercept_spec`` (validated, snapshotted, the
-    durable pre-write before the tool), run by ``run_sync`` (the durable commit mark, or the failure and its
-    rollback), as ``run_logged`` does it. Both with the fewest frames: every tool call of an agent step comes here,
-    and inside a step each frame's code and data are cold (a frame costs 1-3 us there, 0.1-0.3 us in a loop).
+    checked, the call counted). A COMPENSABLE call: the engine's ``intercept_spec`` (validated, snapshotted, the
+    durable pre-write before the tool), as ``prepare`` asks it through the driver, without the driver's look-up by
+    name and second check of the session id (checked when the thread's session was started or found).
     """
     if request.tool is None or _BATCH.get() is not None:
         return NOT_SAFE
-    # _Guard.safe_decision's lookups, inline, for both tiers: the tool's spec and the thread's current session.
+    # The tool's spec and the thread's current session, for both tiers.
     call = request.tool_call
     name = guard.names.get(call["name"])
     spec = guard.u.registry.tools.get(name) if name is not None else None
@@ -211,27 +211,45 @@ def run_known(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any
     if n is None:
         return NOT_SAFE
     sid = base if n <= 1 else f"{base}{SEP}{n}"
-    args = call.get("args") or {}
-    engine = guard.u.engine
+    d: Execute | AwaitingApproval | Completed
     try:
         if tier is ToolTier.SAFE:
-            d = engine.decide_safe(sid, spec, args, call.get("id"), True)
+            d = guard.u.engine.decide_safe(sid, spec, call.get("args") or {}, call.get("id"), wait)
         else:
-            d = engine.intercept_spec(sid, spec, args, call.get("id"))
+            d = guard.u.engine.intercept_spec(sid, spec, call.get("args") or {}, call.get("id"), False, wait)
+    except WouldBlock:
+        return NOT_SAFE  # nothing written: decided again where it may wait
     except _REFUSED as exc:
         if tier is ToolTier.COMPENSABLE and isinstance(exc, errors.SessionClosed):
             # Rolled back or completed (nothing was written): prepare opens the thread's next session for a new
             # plan, or refuses a call of the plan that was undone.
             return NOT_SAFE
         return guard.refusal(request, exc)
+    if d.__class__ is Execute:
+        return d
+    if isinstance(d, Completed):  # a re-issued call id (LangGraph re-runs a task): its stored result, as prepare says
+        return guard.message(request, _content_of(d.result), meta={"effect_id": d.effect_id, "replayed": True})
+    return NOT_SAFE  # not a decision this path makes (nothing was written for it): prepare decides again
+
+
+def run_known(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
+    """The middleware's SAFE or COMPENSABLE call of a thread whose session is known here, decided (``_known``) and
+    run: the tool's answer (or the call's answer without running it), or ``NOT_SAFE`` with nothing done when the call
+    takes ``run_logged``'s path.
+
+    A SAFE call runs as ``run_sync`` runs one (``current_call()`` set, the retry policy, ``GraphBubbleUp`` passed
+    on); a COMPENSABLE call through ``run_sync`` (the durable commit mark, or the failure and its rollback), as
+    ``run_logged`` runs it. Both with the fewest frames: every tool call of an agent step comes here, and inside a
+    step each frame's code and data are cold (a frame costs 1-3 us there, 0.1-0.3 us in a loop).
+    """
+    d = _known(guard, request, True)
     if d.__class__ is not Execute:
-        # A re-issued call id (LangGraph re-runs a task): its stored result, as prepare answers it.
-        if isinstance(d, Completed):
-            return guard.message(request, _content_of(d.result), meta={"effect_id": d.effect_id, "replayed": True})
-        return NOT_SAFE  # not a decision this path makes (nothing was written for it): prepare decides again
+        return d  # the answer, or NOT_SAFE
+    call = request.tool_call
+    args = call.get("args") or {}
     # The validated arguments (guard.runnable's test, inline).
     same = (args if args.__class__ is dict else dict(args)) == d.args
-    if tier is ToolTier.SAFE:
+    if d.effect_id is None:  # SAFE: nothing is stored, ToolNode's answer is the result
         req = request if same else request.override(tool_call={**call, "args": dict(d.args)})
         return guard.u.driver.run_safe_sync(d, lambda _a: execute(req), control_flow=(GraphBubbleUp,))
     # guard.runnable, inline: the tool's capturing copy drops its raw value into the box (what is stored as the
@@ -254,24 +272,35 @@ def run_known(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any
     if (outcome.error is None and outcome.failure is None and outcome.rollback is None and box.set
             and box.value is not out and out.__class__ is ToolMessage and out.response_metadata.__class__ is dict):
         # guard.committed's common case, inline: ToolNode built this message for this call, marked in place.
-        out.response_metadata["undolog"] = {"tier": _COMPENSABLE, "effect_id": d.effect_id, "session_id": sid}
+        out.response_metadata["undolog"] = {"tier": _COMPENSABLE, "effect_id": d.effect_id, "session_id": d.session_id}
         return out
-    return _settled(guard, None, call.get("id"), request, _Run(d, sid), outcome, box)
+    return _settled(guard, None, call.get("id"), request, _Run(d, d.session_id), outcome, box)
 
 
 async def arun_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], *, admit: bool = True) -> Any:
     """Async :func:`run_call`: the same steps, awaiting the tool."""
     if request.tool is None:
         return await execute(request)
-    if not admit and _BATCH.get() is None:
-        try:
-            safe = guard.safe(request)  # in memory only: never waits
-        except _REFUSED as exc:
-            return guard.refusal(request, exc)
-        if safe is not None:
-            req, _ = guard.runnable(request, safe)
-            return _safe_answer(await guard.u.driver.run_async(safe.execute, lambda _a: execute(req),
-                                                                control_flow=(GraphBubbleUp,), note=False))
+    if not admit:
+        # The middleware's call of a known thread (``_known``), decided on the loop: in memory for a SAFE call, the
+        # COMPENSABLE hot path when a connection and the write lock are free at once (no thread hop); else NOT_SAFE,
+        # with nothing written, and decided below (in a thread when it must wait).
+        d = _known(guard, request, False)
+        if d.__class__ is Execute:
+            run = _Run(d, d.session_id)
+            req, box = guard.runnable(request, run)
+            if d.effect_id is None:
+                return _safe_answer(await guard.u.driver.run_async(d, lambda _a: execute(req),
+                                                                    control_flow=(GraphBubbleUp,), note=False))
+            boxed = _CAPTURE.set(box)
+            try:
+                outcome = await guard.u.driver.run_async(d, lambda _a: execute(req), control_flow=(GraphBubbleUp,),
+                                                         note=False, **_hooks(request, run, box))
+            finally:
+                _CAPTURE.reset(boxed)
+            return _settled(guard, None, request.tool_call.get("id"), request, run, outcome, box)
+        if d is not NOT_SAFE:
+            return d
     try:
         # On the loop when nothing has to wait (SAFE, and the COMPENSABLE hot path with a free connection and
         # write lock): no thread hop. Otherwise (a gated call, a thread's first call, a busy pool) in a thread.
