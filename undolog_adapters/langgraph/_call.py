@@ -287,18 +287,37 @@ async def arun_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], 
         # with nothing written, and decided below (in a thread when it must wait).
         d = _known(guard, request, False)
         if d.__class__ is Execute:
-            run = _Run(d, d.session_id)
-            req, box = guard.runnable(request, run)
+            call = request.tool_call
+            args = call.get("args") or {}
+            same = (args if args.__class__ is dict else dict(args)) == d.args  # the validated arguments
             if d.effect_id is None:
+                req = request if same else request.override(tool_call={**call, "args": dict(d.args)})
                 return _safe_answer(await guard.u.driver.run_async(d, lambda _a: execute(req),
                                                                     control_flow=(GraphBubbleUp,), note=False))
-            boxed = _CAPTURE.set(box)
+            # As run_known runs it (guard.runnable and committed's common case inline), the tool awaited.
+            raw = _Box()
+            tool = request.tool
+            hit = _COPIES.get(id(tool))
+            copy = hit[1] if hit is not None and hit[0] is tool else _capturing(tool, raw)
+            overrides: dict[str, Any] = {} if same else {"tool_call": {**call, "args": dict(d.args)}}
+            if copy is not tool:
+                overrides["tool"] = copy
+            req = _override(request, overrides) if overrides else request
+            boxed = _CAPTURE.set(raw)
             try:
-                outcome = await guard.u.driver.run_async(d, lambda _a: execute(req), control_flow=(GraphBubbleUp,),
-                                                         note=False, **_hooks(request, run, box))
+                outcome = await guard.u.driver.run_async(
+                    d, lambda _a: execute(req), control_flow=(GraphBubbleUp,), note=False,
+                    failure_of=partial(_failure_of, call["name"]), result_of=raw.result_of)
             finally:
                 _CAPTURE.reset(boxed)
-            return _settled(guard, None, request.tool_call.get("id"), request, run, outcome, box)
+            out = outcome.value
+            if (outcome.error is None and outcome.failure is None and outcome.rollback is None and raw.set
+                    and raw.value is not out and out.__class__ is ToolMessage
+                    and out.response_metadata.__class__ is dict):
+                out.response_metadata["undolog"] = {"tier": _COMPENSABLE, "effect_id": d.effect_id,
+                                                    "session_id": d.session_id}
+                return out
+            return _settled(guard, None, call.get("id"), request, _Run(d, d.session_id), outcome, raw)
         if d is not NOT_SAFE:
             return d
     try:
