@@ -698,7 +698,8 @@ def test_a_later_compensable_turn_runs_few_python_frames(undolog: Any) -> None:
     path reads the wal-index header around each durable write inline. The call of a thread whose session is known
     is decided by the engine's ``intercept_spec`` straight (``_known``), and run and marked by ``run_known`` itself:
     not through ``run_logged``'s ``_decide``/``prepare`` (with ``head``, the driver's ``decide`` and its look-up by
-    name), ``runnable``, ``_settled``/``committed``, a ``_Run`` or a ``_Box.__init__``. Counted, not timed: every
+    name), ``runnable``, ``_settled``/``committed``, a ``_Run`` or a ``_Box.__init__``; the turn's check reads the run's
+    config and walks the step's own commits (the pre-write and the mark) in its own frames. Counted, not timed: every
     Python frame under the two model calls' and the tool call's hooks, LangChain's own part (the model, the tool)
     left out."""
     out, frames, c = _third_turn_frames(undolog, "book", everything=True)
@@ -707,14 +708,16 @@ def test_a_later_compensable_turn_runs_few_python_frames(undolog: Any) -> None:
     assert msg.response_metadata["undolog"]["session_id"] == c["configurable"]["thread_id"]
     assert not {"main:model_copy", "tool_node:override", "sqlite:stamp"} & set(frames), frames
     gone = {"_call:run_logged", "_call:_decide", "_guard:prepare", "_guard:head", "_driver:decide", "_guard:runnable",
-            "_call:_settled", "_guard:committed", "_tools:__init__", "<string>:__init__", "_call:_hooks"}
+            "_call:_settled", "_guard:committed", "_tools:__init__", "<string>:__init__", "_call:_hooks",
+            "config:get_config", "sqlite:_only_own_since"}
     assert not gone & set(frames), frames
     # 106 before the message was marked in place (model_copy, 5 frames with copy's), override (9, its __setattr__
     # per field), the tier's .value (2) and the header's reads around both writes (6); then 86 before the short
     # path: run_safe and safe_decision (2) then run_logged's path (21: _decide, _pending, undolog_name, _config_of,
     # prepare, base_id, head, _chain, the driver's decide, spec and spec_for, a second check_id, _Run's __init__,
-    # runnable, _Box's __init__, _capturing, _admit, _hooks, _unadmit, _settled, committed, _remember).
-    assert len(frames) <= 63, frames
+    # runnable, _Box's __init__, _capturing, _admit, _hooks, _unadmit, _settled, committed, _remember), less _known
+    # (1); and the turn's check: LangGraph's get_config and the walk over the step's own commits inline (2).
+    assert len(frames) <= 61, frames
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

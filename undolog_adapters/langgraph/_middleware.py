@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.messages import AIMessage, HumanMessage
+from langchain_core.runnables.config import var_child_runnable_config
 from langchain_core.tools import BaseTool
-from langgraph.config import get_config
 
 from undolog_core import OnFailure, SessionState, errors
 from undolog_core.integration import WouldBlock
@@ -109,9 +109,13 @@ class UndoLogMiddleware(AgentMiddleware):
             # _turn and _config_of, inline (two frames less at every user turn).
             g = self._undolog_guard
             rt = getattr(request, "runtime", None)
+            # get_config, inline: the run's config (a model request's runtime carries none), None outside a run.
+            config = getattr(rt, "config", None) or var_child_runnable_config.get()
+            if not config:
+                return handler(request)  # no thread: every tool call will say so
             try:
-                base = g.base_id(getattr(rt, "config", None) or get_config())
-            except (RuntimeError, errors.ConfigurationError):
+                base = g.base_id(config)
+            except errors.ConfigurationError:
                 return handler(request)  # no thread: every tool call will say so
             sid, state, reason = g.turn(base, wait=True)
             if state in _STOPS_OR_MOVES:
