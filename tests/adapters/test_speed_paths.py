@@ -684,8 +684,9 @@ def test_a_later_safe_turn_runs_few_python_frames_of_undologs_own(undolog: Any) 
     out, frames, c = _third_turn_frames(undolog, "look")
     assert out["messages"][-2].content == "tue is free"
     # The turn: wrap_model_call, base_id, turn, the engine's and the hot path's session_states; the model's answer:
-    # wrap_model_call; the SAFE call: wrap_tool_call, run_known, _known (run_safe and safe_decision before), base_id, decide_safe, check_id,
-    # validate, values, note_safe_in, run_safe_sync and the lambda running the tool. (There were 22.)
+    # wrap_model_call; the SAFE call: wrap_tool_call, run_known, _known (run_safe and safe_decision before),
+    # base_id, decide_safe, check_id, validate, values, note_safe_in, run_safe_sync and the lambda running the tool.
+    # (There were 22.)
     assert len(frames) <= 17, frames
 
 
