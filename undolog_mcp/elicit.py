@@ -3,6 +3,8 @@
 The person at the client is not a verified approver: the audit records them as an unverified MCP client with the
 name it reports, and a tool (or a risk tag) that has an approver group is never decided here, only at the desk.
 Elicitation forms carry flat fields only, so edits are offered only for tools whose arguments are flat.
+
+The gateway calls in with the request's context and the tool; this module does not import the gateway.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ from mcp import types
 
 from undolog_core import AwaitingApproval, UndoLog
 
+from .results import awaiting_result, error_result
+
 if TYPE_CHECKING:
-    from .gateway import ExposedTool, Gateway
+    from mcp.server.session import ServerSession
+    from mcp.shared.context import RequestContext
 
 _FLAT = {"string", "number", "integer", "boolean"}
 
@@ -53,35 +58,34 @@ def form_for(arguments: dict[str, Any], schema: dict[str, Any]) -> tuple[dict[st
     return {"type": "object", "properties": props, "required": ["approve"]}, editable
 
 
-async def elicit_decision(gw: Gateway, ex: ExposedTool, d: AwaitingApproval) -> types.CallToolResult | None:
-    """Ask the client's person; None when the call was approved (the caller then runs it), else the answer."""
-    from .gateway import awaiting_result, error_result
-
-    ctx = gw.server.request_context
+async def elicit_decision(ctx: RequestContext[ServerSession, Any, Any], undolog: UndoLog, exposed_name: str,
+                          listed: types.Tool, d: AwaitingApproval) -> types.CallToolResult | None:
+    """Ask the client's person about the call ``d`` of the tool ``listed`` (exposed as ``exposed_name``), in the
+    MCP request ``ctx``; None when the call was approved (the caller then runs it), else the answer."""
     params = ctx.session.client_params
     caps = params.capabilities if params else None
     if caps is None or caps.elicitation is None:
-        return awaiting_result(ex.exposed_name, d)  # the client cannot show a form: the desk decides
-    groups = await asyncio.to_thread(approver_groups_cover, gw.undolog, d.tool_name, d.risk_tags)
+        return awaiting_result(exposed_name, d)  # the client cannot show a form: the desk decides
+    groups = await asyncio.to_thread(approver_groups_cover, undolog, d.tool_name, d.risk_tags)
     if groups:
         note = (f" It is covered by approver group(s) {', '.join(groups)}: only a verified approver at the desk "
                 "can decide it.")
-        return awaiting_result(ex.exposed_name, d, note=note)
+        return awaiting_result(exposed_name, d, note=note)
     info = params.clientInfo if params else None
     approver = f"mcp-client:{info.name}/{info.version} (unverified)" if info else "mcp-client (unverified)"
-    schema, editable = form_for(d.args, dict(ex.listed.inputSchema or {}))
-    message = (f"{ex.exposed_name} is irreversible{': ' + d.reason if d.reason else ''}. "
+    schema, editable = form_for(d.args, dict(listed.inputSchema or {}))
+    message = (f"{exposed_name} is irreversible{': ' + d.reason if d.reason else ''}. "
                f"Arguments: {d.args}. Approve to run it once.")
     answer = await ctx.session.elicit_form(message, schema, related_request_id=ctx.request_id)
-    approvals = gw.undolog.approvals
+    approvals = undolog.approvals
     if answer.action == "cancel":
-        return awaiting_result(ex.exposed_name, d)  # no decision: the request stays pending at the desk
+        return awaiting_result(exposed_name, d)  # no decision: the request stays pending at the desk
     content = answer.content or {}
     reason = str(content.get("reason") or "").strip() or None
     if answer.action == "decline" or not content.get("approve"):
         why = reason or "declined at the MCP client"
         await asyncio.to_thread(approvals.reject, d.approval_request_id, approver=approver, reason=why)
-        return error_result(f"{ex.exposed_name} was rejected: {why}. It did not run.", code="approval_rejected")
+        return error_result(f"{exposed_name} was rejected: {why}. It did not run.", code="approval_rejected")
     edits = {k: content[k] for k in editable if k in content and content[k] != d.args.get(k)}
     if edits:
         await asyncio.to_thread(approvals.modify, d.approval_request_id, approver=approver,

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
-import math
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -35,12 +33,13 @@ from undolog_core import (
 from undolog_core.errors import UndoLogError
 
 from .config import Approval, GatewayConfig, ToolConfig
+from .elicit import elicit_decision
+from .results import META_KEY as META_KEY  # re-exported: it was defined here
+from .results import awaiting_result, call_key, error_result, replayed, structured, text_of, unknown_result
 from .upstream import PORTAL, Connections, OutcomeUnknown, UpstreamRefused
 
 log = logging.getLogger("undolog.mcp")
 
-# Where UndoLog's own fields ride in a result's structured content and _meta.
-META_KEY = "dev.undolog/call"
 # Who the HTTP transport authenticated, in the ASGI scope of the request (absent over stdio).
 PRINCIPAL_SCOPE_KEY = "undolog.principal"
 
@@ -325,9 +324,7 @@ class Gateway:
         return s.id
 
     async def _elicit(self, ex: ExposedTool, d: AwaitingApproval) -> types.CallToolResult | None:
-        from .elicit import elicit_decision
-
-        return await elicit_decision(self, ex, d)
+        return await elicit_decision(self.server.request_context, self.undolog, ex.exposed_name, ex.listed, d)
 
     # -- transports ---------------------------------------------------------------------------------
 
@@ -380,75 +377,3 @@ class Gateway:
                 bound = server.servers[0].sockets[0].getsockname()[1]
                 ready(bound)
             await serving
-
-
-# -- results ------------------------------------------------------------------------------------------
-
-
-def call_key(name: str, arguments: Mapping[str, Any]) -> str:
-    """An IRREVERSIBLE call's id: the same tool with the same arguments in the same session is the same call, so
-    asking again after approval runs it once, and asking after that replays its stored result."""
-    text = json.dumps({"tool": name, "args": arguments}, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      default=str)
-    return "mcp-" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:40]
-
-
-def text_of(result: types.CallToolResult) -> str:
-    return "\n".join(c.text for c in result.content if isinstance(c, types.TextContent))
-
-
-def structured(stored: Any) -> Any:
-    """A stored call result as a compensation template reads it: its structured content, else its text parsed as
-    JSON, else the text."""
-    if not isinstance(stored, Mapping):
-        return stored
-    if stored.get("structuredContent") is not None:
-        return stored["structuredContent"]
-    texts = [c.get("text") for c in stored.get("content") or [] if isinstance(c, Mapping) and c.get("type") == "text"]
-    if len(texts) == 1 and isinstance(texts[0], str):
-        try:
-            return json.loads(texts[0])
-        except ValueError:
-            return texts[0]
-    return stored
-
-
-def error_result(message: str, *, code: str | None = None) -> types.CallToolResult:
-    meta = {META_KEY: {"error": code}} if code else None
-    return types.CallToolResult(content=[types.TextContent(type="text", text=message)], isError=True,
-                                _meta=meta)
-
-
-def replayed(stored: Any) -> types.CallToolResult:
-    result = types.CallToolResult.model_validate(stored)
-    meta = dict(result.meta or {})
-    meta[META_KEY] = {"replayed": True}
-    return result.model_copy(update={"meta": meta})
-
-
-def awaiting_result(name: str, d: AwaitingApproval, *, note: str = "") -> types.CallToolResult:
-    retry = max(1, math.ceil(d.retry_after))
-    info = {
-        "status": "awaiting_approval",
-        "tool": name,
-        "approval_request_id": d.approval_request_id,
-        "reason": d.reason,
-        "risk_tags": list(d.risk_tags),
-        "retry_after_seconds": retry,
-        "timeout_at": d.timeout_at.isoformat(),
-    }
-    text = (f"{name} was not run: it needs a person's approval first (request {d.approval_request_id}"
-            f"{': ' + d.reason if d.reason else ''}). Call it again with the same arguments in about {retry} s; "
-            "it runs once approved." + note)
-    return types.CallToolResult(content=[types.TextContent(type="text", text=text)], structuredContent=info,
-                                isError=False)
-
-
-def unknown_result(name: str, exc: Exception, settled: str | None) -> types.CallToolResult:
-    what = {
-        "compensated": "it was undone (its compensation ran) in case it happened",
-        "committed": "the upstream confirms it happened",
-        "unknown": "its outcome is unknown and the session is halted until a person checks it",
-        "not_run": "the upstream confirms it did not happen",
-    }.get(settled or "", "its outcome is unknown; recovery will settle it")
-    return error_result(f"{name}: the upstream did not answer ({exc}); {what}.", code="outcome_unknown")

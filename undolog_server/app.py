@@ -17,7 +17,7 @@ from fastapi.staticfiles import StaticFiles
 
 from undolog_core import UndoLog, errors, limits, load_app
 
-from . import api, dashboard, problems
+from . import api, dashboard, problems, proxy_api
 from . import proxy as proxy_mod
 from .lanes import Lanes
 from .state import ServerSettings, ServerState
@@ -339,7 +339,7 @@ def create_app(
 
     app.openapi = openapi  # type: ignore[method-assign]
     app.include_router(api.router)
-    app.include_router(proxy_mod.router)
+    app.include_router(proxy_api.router)
     dashboard.install(app)
     app.mount("/ui/static", StaticFiles(directory=str(Path(__file__).parent / "static")), name="static")
 

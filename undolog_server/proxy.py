@@ -18,13 +18,15 @@ Example config::
     type = "object"
     required = ["user_id", "amount"]
     properties = { user_id = { type = "string" }, amount = { type = "number" } }
+
+This module holds the tools (their declarations, the upstream client, their registration) and imports nothing of
+the server's other modules, so ``state`` can hold them; the route is in ``proxy_api``.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import math
 import ssl
 import tomllib
 from collections.abc import Mapping
@@ -33,16 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from fastapi import APIRouter, Body, Depends, Header, Request
-from fastapi import Path as PathParam
-from fastapi.responses import Response
 
 from undolog_core import errors, limits
-
-from . import lanes
-from .auth import AuthFirstRoute, require, server_state
-from .problems import Problem, SafeJSONResponse, log_5xx, problem_response
-from .storage import ApiKey
 
 TIERS = ("safe", "compensable", "irreversible")
 
@@ -310,135 +304,3 @@ def _prober(tool: ProxyTool) -> Any:
         return bool(body)
 
     return probe
-
-
-router = APIRouter(prefix="/v1", tags=["proxy"], route_class=AuthFirstRoute)
-
-
-@router.post(
-    "/sessions/{session_id}/tools/{tool}:invoke",
-    summary="Invoke a proxied tool in a session",
-    responses={
-        200: {"description": "The upstream's response (or the stored one for a replayed call)"},
-        202: {"description": "IRREVERSIBLE call awaiting approval; retry with the same Idempotency-Key"},
-        403: {"description": "Approval rejected or timed out"},
-        504: {"description": "An approved IRREVERSIBLE call lost the upstream's answer: outcome unknown (session "
-                    "halted), or the probe says it did not happen (retry)"},
-        409: {"description": "Session halted or closed"},
-        422: {"description": "Arguments invalid for the tool's schema"},
-        502: {"description": "The upstream failed"},
-    },
-)
-def invoke(
-    request: Request,
-    session_id: str = PathParam(min_length=1, max_length=200),
-    tool: str = PathParam(min_length=1, max_length=200),
-    args: dict[str, Any] = Body(default_factory=dict),
-    idempotency_key: str | None = Header(None, alias="Idempotency-Key", max_length=200),
-    key: ApiKey = Depends(require("agent")),
-) -> Response:
-    st = server_state(request)
-    row = st.views.session_row(session_id)
-    if row is None or row.get("created_by") != key.principal_ref:
-        raise Problem(404, "session_not_found", f"session {session_id!r} does not exist")
-    if st.proxy is None or tool not in st.proxy.tools:
-        raise Problem(404, "tool_not_proxied", f"tool {tool!r} is not served by this proxy")
-    ptool = st.proxy.tools[tool]
-    call_id = idempotency_key
-    if call_id is None and ptool.tier == "irreversible":
-        # Agents that do not send Idempotency-Key still find their pending request by its arguments.
-        found = st.undolog.approvals.find_for_call(session_id, tool, args)
-        call_id = found.call_id if found is not None else None
-
-    from undolog_core import AwaitingApproval, Completed
-
-    decision = st.undolog.driver.decide(session_id, tool, args, call_id=call_id)
-    if isinstance(decision, AwaitingApproval):
-        retry = max(1, math.ceil(decision.retry_after))
-        return SafeJSONResponse(
-            {
-                "status": "awaiting_approval",
-                "approval_request_id": decision.approval_request_id,
-                "effect_id": decision.effect_id,
-                "call_id": decision.call_id,
-                "retry_after": retry,
-                "timeout_at": decision.timeout_at.isoformat(),
-                "reason": decision.reason,
-                "risk_tags": list(decision.risk_tags),
-            },
-            status_code=202,
-            headers={"Retry-After": str(retry), "Location": f"/v1/approvals/{decision.approval_request_id}"},
-        )
-    if isinstance(decision, Completed):
-        return _stored(decision.result, replayed=True)
-    proxy = st.proxy
-    key_for_upstream = decision.idempotency_key or idempotency_key
-
-    def upstream(call_args: dict[str, Any]) -> dict[str, Any]:
-        # The wait for the upstream needs no slot of the desk's lane (a blocked socket: no database, no CPU), so
-        # it gives its slot back meanwhile: slow upstreams do not keep other agents' requests waiting. Reading
-        # the answer and recording the outcome (the commit mark; a failure and its rollback) take one again,
-        # waiting without a time limit: the upstream has acted, its outcome is never refused with a 503.
-        with lanes.given_back(request.scope):
-            resp = proxy.call(ptool, call_args, key_for_upstream)
-        if not resp.is_success:
-            raise UpstreamError(f"{tool} upstream answered {resp.status_code}", resp.status_code, _body(resp))
-        return {"status_code": resp.status_code, "body": _body(resp), "media_type": resp.headers.get("content-type")}
-
-    # The call driver runs it, as it runs every caller's: the upstream's failure is recorded and the session
-    # rolled back per its policy; the rollback is told in the problem's body.
-    # An approved IRREVERSIBLE call that was sent and then lost its answer may have happened: it is settled as
-    # recovery would (the tool's probe decides; without one it is `unknown` and the session halted for a person),
-    # never marked failed and rolled back.
-    unknown_on = OUTCOME_UNKNOWN_ERRORS if ptool.tier == "irreversible" else ()
-    outcome = st.undolog.driver.run_sync(decision, upstream, note=False, unknown_on=unknown_on)
-    exc = outcome.error
-    if exc is None:
-        return _stored(outcome.value, replayed=False)
-    if unknown_on and isinstance(exc, unknown_on):
-        return _in_doubt(request, st, session_id, tool, args, call_id, decision, exc, outcome.in_doubt)
-    if not isinstance(exc, (UpstreamError, httpx.HTTPError)):
-        raise exc
-    from .api import rollback_out
-
-    extra: dict[str, Any] = {"upstream_status": getattr(exc, "status_code", None)}
-    if outcome.rollback is not None:
-        extra["rollback"] = rollback_out(session_id, outcome.rollback).model_dump(mode="json")
-    log_5xx(request, exc)
-    return problem_response(request, 502, "upstream_error", str(exc), **extra)
-
-
-def _in_doubt(request: Request, st: Any, session_id: str, tool: str, args: dict[str, Any], call_id: str | None,
-              decision: Any, exc: BaseException, settled: str | None) -> Response:
-    """The answer to a call whose upstream answer was lost, by how it was settled (``Outcome.in_doubt``)."""
-    from undolog_core import Completed
-
-    if settled == "committed":
-        # The probe says it happened: answer with what it reported, as a replay would.
-        done = st.undolog.driver.decide(session_id, tool, args, call_id=call_id or decision.call_id)
-        if isinstance(done, Completed):
-            return _stored(done.result, replayed=True)
-    if settled == "not_run":
-        return problem_response(
-            request, 504, "upstream_timeout",
-            f"{tool}: the upstream did not answer ({type(exc).__name__}) and its probe says the call did not "
-            "happen; the approval still stands: retry the same call",
-            effect_id=decision.effect_id, headers={"Retry-After": "1"},
-        )
-    return problem_response(
-        request, 504, "outcome_unknown",
-        f"{tool}: the upstream did not answer ({type(exc).__name__}); the call may have happened. It is recorded "
-        "'unknown' and the session is halted until a person checks the upstream and resumes it",
-        effect_id=decision.effect_id, session_state="halted",
-    )
-
-
-def _stored(result: Any, *, replayed: bool) -> Response:
-    headers = {"UndoLog-Replayed": "true" if replayed else "false"}
-    if isinstance(result, dict) and "status_code" in result and "body" in result:
-        body = result["body"]
-        if isinstance(body, str) and not str(result.get("media_type") or "").startswith("application/json"):
-            return Response(body, status_code=int(result["status_code"]), headers=headers,
-                            media_type=result.get("media_type") or "text/plain")
-        return SafeJSONResponse(body, status_code=int(result["status_code"]), headers=headers)
-    return SafeJSONResponse(result, headers=headers)

@@ -12,7 +12,8 @@ resume the same map) for rejections of its siblings' pauses and records those fi
 then finds it decided (``ApprovalAlreadyDecided``: nothing twice). Which pause an entry answers is read where LangGraph
 itself keeps it: with the interrupts saved in the checkpoint being resumed, whose ids are the map's keys and whose
 values carry UndoLog's approval request ids. UndoLog stores nothing more for this, and the ids are LangGraph's own,
-not recomputed. Imports LangGraph (its config keys) and the sibling modules.
+not recomputed. Imports LangGraph (its config keys) and ``_payload``; the guard that calls it is handed in (a
+``Recorder``), so this module does not import ``_guard``.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from undolog_core import AwaitingApproval, errors
+from undolog_core import AwaitingApproval, UndoLog, errors
 
 from ._payload import (
     RESPONSE_SCHEMA,
@@ -36,9 +37,6 @@ from ._payload import (
     done_asking,
     requests_of,
 )
-
-if TYPE_CHECKING:
-    from ._guard import _Guard
 
 log = logging.getLogger("undolog.approvals")
 
@@ -56,7 +54,18 @@ INTERRUPT: str = getattr(_lg, "INTERRUPT", "__interrupt__")
 NS_SEP: str = getattr(_lg, "NS_SEP", "|")
 
 
-def siblings_rejected(guard: _Guard, config: Mapping[str, Any], value: Any, pending: Sequence[AwaitingApproval],
+class Recorder(Protocol):
+    """What this module uses of the guard (``_guard._Guard``), which imports this module."""
+
+    @property
+    def u(self) -> UndoLog: ...
+
+    def approver_for(self, config: Mapping[str, Any]) -> str | None: ...
+
+    def apply(self, value: Any, pending: Sequence[AwaitingApproval], *, only_rejects: bool = False) -> str | None: ...
+
+
+def siblings_rejected(guard: Recorder, config: Mapping[str, Any], value: Any, pending: Sequence[AwaitingApproval],
                       session_id: str) -> None:
     """Record the rejections the current resume gives to other UndoLog pauses of ``session_id``, before ``value``
     (this task's own, validated answer for ``pending``) is recorded.
@@ -153,7 +162,7 @@ def _saved_interrupts(conf: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _awaiting(guard: _Guard, approval_request_id: str) -> AwaitingApproval | None:
+def _awaiting(guard: Recorder, approval_request_id: str) -> AwaitingApproval | None:
     try:
         rec = guard.u.approvals.get(approval_request_id)
     except errors.UndoLogError:
@@ -168,7 +177,7 @@ def _adapter(several: bool) -> TypeAdapter[Any]:
     return TypeAdapter(ApprovalDecisions if several else RESPONSE_SCHEMA)
 
 
-def _validated(guard: _Guard, config: Mapping[str, Any], answer: Any, names: Sequence[str]) -> Any:
+def _validated(guard: Recorder, config: Mapping[str, Any], answer: Any, names: Sequence[str]) -> Any:
     """The sibling's answer checked as its own pause checks it: the approver of a LangChain decision is found the same
     way (LangGraph's auth, else the adapter's ``approver``), an edit is pinned to its tool. None when it does not fit."""
     token = asking(names, lambda: guard.approver_for(config))

@@ -13,6 +13,9 @@ How it works (the README's "Check your compensations"):
 3. For each k, a run stopped right after step k's pre-write, before the tool ran, with this process counted as
    dead for that call (what a crash there leaves): ``recover()`` compensates it and the world must equal the
    snapshot taken before step k (``tolerates_never_happened``).
+4. With ``crash=True``, both again with real SIGKILLs: ``crash_checks`` below runs each in a child process
+   (``python -m undolog_core.testing._crash``, started by name: this module never imports it), then
+   ``recover()`` here.
 
 During a check no session rolls back on its own (the call driver's ``failure_rollbacks`` is off: the sessions'
 and adapters' ``on_failure`` policy, and a ``with`` block left by an exception), so every compensation that runs
@@ -24,11 +27,17 @@ from __future__ import annotations
 import enum
 import inspect
 import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import _faults
@@ -335,8 +344,6 @@ class _Checker:
                 if never_happened:
                     self._never_happened(step, tools)
             if crash:
-                from ._crash import crash_checks
-
                 crash_checks(self, tools, crash_paths)
         except BaseException:
             report.runs = self.runs
@@ -471,3 +478,78 @@ class _Checker:
             step.errors.append(f"never happened: recover() did not compensate it: {why}")
         # The rest of the run (steps before k) is rolled back too, so the world and the store end quiet.
         self._rollback(tracker, None, None)
+
+
+# -- killed for real (crash=True): the child is ``_crash``, started as a process -------------------------------
+
+
+def crash_checks(checker: _Checker, tools: list[str], paths: dict[str, str] | None) -> None:
+    """For every step, one child killed right after it and one killed after its pre-write."""
+    if not paths or not all(paths.get(k) for k in ("scenario", "snapshot", "reset")):
+        raise ScenarioError("crash=True runs the scenario in a child process: give crash_paths="
+                            "{'scenario': 'module:fn', 'snapshot': 'module:fn', 'reset': 'module:fn'}")
+    checker.report.crash = True
+    for step in checker.report.steps:
+        for kind in (RunKind.RESTORE, RunKind.NEVER_HAPPENED):
+            seen = _child(checker, kind, step.index, tools, paths)
+            tracker = _Tracker(kind, step.index, tools, checker.snapshot)
+            tracker.steps = [_Seen(**s) for s in seen["steps"]]
+            tracker.sessions = list(seen["sessions"])
+            tracker.before = seen["before"]
+            target = tracker.steps[step.index - 1]
+            rep = checker.u.recover(sessions=tracker.sessions)
+            if kind is RunKind.RESTORE:
+                result: dict[str, Any] = {}
+
+                def first(s: Any, result: dict[str, Any] = result, tracker: _Tracker = tracker,
+                          target: _Seen = target) -> None:
+                    if s.effect_id == target.effect_id and s.outcome == "compensated":
+                        result["diff"] = diff(tracker.before, _json_snapshot(checker.snapshot, "after a crash"))
+
+                checker._rollback(tracker, target.effect_id, first)
+                step.crash_restored = result.get("diff") == []
+                if step.crash_restored is False:
+                    step.errors.append(f"crash after the step: not restored: {result.get('diff') or 'rollback failed'}")
+            else:
+                outcome = next((r["outcome"] for r in rep.reconciled if r["effect_id"] == target.effect_id), None)
+                now = _json_snapshot(checker.snapshot, "after recovering a crash")
+                changed = diff(tracker.before, now)
+                step.crash_tolerates_never_happened = outcome == "compensated" and not changed
+                if not step.crash_tolerates_never_happened:
+                    why = "; ".join(rep.errors) or f"outcome {outcome}; {[str(d) for d in changed]}"
+                    step.errors.append(f"crash after the pre-write: {why}")
+                checker._rollback(tracker, None, None)
+
+
+def _child(checker: _Checker, kind: RunKind, k: int, tools: list[str], paths: dict[str, str]) -> dict[str, Any]:
+    checker.runs += 1
+    checker.reset_world()
+    store = checker.u.store
+    with tempfile.TemporaryDirectory(prefix="undolog-check-") as tmp:
+        result = Path(tmp) / "seen.json"
+        cfg = {"url": store.url, "schema": store.schema, "app": paths.get("app"), "scenario": paths["scenario"],
+               "snapshot": paths["snapshot"], "kind": kind.value, "k": k, "expected": tools,
+               "run_id": f"chk-{checker.token}-{checker.runs}-crash", "index": checker.runs, "out": str(result)}
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *sys.path])
+        proc = subprocess.run([sys.executable, "-m", "undolog_core.testing._crash", json.dumps(cfg)],
+                              env=env, capture_output=True, text=True, timeout=300, check=False)
+        if proc.returncode != -signal.SIGKILL or not result.exists():
+            raise ScenarioError(f"the crash child for step {k} did not stop where asked (exit {proc.returncode}): "
+                                f"{proc.stderr[-2000:]}")
+        seen: dict[str, Any] = json.loads(result.read_text())
+    refused = None
+    if seen.get("mismatch"):
+        refused = ScenarioError(f"the scenario is not deterministic: {seen['mismatch']}")
+    elif len(seen["steps"]) < k:
+        refused = ScenarioError(f"the scenario made {len(seen['steps'])} COMPENSABLE call(s) in the crash child, "
+                                f"{len(tools)} in the first run")
+    if refused is not None:
+        # The dead child's sessions are recovered and rolled back here before the check stops: left as they
+        # are, a later recover() would compensate them against a world the harness has reset.
+        tracker = _Tracker(kind, k, tools, checker.snapshot)
+        tracker.steps = [_Seen(**s) for s in seen["steps"]]
+        tracker.sessions = list(seen["sessions"])
+        checker.wind_up(tracker)
+        raise refused
+    return seen

@@ -1,0 +1,88 @@
+"""The tool results the gateway answers its MCP clients with: errors, replays, "awaiting approval", unknown outcomes.
+
+Held apart from ``gateway`` so that ``elicit``, which answers with them too, does not import the gateway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from mcp import types
+
+from undolog_core import AwaitingApproval
+
+# Where UndoLog's own fields ride in a result's structured content and _meta.
+META_KEY = "dev.undolog/call"
+
+
+def call_key(name: str, arguments: Mapping[str, Any]) -> str:
+    """An IRREVERSIBLE call's id: the same tool with the same arguments in the same session is the same call, so
+    asking again after approval runs it once, and asking after that replays its stored result."""
+    text = json.dumps({"tool": name, "args": arguments}, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      default=str)
+    return "mcp-" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:40]
+
+
+def text_of(result: types.CallToolResult) -> str:
+    return "\n".join(c.text for c in result.content if isinstance(c, types.TextContent))
+
+
+def structured(stored: Any) -> Any:
+    """A stored call result as a compensation template reads it: its structured content, else its text parsed as
+    JSON, else the text."""
+    if not isinstance(stored, Mapping):
+        return stored
+    if stored.get("structuredContent") is not None:
+        return stored["structuredContent"]
+    texts = [c.get("text") for c in stored.get("content") or [] if isinstance(c, Mapping) and c.get("type") == "text"]
+    if len(texts) == 1 and isinstance(texts[0], str):
+        try:
+            return json.loads(texts[0])
+        except ValueError:
+            return texts[0]
+    return stored
+
+
+def error_result(message: str, *, code: str | None = None) -> types.CallToolResult:
+    meta = {META_KEY: {"error": code}} if code else None
+    return types.CallToolResult(content=[types.TextContent(type="text", text=message)], isError=True,
+                                _meta=meta)
+
+
+def replayed(stored: Any) -> types.CallToolResult:
+    result = types.CallToolResult.model_validate(stored)
+    meta = dict(result.meta or {})
+    meta[META_KEY] = {"replayed": True}
+    return result.model_copy(update={"meta": meta})
+
+
+def awaiting_result(name: str, d: AwaitingApproval, *, note: str = "") -> types.CallToolResult:
+    retry = max(1, math.ceil(d.retry_after))
+    info = {
+        "status": "awaiting_approval",
+        "tool": name,
+        "approval_request_id": d.approval_request_id,
+        "reason": d.reason,
+        "risk_tags": list(d.risk_tags),
+        "retry_after_seconds": retry,
+        "timeout_at": d.timeout_at.isoformat(),
+    }
+    text = (f"{name} was not run: it needs a person's approval first (request {d.approval_request_id}"
+            f"{': ' + d.reason if d.reason else ''}). Call it again with the same arguments in about {retry} s; "
+            "it runs once approved." + note)
+    return types.CallToolResult(content=[types.TextContent(type="text", text=text)], structuredContent=info,
+                                isError=False)
+
+
+def unknown_result(name: str, exc: Exception, settled: str | None) -> types.CallToolResult:
+    what = {
+        "compensated": "it was undone (its compensation ran) in case it happened",
+        "committed": "the upstream confirms it happened",
+        "unknown": "its outcome is unknown and the session is halted until a person checks it",
+        "not_run": "the upstream confirms it did not happen",
+    }.get(settled or "", "its outcome is unknown; recovery will settle it")
+    return error_result(f"{name}: the upstream did not answer ({exc}); {what}.", code="outcome_unknown")
