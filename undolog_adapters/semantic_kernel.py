@@ -562,7 +562,17 @@ class UndoLogFilter:
             handover = _handover.get()
             if handover is not None and not handover.consumed and handover.name == known.name:
                 handover.consumed = True
-                if not self._unchanged(known, arguments, handover):
+                decision = handover.decision
+                let_through = decision.args
+                # The same value objects under the same model parameters: the call let through (_unchanged's common
+                # case, inline: a frame fewer on every logged call), else compared once converted.
+                for k, v in let_through.items():
+                    if arguments.get(k, _MISSING) is not v:
+                        same = False
+                        break
+                else:
+                    same = len(known.params & arguments.keys()) == len(let_through)
+                if not same and not self._unchanged(known, arguments, handover):
                     # A filter between the gate and the function edited the call: it is not the call that was let
                     # through (approved, for an IRREVERSIBLE one), so it does not run.
                     if handover.decision.effect_id is not None:
@@ -571,7 +581,6 @@ class UndoLogFilter:
                         f"UndoLog refused {known.name}: its arguments were changed after UndoLog's gate; it was NOT run"
                     )
                 # (_run's steps, inline: a coroutine fewer on every logged call under auto function calling.)
-                decision = handover.decision
                 outcome = await self._driver.run_async(
                     decision, lambda _a: next(context),
                     result_of=lambda _out: context.result.value if context.result is not None else None, note=False,
