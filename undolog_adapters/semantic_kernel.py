@@ -36,7 +36,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MethodType
-from typing import Any
+from typing import Any, NoReturn
 
 from undolog_adapters._common import missing_extra
 
@@ -68,6 +68,7 @@ from undolog_core import (
     AwaitingApproval,
     Completed,
     Execute,
+    Outcome,
     RequestState,
     ToolSpec,
     ToolTier,
@@ -110,6 +111,7 @@ def _model_params(function: KernelFunction) -> list[Any]:
 _session_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_sk_session", default=None)
 
 SAFE = ToolTier.SAFE
+COMPENSABLE = ToolTier.COMPENSABLE
 IRREVERSIBLE = ToolTier.IRREVERSIBLE
 _MISSING = object()
 # Values that JSON conversion (to_jsonable_python) gives back as the same objects; a subclass (a str enum...) or
@@ -431,7 +433,7 @@ class UndoLogFilter:
             call_id = await asyncio.to_thread(self._call_id, sid, name, spec.tier, args, given_call_id)
         else:
             call_id = self._call_id(sid, name, spec.tier, args, given_call_id)
-        return sid, await driver.adecide(sid, name, args, call_id=call_id), args
+        return sid, await driver.adecide(sid, spec, args, call_id=call_id), args
 
     # ----------------------------------------------------------------- filters
     async def auto_function_invocation(self, context: AutoFunctionInvocationContext, next: Any) -> None:
@@ -472,9 +474,25 @@ class UndoLogFilter:
                     del safe_calls[key]
             return
         fcc = context.function_call_content
+        given = fcc.id if fcc is not None else None
+        sid = _session_var.get() or self.session_id
+        sc = self._seen.get(sid)
         try:
-            sid, decision, asked = await self._intercept(known, spec, context.arguments,
-                                                         fcc.id if fcc is not None else None)
+            if spec.tier is COMPENSABLE and sc is not None and sc.persisted:
+                # A COMPENSABLE call in a session already in the store (every call of a conversation but its first
+                # logged one): _intercept's steps for it, written out. The engine decides it on the loop, as the
+                # driver's adecide would (same call, wait=False), in a worker thread when that would wait; the
+                # session's id was checked when this filter first saw it (look_up_session), so it is not again.
+                # Inside an SK step each frame is cold: this saves eight, three of them coroutines.
+                asked = self._args(known, context.arguments)
+                call_id = given or f"sk:{uuid.uuid4().hex}"
+                engine = self._engine
+                try:
+                    decision = engine.intercept_spec(sid, spec, asked, call_id, False, False)
+                except WouldBlock:
+                    decision = await asyncio.to_thread(engine.intercept_spec, sid, spec, asked, call_id)
+            else:
+                sid, decision, asked = await self._intercept(known, spec, context.arguments, given)
         except errors.UndoLogError as exc:
             context.function_result = _refusal(function, name, exc)
             return
@@ -544,7 +562,17 @@ class UndoLogFilter:
             handover = _handover.get()
             if handover is not None and not handover.consumed and handover.name == known.name:
                 handover.consumed = True
-                if not self._unchanged(known, arguments, handover):
+                decision = handover.decision
+                let_through = decision.args
+                # The same value objects under the same model parameters: the call let through (_unchanged's common
+                # case, inline: a frame fewer on every logged call), else compared once converted.
+                for k, v in let_through.items():
+                    if arguments.get(k, _MISSING) is not v:
+                        same = False
+                        break
+                else:
+                    same = len(known.params & arguments.keys()) == len(let_through)
+                if not same and not self._unchanged(known, arguments, handover):
                     # A filter between the gate and the function edited the call: it is not the call that was let
                     # through (approved, for an IRREVERSIBLE one), so it does not run.
                     if handover.decision.effect_id is not None:
@@ -552,7 +580,13 @@ class UndoLogFilter:
                     raise errors.ConfigurationError(
                         f"UndoLog refused {known.name}: its arguments were changed after UndoLog's gate; it was NOT run"
                     )
-                await self._run(context, next, handover.decision, handover.session_id, handover)
+                # (_run's steps, inline: a coroutine fewer on every logged call under auto function calling.)
+                outcome = await self._driver.run_async(
+                    decision, lambda _a: next(context),
+                    result_of=lambda _out: context.result.value if context.result is not None else None, note=False,
+                )
+                if outcome.error is not None:
+                    self._failed(context, decision, handover.session_id, outcome, handover)
                 return
             spec = self._spec(known.name)
             if spec.tier is not SAFE or spec.retry is not None:
@@ -611,9 +645,15 @@ class UndoLogFilter:
             decision, lambda _a: next(context),
             result_of=lambda _out: context.result.value if context.result is not None else None, note=False,
         )
+        if outcome.error is not None:
+            self._failed(context, decision, sid, outcome, handover)
+
+    def _failed(self, context: FunctionInvocationContext, decision: Execute, sid: str, outcome: Outcome,
+                handover: _Handover | None) -> NoReturn:
+        """The function raised: its own exception goes on, annotated with the rollback's outcome (and, under auto
+        calling, what the model should read, on ``handover``)."""
         exc = outcome.error
-        if exc is None:
-            return
+        assert exc is not None
         if decision.effect_id is None or not isinstance(exc, Exception):
             raise exc
         # The user's exception goes on unchanged (same object, same type); UndoLog only annotates it.

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
 from types import CoroutineType
 from typing import Any
@@ -85,12 +85,13 @@ class Outcome:
 
 
 _set_attr = object.__setattr__
+_new = object.__new__
 
 
 def _ok(value: Any) -> Outcome:
     """``Outcome(value=value)``, built fast: a frozen dataclass's __init__ sets each field through
     object.__setattr__, and this is every successful call's outcome (see ``_engine.execute_now``)."""
-    out = Outcome.__new__(Outcome)
+    out = _new(Outcome)
     _set_attr(out, "__dict__", {"value": value, "error": None, "rollback": None, "failure": None, "in_doubt": None})
     return out
 
@@ -286,17 +287,27 @@ class CallDriver:
             raise error  # raised as run_sync's Outcome hands it back to be raised: outside any handler
         return value
 
-    async def run_async(
+    def run_async(
         self, d: Execute, invoke: Callable[[dict[str, Any]], Awaitable[Any] | Any], *,
         control_flow: ControlFlow = (), rollback_on_failure: bool = True,
         failure_of: Callable[[Any], str | NothingHappened | None] | None = None,
         result_of: Callable[[Any], Any] | None = None, note: bool = True, unknown_on: ControlFlow = (),
+    ) -> Coroutine[Any, Any, Outcome]:
+        """The async twin of :meth:`run_sync`: the same steps, the tool and the rollback awaited on this loop.
+
+        Awaited as a coroutine function's call is (``await driver.run_async(...)``); a plain function returning the
+        coroutine that runs the call, so that an untraced call (the common case) is one coroutine, not two nested.
+        """
+        if d.effect_id is None or not obs.count_gated(d.tier, d.tool_name):  # SAFE, or counted and not traced
+            return self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
+        return self._run_traced_async(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note,
+                                      unknown_on)
+
+    async def _run_traced_async(
+        self, d: Execute, invoke: Callable[[dict[str, Any]], Awaitable[Any] | Any], control_flow: ControlFlow,
+        rollback_on_failure: bool, failure_of: Callable[[Any], str | NothingHappened | None] | None,
+        result_of: Callable[[Any], Any] | None, note: bool, unknown_on: ControlFlow,
     ) -> Outcome:
-        """The async twin of :meth:`run_sync`: the same steps, the tool and the rollback awaited on this loop."""
-        if d.effect_id is None:
-            return await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
-        if not obs.count_gated(d.tier, d.tool_name):
-            return await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
         with _tool_span(d) as s:
             return _ran(s, await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of,
                                                  result_of, note, unknown_on))
@@ -334,7 +345,9 @@ class CallDriver:
                 self.engine.complete(d.effect_id, result, wait=False)
             except WouldBlock:
                 await asyncio.to_thread(self._complete, d, result)
-        return _ok(value)
+        out = _new(Outcome)  # (_ok, inline: a frame fewer on every call run on an event loop)
+        _set_attr(out, "__dict__", {"value": value, "error": None, "rollback": None, "failure": None, "in_doubt": None})
+        return out
 
     def _settle_in_doubt(self, d: Execute, exc: BaseException) -> str | None:
         if d.effect_id is None or self.in_doubt is None:

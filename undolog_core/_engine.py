@@ -905,9 +905,18 @@ class Engine:
             return self.decide_safe(session_id, spec, args, call_id, wait)
         if call_id is not None:
             check_id("call_id", call_id)
-        model = spec.validate(args)
-        values = spec.values(model)
-        args_json = spec.snapshot(model)
+        copy = spec._as_is_json
+        values = copy(args) if copy is not None else None
+        if values is not None:
+            # A schema-declared contract whose model would give these arguments back unchanged, each a str, int,
+            # float, bool or None (ToolSpec._as_is_json): the values are a copy of them and so is their JSON snapshot
+            # (what validate, values and snapshot would give, without the model's two dumps; a NaN or an infinity
+            # is made a string below, as the snapshot makes it).
+            args_json: Any = {**values}
+        else:
+            model = spec.validate(args)
+            values = spec.values(model)
+            args_json = spec.snapshot(model)
         try:
             args_text = canonical_text(args_json)
         except ValueError:  # a NaN or an infinity: stored as a string, the same on both databases
@@ -1037,11 +1046,16 @@ class Engine:
             self._inflight.discard(effect_id)
             self._give_back(sc, safe, carried)
             raise
-        self.leases.start()
+        if not self.leases.loop._started:  # (its renewing loop is running already: the common case, without a call)
+            self.leases.start()
         sc.recent.append((spec.name, "compensable", args_json, "pending"))
         if _faults._armed is not None:
             fault(FaultPoint.AFTER_PREWRITE, session_id, spec.name, effect_id)
-        return execute_now(effect_id, values, "do-" + effect_id, COMPENSABLE, spec.name, call_id, session_id)
+        d = _new(Execute)  # (execute_now, inline: a frame fewer on every COMPENSABLE call)
+        _set_attr(d, "__dict__", {"effect_id": effect_id, "args": values, "idempotency_key": "do-" + effect_id,
+                                  "tier": COMPENSABLE, "tool_name": spec.name, "call_id": call_id,
+                                  "session_id": session_id, "approval_request_id": None, "decision": None})
+        return d
 
     def _prewrite_core(
         self, sc: SessionCache, spec: ToolSpec, count: int, pin: ToolSpec | None, effect_id: str,

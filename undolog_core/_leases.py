@@ -111,6 +111,9 @@ class Leases:
         self.compensating: set[int] = set()  # undo entries whose compensation runs here
         self.rolling: set[str] = set()  # sessions whose rollback this instance walks
         self._loop = LazyLoop("undolog-lease", max(0.05, lease_seconds / 3.0), self._renew)
+        #: The renewing loop (``loop._started``: whether :meth:`start` has anything to do). Read by the engine's
+        #: COMPENSABLE hot path, which calls :meth:`start` only while it is False: two frames fewer per call.
+        self.loop = self._loop
         _LIVE[self.instance] = self
 
     def until(self) -> dt.datetime:

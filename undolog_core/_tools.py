@@ -473,6 +473,13 @@ def simple_checker(schema: Mapping[str, Any]) -> Callable[[Any], bool] | None:
     return valid
 
 
+def _typed_only(schema: Mapping[str, Any]) -> bool:
+    """Whether every property of a simple schema names one JSON type (an ``as_is_copier`` then accepts only values
+    of exact str/int/float/bool/None types: a loose property, no type or several, may hold any object)."""
+    props = schema.get("properties", {})
+    return all(isinstance(p, Mapping) and isinstance(p.get("type"), str) for p in props.values())
+
+
 def _of_kind(value: Any, allowed: tuple[type, ...] | None) -> bool:
     """Whether ``value`` is of a simple schema property's JSON types (``allowed``: their Python types; None: any).
     bool is an int to Python but not a number to JSON Schema; a float integer (1.0) is left to jsonschema."""
@@ -695,6 +702,10 @@ class ToolSpec:
         self._as_is_copy = as_is_copier(self.json_schema) if self.sparse else None
         copy = self._as_is_copy
         self._as_is = None if copy is None else (lambda args: copy(args) is not None)  # (as_is_checker's answer)
+        # The same copy where every property has one JSON type of its own (no Any field): arguments it accepts hold
+        # only str/int/float/bool/None values, which are their own JSON form too, so the copy is also the snapshot
+        # a logged call stores (``snapshot(validate(args))``; see Engine.intercept_spec). None otherwise.
+        self._as_is_json = copy if copy is not None and _typed_only(self.json_schema) else None
 
     def contract(self) -> dict[str, Any]:
         contract = {

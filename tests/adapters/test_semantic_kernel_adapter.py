@@ -127,18 +127,19 @@ async def test_each_call_is_intercepted_once(ul, backend, monkeypatch):
     kernel, _ = new_kernel(ul)
     seen = []
     # The filters decide on the loop: a SAFE call in memory (checked by its contract, then the engine's
-    # note_safe_in, which the driver's safe() ends with too), a logged one by the driver's adecide.
-    real, real_safe = ul.driver.adecide, ul.engine.note_safe_in
+    # note_safe_in, which the driver's safe() ends with too), a logged one by the engine's intercept_spec (through the
+    # driver's adecide for a session's first logged call, directly for the others).
+    real, real_safe = ul.engine.intercept_spec, ul.engine.note_safe_in
 
-    async def counting(session_id, tool_name, args, *, call_id=None, match_digest=False):
-        seen.append((tool_name, call_id))
-        return await real(session_id, tool_name, args, call_id=call_id, match_digest=match_digest)
+    def counting(session_id, spec, args, call_id=None, match_digest=False, wait=True):
+        seen.append((spec.name, call_id))
+        return real(session_id, spec, args, call_id, match_digest, wait)
 
     def counting_safe(cache, spec, args):
         seen.append((spec.name, "safe"))
         return real_safe(cache, spec, args)
 
-    monkeypatch.setattr(ul.driver, "adecide", counting)
+    monkeypatch.setattr(ul.engine, "intercept_spec", counting)
     monkeypatch.setattr(ul.engine, "note_safe_in", counting_safe)
     _, history, reply = await chat_turns(kernel, [[SEARCH], [REFUND_U1]])
     assert seen == [("support-search_knowledge_base", "safe"), ("support-send_refund_email", "c2")]
@@ -377,13 +378,19 @@ async def test_failure_with_continue_policy_is_noted_and_not_rolled_back(ul, bac
     assert [m["status"] for m in backend.outbox] == ["sent"]
 
 
-async def test_gate_failure_fails_closed(ul, backend, monkeypatch):
+@pytest.mark.parametrize("known", [False, True], ids=["first-logged-call", "later-logged-call"])
+async def test_gate_failure_fails_closed(ul, backend, monkeypatch, known):
+    """The gate's failure stops the call, whether the session's first logged call (decided through the driver's
+    adecide) or a later one (the engine asked directly)."""
     kernel, _ = new_kernel(ul)
+    if known:
+        await chat_turns(kernel, [[REFUND_U2]])
+        backend.outbox.clear()
 
-    async def broken(*a, **kw):
+    def broken(*a, **kw):
         raise RuntimeError("database unreachable")
 
-    monkeypatch.setattr(ul.driver, "adecide", broken)
+    monkeypatch.setattr(ul.engine, "intercept_spec", broken)
     with pytest.raises(RuntimeError, match="database unreachable"):
         await chat_turns(kernel, [[REFUND_U1]])
     assert backend.outbox == []
@@ -886,3 +893,50 @@ async def test_a_new_conversations_first_safe_call_reads_its_session_in_few_undo
     assert "<lambda>" not in frames and "encodes" not in frames, frames
     assert frames == ["auto_function_invocation", "function_invocation", "_cache", "look_up_session", "check_id",
                       "check_identity", "_new_record", "needs_trim", "as_is_copy", "note_safe_in"], frames
+
+
+async def _later_logged_call_frames(ul, *, everything=False):
+    """A conversation's third COMPENSABLE call (its session in the store, the function learnt): the Python frames of
+    UndoLog's own modules run in it (not its storage's: they differ by database and are the lower bound's too), and
+    the builtin calls they make. ``everything``: every frame of the step, named ``file:function``."""
+    kernel, _ = new_kernel(ul)
+    history = ChatHistory()
+    ours = (f"{os.sep}undolog_core", f"{os.sep}undolog_adapters")
+    frames: list[str] = []
+
+    def profile(frame, event, arg):
+        path = frame.f_code.co_filename
+        if event == "call" and (everything or path.rpartition(os.sep)[0].endswith(ours)):
+            frames.append(f"{Path(path).stem}:{frame.f_code.co_name}" if everything else frame.f_code.co_name)
+
+    for turn in range(3):
+        history.add_user_message(f"turn {turn}")
+        chat = ScriptedChat(ai_model_id="scripted", turns=[[call(f"r{i}", "support-send_refund_email", user_id="u1",
+                                                                  amount=42.5)] for i in range(turn + 1)])
+        with undolog_session("chat-logged"):
+            if turn == 2:
+                sys.setprofile(profile)
+            try:
+                await chat.get_chat_message_content(history, auto_settings(), kernel=kernel)
+            finally:
+                sys.setprofile(None)
+    assert results(history)[-1] == "{'message_id': 'msg-3', 'status': 'sent'}", results(history)
+    assert [e["state"] for e in ul.sessions.effects("chat-logged")] == ["committed"] * 3
+    return frames
+
+
+async def test_a_later_logged_call_runs_few_undolog_frames(ul):
+    """A COMPENSABLE call in a conversation whose session is in the store (every logged call of a conversation but its
+    first) costs UndoLog few Python frames, counted (not timed; inside an SK step each is cold): the auto filter asks
+    the engine itself (no _intercept, no driver adecide with its spec look-up and session id check: the id was checked
+    when the filter first saw it), a schema-declared contract's arguments of exact JSON types are their own values and
+    snapshot (no args model, no two dumps), the lease loop is asked to start only when it is not running, and the
+    inner filter runs the call without a coroutine of its own (no _run; the driver's run_async returns its coroutine),
+    and the decision, the check that the call is the one let through and the outcome are not separate frames."""
+    # (Less the two frames of the tool's own current_call(): the support plugin's function asks for its call.)
+    frames = [f for f in await _later_logged_call_frames(ul) if f not in ("current_call", "call_context")]
+    gone = {"_intercept", "session_id", "_call_id", "adecide", "_adecide", "spec", "spec_for", "validate", "valid",
+            "values", "snapshot", "start", "ensure", "_run", "_unchanged", "execute_now", "_ok"}
+    assert not gone & set(frames), frames
+    # 36 before: the frames named above, and _of_kind twice.
+    assert len(frames) <= 17, str(frames)

@@ -7,7 +7,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from undolog_core._tools import _model_from_json_schema, as_is_checker, simple_checker
@@ -113,3 +113,74 @@ def test_a_dict_subclass_is_taken_as_it_is_only_when_it_reads_as_a_dict(undolog:
     assert copy == {"q": "refund"} and type(copy) is dict
     assert spec.as_is_copy(Rewriting(q="refund")) is None and spec.as_is_copy(Arguments(q=5)) is None
     assert spec.as_is_copy(Arguments(q="refund", extra=1)) is None
+
+
+# A COMPENSABLE call's decision takes arguments its schema-declared contract would keep as they are without the args
+# model (Engine.intercept_spec, ToolSpec._as_is_json): the same values, snapshot, digest and refusals as through it.
+TYPED = {"type": "object", "properties": {"s": {"type": "string"}, "n": {"type": "integer"}, "x": {"type": "number"},
+                                          "b": {"type": "boolean"}, "z": {"type": "null"}},
+         "required": ["s"], "additionalProperties": False}
+scalars = (st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=3)
+           | st.sampled_from(["\ud800", "é", "a\x00"]))
+
+
+def _decided(undolog: Any, spec: Any, args: dict[str, Any]) -> Any:
+    """What the engine decides for ``args`` (the values run, the snapshot and digest pre-written), or its refusal."""
+    written: list[tuple[Any, ...]] = []
+    hot = undolog.engine.hot
+    real = hot.prewrite
+
+    def prewrite(*a: Any, **kw: Any) -> Any:
+        written.append(a[6:8])  # args_text, digest
+        return real(*a, **kw)
+
+    hot.prewrite = prewrite
+    try:
+        d = undolog.engine.intercept_spec("as-is-" + str(id(args)), spec, args)
+    except ArgumentsInvalid as exc:
+        return "refused", exc.errors
+    finally:
+        del hot.prewrite
+    undolog.engine.complete(d.effect_id, None)
+    # (Sorted: the model gives its fields in the schema's order, the arguments' own order is kept as it is; neither
+    # the tool's keyword arguments nor the canonical snapshot depend on it.)
+    recent = undolog.engine.cached(d.session_id).recent[-1][2]
+    return sorted((k, v, type(v)) for k, v in d.args.items()), written, sorted(recent.items())
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(args=st.dictionaries(st.sampled_from(["s", "n", "x", "b", "z", "extra"]), scalars, max_size=5))
+@example(args={"s": "a", "x": float("nan"), "n": 3})
+@example(args={"s": "\ud800"})
+@example(args={"s": "a", "x": float("inf"), "b": True, "z": None})
+def test_a_logged_call_taken_as_it_is_decides_as_through_the_model(undolog: Any, args: dict[str, Any]) -> None:
+    spec = undolog.register_tool(lambda **kw: kw, name="typed", tier="compensable", compensation="typed_undo",
+                                 args_schema=TYPED)
+    assert spec._as_is_json is not None
+    as_is = _decided(undolog, spec, args)
+    spec._as_is_json = None  # the model's path, as before
+    through_model = _decided(undolog, spec, args)
+    assert str(as_is) == str(through_model), (as_is, through_model)  # (str: a NaN is never equal to itself)
+
+
+def test_a_logged_calls_arguments_kept_as_they_are_skip_the_args_model(undolog: Any) -> None:
+    """Counted: a COMPENSABLE call whose arguments are of the exact types of a schema-declared contract runs no args
+    model (validation, and the two dumps of values and snapshot); others do, and a schema with a property of any type
+    (which may hold objects that are not JSON) always does."""
+    spec = undolog.register_tool(lambda **kw: kw, name="typed", tier="compensable", compensation="typed_undo",
+                                 args_schema=TYPED)
+    loose = undolog.register_tool(lambda **kw: kw, name="loose", tier="compensable", compensation="typed_undo",
+                                  args_schema={"type": "object", "properties": {"s": {"type": "string"}, "any": {}}})
+    calls: list[Any] = []
+    for s in (spec, loose):
+        real = s._model_validate
+        s._model_validate = lambda a, real=real: calls.append(a) or real(a)
+    engine = undolog.engine
+    d = engine.intercept_spec("as-is-1", spec, {"s": "a", "x": 2.5})
+    assert calls == [] and d.args == {"s": "a", "x": 2.5}
+    d2 = engine.intercept_spec("as-is-1", spec, {"s": "a", "x": 2})  # a number field converts an int: the model
+    assert len(calls) == 1 and d2.args == {"s": "a", "x": 2.0} and type(d2.args["x"]) is float
+    d3 = engine.intercept_spec("as-is-1", loose, {"s": "a", "any": [1]})
+    assert len(calls) == 2 and loose._as_is_json is None and loose._as_is_copy is not None
+    for done in (d, d2, d3):
+        engine.complete(done.effect_id, None)
