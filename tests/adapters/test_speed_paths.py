@@ -684,8 +684,9 @@ def test_a_later_safe_turn_runs_few_python_frames_of_undologs_own(undolog: Any) 
     out, frames, c = _third_turn_frames(undolog, "look")
     assert out["messages"][-2].content == "tue is free"
     # The turn: wrap_model_call, base_id, turn, the engine's and the hot path's session_states; the model's answer:
-    # wrap_model_call; the SAFE call: wrap_tool_call, run_safe, safe_decision, base_id, decide_safe, check_id,
-    # validate, values, note_safe_in, run_safe_sync and the lambda running the tool. (There were 22.)
+    # wrap_model_call; the SAFE call: wrap_tool_call, run_known, _known (run_safe and safe_decision before),
+    # base_id, decide_safe, check_id, validate, values, note_safe_in, run_safe_sync and the lambda running the tool.
+    # (There were 22.)
     assert len(frames) <= 17, frames
 
 
@@ -695,16 +696,145 @@ def test_a_later_compensable_turn_runs_few_python_frames(undolog: Any) -> None:
     included: the tool's message is marked in place when ToolNode built it for this call (a pydantic ``model_copy``
     of it cost some 10 us of every step), the request to run is built without ``ToolCallRequest.override`` (its
     ``dataclasses.replace`` runs a deprecation-checking ``__setattr__`` per field: some 10 us more), and the hot
-    path reads the wal-index header around each durable write inline. Counted, not timed: every Python frame under
-    the two model calls' and the tool call's hooks, LangChain's own part (the model, the tool) left out."""
+    path reads the wal-index header around each durable write inline. The call of a thread whose session is known
+    is decided by the engine's ``intercept_spec`` straight (``_known``), and run and marked by ``run_known`` itself:
+    not through ``run_logged``'s ``_decide``/``prepare`` (with ``head``, the driver's ``decide`` and its look-up by
+    name), ``runnable``, ``_settled``/``committed``, a ``_Run`` or a ``_Box.__init__``; the turn's check reads the run's
+    config and walks the step's own commits (the pre-write and the mark) in its own frames. Counted, not timed: every
+    Python frame under the two model calls' and the tool call's hooks, LangChain's own part (the model, the tool)
+    left out."""
     out, frames, c = _third_turn_frames(undolog, "book", everything=True)
     msg = out["messages"][-2]
     assert msg.content == "booked mon" and msg.response_metadata["undolog"]["tier"] == "compensable"
     assert msg.response_metadata["undolog"]["session_id"] == c["configurable"]["thread_id"]
     assert not {"main:model_copy", "tool_node:override", "sqlite:stamp"} & set(frames), frames
-    # 106 before: the message's model_copy (5 frames with copy's), override (9, its __setattr__ per field), the
-    # tier's .value (2) and the header's reads around both writes (6, WalStamp.stamp and _commits_between).
-    assert len(frames) <= 86, frames
+    gone = {"_call:run_logged", "_call:_decide", "_guard:prepare", "_guard:head", "_driver:decide", "_guard:runnable",
+            "_call:_settled", "_guard:committed", "_tools:__init__", "<string>:__init__", "_call:_hooks",
+            "config:get_config", "sqlite:_only_own_since"}
+    assert not gone & set(frames), frames
+    # 106 before the message was marked in place (model_copy, 5 frames with copy's), override (9, its __setattr__
+    # per field), the tier's .value (2) and the header's reads around both writes (6); then 86 before the short
+    # path: run_safe and safe_decision (2) then run_logged's path (21: _decide, _pending, undolog_name, _config_of,
+    # prepare, base_id, head, _chain, the driver's decide, spec and spec_for, a second check_id, _Run's __init__,
+    # runnable, _Box's __init__, _capturing, _admit, _hooks, _unadmit, _settled, committed, _remember), less _known
+    # (1); the turn's check: LangGraph's get_config and the walk over the step's own commits inline (2); the
+    # engine's lease-loop start and execute_now inline (3).
+    assert len(frames) <= 58, frames
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_a_compensable_call_on_the_middlewares_short_path_keeps_its_checks(undolog: Any, mode: str) -> None:
+    """A COMPENSABLE call of a known thread (``_known``, ``run_known``) is still validated (bad arguments are refused,
+    nothing runs and nothing is stored), stores the tool's raw value as its result (what compensations read), marks
+    the message, and a call id LangGraph re-issues after the call ran gets its stored result without running again."""
+    SEEN.clear()
+    RELEASED.clear()
+    tools = [sp_hold]
+    scripts = {"bad": [[("sp_hold", {})]], "good": [[("sp_hold", {"day": "wed"})]]}
+    mw = UndoLogMiddleware(undolog, tools=tools, compensations=[sp_release])
+    again: list[Any] = []
+    real = mw.wrap_tool_call, mw.awrap_tool_call
+
+    def twice(request: Any, handler: Any) -> Any:  # LangGraph re-running the task: the same call id again
+        out = real[0](request, handler)
+        again.append(real[0](request, handler))
+        return out
+
+    async def atwice(request: Any, handler: Any) -> Any:
+        out = await real[1](request, handler)
+        again.append(await real[1](request, handler))
+        return out
+
+    from undolog_adapters.langgraph._middleware import _HOOK_SIGNATURE
+
+    for name, fn in (("wrap_tool_call", twice), ("awrap_tool_call", atwice)):
+        fn.__signature__ = _HOOK_SIGNATURE  # type: ignore[attr-defined]
+        setattr(mw, name, fn)
+    graph = create_agent(ScriptedChatModel(scripts=scripts), tools, checkpointer=InMemorySaver(), middleware=[mw])
+    c = _cfg()
+    sid = c["configurable"]["thread_id"]
+
+    async def turn(text: str) -> Any:
+        out = graph.invoke(_user(text), c) if mode == "sync" else await graph.ainvoke(_user(text), c)
+        return [m for m in out["messages"] if isinstance(m, ToolMessage)][-1]
+
+    await turn("good")  # the thread's session is made: the next calls take the short path
+    SEEN.clear()
+    again.clear()
+    msg = await turn("bad")
+    assert msg.status == "error" and msg.response_metadata["undolog"] == {"refused": "arguments_invalid"}
+    assert SEEN == [] and len(undolog.sessions.effects(sid)) == 1  # not run, nothing stored
+    msg = await turn("good")
+    assert msg.status == "success" and [s[0] for s in SEEN] == ["sp_hold"]  # ran once
+    mark = msg.response_metadata["undolog"]
+    assert mark["tier"] == "compensable" and mark["session_id"] == sid
+    effects = undolog.sessions.effects(sid)
+    assert [e["state"] for e in effects] == ["committed", "committed"]
+    assert effects[-1]["effect_id"] == mark["effect_id"] and effects[-1]["call_id"] == msg.tool_call_id
+    assert undolog.saga.undo_plan(sid)  # armed: the raw value is what its compensation gets
+    assert undolog.rollback(sid).complete
+    assert RELEASED == [{"hold": "wed"}] * 2  # the tools' raw values, not the messages' text
+    replayed = again[-1]
+    assert replayed.response_metadata["undolog"] == {"effect_id": mark["effect_id"], "replayed": True}
+    assert [s[0] for s in SEEN] == ["sp_hold"]  # the re-issued call did not run the tool again
+
+
+class RollBackAfterModel(AgentMiddleware):
+    """Once armed, rolls the thread's session back through another UndoLog (another process's, in effect) right after
+    the model asked for a tool: the tool call meets a session closed since the turn's check."""
+
+    def __init__(self, other: Any) -> None:
+        super().__init__()
+        self.other = other
+        self.armed = False
+
+    def wrap_model_call(self, request: Any, handler: Any) -> Any:
+        out = handler(request)
+        self._fire()
+        return out
+
+    async def awrap_model_call(self, request: Any, handler: Any) -> Any:
+        out = await handler(request)
+        await asyncio.to_thread(self._fire)
+        return out
+
+    def _fire(self) -> None:
+        if self.armed:
+            self.armed = False
+            from langgraph.config import get_config
+
+            tid = get_config()["configurable"]["thread_id"]
+            assert self.other.rollback(tid).complete
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_a_session_closed_after_the_turns_check_moves_a_new_compensable_call_on(
+    db: Any, undolog: Any, mode: str
+) -> None:
+    """The thread's session is rolled back elsewhere between the turn's check and the tool call (the call of a known
+    thread, on the short path): nothing is written for it there, and the call, part of a new plan, runs in the
+    thread's next session (as ``prepare`` decides it), never in the closed one."""
+    other = db.open(migrate=False)
+    other.register(sp_book, sp_look, sp_unbook)
+    hook = RollBackAfterModel(other)
+    tools = [sp_book, sp_look]
+    graph = create_agent(ScriptedChatModel(scripts=SCRIPTS), tools, checkpointer=InMemorySaver(),
+                         middleware=[hook, UndoLogMiddleware(undolog, tools=tools, compensations=[sp_unbook])])
+    c = _cfg()
+    tid = c["configurable"]["thread_id"]
+
+    async def turn() -> Any:
+        out = graph.invoke(_user("book"), c) if mode == "sync" else await graph.ainvoke(_user("book"), c)
+        return [m for m in out["messages"] if isinstance(m, ToolMessage)][-1]
+
+    await turn()
+    hook.armed = True
+    msg = await turn()
+    assert not hook.armed
+    assert msg.status == "success" and msg.response_metadata["undolog"]["session_id"] == f"{tid}#2"
+    assert undolog.sessions.get(tid).state == "rolled_back"
+    assert [e["state"] for e in undolog.sessions.effects(tid)] == ["compensated"]  # nothing new in the closed one
+    assert [e["call_id"] for e in undolog.sessions.effects(f"{tid}#2")] == [msg.tool_call_id]
 
 
 OWN_MESSAGES: list[ToolMessage] = []

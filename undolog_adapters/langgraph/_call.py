@@ -12,17 +12,23 @@ import contextvars
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from langchain_core.messages import ToolMessage
+from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp
 
-from undolog_core import AwaitingApproval, Outcome, errors
+from undolog_core import AwaitingApproval, Completed, Execute, Outcome, ToolTier, errors
 from undolog_core.integration import WouldBlock
 
-from ._guard import _config_of, _Guard, _Reply, _Run
+from ._guard import _config_of, _Guard, _override, _Reply, _Run
 from ._payload import _Pause
-from ._tools import _CAPTURE, _Box, _result_of, emit, rollback_events
+from ._sessions import SEP
+from ._tools import _CAPTURE, _COPIES, _Box, _capturing, _content_of, _result_of, emit, rollback_events
+
+# The tier as the effect's mark on a COMPENSABLE call's message says it (``_Guard.committed``: ``str(d.tier)``).
+_COMPENSABLE = str(ToolTier.COMPENSABLE)
 
 
 @dataclass
@@ -91,11 +97,6 @@ def _unadmit(tokens: _Tokens) -> None:
         _ADMIT.reset(tokens[0])
 
 
-def _tool_error(out: Any) -> bool:
-    # The tool raised and ToolNode's handle_tool_errors turned it into a message: still a failure.
-    return isinstance(out, ToolMessage) and out.status == "error"
-
-
 @dataclass
 class _Answer:
     """The node's answer without running the tool (a refusal, a replay, a parked approval)."""
@@ -148,14 +149,14 @@ def run_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], *, admi
     if request.tool is None:
         return execute(request)  # an unknown tool name: ToolNode answers with its own error, nothing runs
     if not admit:
-        out = run_safe(guard, request, execute)
+        out = run_known(guard, request, execute)
         if out is not NOT_SAFE:
             return out
     return run_logged(guard, request, execute, admit=admit)
 
 
 def run_logged(guard: _Guard, request: Any, execute: Callable[[Any], Any], *, admit: bool = True) -> Any:
-    """:func:`run_call` past its SAFE short path (``run_safe``, which the caller tried first, or skipped)."""
+    """:func:`run_call` past its short path (``run_known``, which the caller tried first, or skipped)."""
     if request.tool is None:
         return execute(request)  # an unknown tool name: ToolNode answers with its own error, nothing runs
     step, batch, call_id = _decide(guard, request)
@@ -175,50 +176,150 @@ def run_logged(guard: _Guard, request: Any, execute: Callable[[Any], Any], *, ad
 
 
 class _NotSafe:
-    """``run_safe``'s answer for a call it leaves to ``run_call`` (a sentinel: a tool may answer None)."""
+    """``run_known``'s answer for a call it leaves to ``run_logged`` (a sentinel: a tool may answer None)."""
 
 
 NOT_SAFE: Any = _NotSafe()
 
 
-def run_safe(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
-    """The middleware's SAFE call of a thread whose session is known here, decided and run: the tool's answer (or
-    the refusal of invalid arguments), or ``NOT_SAFE`` with nothing done when the call takes ``run_call``'s path.
+def _known(guard: _Guard, request: Any, wait: bool) -> Any:
+    """The decision for the middleware's SAFE or COMPENSABLE call of a thread whose session is known here: the
+    engine's ``Execute`` (its ``session_id`` the thread's session), the call's answer without running it (a refusal,
+    a replayed result), or ``NOT_SAFE`` with nothing written when the call takes ``run_logged``'s path (a thread not
+    seen here yet, an IRREVERSIBLE tool, an unclassified one, a node run's batch, a closed session; with ``wait``
+    False, a decision that would wait).
 
-    ``guard.safe_decision`` decides (the arguments validated against the contract, the session's pin checked, the call
-    counted) and the driver runs it as ``run_sync`` runs a SAFE call (``current_call()`` set, the retry policy,
-    ``GraphBubbleUp`` passed on), with the fewest frames: every SAFE tool call of an agent step comes here, and
-    inside a step each frame's code and data are cold (a frame costs 1-3 us there, 0.1-0.3 us in a loop).
+    A SAFE call: the engine's ``decide_safe`` (the arguments validated against the contract, the session's pin
+    checked, the call counted). A COMPENSABLE call: the engine's ``intercept_spec`` (validated, snapshotted, the
+    durable pre-write before the tool), as ``prepare`` asks it through the driver, without the driver's look-up by
+    name and second check of the session id (checked when the thread's session was started or found).
     """
     if request.tool is None or _BATCH.get() is not None:
         return NOT_SAFE
-    try:
-        d = guard.safe_decision(request)
-    except _REFUSED as exc:
-        return guard.refusal(request, exc)
-    if d is None:
+    # The tool's spec and the thread's current session, for both tiers.
+    call = request.tool_call
+    name = guard.names.get(call["name"])
+    spec = guard.u.registry.tools.get(name) if name is not None else None
+    if spec is None:
         return NOT_SAFE
+    tier = spec.tier
+    if tier is not ToolTier.SAFE and tier is not ToolTier.COMPENSABLE:
+        return NOT_SAFE
+    rt = getattr(request, "runtime", None)  # _config_of, inline
+    base = guard.base_id(getattr(rt, "config", None) or get_config())
+    n = guard.heads.get(base)  # known from the turn's check (its session exists); else prepare creates it
+    if n is None:
+        return NOT_SAFE
+    sid = base if n <= 1 else f"{base}{SEP}{n}"
+    d: Execute | AwaitingApproval | Completed
+    try:
+        if tier is ToolTier.SAFE:
+            d = guard.u.engine.decide_safe(sid, spec, call.get("args") or {}, call.get("id"), wait)
+        else:
+            d = guard.u.engine.intercept_spec(sid, spec, call.get("args") or {}, call.get("id"), False, wait)
+    except WouldBlock:
+        return NOT_SAFE  # nothing written: decided again where it may wait
+    except _REFUSED as exc:
+        if tier is ToolTier.COMPENSABLE and isinstance(exc, errors.SessionClosed):
+            # Rolled back or completed (nothing was written): prepare opens the thread's next session for a new
+            # plan, or refuses a call of the plan that was undone.
+            return NOT_SAFE
+        return guard.refusal(request, exc)
+    if d.__class__ is Execute:
+        return d
+    if isinstance(d, Completed):  # a re-issued call id (LangGraph re-runs a task): its stored result, as prepare says
+        return guard.message(request, _content_of(d.result), meta={"effect_id": d.effect_id, "replayed": True})
+    return NOT_SAFE  # not a decision this path makes (nothing was written for it): prepare decides again
+
+
+def run_known(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any:
+    """The middleware's SAFE or COMPENSABLE call of a thread whose session is known here, decided (``_known``) and
+    run: the tool's answer (or the call's answer without running it), or ``NOT_SAFE`` with nothing done when the call
+    takes ``run_logged``'s path.
+
+    A SAFE call runs as ``run_sync`` runs one (``current_call()`` set, the retry policy, ``GraphBubbleUp`` passed
+    on); a COMPENSABLE call through ``run_sync`` (the durable commit mark, or the failure and its rollback), as
+    ``run_logged`` runs it. Both with the fewest frames: every tool call of an agent step comes here, and inside a
+    step each frame's code and data are cold (a frame costs 1-3 us there, 0.1-0.3 us in a loop).
+    """
+    d = _known(guard, request, True)
+    if d.__class__ is not Execute:
+        return d  # the answer, or NOT_SAFE
     call = request.tool_call
     args = call.get("args") or {}
-    # The validated arguments (guard.runnable's test, inline); nothing is stored for a SAFE call.
-    req = request if (args if args.__class__ is dict else dict(args)) == d.args else \
-        request.override(tool_call={**call, "args": dict(d.args)})
-    return guard.u.driver.run_safe_sync(d, lambda _a: execute(req), control_flow=(GraphBubbleUp,))
+    # The validated arguments (guard.runnable's test, inline).
+    same = (args if args.__class__ is dict else dict(args)) == d.args
+    if d.effect_id is None:  # SAFE: nothing is stored, ToolNode's answer is the result
+        req = request if same else request.override(tool_call={**call, "args": dict(d.args)})
+        return guard.u.driver.run_safe_sync(d, lambda _a: execute(req), control_flow=(GraphBubbleUp,))
+    # guard.runnable, inline: the tool's capturing copy drops its raw value into the box (what is stored as the
+    # result), through the request to run.
+    box = _Box()
+    tool = request.tool
+    hit = _COPIES.get(id(tool))  # _capturing's own first test, inline (its copy is made once per tool)
+    copy = hit[1] if hit is not None and hit[0] is tool else _capturing(tool, box)
+    overrides: dict[str, Any] = {} if same else {"tool_call": {**call, "args": dict(d.args)}}
+    if copy is not tool:
+        overrides["tool"] = copy
+    req = _override(request, overrides) if overrides else request
+    token = _CAPTURE.set(box)
+    try:
+        outcome = guard.u.driver.run_sync(d, lambda _a: execute(req), control_flow=(GraphBubbleUp,), note=False,
+                                          failure_of=partial(_failure_of, call["name"]), result_of=box.result_of)
+    finally:
+        _CAPTURE.reset(token)
+    out = outcome.value
+    if (outcome.error is None and outcome.failure is None and outcome.rollback is None and box.set
+            and box.value is not out and out.__class__ is ToolMessage and out.response_metadata.__class__ is dict):
+        # guard.committed's common case, inline: ToolNode built this message for this call, marked in place.
+        out.response_metadata["undolog"] = {"tier": _COMPENSABLE, "effect_id": d.effect_id, "session_id": d.session_id}
+        return out
+    return _settled(guard, None, call.get("id"), request, _Run(d, d.session_id), outcome, box)
 
 
 async def arun_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], *, admit: bool = True) -> Any:
     """Async :func:`run_call`: the same steps, awaiting the tool."""
     if request.tool is None:
         return await execute(request)
-    if not admit and _BATCH.get() is None:
-        try:
-            safe = guard.safe(request)  # in memory only: never waits
-        except _REFUSED as exc:
-            return guard.refusal(request, exc)
-        if safe is not None:
-            req, _ = guard.runnable(request, safe)
-            return _safe_answer(await guard.u.driver.run_async(safe.execute, lambda _a: execute(req),
-                                                                control_flow=(GraphBubbleUp,), note=False))
+    if not admit:
+        # The middleware's call of a known thread (``_known``), decided on the loop: in memory for a SAFE call, the
+        # COMPENSABLE hot path when a connection and the write lock are free at once (no thread hop); else NOT_SAFE,
+        # with nothing written, and decided below (in a thread when it must wait).
+        d = _known(guard, request, False)
+        if d.__class__ is Execute:
+            call = request.tool_call
+            args = call.get("args") or {}
+            same = (args if args.__class__ is dict else dict(args)) == d.args  # the validated arguments
+            if d.effect_id is None:
+                req = request if same else request.override(tool_call={**call, "args": dict(d.args)})
+                return _safe_answer(await guard.u.driver.run_async(d, lambda _a: execute(req),
+                                                                    control_flow=(GraphBubbleUp,), note=False))
+            # As run_known runs it (guard.runnable and committed's common case inline), the tool awaited.
+            raw = _Box()
+            tool = request.tool
+            hit = _COPIES.get(id(tool))
+            copy = hit[1] if hit is not None and hit[0] is tool else _capturing(tool, raw)
+            overrides: dict[str, Any] = {} if same else {"tool_call": {**call, "args": dict(d.args)}}
+            if copy is not tool:
+                overrides["tool"] = copy
+            req = _override(request, overrides) if overrides else request
+            boxed = _CAPTURE.set(raw)
+            try:
+                outcome = await guard.u.driver.run_async(
+                    d, lambda _a: execute(req), control_flow=(GraphBubbleUp,), note=False,
+                    failure_of=partial(_failure_of, call["name"]), result_of=raw.result_of)
+            finally:
+                _CAPTURE.reset(boxed)
+            out = outcome.value
+            if (outcome.error is None and outcome.failure is None and outcome.rollback is None and raw.set
+                    and raw.value is not out and out.__class__ is ToolMessage
+                    and out.response_metadata.__class__ is dict):
+                out.response_metadata["undolog"] = {"tier": _COMPENSABLE, "effect_id": d.effect_id,
+                                                    "session_id": d.session_id}
+                return out
+            return _settled(guard, None, call.get("id"), request, _Run(d, d.session_id), outcome, raw)
+        if d is not NOT_SAFE:
+            return d
     try:
         # On the loop when nothing has to wait (SAFE, and the COMPENSABLE hot path with a free connection and
         # write lock): no thread hop. Otherwise (a gated call, a thread's first call, a busy pool) in a thread.
@@ -250,15 +351,14 @@ def _hooks(request: Any, step: _Run, box: _Box | None) -> dict[str, Any]:
     handle_tool_errors turned the exception into it), and the stored result is the tool's own value."""
     if step.execute.effect_id is None:
         return {}  # SAFE: nothing is recorded, ToolNode's answer goes back as it is
-    name = request.tool_call["name"]
+    return {"failure_of": partial(_failure_of, request.tool_call["name"]),
+            "result_of": box.result_of if box is not None else _result_of}
 
-    def failure_of(out: Any) -> str | None:
-        return f"{name} failed: {out.content}" if _tool_error(out) else None
 
-    def result_of(out: Any) -> Any:
-        return box.value if box is not None and box.set else _result_of(out)
-
-    return {"failure_of": failure_of, "result_of": result_of}
+def _failure_of(name: str, out: Any) -> str | None:
+    """The failure's text when ToolNode's answer says the tool failed (it raised, and ToolNode's handle_tool_errors
+    turned that into an error message: still a failure), else None."""
+    return f"{name} failed: {out.content}" if isinstance(out, ToolMessage) and out.status == "error" else None
 
 
 def _settled(guard: _Guard, batch: _Batch | None, call_id: str | None, request: Any, step: _Run,

@@ -281,36 +281,6 @@ class _Guard:
             return _Pause(d, sid)
         return _Run(d, sid)
 
-    def safe(self, request: Any) -> _Run | None:
-        """A SAFE call's whole decision (its arguments validated, counted in memory), or None when the call is not
-        SAFE or its thread has no session known here yet: then ``prepare`` decides. What ``prepare`` does for a SAFE
-        call, without the driver's lookups by name and the decision's wrapping: it runs on every SAFE tool call.
-
-        Never waits (the async path calls it on the event loop): a session whose record the engine evicted is read
-        again first (its pins), and when that read would wait this returns None too (``prepare`` then decides, in a
-        thread when it must)."""
-        try:
-            d = self.safe_decision(request, wait=False)
-        except WouldBlock:
-            return None
-        return None if d is None else _Run(d, d.session_id)
-
-    def safe_decision(self, request: Any, *, wait: bool = True) -> Execute | None:
-        """:meth:`safe`'s decision itself (its ``session_id`` is the thread's session), with the fewest frames: the
-        middleware's sync SAFE call takes it, inside an agent step where each frame costs 1-3 us (cold code)."""
-        call = request.tool_call
-        name = self.names.get(call["name"])
-        spec = self.u.registry.tools.get(name) if name is not None else None
-        if spec is None or spec.tier is not ToolTier.SAFE:
-            return None
-        rt = getattr(request, "runtime", None)  # _config_of, inline
-        base = self.base_id(getattr(rt, "config", None) or get_config())
-        n = self.heads.get(base)  # known from the turn's check (its session exists); else prepare creates it
-        if n is None:
-            return None
-        return self.u.engine.decide_safe(base if n <= 1 else f"{base}{SEP}{n}", spec, call.get("args") or {},
-                                         call.get("id"), wait)
-
     def _after_close(self, base: str, sid: str, request: Any) -> str | None:
         """A call on a rolled-back/completed session: a new plan gets a new session, the old plan none."""
         known = {e.get("call_id") for e in self.u.sessions.effects(sid)}

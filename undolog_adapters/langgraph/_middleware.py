@@ -9,14 +9,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.messages import AIMessage, HumanMessage
+from langchain_core.runnables.config import var_child_runnable_config
 from langchain_core.tools import BaseTool
-from langgraph.config import get_config
 
 from undolog_core import OnFailure, SessionState, errors
 from undolog_core.integration import WouldBlock
 
 from .._common import TierValue, halted_text, missing_extra
-from ._call import NOT_SAFE, arun_call, run_logged, run_safe
+from ._call import NOT_SAFE, arun_call, run_known, run_logged
 from ._guard import _config_of, _Guard
 from ._resume import rollback
 from ._sessions import _ADAPTERS
@@ -109,9 +109,13 @@ class UndoLogMiddleware(AgentMiddleware):
             # _turn and _config_of, inline (two frames less at every user turn).
             g = self._undolog_guard
             rt = getattr(request, "runtime", None)
+            # get_config, inline: the run's config (a model request's runtime carries none), None outside a run.
+            config = getattr(rt, "config", None) or var_child_runnable_config.get()
+            if not config:
+                return handler(request)  # no thread: every tool call will say so
             try:
-                base = g.base_id(getattr(rt, "config", None) or get_config())
-            except (RuntimeError, errors.ConfigurationError):
+                base = g.base_id(config)
+            except errors.ConfigurationError:
                 return handler(request)  # no thread: every tool call will say so
             sid, state, reason = g.turn(base, wait=True)
             if state in _STOPS_OR_MOVES:
@@ -168,8 +172,9 @@ class UndoLogMiddleware(AgentMiddleware):
     def wrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
         if _INNER_WRAPPERS in getattr(handler, "__qualname__", ""):
             _innermost(handler)  # refuses: _innermost's test, inline (a frame less on every tool call)
-        # run_call's own first step, taken here (a frame less on every SAFE call): the SAFE call of a known thread.
-        out = run_safe(self._undolog_guard, request, handler)
+        # run_call's own first step, taken here (a frame less on every call): the SAFE or COMPENSABLE call of a known
+        # thread.
+        out = run_known(self._undolog_guard, request, handler)
         return out if out is not NOT_SAFE else run_logged(self._undolog_guard, request, handler, admit=False)
 
     async def awrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:

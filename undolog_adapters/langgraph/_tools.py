@@ -18,13 +18,18 @@ from langchain_core.tools import BaseTool
 
 
 class _Box:
-    """Holds the raw return value of one tool run (LangChain turns it into message text)."""
+    """Holds the raw return value of one tool run (LangChain turns it into message text).
 
-    __slots__ = ("value", "set")
+    No ``__init__``: its two fields are class defaults until the tool's value lands (a box is made on every logged
+    call, and a Python ``__init__`` is one more frame there, cold inside an agent step)."""
 
-    def __init__(self) -> None:
-        self.value: Any = None
-        self.set = False
+    value: Any = None
+    set = False
+
+    def result_of(self, out: Any) -> Any:
+        """What is stored as the call's result: the tool's raw value when it landed here, else ``out`` (ToolNode's
+        message) read back (``_result_of``)."""
+        return self.value if self.set else _result_of(out)
 
 
 def _declaration(obj: Any) -> Any:

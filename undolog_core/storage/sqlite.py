@@ -214,10 +214,24 @@ class SQLiteHotPath(HotPath):
         if seen is not None and stamp is not None and now - seen[1] < STATE_MEMO_SECONDS:
             if seen[0] == stamp:
                 return dict(seen[2])
-            if self._only_own_since(seen[0], stamp):
-                # Kept from the same read (and its age), under the newer stamp: the next turn walks from here.
-                self._states[key] = (stamp, seen[1], seen[2])
-                return dict(seen[2])
+            # Whether every commit from the read's stamp to this one was one of this hot path's pre-writes or commit
+            # marks, each seen alone (see ``_own_commit``): those change no session's state or halt reason (a
+            # pre-write adds to the session's call count and writes the effect and its undo entry; a mark changes
+            # the effect; no trigger of the schema writes a session), so the read is still the store's answer. A
+            # COMPENSABLE agent step commits twice (its pre-write and its mark): without this, every turn of such an
+            # agent would read its session again, though nothing but its own calls was written since the last read.
+            # A turn's own commits are a few: a longer walk is not worth it (read). In this frame, not one of its
+            # own: it runs at every turn of such an agent, where each frame's code is cold.
+            own, at = self._own, stamp
+            for _ in range(8):
+                before = own.get(at)
+                if before is None:
+                    break
+                if before == seen[0]:
+                    # Kept from the same read (and its age), under the newer stamp: the next turn walks from here.
+                    self._states[key] = (stamp, seen[1], seen[2])
+                    return dict(seen[2])
+                at = before
         found = super().session_states(session_ids, wait=wait)
         if stamp is not None:
             self._remember_states(key, stamp, now, dict(found))
@@ -236,24 +250,6 @@ class SQLiteHotPath(HotPath):
             except (StopIteration, RuntimeError):  # emptied, or changed by another thread meanwhile: good enough
                 break
         states[key] = (stamp, now, found)
-
-    def _only_own_since(self, then: bytes, now: bytes) -> bool:
-        """Whether every commit from stamp ``then`` to stamp ``now`` was one of this hot path's pre-writes or commit
-        marks, each seen alone (see ``_own_commit``). Those change no session's state or halt reason (a pre-write
-        adds to the session's call count and writes the effect and its undo entry; a mark changes the effect; no
-        trigger of the schema writes a session), so a session read taken at ``then`` is still the store's answer.
-
-        A COMPENSABLE agent step commits twice (its pre-write and its mark): without this, every turn of such an
-        agent would read its session again, though nothing but its own calls was written since the last read."""
-        own = self._own
-        for _ in range(8):  # a turn's own commits are a few; a longer walk is not worth it: read
-            before = own.get(now)
-            if before is None:
-                return False
-            if before == then:
-                return True
-            now = before
-        return False
 
     def _own_commit(self, write: Any, *args: Any, wrote: Callable[[Any], bool] = bool, **kw: Any) -> Any:
         """``write(*args)``, remembered as this hot path's own commit when it was the only commit between the
