@@ -690,7 +690,7 @@ def clone_schema(src: str) -> tuple[str, UndoLog]:
     """A fresh schema holding a copy of ``src``'s rows (an UndoLog schema): tables, indexes, triggers and sequences
     made by UndoLog's own migrations (the UndoLog opened to make them is returned, open), the rows copied with triggers off (``session_replication_role = replica``:
     the audit tables refuse changes, and the copy of a chain is the chain), the sequences set as in ``src``, then
-    analyzed, with autovacuum off for its tables.
+    vacuumed and analyzed, with autovacuum off for its tables, and checkpointed.
 
     Every run of a comparison starts from the same rows laid out the same way, with the same statistics: the
     runs paired differ by the worker count, not by their seeding, nor by whether autovacuum's minute fell inside
@@ -721,7 +721,13 @@ def clone_schema(src: str) -> tuple[str, UndoLog]:
         con.autocommit = True
         for name in tables:
             con.execute(f'ALTER TABLE "{dst}"."{name}" SET (autovacuum_enabled = false)')
-            con.execute(f'ANALYZE "{dst}"."{name}"')
+            # VACUUM as well as ANALYZE: the copied rows' hint bits and the visibility map are set here, not by
+            # whichever run first reads them (a reader setting hint bits dirties every page it reads).
+            con.execute(f'VACUUM (ANALYZE) "{dst}"."{name}"')
+        # Every run starts right after a checkpoint: the first change of a page after a checkpoint logs the whole
+        # page (full_page_writes), so a run that a checkpoint preceded by chance wrote several times the WAL of
+        # one that ran late in a checkpoint cycle (the same count ran at 4,605 and 8,240 timeouts/s).
+        con.execute("CHECKPOINT")
     return dst, u
 
 
