@@ -45,7 +45,8 @@ def _slow_world_tools(world: World, gate: threading.Event | None = None, delay: 
     async def slow_undo(ctx: Any) -> None:
         world.log("undo_start", ctx.args["n"])
         if gate is not None:
-            await asyncio.to_thread(gate.wait, 10)
+            # Set by the test when done; 60 s at most (10 s before: a loaded machine's test could still be checking).
+            await asyncio.to_thread(gate.wait, 60)
         else:
             await asyncio.sleep(delay)
         world.log("undo", ctx.args["n"])
@@ -102,7 +103,8 @@ def test_recover_leaves_a_live_rollback_in_this_process_alone(undolog):
     th = threading.Thread(target=lambda: undolog.rollback(s.id))
     th.start()
     try:
-        for _ in range(200):
+        deadline = time.monotonic() + 30  # bounded, generous (4 s before): the rollback's thread may start late
+        while time.monotonic() < deadline:
             if world.count("undo_start"):
                 break
             time.sleep(0.02)

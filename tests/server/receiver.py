@@ -25,12 +25,14 @@ class Received:
 @dataclass
 class Receiver:
     """Records every POST; ``fail_first[path]`` answers 500 that many times first; ``delay`` (every path) or
-    ``delays[path]`` stalls; ``arrived`` lists paths as requests come in, before any stall."""
+    ``delays[path]`` stalls; ``gates[path]`` holds a request until the test sets the event (at most a minute);
+    ``arrived`` lists paths as requests come in, before any stall."""
 
     secrets: dict[str, str] = field(default_factory=dict)
     fail_first: dict[str, int] = field(default_factory=dict)
     delay: float = 0.0
     delays: dict[str, float] = field(default_factory=dict)
+    gates: dict[str, threading.Event] = field(default_factory=dict)
     arrived: list[str] = field(default_factory=list)
     got: list[Received] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -48,6 +50,8 @@ class Receiver:
                     outer.arrived.append(self.path)
                 if outer.delay or self.path in outer.delays:
                     time.sleep(outer.delays.get(self.path, outer.delay))
+                if self.path in outer.gates:
+                    outer.gates[self.path].wait(60)
                 secret = outer.secrets.get(self.path, "")
                 ok = verify_signature(secret, self.headers.get(SIGNATURE_HEADER, ""), raw,
                                       delivery_id=self.headers.get(DELIVERY_HEADER, ""))

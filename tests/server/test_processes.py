@@ -110,9 +110,12 @@ def test_two_servers_handle_each_timeout_once(db: Any, tmp_path: Path) -> None:
     time.sleep(1.1)  # every request is due before the servers start, so both race for all of them
     procs = []
     try:
-        # Both start at once, so both sweepers race for the same due requests.
+        # Both start at once, so both sweepers race for the same due requests. A generous attempt deadline (30 s,
+        # the default 5 s before): an attempt cut short by a loaded machine would be sent again, and the deliveries
+        # are counted exactly below.
         for i in range(2):
-            procs.append((*_spawn(db, tmp_path / f"server{i}.log", "--sweep-interval", "0.02"), tmp_path / f"server{i}.log"))
+            procs.append((*_spawn(db, tmp_path / f"server{i}.log", "--sweep-interval", "0.02", "--webhook-timeout", "30"),
+                          tmp_path / f"server{i}.log"))
         for proc, url, log in procs:
             _wait_up(proc, url, log)
         receiver.wait(lambda: len(receiver.events("/audit")) >= n, timeout=60)

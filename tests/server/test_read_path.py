@@ -21,8 +21,9 @@ from sqlalchemy import event
 
 from .conftest import Desk
 
-#: Far below the 30 s busy timeout a read queued behind the writer would wait.
-PROMPT = 5.0
+#: Far below the 30 s busy timeout a read queued behind the writer would wait (15 s, 5 s before: room for a loaded
+#: machine, still half the wait a queued read would show).
+PROMPT = 15.0
 
 CORE_TABLES = "undolog_sessions, undolog_effect_log, undolog_approval_requests, undolog_tool_registry"
 SERVER_TABLES = "undolog_api_keys, undolog_approver_groups, undolog_webhook_targets"

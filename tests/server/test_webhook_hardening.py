@@ -148,8 +148,11 @@ def _log(desk: Desk, target_id: str) -> list[dict[str, Any]]:
 def test_a_trickling_receiver_is_cut_at_the_deadline_and_never_starves_a_healthy_one(
     db: Any, receiver: Receiver, trickler: Trickler
 ) -> None:
+    # The deadline (1.5 s; 0.6 s before) is also the healthy receiver's: on a loaded machine an answer could take
+    # longer than 0.6 s, be cut and sent again (twice: failed), and the 8 slow attempts, 2 at a time, could all end
+    # (4 deadlines) before the healthy target had its 4 events. Each slow attempt still ends at it, not 20 s later.
     settings = ServerSettings(**{**QUICK, "webhook_backoff_base": 0.2, "webhook_backoff_max": 0.2},
-                              webhook_timeout=0.6, webhook_max_attempts=2, webhook_per_target=2,
+                              webhook_timeout=1.5, webhook_max_attempts=2, webhook_per_target=2,
                               webhook_max_inflight=3, webhook_allow_private=True)
     d = make_desk(db, settings=settings)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,9 +15,11 @@ from undolog_server.webhooks import sign, verify_signature
 from .conftest import Desk, make_desk
 from .receiver import Receiver
 
-# The receivers listen on loopback, which the target policy refuses unless the admin opts in.
+# The receivers listen on loopback, which the target policy refuses unless the admin opts in. The deadline of an
+# attempt is generous: an attempt cut short on a loaded machine would be sent again, and the tests count deliveries
+# exactly (each event delivered once, an escalation sent once).
 FAST = dict(background=True, sweep_interval=0.05, webhook_interval=0.02, webhook_backoff_base=0.05,
-            webhook_backoff_max=0.2, webhook_timeout=1.0, webhook_max_attempts=4, webhook_allow_private=True)
+            webhook_backoff_max=0.2, webhook_timeout=10.0, webhook_max_attempts=4, webhook_allow_private=True)
 
 
 @pytest.fixture
@@ -71,16 +74,7 @@ def test_signed_events_for_request_decision_and_rollback(live: Desk, receiver: R
     assert len({g.delivery_id for g in got}) == len(got)
 
 
-@pytest.fixture
-def patient(db: Any) -> Iterator[Desk]:
-    # A generous deadline: an attempt cut short on a stalled machine would add an attempt the test counts.
-    d = make_desk(db, settings=ServerSettings(**{**FAST, "webhook_timeout": 10.0}))
-    yield d
-    d.close()
-
-
-def test_retries_with_backoff_and_a_delivery_log(patient: Desk, receiver: Receiver) -> None:
-    live = patient
+def test_retries_with_backoff_and_a_delivery_log(live: Desk, receiver: Receiver) -> None:
     target = hook(live, receiver, "flaky")
     receiver.fail_first["/flaky"] = 2
     live.pending()
@@ -102,42 +96,59 @@ def test_retries_with_backoff_and_a_delivery_log(patient: Desk, receiver: Receiv
     assert got["status"] == "delivered" and got["attempts"] == 3 and got["last_status_code"] == 200, got
 
 
-def test_a_dead_receiver_is_given_up_and_never_blocks_decisions(live: Desk, receiver: Receiver) -> None:
-    target = live.client("admin").post("/v1/webhooks", json={"name": "dead", "url": "http://127.0.0.1:9/gone"}).json()
-    stalled = hook(live, receiver, "slow")
-    receiver.delay = 3.0  # longer than the 1 s webhook timeout
-    ids = [live.pending()[0] for _ in range(3)]
-    t0 = time.monotonic()
-    for rid in ids:
-        assert live.client("approver").post(f"/v1/approvals/{rid}:approve", json={}).status_code == 200
-    assert time.monotonic() - t0 < 2.0
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        log = live.client("admin").get(f"/v1/webhooks/{target['target_id']}/deliveries").json()
-        if log and all(d["status"] == "failed" for d in log):
-            break
-        time.sleep(0.1)
-    assert log and all(d["status"] == "failed" and d["attempts"] == 4 for d in log), log
-    # Generic: "connection refused" vs "timed out" would make the log a port scanner.
-    assert log[0]["last_error"] == "no response"
-    slow = live.client("admin").get(f"/v1/webhooks/{stalled['target_id']}/deliveries").json()
-    assert slow and all(d["status"] in ("pending", "failed") for d in slow)
+def test_a_dead_receiver_is_given_up_and_never_blocks_decisions(db: Any, receiver: Receiver) -> None:
+    # The stalled receiver holds every request until the test lets go, and the sender waits for it longer than the
+    # client below waits for a decision (30 s): a decision that waited for a webhook would time out. Decisions are
+    # made while deliveries to it are in flight and held, without timing them (before: "3 decisions in < 2 s", a
+    # timed assertion a loaded machine could fail).
+    d = make_desk(db, settings=ServerSettings(**{**FAST, "webhook_timeout": 40.0}))
+    held = threading.Event()
+    try:
+        target = d.client("admin").post("/v1/webhooks", json={"name": "dead", "url": "http://127.0.0.1:9/gone"}).json()
+        stalled = hook(d, receiver, "slow")
+        receiver.gates["/slow"] = held
+        ids = [d.pending()[0] for _ in range(3)]
+        receiver.wait(lambda: "/slow" in receiver.arrived, timeout=30)  # a delivery to it is in flight, held
+        for rid in ids:
+            assert d.client("approver").post(f"/v1/approvals/{rid}:approve", json={}).status_code == 200
+        with receiver.lock:
+            assert not [g for g in receiver.got if g.path == "/slow"]  # still held: the decisions never waited
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            log = d.client("admin").get(f"/v1/webhooks/{target['target_id']}/deliveries").json()
+            if len(log) == 6 and all(x["status"] == "failed" for x in log):
+                break
+            time.sleep(0.1)
+        # 3 requests and 3 decisions, each given up after its 4 attempts while the stalled target held its own.
+        assert len(log) == 6 and all(x["status"] == "failed" and x["attempts"] == 4 for x in log), log
+        # Generic: "connection refused" vs "timed out" would make the log a port scanner.
+        assert log[0]["last_error"] == "no response"
+        slow = d.client("admin").get(f"/v1/webhooks/{stalled['target_id']}/deliveries").json()
+        assert slow and all(x["status"] == "pending" for x in slow), slow
+    finally:
+        held.set()
+        d.close()
 
 
 def test_a_stalled_receiver_does_not_hold_up_the_others(db: Any, receiver: Receiver) -> None:
-    d = make_desk(db, settings=ServerSettings(**{**FAST, "webhook_timeout": 3.0}))
+    # The stalled receiver holds its requests until the test lets go; the sender would wait 40 s for it. The prompt
+    # receiver's second event is waited for (20 s at most) while the stalled request is still open: a sender held up
+    # by it would deliver only after its deadline. (Before: a 2.5 s stall and "delivered in < 1.5 s", a timed
+    # assertion a loaded machine could fail.)
+    d = make_desk(db, settings=ServerSettings(**{**FAST, "webhook_timeout": 40.0}))
+    held = threading.Event()
     try:
         hook(d, receiver, "stalled")
         hook(d, receiver, "prompt")
-        receiver.delays["/stalled"] = 2.5
+        receiver.gates["/stalled"] = held
         d.pending(user_id="first")
-        receiver.wait(lambda: "/stalled" in receiver.arrived and len(receiver.events("/prompt")) == 1)
+        receiver.wait(lambda: "/stalled" in receiver.arrived and len(receiver.events("/prompt")) == 1, timeout=30)
         # The stalled receiver is now holding a request open; a new event must still reach the other one.
-        t0 = time.monotonic()
         d.pending(user_id="second")
-        receiver.wait(lambda: len(receiver.events("/prompt")) == 2, timeout=5)
-        assert time.monotonic() - t0 < 1.5
+        receiver.wait(lambda: len(receiver.events("/prompt")) == 2, timeout=20)
+        assert not held.is_set() and not receiver.events("/stalled")  # while the stalled one was still held
     finally:
+        held.set()
         d.close()
 
 
