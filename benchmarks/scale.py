@@ -581,6 +581,29 @@ SELECT coalesce(sum(coalesce(io.heap_blks_hit, 0) + coalesce(io.heap_blks_read, 
        coalesce(sum(st.n_tup_ins), 0), coalesce(sum(st.n_tup_upd), 0),
        (SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes WHERE schemaname = %(s)s)
 FROM pg_statio_user_tables io JOIN pg_stat_user_tables st USING (relid) WHERE io.schemaname = %(s)s"""
+def _machine() -> tuple[float, float]:
+    """(busy, steal): seconds of CPU the whole machine spent busy (user, nice, system, irq, softirq) and lost to its
+    hypervisor (``steal``: time the virtual CPUs were ready but not run), from /proc/stat, all CPUs."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    tick = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v
+    return (user + nice + system + irq + softirq) / tick, steal / tick
+
+
+#: Autovacuum and autoanalyze runs in the whole database so far (every table, the catalogs included).
+_AUTOVACUUMS = "SELECT coalesce(sum(autovacuum_count + autoanalyze_count), 0) FROM pg_stat_all_tables"
+
+
+def _autovacuums() -> int:
+    import psycopg
+
+    with psycopg.connect(PG_URL.replace("postgresql+psycopg://", "postgresql://", 1), autocommit=True) as con:
+        row = con.execute(_AUTOVACUUMS).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 WORK_KEYS = ("blocks", "heap_fetched_by_index", "index_scans", "seq_scans", "inserted", "updated", "index_read")
 
 
@@ -724,6 +747,13 @@ def clone_schema(src: str) -> tuple[str, UndoLog]:
             # VACUUM as well as ANALYZE: the copied rows' hint bits and the visibility map are set here, not by
             # whichever run first reads them (a reader setting hint bits dirties every page it reads).
             con.execute(f'VACUUM (ANALYZE) "{dst}"."{name}"')
+        # The catalogs too: every run creates a schema of some twenty tables and drops the one before, and
+        # autovacuum woke on pg_class, pg_attribute and friends inside some runs only (CPU on the sweepers' cores
+        # that no worker's accounting shows).
+        con.execute("VACUUM (ANALYZE) pg_catalog.pg_class, pg_catalog.pg_attribute, pg_catalog.pg_type, "
+                    "pg_catalog.pg_depend, pg_catalog.pg_constraint, pg_catalog.pg_index, pg_catalog.pg_attrdef, "
+                    "pg_catalog.pg_trigger, pg_catalog.pg_namespace, pg_catalog.pg_sequence, pg_catalog.pg_statistic, "
+                    "pg_catalog.pg_shdepend, pg_catalog.pg_description, pg_catalog.pg_init_privs")
         # Every run starts right after a checkpoint: the first change of a page after a checkpoint logs the whole
         # page (full_page_writes), so a run that a checkpoint preceded by chance wrote several times the WAL of
         # one that ran late in a checkpoint cycle (the same count ran at 4,605 and 8,240 timeouts/s).
@@ -790,10 +820,15 @@ def expire_once(template: tuple[str, list[str]], n: int, w: int, *, cold: bool =
     work0: dict[str, int] = {}
     # The database work is counted in every run: the backends report their statistics outside the timed window
     # (after the warm-up, and after the sweep once its times are taken).
+    machine0: list[float] = []
+    vacuums0 = _autovacuums()
+
     def ready() -> None:
         work0.update(_schema_work(schema))
+        machine0.extend(_machine())  # the last thing before the release
 
     wall, res = run_workers(w, expire_worker, (PG_URL, schema, warm, True), released, ready=ready)
+    busy1, steal1 = _machine()
     # A process that ended meanwhile (an autovacuum worker) reads 0, or its pid's next owner less: not counted.
     other = sum(max(0.0, _proc_cpu(pid) - cpu) for pid, cpu in aux0.items())
     work = {k: v - work0[k] for k, v in _schema_work(schema).items()}
@@ -803,12 +838,20 @@ def expire_once(template: tuple[str, list[str]], n: int, w: int, *, cold: bool =
     check_expired_once(u, ids, expired + [x for mine in warm for x in mine] + spare)
     u.close()
     drop_schema(schema)
+    vacuums = _autovacuums() - vacuums0  # read late: an autovacuum worker reports its runs when it ends
     swept = [r for r in res if r["expired"]]
     stopped = [r for r in res if not r["expired"]]
     cpu = {"sweeping_client": sum(r["client_s"] for r in swept), "sweeping_server": sum(r["server_s"] for r in swept),
            "stopped_client": sum(r["client_s"] for r in stopped), "stopped_server": sum(r["server_s"] for r in stopped),
            "other": other, "lag": max(r["began"] for r in res) - t0, "sweepers": len(swept), "waits": sampled,
            "work": work}
+    # What else the machine did in the timed window (about: /proc/stat counts in clock ticks, and its window runs
+    # from just before the release to just after the results are in): busy CPU no worker, backend or server
+    # process accounts for (the parent, autovacuum workers, anything else running), and the hypervisor's steal.
+    ours = sum(cpu[k] for k in ("sweeping_client", "sweeping_server", "stopped_client", "stopped_server", "other"))
+    cpu["foreign"] = max(0.0, busy1 - machine0[0] - ours)
+    cpu["steal"] = steal1 - machine0[1]
+    cpu["autovacuums"] = vacuums
     return wall, cpu
 
 
@@ -818,6 +861,22 @@ def quartiles(xs: list[float]) -> tuple[float, float]:
         return min(xs), max(xs)
     q = statistics.quantiles(xs, n=4, method="inclusive")
     return q[0], q[2]
+
+
+def median_interval(xs: list[float], level: float = 0.9, resamples: int = 4000) -> tuple[float, float]:
+    """A ``level`` bootstrap interval of the median of ``xs`` (percentile method, a fixed seed: the same data give
+    the same interval). Where the quartiles say how far one round's ratio strays, this says how far the median of
+    the rounds may be from the ratio the runs estimate: "not slower by more than 1 - low", at that level.
+
+    Example:
+        >>> lo, hi = median_interval([0.97, 1.02, 0.99, 1.05, 1.01, 0.98, 1.00])
+        >>> lo <= 1.0 <= hi
+        True
+    """
+    rng = random.Random(4242)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(resamples))
+    cut = (1.0 - level) / 2
+    return meds[int(cut * resamples)], meds[min(resamples - 1, int((1.0 - cut) * resamples))]
 
 
 #: The widest spread of the measurement's own pair (the same worker count run twice per round) under which "not
@@ -885,6 +944,11 @@ def bench_expire(workers: list[int], n: int, *, rounds: int = 1, cold: bool = Fa
                          for k in ("sweeping_client", "sweeping_server", "stopped_client", "stopped_server", "other")}
         row["cpu_us"]["all_workers"] = round(statistics.median(total(c) for c in cpus[x]) * 1e6 / n, 1)
         row["lag_ms"] = round(statistics.median(c["lag"] for c in cpus[x]) * 1e3, 1)
+        # The machine's other load and steal, as a share of the wall time of each run (cores), median and max.
+        for k in ("foreign", "steal"):
+            shares = [c[k] / s for c, s in zip(cpus[x], walls[x], strict=True)]
+            row[f"{k}_cores"] = [round(statistics.median(shares), 3), round(max(shares), 3)]
+        row["runs_with_autovacuum"] = sum(1 for c in cpus[x] if c["autovacuums"])
         row["swept_by"] = sorted({int(c["sweepers"]) for c in cpus[x]})
         row["work_per_timeout"] = {k: round(statistics.median(c["work"][k] for c in cpus[x]) / n, 2)
                                    for k in WORK_KEYS}
@@ -912,6 +976,8 @@ def bench_expire(workers: list[int], n: int, *, rounds: int = 1, cold: bool = Fa
                                 "cpu_ratio": round(statistics.median(cpu), 3), "cpu_p25": round(clo, 3),
                                 "cpu_p75": round(chi, 3), "work_ratio": round(statistics.median(work), 3),
                                 "work_p25": round(wlo, 3), "work_p75": round(whi, 3)}
+        ilo, ihi = median_interval(rate)
+        pair["rate_ci90"] = [round(ilo, 3), round(ihi, 3)]
         if more == again:
             # Which of the two runs of the base count is "more" is arbitrary: the spread is taken both ways.
             own_lo, own_cpu_lo, own_work_lo = min(lo, 1.0 / hi), min(1.0 / chi, clo), min(1.0 / whi, wlo)
@@ -936,6 +1002,10 @@ def print_expire(res: dict[str, Any]) -> None:
               f"{c['sweeping_server']} us (client + backend; swept by {r['swept_by']} workers), stopped at once "
               f"{c['stopped_client']} + {c['stopped_server']} us; server's own processes {c['other']} us; last "
               f"worker started {r['lag_ms']} ms after the release")
+        if "foreign_cores" in r:
+            print(f"            machine in the timed window (cores, median / max): other busy CPU "
+                  f"{r['foreign_cores'][0]} / {r['foreign_cores'][1]}, steal {r['steal_cores'][0]} / "
+                  f"{r['steal_cores'][1]}; runs with an autovacuum: {r['runs_with_autovacuum']} of {r['rounds']}")
         if "work_per_timeout" in r:
             wk = r["work_per_timeout"]
             print("            database work per timeout (all workers): " + ", ".join(f"{k} {v}" for k, v in wk.items()))
@@ -949,7 +1019,8 @@ def print_expire(res: dict[str, Any]) -> None:
     for p in res["pairs"]:
         print(f"            {p['more']:>7} vs {p['fewer']}: rate {p['rate_ratio']:.3f}x [{p['rate_p25']:.3f}-"
               f"{p['rate_p75']:.3f}], CPU {p['cpu_ratio']:.3f}x [{p['cpu_p25']:.3f}-{p['cpu_p75']:.3f}], "
-              f"database work {p['work_ratio']:.3f}x [{p['work_p25']:.3f}-{p['work_p75']:.3f}]")
+              f"database work {p['work_ratio']:.3f}x [{p['work_p25']:.3f}-{p['work_p75']:.3f}]; the rate ratio's "
+              f"median, 90% bootstrap interval {p['rate_ci90'][0]:.3f}-{p['rate_ci90'][1]:.3f}")
         if p["more"] != f"{res['base']} again":
             print(f"                rate: {p['verdict']}; CPU per timeout: {p['cpu_verdict']}; database work per "
                   f"timeout: {p['work_verdict']}")

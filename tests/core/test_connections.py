@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import math
 import os
 import pwd
 import shutil
@@ -245,6 +246,11 @@ def test_async_calls_from_fresh_threads_do_not_leak_connections(named: Named) ->
 # ------------------------------------------------------------------------------------------ hole 3
 
 
+#: How many calls may fail after the database is back before one succeeds: a dropped connection is met at most once
+#: per pool the caller draws on (the general pool and the hot path's two), each time invalidating its pool.
+HEALING_CALLS = 3
+
+
 @dataclass
 class Outcome:
     kind: str  # "compensable" | "irreversible" | "safe"
@@ -321,17 +327,27 @@ class Chaos:
             f"{raw[0].error}"
         )
         assert len(self.breaks) >= 1
-        for _broke, back in self.breaks:
-            # Calls work again within a second of the database being back.
-            after = [o for o in self.outcomes if o.started >= back and o.kind != "safe"]
-            ok = [o for o in after if o.result == "ok"]
-            assert ok, "no call succeeded after the database came back"
-            assert ok[0].started - back <= 1.0, f"first success {ok[0].started - back:.2f}s after the database was back"
-        # A call fails only around a break: every DatabaseUnavailable ends within a second of the database being
-        # back (a healed process does not keep failing).
+        # Healed at once, counted in calls, not seconds (a loaded machine stretches seconds): per break, of the calls
+        # made after the database is back and ended before the next break, at most HEALING_CALLS fail (a dropped
+        # connection is met once per pool, then the pool is invalidated), one succeeds, and none fails after it.
+        starts = [broke for broke, _ in self.breaks[1:]] + [math.inf]
+        healed: list[float] = []
+        for (_broke, back), nxt in zip(self.breaks, starts, strict=True):
+            after = [o for o in self.outcomes if o.started >= back and o.ended < nxt and o.kind != "safe"]
+            first = next((i for i, o in enumerate(after) if o.result == "ok"), None)
+            assert first is not None, "no call succeeded after the database came back"
+            assert first <= HEALING_CALLS, (
+                f"{first} calls failed after the database was back before one succeeded: "
+                f"{[(o.kind, o.result, str(o.error)[:80]) for o in after[:first]]}")
+            late = [o for o in after[first:] if o.result != "ok"]
+            assert not late, f"a healed process failed again: {late[0].kind} {late[0].call_id}: {late[0].error}"
+            healed.append(after[first].started)
+        # A call fails only around a break: every DatabaseUnavailable overlaps a break, from the moment it began to
+        # the first success after it.
         for o in self.outcomes:
             if o.result == "unavailable":
-                assert any(broke - 0.5 <= o.ended <= back + 1.0 for broke, back in self.breaks), (
+                assert any(o.ended >= broke and o.started <= ok_at
+                           for (broke, _back), ok_at in zip(self.breaks, healed, strict=True)), (
                     f"{o.kind} {o.call_id} raised DatabaseUnavailable far from any break: {o.error}"
                 )
         assert any(o.result == "ok" for o in self.outcomes if o.started < self.breaks[0][0] and o.kind != "safe")
