@@ -1034,13 +1034,19 @@ class Engine:
             if not wait:
                 raise WouldBlock() from None  # nothing was written; the re-issue is read in a thread
             return self._existing(session_id, spec, call_id, digest)
-        except (SessionHalted, SessionClosed):
+        except (SessionHalted, SessionClosed) as refused:
             self._inflight.discard(effect_id)
             self._give_back(sc, safe, carried)
             # A framework re-running a call that already ran gets its result, even on a halted session:
             # telling the model "refused" would be a lie about what happened.
             if call_id is not None and self.store.call_exists(session_id, call_id):
-                return self._existing(session_id, spec, call_id, digest)
+                try:
+                    return self._existing(session_id, spec, call_id, digest)
+                except InvalidEffectState:
+                    # No result to give (the call was undone by the rollback, or failed, or never finished): it
+                    # does not run again, and the session's own refusal says why (a LangGraph resume re-issuing
+                    # a call its interrupt released before a rollback made elsewhere).
+                    raise refused from None
             raise
         except BaseException:
             self._inflight.discard(effect_id)

@@ -386,6 +386,20 @@ def test_rerun_of_a_completed_call_on_a_halted_session_returns_its_result(undolo
         eng.intercept("t", "send_refund_email", {"user_id": "u1", "amount": 1}, call_id="new")
 
 
+def test_reissue_of_a_call_undone_by_a_rollback_is_refused_as_closed(undolog):
+    """A call released by a framework interrupt, then undone by a rollback made meanwhile: its re-issue (a LangGraph
+    resume) has no result to give and must not run; it is refused with the session's own error (SessionClosed, what
+    adapters turn into a refusal the model reads), not an InvalidEffectState that crashes the graph."""
+    world, tools = setup(undolog)
+    eng = undolog.engine
+    d = eng.intercept("t", "send_refund_email", {"user_id": "u1", "amount": 1}, call_id="a")
+    eng.release(d.effect_id)
+    assert undolog.rollback("t").complete
+    with pytest.raises(errors.SessionClosed):
+        eng.intercept("t", "send_refund_email", {"user_id": "u1", "amount": 1}, call_id="a")
+    assert [e["state"] for e in undolog.sessions.effects("t")] == ["compensated"]
+
+
 def test_released_call_is_left_by_recovery_and_rerun_by_its_reissue(undolog):
     world, tools = setup(undolog)
     eng = undolog.engine
