@@ -11,13 +11,11 @@ written.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from typing import Annotated, Any
 
 import pytest
 from langchain.agents import create_agent
-from langchain.agents.middleware import AgentMiddleware
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import InjectedToolCallId
 from langchain_core.tools import tool as lc_tool
@@ -29,6 +27,7 @@ from semantic_kernel.functions import kernel_function
 
 from examples.semantic_kernel_support.llm import ScriptedChat, auto_settings, call
 from examples.support_agent.model import ScriptedChatModel
+from tests.lg_hooks import AfterModel
 from undolog_adapters.langgraph import UndoLogMiddleware
 from undolog_adapters.semantic_kernel import install, undolog_session
 from undolog_core import CompensationDescriptor, ToolTier, compensation, undolog_tool
@@ -86,33 +85,6 @@ def _user(text: str) -> dict[str, Any]:
 
 def _last_tool_message(out: Any) -> ToolMessage:
     return [m for m in out["messages"] if isinstance(m, ToolMessage)][-1]
-
-
-class AfterModel(AgentMiddleware):
-    """Once armed, runs ``action(thread_id)`` right after the model asked for a tool (another process's halt, in
-    effect): the tool call then meets a session changed since the turn's check, on the middleware's short path."""
-
-    def __init__(self, action: Any) -> None:
-        super().__init__()
-        self.action = action
-        self.armed = False
-
-    def wrap_model_call(self, request: Any, handler: Any) -> Any:
-        out = handler(request)
-        self._fire()
-        return out
-
-    async def awrap_model_call(self, request: Any, handler: Any) -> Any:
-        out = await handler(request)
-        await asyncio.to_thread(self._fire)
-        return out
-
-    def _fire(self) -> None:
-        if self.armed:
-            self.armed = False
-            from langgraph.config import get_config
-
-            self.action(get_config()["configurable"]["thread_id"])
 
 
 def _graph(undolog: Any, *before: Any) -> Any:

@@ -33,6 +33,7 @@ from semantic_kernel.functions import kernel_function
 
 from examples.semantic_kernel_support.llm import ScriptedChat, auto_settings, call
 from examples.support_agent.model import ScriptedChatModel
+from tests.lg_hooks import AfterModel
 from undolog_adapters.langgraph import UndoLogMiddleware, _call, _tools
 from undolog_adapters.semantic_kernel import install, undolog_session
 from undolog_core import CompensationDescriptor, ToolTier, compensation, undolog_tool
@@ -779,34 +780,6 @@ async def test_a_compensable_call_on_the_middlewares_short_path_keeps_its_checks
     assert [s[0] for s in SEEN] == ["sp_hold"]  # the re-issued call did not run the tool again
 
 
-class RollBackAfterModel(AgentMiddleware):
-    """Once armed, rolls the thread's session back through another UndoLog (another process's, in effect) right after
-    the model asked for a tool: the tool call meets a session closed since the turn's check."""
-
-    def __init__(self, other: Any) -> None:
-        super().__init__()
-        self.other = other
-        self.armed = False
-
-    def wrap_model_call(self, request: Any, handler: Any) -> Any:
-        out = handler(request)
-        self._fire()
-        return out
-
-    async def awrap_model_call(self, request: Any, handler: Any) -> Any:
-        out = await handler(request)
-        await asyncio.to_thread(self._fire)
-        return out
-
-    def _fire(self) -> None:
-        if self.armed:
-            self.armed = False
-            from langgraph.config import get_config
-
-            tid = get_config()["configurable"]["thread_id"]
-            assert self.other.rollback(tid).complete
-
-
 @pytest.mark.parametrize("mode", ["sync", "async"])
 async def test_a_session_closed_after_the_turns_check_moves_a_new_compensable_call_on(
     db: Any, undolog: Any, mode: str
@@ -816,7 +789,11 @@ async def test_a_session_closed_after_the_turns_check_moves_a_new_compensable_ca
     thread's next session (as ``prepare`` decides it), never in the closed one."""
     other = db.open(migrate=False)
     other.register(sp_book, sp_look, sp_unbook)
-    hook = RollBackAfterModel(other)
+
+    def roll_back(tid: str) -> None:
+        assert other.rollback(tid).complete
+
+    hook = AfterModel(roll_back)  # another process's rollback, right after the model asked for a tool
     tools = [sp_book, sp_look]
     graph = create_agent(ScriptedChatModel(scripts=SCRIPTS), tools, checkpointer=InMemorySaver(),
                          middleware=[hook, UndoLogMiddleware(undolog, tools=tools, compensations=[sp_unbook])])
