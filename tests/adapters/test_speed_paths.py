@@ -36,7 +36,7 @@ from examples.support_agent.model import ScriptedChatModel
 from tests.lg_hooks import AfterModel
 from undolog_adapters.langgraph import UndoLogMiddleware, _call, _tools
 from undolog_adapters.semantic_kernel import install, undolog_session
-from undolog_core import CompensationDescriptor, ToolTier, compensation, undolog_tool
+from undolog_core import CompensationDescriptor, ToolTier, compensation, errors, undolog_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 BOOKED: list[str] = []
@@ -812,6 +812,52 @@ async def test_a_session_closed_after_the_turns_check_moves_a_new_compensable_ca
     assert undolog.sessions.get(tid).state == "rolled_back"
     assert [e["state"] for e in undolog.sessions.effects(tid)] == ["compensated"]  # nothing new in the closed one
     assert [e["call_id"] for e in undolog.sessions.effects(f"{tid}#2")] == [msg.tool_call_id]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("next_state", ["active", "halted"])
+async def test_a_next_session_opened_elsewhere_is_the_threads_not_a_third(
+    db: Any, undolog: Any, mode: str, next_state: str
+) -> None:
+    """Between the turn's check and the tool call another process rolls the thread's session back AND opens the
+    thread's next one (its own turn), maybe halting it. The call here must land in that session, or be refused by its
+    halt: never open a third session beside it (two live sessions of one thread, the halt stepped around)."""
+    other = db.open(migrate=False)
+    other.register(sp_book, sp_look, sp_unbook)
+
+    def roll_back_and_open_next(tid: str) -> None:
+        assert other.rollback(tid).complete
+        other.engine.ensure_session(f"{tid}#2")
+        if next_state == "halted":
+            other.sessions.set_state(f"{tid}#2", "halted", allowed=("active",))
+
+    hook = AfterModel(roll_back_and_open_next)
+    tools = [sp_book, sp_look]
+    ran_before = len(BOOKED)
+    graph = create_agent(ScriptedChatModel(scripts=SCRIPTS), tools, checkpointer=InMemorySaver(),
+                         middleware=[hook, UndoLogMiddleware(undolog, tools=tools, compensations=[sp_unbook])])
+    c = _cfg()
+    tid = c["configurable"]["thread_id"]
+
+    async def turn() -> Any:
+        out = graph.invoke(_user("book"), c) if mode == "sync" else await graph.ainvoke(_user("book"), c)
+        return [m for m in out["messages"] if isinstance(m, ToolMessage)][-1]
+
+    await turn()
+    hook.armed = True
+    msg = await turn()
+    assert not hook.armed
+    with pytest.raises(errors.SessionNotFound):
+        undolog.sessions.get(f"{tid}#3")
+    effects = [e["call_id"] for e in undolog.sessions.effects(f"{tid}#2")]
+    if next_state == "active":
+        assert msg.status == "success" and msg.response_metadata["undolog"]["session_id"] == f"{tid}#2"
+        assert effects == [msg.tool_call_id]
+        assert len(BOOKED) == ran_before + 2
+    else:
+        assert msg.status == "error" and msg.response_metadata["undolog"]["refused"] == "session_halted", msg
+        assert effects == []
+        assert len(BOOKED) == ran_before + 1  # the first turn's call only
 
 
 OWN_MESSAGES: list[ToolMessage] = []

@@ -23,7 +23,7 @@ from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import interrupt
 from pydantic import BaseModel
 
-from undolog_core import AwaitingApproval, Completed, Execute, OnFailure, ToolTier, errors
+from undolog_core import AwaitingApproval, Completed, Execute, OnFailure, SessionState, ToolTier, errors
 from undolog_core.integration import WouldBlock, tool_name_of
 
 from .._common import Registrar, TierValue, failure_text, refusal_text, rollback_outcome
@@ -242,9 +242,16 @@ class _Guard:
             self._set_head(base, n, keep=True)
         return sid, *found[sid]
 
-    def advance(self, base: str) -> str:
-        """Open the thread's next session (after its current one was rolled back or completed)."""
+    def advance(self, base: str, closed: str) -> str:
+        """The thread's next session after ``closed`` (its session, found rolled back or completed): opened here, or
+        the one another process opened meanwhile when that one is not closed too. A thread has one live session,
+        whichever process serves it: opening another beside it would split the thread's calls between two sessions
+        and step around a halt made on the newer one (the call that takes it is refused by that halt instead)."""
         current = self.head(base, refresh=True)
+        if current != closed:
+            found = self.u.engine.session_states([current]).get(current)
+            if found is None or found[0] not in (SessionState.ROLLED_BACK, SessionState.COMPLETED):
+                return current  # (``head`` recorded it)
         n = _chain_index(base, current) + 1
         sid = _chain(base, n)
         self.u.engine.ensure_session(sid, agent_id=self.agent_id, on_failure=self.on_failure)
@@ -287,7 +294,7 @@ class _Guard:
         siblings = _sibling_call_ids(request)
         if known & siblings:
             return None  # this call belongs to the plan that was undone: it must not run now
-        return self.advance(base)
+        return self.advance(base, sid)
 
     def refusal(self, request: Any, exc: errors.UndoLogError) -> ToolMessage:
         timeout_at = None

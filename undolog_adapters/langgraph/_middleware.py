@@ -161,7 +161,7 @@ class UndoLogMiddleware(AgentMiddleware):
             text = halted_text(sid, reason)
             return AIMessage(content=text, response_metadata={"undolog": {"refused": "session_halted"}})
         if state in (SessionState.ROLLED_BACK, SessionState.COMPLETED):
-            self._undolog_guard.advance(base)
+            self._undolog_guard.advance(base, sid)
         return None
 
     def _check(self, request: Any) -> None:
