@@ -780,6 +780,25 @@ async def test_a_compensable_call_on_the_middlewares_short_path_keeps_its_checks
     assert [s[0] for s in SEEN] == ["sp_hold"]  # the re-issued call did not run the tool again
 
 
+async def _book_twice_hooked(undolog: Any, hook: AfterModel, mode: str) -> tuple[str, ToolMessage]:
+    """Two "book" turns of a new thread (``invoke`` or ``ainvoke``), ``hook`` armed for the second: (the thread id,
+    the second turn's tool message)."""
+    tools = [sp_book, sp_look]
+    graph = create_agent(ScriptedChatModel(scripts=SCRIPTS), tools, checkpointer=InMemorySaver(),
+                         middleware=[hook, UndoLogMiddleware(undolog, tools=tools, compensations=[sp_unbook])])
+    c = _cfg()
+
+    async def turn() -> ToolMessage:
+        out = graph.invoke(_user("book"), c) if mode == "sync" else await graph.ainvoke(_user("book"), c)
+        return [m for m in out["messages"] if isinstance(m, ToolMessage)][-1]
+
+    await turn()
+    hook.armed = True
+    msg = await turn()
+    assert not hook.armed
+    return c["configurable"]["thread_id"], msg
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 async def test_a_session_closed_after_the_turns_check_moves_a_new_compensable_call_on(
     db: Any, undolog: Any, mode: str
@@ -794,20 +813,7 @@ async def test_a_session_closed_after_the_turns_check_moves_a_new_compensable_ca
         assert other.rollback(tid).complete
 
     hook = AfterModel(roll_back)  # another process's rollback, right after the model asked for a tool
-    tools = [sp_book, sp_look]
-    graph = create_agent(ScriptedChatModel(scripts=SCRIPTS), tools, checkpointer=InMemorySaver(),
-                         middleware=[hook, UndoLogMiddleware(undolog, tools=tools, compensations=[sp_unbook])])
-    c = _cfg()
-    tid = c["configurable"]["thread_id"]
-
-    async def turn() -> Any:
-        out = graph.invoke(_user("book"), c) if mode == "sync" else await graph.ainvoke(_user("book"), c)
-        return [m for m in out["messages"] if isinstance(m, ToolMessage)][-1]
-
-    await turn()
-    hook.armed = True
-    msg = await turn()
-    assert not hook.armed
+    tid, msg = await _book_twice_hooked(undolog, hook, mode)
     assert msg.status == "success" and msg.response_metadata["undolog"]["session_id"] == f"{tid}#2"
     assert undolog.sessions.get(tid).state == "rolled_back"
     assert [e["state"] for e in undolog.sessions.effects(tid)] == ["compensated"]  # nothing new in the closed one
@@ -832,21 +838,8 @@ async def test_a_next_session_opened_elsewhere_is_the_threads_not_a_third(
             other.sessions.set_state(f"{tid}#2", "halted", allowed=("active",))
 
     hook = AfterModel(roll_back_and_open_next)
-    tools = [sp_book, sp_look]
     ran_before = len(BOOKED)
-    graph = create_agent(ScriptedChatModel(scripts=SCRIPTS), tools, checkpointer=InMemorySaver(),
-                         middleware=[hook, UndoLogMiddleware(undolog, tools=tools, compensations=[sp_unbook])])
-    c = _cfg()
-    tid = c["configurable"]["thread_id"]
-
-    async def turn() -> Any:
-        out = graph.invoke(_user("book"), c) if mode == "sync" else await graph.ainvoke(_user("book"), c)
-        return [m for m in out["messages"] if isinstance(m, ToolMessage)][-1]
-
-    await turn()
-    hook.armed = True
-    msg = await turn()
-    assert not hook.armed
+    tid, msg = await _book_twice_hooked(undolog, hook, mode)
     with pytest.raises(errors.SessionNotFound):
         undolog.sessions.get(f"{tid}#3")
     effects = [e["call_id"] for e in undolog.sessions.effects(f"{tid}#2")]
