@@ -232,6 +232,7 @@ class Recovery:
         leases.start()
         committed: list[tuple[str, Any]] = []
         undo: list[Any] = []
+        mine: set[int] = set()
         try:
             for c in claimed:
                 fault(FaultPoint.DURING_RECOVERY)
@@ -274,8 +275,12 @@ class Recovery:
                 if progress:
                     progress(done, total, f"{c.tool_name} {c.effect_id}: {outcome or 'skipped'}")
         finally:
-            # Whatever is still ours is either done or handed to _reconcile, which claims it by this owner.
+            # Whatever is still ours is either done or handed to _reconcile, which claims it by this owner. An
+            # undo entry claimed and not recorded (a write failed: the database went away mid-batch) is no longer
+            # being compensated here either: counted as ours it would stay "being rolled back right now" to every
+            # later recover(), its lease renewed for as long as this process lives.
             leases.inflight.difference_update(got)
+            leases.compensating.difference_update(mine)
         return left, done
 
     @staticmethod
