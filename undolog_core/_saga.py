@@ -418,6 +418,12 @@ class Saga:
         the session must not carry on as if nothing failed, so it halts for a person."""
         try:
             with self._store.tx() as conn:
+                # A failure requests its policy's rollback with itself (``Engine.record_failure``). A plan that
+                # refused (a call still running, a compensation missing) compensated nothing: that request, ours,
+                # ends with the halt, so that recovery does not roll back a session left for a person. A walk
+                # that broke off (the database went away) keeps it: recovery finishes that walk, as it would any.
+                if isinstance(error, (InvalidSessionState, CompensationNotFound)):
+                    self._store.end_intent_in(conn, session_id, owner=self._leases.owner)
                 self._store.halt_in(conn, session_id, f"{why}; the rollback could not run: {error}", utcnow())
             self._note_state(session_id, SessionState.HALTED)
             obs.saga_log.warning("halt: session %s halted: %s; the rollback could not run: %s", session_id, why,
