@@ -582,17 +582,21 @@ class CallDriver:
         """Record a failure reported by a caller that ran the tool itself; by default the session then rolls back,
         this effect's own compensation included. Returns the rollback report, or None when the session's policy
         is "continue"."""
-        failure = self.engine.record_failure(effect_id, error)
-        if failure.on_failure != "rollback" or not self.failure_rollbacks:
-            return None
-        session_id = failure.session_id
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         why = clean_text(f"effect {effect_id} failed: {text}")
+        # Its session first (a read on this rare path), so that the rollback is requested with the failure.
+        session_id = self.engine.store.session_of_effect(effect_id) if self.failure_rollbacks else None
+        failure = self.engine.record_failure(effect_id, error,
+                                             rollback=(session_id, why) if session_id is not None else None)
+        if failure.on_failure != "rollback" or not self.failure_rollbacks:
+            return None
         try:
-            return self.saga.rollback_sync(session_id, reason=why)
+            return self.saga.rollback_sync(failure.session_id, reason=why)
         except Exception as exc:
-            self.saga.halt_unrolled(session_id, why, exc)
+            self.saga.halt_unrolled(failure.session_id, why, exc)
             raise
+        finally:
+            self.engine.leases.rolling.discard(failure.session_id)
 
     def rollback_noting(self, session_id: str, exc: BaseException, reason: str) -> RollbackReport | None:
         """Roll back after ``exc`` ended the caller's work; the outcome is noted on ``exc``, never replacing it."""

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from undolog_core import ApprovalPending, ToolTier, UndoLog, compensation, limits, undolog_tool
-from undolog_core.errors import ArgumentsInvalid, InvalidDeclaration, InvalidId
+from undolog_core.errors import ArgumentsInvalid, InvalidDeclaration, InvalidId, UndoLogError
 
 RETURNS: dict[str, Any] = {}
 UNDONE: list[Any] = []
@@ -312,3 +312,55 @@ def test_hostile_safe_arguments_in_the_agent_context_never_break_an_approval_req
     context = u.approvals.get(p.value.approval_request_id).agent_context
     assert [c["args"]["q"] for c in context][0] == "bad \\ud800"
     assert "undolog_truncated" in json.dumps(context[1]["args"])
+
+
+# -- declarations: what one database would refuse, both refuse, at registration ------------------------------------
+
+
+BAD_DECLARATIONS = {
+    "long tool name": {"name": "t" * (limits.MAX_ID_LENGTH + 1), "tier": "safe"},
+    "NUL in tool name": {"name": "t\x00", "tier": "safe"},
+    "surrogate in tool name": {"name": "t\udc00", "tier": "safe"},
+    "long compensation name": {"name": "c1", "tier": "compensable", "compensation": "u" * (limits.MAX_ID_LENGTH + 1)},
+    "NUL in compensation name": {"name": "c2", "tier": "compensable", "compensation": "u\x00"},
+    "NUL in reason": {"name": "i1", "tier": "irreversible", "reason": "wipes \x00 all"},
+    "surrogate in reason": {"name": "i2", "tier": "irreversible", "reason": "wipes \ud800"},
+    "NUL in a risk tag": {"name": "i3", "tier": "irreversible", "risk_tags": ["pii\x00"]},
+    "surrogate in a risk tag": {"name": "i4", "tier": "irreversible", "risk_tags": ["\udc00"]},
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DECLARATIONS))
+def test_a_declaration_the_store_cannot_hold_is_refused_at_registration(u: UndoLog, case: str) -> None:
+    """Before: PostgreSQL refused a long or NUL-bearing name at registration with a raw DataError (SQLite stored it,
+    so an app built on the embedded default broke on PostgreSQL at start); a NUL in the reason registered on both,
+    then every call of the tool failed at its gate on PostgreSQL (the request's reason is text); a surrogate was a
+    UnicodeEncodeError. Now: InvalidDeclaration naming what is wrong, on both, and nothing is stored."""
+    before = u.registry.history()
+    with pytest.raises(InvalidDeclaration) as exc:
+        u.register_tool(lambda x=None: x, **BAD_DECLARATIONS[case])
+    assert any(w in exc.value.message for w in ("name", "reason", "risk tag")), exc.value.message
+    assert u.registry.history() == before
+
+
+def test_a_declaration_at_the_limits_registers_and_gates(u: UndoLog) -> None:
+    name = "t" * limits.MAX_ID_LENGTH
+    u.register_tool(lambda x=None: x, name=name, tier="irreversible", reason="wipes\tall\n(é)", risk_tags=["pii"])
+    s = u.session(agent_id="bot")
+    with pytest.raises(ApprovalPending) as p:
+        s.call_sync(name, x=1)
+    assert u.approvals.get(p.value.approval_request_id).reason == "wipes\tall\n(é)"
+
+
+def test_a_response_that_is_not_valid_unicode_is_refused_and_the_request_stays_pending(u: UndoLog) -> None:
+    """Before: a UnicodeEncodeError from the audit hash, not an UndoLogError."""
+    s = u.session(agent_id="bot")
+    with pytest.raises(ApprovalPending) as p:
+        s.call_sync(publish, x=1, call_id="c-1")
+    rid = p.value.approval_request_id
+    with pytest.raises(UndoLogError, match="lone surrogate"):
+        u.approvals.respond(rid, approver="ana", response="done \ud800")
+    assert u.approvals.get(rid).state == "pending"
+    u.approvals.respond(rid, approver="ana", response="done \x00 anyway")  # NUL is valid Unicode: kept
+    assert s.call_sync(publish, x=1, call_id="c-1") == "done \x00 anyway"
+    assert u.verify_audit().ok

@@ -147,6 +147,12 @@ class CallsSQL(Store):
                 sa.select(_E).where(_E.c.session_id == session_id, _E.c.call_id == call_id)
             ).first()
 
+    def session_of_effect(self, effect_id: str) -> str | None:
+        """The session an effect belongs to, or None when there is no such effect."""
+        with self.read() as conn:
+            sid = conn.execute(sa.select(_E.c.session_id).where(_E.c.effect_id == effect_id)).scalar()
+        return None if sid is None else str(sid)
+
     def effect_state_in(self, conn: Connection, effect_id: str) -> str | None:
         state = conn.execute(sa.select(_E.c.state).where(_E.c.effect_id == effect_id)).scalar()
         return None if state is None else str(state)
