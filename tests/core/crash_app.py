@@ -111,6 +111,11 @@ def main(argv: list[str]) -> None:
             s.call_sync("send_fails", user_id="u1", call_id="c1")
         except RuntimeError:
             pass
+    elif mode == "send_then_report_failure":  # a caller that runs the tool itself reports its failure
+        s.call_sync("send", user_id="u0", call_id="c0")
+        d = u.driver.decide(session_id, "send", {"user_id": "u1"}, call_id="c1")
+        log("send", "u1", d.idempotency_key)
+        u.driver.fail(d.effect_id, "the upstream said 500")
     elif mode == "slow":
         s.call_sync("slow_send", user_id="u1", seconds=float(argv[2]), call_id="slow")
     elif mode == "run_approved":

@@ -319,12 +319,13 @@ def test_fast_mode_marks_are_written_by_the_flusher(crash):
     assert u.engine._inflight == set()
 
 
-def test_crash_after_a_failure_is_recorded_still_rolls_the_session_back(crash):
+@pytest.mark.parametrize("mode", ["send_then_fail", "send_then_report_failure"])
+def test_crash_after_a_failure_is_recorded_still_rolls_the_session_back(crash, mode):
     """A COMPENSABLE call fails in a session whose policy is to roll back; the process dies after the failure is
     recorded and before the rollback is requested. Before the fix nothing was in flight and no rollback requested,
     so recover() found nothing: the session stayed `active`, its earlier call committed and the half-done failed
     call never compensated, and the agent could carry on in it as if nothing had failed."""
-    code, _, err = crash("send_then_fail", "s1", fault="after_failure_recorded")
+    code, _, err = crash(mode, "s1", fault="after_failure_recorded")
     assert code == -signal.SIGKILL, err
     assert [c[1] for c in log_of("send")] == ["u0", "u1"] and log_of("cancel") == []
     u = crash.app()
