@@ -364,3 +364,15 @@ def test_a_response_that_is_not_valid_unicode_is_refused_and_the_request_stays_p
     u.approvals.respond(rid, approver="ana", response="done \x00 anyway")  # NUL is valid Unicode: kept
     assert s.call_sync(publish, x=1, call_id="c-1") == "done \x00 anyway"
     assert u.verify_audit().ok
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), 10**30])
+def test_a_policy_number_that_is_not_a_sane_whole_number_is_policy_invalid(u: UndoLog, value: Any) -> None:
+    """Before: an infinity raised OverflowError from int(), not PolicyInvalid."""
+    from undolog_core.errors import PolicyInvalid
+
+    before = u.policy.get()
+    for field in ("approval_timeout_seconds", "context_calls", "approved_ttl_seconds"):
+        with pytest.raises(PolicyInvalid):
+            u.policy.set(actor="admin", **{field: value})
+    assert u.policy.get() == before
