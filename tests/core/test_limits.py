@@ -376,3 +376,32 @@ def test_a_policy_number_that_is_not_a_sane_whole_number_is_policy_invalid(u: Un
         with pytest.raises(PolicyInvalid):
             u.policy.set(actor="admin", **{field: value})
     assert u.policy.get() == before
+
+
+@pytest.mark.parametrize("message", ["bad \ud800 text", "nul \x00 inside"])
+def test_leaving_a_session_by_an_exception_that_cannot_be_stored_still_rolls_it_back(u: UndoLog, message: str) -> None:
+    """The exception's text becomes the rollback's reason (stored as text, hashed into the audit). Before: the
+    rollback failed on it (a UnicodeEncodeError on both databases, a NUL refused by PostgreSQL), the halt that
+    follows a failed rollback failed on the same text, and the session stayed `active` with its calls undone by
+    nobody."""
+    import asyncio
+
+    RETURNS["value"] = "ok"
+    UNDONE.clear()
+    with pytest.raises(RuntimeError) as exc:
+        with u.session(agent_id="bot") as s:
+            s.call_sync(store, x=1)
+            raise RuntimeError(message)
+    assert u.sessions.get(s.id).state == "rolled_back", exc.value.__notes__
+    assert UNDONE == ["ok"]
+
+    async def leave() -> str:
+        async with u.session(agent_id="bot") as a:
+            await a.call(store, x=2)
+            raise RuntimeError(message)
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(leave())
+    assert UNDONE == ["ok", "ok"]
+    assert all(r.state == "rolled_back" for r in u.sessions.list())
+    assert u.verify_audit().ok
