@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from undolog_core import ApprovalPending, ToolTier, UndoLog, compensation, limits, undolog_tool
+from undolog_core._recovery import Recovery
 from undolog_core.errors import ArgumentsInvalid, InvalidDeclaration, InvalidId, UndoLogError
 
 RETURNS: dict[str, Any] = {}
@@ -405,3 +406,81 @@ def test_leaving_a_session_by_an_exception_that_cannot_be_stored_still_rolls_it_
     assert UNDONE == ["ok", "ok"]
     assert all(r.state == "rolled_back" for r in u.sessions.list())
     assert u.verify_audit().ok
+
+
+HOSTILE_TEXT: dict[str, str] = {}
+
+
+def hostile_probe(ctx: Any) -> Any:
+    raise RuntimeError(HOSTILE_TEXT["probe"])
+
+
+@compensation("undo_hostile")
+def undo_hostile(ctx: Any) -> None:
+    raise RuntimeError(HOSTILE_TEXT["undo"])
+
+
+@undolog_tool(tier=ToolTier.COMPENSABLE, compensation="undo_hostile", probe=hostile_probe)
+def probed_send(x: Any) -> Any:
+    return x
+
+
+@undolog_tool(tier=ToolTier.COMPENSABLE, compensation="undo_hostile")
+def plain_send(x: Any) -> Any:
+    return x
+
+
+@pytest.mark.parametrize("message", ["bad \ud800 text", "nul \x00 inside"])
+@pytest.mark.parametrize("tool", ["probed_send", "plain_send"])
+def test_recovery_whose_probe_or_compensation_fails_with_unstorable_text_still_counts_to_the_dead_letter(
+        u: UndoLog, tool: str, message: str) -> None:
+    """Before: recovery stored the probe's or the compensation's error text as it was; the store refused it (a
+    surrogate on both databases, a NUL on PostgreSQL), so recover() raised on every run and the call never reached
+    the dead letter: in flight for ever, its session writable."""
+    u.register(probed_send, plain_send, undo_hostile)
+    u.saga.backoff_seconds = 0.0
+    HOSTILE_TEXT.update(probe=message, undo=message)
+    s = u.session(agent_id="bot")
+    d = u.driver.decide(s.id, tool, {"x": 1}, call_id="c")
+    u.leases.abandon(d.effect_id)  # as if the process died while it ran
+    for _ in range(Recovery.dead_letter_after):
+        u.recover()
+    (e,) = effects(u, s.id)
+    assert e["state"] in ("dead_letter", "compensated"), e
+    assert u.sessions.get(s.id).state == "halted"
+    assert u.recover().errors == []
+
+
+PROBE_SAYS: dict[str, Any] = {}
+
+
+def saying_probe(ctx: Any) -> Any:
+    return PROBE_SAYS.get(ctx.args["x"], False)
+
+
+@undolog_tool(tier=ToolTier.COMPENSABLE, compensation="undo_store", probe=saying_probe)
+def probed_store(x: Any) -> Any:
+    return x
+
+
+@pytest.mark.parametrize("kind", ["cyclic", "deep_2000", "surrogate", "huge"])
+def test_a_probe_whose_answer_is_hostile_settles_its_call_and_never_wedges_recovery(u: UndoLog, kind: str) -> None:
+    """A probe's answer is the call's result, so it is stored made safe like any result. Before: a cyclic or very
+    deep answer raised out of recover() (every run, so every other in-doubt call in the store waited behind it), and
+    a lone surrogate was stored as it was (an invalid string for every reader)."""
+    value, check = HOSTILE_RESULTS[kind]
+    u.register(probed_store)
+    PROBE_SAYS.clear()
+    PROBE_SAYS.update({"hostile": value, "fine": {"ok": True}})
+    sids = []
+    for x in ("hostile", "fine"):
+        s = u.session(agent_id="bot")
+        d = u.driver.decide(s.id, "probed_store", {"x": x}, call_id="c")
+        u.leases.abandon(d.effect_id)  # as if the process died after the tool ran
+        sids.append(s.id)
+    report = u.recover()
+    assert report.errors == [], report.errors
+    (hostile,) = effects(u, sids[0])
+    (fine,) = effects(u, sids[1])
+    assert hostile["state"] == "committed" and check(hostile["result_snapshot"]), str(hostile)[:300]
+    assert fine["state"] == "committed" and fine["result_snapshot"] == {"ok": True}
