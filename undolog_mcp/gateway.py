@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 from mcp import types
 from mcp.server.lowlevel import Server
 
@@ -30,8 +32,9 @@ from undolog_core import (
     ToolTier,
     UndoLog,
 )
-from undolog_core.errors import UndoLogError
+from undolog_core.errors import ConfigurationError, UndoLogError
 
+from .app import first_cause
 from .config import Approval, GatewayConfig, ToolConfig
 from .elicit import elicit_decision
 from .results import META_KEY as META_KEY  # re-exported: it was defined here
@@ -86,6 +89,12 @@ def plan_exposure(config: GatewayConfig, listed: Mapping[str, list[types.Tool]])
                 exposure.unclassified.append(f"{up}/{t.name}")
                 continue
             exposed = t.name if counts[t.name] == 1 else f"{up}_{t.name}"
+            clash = exposure.tools.get(exposed)
+            if clash is not None:
+                # A prefixed name can meet another upstream's own tool of that name: one would shadow the other.
+                raise ConfigurationError(
+                    f"gateway config: two tools would be exposed as {exposed!r}: {clash.config.upstream}/"
+                    f"{clash.listed.name} and {up}/{t.name}; rename an upstream, or leave one of them unclassified")
             for needed, what in ((cfg.compensation.tool if cfg.compensation else None, "compensation"),
                                  (cfg.probe, "probe")):
                 if needed is not None and needed not in by_name:
@@ -96,6 +105,17 @@ def plan_exposure(config: GatewayConfig, listed: Mapping[str, list[types.Tool]])
         if up in listed and name not in {t.name for t in listed[up]}:
             exposure.missing.append(f"{up}/{name}")
     return exposure
+
+
+def _guarded(ex: ExposedTool) -> contextlib.AbstractContextManager[Any]:
+    """Where a logged call (COMPENSABLE, or IRREVERSIBLE once approved) is decided, forwarded and marked, the
+    client's cancel (``notifications/cancelled``) or its going away must not stop the gateway: the pre-write done,
+    the call sent, the upstream does it anyway, and the gateway must record what it answered rather than leave
+    the call in flight while the session goes on. The upstream's ``timeout`` bounds how long that takes. A SAFE
+    call logs nothing: cancelling it leaves nothing behind."""
+    if ex.config.tier is ToolTier.SAFE:
+        return contextlib.nullcontext()
+    return anyio.CancelScope(shield=True)
 
 
 class Gateway:
@@ -216,7 +236,12 @@ class Gateway:
         # Input is validated here, against the upstream's schema, so a bad call names the failing path.
         @server.call_tool(validate_input=False)  # type: ignore[untyped-decorator]
         async def _call(name: str, arguments: dict[str, Any] | None) -> types.CallToolResult:
-            return await self.call(name, arguments or {})
+            result = await self.call(name, arguments or {})
+            # A client that cancelled while a logged call finished (shielded, see _guarded) was already answered by
+            # the SDK ("Request cancelled"): the cancellation is taken here, so the SDK does not answer twice (it
+            # asserts it does not, and the assertion would stop the gateway).
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            return result
 
         return server
 
@@ -226,7 +251,13 @@ class Gateway:
         self._loop = asyncio.get_running_loop()
         self.connections = connections = Connections()
         try:
-            listed = {name: (await connections.get(cfg)).tools for name, cfg in self.config.upstreams.items()}
+            listed: dict[str, list[types.Tool]] = {}
+            for name, cfg in self.config.upstreams.items():
+                try:
+                    listed[name] = (await connections.get(cfg)).tools
+                except Exception as exc:  # noqa: BLE001 - said in one line naming the upstream, not a task group's trace
+                    raise ConfigurationError(f"upstream {name!r} could not be started and listed: "
+                                             f"{first_cause(exc)}") from exc
             exposure = self.register(listed)
             for skipped in exposure.unclassified:
                 log.warning("not exposed (no tier in the config): %s", skipped)
@@ -264,21 +295,22 @@ class Gateway:
                                 f"{', '.join(sorted(self.exposure.tools)) or 'no tools'}")
         # The upstream's input schema is the tool's contract: the core validates every call against it (full
         # JSON Schema) before anything is logged, and its error names the failing path.
-        try:
-            session_id = await self._session_id()
-        except UndoLogError as exc:
-            return error_result(exc.message, code=exc.code)
-        call_id = call_key(name, arguments) if ex.config.tier is ToolTier.IRREVERSIBLE else None
-        driver = self.undolog.driver
-        try:
-            d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
-        except UndoLogError as exc:
-            return error_result(exc.message, code=exc.code)
+        with _guarded(ex):
+            try:
+                session_id = await self._session_id()
+            except UndoLogError as exc:
+                return error_result(exc.message, code=exc.code)
+            call_id = call_key(name, arguments) if ex.config.tier is ToolTier.IRREVERSIBLE else None
+            driver = self.undolog.driver
+            try:
+                d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+            except UndoLogError as exc:
+                return error_result(exc.message, code=exc.code)
         if isinstance(d, Completed):
             return replayed(d.result)
         if isinstance(d, AwaitingApproval):
             if ex.config.approval is Approval.ELICIT:
-                decided = await self._elicit(ex, d)
+                decided = await self._elicit(ex, d)  # not guarded: a client that cancels the form leaves it pending
                 if decided is not None:
                     return decided
                 return await self.call(name, arguments)
@@ -290,13 +322,14 @@ class Gateway:
             try:
                 return await upstream(tool_name, args, d.idempotency_key)
             except UpstreamRefused as exc:
-                return error_result(str(exc))  # a protocol refusal: it did not run
+                return error_result(str(exc))  # a protocol refusal, or no upstream to take it: it did not run
 
-        outcome = await driver.run_async(
-            d, invoke, rollback_on_failure=False, note=False, unknown_on=(OutcomeUnknown,),
-            failure_of=lambda r: NothingHappened(text_of(r) or "the upstream answered isError") if r.isError else None,
-            result_of=lambda r: r.model_dump(mode="json", by_alias=True, exclude_none=True),
-        )
+        with _guarded(ex):
+            outcome = await driver.run_async(
+                d, invoke, rollback_on_failure=False, note=False, unknown_on=(OutcomeUnknown,),
+                failure_of=lambda r: NothingHappened(text_of(r) or "the upstream answered isError") if r.isError else None,
+                result_of=lambda r: r.model_dump(mode="json", by_alias=True, exclude_none=True),
+            )
         if outcome.error is not None:
             if isinstance(outcome.error, OutcomeUnknown):
                 return unknown_result(name, outcome.error, outcome.in_doubt)
