@@ -134,8 +134,8 @@ def init(
     command = [a for a in ctx.args if a != "--"]
     if not command:
         _fail("give the upstream's command after --, e.g. undolog mcp init --upstream tickets -- python server.py")
-    from .app import first_cause
     from .init import propose
+    from .upstream import first_cause
 
     pairs = dict(e.split("=", 1) for e in env or [] if "=" in e)
     try:

@@ -34,12 +34,11 @@ from undolog_core import (
 )
 from undolog_core.errors import ConfigurationError, UndoLogError
 
-from .app import first_cause
 from .config import Approval, GatewayConfig, ToolConfig
 from .elicit import elicit_decision
 from .results import META_KEY as META_KEY  # re-exported: it was defined here
 from .results import awaiting_result, call_key, error_result, replayed, structured, text_of, unknown_result
-from .upstream import PORTAL, Connections, OutcomeUnknown, UpstreamRefused
+from .upstream import PORTAL, Connections, OutcomeUnknown, UpstreamRefused, first_cause
 
 log = logging.getLogger("undolog.mcp")
 

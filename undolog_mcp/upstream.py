@@ -25,7 +25,6 @@ from mcp.client.streamable_http import streamablehttp_client
 from referencing import Registry
 from referencing.exceptions import Unresolvable
 
-from .app import first_cause
 from .config import UpstreamConfig
 
 log = logging.getLogger("undolog.mcp")
@@ -34,6 +33,13 @@ log = logging.getLogger("undolog.mcp")
 IDEMPOTENCY_META = "dev.undolog/idempotency-key"
 # httpx.codes.REQUEST_TIMEOUT, which the SDK's client answers a timed-out request with.
 _TIMEOUT_CODE = 408
+
+
+def first_cause(exc: BaseException) -> str:
+    """The first leaf of an exception group (anyio's task groups wrap what went wrong), as text."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
 
 
 class OutcomeUnknown(Exception):
