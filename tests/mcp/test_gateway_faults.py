@@ -228,3 +228,27 @@ def test_prefixed_names_that_clash_stop_the_gateway() -> None:
     # No clash: prefixed where two share a name, as before.
     exposure = plan_exposure(cfg, {"a": [tool("x"), tool("y")], "b": [tool("x")]})
     assert set(exposure.tools) == {"a_x", "b_x"}
+
+
+async def test_an_elicited_answer_that_is_not_a_yes_runs_nothing(db: Any, tmp_path: Path) -> None:
+    # The form asks a boolean; a client (or its form library) that answers the string "false", or a number, must
+    # not have approved an irreversible call: only a true yes runs it. Not a yes or a no: no decision, the request
+    # stays pending at the desk.
+    cfg = write_config(tmp_path, extra="""
+        [tools.tickets.close_ticket]
+        tier = "irreversible"
+        approval = "elicit"
+    """)
+    answers = iter([{"approve": "false", "reason": "no!"}, {"approve": 1}, {"approve": True}])
+
+    async def sloppy(context: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
+        return types.ElicitResult(action="accept", content=next(answers))
+
+    async with gateway(db, cfg, elicit=sloppy, name="sloppy") as client:
+        for _ in range(2):
+            asked = await client.call_tool("close_ticket", {"id": 1})
+            assert (asked.structuredContent or {}).get("status") == "awaiting_approval", text(asked)
+        assert not (tmp_path / "tickets.json").exists()  # never forwarded
+        ran = await client.call_tool("close_ticket", {"id": 1})  # a real yes
+        assert not ran.isError and "closed" in text(ran)
+    assert [c["tool"] for c in world(tmp_path)["calls"]] == ["close_ticket"]
