@@ -34,11 +34,11 @@ from undolog_core import (
 )
 from undolog_core.errors import ConfigurationError, UndoLogError
 
-from .config import Approval, GatewayConfig, ToolConfig
+from .config import Approval, GatewayConfig, ToolConfig, UpstreamConfig
 from .elicit import elicit_decision
 from .results import META_KEY as META_KEY  # re-exported: it was defined here
 from .results import awaiting_result, call_key, error_result, replayed, structured, text_of, unknown_result
-from .upstream import PORTAL, Connections, OutcomeUnknown, UpstreamRefused, first_cause
+from .upstream import PORTAL, Connections, OutcomeUnknown, Upstream, UpstreamRefused, first_cause
 
 log = logging.getLogger("undolog.mcp")
 
@@ -106,6 +106,11 @@ def plan_exposure(config: GatewayConfig, listed: Mapping[str, list[types.Tool]])
     return exposure
 
 
+def _listing(tools: list[types.Tool]) -> dict[str, Any]:
+    """A listing as compared for changes: each tool's whole definition, by name."""
+    return {t.name: t.model_dump(mode="json", exclude_none=True) for t in tools}
+
+
 def _guarded(ex: ExposedTool) -> contextlib.AbstractContextManager[Any]:
     """Where a logged call (COMPENSABLE, or IRREVERSIBLE once approved) is decided, forwarded and marked, the
     client's cancel (``notifications/cancelled``) or its going away must not stop the gateway: the pre-write done,
@@ -129,6 +134,7 @@ class Gateway:
         self.config = config
         self.undolog = undolog
         self.exposure = Exposure()
+        self._listed: dict[str, list[types.Tool]] = {}  # what each upstream listed when last registered
         self.connections: Connections | None = None  # the live upstreams, while running
         self._loop: asyncio.AbstractEventLoop | None = None
         # MCP client session -> (its UndoLog session, the API key that opened it), while the client session lives:
@@ -143,7 +149,7 @@ class Gateway:
         """Register every classified tool of the upstreams' listings with the UndoLog, with its compensation and
         probe. The contract holds the upstream's schema and annotations, the upstream and the compensation's
         template: an upstream that changes a tool makes a new revision, which cancels approvals bound to the old."""
-        self.exposure = exposure = plan_exposure(self.config, listed)
+        exposure = plan_exposure(self.config, listed)
         for ex in exposure.tools.values():
             cfg, tool = ex.config, ex.listed
             up = self.config.upstreams[cfg.upstream]
@@ -171,17 +177,36 @@ class Gateway:
                 kwargs["probe"] = self._prober(cfg)
             ex.spec = self.undolog.register_tool(None, binding=binding, registered_by="undolog:mcp-gateway",
                                                  **kwargs)
+        # Swapped in whole: calls running meanwhile (a re-listing while serving) see the old exposure or the new.
+        self.exposure = exposure
+        self._listed = {name: list(tools) for name, tools in listed.items()}
         return exposure
 
-    def _upstream_call(self, upstream: str) -> Callable[[str, Mapping[str, Any], str | None],
-                                                        Awaitable[types.CallToolResult]]:
+    async def _relisted(self, config: UpstreamConfig, up: Upstream) -> None:
+        """An upstream started again (after a crash, or for a call after it exited) lists its tools anew: when a
+        classified tool changed (an upgrade, ``npx pkg@latest``), it is registered as a new revision at once, which
+        cancels approvals bound to the old contract; a call decided against the old one is not sent (see call)."""
+        before = self._listed.get(config.name)
+        if before is None or _listing(before) == _listing(up.tools):
+            return
+        changed = sorted(n for n in set(_listing(before)) | set(_listing(up.tools))
+                         if _listing(before).get(n) != _listing(up.tools).get(n)
+                         and (config.name, n) in self.config.tools)
+        listed = {**self._listed, config.name: list(up.tools)}
+        await asyncio.to_thread(self.register, listed)
+        if changed:
+            log.warning("upstream %s, started again, lists changed tools (%s): registered anew; approvals bound to "
+                        "the old contracts are cancelled", config.name, ", ".join(changed))
+
+    def _upstream_call(self, upstream: str) -> Callable[..., Awaitable[types.CallToolResult]]:
         """A coroutine function calling one tool of ``upstream``: over the gateway's live session when this runs
         on the gateway's own loop, else over a connection opened for it (the CLI, the desk, recovery)."""
         cfg = self.config.upstreams[upstream]
 
-        async def call(name: str, args: Mapping[str, Any], key: str | None) -> types.CallToolResult:
+        async def call(name: str, args: Mapping[str, Any], key: str | None,
+                       check: Callable[[], None] | None = None) -> types.CallToolResult:
             if self.connections is not None and asyncio.get_running_loop() is self._loop:
-                return await self.connections.call(cfg, name, args, key)
+                return await self.connections.call(cfg, name, args, key, check=check)
             return await PORTAL.call(cfg, name, args, key)
 
         return call
@@ -258,6 +283,7 @@ class Gateway:
                     raise ConfigurationError(f"upstream {name!r} could not be started and listed: "
                                              f"{first_cause(exc)}") from exc
             exposure = self.register(listed)
+            connections.on_open = self._relisted  # from now on, an upstream started again is listed anew
             for skipped in exposure.unclassified:
                 log.warning("not exposed (no tier in the config): %s", skipped)
             for gone in exposure.missing:
@@ -316,10 +342,19 @@ class Gateway:
             return awaiting_result(name, d)
         upstream = self._upstream_call(ex.config.upstream)
         tool_name = ex.listed.name
+        revision = ex.spec.revision
+
+        def unchanged() -> None:
+            # Run once the connection is open, before sending: an upstream started again for this call may list
+            # this tool changed (registered anew meanwhile): what was validated and approved is not what it is now.
+            now = self.exposure.tools.get(name)
+            if now is None or now.spec is None or now.spec.revision != revision:
+                raise UpstreamRefused(f"upstream {ex.config.upstream} changed {tool_name} since this call was "
+                                      "decided (it was started again and lists another contract): not sent")
 
         async def invoke(args: dict[str, Any]) -> types.CallToolResult:
             try:
-                return await upstream(tool_name, args, d.idempotency_key)
+                return await upstream(tool_name, args, d.idempotency_key, unchanged)
             except UpstreamRefused as exc:
                 return error_result(str(exc))  # a protocol refusal, or no upstream to take it: it did not run
 

@@ -12,7 +12,7 @@ import contextlib
 import datetime as dt
 import logging
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,7 +230,10 @@ class Connections:
         >>> await conns.close()
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_open: Callable[[UpstreamConfig, Upstream], Awaitable[None]] | None = None) -> None:
+        # Called with each connection opened, before any call is sent over it (the gateway re-lists a restarted
+        # upstream's tools); what it raises fails the opening.
+        self.on_open = on_open
         self._open: dict[tuple[Any, ...], asyncio.Future[Upstream]] = {}
         self._holders: dict[asyncio.Task[None], asyncio.Event] = {}  # each holder task, and what stops it
 
@@ -255,9 +258,10 @@ class Connections:
                 del self._open[ident]
             raise
 
-    async def call(self, config: UpstreamConfig, name: str, args: Mapping[str, Any],
-                   key: str | None) -> types.CallToolResult:
+    async def call(self, config: UpstreamConfig, name: str, args: Mapping[str, Any], key: str | None, *,
+                   check: Callable[[], None] | None = None) -> types.CallToolResult:
         """One call over the live connection; a lost connection is dropped, so the next call opens another.
+        ``check`` runs once the connection is open, before the call is sent; what it raises is not sent.
 
         Raises:
             UpstreamUnavailable: the upstream could not be started to take the call (it did not run).
@@ -268,6 +272,8 @@ class Connections:
                 up = await self.get(config)
             except Exception as exc:  # noqa: BLE001 - whatever stopped it starting, the call was never sent
                 raise UpstreamUnavailable(f"upstream {config.name} could not be started: {first_cause(exc)}") from exc
+            if check is not None:
+                check()
             try:
                 return await up.call(name, args, key)
             except _NotSent as exc:
@@ -301,6 +307,8 @@ class Connections:
     async def _hold(self, config: UpstreamConfig, opened: asyncio.Future[Upstream], stop: asyncio.Event) -> None:
         try:
             async with connect(config) as up:
+                if self.on_open is not None:
+                    await self.on_open(config, up)
                 opened.set_result(up)
                 ended = up.session.ended if isinstance(up.session, _WatchedSession) else asyncio.Event()
                 waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(ended.wait())]

@@ -24,7 +24,7 @@ from mcp.client.stdio import stdio_client
 
 from undolog_core import EffectState, SessionState
 
-from .test_gateway import cli, gateway, only_session, text, world, write_config
+from .test_gateway import UPSTREAM, cli, gateway, only_session, text, world, write_config
 
 
 async def until(what: str, cond: Callable[[], bool], bound: float = 30.0) -> None:
@@ -252,3 +252,40 @@ async def test_an_elicited_answer_that_is_not_a_yes_runs_nothing(db: Any, tmp_pa
         ran = await client.call_tool("close_ticket", {"id": 1})  # a real yes
         assert not ran.isError and "closed" in text(ran)
     assert [c["tool"] for c in world(tmp_path)["calls"]] == ["close_ticket"]
+
+
+async def test_an_upstream_started_again_with_a_changed_tool_does_not_run_what_was_approved(db: Any,
+                                                                                          tmp_path: Path) -> None:
+    # The upstream dies and comes back as another version (an upgrade; `npx pkg@latest` on every start) whose
+    # close_ticket takes another argument. The approval was given for the old contract: the call must not be sent
+    # to the new one, and the new listing is registered at once (a new revision, as at start), which cancels
+    # what is still pending against the old one.
+    cfg, log = write_config(tmp_path, extra="""
+        [tools.tickets.close_ticket]
+        tier = "irreversible"
+        [tools.tickets.export_everything]
+        tier = "irreversible"
+    """), tmp_path / "gateway.log"
+    async with logged_gateway(db, cfg, log) as client:
+        asked = await client.call_tool("close_ticket", {"id": 1})
+        close_id = (asked.structuredContent or {})["approval_request_id"]
+        pending = await client.call_tool("export_everything", {})
+        export_id = (pending.structuredContent or {})["approval_request_id"]
+        done = cli(db, "approvals", "approve", close_id)
+        assert done.returncode == 0, done.stderr
+        (tmp_path / "tickets_server.py").write_text(UPSTREAM.read_text().replace(
+            "def close_ticket(id: int, ctx: Context[Any, Any, Any])",
+            "def close_ticket(id: int, ctx: Context[Any, Any, Any], reason: str = '')"))
+        kill_upstream(tmp_path)
+        await until("the gateway noticed", said(log, "upstream tickets closed its connection"))
+        refused = await client.call_tool("close_ticket", {"id": 1})
+        assert refused.isError and "changed close_ticket" in text(refused), text(refused)
+        again = await client.call_tool("close_ticket", {"id": 1})  # asked again: never under the old approval
+        assert again.isError or (again.structuredContent or {}).get("status") == "awaiting_approval", text(again)
+    assert not (tmp_path / "tickets.json").exists() or "close_ticket" not in {
+        c["tool"] for c in world(tmp_path)["calls"]}
+    u = db.open()
+    history = u.registry.history("close_ticket")
+    assert len(history) == 2 and "reason" in json.dumps(history[-1], default=str)
+    assert u.approvals.get(export_id).state.value == "pending"  # its tool did not change
+    assert "changed tools (close_ticket)" in log.read_text()
