@@ -199,9 +199,10 @@ class Gateway:
         return exposure
 
     async def _relisted(self, config: UpstreamConfig, up: Upstream) -> None:
-        """An upstream started again (after a crash, or for a call after it exited) lists its tools anew: when a
-        classified tool changed (an upgrade, ``npx pkg@latest``), it is registered as a new revision at once, which
-        cancels approvals bound to the old contract; a call decided against the old one is not sent (see call)."""
+        """An upstream started again (after a crash, or for a call after it exited), or one that said its tools
+        changed, lists its tools anew: when a classified tool changed (an upgrade, ``npx pkg@latest``, a plugin
+        loaded), it is registered as a new revision at once, which cancels approvals bound to the old contract; a
+        call decided against the old one is not sent (see call)."""
         before = self._listed.get(config.name)
         if before is None or _listing(before) == _listing(up.tools):
             return
@@ -211,8 +212,8 @@ class Gateway:
         listed = {**self._listed, config.name: list(up.tools)}
         await asyncio.to_thread(self.register, listed)
         if changed:
-            log.warning("upstream %s, started again, lists changed tools (%s): registered anew; approvals bound to "
-                        "the old contracts are cancelled", config.name, ", ".join(changed))
+            log.warning("upstream %s lists changed tools (%s): registered anew; approvals bound to the old contracts "
+                        "are cancelled", config.name, ", ".join(changed))
 
     def _upstream_call(self, upstream: str) -> Callable[..., Awaitable[types.CallToolResult]]:
         """A coroutine function calling one tool of ``upstream``: over the gateway's live session when this runs
@@ -366,7 +367,7 @@ class Gateway:
             now = self.exposure.tools.get(name)
             if now is None or now.spec is None or now.spec.revision != revision:
                 raise UpstreamRefused(f"upstream {ex.config.upstream} changed {tool_name} since this call was "
-                                      "decided (it was started again and lists another contract): not sent")
+                                      "decided (it lists another contract now): not sent")
 
         async def invoke(args: dict[str, Any]) -> types.CallToolResult:
             try:
