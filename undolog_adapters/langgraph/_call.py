@@ -208,7 +208,8 @@ def _known(guard: _Guard, request: Any, wait: bool) -> Any:
     rt = getattr(request, "runtime", None)  # _config_of, inline
     base = guard.base_id(getattr(rt, "config", None) or get_config())
     n = guard.heads.get(base)  # known from the turn's check (its session exists); else prepare creates it
-    if n is None:
+    if n is None or (n > 1 and tier is ToolTier.COMPENSABLE):
+        # A thread past a rollback: prepare asks whether the call belongs to an earlier session (time travel).
         return NOT_SAFE
     sid = base if n <= 1 else f"{base}{SEP}{n}"
     d: Execute | AwaitingApproval | Completed

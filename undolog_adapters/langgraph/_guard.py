@@ -273,9 +273,17 @@ class _Guard:
         name = self.names[call["name"]]
         base = self.base_id(config)
         sid = self.head(base, wait=wait)
+        earlier = self.earlier(base, sid, call.get("id"), wait=wait)
+        if earlier is not None:
+            # A call of an earlier session's plan, re-issued in the thread's current one (LangGraph's time travel
+            # re-runs a checkpoint from before a rollback with its tool call ids): answered as that session answers
+            # it, its stored result or its refusal (the plan was undone). New to this session, it would run again.
+            sid = earlier
         try:
             d = self.u.driver.decide(sid, name, dict(call.get("args") or {}), call_id=call.get("id"), wait=wait)
         except errors.SessionClosed:
+            if earlier is not None:
+                raise
             after = self._after_close(base, sid, request)
             if after is None:
                 raise
@@ -287,6 +295,22 @@ class _Guard:
         if isinstance(d, AwaitingApproval):
             return _Pause(d, sid)
         return _Run(d, sid)
+
+    def earlier(self, base: str, sid: str, call_id: str | None, *, wait: bool = True) -> str | None:
+        """The earlier session of the thread (``base`` .. the one before ``sid``) that logged ``call_id``, if any.
+
+        Only a thread past a rollback has earlier sessions: for the others nothing is read. ``wait=False`` raises
+        ``WouldBlock`` when there are some to read (nothing was written)."""
+        if not call_id or sid == base:
+            return None
+        n = _chain_index(base, sid)
+        if n <= 1:
+            return None
+        if not wait:
+            raise WouldBlock()
+        found = self.u.engine.sessions_with_call([_chain(base, k) for k in range(1, n)], call_id)
+        # One call id lives in one session of the thread (it is new to every later one): the newest, to be sure.
+        return next((_chain(base, k) for k in range(n - 1, 0, -1) if _chain(base, k) in found), None)
 
     def _after_close(self, base: str, sid: str, request: Any) -> str | None:
         """A call on a rolled-back/completed session: a new plan gets a new session, the old plan none."""
