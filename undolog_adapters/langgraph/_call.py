@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from langchain_core.messages import ToolMessage
+from langchain_core.messages import AIMessage, ToolMessage
 from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp
 
@@ -25,6 +25,7 @@ from undolog_core.integration import WouldBlock
 from ._guard import _config_of, _Guard, _override, _Reply, _Run
 from ._payload import _Pause
 from ._sessions import SEP
+from ._siblings import PUSH
 from ._tools import _CAPTURE, _COPIES, _Box, _capturing, _content_of, _result_of, emit, rollback_events
 
 # The tier as the effect's mark on a COMPENSABLE call's message says it (``_Guard.committed``: ``str(d.tier)``).
@@ -112,6 +113,8 @@ def _decide(guard: _Guard, request: Any, wait: bool = True) -> tuple[_Run | _Ans
     raises ``WouldBlock`` (nothing written, nothing asked) when it would wait for the store.
     """
     batch, call_id = _pending(guard, request)
+    if batch is None:
+        _one_pause_per_task(guard, request)
     if batch is not None and call_id in batch.done:
         return _Answer(batch.done[call_id]), batch, call_id
     # What the node's gate pass decided for this call, if it ran one (IRREVERSIBLE calls only).
@@ -136,6 +139,41 @@ def _decide(guard: _Guard, request: Any, wait: bool = True) -> tuple[_Run | _Ans
             wait = True  # after an interrupt was asked, never retried elsewhere: it would be asked twice
             continue
         return step, batch, call_id
+
+
+def _one_pause_per_task(guard: _Guard, request: Any) -> None:
+    """Refuse an IRREVERSIBLE call that would pause beside another in the same LangGraph task.
+
+    The middleware pauses with one ``interrupt()`` per call, which is sound where each call is its own task
+    (``create_agent`` sends each call as one). A plain ``ToolNode`` given the middleware's hook runs every call of a
+    model message in one task, where LangGraph hands resume values to interrupts in the order they are raised: not
+    stable (a call approved in one resume does not pause again, so its sibling takes the first value next time), so
+    one call could run on another's approval. Refused before anything is asked; ``UndoLogToolNode`` pauses once for
+    the whole message."""
+    name = guard.names.get(request.tool_call.get("name"))
+    spec = guard.u.registry.tools.get(name) if name is not None else None
+    if spec is None or spec.tier is not ToolTier.IRREVERSIBLE:
+        return
+    config = _config_of(request)
+    if PUSH in ((config.get("metadata") or {}).get("langgraph_triggers") or ()):
+        return  # a task of its own (create_agent's Send)
+    state = getattr(request, "state", None)
+    messages = state if isinstance(state, list) else (
+        state.get("messages") if isinstance(state, dict) else getattr(state, "messages", None))
+    cid = request.tool_call.get("id")
+    for m in reversed(messages or []):
+        calls = getattr(m, "tool_calls", None)
+        if isinstance(m, AIMessage) and calls and any(tc.get("id") == cid for tc in calls):
+            gated = [tc for tc in calls if (n := guard.names.get(tc.get("name"))) is not None
+                     and (sp := guard.u.registry.tools.get(n)) is not None and sp.tier is ToolTier.IRREVERSIBLE]
+            if len(gated) > 1:
+                raise errors.ConfigurationError(
+                    f"UndoLog refused {request.tool_call.get('name')}: UndoLogMiddleware pauses each call as its own "
+                    "LangGraph task (create_agent), and this ToolNode runs several IRREVERSIBLE calls in one task, "
+                    "where LangGraph could hand one call another's decision. In a hand-built graph use "
+                    "UndoLogToolNode (it asks for the whole message in one pause). Nothing was asked or run."
+                )
+            return
 
 
 def run_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], *, admit: bool = True) -> Any:

@@ -52,6 +52,7 @@ CONFIG_KEY_CHECKPOINT_MAP: str = getattr(_lg, "CONFIG_KEY_CHECKPOINT_MAP", "chec
 CONFIG_KEY_CHECKPOINT_NS: str = getattr(_lg, "CONFIG_KEY_CHECKPOINT_NS", "checkpoint_ns")
 INTERRUPT: str = getattr(_lg, "INTERRUPT", "__interrupt__")
 NS_SEP: str = getattr(_lg, "NS_SEP", "|")
+PUSH: str = getattr(_lg, "PUSH", "__pregel_push")  # the trigger of a task started by a Send (one per call)
 
 
 class Recorder(Protocol):
