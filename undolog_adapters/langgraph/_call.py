@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -25,7 +25,7 @@ from undolog_core.integration import WouldBlock
 from ._guard import _config_of, _Guard, _override, _Reply, _Run
 from ._payload import _Pause
 from ._sessions import SEP
-from ._siblings import PUSH
+from ._siblings import PUSH, forget_answers
 from ._tools import _CAPTURE, _COPIES, _Box, _capturing, _content_of, _result_of, emit, rollback_events
 
 # The tier as the effect's mark on a COMPENSABLE call's message says it (``_Guard.committed``: ``str(d.tier)``).
@@ -121,6 +121,7 @@ def _decide(guard: _Guard, request: Any, wait: bool = True) -> tuple[_Run | _Ans
     gated = batch.gated.pop(call_id, None) if batch is not None and call_id else None
     config = _config_of(request)
     error: str | None = None
+    asked = 0  # this call's pauses answered in this run (the task's first interrupts: nothing ran before them)
     while True:
         try:
             step = gated if gated is not None else guard.prepare(request, config, wait=wait)  # the driver's decision
@@ -136,9 +137,18 @@ def _decide(guard: _Guard, request: Any, wait: bool = True) -> tuple[_Run | _Ans
             if parked is not None:
                 return _Answer(parked), batch, call_id
             error = guard.ask([step], error)
+            asked += 1
             wait = True  # after an interrupt was asked, never retried elsewhere: it would be asked twice
             continue
+        if asked and batch is None and _own_task(config):
+            # Decided: the tool runs next, and its own interrupt() must not be handed UndoLog's answers.
+            forget_answers(config, asked)
         return step, batch, call_id
+
+
+def _own_task(config: Mapping[str, Any]) -> bool:
+    """Whether the call runs as a LangGraph task of its own (``create_agent`` sends each call as one)."""
+    return PUSH in ((config.get("metadata") or {}).get("langgraph_triggers") or ())
 
 
 def _one_pause_per_task(guard: _Guard, request: Any) -> None:
@@ -154,8 +164,7 @@ def _one_pause_per_task(guard: _Guard, request: Any) -> None:
     spec = guard.u.registry.tools.get(name) if name is not None else None
     if spec is None or spec.tier is not ToolTier.IRREVERSIBLE:
         return
-    config = _config_of(request)
-    if PUSH in ((config.get("metadata") or {}).get("langgraph_triggers") or ()):
+    if _own_task(_config_of(request)):
         return  # a task of its own (create_agent's Send)
     state = getattr(request, "state", None)
     messages = state if isinstance(state, list) else (
