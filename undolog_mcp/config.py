@@ -80,6 +80,16 @@ class CompensationTemplate:
     tool: str
     args: Mapping[str, Any]
 
+    def fields(self) -> list[tuple[str, str, str]]:
+        """Each ``{args.NAME...}`` and ``{result.NAME...}`` placeholder as (source, NAME, placeholder): what the
+        tool must take or answer for the compensation to be built."""
+        out = []
+        for ph in _placeholders(self.args):
+            parts = ph.split(".")
+            if parts[0] in _SOURCES and len(parts) > 1:
+                out.append((parts[0], parts[1], ph))
+        return out
+
     @property
     def needs_result(self) -> bool:
         return any(p.split(".", 1)[0] == "result" for p in _placeholders(self.args))
@@ -247,7 +257,7 @@ def _tool(up: str, name: str, raw: Any) -> ToolConfig:
             raise ConfigurationError(f"gateway config: {where} compensation.args must be a table")
         for ph in _placeholders(args):
             head = ph.split(".", 1)[0]
-            if not (ph == "idempotency_key" or (head in _SOURCES and "." in ph)):
+            if not (ph == "idempotency_key" or (head in _SOURCES and "." in ph and all(ph.split(".")))):
                 raise ConfigurationError(
                     f"gateway config: {where} compensation.args uses {{{ph}}}; placeholders are {{args.NAME}}, "
                     "{result.NAME} and {idempotency_key}"

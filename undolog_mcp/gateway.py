@@ -34,7 +34,7 @@ from undolog_core import (
 )
 from undolog_core.errors import ConfigurationError, UndoLogError
 
-from .config import Approval, GatewayConfig, ToolConfig, UpstreamConfig
+from .config import Approval, CompensationTemplate, GatewayConfig, ToolConfig, UpstreamConfig
 from .elicit import elicit_decision
 from .results import META_KEY as META_KEY  # re-exported: it was defined here
 from .results import awaiting_result, call_key, error_result, replayed, structured, text_of, unknown_result
@@ -99,11 +99,27 @@ def plan_exposure(config: GatewayConfig, listed: Mapping[str, list[types.Tool]])
                 if needed is not None and needed not in by_name:
                     raise UndoLogError(f"gateway config: the {what} tool {needed!r} of [tools.{up}.{t.name}] is not "
                                        f"a tool of upstream {up!r} (it lists {', '.join(sorted(by_name))})")
+            if cfg.compensation is not None:
+                _check_template(up, t, cfg.compensation)
             exposure.tools[exposed] = ExposedTool(exposed, cfg, t)
     for (up, name) in config.tools:
         if up in listed and name not in {t.name for t in listed[up]}:
             exposure.missing.append(f"{up}/{name}")
     return exposure
+
+
+def _check_template(up: str, tool: types.Tool, template: CompensationTemplate) -> None:
+    """A compensation's placeholders against what the tool takes (its input schema's properties) and answers
+    (its output schema's, when it lists one): a typo found here, not at rollback, where the compensation could
+    not be built and the session would halt."""
+    shapes = {"args": tool.inputSchema or {}, "result": tool.outputSchema or {}}
+    for source, name, placeholder in template.fields():
+        props = shapes[source].get("properties")
+        if isinstance(props, Mapping) and name not in props:
+            what = "takes" if source == "args" else "answers"
+            raise ConfigurationError(
+                f"gateway config: [tools.{up}.{tool.name}] compensation uses {{{placeholder}}}, but {tool.name} "
+                f"{what} only {', '.join(sorted(props)) or 'nothing'}")
 
 
 def _listing(tools: list[types.Tool]) -> dict[str, Any]:
@@ -183,9 +199,10 @@ class Gateway:
         return exposure
 
     async def _relisted(self, config: UpstreamConfig, up: Upstream) -> None:
-        """An upstream started again (after a crash, or for a call after it exited) lists its tools anew: when a
-        classified tool changed (an upgrade, ``npx pkg@latest``), it is registered as a new revision at once, which
-        cancels approvals bound to the old contract; a call decided against the old one is not sent (see call)."""
+        """An upstream started again (after a crash, or for a call after it exited), or one that said its tools
+        changed, lists its tools anew: when a classified tool changed (an upgrade, ``npx pkg@latest``, a plugin
+        loaded), it is registered as a new revision at once, which cancels approvals bound to the old contract; a
+        call decided against the old one is not sent (see call)."""
         before = self._listed.get(config.name)
         if before is None or _listing(before) == _listing(up.tools):
             return
@@ -195,8 +212,8 @@ class Gateway:
         listed = {**self._listed, config.name: list(up.tools)}
         await asyncio.to_thread(self.register, listed)
         if changed:
-            log.warning("upstream %s, started again, lists changed tools (%s): registered anew; approvals bound to "
-                        "the old contracts are cancelled", config.name, ", ".join(changed))
+            log.warning("upstream %s lists changed tools (%s): registered anew; approvals bound to the old contracts "
+                        "are cancelled", config.name, ", ".join(changed))
 
     def _upstream_call(self, upstream: str) -> Callable[..., Awaitable[types.CallToolResult]]:
         """A coroutine function calling one tool of ``upstream``: over the gateway's live session when this runs
@@ -350,7 +367,7 @@ class Gateway:
             now = self.exposure.tools.get(name)
             if now is None or now.spec is None or now.spec.revision != revision:
                 raise UpstreamRefused(f"upstream {ex.config.upstream} changed {tool_name} since this call was "
-                                      "decided (it was started again and lists another contract): not sent")
+                                      "decided (it lists another contract now): not sent")
 
         async def invoke(args: dict[str, Any]) -> types.CallToolResult:
             try:

@@ -70,9 +70,17 @@ class _WatchedSession(ClientSession):
     """The SDK's client session, saying when the upstream closed the connection (its receive loop ended): an
     upstream that exits between calls is noticed then, not by the next call."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, read: Any, write: Any) -> None:
+        super().__init__(read, write, message_handler=self._on_message)
         self.ended = asyncio.Event()
+        # The upstream said its tools changed (notifications/tools/list_changed): list them again before the next
+        # call is sent over this session.
+        self.stale = False
+
+    async def _on_message(self, message: Any) -> None:
+        if isinstance(message, types.ServerNotification) and isinstance(message.root,
+                                                                        types.ToolListChangedNotification):
+            self.stale = True
 
     async def _receive_loop(self) -> None:
         try:
@@ -198,17 +206,23 @@ async def connect(config: UpstreamConfig) -> AsyncIterator[Upstream]:
         try:
             with anyio.fail_after(config.start_timeout):
                 await session.initialize()
-                listed = await session.list_tools()
-                tools = list(listed.tools)
-                cursor = listed.nextCursor
-                while cursor:
-                    page = await session.list_tools(cursor=cursor)
-                    tools.extend(page.tools)
-                    cursor = page.nextCursor
+                tools = await _list_all(session)
         except TimeoutError:
             raise TimeoutError(f"it did not answer initialize and tools/list within {config.start_timeout:g} s "
                                "(start_timeout)") from None
         yield Upstream(config, session, tools)
+
+
+async def _list_all(session: ClientSession) -> list[types.Tool]:
+    """Every tool the session's upstream lists, page after page."""
+    listed = await session.list_tools()
+    tools = list(listed.tools)
+    cursor = listed.nextCursor
+    while cursor:
+        page = await session.list_tools(cursor=cursor)
+        tools.extend(page.tools)
+        cursor = page.nextCursor
+    return tools
 
 
 async def list_tools(config: UpstreamConfig) -> list[types.Tool]:
@@ -272,6 +286,8 @@ class Connections:
                 up = await self.get(config)
             except Exception as exc:  # noqa: BLE001 - whatever stopped it starting, the call was never sent
                 raise UpstreamUnavailable(f"upstream {config.name} could not be started: {first_cause(exc)}") from exc
+            if isinstance(up.session, _WatchedSession) and up.session.stale:
+                await self._relist(config, up)
             if check is not None:
                 check()
             try:
@@ -287,6 +303,21 @@ class Connections:
                     self._drop(config, up)
                 raise
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _relist(self, config: UpstreamConfig, up: Upstream) -> None:
+        """List a live upstream's tools again after it said they changed, and hand them to ``on_open`` as for a
+        connection just opened."""
+        assert isinstance(up.session, _WatchedSession)
+        up.session.stale = False  # (before the await: calls meanwhile do not list it twice over)
+        try:
+            with anyio.fail_after(config.timeout):
+                up.tools = await _list_all(up.session)
+            if self.on_open is not None:
+                await self.on_open(config, up)
+        except Exception as exc:  # noqa: BLE001 - the call is not sent on a listing that could not be read
+            up.session.stale = True
+            raise UpstreamUnavailable(f"upstream {config.name} said its tools changed and could not be listed "
+                                      f"again: {first_cause(exc)}") from exc
 
     def _drop(self, config: UpstreamConfig, up: Upstream) -> None:
         """Forget ``up`` as ``config``'s live connection (if it still is): the next call opens another."""

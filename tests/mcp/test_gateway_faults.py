@@ -45,6 +45,11 @@ def upstream_got(tmp: Path, title: str) -> Callable[[], bool]:
     return check
 
 
+def calls_of(tmp: Path) -> list[dict[str, Any]]:
+    """Every call the upstream got (none when it never wrote its world)."""
+    return list(world(tmp)["calls"]) if (tmp / "tickets.json").exists() else []
+
+
 def effects_of(db: Any) -> list[dict[str, Any]]:
     u = db.open()
     return list(u.sessions.effects(only_session(u).session_id))
@@ -282,10 +287,71 @@ async def test_an_upstream_started_again_with_a_changed_tool_does_not_run_what_w
         assert refused.isError and "changed close_ticket" in text(refused), text(refused)
         again = await client.call_tool("close_ticket", {"id": 1})  # asked again: never under the old approval
         assert again.isError or (again.structuredContent or {}).get("status") == "awaiting_approval", text(again)
-    assert not (tmp_path / "tickets.json").exists() or "close_ticket" not in {
-        c["tool"] for c in world(tmp_path)["calls"]}
+    assert "close_ticket" not in {c["tool"] for c in calls_of(tmp_path)}
     u = db.open()
     history = u.registry.history("close_ticket")
     assert len(history) == 2 and "reason" in json.dumps(history[-1], default=str)
     assert u.approvals.get(export_id).state.value == "pending"  # its tool did not change
     assert "changed tools (close_ticket)" in log.read_text()
+
+
+def test_a_compensation_template_naming_what_the_tool_does_not_have_stops_the_gateway(db: Any, tmp_path: Path) -> None:
+    # A typo in a template ({args.seta}) used to pass every check at start and fail only when it mattered: at
+    # rollback, where the compensation could not be built and the session halted. The upstream's listing says
+    # what the tool takes and answers: checked against it at start.
+    cfg = write_config(tmp_path)
+    good = cfg.read_text()
+    cfg.write_text(good.replace('args = {{ seat = "{{args.seat}}" }}'.replace("{{", "{").replace("}}", "}"),
+                                'args = { seat = "{args.seta}" }'))
+    assert "{args.seta}" in cfg.read_text()
+    err = serve_fails(db, cfg)
+    assert "{args.seta}" in err and "reserve_seat" in err and "seat" in err, err
+    cfg.write_text(good.replace("{result.id}", "{result.ident}"))  # create_ticket answers a Ticket: no "ident"
+    err = serve_fails(db, cfg)
+    assert "{result.ident}" in err and "create_ticket" in err, err
+
+
+@pytest.mark.parametrize("bad", ['timeout = nan', 'timeout = inf', 'timeout = true', 'start_timeout = -1'])
+def test_a_timeout_that_is_no_number_of_seconds_is_refused(tmp_path: Path, bad: str) -> None:
+    from undolog_core.errors import ConfigurationError
+    from undolog_mcp.config import load_config
+
+    cfg = tmp_path / "gateway.toml"
+    cfg.write_text(f'[upstreams.tickets]\ncommand = ["x"]\n{bad}\n')
+    with pytest.raises(ConfigurationError, match=r"\[upstreams.tickets\] \w*timeout must be a positive number"):
+        load_config(cfg)
+
+
+def test_an_empty_placeholder_path_is_refused_at_load(tmp_path: Path) -> None:
+    from undolog_core.errors import ConfigurationError
+    from undolog_mcp.config import load_config
+
+    cfg = tmp_path / "gateway.toml"
+    cfg.write_text('[upstreams.t]\ncommand = ["x"]\n[tools.t.a]\ntier = "compensable"\n'
+                   'compensation = { tool = "b", args = { id = "{result.}" } }\n')
+    with pytest.raises(ConfigurationError, match=r"\{result\.\}"):
+        load_config(cfg)
+
+
+async def test_a_live_upstream_that_says_its_tools_changed_does_not_run_what_was_approved(db: Any,
+                                                                                        tmp_path: Path) -> None:
+    # MCP lets a server change its tools while it runs and say so (notifications/tools/list_changed). The gateway
+    # listed once, at start: an approval given for the old close_ticket ran against the new one. It is listed
+    # anew on the notice, before the next call is sent, with the same outcome as an upstream started again.
+    cfg = write_config(tmp_path, extra="""
+        [tools.tickets.close_ticket]
+        tier = "irreversible"
+        [tools.tickets.upgrade_tools]
+        tier = "safe"
+    """)
+    async with gateway(db, cfg) as client:
+        asked = await client.call_tool("close_ticket", {"id": 1})
+        done = cli(db, "approvals", "approve", (asked.structuredContent or {})["approval_request_id"])
+        assert done.returncode == 0, done.stderr
+        upgraded = await client.call_tool("upgrade_tools", {})
+        assert not upgraded.isError, text(upgraded)
+        refused = await client.call_tool("close_ticket", {"id": 1})
+        assert refused.isError and "changed close_ticket" in text(refused), text(refused)
+    assert "close_ticket" not in {c["tool"] for c in calls_of(tmp_path)}
+    history = db.open().registry.history("close_ticket")
+    assert len(history) == 2 and "reason" in json.dumps(history[-1], default=str)

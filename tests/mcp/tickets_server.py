@@ -152,5 +152,23 @@ def export_everything(ctx: Context[Any, Any, Any]) -> str:
     return "exported"
 
 
+@mcp.tool()
+async def upgrade_tools(ctx: Context[Any, Any, Any]) -> str:
+    """Change close_ticket while running (it takes a reason from now on) and tell the client the list changed, as
+    a server that loads plugins or upgrades itself in place does."""
+    mcp.remove_tool("close_ticket")
+
+    def close_ticket(id: int, ctx: Context[Any, Any, Any], reason: str = "") -> str:
+        """Close a ticket, with a reason."""
+        state = load()
+        record(state, "close_ticket", {"id": id, "reason": reason}, ctx)
+        save(state)
+        return "closed"
+
+    mcp.add_tool(close_ticket)
+    await ctx.session.send_tool_list_changed()
+    return "upgraded"
+
+
 if __name__ == "__main__":
     mcp.run()
