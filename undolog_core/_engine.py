@@ -1121,6 +1121,7 @@ class Engine:
         """
         now = utcnow()
         args_json = row.args_snapshot
+        added, lost = row.effect_id not in self._inflight, False  # (as in _claim_run: a loser leaves it alone)
         self._inflight.add(row.effect_id)
         try:
             with self.store.tx() as conn:
@@ -1135,10 +1136,12 @@ class Engine:
                     to_state=row.released_from or EffectState.PENDING.value, owner=self.leases.owner,
                     lease_until=now + dt.timedelta(seconds=self.lease_seconds), now=now,
                 ):
+                    lost = True
                     raise InvalidEffectState(f"call {row.call_id!r} was re-claimed by another caller")
                 self.store.back_in_flight_in(conn, row.seq)
         except BaseException:
-            self._inflight.discard(row.effect_id)
+            if added and not lost:
+                self._inflight.discard(row.effect_id)
             raise
         self.leases.start()
         args = spec.checked(args_json)
@@ -1268,6 +1271,10 @@ class Engine:
         """Durably mark an approved call as running before it runs, so a crash is never followed by a blind re-run."""
         now = utcnow()
         count = sc.take_count() + 1
+        # In the in-flight set before the claim commits (this process vouches for the call from then on); only
+        # the caller that put it there, and did not lose the claim, takes it out on failure: a concurrent caller of
+        # the same call in this process that lost the claim must not unregister the winner's running call.
+        added, lost = row.effect_id not in self._inflight, False
         self._inflight.add(row.effect_id)
         try:
             with self.store.tx() as conn:
@@ -1276,10 +1283,12 @@ class Engine:
                     conn, row.effect_id, from_state=EffectState.APPROVED.value, to_state=EffectState.RUNNING.value,
                     owner=self.leases.owner, lease_until=now + dt.timedelta(seconds=self.lease_seconds), now=now,
                 ):
+                    lost = True
                     raise InvalidEffectState(f"call {row.call_id!r} was claimed by another caller")
                 self.store.back_in_flight_in(conn, row.seq)
         except BaseException:
-            self._inflight.discard(row.effect_id)
+            if added and not lost:
+                self._inflight.discard(row.effect_id)
             self._give_back(sc, count - 1)
             raise
         self.leases.start()

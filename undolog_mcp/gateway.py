@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -431,6 +431,10 @@ class Gateway:
         from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
         manager = StreamableHTTPSessionManager(app=self.server, stateless=False)
+        # MCP session id -> the principal whose request opened it. The SDK accepts any request naming a live
+        # session; here only its opener's are let through (another key's DELETE would end it, its GET read it,
+        # its POST answer the elicitation forms sent to it). Unknown and foreign ids get the same 404.
+        owners: dict[str, str] = {}
 
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             if scope["type"] != "http":
@@ -449,7 +453,27 @@ class Gateway:
             # The request's handler runs in the MCP session's own task, not this one: the principal travels in
             # the ASGI scope, which the SDK hands to it as the request context's request.
             scope[PRINCIPAL_SCOPE_KEY] = principal
-            await manager.handle_request(scope, receive, send)
+            named = headers.get("mcp-session-id")
+            if named is not None:
+                if owners.get(named) != principal:
+                    await _plain(send, 404, "no such MCP session for this key")
+                    return
+                if scope.get("method") == "DELETE":
+                    await manager.handle_request(scope, receive, send)
+                    owners.pop(named, None)
+                    return
+                await manager.handle_request(scope, receive, send)
+                return
+
+            async def opening(message: MutableMapping[str, Any]) -> None:
+                # A request naming no session may open one: the id the SDK answers with is this principal's.
+                if message["type"] == "http.response.start":
+                    for key, value in message.get("headers", []):
+                        if key.decode("latin-1").lower() == "mcp-session-id":
+                            owners[value.decode("latin-1")] = principal
+                await send(message)
+
+            await manager.handle_request(scope, receive, opening)
 
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
         server = uvicorn.Server(config)

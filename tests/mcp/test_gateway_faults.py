@@ -355,3 +355,44 @@ async def test_a_live_upstream_that_says_its_tools_changed_does_not_run_what_was
     assert "close_ticket" not in {c["tool"] for c in calls_of(tmp_path)}
     history = db.open().registry.history("close_ticket")
     assert len(history) == 2 and "reason" in json.dumps(history[-1], default=str)
+
+
+async def test_over_http_an_mcp_session_answers_only_the_key_that_opened_it(db: Any, tmp_path: Path) -> None:
+    # "An MCP session belongs to the key that opened it" held for tool calls only: another agent key that learned
+    # the session id could end it (DELETE), read its stream (GET), or post into it, e.g. a JSON-RPC response to
+    # the elicitation form the gateway sent that session's person. Every request naming a session must come
+    # with the key that opened it.
+    import httpx
+    from mcp.client.streamable_http import streamablehttp_client
+
+    cfg = write_config(tmp_path)
+    db.open()
+    tokens = []
+    for name in ("bot", "other-bot"):
+        made = cli(db, "keys", "create", "--name", name, "--role", "agent")
+        assert made.returncode == 0, made.stderr
+        tokens.append(made.stdout.strip().split()[-1])
+    proc = subprocess.Popen([sys.executable, "-m", "undolog_core.cli", "mcp", "serve", "--config", str(cfg),
+                             "--http", "--port", "0"], env={**os.environ, **db.env}, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        url = next(line.split("serving ", 1)[1].strip() for line in proc.stderr if "serving http://" in line)
+        async with streamablehttp_client(url, headers={"Authorization": f"Bearer {tokens[0]}"}) as (r, w, sid):
+            async with ClientSession(r, w) as client:
+                await client.initialize()
+                session_id = sid()
+                assert session_id
+                other = {"Authorization": f"Bearer {tokens[1]}", "mcp-session-id": session_id,
+                         "mcp-protocol-version": types.LATEST_PROTOCOL_VERSION,
+                         "accept": "application/json, text/event-stream"}
+                async with httpx.AsyncClient(timeout=10) as raw:
+                    ended = await raw.delete(url, headers=other)
+                    assert ended.status_code == 404, ended.text
+                    posted = await raw.post(url, headers=other, json={
+                        "jsonrpc": "2.0", "id": 99, "method": "tools/list"})
+                    assert posted.status_code == 404, posted.text
+                made = await client.call_tool("create_ticket", {"title": "still mine"})  # the session lives on
+                assert not made.isError, text(made)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
