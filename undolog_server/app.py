@@ -177,13 +177,12 @@ def body_problem(body: bytes, content_type: str) -> tuple[str, str, list[dict[st
         return ("nul_character", "NUL characters are not accepted", []) if b"%00" in body.lower() else None
     lowered = body.lower()
     suspicious = b"\\u0000" in lowered or b"\\ud" in lowered or (
-        body.count(b"{") + body.count(b"[") > limits.MAX_JSON_DEPTH) or _BIG_EXPONENT.search(body) is not None
+        body.count(b"{") + body.count(b"[") > limits.MAX_JSON_DEPTH) or _BIG_EXPONENT.search(body) is not None or (
+        _CONSTANT.search(body) is not None)
     if not suspicious:
         return None
     try:
-        data = json.loads(body, parse_float=_finite)
-    except _NotFinite as exc:
-        return _field("number_out_of_range", f"the number {exc} in the JSON body is not a finite number", None)
+        data = json.loads(body, parse_float=_finite, parse_constant=_NotFinite)
     except RecursionError:
         return _field("json_too_deep", f"the JSON body is nested deeper than {limits.MAX_JSON_DEPTH} levels", [])
     except ValueError:
@@ -191,6 +190,10 @@ def body_problem(body: bytes, content_type: str) -> tuple[str, str, list[dict[st
     path = limits.too_deep(data)
     if path is not None:
         return _field("json_too_deep", f"the JSON body is nested deeper than {limits.MAX_JSON_DEPTH} levels", path)
+    found = _not_finite_path(data)
+    if found is not None:
+        return _field("number_out_of_range", f"the number {found[1]} in the JSON body is not a finite number",
+                      found[0])
     nul = _nul_path(data)
     if nul is not None:
         return _field("nul_character", "NUL characters are not accepted", nul)
@@ -203,18 +206,35 @@ def body_problem(body: bytes, content_type: str) -> tuple[str, str, list[dict[st
 
 #: A number literal whose exponent has three digits or more: it may overflow to infinity (``1e999``).
 _BIG_EXPONENT = re.compile(rb"[0-9.][eE][+-]?0*[0-9]{3,}")
+#: ``NaN``, ``Infinity`` and ``-Infinity`` as values: Python's JSON reader takes them, JSON has none of them.
+_CONSTANT = re.compile(rb"(?:^|[:,\[])\s*-?(?:NaN|Infinity)")
 
 
 class _NotFinite(ValueError):
-    pass
+    """What a non-finite number is read as (``1e999``, ``NaN``, ``Infinity``), so the walk can name where it is."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text[:40]
 
 
-def _finite(text: str) -> float:
+def _finite(text: str) -> float | _NotFinite:
     # JSON numbers are finite; Python would read 1e999 as infinity, which no upstream can be sent as JSON.
     value = float(text)
-    if not math.isfinite(value):
-        raise _NotFinite(text[:40])
-    return value
+    return value if math.isfinite(value) else _NotFinite(text)
+
+
+def _not_finite_path(data: Any) -> tuple[list[Any], str] | None:
+    stack: list[tuple[Any, list[Any]]] = [(data, [])]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, _NotFinite):
+            return path, v.text
+        if isinstance(v, dict):
+            stack.extend((x, [*path, k]) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((x, [*path, i]) for i, x in enumerate(v))
+    return None
 
 
 def _field(code: str, detail: str, path: list[Any] | None) -> tuple[str, str, list[dict[str, str]]]:

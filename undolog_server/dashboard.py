@@ -307,6 +307,14 @@ async def decide(request: Request, approval_request_id: str, action: str) -> Res
             st.undolog.approvals.reject(approval_request_id, approver=key.identity, reason=reason)
         else:
             edited = data.get("args", "")
+            # The same door as the API's body: NUL, nesting, lone surrogates, NaN and infinities are refused with
+            # the field named, before the text is parsed for use (a RecursionError or a NaN never reaches the core).
+            from .app import body_problem  # app imports this module
+
+            refused = body_problem(edited.encode("utf-8", "surrogatepass"), "application/json")
+            if refused is not None:
+                return _approval_page(request, key, approval_request_id, edited=edited, status=422,
+                                      error=refused[1].replace("the JSON body", "the arguments"))
             try:
                 args = json.loads(edited)
             except ValueError as exc:

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from undolog_core import ApprovalPending
+from undolog_core import ApprovalPending, errors
 
 from .conftest import Desk
 from .demo_app import UNDONE
@@ -99,6 +99,37 @@ def test_modify_form_reports_the_bad_field(desk: Desk) -> None:
     r = c.post(f"/ui/approvals/{rid}/modify", data={"args": '{"to": "acme", "amount": 1.5}', "csrf_token": token})
     assert r.status_code == 303
     assert desk.undolog.approvals.get(rid).approved_args == {"to": "acme", "amount": 1.5}
+
+
+@pytest.mark.parametrize(("edit", "why"), [
+    ('{"to": "acme", "amount": NaN}', "not a finite number"),
+    ('{"to": "acme", "amount": Infinity}', "not a finite number"),
+    ('{"to": "acme", "amount": 1e999}', "not a finite number"),
+    ('{"to": "acme\\u0000", "amount": 1}', "NUL"),
+    ('{"to": "\\ud800", "amount": 1}', "lone surrogate"),
+    ("[" * 100_000 + "]" * 100_000, "deeper than 64"),
+])
+def test_the_modify_form_refuses_what_the_api_refuses(desk: Desk, edit: str, why: str) -> None:
+    """The form's JSON text never passed the API's door: NaN, infinities and 1e999 were a 500 (the decision's digest
+    cannot encode them), deep nesting a RecursionError (500), and an escaped NUL, which the API refuses, was
+    approved and handed to the tool."""
+    rid, _ = desk.pending("wire_money", to="acme", amount=3.0)
+    c = _login(desk, "approver")
+    token = _csrf(c.get(f"/ui/approvals/{rid}").text)
+    r = c.post(f"/ui/approvals/{rid}/modify", data={"args": edit, "csrf_token": token})
+    assert r.status_code == 422, r.text[:300]
+    assert why in r.text
+    assert desk.undolog.approvals.get(rid).state == "pending"
+
+
+def test_the_python_api_refuses_a_non_finite_edit(desk: Desk) -> None:
+    """``approvals.modify`` with a NaN raised the encoder's ValueError from inside the decision."""
+    rid, _ = desk.pending("wire_money", to="acme", amount=3.0)
+    for bad in (float("nan"), float("inf"), [1.0, float("-inf")]):
+        with pytest.raises(errors.ArgumentsInvalid) as caught:
+            desk.undolog.approvals.modify(rid, approver="ana", args={"to": "acme", "amount": bad})
+        assert caught.value.errors[0]["type"] == "number_out_of_range"
+    assert desk.undolog.approvals.get(rid).state == "pending"
 
 
 def test_request_page_shows_what_the_agent_did_before_asking(desk: Desk) -> None:
