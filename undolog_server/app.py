@@ -173,12 +173,14 @@ def body_problem(body: bytes, content_type: str) -> tuple[str, str, list[dict[st
     """
     if b"\x00" in body:
         return "nul_character", "NUL characters are not accepted", []
-    if "form-urlencoded" in content_type:
+    # The media type itself, not a word anywhere in the header: FastAPI parses ``application/json; x=form-urlencoded``
+    # as JSON, so such a body must get the JSON checks too.
+    if content_type.split(";", 1)[0].strip().lower() == "application/x-www-form-urlencoded":
         return ("nul_character", "NUL characters are not accepted", []) if b"%00" in body.lower() else None
     lowered = body.lower()
     suspicious = b"\\u0000" in lowered or b"\\ud" in lowered or (
         body.count(b"{") + body.count(b"[") > limits.MAX_JSON_DEPTH) or _BIG_EXPONENT.search(body) is not None or (
-        _CONSTANT.search(body) is not None)
+        _CONSTANT.search(body) is not None) or _LONG_NUMBER.search(body) is not None
     if not suspicious:
         return None
     try:
@@ -206,6 +208,8 @@ def body_problem(body: bytes, content_type: str) -> tuple[str, str, list[dict[st
 
 #: A number literal whose exponent has three digits or more: it may overflow to infinity (``1e999``).
 _BIG_EXPONENT = re.compile(rb"[0-9.][eE][+-]?0*[0-9]{3,}")
+#: 300 digits in a row: a float written without an exponent overflows to infinity from 309 digits (``1000...0.0``).
+_LONG_NUMBER = re.compile(rb"[0-9]{300}")
 #: ``NaN``, ``Infinity`` and ``-Infinity`` as values: Python's JSON reader takes them, JSON has none of them.
 _CONSTANT = re.compile(rb"(?:^|[:,\[])\s*-?(?:NaN|Infinity)")
 
