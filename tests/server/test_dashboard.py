@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import re
 from pathlib import Path
 
@@ -130,6 +131,33 @@ def test_the_python_api_refuses_a_non_finite_edit(desk: Desk) -> None:
             desk.undolog.approvals.modify(rid, approver="ana", args={"to": "acme", "amount": bad})
         assert caught.value.errors[0]["type"] == "number_out_of_range"
     assert desk.undolog.approvals.get(rid).state == "pending"
+
+
+def test_links_and_forms_reach_a_session_whose_id_has_url_characters(desk: Desk) -> None:
+    """An embedded app names its sessions (a thread id): ``ticket#42?re=1``, ``50%off``, ``a\\b`` are valid ids. The
+    dashboard wrote them into links and form actions as they are, so the request page linked to another session (the
+    browser cut the id at ``#`` or ``?``) and the session page's Rollback form posted elsewhere; a backslash, which a
+    browser reads as ``/``, could aim it at another route."""
+    c = _login(desk, "admin")
+    for sid in ("ticket#42?re=1", "50%off", "..\\approvals\\x\\approve?"):
+        s = desk.undolog.session(session_id=sid, agent_id="bot", created_by=desk.key("agent").principal_ref)
+        with s:
+            s.call_sync("send_refund_email", user_id="u1", amount=2.0, call_id="r1")
+            try:
+                s.call_sync("delete_user_account", user_id="u1", call_id="c1")
+            except ApprovalPending as p:
+                rid = p.approval_request_id
+        page = c.get(f"/ui/approvals/{rid}").text
+        href = re.search(r'<dt>Session</dt><dd><a href="([^"]+)"', page).group(1)  # type: ignore[union-attr]
+        # As a browser follows it: relative to the page, a backslash read as a slash, the fragment dropped.
+        url = httpx.URL(f"{desk.url}/ui/approvals/{rid}").join(html.unescape(href).replace("\\", "/"))
+        shown = c.get(url)
+        assert shown.status_code == 200 and html.escape(sid) in shown.text, (sid, href, str(url))
+        action = re.search(r'action="([^"]+/rollback)"', shown.text).group(1)  # type: ignore[union-attr]
+        target = url.join(html.unescape(action).replace("\\", "/"))
+        r = c.post(target, data={"csrf_token": _csrf(shown.text)})
+        assert r.status_code == 200 and "compensated" in r.text, (sid, action, str(target), r.status_code)
+        assert desk.undolog.sessions.get(sid).state.value == "rolled_back"
 
 
 def test_request_page_shows_what_the_agent_did_before_asking(desk: Desk) -> None:
