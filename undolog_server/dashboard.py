@@ -26,6 +26,7 @@ from undolog_core import errors, limits
 
 from .api import approval_detail, rollback_out, session_detail
 from .auth import server_state
+from .guard import body_problem
 from .state import ServerState
 from .storage import ApiKey, utcnow
 from .views import groups_for, may_see
@@ -313,8 +314,6 @@ async def decide(request: Request, approval_request_id: str, action: str) -> Res
             edited = data.get("args", "")
             # The same door as the API's body: NUL, nesting, lone surrogates, NaN and infinities are refused with
             # the field named, before the text is parsed for use (a RecursionError or a NaN never reaches the core).
-            from .app import body_problem  # app imports this module
-
             refused = body_problem(edited.encode("utf-8", "surrogatepass"), "application/json")
             if refused is not None:
                 return _approval_page(request, key, approval_request_id, edited=edited, status=422,
