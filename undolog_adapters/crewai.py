@@ -225,6 +225,15 @@ class UndoLogTool(BaseTool):
         return await asyncio.to_thread(self._toolset._call, self, kwargs)
 
 
+def _is_wrapped(tool: Any) -> bool:
+    """Whether the tool a hook sees is an UndoLog tool: CrewAI hands hooks the ``CrewStructuredTool`` it made from
+    the ``BaseTool`` (``_original_tool``). None (a CrewAI path that gives no tool object) cannot be told apart: the
+    name check stands alone, as before."""
+    if tool is None:
+        return True
+    return isinstance(tool, UndoLogTool) or isinstance(getattr(tool, "_original_tool", None), UndoLogTool)
+
+
 def _no_cache(_args: Any = None, _result: Any = None) -> bool:
     # A cached "awaiting approval" text would be replayed after the approval, and a cached side
     # effect would skip the engine; UndoLog replays completed calls itself.
@@ -405,9 +414,17 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
     def before_hook(self, ctx: Any) -> Any:
         """Fail-closed before-tool-call hook: refuses unwrapped tools, then runs the user's hooks."""
         try:
-            if _sanitize(str(ctx.tool_name)) not in self._gated:
+            name = _sanitize(str(ctx.tool_name))
+            if name not in self._gated:
                 reason = (f"UndoLog refused tool {ctx.tool_name!r}: it has no UndoLog tier "
                           "(wrap it with undolog_adapters.crewai.wrap_tools)")
+                self._refuse(ctx, reason)
+                raise HookAborted(reason, source="undolog")
+            if name not in self.allow_unwrapped and not _is_wrapped(getattr(ctx, "tool", None)):
+                # The name is a wrapped tool's, the tool is not: an unwrapped tool of the same name (a Task's own
+                # tools run in place of its agent's) would run ungated.
+                reason = (f"UndoLog refused tool {ctx.tool_name!r}: it is not the UndoLog-wrapped tool of that name "
+                          "(a task's or agent's tools must be wrapped with undolog_adapters.crewai.wrap_tools too)")
                 self._refuse(ctx, reason)
                 raise HookAborted(reason, source="undolog")
             for hook in self.user_hooks:

@@ -760,6 +760,18 @@ class Engine:
                 self.persist(i)
         return self.hot.session_states(session_ids, wait=wait)
 
+    def sessions_with_call(self, session_ids: list[str], call_id: str) -> set[str]:
+        """Those of ``session_ids`` that logged a call with this ``call_id``: one read (an adapter asking whether a
+        re-issued call belongs to an earlier session of its thread, e.g. one LangGraph's time travel replays).
+
+        Example:
+            >>> undolog.engine.sessions_with_call(["ticket-1"], "call_0f1d")
+            {'ticket-1'}
+        """
+        for i in session_ids:
+            self.persist(i)
+        return self.store.sessions_with_call(session_ids, call_id)
+
     def flush_counts(self, session_id: str | None = None, cache: SessionCache | None = None) -> None:
         """Write the in-memory SAFE call counters (on session exit and close), and any deferred marks; ``cache``:
         the caller's own record of ``session_id`` as well (it may have left this cache: an ended session)."""

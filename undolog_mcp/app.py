@@ -21,7 +21,7 @@ def register_gateway(path: str | Path, into: UndoLog) -> UndoLog:
         >>> register_gateway("gateway.toml", UndoLog.open("sqlite:///undolog.db"))
     """
     from .gateway import Gateway
-    from .upstream import list_tools
+    from .upstream import first_cause, list_tools
 
     config = load_config(path)
 
@@ -37,10 +37,3 @@ def register_gateway(path: str | Path, into: UndoLog) -> UndoLog:
 
     Gateway(config, into).register(run_coro_blocking(listing()))
     return into
-
-
-def first_cause(exc: BaseException) -> str:
-    """The first leaf of an exception group (anyio's task groups wrap what went wrong), as text."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return f"{type(exc).__name__}: {exc}"

@@ -76,7 +76,10 @@ def serve(
     try:
         gw = Gateway(cfg, undolog)
         if not http:
-            anyio.run(gw.serve_stdio)
+            try:
+                anyio.run(gw.serve_stdio)
+            except UndoLogError as exc:  # an upstream that cannot start, a clash in what it lists: one line
+                _fail(exc.message)
             return
         authenticate = _agent_keys(undolog)
         if host not in ("127.0.0.1", "::1", "localhost"):
@@ -85,7 +88,10 @@ def serve(
         def ready(bound: int) -> None:
             typer.echo(f"undolog mcp: serving http://{host}:{bound}/mcp", err=True)
 
-        anyio.run(lambda: gw.serve_http(host, port, authenticate, ready=ready))
+        try:
+            anyio.run(lambda: gw.serve_http(host, port, authenticate, ready=ready))
+        except UndoLogError as exc:
+            _fail(exc.message)
     finally:
         undolog.close()
 
@@ -128,8 +134,8 @@ def init(
     command = [a for a in ctx.args if a != "--"]
     if not command:
         _fail("give the upstream's command after --, e.g. undolog mcp init --upstream tickets -- python server.py")
-    from .app import first_cause
     from .init import propose
+    from .upstream import first_cause
 
     pairs = dict(e.split("=", 1) for e in env or [] if "=" in e)
     try:

@@ -56,6 +56,7 @@ class UpstreamConfig:
     cwd: Path | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     timeout: float = 30.0  # seconds a tool call may take before its outcome counts as unknown
+    start_timeout: float = 30.0  # seconds to start it and have it answer initialize and tools/list
 
     def describe(self) -> dict[str, Any]:
         """What identifies the upstream in a tool's contract (no environment: it may hold secrets)."""
@@ -78,6 +79,16 @@ class CompensationTemplate:
 
     tool: str
     args: Mapping[str, Any]
+
+    def fields(self) -> list[tuple[str, str, str]]:
+        """Each ``{args.NAME...}`` and ``{result.NAME...}`` placeholder as (source, NAME, placeholder): what the
+        tool must take or answer for the compensation to be built."""
+        out = []
+        for ph in _placeholders(self.args):
+            parts = ph.split(".")
+            if parts[0] in _SOURCES and len(parts) > 1:
+                out.append((parts[0], parts[1], ph))
+        return out
 
     @property
     def needs_result(self) -> bool:
@@ -179,7 +190,7 @@ def _upstream(name: str, raw: Any, base: Path | None) -> UpstreamConfig:
     where = f"[upstreams.{name}]"
     if not isinstance(raw, Mapping):
         raise ConfigurationError(f"gateway config: {where} must be a table")
-    unknown = set(raw) - {"command", "url", "cwd", "env", "timeout"}
+    unknown = set(raw) - {"command", "url", "cwd", "env", "timeout", "start_timeout"}
     if unknown:
         raise ConfigurationError(f"gateway config: {where} has unknown key(s) {', '.join(sorted(unknown))}")
     command, url = raw.get("command"), raw.get("url")
@@ -205,10 +216,13 @@ def _upstream(name: str, raw: Any, base: Path | None) -> UpstreamConfig:
     env = raw.get("env", {})
     if not isinstance(env, Mapping) or not all(isinstance(v, str) for v in env.values()):
         raise ConfigurationError(f"gateway config: {where} env must be a table of strings")
-    timeout = raw.get("timeout", 30.0)
-    if not isinstance(timeout, int | float) or timeout <= 0:
-        raise ConfigurationError(f"gateway config: {where} timeout must be a positive number of seconds")
-    return UpstreamConfig(name, cmd, url, cwd, dict(env), float(timeout))
+    bounds = {}
+    for key in ("timeout", "start_timeout"):
+        value = raw.get(key, 30.0)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+            raise ConfigurationError(f"gateway config: {where} {key} must be a positive number of seconds")
+        bounds[key] = float(value)
+    return UpstreamConfig(name, cmd, url, cwd, dict(env), bounds["timeout"], bounds["start_timeout"])
 
 
 def _resolve_arg(arg: str, base: Path | None) -> str:
@@ -243,7 +257,7 @@ def _tool(up: str, name: str, raw: Any) -> ToolConfig:
             raise ConfigurationError(f"gateway config: {where} compensation.args must be a table")
         for ph in _placeholders(args):
             head = ph.split(".", 1)[0]
-            if not (ph == "idempotency_key" or (head in _SOURCES and "." in ph)):
+            if not (ph == "idempotency_key" or (head in _SOURCES and "." in ph and all(ph.split(".")))):
                 raise ConfigurationError(
                     f"gateway config: {where} compensation.args uses {{{ph}}}; placeholders are {{args.NAME}}, "
                     "{result.NAME} and {idempotency_key}"

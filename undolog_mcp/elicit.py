@@ -82,7 +82,12 @@ async def elicit_decision(ctx: RequestContext[ServerSession, Any, Any], undolog:
         return awaiting_result(exposed_name, d)  # no decision: the request stays pending at the desk
     content = answer.content or {}
     reason = str(content.get("reason") or "").strip() or None
-    if answer.action == "decline" or not content.get("approve"):
+    approve = content.get("approve")
+    if answer.action == "accept" and approve is not None and not isinstance(approve, bool):
+        # Not a yes or a no ("false" as a string, a number): no decision; only a real true runs the call.
+        return awaiting_result(exposed_name, d, note=f" The form's answer {approve!r} was not a yes or a no: "
+                                                     "nothing was decided.")
+    if answer.action == "decline" or approve is not True:
         why = reason or "declined at the MCP client"
         await asyncio.to_thread(approvals.reject, d.approval_request_id, approver=approver, reason=why)
         return error_result(f"{exposed_name} was rejected: {why}. It did not run.", code="approval_rejected")

@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 from mcp import types
 from mcp.server.lowlevel import Server
 
@@ -30,13 +32,13 @@ from undolog_core import (
     ToolTier,
     UndoLog,
 )
-from undolog_core.errors import UndoLogError
+from undolog_core.errors import ConfigurationError, UndoLogError
 
-from .config import Approval, GatewayConfig, ToolConfig
+from .config import Approval, CompensationTemplate, GatewayConfig, ToolConfig, UpstreamConfig
 from .elicit import elicit_decision
 from .results import META_KEY as META_KEY  # re-exported: it was defined here
 from .results import awaiting_result, call_key, error_result, replayed, structured, text_of, unknown_result
-from .upstream import PORTAL, Connections, OutcomeUnknown, UpstreamRefused
+from .upstream import PORTAL, Connections, OutcomeUnknown, Upstream, UpstreamRefused, first_cause
 
 log = logging.getLogger("undolog.mcp")
 
@@ -86,16 +88,54 @@ def plan_exposure(config: GatewayConfig, listed: Mapping[str, list[types.Tool]])
                 exposure.unclassified.append(f"{up}/{t.name}")
                 continue
             exposed = t.name if counts[t.name] == 1 else f"{up}_{t.name}"
+            clash = exposure.tools.get(exposed)
+            if clash is not None:
+                # A prefixed name can meet another upstream's own tool of that name: one would shadow the other.
+                raise ConfigurationError(
+                    f"gateway config: two tools would be exposed as {exposed!r}: {clash.config.upstream}/"
+                    f"{clash.listed.name} and {up}/{t.name}; rename an upstream, or leave one of them unclassified")
             for needed, what in ((cfg.compensation.tool if cfg.compensation else None, "compensation"),
                                  (cfg.probe, "probe")):
                 if needed is not None and needed not in by_name:
                     raise UndoLogError(f"gateway config: the {what} tool {needed!r} of [tools.{up}.{t.name}] is not "
                                        f"a tool of upstream {up!r} (it lists {', '.join(sorted(by_name))})")
+            if cfg.compensation is not None:
+                _check_template(up, t, cfg.compensation)
             exposure.tools[exposed] = ExposedTool(exposed, cfg, t)
     for (up, name) in config.tools:
         if up in listed and name not in {t.name for t in listed[up]}:
             exposure.missing.append(f"{up}/{name}")
     return exposure
+
+
+def _check_template(up: str, tool: types.Tool, template: CompensationTemplate) -> None:
+    """A compensation's placeholders against what the tool takes (its input schema's properties) and answers
+    (its output schema's, when it lists one): a typo found here, not at rollback, where the compensation could
+    not be built and the session would halt."""
+    shapes = {"args": tool.inputSchema or {}, "result": tool.outputSchema or {}}
+    for source, name, placeholder in template.fields():
+        props = shapes[source].get("properties")
+        if isinstance(props, Mapping) and name not in props:
+            what = "takes" if source == "args" else "answers"
+            raise ConfigurationError(
+                f"gateway config: [tools.{up}.{tool.name}] compensation uses {{{placeholder}}}, but {tool.name} "
+                f"{what} only {', '.join(sorted(props)) or 'nothing'}")
+
+
+def _listing(tools: list[types.Tool]) -> dict[str, Any]:
+    """A listing as compared for changes: each tool's whole definition, by name."""
+    return {t.name: t.model_dump(mode="json", exclude_none=True) for t in tools}
+
+
+def _guarded(ex: ExposedTool) -> contextlib.AbstractContextManager[Any]:
+    """Where a logged call (COMPENSABLE, or IRREVERSIBLE once approved) is decided, forwarded and marked, the
+    client's cancel (``notifications/cancelled``) or its going away must not stop the gateway: the pre-write done,
+    the call sent, the upstream does it anyway, and the gateway must record what it answered rather than leave
+    the call in flight while the session goes on. The upstream's ``timeout`` bounds how long that takes. A SAFE
+    call logs nothing: cancelling it leaves nothing behind."""
+    if ex.config.tier is ToolTier.SAFE:
+        return contextlib.nullcontext()
+    return anyio.CancelScope(shield=True)
 
 
 class Gateway:
@@ -110,6 +150,7 @@ class Gateway:
         self.config = config
         self.undolog = undolog
         self.exposure = Exposure()
+        self._listed: dict[str, list[types.Tool]] = {}  # what each upstream listed when last registered
         self.connections: Connections | None = None  # the live upstreams, while running
         self._loop: asyncio.AbstractEventLoop | None = None
         # MCP client session -> (its UndoLog session, the API key that opened it), while the client session lives:
@@ -124,7 +165,7 @@ class Gateway:
         """Register every classified tool of the upstreams' listings with the UndoLog, with its compensation and
         probe. The contract holds the upstream's schema and annotations, the upstream and the compensation's
         template: an upstream that changes a tool makes a new revision, which cancels approvals bound to the old."""
-        self.exposure = exposure = plan_exposure(self.config, listed)
+        exposure = plan_exposure(self.config, listed)
         for ex in exposure.tools.values():
             cfg, tool = ex.config, ex.listed
             up = self.config.upstreams[cfg.upstream]
@@ -152,17 +193,37 @@ class Gateway:
                 kwargs["probe"] = self._prober(cfg)
             ex.spec = self.undolog.register_tool(None, binding=binding, registered_by="undolog:mcp-gateway",
                                                  **kwargs)
+        # Swapped in whole: calls running meanwhile (a re-listing while serving) see the old exposure or the new.
+        self.exposure = exposure
+        self._listed = {name: list(tools) for name, tools in listed.items()}
         return exposure
 
-    def _upstream_call(self, upstream: str) -> Callable[[str, Mapping[str, Any], str | None],
-                                                        Awaitable[types.CallToolResult]]:
+    async def _relisted(self, config: UpstreamConfig, up: Upstream) -> None:
+        """An upstream started again (after a crash, or for a call after it exited), or one that said its tools
+        changed, lists its tools anew: when a classified tool changed (an upgrade, ``npx pkg@latest``, a plugin
+        loaded), it is registered as a new revision at once, which cancels approvals bound to the old contract; a
+        call decided against the old one is not sent (see call)."""
+        before = self._listed.get(config.name)
+        if before is None or _listing(before) == _listing(up.tools):
+            return
+        changed = sorted(n for n in set(_listing(before)) | set(_listing(up.tools))
+                         if _listing(before).get(n) != _listing(up.tools).get(n)
+                         and (config.name, n) in self.config.tools)
+        listed = {**self._listed, config.name: list(up.tools)}
+        await asyncio.to_thread(self.register, listed)
+        if changed:
+            log.warning("upstream %s lists changed tools (%s): registered anew; approvals bound to the old contracts "
+                        "are cancelled", config.name, ", ".join(changed))
+
+    def _upstream_call(self, upstream: str) -> Callable[..., Awaitable[types.CallToolResult]]:
         """A coroutine function calling one tool of ``upstream``: over the gateway's live session when this runs
         on the gateway's own loop, else over a connection opened for it (the CLI, the desk, recovery)."""
         cfg = self.config.upstreams[upstream]
 
-        async def call(name: str, args: Mapping[str, Any], key: str | None) -> types.CallToolResult:
+        async def call(name: str, args: Mapping[str, Any], key: str | None,
+                       check: Callable[[], None] | None = None) -> types.CallToolResult:
             if self.connections is not None and asyncio.get_running_loop() is self._loop:
-                return await self.connections.call(cfg, name, args, key)
+                return await self.connections.call(cfg, name, args, key, check=check)
             return await PORTAL.call(cfg, name, args, key)
 
         return call
@@ -216,7 +277,12 @@ class Gateway:
         # Input is validated here, against the upstream's schema, so a bad call names the failing path.
         @server.call_tool(validate_input=False)  # type: ignore[untyped-decorator]
         async def _call(name: str, arguments: dict[str, Any] | None) -> types.CallToolResult:
-            return await self.call(name, arguments or {})
+            result = await self.call(name, arguments or {})
+            # A client that cancelled while a logged call finished (shielded, see _guarded) was already answered by
+            # the SDK ("Request cancelled"): the cancellation is taken here, so the SDK does not answer twice (it
+            # asserts it does not, and the assertion would stop the gateway).
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            return result
 
         return server
 
@@ -226,8 +292,15 @@ class Gateway:
         self._loop = asyncio.get_running_loop()
         self.connections = connections = Connections()
         try:
-            listed = {name: (await connections.get(cfg)).tools for name, cfg in self.config.upstreams.items()}
+            listed: dict[str, list[types.Tool]] = {}
+            for name, cfg in self.config.upstreams.items():
+                try:
+                    listed[name] = (await connections.get(cfg)).tools
+                except Exception as exc:  # noqa: BLE001 - said in one line naming the upstream, not a task group's trace
+                    raise ConfigurationError(f"upstream {name!r} could not be started and listed: "
+                                             f"{first_cause(exc)}") from exc
             exposure = self.register(listed)
+            connections.on_open = self._relisted  # from now on, an upstream started again is listed anew
             for skipped in exposure.unclassified:
                 log.warning("not exposed (no tier in the config): %s", skipped)
             for gone in exposure.missing:
@@ -264,39 +337,50 @@ class Gateway:
                                 f"{', '.join(sorted(self.exposure.tools)) or 'no tools'}")
         # The upstream's input schema is the tool's contract: the core validates every call against it (full
         # JSON Schema) before anything is logged, and its error names the failing path.
-        try:
-            session_id = await self._session_id()
-        except UndoLogError as exc:
-            return error_result(exc.message, code=exc.code)
-        call_id = call_key(name, arguments) if ex.config.tier is ToolTier.IRREVERSIBLE else None
-        driver = self.undolog.driver
-        try:
-            d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
-        except UndoLogError as exc:
-            return error_result(exc.message, code=exc.code)
+        with _guarded(ex):
+            try:
+                session_id = await self._session_id()
+            except UndoLogError as exc:
+                return error_result(exc.message, code=exc.code)
+            call_id = call_key(name, arguments) if ex.config.tier is ToolTier.IRREVERSIBLE else None
+            driver = self.undolog.driver
+            try:
+                d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+            except UndoLogError as exc:
+                return error_result(exc.message, code=exc.code)
         if isinstance(d, Completed):
             return replayed(d.result)
         if isinstance(d, AwaitingApproval):
             if ex.config.approval is Approval.ELICIT:
-                decided = await self._elicit(ex, d)
+                decided = await self._elicit(ex, d)  # not guarded: a client that cancels the form leaves it pending
                 if decided is not None:
                     return decided
                 return await self.call(name, arguments)
             return awaiting_result(name, d)
         upstream = self._upstream_call(ex.config.upstream)
         tool_name = ex.listed.name
+        revision = ex.spec.revision
+
+        def unchanged() -> None:
+            # Run once the connection is open, before sending: an upstream started again for this call may list
+            # this tool changed (registered anew meanwhile): what was validated and approved is not what it is now.
+            now = self.exposure.tools.get(name)
+            if now is None or now.spec is None or now.spec.revision != revision:
+                raise UpstreamRefused(f"upstream {ex.config.upstream} changed {tool_name} since this call was "
+                                      "decided (it lists another contract now): not sent")
 
         async def invoke(args: dict[str, Any]) -> types.CallToolResult:
             try:
-                return await upstream(tool_name, args, d.idempotency_key)
+                return await upstream(tool_name, args, d.idempotency_key, unchanged)
             except UpstreamRefused as exc:
-                return error_result(str(exc))  # a protocol refusal: it did not run
+                return error_result(str(exc))  # a protocol refusal, or no upstream to take it: it did not run
 
-        outcome = await driver.run_async(
-            d, invoke, rollback_on_failure=False, note=False, unknown_on=(OutcomeUnknown,),
-            failure_of=lambda r: NothingHappened(text_of(r) or "the upstream answered isError") if r.isError else None,
-            result_of=lambda r: r.model_dump(mode="json", by_alias=True, exclude_none=True),
-        )
+        with _guarded(ex):
+            outcome = await driver.run_async(
+                d, invoke, rollback_on_failure=False, note=False, unknown_on=(OutcomeUnknown,),
+                failure_of=lambda r: NothingHappened(text_of(r) or "the upstream answered isError") if r.isError else None,
+                result_of=lambda r: r.model_dump(mode="json", by_alias=True, exclude_none=True),
+            )
         if outcome.error is not None:
             if isinstance(outcome.error, OutcomeUnknown):
                 return unknown_result(name, outcome.error, outcome.in_doubt)

@@ -10,11 +10,13 @@ import asyncio
 import concurrent.futures
 import contextlib
 import datetime as dt
+import logging
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from jsonschema import SchemaError, ValidationError
 from jsonschema.validators import validator_for
 from mcp import ClientSession, McpError, StdioServerParameters, types
@@ -25,10 +27,19 @@ from referencing.exceptions import Unresolvable
 
 from .config import UpstreamConfig
 
+log = logging.getLogger("undolog.mcp")
+
 # The idempotency key travels in the call's _meta under this name; an upstream that does not know it ignores it.
 IDEMPOTENCY_META = "dev.undolog/idempotency-key"
 # httpx.codes.REQUEST_TIMEOUT, which the SDK's client answers a timed-out request with.
 _TIMEOUT_CODE = 408
+
+
+def first_cause(exc: BaseException) -> str:
+    """The first leaf of an exception group (anyio's task groups wrap what went wrong), as text."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
 
 
 class OutcomeUnknown(Exception):
@@ -44,6 +55,38 @@ class OutcomeUnknown(Exception):
 
 class UpstreamRefused(Exception):
     """The upstream refused the call with a protocol error (unknown tool, bad params): it did not run."""
+
+
+class UpstreamUnavailable(UpstreamRefused):
+    """The call never left the gateway: the upstream could not be started (or reached) to take it."""
+
+
+class _NotSent(Exception):
+    """The connection was already closed when the call was to be sent (the upstream went away between calls): the
+    request never left this process, so it can be sent again on a fresh connection."""
+
+
+class _WatchedSession(ClientSession):
+    """The SDK's client session, saying when the upstream closed the connection (its receive loop ended): an
+    upstream that exits between calls is noticed then, not by the next call."""
+
+    def __init__(self, read: Any, write: Any) -> None:
+        super().__init__(read, write, message_handler=self._on_message)
+        self.ended = asyncio.Event()
+        # The upstream said its tools changed (notifications/tools/list_changed): list them again before the next
+        # call is sent over this session.
+        self.stale = False
+
+    async def _on_message(self, message: Any) -> None:
+        if isinstance(message, types.ServerNotification) and isinstance(message.root,
+                                                                        types.ToolListChangedNotification):
+            self.stale = True
+
+    async def _receive_loop(self) -> None:
+        try:
+            await super()._receive_loop()
+        finally:
+            self.ended.set()
 
 
 @dataclass
@@ -69,11 +112,17 @@ class Upstream:
         """
         meta = {IDEMPOTENCY_META: idempotency_key} if idempotency_key else None
         try:
-            result: types.CallToolResult = await self.session.send_request(
-                types.ClientRequest(types.CallToolRequest(params=types.CallToolRequestParams(
-                    name=name, arguments=dict(args), _meta=types.RequestParams.Meta(**meta) if meta else None))),
-                types.CallToolResult, request_read_timeout_seconds=self._timeout,
-            )
+            try:
+                result: types.CallToolResult = await self.session.send_request(
+                    types.ClientRequest(types.CallToolRequest(params=types.CallToolRequestParams(
+                        name=name, arguments=dict(args), _meta=types.RequestParams.Meta(**meta) if meta else None))),
+                    types.CallToolResult, request_read_timeout_seconds=self._timeout,
+                )
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
+                # Raised only by the hand-off of the request to the transport (the session's write stream, closed
+                # when the upstream's side ended; unbuffered, so a refused hand-off is a request never taken):
+                # the call did not leave this process.
+                raise _NotSent(f"upstream {self.config.name}: the connection was already closed") from exc
             if not result.isError:
                 if name not in self._schemas():
                     await self.session.list_tools()  # fills the SDK's cache, as its call_tool does for a new tool
@@ -83,6 +132,8 @@ class Upstream:
                 raise OutcomeUnknown(f"upstream {self.config.name}: {exc.error.message}",
                                      lost=exc.error.code == types.CONNECTION_CLOSED) from exc
             raise UpstreamRefused(f"upstream {self.config.name} refused {name}: {exc.error.message}") from exc
+        except _NotSent:
+            raise
         except (TimeoutError, OSError, EOFError) as exc:
             raise OutcomeUnknown(f"upstream {self.config.name}: {type(exc).__name__}: {exc}") from exc
         except Exception as exc:
@@ -133,7 +184,8 @@ def _compile(name: str, schema: dict[str, Any]) -> Any:
 
 @contextlib.asynccontextmanager
 async def connect(config: UpstreamConfig) -> AsyncIterator[Upstream]:
-    """Open a session to ``config``'s upstream, initialise it and list its tools.
+    """Open a session to ``config``'s upstream, initialise it and list its tools, within the upstream's
+    ``start_timeout`` (one that starts and then says nothing must not hold the gateway, or a call, for ever).
 
     Example:
         >>> async with connect(cfg.upstreams["tickets"]) as up:
@@ -150,16 +202,27 @@ async def connect(config: UpstreamConfig) -> AsyncIterator[Upstream]:
         else:
             assert config.url is not None
             read, write, _ = await stack.enter_async_context(streamablehttp_client(config.url))
-        session = await stack.enter_async_context(ClientSession(read, write))
-        await session.initialize()
-        listed = await session.list_tools()
-        tools = list(listed.tools)
-        cursor = listed.nextCursor
-        while cursor:
-            page = await session.list_tools(cursor=cursor)
-            tools.extend(page.tools)
-            cursor = page.nextCursor
+        session = await stack.enter_async_context(_WatchedSession(read, write))
+        try:
+            with anyio.fail_after(config.start_timeout):
+                await session.initialize()
+                tools = await _list_all(session)
+        except TimeoutError:
+            raise TimeoutError(f"it did not answer initialize and tools/list within {config.start_timeout:g} s "
+                               "(start_timeout)") from None
         yield Upstream(config, session, tools)
+
+
+async def _list_all(session: ClientSession) -> list[types.Tool]:
+    """Every tool the session's upstream lists, page after page."""
+    listed = await session.list_tools()
+    tools = list(listed.tools)
+    cursor = listed.nextCursor
+    while cursor:
+        page = await session.list_tools(cursor=cursor)
+        tools.extend(page.tools)
+        cursor = page.nextCursor
+    return tools
 
 
 async def list_tools(config: UpstreamConfig) -> list[types.Tool]:
@@ -181,10 +244,12 @@ class Connections:
         >>> await conns.close()
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_open: Callable[[UpstreamConfig, Upstream], Awaitable[None]] | None = None) -> None:
+        # Called with each connection opened, before any call is sent over it (the gateway re-lists a restarted
+        # upstream's tools); what it raises fails the opening.
+        self.on_open = on_open
         self._open: dict[tuple[Any, ...], asyncio.Future[Upstream]] = {}
-        self._stops: list[asyncio.Event] = []
-        self._holders: list[asyncio.Task[None]] = []
+        self._holders: dict[asyncio.Task[None], asyncio.Event] = {}  # each holder task, and what stops it
 
     @staticmethod
     def _ident(config: UpstreamConfig) -> tuple[Any, ...]:
@@ -197,8 +262,9 @@ class Connections:
         if opened is None:
             opened = self._open[ident] = asyncio.get_running_loop().create_future()
             stop = asyncio.Event()
-            self._stops.append(stop)
-            self._holders.append(asyncio.ensure_future(self._hold(config, opened, stop)))
+            for done in [h for h in self._holders if h.done()]:  # connections that ended: nothing to stop
+                del self._holders[done]
+            self._holders[asyncio.ensure_future(self._hold(config, opened, stop))] = stop
         try:
             return await asyncio.shield(opened)
         except BaseException:
@@ -206,36 +272,86 @@ class Connections:
                 del self._open[ident]
             raise
 
-    async def call(self, config: UpstreamConfig, name: str, args: Mapping[str, Any],
-                   key: str | None) -> types.CallToolResult:
-        """One call over the live connection; a lost connection is dropped, so the next call opens another."""
-        up = await self.get(config)
+    async def call(self, config: UpstreamConfig, name: str, args: Mapping[str, Any], key: str | None, *,
+                   check: Callable[[], None] | None = None) -> types.CallToolResult:
+        """One call over the live connection; a lost connection is dropped, so the next call opens another.
+        ``check`` runs once the connection is open, before the call is sent; what it raises is not sent.
+
+        Raises:
+            UpstreamUnavailable: the upstream could not be started to take the call (it did not run).
+            OutcomeUnknown, UpstreamRefused: as :meth:`Upstream.call`.
+        """
+        for attempt in (1, 2):
+            try:
+                up = await self.get(config)
+            except Exception as exc:  # noqa: BLE001 - whatever stopped it starting, the call was never sent
+                raise UpstreamUnavailable(f"upstream {config.name} could not be started: {first_cause(exc)}") from exc
+            if isinstance(up.session, _WatchedSession) and up.session.stale:
+                await self._relist(config, up)
+            if check is not None:
+                check()
+            try:
+                return await up.call(name, args, key)
+            except _NotSent as exc:
+                # It went away between calls, before its end was noticed: the call was never sent, so it goes
+                # to the upstream started again (once: a second closed connection is not a race).
+                self._drop(config, up)
+                if attempt == 2:
+                    raise UpstreamUnavailable(f"{exc}; started again, it closed at once") from exc
+            except OutcomeUnknown as exc:
+                if exc.lost:
+                    self._drop(config, up)
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _relist(self, config: UpstreamConfig, up: Upstream) -> None:
+        """List a live upstream's tools again after it said they changed, and hand them to ``on_open`` as for a
+        connection just opened."""
+        assert isinstance(up.session, _WatchedSession)
+        up.session.stale = False  # (before the await: calls meanwhile do not list it twice over)
         try:
-            return await up.call(name, args, key)
-        except OutcomeUnknown as exc:
-            if exc.lost:
-                ident = self._ident(config)
-                current = self._open.get(ident)
-                if current is not None and current.done() and not current.exception() and current.result() is up:
-                    del self._open[ident]
-            raise
+            with anyio.fail_after(config.timeout):
+                up.tools = await _list_all(up.session)
+            if self.on_open is not None:
+                await self.on_open(config, up)
+        except Exception as exc:  # noqa: BLE001 - the call is not sent on a listing that could not be read
+            up.session.stale = True
+            raise UpstreamUnavailable(f"upstream {config.name} said its tools changed and could not be listed "
+                                      f"again: {first_cause(exc)}") from exc
+
+    def _drop(self, config: UpstreamConfig, up: Upstream) -> None:
+        """Forget ``up`` as ``config``'s live connection (if it still is): the next call opens another."""
+        ident = self._ident(config)
+        current = self._open.get(ident)
+        if current is not None and current.done() and not current.exception() and current.result() is up:
+            del self._open[ident]
 
     async def close(self) -> None:
         """Close every connection (each holder leaves its context; stdio upstreams exit)."""
-        for stop in self._stops:
+        for stop in self._holders.values():
             stop.set()
         self._open.clear()
         if self._holders:
             await asyncio.gather(*self._holders, return_exceptions=True)
         self._holders.clear()
-        self._stops.clear()
 
-    @staticmethod
-    async def _hold(config: UpstreamConfig, opened: asyncio.Future[Upstream], stop: asyncio.Event) -> None:
+    async def _hold(self, config: UpstreamConfig, opened: asyncio.Future[Upstream], stop: asyncio.Event) -> None:
         try:
             async with connect(config) as up:
+                if self.on_open is not None:
+                    await self.on_open(config, up)
                 opened.set_result(up)
-                await stop.wait()
+                ended = up.session.ended if isinstance(up.session, _WatchedSession) else asyncio.Event()
+                waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(ended.wait())]
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
+                if not stop.is_set():
+                    # The upstream exited (or closed its side) between calls: the next call starts it again.
+                    log.warning("upstream %s closed its connection; the next call to it starts it again", config.name)
+                    self._drop(config, up)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting callers; a lost one is reopened
             if not opened.done():
                 opened.set_exception(exc)

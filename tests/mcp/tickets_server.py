@@ -74,9 +74,9 @@ def _create(title: str, ctx: Context[Any, Any, Any]) -> Ticket:
     if title == "crash":
         save(state)
         os._exit(3)  # dies mid-call, after doing its work: the gateway never gets an answer
-    if title == "slow":
+    if title in ("slow", "slowish"):
         save(state)
-        time.sleep(5)
+        time.sleep(5 if title == "slow" else 1.5)
         state = load()
     n = state["next"]
     state["next"] = n + 1
@@ -150,6 +150,24 @@ def export_everything(ctx: Context[Any, Any, Any]) -> str:
     record(state, "export_everything", {}, ctx)
     save(state)
     return "exported"
+
+
+@mcp.tool()
+async def upgrade_tools(ctx: Context[Any, Any, Any]) -> str:
+    """Change close_ticket while running (it takes a reason from now on) and tell the client the list changed, as
+    a server that loads plugins or upgrades itself in place does."""
+    mcp.remove_tool("close_ticket")
+
+    def close_ticket(id: int, ctx: Context[Any, Any, Any], reason: str = "") -> str:
+        """Close a ticket, with a reason."""
+        state = load()
+        record(state, "close_ticket", {"id": id, "reason": reason}, ctx)
+        save(state)
+        return "closed"
+
+    mcp.add_tool(close_ticket)
+    await ctx.session.send_tool_list_changed()
+    return "upgraded"
 
 
 if __name__ == "__main__":

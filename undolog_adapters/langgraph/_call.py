@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from langchain_core.messages import ToolMessage
+from langchain_core.messages import AIMessage, ToolMessage
 from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp
 
@@ -25,6 +25,7 @@ from undolog_core.integration import WouldBlock
 from ._guard import _config_of, _Guard, _override, _Reply, _Run
 from ._payload import _Pause
 from ._sessions import SEP
+from ._siblings import PUSH, forget_answers
 from ._tools import _CAPTURE, _COPIES, _Box, _capturing, _content_of, _result_of, emit, rollback_events
 
 # The tier as the effect's mark on a COMPENSABLE call's message says it (``_Guard.committed``: ``str(d.tier)``).
@@ -112,12 +113,15 @@ def _decide(guard: _Guard, request: Any, wait: bool = True) -> tuple[_Run | _Ans
     raises ``WouldBlock`` (nothing written, nothing asked) when it would wait for the store.
     """
     batch, call_id = _pending(guard, request)
+    if batch is None:
+        _one_pause_per_task(guard, request)
     if batch is not None and call_id in batch.done:
         return _Answer(batch.done[call_id]), batch, call_id
     # What the node's gate pass decided for this call, if it ran one (IRREVERSIBLE calls only).
     gated = batch.gated.pop(call_id, None) if batch is not None and call_id else None
     config = _config_of(request)
     error: str | None = None
+    asked = 0  # this call's pauses answered in this run (the task's first interrupts: nothing ran before them)
     while True:
         try:
             step = gated if gated is not None else guard.prepare(request, config, wait=wait)  # the driver's decision
@@ -133,9 +137,52 @@ def _decide(guard: _Guard, request: Any, wait: bool = True) -> tuple[_Run | _Ans
             if parked is not None:
                 return _Answer(parked), batch, call_id
             error = guard.ask([step], error)
+            asked += 1
             wait = True  # after an interrupt was asked, never retried elsewhere: it would be asked twice
             continue
+        if asked and batch is None and _own_task(config):
+            # Decided: the tool runs next, and its own interrupt() must not be handed UndoLog's answers.
+            forget_answers(config, asked)
         return step, batch, call_id
+
+
+def _own_task(config: Mapping[str, Any]) -> bool:
+    """Whether the call runs as a LangGraph task of its own (``create_agent`` sends each call as one)."""
+    return PUSH in ((config.get("metadata") or {}).get("langgraph_triggers") or ())
+
+
+def _one_pause_per_task(guard: _Guard, request: Any) -> None:
+    """Refuse an IRREVERSIBLE call that would pause beside another in the same LangGraph task.
+
+    The middleware pauses with one ``interrupt()`` per call, which is sound where each call is its own task
+    (``create_agent`` sends each call as one). A plain ``ToolNode`` given the middleware's hook runs every call of a
+    model message in one task, where LangGraph hands resume values to interrupts in the order they are raised: not
+    stable (a call approved in one resume does not pause again, so its sibling takes the first value next time), so
+    one call could run on another's approval. Refused before anything is asked; ``UndoLogToolNode`` pauses once for
+    the whole message."""
+    name = guard.names.get(request.tool_call.get("name"))
+    spec = guard.u.registry.tools.get(name) if name is not None else None
+    if spec is None or spec.tier is not ToolTier.IRREVERSIBLE:
+        return
+    if _own_task(_config_of(request)):
+        return  # a task of its own (create_agent's Send)
+    state = getattr(request, "state", None)
+    messages = state if isinstance(state, list) else (
+        state.get("messages") if isinstance(state, dict) else getattr(state, "messages", None))
+    cid = request.tool_call.get("id")
+    for m in reversed(messages or []):
+        calls = getattr(m, "tool_calls", None)
+        if isinstance(m, AIMessage) and calls and any(tc.get("id") == cid for tc in calls):
+            gated = [tc for tc in calls if (n := guard.names.get(tc.get("name"))) is not None
+                     and (sp := guard.u.registry.tools.get(n)) is not None and sp.tier is ToolTier.IRREVERSIBLE]
+            if len(gated) > 1:
+                raise errors.ConfigurationError(
+                    f"UndoLog refused {request.tool_call.get('name')}: UndoLogMiddleware pauses each call as its own "
+                    "LangGraph task (create_agent), and this ToolNode runs several IRREVERSIBLE calls in one task, "
+                    "where LangGraph could hand one call another's decision. In a hand-built graph use "
+                    "UndoLogToolNode (it asks for the whole message in one pause). Nothing was asked or run."
+                )
+            return
 
 
 def run_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], *, admit: bool = True) -> Any:
@@ -208,7 +255,8 @@ def _known(guard: _Guard, request: Any, wait: bool) -> Any:
     rt = getattr(request, "runtime", None)  # _config_of, inline
     base = guard.base_id(getattr(rt, "config", None) or get_config())
     n = guard.heads.get(base)  # known from the turn's check (its session exists); else prepare creates it
-    if n is None:
+    if n is None or (n > 1 and tier is ToolTier.COMPENSABLE):
+        # A thread past a rollback: prepare asks whether the call belongs to an earlier session (time travel).
         return NOT_SAFE
     sid = base if n <= 1 else f"{base}{SEP}{n}"
     d: Execute | AwaitingApproval | Completed

@@ -23,7 +23,16 @@ from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import interrupt
 from pydantic import BaseModel
 
-from undolog_core import AwaitingApproval, Completed, Execute, OnFailure, SessionState, ToolTier, errors
+from undolog_core import (
+    AwaitingApproval,
+    Completed,
+    Execute,
+    OnFailure,
+    RequestState,
+    SessionState,
+    ToolTier,
+    errors,
+)
 from undolog_core.integration import WouldBlock, tool_name_of
 
 from .._common import Registrar, TierValue, failure_text, refusal_text, rollback_outcome
@@ -273,9 +282,17 @@ class _Guard:
         name = self.names[call["name"]]
         base = self.base_id(config)
         sid = self.head(base, wait=wait)
+        earlier = self.earlier(base, sid, call.get("id"), wait=wait)
+        if earlier is not None:
+            # A call of an earlier session's plan, re-issued in the thread's current one (LangGraph's time travel
+            # re-runs a checkpoint from before a rollback with its tool call ids): answered as that session answers
+            # it, its stored result or its refusal (the plan was undone). New to this session, it would run again.
+            sid = earlier
         try:
             d = self.u.driver.decide(sid, name, dict(call.get("args") or {}), call_id=call.get("id"), wait=wait)
         except errors.SessionClosed:
+            if earlier is not None:
+                raise
             after = self._after_close(base, sid, request)
             if after is None:
                 raise
@@ -287,6 +304,22 @@ class _Guard:
         if isinstance(d, AwaitingApproval):
             return _Pause(d, sid)
         return _Run(d, sid)
+
+    def earlier(self, base: str, sid: str, call_id: str | None, *, wait: bool = True) -> str | None:
+        """The earlier session of the thread (``base`` .. the one before ``sid``) that logged ``call_id``, if any.
+
+        Only a thread past a rollback has earlier sessions: for the others nothing is read. ``wait=False`` raises
+        ``WouldBlock`` when there are some to read (nothing was written)."""
+        if not call_id or sid == base:
+            return None
+        n = _chain_index(base, sid)
+        if n <= 1:
+            return None
+        if not wait:
+            raise WouldBlock()
+        found = self.u.engine.sessions_with_call([_chain(base, k) for k in range(1, n)], call_id)
+        # One call id lives in one session of the thread (it is new to every later one): the newest, to be sure.
+        return next((_chain(base, k) for k in range(n - 1, 0, -1) if _chain(base, k) in found), None)
 
     def _after_close(self, base: str, sid: str, request: Any) -> str | None:
         """A call on a rolled-back/completed session: a new plan gets a new session, the old plan none."""
@@ -367,12 +400,18 @@ class _Guard:
 
     # -- approvals -------------------------------------------------------------------------------------
 
-    def approver_for(self, config: Mapping[str, Any]) -> str | None:
-        """Who answers a decision that names nobody: LangGraph's authenticated user, else the adapter's ``approver``."""
+    @staticmethod
+    def identity_of(config: Mapping[str, Any]) -> str | None:
+        """The run's authenticated user (LangGraph's auth: ``configurable.langgraph_auth_user.identity``), if any."""
         user = (config.get("configurable") or {}).get("langgraph_auth_user")
         identity = user.get("identity") if isinstance(user, Mapping) else getattr(user, "identity", None)
+        return str(identity) if identity else None
+
+    def approver_for(self, config: Mapping[str, Any]) -> str | None:
+        """Who answers a decision that names nobody: LangGraph's authenticated user, else the adapter's ``approver``."""
+        identity = self.identity_of(config)
         if identity:
-            return str(identity)
+            return identity
         if callable(self.approver):
             who = self.approver(config)
             return None if who is None else str(who)
@@ -408,6 +447,10 @@ class _Guard:
     def apply(self, value: Any, pending: Sequence[AwaitingApproval], *, only_rejects: bool = False) -> str | None:
         """Record the decisions ``value`` gives for ``pending`` (``only_rejects``: its rejections only)."""
         pairs, problems = decisions_for(value, pending)
+        try:
+            identity = self.identity_of(get_config())
+        except RuntimeError:  # not inside a run: no authenticated user
+            identity = None
         if only_rejects:
             pairs = [p for p in pairs if p[1].decision == "reject"]
         # Approvals before rejections: a rejection halts the session and cancels what is still pending.
@@ -421,9 +464,21 @@ class _Guard:
                     f"{a.approval_request_id} ({a.tool_name})"
                 )
                 continue
+            approver = dec.approver or ""
+            if identity is not None and approver != identity:
+                # The run is authenticated: who decided is that user, whatever name the value gives (UndoLog's form
+                # names its approver itself). A request already decided is the store's (undolog_resume sends the
+                # name of whoever decided it at the desk): nothing is recorded for it here either way.
+                rec = self._approval(a.approval_request_id)
+                if rec is not None and rec.state == RequestState.PENDING:
+                    problems.append(
+                        f"{a.tool_name} ({a.approval_request_id}): this run is authenticated as {identity!r}, and a "
+                        f"decision cannot be recorded in the name of {approver!r}; answer again as {identity!r} "
+                        "(or name no approver)"
+                    )
+                continue
             try:
                 # ApprovalDecision's validator made sure of an approver (and of a reason for a rejection).
-                approver = dec.approver or ""
                 if dec.decision == "approve":
                     self.u.approvals.approve(a.approval_request_id, approver=approver, reason=dec.reason)
                 elif dec.decision == "reject":

@@ -17,6 +17,7 @@ from ._guard import _Guard, _Run
 from ._payload import _Pause
 from ._resume import rollback
 from ._sessions import _ADAPTERS
+from ._siblings import forget_answers
 
 if TYPE_CHECKING:
     from langchain_core.runnables import RunnableConfig
@@ -126,15 +127,19 @@ class UndoLogToolNode(ToolNode):
         token = _BATCH.set(batch)
         try:
             error: str | None = None
+            asked = 0  # the node's pauses answered in this run: the task's first interrupts (nothing ran before)
             while True:
                 pauses = self._gate(input, config, batch)
                 if not pauses:
+                    forget_answers(config, asked)  # a tool's own interrupt() must not be handed them
+                    asked = 0
                     batch.pending.clear()
                     out = super()._func(input, config, runtime)
                     if not batch.pending:
                         return out
                     pauses = self._ordered(input, batch)  # decided, then re-opened meanwhile: ask again
                 error = self._undolog_guard.ask(pauses, error, batched=True)
+                asked += 1
         finally:
             self._release_gated(batch)
             _BATCH.reset(token)
@@ -144,15 +149,19 @@ class UndoLogToolNode(ToolNode):
         token = _BATCH.set(batch)
         try:
             error: str | None = None
+            asked = 0  # as in _func
             while True:
                 pauses = self._gate(input, config, batch)
                 if not pauses:
+                    forget_answers(config, asked)
+                    asked = 0
                     batch.pending.clear()
                     out = await super()._afunc(input, config, runtime)
                     if not batch.pending:
                         return out
                     pauses = self._ordered(input, batch)
                 error = self._undolog_guard.ask(pauses, error, batched=True)
+                asked += 1
         finally:
             self._release_gated(batch)
             _BATCH.reset(token)

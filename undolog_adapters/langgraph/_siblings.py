@@ -52,6 +52,10 @@ CONFIG_KEY_CHECKPOINT_MAP: str = getattr(_lg, "CONFIG_KEY_CHECKPOINT_MAP", "chec
 CONFIG_KEY_CHECKPOINT_NS: str = getattr(_lg, "CONFIG_KEY_CHECKPOINT_NS", "checkpoint_ns")
 INTERRUPT: str = getattr(_lg, "INTERRUPT", "__interrupt__")
 NS_SEP: str = getattr(_lg, "NS_SEP", "|")
+PUSH: str = getattr(_lg, "PUSH", "__pregel_push")  # the trigger of a task started by a Send (one per call)
+CONFIG_KEY_SCRATCHPAD: str = getattr(_lg, "CONFIG_KEY_SCRATCHPAD", "__pregel_scratchpad")
+CONFIG_KEY_SEND: str = getattr(_lg, "CONFIG_KEY_SEND", "__pregel_send")
+RESUME: str = getattr(_lg, "RESUME", "__resume__")
 
 
 class Recorder(Protocol):
@@ -187,3 +191,29 @@ def _validated(guard: Recorder, config: Mapping[str, Any], answer: Any, names: S
         return None
     finally:
         done_asking(token)
+
+
+def forget_answers(config: Mapping[str, Any], asked: int) -> None:
+    """Drop the task's first ``asked`` resume values: the answers to UndoLog's pauses of this task, all decided now.
+
+    LangGraph hands a task's resume values to its ``interrupt()`` calls by order. UndoLog pauses before the task's
+    tool runs, and once its calls are decided it does not pause again on the next re-run: its answers, still first in
+    the task's list, would be handed to the tool's own ``interrupt()`` (an ask-the-customer tool would read UndoLog's
+    ``{"type": "approve"}`` as the customer's answer). Called where UndoLog's pauses are over and before any tool runs
+    (the task's first interrupts were all UndoLog's), so from then on the task's values are the tool's alone, at
+    the indexes its re-runs ask for them; the shortened list is what LangGraph saves for the task.
+    """
+    if asked <= 0:
+        return
+    conf = config.get("configurable") or {}
+    pad, send = conf.get(CONFIG_KEY_SCRATCHPAD), conf.get(CONFIG_KEY_SEND)
+    resume = getattr(pad, "resume", None)
+    counter: Any = getattr(pad, "interrupt_counter", None)
+    if not isinstance(resume, list) or len(resume) < asked or not callable(send) or not hasattr(counter, "_counter"):
+        log.warning("could not drop UndoLog's %d answer(s) from the task's resume values (LangGraph's scratchpad is "
+                    "not the one UndoLog knows): a tool's own interrupt() in this task may be handed one of them",
+                    asked)
+        return
+    del resume[:asked]
+    counter._counter = None  # the task's next interrupt() is its first again: the index of the tool's first answer
+    send([(RESUME, list(resume))])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -118,6 +118,13 @@ class CallsSQL(Store):
             return conn.execute(
                 sa.select(_E.c.effect_id).where(_E.c.session_id == session_id, _E.c.call_id == call_id)
             ).first() is not None
+
+    def sessions_with_call(self, session_ids: Sequence[str], call_id: str) -> set[str]:
+        """Those of ``session_ids`` that logged a call ``call_id``: one read on the (session_id, call_id) index."""
+        with self.read() as conn:
+            return {str(r[0]) for r in conn.execute(
+                sa.select(_E.c.session_id).where(_E.c.session_id.in_(list(session_ids)), _E.c.call_id == call_id)
+            )}
 
     def effect_by_call(self, session_id: str, call_id: str) -> Any:
         with self.read() as conn:
