@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from . import _observe as obs
 from ._tools import build_args_model, canonical_json, check_json_schema, sha256_hex
 from .errors import ApprovalAlreadyDecided, ApprovalNotFound, ArgumentsInvalid, UndoLogError
-from .limits import check_identity, clean_text, input_problem, not_finite, not_finite_error
+from .limits import check_identity, clean_text, encodes, input_problem, not_finite, not_finite_error
 from .storage.approvals import EXPIRE_BATCH
 from .storage.base import utcnow
 from .storage.records import (
@@ -184,6 +184,9 @@ class ApprovalService:
         """
         if not isinstance(response, str) or not response.strip():
             raise UndoLogError("a respond decision needs the response text (it stands in for the tool's result)")
+        if not encodes(response):  # refused like any input: it would be stored, hashed and served as the result
+            raise UndoLogError("the response contains a lone surrogate (\\ud800-\\udfff), which is not valid "
+                               "Unicode; nothing was decided")
         return self._decide(approval_request_id, approver, DecisionKind.RESPOND, reason=reason, response=response)
 
     def _validate_edit(self, rec: ApprovalRecord, args: dict[str, Any]) -> dict[str, Any]:

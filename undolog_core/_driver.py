@@ -362,19 +362,27 @@ class CallDriver:
     def _failed_sync(self, d: Execute, error: BaseException | NothingHappened | str, rollback: bool,
                      value: Any = None, note: bool = True) -> Outcome:
         exc = error if isinstance(error, BaseException) else None
-        policy = self._record_failure(d, error)
+        rollback = rollback and self.failure_rollbacks
+        policy = self._record_failure(d, error, rollback)
         report = None
-        if policy == "rollback" and rollback and self.failure_rollbacks:
-            report = self._rollback_sync(d.session_id, exc if note else None, self._why(d, error))
+        if policy == "rollback" and rollback:
+            try:
+                report = self._rollback_sync(d.session_id, exc if note else None, self._why(d, error))
+            finally:
+                self.engine.leases.rolling.discard(d.session_id)  # the walk is over here, however it ended
         return Outcome(value=value, error=exc, rollback=report, failure=None if exc else str(error))
 
     async def _failed_async(self, d: Execute, error: BaseException | NothingHappened | str, rollback: bool,
                             value: Any = None, note: bool = True) -> Outcome:
         exc = error if isinstance(error, BaseException) else None
-        policy = await self._off_loop(self._record_failure, d, error)
+        rollback = rollback and self.failure_rollbacks
+        policy = await self._off_loop(self._record_failure, d, error, rollback)
         report = None
-        if policy == "rollback" and rollback and self.failure_rollbacks:
-            report = await self._rollback_async(d.session_id, exc if note else None, self._why(d, error))
+        if policy == "rollback" and rollback:
+            try:
+                report = await self._rollback_async(d.session_id, exc if note else None, self._why(d, error))
+            finally:
+                self.engine.leases.rolling.discard(d.session_id)  # the walk is over here, however it ended
         return Outcome(value=value, error=exc, rollback=report, failure=None if exc else str(error))
 
     # -- whole calls -----------------------------------------------------------------------------
@@ -517,14 +525,19 @@ class CallDriver:
         if d.effect_id is not None:
             self.engine.release(d.effect_id)
 
-    def _record_failure(self, d: Execute, error: BaseException | NothingHappened | str) -> str | None:
-        """The failure's policy, or None when nothing is to be done (a SAFE call, or a store that is down)."""
+    def _record_failure(self, d: Execute, error: BaseException | NothingHappened | str,
+                        rollback: bool = False) -> str | None:
+        """The failure's policy, or None when nothing is to be done (a SAFE call, or a store that is down).
+
+        ``rollback``: the caller rolls the session back if its policy says so, requested with the failure."""
         if d.effect_id is None:
             return None
+        request = (d.session_id, self._why(d, error)) if rollback else None
         try:
             if isinstance(error, NothingHappened):
-                return self.engine.record_failure(d.effect_id, error.text, nothing_happened=True).on_failure
-            return self.engine.record_failure(d.effect_id, error).on_failure
+                return self.engine.record_failure(d.effect_id, error.text, nothing_happened=True,
+                                                  rollback=request).on_failure
+            return self.engine.record_failure(d.effect_id, error, rollback=request).on_failure
         except Exception as book:  # noqa: BLE001 - the user's exception wins; ours is noted on it
             # The effect stays in flight without a live owner, so recover() settles it.
             _note(error, f"undolog: the failure of {d.tool_name} (effect {d.effect_id}) could not be recorded: "
@@ -569,17 +582,21 @@ class CallDriver:
         """Record a failure reported by a caller that ran the tool itself; by default the session then rolls back,
         this effect's own compensation included. Returns the rollback report, or None when the session's policy
         is "continue"."""
-        failure = self.engine.record_failure(effect_id, error)
-        if failure.on_failure != "rollback" or not self.failure_rollbacks:
-            return None
-        session_id = failure.session_id
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         why = clean_text(f"effect {effect_id} failed: {text}")
+        # Its session first (a read on this rare path), so that the rollback is requested with the failure.
+        session_id = self.engine.store.session_of_effect(effect_id) if self.failure_rollbacks else None
+        failure = self.engine.record_failure(effect_id, error,
+                                             rollback=(session_id, why) if session_id is not None else None)
+        if failure.on_failure != "rollback" or not self.failure_rollbacks:
+            return None
         try:
-            return self.saga.rollback_sync(session_id, reason=why)
+            return self.saga.rollback_sync(failure.session_id, reason=why)
         except Exception as exc:
-            self.saga.halt_unrolled(session_id, why, exc)
+            self.saga.halt_unrolled(failure.session_id, why, exc)
             raise
+        finally:
+            self.engine.leases.rolling.discard(failure.session_id)
 
     def rollback_noting(self, session_id: str, exc: BaseException, reason: str) -> RollbackReport | None:
         """Roll back after ``exc`` ended the caller's work; the outcome is noted on ``exc``, never replacing it."""

@@ -57,6 +57,7 @@ from .limits import (
     safe_result,
 )
 from .storage.base import FAST_POOL_SIZE, from_epoch, new_id, utcnow
+from .storage.calls import FailureRollback
 from .storage.hotpath import SessionRow
 from .storage.pool import IntegrityConflict, WouldBlock
 from .storage.schema import IN_FLIGHT, EffectState, OnFailure, RequestState, SessionState
@@ -86,6 +87,8 @@ class FailureRecord:
 
     session_id: str
     on_failure: str
+    #: Whether the session's rollback was requested with the failure (``record_failure(rollback=...)``).
+    rollback_requested: bool = False
 
 
 MARK_FLUSH_SECONDS = 0.05
@@ -1408,22 +1411,43 @@ class Engine:
         if state is not None:
             self._missing_or_moved(effect_id, state, EffectState.COMMITTED)
 
-    def record_failure(self, effect_id: str, error: BaseException | str, *,
-                       nothing_happened: bool = False) -> FailureRecord:
+    def record_failure(self, effect_id: str, error: BaseException | str, *, nothing_happened: bool = False,
+                       rollback: tuple[str, str] | None = None) -> FailureRecord:
         """Record failure only; returns the session and its on_failure policy for the caller (the driver).
 
         ``nothing_happened``: the tool reported, by its contract, that it changed nothing; its undo entry goes.
+
+        ``rollback=(session_id, reason)``: the caller rolls the session back next if its policy says so; the
+        rollback is then requested in the failure's own transaction, owned by this process (``rollback_requested``
+        says whether it was), so a crash between the two leaves it to ``recover()``. The caller's walk takes the
+        intent over; whatever becomes of it, the caller ends with ``leases.rolling.discard(session_id)``.
         """
         # The error is stored as text: a lone surrogate or a NUL in it must not lose the failure.
         text = clean_text(error if isinstance(error, str) else f"{type(error).__name__}: {error}")
         self.flush_marks()
+        request = None
+        if rollback is not None:
+            # Counted as walked here before the intent exists: recovery elsewhere must not take it over meanwhile.
+            self.leases.rolling.add(rollback[0])
+            self.leases.start()
+            request = FailureRollback("undolog", rollback[1], self.leases.owner, self.leases.until())
         try:
-            state, row = self.store.mark_failed(effect_id, text, utcnow(), nothing_happened)
+            state, row = self.store.mark_failed(effect_id, text, utcnow(), nothing_happened, request)
+        except BaseException:
+            if rollback is not None:
+                self.leases.rolling.discard(rollback[0])
+            raise
         finally:
             self._inflight.discard(effect_id)
         if state is not None:
+            if rollback is not None:
+                self.leases.rolling.discard(rollback[0])
             self._missing_or_moved(effect_id, state, EffectState.FAILED)
-        return FailureRecord(str(row.session_id), str(row.on_failure))
+        if rollback is not None and not row.intent:
+            self.leases.rolling.discard(rollback[0])
+        if _faults._armed is not None:
+            fault(FaultPoint.AFTER_FAILURE_RECORDED)
+        return FailureRecord(row.session_id, row.on_failure, row.intent)
 
     @staticmethod
     def _missing_or_moved(effect_id: str, state: str, target: str) -> None:

@@ -21,6 +21,7 @@ class FaultPoint(enum.StrEnum):
     AFTER_PREWRITE = "after_prewrite"  # effect pending + undo entry durable, the tool has not run
     AFTER_TOOL = "after_tool"  # the tool returned, its commit mark not written
     AFTER_MARK_QUEUED = "after_mark_queued"  # fast mode: the mark is queued in memory, not written
+    AFTER_FAILURE_RECORDED = "after_failure_recorded"  # a call's failure is durable, its policy's rollback not run
     AFTER_APPROVED_CLAIM = "after_approved_claim"  # an approved IRREVERSIBLE call is durably `running`
     ROLLBACK_REQUESTED = "rollback_requested"  # the rollback intent is durable, no compensation claimed yet
     DURING_ROLLBACK = "during_rollback"  # an undo entry is claimed (`compensating`), its compensation not called

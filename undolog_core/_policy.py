@@ -61,7 +61,7 @@ class PolicyService:
                     if isinstance(v, bool):
                         raise ValueError
                     v = int(v)
-                except (TypeError, ValueError):
+                except (TypeError, ValueError, OverflowError):  # OverflowError: int() of an infinity
                     raise PolicyInvalid(f"{k} must be a whole number, got {v!r}", fields=[k]) from None
                 lo, hi = _LIMITS[k]
                 if not lo <= v <= hi:

@@ -14,8 +14,9 @@ from . import _observe as obs
 from ._faults import FaultPoint, fault
 from ._leases import Leases, owner_alive
 from ._saga import Saga, _call_sync, _Entry, run_coro_blocking
-from ._tools import ToolTier, jsonable
+from ._tools import ToolTier
 from .errors import UndoLogError
+from .limits import clean_text, safe_result
 from .storage.schema import IN_FLIGHT, EffectState, SessionState, UndoState
 
 if TYPE_CHECKING:
@@ -232,6 +233,7 @@ class Recovery:
         leases.start()
         committed: list[tuple[str, Any]] = []
         undo: list[Any] = []
+        mine: set[int] = set()
         try:
             for c in claimed:
                 fault(FaultPoint.DURING_RECOVERY)
@@ -247,7 +249,9 @@ class Recovery:
                         left[c.effect_id] = leases.owner
                         continue
                     if verdict is not None and verdict is not False:
-                        committed.append((c.effect_id, None if verdict is True else jsonable(verdict)))
+                        # The probe's answer is the call's result: stored made safe, as any result is (a cyclic
+                        # or very deep answer raised here and wedged every recover() behind it).
+                        committed.append((c.effect_id, None if verdict is True else safe_result(verdict)))
                         continue
                 undo.append(c)
             mine = self._store.settle_and_claim_undos(committed, [c.undo_id for c in undo], leases.owner,
@@ -274,8 +278,12 @@ class Recovery:
                 if progress:
                     progress(done, total, f"{c.tool_name} {c.effect_id}: {outcome or 'skipped'}")
         finally:
-            # Whatever is still ours is either done or handed to _reconcile, which claims it by this owner.
+            # Whatever is still ours is either done or handed to _reconcile, which claims it by this owner. An
+            # undo entry claimed and not recorded (a write failed: the database went away mid-batch) is no longer
+            # being compensated here either: counted as ours it would stay "being rolled back right now" to every
+            # later recover(), its lease renewed for as long as this process lives.
             leases.inflight.difference_update(got)
+            leases.compensating.difference_update(mine)
         return left, done
 
     @staticmethod
@@ -305,7 +313,7 @@ class Recovery:
                 error = None
                 break
             except Exception as exc:  # noqa: BLE001 - recorded, retried, then halts the session
-                error = f"{type(exc).__name__}: {exc}"
+                error = clean_text(f"{type(exc).__name__}: {exc}")  # stored as text: never a surrogate or a NUL
                 self._store.undo_attempt_failed(c.undo_id, error)
                 if n + 1 < self._saga.max_attempts:
                     time.sleep(self._saga.backoff_seconds * (2**n))
@@ -379,7 +387,7 @@ class Recovery:
             if inspect.isawaitable(verdict):
                 verdict = run_coro_blocking(verdict)
             if verdict is not None and verdict is not False:
-                result = None if verdict is True else jsonable(verdict)
+                result = None if verdict is True else safe_result(verdict)  # made safe, as any result
                 self._store.settle_effect(r.effect_id, EffectState.COMMITTED, result=result)
                 return "committed"
         if r.tier == ToolTier.IRREVERSIBLE:
@@ -415,6 +423,9 @@ class Recovery:
         return "compensated"
 
     def _attempt_failed(self, r: Any, error: str, report: RecoveryReport) -> str | None:
+        # Stored as text, often a probe's or a compensation's exception: a lone surrogate or a NUL in it must not
+        # fail the count, or the call would never reach the dead letter (every recover() failing on it again).
+        error = clean_text(error)
         attempts = self._store.recovery_attempt_failed(
             r.effect_id, r.session_id, error, dead_letter_after=self.dead_letter_after,
             halt_reason=f"{r.tool_name} ({r.effect_id}) is in the dead letter after {{attempts}} failed recoveries",

@@ -312,6 +312,7 @@ class Saga:
         only_effect: str | None = None,
     ) -> RollbackReport:
         check_identity("actor", actor)
+        reason = _reason_text(reason)
         with self._walking(session_id), _rollback_span(session_id, actor, reason, only_effect) as rs:
             walk = _Walk(self, session_id, actor, reason, progress, only_effect)
             plan = walk.start()
@@ -349,6 +350,7 @@ class Saga:
     ) -> RollbackReport:
         """The async twin of :meth:`rollback_sync`: the same walk, awaiting async compensations on this loop."""
         check_identity("actor", actor)
+        reason = _reason_text(reason)
         lock = self._lock_for(session_id)
         # A task must not block its event loop on a thread lock: poll for it instead.
         try:
@@ -418,7 +420,14 @@ class Saga:
         the session must not carry on as if nothing failed, so it halts for a person."""
         try:
             with self._store.tx() as conn:
-                self._store.halt_in(conn, session_id, f"{why}; the rollback could not run: {error}", utcnow())
+                # A failure requests its policy's rollback with itself (``Engine.record_failure``). A plan that
+                # refused (a call still running, a compensation missing) compensated nothing: that request, ours,
+                # ends with the halt, so that recovery does not roll back a session left for a person. A walk
+                # that broke off (the database went away) keeps it: recovery finishes that walk, as it would any.
+                if isinstance(error, (InvalidSessionState, CompensationNotFound)):
+                    self._store.end_intent_in(conn, session_id, owner=self._leases.owner)
+                self._store.halt_in(conn, session_id, clean_text(f"{why}; the rollback could not run: {error}"),
+                                    utcnow())
             self._note_state(session_id, SessionState.HALTED)
             obs.saga_log.warning("halt: session %s halted: %s; the rollback could not run: %s", session_id, why,
                                  error, extra=obs.ids(session_id))
@@ -499,6 +508,13 @@ class _Walk:
             leases.compensating.discard(self.claimed.undo_id)
         if self.only_effect is None:
             leases.rolling.discard(self.session_id)
+
+
+def _reason_text(reason: str | None) -> str | None:
+    """A rollback's reason as stored (the intent, the audit event): often an exception's text (``Session`` left by
+    one), which may hold a lone surrogate or a NUL; refused by the store, it would fail the very rollback it
+    explains, and the halt after it."""
+    return None if reason is None else clean_text(reason)
 
 
 def _rollback_span(session_id: str, actor: str, reason: str | None, only_effect: str | None) -> Any:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, create_model
 from pydantic_core import to_json, to_jsonable_python
 
 from .errors import ArgumentsInvalid, InvalidDeclaration
-from .limits import bad_string, depth_error, surrogate_error, too_deep
+from .limits import MAX_ID_LENGTH, bad_string, depth_error, encodes, surrogate_error, too_deep
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -788,6 +788,35 @@ class ToolSpec:
         return sha256_hex(self.fingerprint + "\n" + args_json)
 
 
+def _declared_text_problem(value: object, *, name: bool) -> str | None:
+    if not isinstance(value, str):
+        return "must be a string"
+    if "\x00" in value:
+        return "contains NUL"
+    if not encodes(value):
+        return "contains a lone surrogate (\\ud800-\\udfff), which is not valid Unicode"
+    if name and (not value.strip() or len(value) > MAX_ID_LENGTH):
+        return f"must be a non-empty name of at most {MAX_ID_LENGTH} characters"
+    return None
+
+
+def _check_declared(tool_name: object, decl: ToolDeclaration, shown: object) -> None:
+    """What is stored of a declaration fits the store on both databases, checked at registration: names fit their
+    columns, and no text holds NUL (PostgreSQL's text refuses it: the approval request's reason) or a lone surrogate
+    (not UTF-8). Without it, SQLite took what PostgreSQL refused with a raw database error, at start or on each call.
+    """
+    checks: list[tuple[str, object, bool]] = [("tool name", tool_name, True)]
+    if decl.compensation is not None:
+        checks.append(("compensation name", decl.compensation.name, True))
+    if decl.reason is not None:
+        checks.append(("reason", decl.reason, False))
+    checks += [("risk tag", tag, False) for tag in decl.risk_tags]
+    for what, value, is_name in checks:
+        problem = _declared_text_problem(value, name=is_name)
+        if problem is not None:
+            raise InvalidDeclaration(f"tool {shown!r}: its {what} {value!r:.80} {problem}")
+
+
 def build_spec(
     fn: Callable[..., Any] | None,
     decl: ToolDeclaration,
@@ -800,6 +829,7 @@ def build_spec(
     tool_name = name or decl.name or (tool_name_of(fn) if fn is not None else None)
     if not tool_name:
         raise InvalidDeclaration("a tool needs a name")
+    _check_declared(tool_name, decl, tool_name)
     if fn is not None:
         _check_params(tool_name, fn)
     model = build_args_model(tool_name, fn, args_schema)

@@ -62,6 +62,13 @@ def slow_send(user_id: str, seconds: float) -> dict[str, Any]:
     return {"sent": user_id}
 
 
+@undolog_tool(tier=ToolTier.COMPENSABLE, compensation="cancel_send")
+def send_fails(user_id: str) -> dict[str, Any]:
+    """Half-sends (its world changed), then fails: the session's policy rolls it back, this call included."""
+    log("send", user_id, current_call().idempotency_key)  # type: ignore[union-attr]
+    raise RuntimeError("smtp exploded mid-send")
+
+
 @compensation("cancel_send")
 def cancel_send(ctx: Any) -> None:
     if os.environ.get("CRASH_CANCEL_FAILS"):
@@ -83,7 +90,7 @@ def delete_probed(user_id: str) -> dict[str, Any]:
 
 def build(**kw: Any) -> UndoLog:
     u = UndoLog.open(**kw)
-    u.register(send, send_probed, slow_send, cancel_send, delete, delete_probed)
+    u.register(send, send_probed, slow_send, send_fails, cancel_send, delete, delete_probed)
     return u
 
 
@@ -98,6 +105,17 @@ def main(argv: list[str]) -> None:
         for i in range(int(argv[2])):
             s.call_sync("send", user_id=f"u{i}", call_id=f"c{i}")
         print("ready", flush=True)
+    elif mode == "send_then_fail":
+        s.call_sync("send", user_id="u0", call_id="c0")
+        try:
+            s.call_sync("send_fails", user_id="u1", call_id="c1")
+        except RuntimeError:
+            pass
+    elif mode == "send_then_report_failure":  # a caller that runs the tool itself reports its failure
+        s.call_sync("send", user_id="u0", call_id="c0")
+        d = u.driver.decide(session_id, "send", {"user_id": "u1"}, call_id="c1")
+        log("send", "u1", d.idempotency_key)
+        u.driver.fail(d.effect_id, "the upstream said 500")
     elif mode == "slow":
         s.call_sync("slow_send", user_id="u1", seconds=float(argv[2]), call_id="slow")
     elif mode == "run_approved":

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from undolog_core import ApprovalPending, ToolTier, UndoLog, compensation, limits, undolog_tool
-from undolog_core.errors import ArgumentsInvalid, InvalidDeclaration, InvalidId
+from undolog_core._recovery import Recovery
+from undolog_core.errors import ArgumentsInvalid, InvalidDeclaration, InvalidId, UndoLogError
 
 RETURNS: dict[str, Any] = {}
 UNDONE: list[Any] = []
@@ -312,3 +313,174 @@ def test_hostile_safe_arguments_in_the_agent_context_never_break_an_approval_req
     context = u.approvals.get(p.value.approval_request_id).agent_context
     assert [c["args"]["q"] for c in context][0] == "bad \\ud800"
     assert "undolog_truncated" in json.dumps(context[1]["args"])
+
+
+# -- declarations: what one database would refuse, both refuse, at registration ------------------------------------
+
+
+BAD_DECLARATIONS = {
+    "long tool name": {"name": "t" * (limits.MAX_ID_LENGTH + 1), "tier": "safe"},
+    "NUL in tool name": {"name": "t\x00", "tier": "safe"},
+    "surrogate in tool name": {"name": "t\udc00", "tier": "safe"},
+    "long compensation name": {"name": "c1", "tier": "compensable", "compensation": "u" * (limits.MAX_ID_LENGTH + 1)},
+    "NUL in compensation name": {"name": "c2", "tier": "compensable", "compensation": "u\x00"},
+    "NUL in reason": {"name": "i1", "tier": "irreversible", "reason": "wipes \x00 all"},
+    "surrogate in reason": {"name": "i2", "tier": "irreversible", "reason": "wipes \ud800"},
+    "NUL in a risk tag": {"name": "i3", "tier": "irreversible", "risk_tags": ["pii\x00"]},
+    "surrogate in a risk tag": {"name": "i4", "tier": "irreversible", "risk_tags": ["\udc00"]},
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DECLARATIONS))
+def test_a_declaration_the_store_cannot_hold_is_refused_at_registration(u: UndoLog, case: str) -> None:
+    """Before: PostgreSQL refused a long or NUL-bearing name at registration with a raw DataError (SQLite stored it,
+    so an app built on the embedded default broke on PostgreSQL at start); a NUL in the reason registered on both,
+    then every call of the tool failed at its gate on PostgreSQL (the request's reason is text); a surrogate was a
+    UnicodeEncodeError. Now: InvalidDeclaration naming what is wrong, on both, and nothing is stored."""
+    before = u.registry.history()
+    with pytest.raises(InvalidDeclaration) as exc:
+        u.register_tool(lambda x=None: x, **BAD_DECLARATIONS[case])
+    assert any(w in exc.value.message for w in ("name", "reason", "risk tag")), exc.value.message
+    assert u.registry.history() == before
+
+
+def test_a_declaration_at_the_limits_registers_and_gates(u: UndoLog) -> None:
+    name = "t" * limits.MAX_ID_LENGTH
+    u.register_tool(lambda x=None: x, name=name, tier="irreversible", reason="wipes\tall\n(é)", risk_tags=["pii"])
+    s = u.session(agent_id="bot")
+    with pytest.raises(ApprovalPending) as p:
+        s.call_sync(name, x=1)
+    assert u.approvals.get(p.value.approval_request_id).reason == "wipes\tall\n(é)"
+
+
+def test_a_response_that_is_not_valid_unicode_is_refused_and_the_request_stays_pending(u: UndoLog) -> None:
+    """Before: a UnicodeEncodeError from the audit hash, not an UndoLogError."""
+    s = u.session(agent_id="bot")
+    with pytest.raises(ApprovalPending) as p:
+        s.call_sync(publish, x=1, call_id="c-1")
+    rid = p.value.approval_request_id
+    with pytest.raises(UndoLogError, match="lone surrogate"):
+        u.approvals.respond(rid, approver="ana", response="done \ud800")
+    assert u.approvals.get(rid).state == "pending"
+    u.approvals.respond(rid, approver="ana", response="done \x00 anyway")  # NUL is valid Unicode: kept
+    assert s.call_sync(publish, x=1, call_id="c-1") == "done \x00 anyway"
+    assert u.verify_audit().ok
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), 10**30])
+def test_a_policy_number_that_is_not_a_sane_whole_number_is_policy_invalid(u: UndoLog, value: Any) -> None:
+    """Before: an infinity raised OverflowError from int(), not PolicyInvalid."""
+    from undolog_core.errors import PolicyInvalid
+
+    before = u.policy.get()
+    for field in ("approval_timeout_seconds", "context_calls", "approved_ttl_seconds"):
+        with pytest.raises(PolicyInvalid):
+            u.policy.set(actor="admin", **{field: value})
+    assert u.policy.get() == before
+
+
+@pytest.mark.parametrize("message", ["bad \ud800 text", "nul \x00 inside"])
+def test_leaving_a_session_by_an_exception_that_cannot_be_stored_still_rolls_it_back(u: UndoLog, message: str) -> None:
+    """The exception's text becomes the rollback's reason (stored as text, hashed into the audit). Before: the
+    rollback failed on it (a UnicodeEncodeError on both databases, a NUL refused by PostgreSQL), the halt that
+    follows a failed rollback failed on the same text, and the session stayed `active` with its calls undone by
+    nobody."""
+    import asyncio
+
+    RETURNS["value"] = "ok"
+    UNDONE.clear()
+    with pytest.raises(RuntimeError) as exc:
+        with u.session(agent_id="bot") as s:
+            s.call_sync(store, x=1)
+            raise RuntimeError(message)
+    assert u.sessions.get(s.id).state == "rolled_back", exc.value.__notes__
+    assert UNDONE == ["ok"]
+
+    async def leave() -> str:
+        async with u.session(agent_id="bot") as a:
+            await a.call(store, x=2)
+            raise RuntimeError(message)
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(leave())
+    assert UNDONE == ["ok", "ok"]
+    assert all(r.state == "rolled_back" for r in u.sessions.list())
+    assert u.verify_audit().ok
+
+
+HOSTILE_TEXT: dict[str, str] = {}
+
+
+def hostile_probe(ctx: Any) -> Any:
+    raise RuntimeError(HOSTILE_TEXT["probe"])
+
+
+@compensation("undo_hostile")
+def undo_hostile(ctx: Any) -> None:
+    raise RuntimeError(HOSTILE_TEXT["undo"])
+
+
+@undolog_tool(tier=ToolTier.COMPENSABLE, compensation="undo_hostile", probe=hostile_probe)
+def probed_send(x: Any) -> Any:
+    return x
+
+
+@undolog_tool(tier=ToolTier.COMPENSABLE, compensation="undo_hostile")
+def plain_send(x: Any) -> Any:
+    return x
+
+
+@pytest.mark.parametrize("message", ["bad \ud800 text", "nul \x00 inside"])
+@pytest.mark.parametrize("tool", ["probed_send", "plain_send"])
+def test_recovery_whose_probe_or_compensation_fails_with_unstorable_text_still_counts_to_the_dead_letter(
+        u: UndoLog, tool: str, message: str) -> None:
+    """Before: recovery stored the probe's or the compensation's error text as it was; the store refused it (a
+    surrogate on both databases, a NUL on PostgreSQL), so recover() raised on every run and the call never reached
+    the dead letter: in flight for ever, its session writable."""
+    u.register(probed_send, plain_send, undo_hostile)
+    u.saga.backoff_seconds = 0.0
+    HOSTILE_TEXT.update(probe=message, undo=message)
+    s = u.session(agent_id="bot")
+    d = u.driver.decide(s.id, tool, {"x": 1}, call_id="c")
+    u.leases.abandon(d.effect_id)  # as if the process died while it ran
+    for _ in range(Recovery.dead_letter_after):
+        u.recover()
+    (e,) = effects(u, s.id)
+    assert e["state"] in ("dead_letter", "compensated"), e
+    assert u.sessions.get(s.id).state == "halted"
+    assert u.recover().errors == []
+
+
+PROBE_SAYS: dict[str, Any] = {}
+
+
+def saying_probe(ctx: Any) -> Any:
+    return PROBE_SAYS.get(ctx.args["x"], False)
+
+
+@undolog_tool(tier=ToolTier.COMPENSABLE, compensation="undo_store", probe=saying_probe)
+def probed_store(x: Any) -> Any:
+    return x
+
+
+@pytest.mark.parametrize("kind", ["cyclic", "deep_2000", "surrogate", "huge"])
+def test_a_probe_whose_answer_is_hostile_settles_its_call_and_never_wedges_recovery(u: UndoLog, kind: str) -> None:
+    """A probe's answer is the call's result, so it is stored made safe like any result. Before: a cyclic or very
+    deep answer raised out of recover() (every run, so every other in-doubt call in the store waited behind it), and
+    a lone surrogate was stored as it was (an invalid string for every reader)."""
+    value, check = HOSTILE_RESULTS[kind]
+    u.register(probed_store)
+    PROBE_SAYS.clear()
+    PROBE_SAYS.update({"hostile": value, "fine": {"ok": True}})
+    sids = []
+    for x in ("hostile", "fine"):
+        s = u.session(agent_id="bot")
+        d = u.driver.decide(s.id, "probed_store", {"x": x}, call_id="c")
+        u.leases.abandon(d.effect_id)  # as if the process died after the tool ran
+        sids.append(s.id)
+    report = u.recover()
+    assert report.errors == [], report.errors
+    (hostile,) = effects(u, sids[0])
+    (fine,) = effects(u, sids[1])
+    assert hostile["state"] == "committed" and check(hostile["result_snapshot"]), str(hostile)[:300]
+    assert fine["state"] == "committed" and fine["result_snapshot"] == {"ok": True}

@@ -317,3 +317,41 @@ def test_fast_mode_marks_are_written_by_the_flusher(crash):
         time.sleep(0.02)
     assert effect(u, session_id="s1")["state"] == "committed"
     assert u.engine._inflight == set()
+
+
+@pytest.mark.parametrize("mode", ["send_then_fail", "send_then_report_failure"])
+def test_crash_after_a_failure_is_recorded_still_rolls_the_session_back(crash, mode):
+    """A COMPENSABLE call fails in a session whose policy is to roll back; the process dies after the failure is
+    recorded and before the rollback is requested. Before the fix nothing was in flight and no rollback requested,
+    so recover() found nothing: the session stayed `active`, its earlier call committed and the half-done failed
+    call never compensated, and the agent could carry on in it as if nothing had failed."""
+    code, _, err = crash(mode, "s1", fault="after_failure_recorded")
+    assert code == -signal.SIGKILL, err
+    assert [c[1] for c in log_of("send")] == ["u0", "u1"] and log_of("cancel") == []
+    u = crash.app()
+    report = u.recover()
+    assert report.rollbacks_resumed == ["s1"], report.to_dict()
+    assert u.sessions.get("s1").state == "rolled_back"
+    assert sorted(e["state"] for e in u.sessions.effects("s1")) == ["compensated", "compensated"]
+    assert [c[1] for c in log_of("cancel")] == ["u1", "u0"]  # LIFO, each once
+    assert u.recover().rollbacks_resumed == [] and len(log_of("cancel")) == 2
+
+
+def test_a_failure_whose_rollback_cannot_run_halts_and_leaves_no_request_for_recovery(crash):
+    """The failure requests its rollback with itself; when the walk is refused (a sibling call still running), the
+    session halts for a person as before, and that request goes with the halt: recovery rolls nothing back."""
+    u = crash.app()
+    s = u.session(session_id="s1")
+    s.call_sync("send", user_id="u0", call_id="c0")
+    sibling = u.driver.decide("s1", "send", {"user_id": "u9"}, call_id="c9")  # decided, still running here
+    with pytest.raises(RuntimeError) as failed:
+        s.call_sync("send_fails", user_id="u1", call_id="c1")
+    assert any("could not run" in n or "still running" in n for n in getattr(failed.value, "__notes__", []))
+    rec = u.sessions.get("s1")
+    assert rec.state == "halted" and "still running" in rec.halted_reason
+    assert u.recover().rollbacks_resumed == []
+    u.driver.run_sync(sibling, lambda a: crash_app.send(**a)).unwrap()  # the sibling ends; its mark is written
+    assert u.recover().rollbacks_resumed == [] and log_of("cancel") == []
+    assert u.sessions.get("s1").state == "halted"
+    assert {e["call_id"]: e["state"] for e in u.sessions.effects("s1")} == {
+        "c0": "committed", "c9": "committed", "c1": "failed"}

@@ -7,7 +7,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -24,11 +25,32 @@ _E = t.effect_log
 _S = t.sessions
 
 
+@dataclass(frozen=True)
+class FailureRollback:
+    """The rollback a failure's caller will run if the session's policy asks for it: requested with the failure."""
+
+    actor: str
+    reason: str
+    owner: str
+    lease_until: dt.datetime
+
+
+class FailedRow(NamedTuple):
+    """A failure recorded: its session, the session's policy, and whether the policy's rollback was requested."""
+
+    session_id: str
+    on_failure: str
+    intent: bool
+
+
 class CallsSQL(Store):
-    if TYPE_CHECKING:  # provided by AuditSQL in Storage
+    if TYPE_CHECKING:  # provided by AuditSQL and SagaSQL in Storage
         def append_event_in(self, conn: Connection, *, subject: str, action: str, actor: str,
                             payload: Mapping[str, Any], approval_request_id: str | None = None,
                             outbox: Iterable[OutboxItem] = (), now: dt.datetime | None = None) -> int: ...
+
+        def write_intent_in(self, conn: Connection, session_id: str, *, exists: bool, actor: str,
+                            reason: str | None, owner: str, lease_until: dt.datetime, now: dt.datetime) -> None: ...
 
     # -- sessions ------------------------------------------------------------------------------------
 
@@ -132,6 +154,12 @@ class CallsSQL(Store):
                 sa.select(_E).where(_E.c.session_id == session_id, _E.c.call_id == call_id)
             ).first()
 
+    def session_of_effect(self, effect_id: str) -> str | None:
+        """The session an effect belongs to, or None when there is no such effect."""
+        with self.read() as conn:
+            sid = conn.execute(sa.select(_E.c.session_id).where(_E.c.effect_id == effect_id)).scalar()
+        return None if sid is None else str(sid)
+
     def effect_state_in(self, conn: Connection, effect_id: str) -> str | None:
         state = conn.execute(sa.select(_E.c.state).where(_E.c.effect_id == effect_id)).scalar()
         return None if state is None else str(state)
@@ -226,12 +254,17 @@ class CallsSQL(Store):
                 return None
             return self.effect_state_in(conn, effect_id) or ""
 
-    def mark_failed(self, effect_id: str, error: str, now: dt.datetime,
-                    nothing_happened: bool = False) -> tuple[str | None, Any]:
+    def mark_failed(self, effect_id: str, error: str, now: dt.datetime, nothing_happened: bool = False,
+                    rollback: FailureRollback | None = None) -> tuple[str | None, Any]:
         """Record a failure: (None, the session's policy row) when written, else (its state or "", None).
 
         ``nothing_happened``: the tool said, by its contract, that it changed nothing (an MCP ``isError``): its
         armed undo entry is dropped in the same transaction, so no rollback calls a compensation for it.
+
+        ``rollback``: the caller will roll the session back if its policy says so; then, in this same transaction,
+        the rollback is requested (the intent, the session ``rolling_back``), so that a process that dies between
+        the failure and its rollback leaves an intent that ``recover()`` finishes, never a session that carries on
+        as if nothing had failed. The row's ``intent`` says whether it was written.
         """
         with self.tx() as conn:
             res = conn.execute(
@@ -243,12 +276,23 @@ class CallsSQL(Store):
             if nothing_happened:
                 u = t.undo_stack
                 conn.execute(u.delete().where(u.c.effect_id == effect_id, u.c.state == UndoState.ARMED.value))
-            row = conn.execute(
-                sa.select(_E.c.session_id, _E.c.tier, _S.c.on_failure)
-                .select_from(_E.join(_S, _S.c.session_id == _E.c.session_id))
-                .where(_E.c.effect_id == effect_id)
-            ).one()
-            return None, row
+            q = (sa.select(_E.c.session_id, _S.c.on_failure, _S.c.state)
+                 .select_from(_E.join(_S, _S.c.session_id == _E.c.session_id)).where(_E.c.effect_id == effect_id))
+            if rollback is not None and self.is_postgres:
+                # As a rollback's plan does: one request of a session's rollback at a time (SQLite: the write lock).
+                q = q.with_for_update(of=_S)
+            row = conn.execute(q).one()
+            intent = rollback is not None and row.on_failure == "rollback" and row.state != SessionState.ROLLED_BACK
+            if intent and conn.execute(
+                sa.select(t.rollbacks.c.session_id).where(t.rollbacks.c.session_id == row.session_id)
+            ).first() is not None:
+                intent = False  # requested already (by a person, or by a sibling call's failure): that one walks
+            if intent:
+                assert rollback is not None
+                self.write_intent_in(conn, row.session_id, exists=False, actor=rollback.actor,
+                                     reason=rollback.reason, owner=rollback.owner,
+                                     lease_until=rollback.lease_until, now=now)
+            return None, FailedRow(str(row.session_id), str(row.on_failure), intent)
 
     # -- leases --------------------------------------------------------------------------------------
 

@@ -35,12 +35,17 @@ WITH g AS (
   WHERE session_id = %(session_id)s AND {_WRITABLE} RETURNING session_id
 ), e AS (
 {_EFFECT_AND_UNDO_FROM_G}"""
+# Without a count to flush the session is only read, but read under ``FOR KEY SHARE``: a transaction that decided
+# from the session's rows while holding it ``FOR UPDATE`` (a rollback's plan, gc closing it) is waited for, and the
+# state is then tested again on the row it committed (a plain read would test the state it had before, and write the
+# effect behind that transaction's back: a call run after its rollback was requested, never compensated). The
+# effect's foreign key takes the same lock at the statement's end anyway, so this costs no lock more.
 _PG_PREWRITE_CHECKED = f"""
 WITH e AS (
   INSERT INTO undolog_effect_log ({_EFFECT_COLS})
   SELECT %(effect_id)s, s.session_id, %(call_id)s, %(tool_name)s, %(revision)s, 'compensable', 'pending',
          %(args)s::json, %(digest)s, %(owner)s, %(lease)s, 0, %(now)s, %(now)s
-  FROM undolog_sessions s WHERE s.session_id = %(session_id)s AND s.{_WRITABLE}
+  FROM undolog_sessions s WHERE s.session_id = %(session_id)s AND s.{_WRITABLE} FOR KEY SHARE OF s
   RETURNING seq, effect_id, session_id
 )
 INSERT INTO undolog_undo_stack ({_UNDO_COLS})

@@ -46,8 +46,10 @@ class SagaSQL(CallsSQL):
             .values(state="rolling_back", updated_at=now)
         )
 
-    def end_intent_in(self, conn: Connection, session_id: str) -> None:
-        conn.execute(t.rollbacks.delete().where(t.rollbacks.c.session_id == session_id))
+    def end_intent_in(self, conn: Connection, session_id: str, *, owner: str | None = None) -> None:
+        """The session's rollback intent ends (``owner``: only if that owner holds it)."""
+        q = t.rollbacks.delete().where(t.rollbacks.c.session_id == session_id)
+        conn.execute(q if owner is None else q.where(t.rollbacks.c.owner == owner))
 
     def claim_undo(self, undo_id: int, *, seen_state: str, seen_owner: str | None, owner: str,
                    lease_until: dt.datetime) -> bool:
