@@ -104,30 +104,6 @@ def bad_string(value: Any) -> tuple[list[Any], str] | None:
     return None
 
 
-def not_finite(value: Any) -> list[Any] | None:
-    """The path to the first NaN or infinity (JSON has neither), or None.
-
-    Example:
-        >>> not_finite({"amount": [1.0, float("nan")]})
-        ['amount', 1]
-    """
-    stack: list[tuple[Any, list[Any]]] = [(value, [])]
-    while stack:
-        v, path = stack.pop()
-        if isinstance(v, float):
-            if not math.isfinite(v):
-                return path
-        elif isinstance(v, Mapping):
-            stack.extend((child, [*path, k]) for k, child in v.items())
-        elif isinstance(v, (list, tuple)):
-            stack.extend((child, [*path, i]) for i, child in enumerate(v))
-    return None
-
-
-def not_finite_error(path: list[Any]) -> dict[str, Any]:
-    return {"loc": path, "msg": "is not a finite number (JSON has no NaN or infinity)", "type": "number_out_of_range"}
-
-
 def check_identity(what: str, value: object) -> None:
     """The one length rule, for identities given as input (an approver, an actor, an agent id, ...): a non-empty
     string of at most :data:`MAX_ID_LENGTH` characters, valid Unicode, without NUL, checked before any I/O so that
