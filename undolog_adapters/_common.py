@@ -367,6 +367,12 @@ def rollback_outcome(report: RollbackReport | None, session_id: str, failed_effe
         return f"UndoLog recorded the failure; session {session_id} keeps its earlier steps (policy: continue)"
     if report.already_rolled_back:
         return f"session {session_id} was already rolled back"
+    if not report.steps and not report.complete:
+        # The rollback never started (a sibling call still running, a compensation missing in this process): saying
+        # "rolled back" would tell the model its earlier steps were undone.
+        return (f"UndoLog could NOT roll the session back ({report.halted_reason or 'it did not start'}): nothing was "
+                f"undone, and the earlier steps of session {session_id} stay done; the session is halted and a person "
+                "must check")
     undone = [s for s in report.steps if s.outcome in _UNDONE and s.effect_id != failed_effect_id]
     broken = [s for s in report.steps if s.outcome not in _UNDONE]
     text = f"UndoLog rolled the session back (undone: {', '.join(s.tool_name for s in undone) or 'nothing earlier'})"

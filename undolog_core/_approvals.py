@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from . import _observe as obs
 from ._tools import build_args_model, canonical_json, check_json_schema, sha256_hex
 from .errors import ApprovalAlreadyDecided, ApprovalNotFound, ArgumentsInvalid, UndoLogError
-from .limits import check_identity, clean_text, encodes, input_problem
+from .limits import check_identity, clean_text, encodes, input_problem, not_finite, not_finite_error
 from .storage.approvals import EXPIRE_BATCH
 from .storage.base import utcnow
 from .storage.records import (
@@ -156,6 +156,9 @@ class ApprovalService:
         if not isinstance(args, Mapping):
             raise ArgumentsInvalid("<unknown>", [{"loc": [], "msg": "edited arguments must be a JSON object"}])
         problem = input_problem(args)  # too deep, or not valid Unicode: refused, the request stays pending
+        if problem is None and (where := not_finite(args)) is not None:
+            # A NaN or an infinity cannot be the approved value: the decision's digest is canonical JSON.
+            problem = not_finite_error(where)
         if problem is not None:
             raise ArgumentsInvalid(self._tool_of(approval_request_id), [problem])
         return self._decide(approval_request_id, approver, "modify", reason=reason, args=dict(args))

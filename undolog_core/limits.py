@@ -104,6 +104,30 @@ def bad_string(value: Any) -> tuple[list[Any], str] | None:
     return None
 
 
+def not_finite(value: Any) -> list[Any] | None:
+    """The path to the first NaN or infinity (JSON has neither), or None.
+
+    Example:
+        >>> not_finite({"amount": [1.0, float("nan")]})
+        ['amount', 1]
+    """
+    stack: list[tuple[Any, list[Any]]] = [(value, [])]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                return path
+        elif isinstance(v, Mapping):
+            stack.extend((child, [*path, k]) for k, child in v.items())
+        elif isinstance(v, (list, tuple)):
+            stack.extend((child, [*path, i]) for i, child in enumerate(v))
+    return None
+
+
+def not_finite_error(path: list[Any]) -> dict[str, Any]:
+    return {"loc": path, "msg": "is not a finite number (JSON has no NaN or infinity)", "type": "number_out_of_range"}
+
+
 def check_identity(what: str, value: object) -> None:
     """The one length rule, for identities given as input (an approver, an actor, an agent id, ...): a non-empty
     string of at most :data:`MAX_ID_LENGTH` characters, valid Unicode, without NUL, checked before any I/O so that
@@ -181,6 +205,8 @@ def surrogate_error(path: list[Any]) -> dict[str, Any]:
 
 def input_problem(value: Any) -> dict[str, Any] | None:
     """:func:`args_problem` for a value not yet serialised (an edit, a request body); the walks bound their work.
+    A person's input is also refused a NaN or an infinity (an agent's arguments store them as strings; an edit is
+    run as it is stored).
 
     Example:
         >>> input_problem({"to": "\\ud800"})["loc"]
@@ -190,7 +216,33 @@ def input_problem(value: Any) -> dict[str, Any] | None:
     if path is not None:
         return depth_error(path)
     found = bad_string(value)
-    return surrogate_error(found[0]) if found else None
+    if found:
+        return surrogate_error(found[0])
+    path = non_finite(value)
+    if path is not None:
+        return {"loc": path, "msg": "is not a finite number (NaN and infinities have no JSON form)",
+                "type": "not_finite"}
+    return None
+
+
+def non_finite(value: Any) -> list[Any] | None:
+    """The path to the first float that is NaN or infinite, or None (iteratively: any depth is safe).
+
+    Example:
+        >>> non_finite({"a": [1.0, float("nan")]})
+        ['a', 1]
+    """
+    stack: list[tuple[Any, list[Any]]] = [(value, [])]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                return path
+        elif isinstance(v, Mapping):
+            stack.extend((child, [*path, k]) for k, child in v.items())
+        elif isinstance(v, (list, tuple)):
+            stack.extend((child, [*path, i]) for i, child in enumerate(v))
+    return None
 
 
 # -- results: always stored --------------------------------------------------------------------------------------
@@ -348,6 +400,7 @@ __all__ = [
     "encodes",
     "escape_text",
     "input_problem",
+    "non_finite",
     "preview",
     "result_text",
     "safe_result",

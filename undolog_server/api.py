@@ -169,6 +169,11 @@ class SessionOut(_Out):
     agent_id: str | None = None
     state: str
     halted_reason: str | None = None
+    halted_reason_redacted: bool = Field(
+        False,
+        description="The session has calls routed to approver groups the caller is not in, and why it halted may "
+        "quote them (a compensation's error, a rejection's reason): halted_reason is withheld (null)",
+    )
     created_by: str | None = None
     tool_calls_total: int = 0
     on_failure: str | None = None
@@ -482,6 +487,19 @@ class Visibility:
         return out
 
 
+def _halt_as_seen(st: ServerState, row: dict[str, Any], vis: Visibility) -> dict[str, Any]:
+    """A session row with ``halted_reason`` withheld from a key that may not read all of the session's calls.
+
+    The reason quotes what stopped the session: a failed compensation's error, a rejection's reason. Both belong to
+    one call, whose error (or request) is withheld from keys outside its approver groups; so is the quote.
+    """
+    if not row.get("halted_reason") or vis.everything or row.get("created_by") == vis.key.principal_ref:
+        return row
+    if all(vis.sees(e["tool_name"], e.get("tool_revision")) for e in st.views.effects(row["session_id"])):
+        return row
+    return {**row, "halted_reason": None, "halted_reason_redacted": True}
+
+
 def _effects(st: ServerState, session_id: str, vis: Visibility, limit: int | None = None,
              newest_first: bool = False, offset: int = 0) -> list[EffectOut]:
     """A session's effects as ``vis`` lets the key read them, arguments and results as previews (a timeline never
@@ -748,7 +766,8 @@ def list_sessions(
     rows = st.views.sessions(
         state=state, agent_id=agent_id, created_by=key.principal_ref if only_own else None, limit=limit, offset=offset
     )
-    return [SessionOut.model_validate(r) for r in rows]
+    vis = Visibility(st, key, {})  # per row below: the session's own key sees all of it
+    return [SessionOut.model_validate(_halt_as_seen(st, r, vis)) for r in rows]
 
 
 @router.get("/sessions/{session_id}", response_model=SessionDetail, tags=["sessions"], summary="Session timeline")
@@ -779,9 +798,10 @@ def session_detail(st: ServerState, row: dict[str, Any], key: ApiKey, *, effects
         g = groups_for(groups, a["tool_name"], a["risk_tags"])
         if owner or may_see(key, g):
             approvals.append(_approval_out(st, a, g))
+    vis = Visibility(st, key, row)
     return SessionDetail(
-        **SessionOut.model_validate(row).model_dump(),
-        effects=_effects(st, sid, Visibility(st, key, row), limit=effects_limit, offset=effects_offset),
+        **SessionOut.model_validate(_halt_as_seen(st, row, vis)).model_dump(),
+        effects=_effects(st, sid, vis, limit=effects_limit, offset=effects_offset),
         undo_plan=_undo_plan(st, sid),
         approvals=approvals,
     )

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import re
 import socket
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -15,10 +12,11 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from undolog_core import UndoLog, errors, limits, load_app
+from undolog_core import UndoLog, errors, load_app
 
 from . import api, dashboard, problems, proxy_api
 from . import proxy as proxy_mod
+from .guard import body_problem
 from .lanes import Lanes
 from .state import ServerSettings, ServerState
 from .storage import ServerStore
@@ -162,84 +160,6 @@ class _Guard:
         # The rest of the body is never read: the connection closes after this answer.
         await problems.SafeJSONResponse(body, status_code=413, media_type=problems.PROBLEM_MEDIA_TYPE,
                                         headers={"Connection": "close"})(scope, receive, send)
-
-
-def body_problem(body: bytes, content_type: str) -> tuple[str, str, list[dict[str, str]]] | None:
-    """Why a request body is refused at the door (code, detail, field errors), or None.
-
-    Example:
-        >>> body_problem(b'{"a": "\\ud800"}', "application/json")[0]
-        'invalid_unicode'
-    """
-    if b"\x00" in body:
-        return "nul_character", "NUL characters are not accepted", []
-    if "form-urlencoded" in content_type:
-        return ("nul_character", "NUL characters are not accepted", []) if b"%00" in body.lower() else None
-    lowered = body.lower()
-    suspicious = b"\\u0000" in lowered or b"\\ud" in lowered or (
-        body.count(b"{") + body.count(b"[") > limits.MAX_JSON_DEPTH) or _BIG_EXPONENT.search(body) is not None
-    if not suspicious:
-        return None
-    try:
-        data = json.loads(body, parse_float=_finite)
-    except _NotFinite as exc:
-        return _field("number_out_of_range", f"the number {exc} in the JSON body is not a finite number", None)
-    except RecursionError:
-        return _field("json_too_deep", f"the JSON body is nested deeper than {limits.MAX_JSON_DEPTH} levels", [])
-    except ValueError:
-        return None  # invalid JSON is answered by the validation error
-    path = limits.too_deep(data)
-    if path is not None:
-        return _field("json_too_deep", f"the JSON body is nested deeper than {limits.MAX_JSON_DEPTH} levels", path)
-    nul = _nul_path(data)
-    if nul is not None:
-        return _field("nul_character", "NUL characters are not accepted", nul)
-    bad = limits.bad_string(data)
-    if bad is not None:
-        return _field("invalid_unicode", "the JSON body holds a lone surrogate (\\ud800-\\udfff), which is not "
-                      "valid Unicode", bad[0])
-    return None
-
-
-#: A number literal whose exponent has three digits or more: it may overflow to infinity (``1e999``).
-_BIG_EXPONENT = re.compile(rb"[0-9.][eE][+-]?0*[0-9]{3,}")
-
-
-class _NotFinite(ValueError):
-    pass
-
-
-def _finite(text: str) -> float:
-    # JSON numbers are finite; Python would read 1e999 as infinity, which no upstream can be sent as JSON.
-    value = float(text)
-    if not math.isfinite(value):
-        raise _NotFinite(text[:40])
-    return value
-
-
-def _field(code: str, detail: str, path: list[Any] | None) -> tuple[str, str, list[dict[str, str]]]:
-    if path is None:  # where in the body is not known (the parser's own refusal)
-        return code, detail, [{"field": "", "message": detail, "type": code}]
-    where = ".".join(str(p) for p in path)
-    shown = where if len(where) <= 200 else where[:197] + "..."
-    return code, f"{detail} (at {shown or 'the top level'})", [{"field": shown, "message": detail, "type": code}]
-
-
-def _nul_path(data: Any) -> list[Any] | None:
-    stack: list[tuple[Any, list[Any]]] = [(data, [])]
-    while stack:
-        v, path = stack.pop()
-        if isinstance(v, str):
-            if "\x00" in v:
-                return path
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                if "\x00" in k:
-                    return [*path, k]
-                stack.append((x, [*path, k]))
-        elif isinstance(v, list):
-            stack.extend((x, [*path, i]) for i, x in enumerate(v))
-    return None
 
 
 def create_app(

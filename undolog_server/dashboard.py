@@ -16,6 +16,7 @@ import json
 import secrets
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
@@ -25,6 +26,7 @@ from undolog_core import errors, limits
 
 from .api import approval_detail, rollback_out, session_detail
 from .auth import server_state
+from .guard import body_problem
 from .state import ServerState
 from .storage import ApiKey, utcnow
 from .views import groups_for, may_see
@@ -41,6 +43,9 @@ templates.env.filters["pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=Tr
 templates.env.finalize = lambda v: limits.escape_text(v) if isinstance(v, str) else v
 templates.env.filters["iso"] = lambda d: d.isoformat() if d else ""
 templates.env.filters["short"] = lambda s, n=8: (s or "")[:n]
+# An id in a link or a form action is one path segment, whatever it holds: an embedded app's session id may carry
+# ``#``, ``?``, ``%`` or a backslash (which a browser reads as ``/``), and written as it is it would lead elsewhere.
+templates.env.filters["seg"] = lambda s: quote(str(s), safe="")
 
 router = APIRouter(include_in_schema=False)
 
@@ -307,6 +312,12 @@ async def decide(request: Request, approval_request_id: str, action: str) -> Res
             st.undolog.approvals.reject(approval_request_id, approver=key.identity, reason=reason)
         else:
             edited = data.get("args", "")
+            # The same door as the API's body: NUL, nesting, lone surrogates, NaN and infinities are refused with
+            # the field named, before the text is parsed for use (a RecursionError or a NaN never reaches the core).
+            refused = body_problem(edited.encode("utf-8", "surrogatepass"), "application/json")
+            if refused is not None:
+                return _approval_page(request, key, approval_request_id, edited=edited, status=422,
+                                      error=refused[1].replace("the JSON body", "the arguments"))
             try:
                 args = json.loads(edited)
             except ValueError as exc:
@@ -322,7 +333,7 @@ async def decide(request: Request, approval_request_id: str, action: str) -> Res
         return _approval_page(request, key, approval_request_id, error=exc.message, status=409)
     except errors.UndoLogError as exc:
         return _approval_page(request, key, approval_request_id, error=exc.message, status=409)
-    return RedirectResponse(f"/ui/approvals/{approval_request_id}?done={action}", status_code=303)
+    return RedirectResponse(f"/ui/approvals/{quote(approval_request_id, safe='')}?done={action}", status_code=303)
 
 
 # ---------------------------------------------------------------------------------------- sessions
@@ -395,4 +406,4 @@ async def resume(request: Request, session_id: str) -> Response:
         _resume(st.undolog, session_id, actor=key.identity, reason=data.get("reason") or None)
     except errors.UndoLogError as exc:
         return _session_page(request, key, session_id, error=exc.message, status=409)
-    return RedirectResponse(f"/ui/sessions/{session_id}", status_code=303)
+    return RedirectResponse(f"/ui/sessions/{quote(session_id, safe='')}", status_code=303)

@@ -159,6 +159,8 @@ def parse_target_url(url: str) -> TargetURL:
             ipaddress.IPv6Address(host)
         except ValueError:
             raise bad("malformed IPv6 literal") from None
+    if port == 0:
+        raise bad("port 0 is no port a request can be sent to")
     return TargetURL(url, parts.scheme, host, port or (443 if parts.scheme == "https" else 80))
 
 
@@ -166,15 +168,33 @@ def address_allowed(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     """Whether a webhook may be sent to this address without the admin's opt-in.
 
     Only globally routable unicast addresses are: private, loopback, link-local, unspecified, reserved,
-    shared (CGNAT), documentation and multicast ranges are refused, also when written IPv4-mapped.
+    shared (CGNAT), documentation and multicast ranges are refused, also when written as an IPv6 address that
+    carries an IPv4 one: IPv4-mapped, NAT64 (``64:ff9b::/96``; a NAT64 gateway of an IPv6-only subnet reaches the
+    private IPv4 hosts behind it), 6to4 (``2002::/16``). The local-use NAT64 prefix (``64:ff9b:1::/48``) and the
+    deprecated IPv4-compatible form (``::/96``) are refused whatever they carry.
 
     Example:
         >>> address_allowed(ipaddress.ip_address("93.184.216.34")), address_allowed(ipaddress.ip_address("::1"))
         (True, False)
+        >>> address_allowed(ipaddress.ip_address("64:ff9b::a00:1"))  # NAT64 of 10.0.0.1
+        False
     """
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip in _LOCAL_NAT64 or ip in _IPV4_COMPATIBLE:
+            return False
+        if ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        elif ip in _NAT64:
+            ip = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        elif ip.sixtofour is not None:
+            ip = ip.sixtofour
     return ip.is_global and not ip.is_multicast
+
+
+# Python's is_global says yes to these; what they carry (or are) is checked in address_allowed.
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+_LOCAL_NAT64 = ipaddress.IPv6Network("64:ff9b:1::/48")
+_IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
 
 
 def _addresses(infos: Sequence[Any]) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from langchain.agents import create_agent
+from langchain.agents.middleware import HumanInTheLoopMiddleware
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import START, MessagesState, StateGraph
@@ -135,3 +136,32 @@ def test_node_with_a_durable_checkpointer_resumed_by_fresh_graphs(undolog: Any, 
     assert question.value == {"question": "colour?"}
     assert step(Command(resume="no")) == ()
     assert answers == ["no"] and world.ran == [("close_account", "u-1")]
+
+
+def test_middleware_behind_langchains_per_call_hitl_keeps_its_answer(undolog: Any) -> None:
+    """LangChain's HumanInTheLoopMiddleware (per call) listed before UndoLog pauses first in the task: only UndoLog's
+    own answers are dropped, at their place; the HITL keeps its answer and the tool gets the customer's."""
+    answers: list[Any] = []
+    tools = _asking_tools(answers)
+    model = ScriptedChatModel(scripts={"wire": [[("wire", {"amount": 5})]]})
+    hitl = HumanInTheLoopMiddleware(interrupt_on={"wire": True}, interrupt_mode="per_call")
+    g = create_agent(model, tools, checkpointer=InMemorySaver(),
+                     middleware=[hitl, UndoLogMiddleware(undolog, tools=tools, approver="ana")])
+    c = cfg()
+    g.invoke(user("wire"), c)
+    seen = []
+    for _ in range(6):
+        pauses = g.get_state(c).interrupts
+        if not pauses:
+            break
+        p = pauses[0]
+        kind = "undolog" if "undolog" in p.value else "hitl" if p.value.get("type") == "tool_approval" else "tool"
+        seen.append(kind)
+        value = {"type": "approve"} if kind != "tool" else "no"
+        if kind == "hitl":  # the reviewer edits the amount before UndoLog sees the call
+            value = {"type": "edit", "edited_action": {"name": "wire", "args": {"amount": 7}}}
+        g.invoke(Command(resume={p.id: value}), c)
+    assert seen == ["hitl", "undolog", "tool"]
+    assert answers == ["no"], answers
+    [req] = undolog.approvals.list()
+    assert req.proposed_args == {"amount": 7}  # UndoLog gated the call as the HITL reviewer edited it

@@ -484,3 +484,20 @@ def test_a_probe_whose_answer_is_hostile_settles_its_call_and_never_wedges_recov
     (fine,) = effects(u, sids[1])
     assert hostile["state"] == "committed" and check(hostile["result_snapshot"]), str(hostile)[:300]
     assert fine["state"] == "committed" and fine["result_snapshot"] == {"ok": True}
+
+
+@pytest.mark.parametrize(("edit", "loc"), [({"to": "acme", "amount": float("nan")}, ["amount"]),
+                                           ({"to": "acme", "amount": 5, "lines": [{"sku": "S1", "n": float("inf")}]},
+                                            ["lines", 0, "n"])])
+def test_an_edit_with_a_number_json_cannot_hold_is_arguments_invalid_naming_it(u: UndoLog, db: Any, edit: Any,
+                                                                               loc: list[Any]) -> None:
+    """Before: a raw ValueError from the JSON encoder (the request stayed pending, the person got no field)."""
+    s = u.session(agent_id="bot")
+    with pytest.raises(ApprovalPending) as p:
+        s.call_sync("pay", to="acme", amount=5, call_id="c-1")
+    rid = p.value.approval_request_id
+    for service in (u.approvals, db.open().approvals):  # with the tool loaded, and without it (a CLI, a desk)
+        with pytest.raises(ArgumentsInvalid) as exc:
+            service.modify(rid, approver="ana", args=edit)
+        assert exc.value.details["errors"][0]["loc"] == loc
+        assert u.approvals.get(rid).state == "pending"

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import html
 import re
 from pathlib import Path
 
 import httpx
 import pytest
 
-from undolog_core import ApprovalPending
+from undolog_core import ApprovalPending, errors
 
 from .conftest import Desk
 from .demo_app import UNDONE
@@ -99,6 +100,64 @@ def test_modify_form_reports_the_bad_field(desk: Desk) -> None:
     r = c.post(f"/ui/approvals/{rid}/modify", data={"args": '{"to": "acme", "amount": 1.5}', "csrf_token": token})
     assert r.status_code == 303
     assert desk.undolog.approvals.get(rid).approved_args == {"to": "acme", "amount": 1.5}
+
+
+@pytest.mark.parametrize(("edit", "why"), [
+    ('{"to": "acme", "amount": NaN}', "not a finite number"),
+    ('{"to": "acme", "amount": Infinity}', "not a finite number"),
+    ('{"to": "acme", "amount": 1e999}', "not a finite number"),
+    ('{"to": "acme\\u0000", "amount": 1}', "NUL"),
+    ('{"to": "\\ud800", "amount": 1}', "lone surrogate"),
+    ("[" * 100_000 + "]" * 100_000, "deeper than 64"),
+])
+def test_the_modify_form_refuses_what_the_api_refuses(desk: Desk, edit: str, why: str) -> None:
+    """The form's JSON text never passed the API's door: NaN, infinities and 1e999 were a 500 (the decision's digest
+    cannot encode them), deep nesting a RecursionError (500), and an escaped NUL, which the API refuses, was
+    approved and handed to the tool."""
+    rid, _ = desk.pending("wire_money", to="acme", amount=3.0)
+    c = _login(desk, "approver")
+    token = _csrf(c.get(f"/ui/approvals/{rid}").text)
+    r = c.post(f"/ui/approvals/{rid}/modify", data={"args": edit, "csrf_token": token})
+    assert r.status_code == 422, r.text[:300]
+    assert why in r.text
+    assert desk.undolog.approvals.get(rid).state == "pending"
+
+
+def test_the_python_api_refuses_a_non_finite_edit(desk: Desk) -> None:
+    """``approvals.modify`` with a NaN raised the encoder's ValueError from inside the decision."""
+    rid, _ = desk.pending("wire_money", to="acme", amount=3.0)
+    for bad in (float("nan"), float("inf"), [1.0, float("-inf")]):
+        with pytest.raises(errors.ArgumentsInvalid) as caught:
+            desk.undolog.approvals.modify(rid, approver="ana", args={"to": "acme", "amount": bad})
+        assert caught.value.errors[0]["type"] == "number_out_of_range"
+    assert desk.undolog.approvals.get(rid).state == "pending"
+
+
+def test_links_and_forms_reach_a_session_whose_id_has_url_characters(desk: Desk) -> None:
+    """An embedded app names its sessions (a thread id): ``ticket#42?re=1``, ``50%off``, ``a\\b`` are valid ids. The
+    dashboard wrote them into links and form actions as they are, so the request page linked to another session (the
+    browser cut the id at ``#`` or ``?``) and the session page's Rollback form posted elsewhere; a backslash, which a
+    browser reads as ``/``, could aim it at another route."""
+    c = _login(desk, "admin")
+    for sid in ("ticket#42?re=1", "50%off", "..\\approvals\\x\\approve?"):
+        s = desk.undolog.session(session_id=sid, agent_id="bot", created_by=desk.key("agent").principal_ref)
+        with s:
+            s.call_sync("send_refund_email", user_id="u1", amount=2.0, call_id="r1")
+            try:
+                s.call_sync("delete_user_account", user_id="u1", call_id="c1")
+            except ApprovalPending as p:
+                rid = p.approval_request_id
+        page = c.get(f"/ui/approvals/{rid}").text
+        href = re.search(r'<dt>Session</dt><dd><a href="([^"]+)"', page).group(1)  # type: ignore[union-attr]
+        # As a browser follows it: relative to the page, a backslash read as a slash, the fragment dropped.
+        url = httpx.URL(f"{desk.url}/ui/approvals/{rid}").join(html.unescape(href).replace("\\", "/"))
+        shown = c.get(url)
+        assert shown.status_code == 200 and html.escape(sid) in shown.text, (sid, href, str(url))
+        action = re.search(r'action="([^"]+/rollback)"', shown.text).group(1)  # type: ignore[union-attr]
+        target = url.join(html.unescape(action).replace("\\", "/"))
+        r = c.post(target, data={"csrf_token": _csrf(shown.text)})
+        assert r.status_code == 200 and "compensated" in r.text, (sid, action, str(target), r.status_code)
+        assert desk.undolog.sessions.get(sid).state.value == "rolled_back"
 
 
 def test_request_page_shows_what_the_agent_did_before_asking(desk: Desk) -> None:

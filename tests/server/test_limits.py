@@ -175,6 +175,52 @@ def test_a_number_too_large_to_be_finite_is_refused(desk: Desk) -> None:
     assert desk.undolog.approvals.get(rid).state == "pending"
 
 
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity"])
+def test_nan_and_infinity_literals_are_refused_like_1e999(hostile: tuple[Desk, HostileUpstream], literal: bytes) -> None:
+    """Python's JSON reader takes NaN and Infinity, which JSON has not: a modify with one was a 500 (the decision's
+    digest cannot encode it), and a proxied COMPENSABLE call with one was a 500 that rolled its session back and sent
+    the upstream a compensation for a call it never received."""
+    d, up = hostile
+    sid = _session(d)
+    r = d.client("agent").post(f"/v1/sessions/{sid}/tools/pay:invoke", json={"to": "acme", "amount": 5})
+    assert r.status_code == 202, r.text
+    rid = r.json()["approval_request_id"]
+    body = problem(post_raw(d, "approver", f"/v1/approvals/{rid}:modify",
+                            b'{"args": {"to": "acme", "amount": ' + literal + b"}}"), 422, "number_out_of_range")
+    assert body["errors"][0]["field"] == "args.amount" and literal.decode() in body["detail"]
+    assert d.undolog.approvals.get(rid).state == "pending"
+    body = problem(post_raw(d, "agent", f"/v1/sessions/{sid}/tools/echo:invoke", b'{"n": [1, ' + literal + b"]}"),
+                   422, "number_out_of_range")
+    assert body["errors"][0]["field"] == "n.1"
+    # A string that merely says it is still an ordinary argument.
+    assert post_raw(d, "agent", f"/v1/sessions/{sid}/tools/echo:invoke", b'{"n": "NaN Infinity"}').status_code == 200
+    # Not rolled back: the session still waits on its pending request.
+    assert d.client("agent").get(f"/v1/sessions/{sid}").json()["state"] == "awaiting_approval"
+    assert [p for p, _ in up.calls] == ["/echo"]  # no call with the literal, and no compensation
+
+
+def test_the_door_is_not_sidestepped_by_a_long_float_or_a_form_word_in_the_media_type(
+        hostile: tuple[Desk, HostileUpstream]) -> None:
+    """Two ways past the door's checks, both a 500 that rolled the session back (and sent a compensation for a call
+    the upstream never got), or a NUL forwarded upstream: a float of 400 digits without an exponent (infinity to
+    Python; the door looked for big exponents only), and a JSON media type whose parameter says ``form-urlencoded``
+    (the door took the body for a form and skipped the JSON checks; FastAPI still parsed it as JSON)."""
+    d, up = hostile
+    sid = _session(d)
+    echo = f"/v1/sessions/{sid}/tools/echo:invoke"
+    body = problem(post_raw(d, "agent", echo, b'{"n": 1' + b"0" * 400 + b".0}"), 422, "number_out_of_range")
+    assert body["errors"][0]["field"] == "n"
+    sneaky = {"Content-Type": "application/json; x=form-urlencoded"}
+    for raw, code in ((b'{"n": "a\\u0000b"}', "nul_character"), (b'{"n": 1e999}', "number_out_of_range"),
+                      (b'{"n": ' + b"[" * 100 + b"]" * 100 + b"}", "json_too_deep")):
+        body = problem(d.client("agent").post(echo, content=raw, headers=sneaky), 422, code)
+        assert body["errors"][0]["field"].startswith("n"), body
+    # An ordinary long integer is still an argument, and a real form is still a form (the dashboard's).
+    assert post_raw(d, "agent", echo, b'{"n": 1' + b"0" * 400 + b"}").status_code == 200
+    assert d.client("agent").get(f"/v1/sessions/{sid}").json()["state"] == "active"
+    assert [p for p, _ in up.calls] == ["/echo"]
+
+
 def test_a_nul_nested_deep_is_a_422_not_a_recursion_error(desk: Desk) -> None:
     """The NUL check used to recurse: 5,000 levels around a \\u0000 was a RecursionError (500)."""
     rid, _ = desk.pending()

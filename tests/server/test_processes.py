@@ -7,7 +7,9 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -162,3 +164,74 @@ def test_undolog_serve_with_the_apps_own_undolog(db: Any, tmp_path: Path) -> Non
         assert [st["outcome"] for st in r.json()["steps"]] == ["compensated"]
     finally:
         _stop(proc)
+
+
+def test_approve_reject_and_modify_sent_at_once_to_three_servers(db: Any, tmp_path: Path) -> None:
+    """Three `undolog serve` processes on one database, each sent approve, reject and modify of the same request at
+    the same moment, then the agent's re-issue sent to all three at once: one decision wins (one audit event), the
+    others are 409 ``approval_already_decided``, and the upstream is called at most once, with the winner's
+    arguments."""
+    from .upstream import Upstream
+
+    upstream = Upstream().start()
+    cfg = tmp_path / "tools.toml"
+    cfg.write_text(upstream.config())
+    u = db.open()
+    demo_app.register(u)
+    store = ServerStore(u.store)
+    store.migrate()
+    agent = {"Authorization": f"Bearer {store.create_key('bot', ['agent'])[1]}"}
+    approvers = [{"Authorization": f"Bearer {store.create_key(f'ana{i}', ['approver'])[1]}"} for i in range(3)]
+    procs = [(*_spawn(db, tmp_path / f"s{i}.log", "--proxy-config", str(cfg)), tmp_path / f"s{i}.log") for i in range(3)]
+    bodies = {"approve": {}, "reject": {"reason": "no"}, "modify": {"args": {"account": "acct-edited"}}}
+
+    def at_once(calls: list[tuple[str, dict[str, Any], dict[str, str]]]) -> list[httpx.Response]:
+        gate = threading.Barrier(len(calls))
+
+        def one(call: tuple[str, dict[str, Any], dict[str, str]]) -> httpx.Response:
+            gate.wait()
+            return httpx.post(call[0], json=call[1], headers=call[2], timeout=60)
+
+        with ThreadPoolExecutor(len(calls)) as pool:
+            return list(pool.map(one, calls))
+
+    try:
+        for proc, url, log in procs:
+            _wait_up(proc, url, log)
+        urls = [url for _, url, _ in procs]
+        winners = []
+        for n in range(4):
+            sid = httpx.post(f"{urls[0]}/v1/sessions", json={"agent_id": "a"}, headers=agent).json()["session_id"]
+            invoke = f"/v1/sessions/{sid}/tools/close_account:invoke"
+            call = ({"account": f"acct-{n}"}, {**agent, "Idempotency-Key": "k"})
+            r = httpx.post(urls[n % 3] + invoke, json=call[0], headers=call[1], timeout=60)
+            assert r.status_code == 202, r.text
+            rid = r.json()["approval_request_id"]
+            answers = at_once([(f"{url}/v1/approvals/{rid}:{action}", body, approvers[i])
+                               for i, url in enumerate(urls) for action, body in bodies.items()])
+            assert sorted(a.status_code for a in answers) == [200] + [409] * 8, [a.text[:200] for a in answers]
+            assert {a.json()["code"] for a in answers if a.status_code == 409} == {"approval_already_decided"}
+            won = next(a.json() for a in answers if a.status_code == 200)
+            winners.append(won["state"])
+            before = len(upstream.to("/close"))
+            reissued = at_once([(url + invoke, *call) for url in urls])
+            if won["state"] == "rejected":
+                assert {a.json()["code"] for a in reissued} == {"approval_rejected"}
+            else:
+                # One runs it; another arriving meanwhile is told it is running, or gets the stored answer.
+                assert [a.status_code for a in reissued].count(200) >= 1
+                assert all(a.status_code == 200 or a.json()["code"] == "invalid_effect_state" for a in reissued)
+                assert [b for b, _ in upstream.to("/close")[before:]] == [won["approved_args"] or won["proposed_args"]]
+        assert len(upstream.to("/close")) == sum(w != "rejected" for w in winners)
+        ev = core.approval_events
+        with u.store.engine.connect() as conn:
+            decisions = collections.Counter(conn.execute(
+                sa.select(ev.c.approval_request_id).where(ev.c.action.in_(("approve", "reject", "modify")))).scalars())
+        assert sorted(decisions.values()) == [1] * 4
+        assert u.verify_audit().ok
+    finally:
+        for proc, _, _ in procs:
+            _stop(proc)
+        upstream.stop()
+    for i in range(3):
+        assert "Traceback" not in (tmp_path / f"s{i}.log").read_text()

@@ -106,6 +106,8 @@ def test_reads_never_begin_immediate(desk: Desk) -> None:
     reads = _reads(desk, ui, approval_id, session_id)
     for client, path in reads:
         client.get(path)
+    # "Last used" is written by a thread of its own after a key's first request: let it finish before listening.
+    _wait_touched(desk, "approver", "admin")
     seen: list[str] = []
 
     def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
@@ -122,3 +124,29 @@ def test_reads_never_begin_immediate(desk: Desk) -> None:
     assert not [s for s in seen if s.strip().upper().startswith("BEGIN IMMEDIATE")]
     assert not [s for s in seen if re.match(r"\s*(INSERT|UPDATE|DELETE)\b", s, re.I)], seen
     ui.close()
+
+
+def test_a_keys_first_request_is_not_held_up_by_a_writer(desk: Desk) -> None:
+    """A key's first request each minute records "last used", a write. It was made on the request's path: with a
+    writer holding the lock, a read by a key not used in the last minute waited for the lock (SQLite: the 30 s busy
+    timeout, then a 503, since the database's refusal came as DatabaseUnavailable, which the "never fail
+    authentication" guard did not catch; PostgreSQL: for as long as the lock was held)."""
+    approval_id, session_id = desk.pending()
+    desk.add_key("fresh", ["approver"])
+    fresh = httpx.Client(base_url=desk.url, timeout=PROMPT,
+                         headers={"Authorization": f"Bearer {desk.token('fresh')}"})
+    with writer_holding_the_lock(desk):
+        for path in ("/v1/me", "/v1/approvals", f"/v1/approvals/{approval_id}", f"/v1/sessions/{session_id}"):
+            r = fresh.get(path)
+            assert r.status_code == 200, (path, r.text[:300])
+    # "Last used" is still recorded, once the writer is done.
+    _wait_touched(desk, "fresh")
+    fresh.close()
+
+
+def _wait_touched(desk: Desk, *names: str) -> None:
+    deadline = time.monotonic() + PROMPT
+    for name in names:
+        while desk.store.get_key(desk.key(name).key_id).last_used_at is None:  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, f"the last use of {name} was never recorded"
+            time.sleep(0.02)

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from undolog_core import CompensationDescriptor, ToolTier, compensation, undolog_tool
 from undolog_server import create_app
 from undolog_server.proxy import ProxyTools
 from undolog_server.state import ServerSettings
@@ -257,6 +258,64 @@ def test_an_approver_outside_a_group_never_reads_that_groups_arguments(desk: Des
     for who in ("insider", "admin", "agent"):
         assert SECRET in desk.client(who).get(f"/v1/sessions/{s.id}").text, who
     assert SECRET in desk.client("insider").get(f"/v1/approvals/{delete_rid}").text
+
+
+@undolog_tool(tier=ToolTier.COMPENSABLE, compensation=CompensationDescriptor.new("void_charge"))
+def charge_card(card: str, amount: float) -> dict[str, Any]:
+    """Charge a card (its compensation fails, naming the card, as real errors do)."""
+    return {"charged": amount}
+
+
+@compensation("void_charge")
+def void_charge(ctx: Any) -> None:
+    raise RuntimeError(f"card {ctx.args['card']} could not be voided")
+
+
+def test_an_approver_outside_a_group_never_reads_that_groups_halt_reasons(desk: Desk) -> None:
+    """A session's ``halted_reason`` quotes what stopped it: a failed compensation's error, or a rejection's reason.
+    The call's own error was redacted for an approver outside its groups, and the request itself was 403, but the
+    session (its detail, the listing, the dashboard page) said it all in ``halted_reason``."""
+    desk.undolog.register(charge_card, void_charge)
+    admin = desk.client("admin")
+    assert admin.put("/v1/approver-groups/treasury", json={"tools": ["wire_money", "charge_card"]}).status_code == 200
+    desk.add_key("outsider", ["approver"], ["support"])
+    desk.add_key("insider", ["approver"], ["treasury"])
+    failed = desk.session()
+    with failed:
+        failed.call_sync("charge_card", card=SECRET, amount=1.0, call_id="c")
+    assert SECRET in admin.post(f"/v1/sessions/{failed.id}:rollback").json()["halted_reason"]
+    rejected = desk.session()
+    with rejected:
+        try:
+            rejected.call_sync("wire_money", to="acme", amount=5.0, call_id="w")
+        except Exception as exc:  # ApprovalPending
+            rid = exc.approval_request_id  # type: ignore[attr-defined]
+    assert desk.client("insider").post(f"/v1/approvals/{rid}:reject",
+                                       json={"reason": f"card {SECRET} is stolen"}).status_code == 200
+    # A halt of a session whose calls the outsider may read is still told in full.
+    visible = desk.session()
+    with visible:
+        try:
+            visible.call_sync("delete_user_account", user_id="u1", call_id="d")
+        except Exception as exc:
+            other = exc.approval_request_id  # type: ignore[attr-defined]
+    assert desk.client("insider").post(f"/v1/approvals/{other}:reject", json={"reason": "not this one"}).status_code == 200
+    outsider = desk.client("outsider")
+    page = _login(desk, "outsider")
+    for sid in (failed.id, rejected.id):
+        shown = outsider.get(f"/v1/sessions/{sid}").json()
+        assert shown["state"] == "halted" and shown["halted_reason"] is None and shown["halted_reason_redacted"], shown
+        shown_page = page.get(f"/ui/sessions/{sid}").text
+        assert SECRET not in shown_page and "Why is withheld" in shown_page
+    listed = {s["session_id"]: s for s in outsider.get("/v1/sessions").json()}
+    assert SECRET not in str(listed) and listed[failed.id]["halted_reason_redacted"]
+    assert "not this one" in listed[visible.id]["halted_reason"]
+    assert "not this one" in outsider.get(f"/v1/sessions/{visible.id}").json()["halted_reason"]
+    # Members of the group, admins and the session's own key read it.
+    for who in ("insider", "admin", "agent"):
+        for sid in (failed.id, rejected.id):
+            assert SECRET in desk.client(who).get(f"/v1/sessions/{sid}").json()["halted_reason"], who
+        assert SECRET in str(desk.client(who).get("/v1/sessions").json()), who
 
 
 # ---------------------------------------------------------------------------------- 11. dashboard sessions

@@ -7,6 +7,7 @@ when the delivery is sent (DNS rebinding); signatures over the delivery id that 
 
 from __future__ import annotations
 
+import ipaddress
 import select
 import socket
 import threading
@@ -21,6 +22,7 @@ import sqlalchemy as sa
 from undolog_core.webhooks import sign, verify_signature
 from undolog_server.state import ServerSettings
 from undolog_server.storage import webhook_deliveries
+from undolog_server.webhooks import address_allowed
 
 from .conftest import Desk, make_desk, problem
 from .receiver import Receiver
@@ -280,6 +282,38 @@ def test_a_name_rebound_to_loopback_after_registration_is_refused_at_send_time(
         assert receiver.got == []  # nothing ever reached the loopback receiver
     finally:
         d.close()
+
+
+#: IPv6 forms that carry an IPv4 address a gateway or the host translates to: NAT64 (64:ff9b::/96, and the local-use
+#: 64:ff9b:1::/48), 6to4 (2002::/16) and the deprecated IPv4-compatible ::/96. Python's ``is_global`` says yes to all of
+#: them, so 10.0.0.1 written as NAT64 reached the VPC's private hosts through an IPv6-only subnet's NAT gateway.
+EMBEDDED = [
+    "http://[64:ff9b::a00:1]/x",  # NAT64 of 10.0.0.1
+    "http://[64:ff9b::a9fe:a9fe]/x",  # NAT64 of 169.254.169.254, cloud metadata
+    "http://[64:ff9b::7f00:1]/x",  # NAT64 of 127.0.0.1
+    "http://[64:ff9b:1::5db8:d70e]/x",  # local-use NAT64 (RFC 8215): never global, whatever it embeds
+    "http://[2002:a00:1::]/x",  # 6to4 of 10.0.0.1
+    "http://[2002:7f00:1::1]/x",  # 6to4 of 127.0.0.1
+    "http://[::a00:1]/x",  # IPv4-compatible 10.0.0.1
+    "http://[::7f00:1]/x",  # IPv4-compatible 127.0.0.1
+]
+
+
+def test_private_ipv4_written_in_an_ipv6_translation_prefix_is_refused(desk: Desk) -> None:
+    # No background loop and no event here: nothing is ever sent, to any of these addresses.
+    admin = desk.client("admin")
+    for url in EMBEDDED:
+        body = problem(admin.post("/v1/webhooks", json={"name": "w", "url": url}), 422, "webhook_target_refused")
+        assert "webhook_allow_private" in body["detail"], (url, body)
+        # The check every send makes after resolving a name is the same one.
+        assert not address_allowed(ipaddress.ip_address(url.split("[")[1].split("]")[0]))
+    # Port 0 is no port a request can be sent to: a target there would fail forever.
+    problem(admin.post("/v1/webhooks", json={"name": "w", "url": "http://93.184.215.14:0/x"}), 422,
+            "invalid_webhook_url")
+    assert admin.get("/v1/webhooks").json() == []
+    # NAT64 and 6to4 forms of a public IPv4 address are still public.
+    assert address_allowed(ipaddress.ip_address("64:ff9b::5db8:d70e"))
+    assert address_allowed(ipaddress.ip_address("2002:5db8:d70e::1"))
 
 
 def test_a_malformed_url_already_stored_fails_its_delivery_instead_of_hanging(

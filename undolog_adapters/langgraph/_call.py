@@ -25,7 +25,7 @@ from undolog_core.integration import WouldBlock
 from ._guard import _config_of, _Guard, _override, _Reply, _Run
 from ._payload import _Pause
 from ._sessions import SEP
-from ._siblings import PUSH, forget_answers
+from ._siblings import PUSH, forget_answers, next_interrupt_index
 from ._tools import _CAPTURE, _COPIES, _Box, _capturing, _content_of, _result_of, emit, rollback_events
 
 # The tier as the effect's mark on a COMPENSABLE call's message says it (``_Guard.committed``: ``str(d.tier)``).
@@ -121,7 +121,7 @@ def _decide(guard: _Guard, request: Any, wait: bool = True) -> tuple[_Run | _Ans
     gated = batch.gated.pop(call_id, None) if batch is not None and call_id else None
     config = _config_of(request)
     error: str | None = None
-    asked = 0  # this call's pauses answered in this run (the task's first interrupts: nothing ran before them)
+    asked, start = 0, None  # this call's pauses answered in this run, and the index of the first
     while True:
         try:
             step = gated if gated is not None else guard.prepare(request, config, wait=wait)  # the driver's decision
@@ -136,13 +136,15 @@ def _decide(guard: _Guard, request: Any, wait: bool = True) -> tuple[_Run | _Ans
             parked = _wait(guard, batch, request, step)
             if parked is not None:
                 return _Answer(parked), batch, call_id
+            if not asked:
+                start = next_interrupt_index(config)  # where this call's pauses begin among the task's interrupts
             error = guard.ask([step], error)
             asked += 1
             wait = True  # after an interrupt was asked, never retried elsewhere: it would be asked twice
             continue
         if asked and batch is None and _own_task(config):
             # Decided: the tool runs next, and its own interrupt() must not be handed UndoLog's answers.
-            forget_answers(config, asked)
+            forget_answers(config, start, asked)
         return step, batch, call_id
 
 

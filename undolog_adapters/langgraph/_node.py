@@ -17,7 +17,7 @@ from ._guard import _Guard, _Run
 from ._payload import _Pause
 from ._resume import rollback
 from ._sessions import _ADAPTERS
-from ._siblings import forget_answers
+from ._siblings import forget_answers, next_interrupt_index
 
 if TYPE_CHECKING:
     from langchain_core.runnables import RunnableConfig
@@ -127,17 +127,19 @@ class UndoLogToolNode(ToolNode):
         token = _BATCH.set(batch)
         try:
             error: str | None = None
-            asked = 0  # the node's pauses answered in this run: the task's first interrupts (nothing ran before)
+            asked, start = 0, None  # the node's pauses answered in this run, and the index of the first
             while True:
                 pauses = self._gate(input, config, batch)
                 if not pauses:
-                    forget_answers(config, asked)  # a tool's own interrupt() must not be handed them
+                    forget_answers(config, start, asked)  # a tool's own interrupt() must not be handed them
                     asked = 0
                     batch.pending.clear()
                     out = super()._func(input, config, runtime)
                     if not batch.pending:
                         return out
                     pauses = self._ordered(input, batch)  # decided, then re-opened meanwhile: ask again
+                if not asked:
+                    start = next_interrupt_index(config)
                 error = self._undolog_guard.ask(pauses, error, batched=True)
                 asked += 1
         finally:
@@ -149,17 +151,19 @@ class UndoLogToolNode(ToolNode):
         token = _BATCH.set(batch)
         try:
             error: str | None = None
-            asked = 0  # as in _func
+            asked, start = 0, None  # as in _func
             while True:
                 pauses = self._gate(input, config, batch)
                 if not pauses:
-                    forget_answers(config, asked)
+                    forget_answers(config, start, asked)
                     asked = 0
                     batch.pending.clear()
                     out = await super()._afunc(input, config, runtime)
                     if not batch.pending:
                         return out
                     pauses = self._ordered(input, batch)
+                if not asked:
+                    start = next_interrupt_index(config)
                 error = self._undolog_guard.ask(pauses, error, batched=True)
                 asked += 1
         finally:

@@ -18,7 +18,9 @@ not recomputed. Imports LangGraph (its config keys) and ``_payload``; the guard 
 
 from __future__ import annotations
 
+import itertools
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import Any, Protocol
@@ -56,6 +58,7 @@ PUSH: str = getattr(_lg, "PUSH", "__pregel_push")  # the trigger of a task start
 CONFIG_KEY_SCRATCHPAD: str = getattr(_lg, "CONFIG_KEY_SCRATCHPAD", "__pregel_scratchpad")
 CONFIG_KEY_SEND: str = getattr(_lg, "CONFIG_KEY_SEND", "__pregel_send")
 RESUME: str = getattr(_lg, "RESUME", "__resume__")
+_COUNT = re.compile(r"count\((\d+)\)")  # the repr of the itertools.count behind LangGraph's interrupt counter
 
 
 class Recorder(Protocol):
@@ -193,27 +196,43 @@ def _validated(guard: Recorder, config: Mapping[str, Any], answer: Any, names: S
         done_asking(token)
 
 
-def forget_answers(config: Mapping[str, Any], asked: int) -> None:
-    """Drop the task's first ``asked`` resume values: the answers to UndoLog's pauses of this task, all decided now.
+def next_interrupt_index(config: Mapping[str, Any]) -> int | None:
+    """The index LangGraph gives the task's next ``interrupt()`` (how many it has asked in this run), or None when
+    the scratchpad is not the one UndoLog knows. Read without moving the counter (``itertools.count``'s repr)."""
+    pad = (config.get("configurable") or {}).get(CONFIG_KEY_SCRATCHPAD)
+    counter: Any = getattr(pad, "interrupt_counter", None)
+    if counter is None or not hasattr(counter, "_counter"):
+        return None
+    nxt = counter._counter
+    if nxt is None:
+        return 0  # not asked yet in this run
+    found = _COUNT.fullmatch(repr(getattr(nxt, "__self__", None)))
+    return int(found.group(1)) if found else None
 
-    LangGraph hands a task's resume values to its ``interrupt()`` calls by order. UndoLog pauses before the task's
-    tool runs, and once its calls are decided it does not pause again on the next re-run: its answers, still first in
-    the task's list, would be handed to the tool's own ``interrupt()`` (an ask-the-customer tool would read UndoLog's
-    ``{"type": "approve"}`` as the customer's answer). Called where UndoLog's pauses are over and before any tool runs
-    (the task's first interrupts were all UndoLog's), so from then on the task's values are the tool's alone, at
-    the indexes its re-runs ask for them; the shortened list is what LangGraph saves for the task.
+
+def forget_answers(config: Mapping[str, Any], start: int | None, asked: int) -> None:
+    """Drop the ``asked`` resume values from index ``start`` on: the answers to UndoLog's pauses of this task, all
+    decided now.
+
+    LangGraph hands a task's resume values to its ``interrupt()`` calls by order. UndoLog pauses before the call's
+    tool runs, and once the call is decided it does not pause again on the next re-run: its answers, still in the
+    task's list, would be handed to whatever asks next (the tool's own ``interrupt()``: an ask-the-customer tool
+    would read UndoLog's ``{"type": "approve"}`` as the customer's answer). Called where UndoLog's pauses are over and
+    before the tool runs; the task's next ``interrupt()`` gets index ``start`` again, and the shortened list is what
+    LangGraph saves for the task. Interrupts asked before UndoLog's (a middleware outside it) keep theirs.
     """
-    if asked <= 0:
+    if asked <= 0 or start is None:
         return
     conf = config.get("configurable") or {}
     pad, send = conf.get(CONFIG_KEY_SCRATCHPAD), conf.get(CONFIG_KEY_SEND)
     resume = getattr(pad, "resume", None)
     counter: Any = getattr(pad, "interrupt_counter", None)
-    if not isinstance(resume, list) or len(resume) < asked or not callable(send) or not hasattr(counter, "_counter"):
+    if (not isinstance(resume, list) or len(resume) < start + asked or not callable(send)
+            or not hasattr(counter, "_counter") or next_interrupt_index(config) != start + asked):
         log.warning("could not drop UndoLog's %d answer(s) from the task's resume values (LangGraph's scratchpad is "
                     "not the one UndoLog knows): a tool's own interrupt() in this task may be handed one of them",
                     asked)
         return
-    del resume[:asked]
-    counter._counter = None  # the task's next interrupt() is its first again: the index of the tool's first answer
+    del resume[start:start + asked]
+    counter._counter = itertools.count(start).__next__
     send([(RESUME, list(resume))])

@@ -12,7 +12,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import logging
+import queue
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -61,6 +64,9 @@ SERVER_VERSION_TABLE = "undolog_server_alembic_version"
 #: PostgreSQL advisory lock serialising concurrent server migrations (the core's key + 1).
 _SERVER_MIGRATION_LOCK_KEY = 0x756E646F6C6F67 + 1
 KEY_PREFIX = "ulk_"
+#: Seconds the thread recording keys' "last used" waits for more before it ends.
+_TOUCHER_IDLE = 5.0
+_log = logging.getLogger("undolog.server")
 
 metadata = sa.MetaData()
 
@@ -330,6 +336,9 @@ class ServerStore:
 
     core: CoreStore
     _touch_cache: dict[str, float] = field(default_factory=dict)
+    _touches: queue.SimpleQueue[tuple[str, datetime]] = field(default_factory=queue.SimpleQueue)
+    _toucher: threading.Thread | None = None
+    _toucher_lock: threading.Lock = field(default_factory=threading.Lock)
 
     # ---- settings -------------------------------------------------------------------------------
 
@@ -482,16 +491,35 @@ class ServerStore:
                          .values(revoked_at=utcnow()))
 
     def _touch(self, key_id: str) -> None:
-        # One write a minute per key is enough for "last used" and keeps reads write-free.
+        # One write a minute per key is enough for "last used" and keeps reads write-free. It is made by a thread of
+        # its own, never on the request's path: a read must not wait for the write lock (SQLite's, or a PostgreSQL
+        # row lock) because its key was not used in the last minute, nor fail when the lock is not had in time.
         now = time.monotonic()
         if now - self._touch_cache.get(key_id, -1e9) < 60:
             return
         self._touch_cache[key_id] = now
-        try:
-            with self.core.tx() as conn:
-                conn.execute(api_keys.update().where(api_keys.c.key_id == key_id).values(last_used_at=utcnow()))
-        except sa.exc.OperationalError:
-            pass  # a busy database must not fail authentication
+        self._touches.put((key_id, utcnow()))
+        with self._toucher_lock:
+            if self._toucher is None:
+                self._toucher = threading.Thread(target=self._record_touches, name="undolog-key-touch", daemon=True)
+                self._toucher.start()
+
+    def _record_touches(self) -> None:
+        """Write the queued "last used" times; the thread ends once nothing was queued for a few seconds."""
+        while True:
+            try:
+                key_id, at = self._touches.get(timeout=_TOUCHER_IDLE)
+            except queue.Empty:
+                with self._toucher_lock:
+                    if self._touches.empty():
+                        self._toucher = None
+                        return
+                continue
+            try:
+                with self.core.tx() as conn:
+                    conn.execute(api_keys.update().where(api_keys.c.key_id == key_id).values(last_used_at=at))
+            except Exception:  # noqa: BLE001 - best effort: "last used" must never cost a request or the thread
+                _log.debug("could not record the last use of key %s", key_id, exc_info=True)
 
     def list_keys(self) -> list[ApiKey]:
         with self.core.read() as conn:
