@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import stat
 import sys
@@ -116,6 +117,9 @@ async def stdio_transport(stdin_fd: int | None = None, stdout_fd: int | None = N
                     try:
                         message = types.JSONRPCMessage.model_validate_json(text)
                     except Exception as exc:  # noqa: BLE001 - handed to the session, as the SDK's transport does
+                        refusal = _refusal(text, exc)
+                        if refusal is not None:
+                            writer.write(refusal)  # one whole line: it cannot interleave with another message
                         await read_stream_writer.send(exc)
                         continue
                     await read_stream_writer.send(SessionMessage(message))
@@ -147,6 +151,27 @@ async def stdio_transport(stdin_fd: int | None = None, stdout_fd: int | None = N
         for fd in (in_fd, out_fd):
             with contextlib.suppress(OSError):
                 os.set_blocking(fd, True)
+
+
+def _refusal(text: str, exc: Exception) -> bytes | None:
+    """A JSON-RPC error answering a line the SDK could not parse, when it is a request whose id can be read.
+
+    The SDK only logs such a line, so its sender waits for ever for an answer. The usual cause is a lone
+    surrogate escape (``"\\ud83d"``, an emoji cut in half by a model): valid JSON text, refused by the SDK's
+    parser, read by Python's. Anything without a readable id (a notification, garbage) stays unanswered.
+    """
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError):  # not JSON, or nested past what Python reads: nothing to answer
+        return None
+    request_id = raw.get("id") if isinstance(raw, dict) and "method" in raw else None
+    if isinstance(request_id, bool) or not isinstance(request_id, int | str):
+        return None
+    first = str(exc).splitlines()
+    why = next((line.strip() for line in first[1:] if line.strip()), first[0] if first else type(exc).__name__)
+    error = {"code": types.PARSE_ERROR, "message": f"the message could not be parsed: {why}"}
+    line = json.dumps({"jsonrpc": "2.0", "id": request_id, "error": error}, ensure_ascii=True)
+    return line.encode("utf-8") + b"\n"
 
 
 async def _flush(writer: Any) -> None:

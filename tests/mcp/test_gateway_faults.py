@@ -396,3 +396,52 @@ async def test_over_http_an_mcp_session_answers_only_the_key_that_opened_it(db: 
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_message_the_sdk_cannot_parse_is_answered_not_left_hanging(db: Any, tmp_path: Path) -> None:
+    # A model that cuts an emoji in half leaves a lone surrogate ("\ud83d") in a call's arguments; JSON allows the
+    # escape, the SDK's parser refuses it, and the gateway used to answer nothing (a log notice without an id):
+    # the client waited for ever. A request whose id can be read gets a JSON-RPC error naming the problem.
+    import select
+
+    cfg = write_config(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "undolog_core.cli", "mcp", "serve", "--config", str(cfg)],
+                            env={**os.environ, **db.env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    assert proc.stdin is not None and proc.stdout is not None
+
+    def send(line: str) -> None:
+        assert proc.stdin is not None
+        proc.stdin.write(line.encode() + b"\n")
+        proc.stdin.flush()
+
+    def answer_to(request_id: int) -> dict[str, Any]:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([proc.stdout], [], [], 1)
+            if ready:
+                message = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+                if message.get("id") == request_id:
+                    return dict(message)
+        raise AssertionError(f"no answer to request {request_id}")
+
+    try:
+        send(json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": types.LATEST_PROTOCOL_VERSION, "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "1"}}}))
+        answer_to(0)
+        send(json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}))
+        send('{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"name":"create_ticket",'
+             '"arguments":{"title":"broken \\ud83d emoji"}}}')
+        refused = answer_to(5)
+        assert refused["error"]["code"] == types.PARSE_ERROR, refused
+        assert "surrogate" in refused["error"]["message"] or "escape" in refused["error"]["message"], refused
+        send('{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"create_ticket","arguments":{"x":'
+             + "[" * 100_000 + "]" * 100_000 + "}}}")  # deeper than either parser reads: refused, not fatal
+        send(json.dumps({"jsonrpc": "2.0", "id": 6, "method": "tools/call",
+                         "params": {"name": "create_ticket", "arguments": {"title": "fine"}}}))
+        assert not answer_to(6)["result"]["isError"]  # the gateway serves on
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    assert [c["args"] for c in world(tmp_path)["calls"]] == [{"title": "fine"}]
