@@ -344,7 +344,7 @@ def preview(value: Any, limit: int = PREVIEW_CHARS) -> Any:
 
     Example:
         >>> preview({"blob": "x" * 5000}, limit=20)["undolog_truncated"]["chars"]
-        5014
+        5011
     """
     if value is None or isinstance(value, (bool, int, float)):
         return value
