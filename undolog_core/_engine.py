@@ -81,6 +81,11 @@ class ApprovalExpirer(Protocol):
     def lapsed(self, decided_at: Any) -> bool: ...
 
 
+class _ClaimLost(InvalidEffectState):
+    """This caller read an approved call and lost the claim to run it: another caller ran it (here or in another
+    process), or the approval lapsed meanwhile. ``intercept_irreversible`` answers as the call now stands."""
+
+
 @dataclass(frozen=True)
 class FailureRecord:
     """A failure recorded: the session it happened in and what its policy says to do (rollback / continue)."""
@@ -1219,7 +1224,20 @@ class Engine:
             if existing is None and call_id is not None and match_digest:
                 existing = self.store.find_irreversible(session_id, spec.name, None, digest)
         if existing is not None:
-            return self._resume_irreversible(sc, spec, existing, digest)
+            try:
+                return self._resume_irreversible(sc, spec, existing, digest)
+            except _ClaimLost as lost:
+                # Between this caller's read of the approved call and its claim, another caller claimed it or the
+                # sweeper let the approval lapse (approved_ttl_seconds): answer as a re-issue made now would (running
+                # elsewhere, its result, or a new request), not with a conflict nobody can act on. Read once: a call
+                # approved again meanwhile keeps the conflict rather than looping.
+                existing = self.store.find_irreversible(session_id, spec.name, call_id, digest)
+                if existing is None and call_id is not None and match_digest:
+                    existing = self.store.find_irreversible(session_id, spec.name, None, digest)
+                if existing is not None and existing.state == EffectState.APPROVED:
+                    raise InvalidEffectState(lost.message) from None
+                if existing is not None:
+                    return self._resume_irreversible(sc, spec, existing, digest)
         return self._request_approval(sc, spec, args_json, digest, action_digest, call_id, pin)
 
     def _resume_irreversible(self, sc: SessionCache, spec: ToolSpec, row: Any, digest: str) -> Decision:
@@ -1267,6 +1285,14 @@ class Engine:
             call_id=row.call_id,
         )
 
+    def _claimed_here(self, effect_id: str) -> bool:
+        """Whether the call is running under this instance's owner (a concurrent caller here won its claim)."""
+        try:
+            now = self.store.effect(effect_id)
+        except Exception:  # noqa: BLE001 - unreadable: keep vouching rather than drop a call that may be ours
+            return True
+        return bool(now.owner == self.leases.owner and now.state == EffectState.RUNNING.value)
+
     def _claim_run(self, sc: SessionCache, spec: ToolSpec, row: Any) -> Decision:
         """Durably mark an approved call as running before it runs, so a crash is never followed by a blind re-run."""
         now = utcnow()
@@ -1284,10 +1310,12 @@ class Engine:
                     owner=self.leases.owner, lease_until=now + dt.timedelta(seconds=self.lease_seconds), now=now,
                 ):
                     lost = True
-                    raise InvalidEffectState(f"call {row.call_id!r} was claimed by another caller")
+                    raise _ClaimLost(f"call {row.call_id!r} was claimed by another caller")
                 self.store.back_in_flight_in(conn, row.seq)
         except BaseException:
-            if added and not lost:
+            if added and (not lost or not self._claimed_here(row.effect_id)):
+                # Put there by this caller, and no caller of this process runs it: this process must not vouch
+                # for (renew the lease of) a call another process runs, or one that never ran.
                 self._inflight.discard(row.effect_id)
             self._give_back(sc, count - 1)
             raise

@@ -10,11 +10,15 @@ while it runs).
 
 from __future__ import annotations
 
+import datetime as dt
+from typing import Any
+
 import pytest
 
 from undolog_core import ApprovalPending, ToolTier, UndoLog, undolog_tool
 from undolog_core._tools import canonical_json, sha256_hex
 from undolog_core.errors import InvalidEffectState
+from undolog_core.storage.base import utcnow
 
 
 async def test_the_loser_of_a_claim_leaves_the_winners_call_in_flight(undolog: UndoLog) -> None:
@@ -38,3 +42,65 @@ async def test_the_loser_of_a_claim_leaves_the_winners_call_in_flight(undolog: U
     assert winner.effect_id in engine.leases.inflight  # still this process's, renewed while it runs
     with pytest.raises(InvalidEffectState, match="running right now"):
         await s.call(wipe, name="x", call_id="c1")
+
+
+async def test_the_loser_of_a_claim_won_elsewhere_does_not_vouch_for_it(db: Any) -> None:
+    """The winner is another UndoLog (another process, as far as owners go): the loser put the effect in its own
+    in-flight set before claiming, and must take it out again, or it renews the lease of a call it does not run
+    (and its own recovery answers 'running right now' for a call another process may have finished or crashed in)."""
+    here, there = db.open(), db.open()
+
+    @undolog_tool(tier=ToolTier.IRREVERSIBLE, reason="wipes it")
+    def wipe(name: str) -> str:
+        return f"wiped {name}"
+
+    here.register(wipe)
+    there.register(wipe)
+    s = here.session()
+    with pytest.raises(ApprovalPending) as p:
+        await s.call(wipe, name="x", call_id="c1")
+    here.approvals.approve(p.value.approval_request_id, approver="ana")
+    row = here.driver.engine.store.find_irreversible(s.id, "wipe", "c1", sha256_hex(canonical_json({"name": "x"})))
+    won = there.driver.engine._claim_run(there.driver.engine._session(s.id), there.registry.tools["wipe"], row)
+    with pytest.raises(InvalidEffectState, match="claimed by another caller"):
+        here.driver.engine._claim_run(here.driver.engine._session(s.id), here.registry.tools["wipe"], row)
+    assert won.effect_id in there.driver.engine.leases.inflight
+    assert won.effect_id not in here.driver.engine.leases.inflight
+    with pytest.raises(InvalidEffectState, match="running in another process"):  # and a re-issue here says so
+        await s.call(wipe, name="x", call_id="c1")
+
+
+async def test_an_approval_that_lapses_between_the_read_and_the_claim_asks_again(undolog: UndoLog,
+                                                                               monkeypatch: Any) -> None:
+    """The sweeper lapses an approval (approved_ttl_seconds) between the re-issue's read of the approved call and its
+    claim: the re-issue raises a new request, as a re-issue after the lapse does, not a 409 'claimed by another
+    caller' for a claim nobody won; the tool never runs on the lapsed approval."""
+    ran: list[str] = []
+
+    @undolog_tool(tier=ToolTier.IRREVERSIBLE, reason="wipes it")
+    def wipe(name: str) -> str:
+        ran.append(name)
+        return f"wiped {name}"
+
+    undolog.register(wipe)
+    s = undolog.session()
+    with pytest.raises(ApprovalPending) as p:
+        await s.call(wipe, name="x", call_id="c1")
+    first = p.value.approval_request_id
+    undolog.approvals.approve(first, approver="ana")
+    engine = undolog.driver.engine
+    resume = engine._resume_irreversible
+    swept: list[str] = []
+
+    def sweeper_first(*a: Any, **kw: Any) -> Any:
+        if not swept:  # the sweeper's lapse commits in between (its own transaction, as another process's would)
+            undolog.policy.set(actor="test", approved_ttl_seconds=1)
+            swept.extend(undolog.approvals.lapse([first], now=utcnow() + dt.timedelta(seconds=5)))
+        return resume(*a, **kw)
+
+    monkeypatch.setattr(engine, "_resume_irreversible", sweeper_first)
+    with pytest.raises(ApprovalPending) as again:
+        await s.call(wipe, name="x", call_id="c1")
+    assert swept == [first]
+    assert again.value.approval_request_id != first
+    assert undolog.approvals.get(first).state == "expired" and ran == []
