@@ -26,16 +26,25 @@ from langgraph.types import Command
 from examples.support_agent.model import ScriptedChatModel
 from tests.adapters.test_langgraph_hitl import World, cfg, make_tools, user
 from undolog_adapters.langgraph import UndoLogMiddleware
-from undolog_core import errors
+from undolog_core import ToolTier, errors, undolog_tool
 
 SCRIPTS: dict[str, Any] = {
     "both": [[("close_account", {"user_id": "u-1"}), ("close_account", {"user_id": "u-2"})]],
-    "one": [[("close_account", {"user_id": "u-1"}), ("charge", {"amount": 5})]],
+    "one": [[("close_account", {"user_id": "u-1"}), ("lookup", {"user_id": "u-1"})]],
 }
 
 
+@undolog_tool(tier=ToolTier.SAFE)
+def lookup(user_id: str) -> str:
+    """Look the customer up."""
+    return f"{user_id}: active"
+
+
 def _graph(undolog: Any, world: World) -> Any:
-    tools = make_tools(world)
+    # The ungated sibling is SAFE: under ``ainvoke`` a plain ToolNode's pause ends the node while its siblings may
+    # still run, and ``asyncio.run`` then cancels them; a COMPENSABLE sibling cancelled that way is a failure that
+    # halts the session (its compensation is not registered here), which is not what this test is about.
+    tools = [*make_tools(world), lookup]
     mw = UndoLogMiddleware(undolog, tools=tools, approver="ana")
     model = ScriptedChatModel(scripts=SCRIPTS)
     g = StateGraph(MessagesState)
