@@ -43,9 +43,9 @@ def body_problem(body: bytes, content_type: str) -> tuple[str, str, list[dict[st
     path = limits.too_deep(data)
     if path is not None:
         return _field("json_too_deep", f"the JSON body is nested deeper than {limits.MAX_JSON_DEPTH} levels", path)
-    found = _not_finite_path(data)
+    found = limits.first_leaf(data, lambda v: isinstance(v, _NotFinite))
     if found is not None:
-        return _field("number_out_of_range", f"the number {found[1]} in the JSON body is not a finite number",
+        return _field("number_out_of_range", f"the number {found[1].text} in the JSON body is not a finite number",
                       found[0])
     nul = _nul_path(data)
     if nul is not None:
@@ -77,19 +77,6 @@ def _finite(text: str) -> float | _NotFinite:
     # JSON numbers are finite; Python would read 1e999 as infinity, which no upstream can be sent as JSON.
     value = float(text)
     return value if math.isfinite(value) else _NotFinite(text)
-
-
-def _not_finite_path(data: Any) -> tuple[list[Any], str] | None:
-    stack: list[tuple[Any, list[Any]]] = [(data, [])]
-    while stack:
-        v, path = stack.pop()
-        if isinstance(v, _NotFinite):
-            return path, v.text
-        if isinstance(v, dict):
-            stack.extend((x, [*path, k]) for k, x in v.items())
-        elif isinstance(v, list):
-            stack.extend((x, [*path, i]) for i, x in enumerate(v))
-    return None
 
 
 def _field(code: str, detail: str, path: list[Any] | None) -> tuple[str, str, list[dict[str, str]]]:
