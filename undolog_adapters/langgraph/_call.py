@@ -153,6 +153,13 @@ def _own_task(config: Mapping[str, Any]) -> bool:
     return PUSH in ((config.get("metadata") or {}).get("langgraph_triggers") or ())
 
 
+def _gated(guard: _Guard, tool_name: Any) -> bool:
+    """Whether the tool a call names is one of the adapter's IRREVERSIBLE tools (it pauses for a person)."""
+    name = guard.names.get(tool_name)
+    spec = guard.u.registry.tools.get(name) if name is not None else None
+    return spec is not None and spec.tier is ToolTier.IRREVERSIBLE
+
+
 def _one_pause_per_task(guard: _Guard, request: Any) -> None:
     """Refuse an IRREVERSIBLE call that would pause beside another in the same LangGraph task.
 
@@ -162,9 +169,7 @@ def _one_pause_per_task(guard: _Guard, request: Any) -> None:
     stable (a call approved in one resume does not pause again, so its sibling takes the first value next time), so
     one call could run on another's approval. Refused before anything is asked; ``UndoLogToolNode`` pauses once for
     the whole message."""
-    name = guard.names.get(request.tool_call.get("name"))
-    spec = guard.u.registry.tools.get(name) if name is not None else None
-    if spec is None or spec.tier is not ToolTier.IRREVERSIBLE:
+    if not _gated(guard, request.tool_call.get("name")):
         return
     if _own_task(_config_of(request)):
         return  # a task of its own (create_agent's Send)
@@ -175,9 +180,7 @@ def _one_pause_per_task(guard: _Guard, request: Any) -> None:
     for m in reversed(messages or []):
         calls = getattr(m, "tool_calls", None)
         if isinstance(m, AIMessage) and calls and any(tc.get("id") == cid for tc in calls):
-            gated = [tc for tc in calls if (n := guard.names.get(tc.get("name"))) is not None
-                     and (sp := guard.u.registry.tools.get(n)) is not None and sp.tier is ToolTier.IRREVERSIBLE]
-            if len(gated) > 1:
+            if sum(_gated(guard, tc.get("name")) for tc in calls) > 1:
                 raise errors.ConfigurationError(
                     f"UndoLog refused {request.tool_call.get('name')}: UndoLogMiddleware pauses each call as its own "
                     "LangGraph task (create_agent), and this ToolNode runs several IRREVERSIBLE calls in one task, "
