@@ -260,6 +260,24 @@ class ApprovalAlreadyDecided(UndoLogError):
         self.state = state
 
 
+class SelfDecisionForbidden(UndoLogError):
+    """The decider is the principal that created the session which raised the request.
+
+    A request is decided by another person: whoever raised it may not approve, modify or reject it, whatever
+    roles its key holds. The refusal is recorded in the audit trail.
+    """
+
+    code = "self_approval_forbidden"
+
+    def __init__(self, approval_request_id: str, principal: str) -> None:
+        super().__init__(
+            f"{principal} created the session that raised approval request {approval_request_id}; "
+            "another person must decide it",
+            approval_request_id=approval_request_id,
+            principal=principal,
+        )
+
+
 class OutcomeUnknown(UndoLogError):
     """An approved IRREVERSIBLE call crashed mid-run and no probe could tell whether it happened."""
 

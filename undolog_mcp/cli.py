@@ -97,8 +97,14 @@ def serve(
 
 
 def _agent_keys(undolog: object) -> Callable[[str], str | None]:
-    """Bearer tokens checked against the desk's API keys: a key with the agent role acts as an MCP client."""
+    """Bearer tokens checked against the desk's API keys: a key with the agent role acts as an MCP client.
+
+    The principal returned (and recorded as the session's owner) is the desk's principal reference ``key:<id>``,
+    the one form the desk's checks compare: a key holding the approver role too may then not decide what it
+    raised through the gateway.
+    """
     try:
+        from undolog_server.identity import Role
         from undolog_server.storage import ServerStore
     except ImportError:
         _fail("--http uses the desk's API keys: pip install 'undolog[server]'")
@@ -107,9 +113,9 @@ def _agent_keys(undolog: object) -> Callable[[str], str | None]:
 
     def authenticate(token: str) -> str | None:
         key = store.authenticate(token)
-        if key is None or "agent" not in key.roles:
+        if key is None or not key.has(Role.AGENT):
             return None
-        return str(key.identity)
+        return key.principal_ref
 
     return authenticate
 
