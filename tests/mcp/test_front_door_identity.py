@@ -10,11 +10,13 @@ approved its own request (200) and the call ran.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -50,15 +52,64 @@ def _cli(db: Any, *args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120)
 
 
-async def _raise(url: str, token: str, project: str) -> types.CallToolResult:
+@contextlib.asynccontextmanager
+async def _client(url: str, token: str) -> AsyncIterator[ClientSession]:
     async with streamablehttp_client(url, headers={"Authorization": f"Bearer {token}"}) as (r, w, _):
         async with ClientSession(r, w, client_info=types.Implementation(name="remote", version="1")) as client:
             await client.initialize()
-            return await client.call_tool("delete_project", {"name": project})
+            yield client
 
 
 def _refusals(desk: Any, rid: str) -> list[Any]:
     return [e for e in desk.undolog.approvals.events(rid) if e.action == "refused"]
+
+
+async def _decide_own(desk: Any, db: Any, client: ClientSession, key: Any, token: str, roles: frozenset[str],
+                     project: str) -> None:
+    """The key raises a request through its MCP session, fails to decide it at every door, then another
+    approver approves it and the same MCP session's re-ask runs it."""
+    first = await client.call_tool("delete_project", {"name": project})
+    assert not first.isError and "approv" in text(first).lower(), text(first)
+    (req,) = [r for r in desk.undolog.approvals.pending() if r.proposed_args == {"name": project}]
+    rid = req.approval_request_id
+    session = desk.undolog.sessions.get(req.session_id)
+    assert session.created_by == principal_ref(key.key_id) == key.principal_ref
+
+    api = httpx.Client(base_url=desk.url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    decider = bool(roles & {"approver", "admin"})
+    want = "self_approval_forbidden" if decider else "role_forbidden"
+    problem(api.post(f"/v1/approvals/{rid}:approve", json={}), 403, want)
+    problem(api.post(f"/v1/approvals/{rid}:modify", json={"args": {"name": "x"}}), 403, want)
+    problem(api.post(f"/v1/approvals/{rid}:reject", json={"reason": "mine"}), 403, want)
+
+    ui = httpx.Client(base_url=desk.url, follow_redirects=False, timeout=30)
+    page = ui.get("/ui/login")
+    login = ui.post("/ui/login", data={"api_key": token, "csrf_token": _csrf(page.text)})
+    if decider:
+        assert login.status_code == 303, login.text
+        form = _csrf(ui.get(f"/ui/approvals/{rid}").text)
+        for action in ("approve", "modify", "reject"):
+            data = {"csrf_token": form, "reason": "mine", "args": '{"name": "x"}'}
+            assert ui.post(f"/ui/approvals/{rid}/{action}", data=data).status_code == 403
+    else:
+        assert login.status_code == 403  # an agent-only key does not log in to the desk at all
+
+    cli = _cli(db, "approvals", "approve", rid, "--as", key.principal_ref)
+    assert cli.returncode != 0 and "another person must decide it" in cli.stderr, cli.stdout + cli.stderr
+
+    assert desk.undolog.approvals.get(rid).state.value == "pending"
+    refused = _refusals(desk, rid)
+    # REST x3 and dashboard x3 for a key that may decide at all; the CLI's for every key.
+    assert len(refused) == (7 if decider else 1), [(e.actor, e.payload) for e in refused]
+    assert {e.payload["principal"] for e in refused} == {key.principal_ref}
+    assert {e.payload["attempted"] for e in refused} == {"approve", "modify", "reject"} if decider \
+        else {"approve"}
+    api.close()
+    ui.close()
+
+    assert desk.client("other").post(f"/v1/approvals/{rid}:approve", json={}).status_code == 200
+    second = await client.call_tool("delete_project", {"name": project})
+    assert not second.isError and "deleted" in text(second), text(second)
 
 
 @pytest.mark.parametrize("with_groups", [False, True], ids=["no-groups", "approver-groups"])
@@ -75,48 +126,8 @@ async def test_no_key_decides_what_it_raised_through_the_gateway(db: Any, tmp_pa
                 name = "k" + "-".join(sorted(roles))
                 key, token = desk.add_key(name, sorted(roles), groups)
                 project = f"p{n}"
-                first = await _raise(url, token, project)
-                assert not first.isError and "approv" in text(first).lower(), text(first)
-                (req,) = [r for r in desk.undolog.approvals.pending() if r.proposed_args == {"name": project}]
-                rid = req.approval_request_id
-                session = desk.undolog.sessions.get(req.session_id)
-                assert session.created_by == principal_ref(key.key_id) == key.principal_ref
-
-                api = httpx.Client(base_url=desk.url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
-                decider = bool(roles & {"approver", "admin"})
-                want = "self_approval_forbidden" if decider else "role_forbidden"
-                problem(api.post(f"/v1/approvals/{rid}:approve", json={}), 403, want)
-                problem(api.post(f"/v1/approvals/{rid}:modify", json={"args": {"name": "x"}}), 403, want)
-                problem(api.post(f"/v1/approvals/{rid}:reject", json={"reason": "mine"}), 403, want)
-
-                ui = httpx.Client(base_url=desk.url, follow_redirects=False, timeout=30)
-                page = ui.get("/ui/login")
-                login = ui.post("/ui/login", data={"api_key": token, "csrf_token": _csrf(page.text)})
-                if decider:
-                    assert login.status_code == 303, login.text
-                    form = _csrf(ui.get(f"/ui/approvals/{rid}").text)
-                    for action in ("approve", "modify", "reject"):
-                        data = {"csrf_token": form, "reason": "mine", "args": '{"name": "x"}'}
-                        assert ui.post(f"/ui/approvals/{rid}/{action}", data=data).status_code == 403
-                else:
-                    assert login.status_code == 403  # an agent-only key does not log in to the desk at all
-
-                cli = _cli(db, "approvals", "approve", rid, "--as", key.principal_ref)
-                assert cli.returncode != 0 and "another person must decide it" in cli.stderr, cli.stdout + cli.stderr
-
-                assert desk.undolog.approvals.get(rid).state.value == "pending"
-                refused = _refusals(desk, rid)
-                # REST x3 and dashboard x3 for a key that may decide at all; the CLI's for every key.
-                assert len(refused) == (7 if decider else 1), [(e.actor, e.payload) for e in refused]
-                assert {e.payload["principal"] for e in refused} == {key.principal_ref}
-                assert {e.payload["attempted"] for e in refused} == {"approve", "modify", "reject"} if decider \
-                    else {"approve"}
-                api.close()
-                ui.close()
-
-                assert desk.client("other").post(f"/v1/approvals/{rid}:approve", json={}).status_code == 200
-                second = await _raise(url, token, project)
-                assert not second.isError and "deleted" in text(second), text(second)
+                async with _client(url, token) as client:
+                    await _decide_own(desk, db, client, key, token, roles, project)
         assert desk.undolog.verify_audit().ok
         ran = [c for c in world(tmp_path)["calls"] if c["tool"] == "delete_project"]
         assert len(ran) == len(AGENT_COMBOS)
