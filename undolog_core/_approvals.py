@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 from . import _observe as obs
 from ._tools import build_args_model, canonical_json, check_json_schema, sha256_hex
-from .errors import ApprovalAlreadyDecided, ApprovalNotFound, ArgumentsInvalid, SelfDecisionForbidden, UndoLogError
+from .errors import (
+    ApprovalAlreadyDecided,
+    ApprovalNotFound,
+    ArgumentsInvalid,
+    SelfDecisionForbidden,
+    UndoLogError,
+)
 from .limits import check_identity, clean_text, encodes, input_problem
 from .storage.approvals import EXPIRE_BATCH
 from .storage.base import utcnow

@@ -431,7 +431,6 @@ class Gateway:
         """
         import uvicorn
         from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
-
         from mcp.server.transport_security import TransportSecuritySettings
 
         door = door or FrontDoor.loopback()

@@ -27,8 +27,8 @@ from undolog_core import errors, limits
 from .api import approval_detail, rollback_out, session_detail
 from .auth import server_state
 from .guard import body_problem
-from .state import ServerState
 from .identity import ApiKey, key_id_of, owns
+from .state import ServerState
 from .storage import utcnow
 from .views import groups_for, may_see
 
