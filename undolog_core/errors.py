@@ -316,6 +316,18 @@ class InvalidEffectState(UndoLogError):
     code = "invalid_effect_state"
 
 
+class CallRunning(InvalidEffectState):
+    """The call asked for is running right now (here or in another live process): ask again later.
+
+    Not a failure of the call: a caller that re-asks an approved call while another ask of it runs gets this, and
+    the call still runs once. Its code stays ``invalid_effect_state`` for callers that matched on it.
+    """
+
+    def __init__(self, message: str, *, effect_id: str) -> None:
+        super().__init__(message, effect_id=effect_id)
+        self.effect_id = effect_id
+
+
 class CompensationNotFound(UndoLogError):
     code = "compensation_not_found"
 

@@ -32,13 +32,23 @@ from undolog_core import (
     ToolTier,
     UndoLog,
 )
-from undolog_core.errors import ConfigurationError, UndoLogError
+from undolog_core.errors import CallRunning, ConfigurationError, UndoLogError
 
 from .config import Approval, CompensationTemplate, GatewayConfig, ToolConfig, UpstreamConfig
 from .elicit import elicit_decision
 from .front_door import FrontDoor, SessionBook, live_sessions
 from .results import META_KEY as META_KEY  # re-exported: it was defined here
-from .results import awaiting_result, call_key, error_result, replayed, structured, text_of, unknown_result
+from .results import (
+    awaiting_result,
+    call_key,
+    canonical_arguments,
+    error_result,
+    replayed,
+    running_result,
+    structured,
+    text_of,
+    unknown_result,
+)
 from .upstream import PORTAL, Connections, OutcomeUnknown, Upstream, UpstreamRefused, first_cause
 
 log = logging.getLogger("undolog.mcp")
@@ -343,10 +353,14 @@ class Gateway:
                 session_id = await self._session_id()
             except UndoLogError as exc:
                 return error_result(exc.message, code=exc.code)
-            call_id = call_key(name, arguments) if ex.config.tier is ToolTier.IRREVERSIBLE else None
+            # Keyed by the arguments as the core stores them: {"amount": 5} then {"amount": 5.0} is one request.
+            call_id = (call_key(name, canonical_arguments(ex.spec, arguments))
+                       if ex.config.tier is ToolTier.IRREVERSIBLE else None)
             driver = self.undolog.driver
             try:
                 d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+            except CallRunning as exc:
+                return running_result(name, exc.message)
             except UndoLogError as exc:
                 return error_result(exc.message, code=exc.code)
         if isinstance(d, Completed):
