@@ -49,6 +49,7 @@ from .results import (
     text_of,
     unknown_result,
 )
+from .stdio_limits import MAX_LINE_BYTES
 from .upstream import PORTAL, Connections, OutcomeUnknown, Upstream, UpstreamRefused, first_cause
 
 log = logging.getLogger("undolog.mcp")
@@ -450,6 +451,7 @@ class Gateway:
         door = door or FrontDoor.loopback()
         manager = StreamableHTTPSessionManager(
             app=self.server, stateless=False, session_idle_timeout=door.idle_seconds, max_sessions=door.max_sessions,
+            max_request_body_size=MAX_LINE_BYTES,  # the same bound as a stdio line (413 past it)
             security_settings=TransportSecuritySettings(allowed_hosts=list(door.allowed_hosts),
                                                         allowed_origins=list(door.allowed_origins)))
         # MCP session id -> the principal whose request opened it. The SDK accepts any request naming a live
