@@ -50,7 +50,12 @@ class UndoLogMiddleware(AgentMiddleware):
     Args:
         undolog: the ``UndoLog`` instance.
         tools: the agent's tools, to check tiers at construction.
-        tiers / compensations / agent_id / on_failure / session_id / approver: as for :class:`UndoLogToolNode`.
+        tiers: as for :class:`UndoLogToolNode`.
+        compensations: as for :class:`UndoLogToolNode`.
+        agent_id: as for :class:`UndoLogToolNode`.
+        on_failure: as for :class:`UndoLogToolNode`.
+        session_id: as for :class:`UndoLogToolNode`.
+        approver: as for :class:`UndoLogToolNode`.
 
     Example:
         >>> agent = create_agent(model, [search, send_refund_email, delete_user_account],
