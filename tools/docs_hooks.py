@@ -6,6 +6,7 @@ A page asks for a generated part with a marker line, ``<!-- generate: NAME -->``
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -73,8 +74,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
 
 def on_files(files: Any, config: Any) -> Any:
     """Publish ``benchmarks/README.md`` as the page ``benchmarks.md``, so the performance page links into it."""
-    src = ROOT / "benchmarks" / "README.md"
-    files.append(
-        File.generated(config, "benchmarks.md", content=src.read_text())
-    )
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    # Its links into benchmarks/results/ point at files of the repository, not pages of the site.
+    text = re.sub(r"\[([^\]]+)\]\((results/[^)]*)\)", r"`benchmarks/\2` in the repository", text)
+    files.append(File.generated(config, "benchmarks.md", content=text))
     return files
