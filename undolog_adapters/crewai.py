@@ -187,7 +187,8 @@ class KickoffResult:
     @property
     def pending_approvals(self) -> list[Any]:
         """The session's approval requests still pending, read from the store when first asked for: a kickoff
-        whose result nobody asks about costs no read (two statements, a few per cent of a short kickoff)."""
+        whose result nobody asks about costs no read (two statements, a few per cent of a short kickoff).
+        """
         if self._pending is None:
             self._pending = (self._undolog.approvals.pending(session_id=self.session_id)
                              if self._undolog is not None else [])
@@ -228,7 +229,8 @@ class UndoLogTool(BaseTool):
 def _is_wrapped(tool: Any) -> bool:
     """Whether the tool a hook sees is an UndoLog tool: CrewAI hands hooks the ``CrewStructuredTool`` it made from
     the ``BaseTool`` (``_original_tool``). None (a CrewAI path that gives no tool object) cannot be told apart: the
-    name check stands alone, as before."""
+    name check stands alone, as before.
+    """
     if tool is None:
         return True
     return isinstance(tool, UndoLogTool) or isinstance(getattr(tool, "_original_tool", None), UndoLogTool)
@@ -280,7 +282,8 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
     def _refresh_gate(self) -> None:
         """The names the gate lets through, built when the list is made or changed, not per call (CrewAI's name
         sanitising is a few regex passes per tool): UndoLog's own tools and ``allow_unwrapped``. A plain CrewAI tool
-        put into the list is not among them: it has no tier, so it is refused like any other unwrapped tool."""
+        put into the list is not among them: it has no tier, so it is refused like any other unwrapped tool.
+        """
         self._gated = frozenset({_sanitize(t.name) for t in self if isinstance(t, UndoLogTool)} | self.allow_unwrapped)
 
     # The list's changes keep the gate's names in step (a tool appended after wrap_tools is gated like the others).
@@ -350,7 +353,8 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
         them), nothing written; not even read when ``minted`` here. A session the store does not have is written by
         its first logged call (``_call``), or by the flush of its SAFE calls' count, so a kickoff of SAFE calls writes
         nothing, as in the other adapters; writing it at the kickoff's start was an insert and an fsync per session
-        (per kickoff, by default), several times what UndoLog adds to the calls of a SAFE kickoff."""
+        (per kickoff, by default), several times what UndoLog adds to the calls of a SAFE kickoff.
+        """
         with self._lock:
             if sid in self._ensured:
                 return
@@ -397,6 +401,7 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
             inputs: passed to ``crew.kickoff``.
             session_id: resume this session (e.g. after an approval); default: the toolset's
                 ``session_id=`` or a new one.
+            **kwargs: passed on to ``crew.kickoff``.
 
         Returns:
             A :class:`KickoffResult` with the output, the session id and the approvals still pending.

@@ -125,7 +125,8 @@ _KEEP = 4096
 @dataclass(frozen=True)
 class _Known:
     """What a filter learnt once of a kernel function: its UndoLog name and the parameters the model sends (its tier
-    is read from the registry on each call: a tool registered again under another tier is routed by that)."""
+    is read from the registry on each call: a tool registered again under another tier is routed by that).
+    """
 
     function: KernelFunction  # held so that the id it is kept under is not reused by another object
     name: str
@@ -317,7 +318,8 @@ class UndoLogFilter:
 
     def _learn(self, function: KernelFunction) -> _Known:
         """The function's name, tier and model parameters, computed once (SK computes its name on each access);
-        the filters look them up by the function's id first."""
+        the filters look them up by the function's id first.
+        """
         self.classify(function)
         known = _Known(function, function.fully_qualified_name, frozenset(p.name for p in _model_params(function)))
         if len(self._known) >= _KEEP:
@@ -328,7 +330,8 @@ class UndoLogFilter:
     async def _cache(self, sid: str) -> SessionCache:
         """The session as this process knows it. The first sight reads it (its state and pins, so a session resumed
         here keeps them; nothing is written); a session the store does not have is written by its first
-        COMPENSABLE or IRREVERSIBLE call (see _intercept), so a conversation of SAFE calls writes nothing."""
+        COMPENSABLE or IRREVERSIBLE call (see _intercept), so a conversation of SAFE calls writes nothing.
+        """
         sc = self._seen.get(sid)
         if sc is not None:
             return sc
@@ -367,7 +370,8 @@ class UndoLogFilter:
 
     def _unchanged(self, known: _Known, arguments: KernelArguments, handover: _Handover) -> bool:
         """Whether the call about to run is the call let through: the same value objects under the same model
-        parameters (no conversion: the common case), else equal once converted to JSON."""
+        parameters (no conversion: the common case), else equal once converted to JSON.
+        """
         let_through = handover.decision.args
         for k, v in let_through.items():
             if arguments.get(k, _MISSING) is not v:
@@ -527,7 +531,8 @@ class UndoLogFilter:
 
     async def function_invocation(self, context: FunctionInvocationContext, next: Any) -> None:
         """FUNCTION_INVOCATION filter: runs the tool; decides a SAFE call; the gate of any other under a plain
-        ``kernel.invoke``."""
+        ``kernel.invoke``.
+        """
         arguments = context.arguments
         routed = self._safe_calls.pop(id(arguments), None) if self._safe_calls else None
         if routed is not None and type(next) is MethodType and next.__self__ is routed[1].function:
@@ -616,7 +621,8 @@ class UndoLogFilter:
 
     def _check_innermost(self, filters: list[tuple[int, Any]], name: str) -> None:
         """Refuse the call when another FUNCTION_INVOCATION filter (``kernel.function_invocation_filters``, the
-        innermost first) runs inside UndoLog's: it could change the call after the check."""
+        innermost first) runs inside UndoLog's: it could change the call after the check.
+        """
         if not self._is_inner(filters[0][1]):
             raise errors.ConfigurationError(
                 f"UndoLog refused {name}: another FUNCTION_INVOCATION filter runs inside UndoLog's and could change "
@@ -625,7 +631,8 @@ class UndoLogFilter:
 
     async def _gate_plain(self, context: FunctionInvocationContext, next: Any, known: _Known, spec: ToolSpec) -> None:
         """A COMPENSABLE/IRREVERSIBLE call (or a SAFE one with a retry policy) under a plain ``kernel.invoke``: this
-        filter is its gate."""
+        filter is its gate.
+        """
         sid, decision, _ = await self._intercept(known, spec, context.arguments, None)
         if isinstance(decision, AwaitingApproval):
             raise ApprovalPending(decision.effect_id, decision.approval_request_id, decision.retry_after, known.name)
@@ -651,7 +658,8 @@ class UndoLogFilter:
     def _failed(self, context: FunctionInvocationContext, decision: Execute, sid: str, outcome: Outcome,
                 handover: _Handover | None) -> NoReturn:
         """The function raised: its own exception goes on, annotated with the rollback's outcome (and, under auto
-        calling, what the model should read, on ``handover``)."""
+        calling, what the model should read, on ``handover``).
+        """
         exc = outcome.error
         assert exc is not None
         if decision.effect_id is None or not isinstance(exc, Exception):
@@ -667,12 +675,14 @@ class UndoLogFilter:
 
     def _spec(self, name: str) -> ToolSpec:
         """The tool's contract as registered now (a tool registered again is a new ToolSpec); the driver's look-up
-        for a name the registry lacks, which raises ``ToolNotRegistered``."""
+        for a name the registry lacks, which raises ``ToolNotRegistered``.
+        """
         return self._tools.get(name) or self.undolog.driver.spec(name)
 
     def _check_paired(self, filters: list[tuple[int, Any]]) -> None:
         """Refuse a kernel whose FUNCTION_INVOCATION filters (``kernel.function_invocation_filters``) lack the inner
-        half."""
+        half.
+        """
         if not any(self._is_inner(f) for _, f in filters):
             # Without the inner filter a SAFE call would run unchecked, and a tool exception would look like a
             # result and never be undone.

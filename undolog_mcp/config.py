@@ -82,7 +82,8 @@ class CompensationTemplate:
 
     def fields(self) -> list[tuple[str, str, str]]:
         """Each ``{args.NAME...}`` and ``{result.NAME...}`` placeholder as (source, NAME, placeholder): what the
-        tool must take or answer for the compensation to be built."""
+        tool must take or answer for the compensation to be built.
+        """
         out = []
         for ph in _placeholders(self.args):
             parts = ph.split(".")

@@ -123,7 +123,8 @@ def plan_exposure(config: GatewayConfig, listed: Mapping[str, list[types.Tool]])
 def _check_template(up: str, tool: types.Tool, template: CompensationTemplate) -> None:
     """A compensation's placeholders against what the tool takes (its input schema's properties) and answers
     (its output schema's, when it lists one): a typo found here, not at rollback, where the compensation could
-    not be built and the session would halt."""
+    not be built and the session would halt.
+    """
     shapes = {"args": tool.inputSchema or {}, "result": tool.outputSchema or {}}
     for source, name, placeholder in template.fields():
         props = shapes[source].get("properties")
@@ -144,7 +145,8 @@ def _guarded(ex: ExposedTool) -> contextlib.AbstractContextManager[Any]:
     client's cancel (``notifications/cancelled``) or its going away must not stop the gateway: the pre-write done,
     the call sent, the upstream does it anyway, and the gateway must record what it answered rather than leave
     the call in flight while the session goes on. The upstream's ``timeout`` bounds how long that takes. A SAFE
-    call logs nothing: cancelling it leaves nothing behind."""
+    call logs nothing: cancelling it leaves nothing behind.
+    """
     if ex.config.tier is ToolTier.SAFE:
         return contextlib.nullcontext()
     return anyio.CancelScope(shield=True)
@@ -176,7 +178,8 @@ class Gateway:
     def register(self, listed: Mapping[str, list[types.Tool]]) -> Exposure:
         """Register every classified tool of the upstreams' listings with the UndoLog, with its compensation and
         probe. The contract holds the upstream's schema and annotations, the upstream and the compensation's
-        template: an upstream that changes a tool makes a new revision, which cancels approvals bound to the old."""
+        template: an upstream that changes a tool makes a new revision, which cancels approvals bound to the old.
+        """
         exposure = plan_exposure(self.config, listed)
         for ex in exposure.tools.values():
             cfg, tool = ex.config, ex.listed
@@ -214,7 +217,8 @@ class Gateway:
         """An upstream started again (after a crash, or for a call after it exited), or one that said its tools
         changed, lists its tools anew: when a classified tool changed (an upgrade, ``npx pkg@latest``, a plugin
         loaded), it is registered as a new revision at once, which cancels approvals bound to the old contract; a
-        call decided against the old one is not sent (see call)."""
+        call decided against the old one is not sent (see call).
+        """
         before = self._listed.get(config.name)
         if before is None or _listing(before) == _listing(up.tools):
             return
@@ -229,7 +233,8 @@ class Gateway:
 
     def _upstream_call(self, upstream: str) -> Callable[..., Awaitable[types.CallToolResult]]:
         """A coroutine function calling one tool of ``upstream``: over the gateway's live session when this runs
-        on the gateway's own loop, else over a connection opened for it (the CLI, the desk, recovery)."""
+        on the gateway's own loop, else over a connection opened for it (the CLI, the desk, recovery).
+        """
         cfg = self.config.upstreams[upstream]
 
         async def call(name: str, args: Mapping[str, Any], key: str | None,
@@ -257,7 +262,8 @@ class Gateway:
 
     def _prober(self, cfg: ToolConfig) -> Any:
         """Recovery's question to the upstream: did this call happen? The probe tool gets the call's arguments and
-        idempotency key, and answers ``{"happened": bool, "result": ...}`` in its structured content."""
+        idempotency key, and answers ``{"happened": bool, "result": ...}`` in its structured content.
+        """
         probe_tool = cfg.probe
         assert probe_tool is not None
         call = self._upstream_call(cfg.upstream)
@@ -430,7 +436,8 @@ class Gateway:
 
     async def serve_stdio(self) -> None:
         """Serve one MCP client over stdin/stdout until it disconnects (on the loop itself when they are pipes:
-        see ``stdio.py``)."""
+        see ``stdio.py``).
+        """
         from .stdio import stdio_transport
 
         async with self.running(), stdio_transport() as (read, write):

@@ -220,6 +220,14 @@ def test_generated_reference_is_on_the_built_pages(site: Path) -> None:
     assert 'id="undolog_core.UndoLog"' in api and 'id="undolog_core.undolog_tool"' in api
 
 
+def test_every_error_code_says_what_it_means_and_how_to_fix_it() -> None:
+    from tools.docs_reference import _meaning_and_fix, error_classes
+
+    for cls in error_classes():
+        meaning, fix = _meaning_and_fix(cls)
+        assert meaning and fix, f"{cls.__name__}: its docstring needs a meaning and a 'Fix:' section (docs/reference/errors.md)"
+
+
 def test_every_environment_variable_is_on_the_configuration_page() -> None:
     from tools.docs_reference import environment_variables
 

@@ -206,12 +206,14 @@ _HOOK_SIGNATURE = _with_self.replace(parameters=list(_with_self.parameters.value
 
 
 def _plain_hook(method: Callable[[Any, Callable[[Any], Any]], Any]) -> Callable[[Any, Callable[[Any], Any]], Any]:
-    """The bound hook ``method`` as a plain callable of ``(request, handler)`` carrying its signature: what LangSmith's
-    ``traceable`` reads on every call without rebuilding it.
+    """The bound hook ``method`` as a plain callable of ``(request, handler)`` carrying its signature.
+
+    The signature is what LangSmith's ``traceable`` reads on every call without rebuilding it.
 
     A ``functools.partial`` of the method's function on its instance: called from C, it adds no Python frame of its
     own (a wrapper function did: one frame more on each of a step's three hook calls, where each frame's code is
-    cold). ``inspect`` sees it as a coroutine function when the method is one, and reads the signature set here."""
+    cold). ``inspect`` sees it as a coroutine function when the method is one, and reads the signature set here.
+    """
     hook: Any = functools.partial(method.__func__, method.__self__)  # type: ignore[attr-defined]
     hook.__name__, hook.__qualname__, hook.__doc__ = method.__name__, method.__qualname__, method.__doc__
     hook.__signature__ = _HOOK_SIGNATURE

@@ -63,7 +63,12 @@ class InjectedStop(BaseException):  # noqa: N818 - it is not an error: it is the
 
 
 class ScenarioError(UndoLogError):
-    """The scenario cannot be checked (it changes between runs, or a snapshot is not JSON-able)."""
+    """The scenario cannot be checked (it changes between runs, or a snapshot is not JSON-able).
+
+    Fix:
+        Make the scenario call the same COMPENSABLE tools in the same order on every run (use ``run.id`` in its
+        session ids), and make ``snapshot()`` return JSON-able data; the message names the step or the function.
+    """
 
     code = "undo_check_scenario"
 
