@@ -32,13 +32,12 @@ def _cell(text: str) -> str:
 
 
 def _commands(group: Any, prefix: list[str]) -> Iterator[tuple[list[str], Any]]:
-    import click
-
     for name in sorted(group.commands):
         cmd = group.commands[name]
         if getattr(cmd, "hidden", False):
             continue
-        if isinstance(cmd, click.Group):
+        # A group of commands by what it has, not by class: Typer builds its groups on its own copy of click's.
+        if hasattr(cmd, "commands"):
             yield from _commands(cmd, [*prefix, name])
         else:
             yield [*prefix, name], cmd
@@ -54,19 +53,18 @@ def cli_markdown() -> str:
         >>> "undolog approvals approve" in cli_markdown()
         True
     """
-    import click
     import typer
 
     from undolog_core.cli import app
 
     root = typer.main.get_command(app)
-    ctx = click.Context(root, info_name="undolog")
+    ctx = root.context_class(root, info_name="undolog")
     out: list[str] = []
     out.append("## Global options\n")
     out.append(_params_table(root.params))
     for path, cmd in _commands(root, []):  # type: ignore[arg-type]
         full = " ".join(["undolog", *path])
-        sub = click.Context(cmd, info_name=full, parent=ctx)
+        sub = cmd.context_class(cmd, info_name=full, parent=ctx)
         usage = " ".join(cmd.collect_usage_pieces(sub))
         out.append(f"## `{full}`\n")
         out.append(f"```text\n{full} {usage}\n```\n")
@@ -80,20 +78,19 @@ def cli_markdown() -> str:
 
 
 def _params_table(params: list[Any]) -> str:
-    import click
-
     rows = []
     for p in params:
         if getattr(p, "hidden", False) or p.name == "help":
             continue
-        if isinstance(p, click.Argument):
-            name = f"`{p.human_readable_name}`"
+        if p.param_type_name == "argument":
+            name = f"`{p.name.upper()}`"
             kind = "argument"
         else:
             name = ", ".join(f"`{o}`" for o in [*p.opts, *p.secondary_opts])
             kind = "option"
         env = p.envvar if isinstance(p.envvar, str) else ", ".join(p.envvar or [])
-        default = "" if p.default in (None, (), False) or callable(p.default) else f"`{p.default}`"
+        value = getattr(p.default, "value", p.default)  # an enum's default shows as the value typed on the line
+        default = "" if value in (None, (), False) or callable(value) else f"`{value}`"
         help_text = getattr(p, "help", None) or ""
         rows.append(f"| {name} | {kind} | {_cell(help_text)} | {f'`{env}`' if env else ''} | {default} |")
     if not rows:
@@ -180,7 +177,8 @@ def error_classes() -> list[type]:
         if cls not in seen:
             seen.append(cls)
             todo.extend(sorted(cls.__subclasses__(), key=lambda c: c.__name__))
-    return [c for c in seen if c.__module__.startswith("undolog_")]
+    # Private classes (a leading underscore) are internal signals, caught before they reach a caller.
+    return [c for c in seen if c.__module__.startswith("undolog_") and not c.__name__.startswith("_")]
 
 
 def _meaning_and_fix(cls: type) -> tuple[str, str]:

@@ -14,8 +14,6 @@ Any other block (a non-tutorial shell block, output, JSON, TOML) must carry one 
 
 from __future__ import annotations
 
-import ast
-import inspect
 import json
 import os
 import re
@@ -50,7 +48,7 @@ class Block:
 
 
 def blocks(page: str) -> list[Block]:
-    text = (DOCS / page).read_text()
+    text = (ROOT / page if page == "README.md" else DOCS / page).read_text()
     out = []
     for m in _FENCE.finditer(text):
         before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
@@ -64,7 +62,7 @@ def blocks(page: str) -> list[Block]:
 # --- every block runs or says why ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("page", [*PAGES, "README.md"])
 def test_every_block_runs_or_says_why(page: str) -> None:
     for b in blocks(page):
         where = f"{page}:{b.line} ({b.lang or 'no language'})"
@@ -123,29 +121,51 @@ def test_tutorial_followed_literally(page: str, tmp_path: Path) -> None:
         assert '"decided_by":"ana (key ' in out.stdout
 
 
-PYTHON_PAGES = [p for p in PAGES if p not in TUTORIALS and any(b.lang == "python" and not b.marker for b in blocks(p))]
+PYTHON_PAGES = [p for p in [*PAGES, "README.md"] if p not in TUTORIALS and any(b.lang == "python" and not b.marker for b in blocks(p))]
+
+
+#: Runs a page's blocks in a process of its own (a block may call ``asyncio.run`` or set process-wide state, as a
+#: reader's script would): each block compiled with top-level ``await`` allowed, in one namespace, in order.
+_RUNNER = """
+import ast, asyncio, inspect, json, sys
+ns = {"__name__": "__main__"}
+for name, code in json.load(open(sys.argv[1])):
+    result = eval(compile(code, name, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT), ns)
+    if inspect.iscoroutine(result):
+        asyncio.run(result)
+for value in ns.values():
+    if type(value).__name__ == "UndoLog":
+        value.close()
+"""
 
 
 @pytest.mark.parametrize("page", PYTHON_PAGES)
-async def test_python_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A page's unmarked Python blocks, in order, in one namespace, in a fresh folder."""
-    monkeypatch.chdir(tmp_path)
-    for key in [k for k in os.environ if k.startswith("UNDOLOG_")]:
-        monkeypatch.delenv(key)
-    ns: dict[str, Any] = {"__name__": f"docs_{Path(page).stem}"}
+def test_python_blocks_run(page: str, tmp_path: Path) -> None:
+    """A page's unmarked Python blocks, in order, in one namespace, in a fresh folder and process."""
+    todo = []
     for b in blocks(page):
         if b.marker or b.lang != "python":
             continue
         if b.title:
             (tmp_path / b.title).write_text(b.code)
-            continue
-        code = compile(b.code, f"docs/{page}:{b.line}", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
-        result = eval(code, ns)  # noqa: S307 - the docs' own example, run as a reader would
-        if inspect.iscoroutine(result):
-            await result
-    for value in ns.values():  # close what a page opened, so its SQLite file is let go
-        if type(value).__name__ == "UndoLog":
-            value.close()
+        else:
+            todo.append((f"{page}:{b.line}", b.code))
+    (tmp_path / "blocks.json").write_text(json.dumps(todo))
+    out = subprocess.run([sys.executable, "-c", _RUNNER, "blocks.json"], cwd=tmp_path, env=_page_env(tmp_path),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"{page}: a block failed:\n{out.stdout}\n{out.stderr}"
+
+
+def test_the_readme_is_short_and_links_into_the_site() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250, "the README is at most 250 lines: move the rest into docs/"
+    [quickstart] = [b for b in blocks("README.md") if b.lang == "python"]
+    assert len(quickstart.code.splitlines()) <= 40
+    assert "pip install -e '.[docs]' && mkdocs serve" in text and "bash .ci/run" in text
+    links = re.findall(r"\]\((docs/[^)#]+)", text)
+    assert len(links) >= len(PAGES) - 1, "the README links into every page of the site"
+    for link in links:
+        assert (ROOT / link).is_file(), f"the README links {link}, which does not exist"
 
 
 # --- the site ----------------------------------------------------------------------------------------------
