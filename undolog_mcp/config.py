@@ -65,8 +65,10 @@ class UpstreamConfig:
 
 @dataclass(frozen=True)
 class CompensationTemplate:
-    """The compensation of a COMPENSABLE tool: another tool of the same upstream, with arguments built from the
-    call's arguments (``{args.x}``), its result (``{result.x}``) and its idempotency key (``{idempotency_key}``).
+    """The compensation of a COMPENSABLE tool.
+
+    Another tool of the same upstream, with arguments built from the call's arguments (``{args.x}``), its
+    result (``{result.x}``) and its idempotency key (``{idempotency_key}``).
 
     A value that is exactly one placeholder keeps its JSON type; a placeholder inside a longer string is
     formatted into it.
@@ -81,8 +83,9 @@ class CompensationTemplate:
     args: Mapping[str, Any]
 
     def fields(self) -> list[tuple[str, str, str]]:
-        """Each ``{args.NAME...}`` and ``{result.NAME...}`` placeholder as (source, NAME, placeholder): what the
-        tool must take or answer for the compensation to be built.
+        """Each ``{args.NAME...}`` and ``{result.NAME...}`` placeholder as (source, NAME, placeholder).
+
+        What the tool must take or answer for the compensation to be built.
         """
         out = []
         for ph in _placeholders(self.args):
@@ -93,6 +96,7 @@ class CompensationTemplate:
 
     @property
     def needs_result(self) -> bool:
+        """Whether a placeholder reads the call's result (``{result.x}``)."""
         return any(p.split(".", 1)[0] == "result" for p in _placeholders(self.args))
 
     def render(self, args: Mapping[str, Any], result: Any, idempotency_key: str) -> dict[str, Any]:
@@ -107,6 +111,7 @@ class CompensationTemplate:
         return out
 
     def describe(self) -> dict[str, Any]:
+        """The template as it goes into the tool's contract: the compensation tool and its arguments."""
         return {"tool": self.tool, "args": dict(self.args)}
 
 
@@ -133,6 +138,7 @@ class GatewayConfig:
     path: Path | None = None
 
     def tools_of(self, upstream: str) -> dict[str, ToolConfig]:
+        """The classified tools of one upstream, by their upstream name."""
         return {name: cfg for (up, name), cfg in self.tools.items() if up == upstream}
 
 

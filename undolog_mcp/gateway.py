@@ -121,9 +121,10 @@ def plan_exposure(config: GatewayConfig, listed: Mapping[str, list[types.Tool]])
 
 
 def _check_template(up: str, tool: types.Tool, template: CompensationTemplate) -> None:
-    """A compensation's placeholders against what the tool takes (its input schema's properties) and answers
-    (its output schema's, when it lists one): a typo found here, not at rollback, where the compensation could
-    not be built and the session would halt.
+    """Check a compensation's placeholders against what the tool takes and answers.
+
+    What it takes is its input schema's properties; what it answers, its output schema's, when it lists one. A typo
+    is found here, not at rollback, where the compensation could not be built and the session would halt.
     """
     shapes = {"args": tool.inputSchema or {}, "result": tool.outputSchema or {}}
     for source, name, placeholder in template.fields():
@@ -141,9 +142,10 @@ def _listing(tools: list[types.Tool]) -> dict[str, Any]:
 
 
 def _guarded(ex: ExposedTool) -> contextlib.AbstractContextManager[Any]:
-    """Where a logged call (COMPENSABLE, or IRREVERSIBLE once approved) is decided, forwarded and marked, the
-    client's cancel (``notifications/cancelled``) or its going away must not stop the gateway: the pre-write done,
-    the call sent, the upstream does it anyway, and the gateway must record what it answered rather than leave
+    """Shield a logged call (COMPENSABLE, or IRREVERSIBLE once approved) from the client's cancel.
+
+    Where such a call is decided, forwarded and marked, the client's cancel (``notifications/cancelled``) or its
+    going away must not stop the gateway: the pre-write done, the call sent, the upstream does it anyway, and the gateway must record what it answered rather than leave
     the call in flight while the session goes on. The upstream's ``timeout`` bounds how long that takes. A SAFE
     call logs nothing: cancelling it leaves nothing behind.
     """
@@ -176,8 +178,9 @@ class Gateway:
     # -- registration -------------------------------------------------------------------------------
 
     def register(self, listed: Mapping[str, list[types.Tool]]) -> Exposure:
-        """Register every classified tool of the upstreams' listings with the UndoLog, with its compensation and
-        probe. The contract holds the upstream's schema and annotations, the upstream and the compensation's
+        """Register every classified tool of the upstreams' listings with the UndoLog.
+
+        Each with its compensation and probe. The contract holds the upstream's schema and annotations, the upstream and the compensation's
         template: an upstream that changes a tool makes a new revision, which cancels approvals bound to the old.
         """
         exposure = plan_exposure(self.config, listed)
@@ -214,7 +217,9 @@ class Gateway:
         return exposure
 
     async def _relisted(self, config: UpstreamConfig, up: Upstream) -> None:
-        """An upstream started again (after a crash, or for a call after it exited), or one that said its tools
+        """List an upstream's tools anew when it started again or said its tools changed.
+
+        An upstream started again (after a crash, or for a call after it exited), or one that said its tools
         changed, lists its tools anew: when a classified tool changed (an upgrade, ``npx pkg@latest``, a plugin
         loaded), it is registered as a new revision at once, which cancels approvals bound to the old contract; a
         call decided against the old one is not sent (see call).
@@ -232,8 +237,10 @@ class Gateway:
                         "are cancelled", config.name, ", ".join(changed))
 
     def _upstream_call(self, upstream: str) -> Callable[..., Awaitable[types.CallToolResult]]:
-        """A coroutine function calling one tool of ``upstream``: over the gateway's live session when this runs
-        on the gateway's own loop, else over a connection opened for it (the CLI, the desk, recovery).
+        """A coroutine function calling one tool of ``upstream``.
+
+        Over the gateway's live session when this runs on the gateway's own loop, else over a connection
+        opened for it (the CLI, the desk, recovery).
         """
         cfg = self.config.upstreams[upstream]
 
@@ -261,8 +268,10 @@ class Gateway:
         return compensate
 
     def _prober(self, cfg: ToolConfig) -> Any:
-        """Recovery's question to the upstream: did this call happen? The probe tool gets the call's arguments and
-        idempotency key, and answers ``{"happened": bool, "result": ...}`` in its structured content.
+        """Recovery's question to the upstream.
+
+        Did this call happen? The probe tool gets the call's arguments and idempotency key, and answers
+        ``{"happened": bool, "result": ...}`` in its structured content.
         """
         probe_tool = cfg.probe
         assert probe_tool is not None
@@ -435,8 +444,9 @@ class Gateway:
     # -- transports ---------------------------------------------------------------------------------
 
     async def serve_stdio(self) -> None:
-        """Serve one MCP client over stdin/stdout until it disconnects (on the loop itself when they are pipes:
-        see ``stdio.py``).
+        """Serve one MCP client over stdin/stdout until it disconnects.
+
+        On the loop itself when they are pipes: see ``stdio.py``.
         """
         from .stdio import stdio_transport
 
