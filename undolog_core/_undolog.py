@@ -213,7 +213,7 @@ class UndoLog:
         return await self.saga.rollback(session_id, actor=actor, reason="requested")
 
     def recover(self, progress: Any = None, *, sessions: Iterable[str] | None = None) -> RecoveryReport:
-        """Reconcile effects left in flight by crashed processes; see the README's guarantees.
+        """Reconcile effects left in flight by crashed processes (docs: "Recovering after a crash").
 
         ``sessions`` limits it to those sessions (everything in flight by default).
         """

@@ -222,6 +222,30 @@ def test_crash_mode_catches_a_compensation_raising_on_never_happened(undolog):
     assert not report.ok and "TypeError" in " ".join(step.errors)
 
 
+def test_the_readme_quickstart_compensation_passes_check_undo(undolog):
+    """The README quickstart's `unsend` (the compensation of `send_email`), taken from the README as written and
+    checked: restored after each step, idempotent under its undo key, tolerant of a call that never happened."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = re.search(r"## Quickstart.*?```python\n(.*?)```", text, re.S).group(1)  # type: ignore[union-attr]
+    definitions = code[: code.index("async def main")]  # the tools and the compensation, not the demo run
+    scope = {"__name__": "readme_quickstart"}
+    exec(compile(definitions, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
+    sent = scope["SENT"]
+    undolog.register(scope["send_email"], scope["unsend"])
+
+    async def scenario(ul, run):
+        async with ul.session(session_id=f"quick-{run.id}") as s:
+            await s.call(scope["send_email"], to="ana@example.com")
+            await s.call(scope["send_email"], to="bo@example.com")
+
+    report = check_undo(scenario, snapshot=lambda: sorted(sent), reset=sent.clear, undolog=undolog)
+    assert report.ok, report.explain()
+    assert [s.compensation for s in report.steps] == ["unsend", "unsend"]
+
+
 def test_the_readme_example_passes_check_undo(db, tmp_path, monkeypatch):
     """The docs' "Checking a compensation" example (docs/how-to/compensations.md), run as it is written (on
     this test's database)."""
@@ -666,6 +690,8 @@ def test_every_compensation_in_the_readme_is_checked_in_ci():
         # The support example's recall, stubbed in "Classifying a tool" and passed to every adapter in the
         # framework sections: its real body is in the examples, checked through LangGraph, CrewAI and SK.
         "cancel_refund_email": "tests/adapters/test_undo_check_frameworks.py",
+        # The README quickstart's recall of a sent email, run from the README itself.
+        "unsend": "tests/core/test_undo_check.py::test_the_readme_quickstart_compensation_passes_check_undo",
         # docs/tutorials/first-agent.md defines a recall of the same name over an in-memory outbox: tests/docs runs
         # that tutorial (its rollback empties what the session queued); it is not run under check_undo.
         # The CrewAI section's plain-function compensation of a third-party tool, run from the README.

@@ -1,6 +1,6 @@
 """``check_undo``: break a scenario after every COMPENSABLE step and check that the compensations put the world back.
 
-How it works (the README's "Check your compensations"):
+How it works (the docs' "Checking a compensation with check_undo"):
 
 1. A learning run finds the scenario's COMPENSABLE steps 1..n (an IRREVERSIBLE call ends the checked part: the
    harness stops the scenario before it).
