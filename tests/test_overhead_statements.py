@@ -38,6 +38,9 @@ from undolog_core import (
 )
 from undolog_core._engine import Execute
 
+# Counts what reaches each database (its own step in CI, on both databases).
+pytestmark = [pytest.mark.perf, pytest.mark.storage]
+
 # -- the counter -----------------------------------------------------------------------------------
 
 

@@ -431,6 +431,7 @@ def store_traffic(undolog, monkeypatch):
         event.remove(engine, "before_cursor_execute", count)
 
 
+@pytest.mark.storage
 @PATHS
 def test_a_kickoff_of_safe_calls_reads_its_new_session_once_and_writes_nothing(undolog, native, store_traffic):
     """A session's first kickoff reads it (its state and pins) and writes nothing when its calls are all SAFE; its
@@ -451,6 +452,7 @@ def test_a_kickoff_of_safe_calls_reads_its_new_session_once_and_writes_nothing(u
     assert undolog.sessions.get("ticket-safe").tool_calls_total == 3
 
 
+@pytest.mark.storage
 @PATHS
 def test_a_kickoff_of_safe_calls_in_a_session_it_mints_asks_the_store_nothing(undolog, native, store_traffic):
     """``tools.kickoff(crew)`` mints its session's id: the store cannot have it, so it is not even read. Failed

@@ -223,6 +223,7 @@ def _push_deadline_into_the_past(ul, request_id):
                      .values(timeout_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=5)))
 
 
+@pytest.mark.storage
 async def test_resume_reports_a_request_past_its_deadline_as_timed_out(ul, backend):
     kernel, _ = new_kernel(ul)
     chat, history, _ = await chat_turns(kernel, [[DELETE_U1]])

@@ -33,10 +33,13 @@ from semantic_kernel.functions import kernel_function
 
 from examples.semantic_kernel_support.llm import ScriptedChat, auto_settings, call
 from examples.support_agent.model import ScriptedChatModel
-from tests.lg_hooks import AfterModel
+from tests.support.lg_hooks import AfterModel
 from undolog_adapters.langgraph import UndoLogMiddleware, _call, _tools
 from undolog_adapters.semantic_kernel import install, undolog_session
 from undolog_core import CompensationDescriptor, ToolTier, compensation, errors, undolog_tool
+
+# The adapters' fast paths (its own step in CI with the other perf tests).
+pytestmark = pytest.mark.perf
 
 ROOT = Path(__file__).resolve().parents[2]
 BOOKED: list[str] = []
@@ -375,6 +378,7 @@ def test_hooks_langchain_wraps_are_plain_functions_and_a_subclass_keeps_its_own(
     assert [m for m in out["messages"] if isinstance(m, ToolMessage)][-1].content == "fri is free"
 
 
+@pytest.mark.storage
 def test_a_safe_turn_checks_the_session_without_a_statement_and_writes_nothing(
     db: Any, undolog: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

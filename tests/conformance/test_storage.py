@@ -216,7 +216,7 @@ def test_default_url_from_environment(monkeypatch, tmp_path):
 
 
 def test_a_compensable_effect_is_never_stored_without_its_undo_entry(undolog):
-    from tests.core.toolkit import setup
+    from tests.support.toolkit import setup
 
     _world, tools = setup(undolog)
     s = undolog.session(agent_id="pairs")
@@ -286,7 +286,7 @@ def _awaiting(u: UndoLog, session_id: str, user: str = "u1", call_id: str | None
 
 
 def _world(u: UndoLog) -> None:
-    from tests.core.toolkit import setup
+    from tests.support.toolkit import setup
 
     setup(u)
 

@@ -7,7 +7,7 @@ import sqlalchemy as sa
 
 from undolog_core import ApprovalPending
 
-from .toolkit import setup
+from ..support.toolkit import setup
 
 
 async def _some_events(u):

@@ -25,7 +25,7 @@ from undolog_core.cli import app
 from undolog_core.storage import schema as t
 from undolog_core.storage.audit import GENESIS_HASH, event_hash
 
-from .toolkit import setup
+from ..support.toolkit import setup
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()

@@ -21,7 +21,7 @@ from undolog_core import (
 )
 from undolog_core.storage import schema as t
 
-from .toolkit import World, setup
+from ..support.toolkit import World, setup
 
 
 def rows(undolog: Any, table: Any, **where: Any) -> list[Any]:

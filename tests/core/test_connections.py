@@ -39,7 +39,7 @@ import sqlalchemy as sa
 from undolog_core import UndoLog, errors
 from undolog_core.storage import schema as t
 
-from .toolkit import World, setup
+from ..support.toolkit import World, setup
 
 PG_URL = os.environ.get("UNDOLOG_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 

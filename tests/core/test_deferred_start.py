@@ -13,7 +13,7 @@ import pytest
 
 from undolog_core import ApprovalPending, SessionState, errors
 
-from .toolkit import setup
+from ..support.toolkit import setup
 
 
 def _in_store(db: Any, session_id: str) -> bool:

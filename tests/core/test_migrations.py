@@ -14,7 +14,10 @@ from undolog_core.storage import migrate as _migrate
 from undolog_core.storage import schema as t
 from undolog_core.storage.base import _MIGRATION_LOCK_KEY, Store
 
-from .toolkit import setup
+from ..support.toolkit import setup
+
+# Every open runs the real migrations: these tests are about them, so no copy of the session's template.
+pytestmark = pytest.mark.real_migrations
 
 T0 = dt.datetime(2026, 11, 1, 9, 0, tzinfo=dt.UTC)
 SERVER_TABLES = {"undolog_api_keys", "undolog_approver_groups", "undolog_webhook_targets", "undolog_webhook_deliveries",

@@ -15,8 +15,8 @@ import pytest
 from undolog_core import ApprovalPending, _observe
 from undolog_core.storage import schema as t
 
-from ..otel import in_memory_otel
-from .toolkit import setup
+from ..support.otel import in_memory_otel
+from ..support.toolkit import setup
 
 ROOT = Path(__file__).resolve().parents[2]
 

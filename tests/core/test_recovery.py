@@ -18,7 +18,7 @@ from undolog_core import errors
 from undolog_core.storage import schema as t
 from undolog_core.storage.base import Owner
 
-from . import crash_app
+from ..support import crash_app
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ def crash(db, tmp_path, monkeypatch):
         if fault:
             env["UNDOLOG_FAULT"] = fault
         env.update(extra or {})
-        p = subprocess.Popen([sys.executable, "-m", "tests.core.crash_app", *args], env=env, cwd=ROOT,
+        p = subprocess.Popen([sys.executable, "-m", "tests.support.crash_app", *args], env=env, cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if not wait:
             return p

@@ -8,7 +8,7 @@ import sqlalchemy as sa
 from undolog_core import CompensationDescriptor, ToolTier, compensation, errors, undolog_tool
 from undolog_core.storage import schema as t
 
-from .toolkit import setup
+from ..support.toolkit import setup
 
 
 def undo_rows(undolog):

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from tests.core import scale_app
+from tests.support import scale_app
 from undolog_core import ApprovalPending, ToolTier, compensation, undolog_tool
 from undolog_core._gc import GC_BATCH, collect, parse_age
 from undolog_core._recovery import RECOVER_BATCH
@@ -28,6 +28,9 @@ from undolog_core.errors import ConfigurationError, UndoLogError
 from undolog_core.storage import schema as t
 from undolog_core.storage.approvals import EXPIRE_BATCH
 from undolog_core.storage.base import utcnow
+
+# Scale: many workers, large stores (its own step in CI).
+pytestmark = pytest.mark.perf
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,7 +68,7 @@ def test_four_processes_recover_and_expire_each_row_exactly_once(db, tmp_path, m
     monkeypatch.setenv("SCALE_STATE", str(tmp_path))
     u = db.open()
     u.register(scale_app.scale_charge, scale_app.scale_undo, scale_app.scale_close)
-    seeded = subprocess.run([sys.executable, "-m", "tests.core.scale_app", "seed", str(n_effects)],
+    seeded = subprocess.run([sys.executable, "-m", "tests.support.scale_app", "seed", str(n_effects)],
                             env=_env(db, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert seeded.returncode == -signal.SIGKILL, seeded.stderr
     # Approved calls never re-issued: they lapse once approved_ttl_seconds is 1.
@@ -78,7 +81,7 @@ def test_four_processes_recover_and_expire_each_row_exactly_once(db, tmp_path, m
     pairs = _raise_requests(u, 20, per_session=2)
     time.sleep(1.1)
     go = tmp_path / "go"
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.core.scale_app", "sweep"],
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.support.scale_app", "sweep"],
                               env=_env(db, tmp_path, SCALE_GO=str(go)), cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(4)]
     time.sleep(1.0)  # let them open (and migrate-check) before the start line

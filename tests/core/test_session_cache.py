@@ -8,7 +8,7 @@ import pytest
 
 from undolog_core import SessionState, errors
 
-from .toolkit import setup
+from ..support.toolkit import setup
 
 
 def test_ended_sessions_leave_the_session_cache(undolog):

@@ -23,7 +23,7 @@ from undolog_core import (
 )
 from undolog_core.storage import schema as t
 
-from .toolkit import setup
+from ..support.toolkit import setup
 
 
 def rows(undolog, table, **where):

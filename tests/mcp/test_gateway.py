@@ -22,7 +22,7 @@ from mcp.client.stdio import stdio_client
 from undolog_core import EffectState, SessionState, UndoLog
 
 HERE = Path(__file__).parent
-UPSTREAM = HERE / "tickets_server.py"
+UPSTREAM = HERE.parent / "support" / "tickets_server.py"
 KEY = "dev.undolog/idempotency-key"
 
 

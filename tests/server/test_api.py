@@ -8,8 +8,8 @@ import httpx
 
 from undolog_core import ApprovalPending
 
+from ..support.demo_app import UNDONE
 from .conftest import Desk, LiveServer, problem
-from .demo_app import UNDONE
 
 
 def test_openapi_is_served_and_names_the_actions(desk: Desk) -> None:

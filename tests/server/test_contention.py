@@ -20,8 +20,8 @@ import sqlalchemy as sa
 from undolog_core.storage import schema as core
 from undolog_server.state import ServerSettings
 
+from ..support.upstream import Upstream
 from .conftest import Desk, make_desk, problem
-from .upstream import Upstream
 
 
 def _wait_until(what: str, cond: Any, timeout: float = 30) -> None:

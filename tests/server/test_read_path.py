@@ -16,10 +16,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
+import pytest
 import sqlalchemy as sa
 from sqlalchemy import event
 
 from .conftest import Desk
+
+# How the desk's reads meet the database's write lock: database behaviour, so both databases.
+pytestmark = pytest.mark.storage
 
 #: Far below the 30 s busy timeout a read queued behind the writer would wait (15 s, 5 s before: room for a loaded
 #: machine, still half the wait a queued read would show).
