@@ -34,6 +34,7 @@ from undolog_core.cli import PROGRESS_MIN_STEPS, app
 from undolog_core.errors import ContractChanged
 from undolog_core.storage import schema as t
 from undolog_core.storage.base import Owner, utcnow
+from undolog_core.testing import internals
 
 runner = CliRunner()
 
@@ -157,7 +158,7 @@ def pending_delete(u: UndoLog, mod: Any, *, user_id: str = "u1", call_id: str = 
 
 
 def row(u: UndoLog, table: sa.Table, **where: Any) -> Any:
-    with u.store.read() as conn:
+    with internals(u).read() as conn:
         q = sa.select(table)
         for k, v in where.items():
             q = q.where(table.c[k] == v)
@@ -165,7 +166,7 @@ def row(u: UndoLog, table: sa.Table, **where: Any) -> Any:
 
 
 def events(u: UndoLog, action: str) -> list[Any]:
-    with u.store.read() as conn:
+    with internals(u).read() as conn:
         return conn.execute(
             sa.select(t.approval_events).where(t.approval_events.c.action == action).order_by(t.approval_events.c.event_id)
         ).all()
@@ -198,7 +199,7 @@ def test_db_upgrade_creates_the_schema_then_is_a_no_op(db: Any) -> None:
     assert second.exit_code == 0
     assert "already at the latest schema revision" in second.stdout
     u = db.open(migrate=False)
-    assert _migrate.current(u.store.engine) == _migrate.head()
+    assert _migrate.current(internals(u).sql_engine) == _migrate.head()
     assert u.policy.get().approval_timeout_seconds == 3600
 
 
@@ -338,7 +339,7 @@ def test_rollback_runs_the_apps_compensations_newest_first_with_progress(db: Any
     # stderr is not a terminal under CliRunner: the progress is one line per step.
     assert f"[1/{n}]" in result.stderr and f"[{n}/{n}]" in result.stderr
 
-    with u.store.read() as conn:
+    with internals(u).read() as conn:
         undo_keys = [f"undo-{r.undo_id}" for r in conn.execute(
             sa.select(t.undo_stack.c.undo_id).where(t.undo_stack.c.session_id == s.id)
             .order_by(t.undo_stack.c.undo_id.desc()))]
@@ -623,7 +624,7 @@ def test_decisions_default_to_undolog_actor(db: Any, cliapp: App) -> None:
 def test_reading_applies_due_timeouts(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     sid, rid = pending_delete(u, cliapp.mod)
-    with u.store.tx() as conn:  # make it due without sleeping
+    with internals(u).write() as conn:  # make it due without sleeping
         conn.execute(t.approval_requests.update().where(t.approval_requests.c.approval_request_id == rid)
                      .values(timeout_at=utcnow() - dt.timedelta(seconds=1)))
     listed = run(db, "approvals", "list", "--json")
@@ -684,7 +685,7 @@ def _crashed_call(u: UndoLog, tool: str, **args: Any) -> str:
         pass
     d = u.engine.intercept(s.id, tool, args, call_id=f"crash-{uuid.uuid4().hex[:6]}")
     dead_owner = f"{Owner.me().split('|', 1)[0]}|{2**22 + 12345}|1"  # this host, a pid that does not exist
-    with u.store.tx() as conn:
+    with internals(u).write() as conn:
         conn.execute(t.effect_log.update().where(t.effect_log.c.effect_id == d.effect_id)
                      .values(owner=dead_owner, lease_until=None))
     return d.effect_id
@@ -729,8 +730,8 @@ def test_recover_many_effects_shows_progress(db: Any, cliapp: App) -> None:
 
 def _tamper(u: UndoLog, event_id: int) -> None:
     """Edit an audit event behind the append-only triggers' back, as someone with table access could."""
-    with u.store.tx() as conn:
-        if u.store.is_postgres:
+    with internals(u).write() as conn:
+        if internals(u).is_postgres:
             conn.exec_driver_sql("ALTER TABLE undolog_approval_events DISABLE TRIGGER undolog_events_no_update")
         else:
             conn.exec_driver_sql("DROP TRIGGER undolog_events_no_update")

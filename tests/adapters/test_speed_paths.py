@@ -37,6 +37,7 @@ from tests.support.lg_hooks import AfterModel
 from undolog_adapters.langgraph import UndoLogMiddleware, _call, _tools
 from undolog_adapters.semantic_kernel import install, undolog_session
 from undolog_core import CompensationDescriptor, ToolTier, compensation, errors, undolog_tool
+from undolog_core.testing import internals
 
 # The adapters' fast paths (its own step in CI with the other perf tests).
 pytestmark = pytest.mark.perf
@@ -274,7 +275,7 @@ async def test_sk_starts_a_conversations_session_on_the_loop_when_nothing_waits(
     assert [e["state"] for e in undolog.sessions.effects(sid)] == ["committed"]
     assert undolog.sessions.get(sid).agent_id == "semantic-kernel"
     hot = undolog.engine.hot
-    pool = hot.durable if undolog.store.is_postgres else hot.fast  # where the insert goes
+    pool = hot.durable if internals(undolog).is_postgres else hot.fast  # where the insert goes
     held = [pool.checkout() for _ in range(pool.size)]
     timer = threading.Timer(0.3, lambda: [pool.checkin(*x) for x in held])
     sid2 = "sk-" + uuid.uuid4().hex[:8]
@@ -284,7 +285,7 @@ async def test_sk_starts_a_conversations_session_on_the_loop_when_nothing_waits(
     finally:
         timer.join()
     # (On PostgreSQL the session's first read, on the same pool, is the one that goes to the thread.)
-    assert hops == (["look_up_session"] if undolog.store.is_postgres else ["ensure_session"]), hops
+    assert hops == (["look_up_session"] if internals(undolog).is_postgres else ["ensure_session"]), hops
     assert [e["state"] for e in undolog.sessions.effects(sid2)] == ["committed"]
 
 

@@ -20,6 +20,7 @@ from undolog_core import (
     undolog_tool,
 )
 from undolog_core.storage import schema as t
+from undolog_core.testing import internals
 
 from ..support.toolkit import World, setup
 
@@ -28,7 +29,7 @@ def rows(undolog: Any, table: Any, **where: Any) -> list[Any]:
     q = sa.select(table)
     for k, v in where.items():
         q = q.where(table.c[k] == v)
-    with undolog.store.read() as c:
+    with internals(undolog).read() as c:
         return [r._mapping for r in c.execute(q)]
 
 

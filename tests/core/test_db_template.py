@@ -16,6 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from undolog_core import UndoLog
+from undolog_core.testing import internals
 from undolog_server.storage import ServerStore
 
 from ..conftest import PG_URL, TEST_DB, Db
@@ -46,8 +47,8 @@ def _rows(conn: Any, table: str) -> list[tuple[Any, ...]]:
 
 def _snapshot(u: UndoLog, schema: str | None) -> dict[str, Any]:
     snap: dict[str, Any] = {}
-    with u.store.read() as conn:
-        if u.store.is_postgres:
+    with internals(u).read() as conn:
+        if internals(u).is_postgres:
             for what, sql in PG_CATALOG.items():
                 rows = conn.execute(sa.text(sql), {"s": schema}).all()
                 # The schema's own name appears in definitions (index, default, trigger): it is the one difference.
@@ -92,5 +93,5 @@ def test_a_copy_of_the_template_is_what_a_real_migration_makes(
 
 def test_an_open_without_migrations_or_of_an_existing_database_is_not_served_from_the_template(db: Db) -> None:
     u = db.open(migrate=False)
-    with u.store.read() as conn:
+    with internals(u).read() as conn:
         assert "undolog_sessions" not in sa.inspect(conn).get_table_names()  # still empty: nothing was copied

@@ -20,6 +20,7 @@ import sqlalchemy as sa
 
 from undolog_core import AwaitingApproval, Execute, errors
 from undolog_core.storage import schema as t
+from undolog_core.testing import internals
 
 from ..support import crash_app
 from ..support.toolkit import setup
@@ -47,7 +48,7 @@ def _approved_and_released(undolog: Any, sid: str, call_id: str, user_id: str) -
 
 
 def _effect_state(undolog: Any, effect_id: str) -> str:
-    with undolog.store.read() as c:
+    with internals(undolog).read() as c:
         return str(c.execute(sa.select(t.effect_log.c.state).where(t.effect_log.c.effect_id == effect_id)).scalar_one())
 
 
@@ -141,7 +142,7 @@ def _log(kind: str) -> list[list[Any]]:
 
 def _effects(u: Any, session_id: str) -> dict[str, str]:
     """call_id -> effect state."""
-    with u.store.read() as c:
+    with internals(u).read() as c:
         rows = c.execute(sa.select(t.effect_log.c.call_id, t.effect_log.c.state)
                          .where(t.effect_log.c.session_id == session_id)).all()
     return {r.call_id: r.state for r in rows}

@@ -19,6 +19,7 @@ import sqlalchemy as sa
 
 from undolog_core import ApprovalPending
 from undolog_core.storage import schema as core
+from undolog_core.testing import internals
 from undolog_server.storage import ServerStore
 
 from ..support import demo_app
@@ -129,7 +130,7 @@ def test_two_servers_handle_each_timeout_once(db: Any, tmp_path: Path) -> None:
             assert u.approvals.get(rid).state == "timed_out"
         ev = core.approval_events
         ob = core.outbox
-        with u.store.engine.connect() as conn:
+        with internals(u).sql_engine.connect() as conn:
             timeouts = collections.Counter(
                 conn.execute(sa.select(ev.c.approval_request_id).where(ev.c.action == "timeout")).scalars()
             )
@@ -228,7 +229,7 @@ def test_approve_reject_and_modify_sent_at_once_to_three_servers(db: Any, tmp_pa
                 assert [b for b, _ in upstream.to("/close")[before:]] == [won["approved_args"] or won["proposed_args"]]
         assert len(upstream.to("/close")) == sum(w != "rejected" for w in winners)
         ev = core.approval_events
-        with u.store.engine.connect() as conn:
+        with internals(u).sql_engine.connect() as conn:
             decisions = collections.Counter(conn.execute(
                 sa.select(ev.c.approval_request_id).where(ev.c.action.in_(("approve", "reject", "modify")))).scalars())
         assert sorted(decisions.values()) == [1] * 4
