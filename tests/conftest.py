@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from undolog_core import UndoLog
 
@@ -37,6 +38,11 @@ PG_URL = os.environ.get("UNDOLOG_TEST_PG_URL", "postgresql+psycopg://postgres@12
 
 if TEST_DB not in ("sqlite", "postgres"):
     raise RuntimeError(f"UNDOLOG_TEST_DB must be sqlite or postgres, got {TEST_DB!r}")
+
+# Examples are drawn on machines shared with other test runs and xdist workers: a slow draw (41 s for one input
+# under a load average of 16) is the machine, not the strategy, and no test may depend on timing.
+settings.register_profile("undolog", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("undolog")
 
 
 #: Directories whose every test pins the store's own behaviour: marked ``storage`` by where they live.

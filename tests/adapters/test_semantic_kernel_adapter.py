@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -495,11 +494,11 @@ def test_demo_runs_offline_both_ways(db, capsys):
 
 
 def test_running_as_a_module(db):
-    started = time.monotonic()
+    # No bound on how long it took (no timed tests): on a loaded 2-core machine the run alone took over 60 s.
     proc = subprocess.run([sys.executable, "-m", "examples.semantic_kernel_support"], env={**os.environ, **db.env},
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "ana approved" in proc.stdout and time.monotonic() - started < 60
+    assert "ana approved" in proc.stdout
 
 
 

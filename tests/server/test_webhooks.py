@@ -54,6 +54,7 @@ def test_signature_roundtrip() -> None:
     assert not verify_signature("x", "garbage", body, delivery_id=d)
 
 
+@pytest.mark.pg_smoke
 def test_signed_events_for_request_decision_and_rollback(live: Desk, receiver: Receiver) -> None:
     hook(live, receiver, "all")
     rid, sid = live.pending()
