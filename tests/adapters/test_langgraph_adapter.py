@@ -573,6 +573,7 @@ class open_saver:
 @pytest.mark.parametrize(("kind", "saver_kind"), [("node", "sqlite"), ("middleware", "sqlite"), ("middleware", "postgres")])
 # README "Deciding elsewhere": undolog_resume (here), aundolog_resume (test_async_approve_and_rollback),
 # resume_decided (test_resume_decided_resumes_only_fully_decided_threads).
+@pytest.mark.storage
 def test_decided_elsewhere_then_resumed_by_a_new_process(
     kind: str, saver_kind: str, db: Any, world: SupportWorld, tools: Any, tmp_path: Path
 ) -> None:

@@ -250,6 +250,7 @@ async def asaver_of(kind: str, path: str) -> AsyncIterator[Any]:
         yield saver
 
 
+@pytest.mark.storage
 @pytest.mark.parametrize("kind", SAVERS)
 def test_durable_checkpointer_resumed_by_a_fresh_agent(undolog: Any, tmp_path: Path, kind: str) -> None:
     # Which pause a rejection answers is read from the checkpoint itself: a fresh agent on a fresh saver (as another

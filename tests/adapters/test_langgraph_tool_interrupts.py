@@ -108,6 +108,7 @@ def test_middleware_an_irreversible_tools_own_question_gets_the_persons_answer(u
     assert answers == ["no"], answers
 
 
+@pytest.mark.storage
 def test_node_with_a_durable_checkpointer_resumed_by_fresh_graphs(undolog: Any, tmp_path: Path) -> None:
     """The shortened resume values are what the checkpointer saves: a fresh graph (as another process) reads them."""
     world, answers = World(), []

@@ -108,7 +108,7 @@ async def test_logs_snippet(undolog: Any, capsys: pytest.CaptureFixture[str]) ->
     try:
         root.handlers = []  # basicConfig configures only a root logger without handlers
         await _run(logs, {})
-        from tests.core.toolkit import setup
+        from tests.support.toolkit import setup
 
         _, tools = setup(undolog)
         with undolog.session(session_id="readme-log") as s:

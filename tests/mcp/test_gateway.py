@@ -16,13 +16,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from mcp import ClientSession, StdioServerParameters, types
 from mcp.client.stdio import stdio_client
 
 from undolog_core import EffectState, SessionState, UndoLog
 
 HERE = Path(__file__).parent
-UPSTREAM = HERE / "tickets_server.py"
+UPSTREAM = HERE.parent / "support" / "tickets_server.py"
 KEY = "dev.undolog/idempotency-key"
 
 
@@ -89,6 +90,7 @@ def only_session(u: UndoLog) -> Any:
     return sessions[0]
 
 
+@pytest.mark.pg_smoke
 async def test_each_tier_and_what_is_not_exposed(db: Any, tmp_path: Path) -> None:
     cfg = write_config(tmp_path)
     async with gateway(db, cfg) as client:
@@ -200,6 +202,7 @@ async def test_rollback_through_the_cli_calls_the_templated_compensations(db: An
     assert u.sessions.get(s.session_id).state == SessionState.ROLLED_BACK
 
 
+@pytest.mark.pg_smoke
 async def test_an_upstream_that_crashes_mid_call_is_settled_not_lost(db: Any, tmp_path: Path) -> None:
     cfg = write_config(tmp_path)
     async with gateway(db, cfg) as client:

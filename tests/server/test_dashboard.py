@@ -11,8 +11,8 @@ import pytest
 
 from undolog_core import ApprovalPending, errors
 
+from ..support.demo_app import UNDONE
 from .conftest import Desk
-from .demo_app import UNDONE
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 CHROMIUM = "/usr/bin/chromium"
@@ -205,6 +205,7 @@ def _seed(desk: Desk) -> dict[str, str]:
     return ids
 
 
+@pytest.mark.browser
 def test_browser_approve_modify_reject_and_rollback(desk: Desk) -> None:
     from playwright.sync_api import expect, sync_playwright
 

@@ -12,8 +12,8 @@ import pytest
 from undolog_core import errors
 from undolog_server.proxy import ProxyTools
 
+from ..support.upstream import Upstream
 from .conftest import Desk, make_desk, problem
-from .upstream import Upstream
 
 
 @pytest.fixture

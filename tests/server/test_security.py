@@ -20,9 +20,9 @@ from undolog_server import create_app
 from undolog_server.proxy import ProxyTools
 from undolog_server.state import ServerSettings
 
-from . import demo_app
+from ..support import demo_app
+from ..support.upstream import Upstream
 from .conftest import Desk, LiveServer, make_desk, problem
-from .upstream import Upstream
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """An app run in subprocesses by the crash tests. Its outside world is a log file, so it survives SIGKILL.
 
-    python -m tests.core.crash_app MODE SESSION_ID [ARG]
+    python -m tests.support.crash_app MODE SESSION_ID [ARG]
 """
 
 from __future__ import annotations
