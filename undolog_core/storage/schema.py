@@ -392,6 +392,34 @@ audit_head = sa.Table(
     sa.Column("last_hash", sa.String(64), nullable=False),
 )
 
+# The head rows only move forward (revision 0015): no new chain, none removed, none renumbered or cut back. Defence
+# in depth (a trigger can be dropped by whoever can write the database); ``verify --checkpoints`` is the real check.
+PG_AUDIT_HEAD_GUARD_FUNCTION = """
+CREATE OR REPLACE FUNCTION undolog_audit_head_guard() RETURNS trigger AS $$
+BEGIN
+  IF TG_OP = 'UPDATE' AND NEW.head_id = OLD.head_id AND NEW.last_event_id >= OLD.last_event_id THEN
+    RETURN NEW;
+  END IF;
+  RAISE EXCEPTION 'undolog_audit_head only moves forward (% refused: chains are 1..%(chains)d, never added, removed, renumbered or cut back)', TG_OP
+    USING ERRCODE = 'insufficient_privilege';
+END;
+$$ LANGUAGE plpgsql
+""".replace("%(chains)d", str(AUDIT_CHAINS))
+PG_AUDIT_HEAD_GUARD_TRIGGER = ("CREATE TRIGGER undolog_audit_head_guard BEFORE INSERT OR UPDATE OR DELETE ON "
+                               "undolog_audit_head FOR EACH ROW EXECUTE FUNCTION undolog_audit_head_guard()")
+SQLITE_AUDIT_HEAD_GUARDS = {
+    "undolog_audit_head_no_insert": "CREATE TRIGGER undolog_audit_head_no_insert BEFORE INSERT ON undolog_audit_head "
+                                    "BEGIN SELECT RAISE(ABORT, 'undolog_audit_head only moves forward (INSERT "
+                                    "refused)'); END",
+    "undolog_audit_head_no_delete": "CREATE TRIGGER undolog_audit_head_no_delete BEFORE DELETE ON undolog_audit_head "
+                                    "BEGIN SELECT RAISE(ABORT, 'undolog_audit_head only moves forward (DELETE "
+                                    "refused)'); END",
+    "undolog_audit_head_no_back": "CREATE TRIGGER undolog_audit_head_no_back BEFORE UPDATE ON undolog_audit_head "
+                                  "WHEN NEW.head_id <> OLD.head_id OR NEW.last_event_id < OLD.last_event_id "
+                                  "BEGIN SELECT RAISE(ABORT, 'undolog_audit_head only moves forward (renumbered "
+                                  "or cut back)'); END",
+}
+
 tool_registry = sa.Table(
     "undolog_tool_registry",
     metadata,
