@@ -40,6 +40,7 @@ from .errors import (
     EffectNotFound,
     InvalidEffectState,
     InvalidId,
+    OutcomeConflict,
     OutcomeUnknown,
     SessionClosed,
     SessionHalted,
@@ -57,7 +58,7 @@ from .limits import (
     safe_result,
 )
 from .storage.base import FAST_POOL_SIZE, from_epoch, new_id, utcnow
-from .storage.calls import FailureRollback
+from .storage.calls import LATE_FINISH_STATES, FailureRollback
 from .storage.hotpath import SessionRow
 from .storage.pool import IntegrityConflict, WouldBlock
 from .storage.schema import IN_FLIGHT, EffectState, OnFailure, RequestState, SessionState
@@ -359,6 +360,7 @@ class Engine:
         self.hot = store.hot_path(pool_size=store.pool_size, fast_pool_size=FAST_POOL_SIZE)
         # The hot path's remembered session reads (SQLite's turn check, one per thread) bounded like the records.
         self.hot.memo_size = min(self.hot.memo_size, max_sessions)
+        self.hot.owner = leases.owner  # the commit mark's fence: never over a call taken over meanwhile
         # Deferred commit marks (fast mode, or a mark a dropped connection held back) wait here for the flusher (a
         # batch, not fsynced, once the oldest queued mark is MARK_FLUSH_SECONDS old, unless a reader or the
         # session's end wrote them first). Their effects stay in flight (leased) until written.
@@ -1442,11 +1444,32 @@ class Engine:
         if not wait:
             raise WouldBlock()  # not in flight any more: the precise error needs a transaction, in a thread
         try:
-            state = self.store.mark_committed(effect_id, text, from_epoch(now), fast=self.fast_commit_mark)
+            state = self.store.mark_committed(effect_id, text, from_epoch(now), fast=self.fast_commit_mark,
+                                              owner=self.leases.owner)
+            if state in LATE_FINISH_STATES:
+                self._finished_late(effect_id, text)
+                return
+            if state == EffectState.COMMITTED.value:
+                return  # taken over, and its probe proved the call happened: the caller's "done" agrees
         finally:
             self._inflight.discard(effect_id)
         if state is not None:
             self._missing_or_moved(effect_id, state, EffectState.COMMITTED)
+
+    def _finished_late(self, effect_id: str, text: str) -> None:
+        """The tool returned, but another process had taken the call over (recovery claimed it and compensated it,
+        or settled it ``unknown``, or is doing so now): recorded, never lost, never re-compensated. The effect
+        becomes ``unknown`` with the finish (and its result) in the audit trail, the session halts, and the caller
+        gets ``OutcomeConflict``. A probe that proved the call ``committed`` already agrees: nothing to record."""
+        late = self.store.record_late_finish(effect_id, text, utcnow())
+        if late is None:
+            return
+        self.note_state(late.session_id, SessionState.HALTED)
+        engine_log.error(
+            "late finish: %s (session %s, effect %s) finished after another process took it over (it was %s): "
+            "recorded, effect unknown, session halted", late.tool_name, late.session_id, effect_id,
+            late.state_before, extra=ids(late.session_id, effect_id))
+        raise OutcomeConflict(effect_id, late.tool_name, late.session_id, late.state_before)
 
     def record_failure(self, effect_id: str, error: BaseException | str, *, nothing_happened: bool = False,
                        rollback: tuple[str, str] | None = None) -> FailureRecord:

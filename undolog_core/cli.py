@@ -1045,17 +1045,29 @@ def policy_set(
 
 
 @app.command("recover")
-def recover(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+def recover(
+    ctx: typer.Context,
+    as_json: JsonOpt = False,
+    take_over: Annotated[
+        list[str] | None,
+        typer.Option("--take-over", metavar="EFFECT",
+                     help="Take over this in-flight effect although its owner still runs on this host (a process "
+                          "stopped for good). Repeatable."),
+    ] = None,
+) -> None:
     """Reconcile calls left in flight by crashed processes (needs --app for probes and compensations).
 
     \f
     Only effects whose owner is gone are touched, so running it next to live agents is safe, and several
-    ``recover`` runs at once handle each effect once. Exit code 1 when some effects could not be
-    reconciled (e.g. their tool is not in the loaded app) or went to the dead letter.
+    ``recover`` runs at once handle each effect once. A process on this host that still runs (stopped, paused)
+    keeps its calls whatever its lease says; ``--take-over EFFECT`` is a person's decision to take one over (if
+    the process finishes the call after all, the effect becomes ``unknown`` and the finish is recorded). Exit
+    code 1 when some effects could not be reconciled (e.g. their tool is not in the loaded app) or went to the
+    dead letter.
     """
     u = _open(ctx)
     with _Progress("recovering", enabled=not as_json) as progress:
-        report = u.recover(progress=progress)
+        report = u.recover(progress=progress, take_over=take_over or ())
     if as_json:
         _print_json(report.to_dict())
     else:

@@ -31,7 +31,11 @@ _u, _e, _s = t.undo_stack, t.effect_log, t.sessions
 _UNDO_DONE = _u.update().where(_u.c.undo_id == sa.bindparam("uid")).values(
     state=UndoState.COMPENSATED.value, attempts=_u.c.attempts + 1, owner=None, lease_until=None,
     updated_at=sa.bindparam("now"))
-_EFFECT_DONE = _e.update().where(_e.c.effect_id == sa.bindparam("eid")).values(
+# Only while the effect is in flight: a late finish of its own process (``record_late_finish``) may have made it
+# ``unknown`` meanwhile, and that record stands.
+# (The states written as literals: the statement is also rendered once for psycopg, where an expanding IN is not.)
+_EFFECT_DONE = _e.update().where(_e.c.effect_id == sa.bindparam("eid"),
+                                 _e.c.state.in_([sa.literal_column(f"'{s}'") for s in IN_FLIGHT])).values(
     state=EffectState.COMPENSATED.value, owner=None, lease_until=None, updated_at=sa.bindparam("now"))
 # halt_in's statement and outbox row, with bound values.
 _HALT = _s.update().where(
@@ -137,7 +141,7 @@ class RecoverySQL(CallsSQL):
         now = utcnow()
         with self.tx() as conn:
             for effect_id, result in committed:
-                conn.execute(e.update().where(e.c.effect_id == effect_id).values(
+                conn.execute(e.update().where(e.c.effect_id == effect_id, e.c.state.in_(IN_FLIGHT)).values(
                     state=EffectState.COMMITTED.value, result_snapshot=result, owner=None, lease_until=None,
                     updated_at=now))
             if not undo_ids:
@@ -177,7 +181,9 @@ class RecoverySQL(CallsSQL):
 
     def settle_effect(self, effect_id: str, state: EffectState, *, result: Any = None, error: str | None = None,
                       halt: tuple[str, str] | None = None) -> None:
-        """Recovery's verdict on an effect, and (``halt`` = (session, reason)) the session halted for a person."""
+        """Recovery's verdict on an effect, and (``halt`` = (session, reason)) the session halted for a person.
+
+        Only while the effect is in flight: a late finish recorded meanwhile (``record_late_finish``) stands."""
         now = utcnow()
         values: dict[str, Any] = {"state": state.value, "owner": None, "lease_until": None, "updated_at": now}
         if state is EffectState.COMMITTED:
@@ -185,7 +191,8 @@ class RecoverySQL(CallsSQL):
         if error is not None:
             values["error"] = error
         with self.tx() as conn:
-            conn.execute(t.effect_log.update().where(t.effect_log.c.effect_id == effect_id).values(**values))
+            conn.execute(t.effect_log.update().where(t.effect_log.c.effect_id == effect_id,
+                                                     t.effect_log.c.state.in_(IN_FLIGHT)).values(**values))
             if halt is not None:
                 self.halt_in(conn, halt[0], halt[1], now)
 

@@ -57,6 +57,8 @@ _SQLITE_MARK = (
     "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = ?, owner = NULL, lease_until = NULL, "
     "updated_at = ? WHERE effect_id = ? AND state IN ('pending', 'running')"
 )
+# One call's commit mark, fenced by its owner (``HotPath.owner``): not over a call another process took over.
+_SQLITE_MARK_OWNED = _SQLITE_MARK + " AND owner = ?"
 
 
 _seconds: dict[int, str] = {}
@@ -371,7 +373,7 @@ class SQLiteHotPath(HotPath):
                 ok = self._prewrite_in(conn, *args)
             else:
                 effect_id, text, now = args
-                ok = conn.execute(_SQLITE_MARK, (text, _sqlite_time(now), effect_id)).rowcount == 1
+                ok = conn.execute(_SQLITE_MARK_OWNED, (text, _sqlite_time(now), effect_id, self.owner)).rowcount == 1
         except sqlite3.IntegrityError as exc:
             ok, conflict = False, IntegrityConflict(str(exc))
         if not ok:
@@ -501,7 +503,8 @@ class SQLiteHotPath(HotPath):
         if not self.write_lock.acquire(blocking=wait):
             raise WouldBlock()
         try:
-            return bool(conn.execute(_SQLITE_MARK, (text, _sqlite_time(now), effect_id)).rowcount == 1)
+            return bool(conn.execute(_SQLITE_MARK_OWNED, (text, _sqlite_time(now), effect_id, self.owner)).rowcount
+                        == 1)
         finally:
             self.write_lock.release()
 
