@@ -36,6 +36,9 @@ class ProbeContext:
     effect_id: str
     session_id: str
     tool_name: str
+    #: The ownership epoch of this recovery's claim (the fencing token; see ``CallContext.epoch``): above the
+    #: epoch of the process that ran the call, so an upstream told of it refuses that process's late write.
+    epoch: int = 1
 
 
 @dataclass
@@ -249,7 +252,7 @@ class Recovery:
                 spec = self._registry.tools[c.tool_name]
                 if spec.probe is not None:
                     ctx = ProbeContext(dict(c.args_snapshot), f"do-{c.effect_id}", c.effect_id, c.session_id,
-                                       c.tool_name)
+                                       c.tool_name, int(c.epoch) + 1)
                     try:
                         verdict = spec.probe(ctx)
                         if inspect.isawaitable(verdict):
@@ -391,7 +394,8 @@ class Recovery:
         row = self._store.effect(r.effect_id)
         verdict: Any = None
         if spec.probe is not None:
-            ctx = ProbeContext(dict(row.args_snapshot), f"do-{r.effect_id}", r.effect_id, r.session_id, r.tool_name)
+            ctx = ProbeContext(dict(row.args_snapshot), f"do-{r.effect_id}", r.effect_id, r.session_id, r.tool_name,
+                               int(row.epoch))
             verdict = spec.probe(ctx)
             if inspect.isawaitable(verdict):
                 verdict = run_coro_blocking(verdict)

@@ -152,3 +152,41 @@ def test_an_operator_takes_over_a_local_stopped_process(worker: Any, db: Any) ->
     assert effect(u, "s-forced").state == "unknown"
     missing = CliRunner().invoke(cli_app, [*app, "--take-over", "nope"], env=env, catch_exceptions=False)
     assert missing.exit_code == 1 and "not in flight" in missing.stderr
+
+
+def test_the_epoch_is_a_fencing_token_one_more_at_every_claim(db: Any) -> None:
+    """``current_call().epoch`` beside the key (which stays ``do-{effect_id}``): 1 at a call's first run; a take-over
+    claims it with the next one, which its probe carries, so an upstream keeping the highest epoch per key refuses
+    the stalled owner's late write."""
+    from undolog_core import ToolTier, compensation, current_call, undolog_tool
+
+    seen: list[tuple[str, int, str]] = []
+
+    def probe(ctx: Any) -> bool:
+        seen.append(("probe", ctx.epoch, ctx.idempotency_key))
+        return False
+
+    @undolog_tool(tier=ToolTier.COMPENSABLE, compensation="unfence", probe=probe)
+    def fenced(x: int) -> dict[str, int]:
+        call = current_call()
+        assert call is not None and call.idempotency_key is not None
+        seen.append(("run", call.epoch, call.idempotency_key))
+        return {"x": x}
+
+    @compensation("unfence")
+    def unfence(ctx: Any) -> None:
+        seen.append(("undo", 0, ctx.idempotency_key))
+
+    u = db.open()
+    u.register(fenced, unfence)
+    s = u.session(session_id="s-epoch")
+    s.call_sync(fenced, x=1)
+    assert seen[0][:2] == ("run", 1) and seen[0][2].startswith("do-")
+    d = u.engine.intercept("s-epoch", "fenced", {"x": 2}, call_id="c2")
+    assert d.epoch == 1
+    u.leases.abandon(d.effect_id)  # as if its process had died (or stalled elsewhere past its lease)
+    report = u.recover()
+    assert [r["outcome"] for r in report.reconciled] == ["compensated"]
+    assert ("probe", 2, f"do-{d.effect_id}") in seen
+    with u.store.read() as c:
+        assert c.execute(sa.select(t.effect_log.c.epoch).where(t.effect_log.c.effect_id == d.effect_id)).scalar() == 2

@@ -189,13 +189,15 @@ class CallsSQL(Store):
         ).first()
 
     def claim_effect_in(self, conn: Connection, effect_id: str, *, from_state: str, to_state: str, owner: str,
-                        lease_until: dt.datetime, now: dt.datetime) -> bool:
-        """Compare-and-swap an effect into flight (an approved call claimed to run, a released call re-claimed)."""
-        res = conn.execute(
+                        lease_until: dt.datetime, now: dt.datetime) -> int:
+        """Compare-and-swap an effect into flight (an approved call claimed to run, a released call re-claimed);
+        its new ownership epoch (the fencing token, one more than before), or 0 when another caller won."""
+        epoch = conn.execute(
             _E.update().where(_E.c.effect_id == effect_id, _E.c.state == from_state)
-            .values(state=to_state, owner=owner, lease_until=lease_until, updated_at=now)
-        )
-        return bool(res.rowcount == 1)
+            .values(state=to_state, owner=owner, lease_until=lease_until, updated_at=now, epoch=_E.c.epoch + 1)
+            .returning(_E.c.epoch)
+        ).scalar()
+        return int(epoch or 0)
 
     def insert_undo_in(self, conn: Connection, values: Mapping[str, Any]) -> None:
         """Write a COMPENSABLE effect's undo entry (its ``undo_id`` is the effect's seq)."""

@@ -103,7 +103,9 @@ class RecoverySQL(CallsSQL):
         with self.tx() as conn:
             if conn.execute(self.for_update(sa.select(e.c.effect_id).where(*same), skip_locked=True)).first() is None:
                 return False
-            res = conn.execute(e.update().where(*same).values(owner=owner, lease_until=lease_until))
+            # A new owner, a new epoch: the fencing token its probe carries, above the stalled owner's.
+            res = conn.execute(e.update().where(*same).values(owner=owner, lease_until=lease_until,
+                                                              epoch=e.c.epoch + 1))
             return bool(res.rowcount == 1)
 
     def claim_in_doubt_batch(self, seen: Sequence[tuple[str, str, str | None]], owner: str,
@@ -120,7 +122,7 @@ class RecoverySQL(CallsSQL):
         e, u = t.effect_log, t.undo_stack
         want = {eid: (state, who) for eid, state, who in seen}
         q = (sa.select(e.c.effect_id, e.c.seq, e.c.session_id, e.c.tool_name, e.c.state, e.c.owner,
-                       e.c.args_snapshot, u.c.undo_id, u.c.state.label("undo_state"), u.c.owner.label("undo_owner"),
+                       e.c.args_snapshot, e.c.epoch, u.c.undo_id, u.c.state.label("undo_state"), u.c.owner.label("undo_owner"),
                        u.c.compensation_name, u.c.compensation_version, u.c.attempts)
              .select_from(e.join(u, u.c.undo_id == e.c.seq))
              .where(self.one_of(e.c.effect_id, list(want))).order_by(e.c.seq))
@@ -129,7 +131,7 @@ class RecoverySQL(CallsSQL):
                     if (r.state, r.owner) == want[r.effect_id] and eligible(r)]
             if rows:
                 conn.execute(e.update().where(self.one_of(e.c.effect_id, [r.effect_id for r in rows]))
-                             .values(owner=owner, lease_until=lease_until))
+                             .values(owner=owner, lease_until=lease_until, epoch=e.c.epoch + 1))
         return rows
 
     def settle_and_claim_undos(self, committed: Sequence[tuple[str, Any]], undo_ids: Sequence[int], owner: str,

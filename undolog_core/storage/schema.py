@@ -194,6 +194,9 @@ effect_log = sa.Table(
     sa.Column("lease_until", UTCDateTime),
     sa.Column("recovery_attempts", sa.Integer, nullable=False, server_default="0"),
     sa.Column("released_from", sa.String(32)),
+    # The ownership epoch (revision 0015): 1 at the pre-write, one more at every claim (an approved call claimed, a
+    # released call re-claimed, recovery taking it over). The fencing token a tool passes upstream beside its key.
+    sa.Column("epoch", sa.Integer, nullable=False, server_default="1"),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("updated_at", UTCDateTime, nullable=False),
     sa.UniqueConstraint("session_id", "call_id", name="uq_undolog_effect_call"),
