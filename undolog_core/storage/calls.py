@@ -15,6 +15,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
 from ..errors import InvalidEffectState
+from ..states import EFFECT, SESSION
 from . import schema as t
 from .audit import AuditSQL, OutboxItem
 from .base import Store, utcnow
@@ -38,8 +39,7 @@ class FailureRollback:
 #: The states a take-over leaves a call in (recovery compensated it, settled it ``unknown``, sent an IRREVERSIBLE
 #: call back to ``approved`` on its probe's word, dead-lettered it, or is deciding right now: in flight under
 #: another owner). A commit mark of the call's own process that finds one of them is a late finish.
-LATE_FINISH_STATES = frozenset({*IN_FLIGHT, EffectState.COMPENSATED.value, EffectState.UNKNOWN.value,
-                                EffectState.APPROVED.value, EffectState.DEAD_LETTER.value})
+LATE_FINISH_STATES = frozenset(EFFECT.sources("late_finish"))
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,7 @@ class CallsSQL(Store):
         """The session stops for a person (not once it ended), and the desk is told through the outbox."""
         conn.execute(
             _S.update()
-            .where(_S.c.session_id == session_id,
-                   _S.c.state.notin_((SessionState.ROLLED_BACK.value, SessionState.COMPLETED.value)))
+            .where(_S.c.session_id == session_id, SESSION.guard("halt", _S.c.state))
             .values(state=SessionState.HALTED.value, halted_reason=reason, updated_at=now)
         )
         AuditSQL.write_outbox_in(conn, [("session.halted", {"session_id": session_id, "reason": reason})], now=now)
@@ -270,7 +269,7 @@ class CallsSQL(Store):
         fence = () if owner is None else (_E.c.owner == owner,)
         with self.tx(fast=fast) as conn:
             res = conn.execute(
-                _E.update().where(_E.c.effect_id == effect_id, _E.c.state.in_(IN_FLIGHT), *fence)
+                _E.update().where(_E.c.effect_id == effect_id, EFFECT.guard("commit", _E.c.state), *fence)
                 .values(state=EffectState.COMMITTED.value, result_snapshot=json.loads(text), owner=None,
                         lease_until=None, updated_at=now)
             )
@@ -296,7 +295,8 @@ class CallsSQL(Store):
             what = ("finished after compensation" if before == EffectState.COMPENSATED.value
                     else f"finished after it was taken over (it was {before})")
             result = json.loads(text)
-            conn.execute(_E.update().where(_E.c.effect_id == effect_id, _E.c.state == before).values(
+            conn.execute(_E.update().where(_E.c.effect_id == effect_id, _E.c.state == before,
+                                           EFFECT.guard("late_finish", _E.c.state)).values(
                 state=EffectState.UNKNOWN.value, result_snapshot=result, owner=None, lease_until=None,
                 error=f"{what}: the tool's side effect happened after another process took the call over; "
                       "a person decides",
@@ -324,7 +324,7 @@ class CallsSQL(Store):
         """
         with self.tx() as conn:
             res = conn.execute(
-                _E.update().where(_E.c.effect_id == effect_id, _E.c.state.in_(IN_FLIGHT))
+                _E.update().where(_E.c.effect_id == effect_id, EFFECT.guard("fail", _E.c.state))
                 .values(state=EffectState.FAILED.value, error=error, owner=None, lease_until=None, updated_at=now)
             )
             if res.rowcount != 1:

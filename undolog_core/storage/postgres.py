@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from ..states import EFFECT
 from .hotpath import _EFFECT_COLS, _UNDO_COLS, _WRITABLE, HotPath, SessionRow
 
 # The effect and its undo entry, inserted for the session row that CTE ``g`` returned (none: nothing written).
@@ -76,12 +77,12 @@ _PG_MARK_MANY = (
     "UPDATE undolog_effect_log e SET state = 'committed', result_snapshot = m.result::json, owner = NULL, "
     "lease_until = NULL, updated_at = m.at "
     "FROM unnest(%(results)s::text[], %(ats)s::timestamptz[], %(ids)s::text[]) AS m(result, at, effect_id) "
-    "WHERE e.effect_id = m.effect_id AND (e.state || '') IN ('pending', 'running')"
+    "WHERE e.effect_id = m.effect_id AND " + EFFECT.where("commit", column="(e.state || '')")
 )
 # Fenced by the call's owner (``HotPath.owner``): never over a call another process took over.
 _PG_MARK = (
     "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = %(text)s::json, owner = NULL, "
-    "lease_until = NULL, updated_at = %(now)s WHERE effect_id = %(effect_id)s AND state IN ('pending', 'running') "
+    f"lease_until = NULL, updated_at = %(now)s WHERE effect_id = %(effect_id)s AND {EFFECT.where('commit')} "
     "AND owner = %(owner)s"
 )
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 
+from ..states import EFFECT, SESSION
 from . import schema as t
 from .base import utcnow
 from .calls import CallsSQL
@@ -33,14 +34,12 @@ _UNDO_DONE = _u.update().where(_u.c.undo_id == sa.bindparam("uid")).values(
     updated_at=sa.bindparam("now"))
 # Only while the effect is in flight: a late finish of its own process (``record_late_finish``) may have made it
 # ``unknown`` meanwhile, and that record stands.
-# (The states written as literals: the statement is also rendered once for psycopg, where an expanding IN is not.)
 _EFFECT_DONE = _e.update().where(_e.c.effect_id == sa.bindparam("eid"),
-                                 _e.c.state.in_([sa.literal_column(f"'{s}'") for s in IN_FLIGHT])).values(
+                                 EFFECT.guard("recover_compensated", _e.c.state)).values(
     state=EffectState.COMPENSATED.value, owner=None, lease_until=None, updated_at=sa.bindparam("now"))
 # halt_in's statement and outbox row, with bound values.
 _HALT = _s.update().where(
-    _s.c.session_id == sa.bindparam("sid"), _s.c.state != SessionState.ROLLED_BACK.value,
-    _s.c.state != SessionState.COMPLETED.value,
+    _s.c.session_id == sa.bindparam("sid"), SESSION.guard("halt", _s.c.state),
 ).values(state=SessionState.HALTED.value, halted_reason=sa.bindparam("why"), updated_at=sa.bindparam("now"))
 _HALTED_OUTBOX = t.outbox.insert().values(event_type="session.halted", payload=sa.bindparam("payload"),
                                           created_at=sa.bindparam("now"), attempts=0)
@@ -55,6 +54,11 @@ _DONE_AS_ONE = _HALTED_OUTBOX.add_cte(
 _PG_DONE = _DONE_AS_ONE.compile(dialect=pg_psycopg.dialect())  # type: ignore[no-untyped-call]
 _PG_DONE_AS_ONE = str(_PG_DONE)
 _PG_DONE_PARAMS = dict(_PG_DONE.params)
+
+
+#: The transition of the state table (``states.EFFECT``) that each of recovery's verdicts is.
+_SETTLED_BY = {EffectState.COMMITTED: "commit", EffectState.UNKNOWN: "recover_unknown",
+               EffectState.APPROVED: "recover_not_run"}
 
 
 def _same(col: Any, value: Any) -> Any:
@@ -143,7 +147,7 @@ class RecoverySQL(CallsSQL):
         now = utcnow()
         with self.tx() as conn:
             for effect_id, result in committed:
-                conn.execute(e.update().where(e.c.effect_id == effect_id, e.c.state.in_(IN_FLIGHT)).values(
+                conn.execute(e.update().where(e.c.effect_id == effect_id, EFFECT.guard("commit", e.c.state)).values(
                     state=EffectState.COMMITTED.value, result_snapshot=result, owner=None, lease_until=None,
                     updated_at=now))
             if not undo_ids:
@@ -194,7 +198,8 @@ class RecoverySQL(CallsSQL):
             values["error"] = error
         with self.tx() as conn:
             conn.execute(t.effect_log.update().where(t.effect_log.c.effect_id == effect_id,
-                                                     t.effect_log.c.state.in_(IN_FLIGHT)).values(**values))
+                                                     EFFECT.guard(_SETTLED_BY[state], t.effect_log.c.state))
+                         .values(**values))
             if halt is not None:
                 self.halt_in(conn, halt[0], halt[1], now)
 
