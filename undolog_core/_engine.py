@@ -41,6 +41,7 @@ from .errors import (
     EffectNotFound,
     InvalidEffectState,
     InvalidId,
+    OutcomeConflict,
     OutcomeUnknown,
     SessionClosed,
     SessionHalted,
@@ -58,7 +59,7 @@ from .limits import (
     safe_result,
 )
 from .storage.base import FAST_POOL_SIZE, from_epoch, new_id, utcnow
-from .storage.calls import FailureRollback
+from .storage.calls import LATE_FINISH_STATES, FailureRollback
 from .storage.hotpath import SessionRow
 from .storage.pool import IntegrityConflict, WouldBlock
 from .storage.schema import IN_FLIGHT, EffectState, OnFailure, RequestState, SessionState
@@ -135,6 +136,8 @@ class Execute:
     # IRREVERSIBLE only: the request a person decided and how ("approve", "modify", "auto_approved"), for traces.
     approval_request_id: str | None = None
     decision: str | None = None
+    #: The ownership epoch of this run: the fencing token ``current_call().epoch`` (see ``CallContext``).
+    epoch: int = 1
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,13 @@ class CallContext:
     tool_name: str
     idempotency_key: str | None
     attempt: int = 1  # the tool's retry policy's attempt number; the key is the same on every attempt
+    #: The ownership epoch: 1 for a call's first run, one more each time the call is claimed again (an approved
+    #: call claimed to run, a released call re-claimed, recovery taking it over). A fencing token for the
+    #: upstream, sent beside the idempotency key (never in it: the key stays ``do-{effect_id}``): an upstream
+    #: that remembers the highest epoch it has seen for a key refuses a write with a lower one, so a process
+    #: stalled past its lease cannot write after recovery took its call over (recovery's probe carries the new
+    #: epoch). MCP: ``_meta["dev.undolog/epoch"]``; the proxy: the ``UndoLog-Epoch`` header.
+    epoch: int = 1
 
 
 # The call being run: its CallContext, or (a first attempt run by the driver) the Execute decision it runs under,
@@ -196,16 +206,17 @@ def execute_now(effect_id: str | None, args: dict[str, Any], idempotency_key: st
     d = _new(Execute)
     _set_attr(d, "__dict__", {"effect_id": effect_id, "args": args, "idempotency_key": idempotency_key, "tier": tier,
                               "tool_name": tool_name, "call_id": call_id, "session_id": session_id,
-                              "approval_request_id": None, "decision": None})
+                              "approval_request_id": None, "decision": None, "epoch": 1})
     return d
 
 
 def call_context(session_id: str, effect_id: str | None, call_id: str | None, tool_name: str,
-                  idempotency_key: str | None, attempt: int) -> CallContext:
+                  idempotency_key: str | None, attempt: int, epoch: int = 1) -> CallContext:
     """``CallContext(...)``, built fast (see :func:`execute_now`)."""
     ctx = _new(CallContext)
     _set_attr(ctx, "__dict__", {"session_id": session_id, "effect_id": effect_id, "call_id": call_id,
-                                "tool_name": tool_name, "idempotency_key": idempotency_key, "attempt": attempt})
+                                "tool_name": tool_name, "idempotency_key": idempotency_key, "attempt": attempt,
+                                "epoch": epoch})
     return ctx
 
 
@@ -221,7 +232,7 @@ def current_call() -> CallContext | None:
     if running is None or running.__class__ is CallContext:
         return running
     return call_context(running.session_id, running.effect_id, running.call_id, running.tool_name,
-                        running.idempotency_key, 1)
+                        running.idempotency_key, 1, running.epoch)
 
 
 @dataclass
@@ -360,6 +371,7 @@ class Engine:
         self.hot = store.hot_path(pool_size=store.pool_size, fast_pool_size=FAST_POOL_SIZE)
         # The hot path's remembered session reads (SQLite's turn check, one per thread) bounded like the records.
         self.hot.memo_size = min(self.hot.memo_size, max_sessions)
+        self.hot.owner = leases.owner  # the commit mark's fence: never over a call taken over meanwhile
         # Deferred commit marks (fast mode, or a mark a dropped connection held back) wait here for the flusher (a
         # batch, not fsynced, once the oldest queued mark is MARK_FLUSH_SECONDS old, unless a reader or the
         # session's end wrote them first). Their effects stay in flight (leased) until written.
@@ -1137,11 +1149,12 @@ class Engine:
                     self._check_still_approved(req, row)
                     if req is not None and req.approved_args is not None:
                         args_json = req.approved_args  # a modify: what the person approved runs, nothing else
-                if not self.store.claim_effect_in(
+                epoch = self.store.claim_effect_in(
                     conn, row.effect_id, from_state=EffectState.RELEASED.value,
                     to_state=row.released_from or EffectState.PENDING.value, owner=self.leases.owner,
                     lease_until=now + dt.timedelta(seconds=self.lease_seconds), now=now,
-                ):
+                )
+                if not epoch:
                     lost = True
                     raise InvalidEffectState(f"call {row.call_id!r} was re-claimed by another caller")
                 self.store.back_in_flight_in(conn, row.seq)
@@ -1151,7 +1164,8 @@ class Engine:
             raise
         self.leases.start()
         args = spec.checked(args_json)
-        return Execute(row.effect_id, args, f"do-{row.effect_id}", spec.tier, spec.name, row.call_id, row.session_id)
+        return Execute(row.effect_id, args, f"do-{row.effect_id}", spec.tier, spec.name, row.call_id, row.session_id,
+                       epoch=epoch)
 
     @staticmethod
     def _check_still_approved(req: Any, row: Any) -> None:
@@ -1308,10 +1322,11 @@ class Engine:
         try:
             with self.store.tx() as conn:
                 self._guard(conn, sc, count, pin=None)
-                if not self.store.claim_effect_in(
+                epoch = self.store.claim_effect_in(
                     conn, row.effect_id, from_state=EffectState.APPROVED.value, to_state=EffectState.RUNNING.value,
                     owner=self.leases.owner, lease_until=now + dt.timedelta(seconds=self.lease_seconds), now=now,
-                ):
+                )
+                if not epoch:
                     lost = True
                     raise _ClaimLost(f"call {row.call_id!r} was claimed by another caller")
                 self.store.back_in_flight_in(conn, row.seq)
@@ -1329,7 +1344,7 @@ class Engine:
         decision = ("auto_approved" if row.req_state == RequestState.AUTO_APPROVED
                     else "modify" if row.approved_digest not in (None, row.args_digest) else "approve")
         return Execute(row.effect_id, validated, f"do-{row.effect_id}", IRREVERSIBLE, spec.name, row.call_id,
-                       sc.session_id, row.approval_request_id, decision)
+                       sc.session_id, row.approval_request_id, decision, epoch)
 
     def _request_approval(
         self,
@@ -1445,11 +1460,32 @@ class Engine:
         if not wait:
             raise WouldBlock()  # not in flight any more: the precise error needs a transaction, in a thread
         try:
-            state = self.store.mark_committed(effect_id, text, from_epoch(now), fast=self.fast_commit_mark)
+            state = self.store.mark_committed(effect_id, text, from_epoch(now), fast=self.fast_commit_mark,
+                                              owner=self.leases.owner)
+            if state in LATE_FINISH_STATES:
+                self._finished_late(effect_id, text)
+                return
+            if state == EffectState.COMMITTED.value:
+                return  # taken over, and its probe proved the call happened: the caller's "done" agrees
         finally:
             self._inflight.discard(effect_id)
         if state is not None:
             self._missing_or_moved(effect_id, state, EffectState.COMMITTED)
+
+    def _finished_late(self, effect_id: str, text: str) -> None:
+        """The tool returned, but another process had taken the call over (recovery claimed it and compensated it,
+        or settled it ``unknown``, or is doing so now): recorded, never lost, never re-compensated. The effect
+        becomes ``unknown`` with the finish (and its result) in the audit trail, the session halts, and the caller
+        gets ``OutcomeConflict``. A probe that proved the call ``committed`` already agrees: nothing to record."""
+        late = self.store.record_late_finish(effect_id, text, utcnow())
+        if late is None:
+            return
+        self.note_state(late.session_id, SessionState.HALTED)
+        engine_log.error(
+            "late finish: %s (session %s, effect %s) finished after another process took it over (it was %s): "
+            "recorded, effect unknown, session halted", late.tool_name, late.session_id, effect_id,
+            late.state_before, extra=ids(late.session_id, effect_id))
+        raise OutcomeConflict(effect_id, late.tool_name, late.session_id, late.state_before)
 
     def record_failure(self, effect_id: str, error: BaseException | str, *, nothing_happened: bool = False,
                        rollback: tuple[str, str] | None = None) -> FailureRecord:
@@ -1498,7 +1534,7 @@ class Engine:
     def running(self, d: Execute, session_id: str | None = None, attempt: int = 1) -> _Running:
         """Expose ``current_call()`` to the tool while it runs (a context manager)."""
         return _Running(call_context(session_id or d.session_id, d.effect_id, d.call_id, d.tool_name,
-                                      d.idempotency_key, attempt))
+                                      d.idempotency_key, attempt, d.epoch))
 
     # -- deferred marks ------------------------------------------------------------------------------
 

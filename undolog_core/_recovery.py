@@ -36,6 +36,9 @@ class ProbeContext:
     effect_id: str
     session_id: str
     tool_name: str
+    #: The ownership epoch of this recovery's claim (the fencing token; see ``CallContext.epoch``): above the
+    #: epoch of the process that ran the call, so an upstream told of it refuses that process's late write.
+    epoch: int = 1
 
 
 @dataclass
@@ -76,10 +79,13 @@ class Recovery:
         return not owner_alive(owner, lease, effect_id=effect_id, undo_id=undo_id, rolling=rolling)
 
     def recover(self, progress: Callable[[int, int, str], None] | None = None, *,
-                sessions: Collection[str] | None = None) -> RecoveryReport:
+                sessions: Collection[str] | None = None, take_over: Collection[str] = ()) -> RecoveryReport:
         """Finish what crashed processes left in flight. Safe to run from several processes at once.
 
         ``sessions`` limits it to those sessions (the undo-check harness recovers only its own runs).
+        ``take_over``: effect ids a person has decided to take over although their owner still runs on this host
+        (a process stopped for good: ``undolog recover --take-over EFFECT``). If that process finishes the call
+        after all, its finish is recorded (``OutcomeConflict``), the effect ``unknown``.
 
         Example:
             >>> report = undolog.recover()
@@ -87,7 +93,7 @@ class Recovery:
             [{'effect_id': '...', 'tool_name': 'send_refund_email', 'outcome': 'compensated'}]
         """
         with obs.span("undolog.recover", {}) as sp:
-            report = self._recover(progress, sessions)
+            report = self._recover(progress, sessions, frozenset(take_over))
             sp.set_attributes({"undolog.reconciled": len(report.reconciled), "undolog.left_alive": report.left_alive,
                                "undolog.rollbacks_resumed": len(report.rollbacks_resumed),
                                "undolog.dead_lettered": len(report.dead_lettered), "undolog.errors": len(report.errors)})
@@ -101,7 +107,7 @@ class Recovery:
         return report
 
     def _recover(self, progress: Callable[[int, int, str], None] | None,
-                 sessions: Collection[str] | None = None) -> RecoveryReport:
+                 sessions: Collection[str] | None = None, take_over: frozenset[str] = frozenset()) -> RecoveryReport:
         report = RecoveryReport()
         self._flush_marks()
         seen = self._store.in_flight()
@@ -111,7 +117,13 @@ class Recovery:
             effects = [r for r in effects if r.session_id in only]
             undos = [r for r in undos if r.session_id in only]
             intents = [r for r in intents if r.session_id in only]
-        dead_effects = [r for r in effects if self._dead(r.owner, r.lease_until, r.effect_id)]
+        if take_over:
+            # A person's decision, never a default: the named effects are taken over whoever owns them.
+            missing = sorted(take_over - {r.effect_id for r in effects})
+            for effect_id in missing:
+                report.errors.append(f"effect {effect_id}: not in flight; nothing to take over")
+        dead_effects = [r for r in effects
+                        if r.effect_id in take_over or self._dead(r.owner, r.lease_until, r.effect_id)]
         report.left_alive = len(effects) - len(dead_effects)
         # A requested rollback whose walker is gone is finished: the whole session, as was asked.
         dead_intents = [r for r in intents if self._dead(r.owner, r.lease_until, rolling=r.session_id)]
@@ -240,7 +252,7 @@ class Recovery:
                 spec = self._registry.tools[c.tool_name]
                 if spec.probe is not None:
                     ctx = ProbeContext(dict(c.args_snapshot), f"do-{c.effect_id}", c.effect_id, c.session_id,
-                                       c.tool_name)
+                                       c.tool_name, int(c.epoch) + 1)
                     try:
                         verdict = spec.probe(ctx)
                         if inspect.isawaitable(verdict):
@@ -382,7 +394,8 @@ class Recovery:
         row = self._store.effect(r.effect_id)
         verdict: Any = None
         if spec.probe is not None:
-            ctx = ProbeContext(dict(row.args_snapshot), f"do-{r.effect_id}", r.effect_id, r.session_id, r.tool_name)
+            ctx = ProbeContext(dict(row.args_snapshot), f"do-{r.effect_id}", r.effect_id, r.session_id, r.tool_name,
+                               int(row.epoch))
             verdict = spec.probe(ctx)
             if inspect.isawaitable(verdict):
                 verdict = run_coro_blocking(verdict)

@@ -268,7 +268,7 @@ class Saga:
         self._store.undo_attempt_failed(entry.undo_id, error)
 
     def _succeeded(self, entry: _Entry) -> None:
-        self._store.undo_compensated(entry.undo_id, entry.effect_id)
+        self._store.undo_compensated(entry.undo_id, entry.effect_id, in_flight=entry.effect_state in IN_FLIGHT)
         self._leases.compensating.discard(entry.undo_id)
 
     def _failed(self, session_id: str, entry: _Entry, error: str) -> str:

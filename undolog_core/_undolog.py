@@ -212,12 +212,20 @@ class UndoLog:
     async def arollback(self, session_id: str, *, actor: str = "undolog") -> RollbackReport:
         return await self.saga.rollback(session_id, actor=actor, reason="requested")
 
-    def recover(self, progress: Any = None, *, sessions: Iterable[str] | None = None) -> RecoveryReport:
+    def recover(self, progress: Any = None, *, sessions: Iterable[str] | None = None,
+                take_over: Iterable[str] = ()) -> RecoveryReport:
         """Reconcile effects left in flight by crashed processes; see the README's guarantees.
 
-        ``sessions`` limits it to those sessions (everything in flight by default).
+        ``sessions`` limits it to those sessions (everything in flight by default). ``take_over`` names effects to
+        reconcile although their owner still runs on this host (a person's decision: a process stopped for good);
+        a call of such a process that finishes afterwards is recorded as a late finish, the effect ``unknown``.
+
+        Example:
+            >>> undolog.recover(take_over=["3f2a..."]).reconciled
+            [{'effect_id': '3f2a...', 'tool_name': 'send_refund_email', 'outcome': 'compensated'}]
         """
-        return self._recovery.recover(progress=progress, sessions=None if sessions is None else set(sessions))
+        return self._recovery.recover(progress=progress, sessions=None if sessions is None else set(sessions),
+                                      take_over=set(take_over))
 
     def verify_audit(
         self, *, checkpoints: str | os.PathLike[str] | None = None, public_key: str | os.PathLike[str] | None = None

@@ -233,10 +233,10 @@ class Gateway:
         cfg = self.config.upstreams[upstream]
 
         async def call(name: str, args: Mapping[str, Any], key: str | None,
-                       check: Callable[[], None] | None = None) -> types.CallToolResult:
+                       check: Callable[[], None] | None = None, epoch: int | None = None) -> types.CallToolResult:
             if self.connections is not None and asyncio.get_running_loop() is self._loop:
-                return await self.connections.call(cfg, name, args, key, check=check)
-            return await PORTAL.call(cfg, name, args, key)
+                return await self.connections.call(cfg, name, args, key, check=check, epoch=epoch)
+            return await PORTAL.call(cfg, name, args, key, epoch=epoch)
 
         return call
 
@@ -263,8 +263,9 @@ class Gateway:
         call = self._upstream_call(cfg.upstream)
 
         async def probe(ctx: Any) -> Any:
+            # The probe carries the claim's epoch in _meta: an upstream fencing by epoch learns of the take-over.
             out = await call(probe_tool, {"tool": cfg.name, "args": ctx.args, "idempotency_key": ctx.idempotency_key},
-                             None)
+                             None, None, ctx.epoch)
             if out.isError:
                 raise UndoLogError(f"probe {probe_tool} answered an error: {text_of(out)}")
             verdict = out.structuredContent or {}
@@ -387,7 +388,9 @@ class Gateway:
 
         async def invoke(args: dict[str, Any]) -> types.CallToolResult:
             try:
-                return await upstream(tool_name, args, d.idempotency_key, unchanged)
+                # The epoch beside the key (a SAFE call has neither: nothing is logged for it).
+                return await upstream(tool_name, args, d.idempotency_key, unchanged,
+                                      d.epoch if d.idempotency_key else None)
             except UpstreamRefused as exc:
                 return error_result(str(exc))  # a protocol refusal, or no upstream to take it: it did not run
 

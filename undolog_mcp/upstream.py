@@ -31,6 +31,10 @@ log = logging.getLogger("undolog.mcp")
 
 # The idempotency key travels in the call's _meta under this name; an upstream that does not know it ignores it.
 IDEMPOTENCY_META = "dev.undolog/idempotency-key"
+# The call's ownership epoch travels beside it (a fencing token: ``CallContext.epoch``). An upstream that keeps the
+# highest epoch it has seen per idempotency key may refuse a write whose epoch is below it: a process stalled past
+# its lease then cannot write after recovery (whose probe carries the next epoch) took its call over.
+EPOCH_META = "dev.undolog/epoch"
 # httpx.codes.REQUEST_TIMEOUT, which the SDK's client answers a timed-out request with.
 _TIMEOUT_CODE = 408
 
@@ -103,14 +107,18 @@ class Upstream:
     def __post_init__(self) -> None:
         self._timeout = dt.timedelta(seconds=self.config.timeout)
 
-    async def call(self, name: str, args: Mapping[str, Any], idempotency_key: str | None) -> types.CallToolResult:
-        """One ``tools/call``; a call that gets no answer raises :class:`OutcomeUnknown`.
+    async def call(self, name: str, args: Mapping[str, Any], idempotency_key: str | None, *,
+                   epoch: int | None = None) -> types.CallToolResult:
+        """One ``tools/call``; a call that gets no answer raises :class:`OutcomeUnknown`. ``epoch``: the call's
+        ownership epoch, sent in ``_meta`` beside the key (:data:`EPOCH_META`).
 
         Raises:
             OutcomeUnknown: no answer within the upstream's timeout, or the connection was lost.
             UpstreamRefused: a JSON-RPC error answer (the call did not run).
         """
-        meta = {IDEMPOTENCY_META: idempotency_key} if idempotency_key else None
+        meta: dict[str, Any] = {IDEMPOTENCY_META: idempotency_key} if idempotency_key else {}
+        if epoch is not None:
+            meta[EPOCH_META] = epoch
         try:
             try:
                 result: types.CallToolResult = await self.session.send_request(
@@ -273,7 +281,7 @@ class Connections:
             raise
 
     async def call(self, config: UpstreamConfig, name: str, args: Mapping[str, Any], key: str | None, *,
-                   check: Callable[[], None] | None = None) -> types.CallToolResult:
+                   check: Callable[[], None] | None = None, epoch: int | None = None) -> types.CallToolResult:
         """One call over the live connection; a lost connection is dropped, so the next call opens another.
         ``check`` runs once the connection is open, before the call is sent; what it raises is not sent.
 
@@ -291,7 +299,7 @@ class Connections:
             if check is not None:
                 check()
             try:
-                return await up.call(name, args, key)
+                return await up.call(name, args, key, epoch=epoch)
             except _NotSent as exc:
                 # It went away between calls, before its end was noticed: the call was never sent, so it goes
                 # to the upstream started again (once: a second closed connection is not a race).
@@ -380,18 +388,18 @@ class Portal:
             return self._loop
 
     async def call(self, config: UpstreamConfig, name: str, args: Mapping[str, Any],
-                   key: str | None) -> types.CallToolResult:
+                   key: str | None, *, epoch: int | None = None) -> types.CallToolResult:
         """One call over this process's connection to ``config``'s upstream (opened on first use)."""
         loop = self._ensure_loop()
         fut: concurrent.futures.Future[types.CallToolResult] = asyncio.run_coroutine_threadsafe(
-            self._call(config, name, args, key), loop)
+            self._call(config, name, args, key, epoch), loop)
         return await asyncio.wrap_future(fut)
 
     async def _call(self, config: UpstreamConfig, name: str, args: Mapping[str, Any],
-                    key: str | None) -> types.CallToolResult:
+                    key: str | None, epoch: int | None = None) -> types.CallToolResult:
         if self._connections is None:
             self._connections = Connections()
-        return await self._connections.call(config, name, args, key)
+        return await self._connections.call(config, name, args, key, epoch=epoch)
 
 
 PORTAL = Portal()

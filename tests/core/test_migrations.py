@@ -277,5 +277,5 @@ def _objects_at(db, move) -> dict[str, set[str]]:
 
 def _sqlite_objects(c) -> dict[str, set[str]]:
     rows = c.execute(sa.text("SELECT type, name FROM sqlite_master WHERE type IN ('trigger', 'view') "
-                             "AND name NOT LIKE 'undolog_events_%'")).all()
+                             "AND name NOT LIKE 'undolog_events_%' AND name NOT LIKE 'undolog_audit_head_%'")).all()
     return {kind: {n for k, n in rows if k == kind} for kind in ("trigger", "view")}

@@ -124,6 +124,7 @@ async def test_each_tier_and_what_is_not_exposed(db: Any, tmp_path: Path) -> Non
     assert "search_tickets" not in by_tool  # SAFE calls touch no database
     assert by_tool["create_ticket"]["state"] == EffectState.COMMITTED
     assert state["calls"][1]["key"] == f"do-{by_tool['create_ticket']['effect_id']}"
+    assert state["calls"][0]["epoch"] is None and state["calls"][1]["epoch"] == 1  # the fencing token beside it
     assert by_tool["delete_project"]["state"] == EffectState.AWAITING_APPROVAL
 
 

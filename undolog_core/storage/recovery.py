@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 
+from ..states import EFFECT, SESSION
 from . import schema as t
 from .base import utcnow
 from .calls import CallsSQL
@@ -31,12 +32,14 @@ _u, _e, _s = t.undo_stack, t.effect_log, t.sessions
 _UNDO_DONE = _u.update().where(_u.c.undo_id == sa.bindparam("uid")).values(
     state=UndoState.COMPENSATED.value, attempts=_u.c.attempts + 1, owner=None, lease_until=None,
     updated_at=sa.bindparam("now"))
-_EFFECT_DONE = _e.update().where(_e.c.effect_id == sa.bindparam("eid")).values(
+# Only while the effect is in flight: a late finish of its own process (``record_late_finish``) may have made it
+# ``unknown`` meanwhile, and that record stands.
+_EFFECT_DONE = _e.update().where(_e.c.effect_id == sa.bindparam("eid"),
+                                 EFFECT.guard("recover_compensated", _e.c.state)).values(
     state=EffectState.COMPENSATED.value, owner=None, lease_until=None, updated_at=sa.bindparam("now"))
 # halt_in's statement and outbox row, with bound values.
 _HALT = _s.update().where(
-    _s.c.session_id == sa.bindparam("sid"), _s.c.state != SessionState.ROLLED_BACK.value,
-    _s.c.state != SessionState.COMPLETED.value,
+    _s.c.session_id == sa.bindparam("sid"), SESSION.guard("halt", _s.c.state),
 ).values(state=SessionState.HALTED.value, halted_reason=sa.bindparam("why"), updated_at=sa.bindparam("now"))
 _HALTED_OUTBOX = t.outbox.insert().values(event_type="session.halted", payload=sa.bindparam("payload"),
                                           created_at=sa.bindparam("now"), attempts=0)
@@ -51,6 +54,11 @@ _DONE_AS_ONE = _HALTED_OUTBOX.add_cte(
 _PG_DONE = _DONE_AS_ONE.compile(dialect=pg_psycopg.dialect())  # type: ignore[no-untyped-call]
 _PG_DONE_AS_ONE = str(_PG_DONE)
 _PG_DONE_PARAMS = dict(_PG_DONE.params)
+
+
+#: The transition of the state table (``states.EFFECT``) that each of recovery's verdicts is.
+_SETTLED_BY = {EffectState.COMMITTED: "commit", EffectState.UNKNOWN: "recover_unknown",
+               EffectState.APPROVED: "recover_not_run"}
 
 
 def _same(col: Any, value: Any) -> Any:
@@ -99,7 +107,9 @@ class RecoverySQL(CallsSQL):
         with self.tx() as conn:
             if conn.execute(self.for_update(sa.select(e.c.effect_id).where(*same), skip_locked=True)).first() is None:
                 return False
-            res = conn.execute(e.update().where(*same).values(owner=owner, lease_until=lease_until))
+            # A new owner, a new epoch: the fencing token its probe carries, above the stalled owner's.
+            res = conn.execute(e.update().where(*same).values(owner=owner, lease_until=lease_until,
+                                                              epoch=e.c.epoch + 1))
             return bool(res.rowcount == 1)
 
     def claim_in_doubt_batch(self, seen: Sequence[tuple[str, str, str | None]], owner: str,
@@ -116,7 +126,7 @@ class RecoverySQL(CallsSQL):
         e, u = t.effect_log, t.undo_stack
         want = {eid: (state, who) for eid, state, who in seen}
         q = (sa.select(e.c.effect_id, e.c.seq, e.c.session_id, e.c.tool_name, e.c.state, e.c.owner,
-                       e.c.args_snapshot, u.c.undo_id, u.c.state.label("undo_state"), u.c.owner.label("undo_owner"),
+                       e.c.args_snapshot, e.c.epoch, u.c.undo_id, u.c.state.label("undo_state"), u.c.owner.label("undo_owner"),
                        u.c.compensation_name, u.c.compensation_version, u.c.attempts)
              .select_from(e.join(u, u.c.undo_id == e.c.seq))
              .where(self.one_of(e.c.effect_id, list(want))).order_by(e.c.seq))
@@ -125,7 +135,7 @@ class RecoverySQL(CallsSQL):
                     if (r.state, r.owner) == want[r.effect_id] and eligible(r)]
             if rows:
                 conn.execute(e.update().where(self.one_of(e.c.effect_id, [r.effect_id for r in rows]))
-                             .values(owner=owner, lease_until=lease_until))
+                             .values(owner=owner, lease_until=lease_until, epoch=e.c.epoch + 1))
         return rows
 
     def settle_and_claim_undos(self, committed: Sequence[tuple[str, Any]], undo_ids: Sequence[int], owner: str,
@@ -137,7 +147,7 @@ class RecoverySQL(CallsSQL):
         now = utcnow()
         with self.tx() as conn:
             for effect_id, result in committed:
-                conn.execute(e.update().where(e.c.effect_id == effect_id).values(
+                conn.execute(e.update().where(e.c.effect_id == effect_id, EFFECT.guard("commit", e.c.state)).values(
                     state=EffectState.COMMITTED.value, result_snapshot=result, owner=None, lease_until=None,
                     updated_at=now))
             if not undo_ids:
@@ -177,7 +187,9 @@ class RecoverySQL(CallsSQL):
 
     def settle_effect(self, effect_id: str, state: EffectState, *, result: Any = None, error: str | None = None,
                       halt: tuple[str, str] | None = None) -> None:
-        """Recovery's verdict on an effect, and (``halt`` = (session, reason)) the session halted for a person."""
+        """Recovery's verdict on an effect, and (``halt`` = (session, reason)) the session halted for a person.
+
+        Only while the effect is in flight: a late finish recorded meanwhile (``record_late_finish``) stands."""
         now = utcnow()
         values: dict[str, Any] = {"state": state.value, "owner": None, "lease_until": None, "updated_at": now}
         if state is EffectState.COMMITTED:
@@ -185,7 +197,9 @@ class RecoverySQL(CallsSQL):
         if error is not None:
             values["error"] = error
         with self.tx() as conn:
-            conn.execute(t.effect_log.update().where(t.effect_log.c.effect_id == effect_id).values(**values))
+            conn.execute(t.effect_log.update().where(t.effect_log.c.effect_id == effect_id,
+                                                     EFFECT.guard(_SETTLED_BY[state], t.effect_log.c.state))
+                         .values(**values))
             if halt is not None:
                 self.halt_in(conn, halt[0], halt[1], now)
 

@@ -194,6 +194,9 @@ effect_log = sa.Table(
     sa.Column("lease_until", UTCDateTime),
     sa.Column("recovery_attempts", sa.Integer, nullable=False, server_default="0"),
     sa.Column("released_from", sa.String(32)),
+    # The ownership epoch (revision 0015): 1 at the pre-write, one more at every claim (an approved call claimed, a
+    # released call re-claimed, recovery taking it over). The fencing token a tool passes upstream beside its key.
+    sa.Column("epoch", sa.Integer, nullable=False, server_default="1"),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("updated_at", UTCDateTime, nullable=False),
     sa.UniqueConstraint("session_id", "call_id", name="uq_undolog_effect_call"),
@@ -391,6 +394,34 @@ audit_head = sa.Table(
     sa.Column("last_event_id", sa.BigInteger, nullable=False),
     sa.Column("last_hash", sa.String(64), nullable=False),
 )
+
+# The head rows only move forward (revision 0015): no new chain, none removed, none renumbered or cut back. Defence
+# in depth (a trigger can be dropped by whoever can write the database); ``verify --checkpoints`` is the real check.
+PG_AUDIT_HEAD_GUARD_FUNCTION = """
+CREATE OR REPLACE FUNCTION undolog_audit_head_guard() RETURNS trigger AS $$
+BEGIN
+  IF TG_OP = 'UPDATE' AND NEW.head_id = OLD.head_id AND NEW.last_event_id >= OLD.last_event_id THEN
+    RETURN NEW;
+  END IF;
+  RAISE EXCEPTION 'undolog_audit_head only moves forward (% refused: chains are 1..%(chains)d, never added, removed, renumbered or cut back)', TG_OP
+    USING ERRCODE = 'insufficient_privilege';
+END;
+$$ LANGUAGE plpgsql
+""".replace("%(chains)d", str(AUDIT_CHAINS))
+PG_AUDIT_HEAD_GUARD_TRIGGER = ("CREATE TRIGGER undolog_audit_head_guard BEFORE INSERT OR UPDATE OR DELETE ON "
+                               "undolog_audit_head FOR EACH ROW EXECUTE FUNCTION undolog_audit_head_guard()")
+SQLITE_AUDIT_HEAD_GUARDS = {
+    "undolog_audit_head_no_insert": "CREATE TRIGGER undolog_audit_head_no_insert BEFORE INSERT ON undolog_audit_head "
+                                    "BEGIN SELECT RAISE(ABORT, 'undolog_audit_head only moves forward (INSERT "
+                                    "refused)'); END",
+    "undolog_audit_head_no_delete": "CREATE TRIGGER undolog_audit_head_no_delete BEFORE DELETE ON undolog_audit_head "
+                                    "BEGIN SELECT RAISE(ABORT, 'undolog_audit_head only moves forward (DELETE "
+                                    "refused)'); END",
+    "undolog_audit_head_no_back": "CREATE TRIGGER undolog_audit_head_no_back BEFORE UPDATE ON undolog_audit_head "
+                                  "WHEN NEW.head_id <> OLD.head_id OR NEW.last_event_id < OLD.last_event_id "
+                                  "BEGIN SELECT RAISE(ABORT, 'undolog_audit_head only moves forward (renumbered "
+                                  "or cut back)'); END",
+}
 
 tool_registry = sa.Table(
     "undolog_tool_registry",
