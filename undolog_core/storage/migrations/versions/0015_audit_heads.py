@@ -15,7 +15,7 @@ Idempotent: the missing head rows are created (0009 made them; a hand-made datab
 is replaced if present, the column added only when missing. Both databases.
 
 Revision ID: 0015_audit_heads
-Revises: 0011_due_index
+Revises: 0012_principal_refs
 """
 
 import sqlalchemy as sa
@@ -24,7 +24,7 @@ from alembic import op
 from undolog_core.storage import schema as s
 
 revision = "0015_audit_heads"
-down_revision = "0011_due_index"
+down_revision = "0012_principal_refs"
 branch_labels = None
 depends_on = None
 
