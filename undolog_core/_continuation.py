@@ -36,7 +36,7 @@ class ReplayedEffect:
     effect_id: str
     tool_name: str
     result: Any
-    kickoff_id: str
+    kickoff_id: str | None  # None: a run known by its calls (a Semantic Kernel history), not by a kickoff id
 
     def note(self) -> str:
         """The text a model reads after the replayed result: the call was not run again, and why."""
@@ -70,7 +70,7 @@ class Continuation:
         ...     hit = cont.take(spec, args)                            # None: run the call
     """
 
-    def __init__(self, session_id: str, kickoff_id: str, effects: list[Any]) -> None:
+    def __init__(self, session_id: str, kickoff_id: str | None, effects: list[Any]) -> None:
         self.session_id = session_id
         self.kickoff_id = kickoff_id
         self._lock = threading.Lock()

@@ -249,6 +249,22 @@ class CallsSQL(Store):
                 .order_by(e.c.seq)
             ).all())
 
+    def effects_of_calls(self, session_id: str, call_ids: Sequence[str]) -> list[Any]:
+        """The committed effects of these calls of the session (a resumed conversation's history), in the order they
+        were logged; the columns of :meth:`kickoff_effects`."""
+        e, r = _E, t.approval_requests
+        found: list[Any] = []
+        with self.read() as conn:
+            for start in range(0, len(call_ids), 500):  # (bounded IN lists)
+                found.extend(conn.execute(
+                    sa.select(e.c.seq, e.c.effect_id, e.c.tool_name, e.c.tier, e.c.args_digest, r.c.approved_digest,
+                              e.c.result_snapshot)
+                    .select_from(e.outerjoin(r, r.c.effect_id == e.c.effect_id))
+                    .where(e.c.session_id == session_id, e.c.call_id.in_(list(call_ids[start:start + 500])),
+                           e.c.state == EffectState.COMMITTED.value)
+                ).all())
+        return sorted(found, key=lambda row: row.seq)
+
     def recent_effects_in(self, conn: Connection, session_id: str, n: int) -> list[Any]:
         """The session's last ``n`` logged calls, oldest first (the approval request's context)."""
         rows = conn.execute(
