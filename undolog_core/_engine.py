@@ -1150,6 +1150,7 @@ class Engine:
         """
         now = utcnow()
         args_json = row.args_snapshot
+        request_id, decision = None, None  # (for an IRREVERSIBLE call: its request, and how it was decided)
         added, lost = row.effect_id not in self._inflight, False  # (as in _claim_run: a loser leaves it alone)
         self._inflight.add(row.effect_id)
         try:
@@ -1158,8 +1159,12 @@ class Engine:
                 if row.tier == IRREVERSIBLE:
                     req = self.store.request_of_effect_in(conn, row.effect_id)
                     self._check_still_approved(req, row)
+                    if req is not None:
+                        request_id, decision = req.approval_request_id, "approve"
                     if req is not None and req.approved_args is not None:
                         args_json = req.approved_args  # a modify: what the person approved runs, nothing else
+                        if canonical_json(req.approved_args) != canonical_json(row.args_snapshot):
+                            decision = "modify"  # (the adapter tells the model its call was changed)
                 if not self.store.claim_effect_in(
                     conn, row.effect_id, from_state=EffectState.RELEASED.value,
                     to_state=row.released_from or EffectState.PENDING.value, owner=self.leases.owner,
@@ -1174,7 +1179,8 @@ class Engine:
             raise
         self.leases.start()
         args = spec.checked(args_json)
-        return Execute(row.effect_id, args, f"do-{row.effect_id}", spec.tier, spec.name, row.call_id, row.session_id)
+        return Execute(row.effect_id, args, f"do-{row.effect_id}", spec.tier, spec.name, row.call_id, row.session_id,
+                       request_id, decision)
 
     @staticmethod
     def _check_still_approved(req: Any, row: Any) -> None:
