@@ -4,6 +4,7 @@ written through the storage (``undolog_core/storage``), never by SQL of its own.
 from __future__ import annotations
 
 import collections
+import contextlib
 import contextvars
 import datetime as dt
 import itertools
@@ -191,6 +192,28 @@ class CallContext:
 # CallContext is built on the read instead of on every call.
 _current: contextvars.ContextVar[CallContext | Execute | None] = contextvars.ContextVar(
     "undolog_current_call", default=None)
+
+# The framework run (a CrewAI kickoff, a Semantic Kernel turn) the calls in this context belong to, set by an adapter
+# around the run (``kickoff_scope``): recorded on each effect they log (``effect_log.kickoff_id``), so that a
+# continuation of the run can replay what it already did instead of doing it again. Such calls take the general
+# pre-write (a transaction) rather than the hot path's one statement, which has no column for it.
+KICKOFF: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_kickoff", default=None)
+
+
+@contextlib.contextmanager
+def kickoff_scope(kickoff_id: str | None) -> Iterator[None]:
+    """Record ``kickoff_id`` on every effect logged inside the block (this context and those copied from it).
+
+    Example:
+        >>> with kickoff_scope("kickoff-7"):                      # doctest: +SKIP
+        ...     crew.kickoff()
+    """
+    token = KICKOFF.set(kickoff_id)
+    try:
+        yield
+    finally:
+        KICKOFF.reset(token)
+
 
 # A frozen dataclass's generated __init__ sets each field through object.__setattr__: about a microsecond for
 # Execute's nine fields, on every COMPENSABLE call. The hot path builds the same objects by setting their __dict__
@@ -1039,7 +1062,8 @@ class Engine:
         self._inflight.add(effect_id)
         try:
             # With ``start``, the session's row is written by this same statement.
-            written = pin is None and self.hot.prewrite(
+            kickoff = KICKOFF.get()
+            written = pin is None and kickoff is None and self.hot.prewrite(
                 session_id, safe + carried, effect_id, call_id or effect_id, spec.name, spec.revision, args_text,
                 digest, self.leases.owner, now, now + self.lease_seconds, comp.name, comp.version, wait, start,
             )
@@ -1058,7 +1082,7 @@ class Engine:
                 # Pinning a newly registered tool, or the session refused the write: the general path
                 # does the same transaction and raises the precise error.
                 self._prewrite_core(sc, spec, safe + carried + 1, pin, effect_id, call_id, args_json, digest,
-                                    from_epoch(now))
+                                    from_epoch(now), kickoff)
         except IntegrityConflict:
             self._inflight.discard(effect_id)
             self._give_back(sc, safe, carried)
@@ -1098,7 +1122,7 @@ class Engine:
 
     def _prewrite_core(
         self, sc: SessionCache, spec: ToolSpec, count: int, pin: ToolSpec | None, effect_id: str,
-        call_id: str | None, args_json: Any, digest: str, now: dt.datetime,
+        call_id: str | None, args_json: Any, digest: str, now: dt.datetime, kickoff_id: str | None = None,
     ) -> None:
         assert spec.compensation is not None
         with self.store.tx() as conn:
@@ -1108,7 +1132,7 @@ class Engine:
                 "tool_name": spec.name, "tool_revision": spec.revision, "tier": COMPENSABLE.value,
                 "state": EffectState.PENDING.value, "args_snapshot": args_json, "args_digest": digest,
                 "owner": self.leases.owner, "lease_until": now + dt.timedelta(seconds=self.lease_seconds),
-                "recovery_attempts": 0, "created_at": now, "updated_at": now,
+                "recovery_attempts": 0, "created_at": now, "updated_at": now, "kickoff_id": kickoff_id,
             })
             self.store.insert_undo_in(conn, {
                 "undo_id": seq, "effect_id": effect_id, "session_id": sc.session_id,
@@ -1139,6 +1163,7 @@ class Engine:
         """
         now = utcnow()
         args_json = row.args_snapshot
+        request_id, decision = None, None  # (for an IRREVERSIBLE call: its request, and how it was decided)
         added, lost = row.effect_id not in self._inflight, False  # (as in _claim_run: a loser leaves it alone)
         self._inflight.add(row.effect_id)
         try:
@@ -1147,8 +1172,12 @@ class Engine:
                 if row.tier == IRREVERSIBLE:
                     req = self.store.request_of_effect_in(conn, row.effect_id)
                     self._check_still_approved(req, row)
+                    if req is not None:
+                        request_id, decision = req.approval_request_id, "approve"
                     if req is not None and req.approved_args is not None:
                         args_json = req.approved_args  # a modify: what the person approved runs, nothing else
+                        if canonical_json(req.approved_args) != canonical_json(row.args_snapshot):
+                            decision = "modify"  # (the adapter tells the model its call was changed)
                 epoch = self.store.claim_effect_in(
                     conn, row.effect_id, from_state=EffectState.RELEASED.value,
                     to_state=row.released_from or EffectState.PENDING.value, owner=self.leases.owner,
@@ -1165,7 +1194,7 @@ class Engine:
         self.leases.start()
         args = spec.checked(args_json)
         return Execute(row.effect_id, args, f"do-{row.effect_id}", spec.tier, spec.name, row.call_id, row.session_id,
-                       epoch=epoch)
+                       request_id, decision, epoch=epoch)
 
     @staticmethod
     def _check_still_approved(req: Any, row: Any) -> None:
@@ -1370,7 +1399,7 @@ class Engine:
                     "effect_id": effect_id, "session_id": sc.session_id, "call_id": call_id or effect_id,
                     "tool_name": spec.name, "tool_revision": spec.revision, "tier": IRREVERSIBLE.value,
                     "state": EffectState.AWAITING_APPROVAL.value, "args_snapshot": args_json, "args_digest": digest,
-                    "recovery_attempts": 0, "created_at": now, "updated_at": now,
+                    "recovery_attempts": 0, "created_at": now, "updated_at": now, "kickoff_id": KICKOFF.get(),
                 })
                 payload = {
                     "approval_request_id": request_id, "session_id": sc.session_id, "effect_id": effect_id,

@@ -335,7 +335,7 @@ class Recovery:
                 f"recovered after a crash: {c.tool_name} ({c.effect_id}) was compensated; review, then resume or "
                 "roll back", durable=durable)
             self._note_state(c.session_id, SessionState.HALTED)
-            obs.recovery_log.warning("halt: session %s halted: recovered after a crash: %s (%s) was compensated",
+            obs.recovery_log.log(obs.crash_level(), "halt: session %s halted: recovered after a crash: %s (%s) was compensated",
                                      c.session_id, c.tool_name, c.effect_id, extra=obs.ids(c.session_id))
             return "compensated"
         why = self._saga._failed(c.session_id, entry, error)
@@ -345,7 +345,8 @@ class Recovery:
     def _halt(self, session_id: str, reason: str) -> None:
         self._store.halt_session(session_id, reason)
         self._note_state(session_id, SessionState.HALTED)
-        obs.recovery_log.warning("halt: session %s halted: %s", session_id, reason, extra=obs.ids(session_id))
+        obs.recovery_log.log(obs.crash_level(), "halt: session %s halted: %s", session_id, reason,
+                             extra=obs.ids(session_id))
 
     def _finish_stray(self, r: Any, report: RecoveryReport) -> tuple[str, str] | None:
         """Finish the one compensation that was interrupted, and halt the session for a person."""
@@ -413,7 +414,7 @@ class Recovery:
                 halt=(r.session_id, f"{r.tool_name} ({r.effect_id}) was interrupted mid-run: outcome unknown"),
             )
             self._note_state(r.session_id, SessionState.HALTED)
-            obs.recovery_log.warning("halt: session %s halted: %s (%s) was interrupted mid-run, outcome unknown",
+            obs.recovery_log.log(obs.crash_level(), "halt: session %s halted: %s (%s) was interrupted mid-run, outcome unknown",
                                      r.session_id, r.tool_name, r.effect_id, extra=obs.ids(r.session_id, r.effect_id))
             return "unknown"
         if spec.compensation_needs_result:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -18,8 +19,8 @@ from ._registry import Registry
 from ._saga import RollbackReport, Saga
 from ._session import Session, SessionService
 from ._tools import RetryPolicy, ToolSpec, ToolTier, make_declaration
-from .errors import ConfigurationError, InvalidDeclaration
-from .storage import Storage, open_storage
+from .errors import ConfigurationError, DatabaseOpenFailed, DatabaseUnavailable, InvalidDeclaration
+from .storage import DATABASE_ERRORS, Storage, database_error_detail, open_storage, safe_url, sqlite_file
 from .storage.base import new_id
 from .storage.schema import OnFailure
 
@@ -105,9 +106,17 @@ class UndoLog:
                 everything they hold is in the store (their call counts, a deferred start; see ``Engine.trim``), and
                 read again when used; an adapter's own per-thread maps keep to the same bound.
         """
-        store = open_storage(url, schema=schema, pool_size=pool_size)
-        if migrate:
-            store.migrate()
+        store = None
+        try:
+            store = open_storage(url, schema=schema, pool_size=pool_size)
+            if migrate:
+                store.migrate()
+        except _OPEN_ERRORS as exc:
+            where = safe_url(store.url if store is not None else str(url or os.environ.get("UNDOLOG_DATABASE_URL")
+                                                                      or "sqlite:///undolog.db"))
+            if store is not None:
+                store.dispose()
+            raise DatabaseOpenFailed(where, database_error_detail(exc), _open_hint(where, exc)) from exc
         return cls(store, fast_commit_mark=fast_commit_mark, lease_seconds=lease_seconds, max_sessions=max_sessions)
 
     def _note_state(self, session_id: str, state: str) -> None:
@@ -288,3 +297,25 @@ class UndoLog:
 
         return str(write_checkpoint(self.store, load_private_key(Path(key)), Path(out)))
 
+
+
+# What opening or migrating a store raises when the database will not open (a driver's or SQLAlchemy's error).
+_OPEN_ERRORS: tuple[type[BaseException], ...] = (*DATABASE_ERRORS, sqlite3.Error, OSError, DatabaseUnavailable)
+
+
+def _open_hint(url: str, exc: BaseException) -> str:
+    """What to do about a database that would not open, from what the driver said."""
+    text = str(getattr(exc, "orig", None) or exc).lower()
+    path = sqlite_file(url)
+    if path is not None:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            return f"the folder {folder} does not exist: create it, or pass another sqlite:/// path"
+        return f"check that {path} is a SQLite database this process can read and write"
+    if "password" in text or "authentication" in text:
+        return "the server refused the credentials: check the user and password in the URL"
+    if "does not exist" in text:
+        return "the server has no such database (or schema): create it, or pass the right name in the URL"
+    if "connection refused" in text or "could not connect" in text or "timeout" in text or "resolve" in text:
+        return "no database server answered there: start it, or fix the host and port in the URL"
+    return "check the URL, that the database is running and reachable, and its credentials"

@@ -277,8 +277,9 @@ def _open(ctx: typer.Context, *, migrate: bool = False) -> UndoLog:
             if not Path(path).expanduser().exists():
                 # Connecting would create an empty file; say where we looked instead.
                 raise ConfigurationError(
-                    f"no UndoLog database at {path}: check --db / UNDOLOG_DATABASE_URL, or create it with "
-                    "`undolog db upgrade`"
+                    f"no UndoLog database at {path} (looked for {safe_url(url)}): pass --db URL (or set "
+                    "UNDOLOG_DATABASE_URL), --app MODULE:ATTR for an app that opens its own, or create it with "
+                    f"`undolog db upgrade --db {safe_url(url)}`"
                 )
         u = UndoLog.open(url, schema=st.schema, migrate=False)
         ctx.find_root().call_on_close(u.close)

@@ -305,6 +305,23 @@ class DatabaseUnavailable(UndoLogError):
         super().__init__(f"the database did not answer during {operation}: {text}", operation=operation)
 
 
+class DatabaseOpenFailed(UndoLogError):
+    """``UndoLog.open`` could not open or migrate its database: the first line says which (password masked) and what
+    to do; the driver's own report follows.
+
+    Example:
+        >>> str(DatabaseOpenFailed("sqlite:////nope/u.db", "OperationalError: unable to open database file"))[:52]
+        'UndoLog could not open its database sqlite:////nope/'
+    """
+
+    code = "database_open_failed"
+
+    def __init__(self, url: str, detail: str, hint: str | None = None) -> None:
+        fix = hint or "check the URL, that the database is running and reachable, and its credentials"
+        super().__init__(f"UndoLog could not open its database {url}: {fix}\n  the database said: {detail}",
+                         url=url, detail=detail)
+
+
 class EffectNotFound(UndoLogError):
     code = "effect_not_found"
 

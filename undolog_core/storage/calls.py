@@ -237,6 +237,52 @@ class CallsSQL(Store):
                 ).order_by(e.c.created_at)
             ).first()
 
+    # -- kickoffs (framework runs a continuation replays) -----------------------------------------------
+
+    def kickoff_to_continue(self, session_id: str) -> str | None:
+        """The kickoff a continuation of this session continues: the last one that raised an approval request,
+        else the last one that logged any call; None when no call of the session recorded a kickoff."""
+        e = _E
+        with self.read() as conn:
+            for gated in (True, False):
+                q = sa.select(e.c.kickoff_id).where(e.c.session_id == session_id, e.c.kickoff_id.is_not(None))
+                if gated:
+                    q = q.where(e.c.tier == "irreversible")
+                found = conn.execute(q.order_by(e.c.seq.desc()).limit(1)).scalar()
+                if found is not None:
+                    return str(found)
+        return None
+
+    def kickoff_effects(self, session_id: str, kickoff_id: str) -> list[Any]:
+        """The committed effects a kickoff logged, in the order they were logged: (effect_id, tool_name, tier,
+        args_digest, approved_digest, result_snapshot)."""
+        e, r = _E, t.approval_requests
+        with self.read() as conn:
+            return list(conn.execute(
+                sa.select(e.c.effect_id, e.c.tool_name, e.c.tier, e.c.args_digest, r.c.approved_digest,
+                          e.c.result_snapshot)
+                .select_from(e.outerjoin(r, r.c.effect_id == e.c.effect_id))
+                .where(e.c.session_id == session_id, e.c.kickoff_id == kickoff_id,
+                       e.c.state == EffectState.COMMITTED.value)
+                .order_by(e.c.seq)
+            ).all())
+
+    def effects_of_calls(self, session_id: str, call_ids: Sequence[str]) -> list[Any]:
+        """The committed effects of these calls of the session (a resumed conversation's history), in the order they
+        were logged; the columns of :meth:`kickoff_effects`."""
+        e, r = _E, t.approval_requests
+        found: list[Any] = []
+        with self.read() as conn:
+            for start in range(0, len(call_ids), 500):  # (bounded IN lists)
+                found.extend(conn.execute(
+                    sa.select(e.c.seq, e.c.effect_id, e.c.tool_name, e.c.tier, e.c.args_digest, r.c.approved_digest,
+                              e.c.result_snapshot)
+                    .select_from(e.outerjoin(r, r.c.effect_id == e.c.effect_id))
+                    .where(e.c.session_id == session_id, e.c.call_id.in_(list(call_ids[start:start + 500])),
+                           e.c.state == EffectState.COMMITTED.value)
+                ).all())
+        return sorted(found, key=lambda row: row.seq)
+
     def recent_effects_in(self, conn: Connection, session_id: str, n: int) -> list[Any]:
         """The session's last ``n`` logged calls, oldest first (the approval request's context)."""
         rows = conn.execute(

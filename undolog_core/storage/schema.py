@@ -199,6 +199,9 @@ effect_log = sa.Table(
     sa.Column("epoch", sa.Integer, nullable=False, server_default="1"),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("updated_at", UTCDateTime, nullable=False),
+    # The framework run (a CrewAI kickoff, a Semantic Kernel turn) that logged the call, when the adapter names one:
+    # a continuation of that run replays these effects instead of running them again (revision 0014).
+    sa.Column("kickoff_id", sa.String(200)),
     sa.UniqueConstraint("session_id", "call_id", name="uq_undolog_effect_call"),
     sa.CheckConstraint(_in("tier", TIERS), name="ck_undolog_effect_tier"),
     sa.CheckConstraint(_in("state", EFFECT_STATES), name="ck_undolog_effect_state"),
