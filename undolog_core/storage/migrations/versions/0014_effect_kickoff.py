@@ -6,14 +6,14 @@ committed effects of the run it continues, found by this column, instead of runn
 outside such a run keep it NULL. One nullable column, no row changes; idempotent (added only when missing).
 
 Revision ID: 0014_effect_kickoff
-Revises: 0011_due_index
+Revises: 0012_principal_refs
 """
 
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0014_effect_kickoff"
-down_revision = "0011_due_index"
+down_revision = "0012_principal_refs"
 branch_labels = None
 depends_on = None
 

@@ -15,7 +15,7 @@ Idempotent: the missing head rows are created (0009 made them; a hand-made datab
 is replaced if present, the column added only when missing. Both databases.
 
 Revision ID: 0015_audit_heads
-Revises: 0012_principal_refs
+Revises: 0014_effect_kickoff
 """
 
 import sqlalchemy as sa
@@ -24,7 +24,7 @@ from alembic import op
 from undolog_core.storage import schema as s
 
 revision = "0015_audit_heads"
-down_revision = "0012_principal_refs"
+down_revision = "0014_effect_kickoff"
 branch_labels = None
 depends_on = None
 
