@@ -172,6 +172,11 @@ class Passthrough:
                          f"{', '.join(offered) or 'nothing'} beside its classified tools")
         return lines
 
+    def _require(self, kind: str) -> None:
+        """What is not advertised is not served: the answer a server without that capability gives."""
+        if not self.exposing(kind):
+            raise McpError(types.ErrorData(code=types.METHOD_NOT_FOUND, message="Method not found"))
+
     # -- talking to upstreams -------------------------------------------------------------------------
 
     async def _session(self, cfg: UpstreamConfig) -> ClientSession:
@@ -238,10 +243,12 @@ class Passthrough:
         self._patterns = [(template_pattern(name), name, up, own) for name, (up, own) in listing.routes.items()]
 
     async def _list_resources(self, req: types.ListResourcesRequest) -> types.ServerResult:
+        self._require("resources")
         await self._relist_resources()
         return types.ServerResult(types.ListResourcesResult(resources=self._listings["resources"].items))
 
     async def _list_templates(self, req: types.ListResourceTemplatesRequest) -> types.ServerResult:
+        self._require("resources")
         await self._relist_resources()
         return types.ServerResult(types.ListResourceTemplatesResult(
             resourceTemplates=self._listings["templates"].items))
@@ -275,6 +282,7 @@ class Passthrough:
         return route
 
     async def _read(self, req: types.ReadResourceRequest) -> types.ServerResult:
+        self._require("resources")
         uri = str(req.params.uri)
         cfg, own = await self._resource(uri)
         self._count("resources/read", cfg.name)
@@ -287,6 +295,7 @@ class Passthrough:
         return types.ServerResult(result)
 
     async def _subscribe(self, req: types.SubscribeRequest) -> types.ServerResult:
+        self._require("resources")
         uri = str(req.params.uri)
         cfg, own = await self._resource(uri)
         subscribers = self._subscribers.setdefault(uri, weakref.WeakSet())
@@ -303,6 +312,7 @@ class Passthrough:
         return types.ServerResult(types.EmptyResult())
 
     async def _unsubscribe(self, req: types.UnsubscribeRequest) -> types.ServerResult:
+        self._require("resources")
         uri = str(req.params.uri)
         cfg, own = await self._resource(uri)
         subscribers = self._subscribers.get(uri)
@@ -359,9 +369,11 @@ class Passthrough:
         return self.config.upstreams[found[0]], found[1]
 
     async def _list_prompts(self, req: types.ListPromptsRequest) -> types.ServerResult:
+        self._require("prompts")
         return types.ServerResult(types.ListPromptsResult(prompts=(await self._relist_prompts()).items))
 
     async def _get_prompt(self, req: types.GetPromptRequest) -> types.ServerResult:
+        self._require("prompts")
         cfg, own = await self._prompt(req.params.name)
         self._count("prompts/get", cfg.name)
         params = req.params.model_copy(update={"name": own})
@@ -371,6 +383,7 @@ class Passthrough:
     # -- completion and logging -----------------------------------------------------------------------
 
     async def _complete(self, req: types.CompleteRequest) -> types.ServerResult:
+        self._require("completion")
         ref = req.params.ref
         if isinstance(ref, types.PromptReference):
             cfg, own = await self._prompt(ref.name)
@@ -397,6 +410,7 @@ class Passthrough:
                                                    types.CompleteResult))
 
     async def _set_level(self, req: types.SetLevelRequest) -> types.ServerResult:
+        self._require("logging")
         await self.relay.set_level(self.server.request_context.session, req.params.level)
         return types.ServerResult(types.EmptyResult())
 

@@ -100,6 +100,7 @@ class _WatchedSession(ClientSession):
         self.stale = False
         self._config = config
         self._hooks = hooks
+        self._answering: set[asyncio.Task[None]] = set()  # the upstream's requests being answered
 
     async def _on_message(self, message: Any) -> None:
         if isinstance(message, types.ServerNotification):
@@ -107,6 +108,17 @@ class _WatchedSession(ClientSession):
                 self.stale = True
             if self._hooks is not None and self._config is not None:
                 await self._hooks.notified(self._config, message)
+
+    async def _received_request(self, responder: Any) -> None:
+        if self._hooks is None:
+            await super()._received_request(responder)
+            return
+        # The SDK answers an upstream's request (sampling, elicitation, roots) on the session's receive loop: while
+        # the gateway's client thinks (a model, a person at a form), nothing else the upstream sends would be read,
+        # not another client's answer, nor a cancel. Answered in a task of its own, the loop reads on.
+        task = asyncio.ensure_future(ClientSession._received_request(self, responder))
+        self._answering.add(task)
+        task.add_done_callback(self._answering.discard)
 
     async def send_request(self, request: Any, result_type: Any, request_read_timeout_seconds: Any = None,
                            metadata: Any = None, progress_callback: Any = None) -> Any:
