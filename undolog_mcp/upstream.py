@@ -101,6 +101,7 @@ class _WatchedSession(ClientSession):
         self._config = config
         self._hooks = hooks
         self._answering: set[asyncio.Task[None]] = set()  # the upstream's requests being answered
+        self.relisting: asyncio.Future[None] | None = None  # its tools being listed again, while they are
 
     async def _on_message(self, message: Any) -> None:
         if isinstance(message, types.ServerNotification):
@@ -337,8 +338,8 @@ class Connections:
                 up = await self.get(config)
             except Exception as exc:  # noqa: BLE001 - whatever stopped it starting, the call was never sent
                 raise UpstreamUnavailable(f"upstream {config.name} could not be started: {first_cause(exc)}") from exc
-            if isinstance(up.session, _WatchedSession) and up.session.stale:
-                await self._relist(config, up)
+            while isinstance(up.session, _WatchedSession) and (up.session.stale or up.session.relisting):
+                await self._relist(config, up)  # (or waits for the listing in progress: the call goes after it)
             if check is not None:
                 check()
             try:
@@ -358,17 +359,34 @@ class Connections:
     async def _relist(self, config: UpstreamConfig, up: Upstream) -> None:
         """List a live upstream's tools again after it said they changed, and hand them to ``on_open`` as for a
         connection just opened."""
-        assert isinstance(up.session, _WatchedSession)
-        up.session.stale = False  # (before the await: calls meanwhile do not list it twice over)
+        session = up.session
+        assert isinstance(session, _WatchedSession)
+        if session.relisting is not None:
+            # Listed again already (on the upstream's notice, or by another call): a call waits for that listing
+            # and its registration, so it is checked against the contract it finds, never sent before it.
+            await asyncio.shield(session.relisting)
+            return
+        session.relisting = done = asyncio.get_running_loop().create_future()
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even when nobody waited
+        session.stale = False  # (before the await: calls meanwhile do not list it twice over)
         try:
             with anyio.fail_after(config.timeout):
-                up.tools = await _list_all(up.session)
+                up.tools = await _list_all(session)
             if self.on_open is not None:
                 await self.on_open(config, up)
         except Exception as exc:  # noqa: BLE001 - the call is not sent on a listing that could not be read
-            up.session.stale = True
-            raise UpstreamUnavailable(f"upstream {config.name} said its tools changed and could not be listed "
-                                      f"again: {first_cause(exc)}") from exc
+            session.stale = True
+            failed = UpstreamUnavailable(f"upstream {config.name} said its tools changed and could not be listed "
+                                         f"again: {first_cause(exc)}")
+            done.set_exception(failed)
+            raise failed from exc
+        except BaseException:
+            done.cancel()
+            raise
+        else:
+            done.set_result(None)
+        finally:
+            session.relisting = None
 
     def _drop(self, config: UpstreamConfig, up: Upstream) -> None:
         """Forget ``up`` as ``config``'s live connection (if it still is): the next call opens another."""

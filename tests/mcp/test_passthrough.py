@@ -186,3 +186,43 @@ async def test_list_changed_reaches_the_client_when_what_is_exposed_changes(undo
         with anyio.fail_after(30):
             await changed["prompts"].wait()
         assert [p.name for p in (await client.list_prompts()).prompts] == ["new_prompt"]
+
+
+@pytest.mark.storage
+async def test_an_approval_for_the_old_contract_does_not_run_after_the_client_is_told_of_the_new(
+        db: Any, tmp_path: Path) -> None:
+    """The gateway lists an upstream's tools anew as soon as it says they changed (to tell its clients). A client
+    told, calling again the call approved under the old contract, must be refused, not run against the new one."""
+    import os
+
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+
+    from .test_gateway import cli, text, write_config
+    from .test_gateway_faults import calls_of
+
+    cfg = write_config(tmp_path, extra="""
+        [tools.tickets.close_ticket]
+        tier = "irreversible"
+        [tools.tickets.upgrade_tools]
+        tier = "safe"
+    """)
+    told = asyncio.Event()
+
+    async def on_message(message: Any) -> None:
+        if isinstance(message, types.ServerNotification) and isinstance(message.root,
+                                                                        types.ToolListChangedNotification):
+            told.set()
+
+    params = StdioServerParameters(command=sys.executable, args=["-m", "undolog_core.cli", "mcp", "serve",
+                                                                  "--config", str(cfg)], env={**os.environ, **db.env})
+    async with stdio_client(params) as (read, write), ClientSession(read, write, message_handler=on_message) as client:
+        await client.initialize()
+        asked = await client.call_tool("close_ticket", {"id": 1})
+        done = cli(db, "approvals", "approve", (asked.structuredContent or {})["approval_request_id"])
+        assert done.returncode == 0, done.stderr
+        assert not (await client.call_tool("upgrade_tools", {})).isError
+        with anyio.fail_after(30):
+            await told.wait()  # the gateway listed and registered the new contract
+        refused = await client.call_tool("close_ticket", {"id": 1})
+        assert refused.isError and "'close_ticket' changed since" in text(refused), text(refused)
+    assert "close_ticket" not in {c["tool"] for c in calls_of(tmp_path)}
