@@ -35,16 +35,17 @@ GATED = {"trigger-sampling-request", "trigger-elicitation-request", "get-roots-l
 ROOT_URI = "file:///work/project-x"
 
 
-def everything_config(tmp: Path, wire: Path, extra: str = "") -> Path:
+def everything_config(tmp: Path, wire: Path, extra: str = "", url: str | None = None) -> Path:
     assert NODE.exists() and EVERYTHING.exists(), f"run `npm ci` in {ROOT}: server-everything and Node 22 are missing"
     cfg = tmp / "gateway.toml"
     command = [sys.executable, str(TAP), str(wire), "--", str(NODE), str(EVERYTHING), "stdio"]
+    where = f"url = {json.dumps(url)}" if url else f"command = {json.dumps(command)}"
     tools = "".join(f'\n[tools.everything.{name}]\ntier = "safe"\n'
                     for name in [*sorted(GATED), "trigger-long-running-operation", "echo",
                                  "toggle-simulated-logging"])
     cfg.write_text(textwrap.dedent(f"""
         [upstreams.everything]
-        command = {json.dumps(command)}
+        {where}
         """) + tools + extra)
     return cfg
 
@@ -213,3 +214,44 @@ async def test_a_cancel_reaches_the_upstream(db: Any, tmp_path: Path, transport:
         answered = [m for d, m in wire(log) if d == "out" and m.get("id") == sent[0]["id"]]
         assert not answered, answered
         call.cancel()
+
+
+@pytest.mark.storage
+async def test_an_upstream_over_streamable_http(db: Any, tmp_path: Path) -> None:
+    """server-everything serving streamable HTTP itself (``node index.js streamableHttp``), the gateway over stdio
+    in front of it: the same gated tools, relayed the same way."""
+    from .test_conformance import free_port
+
+    port = free_port()
+    node = subprocess.Popen([str(NODE), str(EVERYTHING), "streamableHttp"], env={**os.environ, "PORT": str(port)},
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert node.stderr is not None
+        for line in node.stderr:
+            if "listening on port" in line:
+                break
+        cfg = everything_config(tmp_path, tmp_path / "unused.log", url=f"http://127.0.0.1:{port}/mcp")
+        db.open()
+        client = Client()
+        async with over_stdio(db, cfg, client) as session:
+            listed = {t.name for t in (await session.list_tools()).tools}
+            assert GATED <= listed, listed
+            sampled = await session.call_tool("trigger-sampling-request", {"prompt": "over http", "maxTokens": 5})
+            assert not sampled.isError and "a scripted completion" in sampled.content[0].text  # type: ignore[union-attr]
+            roots = await session.call_tool("get-roots-list", {})
+            assert not roots.isError and ROOT_URI in roots.content[0].text  # type: ignore[union-attr]
+            progress: list[float] = []
+
+            async def on_progress(value: float, total: float | None, message: str | None) -> None:
+                progress.append(value)
+
+            done = await session.call_tool("trigger-long-running-operation", {"duration": 0.2, "steps": 2},
+                                           progress_callback=on_progress)
+            assert not done.isError and progress == [1, 2]
+            resources = (await session.list_resources()).resources
+            assert resources
+            read = await session.read_resource(resources[0].uri)
+            assert read.contents
+    finally:
+        node.terminate()
+        node.wait(timeout=30)

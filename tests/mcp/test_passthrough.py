@@ -226,3 +226,46 @@ async def test_an_approval_for_the_old_contract_does_not_run_after_the_client_is
         refused = await client.call_tool("close_ticket", {"id": 1})
         assert refused.isError and "'close_ticket' changed since" in text(refused), text(refused)
     assert "close_ticket" not in {c["tool"] for c in calls_of(tmp_path)}
+
+
+async def test_log_messages_go_to_the_client_that_called_filtered_by_its_level(undolog: UndoLog,
+                                                                               tmp_path: Path) -> None:
+    cfg = two_fixtures(tmp_path)
+    cfg.write_text(cfg.read_text() + '\n[tools.a.test_tool_with_logging]\ntier = "safe"\n')
+    logs: dict[str, list[Any]] = {"quiet": [], "verbose": []}
+
+    def keep(name: str) -> Any:
+        async def on_log(params: types.LoggingMessageNotificationParams) -> None:
+            logs[name].append(params)
+        return on_log
+
+    gw = Gateway(load_config(cfg), undolog)
+    async with gw.running(), \
+            create_connected_server_and_client_session(gw.server, logging_callback=keep("quiet")) as quiet, \
+            create_connected_server_and_client_session(gw.server, logging_callback=keep("verbose")) as verbose:
+        await verbose.set_logging_level("debug")  # the most verbose level asked goes upstream
+        await quiet.set_logging_level("error")
+        await quiet.call_tool("test_tool_with_logging", {})
+        await verbose.call_tool("test_tool_with_logging", {})
+        await verbose.send_ping()  # (the notifications sent before the answer are read by now)
+    # Each call's three info messages reached only the client that called; the quiet one's level kept them out.
+    assert [m.data for m in logs["verbose"]] == ["Tool execution started", "Tool processing data",
+                                                 "Tool execution completed"]
+    assert logs["quiet"] == []
+
+
+async def test_a_resource_update_reaches_the_clients_subscribed(undolog: UndoLog, tmp_path: Path) -> None:
+    updated: list[str] = []
+
+    async def on_message(message: Any) -> None:
+        if isinstance(message, types.ServerNotification) and isinstance(message.root,
+                                                                        types.ResourceUpdatedNotification):
+            updated.append(str(message.root.params.uri))
+
+    async with in_process(undolog, two_fixtures(tmp_path), message_handler=on_message) as (_gw, client):
+        await client.subscribe_resource("a+test://watched-resource")  # type: ignore[arg-type]
+        with anyio.fail_after(30):  # the fixture says the resource was updated as soon as it is subscribed to
+            while not updated:
+                await asyncio.sleep(0.02)
+        await client.unsubscribe_resource("a+test://watched-resource")  # type: ignore[arg-type]
+    assert updated == ["a+test://watched-resource"]  # named as this client knows it
