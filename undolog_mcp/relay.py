@@ -209,7 +209,10 @@ class Relay(UpstreamHooks):
             return await entry.session.send_request(
                 request, result, metadata=ServerMessageMetadata(related_request_id=entry.request_id))
         except McpError as exc:
-            return exc.error
+            return exc.error  # the client's own refusal, passed on as it said it
+        except Exception as exc:  # noqa: BLE001 - the client went away meanwhile: the upstream gets an answer anyway
+            return types.ErrorData(code=types.INTERNAL_ERROR,
+                                   message=f"the gateway's client could not be asked: {type(exc).__name__}: {exc}")
 
     async def _sampling(self, config: UpstreamConfig, context: Any,
                         params: types.CreateMessageRequestParams) -> types.CreateMessageResult | types.ErrorData:
@@ -243,6 +246,9 @@ class Relay(UpstreamHooks):
             return await client.list_roots()
         except McpError as exc:
             return exc.error
+        except Exception as exc:  # noqa: BLE001 - the client went away meanwhile
+            return types.ErrorData(code=types.INTERNAL_ERROR,
+                                   message=f"the gateway's client could not be asked: {type(exc).__name__}: {exc}")
 
     async def _roots_changed(self, notification: Any) -> None:
         if not self.one_client or self.upstreams is None:

@@ -59,6 +59,7 @@ class Client:
         self.sampled: list[types.CreateMessageRequestParams] = []
         self.elicited: list[Any] = []
         self.tools_changed = asyncio.Event()
+        self.roots_asked = 0
 
     async def on_message(self, message: Any) -> None:
         if isinstance(message, types.ServerNotification):
@@ -80,6 +81,7 @@ class Client:
         return types.ElicitResult(action="accept", content={"color": "blue", "number": 7, "pets": "cats"})
 
     async def roots(self, ctx: RequestContext[Any, Any]) -> types.ListRootsResult:
+        self.roots_asked += 1
         return types.ListRootsResult(roots=[types.Root(uri=ROOT_URI, name="project-x")])  # type: ignore[arg-type]
 
     def session(self, read: Any, write: Any, *, roots: bool = True) -> ClientSession:
@@ -158,6 +160,12 @@ async def test_capability_gated_tools_progress_and_logs(db: Any, tmp_path: Path,
             assert not roots.isError and ROOT_URI in roots.content[0].text  # type: ignore[union-attr]
             # The upstream logged the roots it received, during the call: relayed to this client.
             assert any("Roots updated" in str(log.data) for log in client.logs), client.logs
+            # The client's roots changed: the upstream is told, and asks this client again (no call in flight).
+            asked = client.roots_asked
+            await session.send_roots_list_changed()
+            with anyio.fail_after(30):
+                while client.roots_asked == asked:
+                    await asyncio.sleep(0.02)
 
         await session.set_logging_level("debug")
         before = len(client.logs)
