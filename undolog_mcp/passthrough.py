@@ -29,6 +29,8 @@ from typing import Any
 from mcp import ClientSession, McpError, types
 from mcp.server.session import ServerSession
 
+from undolog_core._observe import metering
+
 from .config import GatewayConfig, UpstreamConfig
 from .relay import GatewayServer, Relay
 from .upstream import Upstream, first_cause
@@ -98,6 +100,7 @@ class Passthrough:
         self._patterns: list[tuple[re.Pattern[str], str, str, str]] = []  # (pattern, exposed, upstream, own)
         self._subscribers: dict[str, weakref.WeakSet[ServerSession]] = {}  # exposed URI -> its subscribers
         self._counter: Any = None
+        self._exposing: dict[str, list[UpstreamConfig]] = {}
         handlers: dict[type, Callable[[Any], Awaitable[types.ServerResult]]] = {
             types.ListResourcesRequest: self._list_resources,
             types.ListResourceTemplatesRequest: self._list_templates,
@@ -115,8 +118,9 @@ class Passthrough:
 
     def note(self, up: Upstream) -> None:
         """An upstream connected (or connected again): its capabilities and instructions as it said them."""
-        if up.initialized is not None:
+        if up.initialized is not None and self.initialized.get(up.config.name) is not up.initialized:
             self.initialized[up.config.name] = up.initialized
+            self._exposing.clear()
 
     def _caps(self, name: str) -> types.ServerCapabilities | None:
         init = self.initialized.get(name)
@@ -125,6 +129,12 @@ class Passthrough:
     def exposing(self, kind: str) -> list[UpstreamConfig]:
         """The upstreams that pass ``kind`` through: "resources", "prompts", "completion" (chosen in the config
         and offered by the upstream) or "logging" (every upstream that offers it)."""
+        found = self._exposing.get(kind)  # asked on every request: kept until an upstream connects again
+        if found is None:
+            found = self._exposing[kind] = self._find_exposing(kind)
+        return found
+
+    def _find_exposing(self, kind: str) -> list[UpstreamConfig]:
         out = []
         for name, cfg in self.config.upstreams.items():
             caps = self._caps(name)
@@ -216,8 +226,6 @@ class Passthrough:
     def _count(self, what: str, upstream: str) -> None:
         self.counts[what] += 1
         if self._counter is None:
-            from undolog_core._observe import metering
-
             if not metering():
                 return
             from opentelemetry import metrics
