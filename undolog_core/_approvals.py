@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 from . import _observe as obs
 from ._tools import build_args_model, canonical_json, check_json_schema, sha256_hex
-from .errors import ApprovalAlreadyDecided, ApprovalNotFound, ArgumentsInvalid, UndoLogError
+from .errors import (
+    ApprovalAlreadyDecided,
+    ApprovalNotFound,
+    ArgumentsInvalid,
+    SelfDecisionForbidden,
+    UndoLogError,
+)
 from .limits import check_identity, clean_text, encodes, input_problem
 from .storage.approvals import EXPIRE_BATCH
 from .storage.base import utcnow
@@ -145,27 +151,69 @@ class ApprovalService:
 
     # -- deciding ------------------------------------------------------------------------------------
 
-    def approve(self, approval_request_id: str, *, approver: str, reason: str | None = None) -> ApprovalRecord:
-        """Approve as proposed. The tool runs when the agent re-issues the same call."""
-        return self._decide(approval_request_id, approver, "approve", reason=reason)
+    def approve(self, approval_request_id: str, *, approver: str, reason: str | None = None,
+                principal: str | None = None) -> ApprovalRecord:
+        """Approve as proposed. The tool runs when the agent re-issues the same call.
+
+        ``principal``: the decider's principal reference (the desk's ``key:<id>``); a decider that is the principal
+        which created the request's session is refused (:class:`SelfDecisionForbidden`, audited). Without it,
+        ``approver`` itself is compared.
+        """
+        return self._decide(approval_request_id, approver, "approve", reason=reason, principal=principal)
 
     def modify(
-        self, approval_request_id: str, *, approver: str, args: Mapping[str, Any], reason: str | None = None
+        self, approval_request_id: str, *, approver: str, args: Mapping[str, Any], reason: str | None = None,
+        principal: str | None = None,
     ) -> ApprovalRecord:
         """Approve with edited arguments, validated against the tool's schema (a bad edit names the field)."""
         if not isinstance(args, Mapping):
             raise ArgumentsInvalid("<unknown>", [{"loc": [], "msg": "edited arguments must be a JSON object"}])
+        self.refuse_own(approval_request_id, approver, "modify", principal)
         problem = input_problem(args)  # too deep, not valid Unicode, NaN or infinite: refused, still pending
         if problem is not None:
             raise ArgumentsInvalid(self._tool_of(approval_request_id), [problem])
-        return self._decide(approval_request_id, approver, "modify", reason=reason, args=dict(args))
+        return self._decide(approval_request_id, approver, "modify", reason=reason, args=dict(args),
+                            principal=principal)
 
     def _tool_of(self, approval_request_id: str) -> str:
         return self._get(approval_request_id).tool_name
 
-    def reject(self, approval_request_id: str, *, approver: str, reason: str) -> ApprovalRecord:
+    def reject(self, approval_request_id: str, *, approver: str, reason: str,
+               principal: str | None = None) -> ApprovalRecord:
         """Reject: the call never runs, the session halts and its other pending requests are cancelled."""
-        return self._decide(approval_request_id, approver, "reject", reason=reason)
+        return self._decide(approval_request_id, approver, "reject", reason=reason, principal=principal)
+
+    def refuse_own(self, approval_request_id: str, approver: str, action: str, principal: str | None) -> None:
+        """Refuse (and audit) a decision by the principal that created the request's session.
+
+        Raises:
+            SelfDecisionForbidden: ``principal`` (else ``approver``) created the session; an audit event
+                ``refused`` was appended first.
+
+        Example:
+            >>> undolog.approvals.refuse_own(rid, "bot (key ab12)", "approve", "key:ab12")
+            Traceback (most recent call last):
+            SelfDecisionForbidden: key:ab12 created the session that raised approval request ...
+
+        Checked here, under every door (desk, REST API, CLI, code), so that no caller can forget it: a key holding
+        the agent and approver roles raised the request and may still not decide it.
+        """
+        rec = self._get(approval_request_id)
+        session = self._storage.get_session(rec.session_id)
+        owner = session.created_by if session is not None else None
+        # Only principal references (``key:<id>``, the desk's form) are compared: free-text actor names are a
+        # person's say-so, not an identity the store can hold anyone to.
+        who = principal or approver
+        if not owner or not owner.startswith("key:") or who != owner:
+            return
+        self._storage.append_event(
+            subject=f"approval:{approval_request_id}", approval_request_id=approval_request_id,
+            action="refused", actor=approver,
+            payload={"attempted": action, "principal": who, "why": SelfDecisionForbidden.code},
+        )
+        obs.approvals_log.warning("refused: %s by %s on approval request %s: it created the session", action,
+                                  approver, approval_request_id, extra=obs.ids(rec.session_id))
+        raise SelfDecisionForbidden(approval_request_id, who)
 
     def respond(
         self, approval_request_id: str, *, approver: str, response: str, reason: str | None = None
@@ -219,10 +267,13 @@ class ApprovalService:
         reason: str | None = None,
         args: dict[str, Any] | None = None,
         response: str | None = None,
+        principal: str | None = None,
     ) -> ApprovalRecord:
         if not approver or not str(approver).strip():
             raise UndoLogError("a decision needs the approver's identity (approver=...)")
         check_identity("approver", approver)  # the one length rule: the same refusal on both databases
+        if action != "respond":
+            self.refuse_own(approval_request_id, approver, action, principal)
         if action == "reject" and not (reason and reason.strip()):
             raise UndoLogError("a rejection needs a reason")
         if reason is not None:

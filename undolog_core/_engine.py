@@ -34,6 +34,7 @@ from .errors import (
     ApprovalTimedOut,
     ArgumentsInvalid,
     CallIdConflict,
+    CallRunning,
     ConfigurationError,
     ContractChanged,
     DatabaseUnavailable,
@@ -1186,13 +1187,15 @@ class Engine:
             return Completed(row.effect_id, row.result_snapshot, row.tool_name)
         if row.state in IN_FLIGHT:
             if row.owner == self.leases.owner and row.effect_id in self._inflight:
-                raise InvalidEffectState(f"call {row.call_id!r} ({row.tool_name}) is running right now")
+                raise CallRunning(f"call {row.call_id!r} ({row.tool_name}) is running right now",
+                                  effect_id=row.effect_id)
             if not owner_alive(row.owner, row.lease_until, effect_id=row.effect_id):
                 raise InvalidEffectState(
                     f"call {row.call_id!r} ({row.tool_name}) was interrupted by a crash; run `undolog recover` "
                     "before re-issuing it"
                 )
-            raise InvalidEffectState(f"call {row.call_id!r} ({row.tool_name}) is running in another process")
+            raise CallRunning(f"call {row.call_id!r} ({row.tool_name}) is running in another process",
+                              effect_id=row.effect_id)
         if row.state == EffectState.UNKNOWN:
             raise OutcomeUnknown(row.effect_id)
         raise InvalidEffectState(

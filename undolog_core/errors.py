@@ -260,6 +260,24 @@ class ApprovalAlreadyDecided(UndoLogError):
         self.state = state
 
 
+class SelfDecisionForbidden(UndoLogError):
+    """The decider is the principal that created the session which raised the request.
+
+    A request is decided by another person: whoever raised it may not approve, modify or reject it, whatever
+    roles its key holds. The refusal is recorded in the audit trail.
+    """
+
+    code = "self_approval_forbidden"
+
+    def __init__(self, approval_request_id: str, principal: str) -> None:
+        super().__init__(
+            f"{principal} created the session that raised approval request {approval_request_id}; "
+            "another person must decide it",
+            approval_request_id=approval_request_id,
+            principal=principal,
+        )
+
+
 class OutcomeUnknown(UndoLogError):
     """An approved IRREVERSIBLE call crashed mid-run and no probe could tell whether it happened."""
 
@@ -296,6 +314,18 @@ class EffectNotFound(UndoLogError):
 
 class InvalidEffectState(UndoLogError):
     code = "invalid_effect_state"
+
+
+class CallRunning(InvalidEffectState):
+    """The call asked for is running right now (here or in another live process): ask again later.
+
+    Not a failure of the call: a caller that re-asks an approved call while another ask of it runs gets this, and
+    the call still runs once. Its code stays ``invalid_effect_state`` for callers that matched on it.
+    """
+
+    def __init__(self, message: str, *, effect_id: str) -> None:
+        super().__init__(message, effect_id=effect_id)
+        self.effect_id = effect_id
 
 
 class CompensationNotFound(UndoLogError):

@@ -41,6 +41,20 @@ def serve(
     http: Annotated[bool, typer.Option("--http", help="Serve streamable HTTP at /mcp instead of stdio.")] = False,
     host: Annotated[str, typer.Option("--host", help="With --http: the interface (loopback unless told).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="With --http: the port (0: any free one).")] = 8765,
+    allowed_host: Annotated[list[str] | None, typer.Option(
+        "--allowed-host", help="With --http: also serve this Host header (NAME or NAME:PORT or NAME:*); repeat. "
+        "Loopback names are always served; any other Host is answered 421.")] = None,
+    allowed_origin: Annotated[list[str] | None, typer.Option(
+        "--allowed-origin", help="With --http: also accept this Origin (e.g. https://app.example); repeat. "
+        "Any other Origin is answered 403.")] = None,
+    idle_timeout: Annotated[float, typer.Option(
+        "--idle-timeout", envvar="UNDOLOG_MCP_IDLE_TIMEOUT",
+        help="With --http: end an MCP session after this many idle seconds.")] = 300.0,
+    sessions_per_key: Annotated[int, typer.Option(
+        "--sessions-per-key", envvar="UNDOLOG_MCP_SESSIONS_PER_KEY",
+        help="With --http: open MCP sessions one API key may hold.")] = 50,
+    max_sessions: Annotated[int, typer.Option(
+        "--max-sessions", envvar="UNDOLOG_MCP_MAX_SESSIONS", help="With --http: open MCP sessions in all.")] = 1000,
 ) -> None:
     """Serve MCP over stdio (the client starts this command), fronting the config's upstreams.
 
@@ -81,6 +95,17 @@ def serve(
             except UndoLogError as exc:  # an upstream that cannot start, a clash in what it lists: one line
                 _fail(exc.message)
             return
+        from .front_door import FrontDoor
+
+        try:
+            door = FrontDoor.loopback(allowed_host or (), allowed_origin or (), idle_seconds=idle_timeout,
+                                      sessions_per_key=sessions_per_key, max_sessions=max_sessions)
+        except ValueError as exc:
+            _fail(str(exc))
+        if host not in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "::"):
+            door = FrontDoor.loopback([host, f"{host}:*", *(allowed_host or ())], allowed_origin or (),
+                                      idle_seconds=idle_timeout, sessions_per_key=sessions_per_key,
+                                      max_sessions=max_sessions)
         authenticate = _agent_keys(undolog)
         if host not in ("127.0.0.1", "::1", "localhost"):
             logging.getLogger("undolog.mcp").warning("listening beyond loopback on %s, as asked", host)
@@ -89,7 +114,7 @@ def serve(
             typer.echo(f"undolog mcp: serving http://{host}:{bound}/mcp", err=True)
 
         try:
-            anyio.run(lambda: gw.serve_http(host, port, authenticate, ready=ready))
+            anyio.run(lambda: gw.serve_http(host, port, authenticate, ready=ready, door=door))
         except UndoLogError as exc:
             _fail(exc.message)
     finally:
@@ -97,8 +122,14 @@ def serve(
 
 
 def _agent_keys(undolog: object) -> Callable[[str], str | None]:
-    """Bearer tokens checked against the desk's API keys: a key with the agent role acts as an MCP client."""
+    """Bearer tokens checked against the desk's API keys: a key with the agent role acts as an MCP client.
+
+    The principal returned (and recorded as the session's owner) is the desk's principal reference ``key:<id>``,
+    the one form the desk's checks compare: a key holding the approver role too may then not decide what it
+    raised through the gateway.
+    """
     try:
+        from undolog_server.identity import Role
         from undolog_server.storage import ServerStore
     except ImportError:
         _fail("--http uses the desk's API keys: pip install 'undolog[server]'")
@@ -107,9 +138,9 @@ def _agent_keys(undolog: object) -> Callable[[str], str | None]:
 
     def authenticate(token: str) -> str | None:
         key = store.authenticate(token)
-        if key is None or "agent" not in key.roles:
+        if key is None or not key.has(Role.AGENT):
             return None
-        return str(key.identity)
+        return key.principal_ref
 
     return authenticate
 

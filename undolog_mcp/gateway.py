@@ -32,14 +32,26 @@ from undolog_core import (
     ToolTier,
     UndoLog,
 )
-from undolog_core.errors import ConfigurationError, UndoLogError
+from undolog_core.errors import CallRunning, ConfigurationError, UndoLogError
 
 from .config import Approval, CompensationTemplate, GatewayConfig, ToolConfig, UpstreamConfig
 from .elicit import elicit_decision
+from .front_door import FrontDoor, SessionBook, live_sessions
 from .passthrough import Passthrough
 from .relay import GatewayServer, Relay
 from .results import META_KEY as META_KEY  # re-exported: it was defined here
-from .results import awaiting_result, call_key, error_result, replayed, structured, text_of, unknown_result
+from .results import (
+    awaiting_result,
+    call_key,
+    canonical_arguments,
+    error_result,
+    replayed,
+    running_result,
+    structured,
+    text_of,
+    unknown_result,
+)
+from .stdio_limits import MAX_LINE_BYTES
 from .upstream import PORTAL, Connections, OutcomeUnknown, Upstream, UpstreamRefused, first_cause
 
 log = logging.getLogger("undolog.mcp")
@@ -382,10 +394,14 @@ class Gateway:
                 session_id = await self._session_id()
             except UndoLogError as exc:
                 return error_result(exc.message, code=exc.code)
-            call_id = call_key(name, arguments) if ex.config.tier is ToolTier.IRREVERSIBLE else None
+            # Keyed by the arguments as the core stores them: {"amount": 5} then {"amount": 5.0} is one request.
+            call_id = (call_key(name, canonical_arguments(ex.spec, arguments))
+                       if ex.config.tier is ToolTier.IRREVERSIBLE else None)
             driver = self.undolog.driver
             try:
                 d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+            except CallRunning as exc:
+                return running_result(name, exc.message)
             except UndoLogError as exc:
                 return error_result(exc.message, code=exc.code)
         if isinstance(d, Completed):
@@ -462,27 +478,28 @@ class Gateway:
             await self.server.run(read, write, self.server.create_initialization_options())
 
     async def serve_http(self, host: str, port: int, authenticate: Any, *,
-                         ready: Any = None) -> None:
+                         ready: Any = None, door: FrontDoor | None = None) -> None:
         """Serve MCP's streamable HTTP transport at ``http://host:port/mcp``.
 
         ``authenticate(token)`` returns the principal of a bearer token allowed to act as an agent, or None
         (401); every request must carry one. ``ready(port)`` is called once listening (the port actually bound).
+        ``door``: the Host/Origin served and the session bounds (default: loopback, 5 min idle, 50 per key).
         """
         import uvicorn
         from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
         from mcp.server.transport_security import TransportSecuritySettings
 
-        # DNS-rebinding protection on loopback (the SDK's check of Host and Origin): a page of another site that
-        # its DNS points at 127.0.0.1 is refused. (The gateway's front door, issue #29, generalises this.)
-        loopback = ["127.0.0.1", "localhost", "[::1]"]
-        security = TransportSecuritySettings(
-            allowed_hosts=[*loopback, *(f"{h}:*" for h in loopback)],
-            allowed_origins=[f"http://{h}:*" for h in loopback]) if host in ("127.0.0.1", "::1", "localhost") else None
-        manager = StreamableHTTPSessionManager(app=self.server, stateless=False, security_settings=security)
+        door = door or FrontDoor.loopback()
+        manager = StreamableHTTPSessionManager(
+            app=self.server, stateless=False, session_idle_timeout=door.idle_seconds, max_sessions=door.max_sessions,
+            max_request_body_size=MAX_LINE_BYTES,  # the same bound as a stdio line (413 past it)
+            security_settings=TransportSecuritySettings(allowed_hosts=list(door.allowed_hosts),
+                                                        allowed_origins=list(door.allowed_origins)))
         # MCP session id -> the principal whose request opened it. The SDK accepts any request naming a live
         # session; here only its opener's are let through (another key's DELETE would end it, its GET read it,
         # its POST answer the elicitation forms sent to it). Unknown and foreign ids get the same 404.
-        owners: dict[str, str] = {}
+        book = SessionBook(door.sessions_per_key)
+        owners = book.owners
 
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             if scope["type"] != "http":
@@ -491,6 +508,10 @@ class Gateway:
                 await _plain(send, 404, "not found: the MCP endpoint is /mcp")
                 return
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+            refused = door.refusal(headers)  # before the key: a rebound page learns nothing
+            if refused is not None:
+                await _plain(send, *refused)
+                return
             auth = headers.get("authorization", "")
             token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
             principal = await asyncio.to_thread(authenticate, token) if token else None
@@ -511,6 +532,12 @@ class Gateway:
                     owners.pop(named, None)
                     return
                 await manager.handle_request(scope, receive, send)
+                return
+            book.prune(live_sessions(manager))  # sessions ended by idle timeout or a crash free their places
+            if book.full_for(principal):
+                await _plain(send, 429, f"this API key already holds {book.per_key} open MCP sessions (the "
+                                        "per-key cap): end one (DELETE /mcp) or let it idle out, or raise "
+                                        "--sessions-per-key")
                 return
 
             async def opening(message: MutableMapping[str, Any]) -> None:

@@ -27,6 +27,26 @@ def call_key(name: str, arguments: Mapping[str, Any]) -> str:
     return "mcp-" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
 
+def canonical_arguments(spec: Any, arguments: Mapping[str, Any]) -> Any:
+    """The arguments as the core stores them (validated by the tool's contract, then its JSON snapshot): ``5`` and
+    ``5.0`` for a number field are one value there, so they must be one call here. Arguments the contract refuses
+    are given back as they are (the core refuses them with the failing path named, before anything is logged)."""
+    try:
+        copy = spec.as_is_copy(arguments)
+        return copy if copy is not None else spec.snapshot(spec.validate(arguments))
+    except Exception:  # noqa: BLE001 - the core's own validation answers these, with the path named
+        return arguments
+
+
+def running_result(name: str, message: str) -> types.CallToolResult:
+    """A call that another ask of it is running right now: not an error (it runs once); ask again for its result."""
+    info = {"status": "running", "tool": name, "retry_after_seconds": 2}
+    text = (f"{name} is running right now (another ask of this same call started it): running; ask again with the "
+            f"same arguments in a few seconds for its result. It runs once. ({message})")
+    return types.CallToolResult(content=[types.TextContent(type="text", text=text)], structuredContent=info,
+                                isError=False)
+
+
 def text_of(result: types.CallToolResult) -> str:
     return "\n".join(c.text for c in result.content if isinstance(c, types.TextContent))
 

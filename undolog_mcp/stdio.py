@@ -27,6 +27,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from mcp import types
 from mcp.shared.message import SessionMessage
 
+from .stdio_limits import HEAD_BYTES, MAX_LINE_BYTES, refuse_line
+
 Streams = tuple[MemoryObjectReceiveStream[SessionMessage | Exception], MemoryObjectSendStream[SessionMessage]]
 
 # A line longer than this (a huge tool call) is still read whole: the reader then collects it chunk by chunk.
@@ -90,27 +92,46 @@ async def stdio_transport(stdin_fd: int | None = None, stdout_fd: int | None = N
     read_stream_writer, read_stream = anyio.create_memory_object_stream(0)
     write_stream, write_stream_reader = anyio.create_memory_object_stream(0)
 
-    async def read_line() -> bytes:
+    async def read_line() -> tuple[bytes, bool]:
+        """One line and whether it was cut: past MAX_LINE_BYTES the rest is read and dropped, never held."""
         try:
-            return await reader.readuntil(b"\n")
+            return await reader.readuntil(b"\n"), False
         except asyncio.IncompleteReadError as eof:
-            return eof.partial  # the last line, unterminated (b"" at the end)
+            return eof.partial, False  # the last line, unterminated (b"" at the end)
         except asyncio.LimitOverrunError as over:
-            # Longer than the reader's buffer: take what it holds, then the rest of the line.
+            # Longer than the reader's buffer: take what it holds, then the rest of the line, up to the limit.
             parts = [await reader.readexactly(over.consumed)]
+            size = len(parts[0])
             while True:
                 try:
-                    parts.append(await reader.readuntil(b"\n"))
-                    return b"".join(parts)
+                    part = await reader.readuntil(b"\n")
+                    if size + len(part) > MAX_LINE_BYTES:
+                        return parts[0][:HEAD_BYTES], True
+                    parts.append(part)
+                    return b"".join(parts), False
                 except asyncio.IncompleteReadError as eof:
-                    return b"".join([*parts, eof.partial])
+                    if size + len(eof.partial) > MAX_LINE_BYTES:
+                        return parts[0][:HEAD_BYTES], True
+                    return b"".join([*parts, eof.partial]), False
                 except asyncio.LimitOverrunError as more:
-                    parts.append(await reader.readexactly(more.consumed))
+                    chunk = await reader.readexactly(more.consumed)
+                    size += len(chunk)
+                    if size > MAX_LINE_BYTES:
+                        parts[1:] = []  # over the limit: keep the head (for the id), drop the rest as it comes
+                    else:
+                        parts.append(chunk)
 
     async def stdin_reader() -> None:
         try:
             async with read_stream_writer:
-                while line := await read_line():
+                while True:
+                    line, cut = await read_line()
+                    if not line:
+                        break
+                    refused = refuse_line(line, truncated=cut)
+                    if refused is not None:
+                        writer.write(refused)  # whole lines: they cannot interleave with another message
+                        continue
                     text = line.decode("utf-8", errors="replace")
                     if not text.strip():
                         continue  # a blank line is no message (the SDK's text reader would hand it over to fail)

@@ -17,7 +17,8 @@ from pydantic_core import to_jsonable_python
 from undolog_core import RollbackReport, errors, limits
 from undolog_core.limits import MAX_ID_LENGTH
 
-from .auth import AuthFirstRoute, is_admin, require, server_state
+from .auth import AuthFirstRoute, require, server_state
+from .identity import is_admin, owns
 from .problems import Problem
 from .state import ServerState
 from .storage import KEY_NAME_MAX, ROLES, ApiKey, ApproverGroup, NotificationPolicy
@@ -374,9 +375,13 @@ def _visible_approval(st: ServerState, key: ApiKey, approval_request_id: str) ->
     return row
 
 
-def _decidable(st: ServerState, key: ApiKey, approval_request_id: str) -> dict[str, Any]:
+def _decidable(st: ServerState, key: ApiKey, approval_request_id: str, action: str) -> dict[str, Any]:
     row = _visible_approval(st, key, approval_request_id)
-    if row.get("session_created_by") == key.principal_ref:
+    if owns(key, row.get("session_created_by")):
+        try:  # the core's check, which audits the refusal before it raises
+            st.undolog.approvals.refuse_own(approval_request_id, key.identity, action, key.principal_ref)
+        except errors.SelfDecisionForbidden:
+            pass
         raise Problem(
             403,
             "self_approval_forbidden",
@@ -389,7 +394,7 @@ def _session_for(st: ServerState, key: ApiKey, session_id: str, *, write: bool =
     """Load a session the key may see; agents see only their own (others are 404 to them)."""
     row = st.views.session_row(session_id)
     visible = row is not None and (
-        "admin" in key.roles or ("approver" in key.roles and not write) or row.get("created_by") == key.principal_ref
+        "admin" in key.roles or ("approver" in key.roles and not write) or owns(key, row.get("created_by"))
     )
     if row is None or not visible:
         raise Problem(404, "session_not_found", f"session {session_id!r} does not exist")
@@ -454,7 +459,7 @@ class Visibility:
     def __init__(self, st: ServerState, key: ApiKey, session: dict[str, Any]) -> None:
         self.key = key
         self.groups = st.store.groups()
-        self.everything = is_admin(key) or session.get("created_by") == key.principal_ref or not self.groups
+        self.everything = is_admin(key) or owns(key, session.get("created_by")) or not self.groups
         self._tags: dict[tuple[str, int | None], list[str]] = {}
         if not self.everything:
             for r in st.views.tools():
@@ -493,7 +498,7 @@ def _halt_as_seen(st: ServerState, row: dict[str, Any], vis: Visibility) -> dict
     The reason quotes what stopped the session: a failed compensation's error, a rejection's reason. Both belong to
     one call, whose error (or request) is withheld from keys outside its approver groups; so is the quote.
     """
-    if not row.get("halted_reason") or vis.everything or row.get("created_by") == vis.key.principal_ref:
+    if not row.get("halted_reason") or vis.everything or owns(vis.key, row.get("created_by")):
         return row
     if all(vis.sees(e["tool_name"], e.get("tool_revision")) for e in st.views.effects(row["session_id"])):
         return row
@@ -643,8 +648,9 @@ def approve(
     key: ApiKey = Depends(APPROVER),
 ) -> ApprovalOut:
     st = _st(request)
-    row = _decidable(st, key, approval_request_id)
-    record = st.undolog.approvals.approve(approval_request_id, approver=key.identity, reason=body.reason if body else None)
+    row = _decidable(st, key, approval_request_id, "approve")
+    record = st.undolog.approvals.approve(approval_request_id, approver=key.identity, principal=key.principal_ref,
+                                          reason=body.reason if body else None)
     return _approval_out(st, record, row["groups"])
 
 
@@ -659,8 +665,9 @@ def reject(
     request: Request, body: RejectIn, approval_request_id: str = _id(), key: ApiKey = Depends(APPROVER)
 ) -> ApprovalOut:
     st = _st(request)
-    row = _decidable(st, key, approval_request_id)
-    record = st.undolog.approvals.reject(approval_request_id, approver=key.identity, reason=body.reason)
+    row = _decidable(st, key, approval_request_id, "reject")
+    record = st.undolog.approvals.reject(approval_request_id, approver=key.identity, principal=key.principal_ref,
+                                         reason=body.reason)
     return _approval_out(st, record, row["groups"])
 
 
@@ -675,8 +682,9 @@ def modify(
     request: Request, body: ModifyIn, approval_request_id: str = _id(), key: ApiKey = Depends(APPROVER)
 ) -> ApprovalOut:
     st = _st(request)
-    row = _decidable(st, key, approval_request_id)
-    record = st.undolog.approvals.modify(approval_request_id, approver=key.identity, args=body.args, reason=body.reason)
+    row = _decidable(st, key, approval_request_id, "modify")
+    record = st.undolog.approvals.modify(approval_request_id, approver=key.identity, principal=key.principal_ref,
+                                         args=body.args, reason=body.reason)
     return _approval_out(st, record, row["groups"])
 
 
@@ -792,7 +800,7 @@ def session_detail(st: ServerState, row: dict[str, Any], key: ApiKey, *, effects
     """
     sid = row["session_id"]
     groups = st.store.groups()
-    owner = row.get("created_by") == key.principal_ref
+    owner = owns(key, row.get("created_by"))
     approvals = []
     for a in st.views.approvals(session_id=sid, limit=500):
         g = groups_for(groups, a["tool_name"], a["risk_tags"])

@@ -15,8 +15,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from .identity import ApiKey
+from .identity import is_admin as is_admin  # re-exported: it was defined here
+from .identity import owns_session as owns_session  # re-exported: it was defined here
 from .problems import Problem
-from .storage import ApiKey
 
 if TYPE_CHECKING:
     from .state import ServerState
@@ -130,12 +132,3 @@ class AuthFirstRoute(APIRoute):
                 raise
 
         return auth_first
-
-
-def is_admin(key: ApiKey) -> bool:
-    return "admin" in key.roles
-
-
-def owns_session(key: ApiKey, session: Any) -> bool:
-    """Whether the session was created by this key."""
-    return getattr(session, "created_by", None) == key.principal_ref

@@ -27,8 +27,9 @@ from undolog_core import errors, limits
 from .api import approval_detail, rollback_out, session_detail
 from .auth import server_state
 from .guard import body_problem
+from .identity import ApiKey, key_id_of, owns
 from .state import ServerState
-from .storage import ApiKey, utcnow
+from .storage import utcnow
 from .views import groups_for, may_see
 
 SESSION_COOKIE = "undolog_session"
@@ -265,7 +266,7 @@ def _approval_page(request: Request, key: ApiKey, approval_request_id: str, *, e
         return _forbidden(request, key, f"This request is routed to {', '.join(groups)}; you are in none of them.")
     detail = approval_detail(st, row, key)
     session = st.views.session_row(row["session_id"]) or {}
-    own = session.get("created_by") == key.principal_ref
+    own = owns(key, session.get("created_by"))
     events = st.undolog.approvals.events(approval_request_id)
     from .api import _event_dict
 
@@ -299,17 +300,21 @@ async def decide(request: Request, approval_request_id: str, action: str) -> Res
     if not may_see(key, groups_for(st.store.groups(), row["tool_name"], row["risk_tags"])):
         return _forbidden(request, key, "This request is routed to an approver group you are not in.")
     session = st.views.session_row(row["session_id"]) or {}
-    if session.get("created_by") == key.principal_ref:
+    if owns(key, session.get("created_by")):
+        try:  # the core's check, which audits the refusal before it raises
+            st.undolog.approvals.refuse_own(approval_request_id, key.identity, action, key.principal_ref)
+        except errors.SelfDecisionForbidden:
+            pass
         return _forbidden(request, key, "Your key created the session that raised this request; someone else must decide it.")
     reason = data.get("reason", "").strip() or None
     edited = None
     try:
         if action == "approve":
-            st.undolog.approvals.approve(approval_request_id, approver=key.identity, reason=reason)
+            st.undolog.approvals.approve(approval_request_id, approver=key.identity, principal=key.principal_ref, reason=reason)
         elif action == "reject":
             if not reason:
                 return _approval_page(request, key, approval_request_id, error="A rejection needs a reason.", status=422)
-            st.undolog.approvals.reject(approval_request_id, approver=key.identity, reason=reason)
+            st.undolog.approvals.reject(approval_request_id, approver=key.identity, principal=key.principal_ref, reason=reason)
         else:
             edited = data.get("args", "")
             # The same door as the API's body: NUL, nesting, lone surrogates, NaN and infinities are refused with
@@ -326,7 +331,8 @@ async def decide(request: Request, approval_request_id: str, action: str) -> Res
             if not isinstance(args, dict):
                 return _approval_page(request, key, approval_request_id, error="The arguments must be a JSON object.",
                                       edited=edited, status=422)
-            st.undolog.approvals.modify(approval_request_id, approver=key.identity, args=args, reason=reason)
+            st.undolog.approvals.modify(approval_request_id, approver=key.identity, principal=key.principal_ref, args=args,
+                                        reason=reason)
     except errors.ArgumentsInvalid as exc:
         return _approval_page(request, key, approval_request_id, error=exc.message, edited=edited, status=422)
     except errors.ApprovalAlreadyDecided as exc:
@@ -368,8 +374,9 @@ def _session_page(request: Request, key: ApiKey, session_id: str, *, report: Any
 
 def _creator(st: ServerState, created_by: str | None) -> str | None:
     """Show a key-created session's creator by the key's name."""
-    if created_by and created_by.startswith("key:"):
-        key = st.store.get_key(created_by[4:])
+    key_id = key_id_of(created_by)
+    if key_id is not None:
+        key = st.store.get_key(key_id)
         if key is not None:
             return key.identity
     return created_by

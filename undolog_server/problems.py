@@ -48,6 +48,7 @@ ERROR_STATUS: dict[str, int] = {
     "approval_cancelled": 409,
     "approval_not_found": 404,
     "approval_already_decided": 409,
+    "self_approval_forbidden": 403,
     "outcome_unknown": 409,
     "database_unavailable": 503,
     "effect_not_found": 404,

@@ -357,7 +357,8 @@ async def test_served_over_http_behind_agent_keys(db: Any, tmp_path: Path) -> No
         proc.wait(timeout=30)
     u = db.open()
     s = only_session(u)
-    assert s.agent_id == "mcp:remote/2" and (s.created_by or "").startswith("bot")
+    # The owner is the desk's principal reference, the one form its self-approval checks compare (issue #29).
+    assert s.agent_id == "mcp:remote/2" and s.created_by == "key:" + agent.stdout.strip().split()[-1].split("_")[1]
 
 
 def test_init_proposes_a_config_to_review(db: Any, tmp_path: Path) -> None:

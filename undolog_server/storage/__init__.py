@@ -30,6 +30,13 @@ from sqlalchemy.engine import Connection, Dialect, Engine
 
 from undolog_core.limits import MAX_ID_LENGTH
 
+# The identity model lives in one public module shared with the MCP gateway; re-exported here for old imports.
+from ..identity import KEY_ID_BYTES as KEY_ID_BYTES
+from ..identity import KEY_NAME_MAX as KEY_NAME_MAX
+from ..identity import ROLES as ROLES
+from ..identity import ApiKey as ApiKey
+from ..identity import ApproverGroup as ApproverGroup
+
 
 class UTCDateTime(sa.types.TypeDecorator[datetime]):
     """Aware UTC datetimes on both databases (SQLite keeps no zone, so it is stored naive UTC).
@@ -56,8 +63,6 @@ class UTCDateTime(sa.types.TypeDecorator[datetime]):
             return parsed.replace(tzinfo=UTC)
         return parsed.astimezone(UTC)
 
-
-ROLES = ("agent", "approver", "admin")
 
 #: The server's own Alembic version table: its migrations are a branch of their own, next to the core's.
 SERVER_VERSION_TABLE = "undolog_server_alembic_version"
@@ -253,48 +258,6 @@ def hash_secret(secret: str) -> str:
     here and keeps per-request authentication cheap.
     """
     return "sha256:" + hashlib.sha256(secret.encode()).hexdigest()
-
-
-KEY_ID_BYTES = 6
-#: The longest key name: its identity ``<name> (key <12 hex>)`` then fits the core's one length rule.
-KEY_NAME_MAX = MAX_ID_LENGTH - len(" (key )") - 2 * KEY_ID_BYTES
-
-
-@dataclass(frozen=True)
-class ApiKey:
-    """A stored API key (never holds the secret)."""
-
-    key_id: str
-    name: str
-    roles: frozenset[str]
-    groups: frozenset[str]
-    created_at: datetime
-    created_by: str | None = None
-    revoked_at: datetime | None = None
-    last_used_at: datetime | None = None
-
-    @property
-    def identity(self) -> str:
-        """What decisions and sessions record about this key's holder."""
-        return f"{self.name} (key {self.key_id})"
-
-    @property
-    def principal_ref(self) -> str:
-        """The stable reference stored in ``sessions.created_by``."""
-        return f"key:{self.key_id}"
-
-
-@dataclass(frozen=True)
-class ApproverGroup:
-    """An approver group: who may see and decide requests for some tools or risk tags."""
-
-    name: str
-    tools: tuple[str, ...] = ()
-    risk_tags: tuple[str, ...] = ()
-    description: str | None = None
-
-    def matches(self, tool_name: str, risk_tags: Iterable[str]) -> bool:
-        return tool_name in self.tools or bool(set(self.risk_tags) & set(risk_tags))
 
 
 @dataclass(frozen=True)
