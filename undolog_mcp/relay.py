@@ -17,8 +17,9 @@ sends on it names no client. So:
   ``gateway._guarded``): once its pre-write is made it runs to its recorded end, so no cancel reaches the upstream,
   which would leave its outcome unknown.
 - **Log messages.** ``logging/setLevel`` from clients: the most verbose level asked goes to every upstream with
-  logging; each message is relayed to the clients with a request in flight to that upstream (else to the clients
-  that asked for log messages), each filtered by its own level.
+  logging; a message (which names no request) is relayed, filtered by that client's own level, to the one client
+  with a request in flight to that upstream, or with none in flight to the gateway's one client over stdio. With
+  several clients' requests in flight, or none over HTTP, it could be another client's: it is not relayed.
 - **List changes and resource updates.** Handed to the gateway (``on_listing_changed``, ``on_resource_updated``),
   which recomputes what it exposes and tells its clients.
 """
@@ -275,10 +276,18 @@ class Relay(UpstreamHooks):
                                 exc.error.message)
 
     async def _log(self, config: UpstreamConfig, params: types.LoggingMessageNotificationParams) -> None:
+        # A log message names no request: it is relayed only where whose it is cannot be mistaken, as the
+        # upstream's questions are: to the one client with a request in flight to that upstream; with none in
+        # flight, to the gateway's one client when it serves one (stdio). With several clients' requests in flight,
+        # or none over HTTP (many clients, many principals), it could be another client's: it is not relayed.
         targets: dict[ServerSession, types.RequestId | None] = {
             e.session: e.request_id for e in self._in_flight.get(config.name, [])}
-        if not targets:
-            targets = dict.fromkeys(list(self._levels.keys()))
+        if len(targets) > 1:
+            log.debug("a log message of upstream %s not relayed: %d clients' requests in flight", config.name,
+                      len(targets))
+            return
+        if not targets and self.one_client:
+            targets = dict.fromkeys(list(self.server.sessions))
         for client, related in targets.items():
             level = self._levels.get(client)
             if level is not None and LEVELS.index(params.level) < LEVELS.index(level):

@@ -269,3 +269,38 @@ async def test_a_resource_update_reaches_the_clients_subscribed(undolog: UndoLog
                 await asyncio.sleep(0.02)
         await client.unsubscribe_resource("a+test://watched-resource")  # type: ignore[arg-type]
     assert updated == ["a+test://watched-resource"]  # named as this client knows it
+
+
+async def test_a_log_message_is_not_relayed_when_it_could_be_another_clients(undolog: UndoLog,
+                                                                             tmp_path: Path) -> None:
+    cfg = two_fixtures(tmp_path)
+    cfg.write_text(cfg.read_text() + '\n[tools.a.test_tool_with_logging]\ntier = "safe"\n')
+    logs: list[Any] = []
+    asked, release = asyncio.Event(), asyncio.Event()
+
+    async def on_log(params: types.LoggingMessageNotificationParams) -> None:
+        logs.append(params)
+
+    async def slow_sampling(ctx: Any, params: types.CreateMessageRequestParams) -> types.CreateMessageResult:
+        asked.set()
+        await release.wait()
+        return types.CreateMessageResult(role="assistant", model="m", content=types.TextContent(type="text", text="x"))
+
+    gw = Gateway(load_config(cfg), undolog)
+    async with gw.running(), \
+            create_connected_server_and_client_session(gw.server, sampling_callback=slow_sampling,
+                                                       logging_callback=on_log) as one, \
+            create_connected_server_and_client_session(gw.server, logging_callback=on_log) as two:
+        await two.set_logging_level("debug")
+        first = asyncio.ensure_future(one.call_tool("test_sampling", {"prompt": "hold"}))
+        with anyio.fail_after(30):
+            await asked.wait()
+        # Two clients' requests to upstream a in flight: its log messages name neither, so neither gets them.
+        assert not (await two.call_tool("test_tool_with_logging", {})).isError
+        release.set()
+        assert not (await first).isError
+        assert logs == []
+        # One client in flight: its messages are its own.
+        await two.call_tool("test_tool_with_logging", {})
+        await two.send_ping()
+        assert len(logs) == 3
