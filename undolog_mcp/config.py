@@ -37,6 +37,8 @@ from undolog_core.errors import ConfigurationError
 # {args.x}, {result.x.y}, {idempotency_key}: what a compensation's arguments may be built from.
 _PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 _SOURCES = ("args", "result")
+# What an upstream may pass through beside its tools (``expose = [...]``).
+EXPOSABLE = ("resources", "prompts", "completion")
 
 
 class Approval(enum.StrEnum):
@@ -57,6 +59,8 @@ class UpstreamConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     timeout: float = 30.0  # seconds a tool call may take before its outcome counts as unknown
     start_timeout: float = 30.0  # seconds to start it and have it answer initialize and tools/list
+    # What of the upstream besides its tools the gateway passes through (see passthrough.py): all unless told.
+    expose: frozenset[str] = frozenset(EXPOSABLE)
 
     def describe(self) -> dict[str, Any]:
         """What identifies the upstream in a tool's contract (no environment: it may hold secrets)."""
@@ -190,7 +194,7 @@ def _upstream(name: str, raw: Any, base: Path | None) -> UpstreamConfig:
     where = f"[upstreams.{name}]"
     if not isinstance(raw, Mapping):
         raise ConfigurationError(f"gateway config: {where} must be a table")
-    unknown = set(raw) - {"command", "url", "cwd", "env", "timeout", "start_timeout"}
+    unknown = set(raw) - {"command", "url", "cwd", "env", "timeout", "start_timeout", "expose"}
     if unknown:
         raise ConfigurationError(f"gateway config: {where} has unknown key(s) {', '.join(sorted(unknown))}")
     command, url = raw.get("command"), raw.get("url")
@@ -222,7 +226,12 @@ def _upstream(name: str, raw: Any, base: Path | None) -> UpstreamConfig:
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
             raise ConfigurationError(f"gateway config: {where} {key} must be a positive number of seconds")
         bounds[key] = float(value)
-    return UpstreamConfig(name, cmd, url, cwd, dict(env), bounds["timeout"], bounds["start_timeout"])
+    expose = raw.get("expose", list(EXPOSABLE))
+    if not isinstance(expose, list) or not all(isinstance(e, str) and e in EXPOSABLE for e in expose):
+        raise ConfigurationError(f"gateway config: {where} expose must be a list of {', '.join(map(repr, EXPOSABLE))} "
+                                 f"(got {expose!r}); write expose = [] to pass through tools alone")
+    return UpstreamConfig(name, cmd, url, cwd, dict(env), bounds["timeout"], bounds["start_timeout"],
+                          frozenset(expose))
 
 
 def _resolve_arg(arg: str, base: Path | None) -> str:

@@ -37,6 +37,8 @@ from undolog_core.errors import CallRunning, ConfigurationError, UndoLogError
 from .config import Approval, CompensationTemplate, GatewayConfig, ToolConfig, UpstreamConfig
 from .elicit import elicit_decision
 from .front_door import FrontDoor, SessionBook, live_sessions
+from .passthrough import Passthrough
+from .relay import GatewayServer, Relay
 from .results import META_KEY as META_KEY  # re-exported: it was defined here
 from .results import (
     awaiting_result,
@@ -170,6 +172,12 @@ class Gateway:
         # session never inherits a dead one's UndoLog session through a reused id().
         self._sessions: weakref.WeakKeyDictionary[Any, tuple[str, str | None]] = weakref.WeakKeyDictionary()
         self.server: Server[Any, Any] = self._build_server()
+        # Everything but tool calls: the upstreams' requests to the client, notifications, progress, cancels
+        # (relay.py), and their resources, prompts, completion and logging (passthrough.py).
+        assert isinstance(self.server, GatewayServer)
+        self.relay = Relay(self.server, one_client=False)
+        self.passthrough = Passthrough(config, self.server, self.relay)
+        self.server.advertise = lambda: (self.passthrough.capabilities(), self.passthrough.instructions())
 
     # -- registration -------------------------------------------------------------------------------
 
@@ -281,7 +289,7 @@ class Gateway:
     def _build_server(self) -> Server[Any, Any]:
         # No per-session lifespan: the upstreams are connected once for the gateway (``running``), however many
         # MCP client sessions the HTTP transport serves.
-        server: Server[Any, Any] = Server("undolog-gateway")
+        server: Server[Any, Any] = GatewayServer("undolog-gateway")
 
         @server.list_tools()  # type: ignore[no-untyped-call, untyped-decorator]
         async def _list() -> list[types.Tool]:
@@ -303,17 +311,25 @@ class Gateway:
     async def running(self) -> AsyncIterator[Gateway]:
         """Connect the upstreams, register their classified tools, and finish what a crash left in flight."""
         self._loop = asyncio.get_running_loop()
-        self.connections = connections = Connections()
+        self.connections = connections = Connections(hooks=self.relay)
+        self.passthrough.connect = connections.get
+        self.relay.upstreams = self.passthrough.live
+        self.relay.on_listing_changed = self._listing_changed
+        self.relay.on_resource_updated = self.passthrough.resource_updated
         try:
             listed: dict[str, list[types.Tool]] = {}
             for name, cfg in self.config.upstreams.items():
                 try:
-                    listed[name] = (await connections.get(cfg)).tools
+                    up = await connections.get(cfg)
+                    self.passthrough.note(up)
+                    listed[name] = up.tools
                 except Exception as exc:  # noqa: BLE001 - said in one line naming the upstream, not a task group's trace
                     raise ConfigurationError(f"upstream {name!r} could not be started and listed: "
                                              f"{first_cause(exc)}") from exc
             exposure = self.register(listed)
-            connections.on_open = self._relisted  # from now on, an upstream started again is listed anew
+            connections.on_open = self._opened  # from now on, an upstream started again is listed anew
+            for line in self.passthrough.describe():
+                log.info("%s", line)
             for skipped in exposure.unclassified:
                 log.warning("not exposed (no tier in the config): %s", skipped)
             for gone in exposure.missing:
@@ -326,6 +342,30 @@ class Gateway:
             self.connections = None
             self._loop = None
             await connections.close()
+
+    async def _opened(self, config: UpstreamConfig, up: Upstream) -> None:
+        self.passthrough.note(up)
+        await self._relisted(config, up)
+
+    def _exposed_listing(self) -> dict[str, Any]:
+        return {name: self._advertised(ex).model_dump(mode="json", exclude_none=True)
+                for name, ex in self.exposure.tools.items()}
+
+    async def _listing_changed(self, config: UpstreamConfig, kind: str) -> None:
+        """An upstream said its tools, resources or prompts changed. Its tools are listed again at once (and
+        registered: see _relisted); the clients are told when what the gateway exposes changed (a tool the config
+        does not classify stays hidden, so its coming says nothing)."""
+        if kind != "tools":
+            await self.passthrough.listing_changed(config, kind)
+            return
+        if self.connections is None:
+            return
+        before = self._exposed_listing()
+        up = await self.connections.get(config)
+        if getattr(up.session, "stale", False):  # (not yet listed again by a call meanwhile)
+            await self.connections._relist(config, up)
+        if self._exposed_listing() != before:
+            await self.relay.broadcast(types.ServerNotification(types.ToolListChangedNotification()))
 
     def _advertised(self, ex: ExposedTool) -> types.Tool:
         tool = ex.listed.model_copy(update={"name": ex.exposed_name})
@@ -436,6 +476,7 @@ class Gateway:
         see ``stdio.py``)."""
         from .stdio import stdio_transport
 
+        self.relay.one_client = True  # the upstreams' connections serve this one client: its roots are theirs
         async with self.running(), stdio_transport() as (read, write):
             await self.server.run(read, write, self.server.create_initialization_options())
 
