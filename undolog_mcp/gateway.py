@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,18 +32,23 @@ from undolog_core import (
     ToolTier,
     UndoLog,
 )
-from undolog_core.errors import ConfigurationError, UndoLogError
+from undolog_core.errors import ConfigurationError, SessionClosed, UndoLogError
 
 from .config import Approval, CompensationTemplate, GatewayConfig, ToolConfig, UpstreamConfig
 from .elicit import elicit_decision
 from .results import META_KEY as META_KEY  # re-exported: it was defined here
 from .results import awaiting_result, call_key, error_result, replayed, structured, text_of, unknown_result
+from .sessions import SESSION_HEADER, SESSION_META, SessionRouter
 from .upstream import PORTAL, Connections, OutcomeUnknown, Upstream, UpstreamRefused, first_cause
 
 log = logging.getLogger("undolog.mcp")
 
 # Who the HTTP transport authenticated, in the ASGI scope of the request (absent over stdio).
 PRINCIPAL_SCOPE_KEY = "undolog.principal"
+# The UndoLog session the request being served was logged under, and whether its client named it (per request:
+# each tools/call is handled in a task of its own).
+_SESSION_USED: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_mcp_session", default=None)
+_SESSION_NAMED: contextvars.ContextVar[bool] = contextvars.ContextVar("undolog_mcp_session_named", default=False)
 
 
 async def _plain(send: Any, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -153,10 +158,8 @@ class Gateway:
         self._listed: dict[str, list[types.Tool]] = {}  # what each upstream listed when last registered
         self.connections: Connections | None = None  # the live upstreams, while running
         self._loop: asyncio.AbstractEventLoop | None = None
-        # MCP client session -> (its UndoLog session, the API key that opened it), while the client session lives:
-        # weak keys, not id(), so that the map does not grow with every client that ever connected, and a new client
-        # session never inherits a dead one's UndoLog session through a reused id().
-        self._sessions: weakref.WeakKeyDictionary[Any, tuple[str, str | None]] = weakref.WeakKeyDictionary()
+        # Which UndoLog session each call is logged under (the config's ``session`` grouping).
+        self.sessions = SessionRouter(undolog, config.session, config.session_idle)
         self.server: Server[Any, Any] = self._build_server()
 
     # -- registration -------------------------------------------------------------------------------
@@ -278,6 +281,10 @@ class Gateway:
         @server.call_tool(validate_input=False)  # type: ignore[untyped-decorator]
         async def _call(name: str, arguments: dict[str, Any] | None) -> types.CallToolResult:
             result = await self.call(name, arguments or {})
+            used = _SESSION_USED.get()
+            if used is not None:
+                # Every answer says which UndoLog session the call was logged in: the id a client may name later.
+                result = result.model_copy(update={"meta": {**(result.meta or {}), SESSION_META: used}})
             # A client that cancelled while a logged call finished (shielded, see _guarded) was already answered by
             # the SDK ("Request cancelled"): the cancellation is taken here, so the SDK does not answer twice (it
             # asserts it does not, and the assertion would stop the gateway).
@@ -345,7 +352,15 @@ class Gateway:
             call_id = call_key(name, arguments) if ex.config.tier is ToolTier.IRREVERSIBLE else None
             driver = self.undolog.driver
             try:
-                d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+                try:
+                    d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+                except SessionClosed:
+                    # A grouping's session that was rolled back or completed (from the CLI, the desk): the grouping
+                    # goes on in a new session, as a new agent run would. A session the client named stays closed.
+                    if _SESSION_NAMED.get() or not self.sessions.forget(session_id):
+                        raise
+                    session_id = await self._session_id()
+                    d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
             except UndoLogError as exc:
                 return error_result(exc.message, code=exc.code)
         if isinstance(d, Completed):
@@ -389,23 +404,23 @@ class Gateway:
         return value
 
     async def _session_id(self) -> str:
-        """The UndoLog session of the MCP client session making this request (one for one)."""
-        session = self.server.request_context.session
-        key = session
-        request = getattr(self.server.request_context, "request", None)
-        principal = getattr(request, "scope", {}).get(PRINCIPAL_SCOPE_KEY) if request is not None else None
-        found = self._sessions.get(key)
-        if found is not None:
-            if found[1] != principal:
-                # Over HTTP an MCP session belongs to the key that opened it.
-                raise UndoLogError("this MCP session was opened with another API key")
-            return found[0]
+        """The UndoLog session of the request being served, by the config's grouping (see ``sessions.py``)."""
+        context = self.server.request_context
+        session = context.session
+        request = getattr(context, "request", None)
+        scope = getattr(request, "scope", None)
+        principal = scope.get(PRINCIPAL_SCOPE_KEY) if isinstance(scope, Mapping) else None
+        meta = context.meta.model_extra if context.meta is not None else None
+        named = (meta or {}).get(SESSION_META)
+        if named is None and principal is not None:
+            named = request.headers.get(SESSION_HEADER) if request is not None else None
         info = session.client_params.clientInfo if session.client_params else None
         label = f"mcp:{info.name}/{info.version}" if info else "mcp:unknown-client"
-        s = await asyncio.to_thread(self.undolog.session, agent_id=label, created_by=principal)
-        self._sessions[key] = (s.id, principal)
-        log.info("MCP client %s is session %s", label, s.id)
-        return s.id
+        session_id = await self.sessions.session_for(mcp_session=session, principal=principal, named=named,
+                                                     label=label)
+        _SESSION_USED.set(session_id)
+        _SESSION_NAMED.set(named is not None)
+        return session_id
 
     async def _elicit(self, ex: ExposedTool, d: AwaitingApproval) -> types.CallToolResult | None:
         return await elicit_decision(self.server.request_context, self.undolog, ex.exposed_name, ex.listed, d)

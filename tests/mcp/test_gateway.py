@@ -357,7 +357,7 @@ async def test_served_over_http_behind_agent_keys(db: Any, tmp_path: Path) -> No
         proc.wait(timeout=30)
     u = db.open()
     s = only_session(u)
-    assert s.agent_id == "mcp:remote/2" and (s.created_by or "").startswith("bot")
+    assert s.agent_id == "mcp:remote/2" and (s.created_by or "").startswith("key:")
 
 
 def test_init_proposes_a_config_to_review(db: Any, tmp_path: Path) -> None:

@@ -38,7 +38,8 @@ def save(state: dict[str, Any]) -> None:
 def record(state: dict[str, Any], tool: str, args: dict[str, Any], ctx: Context[Any, Any, Any]) -> None:
     meta = ctx.request_context.meta
     key = (meta.model_extra or {}).get(KEY) if meta is not None else None
-    state["calls"].append({"tool": tool, "args": args, "key": key})
+    # The pid tells which upstream process did the work (a long-lived gateway starts its upstream once).
+    state["calls"].append({"tool": tool, "args": args, "key": key, "pid": os.getpid()})
 
 
 class Ticket(BaseModel):
