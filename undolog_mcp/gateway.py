@@ -34,6 +34,7 @@ from undolog_core import (
 )
 from undolog_core.errors import ConfigurationError, SessionClosed, UndoLogError
 
+from .approvals import SharedRequest, find_shared
 from .config import Approval, CompensationTemplate, GatewayConfig, ToolConfig, UpstreamConfig
 from .elicit import elicit_decision
 from .results import META_KEY as META_KEY  # re-exported: it was defined here
@@ -49,6 +50,8 @@ PRINCIPAL_SCOPE_KEY = "undolog.principal"
 # each tools/call is handled in a task of its own).
 _SESSION_USED: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_mcp_session", default=None)
 _SESSION_NAMED: contextvars.ContextVar[bool] = contextvars.ContextVar("undolog_mcp_session_named", default=False)
+# The API key (``key:<id>``) the HTTP transport authenticated for the request being served; None over stdio.
+_PRINCIPAL: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_mcp_principal", default=None)
 
 
 async def _plain(send: Any, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -132,6 +135,14 @@ def _listing(tools: list[types.Tool]) -> dict[str, Any]:
     return {t.name: t.model_dump(mode="json", exclude_none=True) for t in tools}
 
 
+def _awaiting(shared: SharedRequest) -> AwaitingApproval:
+    """The notice of a pending request another session of the key raised, for a call that joined it."""
+    rec = shared.request
+    return AwaitingApproval(rec.effect_id, rec.approval_request_id, min(max(rec.seconds_left, 1.0), 30.0),
+                            rec.tool_name, dict(rec.proposed_args), rec.reason, tuple(rec.risk_tags), rec.timeout_at,
+                            rec.call_id)
+
+
 def _guarded(ex: ExposedTool) -> contextlib.AbstractContextManager[Any]:
     """Where a logged call (COMPENSABLE, or IRREVERSIBLE once approved) is decided, forwarded and marked, the
     client's cancel (``notifications/cancelled``) or its going away must not stop the gateway: the pre-write done,
@@ -160,6 +171,7 @@ class Gateway:
         self._loop: asyncio.AbstractEventLoop | None = None
         # Which UndoLog session each call is logged under (the config's ``session`` grouping).
         self.sessions = SessionRouter(undolog, config.session, config.session_idle)
+        self._joined: set[tuple[str, str]] = set()  # (request, session) joins written, so a re-ask writes none
         self.server: Server[Any, Any] = self._build_server()
 
     # -- registration -------------------------------------------------------------------------------
@@ -351,6 +363,23 @@ class Gateway:
                 return error_result(exc.message, code=exc.code)
             call_id = call_key(name, arguments) if ex.config.tier is ToolTier.IRREVERSIBLE else None
             driver = self.undolog.driver
+            released_to: str | None = None
+            shared: SharedRequest | None = None
+            principal = _PRINCIPAL.get()
+            if call_id is not None and principal is not None and ex.config.approval is Approval.DESK:
+                # Over HTTP only: the same ask from another session of the key joins a pending request, or is
+                # released an approved one (see approvals.py).
+                shared = await asyncio.to_thread(find_shared, self.undolog, session_id=session_id,
+                                                 principal=principal, tool_name=name, call_id=call_id,
+                                                 revision=ex.spec.revision)
+                if shared is not None and shared.pending:
+                    await asyncio.to_thread(self._join, shared, session_id, principal)
+                    return awaiting_result(name, _awaiting(shared), note=(
+                        f" (Asked already in session {shared.request.session_id} with this API key: this call "
+                        "waits on that request.)"))
+                if shared is not None:
+                    released_to, session_id = session_id, shared.request.session_id
+                    _SESSION_USED.set(session_id)  # logged (and run) in the request's own session
             try:
                 try:
                     d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
@@ -365,6 +394,10 @@ class Gateway:
                 return error_result(exc.message, code=exc.code)
         if isinstance(d, Completed):
             return replayed(d.result)
+        if released_to is not None and shared is not None and principal is not None and not isinstance(d, Completed):
+            # Audited before it runs: a crash mid-call still shows which session the approval went to.
+            await asyncio.to_thread(self.undolog.approvals.note_released, shared.request.approval_request_id,
+                                    released_to, actor=principal)
         if isinstance(d, AwaitingApproval):
             if ex.config.approval is Approval.ELICIT:
                 decided = await self._elicit(ex, d)  # not guarded: a client that cancels the form leaves it pending
@@ -420,7 +453,18 @@ class Gateway:
                                                      label=label)
         _SESSION_USED.set(session_id)
         _SESSION_NAMED.set(named is not None)
+        _PRINCIPAL.set(principal)
         return session_id
+
+    def _join(self, shared: SharedRequest, session_id: str, principal: str) -> None:
+        """Record once per session that it joined another session's pending request (a reject halts it too)."""
+        joined = (shared.request.approval_request_id, session_id)
+        if joined in self._joined:
+            return
+        self.undolog.approvals.join(shared.request.approval_request_id, session_id, actor=principal)
+        self._joined.add(joined)
+        if len(self._joined) > 100_000:  # a memory of what was written, not the record: the audit trail is
+            self._joined.clear()
 
     async def _elicit(self, ex: ExposedTool, d: AwaitingApproval) -> types.CallToolResult | None:
         return await elicit_decision(self.server.request_context, self.undolog, ex.exposed_name, ex.listed, d)
