@@ -46,6 +46,8 @@ log = logging.getLogger("undolog.mcp")
 
 # Who the HTTP transport authenticated, in the ASGI scope of the request (absent over stdio).
 PRINCIPAL_SCOPE_KEY = "undolog.principal"
+# How often the gateway looks for rollbacks filed for the sessions it serves (one indexed read).
+OWNER_POLL_SECONDS = 0.25
 # The UndoLog session the request being served was logged under, and whether its client named it (per request:
 # each tools/call is handled in a task of its own).
 _SESSION_USED: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_mcp_session", default=None)
@@ -327,11 +329,57 @@ class Gateway:
             report = await asyncio.to_thread(self.undolog.recover)
             if report.reconciled or report.rollbacks_resumed:
                 log.warning("recovery at start: %s", report.to_dict())
-            yield self
+            owning = asyncio.ensure_future(self._own_sessions())
+            try:
+                yield self
+            finally:
+                owning.cancel()
+                with contextlib.suppress(BaseException):
+                    await owning
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(self.undolog.owners.let_go)
         finally:
             self.connections = None
             self._loop = None
             await connections.close()
+
+    async def _own_sessions(self) -> None:
+        """Hold a lease on every session this gateway serves, and run the rollbacks filed for them (from the CLI,
+        the desk) here, over the live upstream connections that did the work: an upstream whose state lives in its
+        own process is undone in that process, not in a fresh one started for the rollback."""
+        owners = self.undolog.owners
+        renew_every = max(0.05, self.undolog.lease_seconds / 3.0)
+        renewed = asyncio.get_running_loop().time()
+        while True:
+            try:
+                self.sessions.changed.clear()
+                new = self.sessions.served() - owners.held
+                if new:
+                    await asyncio.to_thread(owners.hold, new)
+                now = asyncio.get_running_loop().time()
+                if now - renewed >= renew_every:
+                    await asyncio.to_thread(owners.renew)
+                    renewed = now
+                for row in await asyncio.to_thread(owners.filed):
+                    await self._run_filed_rollback(row.session_id, row.rollback_actor or "undolog")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the database may be briefly away: the loop goes on
+                log.warning("holding the served sessions: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.sessions.changed.wait(), OWNER_POLL_SECONDS)
+
+    async def _run_filed_rollback(self, session_id: str, actor: str) -> None:
+        owners = self.undolog.owners
+        log.info("rolling back session %s here, as filed by %s", session_id, actor)
+        try:
+            report = await self.undolog.arollback(session_id, actor=actor)
+        except UndoLogError as exc:
+            await asyncio.to_thread(owners.answer, session_id, None, exc)
+            return
+        if report.complete:
+            self.sessions.forget(session_id)  # a grouping's next call starts a new session
+        await asyncio.to_thread(owners.answer, session_id, report)
 
     def _advertised(self, ex: ExposedTool) -> types.Tool:
         tool = ex.listed.model_copy(update={"name": ex.exposed_name})

@@ -80,6 +80,12 @@ class SessionRouter:
         # Sessions minted here -> the principal that created them (None: over stdio or the local socket).
         self._minted: collections.OrderedDict[str, str | None] = collections.OrderedDict()
         self._lock = asyncio.Lock()  # two first calls at once must share the one session they start
+        # Set when a session is minted or named here: the gateway's owner loop holds it at once (see gateway.py).
+        self.changed = asyncio.Event()
+
+    def served(self) -> set[str]:
+        """Every session this process minted or was named (what it holds a lease on while it runs)."""
+        return set(self._minted)
 
     def minted_here(self, session_id: str) -> bool:
         return session_id in self._minted
@@ -151,6 +157,7 @@ class SessionRouter:
     async def _mint(self, label: str, principal: str | None) -> str:
         s = await asyncio.to_thread(self.undolog.session, agent_id=label, created_by=principal)
         self._minted[s.id] = principal
+        self.changed.set()
         while len(self._minted) > _REMEMBERED:
             self._minted.popitem(last=False)
         log.info("MCP client %s is session %s (grouping %s)", label, s.id, self.grouping.value)
@@ -178,6 +185,7 @@ class SessionRouter:
         if record.created_by != principal:
             raise refusal
         self._minted[named] = principal
+        self.changed.set()
         return named
 
     def _end(self, session_id: str) -> bool:

@@ -275,3 +275,33 @@ def _sqlite_objects(c) -> dict[str, set[str]]:
     rows = c.execute(sa.text("SELECT type, name FROM sqlite_master WHERE type IN ('trigger', 'view') "
                              "AND name NOT LIKE 'undolog_events_%'")).all()
     return {kind: {n for k, n in rows if k == kind} for kind in ("trigger", "view")}
+
+
+@pytest.mark.storage
+def test_session_owners_come_with_0013_on_a_database_of_0011_and_go_with_its_downgrade(db):
+    """Revision 0013: ``undolog_session_owners`` (who serves a session, and a rollback filed for it) is made on a
+    database of the previous release, which goes on working; running the upgrade again changes nothing; the
+    downgrade drops it."""
+    store = Store(db.url, schema=db.schema)
+    try:
+        _migrate.upgrade(store.engine, lock_key=_MIGRATION_LOCK_KEY, schema=db.schema, target="0011_due_index")
+        assert "undolog_session_owners" not in sa.inspect(store.engine).get_table_names(schema=db.schema)
+    finally:
+        store.dispose()
+    u = db.open()  # upgrades to head
+    world, tools = setup(u)
+    s = u.session(agent_id="after-0013")
+    s.call_sync(tools["send_refund_email"], user_id="u2", amount=7)
+    u.owners.hold([s.id])
+    row = u.store.session_owner(s.id)
+    assert row.owner == u.leases.owner and row.lease_until > dt.datetime.now(dt.UTC)
+    report = u.rollback(s.id, actor="test")  # held by this very process: run here, not filed
+    assert report.complete and not report.ran_without_live_upstream and report.ran_by is None
+    u.close()
+    store = Store(db.url, schema=db.schema)
+    try:
+        _migrate.upgrade(store.engine, lock_key=_MIGRATION_LOCK_KEY, schema=db.schema)  # again: idempotent
+        _migrate.downgrade(store.engine, lock_key=_MIGRATION_LOCK_KEY, schema=db.schema, target="0011_due_index")
+        assert "undolog_session_owners" not in sa.inspect(store.engine).get_table_names(schema=db.schema)
+    finally:
+        store.dispose()

@@ -355,6 +355,23 @@ rollbacks = sa.Table(
     sa.Column("requested_at", UTCDateTime, nullable=False),
 )
 
+# Which live process serves a session (the MCP gateway holding its upstreams' connections), under a lease it
+# renews, and a rollback filed for that process to run: a compensation must reach the upstream process that did the
+# work (its state may live in that process only). No foreign key: a session minted by the owner may not be written
+# yet when the owner starts holding it. The rollback columns are the filed request and, once run, its report.
+session_owners = sa.Table(
+    "undolog_session_owners",
+    metadata,
+    sa.Column("session_id", sa.String(200), primary_key=True),
+    sa.Column("owner", sa.String(200), nullable=False),
+    sa.Column("lease_until", UTCDateTime, nullable=False),
+    sa.Column("rollback_actor", sa.String(200)),
+    sa.Column("rollback_reason", sa.Text),
+    sa.Column("rollback_requested_at", UTCDateTime),
+    sa.Column("rollback_report", sa.JSON),
+)
+sa.Index("ix_undolog_session_owners_owner", session_owners.c.owner)
+
 #: How many hash chains the audit trail has (head rows 1..AUDIT_CHAINS). A transaction appends to ONE chain, the
 #: first whose head it can lock without waiting, so concurrent writers on PostgreSQL do not queue on one row; the
 #: signed checkpoints pin every chain's head at once. SQLite has one writer at a time and appends to chain 1 only.
