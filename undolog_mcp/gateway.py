@@ -32,9 +32,17 @@ from undolog_core import (
     ToolTier,
     UndoLog,
 )
-from undolog_core.errors import ConfigurationError, SessionClosed, UndoLogError
+from undolog_core.errors import (
+    CallIdConflict,
+    ConfigurationError,
+    InvalidEffectState,
+    SessionClosed,
+    UndoLogError,
+)
+from undolog_core.storage.schema import IN_FLIGHT
 
 from .approvals import SharedRequest, find_shared
+from .client_keys import CLIENT_KEY_META, checked_key, client_call_id, reused
 from .config import Approval, CompensationTemplate, GatewayConfig, ToolConfig, UpstreamConfig
 from .elicit import elicit_decision
 from .results import META_KEY as META_KEY  # re-exported: it was defined here
@@ -52,6 +60,8 @@ OWNER_POLL_SECONDS = 0.25
 # each tools/call is handled in a task of its own).
 _SESSION_USED: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_mcp_session", default=None)
 _SESSION_NAMED: contextvars.ContextVar[bool] = contextvars.ContextVar("undolog_mcp_session_named", default=False)
+# The client's own idempotency key of the request being served (``_meta`` ``dev.undolog/idempotency-key``), if any.
+_CLIENT_KEY: contextvars.ContextVar[Any] = contextvars.ContextVar("undolog_mcp_client_key", default=None)
 # The API key (``key:<id>``) the HTTP transport authenticated for the request being served; None over stdio.
 _PRINCIPAL: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_mcp_principal", default=None)
 
@@ -414,7 +424,18 @@ class Gateway:
             released_to: str | None = None
             shared: SharedRequest | None = None
             principal = _PRINCIPAL.get()
-            if call_id is not None and principal is not None and ex.config.approval is Approval.DESK:
+            client_key = _CLIENT_KEY.get()
+            if client_key is not None and ex.config.tier is not ToolTier.SAFE:
+                # The client's key names the call (see client_keys.py); over HTTP it may live in an earlier
+                # session of the same API key, where it is answered.
+                try:
+                    client_key = checked_key(client_key)
+                    call_id = client_call_id(client_key, name, principal=principal, session_id=session_id)
+                    if principal is not None:
+                        session_id = await self._session_of_key(call_id, session_id)
+                except UndoLogError as exc:
+                    return error_result(exc.message, code=exc.code)
+            elif call_id is not None and principal is not None and ex.config.approval is Approval.DESK:
                 # Over HTTP only: the same ask from another session of the key joins a pending request, or is
                 # released an approved one (see approvals.py).
                 shared = await asyncio.to_thread(find_shared, self.undolog, session_id=session_id,
@@ -430,7 +451,10 @@ class Gateway:
                     _SESSION_USED.set(session_id)  # logged (and run) in the request's own session
             try:
                 try:
-                    d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+                    if client_key is not None and call_id is not None and ex.config.tier is not ToolTier.SAFE:
+                        d = await self._decide_keyed(session_id, ex, arguments, call_id, client_key)
+                    else:
+                        d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
                 except SessionClosed:
                     # A grouping's session that was rolled back or completed (from the CLI, the desk): the grouping
                     # goes on in a new session, as a new agent run would. A session the client named stays closed.
@@ -465,9 +489,13 @@ class Gateway:
                 raise UpstreamRefused(f"upstream {ex.config.upstream} changed {tool_name} since this call was "
                                       "decided (it lists another contract now): not sent")
 
+        # A SAFE call's own key goes upstream as the client sent it (nothing is recorded); a logged call's key is
+        # its effect's ``do-`` key.
+        forwarded_key = d.idempotency_key or (client_key if isinstance(client_key, str) else None)
+
         async def invoke(args: dict[str, Any]) -> types.CallToolResult:
             try:
-                return await upstream(tool_name, args, d.idempotency_key, unchanged)
+                return await upstream(tool_name, args, forwarded_key, unchanged)
             except UpstreamRefused as exc:
                 return error_result(str(exc))  # a protocol refusal, or no upstream to take it: it did not run
 
@@ -502,7 +530,43 @@ class Gateway:
         _SESSION_USED.set(session_id)
         _SESSION_NAMED.set(named is not None)
         _PRINCIPAL.set(principal)
+        _CLIENT_KEY.set((meta or {}).get(CLIENT_KEY_META))
         return session_id
+
+    async def _session_of_key(self, call_id: str, session_id: str) -> str:
+        """The session holding the call this client key names over HTTP (an earlier session of the same API key),
+        else ``session_id``."""
+        found = await asyncio.to_thread(self.undolog.store.session_of_client_key, call_id)
+        if found is not None and found != session_id:
+            _SESSION_USED.set(found)
+            return found
+        return session_id
+
+    async def _decide_keyed(self, session_id: str, ex: ExposedTool, arguments: Mapping[str, Any], call_id: str,
+                            key: str) -> Any:
+        """Decide a call named by a client's key: the recorded result, the running call joined (waited for, up to
+        the upstream's timeout), a conflict named as the key's, or a new call."""
+        assert ex.spec is not None
+        driver = self.undolog.driver
+        timeout = self.config.upstreams[ex.config.upstream].timeout
+        deadline = asyncio.get_running_loop().time() + timeout + 5.0
+        while True:
+            try:
+                return await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+            except CallIdConflict:
+                raise reused(key, ex.exposed_name) from None
+            except InvalidEffectState:
+                # The same key in flight (another connection's call, running now), or a concurrent first use from
+                # another session of the key (the partial unique index refused this one's pre-write).
+                if _PRINCIPAL.get() is not None:
+                    moved = await self._session_of_key(call_id, session_id)
+                    if moved != session_id:
+                        session_id = moved
+                        continue
+                row = await asyncio.to_thread(self.undolog.store.effect_by_call, session_id, call_id)
+                if row is None or row.state not in IN_FLIGHT or asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
 
     def _join(self, shared: SharedRequest, session_id: str, principal: str) -> None:
         """Record once per session that it joined another session's pending request (a reject halts it too)."""

@@ -213,6 +213,19 @@ sa.Index(
     postgresql_where=sa.text(_IN_FLIGHT),
 ).ddl_if(dialect="postgresql")
 
+# A client's own idempotency key, scoped beyond one session (the MCP gateway over HTTP: an API key, a tool, a key),
+# rides in the call_id as ``ck:<digest>``: this partial unique index makes the pre-write itself refuse a second
+# effect with it in any session (no statement more). Other call ids are unique per session only (above).
+CLIENT_KEY_PREFIX = "ck:"
+CLIENT_KEY_PREDICATE = "call_id LIKE 'ck:%'"
+sa.Index(
+    "ux_undolog_effect_client_key",
+    effect_log.c.call_id,
+    unique=True,
+    sqlite_where=sa.text(CLIENT_KEY_PREDICATE),
+    postgresql_where=sa.text(CLIENT_KEY_PREDICATE),
+)
+
 recovery_cursor = sa.Table(
     "undolog_recovery_cursor",
     metadata,
