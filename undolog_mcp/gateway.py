@@ -249,8 +249,15 @@ class Gateway:
 
         async def call(name: str, args: Mapping[str, Any], key: str | None,
                        check: Callable[[], None] | None = None) -> types.CallToolResult:
-            if self.connections is not None and asyncio.get_running_loop() is self._loop:
-                return await self.connections.call(cfg, name, args, key, check=check)
+            connections, loop = self.connections, self._loop
+            if connections is not None and asyncio.get_running_loop() is loop:
+                return await connections.call(cfg, name, args, key, check=check)
+            if connections is not None and loop is not None and loop.is_running():
+                # Called off the gateway's loop while it serves (the settle-at-once of an unknown outcome runs in
+                # a worker thread): still over the live connection, so the compensation or the probe reaches the
+                # upstream process that did the work (or the one started again in its place), never a second one.
+                fut = asyncio.run_coroutine_threadsafe(connections.call(cfg, name, args, key, check=check), loop)
+                return await asyncio.wrap_future(fut)
             return await PORTAL.call(cfg, name, args, key)
 
         return call

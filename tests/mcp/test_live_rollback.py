@@ -98,3 +98,43 @@ async def test_with_the_gateway_gone_the_cli_runs_it_and_says_so(db: Any, tmp_pa
         assert out.returncode == 0, out.stdout + out.stderr
         report = json.loads(out.stdout)
         assert report["complete"] and report["ran_without_live_upstream"] is True and "ran_by" not in report
+
+
+def upstream_processes(script: Path) -> list[int]:
+    """The live processes running this test's copy of an upstream script (read from /proc: Linux)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            state = next(line for line in (entry / "status").read_text().splitlines() if line.startswith("State:"))
+        except (OSError, StopIteration):
+            continue
+        if str(script).encode() in cmdline or (script.name.encode() in cmdline and str(script.parent).encode()
+                                                in (entry / "cwd").resolve().as_posix().encode()):
+            if "Z" not in state.split()[1]:  # a zombie is gone, waiting to be reaped
+                pids.append(int(entry.name))
+    return pids
+
+
+async def test_after_an_upstream_crash_the_undo_reaches_the_one_upstream_started_again(
+        db: Any, tmp_path: Path) -> None:
+    """The settle-at-once of a call the crash left unknown compensates over the gateway's own connection (the
+    upstream started again in its place), not a second upstream started for the compensation."""
+    from .test_gateway import only_session, text, world, write_config
+
+    cfg = write_config(tmp_path)
+    async with gateway(db, cfg) as client:
+        await client.call_tool("reserve_seat", {"seat": "1A"})
+        lost = await client.call_tool("reserve_seat", {"seat": "crash"})
+        assert lost.isError and "undone" in text(lost)
+        found = await client.call_tool("search_tickets", {"q": "x"})
+        assert not found.isError
+        assert len(upstream_processes(tmp_path / "tickets_server.py")) == 1, "exactly one upstream process remains"
+    calls = world(tmp_path)["calls"]
+    undo = [c for c in calls if c["tool"] == "release_seat"]
+    assert [c["args"] for c in undo] == [{"seat": "crash"}]
+    assert undo[0]["pid"] == calls[-1]["pid"], "compensated in the upstream the gateway went on with"
+    u = db.open()
+    assert only_session(u).state == SessionState.HALTED
