@@ -36,9 +36,10 @@ def grouped_config(tmp: Path, grouping: str, *, extra: str = "") -> Path:
 
 
 @contextlib.contextmanager
-def socket_gateway(db: Any, cfg: Path, path: Path) -> Iterator[subprocess.Popen[str]]:
+def socket_gateway(db: Any, cfg: Path, path: Path, *, env: dict[str, str] | None = None
+                   ) -> Iterator[subprocess.Popen[str]]:
     """``undolog mcp serve --socket`` as a process of its own, until the block ends."""
-    env = {**os.environ, **db.env}
+    env = {**os.environ, **db.env, **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "undolog_core.cli", "mcp", "serve", "--config", str(cfg),
                              "--socket", str(path)], env=env, stderr=subprocess.PIPE, text=True)
     try:
