@@ -10,6 +10,10 @@ owner's lease is gone (``owner_alive``) does the requester run it itself, and it
 
 from __future__ import annotations
 
+import contextlib
+import datetime as dt
+import os
+import signal
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -17,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ._leases import Leases, owner_alive
 from ._saga import RollbackReport, RollbackStep
 from .errors import UndoLogError
-from .storage.base import utcnow
+from .storage.base import Owner, utcnow
 
 if TYPE_CHECKING:
     from .storage import Storage
@@ -38,22 +42,38 @@ class SessionOwners:
     """
 
     poll_seconds = 0.2
+    # A session owner's lease is long: it is renewed while the owner is idle too (a call's lease only while the call
+    # runs), and a renewal is a statement no call asked for. On its own host an owner's death is seen at once
+    # (``owner_alive`` asks whether its pid lives); from another host, within this many call leases.
+    lease_factor = 10.0
 
     def __init__(self, store: Storage, leases: Leases) -> None:
         self._store = store
         self._leases = leases
         self.held: set[str] = set()
+        # Set by a holder that handles ``WAKE_SIGNAL`` (the gateway's owner loop): a requester on this host then
+        # signals it; a process without the handler is never signalled (the signal's default action ends it).
+        self.wakes_on_signal = False
+        self._wakes: dict[str, bool] = {}  # owner -> whether it said it handles the signal (last read)
+
+    @property
+    def lease_seconds(self) -> float:
+        return self._leases.lease_seconds * self.lease_factor
+
+    def _until(self) -> dt.datetime:
+        return utcnow() + dt.timedelta(seconds=self.lease_seconds)
 
     def hold(self, session_ids: Iterable[str]) -> None:
         """This process serves these sessions: a rollback of one is filed for it (renewed by :meth:`renew`)."""
         new = [sid for sid in session_ids if sid not in self.held]
         if new:
-            self._store.hold_sessions(self._leases.owner, new, until=self._leases.until())
+            self._store.hold_sessions(self._leases.owner, new, until=self._until(),
+                                      wakes_on_signal=self.wakes_on_signal)
             self.held.update(new)
 
     def renew(self) -> None:
         if self.held:
-            self._store.renew_sessions(self._leases.owner, until=self._leases.until())
+            self._store.renew_sessions(self._leases.owner, until=self._until())
 
     def let_go(self) -> None:
         """Stop serving every session (at shutdown): a rollback asked later is run by its requester at once."""
@@ -77,6 +97,7 @@ class SessionOwners:
         if row is None or row.owner == self._leases.owner:
             return None, False
         if owner_alive(row.owner, row.lease_until):
+            self._wakes[str(row.owner)] = bool(row.wakes_on_signal)
             return str(row.owner), False
         return None, True
 
@@ -90,6 +111,8 @@ class SessionOwners:
             UndoLogError: the owner refused it (its error, as raised there).
         """
         self._store.file_rollback(session_id, actor=actor, reason=reason, now=utcnow())
+        if self._wakes.get(owner):
+            _wake(owner)
         deadline = time.monotonic() + wait
         while True:
             row = self._store.rollback_answer(session_id)
@@ -105,6 +128,25 @@ class SessionOwners:
                     f"had not finished it after {wait:g} s; it goes on there: see `undolog sessions show "
                     f"{session_id}`, or wait longer with --wait", session_id=session_id, owner=owner)
             time.sleep(self.poll_seconds)
+
+
+# The signal that tells an owner on this host a rollback was filed for it: it looks at once, rather than the owner
+# polling the database (a statement every fraction of a second that no call asked for). An owner on another host
+# finds it when it renews its lease.
+WAKE_SIGNAL = signal.SIGUSR1 if hasattr(signal, "SIGUSR1") else None
+
+
+def _wake(owner: str) -> None:
+    if WAKE_SIGNAL is None:
+        return
+    try:
+        host, pid, _ = owner.split("|")[:3]
+    except ValueError:
+        return
+    if host != Owner.me().split("|")[0] or int(pid) == os.getpid() or Owner.is_dead_locally(owner):
+        return
+    with contextlib.suppress(OSError):  # another user's process, or gone meanwhile: it finds it when it renews
+        os.kill(int(pid), WAKE_SIGNAL)
 
 
 def _report(session_id: str, body: dict[str, Any], owner: str) -> RollbackReport:

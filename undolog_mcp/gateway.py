@@ -32,6 +32,7 @@ from undolog_core import (
     ToolTier,
     UndoLog,
 )
+from undolog_core._owners import WAKE_SIGNAL
 from undolog_core.errors import (
     CallIdConflict,
     ConfigurationError,
@@ -54,7 +55,8 @@ log = logging.getLogger("undolog.mcp")
 
 # Who the HTTP transport authenticated, in the ASGI scope of the request (absent over stdio).
 PRINCIPAL_SCOPE_KEY = "undolog.principal"
-# How often the gateway looks for rollbacks filed for the sessions it serves (one indexed read).
+# How often a gateway that cannot be woken by a signal (not on the main thread's loop) looks for rollbacks filed
+# for the sessions it serves (one indexed read).
 OWNER_POLL_SECONDS = 0.25
 # The UndoLog session the request being served was logged under, and whether its client named it (per request:
 # each tools/call is handled in a task of its own).
@@ -363,28 +365,54 @@ class Gateway:
     async def _own_sessions(self) -> None:
         """Hold a lease on every session this gateway serves, and run the rollbacks filed for them (from the CLI,
         the desk) here, over the live upstream connections that did the work: an upstream whose state lives in its
-        own process is undone in that process, not in a fresh one started for the rollback."""
+        own process is undone in that process, not in a fresh one started for the rollback.
+
+        No statement between calls but the lease's renewal: a new session is held as it starts; a requester on
+        this host wakes the loop with a signal (``_owners.WAKE_SIGNAL``) to look for what it filed; one on another
+        host is found at the next renewal."""
         owners = self.undolog.owners
-        renew_every = max(0.05, self.undolog.lease_seconds / 3.0)
-        renewed = asyncio.get_running_loop().time()
-        while True:
-            try:
-                self.sessions.changed.clear()
-                new = self.sessions.served() - owners.held
-                if new:
-                    await asyncio.to_thread(owners.hold, new)
-                now = asyncio.get_running_loop().time()
-                if now - renewed >= renew_every:
-                    await asyncio.to_thread(owners.renew)
-                    renewed = now
-                for row in await asyncio.to_thread(owners.filed):
-                    await self._run_filed_rollback(row.session_id, row.rollback_actor or "undolog")
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the database may be briefly away: the loop goes on
-                log.warning("holding the served sessions: %s", exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.sessions.changed.wait(), OWNER_POLL_SECONDS)
+        loop = asyncio.get_running_loop()
+        renew_every = owners.lease_seconds / 3.0
+        renewed = loop.time()
+        filed = asyncio.Event()
+        signalled = False
+        if WAKE_SIGNAL is not None:
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread's loop
+                loop.add_signal_handler(WAKE_SIGNAL, filed.set)
+                signalled = owners.wakes_on_signal = True
+        look = True  # at start: what was filed while no gateway served
+        try:
+            while True:
+                try:
+                    self.sessions.changed.clear()
+                    new = self.sessions.served() - owners.held
+                    if new:
+                        await asyncio.to_thread(owners.hold, new)
+                    now = loop.time()
+                    if now - renewed >= renew_every:
+                        await asyncio.to_thread(owners.renew)
+                        renewed, look = now, True
+                    if look or filed.is_set():
+                        filed.clear()
+                        look = not signalled  # without the signal, every wake-up looks
+                        for row in await asyncio.to_thread(owners.filed):
+                            await self._run_filed_rollback(row.session_id, row.rollback_actor or "undolog")
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the database may be briefly away: the loop goes on
+                    log.warning("holding the served sessions: %s", exc)
+                waits = [asyncio.ensure_future(self.sessions.changed.wait()), asyncio.ensure_future(filed.wait())]
+                try:
+                    await asyncio.wait(waits, timeout=max(0.05, renew_every - (loop.time() - renewed))
+                                       if signalled else OWNER_POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
+        finally:
+            if signalled:
+                owners.wakes_on_signal = False
+                with contextlib.suppress(Exception):
+                    loop.remove_signal_handler(WAKE_SIGNAL)  # type: ignore[arg-type]
 
     async def _run_filed_rollback(self, session_id: str, actor: str) -> None:
         owners = self.undolog.owners

@@ -15,10 +15,10 @@ from .base import Store
 _O = t.session_owners
 
 # The owner of one session (None: no process holds it).
-OWNER_OF = sa.select(_O.c.owner, _O.c.lease_until).where(_O.c.session_id == sa.bindparam("session_id"))
+OWNER_OF = sa.select(_O.c.owner, _O.c.lease_until, _O.c.wakes_on_signal).where(_O.c.session_id == sa.bindparam("session_id"))
 # A process takes (or renews) a session it serves: whoever held it before, the process serving it now owns it.
 TAKE = (_O.update().where(_O.c.session_id == sa.bindparam("sid"))
-        .values(owner=sa.bindparam("own"), lease_until=sa.bindparam("until")))
+        .values(owner=sa.bindparam("own"), lease_until=sa.bindparam("until"), wakes_on_signal=sa.bindparam("wakes")))
 # Every session the owner holds, its lease renewed at once.
 RENEW = _O.update().where(_O.c.owner == sa.bindparam("own")).values(lease_until=sa.bindparam("until"))
 # A rollback filed for the owner: only one at a time (a second request waits on the first's report).
@@ -55,11 +55,14 @@ class OwnersSQL(Store):
         with self.read() as conn:
             return conn.execute(OWNER_OF, {"session_id": session_id}).first()
 
-    def hold_sessions(self, owner: str, session_ids: Iterable[str], *, until: dt.datetime) -> None:
+    def hold_sessions(self, owner: str, session_ids: Iterable[str], *, until: dt.datetime,
+                      wakes_on_signal: bool = False) -> None:
         with self.tx() as conn:
             for sid in session_ids:
-                if conn.execute(TAKE, {"sid": sid, "own": owner, "until": until}).rowcount == 0:
-                    conn.execute(_O.insert().values(session_id=sid, owner=owner, lease_until=until))
+                taken = {"sid": sid, "own": owner, "until": until, "wakes": wakes_on_signal}
+                if conn.execute(TAKE, taken).rowcount == 0:
+                    conn.execute(_O.insert().values(session_id=sid, owner=owner, lease_until=until,
+                                                    wakes_on_signal=wakes_on_signal))
 
     def renew_sessions(self, owner: str, *, until: dt.datetime) -> None:
         with self.tx() as conn:

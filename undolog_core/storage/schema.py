@@ -378,6 +378,8 @@ session_owners = sa.Table(
     sa.Column("session_id", sa.String(200), primary_key=True),
     sa.Column("owner", sa.String(200), nullable=False),
     sa.Column("lease_until", UTCDateTime, nullable=False),
+    # The owner looks for a filed rollback when sent SIGUSR1 (on its host); else it finds it when it renews.
+    sa.Column("wakes_on_signal", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("rollback_actor", sa.String(200)),
     sa.Column("rollback_reason", sa.Text),
     sa.Column("rollback_requested_at", UTCDateTime),
