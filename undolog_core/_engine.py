@@ -1419,6 +1419,10 @@ class Engine:
                 raise
             # A concurrent re-run raised the same request first: return that one, never a second request.
             row = self.store.find_irreversible(sc.session_id, spec.name, call_id, digest)
+            if row is None:
+                # The id is taken in another session (a client key unique beyond one session, see schema.py's
+                # ux_undolog_effect_client_key): nothing was written here; the caller asks that session.
+                raise InvalidEffectState(f"call {call_id!r} is another session's") from None
             return self._resume_irreversible(sc, spec, row, digest)
         except BaseException:
             self._give_back(sc, count - 1)

@@ -13,6 +13,7 @@ from ._driver import CallDriver
 from ._engine import DEFAULT_MAX_SESSIONS, Engine, check_id
 from ._leases import Leases
 from ._outbox import OutboxService
+from ._owners import SessionOwners
 from ._policy import PolicyService
 from ._recovery import Recovery, RecoveryReport
 from ._registry import Registry
@@ -22,7 +23,7 @@ from ._tools import RetryPolicy, ToolSpec, ToolTier, make_declaration
 from .errors import ConfigurationError, DatabaseOpenFailed, DatabaseUnavailable, InvalidDeclaration
 from .storage import DATABASE_ERRORS, Storage, database_error_detail, open_storage, safe_url, sqlite_file
 from .storage.base import new_id
-from .storage.schema import OnFailure
+from .storage.schema import OnFailure, SessionState
 
 
 class UndoLog:
@@ -72,6 +73,7 @@ class UndoLog:
             persist=self.engine.persist,
         )
         self.outbox = OutboxService(store)
+        self.owners = SessionOwners(store, self.leases)
         self._recovery = Recovery(store, self.registry, self.saga, self.leases, flush_marks=self.engine.flush_marks,
                                   note_state=self.engine.note_state)
         # A call whose outcome its caller cannot tell (a lost connection mid-call) is settled at once, as recovery
@@ -214,9 +216,31 @@ class UndoLog:
                                             on_failure=on_failure)
         return Session(self, sc)
 
-    def rollback(self, session_id: str, *, actor: str = "undolog", progress: Any = None) -> RollbackReport:
-        """Roll a session back (sync). See :meth:`arollback` for async compensations in a running loop."""
-        return self.saga.rollback_sync(session_id, actor=actor, reason="requested", progress=progress)
+    def rollback(self, session_id: str, *, actor: str = "undolog", progress: Any = None,
+                 wait: float = 30.0) -> RollbackReport:
+        """Roll a session back (sync). See :meth:`arollback` for async compensations in a running loop.
+
+        A session served by a live process (the MCP gateway: ``owners.hold``) is rolled back there, where the
+        connections that did the work live: the request is filed for it and this waits up to ``wait`` seconds for
+        its report (``RollbackStillRunning`` after that; it goes on there). When that process is gone, the rollback
+        runs here and its report says ``ran_without_live_upstream``.
+
+        Example:
+            >>> undolog.rollback("ticket-1042", actor="ana", wait=60).complete
+            True
+        """
+        owner, gone = self.owners.live_owner(session_id)
+        if owner is not None and self.sessions.get(session_id).state == SessionState.ROLLED_BACK:
+            owner, gone = None, False  # nothing to run, anywhere: said at once, without asking the owner
+        if owner is not None:
+            report = self.owners.delegate(session_id, owner, actor=actor, reason="requested", wait=wait,
+                                          gone=lambda: self.owners.live_owner(session_id)[0] is None)
+            if report is not None:
+                return report
+            gone = True
+        report = self.saga.rollback_sync(session_id, actor=actor, reason="requested", progress=progress)
+        report.ran_without_live_upstream = gone
+        return report
 
     async def arollback(self, session_id: str, *, actor: str = "undolog") -> RollbackReport:
         return await self.saga.rollback(session_id, actor=actor, reason="requested")

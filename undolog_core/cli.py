@@ -700,8 +700,13 @@ def sessions_rollback(
     session_id: Annotated[str, typer.Argument(metavar="ID", help="The session to roll back.")],
     actor: ActorOpt = None,
     as_json: JsonOpt = False,
+    wait: Annotated[float, typer.Option(
+        "--wait", help="Seconds to wait for the live process serving the session (an MCP gateway) to run it.")] = 30.0,
 ) -> None:
     """Undo every compensable effect of a session, newest first (needs --app for the compensations).
+
+    A session served by a live MCP gateway is rolled back by that gateway, over the upstream connections that did
+    the work; this waits for it (``--wait``). Only when that gateway is gone does this run it, and says so.
 
     \f
     Committed IRREVERSIBLE effects cannot be undone; they are listed. A compensation that keeps failing
@@ -712,7 +717,7 @@ def sessions_rollback(
     total = len(u.saga.undo_plan(session_id))
     with _Progress("rolling back", enabled=not as_json) as progress:
         progress.start(total)
-        report = u.rollback(session_id, actor=_actor(actor), progress=progress)
+        report = u.rollback(session_id, actor=_actor(actor), progress=progress, wait=wait)
     if as_json:
         _print_json(report.to_dict())
     elif report.already_rolled_back:
@@ -732,6 +737,11 @@ def sessions_rollback(
             _show(table)
         if report.complete:
             typer.echo(f"session {session_id} rolled back ({len(report.steps)} compensation(s) run)")
+        if report.ran_by is not None:
+            typer.echo(f"run by the live process serving the session: {report.ran_by}")
+        if report.ran_without_live_upstream:
+            typer.echo("ran here: the process that served the session is gone, so its compensations reached "
+                       "upstreams started for this rollback (ran_without_live_upstream)", err=True)
         for kept in report.kept_irreversible:
             typer.echo(f"kept (irreversible, cannot be undone): {kept}")
     if not report.complete:

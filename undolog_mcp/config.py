@@ -2,6 +2,8 @@
 
 Example::
 
+    session = "mcp"                                # how calls group into UndoLog sessions: mcp, process or key
+
     [upstreams.tickets]
     command = ["python", "tickets_server.py"]      # a stdio upstream; or url = "http://127.0.0.1:9000/mcp"
 
@@ -46,6 +48,14 @@ class Approval(enum.StrEnum):
 
     DESK = "desk"  # the desk, the REST API or the CLI (the default)
     ELICIT = "elicit"  # the MCP client's own form (opt-in; its person is an unverified approver)
+
+
+class SessionGrouping(enum.StrEnum):
+    """Which calls share one UndoLog session (the unit a person approves in, halts and rolls back)."""
+
+    MCP = "mcp"  # one per MCP client session (a client that holds one session open for a whole run)
+    PROCESS = "process"  # one per gateway process (per API key over HTTP): every short client connection shares it
+    KEY = "key"  # over HTTP, one per API key, ended after ``session_idle`` seconds without a call
 
 
 @dataclass(frozen=True)
@@ -134,6 +144,8 @@ class GatewayConfig:
     upstreams: Mapping[str, UpstreamConfig]
     tools: Mapping[tuple[str, str], ToolConfig]
     path: Path | None = None
+    session: SessionGrouping = SessionGrouping.MCP
+    session_idle: float = 1800.0  # with session = "key": seconds without a call that end the key's session
 
     def tools_of(self, upstream: str) -> dict[str, ToolConfig]:
         return {name: cfg for (up, name), cfg in self.tools.items() if up == upstream}
@@ -164,10 +176,11 @@ def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
         except tomllib.TOMLDecodeError as exc:
             raise ConfigurationError(f"gateway config {str(source)!r} is not valid TOML: {exc}") from None
         base = path.parent
-    unknown = set(data) - {"upstreams", "tools"}
+    unknown = set(data) - {"upstreams", "tools", *_TOP_KEYS}
     if unknown:
         raise ConfigurationError(f"gateway config: unknown section(s) {', '.join(sorted(unknown))} "
-                                 "(expected [upstreams.NAME] and [tools.UPSTREAM.TOOL])")
+                                 "(expected session = \"...\", [upstreams.NAME] and [tools.UPSTREAM.TOOL])")
+    grouping, idle = _grouping(data)
     upstreams = {name: _upstream(name, raw, base) for name, raw in _table(data, "upstreams").items()}
     if not upstreams:
         raise ConfigurationError("gateway config: no [upstreams.NAME] section; the gateway needs at least one")
@@ -180,7 +193,28 @@ def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
             raise ConfigurationError(f"gateway config: [tools.{up}] must be a table of tools")
         for name, raw in table.items():
             tools[(up, name)] = _tool(up, name, raw)
-    return GatewayConfig(upstreams, tools, path)
+    return GatewayConfig(upstreams, tools, path, grouping, idle)
+
+
+_TOP_KEYS = ("session", "session_idle")
+
+
+def _grouping(data: Mapping[str, Any]) -> tuple[SessionGrouping, float]:
+    """The top-level ``session`` and ``session_idle`` keys."""
+    try:
+        grouping = SessionGrouping(str(data.get("session", "mcp")))
+    except ValueError:
+        raise ConfigurationError(
+            f"gateway config: session = {data.get('session')!r} is not a grouping; use \"mcp\" (one UndoLog session "
+            "per MCP session), \"process\" (one per gateway process) or \"key\" (over HTTP, one per API key)"
+        ) from None
+    idle = data.get("session_idle", 1800.0)
+    if isinstance(idle, bool) or not isinstance(idle, int | float) or not 0 < idle < float("inf"):
+        raise ConfigurationError("gateway config: session_idle must be a positive number of seconds")
+    if "session_idle" in data and grouping is not SessionGrouping.KEY:
+        raise ConfigurationError("gateway config: session_idle is for session = \"key\" only; remove it, or set "
+                                 "session = \"key\"")
+    return grouping, float(idle)
 
 
 def _table(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:

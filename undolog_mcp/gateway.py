@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,8 +32,19 @@ from undolog_core import (
     ToolTier,
     UndoLog,
 )
-from undolog_core.errors import CallRunning, ConfigurationError, UndoLogError
+from undolog_core._owners import WAKE_SIGNAL
+from undolog_core.errors import (
+    CallIdConflict,
+    CallRunning,
+    ConfigurationError,
+    InvalidEffectState,
+    SessionClosed,
+    UndoLogError,
+)
+from undolog_core.storage.schema import IN_FLIGHT
 
+from .approvals import SharedRequest, find_shared
+from .client_keys import CLIENT_KEY_META, checked_key, client_call_id, reused
 from .config import Approval, CompensationTemplate, GatewayConfig, ToolConfig, UpstreamConfig
 from .elicit import elicit_decision
 from .front_door import FrontDoor, SessionBook, live_sessions
@@ -51,6 +62,7 @@ from .results import (
     text_of,
     unknown_result,
 )
+from .sessions import SESSION_HEADER, SESSION_META, SessionRouter
 from .stdio_limits import MAX_LINE_BYTES
 from .upstream import PORTAL, Connections, OutcomeUnknown, Upstream, UpstreamRefused, first_cause
 
@@ -58,6 +70,17 @@ log = logging.getLogger("undolog.mcp")
 
 # Who the HTTP transport authenticated, in the ASGI scope of the request (absent over stdio).
 PRINCIPAL_SCOPE_KEY = "undolog.principal"
+# How often a gateway that cannot be woken by a signal (not on the main thread's loop) looks for rollbacks filed
+# for the sessions it serves (one indexed read).
+OWNER_POLL_SECONDS = 0.25
+# The UndoLog session the request being served was logged under, and whether its client named it (per request:
+# each tools/call is handled in a task of its own).
+_SESSION_USED: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_mcp_session", default=None)
+_SESSION_NAMED: contextvars.ContextVar[bool] = contextvars.ContextVar("undolog_mcp_session_named", default=False)
+# The client's own idempotency key of the request being served (``_meta`` ``dev.undolog/idempotency-key``), if any.
+_CLIENT_KEY: contextvars.ContextVar[Any] = contextvars.ContextVar("undolog_mcp_client_key", default=None)
+# The API key (``key:<id>``) the HTTP transport authenticated for the request being served; None over stdio.
+_PRINCIPAL: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_mcp_principal", default=None)
 
 
 async def _plain(send: Any, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -141,6 +164,14 @@ def _listing(tools: list[types.Tool]) -> dict[str, Any]:
     return {t.name: t.model_dump(mode="json", exclude_none=True) for t in tools}
 
 
+def _awaiting(shared: SharedRequest) -> AwaitingApproval:
+    """The notice of a pending request another session of the key raised, for a call that joined it."""
+    rec = shared.request
+    return AwaitingApproval(rec.effect_id, rec.approval_request_id, min(max(rec.seconds_left, 1.0), 30.0),
+                            rec.tool_name, dict(rec.proposed_args), rec.reason, tuple(rec.risk_tags), rec.timeout_at,
+                            rec.call_id)
+
+
 def _guarded(ex: ExposedTool) -> contextlib.AbstractContextManager[Any]:
     """Where a logged call (COMPENSABLE, or IRREVERSIBLE once approved) is decided, forwarded and marked, the
     client's cancel (``notifications/cancelled``) or its going away must not stop the gateway: the pre-write done,
@@ -167,10 +198,9 @@ class Gateway:
         self._listed: dict[str, list[types.Tool]] = {}  # what each upstream listed when last registered
         self.connections: Connections | None = None  # the live upstreams, while running
         self._loop: asyncio.AbstractEventLoop | None = None
-        # MCP client session -> (its UndoLog session, the API key that opened it), while the client session lives:
-        # weak keys, not id(), so that the map does not grow with every client that ever connected, and a new client
-        # session never inherits a dead one's UndoLog session through a reused id().
-        self._sessions: weakref.WeakKeyDictionary[Any, tuple[str, str | None]] = weakref.WeakKeyDictionary()
+        # Which UndoLog session each call is logged under (the config's ``session`` grouping).
+        self.sessions = SessionRouter(undolog, config.session, config.session_idle)
+        self._joined: set[tuple[str, str]] = set()  # (request, session) joins written, so a re-ask writes none
         self.server: Server[Any, Any] = self._build_server()
         # Everything but tool calls: the upstreams' requests to the client, notifications, progress, cancels
         # (relay.py), and their resources, prompts, completion and logging (passthrough.py).
@@ -242,8 +272,16 @@ class Gateway:
 
         async def call(name: str, args: Mapping[str, Any], key: str | None,
                        check: Callable[[], None] | None = None, epoch: int | None = None) -> types.CallToolResult:
-            if self.connections is not None and asyncio.get_running_loop() is self._loop:
-                return await self.connections.call(cfg, name, args, key, check=check, epoch=epoch)
+            connections, loop = self.connections, self._loop
+            if connections is not None and asyncio.get_running_loop() is loop:
+                return await connections.call(cfg, name, args, key, check=check, epoch=epoch)
+            if connections is not None and loop is not None and loop.is_running():
+                # Called off the gateway's loop while it serves (the settle-at-once of an unknown outcome runs in
+                # a worker thread): still over the live connection, so the compensation or the probe reaches the
+                # upstream process that did the work (or the one started again in its place), never a second one.
+                fut = asyncio.run_coroutine_threadsafe(
+                    connections.call(cfg, name, args, key, check=check, epoch=epoch), loop)
+                return await asyncio.wrap_future(fut)
             return await PORTAL.call(cfg, name, args, key, epoch=epoch)
 
         return call
@@ -299,6 +337,10 @@ class Gateway:
         @server.call_tool(validate_input=False)  # type: ignore[untyped-decorator]
         async def _call(name: str, arguments: dict[str, Any] | None) -> types.CallToolResult:
             result = await self.call(name, arguments or {})
+            used = _SESSION_USED.get()
+            if used is not None:
+                # Every answer says which UndoLog session the call was logged in: the id a client may name later.
+                result = result.model_copy(update={"meta": {**(result.meta or {}), SESSION_META: used}})
             # A client that cancelled while a logged call finished (shielded, see _guarded) was already answered by
             # the SDK ("Request cancelled"): the cancellation is taken here, so the SDK does not answer twice (it
             # asserts it does not, and the assertion would stop the gateway).
@@ -337,7 +379,15 @@ class Gateway:
             report = await asyncio.to_thread(self.undolog.recover)
             if report.reconciled or report.rollbacks_resumed:
                 log.warning("recovery at start: %s", report.to_dict())
-            yield self
+            owning = asyncio.ensure_future(self._own_sessions())
+            try:
+                yield self
+            finally:
+                owning.cancel()
+                with contextlib.suppress(BaseException):
+                    await owning
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(self.undolog.owners.let_go)
         finally:
             self.connections = None
             self._loop = None
@@ -366,6 +416,70 @@ class Gateway:
             await self.connections._relist(config, up)
         if self._exposed_listing() != before:
             await self.relay.broadcast(types.ServerNotification(types.ToolListChangedNotification()))
+
+    async def _own_sessions(self) -> None:
+        """Hold a lease on every session this gateway serves, and run the rollbacks filed for them (from the CLI,
+        the desk) here, over the live upstream connections that did the work: an upstream whose state lives in its
+        own process is undone in that process, not in a fresh one started for the rollback.
+
+        No statement between calls but the lease's renewal: a new session is held as it starts; a requester on
+        this host wakes the loop with a signal (``_owners.WAKE_SIGNAL``) to look for what it filed; one on another
+        host is found at the next renewal."""
+        owners = self.undolog.owners
+        loop = asyncio.get_running_loop()
+        renew_every = owners.lease_seconds / 3.0
+        renewed = loop.time()
+        filed = asyncio.Event()
+        signalled = False
+        if WAKE_SIGNAL is not None:
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread's loop
+                loop.add_signal_handler(WAKE_SIGNAL, filed.set)
+                signalled = owners.wakes_on_signal = True
+        look = True  # at start: what was filed while no gateway served
+        try:
+            while True:
+                try:
+                    self.sessions.changed.clear()
+                    new = self.sessions.served() - owners.held
+                    if new:
+                        await asyncio.to_thread(owners.hold, new)
+                    now = loop.time()
+                    if now - renewed >= renew_every:
+                        await asyncio.to_thread(owners.renew)
+                        renewed, look = now, True
+                    if look or filed.is_set():
+                        filed.clear()
+                        look = not signalled  # without the signal, every wake-up looks
+                        for row in await asyncio.to_thread(owners.filed):
+                            await self._run_filed_rollback(row.session_id, row.rollback_actor or "undolog")
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the database may be briefly away: the loop goes on
+                    log.warning("holding the served sessions: %s", exc)
+                waits = [asyncio.ensure_future(self.sessions.changed.wait()), asyncio.ensure_future(filed.wait())]
+                try:
+                    await asyncio.wait(waits, timeout=max(0.05, renew_every - (loop.time() - renewed))
+                                       if signalled else OWNER_POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
+        finally:
+            if signalled:
+                owners.wakes_on_signal = False
+                with contextlib.suppress(Exception):
+                    loop.remove_signal_handler(WAKE_SIGNAL)  # type: ignore[arg-type]
+
+    async def _run_filed_rollback(self, session_id: str, actor: str) -> None:
+        owners = self.undolog.owners
+        log.info("rolling back session %s here, as filed by %s", session_id, actor)
+        try:
+            report = await self.undolog.arollback(session_id, actor=actor)
+        except UndoLogError as exc:
+            await asyncio.to_thread(owners.answer, session_id, None, exc)
+            return
+        if report.complete:
+            self.sessions.forget(session_id)  # a grouping's next call starts a new session
+        await asyncio.to_thread(owners.answer, session_id, report)
 
     def _advertised(self, ex: ExposedTool) -> types.Tool:
         tool = ex.listed.model_copy(update={"name": ex.exposed_name})
@@ -399,14 +513,57 @@ class Gateway:
             call_id = (call_key(name, canonical_arguments(ex.spec, arguments))
                        if ex.config.tier is ToolTier.IRREVERSIBLE else None)
             driver = self.undolog.driver
+            released_to: str | None = None
+            shared: SharedRequest | None = None
+            principal = _PRINCIPAL.get()
+            client_key = _CLIENT_KEY.get()
+            if client_key is not None and ex.config.tier is not ToolTier.SAFE:
+                # The client's key names the call (see client_keys.py); over HTTP it may live in an earlier
+                # session of the same API key, where it is answered.
+                try:
+                    client_key = checked_key(client_key)
+                    call_id = client_call_id(client_key, name, principal=principal, session_id=session_id)
+                    if principal is not None:
+                        session_id = await self._session_of_key(call_id, session_id)
+                except UndoLogError as exc:
+                    return error_result(exc.message, code=exc.code)
+            elif call_id is not None and principal is not None and ex.config.approval is Approval.DESK:
+                # Over HTTP only: the same ask from another session of the key joins a pending request, or is
+                # released an approved one (see approvals.py).
+                shared = await asyncio.to_thread(find_shared, self.undolog, session_id=session_id,
+                                                 principal=principal, tool_name=name, call_id=call_id,
+                                                 revision=ex.spec.revision)
+                if shared is not None and shared.pending:
+                    await asyncio.to_thread(self._join, shared, session_id, principal)
+                    return awaiting_result(name, _awaiting(shared), note=(
+                        f" (Asked already in session {shared.request.session_id} with this API key: this call "
+                        "waits on that request.)"))
+                if shared is not None:
+                    released_to, session_id = session_id, shared.request.session_id
+                    _SESSION_USED.set(session_id)  # logged (and run) in the request's own session
             try:
-                d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+                try:
+                    if client_key is not None and call_id is not None and ex.config.tier is not ToolTier.SAFE:
+                        d = await self._decide_keyed(session_id, ex, arguments, call_id, client_key)
+                    else:
+                        d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+                except SessionClosed:
+                    # A grouping's session that was rolled back or completed (from the CLI, the desk): the grouping
+                    # goes on in a new session, as a new agent run would. A session the client named stays closed.
+                    if _SESSION_NAMED.get() or not self.sessions.forget(session_id):
+                        raise
+                    session_id = await self._session_id()
+                    d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
             except CallRunning as exc:
                 return running_result(name, exc.message)
             except UndoLogError as exc:
                 return error_result(exc.message, code=exc.code)
         if isinstance(d, Completed):
             return replayed(d.result)
+        if released_to is not None and shared is not None and principal is not None and not isinstance(d, Completed):
+            # Audited before it runs: a crash mid-call still shows which session the approval went to.
+            await asyncio.to_thread(self.undolog.approvals.note_released, shared.request.approval_request_id,
+                                    released_to, actor=principal)
         if isinstance(d, AwaitingApproval):
             if ex.config.approval is Approval.ELICIT:
                 decided = await self._elicit(ex, d)  # not guarded: a client that cancels the form leaves it pending
@@ -426,10 +583,14 @@ class Gateway:
                 raise UpstreamRefused(f"upstream {ex.config.upstream} changed {tool_name} since this call was "
                                       "decided (it lists another contract now): not sent")
 
+        # A SAFE call's own key goes upstream as the client sent it (nothing is recorded); a logged call's key is
+        # its effect's ``do-`` key.
+        forwarded_key = d.idempotency_key or (client_key if isinstance(client_key, str) else None)
+
         async def invoke(args: dict[str, Any]) -> types.CallToolResult:
             try:
                 # The epoch beside the key (a SAFE call has neither: nothing is logged for it).
-                return await upstream(tool_name, args, d.idempotency_key, unchanged,
+                return await upstream(tool_name, args, forwarded_key, unchanged,
                                       d.epoch if d.idempotency_key else None)
             except UpstreamRefused as exc:
                 return error_result(str(exc))  # a protocol refusal, or no upstream to take it: it did not run
@@ -448,23 +609,70 @@ class Gateway:
         return value
 
     async def _session_id(self) -> str:
-        """The UndoLog session of the MCP client session making this request (one for one)."""
-        session = self.server.request_context.session
-        key = session
-        request = getattr(self.server.request_context, "request", None)
-        principal = getattr(request, "scope", {}).get(PRINCIPAL_SCOPE_KEY) if request is not None else None
-        found = self._sessions.get(key)
-        if found is not None:
-            if found[1] != principal:
-                # Over HTTP an MCP session belongs to the key that opened it.
-                raise UndoLogError("this MCP session was opened with another API key")
-            return found[0]
+        """The UndoLog session of the request being served, by the config's grouping (see ``sessions.py``)."""
+        context = self.server.request_context
+        session = context.session
+        request = getattr(context, "request", None)
+        scope = getattr(request, "scope", None)
+        principal = scope.get(PRINCIPAL_SCOPE_KEY) if isinstance(scope, Mapping) else None
+        meta = context.meta.model_extra if context.meta is not None else None
+        named = (meta or {}).get(SESSION_META)
+        if named is None and principal is not None:
+            named = request.headers.get(SESSION_HEADER) if request is not None else None
         info = session.client_params.clientInfo if session.client_params else None
         label = f"mcp:{info.name}/{info.version}" if info else "mcp:unknown-client"
-        s = await asyncio.to_thread(self.undolog.session, agent_id=label, created_by=principal)
-        self._sessions[key] = (s.id, principal)
-        log.info("MCP client %s is session %s", label, s.id)
-        return s.id
+        session_id = await self.sessions.session_for(mcp_session=session, principal=principal, named=named,
+                                                     label=label)
+        _SESSION_USED.set(session_id)
+        _SESSION_NAMED.set(named is not None)
+        _PRINCIPAL.set(principal)
+        _CLIENT_KEY.set((meta or {}).get(CLIENT_KEY_META))
+        return session_id
+
+    async def _session_of_key(self, call_id: str, session_id: str) -> str:
+        """The session holding the call this client key names over HTTP (an earlier session of the same API key),
+        else ``session_id``."""
+        found = await asyncio.to_thread(self.undolog.store.session_of_client_key, call_id)
+        if found is not None and found != session_id:
+            _SESSION_USED.set(found)
+            return found
+        return session_id
+
+    async def _decide_keyed(self, session_id: str, ex: ExposedTool, arguments: Mapping[str, Any], call_id: str,
+                            key: str) -> Any:
+        """Decide a call named by a client's key: the recorded result, the running call joined (waited for, up to
+        the upstream's timeout), a conflict named as the key's, or a new call."""
+        assert ex.spec is not None
+        driver = self.undolog.driver
+        timeout = self.config.upstreams[ex.config.upstream].timeout
+        deadline = asyncio.get_running_loop().time() + timeout + 5.0
+        while True:
+            try:
+                return await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+            except CallIdConflict:
+                raise reused(key, ex.exposed_name) from None
+            except InvalidEffectState:
+                # The same key in flight (another connection's call, running now), or a concurrent first use from
+                # another session of the key (the partial unique index refused this one's pre-write).
+                if _PRINCIPAL.get() is not None:
+                    moved = await self._session_of_key(call_id, session_id)
+                    if moved != session_id:
+                        session_id = moved
+                        continue
+                row = await asyncio.to_thread(self.undolog.store.effect_by_call, session_id, call_id)
+                if row is None or row.state not in IN_FLIGHT or asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+
+    def _join(self, shared: SharedRequest, session_id: str, principal: str) -> None:
+        """Record once per session that it joined another session's pending request (a reject halts it too)."""
+        joined = (shared.request.approval_request_id, session_id)
+        if joined in self._joined:
+            return
+        self.undolog.approvals.join(shared.request.approval_request_id, session_id, actor=principal)
+        self._joined.add(joined)
+        if len(self._joined) > 100_000:  # a memory of what was written, not the record: the audit trail is
+            self._joined.clear()
 
     async def _elicit(self, ex: ExposedTool, d: AwaitingApproval) -> types.CallToolResult | None:
         return await elicit_decision(self.server.request_context, self.undolog, ex.exposed_name, ex.listed, d)

@@ -279,3 +279,46 @@ def _sqlite_objects(c) -> dict[str, set[str]]:
     rows = c.execute(sa.text("SELECT type, name FROM sqlite_master WHERE type IN ('trigger', 'view') "
                              "AND name NOT LIKE 'undolog_events_%' AND name NOT LIKE 'undolog_audit_head_%'")).all()
     return {kind: {n for k, n in rows if k == kind} for kind in ("trigger", "view")}
+
+
+@pytest.mark.storage
+def test_session_owners_come_with_0013_on_a_database_of_0011_and_go_with_its_downgrade(db):
+    """Revision 0013: ``undolog_session_owners`` (who serves a session, and a rollback filed for it) and the
+    client keys' partial unique index are made on a database of the previous release, which goes on working
+    (client-keyed ids are unique across sessions, other ids per session); running the upgrade again changes
+    nothing; the downgrade drops both."""
+    store = Store(db.url, schema=db.schema)
+    try:
+        _migrate.upgrade(store.engine, lock_key=_MIGRATION_LOCK_KEY, schema=db.schema, target="0011_due_index")
+        assert "undolog_session_owners" not in sa.inspect(store.engine).get_table_names(schema=db.schema)
+    finally:
+        store.dispose()
+    u = db.open()  # upgrades to head
+    index = {ix["name"]: ix for ix in sa.inspect(u.store.engine).get_indexes("undolog_effect_log",
+                                                                             schema=db.schema)}
+    assert index["ux_undolog_effect_client_key"]["unique"]
+    world, tools = setup(u)
+    s = u.session(agent_id="after-0013")
+    s.call_sync(tools["send_refund_email"], user_id="u2", amount=7)
+    u.owners.hold([s.id])
+    row = u.store.session_owner(s.id)
+    assert row.owner == u.leases.owner and row.lease_until > dt.datetime.now(dt.UTC)
+    other = u.session(agent_id="after-0013")
+    other.call_sync(tools["send_refund_email"], call_id="c-1", user_id="u1", amount=1)
+    s.call_sync(tools["send_refund_email"], call_id="c-1", user_id="u1", amount=1)  # per session: fine
+    s.call_sync(tools["send_refund_email"], call_id="ck:shared", user_id="u1", amount=2)
+    with pytest.raises(Exception):  # noqa: B017,PT011 - the index refuses it, whatever the engine makes of that
+        other.call_sync(tools["send_refund_email"], call_id="ck:shared", user_id="u1", amount=2)
+    assert world.count("send") == 4  # the refused one never ran
+    report = u.rollback(s.id, actor="test")  # held by this very process: run here, not filed
+    assert report.complete and not report.ran_without_live_upstream and report.ran_by is None
+    u.close()
+    store = Store(db.url, schema=db.schema)
+    try:
+        _migrate.upgrade(store.engine, lock_key=_MIGRATION_LOCK_KEY, schema=db.schema)  # again: idempotent
+        _migrate.downgrade(store.engine, lock_key=_MIGRATION_LOCK_KEY, schema=db.schema, target="0011_due_index")
+        assert "undolog_session_owners" not in sa.inspect(store.engine).get_table_names(schema=db.schema)
+        names = {ix["name"] for ix in sa.inspect(store.engine).get_indexes("undolog_effect_log", schema=db.schema)}
+        assert "ux_undolog_effect_client_key" not in names
+    finally:
+        store.dispose()

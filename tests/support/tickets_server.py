@@ -39,7 +39,9 @@ def save(state: dict[str, Any]) -> None:
 def record(state: dict[str, Any], tool: str, args: dict[str, Any], ctx: Context[Any, Any, Any]) -> None:
     meta = ctx.request_context.meta
     extra = (meta.model_extra or {}) if meta is not None else {}
-    state["calls"].append({"tool": tool, "args": args, "key": extra.get(KEY), "epoch": extra.get(EPOCH)})
+    # The pid tells which upstream process did the work (a long-lived gateway starts its upstream once).
+    state["calls"].append({"tool": tool, "args": args, "key": extra.get(KEY), "epoch": extra.get(EPOCH),
+                           "pid": os.getpid()})
 
 
 class Ticket(BaseModel):

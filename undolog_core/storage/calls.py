@@ -170,6 +170,14 @@ class CallsSQL(Store):
                 sa.select(_E).where(_E.c.session_id == session_id, _E.c.call_id == call_id)
             ).first()
 
+    def session_of_client_key(self, call_id: str) -> str | None:
+        """The session holding the call with this client-keyed id (``ck:...``, unique across sessions), or None.
+        The index's own predicate is repeated so that SQLite reads the partial index."""
+        with self.read() as conn:
+            sid = conn.execute(sa.select(_E.c.session_id).where(
+                _E.c.call_id == call_id, sa.text(t.CLIENT_KEY_PREDICATE))).scalar()
+        return None if sid is None else str(sid)
+
     def session_of_effect(self, effect_id: str) -> str | None:
         """The session an effect belongs to, or None when there is no such effect."""
         with self.read() as conn:

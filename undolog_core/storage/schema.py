@@ -219,6 +219,19 @@ sa.Index(
     postgresql_where=sa.text(_IN_FLIGHT),
 ).ddl_if(dialect="postgresql")
 
+# A client's own idempotency key, scoped beyond one session (the MCP gateway over HTTP: an API key, a tool, a key),
+# rides in the call_id as ``ck:<digest>``: this partial unique index makes the pre-write itself refuse a second
+# effect with it in any session (no statement more). Other call ids are unique per session only (above).
+CLIENT_KEY_PREFIX = "ck:"
+CLIENT_KEY_PREDICATE = "call_id LIKE 'ck:%'"
+sa.Index(
+    "ux_undolog_effect_client_key",
+    effect_log.c.call_id,
+    unique=True,
+    sqlite_where=sa.text(CLIENT_KEY_PREDICATE),
+    postgresql_where=sa.text(CLIENT_KEY_PREDICATE),
+)
+
 recovery_cursor = sa.Table(
     "undolog_recovery_cursor",
     metadata,
@@ -360,6 +373,25 @@ rollbacks = sa.Table(
     sa.Column("lease_until", UTCDateTime),
     sa.Column("requested_at", UTCDateTime, nullable=False),
 )
+
+# Which live process serves a session (the MCP gateway holding its upstreams' connections), under a lease it
+# renews, and a rollback filed for that process to run: a compensation must reach the upstream process that did the
+# work (its state may live in that process only). No foreign key: a session minted by the owner may not be written
+# yet when the owner starts holding it. The rollback columns are the filed request and, once run, its report.
+session_owners = sa.Table(
+    "undolog_session_owners",
+    metadata,
+    sa.Column("session_id", sa.String(200), primary_key=True),
+    sa.Column("owner", sa.String(200), nullable=False),
+    sa.Column("lease_until", UTCDateTime, nullable=False),
+    # The owner looks for a filed rollback when sent SIGUSR1 (on its host); else it finds it when it renews.
+    sa.Column("wakes_on_signal", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("rollback_actor", sa.String(200)),
+    sa.Column("rollback_reason", sa.Text),
+    sa.Column("rollback_requested_at", UTCDateTime),
+    sa.Column("rollback_report", sa.JSON),
+)
+sa.Index("ix_undolog_session_owners_owner", session_owners.c.owner)
 
 #: How many hash chains the audit trail has (head rows 1..AUDIT_CHAINS). A transaction appends to ONE chain, the
 #: first whose head it can lock without waiting, so concurrent writers on PostgreSQL do not queue on one row; the
