@@ -7,7 +7,7 @@ there for the owner to run against its live upstream connections, and run by the
 lease is gone. Idempotent: the table is made only where it is missing, dropped only where it exists.
 
 Revision ID: 0013_client_idempotency
-Revises: 0011_due_index
+Revises: 0012_principal_refs
 """
 
 import sqlalchemy as sa
@@ -16,7 +16,7 @@ from alembic import op
 from undolog_core.storage import schema as s
 
 revision = "0013_client_idempotency"
-down_revision = "0011_due_index"
+down_revision = "0012_principal_refs"
 branch_labels = None
 depends_on = None
 

@@ -6,14 +6,14 @@ committed effects of the run it continues, found by this column, instead of runn
 outside such a run keep it NULL. One nullable column, no row changes; idempotent (added only when missing).
 
 Revision ID: 0014_effect_kickoff
-Revises: 0012_principal_refs
+Revises: 0013_client_idempotency
 """
 
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0014_effect_kickoff"
-down_revision = "0012_principal_refs"
+down_revision = "0013_client_idempotency"
 branch_labels = None
 depends_on = None
 
