@@ -32,13 +32,18 @@ from undolog_core import (
     ToolTier,
     UndoLog,
 )
-from undolog_core.errors import ConfigurationError, UndoLogError
+from undolog_core.errors import ConfigurationError, ContractChanged, SessionHalted, UndoLogError
 
-from .config import Approval, CompensationTemplate, GatewayConfig, ToolConfig, UpstreamConfig
+from .capture import capture_before
+from .config import Approval, CompensationTemplate, Decline, GatewayConfig, ToolConfig, UpstreamConfig
 from .elicit import elicit_decision
+from .lifecycle import changed_elsewhere, refusal, starts_anew, told_new_session
+from .probes import probe_verdict, settle_when_gone
 from .results import META_KEY as META_KEY  # re-exported: it was defined here
 from .results import awaiting_result, call_key, error_result, replayed, structured, text_of, unknown_result
+from .templates import BEFORE_KEY
 from .upstream import PORTAL, Connections, OutcomeUnknown, Upstream, UpstreamRefused, first_cause
+from .variants import pinned_sent, pinned_tool
 
 log = logging.getLogger("undolog.mcp")
 
@@ -73,37 +78,54 @@ class Exposure:
 
 
 def plan_exposure(config: GatewayConfig, listed: Mapping[str, list[types.Tool]]) -> Exposure:
-    """Decide the exposed names: an upstream's own name, prefixed ``<upstream>_`` only where two would clash."""
+    """Decide the exposed names: an upstream's own name (a pinned variant's: its config name), prefixed
+    ``<upstream>_`` only where two would clash."""
     exposure = Exposure()
-    counts: dict[str, int] = {}
-    for up, tools in listed.items():
-        for t in tools:
-            if (up, t.name) in config.tools:
-                counts[t.name] = counts.get(t.name, 0) + 1
+    # (upstream, its config entry, the tool as exposed): the listed tool, with a pinned tool's pins hidden.
+    planned: list[tuple[str, ToolConfig, types.Tool]] = []
     for up, tools in listed.items():
         by_name = {t.name: t for t in tools}
         for t in tools:
             cfg = config.tools.get((up, t.name))
             if cfg is None:
                 exposure.unclassified.append(f"{up}/{t.name}")
-                continue
-            exposed = t.name if counts[t.name] == 1 else f"{up}_{t.name}"
-            clash = exposure.tools.get(exposed)
-            if clash is not None:
-                # A prefixed name can meet another upstream's own tool of that name: one would shadow the other.
-                raise ConfigurationError(
-                    f"gateway config: two tools would be exposed as {exposed!r}: {clash.config.upstream}/"
-                    f"{clash.listed.name} and {up}/{t.name}; rename an upstream, or leave one of them unclassified")
-            for needed, what in ((cfg.compensation.tool if cfg.compensation else None, "compensation"),
-                                 (cfg.probe, "probe")):
-                if needed is not None and needed not in by_name:
-                    raise UndoLogError(f"gateway config: the {what} tool {needed!r} of [tools.{up}.{t.name}] is not "
-                                       f"a tool of upstream {up!r} (it lists {', '.join(sorted(by_name))})")
-            if cfg.compensation is not None:
-                _check_template(up, t, cfg.compensation)
-            exposure.tools[exposed] = ExposedTool(exposed, cfg, t)
-    for (up, name) in config.tools:
-        if up in listed and name not in {t.name for t in listed[up]}:
+            elif cfg.of is not None:
+                raise ConfigurationError(f"gateway config: [tools.{up}.{t.name}] is a variant of {cfg.of}, but "
+                                         f"{up} lists a tool of that name itself; name the variant otherwise")
+            else:
+                planned.append((up, cfg, pinned_tool(t, cfg.pin)))
+        for (u2, _name), cfg in config.tools.items():
+            if u2 == up and cfg.of is not None and cfg.of in by_name:
+                planned.append((up, cfg, pinned_tool(by_name[cfg.of], cfg.pin)))
+    counts: dict[str, int] = {}
+    for _, cfg, _t in planned:
+        counts[cfg.name] = counts.get(cfg.name, 0) + 1
+    for up, cfg, t in planned:
+        by_name = {x.name: x for x in listed[up]}
+        exposed = cfg.name if counts[cfg.name] == 1 else f"{up}_{cfg.name}"
+        clash = exposure.tools.get(exposed)
+        if clash is not None:
+            # A prefixed name can meet another upstream's own tool of that name: one would shadow the other.
+            raise ConfigurationError(
+                f"gateway config: two tools would be exposed as {exposed!r}: {clash.config.upstream}/"
+                f"{clash.config.name} and {up}/{cfg.name}; rename an upstream, or leave one of them unclassified")
+        comp = cfg.compensation
+        for needed, what in ((comp.tool if comp else None, "compensation"), (cfg.probe, "probe"),
+                             (comp.capture.tool if comp and comp.capture else None, "capture")):
+            if needed is not None and needed not in by_name:
+                raise UndoLogError(f"gateway config: the {what} tool {needed!r} of [tools.{up}.{cfg.name}] is not "
+                                   f"a tool of upstream {up!r} (it lists {', '.join(sorted(by_name))})")
+        if comp is not None and comp.capture is not None:
+            reader = config.tools.get((up, comp.capture.tool))
+            if reader is not None and reader.tier is not ToolTier.SAFE:
+                raise ConfigurationError(f"gateway config: the capture tool {comp.capture.tool!r} of "
+                                         f"[tools.{up}.{cfg.name}] is classified {reader.tier.value}; a capture "
+                                         "runs before every call and must be a safe (read-only) tool")
+        if comp is not None:
+            _check_template(up, t, comp)
+        exposure.tools[exposed] = ExposedTool(exposed, cfg, t)
+    for (up, name), cfg in config.tools.items():
+        if up in listed and cfg.upstream_tool not in {t.name for t in listed[up]}:
             exposure.missing.append(f"{up}/{name}")
     return exposure
 
@@ -157,14 +179,18 @@ class Gateway:
         # weak keys, not id(), so that the map does not grow with every client that ever connected, and a new client
         # session never inherits a dead one's UndoLog session through a reused id().
         self._sessions: weakref.WeakKeyDictionary[Any, tuple[str, str | None]] = weakref.WeakKeyDictionary()
+        # Calls held ``settling`` (a probe said "not yet" while the request could still land), each waiting for its
+        # connection to end (probes.settle_when_gone).
+        self._settling: set[asyncio.Task[None]] = set()
         self.server: Server[Any, Any] = self._build_server()
 
     # -- registration -------------------------------------------------------------------------------
 
     def register(self, listed: Mapping[str, list[types.Tool]]) -> Exposure:
         """Register every classified tool of the upstreams' listings with the UndoLog, with its compensation and
-        probe. The contract holds the upstream's schema and annotations, the upstream and the compensation's
-        template: an upstream that changes a tool makes a new revision, which cancels approvals bound to the old."""
+        probe. The contract holds the upstream's identity, the tool's input and output schemas and the compensation's
+        template (not its description or annotations): an upstream that changes those makes a new revision, which
+        cancels approvals bound to the old."""
         exposure = plan_exposure(self.config, listed)
         for ex in exposure.tools.values():
             cfg, tool = ex.config, ex.listed
@@ -174,17 +200,20 @@ class Gateway:
                 "kind": "mcp",
                 "upstream": cfg.upstream,
                 "upstream_tool": tool.name,
+                **({"pin": dict(cfg.pin)} if cfg.pin else {}),
                 "server": up.describe(),
-                "annotations": tool.annotations.model_dump(mode="json", exclude_none=True) if tool.annotations else None,
+                # Not the description nor the annotations: an upstream rewords them at will (or lists them otherwise
+                # when started again), and no MCP client can revalidate a session; what the call does is its
+                # identity, its schemas and its undo.
                 "output_schema": tool.outputSchema,
             }
             kwargs: dict[str, Any] = {
-                "name": ex.exposed_name, "tier": cfg.tier.value, "reason": cfg.reason or tool.description,
+                "name": ex.exposed_name, "tier": cfg.tier.value, "reason": cfg.reason_or_default,
                 "risk_tags": list(cfg.risk_tags), "args_schema": schema,
             }
             if cfg.compensation is not None:
                 binding["compensation"] = cfg.compensation.describe()
-                comp_name = f"mcp:{cfg.upstream}.{tool.name}.undo"
+                comp_name = f"mcp:{cfg.upstream}.{cfg.name}.undo"
                 self.undolog.register_compensation(self._compensator(cfg), name=comp_name)
                 kwargs["compensation"] = comp_name
                 kwargs["compensation_needs_result"] = cfg.compensation.needs_result
@@ -232,20 +261,27 @@ class Gateway:
         template = cfg.compensation
         assert template is not None
         call = self._upstream_call(cfg.upstream)
+        pins = dict(cfg.pin)
 
         async def compensate(ctx: Any) -> None:
-            result = structured(ctx.result)
-            args = template.render(ctx.args, result, ctx.idempotency_key)
-            out = await call(template.tool, args, ctx.idempotency_key)
-            if out.isError:
-                raise UndoLogError(f"compensation {template.tool} of {cfg.name} answered an error: {text_of(out)}")
+            args = dict(ctx.args)
+            before = args.pop(BEFORE_KEY, None)  # what capture read before the call, stored with the undo entry
+            calls = template.calls({**args, **pins}, structured(ctx.result), undo_key=ctx.idempotency_key,
+                                   forward_key=f"do-{ctx.effect_id}", before=before)
+            # One call per element (for_each), newest first, each with its own key: a retry after a crash sends
+            # the ones already done again with the same key.
+            for comp_args, key in calls:
+                out = await call(template.tool, comp_args, key)
+                if out.isError:
+                    raise UndoLogError(f"compensation {template.tool} of {cfg.name} answered an error: "
+                                       f"{text_of(out)}")
 
         compensate.__name__ = f"compensate_{cfg.name}"
         return compensate
 
     def _prober(self, cfg: ToolConfig) -> Any:
         """Recovery's question to the upstream: did this call happen? The probe tool gets the call's arguments and
-        idempotency key, and answers ``{"happened": bool, "result": ...}`` in its structured content."""
+        idempotency key, and answers ``{"happened": bool, "result": ...}`` (three answers: see ``probes``)."""
         probe_tool = cfg.probe
         assert probe_tool is not None
         call = self._upstream_call(cfg.upstream)
@@ -253,13 +289,7 @@ class Gateway:
         async def probe(ctx: Any) -> Any:
             out = await call(probe_tool, {"tool": cfg.name, "args": ctx.args, "idempotency_key": ctx.idempotency_key},
                              None)
-            if out.isError:
-                raise UndoLogError(f"probe {probe_tool} answered an error: {text_of(out)}")
-            verdict = out.structuredContent or {}
-            if not verdict.get("happened"):
-                return False
-            result = verdict.get("result")
-            return result if result is not None else True
+            return probe_verdict(out, probe_tool)
 
         return probe
 
@@ -335,6 +365,9 @@ class Gateway:
         if ex is None or ex.spec is None:
             return error_result(f"unknown tool {name!r}: this gateway exposes "
                                 f"{', '.join(sorted(self.exposure.tools)) or 'no tools'}")
+        pinned = pinned_sent(name, arguments, ex.config.pin)
+        if pinned is not None:
+            return error_result(pinned, code="arguments_invalid")
         # The upstream's input schema is the tool's contract: the core validates every call against it (full
         # JSON Schema) before anything is logged, and its error names the failing path.
         with _guarded(ex):
@@ -344,10 +377,31 @@ class Gateway:
                 return error_result(exc.message, code=exc.code)
             call_id = call_key(name, arguments) if ex.config.tier is ToolTier.IRREVERSIBLE else None
             driver = self.undolog.driver
+            previous = None
             try:
-                d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+                try:
+                    d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+                except (SessionHalted, ContractChanged) as exc:
+                    if not await asyncio.to_thread(changed_elsewhere, self.undolog, exc, ex.spec.revision):
+                        raise
+                    d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
             except UndoLogError as exc:
-                return error_result(exc.message, code=exc.code)
+                if not starts_anew(exc):
+                    return refusal(exc)
+                # Rolled back to the end: the client's next call starts a new session (and is told both ids).
+                previous, session_id = session_id, await self._session_anew(session_id)
+                try:
+                    d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+                except UndoLogError as again:
+                    return refusal(again)
+        if previous is not None:
+            return told_new_session(await self._decided(name, arguments, ex, d), previous, session_id)
+        return await self._decided(name, arguments, ex, d)
+
+    async def _decided(self, name: str, arguments: Mapping[str, Any], ex: ExposedTool,
+                       d: Any) -> types.CallToolResult:
+        """The rest of :meth:`call`, once the call is decided."""
+        driver = self.undolog.driver
         if isinstance(d, Completed):
             return replayed(d.result)
         if isinstance(d, AwaitingApproval):
@@ -359,6 +413,7 @@ class Gateway:
             return awaiting_result(name, d)
         upstream = self._upstream_call(ex.config.upstream)
         tool_name = ex.listed.name
+        assert ex.spec is not None  # (call answered an unregistered tool before deciding)
         revision = ex.spec.revision
 
         def unchanged() -> None:
@@ -369,9 +424,19 @@ class Gateway:
                 raise UpstreamRefused(f"upstream {ex.config.upstream} changed {tool_name} since this call was "
                                       "decided (it lists another contract now): not sent")
 
+        pins = dict(ex.config.pin)
+        capture = ex.config.compensation.capture if ex.config.compensation is not None else None
+
         async def invoke(args: dict[str, Any]) -> types.CallToolResult:
+            sent = {**args, **pins}
             try:
-                return await upstream(tool_name, args, d.idempotency_key, unchanged)
+                if capture is not None and d.effect_id is not None:
+                    # Read before it changes, stored with the undo entry before the call is sent: an undo that
+                    # could not be captured is a call not run.
+                    refused = await capture_before(self.undolog, upstream, capture, name, sent, d.args, d.effect_id)
+                    if refused is not None:
+                        return refused
+                return await upstream(tool_name, sent, d.idempotency_key, unchanged)
             except UpstreamRefused as exc:
                 return error_result(str(exc))  # a protocol refusal, or no upstream to take it: it did not run
 
@@ -383,6 +448,8 @@ class Gateway:
             )
         if outcome.error is not None:
             if isinstance(outcome.error, OutcomeUnknown):
+                if outcome.in_doubt == "settling" and outcome.error.ended is not None and d.effect_id is not None:
+                    settle_when_gone(self.undolog, d.effect_id, outcome.error.ended, self._settling)
                 return unknown_result(name, outcome.error, outcome.in_doubt)
             raise outcome.error
         value: types.CallToolResult = outcome.value
@@ -407,8 +474,20 @@ class Gateway:
         log.info("MCP client %s is session %s", label, s.id)
         return s.id
 
+    async def _session_anew(self, rolled_back: str) -> str:
+        """A new UndoLog session in place of ``rolled_back`` for the client sessions that had it."""
+        row = await asyncio.to_thread(self.undolog.sessions.get, rolled_back)
+        holders = [(k, v) for k, v in list(self._sessions.items()) if v[0] == rolled_back]
+        principal = holders[0][1][1] if holders else None
+        s = await asyncio.to_thread(self.undolog.session, agent_id=row.agent_id, created_by=principal)
+        for key, (_, who) in holders:
+            self._sessions[key] = (s.id, who)
+        log.info("session %s was rolled back; its client goes on in session %s", rolled_back, s.id)
+        return s.id
+
     async def _elicit(self, ex: ExposedTool, d: AwaitingApproval) -> types.CallToolResult | None:
-        return await elicit_decision(self.server.request_context, self.undolog, ex.exposed_name, ex.listed, d)
+        return await elicit_decision(self.server.request_context, self.undolog, ex.exposed_name, ex.listed, d,
+                                     decline_rejects=ex.config.decline is Decline.REJECT)
 
     # -- transports ---------------------------------------------------------------------------------
 
