@@ -33,6 +33,7 @@ from typing import Any
 from undolog_core import ToolTier
 from undolog_core.errors import ConfigurationError
 
+from .environment import database_url, expand
 from .templates import CompensationTemplate as CompensationTemplate  # re-exported: it was defined here
 from .templates import parse_template
 from .variants import pin_plain_tools, pinning
@@ -106,6 +107,8 @@ class GatewayConfig:
     upstreams: Mapping[str, UpstreamConfig]
     tools: Mapping[tuple[str, str], ToolConfig]
     path: Path | None = None
+    # The UndoLog database the gateway and ``undolog --app gateway.toml`` use when no --db is given.
+    database: str | None = None
 
     def tools_of(self, upstream: str) -> dict[str, ToolConfig]:
         return {name: cfg for (up, name), cfg in self.tools.items() if up == upstream}
@@ -136,10 +139,11 @@ def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
         except tomllib.TOMLDecodeError as exc:
             raise ConfigurationError(f"gateway config {str(source)!r} is not valid TOML: {exc}") from None
         base = path.parent
-    unknown = set(data) - {"upstreams", "tools"}
+    unknown = set(data) - {"upstreams", "tools", "database"}
     if unknown:
         raise ConfigurationError(f"gateway config: unknown section(s) {', '.join(sorted(unknown))} "
-                                 "(expected [upstreams.NAME] and [tools.UPSTREAM.TOOL])")
+                                 "(expected database = \"...\", [upstreams.NAME] and [tools.UPSTREAM.TOOL])")
+    database = database_url(data["database"], base) if "database" in data else None
     upstreams = {name: _upstream(name, raw, base) for name, raw in _table(data, "upstreams").items()}
     if not upstreams:
         raise ConfigurationError("gateway config: no [upstreams.NAME] section; the gateway needs at least one")
@@ -152,7 +156,25 @@ def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
             raise ConfigurationError(f"gateway config: [tools.{up}] must be a table of tools")
         for name, raw in table.items():
             tools[(up, name)] = _tool(up, name, raw)
-    return GatewayConfig(upstreams, pin_plain_tools(tools), path)
+    return GatewayConfig(upstreams, pin_plain_tools(tools), path, database)
+
+
+def database_of(path: str | Path) -> str | None:
+    """The ``database`` a gateway config names (expanded), or None: what ``undolog --app gateway.toml`` opens when
+    no --db is given. Reads only that key, so the CLI does not start the upstreams to find its database.
+
+    Raises:
+        ConfigurationError: an unreadable file, or a ``database`` that is refused (see ``environment``).
+    """
+    resolved = Path(path).expanduser().resolve()
+    try:
+        with open(resolved, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigurationError(f"gateway config {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigurationError(f"gateway config {str(path)!r} is not valid TOML: {exc}") from None
+    return database_url(data["database"], resolved.parent) if "database" in data else None
 
 
 def _table(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
@@ -192,6 +214,7 @@ def _upstream(name: str, raw: Any, base: Path | None) -> UpstreamConfig:
     env = raw.get("env", {})
     if not isinstance(env, Mapping) or not all(isinstance(v, str) for v in env.values()):
         raise ConfigurationError(f"gateway config: {where} env must be a table of strings")
+    env = {k: expand(v, f"{where} env.{k}", base) for k, v in env.items()}
     bounds = {}
     for key in ("timeout", "start_timeout"):
         value = raw.get(key, 30.0)

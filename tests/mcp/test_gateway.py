@@ -370,7 +370,8 @@ def test_init_proposes_a_config_to_review(db: Any, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     proposal = out.stdout
     assert proposal.startswith("# PROPOSAL")
-    assert '[tools.tickets.search_tickets]  # Search tickets by title.\ntier = "safe"' in proposal  # readOnlyHint
+    assert '[tools.tickets.search_tickets]  # proposed: Search tickets by title.\n' in proposal
+    assert '#   arguments: q  ' in proposal and '\ntier = "safe"  # proposed: the upstream hints readOnlyHint' in proposal
     assert '[tools.tickets.delete_project]' in proposal and 'tier = "irreversible"' in proposal  # destructiveHint
     assert "# [tools.tickets.create_ticket]" in proposal  # no hint: left unclassified, commented out
     import tomllib
