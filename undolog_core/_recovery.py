@@ -353,8 +353,9 @@ class Recovery:
         """Run one claimed compensation with the saga's retries; on success record it and halt the session
         (``durable``: wait for the disk; the batch's last record does, see ``compensated_in_recovery``)."""
         fn, _ = self._registry.compensations[c.compensation_name]
+        # The undo entry's arguments, as the saga gives them: what was stored with it (a gateway's capture) too.
         entry = _Entry(c.undo_id, c.effect_id, c.tool_name, c.compensation_name, c.compensation_version,
-                       dict(c.args_snapshot), None, c.state, c.attempts, fn, UndoState.COMPENSATING.value,
+                       dict(c.undo_args), None, c.state, c.attempts, fn, UndoState.COMPENSATING.value,
                        self._leases.owner)
         error: str | None = None
         for n in range(self._saga.max_attempts):

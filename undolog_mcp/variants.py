@@ -114,6 +114,8 @@ def pinned_tool(tool: types.Tool, pin: Mapping[str, Any]) -> types.Tool:
 def pinned_sent(name: str, arguments: Mapping[str, Any], pin: Mapping[str, Any]) -> str | None:
     """Why a call of the tool exposed as ``name`` is refused because it sends a pinned argument (None: it does not).
     """
+    if not pin:  # (every call of an unpinned tool: nothing to compare)
+        return None
     sent = sorted(set(arguments) & set(pin))
     if not sent:
         return None

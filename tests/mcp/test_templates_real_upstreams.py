@@ -123,3 +123,39 @@ async def test_the_world_is_restored_after_rollback(db: Any, tmp_path: Path) -> 
     assert (files / "plan.txt").read_text() == "step one\nstep two\n"
     remaining = [json.loads(line) for line in memory.read_text().splitlines() if line.strip()]
     assert [r for r in remaining if r.get("type") == "entity"] == []  # both entities gone, not one
+
+
+async def test_recovery_after_a_crash_restores_from_the_capture(db: Any, tmp_path: Path) -> None:
+    """A gateway that died after capturing and sending an overwrite: recovery (the batch path, from another
+    process's view) compensates it with what the capture stored. Before: the batch path gave the compensation the
+    call's arguments, not the undo entry's, so {before.content} was missing and the undo failed until it was
+    dead-lettered."""
+    from undolog_core import Execute
+    from undolog_mcp import Gateway, load_config
+    from undolog_mcp.capture import capture_before
+    from undolog_mcp.upstream import PORTAL, list_tools
+
+    files = tmp_path / "files"
+    files.mkdir()
+    target = files / "notes.txt"
+    target.write_text("the original notes\n")
+    cfg = load_config(write_config(tmp_path, files, tmp_path / "memory.jsonl"))
+    u = db.open()
+    gw = Gateway(cfg, u)
+    gw.register({name: await list_tools(up) for name, up in cfg.upstreams.items()})
+    s = u.session(agent_id="crashed-gateway")
+    args = {"path": str(target), "content": "overwritten"}
+    d = await u.driver.adecide(s.id, "write_file", args)
+    assert isinstance(d, Execute) and d.effect_id is not None
+
+    async def call(name: str, call_args: Any, key: Any, check: Any = None) -> Any:
+        return await PORTAL.call(cfg.upstreams["fs"], name, call_args, key)
+
+    capture = cfg.tools[("fs", "write_file")].compensation.capture
+    assert await capture_before(u, call, capture, "write_file", args, d.args, d.effect_id) is None
+    assert not (await call("write_file", args, d.idempotency_key)).isError  # sent; then the gateway "dies"
+    assert target.read_text() == "overwritten"
+    u.leases.abandon(d.effect_id)
+    report = u.recover()
+    assert report.reconciled == [{"effect_id": d.effect_id, "tool_name": "write_file", "outcome": "compensated"}]
+    assert target.read_text() == "the original notes\n"

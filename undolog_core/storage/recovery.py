@@ -116,12 +116,13 @@ class RecoverySQL(CallsSQL):
         finish it (its undo entry armed and unowned, its compensation loaded here at the logged version).
         PostgreSQL locks the rows with SKIP LOCKED, so racing recoverers take disjoint sets. Each row carries the
         effect (``effect_id, seq, session_id, tool_name, state, args_snapshot``) and its undo entry (``undo_id,
-        compensation_name, compensation_version, attempts``).
+        undo_args, compensation_name, compensation_version, attempts``).
         """
         e, u = t.effect_log, t.undo_stack
         want = {eid: (state, who) for eid, state, who in seen}
         q = (sa.select(e.c.effect_id, e.c.seq, e.c.session_id, e.c.tool_name, e.c.state, e.c.owner,
-                       e.c.args_snapshot, u.c.undo_id, u.c.state.label("undo_state"), u.c.owner.label("undo_owner"),
+                       e.c.args_snapshot, u.c.args_snapshot.label("undo_args"), u.c.undo_id,
+                       u.c.state.label("undo_state"), u.c.owner.label("undo_owner"),
                        u.c.compensation_name, u.c.compensation_version, u.c.attempts)
              .select_from(e.join(u, u.c.undo_id == e.c.seq))
              .where(self.one_of(e.c.effect_id, list(want))).order_by(e.c.seq))
