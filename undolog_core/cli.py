@@ -41,7 +41,7 @@ from rich.table import Table
 from rich.text import Text
 from typer.core import TyperGroup
 
-from ._app import is_gateway_config, load_app
+from ._app import gateway_database, is_gateway_config, load_app
 from ._registry import default_actor
 from ._saga import RollbackStep
 from ._undolog import UndoLog
@@ -271,7 +271,10 @@ def _open(ctx: typer.Context, *, migrate: bool = False) -> UndoLog:
                     "both at the same database"
                 )
     else:
-        url = resolve_url(st.db)
+        # A gateway config may name its database (the MCP client's config starts the gateway with it): used when
+        # neither --db nor UNDOLOG_DATABASE_URL says otherwise.
+        named = gateway_database(st.app_spec) if gateway and st.db is None and st.app_spec else None
+        url = resolve_url(st.db if st.db is not None else named)
         if not migrate and url.startswith("sqlite"):
             path = sqlite_file(url) or ""
             if not Path(path).expanduser().exists():

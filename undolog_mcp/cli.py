@@ -90,6 +90,7 @@ def serve(
     logging.getLogger("undolog").setLevel(logging.INFO)
     try:
         cfg = load_config(config)
+        db = db or cfg.database  # the config's database, when neither --db nor UNDOLOG_DATABASE_URL names one
         undolog = UndoLog.open(db, schema=schema) if schema else UndoLog.open(db)
     except UndoLogError as exc:
         _fail(exc.message)

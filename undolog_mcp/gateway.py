@@ -37,18 +37,23 @@ from undolog_core.errors import (
     CallIdConflict,
     CallRunning,
     ConfigurationError,
+    ContractChanged,
     InvalidEffectState,
     SessionClosed,
+    SessionHalted,
     UndoLogError,
 )
 from undolog_core.storage.schema import IN_FLIGHT
 
 from .approvals import SharedRequest, find_shared
+from .capture import capture_before
 from .client_keys import CLIENT_KEY_META, checked_key, client_call_id, reused
-from .config import Approval, CompensationTemplate, GatewayConfig, ToolConfig, UpstreamConfig
+from .config import Approval, CompensationTemplate, Decline, GatewayConfig, ToolConfig, UpstreamConfig
 from .elicit import elicit_decision
 from .front_door import FrontDoor, SessionBook, live_sessions
+from .lifecycle import changed_elsewhere, refusal, told_new_session
 from .passthrough import Passthrough
+from .probes import probe_verdict, settle_when_gone
 from .relay import GatewayServer, Relay
 from .results import META_KEY as META_KEY  # re-exported: it was defined here
 from .results import (
@@ -64,7 +69,9 @@ from .results import (
 )
 from .sessions import SESSION_HEADER, SESSION_META, SessionRouter
 from .stdio_limits import MAX_LINE_BYTES
+from .templates import BEFORE_KEY
 from .upstream import PORTAL, Connections, OutcomeUnknown, Upstream, UpstreamRefused, first_cause
+from .variants import pinned_sent, pinned_tool
 
 log = logging.getLogger("undolog.mcp")
 
@@ -110,37 +117,54 @@ class Exposure:
 
 
 def plan_exposure(config: GatewayConfig, listed: Mapping[str, list[types.Tool]]) -> Exposure:
-    """Decide the exposed names: an upstream's own name, prefixed ``<upstream>_`` only where two would clash."""
+    """Decide the exposed names: an upstream's own name (a pinned variant's: its config name), prefixed
+    ``<upstream>_`` only where two would clash."""
     exposure = Exposure()
-    counts: dict[str, int] = {}
-    for up, tools in listed.items():
-        for t in tools:
-            if (up, t.name) in config.tools:
-                counts[t.name] = counts.get(t.name, 0) + 1
+    # (upstream, its config entry, the tool as exposed): the listed tool, with a pinned tool's pins hidden.
+    planned: list[tuple[str, ToolConfig, types.Tool]] = []
     for up, tools in listed.items():
         by_name = {t.name: t for t in tools}
         for t in tools:
             cfg = config.tools.get((up, t.name))
             if cfg is None:
                 exposure.unclassified.append(f"{up}/{t.name}")
-                continue
-            exposed = t.name if counts[t.name] == 1 else f"{up}_{t.name}"
-            clash = exposure.tools.get(exposed)
-            if clash is not None:
-                # A prefixed name can meet another upstream's own tool of that name: one would shadow the other.
-                raise ConfigurationError(
-                    f"gateway config: two tools would be exposed as {exposed!r}: {clash.config.upstream}/"
-                    f"{clash.listed.name} and {up}/{t.name}; rename an upstream, or leave one of them unclassified")
-            for needed, what in ((cfg.compensation.tool if cfg.compensation else None, "compensation"),
-                                 (cfg.probe, "probe")):
-                if needed is not None and needed not in by_name:
-                    raise UndoLogError(f"gateway config: the {what} tool {needed!r} of [tools.{up}.{t.name}] is not "
-                                       f"a tool of upstream {up!r} (it lists {', '.join(sorted(by_name))})")
-            if cfg.compensation is not None:
-                _check_template(up, t, cfg.compensation)
-            exposure.tools[exposed] = ExposedTool(exposed, cfg, t)
-    for (up, name) in config.tools:
-        if up in listed and name not in {t.name for t in listed[up]}:
+            elif cfg.of is not None:
+                raise ConfigurationError(f"gateway config: [tools.{up}.{t.name}] is a variant of {cfg.of}, but "
+                                         f"{up} lists a tool of that name itself; name the variant otherwise")
+            else:
+                planned.append((up, cfg, pinned_tool(t, cfg.pin)))
+        for (u2, _name), cfg in config.tools.items():
+            if u2 == up and cfg.of is not None and cfg.of in by_name:
+                planned.append((up, cfg, pinned_tool(by_name[cfg.of], cfg.pin)))
+    counts: dict[str, int] = {}
+    for _, cfg, _t in planned:
+        counts[cfg.name] = counts.get(cfg.name, 0) + 1
+    for up, cfg, t in planned:
+        by_name = {x.name: x for x in listed[up]}
+        exposed = cfg.name if counts[cfg.name] == 1 else f"{up}_{cfg.name}"
+        clash = exposure.tools.get(exposed)
+        if clash is not None:
+            # A prefixed name can meet another upstream's own tool of that name: one would shadow the other.
+            raise ConfigurationError(
+                f"gateway config: two tools would be exposed as {exposed!r}: {clash.config.upstream}/"
+                f"{clash.config.name} and {up}/{cfg.name}; rename an upstream, or leave one of them unclassified")
+        comp = cfg.compensation
+        for needed, what in ((comp.tool if comp else None, "compensation"), (cfg.probe, "probe"),
+                             (comp.capture.tool if comp and comp.capture else None, "capture")):
+            if needed is not None and needed not in by_name:
+                raise UndoLogError(f"gateway config: the {what} tool {needed!r} of [tools.{up}.{cfg.name}] is not "
+                                   f"a tool of upstream {up!r} (it lists {', '.join(sorted(by_name))})")
+        if comp is not None and comp.capture is not None:
+            reader = config.tools.get((up, comp.capture.tool))
+            if reader is not None and reader.tier is not ToolTier.SAFE:
+                raise ConfigurationError(f"gateway config: the capture tool {comp.capture.tool!r} of "
+                                         f"[tools.{up}.{cfg.name}] is classified {reader.tier.value}; a capture "
+                                         "runs before every call and must be a safe (read-only) tool")
+        if comp is not None:
+            _check_template(up, t, comp)
+        exposure.tools[exposed] = ExposedTool(exposed, cfg, t)
+    for (up, name), cfg in config.tools.items():
+        if up in listed and cfg.upstream_tool not in {t.name for t in listed[up]}:
             exposure.missing.append(f"{up}/{name}")
     return exposure
 
@@ -201,6 +225,9 @@ class Gateway:
         # Which UndoLog session each call is logged under (the config's ``session`` grouping).
         self.sessions = SessionRouter(undolog, config.session, config.session_idle)
         self._joined: set[tuple[str, str]] = set()  # (request, session) joins written, so a re-ask writes none
+        # Calls held ``settling`` (a probe said "not yet" while the request could still land), each waiting for its
+        # connection to end (probes.settle_when_gone).
+        self._settling: set[asyncio.Task[None]] = set()
         self.server: Server[Any, Any] = self._build_server()
         # Everything but tool calls: the upstreams' requests to the client, notifications, progress, cancels
         # (relay.py), and their resources, prompts, completion and logging (passthrough.py).
@@ -213,8 +240,9 @@ class Gateway:
 
     def register(self, listed: Mapping[str, list[types.Tool]]) -> Exposure:
         """Register every classified tool of the upstreams' listings with the UndoLog, with its compensation and
-        probe. The contract holds the upstream's schema and annotations, the upstream and the compensation's
-        template: an upstream that changes a tool makes a new revision, which cancels approvals bound to the old."""
+        probe. The contract holds the upstream's identity, the tool's input and output schemas and the compensation's
+        template (not its description or annotations): an upstream that changes those makes a new revision, which
+        cancels approvals bound to the old."""
         exposure = plan_exposure(self.config, listed)
         for ex in exposure.tools.values():
             cfg, tool = ex.config, ex.listed
@@ -224,17 +252,20 @@ class Gateway:
                 "kind": "mcp",
                 "upstream": cfg.upstream,
                 "upstream_tool": tool.name,
+                **({"pin": dict(cfg.pin)} if cfg.pin else {}),
                 "server": up.describe(),
-                "annotations": tool.annotations.model_dump(mode="json", exclude_none=True) if tool.annotations else None,
+                # Not the description nor the annotations: an upstream rewords them at will (or lists them otherwise
+                # when started again), and no MCP client can revalidate a session; what the call does is its
+                # identity, its schemas and its undo.
                 "output_schema": tool.outputSchema,
             }
             kwargs: dict[str, Any] = {
-                "name": ex.exposed_name, "tier": cfg.tier.value, "reason": cfg.reason or tool.description,
+                "name": ex.exposed_name, "tier": cfg.tier.value, "reason": cfg.reason_or_default,
                 "risk_tags": list(cfg.risk_tags), "args_schema": schema,
             }
             if cfg.compensation is not None:
                 binding["compensation"] = cfg.compensation.describe()
-                comp_name = f"mcp:{cfg.upstream}.{tool.name}.undo"
+                comp_name = f"mcp:{cfg.upstream}.{cfg.name}.undo"
                 self.undolog.register_compensation(self._compensator(cfg), name=comp_name)
                 kwargs["compensation"] = comp_name
                 kwargs["compensation_needs_result"] = cfg.compensation.needs_result
@@ -290,20 +321,27 @@ class Gateway:
         template = cfg.compensation
         assert template is not None
         call = self._upstream_call(cfg.upstream)
+        pins = dict(cfg.pin)
 
         async def compensate(ctx: Any) -> None:
-            result = structured(ctx.result)
-            args = template.render(ctx.args, result, ctx.idempotency_key)
-            out = await call(template.tool, args, ctx.idempotency_key)
-            if out.isError:
-                raise UndoLogError(f"compensation {template.tool} of {cfg.name} answered an error: {text_of(out)}")
+            args = dict(ctx.args)
+            before = args.pop(BEFORE_KEY, None)  # what capture read before the call, stored with the undo entry
+            calls = template.calls({**args, **pins}, structured(ctx.result), undo_key=ctx.idempotency_key,
+                                   forward_key=f"do-{ctx.effect_id}", before=before)
+            # One call per element (for_each), newest first, each with its own key: a retry after a crash sends
+            # the ones already done again with the same key.
+            for comp_args, key in calls:
+                out = await call(template.tool, comp_args, key)
+                if out.isError:
+                    raise UndoLogError(f"compensation {template.tool} of {cfg.name} answered an error: "
+                                       f"{text_of(out)}")
 
         compensate.__name__ = f"compensate_{cfg.name}"
         return compensate
 
     def _prober(self, cfg: ToolConfig) -> Any:
         """Recovery's question to the upstream: did this call happen? The probe tool gets the call's arguments and
-        idempotency key, and answers ``{"happened": bool, "result": ...}`` in its structured content."""
+        idempotency key, and answers ``{"happened": bool, "result": ...}`` (three answers: see ``probes``)."""
         probe_tool = cfg.probe
         assert probe_tool is not None
         call = self._upstream_call(cfg.upstream)
@@ -312,13 +350,7 @@ class Gateway:
             # The probe carries the claim's epoch in _meta: an upstream fencing by epoch learns of the take-over.
             out = await call(probe_tool, {"tool": cfg.name, "args": ctx.args, "idempotency_key": ctx.idempotency_key},
                              None, None, ctx.epoch)
-            if out.isError:
-                raise UndoLogError(f"probe {probe_tool} answered an error: {text_of(out)}")
-            verdict = out.structuredContent or {}
-            if not verdict.get("happened"):
-                return False
-            result = verdict.get("result")
-            return result if result is not None else True
+            return probe_verdict(out, probe_tool)
 
         return probe
 
@@ -502,6 +534,9 @@ class Gateway:
         if ex is None or ex.spec is None:
             return error_result(f"unknown tool {name!r}: this gateway exposes "
                                 f"{', '.join(sorted(self.exposure.tools)) or 'no tools'}")
+        pinned = pinned_sent(name, arguments, ex.config.pin)
+        if pinned is not None:
+            return error_result(pinned, code="arguments_invalid")
         # The upstream's input schema is the tool's contract: the core validates every call against it (full
         # JSON Schema) before anything is logged, and its error names the failing path.
         with _guarded(ex):
@@ -512,7 +547,6 @@ class Gateway:
             # Keyed by the arguments as the core stores them: {"amount": 5} then {"amount": 5.0} is one request.
             call_id = (call_key(name, canonical_arguments(ex.spec, arguments))
                        if ex.config.tier is ToolTier.IRREVERSIBLE else None)
-            driver = self.undolog.driver
             released_to: str | None = None
             shared: SharedRequest | None = None
             principal = _PRINCIPAL.get()
@@ -541,23 +575,51 @@ class Gateway:
                 if shared is not None:
                     released_to, session_id = session_id, shared.request.session_id
                     _SESSION_USED.set(session_id)  # logged (and run) in the request's own session
+            previous = None
             try:
                 try:
-                    if client_key is not None and call_id is not None and ex.config.tier is not ToolTier.SAFE:
-                        d = await self._decide_keyed(session_id, ex, arguments, call_id, client_key)
-                    else:
-                        d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
-                except SessionClosed:
-                    # A grouping's session that was rolled back or completed (from the CLI, the desk): the grouping
-                    # goes on in a new session, as a new agent run would. A session the client named stays closed.
-                    if _SESSION_NAMED.get() or not self.sessions.forget(session_id):
+                    d = await self._decide(session_id, ex, arguments, call_id, client_key)
+                except (SessionHalted, ContractChanged) as exc:
+                    # Resumed or revalidated from another process meanwhile: decided once more.
+                    if not await asyncio.to_thread(changed_elsewhere, self.undolog, exc, ex.spec.revision):
                         raise
-                    session_id = await self._session_id()
-                    d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+                    d = await self._decide(session_id, ex, arguments, call_id, client_key)
             except CallRunning as exc:
                 return running_result(name, exc.message)
             except UndoLogError as exc:
-                return error_result(exc.message, code=exc.code)
+                # A grouping's session rolled back or completed (from the CLI, the desk): the grouping goes on in a
+                # new session, as a new agent run would, and the client is told both ids. A session the client
+                # named stays closed, and a halted one stays halted (a person resumes it).
+                if not isinstance(exc, SessionClosed) or _SESSION_NAMED.get() or not self.sessions.forget(session_id):
+                    return refusal(exc)
+                previous, session_id = session_id, await self._session_id()
+                try:
+                    d = await self._decide(session_id, ex, arguments, call_id, client_key)
+                except CallRunning as running:
+                    return running_result(name, running.message)
+                except UndoLogError as again:
+                    return refusal(again)
+            answer = await self._decided(name, arguments, ex, d, client_key=client_key,
+                                         released=(released_to, shared, principal))
+        if previous is not None:
+            return told_new_session(answer, previous, session_id)
+        return answer
+
+    async def _decide(self, session_id: str, ex: ExposedTool, arguments: Mapping[str, Any], call_id: str | None,
+                      client_key: Any) -> Any:
+        """The core's decision on one call: named by the client's own key (see ``_decide_keyed``), or not."""
+        assert ex.spec is not None
+        if client_key is not None and call_id is not None and ex.config.tier is not ToolTier.SAFE:
+            return await self._decide_keyed(session_id, ex, arguments, call_id, client_key)
+        return await self.undolog.driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+
+    async def _decided(self, name: str, arguments: Mapping[str, Any], ex: ExposedTool, d: Any, *,
+                       client_key: Any = None,
+                       released: tuple[str | None, SharedRequest | None, str | None] = (None, None, None),
+                       ) -> types.CallToolResult:
+        """The rest of :meth:`call`, once the call is decided."""
+        driver = self.undolog.driver
+        released_to, shared, principal = released
         if isinstance(d, Completed):
             return replayed(d.result)
         if released_to is not None and shared is not None and principal is not None and not isinstance(d, Completed):
@@ -573,6 +635,7 @@ class Gateway:
             return awaiting_result(name, d)
         upstream = self._upstream_call(ex.config.upstream)
         tool_name = ex.listed.name
+        assert ex.spec is not None  # (call answered an unregistered tool before deciding)
         revision = ex.spec.revision
 
         def unchanged() -> None:
@@ -586,11 +649,20 @@ class Gateway:
         # A SAFE call's own key goes upstream as the client sent it (nothing is recorded); a logged call's key is
         # its effect's ``do-`` key.
         forwarded_key = d.idempotency_key or (client_key if isinstance(client_key, str) else None)
+        pins = dict(ex.config.pin)
+        capture = ex.config.compensation.capture if ex.config.compensation is not None else None
 
         async def invoke(args: dict[str, Any]) -> types.CallToolResult:
+            sent = {**args, **pins}
             try:
+                if capture is not None and d.effect_id is not None:
+                    # Read before it changes, stored with the undo entry before the call is sent: an undo that
+                    # could not be captured is a call not run.
+                    refused = await capture_before(self.undolog, upstream, capture, name, sent, d.args, d.effect_id)
+                    if refused is not None:
+                        return refused
                 # The epoch beside the key (a SAFE call has neither: nothing is logged for it).
-                return await upstream(tool_name, args, forwarded_key, unchanged,
+                return await upstream(tool_name, sent, forwarded_key, unchanged,
                                       d.epoch if d.idempotency_key else None)
             except UpstreamRefused as exc:
                 return error_result(str(exc))  # a protocol refusal, or no upstream to take it: it did not run
@@ -603,6 +675,8 @@ class Gateway:
             )
         if outcome.error is not None:
             if isinstance(outcome.error, OutcomeUnknown):
+                if outcome.in_doubt == "settling" and outcome.error.ended is not None and d.effect_id is not None:
+                    settle_when_gone(self.undolog, d.effect_id, outcome.error.ended, self._settling)
                 return unknown_result(name, outcome.error, outcome.in_doubt)
             raise outcome.error
         value: types.CallToolResult = outcome.value
@@ -675,7 +749,8 @@ class Gateway:
             self._joined.clear()
 
     async def _elicit(self, ex: ExposedTool, d: AwaitingApproval) -> types.CallToolResult | None:
-        return await elicit_decision(self.server.request_context, self.undolog, ex.exposed_name, ex.listed, d)
+        return await elicit_decision(self.server.request_context, self.undolog, ex.exposed_name, ex.listed, d,
+                                     decline_rejects=ex.config.decline is Decline.REJECT)
 
     # -- transports ---------------------------------------------------------------------------------
 

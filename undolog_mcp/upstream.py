@@ -50,11 +50,19 @@ class OutcomeUnknown(Exception):
     """The upstream did not answer a call (timeout, crash, lost connection): whether it ran is not known.
 
     ``lost``: the connection itself is gone (the next call opens another), not merely slow.
+    ``original_gone`` (read by the core's call driver): the request can no longer land, so a probe's "did not
+    happen" may settle it; a timed-out request may still be running upstream. ``ended``: set when the connection
+    the request went over closes (``probes.settle_when_gone``).
     """
 
     def __init__(self, message: str, *, lost: bool = True) -> None:
         super().__init__(message)
         self.lost = lost
+        self.ended: asyncio.Event | None = None
+
+    @property
+    def original_gone(self) -> bool:
+        return self.lost or (self.ended is not None and self.ended.is_set())
 
 
 class UpstreamRefused(Exception):
@@ -359,6 +367,8 @@ class Connections:
                 if attempt == 2:
                     raise UpstreamUnavailable(f"{exc}; started again, it closed at once") from exc
             except OutcomeUnknown as exc:
+                if isinstance(up.session, _WatchedSession):
+                    exc.ended = up.session.ended
                 if exc.lost:
                     self._drop(config, up)
                 raise

@@ -295,7 +295,7 @@ def _prober(tool: ProxyTool) -> Any:
 
     The probe endpoint gets ``{"tool", "args", "idempotency_key"}`` (the key the call was sent
     with) and answers 404 or ``{"happened": false}`` when it did not, ``{"happened": true,
-    "result": ...}`` when it did.
+    "result": ...}`` when it did; any other answer cannot tell.
     """
 
     def probe(ctx: Any) -> Any:
@@ -307,11 +307,14 @@ def _prober(tool: ProxyTool) -> Any:
         if not resp.is_success:
             raise UpstreamError(f"probe of {tool.name} answered {resp.status_code}", resp.status_code)
         body = _body(resp)
-        if isinstance(body, dict) and "happened" in body:
-            if not body["happened"]:
-                return False
+        happened = body.get("happened") if isinstance(body, dict) else None
+        if happened is False:
+            return False
+        if happened is True:
             result = body.get("result")
             return {"status_code": 200, "body": result, "media_type": "application/json"} if result is not None else True
-        return bool(body)
+        # Anything else ({"status": "ok"}, "yes", 1) is no answer: the probe cannot tell (the core's None), never
+        # read by its truth as "it happened" or "it did not".
+        return None
 
     return probe

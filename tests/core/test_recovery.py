@@ -70,7 +70,26 @@ def _kill_at(crash, session, tool, fault):
     assert code == -signal.SIGKILL, err
 
 
-@pytest.mark.parametrize("tool", ["send", "send_probed"])
+def test_crash_before_the_tool_ran_with_a_probe_is_settled_not_run(crash):
+    """The probe says "did not happen" and the crashed process can no longer send it: nothing to undo. Before: it
+    was compensated, undoing what never ran (a counter went 0 -> -5)."""
+    _kill_at(crash, "s1", "send_probed", "after_prewrite")
+    u = crash.app()
+    e = effect(u, session_id="s1")
+    report = u.recover()
+    assert report.reconciled == [{"effect_id": e["effect_id"], "tool_name": "send_probed", "outcome": "not_run"}]
+    assert log_of("cancel") == [] and log_of("send") == []
+    assert effect(u, session_id="s1")["state"] == "failed"
+    with u.store.read() as c:
+        assert c.execute(sa.select(t.undo_stack).where(t.undo_stack.c.effect_id == e["effect_id"])).first() is None
+        (event,) = c.execute(sa.select(t.approval_events).where(t.approval_events.c.action == "effect.probe")).all()
+    payload = event.payload if isinstance(event.payload, dict) else json.loads(event.payload)
+    assert (payload["answer"], payload["settled"]) == ("not_happened", "not_run")
+    assert u.sessions.get("s1").state == "active"  # nothing happened: the session goes on
+    assert u.recover().reconciled == []
+
+
+@pytest.mark.parametrize("tool", ["send"])
 def test_crash_before_the_tool_ran(crash, tool):
     _kill_at(crash, "s1", tool, "after_prewrite")
     u = crash.app()

@@ -308,9 +308,10 @@ async def test_decided_at_the_client_through_elicitation(db: Any, tmp_path: Path
         grouped = await client.call_tool("release_seat", {"seat": "1A"})
         assert (grouped.structuredContent or {}).get("status") == "awaiting_approval", text(grouped)
         assert "finance" in text(grouped)
-        # A decline is a reject with its reason (and, as every reject, it halts the session).
+        # A decline is a respond: the tool did not run, the person's reason is its result, the session goes on
+        # (a reject, which halts it, only where the tool's config says decline = "reject").
         declined = await client.call_tool("export_everything", {})
-        assert declined.isError and "no exports" in text(declined)
+        assert not declined.isError and "no exports" in text(declined), text(declined)
     assert len(asked) == 2  # never asked for the grouped tool
     schema = asked[0].requestedSchema
     assert set(schema["properties"]) >= {"approve", "reason", "id"}  # a flat schema: its field is editable
@@ -321,6 +322,8 @@ async def test_decided_at_the_client_through_elicitation(db: Any, tmp_path: Path
     decided = u.approvals.list(session_id=s.session_id)
     approvers = {a.tool_name: a.decided_by for a in decided}
     assert approvers["close_ticket"] == "mcp-client:editor/1.0 (unverified)"
+    assert {a.tool_name: a.state.value for a in decided}["export_everything"] == "responded"
+    assert s.state == SessionState.AWAITING_APPROVAL  # release_seat waits at the desk; nothing halted it
 
 
 async def test_served_over_http_behind_agent_keys(db: Any, tmp_path: Path) -> None:
@@ -372,7 +375,8 @@ def test_init_proposes_a_config_to_review(db: Any, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     proposal = out.stdout
     assert proposal.startswith("# PROPOSAL")
-    assert '[tools.tickets.search_tickets]  # Search tickets by title.\ntier = "safe"' in proposal  # readOnlyHint
+    assert '[tools.tickets.search_tickets]  # proposed: Search tickets by title.\n' in proposal
+    assert '#   arguments: q  ' in proposal and '\ntier = "safe"  # proposed: the upstream hints readOnlyHint' in proposal
     assert '[tools.tickets.delete_project]' in proposal and 'tier = "irreversible"' in proposal  # destructiveHint
     assert "# [tools.tickets.create_ticket]" in proposal  # no hint: left unclassified, commented out
     import tomllib

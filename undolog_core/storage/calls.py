@@ -24,6 +24,13 @@ from .schema import IN_FLIGHT, WRITABLE, EffectState, RequestState, SessionState
 
 _E = t.effect_log
 _S = t.sessions
+# A gateway's capture, stored with the undo entry before the call is sent (put_undo_args). The entry is found by
+# its id, the effect's seq (both primary keys): undo_stack has no index on effect_id.
+_PUT_UNDO_ARGS = t.undo_stack.update().where(
+    t.undo_stack.c.undo_id == sa.select(_E.c.seq).where(_E.c.effect_id == sa.bindparam("eid")).scalar_subquery(),
+    t.undo_stack.c.state == UndoState.ARMED.value,
+).values(args_snapshot=sa.bindparam("args", type_=t.undo_stack.c.args_snapshot.type),
+         updated_at=sa.bindparam("now"))
 
 
 @dataclass(frozen=True)
@@ -363,6 +370,18 @@ class CallsSQL(Store):
                                           "tool_name": row.tool_name, "what": what, "state_before": before,
                                           "result": result})
         return LateFinish(str(row.session_id), str(row.tool_name), before)
+
+    def put_undo_args(self, effect_id: str, args: Any) -> bool:
+        """Replace the stored arguments of an effect's armed undo entry (what its compensation is given): a gateway
+        stores there what it captured before the call ran. False when the entry is not armed (or not there).
+
+        Example:
+            >>> store.put_undo_args(effect_id, {"path": "a.txt", "dev.undolog/before": {"content": "old"}})
+            True
+        """
+        with self.tx() as conn:
+            res = conn.execute(_PUT_UNDO_ARGS, {"eid": effect_id, "args": args, "now": utcnow()})
+            return bool(res.rowcount == 1)
 
     def mark_failed(self, effect_id: str, error: str, now: dt.datetime, nothing_happened: bool = False,
                     rollback: FailureRollback | None = None) -> tuple[str | None, Any]:
