@@ -1,5 +1,5 @@
-"""A forward-only MCP proxy written with the same SDK: lists the upstream's tools and forwards every call,
-nothing else. The floor any gateway pays (two hops instead of one)."""
+"""A forward-only MCP proxy written with the same SDK: lists the upstream's tools and forwards every call and
+every resource read, nothing else. The floor any gateway pays (two hops instead of one)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,15 @@ async def main(command: list[str]) -> None:
         @server.call_tool(validate_input=False)  # type: ignore[misc]
         async def _call(name: str, arguments: dict[str, Any]) -> types.CallToolResult:
             return await upstream.call_tool(name, arguments)
+
+        @server.list_resources()  # type: ignore[misc]
+        async def _resources() -> list[types.Resource]:
+            return (await upstream.list_resources()).resources
+
+        async def _read(req: types.ReadResourceRequest) -> types.ServerResult:
+            return types.ServerResult(await upstream.read_resource(req.params.uri))
+
+        server.request_handlers[types.ReadResourceRequest] = _read  # the upstream's answer, as it came
 
         async with stdio_server() as (read, write):
             await server.run(read, write, server.create_initialization_options())

@@ -24,6 +24,12 @@ def add_item(name: str) -> str:
     return name
 
 
+@mcp.resource("bench://doc", mime_type="text/plain")
+def doc() -> str:
+    """A resource: reading it is SAFE by nature."""
+    return "a document"
+
+
 @mcp.tool()
 def remove_item(name: str) -> str:
     """add_item's compensation."""

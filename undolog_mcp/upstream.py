@@ -31,6 +31,10 @@ log = logging.getLogger("undolog.mcp")
 
 # The idempotency key travels in the call's _meta under this name; an upstream that does not know it ignores it.
 IDEMPOTENCY_META = "dev.undolog/idempotency-key"
+# The call's ownership epoch travels beside it (a fencing token: ``CallContext.epoch``). An upstream that keeps the
+# highest epoch it has seen per idempotency key may refuse a write whose epoch is below it: a process stalled past
+# its lease then cannot write after recovery (whose probe carries the next epoch) took its call over.
+EPOCH_META = "dev.undolog/epoch"
 # httpx.codes.REQUEST_TIMEOUT, which the SDK's client answers a timed-out request with.
 _TIMEOUT_CODE = 408
 
@@ -46,11 +50,19 @@ class OutcomeUnknown(Exception):
     """The upstream did not answer a call (timeout, crash, lost connection): whether it ran is not known.
 
     ``lost``: the connection itself is gone (the next call opens another), not merely slow.
+    ``original_gone`` (read by the core's call driver): the request can no longer land, so a probe's "did not
+    happen" may settle it; a timed-out request may still be running upstream. ``ended``: set when the connection
+    the request went over closes (``probes.settle_when_gone``).
     """
 
     def __init__(self, message: str, *, lost: bool = True) -> None:
         super().__init__(message)
         self.lost = lost
+        self.ended: asyncio.Event | None = None
+
+    @property
+    def original_gone(self) -> bool:
+        return self.lost or (self.ended is not None and self.ended.is_set())
 
 
 class UpstreamRefused(Exception):
@@ -66,21 +78,70 @@ class _NotSent(Exception):
     request never left this process, so it can be sent again on a fresh connection."""
 
 
+class UpstreamHooks:
+    """What the gateway does with an upstream session's traffic beyond tool calls (``relay.py`` implements it):
+    the upstream's requests to the client (sampling, elicitation, roots), its notifications (log messages, list
+    changes, resource updates), and each request the gateway sends over it (in flight: progress and cancellation).
+    A connection opened without hooks (the CLI, the desk's recovery) refuses the upstream's requests, as the SDK
+    does."""
+
+    def callbacks(self, config: UpstreamConfig) -> dict[str, Any]:
+        """Keyword arguments for the SDK's ``ClientSession`` (its callbacks decide the capabilities declared)."""
+        return {}
+
+    async def notified(self, config: UpstreamConfig, notification: types.ServerNotification) -> None:
+        """A notification from the upstream (run on its session's receive loop: must not wait for the upstream)."""
+
+    def sending(self, config: UpstreamConfig, session: ClientSession, request_id: int,
+                request: Any) -> contextlib.AbstractAsyncContextManager[Any]:
+        """Around one request sent upstream; what it yields, when not None, is the request's progress callback."""
+        return contextlib.nullcontext()
+
+
 class _WatchedSession(ClientSession):
     """The SDK's client session, saying when the upstream closed the connection (its receive loop ended): an
     upstream that exits between calls is noticed then, not by the next call."""
 
-    def __init__(self, read: Any, write: Any) -> None:
-        super().__init__(read, write, message_handler=self._on_message)
+    def __init__(self, read: Any, write: Any, config: UpstreamConfig | None = None,
+                 hooks: UpstreamHooks | None = None) -> None:
+        callbacks = hooks.callbacks(config) if hooks is not None and config is not None else {}
+        super().__init__(read, write, message_handler=self._on_message, **callbacks)
         self.ended = asyncio.Event()
         # The upstream said its tools changed (notifications/tools/list_changed): list them again before the next
         # call is sent over this session.
         self.stale = False
+        self._config = config
+        self._hooks = hooks
+        self._answering: set[asyncio.Task[None]] = set()  # the upstream's requests being answered
+        self.relisting: asyncio.Future[None] | None = None  # its tools being listed again, while they are
 
     async def _on_message(self, message: Any) -> None:
-        if isinstance(message, types.ServerNotification) and isinstance(message.root,
-                                                                        types.ToolListChangedNotification):
-            self.stale = True
+        if isinstance(message, types.ServerNotification):
+            if isinstance(message.root, types.ToolListChangedNotification):
+                self.stale = True
+            if self._hooks is not None and self._config is not None:
+                await self._hooks.notified(self._config, message)
+
+    async def _received_request(self, responder: Any) -> None:
+        if self._hooks is None:
+            await super()._received_request(responder)
+            return
+        # The SDK answers an upstream's request (sampling, elicitation, roots) on the session's receive loop: while
+        # the gateway's client thinks (a model, a person at a form), nothing else the upstream sends would be read,
+        # not another client's answer, nor a cancel. Answered in a task of its own, the loop reads on.
+        task = asyncio.ensure_future(ClientSession._received_request(self, responder))
+        self._answering.add(task)
+        task.add_done_callback(self._answering.discard)
+
+    async def send_request(self, request: Any, result_type: Any, request_read_timeout_seconds: Any = None,
+                           metadata: Any = None, progress_callback: Any = None) -> Any:
+        if self._hooks is None or self._config is None:
+            return await super().send_request(request, result_type, request_read_timeout_seconds, metadata,
+                                              progress_callback)
+        # The id the SDK gives this request (read with no await before it is taken): what a cancel names.
+        async with self._hooks.sending(self._config, self, self._request_id, request) as progress:
+            return await super().send_request(request, result_type, request_read_timeout_seconds, metadata,
+                                              progress or progress_callback)
 
     async def _receive_loop(self) -> None:
         try:
@@ -96,6 +157,7 @@ class Upstream:
     config: UpstreamConfig
     session: ClientSession
     tools: list[types.Tool]
+    initialized: types.InitializeResult | None = None  # its capabilities and instructions
     # Each tool's output schema (the very object the SDK's session holds) and its compiled validator.
     _validators: dict[str, tuple[dict[str, Any], Any]] = field(default_factory=dict)
     _timeout: dt.timedelta = field(init=False)
@@ -103,14 +165,18 @@ class Upstream:
     def __post_init__(self) -> None:
         self._timeout = dt.timedelta(seconds=self.config.timeout)
 
-    async def call(self, name: str, args: Mapping[str, Any], idempotency_key: str | None) -> types.CallToolResult:
-        """One ``tools/call``; a call that gets no answer raises :class:`OutcomeUnknown`.
+    async def call(self, name: str, args: Mapping[str, Any], idempotency_key: str | None, *,
+                   epoch: int | None = None) -> types.CallToolResult:
+        """One ``tools/call``; a call that gets no answer raises :class:`OutcomeUnknown`. ``epoch``: the call's
+        ownership epoch, sent in ``_meta`` beside the key (:data:`EPOCH_META`).
 
         Raises:
             OutcomeUnknown: no answer within the upstream's timeout, or the connection was lost.
             UpstreamRefused: a JSON-RPC error answer (the call did not run).
         """
-        meta = {IDEMPOTENCY_META: idempotency_key} if idempotency_key else None
+        meta: dict[str, Any] = {IDEMPOTENCY_META: idempotency_key} if idempotency_key else {}
+        if epoch is not None:
+            meta[EPOCH_META] = epoch
         try:
             try:
                 result: types.CallToolResult = await self.session.send_request(
@@ -183,7 +249,7 @@ def _compile(name: str, schema: dict[str, Any]) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def connect(config: UpstreamConfig) -> AsyncIterator[Upstream]:
+async def connect(config: UpstreamConfig, hooks: UpstreamHooks | None = None) -> AsyncIterator[Upstream]:
     """Open a session to ``config``'s upstream, initialise it and list its tools, within the upstream's
     ``start_timeout`` (one that starts and then says nothing must not hold the gateway, or a call, for ever).
 
@@ -202,15 +268,15 @@ async def connect(config: UpstreamConfig) -> AsyncIterator[Upstream]:
         else:
             assert config.url is not None
             read, write, _ = await stack.enter_async_context(streamablehttp_client(config.url))
-        session = await stack.enter_async_context(_WatchedSession(read, write))
+        session = await stack.enter_async_context(_WatchedSession(read, write, config, hooks))
         try:
             with anyio.fail_after(config.start_timeout):
-                await session.initialize()
+                initialized = await session.initialize()
                 tools = await _list_all(session)
         except TimeoutError:
             raise TimeoutError(f"it did not answer initialize and tools/list within {config.start_timeout:g} s "
                                "(start_timeout)") from None
-        yield Upstream(config, session, tools)
+        yield Upstream(config, session, tools, initialized)
 
 
 async def _list_all(session: ClientSession) -> list[types.Tool]:
@@ -244,10 +310,12 @@ class Connections:
         >>> await conns.close()
     """
 
-    def __init__(self, on_open: Callable[[UpstreamConfig, Upstream], Awaitable[None]] | None = None) -> None:
+    def __init__(self, on_open: Callable[[UpstreamConfig, Upstream], Awaitable[None]] | None = None,
+                 hooks: UpstreamHooks | None = None) -> None:
         # Called with each connection opened, before any call is sent over it (the gateway re-lists a restarted
         # upstream's tools); what it raises fails the opening.
         self.on_open = on_open
+        self.hooks = hooks  # the gateway's relay of what is not a tool call (None: refused, as the SDK does)
         self._open: dict[tuple[Any, ...], asyncio.Future[Upstream]] = {}
         self._holders: dict[asyncio.Task[None], asyncio.Event] = {}  # each holder task, and what stops it
 
@@ -273,7 +341,7 @@ class Connections:
             raise
 
     async def call(self, config: UpstreamConfig, name: str, args: Mapping[str, Any], key: str | None, *,
-                   check: Callable[[], None] | None = None) -> types.CallToolResult:
+                   check: Callable[[], None] | None = None, epoch: int | None = None) -> types.CallToolResult:
         """One call over the live connection; a lost connection is dropped, so the next call opens another.
         ``check`` runs once the connection is open, before the call is sent; what it raises is not sent.
 
@@ -286,12 +354,12 @@ class Connections:
                 up = await self.get(config)
             except Exception as exc:  # noqa: BLE001 - whatever stopped it starting, the call was never sent
                 raise UpstreamUnavailable(f"upstream {config.name} could not be started: {first_cause(exc)}") from exc
-            if isinstance(up.session, _WatchedSession) and up.session.stale:
-                await self._relist(config, up)
+            while isinstance(up.session, _WatchedSession) and (up.session.stale or up.session.relisting):
+                await self._relist(config, up)  # (or waits for the listing in progress: the call goes after it)
             if check is not None:
                 check()
             try:
-                return await up.call(name, args, key)
+                return await up.call(name, args, key, epoch=epoch)
             except _NotSent as exc:
                 # It went away between calls, before its end was noticed: the call was never sent, so it goes
                 # to the upstream started again (once: a second closed connection is not a race).
@@ -299,6 +367,8 @@ class Connections:
                 if attempt == 2:
                     raise UpstreamUnavailable(f"{exc}; started again, it closed at once") from exc
             except OutcomeUnknown as exc:
+                if isinstance(up.session, _WatchedSession):
+                    exc.ended = up.session.ended
                 if exc.lost:
                     self._drop(config, up)
                 raise
@@ -307,17 +377,34 @@ class Connections:
     async def _relist(self, config: UpstreamConfig, up: Upstream) -> None:
         """List a live upstream's tools again after it said they changed, and hand them to ``on_open`` as for a
         connection just opened."""
-        assert isinstance(up.session, _WatchedSession)
-        up.session.stale = False  # (before the await: calls meanwhile do not list it twice over)
+        session = up.session
+        assert isinstance(session, _WatchedSession)
+        if session.relisting is not None:
+            # Listed again already (on the upstream's notice, or by another call): a call waits for that listing
+            # and its registration, so it is checked against the contract it finds, never sent before it.
+            await asyncio.shield(session.relisting)
+            return
+        session.relisting = done = asyncio.get_running_loop().create_future()
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even when nobody waited
+        session.stale = False  # (before the await: calls meanwhile do not list it twice over)
         try:
             with anyio.fail_after(config.timeout):
-                up.tools = await _list_all(up.session)
+                up.tools = await _list_all(session)
             if self.on_open is not None:
                 await self.on_open(config, up)
         except Exception as exc:  # noqa: BLE001 - the call is not sent on a listing that could not be read
-            up.session.stale = True
-            raise UpstreamUnavailable(f"upstream {config.name} said its tools changed and could not be listed "
-                                      f"again: {first_cause(exc)}") from exc
+            session.stale = True
+            failed = UpstreamUnavailable(f"upstream {config.name} said its tools changed and could not be listed "
+                                         f"again: {first_cause(exc)}")
+            done.set_exception(failed)
+            raise failed from exc
+        except BaseException:
+            done.cancel()
+            raise
+        else:
+            done.set_result(None)
+        finally:
+            session.relisting = None
 
     def _drop(self, config: UpstreamConfig, up: Upstream) -> None:
         """Forget ``up`` as ``config``'s live connection (if it still is): the next call opens another."""
@@ -337,7 +424,7 @@ class Connections:
 
     async def _hold(self, config: UpstreamConfig, opened: asyncio.Future[Upstream], stop: asyncio.Event) -> None:
         try:
-            async with connect(config) as up:
+            async with connect(config, self.hooks) as up:
                 if self.on_open is not None:
                     await self.on_open(config, up)
                 opened.set_result(up)
@@ -380,18 +467,18 @@ class Portal:
             return self._loop
 
     async def call(self, config: UpstreamConfig, name: str, args: Mapping[str, Any],
-                   key: str | None) -> types.CallToolResult:
+                   key: str | None, *, epoch: int | None = None) -> types.CallToolResult:
         """One call over this process's connection to ``config``'s upstream (opened on first use)."""
         loop = self._ensure_loop()
         fut: concurrent.futures.Future[types.CallToolResult] = asyncio.run_coroutine_threadsafe(
-            self._call(config, name, args, key), loop)
+            self._call(config, name, args, key, epoch), loop)
         return await asyncio.wrap_future(fut)
 
     async def _call(self, config: UpstreamConfig, name: str, args: Mapping[str, Any],
-                    key: str | None) -> types.CallToolResult:
+                    key: str | None, epoch: int | None = None) -> types.CallToolResult:
         if self._connections is None:
             self._connections = Connections()
-        return await self._connections.call(config, name, args, key)
+        return await self._connections.call(config, name, args, key, epoch=epoch)
 
 
 PORTAL = Portal()

@@ -1,0 +1,39 @@
+"""Run a stdio MCP server and keep its wire log: every line it reads (``> ``) and writes (``< ``), in order.
+
+``python wire_tap.py LOG -- COMMAND...``: the server is COMMAND, unchanged; LOG is what it was told and what it
+answered, so a test can show what reached the upstream itself (a ``notifications/cancelled`` naming its request,
+and no answer to that request after it).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from typing import IO
+
+
+def main() -> int:
+    log_path, sep, *command = sys.argv[1:]
+    assert sep == "--" and command, "usage: wire_tap.py LOG -- COMMAND..."
+    lock = threading.Lock()
+    log = open(log_path, "ab", buffering=0)  # noqa: SIM115 - open for the process's life
+    child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert child.stdin is not None and child.stdout is not None
+
+    def pump(src: IO[bytes], dst: IO[bytes], mark: bytes) -> None:
+        for line in iter(src.readline, b""):
+            with lock:
+                log.write(mark + line)
+            dst.write(line)
+            dst.flush()
+        dst.close()
+
+    into = threading.Thread(target=pump, args=(sys.stdin.buffer, child.stdin, b"> "), daemon=True)
+    into.start()
+    pump(child.stdout, sys.stdout.buffer, b"< ")
+    return child.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
