@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from undolog_core import ApprovalPending, ToolTier, UndoLog, compensation, undolog_tool
 from undolog_core.cli import app
 
-from .core.toolkit import setup
+from .support.toolkit import setup
 
 runner = CliRunner()
 CLEAN_ENV = {"UNDOLOG_APP": None, "UNDOLOG_ACTOR": None, "UNDOLOG_DATABASE_URL": None, "UNDOLOG_SCHEMA": None,

@@ -24,7 +24,7 @@ from undolog_core.storage import schema as t
 from undolog_core.storage.audit import GENESIS_HASH, event_hash
 
 from .test_audit_checkpoints import approvals, run
-from .toolkit import setup
+from ..support.toolkit import setup
 
 pytestmark = pytest.mark.storage
 

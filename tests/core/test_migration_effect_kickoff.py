@@ -9,7 +9,7 @@ from undolog_core._engine import kickoff_scope
 from undolog_core.storage import migrate as _migrate
 from undolog_core.storage.base import _MIGRATION_LOCK_KEY, Store
 
-from .toolkit import setup
+from ..support.toolkit import setup
 
 pytestmark = pytest.mark.storage
 

@@ -14,7 +14,7 @@ from undolog_core import UndoLog
 from undolog_core._owners import RollbackStillRunning
 from undolog_core.errors import InvalidSessionState
 
-from .toolkit import setup
+from ..support.toolkit import setup
 
 pytestmark = pytest.mark.storage
 

@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 from undolog_core.cli import app as cli_app
 from undolog_core.storage import schema as t
 
-from . import crash_app
+from ..support import crash_app
 
 pytestmark = pytest.mark.storage
 
@@ -49,7 +49,7 @@ def worker(db: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         env.pop("UNDOLOG_HOST_ID", None)
         if host:
             env["UNDOLOG_HOST_ID"] = host
-        p = subprocess.Popen([sys.executable, "-m", "tests.core.crash_app", "slow_answer", session_id, str(seconds)],
+        p = subprocess.Popen([sys.executable, "-m", "tests.support.crash_app", "slow_answer", session_id, str(seconds)],
                              env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         procs.append(p)
         return p
@@ -143,7 +143,7 @@ def test_an_operator_takes_over_a_local_stopped_process(worker: Any, db: Any) ->
     eid = effect(u, "s-forced").effect_id
     assert u.recover().left_alive == 1
     env = {"UNDOLOG_APP": None, "UNDOLOG_SCHEMA": None, "COLUMNS": "200", "CRASH_LEASE": str(LEASE), **db.env}
-    app = ["--app", "tests.core.crash_app:build_default", "recover"]
+    app = ["--app", "tests.support.crash_app:build_default", "recover"]
     r = CliRunner().invoke(cli_app, [*app, "--take-over", eid, "--json"], env=env, catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert [x["outcome"] for x in json.loads(r.stdout)["reconciled"]] == ["compensated"]

@@ -22,7 +22,7 @@ from undolog_core.storage import schema as t
 from undolog_core.storage import sqlite as sqlite_store
 from undolog_core.storage.base import utcnow
 
-from .toolkit import setup
+from ..support.toolkit import setup
 
 ROOT = Path(__file__).resolve().parents[2]
 
