@@ -1,7 +1,22 @@
-"""Shared fixtures: every test gets a fresh database (a SQLite file, or a fresh PostgreSQL schema).
+"""Shared fixtures: every test gets a fresh database (a SQLite file, or a fresh PostgreSQL schema), copied from a
+template migrated once per session (``tests/support/db_template.py``).
 
 Which database is chosen by UNDOLOG_TEST_DB=sqlite|postgres; on postgres an unreachable server is an
 error, never a skip.
+
+What a run selects (deselected tests are reported as deselected, never skipped):
+
+- ``perf``, ``fuzz`` and ``browser`` tests run only with ``--kind slow`` (``--kind all``: everything); CI runs
+  them in a step of their own.
+- On PostgreSQL only the tests whose outcome depends on the database run: ``storage`` (every test under
+  ``tests/core``, ``tests/conformance`` and ``tests/faults`` carries it by directory), ``postgres_only``, and the
+  ``pg_smoke`` subset of the desk and the gateway (PostgreSQL-only failures have appeared above storage).
+  ``--pg-all`` runs everything on PostgreSQL.
+- At collection, a test that opens a store directly and says nothing about databases fails the run. The rule,
+  precisely: ``tests/support/store_rule.py``. In short: a test whose own code (or its module's helpers and
+  fixtures) names ``sqlalchemy``, ``sqlite3``, ``psycopg`` or ``undolog_core.storage``, runs raw SQL
+  (``exec_driver_sql``, ``raw_connection``, ``driver_connection``), calls ``open_storage`` or asks for
+  ``pg_admin`` must be marked ``storage``, ``pg_smoke``, ``postgres_only`` or ``sqlite_only``.
 """
 
 from __future__ import annotations
@@ -14,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from undolog_core import UndoLog
 
@@ -23,27 +39,80 @@ PG_URL = os.environ.get("UNDOLOG_TEST_PG_URL", "postgresql+psycopg://postgres@12
 if TEST_DB not in ("sqlite", "postgres"):
     raise RuntimeError(f"UNDOLOG_TEST_DB must be sqlite or postgres, got {TEST_DB!r}")
 
+# Examples are drawn on machines shared with other test runs and xdist workers: a slow draw (41 s for one input
+# under a load average of 16) is the machine, not the strategy, and no test may depend on timing.
+settings.register_profile("undolog", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("undolog")
+
+
+#: Directories whose every test pins the store's own behaviour: marked ``storage`` by where they live.
+STORAGE_DIRS = ("core", "conformance", "faults")
+#: Kinds of test kept out of the default run (CI runs them in their own step, ``--kind slow``).
+SLOW_KINDS = ("perf", "fuzz", "browser")
+#: What the PostgreSQL run keeps (without --pg-all).
+PG_KINDS = ("storage", "pg_smoke", "postgres_only")
+TESTS = Path(__file__).resolve().parent
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--long", action="store_true", default=False,
                      help="also run the tests marked `long` (soak and repeated-chaos versions)")
+    parser.addoption("--kind", choices=("default", "slow", "all"), default="default",
+                     help="default: all but perf/fuzz/browser tests; slow: only those; all: everything")
+    parser.addoption("--pg-all", action="store_true", default=False,
+                     help="on PostgreSQL run every test, not only storage, postgres_only and pg_smoke ones")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "long: a soak or chaos version that runs only with --long")
 
 
+def _in_storage_dir(item: pytest.Item) -> bool:
+    path = Path(str(item.path)).resolve()
+    return path.is_relative_to(TESTS) and path.relative_to(TESTS).parts[0] in STORAGE_DIRS
+
+
+def _unmarked_store_openers(items: list[pytest.Item]) -> list[str]:
+    from tests.support.store_rule import needs_marker, why_it_opens_a_store
+
+    found = []
+    for item in items:
+        if needs_marker(item):
+            why = why_it_opens_a_store(item, TESTS / "conftest.py")
+            if why:
+                found.append(f"{item.nodeid}: {why}")
+    return found
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselect (not skip) what this run does not cover: `long` tests without --long, `postgres_only` tests
-    on the SQLite run (CI runs the suite on PostgreSQL too, where they run) and `sqlite_only` tests on the
-    PostgreSQL run. A deselected test is reported as deselected, never as a skip that could hide a test from CI."""
+    """Mark, check, then deselect (not skip) what this run does not cover.
+
+    Marks ``storage`` on every test under STORAGE_DIRS; fails the run when a test opens a store directly without
+    a database marker (see the module docstring); deselects `long` tests without --long, `postgres_only` tests on
+    the SQLite run, `sqlite_only` tests on the PostgreSQL run, perf/fuzz/browser tests outside ``--kind slow|all``
+    and, on PostgreSQL, tests that are neither storage, postgres_only nor pg_smoke (unless --pg-all). A
+    deselected test is reported as deselected, never as a skip that could hide a test from CI."""
+    for item in items:
+        if _in_storage_dir(item):
+            item.add_marker(pytest.mark.storage)
+    unmarked = _unmarked_store_openers(items)
+    if unmarked:
+        raise pytest.UsageError(
+            f"{len(unmarked)} test(s) open a store directly but carry no database marker; mark each "
+            "@pytest.mark.storage (or pg_smoke, postgres_only, sqlite_only): the rule is in "
+            "tests/support/store_rule.py\n  " + "\n  ".join(unmarked))
     keep: list[pytest.Item] = []
     dropped: list[pytest.Item] = []
     run_long = config.getoption("--long")
+    kind = config.getoption("--kind")
+    pg_all = config.getoption("--pg-all")
     for item in items:
+        slow = any(item.get_closest_marker(m) for m in SLOW_KINDS)
         if (item.get_closest_marker("long") and not run_long) or (
             item.get_closest_marker("postgres_only") and TEST_DB != "postgres"
-        ) or (item.get_closest_marker("sqlite_only") and TEST_DB != "sqlite"):
+        ) or (item.get_closest_marker("sqlite_only") and TEST_DB != "sqlite") or (
+            (kind == "default" and slow) or (kind == "slow" and not slow)
+        ) or (TEST_DB == "postgres" and not pg_all and not any(item.get_closest_marker(m) for m in PG_KINDS)):
             dropped.append(item)
         else:
             keep.append(item)
@@ -54,12 +123,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @dataclass
 class Db:
+    """A test's own database: a SQLite file or a PostgreSQL schema, empty until :meth:`open` (or
+    :meth:`materialize`) copies the session's migrated template into it.
+
+    Only the first open of a database that is not there yet is served from the template; an open with
+    ``migrate=False``, a database some other code created first (the migration tests' older revisions, the CLI's
+    ``db upgrade``), and a test marked ``real_migrations`` see exactly what they saw before.
+    """
+
     kind: str
     url: str
     schema: str | None
     opened: list[UndoLog] = field(default_factory=list)
+    #: The session's templates (None: every open runs the real migrations).
+    templates: Any = None
+    #: Which template: "core" (what ``UndoLog.open`` makes) or "server" (the desk's tables too).
+    flavour: str = "core"
+
+    def materialize(self) -> bool:
+        """Copy the migrated template here unless a database is already there; True when copied."""
+        if self.templates is None:
+            return False
+        if self.kind == "sqlite":
+            return bool(self.templates.copy_to(Path(self.url.split("///", 1)[1]), self.flavour))
+        assert self.schema is not None
+        return bool(self.templates.clone_to(self.schema, self.flavour))
 
     def open(self, **kw: Any) -> UndoLog:
+        if kw.get("migrate", True):
+            self.materialize()
         u = UndoLog.open(self.url, schema=self.schema, **kw)
         self.opened.append(u)
         return u
@@ -90,13 +182,32 @@ def pg_admin() -> Iterator[Any]:
     eng.dispose()
 
 
+@pytest.fixture(scope="session")
+def db_templates(pg_admin: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The session's migrated templates (built on first use, by the real migrations; see tests/support/db_template.py)."""
+    from tests.support.db_template import PostgresTemplates, SQLiteTemplates
+
+    if TEST_DB == "postgres":
+        pg = PostgresTemplates(PG_URL, pg_admin)
+        yield pg
+        pg.dispose()
+    else:
+        yield SQLiteTemplates(tmp_path_factory.mktemp("db-templates"))
+
+
+#: Test directories whose databases get the desk's tables too (the desk would create them on its start).
+_SERVER_FLAVOUR_DIRS = ("server", "mcp")
+
+
 @pytest.fixture
-def db(tmp_path: Path, pg_admin: Any) -> Iterator[Db]:
+def db(request: pytest.FixtureRequest, tmp_path: Path, pg_admin: Any, db_templates: Any) -> Iterator[Db]:
+    templates = None if request.node.get_closest_marker("real_migrations") else db_templates
+    flavour = "server" if request.node.path.parent.name in _SERVER_FLAVOUR_DIRS else "core"
     if TEST_DB == "postgres":
         schema = "t_" + uuid.uuid4().hex[:16]
-        d = Db("postgres", PG_URL, schema)
+        d = Db("postgres", PG_URL, schema, templates=templates, flavour=flavour)
     else:
-        d = Db("sqlite", f"sqlite:///{tmp_path / 'undolog.db'}", None)
+        d = Db("sqlite", f"sqlite:///{tmp_path / 'undolog.db'}", None, templates=templates, flavour=flavour)
     yield d
     for u in d.opened:
         try:

@@ -34,6 +34,7 @@ from undolog_core.cli import PROGRESS_MIN_STEPS, app
 from undolog_core.errors import ContractChanged
 from undolog_core.storage import schema as t
 from undolog_core.storage.base import Owner, utcnow
+from undolog_core.testing import internals
 
 runner = CliRunner()
 
@@ -157,7 +158,7 @@ def pending_delete(u: UndoLog, mod: Any, *, user_id: str = "u1", call_id: str = 
 
 
 def row(u: UndoLog, table: sa.Table, **where: Any) -> Any:
-    with u.store.read() as conn:
+    with internals(u).read() as conn:
         q = sa.select(table)
         for k, v in where.items():
             q = q.where(table.c[k] == v)
@@ -165,7 +166,7 @@ def row(u: UndoLog, table: sa.Table, **where: Any) -> Any:
 
 
 def events(u: UndoLog, action: str) -> list[Any]:
-    with u.store.read() as conn:
+    with internals(u).read() as conn:
         return conn.execute(
             sa.select(t.approval_events).where(t.approval_events.c.action == action).order_by(t.approval_events.c.event_id)
         ).all()
@@ -187,6 +188,7 @@ def test_help_lists_every_command() -> None:
             assert sub in out, (group, sub)
 
 
+@pytest.mark.storage
 def test_db_upgrade_creates_the_schema_then_is_a_no_op(db: Any) -> None:
     from undolog_core.storage import migrate as _migrate
 
@@ -197,7 +199,7 @@ def test_db_upgrade_creates_the_schema_then_is_a_no_op(db: Any) -> None:
     assert second.exit_code == 0
     assert "already at the latest schema revision" in second.stdout
     u = db.open(migrate=False)
-    assert _migrate.current(u.store.engine) == _migrate.head()
+    assert _migrate.current(internals(u).sql_engine) == _migrate.head()
     assert u.policy.get().approval_timeout_seconds == 3600
 
 
@@ -323,6 +325,7 @@ def test_unknown_session_ids_are_clear_errors(db: Any) -> None:
         assert "no-such-session" in err
 
 
+@pytest.mark.storage
 def test_rollback_runs_the_apps_compensations_newest_first_with_progress(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     n = PROGRESS_MIN_STEPS + 1
@@ -336,7 +339,7 @@ def test_rollback_runs_the_apps_compensations_newest_first_with_progress(db: Any
     # stderr is not a terminal under CliRunner: the progress is one line per step.
     assert f"[1/{n}]" in result.stderr and f"[{n}/{n}]" in result.stderr
 
-    with u.store.read() as conn:
+    with internals(u).read() as conn:
         undo_keys = [f"undo-{r.undo_id}" for r in conn.execute(
             sa.select(t.undo_stack.c.undo_id).where(t.undo_stack.c.session_id == s.id)
             .order_by(t.undo_stack.c.undo_id.desc()))]
@@ -364,6 +367,7 @@ def test_rollback_json_report(db: Any, cliapp: App) -> None:
     assert result.stderr == ""  # no progress lines in machine mode
 
 
+@pytest.mark.storage
 def test_rollback_without_the_app_changes_nothing(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     with u.session() as s:
@@ -404,6 +408,7 @@ def test_bad_app_spec_is_a_clear_error(db: Any) -> None:
                                            "configuration_error")
 
 
+@pytest.mark.storage
 def test_resume_a_halted_session(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     sid, rid = pending_delete(u, cliapp.mod)
@@ -421,6 +426,7 @@ def test_resume_a_halted_session(db: Any, cliapp: App) -> None:
     assert "not halted" in err
 
 
+@pytest.mark.storage
 def test_revalidate_pins_the_session_to_the_new_contract(db: Any) -> None:
     u = db.open()
 
@@ -502,6 +508,7 @@ def test_approvals_list_and_show(db: Any, cliapp: App) -> None:
     assert "no approval requests in state rejected" in run(db, "approvals", "list", "--state", "rejected").stdout
 
 
+@pytest.mark.storage
 def test_approve_then_the_reissued_call_runs(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     sid, rid = pending_delete(u, cliapp.mod)
@@ -520,6 +527,7 @@ def test_approve_then_the_reissued_call_runs(db: Any, cliapp: App) -> None:
     assert row(u, t.effect_log, effect_id=req.effect_id).state == "committed"
 
 
+@pytest.mark.storage
 def test_deciding_twice_and_unknown_ids_are_refused(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     _, rid = pending_delete(u, cliapp.mod)
@@ -536,6 +544,7 @@ def test_deciding_twice_and_unknown_ids_are_refused(db: Any, cliapp: App) -> Non
         assert "'nope' does not exist" in assert_error(run(db, "approvals", *cmd), "approval_not_found")
 
 
+@pytest.mark.storage
 def test_reject_halts_the_session_and_cancels_its_other_requests(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     sid, rid = pending_delete(u, cliapp.mod)
@@ -558,6 +567,7 @@ def test_reject_halts_the_session_and_cancels_its_other_requests(db: Any, cliapp
     assert rec.state == "halted" and "customer asked to keep it" in (rec.halted_reason or "")
 
 
+@pytest.mark.storage
 def test_modify_with_good_and_bad_edits(db: Any, cliapp: App, tmp_path: Path) -> None:
     u = cliapp.undolog
     with u.session() as s, pytest.raises(ApprovalPending) as p:
@@ -602,6 +612,7 @@ def test_modify_from_a_file_validates_against_the_stored_contract(db: Any, cliap
     assert json.loads(result.stdout)["approved_args"] == {"user_id": "u1-archived"}
 
 
+@pytest.mark.storage
 def test_decisions_default_to_undolog_actor(db: Any, cliapp: App) -> None:
     _, rid = pending_delete(cliapp.undolog, cliapp.mod)
     result = run(db, "approvals", "approve", rid, env={"UNDOLOG_ACTOR": "carol@desk"})
@@ -609,10 +620,11 @@ def test_decisions_default_to_undolog_actor(db: Any, cliapp: App) -> None:
     assert row(cliapp.undolog, t.approval_requests, approval_request_id=rid).decided_by == "carol@desk"
 
 
+@pytest.mark.storage
 def test_reading_applies_due_timeouts(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     sid, rid = pending_delete(u, cliapp.mod)
-    with u.store.tx() as conn:  # make it due without sleeping
+    with internals(u).write() as conn:  # make it due without sleeping
         conn.execute(t.approval_requests.update().where(t.approval_requests.c.approval_request_id == rid)
                      .values(timeout_at=utcnow() - dt.timedelta(seconds=1)))
     listed = run(db, "approvals", "list", "--json")
@@ -625,6 +637,7 @@ def test_reading_applies_due_timeouts(db: Any, cliapp: App) -> None:
 # -- policy -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.storage
 def test_policy_show_and_set(db: Any) -> None:
     u = db.open()
     shown = run(db, "policy", "show")
@@ -649,6 +662,7 @@ def test_policy_show_and_set(db: Any) -> None:
     assert data["before"]["auto_approve_on_timeout"] is True and data["after"]["auto_approve_on_timeout"] is False
 
 
+@pytest.mark.storage
 def test_policy_set_refuses_bad_values(db: Any) -> None:
     u = db.open()
     assert "auto_approve_on_timeout" in assert_error(
@@ -671,12 +685,13 @@ def _crashed_call(u: UndoLog, tool: str, **args: Any) -> str:
         pass
     d = u.engine.intercept(s.id, tool, args, call_id=f"crash-{uuid.uuid4().hex[:6]}")
     dead_owner = f"{Owner.me().split('|', 1)[0]}|{2**22 + 12345}|1"  # this host, a pid that does not exist
-    with u.store.tx() as conn:
+    with internals(u).write() as conn:
         conn.execute(t.effect_log.update().where(t.effect_log.c.effect_id == d.effect_id)
                      .values(owner=dead_owner, lease_until=None))
     return d.effect_id
 
 
+@pytest.mark.storage
 def test_recover_needs_the_app_and_then_reconciles(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     effect_id = _crashed_call(u, "send_refund_email", user_id="u9", amount=3.0)
@@ -699,6 +714,7 @@ def test_recover_needs_the_app_and_then_reconciles(db: Any, cliapp: App) -> None
     assert "nothing to recover" in run(db, "recover", app_spec=cliapp.spec).stdout
 
 
+@pytest.mark.storage
 def test_recover_many_effects_shows_progress(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     ids = [_crashed_call(u, "send_refund_email", user_id=f"u{i}", amount=1.0) for i in range(PROGRESS_MIN_STEPS)]
@@ -714,8 +730,8 @@ def test_recover_many_effects_shows_progress(db: Any, cliapp: App) -> None:
 
 def _tamper(u: UndoLog, event_id: int) -> None:
     """Edit an audit event behind the append-only triggers' back, as someone with table access could."""
-    with u.store.tx() as conn:
-        if u.store.is_postgres:
+    with internals(u).write() as conn:
+        if internals(u).is_postgres:
             conn.exec_driver_sql("ALTER TABLE undolog_approval_events DISABLE TRIGGER undolog_events_no_update")
         else:
             conn.exec_driver_sql("DROP TRIGGER undolog_events_no_update")
@@ -723,6 +739,7 @@ def _tamper(u: UndoLog, event_id: int) -> None:
                      .values(actor="mallory"))
 
 
+@pytest.mark.storage
 def test_audit_verify_passes_then_catches_tampering(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     _, rid = pending_delete(u, cliapp.mod)

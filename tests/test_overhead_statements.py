@@ -37,6 +37,10 @@ from undolog_core import (
     undolog_tool,
 )
 from undolog_core._engine import Execute
+from undolog_core.testing import internals
+
+# Counts what reaches each database (its own step in CI, on both databases).
+pytestmark = [pytest.mark.perf, pytest.mark.storage]
 
 # -- the counter -----------------------------------------------------------------------------------
 
@@ -329,7 +333,7 @@ def test_safe_call_sync_issues_no_statement(undolog: UndoLog, counter_for: Any) 
 def _durability(u: UndoLog, c: StatementCounter, key: int) -> bool:
     """Whether the DB-API connection ``key`` commits durably, asked of that very connection."""
     _tag, raw = c.raw[key]
-    if u.store.is_postgres:
+    if internals(u).is_postgres:
         value = raw.execute("SHOW synchronous_commit").fetchone()[0]
         raw.rollback()
         return bool(value != "off")
@@ -432,11 +436,11 @@ async def test_compensable_call_one_durable_transaction_before_tool(
     prewrite = _one_transaction(pre, engine="durable")
     assert _durability(u, c, prewrite["conn"]), "the pre-write must be an fsynced commit"
     stmts = [st.lower() for st in prewrite["statements"]]
-    if u.store.is_postgres and all(st.startswith("(") for st in stmts):
+    if internals(u).is_postgres and all(st.startswith("(") for st in stmts):
         # libpq's trace shows a prepared statement only as Execute: the pre-write is one statement, one round
         # trip; the rows it wrote are checked below.
         assert len(stmts) == 1, describe(pre)
-    elif u.store.is_postgres:
+    elif internals(u).is_postgres:
         assert sum(st.count("insert into undolog_effect_log") for st in stmts) == 1, describe(pre)
         assert sum(st.count("insert into undolog_undo_stack") for st in stmts) == 1, describe(pre)
     else:

@@ -66,6 +66,8 @@ from undolog_adapters._common import (
     rollback_outcome,
 )
 from undolog_core import AwaitingApproval, Completed, Execute, RequestState, ToolTier, UndoLog, errors
+from undolog_core._continuation import Continuation
+from undolog_core._engine import KICKOFF
 
 __all__ = ["KickoffResult", "UndoLogPolicy", "UndoLogTool", "UndoLogToolset", "fail_closed", "wrap_tools"]
 
@@ -80,6 +82,11 @@ _kickoff_session: contextvars.ContextVar[str | None] = contextvars.ContextVar("u
 # a hop to its handler thread), so an after-hook with nothing to rewrite cost a kickoff as much as UndoLog's own call.
 _kickoff_hooks: contextvars.ContextVar[dict[InterceptionPoint, list[Callable[[Any], Any]]] | None] = (
     contextvars.ContextVar("undolog_crewai_hooks", default=None))
+
+# Set by UndoLogToolset.resume(): the recorded effects of the kickoff this one continues, replayed to the calls that
+# repeat them (a real model given the same task again repeats all of it, the refund it already sent included).
+_kickoff_continuation: contextvars.ContextVar[Continuation | None] = contextvars.ContextVar(
+    "undolog_crewai_continuation", default=None)
 
 # Frames of CrewAI's native tool-call executors; they hold the provider's tool-call id in a local
 # variable named ``call_id`` but never pass it to the tool. CrewAI 1.15 has no public way to the id: not the
@@ -363,8 +370,11 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
             self._ensured.add(sid)
 
     @contextlib.contextmanager
-    def session(self, session_id: str | None = None) -> Iterator[str]:
-        """Run what is inside (e.g. ``crew.kickoff()``) as one UndoLog session; yields its id.
+    def session(self, session_id: str | None = None, *, resume: bool = False) -> Iterator[str]:
+        """Run what is inside (e.g. ``crew.kickoff()``) as one UndoLog session and one kickoff; yields its id.
+
+        With ``resume=True`` the kickoff continues the session's last kickoff that ended with approvals pending
+        (see :meth:`resume`): the calls that repeat its committed effects get their recorded results back.
 
         Example:
             >>> with tools.session("ticket-42") as sid:          # doctest: +SKIP
@@ -372,18 +382,27 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
         """
         sid = session_id or self.fixed_session_id
         if sid is None:
+            if resume:
+                raise ValueError("resume needs the session to continue: pass session_id= (the KickoffResult's "
+                                 "session_id), or build the toolset with wrap_tools(..., session_id=...)")
             sid = str(uuid.uuid4())
             self._ensure(sid, minted=True)
         else:
             self._ensure(sid)
+        continuation = Continuation.load(self.undolog.store, sid) if resume else None
+        kickoff_id = continuation.kickoff_id if continuation is not None else str(uuid.uuid4())
         # The after-hook only rewrites the text of a call the gate refused: it joins this dict when one is (_refuse).
         hooks: dict[InterceptionPoint, list[Callable[[Any], Any]]] = {InterceptionPoint.PRE_TOOL_CALL: [self.before_hook]}
         token = _kickoff_session.set(sid)
         hooks_token = _kickoff_hooks.set(hooks)
+        kickoff_token = KICKOFF.set(kickoff_id)
+        continuation_token = _kickoff_continuation.set(continuation)
         try:
             with scoped_hooks(hooks):
                 yield sid
         finally:
+            _kickoff_continuation.reset(continuation_token)
+            KICKOFF.reset(kickoff_token)
             _kickoff_hooks.reset(hooks_token)
             _kickoff_session.reset(token)
             self.last_session_id = sid
@@ -407,6 +426,35 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
             ...     later = tools.kickoff(crew, session_id=run.session_id)
         """
         with self.session(session_id) as sid:
+            output = crew.kickoff(inputs=dict(inputs) if inputs is not None else None, **kwargs)
+        return KickoffResult(output=output, session_id=sid, _undolog=self.undolog)
+
+    def resume(self, crew: Any, inputs: Mapping[str, Any] | None = None, *, session_id: str | None = None,
+               **kwargs: Any) -> KickoffResult:
+        """Continue a session after its approvals were decided: a kickoff that does not repeat what was done.
+
+        A real model given the same task again repeats all of it. So this kickoff replays the committed COMPENSABLE
+        and IRREVERSIBLE effects of the kickoff it continues (the session's last one that ended with approvals
+        pending, and the continuations of it), matched by (tool, canonical arguments, n-th occurrence): the tool
+        does not run again and the agent reads its recorded result with a note saying it was replayed. An approved
+        call runs once; a call that matches nothing runs as in any kickoff. A plain :meth:`kickoff` on the same
+        session runs every call, as a new task on a long-lived session does.
+
+        Args:
+            crew: the ``Crew`` whose agents use these tools (a new one or the same).
+            inputs: passed to ``crew.kickoff``.
+            session_id: the session to continue (``KickoffResult.session_id``); default the toolset's
+                ``session_id=``.
+
+        Returns:
+            A :class:`KickoffResult`, as :meth:`kickoff`.
+
+        Example:
+            >>> run = tools.kickoff(crew, inputs={"ticket": t})                      # doctest: +SKIP
+            >>> ul.approvals.approve(run.pending_approvals[0].approval_request_id, approver="ana")
+            >>> done = tools.resume(crew, inputs={"ticket": t}, session_id=run.session_id)
+        """
+        with self.session(session_id, resume=True) as sid:
             output = crew.kickoff(inputs=dict(inputs) if inputs is not None else None, **kwargs)
         return KickoffResult(output=output, session_id=sid, _undolog=self.undolog)
 
@@ -472,6 +520,14 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
         try:
             sid = self._resolve_session()
             if tool.tier is not ToolTier.SAFE:
+                continuation = _kickoff_continuation.get()
+                if continuation is not None:
+                    hit = continuation.take(ul.tool_spec(name), args)
+                    if hit is not None:
+                        return f"{_as_text(hit.result)}\n{hit.note()}"
+                if KICKOFF.get() is None:
+                    # A plain crew.kickoff() outside kickoff()/session(): CrewAI's execution id is the kickoff.
+                    return self._in_kickoff(tool, kwargs, get_execution_uuid() or sid)
                 self._start(sid)
             call_id = self._call_id(sid, tool, args)
             decision = ul.driver.decide(sid, name, args, call_id=call_id)
@@ -499,6 +555,13 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
         text = failure_text(name, f"{type(failed).__name__}: {failed}",
                             rollback_outcome(outcome.rollback, sid, decision.effect_id))
         return _failure(text, "tool_failed", exception=True)
+
+    def _in_kickoff(self, tool: UndoLogTool, kwargs: dict[str, Any], kickoff_id: str) -> Any:
+        token = KICKOFF.set(kickoff_id)
+        try:
+            return self._call(tool, kwargs)
+        finally:
+            KICKOFF.reset(token)
 
     def _start(self, sid: str) -> None:
         """Write the session's row before its first logged call, if the store does not have it yet.
@@ -534,6 +597,11 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
                 return True
             time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
         return False
+
+
+def _as_text(value: Any) -> str:
+    """A recorded result as the agent read it the first time (CrewAI gives the model a tool's value as text)."""
+    return value if isinstance(value, str) else str(value)
 
 
 # --------------------------------------------------------------------------------------------- wrapping

@@ -32,7 +32,9 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import sys
 import uuid
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MethodType
@@ -75,6 +77,7 @@ from undolog_core import (
     UndoLog,
     errors,
 )
+from undolog_core._continuation import Continuation
 from undolog_core.integration import SessionCache, WouldBlock, execute_now
 
 __all__ = [
@@ -109,6 +112,35 @@ def _model_params(function: KernelFunction) -> list[Any]:
             if p.name and p.name not in _INJECTED and p.include_in_function_choices]
 
 _session_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_sk_session", default=None)
+# Set by resume()/resume_agent(): the committed effects of the turn being continued (the calls its history holds),
+# replayed to the calls that repeat them: a model may start its task over after the pause.
+_continuation: contextvars.ContextVar[Continuation | None] = contextvars.ContextVar(
+    "undolog_sk_continuation", default=None)
+
+
+def _under_auto_invocation() -> AutoFunctionInvocationContext | None:
+    """The auto-invocation context of the kernel function being invoked, when SK's automatic function calling
+    called it (else None): its ``function_call_content`` holds the model's call id.
+
+    The FUNCTION_INVOCATION filter is not told; SK's ``KernelFunction.invoke`` is awaited straight from
+    ``Kernel._inner_auto_function_invoke_handler`` under auto calling, from the app under ``kernel.invoke``. Read
+    only when the AUTO_FUNCTION_INVOCATION half is missing (see ``_alone``); the names are pinned against the
+    installed SK by tests/adapters/test_semantic_kernel_one_filter.py.
+    """
+    frame = sys._getframe(1)
+    for _ in range(80):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_name == "invoke" and code.co_filename.endswith("kernel_function.py") \
+                and "semantic_kernel" in code.co_filename:
+            back = frame.f_back
+            if back is None or back.f_code.co_name != "_inner_auto_function_invoke_handler":
+                return None
+            auto = back.f_locals.get("context")
+            return auto if isinstance(auto, AutoFunctionInvocationContext) else None
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 SAFE = ToolTier.SAFE
 COMPENSABLE = ToolTier.COMPENSABLE
@@ -232,9 +264,13 @@ class UndoLogFilter:
 
     def __init__(self, undolog: UndoLog, *, tiers: Mapping[str, TierValue] | None = None,
                  compensations: Iterable[Callable[..., Any]] = (), session_id: str | None = None,
-                 agent_id: str = "semantic-kernel") -> None:
+                 agent_id: str = "semantic-kernel", kernel: Kernel | None = None) -> None:
         self.undolog = undolog
         self._registrar = Registrar(undolog, tiers=tiers, compensations=compensations)
+        # ``tiers=`` names are SK's "plugin-function" names: checked against each kernel at its first sight (install(),
+        # ``kernel=`` here, else the first call), so a bare function name is named at once, not refused call by call.
+        self._tier_names = frozenset(tiers or ())
+        self._kernels_checked: set[int] = set()
         self._session_id = session_id
         self.agent_id = agent_id
         self._classified: dict[str, ToolTier] = {}
@@ -262,6 +298,40 @@ class UndoLogFilter:
         self.auto_filter = self.auto_function_invocation
         #: The AUTO_FUNCTION_INVOCATION half, for ``kernel.add_filter(FilterTypes.AUTO_FUNCTION_INVOCATION, ...)``.
         self.auto_invocation = self.auto_filter
+        if kernel is not None:
+            self.check_tiers(kernel)
+
+    def check_tiers(self, kernel: Kernel) -> None:
+        """Check ``tiers=`` against the kernel's functions: names matching none warn, naming what the kernel has.
+
+        Raises:
+            errors.ConfigurationError: no name of ``tiers=`` is a function of the kernel (every call would be
+                refused).
+
+        Example:
+            >>> UndoLogFilter(ul, tiers={"delete_user_account": "irreversible"}).check_tiers(kernel)  # doctest: +SKIP
+            Traceback (most recent call last):
+            ConfigurationError: UndoLogFilter tiers= names no function of this kernel ...
+        """
+        self._kernels_checked.add(id(kernel))
+        if not self._tier_names:
+            return
+        have = sorted(f.fully_qualified_name for plugin in kernel.plugins.values()
+                      for f in plugin.functions.values() if _is_tool(f))
+        unmatched = sorted(self._tier_names.difference(have))
+        if not unmatched:
+            return
+        by_bare = {name.split("-", 1)[-1]: name for name in have}
+        hints = [f"{n!r} -> {by_bare[n]!r}" for n in unmatched if n in by_bare]
+        fix = (f"key them by SK's 'plugin-function' names ({', '.join(hints)})" if hints
+               else "key them by SK's 'plugin-function' names")
+        detail = f"the kernel's functions are {have}" if have else "the kernel has no kernel functions yet"
+        if len(unmatched) == len(self._tier_names):
+            raise errors.ConfigurationError(
+                f"UndoLogFilter tiers= names no function of this kernel ({unmatched}): {fix}; {detail}")
+        warnings.warn(f"UndoLogFilter tiers= names {unmatched} match no function of this kernel: {fix}; {detail}",
+                      UserWarning, stacklevel=3)
+        log.warning("UndoLog: tiers= names %s match no function of this kernel; %s", unmatched, detail)
 
     async def __call__(self, context: FunctionInvocationContext, next: Any) -> None:
         """The FUNCTION_INVOCATION filter: ``kernel.add_filter(FilterTypes.FUNCTION_INVOCATION, undolog_filter)``.
@@ -282,6 +352,7 @@ class UndoLogFilter:
         Raises:
             errors.ToolNotClassified: a kernel function (not a prompt function) has no tier.
         """
+        self.check_tiers(kernel)
         if strict:
             for plugin in kernel.plugins.values():
                 for function in plugin.functions.values():
@@ -315,9 +386,12 @@ class UndoLogFilter:
             sid = self._session_id
         return sid
 
-    def _learn(self, function: KernelFunction) -> _Known:
+    def _learn(self, function: KernelFunction, kernel: Kernel | None = None) -> _Known:
         """The function's name, tier and model parameters, computed once (SK computes its name on each access);
-        the filters look them up by the function's id first."""
+        the filters look them up by the function's id first. A kernel seen for the first time has its ``tiers=``
+        names checked (``check_tiers``)."""
+        if kernel is not None and id(kernel) not in self._kernels_checked:
+            self.check_tiers(kernel)
         self.classify(function)
         known = _Known(function, function.fully_qualified_name, frozenset(p.name for p in _model_params(function)))
         if len(self._known) >= _KEEP:
@@ -445,7 +519,7 @@ class UndoLogFilter:
                 await next(context)
                 return
             try:
-                known = self._learn(function)
+                known = self._learn(function, context.kernel)
             except errors.UndoLogError as exc:
                 context.function_result = _refusal(function, function.fully_qualified_name, exc)
                 return
@@ -473,6 +547,17 @@ class UndoLogFilter:
                 if key in safe_calls:  # not taken: another filter answered, or put other arguments in the call
                     del safe_calls[key]
             return
+        continuation = _continuation.get()
+        if continuation is not None:
+            try:
+                hit = continuation.take(spec, self._args(known, context.arguments))
+            except errors.UndoLogError as exc:
+                context.function_result = _refusal(function, name, exc)
+                return
+            if hit is not None:
+                context.function_result = FunctionResult(function=function.metadata,
+                                                         value=f"{_text(hit.result)}\n{hit.note()}")
+                return
         fcc = context.function_call_content
         given = fcc.id if fcc is not None else None
         sid = _session_var.get() or self.session_id
@@ -554,7 +639,7 @@ class UndoLogFilter:
                 if not _is_tool(function):
                     await next(context)
                     return
-                found = self._learn(function)
+                found = self._learn(function, context.kernel)
             known = found
             filters = context.kernel.function_invocation_filters
             if filters and filters[0][1] is not self.function_filter:
@@ -625,15 +710,63 @@ class UndoLogFilter:
 
     async def _gate_plain(self, context: FunctionInvocationContext, next: Any, known: _Known, spec: ToolSpec) -> None:
         """A COMPENSABLE/IRREVERSIBLE call (or a SAFE one with a retry policy) under a plain ``kernel.invoke``: this
-        filter is its gate."""
-        sid, decision, _ = await self._intercept(known, spec, context.arguments, None)
+        filter is its gate.
+
+        Under automatic function calling with this half alone on the kernel (no AUTO_FUNCTION_INVOCATION twin: the
+        one-liner most SK code writes), it is the gate there too, and answers the model itself: an exception would
+        reach the model as SK's generic "An error occurred while invoking the function" and the approval request,
+        the refusal or the rollback would be lost to it. The "awaiting approval" result carries the request id
+        (``PLACEHOLDER_KEY``) as the auto filter's does, so :func:`resume` finds and runs the call once approved.
+        """
+        function = context.function
+        auto = _under_auto_invocation() if self._alone(context.kernel) else None
+        alone = auto is not None
+        continuation = _continuation.get() if alone else None
+        fcc = auto.function_call_content if auto is not None else None
+        given = str(fcc.id) if fcc is not None and fcc.id else None
+        try:
+            if continuation is not None:
+                hit = continuation.take(spec, self._args(known, context.arguments))
+                if hit is not None:
+                    context.result = FunctionResult(function=function.metadata,
+                                                    value=f"{_text(hit.result)}\n{hit.note()}")
+                    return
+            sid, decision, _ = await self._intercept(known, spec, context.arguments, given)
+        except errors.UndoLogError as exc:
+            if not alone:
+                raise
+            context.result = _refusal(function, known.name, exc)
+            return
         if isinstance(decision, AwaitingApproval):
-            raise ApprovalPending(decision.effect_id, decision.approval_request_id, decision.retry_after, known.name)
+            if not alone:
+                raise ApprovalPending(decision.effect_id, decision.approval_request_id, decision.retry_after,
+                                      known.name)
+            context.result = FunctionResult(
+                function=function.metadata, value=awaiting_text(known.name, decision.approval_request_id,
+                                                                decision.reason),
+                metadata={PLACEHOLDER_KEY: decision.approval_request_id, "undolog_session_id": sid},
+            )
+            return
         if isinstance(decision, Completed):
-            context.result = FunctionResult(function=context.function.metadata, value=decision.result)
+            context.result = FunctionResult(function=function.metadata, value=decision.result)
             return
         context.arguments.update(decision.args)
-        await self._run(context, next, decision, sid)
+        if not alone:
+            await self._run(context, next, decision, sid)
+            return
+        handover = _Handover(known.name, decision, sid)
+        try:
+            await self._run(context, next, decision, sid, handover)
+        except Exception:
+            if handover.failure_text is None:
+                raise
+            # What failed and what was undone, as the model's result (SK would give it its own generic text).
+            context.result = FunctionResult(function=function.metadata, value=handover.failure_text)
+
+    def _alone(self, kernel: Kernel) -> bool:
+        """Whether this filter's AUTO_FUNCTION_INVOCATION twin is missing from ``kernel``."""
+        return not any(f is self.auto_filter or f == self.auto_filter
+                       for _, f in kernel.auto_function_invocation_filters)
 
     async def _run(self, context: FunctionInvocationContext, next: Any, decision: Execute, sid: str,
                    handover: _Handover | None = None) -> None:
@@ -734,6 +867,21 @@ async def invoke(kernel: Kernel, *args: Any, **kwargs: Any) -> FunctionResult | 
         del cause
 
 
+def _text(value: Any) -> str:
+    """A recorded result as SK gives a function's value to the model (its ``str``)."""
+    return value if isinstance(value, str) else str(value)
+
+
+def _history_continuation(undolog: UndoLog, history: ChatHistory, session_id: str | None) -> Continuation | None:
+    """The committed effects of the calls ``history`` holds, for the calls of a resumed turn that repeat them."""
+    if session_id is None:
+        return None
+    ids = [str(i.id) for m in history.messages for i in m.items if isinstance(i, FunctionCallContent) and i.id]
+    if not ids:
+        return None
+    return Continuation(session_id, None, undolog.store.effects_of_calls(session_id, ids))
+
+
 def _placeholders(history: ChatHistory) -> list[FunctionResultContent]:
     return [i for m in history.messages for i in m.items
             if isinstance(i, FunctionResultContent) and PLACEHOLDER_KEY in (i.metadata or {})]
@@ -811,8 +959,12 @@ async def resume(kernel: Kernel, history: ChatHistory, chat_service: Any, undolo
     await resume_pending(kernel, history, undolog, session_id=session_id)
     settings = settings or PromptExecutionSettings(function_choice_behavior=FunctionChoiceBehavior.Auto())
     ctx = undolog_session(session_id) if session_id else contextlib.nullcontext()
-    with ctx:
-        return await chat_service.get_chat_message_content(history, settings, kernel=kernel)
+    token = _continuation.set(_history_continuation(undolog, history, session_id))
+    try:
+        with ctx:
+            return await chat_service.get_chat_message_content(history, settings, kernel=kernel)
+    finally:
+        _continuation.reset(token)
 
 
 async def resume_agent(agent: Any, thread: Any, undolog: UndoLog, *, session_id: str | None = None) -> Any:
@@ -826,5 +978,9 @@ async def resume_agent(agent: Any, thread: Any, undolog: UndoLog, *, session_id:
     session_id = session_id or _paused_session(history)
     await resume_pending(agent.kernel, history, undolog, session_id=session_id)
     ctx = undolog_session(session_id) if session_id else contextlib.nullcontext()
-    with ctx:
-        return await agent.get_response(thread=thread)
+    token = _continuation.set(_history_continuation(undolog, history, session_id))
+    try:
+        with ctx:
+            return await agent.get_response(thread=thread)
+    finally:
+        _continuation.reset(token)

@@ -34,6 +34,19 @@ def _load_gateway(spec: str, into: UndoLog | None) -> UndoLog:
     return loaded
 
 
+def gateway_database(spec: str) -> str | None:
+    """The database an MCP gateway's config names (``database = "..."``), or None when it names none.
+
+    Raises:
+        ConfigurationError: the mcp extra is missing, or the config's ``database`` is refused.
+    """
+    try:
+        from undolog_mcp.config import database_of
+    except ImportError as exc:
+        raise ConfigurationError(f"--app {spec} is an MCP gateway config: {exc}") from exc
+    return database_of(spec)
+
+
 def load_app(spec: str | None = None, *, into: UndoLog | None = None) -> UndoLog:
     """Load the app's UndoLog from ``module:attribute`` (or ``$UNDOLOG_APP``), so compensations are registered.
 

@@ -125,6 +125,28 @@ class ApprovalService:
             raise ApprovalNotFound(approval_request_id)
         return rec
 
+    def join(self, approval_request_id: str, session_id: str, *, actor: str) -> None:
+        """Record (audited) that ``session_id`` asked the same call as the pending request, and waits on it rather
+        than raising a request of its own: a reject halts it together with the request's own session.
+
+        Example:
+            >>> undolog.approvals.join(rec.approval_request_id, later_session_id, actor="key:4f2a")
+        """
+        check_identity("actor", actor)
+        self._storage.note_request_event(approval_request_id, action="joined", actor=actor, session_id=session_id,
+                                         now=utcnow())
+
+    def note_released(self, approval_request_id: str, session_id: str, *, actor: str) -> None:
+        """Record (audited) that the approved request ran for ``session_id``, another session than its own; the
+        run itself is recorded on the request's effect.
+
+        Example:
+            >>> undolog.approvals.note_released(rec.approval_request_id, later_session_id, actor="key:4f2a")
+        """
+        check_identity("actor", actor)
+        self._storage.note_request_event(approval_request_id, action="released", actor=actor,
+                                         session_id=session_id, now=utcnow())
+
     def find_for_call(self, session_id: str, tool_name: str, args: Mapping[str, Any]) -> ApprovalRecord | None:
         """The newest request of this session for the same (tool, canonical arguments), in any state.
 

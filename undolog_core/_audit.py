@@ -6,6 +6,7 @@ signed heads held outside the database (``_checkpoints``) catch that too, up to 
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,13 +68,78 @@ def fold_heads(heads: Sequence[tuple[int, int, str]]) -> str:
     return sha256_hex(canonical_json([list(h) for h in used]))
 
 
+@dataclass(frozen=True)
+class _Gap:
+    """Event ids ``(low, high]`` of chain ``chain`` that checkpoint ``source`` proves did not exist when it was
+    signed: above the chain's signed head and at or below the checkpoint's position."""
+
+    low: int
+    high: int
+    source: str
+
+
+class _Coverage:
+    """What the checkpoints say about events they do not pin one by one.
+
+    A checkpoint signs every chain's head at one moment when no append was half done (``locked_heads``), so
+    every event id at or below its position (its highest head) that exists was in the chain signed below that
+    head; an event at or below the position above its chain's signed head, or in a chain the checkpoint does not
+    name, was inserted afterwards with a backdated id (a sequence gap, a chain empty at signing, a new chain).
+    The heads of one checkpoint are the signed heads sharing a ``source``. A single-chain checkpoint (format
+    ``/1``) pins chain 1; the other chains did not exist then: they are read as signed empty.
+    """
+
+    def __init__(self, checkpoints: Sequence[SignedHead]) -> None:
+        by_source: dict[str, dict[int, int]] = {}
+        for c in checkpoints:
+            by_source.setdefault(c.source, {})[c.chain] = c.position
+        self._named = list(by_source.items())
+        # The chains every checkpoint names: the common case, checked without a walk over the checkpoints.
+        self._everywhere = set.intersection(*(set(h) for _, h in self._named)) if self._named else set()
+        gaps: dict[int, list[_Gap]] = {}
+        for source, heads in self._named:
+            top = max(heads.values(), default=0)
+            for chain, position in heads.items():
+                if position < top:
+                    gaps.setdefault(chain, []).append(_Gap(position, top, source))
+        # Per chain: the gaps by their low end, and the running widest high end (for one bisect per event).
+        self._lows: dict[int, list[int]] = {}
+        self._widest: dict[int, list[_Gap]] = {}
+        for chain, found in gaps.items():
+            found.sort(key=lambda g: g.low)
+            self._lows[chain] = [g.low for g in found]
+            widest: list[_Gap] = []
+            for g in found:
+                widest.append(g if not widest or g.high > widest[-1].high else widest[-1])
+            self._widest[chain] = widest
+
+    def problem(self, chain: int, event_id: int) -> str | None:
+        """Why event ``event_id`` of ``chain`` cannot have existed when a checkpoint was signed (None: it could)."""
+        for source, heads in self._named if chain not in self._everywhere else ():
+            if chain not in heads:
+                return f"event {event_id} is in chain {chain}, which {source} does not name (a chain added after it)"
+        lows = self._lows.get(chain)
+        if not lows:
+            return None
+        k = bisect.bisect_left(lows, event_id)  # gaps whose low end is below the event
+        if k == 0:
+            return None
+        g = self._widest[chain][k - 1]
+        if g.high < event_id:
+            return None
+        return (f"event {event_id} of chain {chain} is at or below position {g.high} signed in {g.source}, where "
+                f"chain {chain} was signed at {g.low}: it was inserted after that checkpoint (a backdated event)")
+
+
 def verify(storage: AuditSQL, checkpoints: Sequence[SignedHead] = ()) -> AuditReport:
     """Recompute every chain; any edit, deletion or reordering behind the triggers' back shows up here.
 
     Args:
         storage: The store.
         checkpoints: Signed heads (signatures already checked): the event at each signed position of a chain
-            must have the signed hash, which catches a rewrite whose hashes were recomputed.
+            must have the signed hash, which catches a rewrite whose hashes were recomputed. The heads sharing a
+            ``source`` are one checkpoint, which names every chain: an event at or below its position above its
+            chain's signed head, or in a chain it does not name, is refused (a backdated insertion).
 
     Example:
         >>> verify(undolog.store).ok
@@ -84,10 +150,14 @@ def verify(storage: AuditSQL, checkpoints: Sequence[SignedHead] = ()) -> AuditRe
         by_position.setdefault((c.chain, c.position), []).append(c)
     matched: dict[int, int] = {}  # per chain, the highest signed position that matched so far
     last: dict[int, tuple[int, str]] = {}  # per chain, (last event id, its hash) as found
+    coverage = _Coverage(checkpoints)
     count = 0
     with storage.audit_chain() as chain:
         for n, r in chain.events():
             count += 1
+            backdated = coverage.problem(n, r.event_id) if checkpoints else None
+            if backdated is not None:
+                return AuditReport(False, count, r.event_id, backdated)
             last_id, prev = last.get(n, (0, GENESIS_HASH))
             if r.event_id <= last_id:
                 return AuditReport(False, count, r.event_id, f"event {r.event_id} is out of order in chain {n}")

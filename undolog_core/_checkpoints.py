@@ -19,7 +19,11 @@ Checkpoint file (one JSON document)::
 ``heads`` pins every chain's head (chain, last event id, last hash; the audit trail has several chains so that
 concurrent writers do not queue on one row); ``position`` is the highest of them and ``hash`` their fold
 (``_audit.fold_heads``). Files of format ``/1``, written when there was one chain, pin ``position``/``hash`` of
-chain 1, where those events still are, and keep verifying.
+chain 1, where those events still are, and keep verifying (the other chains read as signed empty).
+
+A checkpoint covers everything below it: its heads are read holding every head row's lock (no append half
+done), so ``verify`` refuses any event at or below ``position`` above its chain's signed head (an id in a
+sequence gap, a chain empty at signing) and any event in a chain the checkpoint does not name.
 
 Canonical JSON: keys sorted, separators ``,`` and ``:``, UTF-8. ``cryptography`` is imported only here and
 only when a key is used (the ``audit`` extra).
@@ -45,10 +49,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from ._audit import AuditReport, SignedHead, verify
+from ._audit import AuditReport, SignedHead, fold_heads, verify
 from .errors import AuditChainBroken, CheckpointInvalid, ConfigurationError
 from .storage import safe_url
-from .storage.audit import AuditSQL
+from .storage.audit import GENESIS_HASH, AuditSQL
+from .storage.schema import AUDIT_CHAINS
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -125,7 +130,9 @@ class Checkpoint:
         """What ``verify`` compares: one signed head per chain (a ``/1`` file: chain 1's)."""
         source = self.source or f"checkpoint at event {self.position}"
         if self.format == CHECKPOINT_FORMAT_V1:
-            return [SignedHead(self.position, self.hash, source, chain=1)]
+            # Signed when chain 1 was the only chain: the others were empty then, and are read as signed so.
+            return [SignedHead(self.position, self.hash, source, chain=1)] + [
+                SignedHead(0, GENESIS_HASH, source, chain=n) for n in range(2, AUDIT_CHAINS + 1)]
         return [SignedHead(pos, h, source, chain=chain) for chain, pos, h in self.heads]
 
 
@@ -223,15 +230,20 @@ def make_checkpoint(
     Raises:
         AuditChainBroken: The chain is not intact, or differs from an earlier checkpoint: nothing is signed.
     """
-    report = verify(storage, checkpoints=previous)
+    # Every head read under its lock: a cut with no append half done (see ``AuditSQL.locked_heads``). The chain is
+    # then verified as it stands (appends may have gone on since) and must hold those heads, under the rule the
+    # checkpoint will be held to: nothing at or below its position outside a chain's signed range.
+    heads = tuple((h.chain, h.last_event_id, h.last_hash) for h in storage.locked_heads())
+    pending = [SignedHead(p, h, "the heads being signed", chain=c) for c, p, h in heads]
+    report = verify(storage, checkpoints=[*previous, *pending])
     if not report.ok:
         raise AuditChainBroken(
             f"audit chain broken at event {report.first_bad_event_id}: {report.problem}; not signing its head"
         )
-    position, last_hash = report.head_position, report.head_hash
+    position, last_hash = max((p for _, p, _ in heads), default=0), fold_heads(heads)
     created = (now or dt.datetime.now(dt.UTC)).astimezone(dt.UTC).isoformat(timespec="seconds")
     unsigned = Checkpoint(position, last_hash, created, store_identity(storage), key_id(key.public_key()),
-                          heads=report.heads)
+                          heads=heads)
     signature = base64.b64encode(key.sign(unsigned.signed_bytes())).decode("ascii")
     return dataclasses.replace(unsigned, signature=signature)
 

@@ -70,7 +70,8 @@ class Outcome:
     rollback: RollbackReport | None = None
     failure: str | None = None  # a failure the framework reported as a value (``failure_of``)
     # How a call whose outcome was unknown (an ``unknown_on`` exception) was settled: committed (its probe said
-    # it happened), compensated, unknown (the session halted for a person), not_run; None otherwise.
+    # it happened), compensated, unknown (the session halted for a person), not_run, settling (its probe says not
+    # yet, and its request may still land: held in flight until it cannot); None otherwise.
     in_doubt: str | None = None
 
     @property
@@ -120,7 +121,7 @@ class CallDriver:
         # back on its own (policy, adapters, a `with` block left by an exception); the harness rolls back itself.
         self.failure_rollbacks = True
         # Settles one call of this process whose outcome is unknown, as recovery would (bound by the facade).
-        self.in_doubt: Callable[[str], str | None] | None = None
+        self.in_doubt: Callable[..., str | None] | None = None
 
     # -- deciding --------------------------------------------------------------------------------
 
@@ -352,8 +353,10 @@ class CallDriver:
     def _settle_in_doubt(self, d: Execute, exc: BaseException) -> str | None:
         if d.effect_id is None or self.in_doubt is None:
             return None  # a SAFE call: nothing was logged, nothing to settle
+        # An exception may say whether its request can still land (``original_gone``, e.g. a timeout whose request
+        # is still running): a probe's "did not happen" settles nothing until it cannot. Unsaid: the call is over.
         try:
-            return self.in_doubt(d.effect_id)
+            return self.in_doubt(d.effect_id, original_gone=bool(getattr(exc, "original_gone", True)))
         except Exception as book:  # noqa: BLE001 - the caller's exception wins; recovery settles it later
             _note(exc, f"undolog: {d.tool_name} (effect {d.effect_id}) could not be settled now: {book}; "
                        "run recover()")

@@ -4,6 +4,7 @@ written through the storage (``undolog_core/storage``), never by SQL of its own.
 from __future__ import annotations
 
 import collections
+import contextlib
 import contextvars
 import datetime as dt
 import itertools
@@ -41,6 +42,7 @@ from .errors import (
     EffectNotFound,
     InvalidEffectState,
     InvalidId,
+    OutcomeConflict,
     OutcomeUnknown,
     SessionClosed,
     SessionHalted,
@@ -58,7 +60,7 @@ from .limits import (
     safe_result,
 )
 from .storage.base import FAST_POOL_SIZE, from_epoch, new_id, utcnow
-from .storage.calls import FailureRollback
+from .storage.calls import LATE_FINISH_STATES, FailureRollback
 from .storage.hotpath import SessionRow
 from .storage.pool import IntegrityConflict, WouldBlock
 from .storage.schema import IN_FLIGHT, EffectState, OnFailure, RequestState, SessionState
@@ -135,6 +137,8 @@ class Execute:
     # IRREVERSIBLE only: the request a person decided and how ("approve", "modify", "auto_approved"), for traces.
     approval_request_id: str | None = None
     decision: str | None = None
+    #: The ownership epoch of this run: the fencing token ``current_call().epoch`` (see ``CallContext``).
+    epoch: int = 1
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,13 @@ class CallContext:
     tool_name: str
     idempotency_key: str | None
     attempt: int = 1  # the tool's retry policy's attempt number; the key is the same on every attempt
+    #: The ownership epoch: 1 for a call's first run, one more each time the call is claimed again (an approved
+    #: call claimed to run, a released call re-claimed, recovery taking it over). A fencing token for the
+    #: upstream, sent beside the idempotency key (never in it: the key stays ``do-{effect_id}``): an upstream
+    #: that remembers the highest epoch it has seen for a key refuses a write with a lower one, so a process
+    #: stalled past its lease cannot write after recovery took its call over (recovery's probe carries the new
+    #: epoch). MCP: ``_meta["dev.undolog/epoch"]``; the proxy: the ``UndoLog-Epoch`` header.
+    epoch: int = 1
 
 
 # The call being run: its CallContext, or (a first attempt run by the driver) the Execute decision it runs under,
@@ -181,6 +192,28 @@ class CallContext:
 # CallContext is built on the read instead of on every call.
 _current: contextvars.ContextVar[CallContext | Execute | None] = contextvars.ContextVar(
     "undolog_current_call", default=None)
+
+# The framework run (a CrewAI kickoff, a Semantic Kernel turn) the calls in this context belong to, set by an adapter
+# around the run (``kickoff_scope``): recorded on each effect they log (``effect_log.kickoff_id``), so that a
+# continuation of the run can replay what it already did instead of doing it again. Such calls take the general
+# pre-write (a transaction) rather than the hot path's one statement, which has no column for it.
+KICKOFF: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_kickoff", default=None)
+
+
+@contextlib.contextmanager
+def kickoff_scope(kickoff_id: str | None) -> Iterator[None]:
+    """Record ``kickoff_id`` on every effect logged inside the block (this context and those copied from it).
+
+    Example:
+        >>> with kickoff_scope("kickoff-7"):                      # doctest: +SKIP
+        ...     crew.kickoff()
+    """
+    token = KICKOFF.set(kickoff_id)
+    try:
+        yield
+    finally:
+        KICKOFF.reset(token)
+
 
 # A frozen dataclass's generated __init__ sets each field through object.__setattr__: about a microsecond for
 # Execute's nine fields, on every COMPENSABLE call. The hot path builds the same objects by setting their __dict__
@@ -196,16 +229,17 @@ def execute_now(effect_id: str | None, args: dict[str, Any], idempotency_key: st
     d = _new(Execute)
     _set_attr(d, "__dict__", {"effect_id": effect_id, "args": args, "idempotency_key": idempotency_key, "tier": tier,
                               "tool_name": tool_name, "call_id": call_id, "session_id": session_id,
-                              "approval_request_id": None, "decision": None})
+                              "approval_request_id": None, "decision": None, "epoch": 1})
     return d
 
 
 def call_context(session_id: str, effect_id: str | None, call_id: str | None, tool_name: str,
-                  idempotency_key: str | None, attempt: int) -> CallContext:
+                  idempotency_key: str | None, attempt: int, epoch: int = 1) -> CallContext:
     """``CallContext(...)``, built fast (see :func:`execute_now`)."""
     ctx = _new(CallContext)
     _set_attr(ctx, "__dict__", {"session_id": session_id, "effect_id": effect_id, "call_id": call_id,
-                                "tool_name": tool_name, "idempotency_key": idempotency_key, "attempt": attempt})
+                                "tool_name": tool_name, "idempotency_key": idempotency_key, "attempt": attempt,
+                                "epoch": epoch})
     return ctx
 
 
@@ -221,7 +255,7 @@ def current_call() -> CallContext | None:
     if running is None or running.__class__ is CallContext:
         return running
     return call_context(running.session_id, running.effect_id, running.call_id, running.tool_name,
-                        running.idempotency_key, 1)
+                        running.idempotency_key, 1, running.epoch)
 
 
 @dataclass
@@ -360,6 +394,7 @@ class Engine:
         self.hot = store.hot_path(pool_size=store.pool_size, fast_pool_size=FAST_POOL_SIZE)
         # The hot path's remembered session reads (SQLite's turn check, one per thread) bounded like the records.
         self.hot.memo_size = min(self.hot.memo_size, max_sessions)
+        self.hot.owner = leases.owner  # the commit mark's fence: never over a call taken over meanwhile
         # Deferred commit marks (fast mode, or a mark a dropped connection held back) wait here for the flusher (a
         # batch, not fsynced, once the oldest queued mark is MARK_FLUSH_SECONDS old, unless a reader or the
         # session's end wrote them first). Their effects stay in flight (leased) until written.
@@ -1027,7 +1062,8 @@ class Engine:
         self._inflight.add(effect_id)
         try:
             # With ``start``, the session's row is written by this same statement.
-            written = pin is None and self.hot.prewrite(
+            kickoff = KICKOFF.get()
+            written = pin is None and kickoff is None and self.hot.prewrite(
                 session_id, safe + carried, effect_id, call_id or effect_id, spec.name, spec.revision, args_text,
                 digest, self.leases.owner, now, now + self.lease_seconds, comp.name, comp.version, wait, start,
             )
@@ -1046,7 +1082,7 @@ class Engine:
                 # Pinning a newly registered tool, or the session refused the write: the general path
                 # does the same transaction and raises the precise error.
                 self._prewrite_core(sc, spec, safe + carried + 1, pin, effect_id, call_id, args_json, digest,
-                                    from_epoch(now))
+                                    from_epoch(now), kickoff)
         except IntegrityConflict:
             self._inflight.discard(effect_id)
             self._give_back(sc, safe, carried)
@@ -1086,7 +1122,7 @@ class Engine:
 
     def _prewrite_core(
         self, sc: SessionCache, spec: ToolSpec, count: int, pin: ToolSpec | None, effect_id: str,
-        call_id: str | None, args_json: Any, digest: str, now: dt.datetime,
+        call_id: str | None, args_json: Any, digest: str, now: dt.datetime, kickoff_id: str | None = None,
     ) -> None:
         assert spec.compensation is not None
         with self.store.tx() as conn:
@@ -1096,7 +1132,7 @@ class Engine:
                 "tool_name": spec.name, "tool_revision": spec.revision, "tier": COMPENSABLE.value,
                 "state": EffectState.PENDING.value, "args_snapshot": args_json, "args_digest": digest,
                 "owner": self.leases.owner, "lease_until": now + dt.timedelta(seconds=self.lease_seconds),
-                "recovery_attempts": 0, "created_at": now, "updated_at": now,
+                "recovery_attempts": 0, "created_at": now, "updated_at": now, "kickoff_id": kickoff_id,
             })
             self.store.insert_undo_in(conn, {
                 "undo_id": seq, "effect_id": effect_id, "session_id": sc.session_id,
@@ -1127,6 +1163,7 @@ class Engine:
         """
         now = utcnow()
         args_json = row.args_snapshot
+        request_id, decision = None, None  # (for an IRREVERSIBLE call: its request, and how it was decided)
         added, lost = row.effect_id not in self._inflight, False  # (as in _claim_run: a loser leaves it alone)
         self._inflight.add(row.effect_id)
         try:
@@ -1135,13 +1172,18 @@ class Engine:
                 if row.tier == IRREVERSIBLE:
                     req = self.store.request_of_effect_in(conn, row.effect_id)
                     self._check_still_approved(req, row)
+                    if req is not None:
+                        request_id, decision = req.approval_request_id, "approve"
                     if req is not None and req.approved_args is not None:
                         args_json = req.approved_args  # a modify: what the person approved runs, nothing else
-                if not self.store.claim_effect_in(
+                        if canonical_json(req.approved_args) != canonical_json(row.args_snapshot):
+                            decision = "modify"  # (the adapter tells the model its call was changed)
+                epoch = self.store.claim_effect_in(
                     conn, row.effect_id, from_state=EffectState.RELEASED.value,
                     to_state=row.released_from or EffectState.PENDING.value, owner=self.leases.owner,
                     lease_until=now + dt.timedelta(seconds=self.lease_seconds), now=now,
-                ):
+                )
+                if not epoch:
                     lost = True
                     raise InvalidEffectState(f"call {row.call_id!r} was re-claimed by another caller")
                 self.store.back_in_flight_in(conn, row.seq)
@@ -1151,7 +1193,8 @@ class Engine:
             raise
         self.leases.start()
         args = spec.checked(args_json)
-        return Execute(row.effect_id, args, f"do-{row.effect_id}", spec.tier, spec.name, row.call_id, row.session_id)
+        return Execute(row.effect_id, args, f"do-{row.effect_id}", spec.tier, spec.name, row.call_id, row.session_id,
+                       request_id, decision, epoch=epoch)
 
     @staticmethod
     def _check_still_approved(req: Any, row: Any) -> None:
@@ -1308,10 +1351,11 @@ class Engine:
         try:
             with self.store.tx() as conn:
                 self._guard(conn, sc, count, pin=None)
-                if not self.store.claim_effect_in(
+                epoch = self.store.claim_effect_in(
                     conn, row.effect_id, from_state=EffectState.APPROVED.value, to_state=EffectState.RUNNING.value,
                     owner=self.leases.owner, lease_until=now + dt.timedelta(seconds=self.lease_seconds), now=now,
-                ):
+                )
+                if not epoch:
                     lost = True
                     raise _ClaimLost(f"call {row.call_id!r} was claimed by another caller")
                 self.store.back_in_flight_in(conn, row.seq)
@@ -1329,7 +1373,7 @@ class Engine:
         decision = ("auto_approved" if row.req_state == RequestState.AUTO_APPROVED
                     else "modify" if row.approved_digest not in (None, row.args_digest) else "approve")
         return Execute(row.effect_id, validated, f"do-{row.effect_id}", IRREVERSIBLE, spec.name, row.call_id,
-                       sc.session_id, row.approval_request_id, decision)
+                       sc.session_id, row.approval_request_id, decision, epoch)
 
     def _request_approval(
         self,
@@ -1355,7 +1399,7 @@ class Engine:
                     "effect_id": effect_id, "session_id": sc.session_id, "call_id": call_id or effect_id,
                     "tool_name": spec.name, "tool_revision": spec.revision, "tier": IRREVERSIBLE.value,
                     "state": EffectState.AWAITING_APPROVAL.value, "args_snapshot": args_json, "args_digest": digest,
-                    "recovery_attempts": 0, "created_at": now, "updated_at": now,
+                    "recovery_attempts": 0, "created_at": now, "updated_at": now, "kickoff_id": KICKOFF.get(),
                 })
                 payload = {
                     "approval_request_id": request_id, "session_id": sc.session_id, "effect_id": effect_id,
@@ -1375,6 +1419,10 @@ class Engine:
                 raise
             # A concurrent re-run raised the same request first: return that one, never a second request.
             row = self.store.find_irreversible(sc.session_id, spec.name, call_id, digest)
+            if row is None:
+                # The id is taken in another session (a client key unique beyond one session, see schema.py's
+                # ux_undolog_effect_client_key): nothing was written here; the caller asks that session.
+                raise InvalidEffectState(f"call {call_id!r} is another session's") from None
             return self._resume_irreversible(sc, spec, row, digest)
         except BaseException:
             self._give_back(sc, count - 1)
@@ -1445,11 +1493,32 @@ class Engine:
         if not wait:
             raise WouldBlock()  # not in flight any more: the precise error needs a transaction, in a thread
         try:
-            state = self.store.mark_committed(effect_id, text, from_epoch(now), fast=self.fast_commit_mark)
+            state = self.store.mark_committed(effect_id, text, from_epoch(now), fast=self.fast_commit_mark,
+                                              owner=self.leases.owner)
+            if state in LATE_FINISH_STATES:
+                self._finished_late(effect_id, text)
+                return
+            if state == EffectState.COMMITTED.value:
+                return  # taken over, and its probe proved the call happened: the caller's "done" agrees
         finally:
             self._inflight.discard(effect_id)
         if state is not None:
             self._missing_or_moved(effect_id, state, EffectState.COMMITTED)
+
+    def _finished_late(self, effect_id: str, text: str) -> None:
+        """The tool returned, but another process had taken the call over (recovery claimed it and compensated it,
+        or settled it ``unknown``, or is doing so now): recorded, never lost, never re-compensated. The effect
+        becomes ``unknown`` with the finish (and its result) in the audit trail, the session halts, and the caller
+        gets ``OutcomeConflict``. A probe that proved the call ``committed`` already agrees: nothing to record."""
+        late = self.store.record_late_finish(effect_id, text, utcnow())
+        if late is None:
+            return
+        self.note_state(late.session_id, SessionState.HALTED)
+        engine_log.error(
+            "late finish: %s (session %s, effect %s) finished after another process took it over (it was %s): "
+            "recorded, effect unknown, session halted", late.tool_name, late.session_id, effect_id,
+            late.state_before, extra=ids(late.session_id, effect_id))
+        raise OutcomeConflict(effect_id, late.tool_name, late.session_id, late.state_before)
 
     def record_failure(self, effect_id: str, error: BaseException | str, *, nothing_happened: bool = False,
                        rollback: tuple[str, str] | None = None) -> FailureRecord:
@@ -1498,7 +1567,7 @@ class Engine:
     def running(self, d: Execute, session_id: str | None = None, attempt: int = 1) -> _Running:
         """Expose ``current_call()`` to the tool while it runs (a context manager)."""
         return _Running(call_context(session_id or d.session_id, d.effect_id, d.call_id, d.tool_name,
-                                      d.idempotency_key, attempt))
+                                      d.idempotency_key, attempt, d.epoch))
 
     # -- deferred marks ------------------------------------------------------------------------------
 

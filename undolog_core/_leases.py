@@ -3,7 +3,9 @@
 An owner string names the process (host, pid, process start time) and the UndoLog instance inside it. Every effect
 in flight, undo entry being compensated and rollback being walked carries its owner and a lease, renewed in the
 background every third of ``lease_seconds``. ``owner_alive`` is how recovery and the saga tell a live worker from
-an abandoned one: for an owner in this very process, by asking the instance itself (no waiting for a lease).
+an abandoned one: for an owner in this very process, by asking the instance itself (no waiting for a lease); for
+another process on this host, by its pid and start time (a stall past the lease is not a death); for another host,
+by the lease.
 """
 
 from __future__ import annotations
@@ -31,7 +33,20 @@ def owner_alive(
     rolling: str | None = None,
 ) -> bool:
     """Whether the owner of an in-flight effect (or undo entry, or rollback of the session ``rolling``) may still
-    be working on it."""
+    be working on it: the one rule every taker-over asks (recovery, the saga, the gateway's "is the owner gone").
+
+    * An owner in this process: asked directly (is the work still counted by that UndoLog instance).
+    * Another process on this host: alive while its pid runs with the start time the owner recorded, whatever
+      its lease says. A process stopped past its lease (SIGSTOP, a debugger, a laptop asleep) is not dead: its
+      call will finish, and taking it over would compensate a call that then completes. Only a person overrides
+      that (``undolog recover --take-over EFFECT``).
+    * Another host: a stall cannot be told from a death from here, so the lease decides. A call that finishes
+      after it was taken over is recorded as such (``OutcomeConflict``), never silently lost.
+
+    Example:
+        >>> owner_alive(row.owner, row.lease_until, effect_id=row.effect_id)
+        False
+    """
     if not owner:
         return False
     parts = owner.split("|")
@@ -47,6 +62,8 @@ def owner_alive(
         if rolling is not None:
             return rolling in mine.rolling
         return lease is not None and lease > utcnow()
+    if Owner.is_alive_locally(process):
+        return True
     if Owner.is_dead_locally(process):
         return False
     return lease is not None and lease > utcnow()

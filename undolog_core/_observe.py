@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import datetime as dt
 import logging
 import os
@@ -28,10 +29,24 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+# A library attaches no handler of its own, only this one: an app that configures no logging must not get UndoLog's
+# records on stderr through Python's last-resort handler (an app that configures logging sees them as usual).
+logging.getLogger("undolog").addHandler(logging.NullHandler())
+
 engine_log = logging.getLogger("undolog.engine")
 saga_log = logging.getLogger("undolog.saga")
 approvals_log = logging.getLogger("undolog.approvals")
 recovery_log = logging.getLogger("undolog.recovery")
+
+# Set while undolog_core.testing.check_undo recovers the crashes it simulated itself: recovery's halts are then the
+# check working as meant, logged at INFO, not WARNING (a real crash's stay warnings).
+SIMULATED_CRASHES: contextvars.ContextVar[bool] = contextvars.ContextVar("undolog_simulated_crashes", default=False)
+
+
+def crash_level() -> int:
+    """The level of a "recovered after a crash" record: WARNING, INFO for a crash ``check_undo`` simulated."""
+    return logging.INFO if SIMULATED_CRASHES.get() else logging.WARNING
+
 
 try:  # the [otel] extra; without it every helper below is a no-op
     from opentelemetry import metrics as _metrics

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import enum
 import inspect
 import time
 from collections.abc import Callable, Collection
@@ -17,6 +18,7 @@ from ._saga import Saga, _call_sync, _Entry, run_coro_blocking
 from ._tools import ToolTier
 from .errors import UndoLogError
 from .limits import clean_text, safe_result
+from .storage.audit import PendingEvent
 from .storage.schema import IN_FLIGHT, EffectState, SessionState, UndoState
 
 if TYPE_CHECKING:
@@ -28,7 +30,9 @@ if TYPE_CHECKING:
 class ProbeContext:
     """What a probe receives: an idempotent status check for one call.
 
-    A probe returns False/None when the call did not happen, True when it did, or the call's result.
+    A probe has three answers: ``False`` when the call did not happen, ``True`` (or the call's result) when it
+    did, and ``None`` when it cannot tell. "Cannot tell" is settled as if there were no probe; "did not happen"
+    settles the call as not run only once the original request can no longer land (see :func:`probe_answer`).
     """
 
     args: dict[str, Any]
@@ -36,6 +40,44 @@ class ProbeContext:
     effect_id: str
     session_id: str
     tool_name: str
+    #: The ownership epoch of this recovery's claim (the fencing token; see ``CallContext.epoch``): above the
+    #: epoch of the process that ran the call, so an upstream told of it refuses that process's late write.
+    epoch: int = 1
+
+
+class ProbeAnswer(enum.StrEnum):
+    """What a probe said about one call, as its audit event records it."""
+
+    HAPPENED = "happened"
+    NOT_HAPPENED = "not_happened"
+    CANT_TELL = "cant_tell"
+
+
+def probe_answer(verdict: Any) -> tuple[ProbeAnswer, Any]:
+    """A probe's return value as (answer, the call's result or None).
+
+    Only an explicit ``False`` says "did not happen": ``None`` is a probe that cannot tell, which must never
+    settle a call as not run (a COMPENSABLE call whose undo was dropped on a guess, or an IRREVERSIBLE one run
+    again).
+
+    Example:
+        >>> probe_answer({"id": 7})
+        (<ProbeAnswer.HAPPENED: 'happened'>, {'id': 7})
+        >>> probe_answer(None)[0]
+        <ProbeAnswer.CANT_TELL: 'cant_tell'>
+    """
+    if verdict is None:
+        return ProbeAnswer.CANT_TELL, None
+    if verdict is False:
+        return ProbeAnswer.NOT_HAPPENED, None
+    return ProbeAnswer.HAPPENED, None if verdict is True else safe_result(verdict)
+
+
+def _probe_event(row: Any, answer: ProbeAnswer, settled: str) -> PendingEvent:
+    """The audit event of one probe's answer, on the effect it was asked about."""
+    return PendingEvent(subject=f"effect:{row.effect_id}", action="effect.probe", actor="undolog:recovery",
+                        payload={"effect_id": row.effect_id, "session_id": row.session_id,
+                                 "tool_name": row.tool_name, "answer": answer.value, "settled": settled})
 
 
 @dataclass
@@ -76,10 +118,13 @@ class Recovery:
         return not owner_alive(owner, lease, effect_id=effect_id, undo_id=undo_id, rolling=rolling)
 
     def recover(self, progress: Callable[[int, int, str], None] | None = None, *,
-                sessions: Collection[str] | None = None) -> RecoveryReport:
+                sessions: Collection[str] | None = None, take_over: Collection[str] = ()) -> RecoveryReport:
         """Finish what crashed processes left in flight. Safe to run from several processes at once.
 
         ``sessions`` limits it to those sessions (the undo-check harness recovers only its own runs).
+        ``take_over``: effect ids a person has decided to take over although their owner still runs on this host
+        (a process stopped for good: ``undolog recover --take-over EFFECT``). If that process finishes the call
+        after all, its finish is recorded (``OutcomeConflict``), the effect ``unknown``.
 
         Example:
             >>> report = undolog.recover()
@@ -87,7 +132,7 @@ class Recovery:
             [{'effect_id': '...', 'tool_name': 'send_refund_email', 'outcome': 'compensated'}]
         """
         with obs.span("undolog.recover", {}) as sp:
-            report = self._recover(progress, sessions)
+            report = self._recover(progress, sessions, frozenset(take_over))
             sp.set_attributes({"undolog.reconciled": len(report.reconciled), "undolog.left_alive": report.left_alive,
                                "undolog.rollbacks_resumed": len(report.rollbacks_resumed),
                                "undolog.dead_lettered": len(report.dead_lettered), "undolog.errors": len(report.errors)})
@@ -101,7 +146,7 @@ class Recovery:
         return report
 
     def _recover(self, progress: Callable[[int, int, str], None] | None,
-                 sessions: Collection[str] | None = None) -> RecoveryReport:
+                 sessions: Collection[str] | None = None, take_over: frozenset[str] = frozenset()) -> RecoveryReport:
         report = RecoveryReport()
         self._flush_marks()
         seen = self._store.in_flight()
@@ -111,7 +156,13 @@ class Recovery:
             effects = [r for r in effects if r.session_id in only]
             undos = [r for r in undos if r.session_id in only]
             intents = [r for r in intents if r.session_id in only]
-        dead_effects = [r for r in effects if self._dead(r.owner, r.lease_until, r.effect_id)]
+        if take_over:
+            # A person's decision, never a default: the named effects are taken over whoever owns them.
+            missing = sorted(take_over - {r.effect_id for r in effects})
+            for effect_id in missing:
+                report.errors.append(f"effect {effect_id}: not in flight; nothing to take over")
+        dead_effects = [r for r in effects
+                        if r.effect_id in take_over or self._dead(r.owner, r.lease_until, r.effect_id)]
         report.left_alive = len(effects) - len(dead_effects)
         # A requested rollback whose walker is gone is finished: the whole session, as was asked.
         dead_intents = [r for r in intents if self._dead(r.owner, r.lease_until, rolling=r.session_id)]
@@ -179,14 +230,19 @@ class Recovery:
                 progress(done, total, f"{r.tool_name} {r.effect_id}: {settled or 'skipped'}")
         return report
 
-    def settle_in_doubt(self, effect_id: str) -> str | None:
+    def settle_in_doubt(self, effect_id: str, *, original_gone: bool = True) -> str | None:
         """Settle now, as recovery would after a crash, a call of this process whose outcome its caller cannot tell
         (the connection to the tool was lost mid-call, or it timed out): its probe decides when it has one; else a
         COMPENSABLE call is compensated (a compensation tolerates "never happened") and an IRREVERSIBLE one, or one
         whose compensation needs the result it never got, becomes ``unknown``; the session halts for a person.
 
-        Returns the outcome (``committed``, ``compensated``, ``unknown``, ``not_run``), or None when the effect was
-        no longer in flight.
+        ``original_gone``: the original request can no longer land (its connection closed, its process gone, or
+        the tool confirmed the cancel). While it still may (False), a probe's "did not happen" settles nothing:
+        the effect stays in flight, held by this process, and the answer is ``settling``; call this again once
+        it can no longer land (a process that ends first leaves it to ``recover()``).
+
+        Returns the outcome (``committed``, ``compensated``, ``unknown``, ``not_run``, ``settling``), or None when
+        the effect was no longer in flight.
 
         Example:
             >>> undolog.driver.in_doubt(effect_id)   # what the call driver does for ``unknown_on`` exceptions
@@ -196,7 +252,7 @@ class Recovery:
         if row.state not in IN_FLIGHT:
             return None
         report = RecoveryReport()
-        outcome = self._reconcile(row, report)
+        outcome = self._reconcile(row, report, original_gone=original_gone)
         if outcome is None and report.errors:
             raise UndoLogError("; ".join(report.errors))
         return outcome
@@ -232,6 +288,7 @@ class Recovery:
         leases.inflight.update(got)
         leases.start()
         committed: list[tuple[str, Any]] = []
+        events: list[PendingEvent] = []  # each probe's answer, recorded with what it settled
         undo: list[Any] = []
         mine: set[int] = set()
         try:
@@ -240,7 +297,7 @@ class Recovery:
                 spec = self._registry.tools[c.tool_name]
                 if spec.probe is not None:
                     ctx = ProbeContext(dict(c.args_snapshot), f"do-{c.effect_id}", c.effect_id, c.session_id,
-                                       c.tool_name)
+                                       c.tool_name, int(c.epoch) + 1)
                     try:
                         verdict = spec.probe(ctx)
                         if inspect.isawaitable(verdict):
@@ -248,14 +305,20 @@ class Recovery:
                     except Exception:  # noqa: BLE001 - the effect goes the one-by-one way, which counts attempts
                         left[c.effect_id] = leases.owner
                         continue
-                    if verdict is not None and verdict is not False:
-                        # The probe's answer is the call's result: stored made safe, as any result is (a cyclic
-                        # or very deep answer raised here and wedged every recover() behind it).
-                        committed.append((c.effect_id, None if verdict is True else safe_result(verdict)))
+                    # The probe's answer is the call's result: stored made safe, as any result is (a cyclic
+                    # or very deep answer raised here and wedged every recover() behind it).
+                    answer, result = probe_answer(verdict)
+                    if answer is ProbeAnswer.HAPPENED:
+                        committed.append((c.effect_id, result))
+                        events.append(_probe_event(c, answer, "committed"))
                         continue
+                    if answer is ProbeAnswer.NOT_HAPPENED:
+                        left[c.effect_id] = leases.owner  # settled as not run, one by one (_reconcile)
+                        continue
+                    events.append(_probe_event(c, answer, "compensated"))
                 undo.append(c)
             mine = self._store.settle_and_claim_undos(committed, [c.undo_id for c in undo], leases.owner,
-                                                      leases.until())
+                                                      leases.until(), events=events)
             for effect_id, _ in committed:
                 leases.inflight.discard(effect_id)
                 done += 1
@@ -302,8 +365,9 @@ class Recovery:
         """Run one claimed compensation with the saga's retries; on success record it and halt the session
         (``durable``: wait for the disk; the batch's last record does, see ``compensated_in_recovery``)."""
         fn, _ = self._registry.compensations[c.compensation_name]
+        # The undo entry's arguments, as the saga gives them: what was stored with it (a gateway's capture) too.
         entry = _Entry(c.undo_id, c.effect_id, c.tool_name, c.compensation_name, c.compensation_version,
-                       dict(c.args_snapshot), None, c.state, c.attempts, fn, UndoState.COMPENSATING.value,
+                       dict(c.undo_args), None, c.state, c.attempts, fn, UndoState.COMPENSATING.value,
                        self._leases.owner)
         error: str | None = None
         for n in range(self._saga.max_attempts):
@@ -323,7 +387,7 @@ class Recovery:
                 f"recovered after a crash: {c.tool_name} ({c.effect_id}) was compensated; review, then resume or "
                 "roll back", durable=durable)
             self._note_state(c.session_id, SessionState.HALTED)
-            obs.recovery_log.warning("halt: session %s halted: recovered after a crash: %s (%s) was compensated",
+            obs.recovery_log.log(obs.crash_level(), "halt: session %s halted: recovered after a crash: %s (%s) was compensated",
                                      c.session_id, c.tool_name, c.effect_id, extra=obs.ids(c.session_id))
             return "compensated"
         why = self._saga._failed(c.session_id, entry, error)
@@ -333,7 +397,8 @@ class Recovery:
     def _halt(self, session_id: str, reason: str) -> None:
         self._store.halt_session(session_id, reason)
         self._note_state(session_id, SessionState.HALTED)
-        obs.recovery_log.warning("halt: session %s halted: %s", session_id, reason, extra=obs.ids(session_id))
+        obs.recovery_log.log(obs.crash_level(), "halt: session %s halted: %s", session_id, reason,
+                             extra=obs.ids(session_id))
 
     def _finish_stray(self, r: Any, report: RecoveryReport) -> tuple[str, str] | None:
         """Finish the one compensation that was interrupted, and halt the session for a person."""
@@ -351,7 +416,7 @@ class Recovery:
                                      f"({r.effect_id}) was finished; review, then resume or roll back")
         return step.tool_name, step.outcome
 
-    def _reconcile(self, r: Any, report: RecoveryReport) -> str | None:
+    def _reconcile(self, r: Any, report: RecoveryReport, *, original_gone: bool = True) -> str | None:
         spec = self._registry.tools.get(r.tool_name)
         if spec is None:
             report.errors.append(
@@ -371,36 +436,57 @@ class Recovery:
         self._leases.inflight.add(r.effect_id)
         self._leases.start()
         fault(FaultPoint.DURING_RECOVERY)
+        outcome: str | None = None
         try:
-            return self._reconcile_claimed(r, spec)
+            outcome = self._reconcile_claimed(r, spec, original_gone)
+            return outcome
         except Exception as exc:  # noqa: BLE001 - counted toward the dead letter, never lost
             return self._attempt_failed(r, f"{type(exc).__name__}: {exc}", report)
         finally:
-            self._leases.inflight.discard(r.effect_id)
+            if outcome != "settling":  # held (and its lease renewed) until its original can no longer land
+                self._leases.inflight.discard(r.effect_id)
 
-    def _reconcile_claimed(self, r: Any, spec: Any) -> str:
+    def _reconcile_claimed(self, r: Any, spec: Any, original_gone: bool = True) -> str:
         row = self._store.effect(r.effect_id)
-        verdict: Any = None
+        answer = None
         if spec.probe is not None:
-            ctx = ProbeContext(dict(row.args_snapshot), f"do-{r.effect_id}", r.effect_id, r.session_id, r.tool_name)
+            ctx = ProbeContext(dict(row.args_snapshot), f"do-{r.effect_id}", r.effect_id, r.session_id, r.tool_name,
+                               int(row.epoch))
             verdict = spec.probe(ctx)
             if inspect.isawaitable(verdict):
                 verdict = run_coro_blocking(verdict)
-            if verdict is not None and verdict is not False:
-                result = None if verdict is True else safe_result(verdict)  # made safe, as any result
-                self._store.settle_effect(r.effect_id, EffectState.COMMITTED, result=result)
+            answer, result = probe_answer(verdict)  # the result made safe, as any result
+            if answer is ProbeAnswer.HAPPENED:
+                self._store.settle_effect(r.effect_id, EffectState.COMMITTED, result=result,
+                                          event=_probe_event(r, answer, "committed"))
                 return "committed"
-        if r.tier == ToolTier.IRREVERSIBLE:
-            if spec.probe is not None:
-                # The probe says it never happened: the approved call may run once when re-issued.
-                self._store.settle_effect(r.effect_id, EffectState.APPROVED)
+            if answer is ProbeAnswer.NOT_HAPPENED:
+                if not original_gone:
+                    # It has not happened yet, and the request may still land: settling it now would undo what is
+                    # about to happen (or let it run twice). Held here until the original can no longer land.
+                    self._store.settle_effect(r.effect_id, None, event=_probe_event(r, answer, "settling"))
+                    return "settling"
+                if r.tier == ToolTier.IRREVERSIBLE:
+                    # The approved call may run once when re-issued.
+                    self._store.settle_effect(r.effect_id, EffectState.APPROVED,
+                                              event=_probe_event(r, answer, "not_run"))
+                    return "not_run"
+                # COMPENSABLE: nothing to undo; its undo entry goes, no compensation runs, the session goes on.
+                self._store.settle_effect(r.effect_id, EffectState.FAILED, drop_undo=True,
+                                          error="it did not happen (its probe said so once the request could no "
+                                                "longer land): nothing to undo",
+                                          event=_probe_event(r, answer, "not_run"))
                 return "not_run"
+        if r.tier == ToolTier.IRREVERSIBLE:
             self._store.settle_effect(
-                r.effect_id, EffectState.UNKNOWN, error="interrupted mid-run; no probe to tell whether it happened",
+                r.effect_id, EffectState.UNKNOWN,
+                error="interrupted mid-run; no probe to tell whether it happened" if answer is None
+                else "interrupted mid-run; its probe could not tell whether it happened",
                 halt=(r.session_id, f"{r.tool_name} ({r.effect_id}) was interrupted mid-run: outcome unknown"),
+                event=_probe_event(r, answer, "unknown") if answer is not None else None,
             )
             self._note_state(r.session_id, SessionState.HALTED)
-            obs.recovery_log.warning("halt: session %s halted: %s (%s) was interrupted mid-run, outcome unknown",
+            obs.recovery_log.log(obs.crash_level(), "halt: session %s halted: %s (%s) was interrupted mid-run, outcome unknown",
                                      r.session_id, r.tool_name, r.effect_id, extra=obs.ids(r.session_id, r.effect_id))
             return "unknown"
         if spec.compensation_needs_result:
@@ -410,10 +496,13 @@ class Recovery:
                 error="outcome unknown, and its compensation needs the result it never returned",
                 halt=(r.session_id, f"{r.tool_name} ({r.effect_id}): outcome unknown and its compensation needs "
                                     "its result; check the tool, then resume or roll back"),
+                event=_probe_event(r, answer, "unknown") if answer is not None else None,
             )
             self._note_state(r.session_id, SessionState.HALTED)
             return "unknown"
         # COMPENSABLE, no proof it happened: compensate (a compensation tolerates "never happened").
+        if answer is not None:
+            self._store.note_event(_probe_event(r, answer, "compensated"))
         report = self._saga.rollback_sync(r.session_id, actor="undolog:recovery",
                                           reason=f"recovery of {r.effect_id}", only_effect=r.effect_id)
         if not report.steps or report.steps[-1].outcome != "compensated":

@@ -79,9 +79,13 @@ class RollbackReport:
     complete: bool = False
     halted_reason: str | None = None
     kept_irreversible: list[str] = field(default_factory=list)
+    # Run by the live process serving the session (its owner), for the requester (see ``_owners.py``).
+    ran_by: str | None = None
+    # A process served the session, but it was gone: the requester ran it against connections of its own.
+    ran_without_live_upstream: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "session_id": self.session_id,
             "already_rolled_back": self.already_rolled_back,
             "complete": self.complete,
@@ -89,6 +93,11 @@ class RollbackReport:
             "kept_irreversible": self.kept_irreversible,
             "steps": [s.__dict__ for s in self.steps],
         }
+        if self.ran_by is not None:
+            out["ran_by"] = self.ran_by
+        if self.ran_without_live_upstream:
+            out["ran_without_live_upstream"] = True
+        return out
 
 
 @dataclass
@@ -268,7 +277,7 @@ class Saga:
         self._store.undo_attempt_failed(entry.undo_id, error)
 
     def _succeeded(self, entry: _Entry) -> None:
-        self._store.undo_compensated(entry.undo_id, entry.effect_id)
+        self._store.undo_compensated(entry.undo_id, entry.effect_id, in_flight=entry.effect_state in IN_FLIGHT)
         self._leases.compensating.discard(entry.undo_id)
 
     def _failed(self, session_id: str, entry: _Entry, error: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -12,16 +13,17 @@ from ._driver import CallDriver
 from ._engine import DEFAULT_MAX_SESSIONS, Engine, check_id
 from ._leases import Leases
 from ._outbox import OutboxService
+from ._owners import SessionOwners
 from ._policy import PolicyService
 from ._recovery import Recovery, RecoveryReport
 from ._registry import Registry
 from ._saga import RollbackReport, Saga
 from ._session import Session, SessionService
 from ._tools import RetryPolicy, ToolSpec, ToolTier, make_declaration
-from .errors import ConfigurationError, InvalidDeclaration
-from .storage import Storage, open_storage
+from .errors import ConfigurationError, DatabaseOpenFailed, DatabaseUnavailable, InvalidDeclaration
+from .storage import DATABASE_ERRORS, Storage, database_error_detail, open_storage, safe_url, sqlite_file
 from .storage.base import new_id
-from .storage.schema import OnFailure
+from .storage.schema import OnFailure, SessionState
 
 
 class UndoLog:
@@ -71,6 +73,7 @@ class UndoLog:
             persist=self.engine.persist,
         )
         self.outbox = OutboxService(store)
+        self.owners = SessionOwners(store, self.leases)
         self._recovery = Recovery(store, self.registry, self.saga, self.leases, flush_marks=self.engine.flush_marks,
                                   note_state=self.engine.note_state)
         # A call whose outcome its caller cannot tell (a lost connection mid-call) is settled at once, as recovery
@@ -105,9 +108,17 @@ class UndoLog:
                 everything they hold is in the store (their call counts, a deferred start; see ``Engine.trim``), and
                 read again when used; an adapter's own per-thread maps keep to the same bound.
         """
-        store = open_storage(url, schema=schema, pool_size=pool_size)
-        if migrate:
-            store.migrate()
+        store = None
+        try:
+            store = open_storage(url, schema=schema, pool_size=pool_size)
+            if migrate:
+                store.migrate()
+        except _OPEN_ERRORS as exc:
+            where = safe_url(store.url if store is not None else str(url or os.environ.get("UNDOLOG_DATABASE_URL")
+                                                                      or "sqlite:///undolog.db"))
+            if store is not None:
+                store.dispose()
+            raise DatabaseOpenFailed(where, database_error_detail(exc), _open_hint(where, exc)) from exc
         return cls(store, fast_commit_mark=fast_commit_mark, lease_seconds=lease_seconds, max_sessions=max_sessions)
 
     def _note_state(self, session_id: str, state: str) -> None:
@@ -205,19 +216,49 @@ class UndoLog:
                                             on_failure=on_failure)
         return Session(self, sc)
 
-    def rollback(self, session_id: str, *, actor: str = "undolog", progress: Any = None) -> RollbackReport:
-        """Roll a session back (sync). See :meth:`arollback` for async compensations in a running loop."""
-        return self.saga.rollback_sync(session_id, actor=actor, reason="requested", progress=progress)
+    def rollback(self, session_id: str, *, actor: str = "undolog", progress: Any = None,
+                 wait: float = 30.0) -> RollbackReport:
+        """Roll a session back (sync). See :meth:`arollback` for async compensations in a running loop.
+
+        A session served by a live process (the MCP gateway: ``owners.hold``) is rolled back there, where the
+        connections that did the work live: the request is filed for it and this waits up to ``wait`` seconds for
+        its report (``RollbackStillRunning`` after that; it goes on there). When that process is gone, the rollback
+        runs here and its report says ``ran_without_live_upstream``.
+
+        Example:
+            >>> undolog.rollback("ticket-1042", actor="ana", wait=60).complete
+            True
+        """
+        owner, gone = self.owners.live_owner(session_id)
+        if owner is not None and self.sessions.get(session_id).state == SessionState.ROLLED_BACK:
+            owner, gone = None, False  # nothing to run, anywhere: said at once, without asking the owner
+        if owner is not None:
+            report = self.owners.delegate(session_id, owner, actor=actor, reason="requested", wait=wait,
+                                          gone=lambda: self.owners.live_owner(session_id)[0] is None)
+            if report is not None:
+                return report
+            gone = True
+        report = self.saga.rollback_sync(session_id, actor=actor, reason="requested", progress=progress)
+        report.ran_without_live_upstream = gone
+        return report
 
     async def arollback(self, session_id: str, *, actor: str = "undolog") -> RollbackReport:
         return await self.saga.rollback(session_id, actor=actor, reason="requested")
 
-    def recover(self, progress: Any = None, *, sessions: Iterable[str] | None = None) -> RecoveryReport:
+    def recover(self, progress: Any = None, *, sessions: Iterable[str] | None = None,
+                take_over: Iterable[str] = ()) -> RecoveryReport:
         """Reconcile effects left in flight by crashed processes; see the README's guarantees.
 
-        ``sessions`` limits it to those sessions (everything in flight by default).
+        ``sessions`` limits it to those sessions (everything in flight by default). ``take_over`` names effects to
+        reconcile although their owner still runs on this host (a person's decision: a process stopped for good);
+        a call of such a process that finishes afterwards is recorded as a late finish, the effect ``unknown``.
+
+        Example:
+            >>> undolog.recover(take_over=["3f2a..."]).reconciled
+            [{'effect_id': '3f2a...', 'tool_name': 'send_refund_email', 'outcome': 'compensated'}]
         """
-        return self._recovery.recover(progress=progress, sessions=None if sessions is None else set(sessions))
+        return self._recovery.recover(progress=progress, sessions=None if sessions is None else set(sessions),
+                                      take_over=set(take_over))
 
     def verify_audit(
         self, *, checkpoints: str | os.PathLike[str] | None = None, public_key: str | os.PathLike[str] | None = None
@@ -280,3 +321,25 @@ class UndoLog:
 
         return str(write_checkpoint(self.store, load_private_key(Path(key)), Path(out)))
 
+
+
+# What opening or migrating a store raises when the database will not open (a driver's or SQLAlchemy's error).
+_OPEN_ERRORS: tuple[type[BaseException], ...] = (*DATABASE_ERRORS, sqlite3.Error, OSError, DatabaseUnavailable)
+
+
+def _open_hint(url: str, exc: BaseException) -> str:
+    """What to do about a database that would not open, from what the driver said."""
+    text = str(getattr(exc, "orig", None) or exc).lower()
+    path = sqlite_file(url)
+    if path is not None:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            return f"the folder {folder} does not exist: create it, or pass another sqlite:/// path"
+        return f"check that {path} is a SQLite database this process can read and write"
+    if "password" in text or "authentication" in text:
+        return "the server refused the credentials: check the user and password in the URL"
+    if "does not exist" in text:
+        return "the server has no such database (or schema): create it, or pass the right name in the URL"
+    if "connection refused" in text or "could not connect" in text or "timeout" in text or "resolve" in text:
+        return "no database server answered there: start it, or fix the host and port in the URL"
+    return "check the URL, that the database is running and reachable, and its credentials"

@@ -26,6 +26,7 @@ import enum
 import inspect
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -40,7 +41,7 @@ from rich.table import Table
 from rich.text import Text
 from typer.core import TyperGroup
 
-from ._app import is_gateway_config, load_app
+from ._app import gateway_database, is_gateway_config, load_app
 from ._registry import default_actor
 from ._saga import RollbackStep
 from ._undolog import UndoLog
@@ -152,7 +153,7 @@ def _fail(code: str, message: str, exit_code: int = 2) -> None:
     Raises:
         typer.Exit: Always.
     """
-    typer.echo(f"error[{code}]: {message}", err=True)
+    typer.echo(f"error[{code}]: {_inert(message)}", err=True)
     raise typer.Exit(exit_code)
 
 
@@ -270,14 +271,18 @@ def _open(ctx: typer.Context, *, migrate: bool = False) -> UndoLog:
                     "both at the same database"
                 )
     else:
-        url = resolve_url(st.db)
+        # A gateway config may name its database (the MCP client's config starts the gateway with it): used when
+        # neither --db nor UNDOLOG_DATABASE_URL says otherwise.
+        named = gateway_database(st.app_spec) if gateway and st.db is None and st.app_spec else None
+        url = resolve_url(st.db if st.db is not None else named)
         if not migrate and url.startswith("sqlite"):
             path = sqlite_file(url) or ""
             if not Path(path).expanduser().exists():
                 # Connecting would create an empty file; say where we looked instead.
                 raise ConfigurationError(
-                    f"no UndoLog database at {path}: check --db / UNDOLOG_DATABASE_URL, or create it with "
-                    "`undolog db upgrade`"
+                    f"no UndoLog database at {path} (looked for {safe_url(url)}): pass --db URL (or set "
+                    "UNDOLOG_DATABASE_URL), --app MODULE:ATTR for an app that opens its own, or create it with "
+                    f"`undolog db upgrade --db {safe_url(url)}`"
                 )
         u = UndoLog.open(url, schema=st.schema, migrate=False)
         ctx.find_root().call_on_close(u.close)
@@ -343,9 +348,23 @@ def _compact(value: Any, limit: int | None = 60) -> str:
     return text if limit is None or len(text) <= limit else text[: limit - 1] + "…"
 
 
+# What a terminal would act on rather than show: C0 controls but tab and newline (ESC starts ANSI and OSC sequences,
+# CR overwrites a line), DEL, C1 controls (0x9b is a one-byte CSI), and the bidirectional overrides that reorder
+# what a person reads.
+_TERMINAL_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _inert(text: str) -> str:
+    """``text`` with every terminal control shown as an escape (``\\x1b``), never sent to the terminal: agent- and
+    model-supplied fields (arguments, reasons, errors) reach the operator's terminal through this."""
+    return _TERMINAL_CONTROLS.sub(
+        lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", text)
+
+
 def _txt(value: Any) -> Text:
-    """User data as literal text: arguments and reasons may contain ``[...]``, which Rich would take as markup."""
-    return Text("-" if value is None or value == "" else str(value))
+    """User data as literal text: arguments and reasons may contain ``[...]``, which Rich would take as markup, and
+    terminal controls (ANSI escapes), which Rich passes through: both shown, neither acted on."""
+    return Text("-" if value is None or value == "" else _inert(str(value)))
 
 
 def _duration(seconds: float) -> str:
@@ -684,8 +703,13 @@ def sessions_rollback(
     session_id: Annotated[str, typer.Argument(metavar="ID", help="The session to roll back.")],
     actor: ActorOpt = None,
     as_json: JsonOpt = False,
+    wait: Annotated[float, typer.Option(
+        "--wait", help="Seconds to wait for the live process serving the session (an MCP gateway) to run it.")] = 30.0,
 ) -> None:
     """Undo every compensable effect of a session, newest first (needs --app for the compensations).
+
+    A session served by a live MCP gateway is rolled back by that gateway, over the upstream connections that did
+    the work; this waits for it (``--wait``). Only when that gateway is gone does this run it, and says so.
 
     \f
     Committed IRREVERSIBLE effects cannot be undone; they are listed. A compensation that keeps failing
@@ -696,7 +720,7 @@ def sessions_rollback(
     total = len(u.saga.undo_plan(session_id))
     with _Progress("rolling back", enabled=not as_json) as progress:
         progress.start(total)
-        report = u.rollback(session_id, actor=_actor(actor), progress=progress)
+        report = u.rollback(session_id, actor=_actor(actor), progress=progress, wait=wait)
     if as_json:
         _print_json(report.to_dict())
     elif report.already_rolled_back:
@@ -716,10 +740,16 @@ def sessions_rollback(
             _show(table)
         if report.complete:
             typer.echo(f"session {session_id} rolled back ({len(report.steps)} compensation(s) run)")
+        if report.ran_by is not None:
+            typer.echo(f"run by the live process serving the session: {report.ran_by}")
+        if report.ran_without_live_upstream:
+            typer.echo("ran here: the process that served the session is gone, so its compensations reached "
+                       "upstreams started for this rollback (ran_without_live_upstream)", err=True)
         for kept in report.kept_irreversible:
             typer.echo(f"kept (irreversible, cannot be undone): {kept}")
     if not report.complete:
-        typer.echo(f"rollback stopped; session {session_id} is halted: {report.halted_reason}", err=True)
+        typer.echo(f"rollback stopped; session {session_id} is halted: {_inert(report.halted_reason or '')}",
+                   err=True)
         raise typer.Exit(1)
 
 
@@ -935,7 +965,7 @@ def approvals_modify(
     rec = u.approvals.modify(request_id, approver=_actor(actor), args=edited, reason=reason)
     _decided(rec, "approved with edits", as_json)
     if not as_json:
-        typer.echo(f"approved arguments: {_compact(rec.approved_args, None)}")
+        typer.echo(f"approved arguments: {_inert(_compact(rec.approved_args, None))}")
         typer.echo(f"the call runs with them when the agent re-issues it (call_id {rec.call_id})")
 
 
@@ -1045,17 +1075,29 @@ def policy_set(
 
 
 @app.command("recover")
-def recover(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+def recover(
+    ctx: typer.Context,
+    as_json: JsonOpt = False,
+    take_over: Annotated[
+        list[str] | None,
+        typer.Option("--take-over", metavar="EFFECT",
+                     help="Take over this in-flight effect although its owner still runs on this host (a process "
+                          "stopped for good). Repeatable."),
+    ] = None,
+) -> None:
     """Reconcile calls left in flight by crashed processes (needs --app for probes and compensations).
 
     \f
     Only effects whose owner is gone are touched, so running it next to live agents is safe, and several
-    ``recover`` runs at once handle each effect once. Exit code 1 when some effects could not be
-    reconciled (e.g. their tool is not in the loaded app) or went to the dead letter.
+    ``recover`` runs at once handle each effect once. A process on this host that still runs (stopped, paused)
+    keeps its calls whatever its lease says; ``--take-over EFFECT`` is a person's decision to take one over (if
+    the process finishes the call after all, the effect becomes ``unknown`` and the finish is recorded). Exit
+    code 1 when some effects could not be reconciled (e.g. their tool is not in the loaded app) or went to the
+    dead letter.
     """
     u = _open(ctx)
     with _Progress("recovering", enabled=not as_json) as progress:
-        report = u.recover(progress=progress)
+        report = u.recover(progress=progress, take_over=take_over or ())
     if as_json:
         _print_json(report.to_dict())
     else:
@@ -1076,7 +1118,7 @@ def recover(ctx: typer.Context, as_json: JsonOpt = False) -> None:
         if not (report.reconciled or report.rollbacks_resumed or report.errors or report.dead_lettered):
             typer.echo("nothing to recover")
     for err in report.errors:
-        typer.echo(f"not recovered: {err}", err=True)
+        typer.echo(f"not recovered: {_inert(err)}", err=True)
     if report.errors or report.dead_lettered:
         raise typer.Exit(1)
 

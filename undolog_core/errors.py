@@ -305,6 +305,23 @@ class DatabaseUnavailable(UndoLogError):
         super().__init__(f"the database did not answer during {operation}: {text}", operation=operation)
 
 
+class DatabaseOpenFailed(UndoLogError):
+    """``UndoLog.open`` could not open or migrate its database: the first line says which (password masked) and what
+    to do; the driver's own report follows.
+
+    Example:
+        >>> str(DatabaseOpenFailed("sqlite:////nope/u.db", "OperationalError: unable to open database file"))[:52]
+        'UndoLog could not open its database sqlite:////nope/'
+    """
+
+    code = "database_open_failed"
+
+    def __init__(self, url: str, detail: str, hint: str | None = None) -> None:
+        fix = hint or "check the URL, that the database is running and reachable, and its credentials"
+        super().__init__(f"UndoLog could not open its database {url}: {fix}\n  the database said: {detail}",
+                         url=url, detail=detail)
+
+
 class EffectNotFound(UndoLogError):
     code = "effect_not_found"
 
@@ -326,6 +343,32 @@ class CallRunning(InvalidEffectState):
     def __init__(self, message: str, *, effect_id: str) -> None:
         super().__init__(message, effect_id=effect_id)
         self.effect_id = effect_id
+
+
+class OutcomeConflict(InvalidEffectState):
+    """A call finished after another process had taken it over (its owner looked gone: a stall past the lease on
+    another host, or a person's ``recover --take-over``), so its side effect happened after its compensation (or
+    while recovery was deciding). The finish is recorded (an audit event with the result), the effect is
+    ``unknown`` and the session halted: a person decides, nothing is compensated a second time automatically.
+
+    Example:
+        >>> try:
+        ...     session.call_sync(send_refund_email, user_id="u1", amount=5)
+        ... except OutcomeConflict as exc:
+        ...     exc.details["effect_id"], exc.details["state_before"]
+        ('3f2a...', 'compensated')
+    """
+
+    code = "outcome_conflict"
+
+    def __init__(self, effect_id: str, tool_name: str, session_id: str, state_before: str) -> None:
+        super().__init__(
+            f"{tool_name} (effect {effect_id}) finished after another process had taken it over (it was "
+            f"{state_before} by then): the side effect happened after its compensation. The effect is now unknown "
+            f"and session {session_id!r} halted; check the tool's side, then resume or roll back the session "
+            "('undolog sessions resume' / 'undolog sessions rollback', or the desk)",
+            effect_id=effect_id, tool_name=tool_name, session_id=session_id, state_before=state_before,
+        )
 
 
 class CompensationNotFound(UndoLogError):

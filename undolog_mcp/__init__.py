@@ -20,6 +20,7 @@ _EXPORTS = {
     "Approval": "config",
     "CompensationTemplate": "config",
     "GatewayConfig": "config",
+    "SessionGrouping": "config",
     "ToolConfig": "config",
     "UpstreamConfig": "config",
     "load_config": "config",

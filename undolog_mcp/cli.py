@@ -55,8 +55,14 @@ def serve(
         help="With --http: open MCP sessions one API key may hold.")] = 50,
     max_sessions: Annotated[int, typer.Option(
         "--max-sessions", envvar="UNDOLOG_MCP_MAX_SESSIONS", help="With --http: open MCP sessions in all.")] = 1000,
+    socket: Annotated[Path | None, typer.Option(
+        "--socket", help="Serve on this local Unix socket (owner-only) for `undolog mcp connect` clients.")] = None,
 ) -> None:
     """Serve MCP over stdio (the client starts this command), fronting the config's upstreams.
+
+    With ``--socket PATH``, stay up and serve every client that connects through ``undolog mcp connect --socket
+    PATH`` (the command a client's config launches), all sharing the upstreams and, with ``session = "process"``,
+    one UndoLog session.
 
     With ``--http``, serve MCP's streamable HTTP transport at ``http://HOST:PORT/mcp`` behind the desk's API keys
     (a key with the agent role; create one with ``undolog keys create --role agent``). Logs go to stderr: over
@@ -84,11 +90,30 @@ def serve(
     logging.getLogger("undolog").setLevel(logging.INFO)
     try:
         cfg = load_config(config)
+        db = db or cfg.database  # the config's database, when neither --db nor UNDOLOG_DATABASE_URL names one
         undolog = UndoLog.open(db, schema=schema) if schema else UndoLog.open(db)
     except UndoLogError as exc:
         _fail(exc.message)
+    if http and socket is not None:
+        _fail("--http and --socket are two ways to serve: choose one")
+    if not http and cfg.session.value == "key":
+        _fail('session = "key" groups calls by API key, which only --http has; use session = "process" with '
+              "--socket or stdio")
     try:
         gw = Gateway(cfg, undolog)
+        if socket is not None:
+            from .socket import serve_socket
+
+            def listening(where: Path) -> None:
+                typer.echo(f"undolog mcp: serving on socket {where}", err=True)
+
+            try:
+                anyio.run(lambda: serve_socket(gw, socket, ready=listening))
+            except UndoLogError as exc:
+                _fail(exc.message)
+            except KeyboardInterrupt:
+                pass
+            return
         if not http:
             try:
                 anyio.run(gw.serve_stdio)
@@ -140,9 +165,30 @@ def _agent_keys(undolog: object) -> Callable[[str], str | None]:
         key = store.authenticate(token)
         if key is None or not key.has(Role.AGENT):
             return None
+        # The desk's reference to the key (``key:<id>``): what a session's owner is recorded as, and what scopes
+        # the sessions (and client idempotency keys) a client may name.
         return key.principal_ref
 
     return authenticate
+
+
+@mcp_app.command("connect")
+def connect(
+    socket: Annotated[Path, typer.Option("--socket", help="The socket a long-lived `undolog mcp serve --socket` "
+                                                          "listens on.")],
+) -> None:
+    """The stdio command an MCP client's config launches: forwards its MCP messages to the long-lived gateway
+    serving on ``--socket`` (no upstream is started per connection)."""
+    from undolog_core.errors import UndoLogError
+
+    from .socket import forward
+
+    try:
+        status = forward(socket)
+    except UndoLogError as exc:
+        _fail(exc.message)
+        return
+    raise typer.Exit(status)
 
 
 @mcp_app.command("init", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

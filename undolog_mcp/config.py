@@ -2,6 +2,8 @@
 
 Example::
 
+    session = "mcp"                                # how calls group into UndoLog sessions: mcp, process or key
+
     [upstreams.tickets]
     command = ["python", "tickets_server.py"]      # a stdio upstream; or url = "http://127.0.0.1:9000/mcp"
 
@@ -24,7 +26,6 @@ gateway, the CLI and the desk find the same upstreams wherever they are started.
 from __future__ import annotations
 
 import enum
-import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,9 +35,11 @@ from typing import Any
 from undolog_core import ToolTier
 from undolog_core.errors import ConfigurationError
 
-# {args.x}, {result.x.y}, {idempotency_key}: what a compensation's arguments may be built from.
-_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
-_SOURCES = ("args", "result")
+from .environment import database_url, expand
+from .templates import CompensationTemplate as CompensationTemplate  # re-exported: it was defined here
+from .templates import parse_template
+from .variants import pin_plain_tools, pinning
+
 # What an upstream may pass through beside its tools (``expose = [...]``).
 EXPOSABLE = ("resources", "prompts", "completion")
 
@@ -46,6 +49,21 @@ class Approval(enum.StrEnum):
 
     DESK = "desk"  # the desk, the REST API or the CLI (the default)
     ELICIT = "elicit"  # the MCP client's own form (opt-in; its person is an unverified approver)
+
+
+class SessionGrouping(enum.StrEnum):
+    """Which calls share one UndoLog session (the unit a person approves in, halts and rolls back)."""
+
+    MCP = "mcp"  # one per MCP client session (a client that holds one session open for a whole run)
+    PROCESS = "process"  # one per gateway process (per API key over HTTP): every short client connection shares it
+    KEY = "key"  # over HTTP, one per API key, ended after ``session_idle`` seconds without a call
+
+
+class Decline(enum.StrEnum):
+    """What a "no" in the client's elicitation form records."""
+
+    RESPOND = "respond"  # the tool did not run, the person's reason is its result, the session goes on (default)
+    REJECT = "reject"  # a reject: it halts the session until a person resumes it
 
 
 @dataclass(frozen=True)
@@ -68,52 +86,6 @@ class UpstreamConfig:
 
 
 @dataclass(frozen=True)
-class CompensationTemplate:
-    """The compensation of a COMPENSABLE tool: another tool of the same upstream, with arguments built from the
-    call's arguments (``{args.x}``), its result (``{result.x}``) and its idempotency key (``{idempotency_key}``).
-
-    A value that is exactly one placeholder keeps its JSON type; a placeholder inside a longer string is
-    formatted into it.
-
-    Example:
-        >>> t = CompensationTemplate("close_ticket", {"id": "{result.id}"})
-        >>> t.render({"title": "x"}, {"id": 7}, "undo-1")
-        {'id': 7}
-    """
-
-    tool: str
-    args: Mapping[str, Any]
-
-    def fields(self) -> list[tuple[str, str, str]]:
-        """Each ``{args.NAME...}`` and ``{result.NAME...}`` placeholder as (source, NAME, placeholder): what the
-        tool must take or answer for the compensation to be built."""
-        out = []
-        for ph in _placeholders(self.args):
-            parts = ph.split(".")
-            if parts[0] in _SOURCES and len(parts) > 1:
-                out.append((parts[0], parts[1], ph))
-        return out
-
-    @property
-    def needs_result(self) -> bool:
-        return any(p.split(".", 1)[0] == "result" for p in _placeholders(self.args))
-
-    def render(self, args: Mapping[str, Any], result: Any, idempotency_key: str) -> dict[str, Any]:
-        """The compensation's arguments for one call.
-
-        Raises:
-            ConfigurationError: a placeholder names something the call's arguments or result do not have.
-        """
-        sources = {"args": args, "result": result, "idempotency_key": idempotency_key}
-        out = _render(self.args, sources)
-        assert isinstance(out, dict)
-        return out
-
-    def describe(self) -> dict[str, Any]:
-        return {"tool": self.tool, "args": dict(self.args)}
-
-
-@dataclass(frozen=True)
 class ToolConfig:
     """How one upstream tool is classified; a tool with no entry is not exposed at all."""
 
@@ -125,6 +97,22 @@ class ToolConfig:
     risk_tags: tuple[str, ...] = ()
     probe: str | None = None  # a tool of the same upstream that tells whether a call with an unknown outcome happened
     approval: Approval = Approval.DESK
+    decline: Decline = Decline.RESPOND  # with approval = "elicit": what the form's "no" records
+    # A pinned variant: ``of`` names the upstream tool it calls, ``pin`` the argument values it always sends (hidden
+    # from the exposed schema, refused when a client sends them). The plain tool then pins the other value.
+    of: str | None = None
+    pin: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def upstream_tool(self) -> str:
+        """The upstream's name of the tool this entry calls (a variant's ``of``, else its own name)."""
+        return self.of if self.of is not None else self.name
+
+    @property
+    def reason_or_default(self) -> str:
+        """The reason shown to approvers: the config's, else ``<upstream>/<tool>``. Never the upstream's description,
+        which the upstream may change at will: it is not part of the contract an approval is bound to."""
+        return self.reason if self.reason is not None else f"{self.upstream}/{self.name}"
 
 
 @dataclass(frozen=True)
@@ -134,6 +122,10 @@ class GatewayConfig:
     upstreams: Mapping[str, UpstreamConfig]
     tools: Mapping[tuple[str, str], ToolConfig]
     path: Path | None = None
+    session: SessionGrouping = SessionGrouping.MCP
+    session_idle: float = 1800.0  # with session = "key": seconds without a call that end the key's session
+    # The UndoLog database the gateway and ``undolog --app gateway.toml`` use when no --db is given.
+    database: str | None = None
 
     def tools_of(self, upstream: str) -> dict[str, ToolConfig]:
         return {name: cfg for (up, name), cfg in self.tools.items() if up == upstream}
@@ -164,10 +156,13 @@ def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
         except tomllib.TOMLDecodeError as exc:
             raise ConfigurationError(f"gateway config {str(source)!r} is not valid TOML: {exc}") from None
         base = path.parent
-    unknown = set(data) - {"upstreams", "tools"}
+    unknown = set(data) - {"upstreams", "tools", *_TOP_KEYS}
     if unknown:
         raise ConfigurationError(f"gateway config: unknown section(s) {', '.join(sorted(unknown))} "
-                                 "(expected [upstreams.NAME] and [tools.UPSTREAM.TOOL])")
+                                 "(expected session = \"...\", database = \"...\", [upstreams.NAME] and "
+                                 "[tools.UPSTREAM.TOOL])")
+    grouping, idle = _grouping(data)
+    database = database_url(data["database"], base) if "database" in data else None
     upstreams = {name: _upstream(name, raw, base) for name, raw in _table(data, "upstreams").items()}
     if not upstreams:
         raise ConfigurationError("gateway config: no [upstreams.NAME] section; the gateway needs at least one")
@@ -180,7 +175,46 @@ def load_config(source: str | Path | Mapping[str, Any]) -> GatewayConfig:
             raise ConfigurationError(f"gateway config: [tools.{up}] must be a table of tools")
         for name, raw in table.items():
             tools[(up, name)] = _tool(up, name, raw)
-    return GatewayConfig(upstreams, tools, path)
+    return GatewayConfig(upstreams, pin_plain_tools(tools), path, grouping, idle, database)
+
+
+_TOP_KEYS = ("session", "session_idle", "database")
+
+
+def _grouping(data: Mapping[str, Any]) -> tuple[SessionGrouping, float]:
+    """The top-level ``session`` and ``session_idle`` keys."""
+    try:
+        grouping = SessionGrouping(str(data.get("session", "mcp")))
+    except ValueError:
+        raise ConfigurationError(
+            f"gateway config: session = {data.get('session')!r} is not a grouping; use \"mcp\" (one UndoLog session "
+            "per MCP session), \"process\" (one per gateway process) or \"key\" (over HTTP, one per API key)"
+        ) from None
+    idle = data.get("session_idle", 1800.0)
+    if isinstance(idle, bool) or not isinstance(idle, int | float) or not 0 < idle < float("inf"):
+        raise ConfigurationError("gateway config: session_idle must be a positive number of seconds")
+    if "session_idle" in data and grouping is not SessionGrouping.KEY:
+        raise ConfigurationError("gateway config: session_idle is for session = \"key\" only; remove it, or set "
+                                 "session = \"key\"")
+    return grouping, float(idle)
+
+
+def database_of(path: str | Path) -> str | None:
+    """The ``database`` a gateway config names (expanded), or None: what ``undolog --app gateway.toml`` opens when
+    no --db is given. Reads only that key, so the CLI does not start the upstreams to find its database.
+
+    Raises:
+        ConfigurationError: an unreadable file, or a ``database`` that is refused (see ``environment``).
+    """
+    resolved = Path(path).expanduser().resolve()
+    try:
+        with open(resolved, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigurationError(f"gateway config {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigurationError(f"gateway config {str(path)!r} is not valid TOML: {exc}") from None
+    return database_url(data["database"], resolved.parent) if "database" in data else None
 
 
 def _table(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
@@ -220,6 +254,7 @@ def _upstream(name: str, raw: Any, base: Path | None) -> UpstreamConfig:
     env = raw.get("env", {})
     if not isinstance(env, Mapping) or not all(isinstance(v, str) for v in env.values()):
         raise ConfigurationError(f"gateway config: {where} env must be a table of strings")
+    env = {k: expand(v, f"{where} env.{k}", base) for k, v in env.items()}
     bounds = {}
     for key in ("timeout", "start_timeout"):
         value = raw.get(key, 30.0)
@@ -246,7 +281,8 @@ def _tool(up: str, name: str, raw: Any) -> ToolConfig:
     where = f"[tools.{up}.{name}]"
     if not isinstance(raw, Mapping):
         raise ConfigurationError(f"gateway config: {where} must be a table")
-    unknown = set(raw) - {"tier", "compensation", "reason", "risk_tags", "probe", "approval"}
+    unknown = set(raw) - {"tier", "compensation", "capture", "reason", "risk_tags", "probe", "approval", "decline",
+                          "of", "pin"}
     if unknown:
         raise ConfigurationError(f"gateway config: {where} has unknown key(s) {', '.join(sorted(unknown))}")
     try:
@@ -256,24 +292,10 @@ def _tool(up: str, name: str, raw: Any) -> ToolConfig:
     comp = None
     raw_comp = raw.get("compensation")
     if tier is ToolTier.COMPENSABLE:
-        if not isinstance(raw_comp, Mapping) or not isinstance(raw_comp.get("tool"), str):
-            raise ConfigurationError(
-                f"gateway config: {where} is compensable: it needs compensation = {{ tool = \"...\", args = {{...}} }} "
-                "naming the upstream tool that undoes it"
-            )
-        args = raw_comp.get("args", {})
-        if not isinstance(args, Mapping):
-            raise ConfigurationError(f"gateway config: {where} compensation.args must be a table")
-        for ph in _placeholders(args):
-            head = ph.split(".", 1)[0]
-            if not (ph == "idempotency_key" or (head in _SOURCES and "." in ph and all(ph.split(".")))):
-                raise ConfigurationError(
-                    f"gateway config: {where} compensation.args uses {{{ph}}}; placeholders are {{args.NAME}}, "
-                    "{result.NAME} and {idempotency_key}"
-                )
-        comp = CompensationTemplate(str(raw_comp["tool"]), dict(args))
-    elif raw_comp is not None:
-        raise ConfigurationError(f"gateway config: {where} is {tier.value}: only a compensable tool has a compensation")
+        comp = parse_template(where, raw_comp, raw.get("capture"))
+    elif raw_comp is not None or raw.get("capture") is not None:
+        raise ConfigurationError(f"gateway config: {where} is {tier.value}: only a compensable tool has a "
+                                 "compensation (and a capture)")
     risk_tags = raw.get("risk_tags", [])
     if not isinstance(risk_tags, list) or not all(isinstance(t, str) for t in risk_tags):
         raise ConfigurationError(f"gateway config: {where} risk_tags must be a list of strings")
@@ -283,47 +305,17 @@ def _tool(up: str, name: str, raw: Any) -> ToolConfig:
         raise ConfigurationError(f"gateway config: {where} approval must be \"desk\" or \"elicit\"") from None
     if approval is Approval.ELICIT and tier is not ToolTier.IRREVERSIBLE:
         raise ConfigurationError(f"gateway config: {where} approval = \"elicit\" is for irreversible tools only")
+    try:
+        decline = Decline(str(raw.get("decline", "respond")))
+    except ValueError:
+        raise ConfigurationError(f"gateway config: {where} decline must be \"respond\" or \"reject\"") from None
+    if "decline" in raw and approval is not Approval.ELICIT:
+        raise ConfigurationError(f"gateway config: {where} decline is for approval = \"elicit\" tools only (it says "
+                                 "what the client's form records when its person says no)")
     probe = raw.get("probe")
     if probe is not None and not isinstance(probe, str):
         raise ConfigurationError(f"gateway config: {where} probe must name a tool of the same upstream")
     reason = raw.get("reason")
+    of, pin = pinning(where, raw)
     return ToolConfig(up, name, tier, comp, str(reason) if reason is not None else None, tuple(risk_tags), probe,
-                      approval)
-
-
-def _placeholders(value: Any) -> list[str]:
-    if isinstance(value, str):
-        return _PLACEHOLDER.findall(value)
-    if isinstance(value, Mapping):
-        return [p for v in value.values() for p in _placeholders(v)]
-    if isinstance(value, list):
-        return [p for v in value for p in _placeholders(v)]
-    return []
-
-
-def _lookup(path: str, sources: Mapping[str, Any]) -> Any:
-    head, _, rest = path.partition(".")
-    if head not in sources:
-        raise ConfigurationError(f"compensation template: unknown placeholder {{{path}}}")
-    value = sources[head]
-    for part in rest.split(".") if rest else ():
-        if isinstance(value, Mapping) and part in value:
-            value = value[part]
-        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
-            value = value[int(part)]
-        else:
-            raise ConfigurationError(f"compensation template: {{{path}}} is not in the call's {head}")
-    return value
-
-
-def _render(value: Any, sources: Mapping[str, Any]) -> Any:
-    if isinstance(value, str):
-        whole = _PLACEHOLDER.fullmatch(value)
-        if whole:
-            return _lookup(whole.group(1), sources)
-        return _PLACEHOLDER.sub(lambda m: str(_lookup(m.group(1), sources)), value)
-    if isinstance(value, Mapping):
-        return {k: _render(v, sources) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_render(v, sources) for v in value]
-    return value
+                      approval, decline, of, pin)

@@ -16,7 +16,7 @@ from mcp import types
 
 from undolog_core import AwaitingApproval, UndoLog
 
-from .results import awaiting_result, error_result
+from .results import META_KEY, awaiting_result, error_result
 
 if TYPE_CHECKING:
     from mcp.server.session import ServerSession
@@ -59,9 +59,13 @@ def form_for(arguments: dict[str, Any], schema: dict[str, Any]) -> tuple[dict[st
 
 
 async def elicit_decision(ctx: RequestContext[ServerSession, Any, Any], undolog: UndoLog, exposed_name: str,
-                          listed: types.Tool, d: AwaitingApproval) -> types.CallToolResult | None:
+                          listed: types.Tool, d: AwaitingApproval, *,
+                          decline_rejects: bool = False) -> types.CallToolResult | None:
     """Ask the client's person about the call ``d`` of the tool ``listed`` (exposed as ``exposed_name``), in the
-    MCP request ``ctx``; None when the call was approved (the caller then runs it), else the answer."""
+    MCP request ``ctx``; None when the call was approved (the caller then runs it), else the answer.
+
+    A "no" is a ``respond`` decision (the tool did not run, the person's reason is its result, the session goes
+    on); with ``decline_rejects`` (the tool's ``decline = "reject"``) a reject, which halts the session."""
     params = ctx.session.client_params
     caps = params.capabilities if params else None
     if caps is None or caps.elicitation is None:
@@ -89,8 +93,15 @@ async def elicit_decision(ctx: RequestContext[ServerSession, Any, Any], undolog:
                                                      "nothing was decided.")
     if answer.action == "decline" or approve is not True:
         why = reason or "declined at the MCP client"
-        await asyncio.to_thread(approvals.reject, d.approval_request_id, approver=approver, reason=why)
-        return error_result(f"{exposed_name} was rejected: {why}. It did not run.", code="approval_rejected")
+        if decline_rejects:
+            await asyncio.to_thread(approvals.reject, d.approval_request_id, approver=approver, reason=why)
+            return error_result(f"{exposed_name} was rejected: {why}. It did not run, and the session is halted "
+                                "until a person resumes it.", code="approval_rejected")
+        response = f"{exposed_name} did not run: the person at the client declined it: {why}"
+        await asyncio.to_thread(approvals.respond, d.approval_request_id, approver=approver, response=response,
+                                reason=why)
+        return types.CallToolResult(content=[types.TextContent(type="text", text=response)], isError=False,
+                                    _meta={META_KEY: {"responded": True}})
     edits = {k: content[k] for k in editable if k in content and content[k] != d.args.get(k)}
     if edits:
         await asyncio.to_thread(approvals.modify, d.approval_request_id, approver=approver,

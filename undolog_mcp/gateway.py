@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,12 +32,28 @@ from undolog_core import (
     ToolTier,
     UndoLog,
 )
-from undolog_core.errors import CallRunning, ConfigurationError, UndoLogError
+from undolog_core._owners import WAKE_SIGNAL
+from undolog_core.errors import (
+    CallIdConflict,
+    CallRunning,
+    ConfigurationError,
+    ContractChanged,
+    InvalidEffectState,
+    SessionClosed,
+    SessionHalted,
+    UndoLogError,
+)
+from undolog_core.storage.schema import IN_FLIGHT
 
-from .config import Approval, CompensationTemplate, GatewayConfig, ToolConfig, UpstreamConfig
+from .approvals import SharedRequest, find_shared
+from .capture import capture_before
+from .client_keys import CLIENT_KEY_META, checked_key, client_call_id, reused
+from .config import Approval, CompensationTemplate, Decline, GatewayConfig, ToolConfig, UpstreamConfig
 from .elicit import elicit_decision
 from .front_door import FrontDoor, SessionBook, live_sessions
+from .lifecycle import changed_elsewhere, refusal, told_new_session
 from .passthrough import Passthrough
+from .probes import probe_verdict, settle_when_gone
 from .relay import GatewayServer, Relay
 from .results import META_KEY as META_KEY  # re-exported: it was defined here
 from .results import (
@@ -51,13 +67,27 @@ from .results import (
     text_of,
     unknown_result,
 )
+from .sessions import SESSION_HEADER, SESSION_META, SessionRouter
 from .stdio_limits import MAX_LINE_BYTES
+from .templates import BEFORE_KEY
 from .upstream import PORTAL, Connections, OutcomeUnknown, Upstream, UpstreamRefused, first_cause
+from .variants import pinned_sent, pinned_tool
 
 log = logging.getLogger("undolog.mcp")
 
 # Who the HTTP transport authenticated, in the ASGI scope of the request (absent over stdio).
 PRINCIPAL_SCOPE_KEY = "undolog.principal"
+# How often a gateway that cannot be woken by a signal (not on the main thread's loop) looks for rollbacks filed
+# for the sessions it serves (one indexed read).
+OWNER_POLL_SECONDS = 0.25
+# The UndoLog session the request being served was logged under, and whether its client named it (per request:
+# each tools/call is handled in a task of its own).
+_SESSION_USED: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_mcp_session", default=None)
+_SESSION_NAMED: contextvars.ContextVar[bool] = contextvars.ContextVar("undolog_mcp_session_named", default=False)
+# The client's own idempotency key of the request being served (``_meta`` ``dev.undolog/idempotency-key``), if any.
+_CLIENT_KEY: contextvars.ContextVar[Any] = contextvars.ContextVar("undolog_mcp_client_key", default=None)
+# The API key (``key:<id>``) the HTTP transport authenticated for the request being served; None over stdio.
+_PRINCIPAL: contextvars.ContextVar[str | None] = contextvars.ContextVar("undolog_mcp_principal", default=None)
 
 
 async def _plain(send: Any, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -87,37 +117,54 @@ class Exposure:
 
 
 def plan_exposure(config: GatewayConfig, listed: Mapping[str, list[types.Tool]]) -> Exposure:
-    """Decide the exposed names: an upstream's own name, prefixed ``<upstream>_`` only where two would clash."""
+    """Decide the exposed names: an upstream's own name (a pinned variant's: its config name), prefixed
+    ``<upstream>_`` only where two would clash."""
     exposure = Exposure()
-    counts: dict[str, int] = {}
-    for up, tools in listed.items():
-        for t in tools:
-            if (up, t.name) in config.tools:
-                counts[t.name] = counts.get(t.name, 0) + 1
+    # (upstream, its config entry, the tool as exposed): the listed tool, with a pinned tool's pins hidden.
+    planned: list[tuple[str, ToolConfig, types.Tool]] = []
     for up, tools in listed.items():
         by_name = {t.name: t for t in tools}
         for t in tools:
             cfg = config.tools.get((up, t.name))
             if cfg is None:
                 exposure.unclassified.append(f"{up}/{t.name}")
-                continue
-            exposed = t.name if counts[t.name] == 1 else f"{up}_{t.name}"
-            clash = exposure.tools.get(exposed)
-            if clash is not None:
-                # A prefixed name can meet another upstream's own tool of that name: one would shadow the other.
-                raise ConfigurationError(
-                    f"gateway config: two tools would be exposed as {exposed!r}: {clash.config.upstream}/"
-                    f"{clash.listed.name} and {up}/{t.name}; rename an upstream, or leave one of them unclassified")
-            for needed, what in ((cfg.compensation.tool if cfg.compensation else None, "compensation"),
-                                 (cfg.probe, "probe")):
-                if needed is not None and needed not in by_name:
-                    raise UndoLogError(f"gateway config: the {what} tool {needed!r} of [tools.{up}.{t.name}] is not "
-                                       f"a tool of upstream {up!r} (it lists {', '.join(sorted(by_name))})")
-            if cfg.compensation is not None:
-                _check_template(up, t, cfg.compensation)
-            exposure.tools[exposed] = ExposedTool(exposed, cfg, t)
-    for (up, name) in config.tools:
-        if up in listed and name not in {t.name for t in listed[up]}:
+            elif cfg.of is not None:
+                raise ConfigurationError(f"gateway config: [tools.{up}.{t.name}] is a variant of {cfg.of}, but "
+                                         f"{up} lists a tool of that name itself; name the variant otherwise")
+            else:
+                planned.append((up, cfg, pinned_tool(t, cfg.pin)))
+        for (u2, _name), cfg in config.tools.items():
+            if u2 == up and cfg.of is not None and cfg.of in by_name:
+                planned.append((up, cfg, pinned_tool(by_name[cfg.of], cfg.pin)))
+    counts: dict[str, int] = {}
+    for _, cfg, _t in planned:
+        counts[cfg.name] = counts.get(cfg.name, 0) + 1
+    for up, cfg, t in planned:
+        by_name = {x.name: x for x in listed[up]}
+        exposed = cfg.name if counts[cfg.name] == 1 else f"{up}_{cfg.name}"
+        clash = exposure.tools.get(exposed)
+        if clash is not None:
+            # A prefixed name can meet another upstream's own tool of that name: one would shadow the other.
+            raise ConfigurationError(
+                f"gateway config: two tools would be exposed as {exposed!r}: {clash.config.upstream}/"
+                f"{clash.config.name} and {up}/{cfg.name}; rename an upstream, or leave one of them unclassified")
+        comp = cfg.compensation
+        for needed, what in ((comp.tool if comp else None, "compensation"), (cfg.probe, "probe"),
+                             (comp.capture.tool if comp and comp.capture else None, "capture")):
+            if needed is not None and needed not in by_name:
+                raise UndoLogError(f"gateway config: the {what} tool {needed!r} of [tools.{up}.{cfg.name}] is not "
+                                   f"a tool of upstream {up!r} (it lists {', '.join(sorted(by_name))})")
+        if comp is not None and comp.capture is not None:
+            reader = config.tools.get((up, comp.capture.tool))
+            if reader is not None and reader.tier is not ToolTier.SAFE:
+                raise ConfigurationError(f"gateway config: the capture tool {comp.capture.tool!r} of "
+                                         f"[tools.{up}.{cfg.name}] is classified {reader.tier.value}; a capture "
+                                         "runs before every call and must be a safe (read-only) tool")
+        if comp is not None:
+            _check_template(up, t, comp)
+        exposure.tools[exposed] = ExposedTool(exposed, cfg, t)
+    for (up, name), cfg in config.tools.items():
+        if up in listed and cfg.upstream_tool not in {t.name for t in listed[up]}:
             exposure.missing.append(f"{up}/{name}")
     return exposure
 
@@ -139,6 +186,14 @@ def _check_template(up: str, tool: types.Tool, template: CompensationTemplate) -
 def _listing(tools: list[types.Tool]) -> dict[str, Any]:
     """A listing as compared for changes: each tool's whole definition, by name."""
     return {t.name: t.model_dump(mode="json", exclude_none=True) for t in tools}
+
+
+def _awaiting(shared: SharedRequest) -> AwaitingApproval:
+    """The notice of a pending request another session of the key raised, for a call that joined it."""
+    rec = shared.request
+    return AwaitingApproval(rec.effect_id, rec.approval_request_id, min(max(rec.seconds_left, 1.0), 30.0),
+                            rec.tool_name, dict(rec.proposed_args), rec.reason, tuple(rec.risk_tags), rec.timeout_at,
+                            rec.call_id)
 
 
 def _guarded(ex: ExposedTool) -> contextlib.AbstractContextManager[Any]:
@@ -167,10 +222,12 @@ class Gateway:
         self._listed: dict[str, list[types.Tool]] = {}  # what each upstream listed when last registered
         self.connections: Connections | None = None  # the live upstreams, while running
         self._loop: asyncio.AbstractEventLoop | None = None
-        # MCP client session -> (its UndoLog session, the API key that opened it), while the client session lives:
-        # weak keys, not id(), so that the map does not grow with every client that ever connected, and a new client
-        # session never inherits a dead one's UndoLog session through a reused id().
-        self._sessions: weakref.WeakKeyDictionary[Any, tuple[str, str | None]] = weakref.WeakKeyDictionary()
+        # Which UndoLog session each call is logged under (the config's ``session`` grouping).
+        self.sessions = SessionRouter(undolog, config.session, config.session_idle)
+        self._joined: set[tuple[str, str]] = set()  # (request, session) joins written, so a re-ask writes none
+        # Calls held ``settling`` (a probe said "not yet" while the request could still land), each waiting for its
+        # connection to end (probes.settle_when_gone).
+        self._settling: set[asyncio.Task[None]] = set()
         self.server: Server[Any, Any] = self._build_server()
         # Everything but tool calls: the upstreams' requests to the client, notifications, progress, cancels
         # (relay.py), and their resources, prompts, completion and logging (passthrough.py).
@@ -183,8 +240,9 @@ class Gateway:
 
     def register(self, listed: Mapping[str, list[types.Tool]]) -> Exposure:
         """Register every classified tool of the upstreams' listings with the UndoLog, with its compensation and
-        probe. The contract holds the upstream's schema and annotations, the upstream and the compensation's
-        template: an upstream that changes a tool makes a new revision, which cancels approvals bound to the old."""
+        probe. The contract holds the upstream's identity, the tool's input and output schemas and the compensation's
+        template (not its description or annotations): an upstream that changes those makes a new revision, which
+        cancels approvals bound to the old."""
         exposure = plan_exposure(self.config, listed)
         for ex in exposure.tools.values():
             cfg, tool = ex.config, ex.listed
@@ -194,17 +252,20 @@ class Gateway:
                 "kind": "mcp",
                 "upstream": cfg.upstream,
                 "upstream_tool": tool.name,
+                **({"pin": dict(cfg.pin)} if cfg.pin else {}),
                 "server": up.describe(),
-                "annotations": tool.annotations.model_dump(mode="json", exclude_none=True) if tool.annotations else None,
+                # Not the description nor the annotations: an upstream rewords them at will (or lists them otherwise
+                # when started again), and no MCP client can revalidate a session; what the call does is its
+                # identity, its schemas and its undo.
                 "output_schema": tool.outputSchema,
             }
             kwargs: dict[str, Any] = {
-                "name": ex.exposed_name, "tier": cfg.tier.value, "reason": cfg.reason or tool.description,
+                "name": ex.exposed_name, "tier": cfg.tier.value, "reason": cfg.reason_or_default,
                 "risk_tags": list(cfg.risk_tags), "args_schema": schema,
             }
             if cfg.compensation is not None:
                 binding["compensation"] = cfg.compensation.describe()
-                comp_name = f"mcp:{cfg.upstream}.{tool.name}.undo"
+                comp_name = f"mcp:{cfg.upstream}.{cfg.name}.undo"
                 self.undolog.register_compensation(self._compensator(cfg), name=comp_name)
                 kwargs["compensation"] = comp_name
                 kwargs["compensation_needs_result"] = cfg.compensation.needs_result
@@ -241,10 +302,18 @@ class Gateway:
         cfg = self.config.upstreams[upstream]
 
         async def call(name: str, args: Mapping[str, Any], key: str | None,
-                       check: Callable[[], None] | None = None) -> types.CallToolResult:
-            if self.connections is not None and asyncio.get_running_loop() is self._loop:
-                return await self.connections.call(cfg, name, args, key, check=check)
-            return await PORTAL.call(cfg, name, args, key)
+                       check: Callable[[], None] | None = None, epoch: int | None = None) -> types.CallToolResult:
+            connections, loop = self.connections, self._loop
+            if connections is not None and asyncio.get_running_loop() is loop:
+                return await connections.call(cfg, name, args, key, check=check, epoch=epoch)
+            if connections is not None and loop is not None and loop.is_running():
+                # Called off the gateway's loop while it serves (the settle-at-once of an unknown outcome runs in
+                # a worker thread): still over the live connection, so the compensation or the probe reaches the
+                # upstream process that did the work (or the one started again in its place), never a second one.
+                fut = asyncio.run_coroutine_threadsafe(
+                    connections.call(cfg, name, args, key, check=check, epoch=epoch), loop)
+                return await asyncio.wrap_future(fut)
+            return await PORTAL.call(cfg, name, args, key, epoch=epoch)
 
         return call
 
@@ -252,34 +321,36 @@ class Gateway:
         template = cfg.compensation
         assert template is not None
         call = self._upstream_call(cfg.upstream)
+        pins = dict(cfg.pin)
 
         async def compensate(ctx: Any) -> None:
-            result = structured(ctx.result)
-            args = template.render(ctx.args, result, ctx.idempotency_key)
-            out = await call(template.tool, args, ctx.idempotency_key)
-            if out.isError:
-                raise UndoLogError(f"compensation {template.tool} of {cfg.name} answered an error: {text_of(out)}")
+            args = dict(ctx.args)
+            before = args.pop(BEFORE_KEY, None)  # what capture read before the call, stored with the undo entry
+            calls = template.calls({**args, **pins}, structured(ctx.result), undo_key=ctx.idempotency_key,
+                                   forward_key=f"do-{ctx.effect_id}", before=before)
+            # One call per element (for_each), newest first, each with its own key: a retry after a crash sends
+            # the ones already done again with the same key.
+            for comp_args, key in calls:
+                out = await call(template.tool, comp_args, key)
+                if out.isError:
+                    raise UndoLogError(f"compensation {template.tool} of {cfg.name} answered an error: "
+                                       f"{text_of(out)}")
 
         compensate.__name__ = f"compensate_{cfg.name}"
         return compensate
 
     def _prober(self, cfg: ToolConfig) -> Any:
         """Recovery's question to the upstream: did this call happen? The probe tool gets the call's arguments and
-        idempotency key, and answers ``{"happened": bool, "result": ...}`` in its structured content."""
+        idempotency key, and answers ``{"happened": bool, "result": ...}`` (three answers: see ``probes``)."""
         probe_tool = cfg.probe
         assert probe_tool is not None
         call = self._upstream_call(cfg.upstream)
 
         async def probe(ctx: Any) -> Any:
+            # The probe carries the claim's epoch in _meta: an upstream fencing by epoch learns of the take-over.
             out = await call(probe_tool, {"tool": cfg.name, "args": ctx.args, "idempotency_key": ctx.idempotency_key},
-                             None)
-            if out.isError:
-                raise UndoLogError(f"probe {probe_tool} answered an error: {text_of(out)}")
-            verdict = out.structuredContent or {}
-            if not verdict.get("happened"):
-                return False
-            result = verdict.get("result")
-            return result if result is not None else True
+                             None, None, ctx.epoch)
+            return probe_verdict(out, probe_tool)
 
         return probe
 
@@ -298,6 +369,10 @@ class Gateway:
         @server.call_tool(validate_input=False)  # type: ignore[untyped-decorator]
         async def _call(name: str, arguments: dict[str, Any] | None) -> types.CallToolResult:
             result = await self.call(name, arguments or {})
+            used = _SESSION_USED.get()
+            if used is not None:
+                # Every answer says which UndoLog session the call was logged in: the id a client may name later.
+                result = result.model_copy(update={"meta": {**(result.meta or {}), SESSION_META: used}})
             # A client that cancelled while a logged call finished (shielded, see _guarded) was already answered by
             # the SDK ("Request cancelled"): the cancellation is taken here, so the SDK does not answer twice (it
             # asserts it does not, and the assertion would stop the gateway).
@@ -336,7 +411,15 @@ class Gateway:
             report = await asyncio.to_thread(self.undolog.recover)
             if report.reconciled or report.rollbacks_resumed:
                 log.warning("recovery at start: %s", report.to_dict())
-            yield self
+            owning = asyncio.ensure_future(self._own_sessions())
+            try:
+                yield self
+            finally:
+                owning.cancel()
+                with contextlib.suppress(BaseException):
+                    await owning
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(self.undolog.owners.let_go)
         finally:
             self.connections = None
             self._loop = None
@@ -366,6 +449,70 @@ class Gateway:
         if self._exposed_listing() != before:
             await self.relay.broadcast(types.ServerNotification(types.ToolListChangedNotification()))
 
+    async def _own_sessions(self) -> None:
+        """Hold a lease on every session this gateway serves, and run the rollbacks filed for them (from the CLI,
+        the desk) here, over the live upstream connections that did the work: an upstream whose state lives in its
+        own process is undone in that process, not in a fresh one started for the rollback.
+
+        No statement between calls but the lease's renewal: a new session is held as it starts; a requester on
+        this host wakes the loop with a signal (``_owners.WAKE_SIGNAL``) to look for what it filed; one on another
+        host is found at the next renewal."""
+        owners = self.undolog.owners
+        loop = asyncio.get_running_loop()
+        renew_every = owners.lease_seconds / 3.0
+        renewed = loop.time()
+        filed = asyncio.Event()
+        signalled = False
+        if WAKE_SIGNAL is not None:
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread's loop
+                loop.add_signal_handler(WAKE_SIGNAL, filed.set)
+                signalled = owners.wakes_on_signal = True
+        look = True  # at start: what was filed while no gateway served
+        try:
+            while True:
+                try:
+                    self.sessions.changed.clear()
+                    new = self.sessions.served() - owners.held
+                    if new:
+                        await asyncio.to_thread(owners.hold, new)
+                    now = loop.time()
+                    if now - renewed >= renew_every:
+                        await asyncio.to_thread(owners.renew)
+                        renewed, look = now, True
+                    if look or filed.is_set():
+                        filed.clear()
+                        look = not signalled  # without the signal, every wake-up looks
+                        for row in await asyncio.to_thread(owners.filed):
+                            await self._run_filed_rollback(row.session_id, row.rollback_actor or "undolog")
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the database may be briefly away: the loop goes on
+                    log.warning("holding the served sessions: %s", exc)
+                waits = [asyncio.ensure_future(self.sessions.changed.wait()), asyncio.ensure_future(filed.wait())]
+                try:
+                    await asyncio.wait(waits, timeout=max(0.05, renew_every - (loop.time() - renewed))
+                                       if signalled else OWNER_POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
+        finally:
+            if signalled:
+                owners.wakes_on_signal = False
+                with contextlib.suppress(Exception):
+                    loop.remove_signal_handler(WAKE_SIGNAL)  # type: ignore[arg-type]
+
+    async def _run_filed_rollback(self, session_id: str, actor: str) -> None:
+        owners = self.undolog.owners
+        log.info("rolling back session %s here, as filed by %s", session_id, actor)
+        try:
+            report = await self.undolog.arollback(session_id, actor=actor)
+        except UndoLogError as exc:
+            await asyncio.to_thread(owners.answer, session_id, None, exc)
+            return
+        if report.complete:
+            self.sessions.forget(session_id)  # a grouping's next call starts a new session
+        await asyncio.to_thread(owners.answer, session_id, report)
+
     def _advertised(self, ex: ExposedTool) -> types.Tool:
         tool = ex.listed.model_copy(update={"name": ex.exposed_name})
         if ex.config.tier is ToolTier.IRREVERSIBLE:
@@ -387,6 +534,9 @@ class Gateway:
         if ex is None or ex.spec is None:
             return error_result(f"unknown tool {name!r}: this gateway exposes "
                                 f"{', '.join(sorted(self.exposure.tools)) or 'no tools'}")
+        pinned = pinned_sent(name, arguments, ex.config.pin)
+        if pinned is not None:
+            return error_result(pinned, code="arguments_invalid")
         # The upstream's input schema is the tool's contract: the core validates every call against it (full
         # JSON Schema) before anything is logged, and its error names the failing path.
         with _guarded(ex):
@@ -397,15 +547,85 @@ class Gateway:
             # Keyed by the arguments as the core stores them: {"amount": 5} then {"amount": 5.0} is one request.
             call_id = (call_key(name, canonical_arguments(ex.spec, arguments))
                        if ex.config.tier is ToolTier.IRREVERSIBLE else None)
-            driver = self.undolog.driver
+            released_to: str | None = None
+            shared: SharedRequest | None = None
+            principal = _PRINCIPAL.get()
+            client_key = _CLIENT_KEY.get()
+            if client_key is not None and ex.config.tier is not ToolTier.SAFE:
+                # The client's key names the call (see client_keys.py); over HTTP it may live in an earlier
+                # session of the same API key, where it is answered.
+                try:
+                    client_key = checked_key(client_key)
+                    call_id = client_call_id(client_key, name, principal=principal, session_id=session_id)
+                    if principal is not None:
+                        session_id = await self._session_of_key(call_id, session_id)
+                except UndoLogError as exc:
+                    return error_result(exc.message, code=exc.code)
+            elif call_id is not None and principal is not None and ex.config.approval is Approval.DESK:
+                # Over HTTP only: the same ask from another session of the key joins a pending request, or is
+                # released an approved one (see approvals.py).
+                shared = await asyncio.to_thread(find_shared, self.undolog, session_id=session_id,
+                                                 principal=principal, tool_name=name, call_id=call_id,
+                                                 revision=ex.spec.revision)
+                if shared is not None and shared.pending:
+                    await asyncio.to_thread(self._join, shared, session_id, principal)
+                    return awaiting_result(name, _awaiting(shared), note=(
+                        f" (Asked already in session {shared.request.session_id} with this API key: this call "
+                        "waits on that request.)"))
+                if shared is not None:
+                    released_to, session_id = session_id, shared.request.session_id
+                    _SESSION_USED.set(session_id)  # logged (and run) in the request's own session
+            previous = None
             try:
-                d = await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+                try:
+                    d = await self._decide(session_id, ex, arguments, call_id, client_key)
+                except (SessionHalted, ContractChanged) as exc:
+                    # Resumed or revalidated from another process meanwhile: decided once more.
+                    if not await asyncio.to_thread(changed_elsewhere, self.undolog, exc, ex.spec.revision):
+                        raise
+                    d = await self._decide(session_id, ex, arguments, call_id, client_key)
             except CallRunning as exc:
                 return running_result(name, exc.message)
             except UndoLogError as exc:
-                return error_result(exc.message, code=exc.code)
+                # A grouping's session rolled back or completed (from the CLI, the desk): the grouping goes on in a
+                # new session, as a new agent run would, and the client is told both ids. A session the client
+                # named stays closed, and a halted one stays halted (a person resumes it).
+                if not isinstance(exc, SessionClosed) or _SESSION_NAMED.get() or not self.sessions.forget(session_id):
+                    return refusal(exc)
+                previous, session_id = session_id, await self._session_id()
+                try:
+                    d = await self._decide(session_id, ex, arguments, call_id, client_key)
+                except CallRunning as running:
+                    return running_result(name, running.message)
+                except UndoLogError as again:
+                    return refusal(again)
+            answer = await self._decided(name, arguments, ex, d, client_key=client_key,
+                                         released=(released_to, shared, principal))
+        if previous is not None:
+            return told_new_session(answer, previous, session_id)
+        return answer
+
+    async def _decide(self, session_id: str, ex: ExposedTool, arguments: Mapping[str, Any], call_id: str | None,
+                      client_key: Any) -> Any:
+        """The core's decision on one call: named by the client's own key (see ``_decide_keyed``), or not."""
+        assert ex.spec is not None
+        if client_key is not None and call_id is not None and ex.config.tier is not ToolTier.SAFE:
+            return await self._decide_keyed(session_id, ex, arguments, call_id, client_key)
+        return await self.undolog.driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+
+    async def _decided(self, name: str, arguments: Mapping[str, Any], ex: ExposedTool, d: Any, *,
+                       client_key: Any = None,
+                       released: tuple[str | None, SharedRequest | None, str | None] = (None, None, None),
+                       ) -> types.CallToolResult:
+        """The rest of :meth:`call`, once the call is decided."""
+        driver = self.undolog.driver
+        released_to, shared, principal = released
         if isinstance(d, Completed):
             return replayed(d.result)
+        if released_to is not None and shared is not None and principal is not None and not isinstance(d, Completed):
+            # Audited before it runs: a crash mid-call still shows which session the approval went to.
+            await asyncio.to_thread(self.undolog.approvals.note_released, shared.request.approval_request_id,
+                                    released_to, actor=principal)
         if isinstance(d, AwaitingApproval):
             if ex.config.approval is Approval.ELICIT:
                 decided = await self._elicit(ex, d)  # not guarded: a client that cancels the form leaves it pending
@@ -415,6 +635,7 @@ class Gateway:
             return awaiting_result(name, d)
         upstream = self._upstream_call(ex.config.upstream)
         tool_name = ex.listed.name
+        assert ex.spec is not None  # (call answered an unregistered tool before deciding)
         revision = ex.spec.revision
 
         def unchanged() -> None:
@@ -425,9 +646,24 @@ class Gateway:
                 raise UpstreamRefused(f"upstream {ex.config.upstream} changed {tool_name} since this call was "
                                       "decided (it lists another contract now): not sent")
 
+        # A SAFE call's own key goes upstream as the client sent it (nothing is recorded); a logged call's key is
+        # its effect's ``do-`` key.
+        forwarded_key = d.idempotency_key or (client_key if isinstance(client_key, str) else None)
+        pins = dict(ex.config.pin)
+        capture = ex.config.compensation.capture if ex.config.compensation is not None else None
+
         async def invoke(args: dict[str, Any]) -> types.CallToolResult:
+            sent = {**args, **pins}
             try:
-                return await upstream(tool_name, args, d.idempotency_key, unchanged)
+                if capture is not None and d.effect_id is not None:
+                    # Read before it changes, stored with the undo entry before the call is sent: an undo that
+                    # could not be captured is a call not run.
+                    refused = await capture_before(self.undolog, upstream, capture, name, sent, d.args, d.effect_id)
+                    if refused is not None:
+                        return refused
+                # The epoch beside the key (a SAFE call has neither: nothing is logged for it).
+                return await upstream(tool_name, sent, forwarded_key, unchanged,
+                                      d.epoch if d.idempotency_key else None)
             except UpstreamRefused as exc:
                 return error_result(str(exc))  # a protocol refusal, or no upstream to take it: it did not run
 
@@ -439,32 +675,82 @@ class Gateway:
             )
         if outcome.error is not None:
             if isinstance(outcome.error, OutcomeUnknown):
+                if outcome.in_doubt == "settling" and outcome.error.ended is not None and d.effect_id is not None:
+                    settle_when_gone(self.undolog, d.effect_id, outcome.error.ended, self._settling)
                 return unknown_result(name, outcome.error, outcome.in_doubt)
             raise outcome.error
         value: types.CallToolResult = outcome.value
         return value
 
     async def _session_id(self) -> str:
-        """The UndoLog session of the MCP client session making this request (one for one)."""
-        session = self.server.request_context.session
-        key = session
-        request = getattr(self.server.request_context, "request", None)
-        principal = getattr(request, "scope", {}).get(PRINCIPAL_SCOPE_KEY) if request is not None else None
-        found = self._sessions.get(key)
-        if found is not None:
-            if found[1] != principal:
-                # Over HTTP an MCP session belongs to the key that opened it.
-                raise UndoLogError("this MCP session was opened with another API key")
-            return found[0]
+        """The UndoLog session of the request being served, by the config's grouping (see ``sessions.py``)."""
+        context = self.server.request_context
+        session = context.session
+        request = getattr(context, "request", None)
+        scope = getattr(request, "scope", None)
+        principal = scope.get(PRINCIPAL_SCOPE_KEY) if isinstance(scope, Mapping) else None
+        meta = context.meta.model_extra if context.meta is not None else None
+        named = (meta or {}).get(SESSION_META)
+        if named is None and principal is not None:
+            named = request.headers.get(SESSION_HEADER) if request is not None else None
         info = session.client_params.clientInfo if session.client_params else None
         label = f"mcp:{info.name}/{info.version}" if info else "mcp:unknown-client"
-        s = await asyncio.to_thread(self.undolog.session, agent_id=label, created_by=principal)
-        self._sessions[key] = (s.id, principal)
-        log.info("MCP client %s is session %s", label, s.id)
-        return s.id
+        session_id = await self.sessions.session_for(mcp_session=session, principal=principal, named=named,
+                                                     label=label)
+        _SESSION_USED.set(session_id)
+        _SESSION_NAMED.set(named is not None)
+        _PRINCIPAL.set(principal)
+        _CLIENT_KEY.set((meta or {}).get(CLIENT_KEY_META))
+        return session_id
+
+    async def _session_of_key(self, call_id: str, session_id: str) -> str:
+        """The session holding the call this client key names over HTTP (an earlier session of the same API key),
+        else ``session_id``."""
+        found = await asyncio.to_thread(self.undolog.store.session_of_client_key, call_id)
+        if found is not None and found != session_id:
+            _SESSION_USED.set(found)
+            return found
+        return session_id
+
+    async def _decide_keyed(self, session_id: str, ex: ExposedTool, arguments: Mapping[str, Any], call_id: str,
+                            key: str) -> Any:
+        """Decide a call named by a client's key: the recorded result, the running call joined (waited for, up to
+        the upstream's timeout), a conflict named as the key's, or a new call."""
+        assert ex.spec is not None
+        driver = self.undolog.driver
+        timeout = self.config.upstreams[ex.config.upstream].timeout
+        deadline = asyncio.get_running_loop().time() + timeout + 5.0
+        while True:
+            try:
+                return await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
+            except CallIdConflict:
+                raise reused(key, ex.exposed_name) from None
+            except InvalidEffectState:
+                # The same key in flight (another connection's call, running now), or a concurrent first use from
+                # another session of the key (the partial unique index refused this one's pre-write).
+                if _PRINCIPAL.get() is not None:
+                    moved = await self._session_of_key(call_id, session_id)
+                    if moved != session_id:
+                        session_id = moved
+                        continue
+                row = await asyncio.to_thread(self.undolog.store.effect_by_call, session_id, call_id)
+                if row is None or row.state not in IN_FLIGHT or asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+
+    def _join(self, shared: SharedRequest, session_id: str, principal: str) -> None:
+        """Record once per session that it joined another session's pending request (a reject halts it too)."""
+        joined = (shared.request.approval_request_id, session_id)
+        if joined in self._joined:
+            return
+        self.undolog.approvals.join(shared.request.approval_request_id, session_id, actor=principal)
+        self._joined.add(joined)
+        if len(self._joined) > 100_000:  # a memory of what was written, not the record: the audit trail is
+            self._joined.clear()
 
     async def _elicit(self, ex: ExposedTool, d: AwaitingApproval) -> types.CallToolResult | None:
-        return await elicit_decision(self.server.request_context, self.undolog, ex.exposed_name, ex.listed, d)
+        return await elicit_decision(self.server.request_context, self.undolog, ex.exposed_name, ex.listed, d,
+                                     decline_rejects=ex.config.decline is Decline.REJECT)
 
     # -- transports ---------------------------------------------------------------------------------
 

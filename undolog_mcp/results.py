@@ -104,5 +104,7 @@ def unknown_result(name: str, exc: Exception, settled: str | None) -> types.Call
         "committed": "the upstream confirms it happened",
         "unknown": "its outcome is unknown and the session is halted until a person checks it",
         "not_run": "the upstream confirms it did not happen",
+        "settling": "its probe says it has not happened yet, but the request may still land: outcome unknown, "
+                    "settling (it is settled once the request can no longer land)",
     }.get(settled or "", "its outcome is unknown; recovery will settle it")
     return error_result(f"{name}: the upstream did not answer ({exc}); {what}.", code="outcome_unknown")

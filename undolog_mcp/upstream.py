@@ -31,6 +31,10 @@ log = logging.getLogger("undolog.mcp")
 
 # The idempotency key travels in the call's _meta under this name; an upstream that does not know it ignores it.
 IDEMPOTENCY_META = "dev.undolog/idempotency-key"
+# The call's ownership epoch travels beside it (a fencing token: ``CallContext.epoch``). An upstream that keeps the
+# highest epoch it has seen per idempotency key may refuse a write whose epoch is below it: a process stalled past
+# its lease then cannot write after recovery (whose probe carries the next epoch) took its call over.
+EPOCH_META = "dev.undolog/epoch"
 # httpx.codes.REQUEST_TIMEOUT, which the SDK's client answers a timed-out request with.
 _TIMEOUT_CODE = 408
 
@@ -46,11 +50,19 @@ class OutcomeUnknown(Exception):
     """The upstream did not answer a call (timeout, crash, lost connection): whether it ran is not known.
 
     ``lost``: the connection itself is gone (the next call opens another), not merely slow.
+    ``original_gone`` (read by the core's call driver): the request can no longer land, so a probe's "did not
+    happen" may settle it; a timed-out request may still be running upstream. ``ended``: set when the connection
+    the request went over closes (``probes.settle_when_gone``).
     """
 
     def __init__(self, message: str, *, lost: bool = True) -> None:
         super().__init__(message)
         self.lost = lost
+        self.ended: asyncio.Event | None = None
+
+    @property
+    def original_gone(self) -> bool:
+        return self.lost or (self.ended is not None and self.ended.is_set())
 
 
 class UpstreamRefused(Exception):
@@ -153,14 +165,18 @@ class Upstream:
     def __post_init__(self) -> None:
         self._timeout = dt.timedelta(seconds=self.config.timeout)
 
-    async def call(self, name: str, args: Mapping[str, Any], idempotency_key: str | None) -> types.CallToolResult:
-        """One ``tools/call``; a call that gets no answer raises :class:`OutcomeUnknown`.
+    async def call(self, name: str, args: Mapping[str, Any], idempotency_key: str | None, *,
+                   epoch: int | None = None) -> types.CallToolResult:
+        """One ``tools/call``; a call that gets no answer raises :class:`OutcomeUnknown`. ``epoch``: the call's
+        ownership epoch, sent in ``_meta`` beside the key (:data:`EPOCH_META`).
 
         Raises:
             OutcomeUnknown: no answer within the upstream's timeout, or the connection was lost.
             UpstreamRefused: a JSON-RPC error answer (the call did not run).
         """
-        meta = {IDEMPOTENCY_META: idempotency_key} if idempotency_key else None
+        meta: dict[str, Any] = {IDEMPOTENCY_META: idempotency_key} if idempotency_key else {}
+        if epoch is not None:
+            meta[EPOCH_META] = epoch
         try:
             try:
                 result: types.CallToolResult = await self.session.send_request(
@@ -325,7 +341,7 @@ class Connections:
             raise
 
     async def call(self, config: UpstreamConfig, name: str, args: Mapping[str, Any], key: str | None, *,
-                   check: Callable[[], None] | None = None) -> types.CallToolResult:
+                   check: Callable[[], None] | None = None, epoch: int | None = None) -> types.CallToolResult:
         """One call over the live connection; a lost connection is dropped, so the next call opens another.
         ``check`` runs once the connection is open, before the call is sent; what it raises is not sent.
 
@@ -343,7 +359,7 @@ class Connections:
             if check is not None:
                 check()
             try:
-                return await up.call(name, args, key)
+                return await up.call(name, args, key, epoch=epoch)
             except _NotSent as exc:
                 # It went away between calls, before its end was noticed: the call was never sent, so it goes
                 # to the upstream started again (once: a second closed connection is not a race).
@@ -351,6 +367,8 @@ class Connections:
                 if attempt == 2:
                     raise UpstreamUnavailable(f"{exc}; started again, it closed at once") from exc
             except OutcomeUnknown as exc:
+                if isinstance(up.session, _WatchedSession):
+                    exc.ended = up.session.ended
                 if exc.lost:
                     self._drop(config, up)
                 raise
@@ -449,18 +467,18 @@ class Portal:
             return self._loop
 
     async def call(self, config: UpstreamConfig, name: str, args: Mapping[str, Any],
-                   key: str | None) -> types.CallToolResult:
+                   key: str | None, *, epoch: int | None = None) -> types.CallToolResult:
         """One call over this process's connection to ``config``'s upstream (opened on first use)."""
         loop = self._ensure_loop()
         fut: concurrent.futures.Future[types.CallToolResult] = asyncio.run_coroutine_threadsafe(
-            self._call(config, name, args, key), loop)
+            self._call(config, name, args, key, epoch), loop)
         return await asyncio.wrap_future(fut)
 
     async def _call(self, config: UpstreamConfig, name: str, args: Mapping[str, Any],
-                    key: str | None) -> types.CallToolResult:
+                    key: str | None, epoch: int | None = None) -> types.CallToolResult:
         if self._connections is None:
             self._connections = Connections()
-        return await self._connections.call(config, name, args, key)
+        return await self._connections.call(config, name, args, key, epoch=epoch)
 
 
 PORTAL = Portal()

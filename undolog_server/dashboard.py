@@ -398,6 +398,26 @@ async def rollback(request: Request, session_id: str) -> Response:
     return _session_page(request, key, session_id, report=rollback_out(session_id, report))
 
 
+@router.post("/ui/sessions/{session_id}/revalidate")
+async def revalidate(request: Request, session_id: str) -> Response:
+    """Pin the session to the tools' current contracts, once a person has reviewed a change: what an MCP client
+    refused with ``contract_changed`` is told to ask for (it cannot revalidate a session itself)."""
+    key = _user_or_redirect(request)
+    await _form(request)
+    st = server_state(request)
+    if "admin" not in key.roles:
+        return _forbidden(request, key, "Only admins revalidate sessions.")
+    if st.views.session_row(session_id) is None:
+        return _session_page(request, key, session_id)
+    from .coreops import revalidate as _revalidate
+
+    try:
+        _revalidate(st.undolog, session_id, actor=key.identity)
+    except errors.UndoLogError as exc:
+        return _session_page(request, key, session_id, error=exc.message, status=409)
+    return RedirectResponse(f"/ui/sessions/{quote(session_id, safe='')}", status_code=303)
+
+
 @router.post("/ui/sessions/{session_id}/resume")
 async def resume(request: Request, session_id: str) -> Response:
     key = _user_or_redirect(request)

@@ -130,11 +130,18 @@ def _tls() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
+#: The call's ownership epoch, sent beside ``Idempotency-Key`` (a fencing token, ``CallContext.epoch``): an upstream
+#: that keeps the highest epoch it has seen per key may refuse a write whose epoch is below it.
+EPOCH_HEADER = "UndoLog-Epoch"
+
+
 def _post(url: str, payload: Any, *, idempotency_key: str | None, timeout: float, headers: Mapping[str, str],
-          method: str = "POST", max_bytes: int = MAX_RESPONSE_BYTES) -> Upstream:
+          method: str = "POST", max_bytes: int = MAX_RESPONSE_BYTES, epoch: int | None = None) -> Upstream:
     h = dict(headers)
     if idempotency_key:
         h["Idempotency-Key"] = idempotency_key
+    if epoch is not None:
+        h[EPOCH_HEADER] = str(epoch)
     with httpx.Client(timeout=timeout, follow_redirects=False, verify=_tls()) as client, \
             client.stream(method, url, json=payload, headers=h) as resp:
         chunks: list[bytes] = []
@@ -237,10 +244,12 @@ class ProxyTools:
                 kwargs["probe"] = _prober(tool)
             undolog.register_tool(_forwarder(tool), **kwargs)
 
-    def call(self, tool: ProxyTool, args: Mapping[str, Any], idempotency_key: str | None) -> Upstream:
-        """Forward one call upstream; its answer is read up to ``tool.max_response_bytes``."""
+    def call(self, tool: ProxyTool, args: Mapping[str, Any], idempotency_key: str | None, *,
+             epoch: int | None = None) -> Upstream:
+        """Forward one call upstream; its answer is read up to ``tool.max_response_bytes``. ``epoch``: the call's
+        ownership epoch, sent as the :data:`EPOCH_HEADER` header beside ``Idempotency-Key``."""
         return _post(tool.url, dict(args), idempotency_key=idempotency_key, timeout=tool.timeout,
-                     headers=tool.headers, method=tool.method, max_bytes=tool.max_response_bytes)
+                     headers=tool.headers, method=tool.method, max_bytes=tool.max_response_bytes, epoch=epoch)
 
 
 def _forwarder(tool: ProxyTool) -> Any:
@@ -249,7 +258,8 @@ def _forwarder(tool: ProxyTool) -> Any:
 
         ctx = current_call()
         resp = _post(tool.url, kwargs, idempotency_key=ctx.idempotency_key if ctx else None,
-                     timeout=tool.timeout, headers=tool.headers, method=tool.method, max_bytes=tool.max_response_bytes)
+                     timeout=tool.timeout, headers=tool.headers, method=tool.method, max_bytes=tool.max_response_bytes,
+                     epoch=ctx.epoch if ctx else None)
         if not resp.is_success:
             raise UpstreamError(f"{tool.name} upstream answered {resp.status_code}", resp.status_code, _body(resp))
         return {"status_code": resp.status_code, "body": _body(resp)}
@@ -285,22 +295,26 @@ def _prober(tool: ProxyTool) -> Any:
 
     The probe endpoint gets ``{"tool", "args", "idempotency_key"}`` (the key the call was sent
     with) and answers 404 or ``{"happened": false}`` when it did not, ``{"happened": true,
-    "result": ...}`` when it did.
+    "result": ...}`` when it did; any other answer cannot tell.
     """
 
     def probe(ctx: Any) -> Any:
+        # The probe carries the claim's epoch (header): an upstream fencing by epoch learns of the take-over.
         resp = _post(tool.probe_url or "", {"tool": tool.name, "args": ctx.args, "idempotency_key": ctx.idempotency_key},
-                     idempotency_key=None, timeout=tool.timeout, headers=tool.headers)
+                     idempotency_key=None, timeout=tool.timeout, headers=tool.headers, epoch=ctx.epoch)
         if resp.status_code == 404:
             return False
         if not resp.is_success:
             raise UpstreamError(f"probe of {tool.name} answered {resp.status_code}", resp.status_code)
         body = _body(resp)
-        if isinstance(body, dict) and "happened" in body:
-            if not body["happened"]:
-                return False
+        happened = body.get("happened") if isinstance(body, dict) else None
+        if happened is False:
+            return False
+        if happened is True:
             result = body.get("result")
             return {"status_code": 200, "body": result, "media_type": "application/json"} if result is not None else True
-        return bool(body)
+        # Anything else ({"status": "ok"}, "yes", 1) is no answer: the probe cannot tell (the core's None), never
+        # read by its truth as "it happened" or "it did not".
+        return None
 
     return probe

@@ -88,7 +88,9 @@ def invoke(
         # the answer and recording the outcome (the commit mark; a failure and its rollback) take one again,
         # waiting without a time limit: the upstream has acted, its outcome is never refused with a 503.
         with lanes.given_back(request.scope):
-            resp = proxy.call(ptool, call_args, key_for_upstream)
+            # The ownership epoch rides beside the key (a SAFE call has none): see proxy.EPOCH_HEADER.
+            resp = proxy.call(ptool, call_args, key_for_upstream,
+                              epoch=decision.epoch if decision.idempotency_key else None)
         if not resp.is_success:
             raise UpstreamError(f"{tool} upstream answered {resp.status_code}", resp.status_code, _body(resp))
         return {"status_code": resp.status_code, "body": _body(resp), "media_type": resp.headers.get("content-type")}

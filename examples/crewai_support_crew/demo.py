@@ -33,8 +33,10 @@ FIRST_TURN = [
     {"tool": "send_refund_email", "args": {"user_id": "u1", "amount": 42.5}},
     {"tool": "delete_user_account", "args": {"user_id": "u1"}},
 ]
-# After the approval the app starts a new kickoff on the same session; the agent asks again.
-SECOND_TURN = [{"tool": "delete_user_account", "args": {"user_id": "u1"}}]
+# After the decision the app continues the session (tools.resume) with the same task: a real model given it again
+# repeats all of it, so the script does too. The continuation runs the SAFE search again (it reads
+# only); the refund already sent is replayed, not sent twice; the approved deletion runs once.
+SECOND_TURN = FIRST_TURN
 
 
 def build_crew(tools: UndoLogToolset, steps: list[dict], *, native: bool = True) -> Crew:
@@ -81,8 +83,12 @@ def main(reject: bool = False, database_url: str | None = None, undolog: UndoLog
             ul.approvals.approve(request.approval_request_id, approver="ana")
             print("\n[approver] ana approved the deletion")
 
-        second = tools.kickoff(build_crew(tools, SECOND_TURN), session_id=first.session_id)
-        print(f"\n[kickoff 2] same session {second.session_id}")
+        again = build_crew(tools, SECOND_TURN)
+        second = tools.resume(again, inputs={"ticket": TICKET}, session_id=first.session_id)
+        print(f"\n[kickoff 2: a continuation] same session {second.session_id}; the agent repeats its whole task")
+        for step, seen in zip(SECOND_TURN, again.agents[0].llm.observations, strict=False):
+            how = "replayed, not run again" if "replayed" in seen else "ran"
+            print(f"  {step['tool']}({step['args']}): {how}")
         print(f"  agent: {second.raw}")
         if reject:
             report = ul.rollback(first.session_id)

@@ -3,8 +3,11 @@
 The outbox's clock is frozen, so a queued email is never delivered while the check runs (the recall never races
 the delivery), and every run starts from the seeded world. From the repository root:
 
-    undolog check-undo examples.support_agent.undo_check:refunds \\
+    undolog check-undo --app examples.support_agent.undo_check:app examples.support_agent.undo_check:refunds \\
         --snapshot examples.support_agent.undo_check:snapshot --reset examples.support_agent.undo_check:reset
+
+``app`` is the check's app factory: the UndoLog it opens (``$UNDOLOG_DATABASE_URL``, else a SQLite file beside the
+world) is the database the check uses, created and migrated on first use, so the command works on a fresh clone.
 
 ``refunds`` is ticket 2002 (three refund emails, the third refused by the outbox); ``refund_then_delete`` is
 ticket 1042 (one refund, then the account deletion, which ends the checked part: it waits for a person).
@@ -28,6 +31,15 @@ FROZEN_NOW = 1_800_000_000.0  # the outbox's clock during the check: nothing is 
 def world() -> SupportWorld:
     path = os.environ.get("SUPPORT_WORLD") or str(Path(tempfile.mkdtemp(prefix="undolog-check-")) / "world.sqlite")
     return SupportWorld(path, delivery_delay=5.0, clock=lambda: FROZEN_NOW)
+
+
+def app() -> Any:
+    """The app factory ``undolog check-undo --app`` loads: an UndoLog on ``$UNDOLOG_DATABASE_URL``, else on a SQLite
+    file beside the world (opened and migrated here, as an app opens its own)."""
+    from undolog_core import UndoLog
+
+    url = os.environ.get("UNDOLOG_DATABASE_URL") or f"sqlite:///{Path(world().path).parent / 'undolog.db'}"
+    return UndoLog.open(url)
 
 
 def snapshot() -> dict[str, Any]:

@@ -21,6 +21,7 @@ from examples.crewai_support_crew.demo import build_crew
 from examples.crewai_support_crew.llm import ScriptedLLM
 from undolog_adapters.crewai import UndoLogTool, wrap_tools
 from undolog_core import errors
+from undolog_core.testing import internals
 
 ROOT = Path(__file__).resolve().parents[2]
 LATER = dt.datetime.now(dt.UTC) + dt.timedelta(days=60)
@@ -431,6 +432,7 @@ def store_traffic(undolog, monkeypatch):
         event.remove(engine, "before_cursor_execute", count)
 
 
+@pytest.mark.storage
 @PATHS
 def test_a_kickoff_of_safe_calls_reads_its_new_session_once_and_writes_nothing(undolog, native, store_traffic):
     """A session's first kickoff reads it (its state and pins) and writes nothing when its calls are all SAFE; its
@@ -447,10 +449,11 @@ def test_a_kickoff_of_safe_calls_reads_its_new_session_once_and_writes_nothing(u
     tools.kickoff(build_crew(tools, [SEARCH], native=native), session_id="ticket-safe")
     assert store_traffic == []
     assert run.pending_approvals == []
-    undolog.engine.flush_counts()
+    internals(undolog).flush()
     assert undolog.sessions.get("ticket-safe").tool_calls_total == 3
 
 
+@pytest.mark.storage
 @PATHS
 def test_a_kickoff_of_safe_calls_in_a_session_it_mints_asks_the_store_nothing(undolog, native, store_traffic):
     """``tools.kickoff(crew)`` mints its session's id: the store cannot have it, so it is not even read. Failed
@@ -464,7 +467,7 @@ def test_a_kickoff_of_safe_calls_in_a_session_it_mints_asks_the_store_nothing(un
     _, seen = kickoff(tools, [REFUND_U1], native=native, session_id=run.session_id)  # known here: no read either
     assert "msg-1" in seen[0]
     assert "durable" in store_traffic
-    undolog.engine.flush_counts()
+    internals(undolog).flush()
     row = undolog.sessions.get(run.session_id)
     assert (row.agent_id, row.tool_calls_total) == ("crewai", 2)
 
@@ -480,7 +483,7 @@ def test_a_sessions_first_logged_call_writes_its_row_first(undolog, backend, nat
     row = undolog.sessions.get("ticket-comp")
     assert (row.state, row.agent_id) == ("active", "crewai")
     assert [s.tool_name for s in undolog.rollback("ticket-comp").steps] == ["send_refund_email"]
-    undolog.engine.flush_counts()
+    internals(undolog).flush()
     assert undolog.sessions.get("ticket-comp").tool_calls_total == 3
 
 

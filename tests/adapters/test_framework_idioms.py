@@ -18,7 +18,7 @@ from examples.crewai_support_crew import support as crew_support
 from examples.crewai_support_crew.demo import build_crew
 from examples.semantic_kernel_support import support
 from examples.semantic_kernel_support.llm import ScriptedChat, auto_settings, call
-from tests.otel import in_memory_otel
+from tests.support.otel import in_memory_otel
 from undolog_adapters import crewai as crewai_adapter
 from undolog_adapters.semantic_kernel import UndoLogFilter, invoke, resume, undolog_session
 from undolog_core import ApprovalPending, ToolTier, errors, undolog_tool

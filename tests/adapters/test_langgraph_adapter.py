@@ -83,7 +83,8 @@ def build(kind: str, undolog: Any, tools: Any, checkpointer: Any, scripts: dict[
     if kind == "middleware":
         return create_agent(
             model, tools.agent_tools, checkpointer=checkpointer,
-            middleware=[UndoLogMiddleware(undolog, tools=tools.agent_tools, compensations=[tools.cancel_refund_email])],
+            middleware=[UndoLogMiddleware(undolog, tools=tools.agent_tools, compensations=[tools.cancel_refund_email],
+                                          interrupt_mode="per_call")],
         )
 
     def agent(state: MessagesState) -> dict[str, Any]:
@@ -471,7 +472,8 @@ def test_middleware_must_be_the_innermost_tool_wrapper(undolog: Any, world: Supp
         return create_agent(model, tools.agent_tools, checkpointer=InMemorySaver(), middleware=list(middleware))
 
     # Inside UndoLog's wrapper, the switch would run the deletion unapproved: refused, nothing runs.
-    ul_mw = UndoLogMiddleware(undolog, tools=tools.agent_tools, compensations=[tools.cancel_refund_email])
+    ul_mw = UndoLogMiddleware(undolog, tools=tools.agent_tools, compensations=[tools.cancel_refund_email],
+                              interrupt_mode="per_call")
     with pytest.raises(errors.ConfigurationError, match="last middleware"):
         agent(ul_mw, Switcher()).invoke(user("look it up"), cfg())
     assert count(world, "delete_account") == 0 and count(world, "search") == 0
@@ -573,6 +575,7 @@ class open_saver:
 @pytest.mark.parametrize(("kind", "saver_kind"), [("node", "sqlite"), ("middleware", "sqlite"), ("middleware", "postgres")])
 # README "Deciding elsewhere": undolog_resume (here), aundolog_resume (test_async_approve_and_rollback),
 # resume_decided (test_resume_decided_resumes_only_fully_decided_threads).
+@pytest.mark.storage
 def test_decided_elsewhere_then_resumed_by_a_new_process(
     kind: str, saver_kind: str, db: Any, world: SupportWorld, tools: Any, tmp_path: Path
 ) -> None:

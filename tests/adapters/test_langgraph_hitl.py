@@ -97,6 +97,7 @@ def agent(undolog: Any, world: World, **mw: Any) -> Any:
     tools = make_tools(world)
     return create_agent(ScriptedChatModel(scripts=SCRIPTS), tools, checkpointer=InMemorySaver(),
                         middleware=[UndoLogMiddleware(undolog, tools=tools, compensations=[refund_charge_for(world)],
+                                                      interrupt_mode="per_call",
                                                       **mw)])
 
 

@@ -91,7 +91,7 @@ def make_agent(undolog: Any, world: World, *, is_async: bool = False, saver: Any
     gate = Gate(undolog, world)
     tools = make_tools(world, is_async=is_async)
     agent = create_agent(ScriptedChatModel(scripts=SCRIPTS), tools, checkpointer=saver or InMemorySaver(),
-                         middleware=[UndoLogMiddleware(undolog, tools=tools, approver=gate)])
+                         middleware=[UndoLogMiddleware(undolog, tools=tools, approver=gate, interrupt_mode="per_call")])
     return agent, gate
 
 
@@ -203,7 +203,7 @@ def test_one_resume_reject_halts_when_the_agent_is_a_subgraph(undolog: Any) -> N
     gate = Gate(undolog, world)
     tools = make_tools(world, is_async=False)
     inner = create_agent(ScriptedChatModel(scripts=SCRIPTS), tools,
-                         middleware=[UndoLogMiddleware(undolog, tools=tools, approver=gate)])
+                         middleware=[UndoLogMiddleware(undolog, tools=tools, approver=gate, interrupt_mode="per_call")])
     outer = StateGraph(MessagesState)
     outer.add_node("agent", inner)
     outer.add_edge(START, "agent")
@@ -250,6 +250,7 @@ async def asaver_of(kind: str, path: str) -> AsyncIterator[Any]:
         yield saver
 
 
+@pytest.mark.storage
 @pytest.mark.parametrize("kind", SAVERS)
 def test_durable_checkpointer_resumed_by_a_fresh_agent(undolog: Any, tmp_path: Path, kind: str) -> None:
     # Which pause a rejection answers is read from the checkpoint itself: a fresh agent on a fresh saver (as another

@@ -100,7 +100,7 @@ def test_middleware_an_irreversible_tools_own_question_gets_the_persons_answer(u
     tools = _asking_tools(answers)
     model = ScriptedChatModel(scripts={"wire": [[("wire", {"amount": 5})]]})
     g = create_agent(model, tools, checkpointer=InMemorySaver(),
-                     middleware=[UndoLogMiddleware(undolog, tools=tools, approver="ana")])
+                     middleware=[UndoLogMiddleware(undolog, tools=tools, approver="ana", interrupt_mode="per_call")])
     c = cfg()
     _run(g, user("wire"), c, aio)
     first = [{"decision": "from_store"}] if rounds == 2 else []
@@ -108,6 +108,7 @@ def test_middleware_an_irreversible_tools_own_question_gets_the_persons_answer(u
     assert answers == ["no"], answers
 
 
+@pytest.mark.storage
 def test_node_with_a_durable_checkpointer_resumed_by_fresh_graphs(undolog: Any, tmp_path: Path) -> None:
     """The shortened resume values are what the checkpointer saves: a fresh graph (as another process) reads them."""
     world, answers = World(), []
@@ -146,7 +147,7 @@ def test_middleware_behind_langchains_per_call_hitl_keeps_its_answer(undolog: An
     model = ScriptedChatModel(scripts={"wire": [[("wire", {"amount": 5})]]})
     hitl = HumanInTheLoopMiddleware(interrupt_on={"wire": True}, interrupt_mode="per_call")
     g = create_agent(model, tools, checkpointer=InMemorySaver(),
-                     middleware=[hitl, UndoLogMiddleware(undolog, tools=tools, approver="ana")])
+                     middleware=[hitl, UndoLogMiddleware(undolog, tools=tools, approver="ana", interrupt_mode="per_call")])
     c = cfg()
     g.invoke(user("wire"), c)
     seen = []

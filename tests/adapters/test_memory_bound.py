@@ -32,6 +32,7 @@ from examples.support_agent.model import ScriptedChatModel
 from undolog_adapters.langgraph import UndoLogMiddleware
 from undolog_adapters.semantic_kernel import install, undolog_session
 from undolog_core import CompensationDescriptor, ToolTier, compensation, undolog_tool
+from undolog_core.testing import internals
 
 CAP = 40
 # Threads (conversations) served, each a new one: first without tracing (tracemalloc triples a step's cost), then
@@ -90,7 +91,7 @@ def _measured(serve: Callable[[int], None]) -> tuple[int, int]:
 
 
 def _calls_counted(undolog: Any, agent_id: str) -> list[int]:
-    undolog.engine.flush_counts()  # what close() writes: the records still kept
+    internals(undolog).flush()  # what close() writes: the records still kept
     return [r.tool_calls_total for r in undolog.store.list_sessions(agent_id=agent_id, limit=100_000)]
 
 
@@ -160,7 +161,7 @@ async def test_a_thread_evicted_and_halted_elsewhere_is_refused_and_a_rolled_bac
         await invoke("look", f"more-{run}-{i}")
     out = await invoke("look", rolled)  # a SAFE call in thread#2, after its eviction
     assert [m.content for m in out["messages"] if isinstance(m, ToolMessage)][-1] == "tue is free"
-    undolog.engine.flush_counts()
+    internals(undolog).flush()
     assert undolog.store.get_session(f"{rolled}#2").tool_calls_total == 2
 
 

@@ -68,10 +68,14 @@ def test_crewai_snippets(undolog: Any, capsys: pytest.CaptureFixture[str]) -> No
                           "delete_user_account": crew_support.delete_user_account,
                           "cancel_refund_email": crew_support.cancel_refund_email}
     exec(compile(blocks[0], "README.md", "exec"), ns)  # noqa: S102 - the README's own snippet
-    run = ns["run"]
-    [request] = run.pending_approvals
-    assert request.tool_name == "delete_user_account" and "u1" in crew_support.BACKEND.accounts
+    run, done = ns["run"], ns["done"]
+    [request] = undolog.approvals.list(session_id=run.session_id)
+    assert request.tool_name == "delete_user_account" and request.state == "approved"
+    # The continuation repeated the whole task (the scripted model starts over, as a real one does): the refund was
+    # replayed, not sent twice; the approved deletion ran once.
     assert [m["status"] for m in crew_support.BACKEND.outbox] == ["sent"]
+    assert "u1" not in crew_support.BACKEND.accounts and not done.awaiting_approval
+    assert "replayed" in llm.observations[0]
 
     exec(compile(blocks[1], "README.md", "exec"), ns)  # noqa: S102
     more = ns["more"]
@@ -108,7 +112,7 @@ async def test_logs_snippet(undolog: Any, capsys: pytest.CaptureFixture[str]) ->
     try:
         root.handlers = []  # basicConfig configures only a root logger without handlers
         await _run(logs, {})
-        from tests.core.toolkit import setup
+        from tests.support.toolkit import setup
 
         _, tools = setup(undolog)
         with undolog.session(session_id="readme-log") as s:

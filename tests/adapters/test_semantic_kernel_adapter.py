@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +33,7 @@ from undolog_adapters.semantic_kernel import (
 )
 from undolog_core import ApprovalPending, CompensationDescriptor, ToolTier, compensation, errors, undolog_tool
 from undolog_core.storage import schema as schema
+from undolog_core.testing import internals
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -218,11 +218,12 @@ async def test_timed_out_approval_tells_the_model(ul, backend):
 def _push_deadline_into_the_past(ul, request_id):
     # The deadline passes with nobody calling expire(): the resume must find out by itself.
     r = schema.approval_requests
-    with ul.store.tx() as conn:
+    with internals(ul).write() as conn:
         conn.execute(r.update().where(r.c.approval_request_id == request_id)
                      .values(timeout_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=5)))
 
 
+@pytest.mark.storage
 async def test_resume_reports_a_request_past_its_deadline_as_timed_out(ul, backend):
     kernel, _ = new_kernel(ul)
     chat, history, _ = await chat_turns(kernel, [[DELETE_U1]])
@@ -493,11 +494,11 @@ def test_demo_runs_offline_both_ways(db, capsys):
 
 
 def test_running_as_a_module(db):
-    started = time.monotonic()
+    # No bound on how long it took (no timed tests): on a loaded 2-core machine the run alone took over 60 s.
     proc = subprocess.run([sys.executable, "-m", "examples.semantic_kernel_support"], env={**os.environ, **db.env},
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "ana approved" in proc.stdout and time.monotonic() - started < 60
+    assert "ana approved" in proc.stdout
 
 
 
@@ -557,13 +558,13 @@ async def test_a_safe_only_kernel_run_writes_nothing_and_its_count_keeps_the_age
     statements = [e for e in window if e.level == "wire" and e.kind == "stmt"]
     # At most one read (the session looked up once, for its state and pins), no transaction, no write.
     assert len(statements) <= 1 and not [t for t in done if len(t) > 1] and not left_open, statements
-    if not ul.store.is_postgres:  # sqlite3's trace shows the text; libpq's only that one statement was executed
+    if not internals(ul).is_postgres:  # sqlite3's trace shows the text; libpq's only that one statement was executed
         assert all(e.text.startswith("SELECT") for e in statements)
     assert {s.session_id for s in ul.sessions.list()} == before
     with pytest.raises(errors.SessionNotFound):
         ul.sessions.get("chat-safe")
     # What UndoLog's close writes: the SAFE calls' count, on a session row that keeps the filter's agent id.
-    ul.engine.flush_counts()
+    internals(ul).flush()
     rec = db.open().sessions.get("chat-safe")
     assert (rec.agent_id, rec.tool_calls_total, rec.state) == ("support-bot", 2, "active")
 
@@ -663,7 +664,7 @@ async def test_a_safe_call_is_validated_and_converted_against_its_contract_both_
     with undolog_session("chat-safe"), pytest.raises(errors.ArgumentsInvalid):
         await invoke(kernel, plugin_name="shop", function_name="lookup", order_id=["A-1"])
     assert LOOKED_UP == [("A-1", 2.0)]
-    ul.engine.flush_counts()
+    internals(ul).flush()
     assert ul.sessions.get("chat-safe").tool_calls_total == 1  # the call that ran, counted once; refusals are not
 
 
@@ -703,7 +704,7 @@ async def test_a_safe_call_whose_arguments_object_is_replaced_after_the_auto_gat
     assert LOOKED_UP == [("A-1", 1.0)]
     undolog_filter = next(f for _, f in kernel.function_invocation_filters).__self__
     assert undolog_filter._safe_calls == {}
-    ul.engine.flush_counts()
+    internals(ul).flush()
     assert ul.sessions.get("chat-swap").tool_calls_total == 1
 
 
@@ -762,7 +763,7 @@ async def test_a_safe_tool_with_a_retry_policy_is_retried_through_the_gate(ul):
     install(kernel, ul, tiers={"shop-quote": {"tier": "safe", "retry": RetryPolicy(attempts=3, backoff=0.0)}})
     _, history, _ = await chat_turns(kernel, [[call("q1", "shop-quote", sku="S-1")]], session_id="chat-retry")
     assert results(history) == ["S-1: 12.50"] and tries == ["S-1"] * 3
-    ul.engine.flush_counts()
+    internals(ul).flush()
     assert ul.sessions.get("chat-retry").tool_calls_total == 1 and ul.sessions.effects("chat-retry") == []
 
 
@@ -784,7 +785,7 @@ async def test_a_safe_calls_arguments_of_other_types_than_exact_scalars_are_stil
                 await invoke(kernel, plugin_name="shop", function_name="lookup", **bad)
         await invoke(kernel, plugin_name="shop", function_name="lookup", order_id="A-3", weight=3)
     assert LOOKED_UP == [("A-1", 2.5), ("A-3", 3.0)] and type(LOOKED_UP[1][1]) is float
-    ul.engine.flush_counts()
+    internals(ul).flush()
     assert ul.sessions.get("chat-kinds").tool_calls_total == 2
 
 

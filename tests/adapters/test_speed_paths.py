@@ -33,10 +33,14 @@ from semantic_kernel.functions import kernel_function
 
 from examples.semantic_kernel_support.llm import ScriptedChat, auto_settings, call
 from examples.support_agent.model import ScriptedChatModel
-from tests.lg_hooks import AfterModel
+from tests.support.lg_hooks import AfterModel
 from undolog_adapters.langgraph import UndoLogMiddleware, _call, _tools
 from undolog_adapters.semantic_kernel import install, undolog_session
 from undolog_core import CompensationDescriptor, ToolTier, compensation, errors, undolog_tool
+from undolog_core.testing import internals
+
+# The adapters' fast paths (its own step in CI with the other perf tests).
+pytestmark = pytest.mark.perf
 
 ROOT = Path(__file__).resolve().parents[2]
 BOOKED: list[str] = []
@@ -271,7 +275,7 @@ async def test_sk_starts_a_conversations_session_on_the_loop_when_nothing_waits(
     assert [e["state"] for e in undolog.sessions.effects(sid)] == ["committed"]
     assert undolog.sessions.get(sid).agent_id == "semantic-kernel"
     hot = undolog.engine.hot
-    pool = hot.durable if undolog.store.is_postgres else hot.fast  # where the insert goes
+    pool = hot.durable if internals(undolog).is_postgres else hot.fast  # where the insert goes
     held = [pool.checkout() for _ in range(pool.size)]
     timer = threading.Timer(0.3, lambda: [pool.checkin(*x) for x in held])
     sid2 = "sk-" + uuid.uuid4().hex[:8]
@@ -281,7 +285,7 @@ async def test_sk_starts_a_conversations_session_on_the_loop_when_nothing_waits(
     finally:
         timer.join()
     # (On PostgreSQL the session's first read, on the same pool, is the one that goes to the thread.)
-    assert hops == (["look_up_session"] if undolog.store.is_postgres else ["ensure_session"]), hops
+    assert hops == (["look_up_session"] if internals(undolog).is_postgres else ["ensure_session"]), hops
     assert [e["state"] for e in undolog.sessions.effects(sid2)] == ["committed"]
 
 
@@ -375,6 +379,7 @@ def test_hooks_langchain_wraps_are_plain_functions_and_a_subclass_keeps_its_own(
     assert [m for m in out["messages"] if isinstance(m, ToolMessage)][-1].content == "fri is free"
 
 
+@pytest.mark.storage
 def test_a_safe_turn_checks_the_session_without_a_statement_and_writes_nothing(
     db: Any, undolog: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

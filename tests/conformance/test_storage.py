@@ -31,6 +31,7 @@ from undolog_core.storage.records import (
     SessionState,
     StateChange,
 )
+from undolog_core.testing import internals
 
 CORE_TABLES = {
     "undolog_sessions", "undolog_effect_log", "undolog_undo_stack", "undolog_approval_requests",
@@ -41,12 +42,12 @@ CORE_TABLES = {
 
 def test_migrations_create_every_table_and_are_idempotent(db):
     u = db.open()
-    with u.store.read() as c:
+    with internals(u).read() as c:
         names = set(sa.inspect(c).get_table_names())
     assert CORE_TABLES <= names
-    assert _migrate.current(u.store.engine) == _migrate.head()
+    assert _migrate.current(internals(u).sql_engine) == _migrate.head()
     db.open()  # a second open is a no-op
-    with u.store.read() as c:
+    with internals(u).read() as c:
         assert c.execute(sa.select(sa.func.count()).select_from(t.org_policy)).scalar() == 1
 
 
@@ -70,14 +71,14 @@ def test_concurrent_first_opens_migrate_once(db):
 
 
 def test_durability_settings(undolog):
-    with undolog.store.engine.connect() as c:
-        if undolog.store.is_postgres:
+    with internals(undolog).sql_engine.connect() as c:
+        if internals(undolog).is_postgres:
             assert c.exec_driver_sql("SHOW synchronous_commit").scalar() == "on"
         else:
             assert c.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
             assert c.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
     with undolog.store.fast.connect() as c:
-        if undolog.store.is_postgres:
+        if internals(undolog).is_postgres:
             assert c.exec_driver_sql("SHOW synchronous_commit").scalar() == "off"
         else:
             # NORMAL (no fsync per commit, as OFF, but a checkpoint on it fsyncs): for the fast commit mark only
@@ -92,18 +93,18 @@ def _session_row(sid: str, **kw):
 
 def test_times_round_trip_as_aware_utc_to_the_microsecond(undolog):
     when = dt.datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=dt.timezone(dt.timedelta(hours=5)))
-    with undolog.store.tx() as c:
+    with internals(undolog).write() as c:
         c.execute(t.sessions.insert().values(**_session_row("s", created_at=when)))
     got = undolog.sessions.get("s").created_at
     assert got == when and got.tzinfo == dt.UTC
     with pytest.raises(sa.exc.StatementError, match="naive"):
-        with undolog.store.tx() as c:
+        with internals(undolog).write() as c:
             c.execute(t.sessions.insert().values(**_session_row("n", created_at=dt.datetime(2026, 1, 1))))
 
 
 def test_json_round_trip(undolog):
     doc = {"s": "ü ✓", "n": 1.5, "i": 2**53, "l": [1, None, True], "nested": {"a": {"b": []}}}
-    with undolog.store.tx() as c:
+    with internals(undolog).write() as c:
         c.execute(t.sessions.insert().values(**_session_row("j", pinned_revisions=doc)))
     assert undolog.sessions.get("j").pinned_revisions == doc
 
@@ -111,30 +112,30 @@ def test_json_round_trip(undolog):
 @pytest.mark.parametrize("column,value", [("state", "exploded"), ("on_failure", "shrug")])
 def test_check_constraints(undolog, column, value):
     with pytest.raises(sa.exc.IntegrityError):
-        with undolog.store.tx() as c:
+        with internals(undolog).write() as c:
             c.execute(t.sessions.insert().values(**_session_row("x", **{column: value})))
 
 
 def test_call_id_is_unique_per_session(undolog):
     now = utcnow()
-    with undolog.store.tx() as c:
+    with internals(undolog).write() as c:
         c.execute(t.sessions.insert().values(**_session_row("s")))
     row = {"session_id": "s", "call_id": "c", "tool_name": "x", "tool_revision": 1, "tier": "irreversible",
            "state": "awaiting_approval", "args_snapshot": {}, "args_digest": "d", "recovery_attempts": 0,
            "created_at": now, "updated_at": now}
-    with undolog.store.tx() as c:
+    with internals(undolog).write() as c:
         c.execute(t.effect_log.insert().values(effect_id="e1", **row))
     with pytest.raises(sa.exc.IntegrityError):
-        with undolog.store.tx() as c:
+        with internals(undolog).write() as c:
             c.execute(t.effect_log.insert().values(effect_id="e2", **row))
     with pytest.raises(sa.exc.IntegrityError):  # effects belong to a session that exists
-        with undolog.store.tx() as c:
+        with internals(undolog).write() as c:
             c.execute(t.effect_log.insert().values(effect_id="e3", **{**row, "session_id": "ghost", "call_id": "z"}))
 
 
 def test_a_failed_transaction_leaves_nothing_behind(undolog):
     with pytest.raises(RuntimeError):
-        with undolog.store.tx() as c:
+        with internals(undolog).write() as c:
             c.execute(t.sessions.insert().values(**_session_row("half")))
             raise RuntimeError("crash mid-transaction")
     with pytest.raises(errors.SessionNotFound):
@@ -144,7 +145,7 @@ def test_a_failed_transaction_leaves_nothing_behind(undolog):
 def test_concurrent_appends_keep_every_chain_intact(undolog):
     def writer(k: int) -> None:
         for i in range(10):
-            with undolog.store.tx() as c:
+            with internals(undolog).write() as c:
                 undolog.store.append_event_in(c, subject=f"w{k}", action="test", actor=f"w{k}", payload={"i": i})
 
     threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
@@ -161,8 +162,8 @@ def test_a_transaction_holding_a_chain_does_not_stop_another_from_appending(undo
     appends and commits meanwhile (on PostgreSQL to another chain, without waiting; SQLite has one writer at a time
     and is checked for the chain alone). Both chains verify, and a transaction's appends all go to one chain."""
     st = _storage(undolog)
-    if not undolog.store.is_postgres:
-        with undolog.store.tx() as c:
+    if not internals(undolog).is_postgres:
+        with internals(undolog).write() as c:
             ids = [st.append_event_in(c, subject="s", action="test", actor="a", payload={"i": i}) for i in range(3)]
         assert ids == [ids[0], ids[0] + 1, ids[0] + 2] and verify(st).ok
         return
@@ -170,7 +171,7 @@ def test_a_transaction_holding_a_chain_does_not_stop_another_from_appending(undo
     release = threading.Event()
 
     def slow() -> None:
-        with undolog.store.tx() as c:
+        with internals(undolog).write() as c:
             st.append_event_in(c, subject="slow", action="test.slow", actor="a", payload={})
             holding.set()
             release.wait(10)
@@ -180,7 +181,7 @@ def test_a_transaction_holding_a_chain_does_not_stop_another_from_appending(undo
     th.start()
     assert holding.wait(10)
     try:
-        with undolog.store.tx() as c:
+        with internals(undolog).write() as c:
             # Would wait for the slow transaction's commit if it had to lock the same head: 2 s is plenty to fail.
             c.execute(sa.text("SET LOCAL lock_timeout = '2s'"))
             st.append_event_in(c, subject="fast", action="test.fast", actor="b", payload={})
@@ -216,12 +217,12 @@ def test_default_url_from_environment(monkeypatch, tmp_path):
 
 
 def test_a_compensable_effect_is_never_stored_without_its_undo_entry(undolog):
-    from tests.core.toolkit import setup
+    from tests.support.toolkit import setup
 
     _world, tools = setup(undolog)
     s = undolog.session(agent_id="pairs")
     d = undolog.engine.intercept(s.id, "send_refund_email", {"user_id": "u1", "amount": 3})
-    with undolog.store.read() as c:
+    with internals(undolog).read() as c:
         pair = c.execute(
             sa.select(t.effect_log.c.seq, t.undo_stack.c.undo_id, t.undo_stack.c.compensation_name,
                       t.undo_stack.c.compensation_version)
@@ -250,14 +251,14 @@ def test_a_compensable_effect_is_never_stored_without_its_undo_entry(undolog):
 
     undolog.register(cf_late_tool, cf_late_undo)
     late = undolog.engine.intercept(s.id, "cf_late_tool", {"n": 1})
-    with undolog.store.read() as c:
+    with internals(undolog).read() as c:
         comp = c.execute(
             sa.select(t.undo_stack.c.compensation_name)
             .select_from(t.effect_log.join(t.undo_stack, t.undo_stack.c.undo_id == t.effect_log.c.seq))
             .where(t.effect_log.c.effect_id == late.effect_id)
         ).scalar_one()
     assert comp == "cf_late_undo"
-    with undolog.store.read() as c:
+    with internals(undolog).read() as c:
         effects = c.execute(sa.select(sa.func.count()).select_from(t.effect_log)
                             .where(t.effect_log.c.effect_id.in_(["e-orphan", "e-unknown"]))).scalar()
         orphans = c.execute(sa.select(sa.func.count()).select_from(
@@ -286,13 +287,13 @@ def _awaiting(u: UndoLog, session_id: str, user: str = "u1", call_id: str | None
 
 
 def _world(u: UndoLog) -> None:
-    from tests.core.toolkit import setup
+    from tests.support.toolkit import setup
 
     setup(u)
 
 
 def _count(u: UndoLog, table: sa.Table, *where: Any) -> int:
-    with u.store.read() as c:
+    with internals(u).read() as c:
         return int(c.execute(sa.select(sa.func.count()).select_from(table).where(*where)).scalar_one())
 
 
@@ -329,7 +330,7 @@ def test_approve_moves_request_effect_and_session_in_one_transaction(undolog):
     requested, event = st.request_events(rec.approval_request_id)  # the engine audited the request itself
     assert requested.action == "requested"
     assert (event.action, event.actor, event.payload) == ("approve", "ana", {"reason": "ok"})
-    with undolog.store.read() as c:
+    with internals(undolog).read() as c:
         types = c.execute(sa.select(t.outbox.c.event_type).order_by(t.outbox.c.outbox_id)).scalars().all()
     assert types[outbox_before:] == ["approval.decided"]
     assert st.list_requests(state=RequestState.APPROVED, session_id=s.id) == [got]
@@ -367,11 +368,11 @@ def test_reject_halts_the_session_and_cancels_its_other_requests(undolog):
     assert [e.action for e in st.request_events(second.approval_request_id)] == ["requested", "cancel"]
     states = {e["call_id"]: e["state"] for e in st.session_effects(s.id)}
     assert states == {"c1": EffectState.REJECTED, "c2": EffectState.CANCELLED}
-    with undolog.store.read() as c:
+    with internals(undolog).read() as c:
         types = c.execute(sa.select(t.outbox.c.event_type)).scalars().all()
     assert "session.halted" in types and "approval.decided" in types
     # A settled request is not cancelled twice, and no second event is written for it.
-    with undolog.store.tx() as c:
+    with internals(undolog).write() as c:
         assert st.cancel_request_in(c, second.approval_request_id, second.effect_id, "again", utcnow()) is False
     assert len(st.request_events(second.approval_request_id)) == 2
 
@@ -423,7 +424,7 @@ def test_expiry_applies_the_policy_once(undolog):
     assert got is not None and got.state is RequestState.TIMED_OUT and got.decided_by == "undolog:timeout"
     assert st.get_session(s1.id).state is SessionState.HALTED  # type: ignore[union-attr]
 
-    with undolog.store.tx() as c:
+    with internals(undolog).write() as c:
         c.execute(t.org_policy.update().values(auto_approve_on_timeout=True))
     s2 = undolog.session()
     auto = _awaiting(undolog, s2.id)
@@ -439,13 +440,13 @@ def test_expiry_applies_the_policy_once(undolog):
 def test_audit_append_and_its_outbox_rows_commit_together_or_not_at_all(undolog):
     st = _storage(undolog)
     first = st.append_event(subject="s", action="test.one", actor="a", payload={"n": 1})
-    with undolog.store.tx() as c:
+    with internals(undolog).write() as c:
         second = st.append_event_in(c, subject="s", action="test.two", actor="b", payload={"n": 2},
                                     outbox=[("test.happened", {"n": 2})])
     assert second == first + 1
     assert _count(undolog, t.outbox, t.outbox.c.event_type == "test.happened") == 1
     with pytest.raises(RuntimeError):
-        with undolog.store.tx() as c:
+        with internals(undolog).write() as c:
             st.append_event_in(c, subject="s", action="test.lost", actor="c", payload={},
                                outbox=[("test.lost", {})])
             raise RuntimeError("the caller's transaction fails after the append")
@@ -512,12 +513,12 @@ def test_policy_is_one_row_changed_with_an_audit_event(undolog):
     was, now_is = st.set_policy({"context_calls": 3}, actor="admin", now=utcnow())
     assert was == before and now_is == OrgPolicy(before.approval_timeout_seconds, before.auto_approve_on_timeout, 3)
     assert st.get_policy() == now_is
-    with undolog.store.read() as c:
+    with internals(undolog).read() as c:
         assert st.policy_in(c) == now_is
         event = c.execute(sa.select(t.approval_events).where(t.approval_events.c.action == "policy.set")).one()
     assert event.actor == "admin" and event.subject == "policy"
     with pytest.raises(sa.exc.IntegrityError):
-        with undolog.store.tx() as c:
+        with internals(undolog).write() as c:
             c.execute(t.org_policy.insert().values(policy_id=2, approval_timeout_seconds=1,
                                                    auto_approve_on_timeout=False, context_calls=1,
                                                    updated_at=utcnow(), updated_by="x"))
@@ -528,7 +529,7 @@ def test_session_halt_resume_and_state_changes(undolog):
     st = _storage(undolog)
     s = undolog.session(agent_id="conf", session_id="conf-halt")  # an id given: in the store at once
     assert st.get_session("nope") is None
-    with undolog.store.tx() as c:
+    with internals(undolog).write() as c:
         st.halt_in(c, s.id, "a person must look", utcnow())
     rec = st.get_session(s.id)
     assert rec is not None and rec.state is SessionState.HALTED and rec.halted_reason == "a person must look"
@@ -542,7 +543,7 @@ def test_session_halt_resume_and_state_changes(undolog):
         st.resume_session(s.id, actor="ana", reason=None, now=utcnow())
     with pytest.raises(errors.SessionNotFound):
         st.resume_session("nope", actor="ana", reason=None, now=utcnow())
-    with undolog.store.read() as c:
+    with internals(undolog).read() as c:
         resumes = c.execute(sa.select(t.approval_events.c.payload)
                             .where(t.approval_events.c.action == "session.resume")).scalars().all()
     assert resumes == ['{"reason":"looked","was_halted_because":"a person must look"}']
@@ -550,7 +551,7 @@ def test_session_halt_resume_and_state_changes(undolog):
     assert st.set_session_state(s.id, SessionState.COMPLETED, allowed=[SessionState.HALTED], now=utcnow()) is False
     assert st.set_session_state(s.id, SessionState.COMPLETED, allowed=[SessionState.ACTIVE], now=utcnow()) is True
     # An ended session is not halted again.
-    with undolog.store.tx() as c:
+    with internals(undolog).write() as c:
         st.halt_in(c, s.id, "too late", utcnow())
     assert st.get_session(s.id).state is SessionState.COMPLETED  # type: ignore[union-attr]
 
@@ -577,7 +578,7 @@ def test_refresh_awaiting_follows_the_pending_requests(undolog):
     st = _storage(undolog)
     s = undolog.session()
     rec = _awaiting(undolog, s.id)
-    with undolog.store.tx() as c:
+    with internals(undolog).write() as c:
         assert st.refresh_changes_in(c, s.id, utcnow()) == []  # already awaiting: nothing changes
         assert st.cancel_pending_in(c, s.id, "test", utcnow()) == 1
         assert st.refresh_changes_in(c, s.id, utcnow()) == [StateChange(s.id, SessionState.ACTIVE)]

@@ -16,6 +16,7 @@ from undolog_core.errors import DatabaseUnavailable
 from undolog_core.storage.base import new_id, utcnow
 from undolog_core.storage.pool import IntegrityConflict
 from undolog_core.storage.schema import EffectState, SessionState
+from undolog_core.testing import internals
 
 
 @undolog_tool(tier=ToolTier.COMPENSABLE, compensation="conf_undo")
@@ -58,7 +59,7 @@ def test_prewrite_writes_the_effect_and_its_undo_entry_in_one_commit(u):
 
 def test_prewrite_refused_by_a_session_that_takes_no_calls(u):
     sid = _session(u)
-    with u.store.tx() as conn:
+    with internals(u).write() as conn:
         u.store.halt_in(conn, sid, "a person must look", utcnow())
     spec = u.tool_spec("conf_write")
     now = time.time()
@@ -87,12 +88,12 @@ def test_commit_mark_only_moves_an_effect_in_flight(u):
 
 def test_guard_counts_calls_and_refuses_a_halted_session(u):
     sid = _session(u)
-    with u.store.tx() as conn:
+    with internals(u).write() as conn:
         assert u.store.guard_in(conn, sid, 5, None) is None
     assert u.sessions.get(sid).tool_calls_total == 5
-    with u.store.tx() as conn:
+    with internals(u).write() as conn:
         u.store.halt_in(conn, sid, "stop", utcnow())
-    with u.store.tx() as conn:
+    with internals(u).write() as conn:
         refused = u.store.guard_in(conn, sid, 1, None)
     assert refused.state == SessionState.HALTED and refused.halted_reason == "stop"
 
@@ -106,7 +107,7 @@ def test_release_and_reclaim_by_compare_and_swap(u):
     claims = []
 
     def claim() -> None:
-        with u.store.tx() as conn:
+        with internals(u).write() as conn:
             claims.append(u.store.claim_effect_in(conn, eid, from_state=EffectState.RELEASED,
                                                   to_state=EffectState.PENDING, owner="x|1|1|i",
                                                   lease_until=now + dt.timedelta(seconds=30), now=now))
@@ -122,18 +123,18 @@ def test_release_and_reclaim_by_compare_and_swap(u):
 def test_rollback_intent_is_written_and_ended_with_the_session_state(u):
     sid = _session(u)
     now = utcnow()
-    with u.store.tx() as conn:
+    with internals(u).write() as conn:
         assert u.store.rollback_intent_in(conn, sid) is None
         u.store.write_intent_in(conn, sid, exists=False, actor="ana", reason="asked", owner="me",
                                 lease_until=now, now=now)
     assert u.sessions.get(sid).state == SessionState.ROLLING_BACK
-    with u.store.tx() as conn:
+    with internals(u).write() as conn:
         intent = u.store.rollback_intent_in(conn, sid)
         assert (intent.actor, intent.reason, intent.owner) == ("ana", "asked", "me")
     assert [r.session_id for r in u.store.in_flight().intents] == [sid]
     assert u.store.claim_intent(sid, "me", "recoverer", now)
     assert not u.store.claim_intent(sid, "me", "another", now)  # the owner moved: compare-and-swap fails
-    with u.store.tx() as conn:
+    with internals(u).write() as conn:
         u.store.mark_rolled_back_in(conn, sid, now)
     assert u.sessions.get(sid).state == SessionState.ROLLED_BACK
     assert u.store.in_flight().intents == []
@@ -166,7 +167,7 @@ def test_in_flight_finds_every_pending_effect_once_settled_it_is_gone(u):
     # The oldest effect goes back in flight (its re-issue claims it): recovery still finds it.
     now = utcnow()
     row = u.store.effect_by_call(sid, "c0")
-    with u.store.tx() as conn:
+    with internals(u).write() as conn:
         assert u.store.claim_effect_in(conn, ids[0], from_state=EffectState.RELEASED, to_state=EffectState.PENDING,
                                        owner="x", lease_until=now, now=now)
         u.store.back_in_flight_in(conn, row.seq)
@@ -208,7 +209,7 @@ def test_renewing_leases_touches_only_the_owners_rows(u):
 
 
 def test_a_store_that_is_gone_raises_database_unavailable(u, tmp_path):
-    if not u.store.is_postgres:
+    if not internals(u).is_postgres:
         from undolog_core import UndoLog
 
         # A SQLite file whose folder vanished: the next connection cannot be opened.
@@ -220,18 +221,18 @@ def test_a_store_that_is_gone_raises_database_unavailable(u, tmp_path):
             f.unlink()
         folder.rmdir()
         with pytest.raises(DatabaseUnavailable):
-            with v.store.read() as conn:
+            with internals(v).read() as conn:
                 conn.exec_driver_sql("SELECT 1")
         return
     # PostgreSQL: every connection of this store is terminated behind its back.
     import psycopg
 
-    with u.store.read() as conn:
+    with internals(u).read() as conn:
         pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
     with psycopg.connect("host=127.0.0.1 user=postgres dbname=test", autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
     with pytest.raises(DatabaseUnavailable):
-        with u.store.read() as conn:
+        with internals(u).read() as conn:
             conn.exec_driver_sql("SELECT 1")
-    with u.store.read() as conn:  # and the next one connects afresh
+    with internals(u).read() as conn:  # and the next one connects afresh
         assert conn.exec_driver_sql("SELECT 1").scalar() == 1

@@ -6,8 +6,9 @@ import pytest
 import sqlalchemy as sa
 
 from undolog_core import ApprovalPending
+from undolog_core.testing import internals
 
-from .toolkit import setup
+from ..support.toolkit import setup
 
 
 async def _some_events(u):
@@ -27,20 +28,20 @@ async def _some_events(u):
 async def test_update_and_delete_refused_by_the_database(undolog, stmt):
     await _some_events(undolog)
     with pytest.raises(sa.exc.DBAPIError, match="append-only"):
-        with undolog.store.tx() as c:
+        with internals(undolog).write() as c:
             c.exec_driver_sql(stmt)
     assert undolog.verify_audit().ok
 
 
 async def test_truncate_refused_on_postgres_and_unavailable_on_sqlite(undolog):
     await _some_events(undolog)
-    if undolog.store.is_postgres:
+    if internals(undolog).is_postgres:
         with pytest.raises(sa.exc.DBAPIError, match="append-only"):
-            with undolog.store.tx() as c:
+            with internals(undolog).write() as c:
                 c.exec_driver_sql("TRUNCATE undolog_approval_events")
     else:
         with pytest.raises(sa.exc.OperationalError):  # SQLite has no TRUNCATE statement at all
-            with undolog.store.tx() as c:
+            with internals(undolog).write() as c:
                 c.exec_driver_sql("TRUNCATE undolog_approval_events")
     assert undolog.verify_audit().ok
 
@@ -49,8 +50,8 @@ async def test_chain_catches_an_edit_behind_the_triggers(undolog):
     rid = await _some_events(undolog)
     report = undolog.verify_audit()
     assert report.ok and report.events_checked == 3
-    with undolog.store.tx() as c:
-        if undolog.store.is_postgres:
+    with internals(undolog).write() as c:
+        if internals(undolog).is_postgres:
             c.exec_driver_sql("ALTER TABLE undolog_approval_events DISABLE TRIGGER USER")
         else:
             c.exec_driver_sql("DROP TRIGGER undolog_events_no_update")
@@ -61,8 +62,8 @@ async def test_chain_catches_an_edit_behind_the_triggers(undolog):
 
 async def test_chain_catches_a_deleted_tail(undolog):
     await _some_events(undolog)
-    with undolog.store.tx() as c:
-        if undolog.store.is_postgres:
+    with internals(undolog).write() as c:
+        if internals(undolog).is_postgres:
             c.exec_driver_sql("ALTER TABLE undolog_approval_events DISABLE TRIGGER USER")
         else:
             c.exec_driver_sql("DROP TRIGGER undolog_events_no_delete")
@@ -74,6 +75,6 @@ async def test_outbox_written_with_each_approval_event(undolog):
     from undolog_core.storage import schema as t
 
     await _some_events(undolog)
-    with undolog.store.read() as c:
+    with internals(undolog).read() as c:
         kinds = c.execute(sa.select(t.outbox.c.event_type).order_by(t.outbox.c.outbox_id)).scalars().all()
     assert kinds == ["approval.requested", "approval.decided"]

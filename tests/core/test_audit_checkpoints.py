@@ -24,8 +24,9 @@ from undolog_core import ApprovalPending, UndoLog
 from undolog_core.cli import app
 from undolog_core.storage import schema as t
 from undolog_core.storage.audit import GENESIS_HASH, event_hash
+from undolog_core.testing import internals
 
-from .toolkit import setup
+from ..support.toolkit import setup
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
@@ -55,8 +56,8 @@ def rechain_as_mallory(u: UndoLog) -> list[int]:
     """
     e = t.approval_events
     changed = []
-    with u.store.tx() as c:
-        if u.store.is_postgres:
+    with internals(u).write() as c:
+        if internals(u).is_postgres:
             c.exec_driver_sql("ALTER TABLE undolog_approval_events DISABLE TRIGGER USER")
         else:
             c.exec_driver_sql("DROP TRIGGER undolog_events_no_update")
@@ -126,8 +127,8 @@ def test_a_rewrite_between_two_checkpoints_is_placed_between_them(undolog: UndoL
     approvals(undolog, 1, approver="bo")
     undolog.checkpoint_audit(key=key, out=out)  # at event 4
     e = t.approval_events
-    with undolog.store.tx() as c:  # rewrite only event 4 onwards ("bo" -> "mallory"), re-chained
-        if undolog.store.is_postgres:
+    with internals(undolog).write() as c:  # rewrite only event 4 onwards ("bo" -> "mallory"), re-chained
+        if internals(undolog).is_postgres:
             c.exec_driver_sql("ALTER TABLE undolog_approval_events DISABLE TRIGGER USER")
         else:
             c.exec_driver_sql("DROP TRIGGER undolog_events_no_update")
@@ -174,11 +175,15 @@ def test_a_cut_back_chain_fails_against_a_later_checkpoint(undolog: UndoLog, tmp
     key, pub = generate_keypair(tmp_path / "k")
     approvals(undolog, 2)
     undolog.checkpoint_audit(key=key, out=tmp_path / "cp")  # at event 4
-    with undolog.store.tx() as c:  # drop events 3-4 and move the head back, consistently
-        if undolog.store.is_postgres:
+    with internals(undolog).write() as c:  # drop events 3-4 and move the head back, consistently
+        # Every trigger off, the head table's too (revision 0015 refuses a head moved back): an attacker can.
+        if internals(undolog).is_postgres:
             c.exec_driver_sql("ALTER TABLE undolog_approval_events DISABLE TRIGGER USER")
+            c.exec_driver_sql("ALTER TABLE undolog_audit_head DISABLE TRIGGER USER")
         else:
             c.exec_driver_sql("DROP TRIGGER undolog_events_no_delete")
+            for name in t.SQLITE_AUDIT_HEAD_GUARDS:
+                c.exec_driver_sql(f"DROP TRIGGER {name}")
         c.execute(t.approval_events.delete().where(t.approval_events.c.event_id > 2))
         h2 = c.execute(sa.select(t.approval_events.c.hash).where(t.approval_events.c.event_id == 2)).scalar_one()
         c.execute(t.audit_head.update().where(t.audit_head.c.head_id == 1).values(last_event_id=2, last_hash=h2))
@@ -225,11 +230,11 @@ def append_raw(u: UndoLog, chain: int, actor: str, n: int) -> list[int]:
     databases get a trail of several chains whatever their writers did."""
     e, h = t.approval_events, t.audit_head
     ids = []
-    with u.store.tx() as c:
+    with internals(u).write() as c:
         head = c.execute(sa.select(h).where(h.c.head_id == chain)).one()
         prev = head.last_hash
         next_id = int(c.execute(sa.select(sa.func.coalesce(sa.func.max(e.c.event_id), 0))).scalar_one()) + 1
-        if u.store.is_postgres:
+        if internals(u).is_postgres:
             c.exec_driver_sql(f"SELECT setval('undolog_audit_event_id_seq', {next_id + n}, false)")
         now = dt.datetime.now(dt.UTC)
         for i in range(n):
@@ -248,8 +253,8 @@ def append_raw(u: UndoLog, chain: int, actor: str, n: int) -> list[int]:
 def rechain(u: UndoLog, chain: int, from_id: int, actor: str) -> None:
     """Rewrite the actor of ``chain``'s events from ``from_id`` on and recompute that chain's hashes and head."""
     e = t.approval_events
-    with u.store.tx() as c:
-        if u.store.is_postgres:
+    with internals(u).write() as c:
+        if internals(u).is_postgres:
             c.exec_driver_sql("ALTER TABLE undolog_approval_events DISABLE TRIGGER USER")
         else:
             c.exec_driver_sql("DROP TRIGGER undolog_events_no_update")
@@ -291,8 +296,8 @@ def test_an_edit_or_a_removal_inside_another_chain_is_caught_without_a_checkpoin
     raw = append_raw(undolog, 2, "bo", 3)
     assert undolog.verify_audit().ok
     e = t.approval_events
-    with undolog.store.tx() as c:
-        if undolog.store.is_postgres:
+    with internals(undolog).write() as c:
+        if internals(undolog).is_postgres:
             c.exec_driver_sql("ALTER TABLE undolog_approval_events DISABLE TRIGGER USER")
         else:
             c.exec_driver_sql("DROP TRIGGER undolog_events_no_update")
@@ -300,7 +305,7 @@ def test_an_edit_or_a_removal_inside_another_chain_is_caught_without_a_checkpoin
         c.execute(e.update().where(e.c.event_id == raw[0]).values(actor="mallory"))
     r = undolog.verify_audit()
     assert not r.ok and r.first_bad_event_id == raw[0] and "does not match its hash" in (r.problem or "")
-    with undolog.store.tx() as c:
+    with internals(undolog).write() as c:
         c.execute(e.update().where(e.c.event_id == raw[0]).values(actor="bo"))
         c.execute(e.delete().where(e.c.event_id == raw[1]))
     r = undolog.verify_audit()

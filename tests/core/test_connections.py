@@ -38,8 +38,9 @@ import sqlalchemy as sa
 
 from undolog_core import UndoLog, errors
 from undolog_core.storage import schema as t
+from undolog_core.testing import internals
 
-from .toolkit import World, setup
+from ..support.toolkit import World, setup
 
 PG_URL = os.environ.get("UNDOLOG_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
@@ -169,7 +170,7 @@ class Gauge:
 
 
 def _committed(u: UndoLog, session_id: str) -> int:
-    with u.store.read() as c:
+    with internals(u).read() as c:
         return int(c.execute(sa.select(sa.func.count()).select_from(t.effect_log).where(
             t.effect_log.c.session_id == session_id, t.effect_log.c.state == "committed")).scalar_one())
 

@@ -9,6 +9,7 @@ import sqlalchemy as sa
 
 from undolog_core import ApprovalPending, ToolTier, errors, undolog_tool
 from undolog_core.storage import schema as t
+from undolog_core.testing import internals
 
 
 def make(reason: str, tier=ToolTier.IRREVERSIBLE):
@@ -20,7 +21,7 @@ def make(reason: str, tier=ToolTier.IRREVERSIBLE):
 
 
 def registry_rows(u):
-    with u.store.read() as c:
+    with internals(u).read() as c:
         return [r._mapping for r in c.execute(sa.select(t.tool_registry).order_by(t.tool_registry.c.revision))]
 
 
@@ -41,7 +42,7 @@ def test_fingerprint_is_stable_and_changes_make_revisions(db):
 
 def test_registry_tier_check_constraint(undolog):
     with pytest.raises(sa.exc.IntegrityError):
-        with undolog.store.tx() as c:
+        with internals(undolog).write() as c:
             c.execute(t.tool_registry.insert().values(
                 tool_name="x", revision=1, tier="dangerous", fingerprint="f", contract={},
                 registered_at=dt.datetime.now(dt.UTC), registered_by="me"))
@@ -58,13 +59,13 @@ async def test_resumed_session_refuses_a_changed_tool_until_revalidated(db):
     resumed = u2.session(session_id=sid)
     with pytest.raises(errors.ContractChanged, match="revalidate"):
         await resumed.call("delete_user_account", user_id="u1", call_id="c1")
-    with u2.store.read() as c:
+    with internals(u2).read() as c:
         assert c.execute(sa.select(sa.func.count()).select_from(t.approval_requests)).scalar() == 0
     changed = resumed.revalidate(actor="ana")
     assert changed == {"delete_user_account": {"from": 1, "to": 2}}
     with pytest.raises(ApprovalPending):
         await resumed.call("delete_user_account", user_id="u1", call_id="c1")
-    with u2.store.read() as c:
+    with internals(u2).read() as c:
         actions = c.execute(sa.select(t.approval_events.c.action)).scalars().all()
     assert "session.revalidate" in actions
 
@@ -123,6 +124,6 @@ def test_policy_is_audited_and_validated(undolog):
         with pytest.raises(errors.PolicyInvalid):
             undolog.policy.set(actor="admin", **bad)
     assert undolog.policy.get() == p
-    with undolog.store.read() as c:
+    with internals(undolog).read() as c:
         ev = c.execute(sa.select(t.approval_events).where(t.approval_events.c.action == "policy.set")).all()
     assert len(ev) == 1 and ev[0].actor == "admin:ana"

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from undolog_core import ApprovalPending, SessionState, errors
+from undolog_core.testing import internals
 
-from .toolkit import setup
+from ..support.toolkit import setup
 
 
 def _in_store(db: Any, session_id: str) -> bool:
@@ -30,7 +31,7 @@ def test_a_started_session_is_found_by_every_reader_here_with_its_values(db: Any
     u = db.open()
     world, tools = setup(u)
     s = u.session(agent_id="bot", created_by="ana", on_failure="continue")
-    deferred = u.store.is_postgres
+    deferred = internals(u).is_postgres
     assert _in_store(db, s.id) is not deferred  # no row yet on PostgreSQL: nothing logged
     rec = u.sessions.get(s.id)  # this process's reader writes it first
     assert (rec.agent_id, rec.created_by, rec.on_failure, rec.state) == ("bot", "ana", "continue", "active")

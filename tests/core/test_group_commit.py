@@ -17,6 +17,7 @@ import pytest
 from undolog_core import CompensationDescriptor, ToolTier, UndoLog, compensation, undolog_tool
 from undolog_core.storage.group import GroupCommit
 from undolog_core.storage.pool import IntegrityConflict, WouldBlock
+from undolog_core.testing import internals
 
 RAN: list[str] = []
 RAN_LOCK = threading.Lock()
@@ -165,7 +166,7 @@ def test_a_group_keeps_each_writes_own_outcome(tmp_path: Any) -> None:
 def _halt(u: UndoLog, sid: str) -> None:
     from undolog_core.storage import schema as t
 
-    with u.store.tx() as conn:
+    with internals(u).write() as conn:
         conn.execute(t.sessions.update().where(t.sessions.c.session_id == sid).values(state="halted",
                                                                                         halted_reason="test"))
 

@@ -246,7 +246,7 @@ def test_postgres_hot_statements_match_libpq_and_their_parameters() -> None:
                                      "lease", "now", "session_id", "comp", "comp_version")
     assert pg._PW_COUNTED.params == ("count", "now", "session_id", "effect_id", "call_id", "tool_name", "revision",
                                      "args", "digest", "owner", "lease", "comp", "comp_version")
-    assert pg._MARK.params == ("text", "now", "effect_id")
+    assert pg._MARK.params == ("text", "now", "effect_id", "owner")  # fenced by the owner (issue 34)
     assert pg._END.params == ("state", "count", "now", "session_id", "allowed")
     assert pg._MARK_MANY.params == ("results", "ats", "ids")
     for stmt in (pg._PW_CHECKED, pg._PW_COUNTED, pg._MARK, pg._MARK_MANY, pg._START, pg._END):

@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from undolog_core import CompensationDescriptor, ToolTier, UndoLog, compensation, undolog_tool
 from undolog_core.storage import schema as t
 from undolog_core.storage.pool import IntegrityConflict
+from undolog_core.testing import internals
 
 pytestmark = pytest.mark.sqlite_only
 
@@ -48,19 +49,19 @@ def test_only_the_hot_paths_connections_skip_check_constraints(undolog: UndoLog)
     undolog.register(hpc_book, hpc_undo)
     undolog.session(agent_id="a").call_sync("hpc_book", slot="x")
     assert _hot_connection(undolog).execute("PRAGMA ignore_check_constraints").fetchone()[0] == 1
-    with undolog.store.tx() as conn:
+    with internals(undolog).write() as conn:
         assert conn.exec_driver_sql("PRAGMA ignore_check_constraints").scalar_one() == 0
     # The general engine still refuses a state outside the list, on every table the hot path writes.
     for table, column in ((t.effect_log, "state"), (t.undo_stack, "state"), (t.sessions, "state")):
         with pytest.raises(sa.exc.IntegrityError, match="CHECK constraint failed"):
-            with undolog.store.tx() as conn:
+            with internals(undolog).write() as conn:
                 conn.execute(table.update().values({column: "not-a-state"}))
 
 
 def _violations(u: UndoLog) -> list[str]:
     """Every stored row that breaks a CHECK constraint of the schema, checked by a query per constraint."""
     found: list[str] = []
-    with u.store.tx() as conn:
+    with internals(u).write() as conn:
         for table in t.metadata.sorted_tables:
             for ck in table.constraints:
                 if isinstance(ck, sa.CheckConstraint):
@@ -89,11 +90,11 @@ def test_rows_written_through_the_hot_path_satisfy_every_check(undolog: UndoLog)
     with pytest.raises(RuntimeError):
         failing.call_sync("hpc_book", slot="boom")
     undolog.rollback(s.id)
-    with undolog.store.tx() as conn:
+    with internals(undolog).write() as conn:
         states = dict(conn.execute(sa.select(t.sessions.c.session_id, t.sessions.c.state)).all())
     assert states[s.id] == "rolled_back" and states[group.id] == "active"
     assert _violations(undolog) == []
-    with undolog.store.tx() as conn:
+    with internals(undolog).write() as conn:
         n = conn.execute(sa.select(sa.func.count()).select_from(t.undo_stack)).scalar_one()
     assert n == 5 + 16 + 2
 
@@ -113,7 +114,7 @@ def test_the_prewrite_view_writes_both_rows_or_neither(undolog: UndoLog) -> None
                                  comp, 1))
 
     def rows(effect_id: str) -> tuple[int, int]:
-        with undolog.store.tx() as conn:
+        with internals(undolog).write() as conn:
             e = conn.execute(sa.select(sa.func.count()).select_from(t.effect_log)
                              .where(t.effect_log.c.effect_id == effect_id)).scalar_one()
             u = conn.execute(sa.select(sa.func.count()).select_from(t.undo_stack)
@@ -121,7 +122,7 @@ def test_the_prewrite_view_writes_both_rows_or_neither(undolog: UndoLog) -> None
         return e, u
 
     assert prewrite("e-ok") is True and rows("e-ok") == (1, 1)
-    with undolog.store.tx() as conn:
+    with internals(undolog).write() as conn:
         undo = conn.execute(sa.select(t.undo_stack, t.effect_log.c.seq).join(
             t.effect_log, t.effect_log.c.effect_id == t.undo_stack.c.effect_id)
             .where(t.undo_stack.c.effect_id == "e-ok")).one()
@@ -129,6 +130,6 @@ def test_the_prewrite_view_writes_both_rows_or_neither(undolog: UndoLog) -> None
     with pytest.raises(IntegrityConflict, match="NOT NULL constraint failed: undolog_undo_stack"):
         prewrite("e-nocomp", comp=None)
     assert rows("e-nocomp") == (0, 0)
-    with undolog.store.tx() as conn:
+    with internals(undolog).write() as conn:
         conn.execute(t.sessions.update().where(t.sessions.c.session_id == s.id).values(state="halted"))
     assert prewrite("e-halted") is False and rows("e-halted") == (0, 0)

@@ -13,8 +13,12 @@ from alembic.migration import MigrationContext
 from undolog_core.storage import migrate as _migrate
 from undolog_core.storage import schema as t
 from undolog_core.storage.base import _MIGRATION_LOCK_KEY, Store
+from undolog_core.testing import internals
 
-from .toolkit import setup
+from ..support.toolkit import setup
+
+# Every open runs the real migrations: these tests are about them, so no copy of the session's template.
+pytestmark = pytest.mark.real_migrations
 
 T0 = dt.datetime(2026, 11, 1, 9, 0, tzinfo=dt.UTC)
 SERVER_TABLES = {"undolog_api_keys", "undolog_approver_groups", "undolog_webhook_targets", "undolog_webhook_deliveries",
@@ -88,17 +92,17 @@ def _rows():
 
 
 def _seqs(u) -> dict[str, int]:
-    with u.store.engine.connect() as c:
+    with internals(u).sql_engine.connect() as c:
         return dict(c.execute(sa.select(t.effect_log.c.effect_id, t.effect_log.c.seq)).all())
 
 
 def test_upgrade_keeps_undo_ids_and_numbers_the_rest_after_them(db):
     _old_database(db, _rows())
     u = db.open()  # UndoLog.open upgrades to the newest revision
-    assert _migrate.current(u.store.engine) == _migrate.head()
+    assert _migrate.current(internals(u).sql_engine) == _migrate.head()
     # An effect with an undo entry takes its id as seq (keys already handed out stay the same); the others follow.
     assert _seqs(u) == {"e-first": 5, "e-second": 9, "e-gate": 10}
-    with u.store.engine.connect() as c:
+    with internals(u).sql_engine.connect() as c:
         undo = c.execute(sa.select(t.undo_stack.c.undo_id, t.undo_stack.c.effect_id)
                          .order_by(t.undo_stack.c.undo_id)).all()
         cursor = c.execute(sa.select(t.recovery_cursor)).one()
@@ -123,7 +127,7 @@ def test_upgraded_session_goes_on_and_rolls_back_lifo_with_the_old_keys(db):
 def test_migrated_schema_is_the_declared_one(db):
     _old_database(db, [])
     u = db.open()
-    with u.store.engine.connect() as c:
+    with internals(u).sql_engine.connect() as c:
         diff = compare_metadata(MigrationContext.configure(c), t.metadata)
         names = {r[0] for r in c.execute(sa.text(
             "SELECT indexname FROM pg_indexes WHERE schemaname = current_schema()"
@@ -175,7 +179,7 @@ def test_downgrade_to_0002_and_back_keeps_every_id(db):
     s = u.session(agent_id="round-trip")
     for amount in (1, 2):
         s.call_sync(tools["send_refund_email"], user_id="u1", amount=amount)
-    with u.store.engine.connect() as c:
+    with internals(u).sql_engine.connect() as c:
         before = sorted(tuple(r) for r in c.execute(sa.select(t.undo_stack.c.undo_id, t.undo_stack.c.effect_id)))
     sid = s.id
     u.close()
@@ -193,7 +197,7 @@ def test_downgrade_to_0002_and_back_keeps_every_id(db):
         store.dispose()
     u2 = db.open()  # and forward again
     world2, tools2 = setup(u2)
-    with u2.store.engine.connect() as c:
+    with internals(u2).sql_engine.connect() as c:
         again = sorted(tuple(r) for r in c.execute(sa.select(t.undo_stack.c.undo_id, t.undo_stack.c.effect_id)))
     assert again == before
     report = u2.session(session_id=sid).rollback_sync(actor="test")
@@ -230,7 +234,7 @@ def test_an_audit_trail_of_one_chain_upgrades_to_several_and_still_verifies(db):
     u = db.open()  # upgrades to head
     report = u.verify_audit()
     assert report.ok and report.events_checked == 3 and report.head_hash == prev, report.problem
-    with u.store.engine.connect() as c:
+    with internals(u).sql_engine.connect() as c:
         assert c.execute(sa.select(sa.func.count()).select_from(t.audit_head)).scalar_one() == t.AUDIT_CHAINS
         assert set(c.execute(sa.select(t.approval_events.c.chain)).scalars()) == {1}
     u.policy.set(actor="bo", approval_timeout_seconds=600)
@@ -245,12 +249,12 @@ def test_sqlite_prewrite_moves_from_the_registry_trigger_to_the_view_and_back(db
     puts the old trigger back."""
     assert _objects_at(db, _migrate.upgrade) == {"trigger": {"undolog_effect_undo_entry"}, "view": set()}
     u = db.open()  # upgrades to head
-    with u.store.engine.connect() as c:
+    with internals(u).sql_engine.connect() as c:
         assert _sqlite_objects(c) == {"trigger": {"undolog_prewrite_insert"}, "view": {"undolog_prewrite"}}
     world, tools = setup(u)
     s = u.session(agent_id="after-0010")
     s.call_sync(tools["send_refund_email"], user_id="u2", amount=7)
-    with u.store.engine.connect() as c:
+    with internals(u).sql_engine.connect() as c:
         undo = c.execute(sa.select(t.undo_stack.c.undo_id, t.undo_stack.c.compensation_name, t.effect_log.c.seq)
                          .join(t.effect_log, t.effect_log.c.effect_id == t.undo_stack.c.effect_id)).all()
     assert len(undo) == 1 and undo[0].undo_id == undo[0].seq and undo[0].compensation_name
@@ -273,5 +277,48 @@ def _objects_at(db, move) -> dict[str, set[str]]:
 
 def _sqlite_objects(c) -> dict[str, set[str]]:
     rows = c.execute(sa.text("SELECT type, name FROM sqlite_master WHERE type IN ('trigger', 'view') "
-                             "AND name NOT LIKE 'undolog_events_%'")).all()
+                             "AND name NOT LIKE 'undolog_events_%' AND name NOT LIKE 'undolog_audit_head_%'")).all()
     return {kind: {n for k, n in rows if k == kind} for kind in ("trigger", "view")}
+
+
+@pytest.mark.storage
+def test_session_owners_come_with_0013_on_a_database_of_0011_and_go_with_its_downgrade(db):
+    """Revision 0013: ``undolog_session_owners`` (who serves a session, and a rollback filed for it) and the
+    client keys' partial unique index are made on a database of the previous release, which goes on working
+    (client-keyed ids are unique across sessions, other ids per session); running the upgrade again changes
+    nothing; the downgrade drops both."""
+    store = Store(db.url, schema=db.schema)
+    try:
+        _migrate.upgrade(store.engine, lock_key=_MIGRATION_LOCK_KEY, schema=db.schema, target="0011_due_index")
+        assert "undolog_session_owners" not in sa.inspect(store.engine).get_table_names(schema=db.schema)
+    finally:
+        store.dispose()
+    u = db.open()  # upgrades to head
+    index = {ix["name"]: ix for ix in sa.inspect(u.store.engine).get_indexes("undolog_effect_log",
+                                                                             schema=db.schema)}
+    assert index["ux_undolog_effect_client_key"]["unique"]
+    world, tools = setup(u)
+    s = u.session(agent_id="after-0013")
+    s.call_sync(tools["send_refund_email"], user_id="u2", amount=7)
+    u.owners.hold([s.id])
+    row = u.store.session_owner(s.id)
+    assert row.owner == u.leases.owner and row.lease_until > dt.datetime.now(dt.UTC)
+    other = u.session(agent_id="after-0013")
+    other.call_sync(tools["send_refund_email"], call_id="c-1", user_id="u1", amount=1)
+    s.call_sync(tools["send_refund_email"], call_id="c-1", user_id="u1", amount=1)  # per session: fine
+    s.call_sync(tools["send_refund_email"], call_id="ck:shared", user_id="u1", amount=2)
+    with pytest.raises(Exception):  # noqa: B017,PT011 - the index refuses it, whatever the engine makes of that
+        other.call_sync(tools["send_refund_email"], call_id="ck:shared", user_id="u1", amount=2)
+    assert world.count("send") == 4  # the refused one never ran
+    report = u.rollback(s.id, actor="test")  # held by this very process: run here, not filed
+    assert report.complete and not report.ran_without_live_upstream and report.ran_by is None
+    u.close()
+    store = Store(db.url, schema=db.schema)
+    try:
+        _migrate.upgrade(store.engine, lock_key=_MIGRATION_LOCK_KEY, schema=db.schema)  # again: idempotent
+        _migrate.downgrade(store.engine, lock_key=_MIGRATION_LOCK_KEY, schema=db.schema, target="0011_due_index")
+        assert "undolog_session_owners" not in sa.inspect(store.engine).get_table_names(schema=db.schema)
+        names = {ix["name"] for ix in sa.inspect(store.engine).get_indexes("undolog_effect_log", schema=db.schema)}
+        assert "ux_undolog_effect_client_key" not in names
+    finally:
+        store.dispose()

@@ -14,9 +14,10 @@ import pytest
 
 from undolog_core import ApprovalPending, _observe
 from undolog_core.storage import schema as t
+from undolog_core.testing import internals
 
-from ..otel import in_memory_otel
-from .toolkit import setup
+from ..support.otel import in_memory_otel
+from ..support.toolkit import setup
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -129,7 +130,7 @@ def test_a_recovery_action_is_logged(undolog: Any, caplog: pytest.LogCaptureFixt
     undolog.session(session_id="s-rec")
     d = undolog.engine.intercept("s-rec", "send_refund_email", {"user_id": "u1", "amount": 3}, call_id="c")
     undolog.engine._inflight.discard(d.effect_id)
-    with undolog.store.tx() as c:  # its process died mid-call
+    with internals(undolog).write() as c:  # its process died mid-call
         c.execute(t.effect_log.update().where(t.effect_log.c.effect_id == d.effect_id).values(owner=_dead_owner()))
     caplog.set_level(logging.INFO, logger="undolog")
     report = undolog.recover()

@@ -13,7 +13,7 @@ import pytest
 
 from undolog_core import AwaitingApproval, Execute, errors
 
-from .toolkit import setup
+from ..support.toolkit import setup
 
 
 def _approved(undolog: Any, sid: str, call_id: str) -> Execute:

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from . import crash_app
+from ..support import crash_app
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +46,7 @@ def world(db: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
             env = {**os.environ, **db.env, "CRASH_STATE": str(state), "PYTHONPATH": str(ROOT),
                    "UNDOLOG_DATABASE_URL": _tagged(db)}
             env.pop("UNDOLOG_FAULT", None)
-            cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "tests.core.crash_app", *args]
+            cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "tests.support.crash_app", *args]
             p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             procs.append(p)
             return p

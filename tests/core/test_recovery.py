@@ -17,8 +17,9 @@ import sqlalchemy as sa
 from undolog_core import errors
 from undolog_core.storage import schema as t
 from undolog_core.storage.base import Owner
+from undolog_core.testing import internals
 
-from . import crash_app
+from ..support import crash_app
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +36,7 @@ def crash(db, tmp_path, monkeypatch):
         if fault:
             env["UNDOLOG_FAULT"] = fault
         env.update(extra or {})
-        p = subprocess.Popen([sys.executable, "-m", "tests.core.crash_app", *args], env=env, cwd=ROOT,
+        p = subprocess.Popen([sys.executable, "-m", "tests.support.crash_app", *args], env=env, cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if not wait:
             return p
@@ -56,7 +57,7 @@ def effect(u, **where):
     q = sa.select(t.effect_log)
     for k, v in where.items():
         q = q.where(t.effect_log.c[k] == v)
-    with u.store.read() as c:
+    with internals(u).read() as c:
         return c.execute(q).one()._mapping
 
 
@@ -69,7 +70,26 @@ def _kill_at(crash, session, tool, fault):
     assert code == -signal.SIGKILL, err
 
 
-@pytest.mark.parametrize("tool", ["send", "send_probed"])
+def test_crash_before_the_tool_ran_with_a_probe_is_settled_not_run(crash):
+    """The probe says "did not happen" and the crashed process can no longer send it: nothing to undo. Before: it
+    was compensated, undoing what never ran (a counter went 0 -> -5)."""
+    _kill_at(crash, "s1", "send_probed", "after_prewrite")
+    u = crash.app()
+    e = effect(u, session_id="s1")
+    report = u.recover()
+    assert report.reconciled == [{"effect_id": e["effect_id"], "tool_name": "send_probed", "outcome": "not_run"}]
+    assert log_of("cancel") == [] and log_of("send") == []
+    assert effect(u, session_id="s1")["state"] == "failed"
+    with u.store.read() as c:
+        assert c.execute(sa.select(t.undo_stack).where(t.undo_stack.c.effect_id == e["effect_id"])).first() is None
+        (event,) = c.execute(sa.select(t.approval_events).where(t.approval_events.c.action == "effect.probe")).all()
+    payload = event.payload if isinstance(event.payload, dict) else json.loads(event.payload)
+    assert (payload["answer"], payload["settled"]) == ("not_happened", "not_run")
+    assert u.sessions.get("s1").state == "active"  # nothing happened: the session goes on
+    assert u.recover().reconciled == []
+
+
+@pytest.mark.parametrize("tool", ["send"])
 def test_crash_before_the_tool_ran(crash, tool):
     _kill_at(crash, "s1", tool, "after_prewrite")
     u = crash.app()
@@ -86,7 +106,7 @@ def test_crash_before_the_tool_ran(crash, tool):
 
 
 def _undo_id(u, effect_id):
-    with u.store.read() as c:
+    with internals(u).read() as c:
         return c.execute(sa.select(t.undo_stack.c.undo_id).where(t.undo_stack.c.effect_id == effect_id)).scalar_one()
 
 
@@ -137,12 +157,12 @@ def test_lease_expiry_frees_an_effect_of_another_host(crash):
     u = crash.app()
     s = u.session(session_id="s1")
     d = u.engine.intercept("s1", "send", {"user_id": "u1"}, call_id="c1")
-    with u.store.tx() as c:  # pretend another host owns it and stopped renewing
+    with internals(u).write() as c:  # pretend another host owns it and stopped renewing
         c.execute(t.effect_log.update().where(t.effect_log.c.effect_id == d.effect_id)
                   .values(owner="elsewhere|1|1", lease_until=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=60)))
     u.engine._inflight.discard(d.effect_id)
     assert u.recover().reconciled == []
-    with u.store.tx() as c:
+    with internals(u).write() as c:
         c.execute(t.effect_log.update().where(t.effect_log.c.effect_id == d.effect_id)
                   .values(lease_until=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)))
     assert u.recover().reconciled[0]["outcome"] == "compensated"
@@ -182,7 +202,7 @@ def test_an_old_effect_back_in_flight_is_found_after_recovery_moved_past_it(cras
     code, _, err = crash("calls", "s2", "3")  # newer effects, all settled
     assert code == 0, err
     assert u.recover().reconciled == []  # the cursor moves past the waiting request and the settled calls
-    with u.store.engine.connect() as c:
+    with internals(u).sql_engine.connect() as c:
         cursor = c.execute(sa.select(t.recovery_cursor.c.effect_seq)).scalar_one()
         gate = c.execute(sa.select(t.effect_log.c.seq).where(t.effect_log.c.effect_id == w.effect_id)).scalar_one()
     if crash.db.kind == "sqlite":
@@ -206,7 +226,7 @@ def test_recovery_cursor_advances_only_past_settled_effects(crash):
     assert u.recover().left_alive == 1
 
     def cursor_and_seq():
-        with u.store.engine.connect() as c:
+        with internals(u).sql_engine.connect() as c:
             return (c.execute(sa.select(t.recovery_cursor.c.effect_seq)).scalar_one(),
                     c.execute(sa.select(t.effect_log.c.seq).where(t.effect_log.c.effect_id == d.effect_id))
                     .scalar_one())
@@ -267,7 +287,7 @@ def test_several_processes_recover_at_once_each_effect_once(crash):
         u.session(session_id=sid)
         d = u.engine.intercept(sid, "send", {"user_id": f"u{i}"}, call_id="c")
         u.engine._inflight.discard(d.effect_id)
-        with u.store.tx() as c:
+        with internals(u).write() as c:
             c.execute(t.effect_log.update().where(t.effect_log.c.effect_id == d.effect_id).values(owner=dead))
     procs = [crash("recover", "x", wait=False) for _ in range(3)]
     outs = [p.communicate(timeout=120) for p in procs]
@@ -285,14 +305,14 @@ def test_several_processes_expire_at_once_each_request_once(crash):
         sid = f"s{i}"
         u.session(session_id=sid)
         ids.append(u.engine.intercept(sid, "delete", {"user_id": f"u{i}"}, call_id="d").approval_request_id)
-    with u.store.tx() as c:
+    with internals(u).write() as c:
         c.execute(t.approval_requests.update().values(timeout_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)))
     procs = [crash("expire", "x", wait=False) for _ in range(3)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     expired = [i for out, _ in outs for i in json.loads(out)]
     assert sorted(expired) == sorted(ids)
-    with u.store.read() as c:
+    with internals(u).read() as c:
         timeouts = c.execute(sa.select(t.approval_events.c.approval_request_id)
                              .where(t.approval_events.c.action == "timeout")).scalars().all()
     assert sorted(timeouts) == sorted(ids)

@@ -7,12 +7,13 @@ import sqlalchemy as sa
 
 from undolog_core import CompensationDescriptor, ToolTier, compensation, errors, undolog_tool
 from undolog_core.storage import schema as t
+from undolog_core.testing import internals
 
-from .toolkit import setup
+from ..support.toolkit import setup
 
 
 def undo_rows(undolog):
-    with undolog.store.read() as c:
+    with internals(undolog).read() as c:
         return [r._mapping for r in c.execute(sa.select(t.undo_stack).order_by(t.undo_stack.c.undo_id))]
 
 

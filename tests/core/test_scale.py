@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from tests.core import scale_app
+from tests.support import scale_app
 from undolog_core import ApprovalPending, ToolTier, compensation, undolog_tool
 from undolog_core._gc import GC_BATCH, collect, parse_age
 from undolog_core._recovery import RECOVER_BATCH
@@ -28,6 +28,10 @@ from undolog_core.errors import ConfigurationError, UndoLogError
 from undolog_core.storage import schema as t
 from undolog_core.storage.approvals import EXPIRE_BATCH
 from undolog_core.storage.base import utcnow
+from undolog_core.testing import internals
+
+# Scale: many workers, large stores (its own step in CI).
+pytestmark = pytest.mark.perf
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +53,7 @@ def _raise_requests(u: Any, n: int, per_session: int = 1, tool: str = "scale_clo
 
 
 def _count(u: Any, q: Any) -> Any:
-    with u.store.read() as conn:
+    with internals(u).read() as conn:
         return conn.execute(q).all()
 
 
@@ -65,7 +69,7 @@ def test_four_processes_recover_and_expire_each_row_exactly_once(db, tmp_path, m
     monkeypatch.setenv("SCALE_STATE", str(tmp_path))
     u = db.open()
     u.register(scale_app.scale_charge, scale_app.scale_undo, scale_app.scale_close)
-    seeded = subprocess.run([sys.executable, "-m", "tests.core.scale_app", "seed", str(n_effects)],
+    seeded = subprocess.run([sys.executable, "-m", "tests.support.scale_app", "seed", str(n_effects)],
                             env=_env(db, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert seeded.returncode == -signal.SIGKILL, seeded.stderr
     # Approved calls never re-issued: they lapse once approved_ttl_seconds is 1.
@@ -78,7 +82,7 @@ def test_four_processes_recover_and_expire_each_row_exactly_once(db, tmp_path, m
     pairs = _raise_requests(u, 20, per_session=2)
     time.sleep(1.1)
     go = tmp_path / "go"
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.core.scale_app", "sweep"],
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.support.scale_app", "sweep"],
                               env=_env(db, tmp_path, SCALE_GO=str(go)), cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(4)]
     time.sleep(1.0)  # let them open (and migrate-check) before the start line
@@ -163,8 +167,8 @@ def test_a_batch_of_timeouts_is_one_chain_that_verifies_and_catches_an_edit(db):
     assert report.ok and report.events_checked >= 7
     # An edit behind the triggers' back is still caught inside a batch.
     ev = t.approval_events
-    with u.store.engine.begin() as conn:
-        if u.store.is_postgres:
+    with internals(u).sql_engine.begin() as conn:
+        if internals(u).is_postgres:
             conn.exec_driver_sql("ALTER TABLE undolog_approval_events DISABLE TRIGGER USER")
         else:
             conn.exec_driver_sql("DROP TRIGGER IF EXISTS undolog_events_no_update")
@@ -200,7 +204,7 @@ def test_a_failing_compensation_in_a_batch_counts_toward_the_dead_letter_and_the
         sids.append(s.id)
         u.driver.decide(s.id, "flaky", {"n": n}, call_id="c")
     # The calls look abandoned: their owner is a process that is gone.
-    with u.store.tx() as conn:
+    with internals(u).write() as conn:
         conn.execute(t.effect_log.update().values(owner="ghost|1|1|x", lease_until=utcnow()))
     report = u.recover()
     outcomes = {r["effect_id"]: r["outcome"] for r in report.reconciled}
@@ -304,8 +308,8 @@ def _seed_bulk(u: Any, n_effects: int, per_session: int = 10) -> None:
     """Bulk-insert ``n_effects`` committed COMPENSABLE effects in sessions of ``per_session``, and 30 pending
     approval requests, straight in SQL (the API would take hours for a million)."""
     n_sessions = n_effects // per_session
-    with u.store.engine.begin() as conn:
-        if u.store.is_postgres:
+    with internals(u).sql_engine.begin() as conn:
+        if internals(u).is_postgres:
             conn.exec_driver_sql(f"""
                 INSERT INTO undolog_sessions (session_id, agent_id, state, tool_calls_total, on_failure,
                     pinned_revisions, created_at, updated_at)
@@ -346,13 +350,13 @@ class _Sent(Exception):
 def _plan(u: Any, stmt: Any, *, binds: bool = False) -> str:
     """The plan of ``stmt``; ``binds``: planned with its parameters bound as the application sends them (a partial
     index's predicate is proved from the statement's text only), else with them written into its text."""
-    prefix = "EXPLAIN " if u.store.is_postgres else "EXPLAIN QUERY PLAN "
+    prefix = "EXPLAIN " if internals(u).is_postgres else "EXPLAIN QUERY PLAN "
     if binds:
         def stop(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
             if statement.lstrip().upper().startswith("SELECT"):  # not the read's own BEGIN (SQLite)
                 raise _Sent(statement, parameters)
 
-        with u.store.read() as conn:
+        with internals(u).read() as conn:
             sa.event.listen(conn, "before_cursor_execute", stop)
             try:
                 conn.execute(stmt)
@@ -360,8 +364,8 @@ def _plan(u: Any, stmt: Any, *, binds: bool = False) -> str:
                 statement, parameters = sent.args
             finally:
                 sa.event.remove(conn, "before_cursor_execute", stop)
-        with u.store.read() as conn:
-            if not u.store.is_postgres:
+        with internals(u).read() as conn:
+            if not internals(u).is_postgres:
                 return "\n".join(str(r[-1]) for r in conn.exec_driver_sql(prefix + statement, parameters).all())
             # PostgreSQL: the generic plan, what a statement psycopg has prepared (from its sixth run) may get: made
             # without the parameters' values, so only the statement's text can prove a partial index's predicate.
@@ -384,7 +388,7 @@ def _plan(u: Any, stmt: Any, *, binds: bool = False) -> str:
                     f"EXPLAIN EXECUTE undolog_plan_probe({args})".replace("%", "%%")).all())
             finally:
                 conn.exec_driver_sql("DEALLOCATE undolog_plan_probe")
-    with u.store.read() as conn:
+    with internals(u).read() as conn:
         compiled = stmt.compile(dialect=conn.dialect, compile_kwargs={"literal_binds": True})
         return "\n".join(str(r[-1]) for r in conn.exec_driver_sql(prefix + str(compiled)).all())
 
@@ -406,7 +410,7 @@ def _lists_stay_fast(db: Any, n_effects: int) -> None:
         sessions = sa.select(s).order_by(s.c.created_at.desc(), s.c.session_id).limit(200)
         for stmt, table in ((queue, "undolog_approval_requests"), (sessions, "undolog_sessions")):
             plan = _plan(u, stmt)
-            if u.store.is_postgres:
+            if internals(u).is_postgres:
                 assert f"Seq Scan on {table}" not in plan, plan
             else:
                 assert "USING INDEX" in plan or "USING COVERING INDEX" in plan, plan
@@ -469,7 +473,7 @@ def test_a_sweep_leaves_a_request_whose_session_a_decision_holds_instead_of_wait
     holding, release = threading.Event(), threading.Event()
 
     def decision_in_progress() -> None:  # what ApprovalsSQL.decide holds first
-        with u.store.tx() as conn:
+        with internals(u).write() as conn:
             conn.execute(sa.select(t.sessions.c.session_id).where(t.sessions.c.session_id == s.id).with_for_update())
             holding.set()
             release.wait(30)
@@ -519,11 +523,11 @@ def _compiles(u: Any) -> Iterator[list[str]]:
         if context is not None and context.cache_hit is CACHE_MISS:
             compiled.append(statement)
 
-    event.listen(u.store.engine, "after_cursor_execute", seen)
+    event.listen(internals(u).sql_engine, "after_cursor_execute", seen)
     try:
         yield compiled
     finally:
-        event.remove(u.store.engine, "after_cursor_execute", seen)
+        event.remove(internals(u).sql_engine, "after_cursor_execute", seen)
 
 
 def test_the_expire_benchmark_times_warm_sweepers_that_compile_nothing_in_the_timed_sweep(db):
@@ -542,7 +546,7 @@ def test_the_expire_benchmark_times_warm_sweepers_that_compile_nothing_in_the_ti
     # The old warm-up: only the claim statement (nothing is due in 2000); the timed sweep compiles the rest.
     cold_ids = _raise_requests(u, 3, tool="close_account")
     cold = db.open()
-    assert cold.store.engine is not u.store.engine  # a sweeper process of its own: its own statement cache
+    assert internals(cold).sql_engine is not internals(u).sql_engine  # a sweeper process of its own: its own statement cache
     assert scale.warm_sweeper(cold, [], now=later) == []
     with _compiles(cold) as compiled:
         assert sorted(cold.approvals.expire_due(later)) == sorted(cold_ids)
@@ -574,8 +578,8 @@ def test_a_sweep_claim_walks_the_timeout_index_and_stops_at_the_batch(db):
     u.register(refund, undo_refund)
     n = 5_000
     _seed_bulk(u, n)
-    with u.store.engine.begin() as conn:
-        if u.store.is_postgres:
+    with internals(u).sql_engine.begin() as conn:
+        if internals(u).is_postgres:
             conn.exec_driver_sql(f"""
                 INSERT INTO undolog_approval_requests (approval_request_id, effect_id, session_id, call_id, tool_name,
                     tool_revision, tool_fingerprint, proposed_args, action_digest, risk_tags, agent_context, state,
@@ -596,12 +600,12 @@ def test_a_sweep_claim_walks_the_timeout_index_and_stops_at_the_batch(db):
                 FROM g""")
             conn.exec_driver_sql("ANALYZE")
     plan = _plan(u, u.store.for_update(u.store.due_claim(utcnow()), skip_locked=True), binds=True)
-    if u.store.is_postgres:
+    if internals(u).is_postgres:
         assert "Sort" not in plan and "ix_undolog_approval_due" in plan, plan
     else:
         assert "TEMP B-TREE" not in plan and "ix_undolog_approval_due" in plan, plan
     # The batch is still the oldest due requests, in (timeout_at, id) order.
-    with u.store.read() as conn:
+    with internals(u).read() as conn:
         rows = conn.execute(u.store.due_claim(utcnow(), limit=3)).all()
     assert [x.approval_request_id for x in rows] == [f"r{n - 1}", f"r{n - 2}", f"r{n - 3}"]
 
@@ -614,10 +618,10 @@ def test_the_sweeps_statements_write_the_due_index_predicate_itself(db):
 
     u = db.open()
     index = next(i for i in t.approval_requests.indexes if i.name == "ix_undolog_approval_due")
-    dialect = "postgresql" if u.store.is_postgres else "sqlite"
+    dialect = "postgresql" if internals(u).is_postgres else "sqlite"
     assert str(index.dialect_options[dialect]["where"]) == t.DUE_PREDICATE
-    with u.store.read() as conn:
-        if not u.store.is_postgres:  # (PostgreSQL keeps a parsed predicate, not its text: the plan tests cover it)
+    with internals(u).read() as conn:
+        if not internals(u).is_postgres:  # (PostgreSQL keeps a parsed predicate, not its text: the plan tests cover it)
             made = conn.exec_driver_sql(
                 "SELECT sql FROM sqlite_master WHERE name = 'ix_undolog_approval_due'").scalar_one()
             assert made.endswith(f"WHERE {t.DUE_PREDICATE}"), made
@@ -640,7 +644,7 @@ def test_at_most_sweep_slots_sweepers_claim_at_once_and_a_dead_holder_frees_its_
     key = u.store.sweep_slot_key()
     holders = []
     for slot in range(SWEEP_SLOTS):  # other sweepers, each in a batch holding one slot
-        c = u.store.engine.connect()
+        c = internals(u).sql_engine.connect()
         c.exec_driver_sql(f"SELECT pg_advisory_xact_lock({key}, {slot})")
         holders.append((c, c.exec_driver_sql("SELECT pg_backend_pid()").scalar()))
     victim = holders[1]
@@ -649,7 +653,7 @@ def test_at_most_sweep_slots_sweepers_claim_at_once_and_a_dead_holder_frees_its_
         pending = _count(u, sa.select(sa.func.count()).select_from(t.approval_requests)
                          .where(t.approval_requests.c.state == "pending"))
         assert pending == [(3,)]
-        with u.store.engine.connect() as watch:  # a holder dies: its transaction and its lock end with it
+        with internals(u).sql_engine.connect() as watch:  # a holder dies: its transaction and its lock end with it
             watch.exec_driver_sql(f"SELECT pg_terminate_backend({victim[1]})")
             for _ in range(200):  # until its lock is gone (a wait, not a timing assertion)
                 held = watch.exec_driver_sql(
@@ -676,7 +680,7 @@ def test_at_most_sweep_slots_sweepers_claim_at_once_and_a_dead_holder_frees_its_
 def _requests_scans(u: Any) -> tuple[int, int]:
     """(scans, index entries read) of the approval requests' table and indexes so far, from the cumulative
     statistics (read in a transaction of its own: a fresh snapshot of them)."""
-    with u.store.engine.connect() as conn:
+    with internals(u).sql_engine.connect() as conn:
         row = conn.exec_driver_sql(
             "SELECT coalesce(seq_scan, 0) + coalesce(idx_scan, 0), "
             "(SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes i WHERE i.relid = st.relid) "
@@ -687,7 +691,7 @@ def _requests_scans(u: Any) -> tuple[int, int]:
 
 def _flush_stats(u: Any) -> None:
     """Every pooled connection of ``u`` reports its pending statistics now (PostgreSQL 15+: before it answers)."""
-    conns = [u.store.engine.connect() for _ in range(max(1, u.store.engine.pool.checkedin()))]
+    conns = [internals(u).sql_engine.connect() for _ in range(max(1, internals(u).sql_engine.pool.checkedin()))]
     for c in conns:
         c.exec_driver_sql("SELECT pg_stat_force_next_flush()")
         c.commit()
@@ -711,7 +715,7 @@ def test_a_sweeper_that_finds_every_slot_held_stops_without_reading_the_requests
     key = u.store.sweep_slot_key()
     holders = []
     for slot in range(SWEEP_SLOTS):  # the sweepers at work, each in a batch holding one slot
-        c = u.store.engine.connect()
+        c = internals(u).sql_engine.connect()
         c.exec_driver_sql(f"SELECT pg_advisory_xact_lock({key}, {slot})")
         holders.append(c)
     try:
@@ -748,7 +752,7 @@ def test_the_expire_benchmark_says_not_slower_beyond_its_spread_only_when_its_ow
 def _seed_due(u: Any, n: int, per_session: int = 10) -> None:
     """``n`` pending requests past their timeout over the bulk sessions and effects (``_seed_bulk``), inserted in SQL
     AFTER the tables were analyzed: the statistics say there are none, as with a backlog newer than them."""
-    with u.store.engine.begin() as conn:
+    with internals(u).sql_engine.begin() as conn:
         conn.exec_driver_sql(f"""
             INSERT INTO undolog_approval_requests (approval_request_id, effect_id, session_id, call_id, tool_name,
                 tool_revision, tool_fingerprint, proposed_args, action_digest, risk_tags, agent_context, state,
@@ -770,11 +774,11 @@ def _index_reads(u: Any) -> Iterator[list[dict[str, int]]]:
             "JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = 'undolog_approval_requests'::regclass")
         read.append({name: int(k) for name, k in cur.fetchall()})
 
-    sa.event.listen(u.store.engine, "commit", count_reads)
+    sa.event.listen(internals(u).sql_engine, "commit", count_reads)
     try:
         yield read
     finally:
-        sa.event.remove(u.store.engine, "commit", count_reads)
+        sa.event.remove(internals(u).sql_engine, "commit", count_reads)
 
 
 @pytest.mark.postgres_only
@@ -832,13 +836,13 @@ def _index_blocks(u: Any) -> Iterator[list[dict[str, int]]]:
     def commit(conn: Any) -> None:
         fetched.append({k: v - began.get(k, 0) for k, v in counts(conn).items()})
 
-    sa.event.listen(u.store.engine, "begin", begin)
-    sa.event.listen(u.store.engine, "commit", commit)
+    sa.event.listen(internals(u).sql_engine, "begin", begin)
+    sa.event.listen(internals(u).sql_engine, "commit", commit)
     try:
         yield fetched
     finally:
-        sa.event.remove(u.store.engine, "begin", begin)
-        sa.event.remove(u.store.engine, "commit", commit)
+        sa.event.remove(internals(u).sql_engine, "begin", begin)
+        sa.event.remove(internals(u).sql_engine, "commit", commit)
 
 
 @pytest.mark.postgres_only
@@ -861,7 +865,7 @@ def test_settling_a_due_request_writes_nothing_into_the_due_index(db):
     # And the index the claim walked is the partial one, in the plan PostgreSQL may cache for the sweep.
     plan = _plan(u, u.store.for_update(u.store.due_claim(utcnow()), skip_locked=True), binds=True)
     assert "ix_undolog_approval_due" in plan and "Sort" not in plan, plan
-    with u.store.read() as conn:
+    with internals(u).read() as conn:
         left = conn.execute(sa.select(sa.func.count()).select_from(t.approval_requests)
                             .where(t.approval_requests.c.state == "pending")).scalar_one()
     assert left == n - EXPIRE_BATCH

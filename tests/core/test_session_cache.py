@@ -7,8 +7,9 @@ import time
 import pytest
 
 from undolog_core import SessionState, errors
+from undolog_core.testing import internals
 
-from .toolkit import setup
+from ..support.toolkit import setup
 
 
 def test_ended_sessions_leave_the_session_cache(undolog):
@@ -81,7 +82,7 @@ def test_records_stay_within_the_bound_and_every_call_reaches_the_store(db):
         s.call_sync(tools["search_knowledge_base"], query="b")
         del s
         assert len(u.engine._sessions) <= 10
-    u.engine.flush_counts()
+    internals(u).flush()
     counted = {r.session_id: r.tool_calls_total for r in u.store.list_sessions(agent_id="bound", limit=1000)}
     assert len(counted) == 300 and set(counted.values()) == {3}
     assert world.count("send") == 300
@@ -99,7 +100,7 @@ def test_safe_only_sessions_are_written_by_the_background_trimmer(db):
             break
         time.sleep(0.05)
     assert len(u.engine._sessions) <= 10
-    u.engine.flush_counts()
+    internals(u).flush()
     rows = [u.store.get_session(f"safe-only-{i}") for i in range(60)]
     assert all(r is not None and r.tool_calls_total == 1 and r.state == "active" for r in rows)
 
@@ -142,7 +143,7 @@ def test_an_evicted_session_still_refuses_a_safe_call_of_a_changed_contract(db):
     assert v2.revision == 2
     with pytest.raises(errors.ContractChanged):
         u.engine.decide_safe("pinned", v2, {"day": "tue"})
-    u.engine.flush_counts()
+    internals(u).flush()
     assert u.store.get_session("pinned").tool_calls_total == 1  # the refused call is not counted
 
 
@@ -197,7 +198,7 @@ def test_a_call_counted_while_its_record_is_evicted_is_not_lost(db):
     spec = u.tool_spec("search_knowledge_base")
     u.engine.note_safe_in(sc, spec, {"query": "q"})
     assert u.engine._sessions["racing"] is sc and not sc.gone
-    u.engine.flush_counts()
+    internals(u).flush()
     assert u.store.get_session("racing").tool_calls_total == 1
 
 

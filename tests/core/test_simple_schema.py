@@ -148,7 +148,7 @@ def _decided(undolog: Any, spec: Any, args: dict[str, Any]) -> Any:
     return sorted((k, v, type(v)) for k, v in d.args.items()), written, sorted(recent.items())
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(args=st.dictionaries(st.sampled_from(["s", "n", "x", "b", "z", "extra"]), scalars, max_size=5))
 @example(args={"s": "a", "x": float("nan"), "n": 3})
 @example(args={"s": "\ud800"})

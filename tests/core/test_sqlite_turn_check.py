@@ -23,6 +23,7 @@ import pytest
 
 from undolog_core import CompensationDescriptor, ToolTier, UndoLog, compensation, undolog_tool
 from undolog_core.storage.sqlite import WalStamp
+from undolog_core.testing import internals
 
 pytestmark = pytest.mark.sqlite_only
 
@@ -38,7 +39,7 @@ def tc_unbook(ctx: Any) -> None:
 
 
 def _path(u: UndoLog) -> str:
-    return str(u.store.engine.url.database)
+    return str(internals(u).sql_engine.url.database)
 
 
 def _statements(u: UndoLog) -> list[str]:

@@ -22,15 +22,16 @@ from undolog_core import (
     undolog_tool,
 )
 from undolog_core.storage import schema as t
+from undolog_core.testing import internals
 
-from .toolkit import setup
+from ..support.toolkit import setup
 
 
 def rows(undolog, table, **where):
     q = sa.select(table)
     for k, v in where.items():
         q = q.where(table.c[k] == v)
-    with undolog.store.read() as c:
+    with internals(undolog).read() as c:
         return [r._mapping for r in c.execute(q)]
 
 
@@ -300,7 +301,7 @@ async def test_timeout_fails_closed_by_sweep_and_on_read(undolog):
 
 
 def _age(undolog, rid):
-    with undolog.store.tx() as c:
+    with internals(undolog).write() as c:
         c.execute(
             t.approval_requests.update().where(t.approval_requests.c.approval_request_id == rid)
             .values(timeout_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1))

@@ -12,8 +12,8 @@ from undolog_core.testing import RunKind, ScenarioError, check_undo
 # reinstalled with the new entry point; test_plugin_entry_point checks the entry point itself).
 from undolog_core.testing.pytest_plugin import undo_check  # noqa: F401
 
-from . import undo_world as w
-from .undo_world import (
+from ..support import undo_world as w
+from ..support.undo_world import (
     aadd_credit,
     add_bonus,
     add_credit,
@@ -194,14 +194,14 @@ def test_fixture_fails_the_test_with_the_table(undolog, undo_check):  # noqa: F8
     assert not report.ok
 
 
-PATHS = {"snapshot": "tests.core.undo_world:snapshot", "reset": "tests.core.undo_world:reset"}
+PATHS = {"snapshot": "tests.support.undo_world:snapshot", "reset": "tests.support.undo_world:reset"}
 
 
 @pytest.mark.long
 def test_crash_mode_real_sigkills_in_a_child_then_recover_here(undolog):
     """Four children (two steps, two faults each): the long version of the test below."""
     report = check(w.two_step_scenario, undolog, crash=True,
-                   crash_paths={"scenario": "tests.core.undo_world:two_step_scenario", **PATHS})
+                   crash_paths={"scenario": "tests.support.undo_world:two_step_scenario", **PATHS})
     assert report.ok, report.explain()
     assert report.crash and all(s.crash_restored and s.crash_tolerates_never_happened for s in report.steps)
     assert report.runs == 1 + 2 + 2 + 4
@@ -215,7 +215,7 @@ def test_crash_mode_catches_a_compensation_raising_on_never_happened(undolog):
     """Two children, SIGKILLed: right after the step (recovered and rolled back here: restored), and after its
     pre-write (recover() here cannot compensate it: the compensation raises on "never happened")."""
     report = check(w.note_scenario, undolog, crash=True, never_happened=False,
-                   crash_paths={"scenario": "tests.core.undo_world:note_scenario", **PATHS})
+                   crash_paths={"scenario": "tests.support.undo_world:note_scenario", **PATHS})
     (step,) = report.steps
     assert step.crash_restored is True and step.crash_tolerates_never_happened is False
     assert step.tolerates_never_happened is None  # the in-process variant was not asked for
@@ -249,20 +249,20 @@ def test_cli_check_undo_exit_codes_table_and_json(db, undolog):
     from undolog_core.cli import app
 
     base = ["--db", db.url] + (["--schema", db.schema] if db.schema else [])
-    world = ["--snapshot", "tests.core.undo_world:snapshot", "--reset", "tests.core.undo_world:reset"]
+    world = ["--snapshot", "tests.support.undo_world:snapshot", "--reset", "tests.support.undo_world:reset"]
     clean = {"UNDOLOG_APP": None, "UNDOLOG_DATABASE_URL": None, "UNDOLOG_SCHEMA": None, "COLUMNS": "160"}
     runner = CliRunner()
-    good = runner.invoke(app, [*base, "check-undo", "tests.core.undo_world:two_step_scenario", *world,
+    good = runner.invoke(app, [*base, "check-undo", "tests.support.undo_world:two_step_scenario", *world,
                                "--no-never-happened"], env=clean, catch_exceptions=False)
     assert good.exit_code == 0, good.output
     assert "restore_email" in good.stdout and "OK: 2 step(s)" in good.stdout
-    bad = runner.invoke(app, [*base, "check-undo", "tests.core.undo_world:broken_scenario", *world, "--json"],
+    bad = runner.invoke(app, [*base, "check-undo", "tests.support.undo_world:broken_scenario", *world, "--json"],
                         env=clean, catch_exceptions=False)
     assert bad.exit_code == 1, bad.output
     data = json.loads(bad.stdout)
     assert data["ok"] is False and [s["restored"] for s in data["steps"]] == [True, False]
     assert data["steps"][1]["diff"] == [{"path": "['u2']['name']", "expected": "Bo", "actual": "Robert"}]
-    typo = runner.invoke(app, [*base, "check-undo", "tests.core.undo_world:no_such_scenario", *world], env=clean)
+    typo = runner.invoke(app, [*base, "check-undo", "tests.support.undo_world:no_such_scenario", *world], env=clean)
     assert typo.exit_code == 2 and typo.stderr.startswith("error[invalid_input]: ")
     assert "no_such_scenario" in typo.stderr
 
@@ -295,7 +295,7 @@ def test_plugin_entry_point_gives_the_fixture(tmp_path):
     (tmp_path / "test_uses_fixture.py").write_text(
         "import pytest\n"
         "from undolog_core import UndoLog\n"
-        "from tests.core import undo_world as w\n\n"
+        "from tests.support import undo_world as w\n\n"
         "@pytest.fixture\n"
         "def undolog(tmp_path, monkeypatch):\n"
         "    monkeypatch.setenv('UNDO_WORLD', str(tmp_path / 'w.json'))\n"
@@ -693,20 +693,20 @@ def test_cli_check_undo_bad_paths_are_input_errors_not_tracebacks(db, undolog, t
     (tmp_path / "bad_syntax.py").write_text("def scenario(:\n")
     monkeypatch.chdir(tmp_path)
     base = ["--db", db.url] + (["--schema", db.schema] if db.schema else [])
-    world = ["--snapshot", "tests.core.undo_world:snapshot", "--reset", "tests.core.undo_world:reset"]
+    world = ["--snapshot", "tests.support.undo_world:snapshot", "--reset", "tests.support.undo_world:reset"]
     clean = {"UNDOLOG_APP": None, "UNDOLOG_DATABASE_URL": None, "UNDOLOG_SCHEMA": None}
     runner = CliRunner()
     for spec, says in (("no_such_module:scenario", "cannot import 'no_such_module'"),
                        ("broken_mod:scenario", "RuntimeError: this module is broken"),
                        ("bad_syntax:scenario", "SyntaxError"),
-                       ("tests.core.undo_world", "must look like module:function"),
-                       ("tests.core.undo_world:START", "is not callable")):
+                       ("tests.support.undo_world", "must look like module:function"),
+                       ("tests.support.undo_world:START", "is not callable")):
         out = runner.invoke(app, [*base, "check-undo", spec, *world], env=clean)
         assert out.exit_code == 2, (spec, out.output, out.exception)
         assert out.stderr.startswith("error[invalid_input]: ") and says in out.stderr, (spec, out.stderr)
     # A scenario the check refuses (here: not JSON-able snapshot) is the check's error, exit 2, no traceback.
     (tmp_path / "odd.py").write_text("def snap():\n    return {1, 2}\n\ndef reset():\n    pass\n")
-    out = runner.invoke(app, [*base, "check-undo", "tests.core.undo_world:two_step_scenario",
+    out = runner.invoke(app, [*base, "check-undo", "tests.support.undo_world:two_step_scenario",
                               "--snapshot", "odd:snap", "--reset", "odd:reset"], env=clean)
     assert out.exit_code == 2 and out.stderr.startswith("error[undo_check_scenario]: snapshot() taken at the start")
 
@@ -716,7 +716,7 @@ def test_crash_mode_refusing_a_child_leaves_nothing_pending(undolog):
     child's sessions (its pre-written step 2 pending, its owner gone) are recovered and rolled back first."""
     with pytest.raises(ScenarioError, match="not deterministic: COMPENSABLE step 2 was change_email"):
         check(w.changes_in_the_crash_child, undolog, crash=True, never_happened=False, idempotency=False,
-              crash_paths={"scenario": "tests.core.undo_world:changes_in_the_crash_child", **PATHS})
+              crash_paths={"scenario": "tests.support.undo_world:changes_in_the_crash_child", **PATHS})
     _quiet(undolog)
 
 

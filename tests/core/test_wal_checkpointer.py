@@ -24,6 +24,7 @@ import pytest
 from undolog_core import CompensationDescriptor, ToolTier, UndoLog, compensation, undolog_tool
 from undolog_core.storage import checkpoint
 from undolog_core.storage.checkpoint import HARD_PAGES, CheckpointerState, WalCheckpointer, _WalIndex
+from undolog_core.testing import internals
 
 
 @undolog_tool(tier=ToolTier.COMPENSABLE, compensation=CompensationDescriptor.new("wal_unbook"))
@@ -59,7 +60,7 @@ def _wait_for(cond: Any, what: str) -> None:
 
 def _index(u: UndoLog) -> _WalIndex:
     u.engine.hot.session_states(["x"])  # a read: the -shm file exists and is initialised
-    return _WalIndex(str(u.store.engine.url.database))
+    return _WalIndex(str(internals(u).sql_engine.url.database))
 
 
 def _frames(index: _WalIndex) -> int:

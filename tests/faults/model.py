@@ -45,6 +45,7 @@ from undolog_core import Execute, ToolTier, UndoLog, compensation, current_call,
 from undolog_core._faults import FaultPoint, arm
 from undolog_core.errors import UndoLogError
 from undolog_core.storage import schema as t
+from undolog_core.testing import internals
 
 # -- the world: tools, compensations and probes that write down what really happened -----------------------
 
@@ -438,7 +439,7 @@ class Harness:
         """The sequence's sessions, effects and undo entries, as the store has them now (read once per step:
         the checker judges it, and the next step is generated from it)."""
         e, u, s = t.effect_log, t.undo_stack, t.sessions
-        with self.u.store.read() as c:
+        with internals(self.u).read() as c:
             sessions = {row.session_id: row for row in c.execute(sa.select(s).where(s.c.session_id.in_(m.sessions)))}
             effects = {row.effect_id: row
                        for row in c.execute(sa.select(e).where(e.c.session_id.in_(m.sessions)).order_by(e.c.seq))}
@@ -600,19 +601,19 @@ class Harness:
 
     def _request_for(self, sessions: list[str], call_id: str) -> str | None:
         r = t.approval_requests
-        with self.u.store.read() as c:
+        with internals(self.u).read() as c:
             return c.execute(
                 sa.select(r.c.approval_request_id).where(r.c.session_id.in_(sessions), r.c.call_id == call_id)
             ).scalar()
 
     def _request_session(self, rid: str) -> str | None:
         r = t.approval_requests
-        with self.u.store.read() as c:
+        with internals(self.u).read() as c:
             return c.execute(sa.select(r.c.session_id).where(r.c.approval_request_id == rid)).scalar()
 
     def _compensated_effects(self, sid: str) -> set[str]:
         e = t.effect_log
-        with self.u.store.read() as c:
+        with internals(self.u).read() as c:
             return set(c.execute(
                 sa.select(e.c.effect_id).where(e.c.session_id == sid, e.c.state == "compensated")
             ).scalars())
@@ -715,7 +716,7 @@ class Harness:
         """The store's rows for the given sessions, for a failure report."""
         e, u, s = t.effect_log, t.undo_stack, t.sessions
         out = []
-        with self.u.store.read() as c:
+        with internals(self.u).read() as c:
             for sid in m_sessions:
                 row = c.execute(sa.select(s).where(s.c.session_id == sid)).first()
                 out.append(f"session {sid}: {row.state if row else None} ({row.halted_reason if row else ''})")

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio.to_thread
+import pytest
 from mcp import types
 from mcp.shared.memory import create_connected_server_and_client_session
 
@@ -31,6 +32,9 @@ from undolog_mcp.gateway import Gateway
 from undolog_mcp.stdio import stdio_transport
 
 from .test_gateway import write_config
+
+# Counts what reaches each database (its own step in CI, on both databases).
+pytestmark = [pytest.mark.perf, pytest.mark.storage]
 
 CALLS = 5
 

@@ -18,7 +18,7 @@ from undolog_server import create_app
 from undolog_server.state import ServerSettings
 from undolog_server.storage import ApiKey, ServerStore
 
-from . import demo_app
+from ..support import demo_app
 
 
 class LiveServer:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import datetime as dt
 
 import httpx
+import pytest
 
 from undolog_core import ApprovalPending
 
+from ..support.demo_app import UNDONE
 from .conftest import Desk, LiveServer, problem
-from .demo_app import UNDONE
 
 
 def test_openapi_is_served_and_names_the_actions(desk: Desk) -> None:
@@ -83,6 +84,7 @@ def test_approve_once_then_409(desk: Desk) -> None:
     assert [e["actor"] for e in events if desk.key("approver").key_id in e["actor"]]
 
 
+@pytest.mark.pg_smoke
 def test_concurrent_decisions_one_wins_the_rest_are_409(desk: Desk) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -113,6 +115,7 @@ def test_approve_without_body(desk: Desk) -> None:
     assert desk.client("approver").post(f"/v1/approvals/{rid}:approve").status_code == 200
 
 
+@pytest.mark.pg_smoke
 def test_reject_needs_reason_and_halts_the_session(desk: Desk) -> None:
     rid, sid = desk.pending()
     c = desk.client("approver")
@@ -135,6 +138,7 @@ def test_modify_validates_against_the_tool_schema(desk: Desk) -> None:
     assert r.json()["approved_args"] == {"to": "acme", "amount": 5.0}
 
 
+@pytest.mark.pg_smoke
 def test_sessions_create_show_rollback(desk: Desk) -> None:
     agent = desk.client("agent")
     r = agent.post("/v1/sessions", json={"agent_id": "http-bot", "label": "sess-http"})
@@ -174,6 +178,7 @@ def test_resume_after_rejection(desk: Desk) -> None:
     assert r.json()["state"] != "halted"
 
 
+@pytest.mark.pg_smoke
 def test_rollback_with_a_missing_compensation_changes_nothing(desk: Desk, db) -> None:  # type: ignore[no-untyped-def]
     from undolog_server import create_app
     from undolog_server.state import ServerSettings
@@ -201,6 +206,7 @@ def test_rollback_with_a_missing_compensation_changes_nothing(desk: Desk, db) ->
     assert desk.client("admin").post(f"/v1/sessions/{s.id}:rollback").status_code == 200
 
 
+@pytest.mark.pg_smoke
 def test_tools_registry_and_audit(desk: Desk) -> None:
     tools = {t["name"]: t for t in desk.client("agent").get("/v1/tools").json()}
     assert {"search_kb", "send_refund_email", "delete_user_account", "wire_money"} <= set(tools)
@@ -228,6 +234,7 @@ def test_admin_manages_keys(desk: Desk) -> None:
     problem(admin.delete(f"/v1/keys/{r.json()['key_id']}"), 404, "key_not_found")
 
 
+@pytest.mark.pg_smoke
 def test_revalidate_after_a_contract_change(desk: Desk) -> None:
     from undolog_core import errors
 

@@ -20,6 +20,9 @@ from undolog_server.state import ServerSettings
 from ..conftest import PG_URL, TEST_DB, Db
 from .conftest import Desk, make_desk, problem
 
+# The PostgreSQL smoke subset: every endpoint under every role, each cell a few reads and writes of the desk's tables.
+pytestmark = pytest.mark.pg_smoke
+
 PUBLIC = "public"
 ALL = frozenset({"agent", "approver", "admin"})
 DECIDERS = frozenset({"approver", "admin"})

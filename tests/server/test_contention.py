@@ -18,10 +18,11 @@ import pytest
 import sqlalchemy as sa
 
 from undolog_core.storage import schema as core
+from undolog_core.testing import internals
 from undolog_server.state import ServerSettings
 
+from ..support.upstream import Upstream
 from .conftest import Desk, make_desk, problem
-from .upstream import Upstream
 
 
 def _wait_until(what: str, cond: Any, timeout: float = 30) -> None:
@@ -239,7 +240,7 @@ def test_a_decision_and_an_agent_call_in_its_session_take_locks_in_one_order(des
     rid, sid = desk.pending()
     s, head = core.sessions, core.audit_head
     answer: dict[str, httpx.Response] = {}
-    with desk.undolog.store.engine.connect() as agent:
+    with internals(desk.undolog).sql_engine.connect() as agent:
         tx = agent.begin()
         try:
             agent.execute(s.update().where(s.c.session_id == sid).values(tool_calls_total=s.c.tool_calls_total))
@@ -251,7 +252,7 @@ def test_a_decision_and_an_agent_call_in_its_session_take_locks_in_one_order(des
 
             t = threading.Thread(target=decide)
             t.start()
-            with desk.undolog.store.engine.connect() as watch:
+            with internals(desk.undolog).sql_engine.connect() as watch:
                 def blocked() -> bool:
                     n = watch.execute(sa.text("SELECT count(*) FROM pg_stat_activity "
                                               "WHERE :pid = ANY(pg_blocking_pids(pid))"), {"pid": pid}).scalar_one()
@@ -277,7 +278,7 @@ def test_a_database_that_does_not_answer_is_503_with_retry_after(desk: Desk) -> 
     refusal comes from a server that is down or out of connections; this shared test server cannot be.)"""
     folder = Path(desk.undolog.store.url.removeprefix("sqlite:///")).parent
     moved = folder.with_name(folder.name + "-gone")
-    desk.undolog.store.engine.dispose()  # idle connections would still read the moved file
+    internals(desk.undolog).sql_engine.dispose()  # idle connections would still read the moved file
     folder.rename(moved)
     try:
         gone = desk.client("approver").get("/v1/approvals")

@@ -11,8 +11,8 @@ import pytest
 
 from undolog_core import ApprovalPending, errors
 
+from ..support.demo_app import UNDONE
 from .conftest import Desk
-from .demo_app import UNDONE
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 CHROMIUM = "/usr/bin/chromium"
@@ -205,6 +205,7 @@ def _seed(desk: Desk) -> dict[str, str]:
     return ids
 
 
+@pytest.mark.browser
 def test_browser_approve_modify_reject_and_rollback(desk: Desk) -> None:
     from playwright.sync_api import expect, sync_playwright
 
@@ -303,3 +304,31 @@ def test_pending_via_library(desk: Desk) -> None:
     s = desk.session()
     with s, pytest.raises(ApprovalPending):
         s.call_sync("delete_user_account", user_id="z")
+
+
+def test_the_revalidate_button_lets_a_session_call_a_changed_tool(desk: Desk) -> None:
+    """The MCP gateway's contract_changed refusal sends a person to this button: an MCP client cannot revalidate a
+    session itself. Before: only the CLI and the REST API could."""
+    from undolog_core.errors import ContractChanged
+
+    def contract(extra: dict[str, object]) -> dict[str, object]:
+        return {"type": "object", "properties": {"q": {"type": "string"}, **extra}, "required": ["q"]}
+
+    u = desk.undolog
+    u.register_tool(None, name="lookup_order", tier="safe", reason="reads an order", args_schema=contract({}),
+                    binding={"kind": "test"})
+    s = desk.session()
+    u.driver.decide(s.id, "lookup_order", {"q": "a"})
+    u.register_tool(None, name="lookup_order", tier="safe", reason="reads an order",
+                    args_schema=contract({"limit": {"type": "integer"}}), binding={"kind": "test"})
+    with pytest.raises(ContractChanged):
+        u.driver.decide(s.id, "lookup_order", {"q": "a"})
+    c = _login(desk, "admin")
+    page = c.get(f"/ui/sessions/{s.id}").text
+    assert 'id="revalidate"' in page
+    assert c.post(f"/ui/sessions/{s.id}/revalidate", data={}).status_code == 403  # no CSRF token: refused
+    r = c.post(f"/ui/sessions/{s.id}/revalidate", data={"csrf_token": _csrf(page)})
+    assert r.status_code == 303, r.text
+    u.driver.decide(s.id, "lookup_order", {"q": "a"})  # pinned to the new contract now
+    approver = _login(desk, "approver")
+    assert 'id="revalidate"' not in approver.get(f"/ui/sessions/{s.id}").text  # admins only

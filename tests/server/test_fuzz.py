@@ -10,10 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 import hypothesis
+import pytest
 import schemathesis
 from hypothesis import strategies as st
 
 from .conftest import Desk
+
+# Schema-driven fuzzing (its own step in CI).
+pytestmark = pytest.mark.fuzz
 
 
 def test_no_server_errors_anywhere(desk: Desk) -> None:

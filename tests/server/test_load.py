@@ -28,8 +28,11 @@ import pytest
 
 from undolog_server.storage import ServerStore
 
+from ..support.upstream import Upstream
 from .test_processes import _spawn, _stop, _wait_up
-from .upstream import Upstream
+
+# A bounded load test (its own step in CI).
+pytestmark = pytest.mark.perf
 
 CLIENTS = 50
 AGENTS, APPROVERS, POLLERS = 30, 10, 9  # + 1 hostile client

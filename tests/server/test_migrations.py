@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from undolog_core.cli import app
@@ -21,6 +22,9 @@ from undolog_server.state import ServerSettings
 from undolog_server.storage import ServerStore
 
 from ..test_cli import CLEAN_ENV, runner
+
+# Every open runs the real migrations (these tests are about them); the database layer is what they check.
+pytestmark = [pytest.mark.real_migrations, pytest.mark.storage]
 
 SERVER_TABLES = {
     "undolog_api_keys", "undolog_approver_groups", "undolog_webhook_targets", "undolog_notification_policies",

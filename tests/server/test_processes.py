@@ -14,22 +14,25 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import sqlalchemy as sa
 
 from undolog_core import ApprovalPending
 from undolog_core.storage import schema as core
+from undolog_core.testing import internals
 from undolog_server.storage import ServerStore
 
-from . import demo_app
-from .receiver import Receiver
+from ..support import demo_app
+from ..support.receiver import Receiver
 
 HERE = Path(__file__).resolve().parent
 
 
 def _env(db: Any) -> dict[str, str]:
     env = {**os.environ, **db.env}
-    # --app imports demo_app as a top-level module from this folder.
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parents[1]), env.get("PYTHONPATH", "")])
+    # --app imports demo_app as a top-level module from tests/support.
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "support"), str(HERE.parents[1]),
+                                         env.get("PYTHONPATH", "")])
     return env
 
 
@@ -92,6 +95,7 @@ def test_keys_create_prints_the_key_once(db: Any) -> None:
     assert bad.returncode == 2 and "roles" in bad.stderr
 
 
+@pytest.mark.storage
 def test_two_servers_handle_each_timeout_once(db: Any, tmp_path: Path) -> None:
     u = db.open()
     demo_app.register(u)
@@ -126,7 +130,7 @@ def test_two_servers_handle_each_timeout_once(db: Any, tmp_path: Path) -> None:
             assert u.approvals.get(rid).state == "timed_out"
         ev = core.approval_events
         ob = core.outbox
-        with u.store.engine.connect() as conn:
+        with internals(u).sql_engine.connect() as conn:
             timeouts = collections.Counter(
                 conn.execute(sa.select(ev.c.approval_request_id).where(ev.c.action == "timeout")).scalars()
             )
@@ -166,12 +170,13 @@ def test_undolog_serve_with_the_apps_own_undolog(db: Any, tmp_path: Path) -> Non
         _stop(proc)
 
 
+@pytest.mark.storage
 def test_approve_reject_and_modify_sent_at_once_to_three_servers(db: Any, tmp_path: Path) -> None:
     """Three `undolog serve` processes on one database, each sent approve, reject and modify of the same request at
     the same moment, then the agent's re-issue sent to all three at once: one decision wins (one audit event), the
     others are 409 ``approval_already_decided``, and the upstream is called at most once, with the winner's
     arguments."""
-    from .upstream import Upstream
+    from ..support.upstream import Upstream
 
     upstream = Upstream().start()
     cfg = tmp_path / "tools.toml"
@@ -224,7 +229,7 @@ def test_approve_reject_and_modify_sent_at_once_to_three_servers(db: Any, tmp_pa
                 assert [b for b, _ in upstream.to("/close")[before:]] == [won["approved_args"] or won["proposed_args"]]
         assert len(upstream.to("/close")) == sum(w != "rejected" for w in winners)
         ev = core.approval_events
-        with u.store.engine.connect() as conn:
+        with internals(u).sql_engine.connect() as conn:
             decisions = collections.Counter(conn.execute(
                 sa.select(ev.c.approval_request_id).where(ev.c.action.in_(("approve", "reject", "modify")))).scalars())
         assert sorted(decisions.values()) == [1] * 4

@@ -12,8 +12,8 @@ import pytest
 from undolog_core import errors
 from undolog_server.proxy import ProxyTools
 
+from ..support.upstream import Upstream
 from .conftest import Desk, make_desk, problem
-from .upstream import Upstream
 
 
 @pytest.fixture
@@ -68,6 +68,7 @@ def test_safe_and_compensable_are_forwarded_and_rolled_back(proxy: Desk, upstrea
     assert r.status_code == 200 and r.headers["UndoLog-Replayed"] == "false"
     [(body, key)] = upstream.to("/refund")
     assert body == {"order_id": "o1", "amount": 5} and key.startswith("do-")
+    assert [e for p, e in upstream.epochs if p == "/refund"] == ["1"]  # the fencing token beside the key
     # The same Idempotency-Key replays the stored response instead of refunding twice.
     again = invoke(proxy, sid, "refund", {"order_id": "o1", "amount": 5}, key="refund-1")
     assert again.status_code == 200 and again.headers["UndoLog-Replayed"] == "true"

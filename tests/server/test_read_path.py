@@ -16,10 +16,16 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
+import pytest
 import sqlalchemy as sa
 from sqlalchemy import event
 
+from undolog_core.testing import internals
+
 from .conftest import Desk
+
+# How the desk's reads meet the database's write lock: database behaviour, so both databases.
+pytestmark = pytest.mark.storage
 
 #: Far below the 30 s busy timeout a read queued behind the writer would wait (15 s, 5 s before: room for a loaded
 #: machine, still half the wait a queued read would show).
@@ -36,7 +42,7 @@ def writer_holding_the_lock(desk: Desk) -> Iterator[None]:
     SQLite: the engine's ``BEGIN IMMEDIATE`` takes the database's write lock. PostgreSQL: ``EXCLUSIVE``
     table locks, which let plain reads through but block every write and ``SELECT ... FOR UPDATE``.
     """
-    engine = desk.undolog.store.engine
+    engine = internals(desk.undolog).sql_engine
     with engine.connect() as conn:
         conn.begin()
         if conn.dialect.name == "postgresql":
@@ -113,7 +119,7 @@ def test_reads_never_begin_immediate(desk: Desk) -> None:
     def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
         seen.append(statement)
 
-    engine = desk.undolog.store.engine
+    engine = internals(desk.undolog).sql_engine
     event.listen(engine, "before_cursor_execute", record)
     try:
         for client, path in reads:

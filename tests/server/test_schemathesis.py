@@ -13,8 +13,12 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from .conftest import Desk
+
+# Schema-driven fuzzing (its own step in CI).
+pytestmark = pytest.mark.fuzz
 
 HERE = Path(__file__).resolve().parent
 ST = Path(sys.executable).with_name("st")

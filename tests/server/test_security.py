@@ -20,9 +20,9 @@ from undolog_server import create_app
 from undolog_server.proxy import ProxyTools
 from undolog_server.state import ServerSettings
 
-from . import demo_app
+from ..support import demo_app
+from ..support.upstream import Upstream
 from .conftest import Desk, LiveServer, make_desk, problem
-from .upstream import Upstream
 
 
 @pytest.fixture
@@ -104,6 +104,28 @@ def test_an_upstream_timeout_on_an_approved_irreversible_call_is_unknown_and_hal
         # Re-issuing never re-sends it blindly.
         problem(d.client("agent").post(url, json={"account": "acme"}, headers={"Idempotency-Key": "close-1"}), 409)
         assert len(upstream.to("/close")) == 1
+    finally:
+        held.set()
+        d.close()
+        d.undolog.close()
+
+
+def test_a_probe_answer_that_is_neither_yes_nor_no_cannot_tell(db: Any, upstream: Upstream, tmp_path: Path) -> None:
+    """Only an explicit {"happened": ...} (or a 404) is an answer. Before: any other body was read by its truth
+    ({"status": "ok"}: "it happened"), so a lost call was recorded committed on a guess."""
+    d = _proxy_desk(db, upstream, tmp_path, upstream.config().replace("timeout = 5", f"timeout = {PROXY_DEADLINE}"))
+    held = threading.Event()
+    try:
+        sid = d.client("agent").post("/v1/sessions", json={"agent_id": "a"}).json()["session_id"]
+        url = f"/v1/sessions/{sid}/tools/close_account:invoke"
+        first = d.client("agent").post(url, json={"account": "vague"}, headers={"Idempotency-Key": "vague"})
+        rid = first.json()["approval_request_id"]
+        assert d.client("approver").post(f"/v1/approvals/{rid}:approve").status_code == 200
+        upstream.hold["/close"] = held
+        lost = d.client("agent").post(url, json={"account": "vague"}, headers={"Idempotency-Key": "vague"})
+        problem(lost, 504, "outcome_unknown")
+        assert d.undolog.sessions.effects(sid)[-1]["state"] == "unknown"
+        assert d.client("admin").get(f"/v1/sessions/{sid}").json()["state"] == "halted"
     finally:
         held.set()
         d.close()

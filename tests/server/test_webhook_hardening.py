@@ -19,13 +19,14 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from undolog_core.testing import internals
 from undolog_core.webhooks import sign, verify_signature
 from undolog_server.state import ServerSettings
 from undolog_server.storage import webhook_deliveries
 from undolog_server.webhooks import address_allowed
 
+from ..support.receiver import Receiver
 from .conftest import Desk, make_desk, problem
-from .receiver import Receiver
 
 QUICK = dict(background=True, sweep_interval=0.05, webhook_interval=0.02, webhook_backoff_base=0.05,
              webhook_backoff_max=0.1)
@@ -316,6 +317,7 @@ def test_private_ipv4_written_in_an_ipv6_translation_prefix_is_refused(desk: Des
     assert address_allowed(ipaddress.ip_address("2002:5db8:d70e::1"))
 
 
+@pytest.mark.storage
 def test_a_malformed_url_already_stored_fails_its_delivery_instead_of_hanging(
     db: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -327,7 +329,7 @@ def test_a_malformed_url_already_stored_fails_its_delivery_instead_of_hanging(
         _wait(lambda: [x["status"] for x in _log(d, target.target_id)] == ["failed"], timeout=15)
         log = _log(d, target.target_id)
         assert log[0]["last_error"] == "invalid target url" and log[0]["attempts"] == 5  # not retried
-        with d.undolog.store.read() as conn:
+        with internals(d.undolog).read() as conn:
             assert conn.execute(sa.select(sa.func.count()).select_from(webhook_deliveries)
                                 .where(webhook_deliveries.c.status == "pending")).scalar_one() == 0
     finally:

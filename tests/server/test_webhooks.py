@@ -12,8 +12,8 @@ import pytest
 from undolog_server.state import ServerSettings
 from undolog_server.webhooks import sign, verify_signature
 
+from ..support.receiver import Receiver
 from .conftest import Desk, make_desk
-from .receiver import Receiver
 
 # The receivers listen on loopback, which the target policy refuses unless the admin opts in. The deadline of an
 # attempt is generous: an attempt cut short on a loaded machine would be sent again, and the tests count deliveries
@@ -54,6 +54,7 @@ def test_signature_roundtrip() -> None:
     assert not verify_signature("x", "garbage", body, delivery_id=d)
 
 
+@pytest.mark.pg_smoke
 def test_signed_events_for_request_decision_and_rollback(live: Desk, receiver: Receiver) -> None:
     hook(live, receiver, "all")
     rid, sid = live.pending()
@@ -155,7 +156,7 @@ def test_a_stalled_receiver_does_not_hold_up_the_others(db: Any, receiver: Recei
 def test_events_raised_while_the_server_is_down_are_delivered_later(db: Any, receiver: Receiver) -> None:
     from undolog_server.storage import ServerStore
 
-    from . import demo_app
+    from ..support import demo_app
 
     u = db.open()
     demo_app.register(u)

@@ -449,6 +449,10 @@ def _admitted(request: Any) -> ToolMessage | None:
     admit = _ADMIT.get()
     call = request.tool_call
     problem = None
+    if admit is None and request.tool is None:
+        # A tool name the node does not have: nothing can run, and ToolNode answers as LangGraph does ("not a valid
+        # tool, try one of [...]"), which tells the model what it may call; a gate refusal would not.
+        return None
     if admit is None:
         problem = "it was not let through UndoLog's gate"
     elif call["name"] != admit.name or request.tool is not admit.tool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import islice
@@ -33,17 +34,17 @@ from undolog_core import (
     ToolTier,
     errors,
 )
-from undolog_core.integration import WouldBlock, tool_name_of
+from undolog_core.integration import WouldBlock, jsonable, tool_name_of
 
 from .._common import Registrar, TierValue, failure_text, refusal_text, rollback_outcome
 from ._payload import (
-    RESPONSE_SCHEMA,
     ApprovalDecisions,
     _Pause,
     asking,
     decisions_for,
     done_asking,
     payload,
+    response_schema_for,
 )
 from ._sessions import SEP, _chain, _chain_index
 from ._siblings import siblings_rejected
@@ -368,6 +369,13 @@ class _Guard:
         tool's own object is left as it was)."""
         if isinstance(out, ToolMessage):
             d = run.execute
+            if d.decision == "modify" and isinstance(out.content, str):
+                # A person changed the call's arguments before it ran: the model is told, as LangChain's HITL tells
+                # it, or it reads a result that does not match the call it made (it asked for u-1, reads "deleted
+                # u-7") and may ask again.
+                out = out.model_copy(update={"content": f"{edit_notice(d.tool_name, d.args)}\n\nTool response:\n"
+                                                        f"{out.content}"})
+                box = None
             # str() of the StrEnum is its value, without the two Python-level calls of ``.value``.
             mark = {"tier": str(d.tier), "effect_id": d.effect_id, "session_id": run.session_id}
             meta = out.response_metadata
@@ -427,7 +435,11 @@ class _Guard:
         ``ToolApprovalRequest`` (the middleware). The answer is checked inside ``interrupt()``, before LangGraph
         saves it: its approver is found from this run's config, an edit is pinned to its tool.
         """
-        schema: Any = RESPONSE_SCHEMA if len(pauses) == 1 else ApprovalDecisions
+        if len(pauses) == 1:
+            spec = self.u.registry.tools.get(pauses[0].awaiting.tool_name)
+            schema: Any = response_schema_for(pauses[0].awaiting.tool_name, spec.json_schema if spec else None)
+        else:
+            schema = ApprovalDecisions
         try:
             config: Mapping[str, Any] = get_config()
         except RuntimeError:
@@ -507,6 +519,19 @@ class _Guard:
 _PLAIN_REQUEST = (dataclasses.is_dataclass(ToolCallRequest) and not hasattr(ToolCallRequest, "__slots__")
                   and not hasattr(ToolCallRequest, "__post_init__")
                   and {"tool", "tool_call"} <= {f.name for f in dataclasses.fields(ToolCallRequest)})
+
+
+def edit_notice(tool: str, args: Mapping[str, Any]) -> str:
+    """What the model reads before the result of a call a person edited (LangChain's edit notice, in substance).
+
+    Example:
+        >>> edit_notice("delete_user_account", {"user_id": "u-7"})[:44]
+        'Note: a human reviewer replaced this tool ca'
+    """
+    return ("Note: a human reviewer replaced this tool call before it ran (UndoLog recorded the change). The call in "
+            "your message is the one you produced, not the one that executed. This was intentional and authorized. "
+            f"Do not re-issue your original call. Executed instead: {tool} with arguments "
+            f"{json.dumps(jsonable(dict(args)), default=str, sort_keys=True)}.")
 
 
 def _override(request: Any, overrides: dict[str, Any]) -> Any:

@@ -6,18 +6,21 @@ import asyncio
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.runnables.config import var_child_runnable_config
 from langchain_core.tools import BaseTool
+from langgraph.config import get_config
 
 from undolog_core import OnFailure, SessionState, errors
 from undolog_core.integration import WouldBlock
 
 from .._common import TierValue, halted_text, missing_extra
-from ._call import NOT_SAFE, arun_call, run_known, run_logged
-from ._guard import _config_of, _Guard
+from ._call import _REFUSED, NOT_SAFE, _gated, arun_call, run_known, run_logged
+from ._guard import _config_of, _Guard, _Run
+from ._payload import _Pause
 from ._resume import rollback
 from ._sessions import _ADAPTERS
 
@@ -39,6 +42,18 @@ _INNER_WRAPPERS = "compose_two.<locals>.composed.<locals>.call_inner"
 _STOPS_OR_MOVES = frozenset({SessionState.HALTED.value, SessionState.ROLLED_BACK.value, SessionState.COMPLETED.value})
 
 
+#: How the middleware pauses, in LangChain's words (``HumanInTheLoopMiddleware(interrupt_mode=...)``).
+InterruptMode = Literal["batched", "per_call"]
+
+
+@dataclass
+class _GateRequest:
+    """Enough of a ``ToolCallRequest`` for the batched gate, which runs before the tool calls are built."""
+
+    tool_call: Any
+    state: Any
+
+
 class UndoLogMiddleware(AgentMiddleware):
     """``create_agent`` middleware routing every tool call through UndoLog (sync and async).
 
@@ -51,6 +66,10 @@ class UndoLogMiddleware(AgentMiddleware):
         undolog: the ``UndoLog`` instance.
         tools: the agent's tools, to check tiers at construction.
         tiers / compensations / agent_id / on_failure / session_id / approver: as for :class:`UndoLogToolNode`.
+        interrupt_mode: how IRREVERSIBLE calls pause, as LangChain's ``HumanInTheLoopMiddleware`` does:
+            ``"batched"`` (the default, as LangChain's): one ``HITLRequest`` per model message listing its gated
+            calls, answered with ``{"decisions": [...]}`` in their order; ``"per_call"``: one ``ToolApprovalRequest``
+            per call, each answered with one ``Decision`` keyed by its interrupt id.
 
     Example:
         >>> agent = create_agent(model, [search, send_refund_email, delete_user_account],
@@ -71,10 +90,12 @@ class UndoLogMiddleware(AgentMiddleware):
         on_failure: OnFailure | str = OnFailure.ROLLBACK,
         session_id: Callable[[Mapping[str, Any]], str] | None = None,
         approver: str | Callable[[Mapping[str, Any]], str | None] | None = None,
+        interrupt_mode: InterruptMode = "batched",
     ) -> None:
         if not _HAVE_LANGCHAIN:  # pragma: no cover
             raise ImportError(missing_extra("UndoLogMiddleware", "LangChain", "langgraph"))
         super().__init__()
+        self.interrupt_mode = interrupt_mode
         self._undolog_guard = _Guard(undolog, tiers=tiers, compensations=compensations, agent_id=agent_id,
                                      on_failure=on_failure, session_id=session_id, approver=approver)
         self._checked = False
@@ -90,6 +111,23 @@ class UndoLogMiddleware(AgentMiddleware):
             if getattr(type(self), name) is getattr(UndoLogMiddleware, name):
                 setattr(self, name, _plain_hook(getattr(self, name)))
         _ADAPTERS.add(self)
+
+    def __new__(cls, *args: Any, interrupt_mode: InterruptMode = "batched", **kwargs: Any) -> UndoLogMiddleware:
+        # create_agent adds an after_model node for a middleware whose class defines the hook, so the batched gate is
+        # a subclass: per_call costs no node per turn (a node costs a step about what a whole middleware does).
+        if interrupt_mode not in get_args(InterruptMode):
+            raise errors.ConfigurationError(
+                f"UndoLogMiddleware: interrupt_mode must be 'batched' or 'per_call', not {interrupt_mode!r} "
+                "(the modes of LangChain's HumanInTheLoopMiddleware)")
+        if cls is UndoLogMiddleware and interrupt_mode == "batched":
+            cls = _BatchedUndoLogMiddleware
+        return super().__new__(cls)
+
+    @property
+    def name(self) -> str:
+        """``UndoLogMiddleware`` in either mode (LangChain names the middleware's graph nodes after it)."""
+        return "UndoLogMiddleware" if type(self) in (UndoLogMiddleware, _BatchedUndoLogMiddleware) \
+            else type(self).__name__
 
     @property
     def undolog(self) -> UndoLog:
@@ -185,6 +223,67 @@ class UndoLogMiddleware(AgentMiddleware):
     def rollback(self, thread_id: str, *, reason: str | None = None) -> Any:
         """Roll back the thread's current session; see :func:`rollback`."""
         return rollback(thread_id, undolog=self.undolog, reason=reason)
+
+
+class _BatchedUndoLogMiddleware(UndoLogMiddleware):
+    """``UndoLogMiddleware(interrupt_mode="batched")``: the model message's IRREVERSIBLE calls are asked about in one
+    ``HITLRequest`` after the model, before any of them runs, as LangChain's own middleware asks by default."""
+
+    def after_model(self, state: Any, runtime: Any) -> dict[str, Any] | None:
+        """Raise (or find) the approval requests of the last model message's gated calls and ask for all of them in
+        one pause; on resume, record the decisions. The calls then run, or are refused, in the tool node as in
+        ``per_call`` mode, each by its decision."""
+        calls = _gated_calls(self._undolog_guard, state)
+        if not calls:
+            return None
+        g = self._undolog_guard
+        try:
+            config: Mapping[str, Any] = get_config()
+        except RuntimeError:
+            return None
+        pauses = self._pauses(calls, state, config)
+        error: str | None = None
+        while pauses:
+            error = g.ask(pauses, error, batched=True)
+            # Decided (approved, rejected, responded) or still pending with a problem to say (an edit that does not
+            # fit the tool): the latter are asked about again, with the reason in the pause.
+            still = {p.awaiting.call_id for p in pauses}
+            pauses = self._pauses([c for c in calls if c.get("id") in still], state, config)
+        return None
+
+    async def aafter_model(self, state: Any, runtime: Any) -> dict[str, Any] | None:
+        if not _gated_calls(self._undolog_guard, state):
+            return None  # (no I/O for a message without a gated call: on the loop)
+        return await asyncio.to_thread(self.after_model, state, runtime)
+
+    def _pauses(self, calls: list[Any], state: Any, config: Mapping[str, Any]) -> list[_Pause]:
+        g = self._undolog_guard
+        pauses: list[_Pause] = []
+        for call in calls:
+            try:
+                step = g.prepare(_GateRequest(call, state), config)
+            except _REFUSED:
+                continue  # the tool node answers it with the refusal
+            except errors.UndoLogError:
+                continue  # (likewise: a configuration problem is the tool node's to report)
+            if isinstance(step, _Pause):
+                pauses.append(step)
+            elif isinstance(step, _Run) and step.execute.effect_id is not None:
+                # Approved and claimed by this pass: handed back unclaimed for the tool node to claim and run.
+                g.u.driver.release(step.execute)
+        return pauses
+
+
+def _gated_calls(guard: _Guard, state: Any) -> list[Any]:
+    """The IRREVERSIBLE calls of the state's last model message (those with an id), in message order."""
+    messages = state.get("messages") if isinstance(state, Mapping) else getattr(state, "messages", None)
+    if not messages:
+        return []
+    last = messages[-1]
+    calls = getattr(last, "tool_calls", None) if isinstance(last, AIMessage) else None
+    if not calls:
+        return []
+    return [c for c in calls if c.get("id") and _gated(guard, c.get("name"))]
 
 
 # ``create_agent`` wraps every ``wrap_*`` hook in LangSmith's ``traceable``, which asks for the hook's signature on

@@ -22,11 +22,21 @@ from __future__ import annotations
 
 import contextvars
 import datetime as dt
+import functools
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, PrivateAttr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    PrivateAttr,
+    WithJsonSchema,
+    create_model,
+    model_validator,
+)
 
 from undolog_core import AwaitingApproval, RequestState
 from undolog_core.integration import jsonable
@@ -247,6 +257,34 @@ class ApprovalDecisions(BaseModel):
 RESPONSE_SCHEMA = ApprovalDecision | HITLDecision | ApprovalDecisions
 
 
+def response_schema_for(tool: str, args_schema: Mapping[str, Any] | None) -> Any:
+    """:data:`RESPONSE_SCHEMA` for a pause about one call of ``tool``, its ``edit`` branch publishing the tool's
+    argument schema (as LangChain's per-call pause does), so a reviewer's UI can build the edit form.
+
+    The schema is published, not enforced by LangGraph before the answer is saved: the edited arguments are checked
+    against the tool's contract when the decision is recorded, and arguments that do not fit keep the request
+    pending and pause again, the field and the problem named in the new pause's ``description``.
+    """
+    if not args_schema:
+        return RESPONSE_SCHEMA
+    return _response_schema_for(tool, json.dumps(dict(args_schema), sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=256)
+def _response_schema_for(tool: str, args_schema_json: str) -> Any:
+    args_schema = json.loads(args_schema_json)
+    args_schema.pop("title", None)
+    safe = "".join(ch if ch.isalnum() else "_" for ch in tool)[:60] or "tool"
+    edited: Any = create_model(
+        f"EditedAction_{safe}", __base__=EditedAction,
+        args=(Annotated[dict[str, Any], WithJsonSchema(args_schema)], ...),
+    )
+    edit: Any = create_model(f"EditDecision_{safe}", __base__=EditDecision, edited_action=(edited, ...))
+    decision = Annotated[ApproveDecision | edit | RejectDecision | RespondDecision,
+                         Discriminator("type")]
+    return ApprovalDecision | decision | ApprovalDecisions
+
+
 @dataclass(frozen=True)
 class _Pause:
     """A call waiting for a person: what ``interrupt()`` asks about."""
@@ -255,9 +293,11 @@ class _Pause:
     session_id: str
 
 
-def description(a: AwaitingApproval) -> str:
-    """The text a reviewer reads (LangChain's ``description``)."""
-    text = f"UndoLog: {a.tool_name} is irreversible and needs a person's approval"
+def description(a: AwaitingApproval, error: str | None = None) -> str:
+    """The text a reviewer reads (LangChain's ``description``); with ``error``, why the previous answer was not
+    applied comes first (a LangChain client shows the description, not UndoLog's own fields)."""
+    text = f"Your previous answer was not applied: {error}. " if error else ""
+    text += f"UndoLog: {a.tool_name} is irreversible and needs a person's approval"
     if a.reason:
         text += f". {a.reason}"
     if a.risk_tags:
@@ -302,7 +342,7 @@ def payload(pauses: Sequence[_Pause], error: str | None, *, batched: bool,
     }
     if batched:
         return {
-            "action_requests": [{"name": r["tool"], "args": r["args"], "description": description(p.awaiting)}
+            "action_requests": [{"name": r["tool"], "args": r["args"], "description": description(p.awaiting, error)}
                                 for r, p in zip(reqs, pauses, strict=True)],
             "review_configs": [{"action_name": r["tool"], "allowed_decisions": list(ALLOWED_DECISIONS)}
                                for r in reqs],
@@ -314,7 +354,7 @@ def payload(pauses: Sequence[_Pause], error: str | None, *, batched: bool,
         "tool_call_id": first.call_id,
         "name": first.tool_name,
         "args": dict(first.args),
-        "description": description(first),
+        "description": description(first, error),
         UNDOLOG_KEY: jsonable({**ours, **reqs[0]}),
     }
 

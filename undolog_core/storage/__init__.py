@@ -30,6 +30,7 @@ from .calls import CallsSQL
 from .gc import GcBatch, GcSQL
 from .hotpath import HotPath
 from .outbox import OutboxSQL
+from .owners import OwnersSQL
 from .policy import PolicySQL
 from .recovery import InFlight, RecoverySQL
 from .registry import RegistrySQL
@@ -41,7 +42,7 @@ DATABASE_ERRORS: tuple[type[Exception], ...] = (sa_exc.SQLAlchemyError,)
 
 
 class Storage(ApprovalsSQL, AuditSQL, RegistrySQL, PolicySQL, SessionsSQL, RecoverySQL, SagaSQL, CallsSQL, OutboxSQL,
-              GcSQL, Store):
+              GcSQL, OwnersSQL, Store):
     """The store of one database: engines and pools (``Store``) with every service's statements."""
 
     def schema_revision(self) -> str | None:

@@ -137,6 +137,11 @@ def _record(row: Any) -> ApprovalRecord:
     )
 
 
+# Audit actions on a request made by sessions other than its own (the MCP gateway's shared approvals over HTTP).
+JOINED = "joined"
+RELEASED = "released"
+
+
 class ApprovalsSQL(Store):
     """Approval requests as rows: reads, decisions, timeouts and cancellations.
 
@@ -213,6 +218,31 @@ class ApprovalsSQL(Store):
                           r.created_at, r.prev_hash, r.hash)
             for r in rows
         ]
+
+    def joined_sessions_in(self, conn: Connection, approval_request_id: str) -> builtins.list[str]:
+        """The sessions that joined the request (its ``joined`` events), in the order they joined."""
+        e = t.approval_events
+        payloads = conn.execute(
+            sa.select(e.c.payload).where(e.c.approval_request_id == approval_request_id, e.c.action == JOINED)
+            .order_by(e.c.event_id)
+        ).scalars().all()
+        out: builtins.list[str] = []
+        for text in payloads:
+            sid = json.loads(text).get("session_id")
+            if isinstance(sid, str) and sid not in out:
+                out.append(sid)
+        return out
+
+    def note_request_event(self, approval_request_id: str, *, action: str, actor: str, session_id: str,
+                           now: dt.datetime) -> int:
+        """Audit that another session ``joined`` a pending request (asked the same call) or that an approved
+        request was ``released`` to one (it ran for that session, recorded on the originating effect)."""
+        if action not in (JOINED, RELEASED):
+            raise ValueError(f"not a request event: {action!r}")
+        with self.tx() as conn:
+            return self.append_event_in(
+                conn, subject=f"approval:{approval_request_id}", approval_request_id=approval_request_id,
+                action=action, actor=actor, payload={"session_id": session_id}, now=now)
 
     def due_request_ids(self, now: dt.datetime) -> builtins.list[str]:
         """Pending requests past their ``timeout_at``."""
@@ -325,7 +355,15 @@ class ApprovalsSQL(Store):
                 why = f"approval {approval_request_id} ({req.tool_name}) rejected by {approver}: {reason}"
                 self.cancel_pending_in(conn, req.session_id, why, now, except_id=approval_request_id)
                 self.halt_in(conn, req.session_id, why, now)
-                return [StateChange(req.session_id, SessionState.HALTED)]
+                changes = [StateChange(req.session_id, SessionState.HALTED)]
+                # Sessions that joined the request (the same ask from another session of the same key, see
+                # ``note_request_event``) are halted with it: the reject answers every one of them.
+                for joiner in self.joined_sessions_in(conn, approval_request_id):
+                    if joiner != req.session_id:
+                        self.cancel_pending_in(conn, joiner, why, now)
+                        self.halt_in(conn, joiner, f"{why} (this session had joined that request)", now)
+                        changes.append(StateChange(joiner, SessionState.HALTED))
+                return changes
             return self.refresh_changes_in(conn, req.session_id, now)
 
     def expire_request(self, approval_request_id: str, now: dt.datetime) -> builtins.list[StateChange] | None:

@@ -253,6 +253,27 @@ class AuditSQL(Store):
 
     @contextmanager
     def audit_chain(self) -> Iterator[AuditChainReader]:
-        """Every chain and its head in one read transaction (what ``verify`` recomputes)."""
+        """Every chain and its head in one read transaction (what ``verify`` recomputes).
+
+        One snapshot for both reads (REPEATABLE READ on PostgreSQL; a read transaction on SQLite is one already):
+        under READ COMMITTED the heads, read after the events, could include events appended meanwhile, and an
+        intact trail being appended to would read as "events were removed".
+        """
         with self.read() as conn:
+            if self.is_postgres:
+                conn.execution_options(isolation_level="REPEATABLE READ")
             yield AuditChainReader(conn)
+
+    def locked_heads(self) -> list[ChainHead]:
+        """Every chain's head, read holding every head row's lock: what a checkpoint signs.
+
+        An append holds its chain's head lock from taking its event id until it commits, so once every head is
+        held no append is half done: every event id taken so far is committed (and below the highest head) or
+        rolled back for good, and every later append takes a larger id. The heads read here are a cut with
+        nothing missing below it, which is what lets ``verify`` refuse any event at or below a checkpoint's
+        position outside its chain's signed range. The locks are released at once (the commit).
+        """
+        h = t.audit_head
+        with self.tx() as conn:
+            rows = conn.execute(self.for_update(sa.select(h).order_by(h.c.head_id))).all()
+        return [ChainHead(int(r.head_id), int(r.last_event_id), str(r.last_hash)) for r in rows]

@@ -333,10 +333,16 @@ class _NoLock:
 
 # -- process identity, used for leases -------------------------------------------------------------
 
-_HOST = socket.gethostname()
+#: Which host this process says it is in an owner string. ``UNDOLOG_HOST_ID`` overrides the host name: a test
+#: makes a process on this machine look foreign (its stall then looks like a death elsewhere: the lease decides),
+#: and hosts that share a name (containers) can be told apart.
+HOST_ID_ENV = "UNDOLOG_HOST_ID"
+_HOST = os.environ.get(HOST_ID_ENV) or socket.gethostname()
 
 
 def _proc_start_ticks(pid: int) -> str | None:
+    """The start time of process ``pid`` (clock ticks since boot), or None when no such process runs (a zombie,
+    killed and not yet reaped by its parent, runs nothing: None too)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             data = fh.read().decode("utf-8", "replace")
@@ -344,6 +350,8 @@ def _proc_start_ticks(pid: int) -> str | None:
         return None
     # The command name may contain spaces and parentheses; fields resume after the last ')'.
     rest = data.rsplit(")", 1)[-1].split()
+    if rest and rest[0] in ("Z", "X"):
+        return None
     return rest[19] if len(rest) > 19 else None
 
 
@@ -363,6 +371,20 @@ class Owner:
                 cls._me = f"{_HOST}|{pid}|{_proc_start_ticks(pid) or '0'}"
         assert cls._me is not None
         return cls._me
+
+    @staticmethod
+    def is_alive_locally(owner: str) -> bool:
+        """True when the owner is a process on this host that still runs: its pid exists with the start time the
+        owner recorded (a recycled pid has another). False when it is gone, elsewhere, or its start time was not
+        known (``0``: only the lease can tell then)."""
+        try:
+            host, pid_s, ticks = owner.split("|")[:3]
+            pid = int(pid_s)
+        except ValueError:
+            return False
+        if host != _HOST or ticks == "0":
+            return False
+        return _proc_start_ticks(pid) == ticks
 
     @staticmethod
     def is_dead_locally(owner: str) -> bool:

@@ -15,6 +15,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
 from ..errors import InvalidEffectState
+from ..states import EFFECT, SESSION
 from . import schema as t
 from .audit import AuditSQL, OutboxItem
 from .base import Store, utcnow
@@ -23,6 +24,13 @@ from .schema import IN_FLIGHT, WRITABLE, EffectState, RequestState, SessionState
 
 _E = t.effect_log
 _S = t.sessions
+# A gateway's capture, stored with the undo entry before the call is sent (put_undo_args). The entry is found by
+# its id, the effect's seq (both primary keys): undo_stack has no index on effect_id.
+_PUT_UNDO_ARGS = t.undo_stack.update().where(
+    t.undo_stack.c.undo_id == sa.select(_E.c.seq).where(_E.c.effect_id == sa.bindparam("eid")).scalar_subquery(),
+    t.undo_stack.c.state == UndoState.ARMED.value,
+).values(args_snapshot=sa.bindparam("args", type_=t.undo_stack.c.args_snapshot.type),
+         updated_at=sa.bindparam("now"))
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,22 @@ class FailureRollback:
     reason: str
     owner: str
     lease_until: dt.datetime
+
+
+#: The states a take-over leaves a call in (recovery compensated it, settled it ``unknown``, sent an IRREVERSIBLE
+#: call back to ``approved`` on its probe's word, dead-lettered it, or is deciding right now: in flight under
+#: another owner). A commit mark of the call's own process that finds one of them is a late finish.
+LATE_FINISH_STATES = frozenset(EFFECT.sources("late_finish"))
+
+
+@dataclass(frozen=True)
+class LateFinish:
+    """A late finish recorded (``CallsSQL.record_late_finish``): whose session halted, which tool, and the state
+    the take-over had left the effect in."""
+
+    session_id: str
+    tool_name: str
+    state_before: str
 
 
 class FailedRow(NamedTuple):
@@ -101,8 +125,7 @@ class CallsSQL(Store):
         """The session stops for a person (not once it ended), and the desk is told through the outbox."""
         conn.execute(
             _S.update()
-            .where(_S.c.session_id == session_id,
-                   _S.c.state.notin_((SessionState.ROLLED_BACK.value, SessionState.COMPLETED.value)))
+            .where(_S.c.session_id == session_id, SESSION.guard("halt", _S.c.state))
             .values(state=SessionState.HALTED.value, halted_reason=reason, updated_at=now)
         )
         AuditSQL.write_outbox_in(conn, [("session.halted", {"session_id": session_id, "reason": reason})], now=now)
@@ -154,6 +177,14 @@ class CallsSQL(Store):
                 sa.select(_E).where(_E.c.session_id == session_id, _E.c.call_id == call_id)
             ).first()
 
+    def session_of_client_key(self, call_id: str) -> str | None:
+        """The session holding the call with this client-keyed id (``ck:...``, unique across sessions), or None.
+        The index's own predicate is repeated so that SQLite reads the partial index."""
+        with self.read() as conn:
+            sid = conn.execute(sa.select(_E.c.session_id).where(
+                _E.c.call_id == call_id, sa.text(t.CLIENT_KEY_PREDICATE))).scalar()
+        return None if sid is None else str(sid)
+
     def session_of_effect(self, effect_id: str) -> str | None:
         """The session an effect belongs to, or None when there is no such effect."""
         with self.read() as conn:
@@ -172,13 +203,15 @@ class CallsSQL(Store):
         ).first()
 
     def claim_effect_in(self, conn: Connection, effect_id: str, *, from_state: str, to_state: str, owner: str,
-                        lease_until: dt.datetime, now: dt.datetime) -> bool:
-        """Compare-and-swap an effect into flight (an approved call claimed to run, a released call re-claimed)."""
-        res = conn.execute(
+                        lease_until: dt.datetime, now: dt.datetime) -> int:
+        """Compare-and-swap an effect into flight (an approved call claimed to run, a released call re-claimed);
+        its new ownership epoch (the fencing token, one more than before), or 0 when another caller won."""
+        epoch = conn.execute(
             _E.update().where(_E.c.effect_id == effect_id, _E.c.state == from_state)
-            .values(state=to_state, owner=owner, lease_until=lease_until, updated_at=now)
-        )
-        return bool(res.rowcount == 1)
+            .values(state=to_state, owner=owner, lease_until=lease_until, updated_at=now, epoch=_E.c.epoch + 1)
+            .returning(_E.c.epoch)
+        ).scalar()
+        return int(epoch or 0)
 
     def insert_undo_in(self, conn: Connection, values: Mapping[str, Any]) -> None:
         """Write a COMPENSABLE effect's undo entry (its ``undo_id`` is the effect's seq)."""
@@ -219,6 +252,52 @@ class CallsSQL(Store):
                 ).order_by(e.c.created_at)
             ).first()
 
+    # -- kickoffs (framework runs a continuation replays) -----------------------------------------------
+
+    def kickoff_to_continue(self, session_id: str) -> str | None:
+        """The kickoff a continuation of this session continues: the last one that raised an approval request,
+        else the last one that logged any call; None when no call of the session recorded a kickoff."""
+        e = _E
+        with self.read() as conn:
+            for gated in (True, False):
+                q = sa.select(e.c.kickoff_id).where(e.c.session_id == session_id, e.c.kickoff_id.is_not(None))
+                if gated:
+                    q = q.where(e.c.tier == "irreversible")
+                found = conn.execute(q.order_by(e.c.seq.desc()).limit(1)).scalar()
+                if found is not None:
+                    return str(found)
+        return None
+
+    def kickoff_effects(self, session_id: str, kickoff_id: str) -> list[Any]:
+        """The committed effects a kickoff logged, in the order they were logged: (effect_id, tool_name, tier,
+        args_digest, approved_digest, result_snapshot)."""
+        e, r = _E, t.approval_requests
+        with self.read() as conn:
+            return list(conn.execute(
+                sa.select(e.c.effect_id, e.c.tool_name, e.c.tier, e.c.args_digest, r.c.approved_digest,
+                          e.c.result_snapshot)
+                .select_from(e.outerjoin(r, r.c.effect_id == e.c.effect_id))
+                .where(e.c.session_id == session_id, e.c.kickoff_id == kickoff_id,
+                       e.c.state == EffectState.COMMITTED.value)
+                .order_by(e.c.seq)
+            ).all())
+
+    def effects_of_calls(self, session_id: str, call_ids: Sequence[str]) -> list[Any]:
+        """The committed effects of these calls of the session (a resumed conversation's history), in the order they
+        were logged; the columns of :meth:`kickoff_effects`."""
+        e, r = _E, t.approval_requests
+        found: list[Any] = []
+        with self.read() as conn:
+            for start in range(0, len(call_ids), 500):  # (bounded IN lists)
+                found.extend(conn.execute(
+                    sa.select(e.c.seq, e.c.effect_id, e.c.tool_name, e.c.tier, e.c.args_digest, r.c.approved_digest,
+                              e.c.result_snapshot)
+                    .select_from(e.outerjoin(r, r.c.effect_id == e.c.effect_id))
+                    .where(e.c.session_id == session_id, e.c.call_id.in_(list(call_ids[start:start + 500])),
+                           e.c.state == EffectState.COMMITTED.value)
+                ).all())
+        return sorted(found, key=lambda row: row.seq)
+
     def recent_effects_in(self, conn: Connection, session_id: str, n: int) -> list[Any]:
         """The session's last ``n`` logged calls, oldest first (the approval request's context)."""
         rows = conn.execute(
@@ -242,17 +321,67 @@ class CallsSQL(Store):
 
     # -- outcomes ------------------------------------------------------------------------------------
 
-    def mark_committed(self, effect_id: str, text: str, now: dt.datetime, *, fast: bool) -> str | None:
-        """The commit mark's general path; None when written, else the effect's state (or "" when it is gone)."""
+    def mark_committed(self, effect_id: str, text: str, now: dt.datetime, *, fast: bool,
+                       owner: str | None = None) -> str | None:
+        """The commit mark's general path; None when written, else the effect's state (or "" when it is gone).
+
+        ``owner``: only while the call is still this owner's (the fence of ``HotPath.owner``); a call another
+        process took over answers its state (in flight: being recovered now), see ``record_late_finish``."""
+        fence = () if owner is None else (_E.c.owner == owner,)
         with self.tx(fast=fast) as conn:
             res = conn.execute(
-                _E.update().where(_E.c.effect_id == effect_id, _E.c.state.in_(IN_FLIGHT))
+                _E.update().where(_E.c.effect_id == effect_id, EFFECT.guard("commit", _E.c.state), *fence)
                 .values(state=EffectState.COMMITTED.value, result_snapshot=json.loads(text), owner=None,
                         lease_until=None, updated_at=now)
             )
             if res.rowcount == 1:
                 return None
             return self.effect_state_in(conn, effect_id) or ""
+
+    def record_late_finish(self, effect_id: str, text: str, now: dt.datetime) -> LateFinish | None:
+        """A call that finished after another process took it over, recorded in one transaction: the effect
+        ``unknown`` (its result kept, the reason in ``error``), its session halted, and an audit event
+        ``effect.finished_late`` with the result. None when the effect is in no state a take-over leaves
+        (nothing recorded).
+
+        Recovery's own records of that effect (compensated, settled) apply only while it is in flight, so
+        whichever commits second, the effect ends ``unknown`` with this finish recorded.
+        """
+        with self.tx() as conn:
+            row = conn.execute(self.for_update(
+                sa.select(_E.c.state, _E.c.session_id, _E.c.tool_name).where(_E.c.effect_id == effect_id))).first()
+            if row is None or row.state not in LATE_FINISH_STATES:
+                return None
+            before = str(row.state)
+            what = ("finished after compensation" if before == EffectState.COMPENSATED.value
+                    else f"finished after it was taken over (it was {before})")
+            result = json.loads(text)
+            conn.execute(_E.update().where(_E.c.effect_id == effect_id, _E.c.state == before,
+                                           EFFECT.guard("late_finish", _E.c.state)).values(
+                state=EffectState.UNKNOWN.value, result_snapshot=result, owner=None, lease_until=None,
+                error=f"{what}: the tool's side effect happened after another process took the call over; "
+                      "a person decides",
+                updated_at=now))
+            self.halt_in(conn, row.session_id, f"{row.tool_name} ({effect_id}) {what}: its side effect happened "
+                                               "after its compensation; check the tool, then resume or roll back", now)
+            self.append_event_in(conn, subject=f"effect:{effect_id}", action="effect.finished_late",
+                                 actor="undolog", now=now,
+                                 payload={"effect_id": effect_id, "session_id": row.session_id,
+                                          "tool_name": row.tool_name, "what": what, "state_before": before,
+                                          "result": result})
+        return LateFinish(str(row.session_id), str(row.tool_name), before)
+
+    def put_undo_args(self, effect_id: str, args: Any) -> bool:
+        """Replace the stored arguments of an effect's armed undo entry (what its compensation is given): a gateway
+        stores there what it captured before the call ran. False when the entry is not armed (or not there).
+
+        Example:
+            >>> store.put_undo_args(effect_id, {"path": "a.txt", "dev.undolog/before": {"content": "old"}})
+            True
+        """
+        with self.tx() as conn:
+            res = conn.execute(_PUT_UNDO_ARGS, {"eid": effect_id, "args": args, "now": utcnow()})
+            return bool(res.rowcount == 1)
 
     def mark_failed(self, effect_id: str, error: str, now: dt.datetime, nothing_happened: bool = False,
                     rollback: FailureRollback | None = None) -> tuple[str | None, Any]:
@@ -268,7 +397,7 @@ class CallsSQL(Store):
         """
         with self.tx() as conn:
             res = conn.execute(
-                _E.update().where(_E.c.effect_id == effect_id, _E.c.state.in_(IN_FLIGHT))
+                _E.update().where(_E.c.effect_id == effect_id, EFFECT.guard("fail", _E.c.state))
                 .values(state=EffectState.FAILED.value, error=error, owner=None, lease_until=None, updated_at=now)
             )
             if res.rowcount != 1:

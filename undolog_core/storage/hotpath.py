@@ -143,6 +143,12 @@ class HotPath(abc.ABC):
     #: its first logged call's pre-write.
     starts_with_prewrite = False
 
+    #: The owner a commit mark of :meth:`mark` requires of the effect (the engine's ``leases.owner``): a call
+    #: taken over by another process meanwhile (recovery claimed it: its owner changed) is not marked committed
+    #: behind that process's back; the engine records the late finish instead (``OutcomeConflict``). The
+    #: deferred marks (:meth:`mark_many`, ``end_session``) are not fenced.
+    owner = ""
+
     def mark(self, effect_id: str, text: str, now: float, *, fast: bool, wait: bool = True) -> bool:
         """The commit mark as one autocommit UPDATE; False when the effect was not in flight."""
         pool = self.fast if fast else self.durable

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from ..states import EFFECT
 from .hotpath import _EFFECT_COLS, _UNDO_COLS, _WRITABLE, HotPath, SessionRow
 
 # The effect and its undo entry, inserted for the session row that CTE ``g`` returned (none: nothing written).
@@ -76,11 +77,13 @@ _PG_MARK_MANY = (
     "UPDATE undolog_effect_log e SET state = 'committed', result_snapshot = m.result::json, owner = NULL, "
     "lease_until = NULL, updated_at = m.at "
     "FROM unnest(%(results)s::text[], %(ats)s::timestamptz[], %(ids)s::text[]) AS m(result, at, effect_id) "
-    "WHERE e.effect_id = m.effect_id AND (e.state || '') IN ('pending', 'running')"
+    "WHERE e.effect_id = m.effect_id AND " + EFFECT.where("commit", column="(e.state || '')")
 )
+# Fenced by the call's owner (``HotPath.owner``): never over a call another process took over.
 _PG_MARK = (
     "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = %(text)s::json, owner = NULL, "
-    "lease_until = NULL, updated_at = %(now)s WHERE effect_id = %(effect_id)s AND state IN ('pending', 'running')"
+    f"lease_until = NULL, updated_at = %(now)s WHERE effect_id = %(effect_id)s AND {EFFECT.where('commit')} "
+    "AND owner = %(owner)s"
 )
 
 
@@ -300,9 +303,11 @@ def pg_mark_many(conn: Any, marks: Sequence[tuple[str, str, float]]) -> int:
     return int(run_prepared(conn, _MARK_MANY, [values[k] for k in _MARK_MANY.params]).command_tuples or 0)
 
 
-def pg_mark(conn: Any, effect_id: str, text: str, now: float) -> bool:
-    """The commit mark as one autocommit statement on ``conn``: False when the effect was not in flight."""
-    return bool(run_prepared(conn, _MARK, [text.encode(), _stamp(now), effect_id.encode()]).command_tuples == 1)
+def pg_mark(conn: Any, effect_id: str, text: str, now: float, owner: str) -> bool:
+    """The commit mark as one autocommit statement on ``conn``: False when the effect was not in flight, or not
+    owned by ``owner`` any more (taken over)."""
+    return bool(run_prepared(conn, _MARK, [text.encode(), _stamp(now), effect_id.encode(), owner.encode()])
+                .command_tuples == 1)
 
 
 class PostgresHotPath(HotPath):
@@ -329,7 +334,7 @@ class PostgresHotPath(HotPath):
                                     args_text, digest, owner, now, lease, comp, comp_version)
 
     def _mark(self, conn: Any, wait: bool, effect_id: str, text: str, now: float) -> bool:
-        return pg_mark(conn, effect_id, text, now)
+        return pg_mark(conn, effect_id, text, now, self.owner)
 
     starts_with_prewrite = True
 

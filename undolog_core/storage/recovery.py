@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 
+from ..states import EFFECT, SESSION
 from . import schema as t
+from .audit import PendingEvent
 from .base import utcnow
 from .calls import CallsSQL
 from .schema import IN_FLIGHT, EffectState, SessionState, UndoState
@@ -31,12 +33,14 @@ _u, _e, _s = t.undo_stack, t.effect_log, t.sessions
 _UNDO_DONE = _u.update().where(_u.c.undo_id == sa.bindparam("uid")).values(
     state=UndoState.COMPENSATED.value, attempts=_u.c.attempts + 1, owner=None, lease_until=None,
     updated_at=sa.bindparam("now"))
-_EFFECT_DONE = _e.update().where(_e.c.effect_id == sa.bindparam("eid")).values(
+# Only while the effect is in flight: a late finish of its own process (``record_late_finish``) may have made it
+# ``unknown`` meanwhile, and that record stands.
+_EFFECT_DONE = _e.update().where(_e.c.effect_id == sa.bindparam("eid"),
+                                 EFFECT.guard("recover_compensated", _e.c.state)).values(
     state=EffectState.COMPENSATED.value, owner=None, lease_until=None, updated_at=sa.bindparam("now"))
 # halt_in's statement and outbox row, with bound values.
 _HALT = _s.update().where(
-    _s.c.session_id == sa.bindparam("sid"), _s.c.state != SessionState.ROLLED_BACK.value,
-    _s.c.state != SessionState.COMPLETED.value,
+    _s.c.session_id == sa.bindparam("sid"), SESSION.guard("halt", _s.c.state),
 ).values(state=SessionState.HALTED.value, halted_reason=sa.bindparam("why"), updated_at=sa.bindparam("now"))
 _HALTED_OUTBOX = t.outbox.insert().values(event_type="session.halted", payload=sa.bindparam("payload"),
                                           created_at=sa.bindparam("now"), attempts=0)
@@ -53,11 +57,20 @@ _PG_DONE_AS_ONE = str(_PG_DONE)
 _PG_DONE_PARAMS = dict(_PG_DONE.params)
 
 
+#: The transition of the state table (``states.EFFECT``) that each of recovery's verdicts is.
+_SETTLED_BY = {EffectState.COMMITTED: "commit", EffectState.UNKNOWN: "recover_unknown",
+               EffectState.APPROVED: "recover_not_run"}
+
+
 def _same(col: Any, value: Any) -> Any:
     return col.is_(None) if value is None else col == value
 
 
 class RecoverySQL(CallsSQL):
+    if TYPE_CHECKING:  # provided by AuditSQL in Storage
+        def append_events_in(self, conn: Any, events: Sequence[PendingEvent], *,
+                             now: dt.datetime | None = None) -> list[int]: ...
+
     def in_flight(self) -> InFlight:
         """Everything in flight: effects (found the way each database finds them, see ``effects_in_flight_in``),
         undo entries being compensated, rollbacks requested."""
@@ -99,7 +112,9 @@ class RecoverySQL(CallsSQL):
         with self.tx() as conn:
             if conn.execute(self.for_update(sa.select(e.c.effect_id).where(*same), skip_locked=True)).first() is None:
                 return False
-            res = conn.execute(e.update().where(*same).values(owner=owner, lease_until=lease_until))
+            # A new owner, a new epoch: the fencing token its probe carries, above the stalled owner's.
+            res = conn.execute(e.update().where(*same).values(owner=owner, lease_until=lease_until,
+                                                              epoch=e.c.epoch + 1))
             return bool(res.rowcount == 1)
 
     def claim_in_doubt_batch(self, seen: Sequence[tuple[str, str, str | None]], owner: str,
@@ -111,12 +126,13 @@ class RecoverySQL(CallsSQL):
         finish it (its undo entry armed and unowned, its compensation loaded here at the logged version).
         PostgreSQL locks the rows with SKIP LOCKED, so racing recoverers take disjoint sets. Each row carries the
         effect (``effect_id, seq, session_id, tool_name, state, args_snapshot``) and its undo entry (``undo_id,
-        compensation_name, compensation_version, attempts``).
+        undo_args, compensation_name, compensation_version, attempts``).
         """
         e, u = t.effect_log, t.undo_stack
         want = {eid: (state, who) for eid, state, who in seen}
         q = (sa.select(e.c.effect_id, e.c.seq, e.c.session_id, e.c.tool_name, e.c.state, e.c.owner,
-                       e.c.args_snapshot, u.c.undo_id, u.c.state.label("undo_state"), u.c.owner.label("undo_owner"),
+                       e.c.args_snapshot, e.c.epoch, u.c.args_snapshot.label("undo_args"), u.c.undo_id,
+                       u.c.state.label("undo_state"), u.c.owner.label("undo_owner"),
                        u.c.compensation_name, u.c.compensation_version, u.c.attempts)
              .select_from(e.join(u, u.c.undo_id == e.c.seq))
              .where(self.one_of(e.c.effect_id, list(want))).order_by(e.c.seq))
@@ -125,19 +141,21 @@ class RecoverySQL(CallsSQL):
                     if (r.state, r.owner) == want[r.effect_id] and eligible(r)]
             if rows:
                 conn.execute(e.update().where(self.one_of(e.c.effect_id, [r.effect_id for r in rows]))
-                             .values(owner=owner, lease_until=lease_until))
+                             .values(owner=owner, lease_until=lease_until, epoch=e.c.epoch + 1))
         return rows
 
     def settle_and_claim_undos(self, committed: Sequence[tuple[str, Any]], undo_ids: Sequence[int], owner: str,
-                               lease_until: dt.datetime) -> set[int]:
+                               lease_until: dt.datetime, *, events: Sequence[PendingEvent] = ()) -> set[int]:
         """After the probes of a batch, in one transaction: the effects a probe proved ``committed`` (with its
-        result), and the undo entries about to be compensated claimed (``compensating``, this owner). Returns the
-        undo ids claimed (an entry no longer ``armed`` is not)."""
+        result), the probes' answers (``events``, audit), and the undo entries about to be compensated claimed
+        (``compensating``, this owner). Returns the undo ids claimed (an entry no longer ``armed`` is not)."""
         e, u = t.effect_log, t.undo_stack
         now = utcnow()
         with self.tx() as conn:
+            if events:
+                self.append_events_in(conn, events, now=now)
             for effect_id, result in committed:
-                conn.execute(e.update().where(e.c.effect_id == effect_id).values(
+                conn.execute(e.update().where(e.c.effect_id == effect_id, EFFECT.guard("commit", e.c.state)).values(
                     state=EffectState.COMMITTED.value, result_snapshot=result, owner=None, lease_until=None,
                     updated_at=now))
             if not undo_ids:
@@ -175,19 +193,38 @@ class RecoverySQL(CallsSQL):
         with self.read() as conn:
             return conn.execute(sa.select(t.effect_log).where(t.effect_log.c.effect_id == effect_id)).one()
 
-    def settle_effect(self, effect_id: str, state: EffectState, *, result: Any = None, error: str | None = None,
-                      halt: tuple[str, str] | None = None) -> None:
-        """Recovery's verdict on an effect, and (``halt`` = (session, reason)) the session halted for a person."""
+    def settle_effect(self, effect_id: str, state: EffectState | None, *, result: Any = None,
+                      error: str | None = None, halt: tuple[str, str] | None = None, drop_undo: bool = False,
+                      event: PendingEvent | None = None) -> None:
+        """Recovery's verdict on an effect, and (``halt`` = (session, reason)) the session halted for a person, in
+        one transaction. ``drop_undo``: it did not happen, its armed undo entry goes. ``event``: the audit event of
+        the probe's answer behind the verdict. ``state`` None records the event alone (the effect stays as it is).
+
+        Only while the effect is in flight: a late finish recorded meanwhile (``record_late_finish``) stands."""
         now = utcnow()
-        values: dict[str, Any] = {"state": state.value, "owner": None, "lease_until": None, "updated_at": now}
-        if state is EffectState.COMMITTED:
-            values["result_snapshot"] = result
-        if error is not None:
-            values["error"] = error
         with self.tx() as conn:
-            conn.execute(t.effect_log.update().where(t.effect_log.c.effect_id == effect_id).values(**values))
+            if state is not None:
+                values: dict[str, Any] = {"state": state.value, "owner": None, "lease_until": None,
+                                          "updated_at": now}
+                if state is EffectState.COMMITTED:
+                    values["result_snapshot"] = result
+                if error is not None:
+                    values["error"] = error
+                conn.execute(t.effect_log.update().where(t.effect_log.c.effect_id == effect_id,
+                                                         EFFECT.guard(_SETTLED_BY[state], t.effect_log.c.state))
+                             .values(**values))
+            if drop_undo:
+                u = t.undo_stack
+                conn.execute(u.delete().where(u.c.effect_id == effect_id, u.c.state == UndoState.ARMED.value))
+            if event is not None:
+                self.append_events_in(conn, [event], now=now)
             if halt is not None:
                 self.halt_in(conn, halt[0], halt[1], now)
+
+    def note_event(self, event: PendingEvent) -> None:
+        """One audit event in a transaction of its own (a probe's answer that settles nothing by itself)."""
+        with self.tx() as conn:
+            self.append_events_in(conn, [event])
 
     def halt_session(self, session_id: str, reason: str) -> None:
         with self.tx() as conn:

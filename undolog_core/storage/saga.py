@@ -11,6 +11,7 @@ from sqlalchemy.engine import Connection
 from . import schema as t
 from .base import utcnow
 from .calls import CallsSQL
+from .schema import IN_FLIGHT
 
 
 class SagaSQL(CallsSQL):
@@ -71,8 +72,13 @@ class SagaSQL(CallsSQL):
                 .values(attempts=t.undo_stack.c.attempts + 1, last_error=error, updated_at=utcnow())
             )
 
-    def undo_compensated(self, undo_id: int, effect_id: str) -> None:
+    def undo_compensated(self, undo_id: int, effect_id: str, *, in_flight: bool = False) -> None:
+        """The entry and its effect ``compensated``. ``in_flight``: the effect was in flight when the walk read it
+        (recovery of an abandoned call); it becomes ``compensated`` only if it still is, so a late finish of its
+        own process recorded meanwhile (``record_late_finish``: ``unknown``) stands."""
         now = utcnow()
+        e = t.effect_log
+        still = (e.c.state.in_(IN_FLIGHT),) if in_flight else ()
         with self.tx() as conn:
             conn.execute(
                 t.undo_stack.update().where(t.undo_stack.c.undo_id == undo_id)
@@ -80,7 +86,7 @@ class SagaSQL(CallsSQL):
                         updated_at=now)
             )
             conn.execute(
-                t.effect_log.update().where(t.effect_log.c.effect_id == effect_id)
+                e.update().where(e.c.effect_id == effect_id, *still)
                 .values(state="compensated", owner=None, lease_until=None, updated_at=now)
             )
 

@@ -194,8 +194,14 @@ effect_log = sa.Table(
     sa.Column("lease_until", UTCDateTime),
     sa.Column("recovery_attempts", sa.Integer, nullable=False, server_default="0"),
     sa.Column("released_from", sa.String(32)),
+    # The ownership epoch (revision 0015): 1 at the pre-write, one more at every claim (an approved call claimed, a
+    # released call re-claimed, recovery taking it over). The fencing token a tool passes upstream beside its key.
+    sa.Column("epoch", sa.Integer, nullable=False, server_default="1"),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("updated_at", UTCDateTime, nullable=False),
+    # The framework run (a CrewAI kickoff, a Semantic Kernel turn) that logged the call, when the adapter names one:
+    # a continuation of that run replays these effects instead of running them again (revision 0014).
+    sa.Column("kickoff_id", sa.String(200)),
     sa.UniqueConstraint("session_id", "call_id", name="uq_undolog_effect_call"),
     sa.CheckConstraint(_in("tier", TIERS), name="ck_undolog_effect_tier"),
     sa.CheckConstraint(_in("state", EFFECT_STATES), name="ck_undolog_effect_state"),
@@ -212,6 +218,19 @@ sa.Index(
     effect_log.c.state,
     postgresql_where=sa.text(_IN_FLIGHT),
 ).ddl_if(dialect="postgresql")
+
+# A client's own idempotency key, scoped beyond one session (the MCP gateway over HTTP: an API key, a tool, a key),
+# rides in the call_id as ``ck:<digest>``: this partial unique index makes the pre-write itself refuse a second
+# effect with it in any session (no statement more). Other call ids are unique per session only (above).
+CLIENT_KEY_PREFIX = "ck:"
+CLIENT_KEY_PREDICATE = "call_id LIKE 'ck:%'"
+sa.Index(
+    "ux_undolog_effect_client_key",
+    effect_log.c.call_id,
+    unique=True,
+    sqlite_where=sa.text(CLIENT_KEY_PREDICATE),
+    postgresql_where=sa.text(CLIENT_KEY_PREDICATE),
+)
 
 recovery_cursor = sa.Table(
     "undolog_recovery_cursor",
@@ -355,6 +374,25 @@ rollbacks = sa.Table(
     sa.Column("requested_at", UTCDateTime, nullable=False),
 )
 
+# Which live process serves a session (the MCP gateway holding its upstreams' connections), under a lease it
+# renews, and a rollback filed for that process to run: a compensation must reach the upstream process that did the
+# work (its state may live in that process only). No foreign key: a session minted by the owner may not be written
+# yet when the owner starts holding it. The rollback columns are the filed request and, once run, its report.
+session_owners = sa.Table(
+    "undolog_session_owners",
+    metadata,
+    sa.Column("session_id", sa.String(200), primary_key=True),
+    sa.Column("owner", sa.String(200), nullable=False),
+    sa.Column("lease_until", UTCDateTime, nullable=False),
+    # The owner looks for a filed rollback when sent SIGUSR1 (on its host); else it finds it when it renews.
+    sa.Column("wakes_on_signal", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("rollback_actor", sa.String(200)),
+    sa.Column("rollback_reason", sa.Text),
+    sa.Column("rollback_requested_at", UTCDateTime),
+    sa.Column("rollback_report", sa.JSON),
+)
+sa.Index("ix_undolog_session_owners_owner", session_owners.c.owner)
+
 #: How many hash chains the audit trail has (head rows 1..AUDIT_CHAINS). A transaction appends to ONE chain, the
 #: first whose head it can lock without waiting, so concurrent writers on PostgreSQL do not queue on one row; the
 #: signed checkpoints pin every chain's head at once. SQLite has one writer at a time and appends to chain 1 only.
@@ -391,6 +429,34 @@ audit_head = sa.Table(
     sa.Column("last_event_id", sa.BigInteger, nullable=False),
     sa.Column("last_hash", sa.String(64), nullable=False),
 )
+
+# The head rows only move forward (revision 0015): no new chain, none removed, none renumbered or cut back. Defence
+# in depth (a trigger can be dropped by whoever can write the database); ``verify --checkpoints`` is the real check.
+PG_AUDIT_HEAD_GUARD_FUNCTION = """
+CREATE OR REPLACE FUNCTION undolog_audit_head_guard() RETURNS trigger AS $$
+BEGIN
+  IF TG_OP = 'UPDATE' AND NEW.head_id = OLD.head_id AND NEW.last_event_id >= OLD.last_event_id THEN
+    RETURN NEW;
+  END IF;
+  RAISE EXCEPTION 'undolog_audit_head only moves forward (% refused: chains are 1..%(chains)d, never added, removed, renumbered or cut back)', TG_OP
+    USING ERRCODE = 'insufficient_privilege';
+END;
+$$ LANGUAGE plpgsql
+""".replace("%(chains)d", str(AUDIT_CHAINS))
+PG_AUDIT_HEAD_GUARD_TRIGGER = ("CREATE TRIGGER undolog_audit_head_guard BEFORE INSERT OR UPDATE OR DELETE ON "
+                               "undolog_audit_head FOR EACH ROW EXECUTE FUNCTION undolog_audit_head_guard()")
+SQLITE_AUDIT_HEAD_GUARDS = {
+    "undolog_audit_head_no_insert": "CREATE TRIGGER undolog_audit_head_no_insert BEFORE INSERT ON undolog_audit_head "
+                                    "BEGIN SELECT RAISE(ABORT, 'undolog_audit_head only moves forward (INSERT "
+                                    "refused)'); END",
+    "undolog_audit_head_no_delete": "CREATE TRIGGER undolog_audit_head_no_delete BEFORE DELETE ON undolog_audit_head "
+                                    "BEGIN SELECT RAISE(ABORT, 'undolog_audit_head only moves forward (DELETE "
+                                    "refused)'); END",
+    "undolog_audit_head_no_back": "CREATE TRIGGER undolog_audit_head_no_back BEFORE UPDATE ON undolog_audit_head "
+                                  "WHEN NEW.head_id <> OLD.head_id OR NEW.last_event_id < OLD.last_event_id "
+                                  "BEGIN SELECT RAISE(ABORT, 'undolog_audit_head only moves forward (renumbered "
+                                  "or cut back)'); END",
+}
 
 tool_registry = sa.Table(
     "undolog_tool_registry",

@@ -22,6 +22,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
 
 from ..errors import ConfigurationError, DatabaseUnavailable
+from ..states import EFFECT
 from . import schema as t
 from .checkpoint import HARD_PAGES, WalCheckpointer
 from .group import GroupCommit
@@ -53,10 +54,13 @@ _SQLITE_START_SESSION_UNLESS = (
     "WHERE NOT EXISTS (SELECT 1 FROM undolog_sessions WHERE session_id = ?) "
     "ON CONFLICT (session_id) DO NOTHING RETURNING session_id, state, pinned_revisions, on_failure"
 )
+# The guard is the state table's (``states.EFFECT``, transition ``commit``).
 _SQLITE_MARK = (
     "UPDATE undolog_effect_log SET state = 'committed', result_snapshot = ?, owner = NULL, lease_until = NULL, "
-    "updated_at = ? WHERE effect_id = ? AND state IN ('pending', 'running')"
+    f"updated_at = ? WHERE effect_id = ? AND {EFFECT.where('commit')}"
 )
+# One call's commit mark, fenced by its owner (``HotPath.owner``): not over a call another process took over.
+_SQLITE_MARK_OWNED = _SQLITE_MARK + " AND owner = ?"
 
 
 _seconds: dict[int, str] = {}
@@ -371,7 +375,7 @@ class SQLiteHotPath(HotPath):
                 ok = self._prewrite_in(conn, *args)
             else:
                 effect_id, text, now = args
-                ok = conn.execute(_SQLITE_MARK, (text, _sqlite_time(now), effect_id)).rowcount == 1
+                ok = conn.execute(_SQLITE_MARK_OWNED, (text, _sqlite_time(now), effect_id, self.owner)).rowcount == 1
         except sqlite3.IntegrityError as exc:
             ok, conflict = False, IntegrityConflict(str(exc))
         if not ok:
@@ -501,7 +505,8 @@ class SQLiteHotPath(HotPath):
         if not self.write_lock.acquire(blocking=wait):
             raise WouldBlock()
         try:
-            return bool(conn.execute(_SQLITE_MARK, (text, _sqlite_time(now), effect_id)).rowcount == 1)
+            return bool(conn.execute(_SQLITE_MARK_OWNED, (text, _sqlite_time(now), effect_id, self.owner)).rowcount
+                        == 1)
         finally:
             self.write_lock.release()
 

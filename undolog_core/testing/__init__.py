@@ -11,11 +11,13 @@ Example:
 """
 
 from ._check import InjectedStop, Run, RunKind, ScenarioError, check_undo
+from ._internals import Internals, internals
 from ._report import Difference, FaultPointReport, StepReport, UndoReport, diff
 
 __all__ = [
     "Difference",
     "FaultPointReport",
+    "Internals",
     "InjectedStop",
     "Run",
     "RunKind",
@@ -24,4 +26,5 @@ __all__ = [
     "UndoReport",
     "check_undo",
     "diff",
+    "internals",
 ]

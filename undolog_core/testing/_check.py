@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import _faults
+from .. import _observe as obs
 from .._faults import FaultPoint
 from .._saga import CompensationContext, RollbackStep, run_coro_blocking
 from ..errors import UndoLogError
@@ -52,6 +53,17 @@ if TYPE_CHECKING:
 
 ACTOR = "undolog:check-undo"
 _ONE_AT_A_TIME = threading.Lock()  # the fault hook is per process: one check at a time
+
+
+@contextmanager
+def _simulated() -> Iterator[None]:
+    """Recover the crashes this check simulated: their halts are logged at INFO, not as warnings (a real crash's
+    are); the check reports what it found itself."""
+    token = obs.SIMULATED_CRASHES.set(True)
+    try:
+        yield
+    finally:
+        obs.SIMULATED_CRASHES.reset(token)
 
 
 class InjectedStop(BaseException):  # noqa: N818 - it is not an error: it is the harness stopping the scenario
@@ -319,7 +331,8 @@ class _Checker:
             for seen in tracker.steps:
                 self.u.leases.abandon(seen.effect_id)
             if tracker.sessions:
-                self.u.recover(sessions=tracker.sessions)
+                with _simulated():
+                    self.u.recover(sessions=tracker.sessions)
             self._rollback(tracker, None, None)
         except Exception:  # noqa: BLE001, S110 - the error the check raises says more than this one
             pass
@@ -468,7 +481,8 @@ class _Checker:
         # What a crash right here leaves: the effect pending, its owner gone. This process stops counting it as
         # its own, so recovery treats it exactly as a dead process's call.
         self.u.leases.abandon(target.effect_id)
-        rep = self.u.recover(sessions=tracker.sessions)
+        with _simulated():
+            rep = self.u.recover(sessions=tracker.sessions)
         outcome = next((r["outcome"] for r in rep.reconciled if r["effect_id"] == target.effect_id), None)
         now = _json_snapshot(self.snapshot, f"after recovering step {k}")
         step.never_happened_diff = diff(tracker.before, now)
@@ -497,7 +511,8 @@ def crash_checks(checker: _Checker, tools: list[str], paths: dict[str, str] | No
             tracker.sessions = list(seen["sessions"])
             tracker.before = seen["before"]
             target = tracker.steps[step.index - 1]
-            rep = checker.u.recover(sessions=tracker.sessions)
+            with _simulated():
+                rep = checker.u.recover(sessions=tracker.sessions)
             if kind is RunKind.RESTORE:
                 result: dict[str, Any] = {}
 

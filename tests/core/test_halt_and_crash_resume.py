@@ -2,7 +2,7 @@
 
 Every test drives real objects: a real store (SQLite file or PostgreSQL schema), real subprocesses SIGKILLed at
 named fault points (``undolog_core._faults``) for the crash cases. Hole 1's end-to-end LangGraph version is in
-``tests/adapters/test_langgraph_holes.py``; holes 2 and 3 (connections) are in ``test_connections.py``.
+``tests/adapters/test_langgraph_halt_blocks_released_call.py``; holes 2 and 3 (connections) are in ``test_connections.py``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import sqlalchemy as sa
 
 from undolog_core import AwaitingApproval, Execute, errors
 from undolog_core.storage import schema as t
+from undolog_core.testing import internals
 
-from . import crash_app
-from .toolkit import setup
+from ..support import crash_app
+from ..support.toolkit import setup
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +48,7 @@ def _approved_and_released(undolog: Any, sid: str, call_id: str, user_id: str) -
 
 
 def _effect_state(undolog: Any, effect_id: str) -> str:
-    with undolog.store.read() as c:
+    with internals(undolog).read() as c:
         return str(c.execute(sa.select(t.effect_log.c.state).where(t.effect_log.c.effect_id == effect_id)).scalar_one())
 
 
@@ -110,7 +111,7 @@ def test_released_compensable_call_does_not_run_after_rollback(undolog: Any) -> 
 
 @pytest.fixture
 def crash(db: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Run tests/core/crash_app.py in a subprocess (optionally armed at a fault point); its world is a log file."""
+    """Run tests/support/crash_app.py in a subprocess (optionally armed at a fault point); its world is a log file."""
     state = tmp_path / "world"
     state.mkdir()
     monkeypatch.setenv("CRASH_STATE", str(state))
@@ -122,7 +123,7 @@ def crash(db: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         if fault:
             env["UNDOLOG_FAULT"] = fault
             env["UNDOLOG_FAULT_SKIP"] = str(skip)
-        p = subprocess.run([sys.executable, "-m", "tests.core.crash_app", *args], env=env, cwd=ROOT,
+        p = subprocess.run([sys.executable, "-m", "tests.support.crash_app", *args], env=env, cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
         return p.returncode, p.stdout, p.stderr
 
@@ -141,7 +142,7 @@ def _log(kind: str) -> list[list[Any]]:
 
 def _effects(u: Any, session_id: str) -> dict[str, str]:
     """call_id -> effect state."""
-    with u.store.read() as c:
+    with internals(u).read() as c:
         rows = c.execute(sa.select(t.effect_log.c.call_id, t.effect_log.c.state)
                          .where(t.effect_log.c.session_id == session_id)).all()
     return {r.call_id: r.state for r in rows}

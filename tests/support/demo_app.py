@@ -1,4 +1,4 @@
-"""Tools and compensations the server tests load with ``--app tests.server.demo_app:register``."""
+"""Tools and compensations the server tests load with ``--app tests.support.demo_app:register``."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from semantic_kernel.functions import kernel_function
 
 from examples.semantic_kernel_support.llm import ScriptedChat, auto_settings, call
 from examples.support_agent.model import ScriptedChatModel
-from tests.lg_hooks import AfterModel
+from tests.support.lg_hooks import AfterModel
 from undolog_adapters.langgraph import UndoLogMiddleware
 from undolog_adapters.semantic_kernel import install, undolog_session
 from undolog_core import CompensationDescriptor, ToolTier, compensation, undolog_tool

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 STATE = Path(os.environ["TICKETS_STATE"])
 V2 = os.environ.get("TICKETS_VARIANT") == "v2"
 KEY = "dev.undolog/idempotency-key"
+EPOCH = "dev.undolog/epoch"  # the fencing token beside the key (issue 34)
 
 mcp = FastMCP("tickets")
 
@@ -37,8 +38,10 @@ def save(state: dict[str, Any]) -> None:
 
 def record(state: dict[str, Any], tool: str, args: dict[str, Any], ctx: Context[Any, Any, Any]) -> None:
     meta = ctx.request_context.meta
-    key = (meta.model_extra or {}).get(KEY) if meta is not None else None
-    state["calls"].append({"tool": tool, "args": args, "key": key})
+    extra = (meta.model_extra or {}) if meta is not None else {}
+    # The pid tells which upstream process did the work (a long-lived gateway starts its upstream once).
+    state["calls"].append({"tool": tool, "args": args, "key": extra.get(KEY), "epoch": extra.get(EPOCH),
+                           "pid": os.getpid()})
 
 
 class Ticket(BaseModel):

@@ -1,6 +1,6 @@
 """An app run in subprocesses by the crash tests. Its outside world is a log file, so it survives SIGKILL.
 
-    python -m tests.core.crash_app MODE SESSION_ID [ARG]
+    python -m tests.support.crash_app MODE SESSION_ID [ARG]
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from undolog_core import ToolTier, UndoLog, compensation, current_call, undolog_tool
+from undolog_core import ToolTier, UndoLog, UndoLogError, compensation, current_call, undolog_tool
 
 
 def _log_path() -> Path:
@@ -94,6 +94,12 @@ def build(**kw: Any) -> UndoLog:
     return u
 
 
+def build_default() -> UndoLog:
+    """The app on ``UNDOLOG_DATABASE_URL`` / ``UNDOLOG_SCHEMA`` with ``CRASH_LEASE`` (for ``--app``)."""
+    return build(url=os.environ["UNDOLOG_DATABASE_URL"], schema=os.environ.get("UNDOLOG_SCHEMA") or None,
+                 lease_seconds=float(os.environ.get("CRASH_LEASE", "30")))
+
+
 def main(argv: list[str]) -> None:
     mode, session_id = argv[0], argv[1]
     u = build(lease_seconds=float(os.environ.get("CRASH_LEASE", "30")),
@@ -118,6 +124,12 @@ def main(argv: list[str]) -> None:
         u.driver.fail(d.effect_id, "the upstream said 500")
     elif mode == "slow":
         s.call_sync("slow_send", user_id="u1", seconds=float(argv[2]), call_id="slow")
+    elif mode == "slow_answer":  # a slow call whose answer (ok, or the error's code) the caller prints
+        try:
+            s.call_sync("slow_send", user_id="u1", seconds=float(argv[2]), call_id="slow")
+            print(json.dumps({"ok": True}), flush=True)
+        except UndoLogError as exc:
+            print(json.dumps({"ok": False, "code": exc.code, "message": exc.message}), flush=True)
     elif mode == "run_approved":
         s.call_sync(argv[2], user_id="u1", call_id="d1")
     elif mode == "rollback":

@@ -20,15 +20,16 @@ from undolog_core import (
     undolog_tool,
 )
 from undolog_core.storage import schema as t
+from undolog_core.testing import internals
 
-from .toolkit import World, setup
+from ..support.toolkit import World, setup
 
 
 def rows(undolog: Any, table: Any, **where: Any) -> list[Any]:
     q = sa.select(table)
     for k, v in where.items():
         q = q.where(table.c[k] == v)
-    with undolog.store.read() as c:
+    with internals(undolog).read() as c:
         return [r._mapping for r in c.execute(q)]
 
 
@@ -402,7 +403,7 @@ OPS = st.lists(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ops=OPS)
 def test_property_any_interleaving_keeps_the_invariants(undolog, ops):
     world = World()

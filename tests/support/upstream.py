@@ -20,6 +20,8 @@ class _Server(ThreadingHTTPServer):
 @dataclass
 class Upstream:
     calls: list[tuple[str, dict[str, Any], str | None]] = field(default_factory=list)
+    # (path, the UndoLog-Epoch header) of every call: the fencing token sent beside the key (issue 34).
+    epochs: list[tuple[str, str | None]] = field(default_factory=list)
     fail: set[str] = field(default_factory=set)
     delay: dict[str, float] = field(default_factory=dict)
     # A call to one of these paths answers only once the test sets the event (a call held in flight).
@@ -37,6 +39,7 @@ class Upstream:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 with outer.lock:
                     outer.calls.append((self.path, body, self.headers.get("Idempotency-Key")))
+                    outer.epochs.append((self.path, self.headers.get("UndoLog-Epoch")))
                 if self.path in outer.hold:
                     outer.hold[self.path].wait(30)
                 if self.path in outer.delay:
@@ -46,8 +49,13 @@ class Upstream:
                 if self.path in outer.fail:
                     status, out = 500, {"error": "boom"}
                 elif self.path == "/close/status":
-                    happened = body.get("args", {}).get("account") == "done"
-                    status, out = (200, {"happened": True, "result": {"closed": True}}) if happened else (404, {})
+                    account = body.get("args", {}).get("account")
+                    if account == "vague":  # an answer that is neither yes nor no: the probe cannot tell
+                        status, out = 200, {"status": "ok"}
+                    elif account == "done":
+                        status, out = 200, {"happened": True, "result": {"closed": True}}
+                    else:
+                        status, out = 404, {}
                 else:
                     status, out = 200, {"ok": True, "path": self.path, "echo": body}
                 raw = json.dumps(out).encode()

@@ -1,8 +1,8 @@
 """An app the many-process tests run in subprocesses: its compensations append to a log file (O_APPEND, one
 line per write), which survives the processes and shows how often each ran.
 
-    python -m tests.core.scale_app seed N        # pre-write N COMPENSABLE calls, then die by SIGKILL
-    python -m tests.core.scale_app sweep         # wait for $SCALE_GO, then recover(), expire_due() and lapse_due() once
+    python -m tests.support.scale_app seed N        # pre-write N COMPENSABLE calls, then die by SIGKILL
+    python -m tests.support.scale_app sweep         # wait for $SCALE_GO, then recover(), expire_due() and lapse_due() once
 """
 
 from __future__ import annotations

@@ -1,0 +1,107 @@
+"""A real upstream MCP server (FastMCP, 1.x line) whose world is a counter in a JSON file (``COUNTER_STATE``).
+
+``add`` adds to it and remembers each ``do-`` key it applied; its compensation is ``subtract``.
+``add`` can die before or after applying (``crash``), or apply late (``delay`` seconds), so the gateway's probes can
+be asked while the original is gone or still running. Two probes answer the same question: ``was_applied``
+in structured content, ``was_applied_text`` as JSON text (a FastMCP ``-> dict`` tool); ``COUNTER_PROBE`` makes
+them answer ``{"maybe": true}`` (cannot tell) instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from mcp.server.fastmcp import Context, FastMCP
+from mcp.types import CallToolResult, TextContent
+
+STATE = Path(os.environ["COUNTER_STATE"])
+KEY = "dev.undolog/idempotency-key"
+
+mcp = FastMCP("counter")
+
+
+def load() -> dict[str, Any]:
+    if STATE.exists():
+        return dict(json.loads(STATE.read_text()))
+    return {"value": 0, "history": [0], "applied": {}, "calls": []}
+
+
+def save(state: dict[str, Any]) -> None:
+    tmp = STATE.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state))
+    tmp.replace(STATE)
+
+
+def key_of(ctx: Context[Any, Any, Any]) -> str | None:
+    meta = ctx.request_context.meta
+    return (meta.model_extra or {}).get(KEY) if meta is not None else None
+
+
+@mcp.tool()
+def add(n: int, ctx: Context[Any, Any, Any], crash: str = "", delay: float = 0.0) -> str:
+    """Add n to the counter (once per idempotency key)."""
+    key = key_of(ctx)
+    state = load()
+    state["calls"].append({"n": n, "key": key})
+    save(state)
+    if crash == "before":
+        os._exit(3)
+    if delay:
+        time.sleep(delay)
+        state = load()
+    if key is None or key not in state["applied"]:
+        state["value"] += n
+        state["history"].append(state["value"])
+        if key is not None:
+            state["applied"][key] = state["value"]
+    save(state)
+    if crash == "after":
+        os._exit(3)
+    return f"counter is {state['value']}"
+
+
+@mcp.tool()
+def subtract(n: int, ctx: Context[Any, Any, Any]) -> str:
+    """Take n from the counter (once per idempotency key): add's compensation."""
+    key = key_of(ctx)
+    state = load()
+    state["calls"].append({"n": -n, "key": key})
+    if key is None or key not in state["applied"]:
+        state["value"] -= n
+        state["history"].append(state["value"])
+        if key is not None:
+            state["applied"][key] = state["value"]
+    save(state)
+    return f"counter is {state['value']}"
+
+
+def _verdict(idempotency_key: str) -> dict[str, Any]:
+    mode = os.environ.get("COUNTER_PROBE", "")
+    if mode == "cant_tell":
+        return {"maybe": True}
+    applied = load()["applied"]
+    if idempotency_key in applied:
+        return {"happened": True, "result": {"counter": applied[idempotency_key]}}
+    return {"happened": False}
+
+
+@mcp.tool()
+def was_applied(tool: str, args: dict[str, Any], idempotency_key: str) -> CallToolResult:
+    """Whether the call with this key was applied (structured content)."""
+    verdict = _verdict(idempotency_key)
+    return CallToolResult(content=[TextContent(type="text", text="see structured content")],
+                          structuredContent=verdict)
+
+
+@mcp.tool()
+def was_applied_text(tool: str, args: dict, idempotency_key: str) -> dict:  # type: ignore[type-arg]
+    """Whether the call with this key was applied (FastMCP answers a bare ``dict`` as JSON text)."""
+    return _verdict(idempotency_key)
+
+
+if __name__ == "__main__":
+    mcp.run()

@@ -1,0 +1,147 @@
+"""Probes with three answers, through the real gateway (``undolog mcp serve`` over stdio, the SDK's client) in
+front of a real FastMCP upstream whose world is a counter (``counter_server.py``).
+
+A probe answers in structured content or as JSON text; only an explicit ``{"happened": false}`` says the call did
+not happen, and that settles a COMPENSABLE call as not run (no compensation) only once its request can no longer
+land. Before: a JSON-text answer read as "did not happen", and "did not happen" compensated what never ran (the
+counter went 0 -> -5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from mcp import types
+
+from undolog_core import UndoLog
+from undolog_core.storage import schema as t
+
+from .test_gateway import gateway
+
+HERE = Path(__file__).parent
+
+pytestmark = pytest.mark.storage
+
+
+def write_config(tmp: Path, *, probe: str | None, timeout: float = 30.0, probe_mode: str = "") -> Path:
+    (tmp / "counter_server.py").write_text((HERE / "counter_server.py").read_text())
+    env = f'COUNTER_STATE = {json.dumps(str(tmp / "counter.json"))}'
+    if probe_mode:
+        env += f', COUNTER_PROBE = "{probe_mode}"'
+    cfg = tmp / "gateway.toml"
+    cfg.write_text(textwrap.dedent(f"""
+        [upstreams.counter]
+        command = [{json.dumps(sys.executable)}, "counter_server.py"]
+        env = {{ {env} }}
+        timeout = {timeout}
+
+        [tools.counter.add]
+        tier = "compensable"
+        compensation = {{ tool = "subtract", args = {{ n = "{{args.n}}" }} }}
+        {f'probe = "{probe}"' if probe else ""}
+    """))
+    return cfg
+
+
+def counter(tmp: Path) -> dict[str, Any]:
+    return dict(json.loads((tmp / "counter.json").read_text()))
+
+
+def effects(db: Any) -> list[Any]:
+    u = UndoLog.open(db.url, schema=db.schema)
+    try:
+        with u.store.read() as c:
+            rows = c.execute(sa.select(t.effect_log).order_by(t.effect_log.c.seq)).all()
+            undos = c.execute(sa.select(t.undo_stack)).all()
+            events = c.execute(sa.select(t.approval_events).where(t.approval_events.c.action == "effect.probe")
+                               .order_by(t.approval_events.c.event_id)).all()
+        return [rows, undos, events]
+    finally:
+        u.close()
+
+
+def text(result: types.CallToolResult) -> str:
+    return "\n".join(c.text for c in result.content if isinstance(c, types.TextContent))
+
+
+@pytest.mark.parametrize("probe", ["was_applied", "was_applied_text"])
+async def test_a_call_that_died_before_it_ran_is_settled_not_run_and_never_compensated(
+        db: Any, tmp_path: Path, probe: str) -> None:
+    cfg = write_config(tmp_path, probe=probe)
+    async with gateway(db, cfg) as client:
+        out = await client.call_tool("add", {"n": 5, "crash": "before"})
+        assert out.isError and "did not happen" in text(out), text(out)
+        # The session goes on: nothing happened, nothing was undone.
+        ok = await client.call_tool("add", {"n": 2})
+        assert not ok.isError, text(ok)
+    world = counter(tmp_path)
+    assert world["history"] == [0, 2], world  # never 0 -> -5
+    rows, undos, events = effects(db)
+    assert [r.state for r in rows] == ["failed", "committed"]
+    assert [u.effect_id for u in undos] == [rows[1].effect_id]  # the not-run call's undo entry is gone
+    payloads = [json.loads(e.payload) if isinstance(e.payload, str) else e.payload for e in events]
+    assert [(p["answer"], p["settled"]) for p in payloads] == [("not_happened", "not_run")]
+    assert events[0].subject == f"effect:{rows[0].effect_id}"
+
+
+@pytest.mark.parametrize("probe", ["was_applied", "was_applied_text"])
+async def test_a_call_that_died_after_it_ran_is_committed_with_the_probes_result(
+        db: Any, tmp_path: Path, probe: str) -> None:
+    """Before (JSON text): the answer was read as "did not happen" and the call compensated although it ran."""
+    cfg = write_config(tmp_path, probe=probe)
+    async with gateway(db, cfg) as client:
+        out = await client.call_tool("add", {"n": 5, "crash": "after"})
+        assert "confirms it happened" in text(out), text(out)
+    assert counter(tmp_path)["history"] == [0, 5]
+    rows, _, events = effects(db)
+    assert rows[0].state == "committed" and rows[0].result_snapshot == {"counter": 5}
+    payload = events[0].payload if not isinstance(events[0].payload, str) else json.loads(events[0].payload)
+    assert (payload["answer"], payload["settled"]) == ("happened", "committed")
+
+
+@pytest.mark.parametrize("probe", ["was_applied", "was_applied_text"])
+async def test_a_probe_that_cannot_tell_takes_the_path_of_no_probe(db: Any, tmp_path: Path, probe: str) -> None:
+    cfg = write_config(tmp_path, probe=probe, probe_mode="cant_tell")
+    async with gateway(db, cfg) as client:
+        out = await client.call_tool("add", {"n": 5, "crash": "after"})
+        assert "undone" in text(out), text(out)
+    assert counter(tmp_path)["history"] == [0, 5, 0]  # compensated: what ran was undone
+    rows, _, events = effects(db)
+    assert rows[0].state == "compensated"
+    payload = events[0].payload if not isinstance(events[0].payload, str) else json.loads(events[0].payload)
+    assert (payload["answer"], payload["settled"]) == ("cant_tell", "compensated")
+
+
+@pytest.mark.parametrize("probe", ["was_applied", "was_applied_text"])
+async def test_a_not_yet_while_the_original_still_runs_settles_nothing_until_it_can_no_longer_land(
+        db: Any, tmp_path: Path, probe: str) -> None:
+    """The call times out while the upstream still runs it (it applies after 8 s); the probe, asked at once, says
+    "did not happen". Before: compensated at once (0 -> -5), then the original landed. Now: held in flight
+    ("settling"); the original lands; once its connection is gone (the gateway stops, the upstream with it), the
+    next start's recovery probes again: it happened, committed, nothing undone."""
+    cfg = write_config(tmp_path, probe=probe, timeout=1.0)
+    async with gateway(db, cfg) as client:
+        out = await client.call_tool("add", {"n": 5, "delay": 8})
+        assert "settling" in text(out), text(out)
+        rows, undos, events = effects(db)
+        assert rows[0].state == "pending" and len(undos) == 1
+        for _ in range(200):  # the original lands meanwhile
+            if counter(tmp_path)["value"] == 5:
+                break
+            await asyncio.sleep(0.1)
+        assert counter(tmp_path)["value"] == 5
+    assert counter(tmp_path)["history"] == [0, 5]  # never -5
+    async with gateway(db, cfg) as client:  # the next start recovers it: the probe now says it happened
+        await client.list_tools()
+    rows, undos, events = effects(db)
+    assert rows[0].state == "committed" and counter(tmp_path)["history"] == [0, 5]
+    answers = [(p["answer"], p["settled"]) for p in
+               (e.payload if not isinstance(e.payload, str) else json.loads(e.payload) for e in events)]
+    assert answers == [("not_happened", "settling"), ("happened", "committed")]

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests (servers, scripted apps, fixtures' machinery); no tests live here."""
