@@ -105,6 +105,11 @@ class UndoLogMiddleware(AgentMiddleware):
             self._checked = True
             if approver is None:
                 _warn_no_approver(self._undolog_guard)
+            if type(self) is _BatchedUndoLogMiddleware and not any(_gated(self._undolog_guard, n)
+                                                                 for n in self._undolog_guard.names):
+                # No tool of this agent pauses for a person: nothing to batch, so no after_model node (a node per
+                # turn costs a step about what a whole middleware does). The same object, as the plain class.
+                self.__class__ = UndoLogMiddleware  # type: ignore[assignment]
         # LangChain wraps every hook in LangSmith's ``traceable``, which asks for the hook's signature on each call,
         # traced or not. Of a bound method, ``inspect`` builds a new one every time (its function's without ``self``);
         # of a plain function carrying its signature, it reads it as it is. So the hooks are bound here, once, as such
