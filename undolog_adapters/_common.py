@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import inspect
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -230,6 +231,30 @@ class Registrar:
         self.undolog = undolog
         self.policies: dict[str, UndoLogPolicy] = {str(k): policy_of(v) for k, v in (tiers or {}).items()}
         register_compensations(undolog, compensations)
+        self.names: list[str] = []  # the tools this adapter registered or found, in order
+
+    def check_compensations(self, adapter: str, names: Iterable[str] | None = None) -> None:
+        """Refuse an adapter whose COMPENSABLE tools name a compensation registered nowhere in this process.
+
+        Found when the adapter is built (after its ``compensations=``), not at the first rollback, which would stop
+        at that call with its effect still in the world. ``names``: the UndoLog names of the adapter's tools (default:
+        those registered through :meth:`register`).
+
+        Raises:
+            errors.ConfigurationError: naming each tool and the compensation it names.
+        """
+        known = self.undolog.registry.compensations
+        missing = []
+        for name in dict.fromkeys(self.names if names is None else names):
+            spec = self.known(name)
+            comp = spec.compensation if spec is not None else None
+            if comp is not None and comp.name not in known:
+                missing.append(f"{name} -> {comp.name!r}")
+        if missing:
+            raise errors.ConfigurationError(
+                f"{adapter}: compensations named but registered nowhere ({', '.join(missing)}): pass them in "
+                "compensations=[...] or register them with undolog.register(...) before building it; a rollback "
+                "would otherwise stop at the first such call")
 
     def policy(self, *names: str) -> UndoLogPolicy | None:
         """The policy given in ``tiers=`` under the first of ``names`` that has one."""
@@ -257,6 +282,7 @@ class Registrar:
         with a framework's own argument schema would be a new contract revision each time, and would
         cancel the approvals bound to the old one.
         """
+        self.names.append(name)
         policy = self.policy(name, *aliases)
         if policy is None and declared is not None:
             policy = UndoLogPolicy(declared.tier, compensation=declared.compensation, reason=declared.reason,
@@ -274,8 +300,12 @@ class Registrar:
         if (known is not None and known.tier is tier and _comp_key(known.compensation) == _comp_key(comp)
                 and known.reason == policy.reason and tuple(known.risk_tags) == tags and known.retry == retry):
             return tier
-        self.undolog.register_tool(fn, name=name, tier=tier, compensation=comp, reason=policy.reason,
-                                   risk_tags=list(tags), probe=policy.probe, args_schema=args_schema, retry=retry)
+        with warnings.catch_warnings():
+            # (register_tool's warning of a compensation not registered: the adapter refuses that itself, when it is
+            # built, in check_compensations)
+            warnings.filterwarnings("ignore", message=".*names the compensation.*", category=UserWarning)
+            self.undolog.register_tool(fn, name=name, tier=tier, compensation=comp, reason=policy.reason,
+                                       risk_tags=list(tags), probe=policy.probe, args_schema=args_schema, retry=retry)
         return tier
 
 

@@ -713,6 +713,7 @@ def wrap_tools(
                 result_as_answer=inner.result_as_answer,
             )
         )
+    registrar.check_compensations("wrap_tools")
     toolset = UndoLogToolset(
         wrapped,
         undolog=undolog,

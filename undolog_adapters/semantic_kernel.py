@@ -365,6 +365,7 @@ class UndoLogFilter:
                 for function in plugin.functions.values():
                     if _is_tool(function):
                         self.classify(function)
+            self._registrar.check_compensations("UndoLogFilter")
         # SK runs the filter registered last closest to the function. UndoLog's runner must be that one, so
         # that no other filter can change a call between UndoLog's check and the tool: install it after
         # your own filters (one added later makes every call refused, saying so).

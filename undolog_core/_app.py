@@ -97,6 +97,7 @@ def load_app(spec: str | None = None, *, into: UndoLog | None = None) -> UndoLog
     except AttributeError:
         raise ConfigurationError(f"module {mod_name!r} has no attribute {attr!r}") from None
     if isinstance(obj, UndoLog):
+        _check_compensations(obj, spec)
         return obj
     if into is not None:
         if _is_declared(obj):
@@ -110,6 +111,8 @@ def load_app(spec: str | None = None, *, into: UndoLog | None = None) -> UndoLog
             return into
     if callable(obj) and not _is_declared(obj) and _arity(obj) in (0, None):
         obj = obj()
+    if isinstance(obj, UndoLog):
+        _check_compensations(obj, spec)
     if not isinstance(obj, UndoLog):
         what = (
             "an UndoLog (or a factory returning one), a function taking the UndoLog, a list of tools, or a "
@@ -119,6 +122,17 @@ def load_app(spec: str | None = None, *, into: UndoLog | None = None) -> UndoLog
         )
         raise ConfigurationError(f"--app {spec} must name {what} (got {type(obj).__name__})")
     return obj
+
+
+def _check_compensations(u: UndoLog, spec: str) -> None:
+    """Refuse an app whose tools name compensations it never registered: a rollback (``undolog rollback``, the
+    desk's) would stop at the first such call, with its effect still in the world."""
+    missing = sorted(f"{name} -> {tool.compensation.name!r}" for name, tool in u.registry.tools.items()
+                     if tool.compensation is not None and tool.compensation.name not in u.registry.compensations)
+    if missing:
+        raise ConfigurationError(
+            f"--app {spec}: compensations named but registered nowhere ({', '.join(missing)}): register them in the "
+            "app (undolog.register(fn) or register_compensation) before handing its UndoLog over")
 
 
 def _is_declared(v: Any) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -181,7 +182,15 @@ class UndoLog:
             kw["binding"] = binding
         if compensation_needs_result:
             kw["compensation_needs_result"] = True
-        return self.registry.register([(fn, decl, kw)], registered_by=registered_by)[0]
+        spec = self.registry.register([(fn, decl, kw)], registered_by=registered_by)[0]
+        comp = spec.compensation
+        if comp is not None and comp.name not in self.registry.compensations:
+            # Not an error here (the app may register it next), but a rollback reaching this tool's calls stops
+            # there if it never is: said now, not at the first rollback.
+            warnings.warn(f"{spec.name} names the compensation {comp.name!r}, which is not registered in this process: "
+                          f"register it (undolog.register(fn) or register_compensation(fn, name={comp.name!r})) before "
+                          "the first rollback", UserWarning, stacklevel=2)
+        return spec
 
     def register_compensation(self, fn: Callable[..., Any], *, name: str | None = None, version: int = 1) -> None:
         self.registry.add_compensation(fn, name=name, version=version if name else None)

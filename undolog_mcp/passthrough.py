@@ -68,8 +68,14 @@ def _expose(listed: Mapping[str, list[Any]], key: str, prefix: Callable[[str, st
             name = own if counts[own] == 1 else prefix(up, own)
             out.routes[name] = (up, own)
             out.exposed[(up, own)] = name
-            out.items.append(item.model_copy(update={key: name}) if name != own else item)
+            out.items.append(_renamed(item, key, name) if name != own else item)
     return out
+
+
+def _renamed(item: Any, key: str, value: str) -> Any:
+    """``item`` with ``key`` set to ``value``, validated (a URI field holds a URL object: a ``model_copy`` would
+    leave a str there, which the serializer then warns about, formatting the model, on every answer)."""
+    return type(item).model_validate({**item.model_dump(by_alias=True, exclude_none=True), key: value})
 
 
 def _uri_prefix(up: str, uri: str) -> str:
@@ -294,12 +300,12 @@ class Passthrough:
         uri = str(req.params.uri)
         cfg, own = await self._resource(uri)
         self._count("resources/read", cfg.name)
-        params = req.params.model_copy(update={"uri": own})
+        params = req.params if own == uri else _renamed(req.params, "uri", own)
         result: types.ReadResourceResult = await self._send(cfg, types.ReadResourceRequest(params=params),
                                                             types.ReadResourceResult)
         if own != uri:  # prefixed: the contents are named as the client knows them
             result = result.model_copy(update={"contents": [
-                c.model_copy(update={"uri": uri}) if str(c.uri) == own else c for c in result.contents]})
+                _renamed(c, "uri", uri) if str(c.uri) == own else c for c in result.contents]})
         return types.ServerResult(result)
 
     async def _subscribe(self, req: types.SubscribeRequest) -> types.ServerResult:
@@ -312,8 +318,8 @@ class Passthrough:
         if first:
             # Once per URI upstream, however many clients subscribe: the upstream's session is shared.
             try:
-                await self._send(cfg, types.SubscribeRequest(params=req.params.model_copy(update={"uri": own})),
-                                 types.EmptyResult)
+                await self._send(cfg, types.SubscribeRequest(
+                    params=req.params if own == uri else _renamed(req.params, "uri", own)), types.EmptyResult)
             except BaseException:
                 subscribers.discard(self.server.request_context.session)
                 raise
@@ -328,8 +334,8 @@ class Passthrough:
             subscribers.discard(self.server.request_context.session)
             if not subscribers:
                 del self._subscribers[uri]
-                await self._send(cfg, types.UnsubscribeRequest(params=req.params.model_copy(update={"uri": own})),
-                                 types.EmptyResult)
+                await self._send(cfg, types.UnsubscribeRequest(
+                    params=req.params if own == uri else _renamed(req.params, "uri", own)), types.EmptyResult)
         return types.ServerResult(types.EmptyResult())
 
     async def resource_updated(self, cfg: UpstreamConfig, own: str) -> None:

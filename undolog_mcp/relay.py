@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import logging
 import weakref
@@ -178,7 +179,11 @@ class Relay(UpstreamHooks):
             except Exception:  # noqa: BLE001 - a notification's consequence failing must not stop the session
                 log.exception("relaying an upstream's notification failed")
 
-        task = asyncio.ensure_future(run())
+        # Not on any client's behalf: the upstream session's tasks may carry the request context of the client
+        # whose call opened the connection, and what the task sends upstream must not count as that client's.
+        context = contextvars.copy_context()
+        context.run(request_ctx.set, None)  # type: ignore[arg-type]
+        task = asyncio.get_running_loop().create_task(run(), context=context)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

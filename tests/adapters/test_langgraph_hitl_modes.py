@@ -161,3 +161,20 @@ def test_batched_is_the_default_and_one_pause_holds_the_message(undolog: Any) ->
 def test_an_unknown_interrupt_mode_is_refused_naming_both(undolog: Any) -> None:
     with pytest.raises(errors.ConfigurationError, match="'batched' or 'per_call'"):
         UndoLogMiddleware(undolog, interrupt_mode="batch")  # type: ignore[arg-type]
+
+
+def test_batched_adds_its_node_only_when_a_tool_pauses(undolog: Any) -> None:
+    @undolog_tool(tier=ToolTier.SAFE)
+    def look_up(order_id: str) -> str:
+        """Look an order up."""
+        return "shipped"
+
+    ran: list[tuple[str, str]] = []
+    quiet = UndoLogMiddleware(undolog, tools=[look_up])
+    gated = UndoLogMiddleware(undolog, tools=make_tools(ran), approver="ana")
+    assert isinstance(quiet, UndoLogMiddleware) and quiet.interrupt_mode == "batched"
+    nodes = set(create_agent(ScriptedChatModel(scripts=SCRIPTS), [look_up], middleware=[quiet]).get_graph().nodes)
+    assert "UndoLogMiddleware.after_model" not in nodes  # nothing to batch: no node per turn
+    nodes = set(create_agent(ScriptedChatModel(scripts=SCRIPTS), make_tools(ran),
+                             middleware=[gated]).get_graph().nodes)
+    assert "UndoLogMiddleware.after_model" in nodes

@@ -30,7 +30,7 @@ from langgraph.prebuilt import tools_condition
 from langgraph.types import Command, interrupt
 
 from examples.support_agent.model import ScriptedChatModel
-from tests.adapters.test_langgraph_hitl import World, cfg, make_tools, user
+from tests.adapters.test_langgraph_hitl import World, cfg, make_tools, refund_charge_for, user
 from undolog_adapters.langgraph import UndoLogMiddleware, UndoLogToolNode
 from undolog_core import ToolTier, undolog_tool
 
@@ -80,7 +80,9 @@ def test_node_a_tools_own_question_gets_the_persons_answer(undolog: Any, aio: bo
                                                 ("ask_human", {"question": "colour?"})]]})
     b = StateGraph(MessagesState)
     b.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
-    b.add_node("tools", UndoLogToolNode(tools, undolog=undolog, approver="ana"))
+    # (charge's compensation given: an adapter refuses a compensation registered nowhere when it is built)
+    b.add_node("tools", UndoLogToolNode(tools, undolog=undolog, approver="ana",
+                                        compensations=[refund_charge_for(world)]))
     b.add_edge(START, "agent")
     b.add_conditional_edges("agent", tools_condition)
     b.add_edge("tools", "agent")
@@ -115,7 +117,7 @@ def test_node_with_a_durable_checkpointer_resumed_by_fresh_graphs(undolog: Any, 
     tools = make_tools(world) + _asking_tools(answers)
     model = ScriptedChatModel(scripts={"mix": [[("close_account", {"user_id": "u-1"}),
                                                 ("ask_human", {"question": "colour?"})]]})
-    node = UndoLogToolNode(tools, undolog=undolog, approver="ana")
+    node = UndoLogToolNode(tools, undolog=undolog, approver="ana", compensations=[refund_charge_for(world)])
     c = cfg()
 
     def step(value: Any) -> Any:

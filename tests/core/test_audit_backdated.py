@@ -23,8 +23,8 @@ from undolog_core import UndoLog
 from undolog_core.storage import schema as t
 from undolog_core.storage.audit import GENESIS_HASH, event_hash
 
-from .test_audit_checkpoints import approvals, run
 from ..support.toolkit import setup
+from .test_audit_checkpoints import approvals, run
 
 pytestmark = pytest.mark.storage
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 from mcp.server.fastmcp import Context, FastMCP
 from mcp.types import CallToolResult, TextContent
 
@@ -42,8 +42,9 @@ def key_of(ctx: Context[Any, Any, Any]) -> str | None:
 
 
 @mcp.tool()
-def add(n: int, ctx: Context[Any, Any, Any], crash: str = "", delay: float = 0.0) -> str:
-    """Add n to the counter (once per idempotency key)."""
+async def add(n: int, ctx: Context[Any, Any, Any], crash: str = "", delay: float = 0.0) -> str:
+    """Add n to the counter (once per idempotency key). Async, so that while a late ``add`` sleeps, the same
+    upstream process answers a probe: the gateway asks its probes over the live connection that did the work."""
     key = key_of(ctx)
     state = load()
     state["calls"].append({"n": n, "key": key})
@@ -51,7 +52,7 @@ def add(n: int, ctx: Context[Any, Any, Any], crash: str = "", delay: float = 0.0
     if crash == "before":
         os._exit(3)
     if delay:
-        time.sleep(delay)
+        await anyio.sleep(delay)
         state = load()
     if key is None or key not in state["applied"]:
         state["value"] += n

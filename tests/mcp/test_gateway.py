@@ -90,7 +90,6 @@ def only_session(u: UndoLog) -> Any:
     return sessions[0]
 
 
-@pytest.mark.pg_smoke
 async def test_each_tier_and_what_is_not_exposed(db: Any, tmp_path: Path) -> None:
     cfg = write_config(tmp_path)
     async with gateway(db, cfg) as client:

@@ -126,6 +126,8 @@ class _Guard:
             raise errors.ToolNotClassified(missing[0])
         for name, tool in batch:
             self.names[name] = self._register(name, tool)
+        if batch:
+            self.registrar.check_compensations("UndoLog's LangGraph adapter", [self.names[n] for n, _ in batch])
 
     def _register(self, name: str, tool: Any) -> str:
         fn = _function_of(tool)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -107,6 +108,13 @@ class UndoLogMiddleware(AgentMiddleware):
         if tools is not None:
             self._undolog_guard.classify(tools)
             self._checked = True
+            if approver is None:
+                _warn_no_approver(self._undolog_guard)
+            if type(self) is _BatchedUndoLogMiddleware and not any(_gated(self._undolog_guard, n)
+                                                                 for n in self._undolog_guard.names):
+                # No tool of this agent pauses for a person: nothing to batch, so no after_model node (a node per
+                # turn costs a step about what a whole middleware does). The same object, as the plain class.
+                self.__class__ = UndoLogMiddleware  # type: ignore[assignment]
         # LangChain wraps every hook in LangSmith's ``traceable``, which asks for the hook's signature on each call,
         # traced or not. Of a bound method, ``inspect`` builds a new one every time (its function's without ``self``);
         # of a plain function carrying its signature, it reads it as it is. So the hooks are bound here, once, as such
@@ -282,6 +290,17 @@ class _BatchedUndoLogMiddleware(UndoLogMiddleware):
                 # Approved and claimed by this pass: handed back unclaimed for the tool node to claim and run.
                 g.u.driver.release(step.execute)
         return pauses
+
+
+def _warn_no_approver(guard: _Guard) -> None:
+    """Say at build time, not at the first decision, that LangChain-form answers will name nobody."""
+    gated = sorted(n for n in guard.names if _gated(guard, n))
+    if gated:
+        warnings.warn(
+            f"UndoLogMiddleware has no approver= and {', '.join(gated)} pause for a person: a LangChain decision "
+            "names nobody, so it is refused unless LangGraph's auth names the user (langgraph_auth_user). Pass "
+            "approver='name' or approver=lambda config: ..., or answer in UndoLog's form with 'approver'",
+            UserWarning, stacklevel=3)
 
 
 def _gated_calls(guard: _Guard, state: Any) -> list[Any]:

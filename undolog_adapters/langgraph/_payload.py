@@ -33,7 +33,10 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     PrivateAttr,
+    TypeAdapter,
+    ValidationError,
     WithJsonSchema,
+    WrapValidator,
     create_model,
     model_validator,
 )
@@ -253,8 +256,47 @@ class ApprovalDecisions(BaseModel):
         return self
 
 
-#: The ``response_schema`` of every UndoLog pause: LangChain's forms and UndoLog's, one union.
-RESPONSE_SCHEMA = ApprovalDecision | HITLDecision | ApprovalDecisions
+_FORMS = (
+    "answer with a LangChain decision {'type': 'approve'|'edit'|'reject'|'respond', ...}, "
+    "{'decisions': [one decision per action_request, in order]}, or UndoLog's {'decision': ..., 'approver': ...}. "
+    "Nothing was saved; send the answer again"
+)
+
+
+def _one_error(value: Any, handler: Any) -> Any:
+    """Validate an answer against the one form it is written in, and say what is wrong with it in one error.
+
+    The plain union reported every branch's complaint (four or five, the useful one third or fourth): a LangChain
+    decision (``type``) is checked against LangChain's forms only, UndoLog's (``decision``) against UndoLog's, a
+    ``decisions`` list against that form; the first line after pydantic's header is the problem and the fix.
+    """
+    try:
+        return handler(value)
+    except ValidationError as exc:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"not an answer ({type(value).__name__}): {_FORMS}") from None
+        form: Any = (ApprovalDecisions if "decisions" in value else ApprovalDecision if "decision" in value
+                     else _HITL_ADAPTER if "type" in value else None)
+        if form is None:
+            raise ValueError(f"not an answer (keys {sorted(map(str, value))}): {_FORMS}") from None
+        try:
+            (form if isinstance(form, TypeAdapter) else TypeAdapter(form)).validate_python(value)
+        except ValidationError as branch:
+            problems = []
+            for err in branch.errors():
+                where = ".".join(str(p) for p in err["loc"] if not str(p).endswith("Decision"))
+                text = str(err["msg"]).removeprefix("Value error, ")
+                problems.append(f"{where}: {text}" if where else text)
+            raise ValueError("; ".join(dict.fromkeys(problems)) + ". Nothing was saved; send the answer again") \
+                from None
+        raise exc from None
+
+
+_HITL_ADAPTER: TypeAdapter[Any] = TypeAdapter(HITLDecision)
+
+#: The ``response_schema`` of every UndoLog pause: LangChain's forms and UndoLog's, one union (a malformed answer gets
+#: the one error of the form it is written in, not every branch's).
+RESPONSE_SCHEMA = Annotated[ApprovalDecision | HITLDecision | ApprovalDecisions, WrapValidator(_one_error)]
 
 
 def response_schema_for(tool: str, args_schema: Mapping[str, Any] | None) -> Any:
@@ -282,7 +324,7 @@ def _response_schema_for(tool: str, args_schema_json: str) -> Any:
     edit: Any = create_model(f"EditDecision_{safe}", __base__=EditDecision, edited_action=(edited, ...))
     decision = Annotated[ApproveDecision | edit | RejectDecision | RespondDecision,
                          Discriminator("type")]
-    return ApprovalDecision | decision | ApprovalDecisions
+    return Annotated[ApprovalDecision | decision | ApprovalDecisions, WrapValidator(_one_error)]
 
 
 @dataclass(frozen=True)
