@@ -205,3 +205,102 @@ def test_probe_endpoint_answers_recoverys_question(proxy: Desk, upstream: Upstre
                               tool_name="close_account")) is False
     [(body, _)] = upstream.to("/close/status")[:1]
     assert body == {"tool": "close_account", "args": {"account": "done"}, "idempotency_key": "do-e1"}
+
+
+class _SlowUpstream:
+    """A real HTTP tool server whose ``/close`` acts only once the test releases it, long after the proxy's read
+    timeout, and whose probe answers honestly from what it has done (not yet: "did not happen")."""
+
+    def __init__(self) -> None:
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.release = threading.Event()
+        self.acted = threading.Event()
+        self.closed: list[str | None] = []  # the side effect: one entry per account closing actually done
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                if self.path == "/close/status":
+                    happened = body.get("idempotency_key") in outer.closed
+                    out: dict[str, Any] = {"happened": happened}
+                else:
+                    outer.release.wait(30)  # still working when the proxy gives up waiting
+                    outer.closed.append(self.headers.get("Idempotency-Key"))
+                    outer.acted.set()
+                    out = {"closed": body.get("account")}
+                raw = json.dumps(out).encode()
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(raw)))
+                    self.end_headers()
+                    self.wfile.write(raw)
+                except OSError:
+                    pass  # the proxy had hung up: the work is done all the same
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def config(self, probe: bool = True) -> str:
+        probe_line = f'probe_url = "{self.url}/close/status"' if probe else ""
+        return f"""
+[tools.close_account]
+tier = "irreversible"
+url = "{self.url}/close"
+{probe_line}
+timeout = 2.0
+[tools.close_account.args_schema]
+type = "object"
+required = ["account"]
+properties = {{ account = {{ type = "string" }} }}
+"""
+
+
+@pytest.mark.storage
+@pytest.mark.parametrize("probe", [True, False], ids=["with_probe", "without_probe"])
+def test_a_read_timeout_never_lets_an_approved_irreversible_call_run_twice(db: Any, tmp_path: Path,
+                                                                           probe: bool) -> None:
+    """The proxy's read timeout fires while the upstream is still working; the upstream then finishes. Before: the
+    probe's honest "did not happen (yet)" put the call back to approved and the retry closed the account twice.
+    A read timeout is not "the request can no longer land": the call is unknown and the session halted."""
+    slow = _SlowUpstream()
+    cfg = tmp_path / "tools.toml"
+    cfg.write_text(slow.config(probe))
+    d = make_desk(db, proxy_config=str(cfg))
+    try:
+        sid = new_session(d)
+        rid = invoke(d, sid, "close_account", {"account": "acc-s"}, key="slow-1").json()["approval_request_id"]
+        assert d.client("approver").post(f"/v1/approvals/{rid}:approve", json={}).status_code == 200
+        lost = invoke(d, sid, "close_account", {"account": "acc-s"}, key="slow-1")
+        body = problem(lost, 504, "outcome_unknown")
+        assert body["session_state"] == "halted"
+        [effect] = d.undolog.sessions.effects(sid)
+        assert effect["state"] == "unknown"
+        assert d.client("admin").get(f"/v1/sessions/{sid}").json()["state"] == "halted"
+        # The upstream finishes the original request after the proxy gave up on it.
+        slow.release.set()
+        assert slow.acted.wait(10)
+        # The agent retries: it is never re-sent.
+        problem(invoke(d, sid, "close_account", {"account": "acc-s"}, key="slow-1"), 409)
+        assert len(slow.closed) == 1 and slow.closed[0] == f"do-{effect['effect_id']}"
+        assert d.undolog.sessions.effects(sid)[0]["state"] == "unknown"
+    finally:
+        slow.stop()
+        d.close()
+        d.undolog.close()
