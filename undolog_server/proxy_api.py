@@ -82,6 +82,10 @@ def invoke(
     proxy = st.proxy
     key_for_upstream = decision.idempotency_key or idempotency_key
 
+    # Which calls that lost their answer are settled in doubt (AnswerLost) rather than failed: an approved
+    # IRREVERSIBLE one always, a COMPENSABLE one whose probe can say it happened or hold it while it may still land.
+    in_doubt_settled = ptool.tier == "irreversible" or (ptool.tier == "compensable" and ptool.probe_url is not None)
+
     def upstream(call_args: dict[str, Any]) -> dict[str, Any]:
         # The wait for the upstream needs no slot of the desk's lane (a blocked socket: no database, no CPU), so
         # it gives its slot back meanwhile: slow upstreams do not keep other agents' requests waiting. Reading
@@ -93,8 +97,8 @@ def invoke(
                 resp = proxy.call(ptool, call_args, key_for_upstream,
                                   epoch=decision.epoch if decision.idempotency_key else None)
             except OUTCOME_UNKNOWN_ERRORS as exc:
-                if ptool.tier != "irreversible":
-                    raise
+                if not in_doubt_settled:
+                    raise  # a COMPENSABLE call without a probe: a failure, compensated per the session's policy
                 # Sent, answer lost: the upstream may still finish it (see AnswerLost).
                 raise AnswerLost(f"{tool}: {type(exc).__name__}") from exc
         if not resp.is_success:
@@ -134,6 +138,22 @@ def _in_doubt(request: Request, st: Any, session_id: str, tool: str, args: dict[
             return _stored(done.result, replayed=True)
     # (Never "not_run" here: the proxy never says the request can no longer land, see AnswerLost.)
     cause = type(exc.__cause__ or exc).__name__
+    if settled == "settling":
+        # COMPENSABLE, its probe says "not yet": as the MCP gateway, held in flight while it may still land.
+        return problem_response(
+            request, 504, "outcome_unknown",
+            f"{tool}: the upstream did not answer ({cause}) and its probe says the call has not happened yet, but "
+            "the upstream may still be running it: it is held in flight (neither undone nor run again) until "
+            "recovery settles it once this desk restarts, or a person takes it over (undolog recover --take-over)",
+            effect_id=decision.effect_id,
+        )
+    if settled == "compensated":
+        return problem_response(
+            request, 504, "outcome_unknown",
+            f"{tool}: the upstream did not answer ({cause}) and its probe could not tell whether the call "
+            "happened: it was compensated and the session is halted until a person checks the upstream",
+            effect_id=decision.effect_id, session_state="halted",
+        )
     return problem_response(
         request, 504, "outcome_unknown",
         f"{tool}: the upstream did not answer ({cause}); the call may have happened, or may still happen. It is "

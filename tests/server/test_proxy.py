@@ -219,6 +219,8 @@ class _SlowUpstream:
         self.release = threading.Event()
         self.acted = threading.Event()
         self.closed: list[str | None] = []  # the side effect: one entry per account closing actually done
+        self.refunded: list[str | None] = []
+        self.cancels: list[str | None] = []
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -227,9 +229,17 @@ class _SlowUpstream:
 
             def do_POST(self) -> None:  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                if self.path == "/close/status":
-                    happened = body.get("idempotency_key") in outer.closed
-                    out: dict[str, Any] = {"happened": happened}
+                if self.path in ("/close/status", "/refund/status"):
+                    done = outer.closed if self.path == "/close/status" else outer.refunded
+                    out: dict[str, Any] = {"happened": body.get("idempotency_key") in done}
+                elif self.path == "/refund/cancel":
+                    outer.cancels.append(self.headers.get("Idempotency-Key"))
+                    out = {"cancelled": body.get("args")}  # a refund not made yet: nothing to cancel
+                elif self.path == "/refund":
+                    outer.release.wait(30)
+                    outer.refunded.append(self.headers.get("Idempotency-Key"))
+                    outer.acted.set()
+                    out = {"refunded": body.get("order_id")}
                 else:
                     outer.release.wait(30)  # still working when the proxy gives up waiting
                     outer.closed.append(self.headers.get("Idempotency-Key"))
@@ -269,6 +279,13 @@ timeout = 2.0
 type = "object"
 required = ["account"]
 properties = {{ account = {{ type = "string" }} }}
+
+[tools.refund]
+tier = "compensable"
+url = "{self.url}/refund"
+compensation_url = "{self.url}/refund/cancel"
+probe_url = "{self.url}/refund/status"
+timeout = 2.0
 """
 
 
@@ -300,6 +317,35 @@ def test_a_read_timeout_never_lets_an_approved_irreversible_call_run_twice(db: A
         problem(invoke(d, sid, "close_account", {"account": "acc-s"}, key="slow-1"), 409)
         assert len(slow.closed) == 1 and slow.closed[0] == f"do-{effect['effect_id']}"
         assert d.undolog.sessions.effects(sid)[0]["state"] == "unknown"
+    finally:
+        slow.stop()
+        d.close()
+        d.undolog.close()
+
+
+@pytest.mark.storage
+def test_a_read_timeout_never_settles_a_compensable_call_while_it_may_still_land(db: Any, tmp_path: Path) -> None:
+    """A COMPENSABLE call with a probe loses its answer to the proxy's read timeout while the upstream still works
+    on it. Before: a plain failure, so the session was rolled back at once: the cancel went out for a refund not
+    made yet (a no-op), then the refund landed and stood while the log said compensated. Now, as the MCP gateway:
+    the probe's "not yet" holds it in flight (no cancel sent, never "not run") for as long as it may still land."""
+    slow = _SlowUpstream()
+    cfg = tmp_path / "tools.toml"
+    cfg.write_text(slow.config())
+    d = make_desk(db, proxy_config=str(cfg))
+    try:
+        sid = new_session(d)
+        lost = invoke(d, sid, "refund", {"order_id": "o-s", "amount": 5}, key="refund-slow")
+        body = problem(lost, 504, "outcome_unknown")
+        assert "held in flight" in body["detail"]
+        [effect] = d.undolog.sessions.effects(sid)
+        assert effect["state"] in ("pending", "running"), effect  # in flight: neither failed nor compensated
+        assert slow.cancels == []
+        slow.release.set()  # the upstream finishes the original request
+        assert slow.acted.wait(10)
+        problem(invoke(d, sid, "refund", {"order_id": "o-s", "amount": 5}, key="refund-slow"), 409)
+        assert slow.refunded == [f"do-{effect['effect_id']}"] and slow.cancels == []
+        assert d.undolog.sessions.effects(sid)[0]["undo_state"] != "compensated"
     finally:
         slow.stop()
         d.close()
