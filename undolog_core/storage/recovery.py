@@ -59,7 +59,7 @@ _PG_DONE_PARAMS = dict(_PG_DONE.params)
 
 #: The transition of the state table (``states.EFFECT``) that each of recovery's verdicts is.
 _SETTLED_BY = {EffectState.COMMITTED: "commit", EffectState.UNKNOWN: "recover_unknown",
-               EffectState.APPROVED: "recover_not_run"}
+               EffectState.APPROVED: "recover_not_run", EffectState.FAILED: "fail"}
 
 
 def _same(col: Any, value: Any) -> Any:
