@@ -346,6 +346,12 @@ def test_a_read_timeout_never_settles_a_compensable_call_while_it_may_still_land
         problem(invoke(d, sid, "refund", {"order_id": "o-s", "amount": 5}, key="refund-slow"), 409)
         assert slow.refunded == [f"do-{effect['effect_id']}"] and slow.cancels == []
         assert d.undolog.sessions.effects(sid)[0]["undo_state"] != "compensated"
+        # A person takes it over once the upstream is done: its probe now says it happened, so it is committed
+        # (its undo still armed for a rollback), and still nothing was cancelled.
+        report = d.undolog.recover(take_over=[effect["effect_id"]])
+        assert [r["outcome"] for r in report.reconciled] == ["committed"], report
+        [settled] = d.undolog.sessions.effects(sid)
+        assert settled["state"] == "committed" and slow.cancels == [] and len(slow.refunded) == 1
     finally:
         slow.stop()
         d.close()
