@@ -356,7 +356,9 @@ class CallDriver:
         # An exception may say whether its request can still land (``original_gone``, e.g. a timeout whose request
         # is still running): a probe's "did not happen" settles nothing until it cannot. Unsaid: the call is over.
         try:
-            return self.in_doubt(d.effect_id, original_gone=bool(getattr(exc, "original_gone", True)))
+            # ``told_when_gone`` False: nothing will say when it can no longer land (see ``settle_in_doubt``).
+            return self.in_doubt(d.effect_id, original_gone=bool(getattr(exc, "original_gone", True)),
+                                 told_when_gone=bool(getattr(exc, "told_when_gone", True)))
         except Exception as book:  # noqa: BLE001 - the caller's exception wins; recovery settles it later
             _note(exc, f"undolog: {d.tool_name} (effect {d.effect_id}) could not be settled now: {book}; "
                        "run recover()")

@@ -230,7 +230,7 @@ class Recovery:
                 progress(done, total, f"{r.tool_name} {r.effect_id}: {settled or 'skipped'}")
         return report
 
-    def settle_in_doubt(self, effect_id: str, *, original_gone: bool = True) -> str | None:
+    def settle_in_doubt(self, effect_id: str, *, original_gone: bool = True, told_when_gone: bool = True) -> str | None:
         """Settle now, as recovery would after a crash, a call of this process whose outcome its caller cannot tell
         (the connection to the tool was lost mid-call, or it timed out): its probe decides when it has one; else a
         COMPENSABLE call is compensated (a compensation tolerates "never happened") and an IRREVERSIBLE one, or one
@@ -240,6 +240,11 @@ class Recovery:
         the tool confirmed the cancel). While it still may (False), a probe's "did not happen" settles nothing:
         the effect stays in flight, held by this process, and the answer is ``settling``; call this again once
         it can no longer land (a process that ends first leaves it to ``recover()``).
+
+        ``told_when_gone``: the caller learns when the original can no longer land and will call this again then
+        (an MCP connection that ends). When it never will (an HTTP upstream with no cancel it vouches for: after a
+        read timeout the upstream may finish the request at any time), an IRREVERSIBLE call's "did not happen
+        (yet)" cannot tell: it becomes ``unknown`` and its session halts for a person, never ``approved`` again.
 
         Returns the outcome (``committed``, ``compensated``, ``unknown``, ``not_run``, ``settling``), or None when
         the effect was no longer in flight.
@@ -252,7 +257,7 @@ class Recovery:
         if row.state not in IN_FLIGHT:
             return None
         report = RecoveryReport()
-        outcome = self._reconcile(row, report, original_gone=original_gone)
+        outcome = self._reconcile(row, report, original_gone=original_gone, told_when_gone=told_when_gone)
         if outcome is None and report.errors:
             raise UndoLogError("; ".join(report.errors))
         return outcome
@@ -416,7 +421,8 @@ class Recovery:
                                      f"({r.effect_id}) was finished; review, then resume or roll back")
         return step.tool_name, step.outcome
 
-    def _reconcile(self, r: Any, report: RecoveryReport, *, original_gone: bool = True) -> str | None:
+    def _reconcile(self, r: Any, report: RecoveryReport, *, original_gone: bool = True,
+                   told_when_gone: bool = True) -> str | None:
         spec = self._registry.tools.get(r.tool_name)
         if spec is None:
             report.errors.append(
@@ -438,7 +444,7 @@ class Recovery:
         fault(FaultPoint.DURING_RECOVERY)
         outcome: str | None = None
         try:
-            outcome = self._reconcile_claimed(r, spec, original_gone)
+            outcome = self._reconcile_claimed(r, spec, original_gone, told_when_gone)
             return outcome
         except Exception as exc:  # noqa: BLE001 - counted toward the dead letter, never lost
             return self._attempt_failed(r, f"{type(exc).__name__}: {exc}", report)
@@ -446,9 +452,10 @@ class Recovery:
             if outcome != "settling":  # held (and its lease renewed) until its original can no longer land
                 self._leases.inflight.discard(r.effect_id)
 
-    def _reconcile_claimed(self, r: Any, spec: Any, original_gone: bool = True) -> str:
+    def _reconcile_claimed(self, r: Any, spec: Any, original_gone: bool = True, told_when_gone: bool = True) -> str:
         row = self._store.effect(r.effect_id)
         answer = None
+        not_yet = False  # its probe says "not yet" while its request may still land, and nobody will say when not
         if spec.probe is not None:
             ctx = ProbeContext(dict(row.args_snapshot), f"do-{r.effect_id}", r.effect_id, r.session_id, r.tool_name,
                                int(row.epoch))
@@ -460,7 +467,11 @@ class Recovery:
                 self._store.settle_effect(r.effect_id, EffectState.COMMITTED, result=result,
                                           event=_probe_event(r, answer, "committed"))
                 return "committed"
-            if answer is ProbeAnswer.NOT_HAPPENED:
+            if answer is ProbeAnswer.NOT_HAPPENED and not original_gone and not told_when_gone \
+                    and r.tier == ToolTier.IRREVERSIBLE:
+                # Re-approving it would let the retry run it a second time once the original lands: a person decides.
+                not_yet = True
+            elif answer is ProbeAnswer.NOT_HAPPENED:
                 if not original_gone:
                     # It has not happened yet, and the request may still land: settling it now would undo what is
                     # about to happen (or let it run twice). Held here until the original can no longer land.
@@ -481,7 +492,8 @@ class Recovery:
             self._store.settle_effect(
                 r.effect_id, EffectState.UNKNOWN,
                 error="interrupted mid-run; no probe to tell whether it happened" if answer is None
-                else "interrupted mid-run; its probe could not tell whether it happened",
+                else "its answer was lost and its probe says it has not happened yet, but its request may still land"
+                if not_yet else "interrupted mid-run; its probe could not tell whether it happened",
                 halt=(r.session_id, f"{r.tool_name} ({r.effect_id}) was interrupted mid-run: outcome unknown"),
                 event=_probe_event(r, answer, "unknown") if answer is not None else None,
             )

@@ -54,6 +54,24 @@ OUTCOME_UNKNOWN_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+class AnswerLost(Exception):
+    """An upstream call was sent and its answer lost (one of :data:`OUTCOME_UNKNOWN_ERRORS`, its ``__cause__``).
+
+    Closing our end does not stop the upstream: after a read timeout it may still be working on the request and
+    finish it at any time, and plain HTTP has no cancel the upstream vouches for. So the request may still land
+    (``original_gone`` False) and nothing will ever tell this process when it cannot (``told_when_gone`` False):
+    a probe's "did not happen" is only "not yet", and the call driver settles an IRREVERSIBLE call ``unknown``
+    (session halted for a person) rather than approved again, which would let the retry run it twice.
+
+    Example:
+        >>> AnswerLost("close_account: ReadTimeout").original_gone
+        False
+    """
+
+    original_gone = False
+    told_when_gone = False
+
+
 def is_secret_header(name: str) -> bool:
     """Whether a header's value is a credential (kept out of the contract fingerprint)."""
     lowered = name.lower()

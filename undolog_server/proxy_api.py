@@ -17,7 +17,7 @@ from . import lanes
 from .api import rollback_out
 from .auth import AuthFirstRoute, require, server_state
 from .problems import Problem, SafeJSONResponse, log_5xx, problem_response
-from .proxy import OUTCOME_UNKNOWN_ERRORS, UpstreamError, _body
+from .proxy import OUTCOME_UNKNOWN_ERRORS, AnswerLost, UpstreamError, _body
 from .storage import ApiKey
 
 router = APIRouter(prefix="/v1", tags=["proxy"], route_class=AuthFirstRoute)
@@ -31,7 +31,7 @@ router = APIRouter(prefix="/v1", tags=["proxy"], route_class=AuthFirstRoute)
         202: {"description": "IRREVERSIBLE call awaiting approval; retry with the same Idempotency-Key"},
         403: {"description": "Approval rejected or timed out"},
         504: {"description": "An approved IRREVERSIBLE call lost the upstream's answer: outcome unknown (session "
-                    "halted), or the probe says it did not happen (retry)"},
+                    "halted), unless the probe says it happened (then 200, as a replay)"},
         409: {"description": "Session halted or closed"},
         422: {"description": "Arguments invalid for the tool's schema"},
         502: {"description": "The upstream failed"},
@@ -82,6 +82,10 @@ def invoke(
     proxy = st.proxy
     key_for_upstream = decision.idempotency_key or idempotency_key
 
+    # Which calls that lost their answer are settled in doubt (AnswerLost) rather than failed: an approved
+    # IRREVERSIBLE one always, a COMPENSABLE one whose probe can say it happened or hold it while it may still land.
+    in_doubt_settled = ptool.tier == "irreversible" or (ptool.tier == "compensable" and ptool.probe_url is not None)
+
     def upstream(call_args: dict[str, Any]) -> dict[str, Any]:
         # The wait for the upstream needs no slot of the desk's lane (a blocked socket: no database, no CPU), so
         # it gives its slot back meanwhile: slow upstreams do not keep other agents' requests waiting. Reading
@@ -89,23 +93,29 @@ def invoke(
         # waiting without a time limit: the upstream has acted, its outcome is never refused with a 503.
         with lanes.given_back(request.scope):
             # The ownership epoch rides beside the key (a SAFE call has none): see proxy.EPOCH_HEADER.
-            resp = proxy.call(ptool, call_args, key_for_upstream,
-                              epoch=decision.epoch if decision.idempotency_key else None)
+            try:
+                resp = proxy.call(ptool, call_args, key_for_upstream,
+                                  epoch=decision.epoch if decision.idempotency_key else None)
+            except OUTCOME_UNKNOWN_ERRORS as exc:
+                if not in_doubt_settled:
+                    raise  # a COMPENSABLE call without a probe: a failure, compensated per the session's policy
+                # Sent, answer lost: the upstream may still finish it (see AnswerLost).
+                raise AnswerLost(f"{tool}: {type(exc).__name__}") from exc
         if not resp.is_success:
             raise UpstreamError(f"{tool} upstream answered {resp.status_code}", resp.status_code, _body(resp))
         return {"status_code": resp.status_code, "body": _body(resp), "media_type": resp.headers.get("content-type")}
 
     # The call driver runs it, as it runs every caller's: the upstream's failure is recorded and the session
     # rolled back per its policy; the rollback is told in the problem's body.
-    # An approved IRREVERSIBLE call that was sent and then lost its answer may have happened: it is settled as
-    # recovery would (the tool's probe decides; without one it is `unknown` and the session halted for a person),
-    # never marked failed and rolled back.
-    unknown_on = OUTCOME_UNKNOWN_ERRORS if ptool.tier == "irreversible" else ()
-    outcome = st.undolog.driver.run_sync(decision, upstream, note=False, unknown_on=unknown_on)
+    # An approved IRREVERSIBLE call that was sent and then lost its answer may have happened, or may still happen:
+    # it is settled as recovery would, except that the request may still land (see AnswerLost): the probe's "it
+    # happened" commits it; anything else is `unknown` and the session halted for a person. Never marked failed
+    # and rolled back, never approved again to be re-sent.
+    outcome = st.undolog.driver.run_sync(decision, upstream, note=False, unknown_on=(AnswerLost,))
     exc = outcome.error
     if exc is None:
         return _stored(outcome.value, replayed=False)
-    if unknown_on and isinstance(exc, unknown_on):
+    if isinstance(exc, AnswerLost):
         return _in_doubt(request, st, session_id, tool, args, call_id, decision, exc, outcome.in_doubt)
     if not isinstance(exc, (UpstreamError, httpx.HTTPError)):
         raise exc
@@ -126,17 +136,28 @@ def _in_doubt(request: Request, st: Any, session_id: str, tool: str, args: dict[
         done = st.undolog.driver.decide(session_id, tool, args, call_id=call_id or decision.call_id)
         if isinstance(done, Completed):
             return _stored(done.result, replayed=True)
-    if settled == "not_run":
+    # (Never "not_run" here: the proxy never says the request can no longer land, see AnswerLost.)
+    cause = type(exc.__cause__ or exc).__name__
+    if settled == "settling":
+        # COMPENSABLE, its probe says "not yet": as the MCP gateway, held in flight while it may still land.
         return problem_response(
-            request, 504, "upstream_timeout",
-            f"{tool}: the upstream did not answer ({type(exc).__name__}) and its probe says the call did not "
-            "happen; the approval still stands: retry the same call",
-            effect_id=decision.effect_id, headers={"Retry-After": "1"},
+            request, 504, "outcome_unknown",
+            f"{tool}: the upstream did not answer ({cause}) and its probe says the call has not happened yet, but "
+            "the upstream may still be running it: it is held in flight (neither undone nor run again) until "
+            "recovery settles it once this desk restarts, or a person takes it over (undolog recover --take-over)",
+            effect_id=decision.effect_id,
+        )
+    if settled == "compensated":
+        return problem_response(
+            request, 504, "outcome_unknown",
+            f"{tool}: the upstream did not answer ({cause}) and its probe could not tell whether the call "
+            "happened: it was compensated and the session is halted until a person checks the upstream",
+            effect_id=decision.effect_id, session_state="halted",
         )
     return problem_response(
         request, 504, "outcome_unknown",
-        f"{tool}: the upstream did not answer ({type(exc).__name__}); the call may have happened. It is recorded "
-        "'unknown' and the session is halted until a person checks the upstream and resumes it",
+        f"{tool}: the upstream did not answer ({cause}); the call may have happened, or may still happen. It is "
+        "recorded 'unknown' and the session is halted until a person checks the upstream and resumes it",
         effect_id=decision.effect_id, session_state="halted",
     )
 

@@ -205,3 +205,154 @@ def test_probe_endpoint_answers_recoverys_question(proxy: Desk, upstream: Upstre
                               tool_name="close_account")) is False
     [(body, _)] = upstream.to("/close/status")[:1]
     assert body == {"tool": "close_account", "args": {"account": "done"}, "idempotency_key": "do-e1"}
+
+
+class _SlowUpstream:
+    """A real HTTP tool server whose ``/close`` acts only once the test releases it, long after the proxy's read
+    timeout, and whose probe answers honestly from what it has done (not yet: "did not happen")."""
+
+    def __init__(self) -> None:
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.release = threading.Event()
+        self.acted = threading.Event()
+        self.closed: list[str | None] = []  # the side effect: one entry per account closing actually done
+        self.refunded: list[str | None] = []
+        self.cancels: list[str | None] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                if self.path in ("/close/status", "/refund/status"):
+                    done = outer.closed if self.path == "/close/status" else outer.refunded
+                    out: dict[str, Any] = {"happened": body.get("idempotency_key") in done}
+                elif self.path == "/refund/cancel":
+                    outer.cancels.append(self.headers.get("Idempotency-Key"))
+                    out = {"cancelled": body.get("args")}  # a refund not made yet: nothing to cancel
+                elif self.path == "/refund":
+                    outer.release.wait(30)
+                    outer.refunded.append(self.headers.get("Idempotency-Key"))
+                    outer.acted.set()
+                    out = {"refunded": body.get("order_id")}
+                else:
+                    outer.release.wait(30)  # still working when the proxy gives up waiting
+                    outer.closed.append(self.headers.get("Idempotency-Key"))
+                    outer.acted.set()
+                    out = {"closed": body.get("account")}
+                raw = json.dumps(out).encode()
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(raw)))
+                    self.end_headers()
+                    self.wfile.write(raw)
+                except OSError:
+                    pass  # the proxy had hung up: the work is done all the same
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def config(self, probe: bool = True) -> str:
+        probe_line = f'probe_url = "{self.url}/close/status"' if probe else ""
+        return f"""
+[tools.close_account]
+tier = "irreversible"
+url = "{self.url}/close"
+{probe_line}
+timeout = 2.0
+[tools.close_account.args_schema]
+type = "object"
+required = ["account"]
+properties = {{ account = {{ type = "string" }} }}
+
+[tools.refund]
+tier = "compensable"
+url = "{self.url}/refund"
+compensation_url = "{self.url}/refund/cancel"
+probe_url = "{self.url}/refund/status"
+timeout = 2.0
+"""
+
+
+@pytest.mark.storage
+@pytest.mark.parametrize("probe", [True, False], ids=["with_probe", "without_probe"])
+def test_a_read_timeout_never_lets_an_approved_irreversible_call_run_twice(db: Any, tmp_path: Path,
+                                                                           probe: bool) -> None:
+    """The proxy's read timeout fires while the upstream is still working; the upstream then finishes. Before: the
+    probe's honest "did not happen (yet)" put the call back to approved and the retry closed the account twice.
+    A read timeout is not "the request can no longer land": the call is unknown and the session halted."""
+    slow = _SlowUpstream()
+    cfg = tmp_path / "tools.toml"
+    cfg.write_text(slow.config(probe))
+    d = make_desk(db, proxy_config=str(cfg))
+    try:
+        sid = new_session(d)
+        rid = invoke(d, sid, "close_account", {"account": "acc-s"}, key="slow-1").json()["approval_request_id"]
+        assert d.client("approver").post(f"/v1/approvals/{rid}:approve", json={}).status_code == 200
+        lost = invoke(d, sid, "close_account", {"account": "acc-s"}, key="slow-1")
+        body = problem(lost, 504, "outcome_unknown")
+        assert body["session_state"] == "halted"
+        [effect] = d.undolog.sessions.effects(sid)
+        assert effect["state"] == "unknown"
+        assert d.client("admin").get(f"/v1/sessions/{sid}").json()["state"] == "halted"
+        # The upstream finishes the original request after the proxy gave up on it.
+        slow.release.set()
+        assert slow.acted.wait(10)
+        # The agent retries: it is never re-sent.
+        problem(invoke(d, sid, "close_account", {"account": "acc-s"}, key="slow-1"), 409)
+        assert len(slow.closed) == 1 and slow.closed[0] == f"do-{effect['effect_id']}"
+        assert d.undolog.sessions.effects(sid)[0]["state"] == "unknown"
+    finally:
+        slow.stop()
+        d.close()
+        d.undolog.close()
+
+
+@pytest.mark.storage
+def test_a_read_timeout_never_settles_a_compensable_call_while_it_may_still_land(db: Any, tmp_path: Path) -> None:
+    """A COMPENSABLE call with a probe loses its answer to the proxy's read timeout while the upstream still works
+    on it. Before: a plain failure, so the session was rolled back at once: the cancel went out for a refund not
+    made yet (a no-op), then the refund landed and stood while the log said compensated. Now, as the MCP gateway:
+    the probe's "not yet" holds it in flight (no cancel sent, never "not run") for as long as it may still land."""
+    slow = _SlowUpstream()
+    cfg = tmp_path / "tools.toml"
+    cfg.write_text(slow.config())
+    d = make_desk(db, proxy_config=str(cfg))
+    try:
+        sid = new_session(d)
+        lost = invoke(d, sid, "refund", {"order_id": "o-s", "amount": 5}, key="refund-slow")
+        body = problem(lost, 504, "outcome_unknown")
+        assert "held in flight" in body["detail"]
+        [effect] = d.undolog.sessions.effects(sid)
+        assert effect["state"] in ("pending", "running"), effect  # in flight: neither failed nor compensated
+        assert slow.cancels == []
+        slow.release.set()  # the upstream finishes the original request
+        assert slow.acted.wait(10)
+        problem(invoke(d, sid, "refund", {"order_id": "o-s", "amount": 5}, key="refund-slow"), 409)
+        assert slow.refunded == [f"do-{effect['effect_id']}"] and slow.cancels == []
+        assert d.undolog.sessions.effects(sid)[0]["undo_state"] != "compensated"
+        # A person takes it over once the upstream is done: its probe now says it happened, so it is committed
+        # (its undo still armed for a rollback), and still nothing was cancelled.
+        report = d.undolog.recover(take_over=[effect["effect_id"]])
+        assert [r["outcome"] for r in report.reconciled] == ["committed"], report
+        [settled] = d.undolog.sessions.effects(sid)
+        assert settled["state"] == "committed" and slow.cancels == [] and len(slow.refunded) == 1
+    finally:
+        slow.stop()
+        d.close()
+        d.undolog.close()

@@ -149,14 +149,16 @@ def test_with_a_probe_a_lost_answer_is_settled_by_asking_the_upstream(
         assert happened.status_code == 200 and happened.json() == {"closed": True}, happened.text
         assert happened.headers["UndoLog-Replayed"] == "true"
         not_yet = d.client("agent").post(url, json={"account": "not-yet"}, headers={"Idempotency-Key": "not-yet"})
-        problem(not_yet, 504, "upstream_timeout")
-        assert d.client("admin").get(f"/v1/sessions/{sid}").json()["state"] != "halted"
-        # The probe said it did not happen: the approval stands and the retry runs it once.
+        # The probe says it did not happen, but the held upstream is still working on it: "not yet" is no proof.
+        # Before: the approval was put back and the retry below sent it a second time.
+        problem(not_yet, 504, "outcome_unknown")
+        assert d.undolog.sessions.effects(sid)[-1]["state"] == "unknown"
+        assert d.client("admin").get(f"/v1/sessions/{sid}").json()["state"] == "halted"
         upstream.hold.pop("/close")
-        held.set()
+        held.set()  # the upstream finishes the original request
         again = d.client("agent").post(url, json={"account": "not-yet"}, headers={"Idempotency-Key": "not-yet"})
-        assert again.status_code == 200, again.text
-        assert [b["account"] for b, _ in upstream.to("/close")] == ["done", "not-yet", "not-yet"]
+        problem(again, 409)
+        assert [b["account"] for b, _ in upstream.to("/close")] == ["done", "not-yet"]
     finally:
         held.set()
         d.close()
