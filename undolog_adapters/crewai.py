@@ -193,8 +193,11 @@ class KickoffResult:
 
     @property
     def pending_approvals(self) -> list[Any]:
-        """The session's approval requests still pending, read from the store when first asked for: a kickoff
-        whose result nobody asks about costs no read (two statements, a few per cent of a short kickoff)."""
+        """The session's approval requests still pending, read from the store when first asked for.
+
+        A kickoff whose result nobody asks about costs no read (two statements, a few per cent of a short
+        kickoff).
+        """
         if self._pending is None:
             self._pending = (self._undolog.approvals.pending(session_id=self.session_id)
                              if self._undolog is not None else [])
@@ -202,10 +205,12 @@ class KickoffResult:
 
     @property
     def raw(self) -> str:
+        """The crew's final answer as text (``CrewOutput.raw``)."""
         return str(getattr(self.output, "raw", self.output))
 
     @property
     def awaiting_approval(self) -> bool:
+        """Whether a request of this kickoff's session still waits for a person."""
         return bool(self.pending_approvals)
 
     def __getattr__(self, name: str) -> Any:
@@ -233,9 +238,11 @@ class UndoLogTool(BaseTool):
 
 
 def _is_wrapped(tool: Any) -> bool:
-    """Whether the tool a hook sees is an UndoLog tool: CrewAI hands hooks the ``CrewStructuredTool`` it made from
-    the ``BaseTool`` (``_original_tool``). None (a CrewAI path that gives no tool object) cannot be told apart: the
-    name check stands alone, as before."""
+    """Whether the tool a hook sees is an UndoLog tool.
+
+    CrewAI hands hooks the ``CrewStructuredTool`` it made from the ``BaseTool`` (``_original_tool``). None (a
+    CrewAI path that gives no tool object) cannot be told apart: the name check stands alone, as before.
+    """
     if tool is None:
         return True
     return isinstance(tool, UndoLogTool) or isinstance(getattr(tool, "_original_tool", None), UndoLogTool)
@@ -285,34 +292,43 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
 
     # ----------------------------------------------------------------- the gate's names
     def _refresh_gate(self) -> None:
-        """The names the gate lets through, built when the list is made or changed, not per call (CrewAI's name
-        sanitising is a few regex passes per tool): UndoLog's own tools and ``allow_unwrapped``. A plain CrewAI tool
-        put into the list is not among them: it has no tier, so it is refused like any other unwrapped tool."""
+        """The names the gate lets through: UndoLog's own tools and ``allow_unwrapped``.
+
+        Built when the list is made or changed, not per call (CrewAI's name sanitising is a few regex passes per
+        tool). A plain CrewAI tool put into the list is not among them: it has no tier, so it is refused like any
+        other unwrapped tool.
+        """
         self._gated = frozenset({_sanitize(t.name) for t in self if isinstance(t, UndoLogTool)} | self.allow_unwrapped)
 
     # The list's changes keep the gate's names in step (a tool appended after wrap_tools is gated like the others).
     def append(self, item: Any) -> None:
+        """Add a tool; the gate lets it through from now on."""
         super().append(item)
         self._refresh_gate()
 
     def extend(self, items: Iterable[Any]) -> None:
+        """Add tools; the gate lets them through from now on."""
         super().extend(items)
         self._refresh_gate()
 
     def insert(self, index: SupportsIndex, item: Any) -> None:
+        """Insert a tool; the gate lets it through from now on."""
         super().insert(index, item)
         self._refresh_gate()
 
     def remove(self, item: Any) -> None:
+        """Remove a tool; the gate refuses it from now on."""
         super().remove(item)
         self._refresh_gate()
 
     def pop(self, index: SupportsIndex = -1) -> Any:
+        """Remove and return a tool; the gate refuses it from now on."""
         item = super().pop(index)
         self._refresh_gate()
         return item
 
     def clear(self) -> None:
+        """Remove every tool; the gate refuses them from now on."""
         super().clear()
         self._refresh_gate()
 
@@ -353,11 +369,14 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
         return sid
 
     def _ensure(self, sid: str, *, minted: bool = False) -> None:
-        """Learn the session at its first sight here: read once (its state and pins, so a session resumed here keeps
-        them), nothing written; not even read when ``minted`` here. A session the store does not have is written by
-        its first logged call (``_call``), or by the flush of its SAFE calls' count, so a kickoff of SAFE calls writes
-        nothing, as in the other adapters; writing it at the kickoff's start was an insert and an fsync per session
-        (per kickoff, by default), several times what UndoLog adds to the calls of a SAFE kickoff."""
+        """Learn the session at its first sight here.
+
+        Read once (its state and pins, so a session resumed here keeps them), nothing written; not even read
+        when ``minted`` here. A session the store does not have is written by its first logged call
+        (``_call``), or by the flush of its SAFE calls' count, so a kickoff of SAFE calls writes nothing, as
+        in the other adapters; writing it at the kickoff's start was an insert and an fsync per session (per
+        kickoff, by default), several times what UndoLog adds to the calls of a SAFE kickoff.
+        """
         with self._lock:
             if sid in self._ensured:
                 return
@@ -416,6 +435,7 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
             inputs: passed to ``crew.kickoff``.
             session_id: resume this session (e.g. after an approval); default: the toolset's
                 ``session_id=`` or a new one.
+            **kwargs: passed on to ``crew.kickoff``.
 
         Returns:
             A :class:`KickoffResult` with the output, the session id and the approvals still pending.
@@ -445,6 +465,7 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
             inputs: passed to ``crew.kickoff``.
             session_id: the session to continue (``KickoffResult.session_id``); default the toolset's
                 ``session_id=``.
+            **kwargs: passed on to ``crew.kickoff``.
 
         Returns:
             A :class:`KickoffResult`, as :meth:`kickoff`.

@@ -119,8 +119,10 @@ _continuation: contextvars.ContextVar[Continuation | None] = contextvars.Context
 
 
 def _under_auto_invocation() -> AutoFunctionInvocationContext | None:
-    """The auto-invocation context of the kernel function being invoked, when SK's automatic function calling
-    called it (else None): its ``function_call_content`` holds the model's call id.
+    """The auto-invocation context of the kernel function being invoked, or None.
+
+    It is there when SK's automatic function calling called the function: its ``function_call_content`` holds the
+    model's call id.
 
     The FUNCTION_INVOCATION filter is not told; SK's ``KernelFunction.invoke`` is awaited straight from
     ``Kernel._inner_auto_function_invoke_handler`` under auto calling, from the app under ``kernel.invoke``. Read
@@ -156,8 +158,11 @@ _KEEP = 4096
 
 @dataclass(frozen=True)
 class _Known:
-    """What a filter learnt once of a kernel function: its UndoLog name and the parameters the model sends (its tier
-    is read from the registry on each call: a tool registered again under another tier is routed by that)."""
+    """What a filter learnt once of a kernel function.
+
+    Its UndoLog name and the parameters the model sends (its tier is read from the registry on each call: a
+    tool registered again under another tier is routed by that).
+    """
 
     function: KernelFunction  # held so that the id it is kept under is not reused by another object
     name: str
@@ -239,8 +244,10 @@ def _json_schema(function: KernelFunction) -> dict[str, Any]:
 
 
 class UndoLogFilter:
-    """The pair of SK filters: the object itself is the FUNCTION_INVOCATION filter, ``.auto_invocation`` the
-    AUTO_FUNCTION_INVOCATION one. Register them the way SK registers any filter, or with :meth:`install`.
+    """The pair of SK filters.
+
+    The object itself is the FUNCTION_INVOCATION filter, ``.auto_invocation`` the AUTO_FUNCTION_INVOCATION
+    one. Register them the way SK registers any filter, or with :meth:`install`.
 
     Args:
         undolog: the :class:`UndoLog` to log into.
@@ -388,9 +395,11 @@ class UndoLogFilter:
         return sid
 
     def _learn(self, function: KernelFunction, kernel: Kernel | None = None) -> _Known:
-        """The function's name, tier and model parameters, computed once (SK computes its name on each access);
-        the filters look them up by the function's id first. A kernel seen for the first time has its ``tiers=``
-        names checked (``check_tiers``)."""
+        """The function's name, tier and model parameters, computed once.
+
+        SK computes its name on each access; the filters look them up by the function's id first. A kernel seen for the first time has its ``tiers=``
+        names checked (``check_tiers``).
+        """
         if kernel is not None and id(kernel) not in self._kernels_checked:
             self.check_tiers(kernel)
         self.classify(function)
@@ -401,9 +410,12 @@ class UndoLogFilter:
         return known
 
     async def _cache(self, sid: str) -> SessionCache:
-        """The session as this process knows it. The first sight reads it (its state and pins, so a session resumed
-        here keeps them; nothing is written); a session the store does not have is written by its first
-        COMPENSABLE or IRREVERSIBLE call (see _intercept), so a conversation of SAFE calls writes nothing."""
+        """The session as this process knows it.
+
+        The first sight reads it (its state and pins, so a session resumed here keeps them; nothing is
+        written); a session the store does not have is written by its first COMPENSABLE or IRREVERSIBLE call
+        (see _intercept), so a conversation of SAFE calls writes nothing.
+        """
         sc = self._seen.get(sid)
         if sc is not None:
             return sc
@@ -441,8 +453,11 @@ class UndoLogFilter:
         return args
 
     def _unchanged(self, known: _Known, arguments: KernelArguments, handover: _Handover) -> bool:
-        """Whether the call about to run is the call let through: the same value objects under the same model
-        parameters (no conversion: the common case), else equal once converted to JSON."""
+        """Whether the call about to run is the call let through.
+
+        The same value objects under the same model parameters (no conversion: the common case), else equal
+        once converted to JSON.
+        """
         let_through = handover.decision.args
         for k, v in let_through.items():
             if arguments.get(k, _MISSING) is not v:
@@ -474,8 +489,9 @@ class UndoLogFilter:
     async def _intercept(self, known: _Known, spec: ToolSpec, arguments: KernelArguments,
                          given_call_id: str | None) -> tuple[str, Execute | AwaitingApproval | Completed,
                                                              dict[str, Any]]:
-        """Find the session and the call id, and ask the engine; returns (session id, decision, the arguments asked
-        about, as JSON values).
+        """Find the session and the call id, and ask the engine.
+
+        Returns (session id, decision, the arguments asked about, as JSON values).
 
         Nothing here waits on the event loop: a SAFE call with a retry policy is decided in memory (the driver's
         ``safe``, as the inner filter decides the others), a COMPENSABLE one by the driver's ``adecide`` inline when
@@ -612,8 +628,10 @@ class UndoLogFilter:
             self.undolog.driver.fail(decision.effect_id, RuntimeError("the function was not run (a filter answered)"))
 
     async def function_invocation(self, context: FunctionInvocationContext, next: Any) -> None:
-        """FUNCTION_INVOCATION filter: runs the tool; decides a SAFE call; the gate of any other under a plain
-        ``kernel.invoke``."""
+        """FUNCTION_INVOCATION filter.
+
+        Runs the tool; decides a SAFE call; the gate of any other under a plain ``kernel.invoke``.
+        """
         arguments = context.arguments
         routed = self._safe_calls.pop(id(arguments), None) if self._safe_calls else None
         if routed is not None and type(next) is MethodType and next.__self__ is routed[1].function:
@@ -701,8 +719,11 @@ class UndoLogFilter:
         await next(context)  # nothing to record, whatever happens: its exception, if any, goes on untouched
 
     def _check_innermost(self, filters: list[tuple[int, Any]], name: str) -> None:
-        """Refuse the call when another FUNCTION_INVOCATION filter (``kernel.function_invocation_filters``, the
-        innermost first) runs inside UndoLog's: it could change the call after the check."""
+        """Refuse the call when another FUNCTION_INVOCATION filter runs inside UndoLog's.
+
+        Such a filter (``kernel.function_invocation_filters``, the innermost first) could change the call after
+        the check.
+        """
         if not self._is_inner(filters[0][1]):
             raise errors.ConfigurationError(
                 f"UndoLog refused {name}: another FUNCTION_INVOCATION filter runs inside UndoLog's and could change "
@@ -710,8 +731,9 @@ class UndoLogFilter:
             )
 
     async def _gate_plain(self, context: FunctionInvocationContext, next: Any, known: _Known, spec: ToolSpec) -> None:
-        """A COMPENSABLE/IRREVERSIBLE call (or a SAFE one with a retry policy) under a plain ``kernel.invoke``: this
-        filter is its gate.
+        """Gate a call under a plain ``kernel.invoke``.
+
+        This filter is the gate of a COMPENSABLE or IRREVERSIBLE call there (or a SAFE one with a retry policy).
 
         Under automatic function calling with this half alone on the kernel (no AUTO_FUNCTION_INVOCATION twin: the
         one-liner most SK code writes), it is the gate there too, and answers the model itself: an exception would
@@ -784,8 +806,11 @@ class UndoLogFilter:
 
     def _failed(self, context: FunctionInvocationContext, decision: Execute, sid: str, outcome: Outcome,
                 handover: _Handover | None) -> NoReturn:
-        """The function raised: its own exception goes on, annotated with the rollback's outcome (and, under auto
-        calling, what the model should read, on ``handover``)."""
+        """The function raised.
+
+        Its own exception goes on, annotated with the rollback's outcome (and, under auto calling, what the
+        model should read, on ``handover``).
+        """
         exc = outcome.error
         assert exc is not None
         if decision.effect_id is None or not isinstance(exc, Exception):
@@ -800,13 +825,17 @@ class UndoLogFilter:
         raise exc
 
     def _spec(self, name: str) -> ToolSpec:
-        """The tool's contract as registered now (a tool registered again is a new ToolSpec); the driver's look-up
-        for a name the registry lacks, which raises ``ToolNotRegistered``."""
+        """The tool's contract as registered now (a tool registered again is a new ToolSpec).
+
+        The driver's look-up for a name the registry lacks, which raises ``ToolNotRegistered``.
+        """
         return self._tools.get(name) or self.undolog.driver.spec(name)
 
     def _check_paired(self, filters: list[tuple[int, Any]]) -> None:
-        """Refuse a kernel whose FUNCTION_INVOCATION filters (``kernel.function_invocation_filters``) lack the inner
-        half."""
+        """Refuse a kernel whose FUNCTION_INVOCATION filters lack the inner half.
+
+        The filters are read from ``kernel.function_invocation_filters``.
+        """
         if not any(self._is_inner(f) for _, f in filters):
             # Without the inner filter a SAFE call would run unchecked, and a tool exception would look like a
             # result and never be undone.

@@ -1,7 +1,7 @@
 """UndoLog: a safety layer for LLM-agent tool calls.
 
 Every tool is classified at registration as SAFE (runs at once), COMPENSABLE (logged durably with its undo
-before it runs) or IRREVERSIBLE (waits for a person). See the README for the guarantees.
+before it runs) or IRREVERSIBLE (waits for a person). The docs site's "Guarantees and their limits" says what holds.
 
 Example:
     >>> from undolog_core import UndoLog, undolog_tool, ToolTier

@@ -28,7 +28,12 @@ if TYPE_CHECKING:
 
 
 class RollbackStillRunning(UndoLogError):
-    """The owner of the session took the rollback but had not answered within the wait."""
+    """The owner of the session took the rollback but had not answered within the wait.
+
+    Fix:
+        Wait and look again (``undolog sessions show ID``): the rollback goes on in the process that owns the
+        session; it is not run a second time.
+    """
 
     code = "rollback_still_running"
 

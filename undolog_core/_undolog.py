@@ -256,7 +256,7 @@ class UndoLog:
 
     def recover(self, progress: Any = None, *, sessions: Iterable[str] | None = None,
                 take_over: Iterable[str] = ()) -> RecoveryReport:
-        """Reconcile effects left in flight by crashed processes; see the README's guarantees.
+        """Reconcile effects left in flight by crashed processes (docs: "Recovering after a crash").
 
         ``sessions`` limits it to those sessions (everything in flight by default). ``take_over`` names effects to
         reconcile although their owner still runs on this host (a person's decision: a process stopped for good);

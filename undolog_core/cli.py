@@ -65,7 +65,11 @@ SERVER_EXTRA_HINT = "the approval desk needs the server extra: pip install 'undo
 
 
 class CliInputError(UndoLogError):
-    """Bad input caught by the CLI itself (unparseable ``--args``, nothing to change...)."""
+    """Bad input caught by the CLI itself (unparseable ``--args``, nothing to change...).
+
+    Fix:
+        Correct the option the message names (``undolog COMMAND --help`` shows its form). Nothing was changed.
+    """
 
     code = "invalid_input"
 

@@ -10,7 +10,11 @@ from typing import Any
 
 
 class UndoLogError(Exception):
-    """Base class of every UndoLog error.
+    """Base class of every UndoLog error; raised as itself for a condition with no class of its own.
+
+    Fix:
+        Read the message: it says what went wrong and what to do. Catch this class to handle every UndoLog error,
+        and branch on ``code``, never on the message.
 
     Example:
         >>> try:
@@ -28,27 +32,46 @@ class UndoLogError(Exception):
         self.details = details
 
     def to_dict(self) -> dict[str, Any]:
+        """The error as JSON-able data: its ``code``, its ``message`` and its details."""
         return {"code": self.code, "message": self.message, **self.details}
 
 
 class ConfigurationError(UndoLogError):
+    """UndoLog, an adapter or the desk was set up in a way that cannot work (an unknown ``on_failure``, a middleware in the wrong place, an ``--app`` on another database).
+
+    Fix:
+        Read the message: it names the setting; correct it where the object is built. Nothing ran.
+    """
+
     code = "configuration_error"
 
 
 class CheckpointInvalid(UndoLogError):
-    """An audit checkpoint file that is unreadable or not signed by the given key, or a key file that is not one."""
+    """An audit checkpoint file that is unreadable or not signed by the given key, or a key file that is not one.
+
+    Fix:
+        Check that ``--public-key`` is the pair of the key that signed the directory; a forged or edited checkpoint file is evidence: investigate it.
+    """
 
     code = "checkpoint_invalid"
 
 
 class AuditChainBroken(UndoLogError):
-    """The audit chain failed verification, so its head is not signed: a checkpoint never endorses a rewrite."""
+    """The audit chain failed verification, so its head is not signed: a checkpoint never endorses a rewrite.
+
+    Fix:
+        Someone changed audit rows behind the triggers. Run ``undolog audit verify --checkpoints DIR --public-key FILE`` to find the first broken event and restore the database from a backup taken before it.
+    """
 
     code = "audit_chain_broken"
 
 
 class ToolNotClassified(UndoLogError):
-    """A tool was handed to UndoLog without a tier: nothing runs unclassified."""
+    """A tool was handed to UndoLog without a tier: nothing runs unclassified.
+
+    Fix:
+        Declare it with ``@undolog_tool(tier=...)``, or give it an entry in the adapter's ``tiers=`` (for a third-party tool).
+    """
 
     code = "tool_not_classified"
 
@@ -62,6 +85,12 @@ class ToolNotClassified(UndoLogError):
 
 
 class ToolNotRegistered(UndoLogError):
+    """A call, a rollback or a lookup named a tool this UndoLog does not know.
+
+    Fix:
+        Register it (``undolog.register(tool)``, or pass it to the adapter); from the CLI or the desk, load the app that registers it with ``--app``.
+    """
+
     code = "tool_not_registered"
 
     def __init__(self, tool_name: str) -> None:
@@ -70,13 +99,21 @@ class ToolNotRegistered(UndoLogError):
 
 
 class InvalidDeclaration(UndoLogError):
-    """A tool or compensation declaration that cannot be accepted (bad tier, composite lower than a member...)."""
+    """A tool or compensation declaration that cannot be accepted (bad tier, composite lower than a member...).
+
+    Fix:
+        Fix the declaration the message names (the field is given); it is refused at registration, before anything runs.
+    """
 
     code = "invalid_declaration"
 
 
 class ArgumentsInvalid(UndoLogError):
-    """Arguments that do not fit the tool's schema; ``errors`` names each bad field."""
+    """Arguments that do not fit the tool's schema; ``errors`` names each bad field.
+
+    Fix:
+        Send arguments that fit the tool's schema (``errors`` lists each path and what is wrong). Nothing was logged or run; a bad edit leaves the request pending.
+    """
 
     code = "arguments_invalid"
 
@@ -90,10 +127,17 @@ class ArgumentsInvalid(UndoLogError):
 
     @property
     def fields(self) -> list[str]:
+        """The dotted path of each bad field, in ``errors`` order."""
         return [".".join(str(p) for p in e.get("loc", ())) for e in self.errors]
 
 
 class SessionNotFound(UndoLogError):
+    """No session has this id in this database.
+
+    Fix:
+        Check the id (``undolog sessions list``) and that ``--db``/``--schema`` point at the agents' database.
+    """
+
     code = "session_not_found"
 
     def __init__(self, session_id: str) -> None:
@@ -102,7 +146,11 @@ class SessionNotFound(UndoLogError):
 
 
 class SessionHalted(UndoLogError):
-    """The session needs a person: it refuses writes until resumed or rolled back."""
+    """The session needs a person: it refuses writes until resumed or rolled back.
+
+    Fix:
+        Look at why (``undolog sessions show ID``), then ``undolog sessions resume ID`` to let it go on, or roll it back. SAFE calls still run meanwhile.
+    """
 
     code = "session_halted"
 
@@ -118,7 +166,11 @@ class SessionHalted(UndoLogError):
 
 
 class SessionClosed(UndoLogError):
-    """The session is rolled back or completed; it accepts no more calls."""
+    """The session is rolled back or completed; it accepts no more calls.
+
+    Fix:
+        Start a new session (a LangGraph thread does so by itself on its next turn).
+    """
 
     code = "session_closed"
 
@@ -129,11 +181,21 @@ class SessionClosed(UndoLogError):
 
 
 class InvalidSessionState(UndoLogError):
+    """The operation does not apply to the session's current state (resuming a session that is not halted, rolling back one that is closed...).
+
+    Fix:
+        Check the session's state (``undolog sessions show ID``); the message says which state was found.
+    """
+
     code = "invalid_session_state"
 
 
 class InvalidId(UndoLogError):
-    """A session_id or call_id that is empty, not a string, padded with spaces, or too long."""
+    """A session_id or call_id that is empty, not a string, padded with spaces, or too long.
+
+    Fix:
+        Use a non-empty string of at most 200 characters without surrounding spaces. Nothing was written.
+    """
 
     code = "invalid_id"
 
@@ -148,7 +210,11 @@ class InvalidId(UndoLogError):
 
 
 class CallIdConflict(UndoLogError):
-    """A call_id reused in the same session with other arguments or another tool."""
+    """A call_id reused in the same session with other arguments or another tool.
+
+    Fix:
+        Give a new call a new ``call_id``; re-issue a call only with its own arguments (an approved modify runs the approved ones).
+    """
 
     code = "call_id_conflict"
 
@@ -161,7 +227,11 @@ class CallIdConflict(UndoLogError):
 
 
 class ContractChanged(UndoLogError):
-    """A tool's contract differs from the revision the session was validated under."""
+    """A tool's contract differs from the revision the session was validated under.
+
+    Fix:
+        If the change is intended, revalidate the session (``s.revalidate(actor=...)`` or ``undolog sessions revalidate ID``); otherwise restore the previous declaration.
+    """
 
     code = "contract_changed"
 
@@ -179,6 +249,9 @@ class ContractChanged(UndoLogError):
 
 class ApprovalPending(UndoLogError):
     """An IRREVERSIBLE call waits for a person. Re-issue the same call (same call_id) once it is decided.
+
+    Fix:
+        Not an error to fix: tell the agent to wait, have a person decide (desk, CLI, REST API), then re-issue the same call.
 
     Example:
         >>> try:
@@ -204,6 +277,12 @@ class ApprovalPending(UndoLogError):
 
 
 class ApprovalRejected(UndoLogError):
+    """A person rejected the call: it never runs, and the session is halted.
+
+    Fix:
+        Read the reason (``undolog approvals show ID``). The session stays halted until a person resumes it or rolls it back; do not retry the call another way.
+    """
+
     code = "approval_rejected"
 
     def __init__(self, approval_request_id: str, reason: str | None, approver: str | None) -> None:
@@ -219,6 +298,12 @@ class ApprovalRejected(UndoLogError):
 
 
 class ApprovalTimedOut(UndoLogError):
+    """Nobody decided before the request's ``timeout_at``: the call was not run (fail closed) and the session is halted.
+
+    Fix:
+        Resume the session and re-issue the call to ask again, or lengthen ``approval_timeout_seconds`` (``undolog policy set``).
+    """
+
     code = "approval_timed_out"
 
     def __init__(self, approval_request_id: str) -> None:
@@ -230,6 +315,12 @@ class ApprovalTimedOut(UndoLogError):
 
 
 class ApprovalCancelled(UndoLogError):
+    """The request was cancelled (a sibling's rejection, or the tool's contract changed) and the call was not run.
+
+    Fix:
+        Re-issue the call if it is still wanted: it raises a new request under the current contract.
+    """
+
     code = "approval_cancelled"
 
     def __init__(self, approval_request_id: str, reason: str | None) -> None:
@@ -242,6 +333,12 @@ class ApprovalCancelled(UndoLogError):
 
 
 class ApprovalNotFound(UndoLogError):
+    """No approval request has this id in this database.
+
+    Fix:
+        Check the id (``undolog approvals list --state all``) and the database the command points at.
+    """
+
     code = "approval_not_found"
 
     def __init__(self, approval_request_id: str) -> None:
@@ -249,6 +346,12 @@ class ApprovalNotFound(UndoLogError):
 
 
 class ApprovalAlreadyDecided(UndoLogError):
+    """The request was already decided; a request is decided once, never twice.
+
+    Fix:
+        Nothing to do: read its state (``undolog approvals show ID``). A second decision never runs the call a second time.
+    """
+
     code = "approval_already_decided"
 
     def __init__(self, approval_request_id: str, state: str) -> None:
@@ -265,6 +368,9 @@ class SelfDecisionForbidden(UndoLogError):
 
     A request is decided by another person: whoever raised it may not approve, modify or reject it, whatever
     roles its key holds. The refusal is recorded in the audit trail.
+
+    Fix:
+        Have another person (another key) decide it.
     """
 
     code = "self_approval_forbidden"
@@ -279,7 +385,11 @@ class SelfDecisionForbidden(UndoLogError):
 
 
 class OutcomeUnknown(UndoLogError):
-    """An approved IRREVERSIBLE call crashed mid-run and no probe could tell whether it happened."""
+    """An approved IRREVERSIBLE call crashed mid-run and no probe could tell whether it happened.
+
+    Fix:
+        Check the external system by hand, then resume or roll back the halted session. Give the tool a ``probe`` so recovery can tell next time.
+    """
 
     code = "outcome_unknown"
 
@@ -296,6 +406,9 @@ class DatabaseUnavailable(UndoLogError):
 
     Nothing is lost: a call that met it either wrote nothing, or left an in-flight effect that ``recover()``
     settles. The next call opens a fresh connection, so it works again as soon as the database is back.
+
+    Fix:
+        Retry once the database is back (the desk answers 503 with ``Retry-After``); run ``recover()`` to settle calls that were in flight.
     """
 
     code = "database_unavailable"
@@ -306,8 +419,13 @@ class DatabaseUnavailable(UndoLogError):
 
 
 class DatabaseOpenFailed(UndoLogError):
-    """``UndoLog.open`` could not open or migrate its database: the first line says which (password masked) and what
-    to do; the driver's own report follows.
+    """``UndoLog.open`` could not open or migrate its database.
+
+    The first line says which (password masked) and what to do; the driver's own report follows.
+
+    Fix:
+        Do what the first line says: check the URL (``--db`` / ``UNDOLOG_DATABASE_URL``), that the database runs
+        and is reachable, and its credentials; for a missing or outdated database, ``undolog db upgrade``.
 
     Example:
         >>> str(DatabaseOpenFailed("sqlite:////nope/u.db", "OperationalError: unable to open database file"))[:52]
@@ -323,6 +441,12 @@ class DatabaseOpenFailed(UndoLogError):
 
 
 class EffectNotFound(UndoLogError):
+    """No effect (logged call) has this id in this database.
+
+    Fix:
+        Check the id (``undolog sessions show SESSION``) and the database the command points at.
+    """
+
     code = "effect_not_found"
 
     def __init__(self, effect_id: str) -> None:
@@ -330,6 +454,12 @@ class EffectNotFound(UndoLogError):
 
 
 class InvalidEffectState(UndoLogError):
+    """The operation does not apply to the effect's current state (releasing a call that already ended...).
+
+    Fix:
+        Read the effect's state (``undolog sessions show SESSION``); the message says which state was found.
+    """
+
     code = "invalid_effect_state"
 
 
@@ -338,6 +468,9 @@ class CallRunning(InvalidEffectState):
 
     Not a failure of the call: a caller that re-asks an approved call while another ask of it runs gets this, and
     the call still runs once. Its code stays ``invalid_effect_state`` for callers that matched on it.
+
+    Fix:
+        Ask again after a moment: the running call's result is then replayed.
     """
 
     def __init__(self, message: str, *, effect_id: str) -> None:
@@ -346,10 +479,16 @@ class CallRunning(InvalidEffectState):
 
 
 class OutcomeConflict(InvalidEffectState):
-    """A call finished after another process had taken it over (its owner looked gone: a stall past the lease on
-    another host, or a person's ``recover --take-over``), so its side effect happened after its compensation (or
-    while recovery was deciding). The finish is recorded (an audit event with the result), the effect is
-    ``unknown`` and the session halted: a person decides, nothing is compensated a second time automatically.
+    """A call finished after another process had taken it over.
+
+    Its owner looked gone (a stall past the lease on another host, or a person's ``recover --take-over``), so its
+    side effect happened after its compensation (or while recovery was deciding). The finish is recorded (an audit
+    event with the result), the effect is ``unknown`` and the session halted: a person decides, nothing is
+    compensated a second time automatically.
+
+    Fix:
+        Check the external system: the call did happen. Then resume the session or roll it back
+        (``undolog sessions show ID`` shows the recorded finish).
 
     Example:
         >>> try:
@@ -372,6 +511,12 @@ class OutcomeConflict(InvalidEffectState):
 
 
 class CompensationNotFound(UndoLogError):
+    """A rollback needs a compensation this process has not registered; nothing was changed.
+
+    Fix:
+        Register it in the app (an adapter's ``compensations=[...]`` or ``undolog.register(fn)``); from the CLI or the desk, load the app with ``--app module:attribute`` (or ``UNDOLOG_APP``).
+    """
+
     code = "compensation_not_found"
 
     def __init__(self, name: str) -> None:
@@ -385,6 +530,12 @@ class CompensationNotFound(UndoLogError):
 
 
 class CompensationVersionMismatch(UndoLogError):
+    """The registered compensation's version differs from the one logged with the call: it was not called, and the session is halted.
+
+    Fix:
+        Register the version the undo entry was logged with (``@compensation(name, version=N)``) beside the new one, then roll back again.
+    """
+
     code = "compensation_version_mismatch"
 
     def __init__(self, name: str, logged: int, registered: int) -> None:
@@ -398,6 +549,12 @@ class CompensationVersionMismatch(UndoLogError):
 
 
 class PolicyInvalid(UndoLogError):
+    """An approval policy value out of range (a timeout below 1 s or over 30 days, a negative count...).
+
+    Fix:
+        Set a value within the range the message gives (``undolog policy set``).
+    """
+
     code = "policy_invalid"
 
 

@@ -1,5 +1,7 @@
-"""What a framework integration needs beyond the public API: the adapters and the MCP gateway import these from
-here, never from the core's private modules, so the core can move its internals without breaking them.
+"""What a framework integration needs beyond the public API.
+
+The adapters and the MCP gateway import these from here, never from the core's private modules, so the core can
+move its internals without breaking them.
 
 - ``WouldBlock``: raised by the call driver, before anything is written, when a caller on an event loop asked not
   to wait (``wait=False``) and the decision would wait for a pool slot or SQLite's write lock; decide again in a

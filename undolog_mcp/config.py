@@ -110,8 +110,11 @@ class ToolConfig:
 
     @property
     def reason_or_default(self) -> str:
-        """The reason shown to approvers: the config's, else ``<upstream>/<tool>``. Never the upstream's description,
-        which the upstream may change at will: it is not part of the contract an approval is bound to."""
+        """The reason shown to approvers.
+
+        The config's, else ``<upstream>/<tool>``. Never the upstream's description, which the upstream may
+        change at will: it is not part of the contract an approval is bound to.
+        """
         return self.reason if self.reason is not None else f"{self.upstream}/{self.name}"
 
 
@@ -128,6 +131,7 @@ class GatewayConfig:
     database: str | None = None
 
     def tools_of(self, upstream: str) -> dict[str, ToolConfig]:
+        """The classified tools of one upstream, by their upstream name."""
         return {name: cfg for (up, name), cfg in self.tools.items() if up == upstream}
 
 
@@ -200,8 +204,10 @@ def _grouping(data: Mapping[str, Any]) -> tuple[SessionGrouping, float]:
 
 
 def database_of(path: str | Path) -> str | None:
-    """The ``database`` a gateway config names (expanded), or None: what ``undolog --app gateway.toml`` opens when
-    no --db is given. Reads only that key, so the CLI does not start the upstreams to find its database.
+    """The ``database`` a gateway config names (expanded), or None.
+
+    What ``undolog --app gateway.toml`` opens when no --db is given. Reads only that key, so the CLI does not
+    start the upstreams to find its database.
 
     Raises:
         ConfigurationError: an unreadable file, or a ``database`` that is refused (see ``environment``).

@@ -117,8 +117,11 @@ class Exposure:
 
 
 def plan_exposure(config: GatewayConfig, listed: Mapping[str, list[types.Tool]]) -> Exposure:
-    """Decide the exposed names: an upstream's own name (a pinned variant's: its config name), prefixed
-    ``<upstream>_`` only where two would clash."""
+    """Decide the exposed names.
+
+    An upstream's own name (a pinned variant's: its config name), prefixed ``<upstream>_`` only where two
+    would clash.
+    """
     exposure = Exposure()
     # (upstream, its config entry, the tool as exposed): the listed tool, with a pinned tool's pins hidden.
     planned: list[tuple[str, ToolConfig, types.Tool]] = []
@@ -170,9 +173,11 @@ def plan_exposure(config: GatewayConfig, listed: Mapping[str, list[types.Tool]])
 
 
 def _check_template(up: str, tool: types.Tool, template: CompensationTemplate) -> None:
-    """A compensation's placeholders against what the tool takes (its input schema's properties) and answers
-    (its output schema's, when it lists one): a typo found here, not at rollback, where the compensation could
-    not be built and the session would halt."""
+    """Check a compensation's placeholders against what the tool takes and answers.
+
+    What it takes is its input schema's properties; what it answers, its output schema's, when it lists one. A typo
+    is found here, not at rollback, where the compensation could not be built and the session would halt.
+    """
     shapes = {"args": tool.inputSchema or {}, "result": tool.outputSchema or {}}
     for source, name, placeholder in template.fields():
         props = shapes[source].get("properties")
@@ -197,11 +202,14 @@ def _awaiting(shared: SharedRequest) -> AwaitingApproval:
 
 
 def _guarded(ex: ExposedTool) -> contextlib.AbstractContextManager[Any]:
-    """Where a logged call (COMPENSABLE, or IRREVERSIBLE once approved) is decided, forwarded and marked, the
-    client's cancel (``notifications/cancelled``) or its going away must not stop the gateway: the pre-write done,
+    """Shield a logged call (COMPENSABLE, or IRREVERSIBLE once approved) from the client's cancel.
+
+    Where such a call is decided, forwarded and marked, the client's cancel (``notifications/cancelled``) or its
+    going away must not stop the gateway: the pre-write done,
     the call sent, the upstream does it anyway, and the gateway must record what it answered rather than leave
     the call in flight while the session goes on. The upstream's ``timeout`` bounds how long that takes. A SAFE
-    call logs nothing: cancelling it leaves nothing behind."""
+    call logs nothing: cancelling it leaves nothing behind.
+    """
     if ex.config.tier is ToolTier.SAFE:
         return contextlib.nullcontext()
     return anyio.CancelScope(shield=True)
@@ -239,10 +247,12 @@ class Gateway:
     # -- registration -------------------------------------------------------------------------------
 
     def register(self, listed: Mapping[str, list[types.Tool]]) -> Exposure:
-        """Register every classified tool of the upstreams' listings with the UndoLog, with its compensation and
-        probe. The contract holds the upstream's identity, the tool's input and output schemas and the compensation's
+        """Register every classified tool of the upstreams' listings with the UndoLog.
+
+        Each with its compensation and probe. The contract holds the upstream's identity, the tool's input and output schemas and the compensation's
         template (not its description or annotations): an upstream that changes those makes a new revision, which
-        cancels approvals bound to the old."""
+        cancels approvals bound to the old.
+        """
         exposure = plan_exposure(self.config, listed)
         for ex in exposure.tools.values():
             cfg, tool = ex.config, ex.listed
@@ -280,10 +290,13 @@ class Gateway:
         return exposure
 
     async def _relisted(self, config: UpstreamConfig, up: Upstream) -> None:
-        """An upstream started again (after a crash, or for a call after it exited), or one that said its tools
+        """List an upstream's tools anew when it started again or said its tools changed.
+
+        An upstream started again (after a crash, or for a call after it exited), or one that said its tools
         changed, lists its tools anew: when a classified tool changed (an upgrade, ``npx pkg@latest``, a plugin
         loaded), it is registered as a new revision at once, which cancels approvals bound to the old contract; a
-        call decided against the old one is not sent (see call)."""
+        call decided against the old one is not sent (see call).
+        """
         before = self._listed.get(config.name)
         if before is None or _listing(before) == _listing(up.tools):
             return
@@ -297,8 +310,11 @@ class Gateway:
                         "are cancelled", config.name, ", ".join(changed))
 
     def _upstream_call(self, upstream: str) -> Callable[..., Awaitable[types.CallToolResult]]:
-        """A coroutine function calling one tool of ``upstream``: over the gateway's live session when this runs
-        on the gateway's own loop, else over a connection opened for it (the CLI, the desk, recovery)."""
+        """A coroutine function calling one tool of ``upstream``.
+
+        Over the gateway's live session when this runs on the gateway's own loop, else over a connection
+        opened for it (the CLI, the desk, recovery).
+        """
         cfg = self.config.upstreams[upstream]
 
         async def call(name: str, args: Mapping[str, Any], key: str | None,
@@ -340,8 +356,11 @@ class Gateway:
         return compensate
 
     def _prober(self, cfg: ToolConfig) -> Any:
-        """Recovery's question to the upstream: did this call happen? The probe tool gets the call's arguments and
-        idempotency key, and answers ``{"happened": bool, "result": ...}`` (three answers: see ``probes``)."""
+        """Recovery's question to the upstream.
+
+        Did this call happen? The probe tool gets the call's arguments and idempotency key, and answers
+        ``{"happened": bool, "result": ...}`` (three answers: see ``probes``).
+        """
         probe_tool = cfg.probe
         assert probe_tool is not None
         call = self._upstream_call(cfg.upstream)
@@ -434,9 +453,12 @@ class Gateway:
                 for name, ex in self.exposure.tools.items()}
 
     async def _listing_changed(self, config: UpstreamConfig, kind: str) -> None:
-        """An upstream said its tools, resources or prompts changed. Its tools are listed again at once (and
-        registered: see _relisted); the clients are told when what the gateway exposes changed (a tool the config
-        does not classify stays hidden, so its coming says nothing)."""
+        """An upstream said its tools, resources or prompts changed.
+
+        Its tools are listed again at once (and registered: see _relisted); the clients are told when what the
+        gateway exposes changed (a tool the config does not classify stays hidden, so its coming says
+        nothing).
+        """
         if kind != "tools":
             await self.passthrough.listing_changed(config, kind)
             return
@@ -450,13 +472,16 @@ class Gateway:
             await self.relay.broadcast(types.ServerNotification(types.ToolListChangedNotification()))
 
     async def _own_sessions(self) -> None:
-        """Hold a lease on every session this gateway serves, and run the rollbacks filed for them (from the CLI,
-        the desk) here, over the live upstream connections that did the work: an upstream whose state lives in its
-        own process is undone in that process, not in a fresh one started for the rollback.
+        """Hold a lease on every session this gateway serves, and run the rollbacks filed for them here.
+
+        The rollbacks (filed from the CLI, the desk) run over the live upstream connections that did the work: an
+        upstream whose state lives in its own process is undone in that process, not in a fresh one started for
+        the rollback.
 
         No statement between calls but the lease's renewal: a new session is held as it starts; a requester on
         this host wakes the loop with a signal (``_owners.WAKE_SIGNAL``) to look for what it filed; one on another
-        host is found at the next renewal."""
+        host is found at the next renewal.
+        """
         owners = self.undolog.owners
         loop = asyncio.get_running_loop()
         renew_every = owners.lease_seconds / 3.0
@@ -704,8 +729,10 @@ class Gateway:
         return session_id
 
     async def _session_of_key(self, call_id: str, session_id: str) -> str:
-        """The session holding the call this client key names over HTTP (an earlier session of the same API key),
-        else ``session_id``."""
+        """The session holding the call this client key names over HTTP, else ``session_id``.
+
+        The session found is an earlier session of the same API key.
+        """
         found = await asyncio.to_thread(self.undolog.store.session_of_client_key, call_id)
         if found is not None and found != session_id:
             _SESSION_USED.set(found)
@@ -714,8 +741,11 @@ class Gateway:
 
     async def _decide_keyed(self, session_id: str, ex: ExposedTool, arguments: Mapping[str, Any], call_id: str,
                             key: str) -> Any:
-        """Decide a call named by a client's key: the recorded result, the running call joined (waited for, up to
-        the upstream's timeout), a conflict named as the key's, or a new call."""
+        """Decide a call named by a client's key.
+
+        The recorded result, the running call joined (waited for, up to the upstream's timeout), a conflict
+        named as the key's, or a new call.
+        """
         assert ex.spec is not None
         driver = self.undolog.driver
         timeout = self.config.upstreams[ex.config.upstream].timeout
@@ -755,8 +785,10 @@ class Gateway:
     # -- transports ---------------------------------------------------------------------------------
 
     async def serve_stdio(self) -> None:
-        """Serve one MCP client over stdin/stdout until it disconnects (on the loop itself when they are pipes:
-        see ``stdio.py``)."""
+        """Serve one MCP client over stdin/stdout until it disconnects.
+
+        On the loop itself when they are pipes: see ``stdio.py``.
+        """
         from .stdio import stdio_transport
 
         self.relay.one_client = True  # the upstreams' connections serve this one client: its roots are theirs

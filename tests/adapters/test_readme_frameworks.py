@@ -1,6 +1,7 @@
-"""The README's CrewAI, Semantic Kernel and "Logs and traces" snippets, run as written.
+"""The docs' CrewAI, Semantic Kernel and "Logs and traces" snippets, run as written.
 
-Each ```python block of those sections is executed in order, in a namespace holding what the README says the
+Each ```python block of those pages (docs/how-to/crewai.md, semantic-kernel.md, logs-and-traces.md) is executed
+in order, in a namespace holding what the page says the
 snippets are run against: ``undolog`` (a fresh store), the support tools of ``examples/``, and a scripted model
 (``llm`` for CrewAI, ``chat_service`` and ``settings`` for Semantic Kernel). A snippet that no longer runs, or no
 longer does what its text says, fails here.
@@ -28,12 +29,12 @@ from examples.semantic_kernel_support import support as sk_support
 from examples.semantic_kernel_support.llm import ScriptedChat, auto_settings, call
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
 
 
-def _section(title: str, until: str) -> str:
-    start = README.index(title)
-    return README[start:README.index(until, start + len(title))]
+def _page(name: str) -> str:
+    """A docs page's text (the snippets moved there from the README; tests/docs runs every other block)."""
+    return (DOCS / name).read_text()
 
 
 def _blocks(text: str) -> list[str]:
@@ -41,8 +42,8 @@ def _blocks(text: str) -> list[str]:
 
 
 async def _run(src: str, ns: dict[str, Any]) -> None:
-    code = compile(src, "README.md", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
-    out = eval(code, ns)  # noqa: S307 - the README's own snippet, run as a user would
+    code = compile(src, "docs", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    out = eval(code, ns)  # noqa: S307 - the docs' own snippet, run as a user would
     if inspect.iscoroutine(out):
         await out
 
@@ -58,7 +59,7 @@ def _clean() -> Any:
 
 def test_crewai_snippets(undolog: Any, capsys: pytest.CaptureFixture[str]) -> None:
     # Sync, as a crew is run: CrewAI refuses a synchronous kickoff inside a running event loop.
-    blocks = _blocks(_section("### CrewAI (`undolog_adapters.crewai`)", "### Semantic Kernel"))
+    blocks = _blocks(_page("how-to/crewai.md"))
     assert len(blocks) == 2
     llm = ScriptedLLM(model="scripted", native=True, steps=[
         {"tool": "send_refund_email", "args": {"user_id": "u1", "amount": 25.0}},
@@ -67,7 +68,7 @@ def test_crewai_snippets(undolog: Any, capsys: pytest.CaptureFixture[str]) -> No
                           "send_refund_email": crew_support.send_refund_email,
                           "delete_user_account": crew_support.delete_user_account,
                           "cancel_refund_email": crew_support.cancel_refund_email}
-    exec(compile(blocks[0], "README.md", "exec"), ns)  # noqa: S102 - the README's own snippet
+    exec(compile(blocks[0], "docs", "exec"), ns)  # noqa: S102 - the docs' own snippet
     run, done = ns["run"], ns["done"]
     [request] = undolog.approvals.list(session_id=run.session_id)
     assert request.tool_name == "delete_user_account" and request.state == "approved"
@@ -77,7 +78,7 @@ def test_crewai_snippets(undolog: Any, capsys: pytest.CaptureFixture[str]) -> No
     assert "u1" not in crew_support.BACKEND.accounts and not done.awaiting_approval
     assert "replayed" in llm.observations[0]
 
-    exec(compile(blocks[1], "README.md", "exec"), ns)  # noqa: S102
+    exec(compile(blocks[1], "docs", "exec"), ns)  # noqa: S102
     more = ns["more"]
     later = more.kickoff(build_crew(more, [{"tool": "book_callback", "args": {"day": "mon"}}]), inputs={"ticket": "x"})
     undolog.rollback(later.session_id)
@@ -85,7 +86,7 @@ def test_crewai_snippets(undolog: Any, capsys: pytest.CaptureFixture[str]) -> No
 
 
 async def test_semantic_kernel_snippets(undolog: Any) -> None:
-    blocks = _blocks(_section("### Semantic Kernel (`undolog_adapters.semantic_kernel`)", "## Logs and traces"))
+    blocks = _blocks(_page("how-to/semantic-kernel.md"))
     assert len(blocks) == 2
     chat = ScriptedChat(ai_model_id="scripted", turns=[[call("k1", "support-send_refund_email", user_id="u1",
                                                              amount=25.0)],
@@ -106,7 +107,7 @@ async def test_semantic_kernel_snippets(undolog: Any) -> None:
 
 
 async def test_logs_snippet(undolog: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    logs, _otel = _blocks(_section("## Logs and traces", "## The `undolog` command line"))
+    logs, _otel = _blocks(_page("how-to/logs-and-traces.md"))
     root, ul_logger = logging.getLogger(), logging.getLogger("undolog")
     handlers, level = list(root.handlers), ul_logger.level
     try:
@@ -128,7 +129,7 @@ async def test_logs_snippet(undolog: Any, capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_traces_snippet(db: Any, tmp_path: Path) -> None:
-    _logs, otel = _blocks(_section("## Logs and traces", "## The `undolog` command line"))
+    _logs, otel = _blocks(_page("how-to/logs-and-traces.md"))
     # A process of its own: the snippet sets the process-wide tracer provider.
     program = otel + (
         "\nfrom undolog_core import UndoLog, undolog_tool, compensation, ToolTier, CompensationDescriptor\n"

@@ -113,7 +113,7 @@ def test_semantic_kernel_support_refund_emails(undolog, shared_backends):
 
 def test_the_readme_crewai_release_callback(undolog):
     """The CrewAI section's `book_callback` / `release_callback` (a plain function as the compensation of a
-    third-party tool, given in `tiers=`), run from the README through a real crew. The tool keeps no state, so
+    third-party tool, given in `tiers=`), run from docs/how-to/crewai.md through a real crew. The tool keeps no state, so
     the world is empty: what this proves is that the compensation runs after the call, runs again under the same
     key, and copes with a call that never happened (it reads only `ctx.args`), without raising."""
     import re
@@ -121,11 +121,10 @@ def test_the_readme_crewai_release_callback(undolog):
 
     from undolog_adapters.crewai import wrap_tools
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme[readme.index("### CrewAI (`undolog_adapters.crewai`)"):]
+    section = (Path(__file__).resolve().parents[2] / "docs" / "how-to" / "crewai.md").read_text()
     code = next(c for c in re.findall(r"```python\n(.*?)```", section, re.S) if "def release_callback" in c)
     scope = {"__name__": "readme_crewai", "undolog": undolog, "wrap_tools": wrap_tools}
-    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
+    exec(compile(code, "docs/how-to/crewai.md", "exec"), scope)  # noqa: S102 - the docs' own example
     more = scope["more"]
 
     def scenario(ul, run):

@@ -222,20 +222,43 @@ def test_crash_mode_catches_a_compensation_raising_on_never_happened(undolog):
     assert not report.ok and "TypeError" in " ".join(step.errors)
 
 
-def test_the_readme_example_passes_check_undo(db, tmp_path, monkeypatch):
-    """The README's "Check your compensations" example, run as it is written (on this test's database)."""
+def test_the_readme_quickstart_compensation_passes_check_undo(undolog):
+    """The README quickstart's `unsend` (the compensation of `send_email`), taken from the README as written and
+    checked: restored after each step, idempotent under its undo key, tolerant of a call that never happened."""
     import re
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = text[text.index("## Check your compensations"):]
+    code = re.search(r"## Quickstart.*?```python\n(.*?)```", text, re.S).group(1)  # type: ignore[union-attr]
+    definitions = code[: code.index("async def main")]  # the tools and the compensation, not the demo run
+    scope = {"__name__": "readme_quickstart"}
+    exec(compile(definitions, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
+    sent = scope["SENT"]
+    undolog.register(scope["send_email"], scope["unsend"])
+
+    async def scenario(ul, run):
+        async with ul.session(session_id=f"quick-{run.id}") as s:
+            await s.call(scope["send_email"], to="ana@example.com")
+            await s.call(scope["send_email"], to="bo@example.com")
+
+    report = check_undo(scenario, snapshot=lambda: sorted(sent), reset=sent.clear, undolog=undolog)
+    assert report.ok, report.explain()
+    assert [s.compensation for s in report.steps] == ["unsend", "unsend"]
+
+
+def test_the_readme_example_passes_check_undo(db, tmp_path, monkeypatch):
+    """The docs' "Checking a compensation" example (docs/how-to/compensations.md), run as it is written (on
+    this test's database)."""
+    import re
+
+    section = _docs_page()
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
     opened = 'UndoLog.open("sqlite:///undolog.db")'
     assert opened in code
     code = code.replace(opened, "__open__()")
     monkeypatch.chdir(tmp_path)
     scope = {"__name__": "readme_example", "__open__": db.open}
-    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
+    exec(compile(code, "docs/how-to/compensations.md", "exec"), scope)  # noqa: S102 - the docs' own example
     report = scope["report"]
     assert report.ok and [s.tool for s in report.steps] == ["change_email", "change_email"]
     assert all(s.restored and s.idempotent and s.tolerates_never_happened for s in report.steps)
@@ -623,20 +646,19 @@ def test_explain_without_rich_is_a_plain_table(undolog, monkeypatch):
     assert lines[-1] == "FAILED: 2 step(s), 3 run(s)"
 
 
-def _readme_section() -> str:
+def _docs_page() -> str:
+    """docs/how-to/compensations.md, where the README's "Check your compensations" moved."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    start = text.index("## Check your compensations")
-    return text[start:text.index("\n## ", start + 1)]
+    return (Path(__file__).resolve().parents[2] / "docs" / "how-to" / "compensations.md").read_text()
 
 
 def test_the_readme_table_is_what_explain_prints(undolog):
-    """The table in "Check your compensations" is explain()'s output for `undo_world.readme_scenario`, as it is
+    """The table in "Checking a compensation" (docs) is explain()'s output for `undo_world.readme_scenario`, as it is
     printed today (ids aside: effect ids and undo ids differ from run to run and between the databases)."""
     import re
 
-    block = re.search(r"```text\n(.*?)```", _readme_section(), re.S).group(1)  # type: ignore[union-attr]
+    block = re.search(r"```text\n(.*?)```", _docs_page(), re.S).group(1)  # type: ignore[union-attr]
     report = check(w.readme_scenario, undolog)
 
     def norm(text: str) -> list[str]:
@@ -648,14 +670,15 @@ def test_the_readme_table_is_what_explain_prints(undolog):
 
 
 def test_every_compensation_in_the_readme_is_checked_in_ci():
-    """Every compensation the README defines or names is one that a check_undo test runs, here or in
-    tests/adapters/test_undo_check_frameworks.py: a new compensation example in the README without a check fails
+    """Every compensation the README or the docs define or name is one that a check_undo test runs, here or in
+    tests/adapters/test_undo_check_frameworks.py: a new compensation example in the docs without a check fails
     this test. Compensations shown only as a name or a stub (`...`) are the support example's, checked through
     each framework, or are listed here with the reason they hold no state to restore."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    root = Path(__file__).resolve().parents[2]
+    readme = "\n".join(p.read_text() for p in [root / "README.md", *sorted((root / "docs").rglob("*.md"))])
     named = set(re.findall(r'@compensation\("(\w+)"\)', readme))
     named |= set(re.findall(r'CompensationDescriptor\.new\("(\w+)"\)', readme))
     named |= set(re.findall(r'compensation="(\w+)"', readme))
@@ -667,17 +690,21 @@ def test_every_compensation_in_the_readme_is_checked_in_ci():
         # The support example's recall, stubbed in "Classifying a tool" and passed to every adapter in the
         # framework sections: its real body is in the examples, checked through LangGraph, CrewAI and SK.
         "cancel_refund_email": "tests/adapters/test_undo_check_frameworks.py",
+        # The README quickstart's recall of a sent email, run from the README itself.
+        "unsend": "tests/core/test_undo_check.py::test_the_readme_quickstart_compensation_passes_check_undo",
+        # docs/tutorials/first-agent.md defines a recall of the same name over an in-memory outbox: tests/docs runs
+        # that tutorial (its rollback empties what the session queued); it is not run under check_undo.
         # The CrewAI section's plain-function compensation of a third-party tool, run from the README.
         "release_callback": "tests/adapters/test_undo_check_frameworks.py::test_the_readme_crewai_release_callback",
     }
     # Named in a declaration whose body is `...` (LangGraph's injected-arguments and retry sections): the README
     # defines no such compensation, so there is nothing of it to run.
-    declared_only = {"remove_note", "release_seat"}
+    # docs/how-to/recovery.md's probe example names `cancel_refund` the same way.
+    declared_only = {"remove_note", "release_seat", "cancel_refund"}
     for name in declared_only:
         assert f'@compensation("{name}")' not in readme and f"def {name}(" not in readme, name
     named -= declared_only
     assert named == set(checked), named ^ set(checked)
-    root = Path(__file__).resolve().parents[2]
     for where in checked.values():
         path, _, test = where.partition("::")
         assert (root / path).exists()

@@ -66,7 +66,12 @@ class UndoLogMiddleware(AgentMiddleware):
     Args:
         undolog: the ``UndoLog`` instance.
         tools: the agent's tools, to check tiers at construction.
-        tiers / compensations / agent_id / on_failure / session_id / approver: as for :class:`UndoLogToolNode`.
+        tiers: as for :class:`UndoLogToolNode`.
+        compensations: as for :class:`UndoLogToolNode`.
+        agent_id: as for :class:`UndoLogToolNode`.
+        on_failure: as for :class:`UndoLogToolNode`.
+        session_id: as for :class:`UndoLogToolNode`.
+        approver: as for :class:`UndoLogToolNode`.
         interrupt_mode: how IRREVERSIBLE calls pause, as LangChain's ``HumanInTheLoopMiddleware`` does:
             ``"batched"`` (the default, as LangChain's): one ``HITLRequest`` per model message listing its gated
             calls, answered with ``{"decisions": [...]}`` in their order; ``"per_call"``: one ``ToolApprovalRequest``
@@ -234,13 +239,18 @@ class UndoLogMiddleware(AgentMiddleware):
 
 
 class _BatchedUndoLogMiddleware(UndoLogMiddleware):
-    """``UndoLogMiddleware(interrupt_mode="batched")``: the model message's IRREVERSIBLE calls are asked about in one
-    ``HITLRequest`` after the model, before any of them runs, as LangChain's own middleware asks by default."""
+    """``UndoLogMiddleware(interrupt_mode="batched")``.
+
+    The model message's IRREVERSIBLE calls are asked about in one ``HITLRequest`` after the model, before any
+    of them runs, as LangChain's own middleware asks by default.
+    """
 
     def after_model(self, state: Any, runtime: Any) -> dict[str, Any] | None:
-        """Raise (or find) the approval requests of the last model message's gated calls and ask for all of them in
-        one pause; on resume, record the decisions. The calls then run, or are refused, in the tool node as in
-        ``per_call`` mode, each by its decision."""
+        """Raise (or find) the approval requests of the last model message's gated calls, in one pause.
+
+        All of them are asked for in that one pause; on resume, the decisions are recorded. The calls then run, or are refused, in the tool node as in
+        ``per_call`` mode, each by its decision.
+        """
         calls = _gated_calls(self._undolog_guard, state)
         if not calls:
             return None
@@ -319,12 +329,14 @@ _HOOK_SIGNATURE = _with_self.replace(parameters=list(_with_self.parameters.value
 
 
 def _plain_hook(method: Callable[[Any, Callable[[Any], Any]], Any]) -> Callable[[Any, Callable[[Any], Any]], Any]:
-    """The bound hook ``method`` as a plain callable of ``(request, handler)`` carrying its signature: what LangSmith's
-    ``traceable`` reads on every call without rebuilding it.
+    """The bound hook ``method`` as a plain callable of ``(request, handler)`` carrying its signature.
+
+    What LangSmith's ``traceable`` reads on every call without rebuilding it.
 
     A ``functools.partial`` of the method's function on its instance: called from C, it adds no Python frame of its
     own (a wrapper function did: one frame more on each of a step's three hook calls, where each frame's code is
-    cold). ``inspect`` sees it as a coroutine function when the method is one, and reads the signature set here."""
+    cold). ``inspect`` sees it as a coroutine function when the method is one, and reads the signature set here.
+    """
     hook: Any = functools.partial(method.__func__, method.__self__)  # type: ignore[attr-defined]
     hook.__name__, hook.__qualname__, hook.__doc__ = method.__name__, method.__qualname__, method.__doc__
     hook.__signature__ = _HOOK_SIGNATURE

@@ -57,7 +57,8 @@ class UndoLogToolNode(ToolNode):
             is refused (nothing saved) and can be sent again in UndoLog's form, with ``approver``.
         session_id: ``fn(config) -> str`` if the session is not the thread id; a run can also pass
             ``configurable={"undolog_session_id": ...}``.
-        wrap_tool_call / awrap_tool_call: your own wrappers; they run inside UndoLog's.
+        wrap_tool_call: your own wrapper; it runs inside UndoLog's.
+        awrap_tool_call: your own async wrapper; it runs inside UndoLog's.
         **kwargs: passed on to ``ToolNode`` (``name``, ``handle_tool_errors``, ``messages_key``...).
 
     Example:

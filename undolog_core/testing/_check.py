@@ -1,6 +1,6 @@
 """``check_undo``: break a scenario after every COMPENSABLE step and check that the compensations put the world back.
 
-How it works (the README's "Check your compensations"):
+How it works (the docs' "Checking a compensation with check_undo"):
 
 1. A learning run finds the scenario's COMPENSABLE steps 1..n (an IRREVERSIBLE call ends the checked part: the
    harness stops the scenario before it).
@@ -75,7 +75,12 @@ class InjectedStop(BaseException):  # noqa: N818 - it is not an error: it is the
 
 
 class ScenarioError(UndoLogError):
-    """The scenario cannot be checked (it changes between runs, or a snapshot is not JSON-able)."""
+    """The scenario cannot be checked (it changes between runs, or a snapshot is not JSON-able).
+
+    Fix:
+        Make the scenario call the same COMPENSABLE tools in the same order on every run (use ``run.id`` in its
+        session ids), and make ``snapshot()`` return JSON-able data; the message names the step or the function.
+    """
 
     code = "undo_check_scenario"
 
