@@ -66,8 +66,7 @@ from undolog_adapters._common import (
     rollback_outcome,
 )
 from undolog_core import AwaitingApproval, Completed, Execute, RequestState, ToolTier, UndoLog, errors
-from undolog_core._continuation import Continuation
-from undolog_core._engine import KICKOFF
+from undolog_core.integration import KICKOFF, Continuation
 
 __all__ = ["KickoffResult", "UndoLogPolicy", "UndoLogTool", "UndoLogToolset", "fail_closed", "wrap_tools"]
 

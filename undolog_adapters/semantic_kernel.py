@@ -77,8 +77,7 @@ from undolog_core import (
     UndoLog,
     errors,
 )
-from undolog_core._continuation import Continuation
-from undolog_core.integration import SessionCache, WouldBlock, execute_now
+from undolog_core.integration import Continuation, SessionCache, WouldBlock, execute_now
 
 __all__ = [
     "ROLLBACK_ATTR",

@@ -13,6 +13,12 @@ move its internals without breaking them.
 - ``jsonable``: a value as the store keeps it (JSON; NaN and infinities as strings, the same on both databases).
 - ``run_coro_blocking``: a coroutine run to completion from sync code, in a thread of its own when this thread
   already runs an event loop (the caller's context variables travel with it).
+- ``Continuation`` and ``KICKOFF``: a kickoff continued without repeating what it did (CrewAI, Semantic Kernel's
+  ``resume()``), and the context variable naming the kickoff each effect is recorded under.
+- ``metering``: counters for work that is SAFE by nature and not audited (the gateway's resource reads).
+- ``WAKE_SIGNAL``: the signal a rollback requester on this host sends a session's owning process.
+- ``IN_FLIGHT``: the effect states of a call still in flight.
+- ``ApprovalRecord``: an approval request as read from the store.
 
 Example:
     >>> from undolog_core.integration import jsonable, tool_name_of
@@ -21,9 +27,15 @@ Example:
     ('refund', {'amount': 'NaN'})
 """
 
-from ._engine import SessionCache, execute_now
+from ._continuation import Continuation
+from ._engine import KICKOFF, SessionCache, execute_now
+from ._observe import metering
+from ._owners import WAKE_SIGNAL
 from ._saga import run_coro_blocking
 from ._tools import jsonable, tool_name_of
 from .storage.pool import WouldBlock
+from .storage.records import ApprovalRecord
+from .storage.schema import IN_FLIGHT
 
-__all__ = ["SessionCache", "WouldBlock", "execute_now", "jsonable", "run_coro_blocking", "tool_name_of"]
+__all__ = ["IN_FLIGHT", "KICKOFF", "WAKE_SIGNAL", "ApprovalRecord", "Continuation", "SessionCache", "WouldBlock",
+           "execute_now", "jsonable", "metering", "run_coro_blocking", "tool_name_of"]

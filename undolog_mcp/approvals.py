@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from undolog_core import EffectState, RequestState, SessionState, UndoLog
 from undolog_core.errors import SessionNotFound
-from undolog_core.storage.records import ApprovalRecord
+from undolog_core.integration import ApprovalRecord
 
 # Where the request's own session may be for its approval to be released to another (the seed's "active").
 _OPEN = (SessionState.ACTIVE, SessionState.AWAITING_APPROVAL)

@@ -32,7 +32,6 @@ from undolog_core import (
     ToolTier,
     UndoLog,
 )
-from undolog_core._owners import WAKE_SIGNAL
 from undolog_core.errors import (
     CallIdConflict,
     CallRunning,
@@ -43,7 +42,7 @@ from undolog_core.errors import (
     SessionHalted,
     UndoLogError,
 )
-from undolog_core.storage.schema import IN_FLIGHT
+from undolog_core.integration import IN_FLIGHT, WAKE_SIGNAL
 
 from .approvals import SharedRequest, find_shared
 from .capture import capture_before
@@ -534,8 +533,8 @@ class Gateway:
         except UndoLogError as exc:
             await asyncio.to_thread(owners.answer, session_id, None, exc)
             return
-        if report.complete:
-            self.sessions.forget(session_id)  # a grouping's next call starts a new session
+        # A grouping's next call finds the session closed and starts a new one, telling its client both ids
+        # (see ``call``): forgetting it here would start the new one silently.
         await asyncio.to_thread(owners.answer, session_id, report)
 
     def _advertised(self, ex: ExposedTool) -> types.Tool:

@@ -29,7 +29,7 @@ from typing import Any
 from mcp import ClientSession, McpError, types
 from mcp.server.session import ServerSession
 
-from undolog_core._observe import metering
+from undolog_core.integration import metering
 
 from .config import GatewayConfig, UpstreamConfig
 from .relay import GatewayServer, Relay

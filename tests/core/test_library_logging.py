@@ -33,7 +33,7 @@ def test_check_undo_in_an_app_without_logging_config_writes_no_warning_to_stderr
         sys.path.insert(0, {str(ROOT)!r})
         import os
         os.environ["UNDO_WORLD"] = {str(tmp_path / "world.json")!r}
-        from tests.core import undo_world as w
+        from tests.support import undo_world as w
         from undolog_core import UndoLog
         from undolog_core.testing import check_undo
 
@@ -53,7 +53,7 @@ def test_with_logging_configured_the_simulated_crashes_are_info_not_warnings(und
                                                                             monkeypatch) -> None:
     import logging
 
-    from tests.core import undo_world as w
+    from tests.support import undo_world as w
     from undolog_core.testing import check_undo
 
     monkeypatch.setenv("UNDO_WORLD", str(tmp_path / "world.json"))

@@ -186,7 +186,9 @@ def test_the_epoch_is_a_fencing_token_one_more_at_every_claim(db: Any) -> None:
     assert d.epoch == 1
     u.leases.abandon(d.effect_id)  # as if its process had died (or stalled elsewhere past its lease)
     report = u.recover()
-    assert [r["outcome"] for r in report.reconciled] == ["compensated"]
+    # Its probe says "did not happen" and its process is gone: settled as not run, nothing compensated.
+    assert [r["outcome"] for r in report.reconciled] == ["not_run"]
     assert ("probe", 2, f"do-{d.effect_id}") in seen
     with u.store.read() as c:
-        assert c.execute(sa.select(t.effect_log.c.epoch).where(t.effect_log.c.effect_id == d.effect_id)).scalar() == 2
+        # Never lower than the take-over's claim (settling it as not run may claim it once more).
+        assert c.execute(sa.select(t.effect_log.c.epoch).where(t.effect_log.c.effect_id == d.effect_id)).scalar() >= 2

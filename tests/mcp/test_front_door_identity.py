@@ -153,9 +153,8 @@ def test_sessions_stored_in_the_old_owner_form_are_rewritten_and_refused(db: Any
         with desk.undolog.store.engine.begin() as c:
             c.execute(sa.text("UPDATE undolog_sessions SET created_by = :o WHERE session_id = :s"),
                       {"o": legacy, "s": sid})
-            # Back to the previous release's revision: the new one runs again on the next open.
-            c.execute(sa.text("UPDATE undolog_alembic_version SET version_num = '0011_due_index' "
-                              "WHERE version_num = '0012_principal_refs'"))
+            # Back to the previous release's revision: the newer ones (idempotent) run again on the next open.
+            c.execute(sa.text("UPDATE undolog_alembic_version SET version_num = '0011_due_index'"))
         # The old form is what the desk never compared: with it stored, the hole is open.
         api = httpx.Client(base_url=desk.url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
         s2 = Store(db.url, schema=db.schema)
