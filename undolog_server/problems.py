@@ -58,6 +58,12 @@ ERROR_STATUS: dict[str, int] = {
     "compensation_failed": 409,
     "audit_tampered": 409,
     "policy_invalid": 422,
+    "database_open_failed": 503,  # the store could not be opened (a wrong URL, the server down)
+    "idempotency_key_invalid": 422,  # a client's own idempotency key is malformed
+    "idempotency_key_reused": 409,  # the same client key with other arguments
+    "outcome_conflict": 409,  # a call finished after it was taken over: a person decides
+    "rollback_still_running": 202,  # filed for the owning process, not finished within the wait
+    "session_not_yours": 403,  # a session named by a client that did not create it
 }
 
 

@@ -24,7 +24,7 @@ from langgraph.prebuilt import ToolNode, tools_condition
 from langgraph.types import Command
 
 from examples.support_agent.model import ScriptedChatModel
-from tests.adapters.test_langgraph_hitl import World, cfg, make_tools, user
+from tests.adapters.test_langgraph_hitl import World, cfg, make_tools, refund_charge_for, user
 from undolog_adapters.langgraph import UndoLogMiddleware
 from undolog_core import ToolTier, errors, undolog_tool
 
@@ -45,7 +45,9 @@ def _graph(undolog: Any, world: World) -> Any:
     # still run, and ``asyncio.run`` then cancels them; a COMPENSABLE sibling cancelled that way is a failure that
     # halts the session (its compensation is not registered here), which is not what this test is about.
     tools = [*make_tools(world), lookup]
-    mw = UndoLogMiddleware(undolog, tools=tools, approver="ana")
+    # Per call: a hand-built ToolNode has no after_model hook for the batched pause.
+    mw = UndoLogMiddleware(undolog, tools=tools, compensations=[refund_charge_for(world)], approver="ana",
+                           interrupt_mode="per_call")
     model = ScriptedChatModel(scripts=SCRIPTS)
     g = StateGraph(MessagesState)
     g.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
