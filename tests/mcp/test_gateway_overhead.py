@@ -156,7 +156,9 @@ async def test_the_stdio_transport_serves_on_the_loop(monkeypatch: Any) -> None:
     to_server_r, to_server_w = os.pipe()
     to_client_r, to_client_w = os.pipe()
     hops = Hops(monkeypatch)
-    big = "é" * 300_000  # more than the reader's buffer limit in one line (and multi-byte)
+    # More than the reader's buffer limit in one line (and multi-byte), within the gateway's input limits (a line
+    # of 1 MiB, arguments of 256 KiB): 80 kB of UTF-8, 240 kB as the JSON text sent.
+    big = "é" * 40_000
 
     async def serve() -> None:
         async with stdio_transport(to_server_r, to_client_w) as (read, write):
