@@ -401,7 +401,7 @@ def lower_bound_worker(i: int, prepared: Any, schema: str, seconds: float, sessi
                     raise RuntimeError("the lower bound's pre-write was refused")
                 result = result_text(fn(**model.__dict__))
                 if fast_con is None:
-                    if not mark(con, effect_id, result, time.time()):
+                    if not mark(con, effect_id, result, time.time(), owner):
                         raise RuntimeError("the lower bound's mark found no effect in flight")
                 else:
                     marks.append((effect_id, result, time.time()))
