@@ -749,6 +749,7 @@ class Gateway:
         driver = self.undolog.driver
         timeout = self.config.upstreams[ex.config.upstream].timeout
         deadline = asyncio.get_running_loop().time() + timeout + 5.0
+        asked_after_end = False
         while True:
             try:
                 return await driver.adecide(session_id, ex.spec, arguments, call_id=call_id)
@@ -763,6 +764,11 @@ class Gateway:
                         session_id = moved
                         continue
                 row = await asyncio.to_thread(self.undolog.store.effect_by_call, session_id, call_id)
+                if row is not None and row.state not in IN_FLIGHT and not asked_after_end:
+                    # It ended between the refusal and this read: asked once more, it answers as it now stands
+                    # (the recorded result), not "running".
+                    asked_after_end = True
+                    continue
                 if row is None or row.state not in IN_FLIGHT or asyncio.get_running_loop().time() > deadline:
                     raise
                 await asyncio.sleep(0.05)
