@@ -26,10 +26,22 @@ _MAX = 200
 
 
 class ClientKeyInvalid(UndoLogError):
+    """A client's own idempotency key (``_meta`` ``dev.undolog/idempotency-key``) is not a usable key.
+
+    Fix:
+        Send a non-empty string of at most 200 characters, one key per call you mean to run once, or send none.
+    """
+
     code = "idempotency_key_invalid"
 
 
 class ClientKeyReused(UndoLogError):
+    """A client's idempotency key was used before for this tool with other arguments.
+
+    Fix:
+        Use a new key for a new call; resend the same arguments to get the first call's recorded result.
+    """
+
     code = "idempotency_key_reused"
 
 

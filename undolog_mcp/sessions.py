@@ -42,7 +42,12 @@ _ID_MAX = 128
 
 
 class SessionRefused(UndoLogError):
-    """A client named a session it may not use (not created by its key, or unknown)."""
+    """A client named a session it may not use (not created by its key, or unknown).
+
+    Fix:
+        Name only a session id the gateway gave this client (in a result's ``_meta``), or name none: a new session
+        is started for you.
+    """
 
     code = "session_not_yours"
 
