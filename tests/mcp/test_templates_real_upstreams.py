@@ -25,11 +25,14 @@ NODE = ROOT / "node_modules" / ".bin" / "node"
 FS = ROOT / "node_modules" / "@modelcontextprotocol" / "server-filesystem" / "dist" / "index.js"
 MEMORY = ROOT / "node_modules" / "@modelcontextprotocol" / "server-memory" / "dist" / "index.js"
 
-pytestmark = [
-    pytest.mark.storage,
-    pytest.mark.skipif(not (NODE.exists() and FS.exists() and MEMORY.exists()),
-                       reason="the Node MCP reference servers are not installed: run `npm ci` in the repository"),
-]
+pytestmark = pytest.mark.storage
+
+
+@pytest.fixture(autouse=True)
+def _reference_servers_installed() -> None:
+    # Fails, never skips: CI installs them with `npm ci`, and a missing install must not pass unnoticed.
+    assert NODE.exists() and FS.exists() and MEMORY.exists(), \
+        "the Node MCP reference servers are not installed: run `npm ci` in the repository"
 
 
 def write_config(tmp: Path, files: Path, memory: Path) -> Path:
