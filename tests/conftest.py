@@ -16,11 +16,13 @@ What a run selects (deselected tests are reported as deselected, never skipped):
   precisely: ``tests/support/store_rule.py``. In short: a test whose own code (or its module's helpers and
   fixtures) names ``sqlalchemy``, ``sqlite3``, ``psycopg`` or ``undolog_core.storage``, runs raw SQL
   (``exec_driver_sql``, ``raw_connection``, ``driver_connection``), calls ``open_storage`` or asks for
-  ``pg_admin`` must be marked ``storage``, ``pg_smoke``, ``postgres_only`` or ``sqlite_only``.
+  ``pg_admin`` must be marked ``storage``, ``pg_smoke``, ``postgres_only``, ``sqlite_only`` or ``reads_store``
+  (behaviour above storage that reads the store only to see what happened: SQLite run only).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
 from collections.abc import Iterator
@@ -67,6 +69,69 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "long: a soak or chaos version that runs only with --long")
 
 
+@functools.cache
+def _mark_names(path: Path) -> tuple[frozenset[str], frozenset[str]]:
+    """The marks a test module's ``pytestmark`` puts on all its tests, and every mark it names anywhere
+    (``pytest.mark.X`` in decorators, ``pytest.param(..., marks=...)``, ``pytestmark``), read without importing it."""
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+
+    def marks(node: ast.AST) -> set[str]:
+        return {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+                and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"}
+
+    module_wide: set[str] = set()
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark"
+                                                for t in stmt.targets):
+            module_wide |= marks(stmt.value)
+    return frozenset(module_wide), frozenset(marks(tree))
+
+
+def _why_not_imported(path: Path, config: pytest.Config) -> str | None:
+    """Why none of a test module's tests can be selected by this run (None: some may be)."""
+    module_wide, named = _mark_names(path)
+    kind = config.getoption("--kind")
+    in_storage_dir = path.relative_to(TESTS).parts[0] in STORAGE_DIRS
+    if kind == "default" and module_wide & set(SLOW_KINDS):
+        return "its tests are " + "/".join(sorted(module_wide & set(SLOW_KINDS))) + " tests (--kind slow)"
+    if kind == "slow" and not named & set(SLOW_KINDS):
+        return "none of its tests is a perf, fuzz or browser test"
+    if (TEST_DB == "postgres" and not config.getoption("--pg-all") and not in_storage_dir
+            and not named & set(PG_KINDS)):
+        return "none of its tests is storage, pg_smoke or postgres_only (SQLite run only)"
+    return None
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Do not import a test module none of whose tests this run selects (read from its marks without importing it).
+
+    Every xdist worker imports every module it collects: the framework modules (crewai, semantic_kernel,
+    schemathesis) cost about 8 CPU seconds per worker, paid again by each worker of each database's run for tests
+    that run elsewhere. Such modules are counted at the end of the run ("not imported") instead of deselected.
+    """
+    if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    path = collection_path.resolve()
+    if not path.is_relative_to(TESTS) or _why_not_imported(path, config) is None:
+        return None
+    return True
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    # Computed here again rather than gathered from collection: under xdist the workers collect, not this process.
+    found = [(p, _why_not_imported(p, config)) for p in sorted(TESTS.rglob("test_*.py"))]
+    skipped_modules = [f"{p.relative_to(TESTS.parent)}: {why}" for p, why in found if why]
+    if skipped_modules:
+        terminalreporter.write_line(
+            f"{len(skipped_modules)} test modules not imported: none of their tests runs in this step "
+            f"(UNDOLOG_TEST_DB={TEST_DB}, --kind {config.getoption('--kind')}; the rule: tests/conftest.py)")
+        if config.getoption("verbose") > 0:
+            for line in skipped_modules:
+                terminalreporter.write_line(f"  {line}")
+
+
 def _in_storage_dir(item: pytest.Item) -> bool:
     path = Path(str(item.path)).resolve()
     return path.is_relative_to(TESTS) and path.relative_to(TESTS).parts[0] in STORAGE_DIRS
@@ -99,7 +164,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if unmarked:
         raise pytest.UsageError(
             f"{len(unmarked)} test(s) open a store directly but carry no database marker; mark each "
-            "@pytest.mark.storage (or pg_smoke, postgres_only, sqlite_only): the rule is in "
+            "@pytest.mark.storage (or pg_smoke, postgres_only, sqlite_only, reads_store): the rule is in "
             "tests/support/store_rule.py\n  " + "\n  ".join(unmarked))
     keep: list[pytest.Item] = []
     dropped: list[pytest.Item] = []
@@ -222,3 +287,12 @@ def db(request: pytest.FixtureRequest, tmp_path: Path, pg_admin: Any, db_templat
 @pytest.fixture
 def undolog(db: Db) -> UndoLog:
     return db.open()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # UNDOLOG_TEST_CPU_REPORT=DIR: CPU seconds per test (tests/support/cpu_report.py), to find what makes CI slow.
+    folder = os.environ.get("UNDOLOG_TEST_CPU_REPORT")
+    if folder:
+        from tests.support.cpu_report import CpuReport
+
+        session.config.pluginmanager.register(CpuReport(Path(folder)), "undolog-cpu-report")

@@ -16,7 +16,7 @@ from examples.crewai_support_crew.demo import build_crew
 from undolog_adapters.crewai import wrap_tools
 from undolog_core.storage import schema as t
 
-pytestmark = pytest.mark.storage
+pytestmark = pytest.mark.reads_store
 
 SEARCH = {"tool": "search_knowledge_base", "args": {"query": "refund policy"}}
 REFUND_U1 = {"tool": "send_refund_email", "args": {"user_id": "u1", "amount": 42.5}}

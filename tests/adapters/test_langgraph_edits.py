@@ -24,7 +24,7 @@ from examples.support_agent.model import ScriptedChatModel
 from undolog_adapters.langgraph import UndoLogMiddleware
 from undolog_core import RequestState, ToolTier, undolog_tool
 
-pytestmark = pytest.mark.storage
+pytestmark = pytest.mark.reads_store
 
 MODES = pytest.mark.parametrize("mode", ["batched", "per_call"])
 SCRIPTS: dict[str, Any] = {"close": [[("close_account", {"user_id": "u-1"})]]}

@@ -31,7 +31,7 @@ from examples.support_agent.model import ScriptedChatModel
 from undolog_adapters.langgraph import UndoLogMiddleware
 from undolog_core import ToolTier, errors, undolog_tool
 
-pytestmark = pytest.mark.storage
+pytestmark = pytest.mark.reads_store
 
 MODES = pytest.mark.parametrize("mode", ["batched", "per_call"])
 SCRIPTS: dict[str, Any] = {

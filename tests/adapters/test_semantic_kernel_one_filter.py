@@ -20,7 +20,7 @@ from examples.semantic_kernel_support.llm import ScriptedChat, auto_settings, ca
 from undolog_adapters.semantic_kernel import UndoLogFilter, install, resume, undolog_session
 from undolog_core import errors
 
-pytestmark = pytest.mark.storage
+pytestmark = pytest.mark.reads_store
 
 REFUND_U1 = call("c2", "support-send_refund_email", user_id="u1", amount=42.5)
 REFUND_U2 = call("c3", "support-send_refund_email", user_id="u2", amount=10.0)

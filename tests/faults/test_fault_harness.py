@@ -2,7 +2,8 @@
 and resumes across forked processes, SIGKILLed at every named fault point, checked against the invariants after
 every step (see ``model.py`` for the world and the invariants).
 
-CI runs 300 sequences per database (``test_fault_harness``); ``pytest --long`` also runs 3,000 (``-m long``).
+CI runs 300 sequences per database (``test_fault_harness``, in six parts of 50 that xdist spreads over its workers:
+one part of 300 was the suite's longest test); ``pytest --long`` also runs 3,000 (``-m long``).
 Replay: the failure message prints the seed of the failing sequence; ``UNDOLOG_HARNESS_SEQ=<seed>`` runs only
 that one, ``UNDOLOG_HARNESS_SEED=<base>`` moves the whole range (sequence i has seed base + i), and
 ``UNDOLOG_HARNESS_N=<n>`` changes how many run. ``UNDOLOG_HARNESS_SURVEY=1`` runs every sequence even after a
@@ -28,6 +29,8 @@ from ..conftest import PG_URL, TEST_DB
 from .model import Harness, Result, Step, shrink
 
 CI_SEQUENCES = 300
+#: The CI run is cut into this many tests of CI_SEQUENCES / CI_PARTS sequences each (seeds stay 0..299).
+CI_PARTS = 6
 LONG_SEQUENCES = 3000
 
 
@@ -64,20 +67,24 @@ def fresh(tmp_path: Path, pg_admin: Any) -> Iterator[Callable[[], tuple[UndoLog,
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _seeds(n: int) -> list[int]:
+def _seeds(n: int, part: int = 0, parts: int = 1) -> list[int]:
+    """The seeds of one part of a run of ``n`` sequences cut in ``parts`` (every seed in exactly one part)."""
     only = os.environ.get("UNDOLOG_HARNESS_SEQ")
     if only:
-        return [int(only)]
+        return [int(only)] if part == 0 else []
     base = int(os.environ.get("UNDOLOG_HARNESS_SEED", "0"))
     n = int(os.environ.get("UNDOLOG_HARNESS_N", n))
-    return [base + i for i in range(n)]
+    return [base + i for i in range(n) if i % parts == part]
 
 
-def _run(tmp_path: Path, fresh: Callable[[], tuple[UndoLog, str, str | None]], n: int) -> None:
+def _run(tmp_path: Path, fresh: Callable[[], tuple[UndoLog, str, str | None]], n: int,
+         part: int = 0, parts: int = 1) -> None:
+    seeds = _seeds(n, part, parts)
+    if not seeds:
+        return  # UNDOLOG_HARNESS_SEQ replays one sequence, in part 0
     u, url, schema = fresh()
     h = Harness(url, schema=schema, workdir=tmp_path, u=u)
     started = time.monotonic()
-    seeds = _seeds(n)
     survey = bool(os.environ.get("UNDOLOG_HARNESS_SURVEY"))
     found: dict[str, list[Result]] = {}
 
@@ -113,8 +120,9 @@ def _run(tmp_path: Path, fresh: Callable[[], tuple[UndoLog, str, str | None]], n
 
 
 @pytest.mark.timeout(600)
-def test_fault_harness(tmp_path: Path, fresh: Any) -> None:
-    _run(tmp_path, fresh, CI_SEQUENCES)
+@pytest.mark.parametrize("part", range(CI_PARTS))
+def test_fault_harness(tmp_path: Path, fresh: Any, part: int) -> None:
+    _run(tmp_path, fresh, CI_SEQUENCES, part, CI_PARTS)
 
 
 @pytest.mark.long

@@ -152,8 +152,7 @@ def test_the_fixture_passes_every_scenario_directly(tmp_path: Path) -> None:
     assert not failures(results, tmp_path / "direct"), failures(results, tmp_path / "direct")
 
 
-@pytest.mark.storage
-@pytest.mark.pg_smoke
+@pytest.mark.reads_store
 @pytest.mark.parametrize("tier", ["safe", "compensable"])
 def test_every_scenario_passes_through_the_gateway(db: Any, tmp_path: Path, tier: str) -> None:
     db.open()

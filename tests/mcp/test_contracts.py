@@ -18,7 +18,7 @@ from undolog_mcp import Gateway, load_config
 
 from .test_gateway import cli, gateway, only_session, text, write_config
 
-pytestmark = pytest.mark.storage
+pytestmark = pytest.mark.reads_store
 
 META = "dev.undolog/call"
 

@@ -19,7 +19,7 @@ import pytest
 
 from .test_gateway import gateway, text
 
-pytestmark = [pytest.mark.storage]
+pytestmark = pytest.mark.reads_store
 HERE = Path(__file__).parent
 
 

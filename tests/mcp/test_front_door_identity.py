@@ -34,7 +34,7 @@ from ..server.conftest import make_desk, problem
 from .http_gateway import http_gateway
 from .test_gateway import text, world, write_config
 
-pytestmark = [pytest.mark.storage, pytest.mark.pg_smoke]
+pytestmark = pytest.mark.reads_store
 
 AGENT_COMBOS = [frozenset({"agent", *more}) for n in range(3)
                 for more in itertools.combinations(("approver", "admin"), n)]

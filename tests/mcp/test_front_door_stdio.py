@@ -20,7 +20,7 @@ import pytest
 
 from .test_gateway import write_config
 
-pytestmark = [pytest.mark.storage]
+pytestmark = pytest.mark.reads_store
 
 
 def _rss_kb(pid: int) -> int:

@@ -27,7 +27,7 @@ from ..server.conftest import make_desk
 from .http_gateway import http_gateway
 from .test_gateway import write_config
 
-pytestmark = [pytest.mark.storage]
+pytestmark = pytest.mark.reads_store
 
 EVIL = "evil.example.com"
 

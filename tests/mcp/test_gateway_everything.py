@@ -130,7 +130,7 @@ def wire(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 @pytest.mark.parametrize("transport", ["stdio", "http"])
 async def test_capability_gated_tools_progress_and_logs(db: Any, tmp_path: Path, transport: str) -> None:
     cfg = everything_config(tmp_path, tmp_path / "wire.log")
@@ -186,7 +186,7 @@ async def test_capability_gated_tools_progress_and_logs(db: Any, tmp_path: Path,
         assert progress == [1, 2, 3]
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 @pytest.mark.parametrize("transport", ["stdio", "http"])
 async def test_a_cancel_reaches_the_upstream(db: Any, tmp_path: Path, transport: str) -> None:
     log = tmp_path / "wire.log"
@@ -224,7 +224,7 @@ async def test_a_cancel_reaches_the_upstream(db: Any, tmp_path: Path, transport:
         call.cancel()
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 async def test_an_upstream_over_streamable_http(db: Any, tmp_path: Path) -> None:
     """server-everything serving streamable HTTP itself (``node index.js streamableHttp``), the gateway over stdio
     in front of it: the same gated tools, relayed the same way."""

@@ -25,7 +25,7 @@ from undolog_core import SessionState
 from .test_gateway import cli, world
 from .test_sessions import agent_key, grouped_config, http_gateway, mcp_sessions, socket_gateway
 
-pytestmark = pytest.mark.storage
+pytestmark = pytest.mark.reads_store
 
 
 class ScriptedChatModel(BaseChatModel):

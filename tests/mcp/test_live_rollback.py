@@ -23,7 +23,7 @@ from undolog_core import SessionState
 from .test_gateway import cli, gateway
 from .test_sessions import session_of
 
-pytestmark = pytest.mark.storage
+pytestmark = pytest.mark.reads_store
 
 HERE = Path(__file__).parent
 

@@ -188,7 +188,7 @@ async def test_list_changed_reaches_the_client_when_what_is_exposed_changes(undo
         assert [p.name for p in (await client.list_prompts()).prompts] == ["new_prompt"]
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 async def test_an_approval_for_the_old_contract_does_not_run_after_the_client_is_told_of_the_new(
         db: Any, tmp_path: Path) -> None:
     """The gateway lists an upstream's tools anew as soon as it says they changed (to tell its clients). A client

@@ -27,7 +27,7 @@ from .test_gateway import gateway
 
 HERE = Path(__file__).parent
 
-pytestmark = pytest.mark.storage
+pytestmark = pytest.mark.reads_store
 
 
 def write_config(tmp: Path, *, probe: str | None, timeout: float = 30.0, probe_mode: str = "") -> Path:

@@ -25,7 +25,7 @@ from undolog_mcp.sessions import SESSION_META, SessionRefused, SessionRouter
 
 from .test_gateway import cli, text, world, write_config
 
-pytestmark = pytest.mark.storage
+pytestmark = pytest.mark.reads_store
 
 
 def grouped_config(tmp: Path, grouping: str, *, extra: str = "") -> Path:

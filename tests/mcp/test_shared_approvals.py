@@ -24,7 +24,7 @@ from .test_sessions import (
     socket_gateway,
 )
 
-pytestmark = pytest.mark.storage
+pytestmark = pytest.mark.reads_store
 
 
 async def ask(url: str, token: str, name: str) -> Any:

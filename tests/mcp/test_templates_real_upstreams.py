@@ -25,7 +25,7 @@ NODE = ROOT / "node_modules" / ".bin" / "node"
 FS = ROOT / "node_modules" / "@modelcontextprotocol" / "server-filesystem" / "dist" / "index.js"
 MEMORY = ROOT / "node_modules" / "@modelcontextprotocol" / "server-memory" / "dist" / "index.js"
 
-pytestmark = pytest.mark.storage
+pytestmark = pytest.mark.reads_store
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,9 @@ function, or any function, class or fixture defined in the test's own module (or
 - asks for the ``pg_admin`` fixture itself.
 
 Such a test speaks SQL to the store, or builds one without ``UndoLog.open``, so how each database behaves is part
-of what it checks. It must carry ``storage`` (runs on both databases), ``pg_smoke``, ``postgres_only`` or
-``sqlite_only``; tests under ``tests/core``, ``tests/conformance`` and ``tests/faults`` carry ``storage`` by
+of what it checks. It must carry ``storage`` (runs on both databases), ``pg_smoke``, ``postgres_only``,
+``sqlite_only`` or ``reads_store`` (a test of the gateway, an adapter or the desk that only reads the store to see
+what happened: it runs on SQLite, the storage it reads being pinned on both databases by the storage tests); tests under ``tests/core``, ``tests/conformance`` and ``tests/faults`` carry ``storage`` by
 their directory (they pin the store's own behaviour). A test that reaches the store only through ``UndoLog``'s
 public API (the ``db`` / ``undolog`` fixtures) does not open it directly: what the database does underneath is
 pinned by those storage tests, so it runs on SQLite only.
@@ -34,7 +35,7 @@ from typing import Any
 
 SQL_MODULES = ("sqlalchemy", "sqlite3", "psycopg", "undolog_core.storage")
 SQL_CALLS = frozenset({"exec_driver_sql", "raw_connection", "driver_connection", "open_storage"})
-MARKERS = ("storage", "pg_smoke", "postgres_only", "sqlite_only")
+MARKERS = ("storage", "pg_smoke", "postgres_only", "sqlite_only", "reads_store")
 
 
 def _is_sql_module(name: str) -> bool:
