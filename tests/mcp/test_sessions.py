@@ -198,7 +198,6 @@ async def test_a_stdio_client_names_only_sessions_this_gateway_process_made(db: 
     assert "four" not in str(world(tmp_path)) and "five" not in str(world(tmp_path))
 
 
-@pytest.mark.pg_smoke
 async def test_key_grouping_over_http_and_naming_by_the_same_key_only(db: Any, tmp_path: Path) -> None:
     cfg = grouped_config(tmp_path, "key")
     db.open()

@@ -33,7 +33,6 @@ async def ask(url: str, token: str, name: str) -> Any:
         return await client.call_tool("delete_project", {"name": name})
 
 
-@pytest.mark.pg_smoke
 async def test_an_approval_is_released_once_to_a_later_session_of_the_same_key(db: Any, tmp_path: Path) -> None:
     cfg = grouped_config(tmp_path, "mcp")
     u = db.open()
