@@ -418,7 +418,7 @@ def lower_bound_middleware(u: UndoLog | None, *, durable: bool = True) -> Any:
     from undolog_adapters.langgraph._middleware import _plain_hook
 
     # Internal on purpose: the bound canonicalises and hashes with UndoLog's own code (the same bytes stored).
-    from undolog_core._tools import canonical_text, sha256_hex
+    from undolog_core._json import canonical_text, sha256_hex
     from undolog_core.limits import result_text
     from undolog_core.storage.base import new_id
 
@@ -786,7 +786,7 @@ def _stored_writes_filter(u: UndoLog) -> Any:
     """An SK FUNCTION_INVOCATION filter doing, around a COMPENSABLE function, the writes no implementation can skip
     (the pre-write, durable, then the durable commit mark: see ``lower_bound_middleware``); a lower bound."""
     # Internal on purpose: the bound canonicalises and hashes with UndoLog's own code (the same bytes stored).
-    from undolog_core._tools import canonical_text, sha256_hex
+    from undolog_core._json import canonical_text, sha256_hex
     from undolog_core.limits import result_text
     from undolog_core.storage.base import new_id
 

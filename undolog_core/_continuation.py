@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._tools import ToolSpec, canonical_text, json_safe, sha256_hex
+from ._json import canonical_text, json_safe, sha256_hex
+from ._tools import ToolSpec
 from .storage.base import new_id
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from . import _observe as obs
 from ._faults import FaultPoint, fault
 from ._leases import Leases, owner_alive
-from ._tools import jsonable
+from ._json import jsonable
 from .errors import (
     CompensationNotFound,
     CompensationVersionMismatch,

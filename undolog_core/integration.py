@@ -32,7 +32,8 @@ from ._engine import KICKOFF, SessionCache, execute_now
 from ._observe import metering
 from ._owners import WAKE_SIGNAL
 from ._saga import run_coro_blocking
-from ._tools import jsonable, tool_name_of
+from ._json import jsonable
+from ._tools import tool_name_of
 from .storage.pool import WouldBlock
 from .storage.records import ApprovalRecord
 from .storage.schema import IN_FLIGHT
