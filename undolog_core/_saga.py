@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _observe as obs
 from ._faults import FaultPoint, fault
-from ._leases import Leases, owner_alive
 from ._json import jsonable
+from ._leases import Leases, owner_alive
 from .errors import (
     CompensationNotFound,
     CompensationVersionMismatch,
