@@ -1,7 +1,7 @@
 """UndoLog inside the frameworks: what it adds to an agent step, as ratios measured in the same run.
 
     .venv/bin/python benchmarks/agent_step.py [--db sqlite|postgres|both] [--quick] [--pg-url URL]
-                                              [--only langgraph,crewai,sk] [--rounds N] [--turns N]
+                                              [--only langgraph,crewai,sk] [--rounds N] [--turns N] [--match TEXT]
 
 A *step* is one user turn of a real agent loop: the scripted model (no network, no keys) asks for one tool call,
 the framework runs it, the model answers. A round runs ``--turns`` steps (20) on a fresh thread of each variant; a
@@ -25,7 +25,9 @@ UndoLog's own cost above it (goal 1.10x, as in ``overhead.py``).
    PostgreSQL. Goals (issue 13): SAFE <= 1.05x and COMPENSABLE <= 1.16x with UndoLog on SQLite, durable marks;
    what UndoLog adds next to PostgresSaver <= 25% of what PostgresSaver itself adds (the "share" rows:
    (PostgresSaver + UndoLog - PostgresSaver) / (PostgresSaver - none), per round, then the median).
-   The same COMPENSABLE step is also run through ``ainvoke`` (the async path: middleware ``awrap_tool_call``),
+   The COMPENSABLE step also runs with the SQLite store on tmpfs (``/dev/shm``, durable marks): the disk's fsyncs
+   are out, so what remains over the no-middleware step is UndoLog's own work (goal, issue 35: <= 1.10x), beside
+   its lower bound on the same tmpfs store. The same COMPENSABLE step is also run through ``ainvoke`` (the async path: middleware ``awrap_tool_call``),
    with its own lower bound (``awrap_*`` hooks, the writes on the loop), and again with LangSmith's
    ``aio_to_thread`` run inline ("LangSmith inline": ``traceable`` otherwise makes two executor hops per async hook).
 2. CrewAI: a one-agent crew with a scripted LLM (native tool calling); one kickoff is a step; the tool wrapped by
@@ -418,7 +420,7 @@ def lower_bound_middleware(u: UndoLog | None, *, durable: bool = True) -> Any:
     from undolog_adapters.langgraph._middleware import _plain_hook
 
     # Internal on purpose: the bound canonicalises and hashes with UndoLog's own code (the same bytes stored).
-    from undolog_core._tools import canonical_text, sha256_hex
+    from undolog_core._json import canonical_text, sha256_hex
     from undolog_core.limits import result_text
     from undolog_core.storage.base import new_id
 
@@ -532,6 +534,12 @@ def langgraph_variants(stores: dict[str, UndoLog], pg_saver: PgSaver | None,
                                base, goal))
             variants.append(lg(f"{tier}: UndoLogMiddleware, SQLite, durable marks", agent(undolog(stores["sqlite"])),
                                base, goal, over=lb, over_goal=1.10))
+            if tier == "COMPENSABLE" and "sqlite-tmpfs" in stores:
+                # The store on tmpfs: its commits cost no fsync, so the ratio is UndoLog's own work over the step.
+                lbt = f"{tier}: lower bound, SQLite on tmpfs (/dev/shm), durable"
+                variants.append(lg(lbt, agent([lower_bound_middleware(stores["sqlite-tmpfs"])]), base, 1.10))
+                variants.append(lg(f"{tier}: UndoLogMiddleware, SQLite on tmpfs (/dev/shm), durable marks",
+                                   agent(undolog(stores["sqlite-tmpfs"])), base, 1.10, over=lbt, over_goal=1.10))
             if tier == "COMPENSABLE":
                 lbf = f"{tier}: lower bound, SQLite, fast mode"
                 variants.append(lg(lbf, agent([lower_bound_middleware(stores["sqlite-fast"], durable=False)]), base))
@@ -786,7 +794,7 @@ def _stored_writes_filter(u: UndoLog) -> Any:
     """An SK FUNCTION_INVOCATION filter doing, around a COMPENSABLE function, the writes no implementation can skip
     (the pre-write, durable, then the durable commit mark: see ``lower_bound_middleware``); a lower bound."""
     # Internal on purpose: the bound canonicalises and hashes with UndoLog's own code (the same bytes stored).
-    from undolog_core._tools import canonical_text, sha256_hex
+    from undolog_core._json import canonical_text, sha256_hex
     from undolog_core.limits import result_text
     from undolog_core.storage.base import new_id
 
@@ -889,12 +897,17 @@ def print_group(rows: list[GroupRow]) -> None:
 # -- stores -------------------------------------------------------------------------------------------------
 
 
+#: Where the tmpfs store goes (Linux's memory-backed file system); without it the tmpfs rows are left out.
+SHM = "/dev/shm"
+
+
 class Stores:
     """The UndoLog stores of a run: SQLite files in a temp dir, PostgreSQL in a fresh schema (dropped at the end)."""
 
     def __init__(self, kinds: tuple[str, ...], pg_url: str) -> None:
         self.opened: dict[str, UndoLog] = {}
         self.tmp = tempfile.TemporaryDirectory(prefix="undolog-agent-step-")
+        self.shm: tempfile.TemporaryDirectory[str] | None = None
         self.schema: str | None = None
         self.admin: Any = None
         self.pg_url = pg_url
@@ -903,6 +916,11 @@ class Stores:
             url = f"sqlite:///{os.path.join(self.tmp.name, 'bench.db')}"
             self.opened["sqlite"] = UndoLog.open(url)
             self.opened["sqlite-fast"] = UndoLog.open(url, fast_commit_mark=True, migrate=False)
+            if os.path.isdir(SHM):
+                # A second SQLite store in memory-backed files: the same work, without the disk's fsyncs.
+                self.shm = tempfile.TemporaryDirectory(prefix="undolog-agent-step-", dir=SHM)
+                shm_url = f"sqlite:///{os.path.join(self.shm.name, 'bench.db')}"
+                self.opened["sqlite-tmpfs"] = UndoLog.open(shm_url)
         if "postgres" in kinds:
             import sqlalchemy as sa
 
@@ -930,6 +948,8 @@ class Stores:
                 c.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{self.schema}" CASCADE')
             self.admin.dispose()
         self.tmp.cleanup()
+        if self.shm is not None:
+            self.shm.cleanup()
 
 
 # -- report ---------------------------------------------------------------------------------------------------
@@ -972,6 +992,17 @@ def print_table(rows: list[Row]) -> None:
         prev = (b[0], tier)
 
 
+def matching(variants: list[Variant], shares: list[Share], text: str) -> tuple[list[Variant], list[Share]]:
+    """The variants whose name holds ``text``, with the baselines and lower bounds their rows divide by."""
+    by_name = {v.name: v for v in variants}
+    keep = {v.name for v in variants if text in v.name}
+    for name in list(keep):
+        v = by_name[name]
+        keep |= {n for n in (v.baseline, v.over) if n is not None}
+    kept = [s for s in shares if {s.none, s.alone, s.with_} <= keep]
+    return [v for v in variants if v.name in keep], kept
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--db", choices=("sqlite", "postgres", "both"), default="both")
@@ -981,6 +1012,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, help="steps per round and variant (default 20; CrewAI: a quarter)")
     p.add_argument("--only", default="langgraph,crewai,sk,group", help="sections to run, comma-separated")
     p.add_argument("--seed", type=int, default=20261130)
+    p.add_argument("--match", help="only the variants whose name holds this text (with their baselines and lower "
+                                   "bounds), e.g. --match tmpfs")
     args = p.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 21)
     turns = args.turns or (4 if args.quick else 20)
@@ -1005,6 +1038,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, build in sections:
             try:
                 variants, shares = build()
+                if args.match:
+                    variants, shares = matching(variants, shares, args.match)
                 # A CrewAI kickoff is a whole crew run (tens of ms): fewer of them per block say as much; four
                 # blocks a round, interleaved (Variant.reps): with one block of five kickoffs per variant, a
                 # round's ratio spread wider (p25-p75 1.00-1.12) than the SAFE goal's 5% margin.

@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from undolog_core import CompensationDescriptor, ToolTier, UndoLog, compensation, undolog_tool  # noqa: E402
 
 # Internal on purpose: the lower bound canonicalises and hashes with UndoLog's own code (the same bytes stored).
-from undolog_core._tools import canonical_text, sha256_hex  # noqa: E402
+from undolog_core._json import canonical_text, sha256_hex  # noqa: E402
 from undolog_core.limits import result_text  # noqa: E402
 from undolog_core.storage.base import new_id  # noqa: E402
 

@@ -354,7 +354,7 @@ def lower_bound_worker(i: int, prepared: Any, schema: str, seconds: float, sessi
 
     # Internal on purpose: the lower bound canonicalises and hashes with UndoLog's own code, so the row measures
     # the writes and not a different serialiser.
-    from undolog_core._tools import canonical_text, sha256_hex
+    from undolog_core._json import canonical_text, sha256_hex
     from undolog_core.limits import result_text
     from undolog_core.storage import postgres as pg
     from undolog_core.storage.base import new_id

@@ -7,12 +7,23 @@ its siblings, the undo-check harness and its crash child, the MCP gateway and el
 this walks every ``import`` statement of the shipped packages (not only the top-level ones) so none comes back.
 A package's ``__init__`` re-exporting its modules is not counted: it is the public face, not code of its own.
 
+Three more rules keep the packages layered (the issue "a house the next maintainer can carry on"):
+
+- the core imports none of the packages built on it (``undolog_server``, ``undolog_mcp``, ``undolog_adapters``):
+  they come in through entry points (``undolog_core._plugins``);
+- the adapters, the desk and the gateway import nothing private of the core: only public modules, and from
+  ``undolog_core`` and ``undolog_core.integration`` only the names of their ``__all__``;
+- they reach into no private service of an ``UndoLog`` (``undolog.engine.x``, ``undolog.store.x``), but for the
+  reaches listed in ``REACHES`` with the reason each is still there. The list only shrinks: a listed reach that
+  is gone fails too, so the entry is removed with the code.
+
 Example of what it reports: ``[['undolog_mcp.elicit', 'undolog_mcp.gateway']]``.
 """
 
 from __future__ import annotations
 
 import ast
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,3 +119,161 @@ def test_the_walk_sees_lazy_and_relative_imports() -> None:
     node = tree.body[0].body[0]  # type: ignore[attr-defined]
     assert _targets(mods, "undolog_adapters.langgraph._siblings", False, node) == \
         ["undolog_adapters.langgraph._guard"]
+
+
+# -- layering ------------------------------------------------------------------------------------------------------
+
+CLIENTS = ("undolog_adapters", "undolog_server", "undolog_mcp")
+
+# The core's modules a client may import, and why each is public. From the two with an ``__all__`` only its names.
+PUBLIC = {
+    "undolog_core": "the app authors' API (its __all__)",
+    "undolog_core.integration": "the integration contract (its __all__)",
+    "undolog_core.errors": "every UndoLogError, public as `undolog_core.errors` (in the top-level __all__)",
+    "undolog_core.limits": "the limits shared with the desk, public as `undolog_core.limits` (in the top-level __all__)",
+    "undolog_core.webhooks": "stdlib-only webhook signing, documented for receivers",
+    "undolog_core.testing": "the undo check and its pytest plugin, documented for app authors",
+}
+
+_SESSION_LIFECYCLE = ("the session lifecycle an adapter needs (ensure, look up, start, its state) has no public API "
+                      "yet: the engine's split into the gate and the session table gives it one (issue #35, step 2)")
+_HOT_DECISION = ("the LangGraph fast path decides a SAFE or COMPENSABLE call without the driver's frames: it goes "
+                 "with the one call walk (issue #35, step 4)")
+_STORE_READS = ("reads and writes of the store that no service offers yet: the storage repositories give them a "
+                "written contract (issue #35, step 3)")
+_DESK_TABLES = ("the desk's and the gateway's tables live on the core's store (one pool, one migration run): "
+                "`ServerStore(undolog.store)` and its migration take the store itself")
+
+# Where a client still reaches into an UndoLog's engine or store: (file, reach) -> (how many, why). Only shrinks.
+REACHES: dict[tuple[str, str], tuple[int, str]] = {
+    ("undolog_adapters/crewai.py", "engine.look_up_session"): (1, _SESSION_LIFECYCLE),
+    ("undolog_adapters/crewai.py", "engine.cached"): (1, _SESSION_LIFECYCLE),
+    ("undolog_adapters/crewai.py", "engine.max_sessions"): (1, _SESSION_LIFECYCLE),
+    ("undolog_adapters/crewai.py", "engine.ensure_session"): (1, _SESSION_LIFECYCLE),
+    ("undolog_adapters/langgraph/_call.py", "engine.decide_safe"): (1, _HOT_DECISION),
+    ("undolog_adapters/langgraph/_call.py", "engine.intercept_spec"): (1, _HOT_DECISION),
+    ("undolog_adapters/langgraph/_guard.py", "engine.ensure_session"): (3, _SESSION_LIFECYCLE),
+    ("undolog_adapters/langgraph/_guard.py", "engine.max_sessions"): (1, _SESSION_LIFECYCLE),
+    ("undolog_adapters/langgraph/_guard.py", "engine.try_start"): (1, _SESSION_LIFECYCLE),
+    ("undolog_adapters/langgraph/_guard.py", "engine.session_states"): (3, _SESSION_LIFECYCLE),
+    ("undolog_adapters/langgraph/_guard.py", "engine.sessions_with_call"): (1, _SESSION_LIFECYCLE),
+    ("undolog_adapters/langgraph/_resume.py", "engine.ensure_session"): (1, _SESSION_LIFECYCLE),
+    ("undolog_adapters/semantic_kernel.py", "engine"): (3, "the engine held once for the SAFE hot path (its "
+                                                           "count and pin check, the session cache): "
+                                                           + _HOT_DECISION),
+    ("undolog_server/app.py", "store"): (1, _DESK_TABLES),
+    ("undolog_server/cli.py", "store"): (3, _DESK_TABLES),
+    ("undolog_mcp/capture.py", "store.put_undo_args"): (1, _STORE_READS),
+    ("undolog_mcp/cli.py", "store"): (1, _DESK_TABLES),
+    ("undolog_mcp/elicit.py", "store"): (2, _DESK_TABLES),
+    ("undolog_mcp/gateway.py", "store.session_of_client_key"): (1, _STORE_READS),
+    ("undolog_mcp/gateway.py", "store.effect_by_call"): (1, _STORE_READS),
+    ("undolog_mcp/lifecycle.py", "engine.remember"): (1, "a session found fresh again goes back into the engine's "
+                                                         "cache: " + _SESSION_LIFECYCLE),
+}
+
+# The services of an UndoLog that are not part of any contract, and the names clients hold an UndoLog under.
+PRIVATE_SERVICES = frozenset({"engine", "store"})
+UNDOLOG_NAMES = frozenset({"undolog", "u"})
+
+
+def _client_files() -> list[Path]:
+    return sorted(f for pkg in CLIENTS for f in (ROOT / pkg).rglob("*.py") if "migrations" not in f.parts)
+
+
+def _all_of(module: str) -> set[str]:
+    """The names a module's ``__all__`` lists (read from its source: nothing is imported)."""
+    path = ROOT / module.replace(".", "/")
+    f = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    for node in ast.parse(f.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return {e.value for e in node.value.elts if isinstance(e, ast.Constant)}  # type: ignore[attr-defined]
+    raise AssertionError(f"{module} has no __all__")
+
+
+def _imports_of_clients_in(tree: ast.AST) -> list[str]:
+    found = []
+    for node in ast.walk(tree):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        found += [f"{node.lineno} {n}" for n in names if n.split(".")[0] in CLIENTS]  # type: ignore[attr-defined]
+    return found
+
+
+def core_imports_of_clients() -> list[str]:
+    """Imports of ``undolog_server``, ``undolog_mcp`` or ``undolog_adapters`` anywhere in the core (lazy ones too)."""
+    return [f"{f.relative_to(ROOT)}:{hit}" for f in sorted((ROOT / "undolog_core").rglob("*.py"))
+            if "migrations" not in f.parts for hit in _imports_of_clients_in(ast.parse(f.read_text(encoding="utf-8")))]
+
+
+def private_core_imports() -> list[str]:
+    """What the adapters, the desk and the gateway import of the core outside its public modules and names."""
+    allowed = {m: _all_of(m) for m in ("undolog_core", "undolog_core.integration")}
+    found = []
+    for f in _client_files():
+        where = f.relative_to(ROOT)
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                pairs = [(a.name, None) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                pairs = [(node.module, a.name) for a in node.names]
+            else:
+                continue
+            for module, name in pairs:
+                if module.split(".")[0] != "undolog_core":
+                    continue
+                if module not in PUBLIC:
+                    found.append(f"{where}:{node.lineno} {module}")
+                elif name is not None and (name.startswith("_") or (module in allowed and name not in allowed[module])):
+                    found.append(f"{where}:{node.lineno} {module}.{name}")
+    return found
+
+
+def reaches_in(tree: ast.AST) -> Counter[str]:
+    """Each ``<undolog>.engine`` / ``<undolog>.store`` a module touches, with the member it reaches for (counted)."""
+    found: Counter[str] = Counter()
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr in PRIVATE_SERVICES):
+            continue
+        base = node.value
+        held = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else None
+        if held in UNDOLOG_NAMES:
+            up = parents.get(node)
+            found[f"{node.attr}.{up.attr}" if isinstance(up, ast.Attribute) and up.value is node else node.attr] += 1
+    return found
+
+
+def service_reaches() -> Counter[tuple[str, str]]:
+    """:func:`reaches_in` of every module of the adapters, the desk and the gateway, by (file, reach)."""
+    found: Counter[tuple[str, str]] = Counter()
+    for f in _client_files():
+        for reach, n in reaches_in(ast.parse(f.read_text(encoding="utf-8"))).items():
+            found[(str(f.relative_to(ROOT)), reach)] += n
+    return found
+
+
+def test_the_core_imports_none_of_the_packages_built_on_it() -> None:
+    assert core_imports_of_clients() == []
+
+
+def test_adapters_desk_and_gateway_import_nothing_private_of_the_core() -> None:
+    assert private_core_imports() == []
+
+
+def test_reaches_into_an_undologs_engine_or_store_are_the_listed_ones_and_only_shrink() -> None:
+    found = service_reaches()
+    listed = {k: n for k, (n, _) in REACHES.items()}
+    new = {k: n for k, n in found.items() if n > listed.get(k, 0)}
+    assert not new, f"reaches into the core's engine or store outside the integration contract: {new}"
+    gone = {k: n for k, n in listed.items() if found.get(k, 0) < n}
+    assert not gone, f"fewer reaches than listed (good): lower or remove their entries in REACHES: {gone}"
+
+
+def test_the_layering_checks_see_what_they_look_for() -> None:
+    """Not vacuous: each check finds a planted violation in a module of the shape it reads."""
+    planted = ast.parse("def f(self):\n    self.undolog.engine.ensure_session('s')\n    return u.store, db.store\n")
+    assert reaches_in(planted) == Counter({"engine.ensure_session": 1, "store": 1})
+    assert any("undolog_server" in i for i in _imports_of_clients_in(ast.parse("def f():\n    import undolog_server.cli\n")))
+    assert "Engine" not in _all_of("undolog_core") and "UndoLog" in _all_of("undolog_core")
+    assert "jsonable" in _all_of("undolog_core.integration")

@@ -407,7 +407,7 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
             self._ensure(sid, minted=True)
         else:
             self._ensure(sid)
-        continuation = Continuation.load(self.undolog.store, sid) if resume else None
+        continuation = Continuation.of_session(self.undolog, sid) if resume else None
         kickoff_id = continuation.kickoff_id if continuation is not None else str(uuid.uuid4())
         # The after-hook only rewrites the text of a call the gate refused: it joins this dict when one is (_refuse).
         hooks: dict[InterceptionPoint, list[Callable[[Any], Any]]] = {InterceptionPoint.PRE_TOOL_CALL: [self.before_hook]}

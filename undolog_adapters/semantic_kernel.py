@@ -908,7 +908,7 @@ def _history_continuation(undolog: UndoLog, history: ChatHistory, session_id: st
     ids = [str(i.id) for m in history.messages for i in m.items if isinstance(i, FunctionCallContent) and i.id]
     if not ids:
         return None
-    return Continuation(session_id, None, undolog.store.effects_of_calls(session_id, ids))
+    return Continuation.of_calls(undolog, session_id, ids)
 
 
 def _placeholders(history: ChatHistory) -> list[FunctionResultContent]:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ._plugins import GATEWAY, plugin
 from .errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -23,11 +25,9 @@ def is_gateway_config(spec: str) -> bool:
 
 
 def _load_gateway(spec: str, into: UndoLog | None) -> UndoLog:
-    # The gateway lives in its own package (the mcp extra); imported only when a config file is named.
-    try:
-        from undolog_mcp import register_gateway
-    except ImportError as exc:
-        raise ConfigurationError(f"--app {spec} is an MCP gateway config: {exc}") from exc
+    # The gateway lives in its own package (the mcp extra), found by its entry point (the core imports no package
+    # built on it) and loaded only when a config file is named.
+    register_gateway = _gateway(spec, "register")
     from ._undolog import UndoLog
 
     loaded: UndoLog = register_gateway(spec, into if into is not None else UndoLog.open())
@@ -40,11 +40,20 @@ def gateway_database(spec: str) -> str | None:
     Raises:
         ConfigurationError: the mcp extra is missing, or the config's ``database`` is refused.
     """
+    found: str | None = _gateway(spec, "database")(spec)
+    return found
+
+
+def _gateway(spec: str, name: str) -> Callable[..., Any]:
+    """What the MCP gateway declares under ``name`` in the ``undolog.gateway`` entry-point group."""
     try:
-        from undolog_mcp.config import database_of
+        found = plugin(GATEWAY, name)
     except ImportError as exc:
         raise ConfigurationError(f"--app {spec} is an MCP gateway config: {exc}") from exc
-    return database_of(spec)
+    if found is None:
+        raise ConfigurationError(f"--app {spec} is an MCP gateway config, and no installed package provides the "
+                                 "gateway: pip install 'undolog[mcp]'")
+    return found
 
 
 def load_app(spec: str | None = None, *, into: UndoLog | None = None) -> UndoLog:

@@ -9,7 +9,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import _observe as obs
-from ._tools import build_args_model, canonical_json, check_json_schema, sha256_hex
+from ._json import canonical_json, sha256_hex
+from ._validation import build_args_model, check_json_schema
 from .errors import (
     ApprovalAlreadyDecided,
     ApprovalNotFound,

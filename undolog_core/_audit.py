@@ -10,7 +10,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ._tools import canonical_json, sha256_hex
+from ._json import canonical_json, sha256_hex
 from .storage.audit import GENESIS_HASH, AuditSQL, event_hash
 
 

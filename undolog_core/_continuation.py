@@ -15,13 +15,21 @@ import collections
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ._tools import ToolSpec, canonical_text, json_safe, sha256_hex
+from ._json import canonical_text, json_safe, sha256_hex
+from ._tools import ToolSpec
 from .storage.base import new_id
 
 if TYPE_CHECKING:
     from .storage import Storage
+
+
+class _HasStore(Protocol):
+    """An ``UndoLog`` as a continuation reads it (typed here so that this module imports no facade)."""
+
+    @property
+    def store(self) -> Storage: ...
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,25 @@ class Continuation:
         if kickoff_id is None:
             return cls(session_id, new_id(), [])
         return cls(session_id, kickoff_id, store.kickoff_effects(session_id, kickoff_id))
+
+    @classmethod
+    def of_session(cls, undolog: _HasStore, session_id: str) -> Continuation:
+        """:meth:`load` on an ``UndoLog``: what an integration calls (its store is no part of the contract).
+
+        Example:
+            >>> cont = Continuation.of_session(undolog, "ticket-42")        # doctest: +SKIP
+        """
+        return cls.load(undolog.store, session_id)
+
+    @classmethod
+    def of_calls(cls, undolog: _HasStore, session_id: str, call_ids: list[str]) -> Continuation:
+        """The committed effects of these calls of the session (a resumed conversation's history, whose calls keep
+        their ids), as a continuation under no run of its own.
+
+        Example:
+            >>> cont = Continuation.of_calls(undolog, "chat-7", ["call_1", "call_2"])   # doctest: +SKIP
+        """
+        return cls(session_id, None, undolog.store.effects_of_calls(session_id, call_ids))
 
     def __len__(self) -> int:
         """How many recorded effects are still to be replayed."""

@@ -19,16 +19,10 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from . import _faults
 from ._faults import FaultPoint, fault
+from ._json import canonical_json, canonical_text, json_safe, sha256_hex
 from ._leases import LazyLoop, Leases, owner_alive
 from ._observe import engine_log, ids
-from ._tools import (
-    ToolSpec,
-    ToolTier,
-    canonical_json,
-    canonical_text,
-    json_safe,
-    sha256_hex,
-)
+from ._tools import ToolSpec, ToolTier
 from .errors import (
     ApprovalCancelled,
     ApprovalRejected,

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _observe as obs
 from ._faults import FaultPoint, fault
+from ._json import jsonable
 from ._leases import Leases, owner_alive
-from ._tools import jsonable
 from .errors import (
     CompensationNotFound,
     CompensationVersionMismatch,

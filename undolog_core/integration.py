@@ -19,6 +19,8 @@ move its internals without breaking them.
 - ``WAKE_SIGNAL``: the signal a rollback requester on this host sends a session's owning process.
 - ``IN_FLIGHT``: the effect states of a call still in flight.
 - ``ApprovalRecord``: an approval request as read from the store.
+- ``persist_session``: write a session this process started but has not written yet, now (for a reader in another
+  process: the desk's HTTP agents).
 
 Example:
     >>> from undolog_core.integration import jsonable, tool_name_of
@@ -27,15 +29,36 @@ Example:
     ('refund', {'amount': 'NaN'})
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from ._continuation import Continuation
 from ._engine import KICKOFF, SessionCache, execute_now
+from ._json import jsonable
 from ._observe import metering
 from ._owners import WAKE_SIGNAL
 from ._saga import run_coro_blocking
-from ._tools import jsonable, tool_name_of
+from ._tools import tool_name_of
 from .storage.pool import WouldBlock
 from .storage.records import ApprovalRecord
 from .storage.schema import IN_FLIGHT
 
+if TYPE_CHECKING:
+    from ._undolog import UndoLog
+
 __all__ = ["IN_FLIGHT", "KICKOFF", "WAKE_SIGNAL", "ApprovalRecord", "Continuation", "SessionCache", "WouldBlock",
-           "execute_now", "jsonable", "metering", "run_coro_blocking", "tool_name_of"]
+           "execute_now", "jsonable", "metering", "persist_session", "run_coro_blocking", "tool_name_of"]
+
+
+def persist_session(undolog: UndoLog, session_id: str) -> None:
+    """Write the session ``session_id`` now, if this process started it and has not written it yet.
+
+    A minted id's row waits for its first logged call on PostgreSQL; another process that reads the store (the
+    desk's next request, served elsewhere) then finds it.
+
+    Example:
+        >>> s = undolog.session(agent_id="support-bot")                  # doctest: +SKIP
+        >>> persist_session(undolog, s.id)                               # doctest: +SKIP
+    """
+    undolog.engine.persist(session_id)

@@ -577,7 +577,7 @@ def health(request: Request) -> HealthOut:
     except Exception:
         raise Problem(503, "database_unavailable", "the database does not answer",
                       headers={"Retry-After": "1"}) from None
-    return HealthOut(status="ok", database=st.undolog.store.dialect)
+    return HealthOut(status="ok", database="postgresql" if st.store.core.is_postgres else "sqlite")
 
 
 @router.get("/me", response_model=MeOut, tags=["meta"], summary="The calling key")

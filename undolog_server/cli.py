@@ -216,14 +216,53 @@ def keys_revoke(key_id: str, db: DbOpt = None, schema: SchemaOpt = None) -> None
     typer.echo(f"revoked {key_id}")
 
 
-def register(app: typer.Typer) -> None:
-    """Add ``serve`` and the ``keys`` group to the main ``undolog`` CLI.
+def upgrade_tables(core: Any) -> tuple[str | None, str | None]:
+    """Create or migrate the desk's tables on the core's store: ``undolog db upgrade --server`` runs it through the
+    ``undolog.table_branches`` entry point (the core imports no server module).
 
     Args:
-        app: The main Typer application.
+        core: The core's ``Store`` (``UndoLog.store``), on the database the tables go to.
+
+    Returns:
+        The desk's migration revision before and after (``None`` before its first run).
+
+    Example:
+        >>> upgrade_tables(UndoLog.open("sqlite:///undolog.db").store)      # doctest: +SKIP
+        (None, 's0003_...')
+    """
+    from . import storage as server_store
+
+    before = server_store.migration_current(core)
+    server_store.migrate(core)
+    return before, server_store.migration_current(core)
+
+
+def register_serve(app: typer.Typer) -> None:
+    """Add ``serve`` to the main ``undolog`` CLI (the ``undolog.cli_plugins`` entry point ``serve``).
+
+    Example:
+        >>> register_serve(typer.Typer())
     """
     app.command("serve")(serve)
+
+
+def register_keys(app: typer.Typer) -> None:
+    """Add the ``keys`` group to the main ``undolog`` CLI (the ``undolog.cli_plugins`` entry point ``keys``).
+
+    Example:
+        >>> register_keys(typer.Typer())
+    """
     app.add_typer(keys_app, name="keys")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``serve`` and the ``keys`` group to a Typer application (``python -m undolog_server``).
+
+    Args:
+        app: The Typer application.
+    """
+    register_serve(app)
+    register_keys(app)
 
 
 def main() -> None:

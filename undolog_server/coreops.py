@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from undolog_core import UndoLog
+from undolog_core.integration import persist_session
 
 
 def create_session(
@@ -16,7 +17,7 @@ def create_session(
     Written at once: the agent's next request may reach another server process, which knows the session only from
     the store (``undolog.session`` leaves a minted id's row to its first logged call on PostgreSQL)."""
     s = undolog.session(agent_id=agent_id, session_id=session_id, created_by=created_by, on_failure=on_failure)
-    undolog.engine.persist(s.id)
+    persist_session(undolog, s.id)
     return str(s.id)
 
 

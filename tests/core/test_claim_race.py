@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from undolog_core import ApprovalPending, ToolTier, UndoLog, undolog_tool
-from undolog_core._tools import canonical_json, sha256_hex
+from undolog_core._json import canonical_json, sha256_hex
 from undolog_core.errors import InvalidEffectState
 from undolog_core.storage.base import utcnow
 

@@ -247,7 +247,7 @@ def test_an_invalid_schema_is_refused_at_registration(u: UndoLog) -> None:
 
 
 def test_validators_are_compiled_once_per_schema() -> None:
-    from undolog_core._tools import schema_validator
+    from undolog_core._validation import schema_validator
 
     assert schema_validator("a", dict(PAY_SCHEMA)) is schema_validator("b", json.loads(json.dumps(PAY_SCHEMA)))
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from undolog_core._tools import _model_from_json_schema, as_is_checker, simple_checker
+from undolog_core._validation import _model_from_json_schema, as_is_checker, simple_checker
 from undolog_core.errors import ArgumentsInvalid, InvalidDeclaration
 
 SCHEMAS: list[dict[str, Any]] = [

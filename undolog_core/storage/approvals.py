@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from .._tools import canonical_json, sha256_hex
+from .._json import canonical_json, sha256_hex
 from ..errors import ApprovalAlreadyDecided, ApprovalNotFound, UndoLogError
 from ..limits import PREVIEW_CHARS, TRUNCATED
 from . import schema as t

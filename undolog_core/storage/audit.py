@@ -19,7 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from .._tools import canonical_json, sha256_hex
+from .._json import canonical_json, sha256_hex
 from . import schema as t
 from .base import Store, utcnow
 from .records import StoredEvent
