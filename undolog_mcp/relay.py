@@ -35,9 +35,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import datetime as dt
 import functools
 import logging
-import datetime as dt
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -198,23 +198,30 @@ class Relay(UpstreamHooks):
             in_flight.remove(entry)
 
     async def opened(self, config: UpstreamConfig, up: Upstream) -> None:
-        # Not on any client's behalf, whichever client's request opened the connection (this runs in the holder
-        # task, whose context is its own copy): the level sent is not that client's request in flight.
-        request_ctx.set(None)  # type: ignore[arg-type]
-        level = self._level_sent
-        caps = up.initialized.capabilities if up.initialized is not None else None
-        if level is not None and caps is not None and caps.logging is not None:
-            # A restarted upstream starts at its own default level: the level the clients asked is said again
-            # before any request is handed this connection, so nothing it logs meanwhile ignores it.
-            try:
-                await up.session.send_request(
-                    types.ClientRequest(types.SetLevelRequest(params=types.SetLevelRequestParams(level=level))),
-                    types.EmptyResult, request_read_timeout_seconds=dt.timedelta(seconds=config.timeout))
-            except Exception as exc:  # noqa: BLE001 - its tools still serve; the level is said again next start
-                log.warning("upstream %s, started again, did not take logging/setLevel %s: %s", config.name,
-                            level, exc.error.message if isinstance(exc, McpError) else first_cause(exc))
+        # Not on any client's behalf, whichever client's request opened the connection (the holder task's context
+        # is a copy of that request's): the level sent is not that client's request in flight.
+        token = request_ctx.set(None)  # type: ignore[arg-type]
+        try:
+            await self._say_level(config, up)
+        finally:
+            request_ctx.reset(token)
         if self.on_upstream_opened is not None:
             self._spawn(self.on_upstream_opened(config))
+
+    async def _say_level(self, config: UpstreamConfig, up: Upstream) -> None:
+        level = self._level_sent
+        caps = up.initialized.capabilities if up.initialized is not None else None
+        if level is None or caps is None or caps.logging is None:
+            return
+        # A restarted upstream starts at its own default level: the level the clients asked is said again before
+        # any request is handed this connection, so nothing it logs from then on ignores it.
+        try:
+            await up.session.send_request(
+                types.ClientRequest(types.SetLevelRequest(params=types.SetLevelRequestParams(level=level))),
+                types.EmptyResult, request_read_timeout_seconds=dt.timedelta(seconds=config.timeout))
+        except Exception as exc:  # noqa: BLE001 - its tools still serve; the level is said again at its next start
+            log.warning("upstream %s, started again, did not take logging/setLevel %s: %s", config.name, level,
+                        exc.error.message if isinstance(exc, McpError) else first_cause(exc))
 
     async def notified(self, config: UpstreamConfig, notification: types.ServerNotification) -> None:
         root = notification.root

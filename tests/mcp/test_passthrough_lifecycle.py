@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -269,3 +270,41 @@ async def test_socket_clients_subscriptions_end_upstream_when_the_last_one_goes(
         # The second client's connection closed (its client ended): the last holder is gone.
         gone = await until(lambda: requests_in(log, "resources/unsubscribe"), "unsubscribed upstream")
         assert [m["params"]["uri"] for m in gone] == [DOC]
+
+
+# -- the counting itself, with the gateway in this process ------------------------------------------------------
+
+async def test_subscriptions_are_counted_per_uri_and_released_with_the_clients(undolog: Any, tmp_path: Path) -> None:
+    """Two clients of one in-process gateway (the SDK's in-memory transport) on one URI of the conformance fixture,
+    whose wire is tapped: one upstream subscription, kept while any client holds the URI, ended by the last."""
+    from mcp.shared.memory import create_connected_server_and_client_session
+
+    from undolog_mcp.config import load_config
+    from undolog_mcp.gateway import Gateway
+
+    from .test_gateway_everything import TAP
+
+    log = tmp_path / "wire.log"
+    cfg = tmp_path / "gateway.toml"
+    fixture = Path(__file__).parent / "conformance_fixture.py"
+    command = [sys.executable, str(TAP), str(log), "--", sys.executable, str(fixture)]
+    cfg.write_text(f"[upstreams.fixture]\ncommand = {json.dumps(command)}\n")
+    uri: Any = "test://watched-resource"
+    gw = Gateway(load_config(cfg), undolog)
+    async with gw.running():
+        async with create_connected_server_and_client_session(gw.server) as one, \
+                create_connected_server_and_client_session(gw.server) as two:
+            await one.subscribe_resource(uri)
+            await two.subscribe_resource(uri)
+            await two.subscribe_resource(uri)  # again: it holds it once
+            assert len(requests_in(log, "resources/subscribe")) == 1
+            await one.unsubscribe_resource(uri)  # the other still holds it: nothing upstream
+            await one.unsubscribe_resource(uri)  # (not held: nothing to do)
+            assert requests_in(log, "resources/unsubscribe") == []
+            await two.unsubscribe_resource(uri)  # the last holder: the upstream is told before the answer
+            assert len(requests_in(log, "resources/unsubscribe")) == 1
+            await one.subscribe_resource(uri)
+            await two.subscribe_resource(uri)
+            assert len(requests_in(log, "resources/subscribe")) == 2
+        # Both went away holding it: released, and the upstream told once.
+        await until(lambda: len(requests_in(log, "resources/unsubscribe")) == 2, "unsubscribed upstream")
