@@ -343,6 +343,8 @@ class Passthrough:
         client = self.server.request_context.session
         session = await self._session(cfg)  # (opened before the lock: an opening subscribes again under it)
         async with self._subscribing.setdefault(cfg.name, asyncio.Lock()):
+            if _ended(session):  # it went away meanwhile: the one started in its place (its hooks do not wait)
+                session = await self._session(cfg)
             sub = self._subscriptions.setdefault(uri, _Subscription(cfg.name, own))
             added = client not in sub.clients
             sub.clients.add(client)
@@ -404,7 +406,11 @@ class Passthrough:
         """``cfg``'s upstream was started again: what its clients still hold is subscribed again on it."""
         if not any(sub.upstream == cfg.name for sub in self._subscriptions.values()):
             return
-        session = await self._session(cfg)
+        try:
+            session = await self._session(cfg)
+        except McpError as exc:  # gone again at once: its next start subscribes again
+            log.warning("%s; its subscriptions are made again when it starts", exc.error.message)
+            return
         async with self._subscribing.setdefault(cfg.name, asyncio.Lock()):
             for uri, sub in list(self._subscriptions.items()):
                 if sub.upstream == cfg.name and sub.clients:
