@@ -214,11 +214,12 @@ class Relay(UpstreamHooks):
         if level is None or caps is None or caps.logging is None:
             return
         # A restarted upstream starts at its own default level: the level the clients asked is said again before
-        # any request is handed this connection, so nothing it logs from then on ignores it.
+        # any request is handed this connection, so nothing it logs from then on ignores it. Bounded as the opening
+        # is (start_timeout): an upstream that never answers it must not hold the calls waiting for the connection.
         try:
             await up.session.send_request(
                 types.ClientRequest(types.SetLevelRequest(params=types.SetLevelRequestParams(level=level))),
-                types.EmptyResult, request_read_timeout_seconds=dt.timedelta(seconds=config.timeout))
+                types.EmptyResult, request_read_timeout_seconds=dt.timedelta(seconds=config.start_timeout))
         except Exception as exc:  # noqa: BLE001 - its tools still serve; the level is said again at its next start
             log.warning("upstream %s, started again, did not take logging/setLevel %s: %s", config.name, level,
                         exc.error.message if isinstance(exc, McpError) else first_cause(exc))
