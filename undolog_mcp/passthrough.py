@@ -8,6 +8,11 @@ chain. Listings are the upstreams' listings merged; a prompt name or a resource 
 upstreams is exposed prefixed, as tools are: ``<upstream>_<prompt>`` and ``<upstream>+<uri>`` (a ``+`` keeps the
 URI's scheme a valid one). The capabilities the gateway advertises are exactly those it relays.
 
+Subscriptions are counted per URI across the gateway's clients: the upstream is asked to subscribe once, when the
+first client subscribes, and to unsubscribe when the last one unsubscribes or goes away (its HTTP session closed or
+idled out, its stdio or socket connection ended). An upstream started again is asked to subscribe again to what
+its clients still hold.
+
 Example::
 
     [upstreams.docs]
@@ -17,10 +22,10 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
 import re
-import weakref
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +43,22 @@ from .upstream import Upstream, first_cause
 log = logging.getLogger("undolog.mcp")
 
 _EXPRESSION = re.compile(r"\{[^{}]*\}")
+
+
+@dataclass(eq=False)
+class _Subscription:
+    """One URI the gateway's clients subscribed to, and the upstream session the gateway subscribed on."""
+
+    upstream: str
+    own: str  # the URI as the upstream names it
+    clients: set[ServerSession] = field(default_factory=set)
+    on: ClientSession | None = None  # the upstream session subscribed (None: not subscribed upstream)
+
+
+def _ended(session: ClientSession | None) -> bool:
+    """The upstream session is gone (a restarted upstream knows nothing of what was asked on it)."""
+    ended = getattr(session, "ended", None)
+    return session is None or (isinstance(ended, asyncio.Event) and ended.is_set())
 
 
 def template_pattern(template: str) -> re.Pattern[str]:
@@ -104,7 +125,8 @@ class Passthrough:
         self.counts: Counter[str] = Counter()  # "resources/read", "prompts/get", ... served
         self._listings: dict[str, _Listing] = {}  # "resources", "templates", "prompts": as last listed
         self._patterns: list[tuple[re.Pattern[str], str, str, str]] = []  # (pattern, exposed, upstream, own)
-        self._subscribers: dict[str, weakref.WeakSet[ServerSession]] = {}  # exposed URI -> its subscribers
+        self._subscriptions: dict[str, _Subscription] = {}  # exposed URI -> its subscribers
+        self._subscribing: dict[str, asyncio.Lock] = {}  # per upstream: one change of its subscriptions at a time
         self._counter: Any = None
         self._exposing: dict[str, list[UpstreamConfig]] = {}
         handlers: dict[type, Callable[[Any], Awaitable[types.ServerResult]]] = {
@@ -119,6 +141,8 @@ class Passthrough:
             types.SetLevelRequest: self._set_level,
         }
         server.request_handlers.update(handlers)
+        relay.on_upstream_opened = self._subscribe_again
+        relay.on_client_gone = self.release
 
     # -- what is exposed ----------------------------------------------------------------------------
 
@@ -206,8 +230,12 @@ class Passthrough:
         self.note(up)
         return up.session
 
-    async def _send(self, cfg: UpstreamConfig, request: Any, result: type[Any]) -> Any:
-        session = await self._session(cfg)
+    async def _send(self, cfg: UpstreamConfig, request: Any, result: type[Any],
+                    session: ClientSession | None = None) -> Any:
+        """``request`` to ``cfg``'s upstream (over ``session`` when given, else its live one), its answer or the
+        upstream's error as an MCP error naming it."""
+        if session is None:
+            session = await self._session(cfg)
         try:
             return await session.send_request(types.ClientRequest(request), result,
                                               request_read_timeout_seconds=dt.timedelta(seconds=cfg.timeout))
@@ -312,44 +340,99 @@ class Passthrough:
         self._require("resources")
         uri = str(req.params.uri)
         cfg, own = await self._resource(uri)
-        subscribers = self._subscribers.setdefault(uri, weakref.WeakSet())
-        first = not subscribers
-        subscribers.add(self.server.request_context.session)
-        if first:
-            # Once per URI upstream, however many clients subscribe: the upstream's session is shared.
+        client = self.server.request_context.session
+        session = await self._session(cfg)  # (opened before the lock: an opening subscribes again under it)
+        async with self._subscribing.setdefault(cfg.name, asyncio.Lock()):
+            if _ended(session):  # it went away meanwhile: the one started in its place (its hooks do not wait)
+                session = await self._session(cfg)
+            sub = self._subscriptions.setdefault(uri, _Subscription(cfg.name, own))
+            added = client not in sub.clients
+            sub.clients.add(client)
             try:
-                await self._send(cfg, types.SubscribeRequest(
-                    params=req.params if own == uri else _renamed(req.params, "uri", own)), types.EmptyResult)
+                await self._settle(cfg, uri, sub, session)
             except BaseException:
-                subscribers.discard(self.server.request_context.session)
+                if added:  # not subscribed: the client is told so by the error, and holds nothing
+                    sub.clients.discard(client)
+                    if not sub.clients and sub.on is None:
+                        self._subscriptions.pop(uri, None)
                 raise
         return types.ServerResult(types.EmptyResult())
 
     async def _unsubscribe(self, req: types.UnsubscribeRequest) -> types.ServerResult:
         self._require("resources")
         uri = str(req.params.uri)
-        cfg, own = await self._resource(uri)
-        subscribers = self._subscribers.get(uri)
-        if subscribers is not None:
-            subscribers.discard(self.server.request_context.session)
-            if not subscribers:
-                del self._subscribers[uri]
-                await self._send(cfg, types.UnsubscribeRequest(
-                    params=req.params if own == uri else _renamed(req.params, "uri", own)), types.EmptyResult)
+        sub = self._subscriptions.get(uri)
+        if sub is not None:
+            await self._drop(self.config.upstreams[sub.upstream], uri, self.server.request_context.session)
         return types.ServerResult(types.EmptyResult())
 
+    async def _settle(self, cfg: UpstreamConfig, uri: str, sub: _Subscription, session: ClientSession) -> None:
+        """While any client holds ``uri``, the upstream is subscribed to it on ``session`` (its live one): asked
+        once, and again on a session started since. Called holding the upstream's lock."""
+        if sub.clients and (sub.on is not session or _ended(session)):
+            await self._send(cfg, types.SubscribeRequest(params=types.SubscribeRequestParams(
+                uri=sub.own)), types.EmptyResult, session)  # type: ignore[arg-type]
+            sub.on = session
+
+    async def _drop(self, cfg: UpstreamConfig, uri: str, client: ServerSession) -> None:
+        """``client`` no longer holds ``uri``; when no client does, the upstream is told to unsubscribe, on the
+        session it subscribed on (one that ended knows nothing of it: nothing is sent, nothing is started)."""
+        async with self._subscribing.setdefault(cfg.name, asyncio.Lock()):
+            sub = self._subscriptions.get(uri)
+            if sub is None or client not in sub.clients:
+                return
+            sub.clients.discard(client)
+            if sub.clients:
+                return
+            del self._subscriptions[uri]
+            held, sub.on = sub.on, None
+            if held is not None and not _ended(held):
+                await self._send(cfg, types.UnsubscribeRequest(params=types.UnsubscribeRequestParams(
+                    uri=sub.own)), types.EmptyResult, held)  # type: ignore[arg-type]
+
+    async def release(self, client: ServerSession) -> None:
+        """A client session ended: its subscriptions are released, and each URI no other client holds is
+        unsubscribed upstream."""
+        for uri, sub in list(self._subscriptions.items()):
+            if client in sub.clients:
+                try:
+                    await self._drop(self.config.upstreams[sub.upstream], uri, client)
+                except Exception as exc:  # noqa: BLE001 - the rest are released all the same
+                    log.warning("upstream %s did not take resources/unsubscribe %s for a client gone: %s",
+                                sub.upstream, sub.own, exc.error.message if isinstance(exc, McpError)
+                                else first_cause(exc))
+
+    async def _subscribe_again(self, cfg: UpstreamConfig) -> None:
+        """``cfg``'s upstream was started again: what its clients still hold is subscribed again on it."""
+        if not any(sub.upstream == cfg.name for sub in self._subscriptions.values()):
+            return
+        try:
+            session = await self._session(cfg)
+        except McpError as exc:  # gone again at once: its next start subscribes again
+            log.warning("%s; its subscriptions are made again when it starts", exc.error.message)
+            return
+        async with self._subscribing.setdefault(cfg.name, asyncio.Lock()):
+            for uri, sub in list(self._subscriptions.items()):
+                if sub.upstream == cfg.name and sub.clients:
+                    try:
+                        await self._settle(cfg, uri, sub, session)
+                    except McpError as exc:
+                        log.warning("upstream %s, started again, did not take resources/subscribe %s: %s",
+                                    cfg.name, sub.own, exc.error.message)
+
     async def resource_updated(self, cfg: UpstreamConfig, own: str) -> None:
-        """An upstream's ``notifications/resources/updated``: told to the clients subscribed to that URI."""
-        uri = self._listings.get("resources", _Listing()).exposed.get((cfg.name, own), own)
-        if uri not in self._subscribers and f"{cfg.name}+{own}" in self._subscribers:
-            uri = f"{cfg.name}+{own}"
-        note = types.ServerNotification(types.ResourceUpdatedNotification(
-            params=types.ResourceUpdatedNotificationParams(uri=uri)))  # type: ignore[arg-type]
-        for client in list(self._subscribers.get(uri, ())):
-            try:
-                await client.send_notification(note)
-            except Exception:  # noqa: BLE001 - a subscriber gone meanwhile is not told
-                log.debug("a resource update could not be sent to a client", exc_info=True)
+        """An upstream's ``notifications/resources/updated``: told to the clients subscribed to that URI, under the
+        name each knows it by."""
+        for uri, sub in list(self._subscriptions.items()):
+            if sub.upstream != cfg.name or sub.own != own:
+                continue
+            note = types.ServerNotification(types.ResourceUpdatedNotification(
+                params=types.ResourceUpdatedNotificationParams(uri=uri)))  # type: ignore[arg-type]
+            for client in list(sub.clients):
+                try:
+                    await client.send_notification(note)
+                except Exception:  # noqa: BLE001 - a subscriber gone meanwhile is not told
+                    log.debug("a resource update could not be sent to a client", exc_info=True)
 
     async def listing_changed(self, cfg: UpstreamConfig, kind: str) -> None:
         """An upstream's resources or prompts changed: the clients are told (when that upstream passes them)."""

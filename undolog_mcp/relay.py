@@ -22,6 +22,12 @@ sends on it names no client. So:
   several clients' requests in flight, or none over HTTP, it could be another client's: it is not relayed.
 - **List changes and resource updates.** Handed to the gateway (``on_listing_changed``, ``on_resource_updated``),
   which recomputes what it exposes and tells its clients.
+- **An upstream started again** (it crashed, or its connection was lost and the next request opened another): the
+  log level its clients asked is sent again before anything else goes over the new connection, and the gateway's
+  subscriptions to its resources are made again (``on_upstream_opened``): the clients still hold them.
+- **A client gone** (its HTTP session ended or idled out, its stdio or socket connection closed): its log level is
+  forgotten and its subscriptions released (``on_client_gone``): an upstream is told to unsubscribe from a URI no
+  other client holds.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import datetime as dt
 import functools
 import logging
 import weakref
@@ -44,9 +51,14 @@ from mcp.server.session import ServerSession
 from mcp.shared.message import ServerMessageMetadata
 
 from .config import UpstreamConfig
-from .upstream import UpstreamHooks
+from .upstream import Upstream, UpstreamHooks, first_cause
 
 log = logging.getLogger("undolog.mcp")
+
+# The client sessions a run of ``GatewayServer.run`` served (one): set in that run's task, so every handler it
+# starts sees the list of its own run.
+_SERVED: contextvars.ContextVar[list[ServerSession] | None] = contextvars.ContextVar("undolog_mcp_served",
+                                                                                     default=None)
 
 # The MCP log levels, least severe first.
 LEVELS: tuple[types.LoggingLevel, ...] = ("debug", "info", "notice", "warning", "error", "critical", "alert",
@@ -67,9 +79,29 @@ class GatewayServer(Server[Any, Any]):
         self.sessions: weakref.WeakSet[ServerSession] = weakref.WeakSet()
         # () -> (capabilities, instructions), asked as each client session starts.
         self.advertise: Callable[[], tuple[types.ServerCapabilities, str | None]] | None = None
+        # Called with each client session that ended (however: a closed or idled-out HTTP session, an ended stdio
+        # or socket connection), once its run is over.
+        self.on_session_end: Callable[[ServerSession], None] | None = None
+
+    async def run(self, read_stream: Any, write_stream: Any, initialization_options: Any,
+                  raise_exceptions: bool = False, stateless: bool = False) -> None:
+        """The SDK's ``run`` of one client session; when it ends, :attr:`on_session_end` is told which it was."""
+        served: list[ServerSession] = []
+        token = _SERVED.set(served)
+        try:
+            await super().run(read_stream, write_stream, initialization_options, raise_exceptions, stateless)
+        finally:
+            _SERVED.reset(token)
+            for session in served:
+                self.sessions.discard(session)
+                if self.on_session_end is not None:
+                    self.on_session_end(session)
 
     async def _handle_message(self, message: Any, session: ServerSession, lifespan_context: Any,
                               raise_exceptions: bool = False) -> None:
+        served = _SERVED.get()
+        if served is not None and not served:
+            served.append(session)  # (the session is made inside the SDK's run: its first message names it)
         self.sessions.add(session)
         await super()._handle_message(message, session, lifespan_context, raise_exceptions)
 
@@ -115,7 +147,12 @@ class Relay(UpstreamHooks):
                                                          types.ServerCapabilities | None]]]] | None = None
         self.on_listing_changed: Callable[[UpstreamConfig, str], Awaitable[None]] | None = None
         self.on_resource_updated: Callable[[UpstreamConfig, str], Awaitable[None]] | None = None
+        # Set by the pass-through: an upstream's connection was opened again (run in a task of its own, once the
+        # connection is handed out), and a client session ended.
+        self.on_upstream_opened: Callable[[UpstreamConfig], Awaitable[None]] | None = None
+        self.on_client_gone: Callable[[ServerSession], Awaitable[None]] | None = None
         server.notification_handlers[types.RootsListChangedNotification] = self._roots_changed
+        server.on_session_end = self._client_gone
 
     # -- UpstreamHooks ---------------------------------------------------------------------------------
 
@@ -159,6 +196,33 @@ class Relay(UpstreamHooks):
             raise
         finally:
             in_flight.remove(entry)
+
+    async def opened(self, config: UpstreamConfig, up: Upstream) -> None:
+        # Not on any client's behalf, whichever client's request opened the connection (the holder task's context
+        # is a copy of that request's): the level sent is not that client's request in flight.
+        token = request_ctx.set(None)  # type: ignore[arg-type]
+        try:
+            await self._say_level(config, up)
+        finally:
+            request_ctx.reset(token)
+        if self.on_upstream_opened is not None:
+            self._spawn(self.on_upstream_opened(config))
+
+    async def _say_level(self, config: UpstreamConfig, up: Upstream) -> None:
+        level = self._level_sent
+        caps = up.initialized.capabilities if up.initialized is not None else None
+        if level is None or caps is None or caps.logging is None:
+            return
+        # A restarted upstream starts at its own default level: the level the clients asked is said again before
+        # any request is handed this connection, so nothing it logs from then on ignores it. Bounded as the opening
+        # is (start_timeout): an upstream that never answers it must not hold the calls waiting for the connection.
+        try:
+            await up.session.send_request(
+                types.ClientRequest(types.SetLevelRequest(params=types.SetLevelRequestParams(level=level))),
+                types.EmptyResult, request_read_timeout_seconds=dt.timedelta(seconds=config.start_timeout))
+        except Exception as exc:  # noqa: BLE001 - its tools still serve; the level is said again at its next start
+            log.warning("upstream %s, started again, did not take logging/setLevel %s: %s", config.name, level,
+                        exc.error.message if isinstance(exc, McpError) else first_cause(exc))
 
     async def notified(self, config: UpstreamConfig, notification: types.ServerNotification) -> None:
         root = notification.root
@@ -302,6 +366,14 @@ class Relay(UpstreamHooks):
                                               related_request_id=related)
             except Exception:  # noqa: BLE001 - a client gone meanwhile misses the message, nothing else
                 log.debug("a log message of upstream %s could not be relayed", config.name, exc_info=True)
+
+    # -- clients that end --------------------------------------------------------------------------------
+
+    def _client_gone(self, session: ServerSession) -> None:
+        self._levels.pop(session, None)
+        if self.on_client_gone is not None:
+            # In a task of its own: the session's run may be ending because it is cancelled (the gateway stopping).
+            self._spawn(self.on_client_gone(session))
 
     # -- telling every client --------------------------------------------------------------------------
 

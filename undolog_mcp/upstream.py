@@ -97,6 +97,10 @@ class UpstreamHooks:
         """Around one request sent upstream; what it yields, when not None, is the request's progress callback."""
         return contextlib.nullcontext()
 
+    async def opened(self, config: UpstreamConfig, up: Upstream) -> None:
+        """A connection to the upstream was opened (at start, or again after it was lost), before anything else is
+        sent over it: what the gateway's clients asked of the upstream session that ended is said again."""
+
 
 class _WatchedSession(ClientSession):
     """The SDK's client session, saying when the upstream closed the connection (its receive loop ended): an
@@ -425,6 +429,8 @@ class Connections:
     async def _hold(self, config: UpstreamConfig, opened: asyncio.Future[Upstream], stop: asyncio.Event) -> None:
         try:
             async with connect(config, self.hooks) as up:
+                if self.hooks is not None:
+                    await self.hooks.opened(config, up)  # (before any caller is handed the connection)
                 if self.on_open is not None:
                     await self.on_open(config, up)
                 opened.set_result(up)

@@ -2,7 +2,8 @@
 
 ``python wire_tap.py LOG -- COMMAND...``: the server is COMMAND, unchanged; LOG is what it was told and what it
 answered, so a test can show what reached the upstream itself (a ``notifications/cancelled`` naming its request,
-and no answer to that request after it).
+and no answer to that request after it). ``LOG.pid`` holds the server's process id (rewritten each time the tap
+starts one), for a test that kills it as a crash would; the tap exits with it, closing the connection.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ def main() -> int:
     log = open(log_path, "ab", buffering=0)  # noqa: SIM115 - open for the process's life
     child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert child.stdin is not None and child.stdout is not None
+    with open(log_path + ".pid", "w") as pid:  # noqa: PTH123 - a plain path string, as LOG is
+        pid.write(f"{child.pid}\n")
 
     def pump(src: IO[bytes], dst: IO[bytes], mark: bytes) -> None:
         for line in iter(src.readline, b""):
