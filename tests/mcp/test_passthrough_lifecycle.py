@@ -35,7 +35,7 @@ from undolog_mcp.relay import LEVELS
 
 from .test_gateway_everything import Client, everything_config, wire
 
-pytestmark = pytest.mark.storage
+pytestmark = pytest.mark.reads_store
 
 # server-everything's resource whose subscription the tests hold (one of its static documents).
 DOC = "demo://resource/static/document/architecture.md"
