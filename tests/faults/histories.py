@@ -37,6 +37,7 @@ A failing run prints its seed; ``UNDOLOG_HISTORY_SEED=<seed>`` replays that run.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import os
@@ -48,7 +49,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -126,9 +127,9 @@ def plans_for(seed: int, histories: int, *, force: str | None = None, postgres: 
     return plans
 
 
-def _env(db_env: dict[str, str], history: Path, code_root: Path, plan: Plan | None, *, fault: bool,
+def _env(db_env: dict[str, str], history: Path, plan: Plan | None, *, fault: bool,
          force: str | None = None, seed: int = 0) -> dict[str, str]:
-    env = {**os.environ, **db_env, "HISTORY_FILE": str(history), "PYTHONPATH": f"{code_root}{os.pathsep}{ROOT}"}
+    env = {**os.environ, **db_env, "HISTORY_FILE": str(history)}
     for k in ("UNDOLOG_FAULT", "UNDOLOG_FAULT_SKIP", "UNDOLOG_HOST_ID", "HISTORY_ALL_SLOW", "HISTORY_COMP_PAUSE",
               "HISTORY_CLOCK", "HISTORY_FORCE"):
         env.pop(k, None)
@@ -157,13 +158,105 @@ def _app_name(seed: int, plan: Plan) -> str:
     return f"hist-{os.getpid()}-{seed}-w{plan.worker}"
 
 
-def _spawn(args: list[str], env: dict[str, str], *, stdin: bool = False) -> subprocess.Popen[bytes]:
-    # Started in the code's own root: ``-m`` puts the working directory first on sys.path, so a mutated copy's
-    # ``undolog_core`` is the one imported (the tests come from PYTHONPATH).
-    code_root = env["PYTHONPATH"].split(os.pathsep)[0]
-    return subprocess.Popen([sys.executable, "-m", "tests.faults.history_worker", *args], env=env, cwd=code_root,
-                            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                            stdout=subprocess.PIPE if stdin else subprocess.DEVNULL, stderr=subprocess.PIPE)
+class Zygote:
+    """A process that imported the code under test once and forks the run's workers, recoveries and approver
+    (``history_worker.zygote``). Starting a fresh interpreter per process cost 5-20 s of a run on a loaded machine;
+    a fork costs milliseconds. One per code root (the code as it is, or a mutated copy): :func:`zygote_for`."""
+
+    def __init__(self, code_root: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": f"{code_root}{os.pathsep}{ROOT}"}
+        for k in ("UNDOLOG_FAULT", "UNDOLOG_FAULT_SKIP", "UNDOLOG_HOST_ID"):
+            env.pop(k, None)
+        # Started in the code's own root: ``-m`` puts the working directory first on sys.path, so a mutated copy's
+        # ``undolog_core`` is the one imported (the tests come from PYTHONPATH).
+        self.p = subprocess.Popen([sys.executable, "-m", "tests.faults.history_worker", "zygote"], env=env,
+                                  cwd=code_root, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.exited: dict[int, int] = {}
+        self._buf = b""
+        self._spawned: list[int] = []
+        assert self._next(300.0) == "ready", "the history zygote did not start"
+
+    def _next(self, timeout: float) -> str | None:
+        """The zygote's next line that is not an exit report (those are kept in ``exited``), or None."""
+        assert self.p.stdout is not None
+        end = time.monotonic() + timeout
+        while True:
+            while b"\n" in self._buf:
+                raw, self._buf = self._buf.split(b"\n", 1)
+                line = raw.decode()
+                if line.startswith("exit "):
+                    _, pid, code = line.split()
+                    self.exited[int(pid)] = int(code)
+                else:
+                    return line
+            ready, _, _ = select.select([self.p.stdout], [], [], max(0.0, end - time.monotonic()))
+            if not ready:
+                return None
+            chunk = os.read(self.p.stdout.fileno(), 1 << 16)
+            assert chunk, f"the history zygote ended (exit {self.p.poll()})"
+            self._buf += chunk
+
+    def spawn(self, args: list[str], env: dict[str, str], err: Path) -> int:
+        assert self.p.stdin is not None
+        self.p.stdin.write(b"spawn " + json.dumps({"args": args, "env": env, "err": str(err)}).encode() + b"\n")
+        self.p.stdin.flush()
+        line = self._next(60.0)
+        assert line is not None and line.startswith("pid "), f"the history zygote did not fork: {line!r}"
+        pid = int(line.split()[1])
+        self._spawned.append(pid)
+        return pid
+
+    def poll(self, pid: int) -> int | None:
+        self._next(0.0)
+        return self.exited.get(pid)
+
+    def wait(self, pid: int, timeout: float) -> int | None:
+        end = time.monotonic() + timeout
+        while pid not in self.exited and time.monotonic() < end:
+            self._next(min(0.05, max(0.0, end - time.monotonic())))
+        return self.exited.get(pid)
+
+    def kill_all(self) -> None:
+        """Every process this zygote forked that has not ended (a failed run leaves none behind)."""
+        self._next(0.0)
+        for pid in self._spawned:
+            if pid not in self.exited:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self._spawned = [p for p in self._spawned if p not in self.exited]
+
+    def close(self) -> None:
+        self.kill_all()
+        if self.p.poll() is None:
+            assert self.p.stdin is not None
+            try:
+                self.p.stdin.write(b"quit\n")
+                self.p.stdin.flush()
+                self.p.wait(timeout=30)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.p.kill()
+
+
+_ZYGOTES: dict[Path, Zygote] = {}
+
+
+def zygote_for(code_root: Path) -> Zygote:
+    z = _ZYGOTES.get(code_root)
+    if z is None or z.p.poll() is not None:
+        z = _ZYGOTES[code_root] = Zygote(code_root)
+    return z
+
+
+def close_zygote(code_root: Path) -> None:
+    z = _ZYGOTES.pop(code_root, None)
+    if z is not None:
+        z.close()
+
+
+atexit.register(lambda: [close_zygote(r) for r in list(_ZYGOTES)])
 
 
 def read(history: Path) -> list[dict[str, Any]]:
@@ -173,45 +266,37 @@ def read(history: Path) -> list[dict[str, Any]]:
 
 
 class Helper:
-    """The run's helper process: another process's recover() (the code under test, mutated or not), on demand,
-    with its UndoLog clock moved by ``offset`` seconds; and the scripted approver between demands."""
+    """Another process's recover() (the code under test, mutated or not), forked on demand with its UndoLog clock
+    moved ``offset`` seconds; and the scripted approver, a process of its own for the whole run."""
 
-    def __init__(self, db_env: dict[str, str], history: Path, code_root: Path) -> None:
-        self.p = _spawn(["helper"], _env(db_env, history, code_root, None, fault=False), stdin=True)
+    def __init__(self, z: Zygote, db_env: dict[str, str], history: Path, workdir: Path) -> None:
+        self.z, self.workdir = z, workdir
+        self.env = _env(db_env, history, None, fault=False)
+        self.stop = workdir / "stop-approver"
+        self.approver = z.spawn(["approver"], {**self.env, "HISTORY_STOP": str(self.stop)}, workdir / "err-approver")
+        self.n = 0
 
     def recover(self, offset: float = 0.0, *, stopped: int | None = None) -> None:
-        """Ask for a recovery and wait for it. ``stopped``: a process stopped meanwhile, continued if the recovery
-        waits on it too long (a stop can catch its lease thread inside a write, holding a lock recovery needs)."""
-        assert self.p.stdin is not None and self.p.stdout is not None
-        self.p.stdin.write(f"recover {offset}\n".encode())
-        self.p.stdin.flush()
-        if stopped is not None:
-            ready, _, _ = select.select([self.p.stdout], [], [], 10.0)
-            if not ready:
-                os.kill(stopped, signal.SIGCONT)
-        line = self._line(self.p.stdout)
-        assert line == b"ok\n", f"helper failed: {line!r} {self._err()}"
-
-    def _line(self, out: IO[bytes]) -> bytes:
-        ready, _, _ = select.select([out], [], [], 180.0)
-        assert ready, "the helper's recovery did not end in 180 s"
-        return out.readline()
-
-    def _err(self) -> str:
-        if self.p.poll() is None:
-            return ""
-        return self.p.stderr.read().decode() if self.p.stderr else ""
+        """Run a recovery and wait for it. ``stopped``: a process stopped meanwhile, continued if the recovery waits
+        on it too long (a stop can catch its lease thread inside a write, holding a lock recovery needs)."""
+        self.n += 1
+        err = self.workdir / f"err-recover-{self.n}"
+        pid = self.z.spawn(["recover", str(offset)], self.env, err)
+        code = self.z.wait(pid, 10.0) if stopped is not None else None
+        if code is None and stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        code = self.z.wait(pid, 180.0) if code is None else code
+        assert code == 0, f"recovery failed (exit {code}): {err.read_text() if err.exists() else ''}"
 
     def close(self) -> None:
-        assert self.p.stdin is not None
-        self.p.stdin.write(b"quit\n")
-        self.p.stdin.flush()
-        _, err = self.p.communicate(timeout=120)
-        assert self.p.returncode == 0, err.decode()
+        self.stop.touch()
+        code = self.z.wait(self.approver, 120.0)
+        err = self.workdir / "err-approver"
+        assert code == 0, f"approver failed (exit {code}): {err.read_text() if err.exists() else ''}"
 
 
 def _terminator(db_env: dict[str, str]) -> Any:
-    """ends every connection of one worker (PostgreSQL), as a restarted server or a dropped network would."""
+    """Ends every connection of one worker (PostgreSQL), as a restarted server or a dropped network would."""
     engine = sa.create_engine(db_env["UNDOLOG_DATABASE_URL"], pool_size=1, max_overflow=0,
                               isolation_level="AUTOCOMMIT")
 
@@ -229,85 +314,88 @@ def drive(seed: int, histories: int, db_env: dict[str, str], workdir: Path, *, c
           force: str | None = None, checkpoint: Any = None) -> Run:
     """Run the histories with their faults; returns what the checker needs."""
     history = workdir / f"history-{seed}.jsonl"
+    history.touch()  # the approver reads it from its first moment
     postgres = db_env["UNDOLOG_DATABASE_URL"].startswith("postgresql")
     run = Run(seed, plans_for(seed, histories, force=force, postgres=postgres), history, force)
     rng = random.Random(seed + 1)
-    helper = Helper(db_env, history, code_root)
+    z = zygote_for(code_root)
     terminate = _terminator(db_env) if postgres and any(p.fault == "terminate" for p in run.plans) else None
-    procs: dict[int, subprocess.Popen[bytes]] = {}
+    procs: dict[int, int] = {}  # worker -> pid
+    errs: dict[int, Path] = {}
 
     def start(plan: Plan, seeds: list[int], fault: bool) -> None:
-        p = _spawn([str(plan.worker), *map(str, seeds)],
-                   _env(db_env, history, code_root, plan, fault=fault, force=force, seed=seed))
-        procs[plan.worker] = p
-        run.workers[p.pid] = plan.worker
-        if plan.host and plan.fault in ("stall", "clock", "terminate"):
-            run.taken_over.add(p.pid)
+        err = workdir / f"err-w{plan.worker}-{len(errs)}"
+        pid = z.spawn([str(plan.worker), *map(str, seeds)],
+                      _env(db_env, history, plan, fault=fault, force=force, seed=seed), err)
+        procs[plan.worker], errs[pid] = pid, err
+        run.workers[pid] = plan.worker
+        if plan.host:
+            # A foreign-looking owner is taken over whenever a recovery thinks its lease ran out, which a recovery
+            # whose clock jumped forward thinks of every lease: a compensation it ran may run once more.
+            run.taken_over.add(pid)
 
-    for plan in run.plans:
-        if plan.seeds:
-            start(plan, plan.seeds, True)
-    acted: set[int] = set()
-    next_cut = {w: time.monotonic() + rng.uniform(0.2, 0.8) for w in range(WORKERS)}
-    signed = False
-    deadline = time.monotonic() + 600
     try:
+        helper = Helper(z, db_env, history, workdir)
+        for plan in run.plans:
+            if plan.seeds:
+                start(plan, plan.seeds, True)
+        acted: set[int] = set()
+        next_cut = {w: time.monotonic() + rng.uniform(0.2, 0.8) for w in range(WORKERS)}
+        signed = False
+        deadline = time.monotonic() + 600
         while procs:
             assert time.monotonic() < deadline, f"history run {seed} did not end"
             lines = read(history)
             if checkpoint is not None and not signed and len(lines) > 20:
                 checkpoint()
                 signed = True
-            for w, p in list(procs.items()):
+            for w, pid in list(procs.items()):
                 plan = run.plans[w]
-                mine = [x for x in lines if x["pid"] == p.pid]
-                if plan.fault == "stall" and w not in acted and p.poll() is None and any(
+                mine = [x for x in lines if x["pid"] == pid]
+                if plan.fault == "stall" and w not in acted and z.poll(pid) is None and any(
                         x["kind"] == ("comp" if force == "stall-comp" else "run_start") and x.get("pause")
                         for x in mine):
                     # Stopped inside a slow tool or compensation (its claim committed, no database lock held by
                     # that thread), as a VM freeze or a laptop asleep would stop it.
-                    os.kill(p.pid, signal.SIGSTOP)
+                    os.kill(pid, signal.SIGSTOP)
                     acted.add(w)
                     if plan.host is None:
-                        run.stopped_local.add(p.pid)
+                        run.stopped_local.add(pid)
                     if plan.real:
                         time.sleep(LEASE * 2.5)  # past its lease: its renewals are stopped too
-                        helper.recover(0.0, stopped=p.pid)
+                        helper.recover(0.0, stopped=pid)
                     else:
-                        helper.recover(LEASE * 2.5, stopped=p.pid)  # the recoverer's clock is past the lease
-                    os.kill(p.pid, signal.SIGCONT)
-                if plan.fault == "clock" and w not in acted and p.poll() is None:
+                        helper.recover(LEASE * 2.5, stopped=pid)  # the recoverer's clock is past the lease
+                    os.kill(pid, signal.SIGCONT)
+                if plan.fault == "clock" and w not in acted and z.poll(pid) is None:
                     jumped = [i for i, x in enumerate(mine) if x["kind"] == "clock"]
                     if jumped and any(x["kind"] == "run_start" and x.get("pause") for x in mine[jumped[0]:]):
-                        acted.add(w)  # recovered while the tool runs, by a helper whose clock jumped too
+                        acted.add(w)  # recovered while the tool runs, by a recovery whose clock jumped too
                         helper.recover(plan.helper_jump)
-                if plan.fault == "terminate" and p.poll() is None and time.monotonic() >= next_cut[w]:
+                if plan.fault == "terminate" and z.poll(pid) is None and time.monotonic() >= next_cut[w]:
                     assert terminate is not None
                     terminate(_app_name(seed, plan))
                     next_cut[w] = time.monotonic() + rng.uniform(0.2, 0.8)
-                code = p.poll()
+                code = z.poll(pid)
                 if code is None:
                     continue
                 del procs[w]
                 if code == -signal.SIGKILL:
-                    run.killed.add(p.pid)
+                    run.killed.add(pid)
                     done = {x["seed"] for x in read(history) if x["kind"] == "done"}
                     left = [s for s in plan.seeds if s not in done]
-                    started = [x["seed"] for x in read(history) if x["kind"] == "history" and x["pid"] == p.pid]
+                    started = [x["seed"] for x in read(history) if x["kind"] == "history" and x["pid"] == pid]
                     left = [s for s in left if not started or s != started[-1]]  # the killed history is not re-run
                     if left:
                         start(plan, left, False)
                 else:
-                    assert code == 0, f"worker {w} of run {seed} failed: {p.stderr.read().decode() if p.stderr else ''}"
+                    assert code == 0, f"worker {w} of run {seed} failed (exit {code}): {errs[pid].read_text()}"
             time.sleep(0.05)
         # Every worker has ended: a recovery whose clock is past every lease takes up what they left.
         helper.recover(LEASE * 3)
         helper.close()
     finally:
-        for p in procs.values():
-            p.kill()
-        if helper.p.poll() is None:
-            helper.p.kill()
+        z.kill_all()
         if terminate is not None:
             terminate.engine.dispose()
     return run

@@ -3,7 +3,7 @@
 approver). Each appends what happened, from outside the product, to the history file.
 
     python -m tests.faults.history_worker WORKER SEED [SEED ...]
-    python -m tests.faults.history_worker helper
+    python -m tests.faults.history_worker recover OFFSET | approver | zygote
 
 Every line is written with one ``write(2)`` on an O_APPEND file, so a line written before a SIGKILL survives it and
 lines of concurrent processes never interleave; the file's order is the run's one global order. Lines:
@@ -29,8 +29,10 @@ import json
 import os
 import random
 import select
+import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -219,40 +221,40 @@ def approve_waiting(u: UndoLog, history: Path, handled: set[str]) -> None:
         note("decided_all", session=sid)
 
 
-def helper(u: UndoLog) -> None:
-    """Serves the driver: ``recover OFFSET`` (a recovery with this process's clock moved OFFSET seconds from the
-    system's) answered with ``ok``, ``quit``; between commands it is the scripted approver."""
+def recover_once(u: UndoLog, offset: float) -> None:
+    """Another process's recover(), with this process's UndoLog clock moved ``offset`` seconds from the system's."""
+    _clock.jump(offset)
+    seen = [(r.effect_id, r.owner, str(r.lease_until)) for r in u.store.in_flight().effects]
+    report = u.recover()
+    _clock.reset()
+    note("recovered", offset=offset, reconciled=report.reconciled, left_alive=report.left_alive, in_flight=seen,
+         errors=report.errors, stopped=_stopped_sessions(u))
+
+
+def approver(u: UndoLog) -> None:
+    """The scripted approver, until the driver creates the stop file (then one last round)."""
     history = Path(os.environ["HISTORY_FILE"])
+    stop = Path(os.environ["HISTORY_STOP"])
     handled: set[str] = set()
-    while True:
-        ready, _, _ = select.select([sys.stdin], [], [], 0.05)
-        if not ready:
-            approve_waiting(u, history, handled)
-            continue
-        cmd = sys.stdin.readline().split()
-        if not cmd or cmd[0] == "quit":
-            approve_waiting(u, history, handled)
-            return
-        offset = float(cmd[1])
-        _clock.reset()
-        _clock.jump(offset)
-        seen = [(r.effect_id, r.owner, str(r.lease_until)) for r in u.store.in_flight().effects]
-        report = u.recover()
-        _clock.reset()
-        note("recovered", offset=offset, reconciled=report.reconciled, left_alive=report.left_alive, in_flight=seen,
-             errors=report.errors, stopped=_stopped_sessions(u))
-        sys.stdout.write("ok\n")
-        sys.stdout.flush()
+    while not stop.exists():
+        approve_waiting(u, history, handled)
+        time.sleep(0.05)
+    approve_waiting(u, history, handled)
 
 
 def main(argv: list[str]) -> None:
-    worker, seeds = argv[0], [int(x) for x in argv[1:]]
+    worker, rest = argv[0], argv[1:]
     u = build(url=os.environ["UNDOLOG_DATABASE_URL"], schema=os.environ.get("UNDOLOG_SCHEMA") or None,
               lease_seconds=LEASE)
-    if worker == "helper":
-        helper(u)
+    if worker == "recover":
+        recover_once(u, float(rest[0]))
         u.close()
         return
+    if worker == "approver":
+        approver(u)
+        u.close()
+        return
+    seeds = [int(x) for x in rest]
     note("worker", worker=worker, host=os.environ.get("UNDOLOG_HOST_ID"))
     jump = _clock_plan()
     for k, seed in enumerate(seeds):
@@ -265,5 +267,71 @@ def main(argv: list[str]) -> None:
     u.close()
 
 
+def _child(args: list[str], env: dict[str, str], err: str) -> None:
+    """A forked worker: its own environment, host id and fault, then :func:`main`. Never returns."""
+    code = 1
+    try:
+        fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 2)
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+        os.environ.clear()
+        os.environ.update(env)
+        # What the core reads from the environment at import (the zygote imported it with none of these).
+        from undolog_core import _faults
+        from undolog_core.storage import base
+
+        base._HOST = env.get(base.HOST_ID_ENV) or socket.gethostname()
+        _faults.arm(env.get("UNDOLOG_FAULT") or None, skip=int(env.get("UNDOLOG_FAULT_SKIP", "0") or 0))
+        main(args)
+        code = 0
+    except BaseException:  # noqa: BLE001 - a forked child reports and exits, never returns into the zygote's loop
+        traceback.print_exc()
+    finally:
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def zygote() -> None:
+    """Forks the run's processes (``spawn JSON`` on stdin, answered ``pid PID``) after the imports were paid once:
+    a fresh interpreter on a loaded CI machine took 5-20 s to import the core, a fork takes milliseconds. Reports
+    every child's end as ``exit PID STATUS`` (a negative status: killed by that signal)."""
+    out = sys.stdout
+    out.write("ready\n")
+    out.flush()
+    pending = b""
+    while True:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            out.write(f"exit {pid} {code}\n")
+            out.flush()
+        ready, _, _ = select.select([0], [], [], 0.02)
+        if not ready:
+            continue
+        chunk = os.read(0, 1 << 16)  # (not sys.stdin: its buffer would hide a second line from select)
+        if not chunk:
+            return
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            if line.strip() == b"quit":
+                return
+            cmd = json.loads(line.split(b" ", 1)[1])
+            pid = os.fork()
+            if pid == 0:
+                _child(cmd["args"], cmd["env"], cmd["err"])
+            out.write(f"pid {pid}\n")
+            out.flush()
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:] == ["zygote"]:
+        zygote()
+    else:
+        main(sys.argv[1:])

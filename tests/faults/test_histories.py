@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from .histories import FORCED, ROOT, check, drive
+from .histories import FORCED, ROOT, check, close_zygote, drive
 
 pytestmark = pytest.mark.storage
 
@@ -61,7 +61,11 @@ def _one(db: Any, tmp_path: Path, seed: int, *, code_root: Path = ROOT, force: s
             checkpoint()
         return u.verify_audit(checkpoints=out, public_key=pub)
 
-    run = drive(seed, histories, db.env, work, code_root=code_root, force=force, checkpoint=checkpoint)
+    try:
+        run = drive(seed, histories, db.env, work, code_root=code_root, force=force, checkpoint=checkpoint)
+    finally:
+        if code_root != ROOT:
+            close_zygote(code_root)  # a mutated copy serves one test
     return check(run, u.store, verify)
 
 
