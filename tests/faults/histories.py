@@ -372,7 +372,10 @@ def drive(seed: int, histories: int, db_env: dict[str, str], workdir: Path, *, c
                     if jumped and any(x["kind"] == "run_start" and x.get("pause") for x in mine[jumped[0]:]):
                         acted.add(w)  # recovered while the tool runs, by a recovery whose clock jumped too
                         helper.recover(plan.helper_jump)
-                if plan.fault == "terminate" and z.poll(pid) is None and time.monotonic() >= next_cut[w]:
+                # Once the worker is open (an open whose connection is cut fails with DatabaseOpenFailed, as it
+                # should): from then on every cut must heal.
+                if (plan.fault == "terminate" and mine and z.poll(pid) is None
+                        and time.monotonic() >= next_cut[w]):
                     assert terminate is not None
                     terminate(_app_name(seed, plan))
                     next_cut[w] = time.monotonic() + rng.uniform(0.2, 0.8)

@@ -129,7 +129,14 @@ def history(u: UndoLog, seed: int) -> None:
     call asked after its session stopped must never run)."""
     rng = random.Random(seed)
     sid = f"h{seed}"
-    s = u.session(session_id=sid)
+    for attempt in range(5):
+        try:
+            s = u.session(session_id=sid)
+            break
+        except UndoLogError as exc:  # a connection cut under it (pg_terminate_backend): a client asks again
+            note("session_refused", session=sid, code=exc.code)
+            if exc.code != "database_unavailable" or attempt == 4:
+                raise
     forced = os.environ.get("HISTORY_FORCE")
     wires = forced == "wires" or rng.random() < 0.25
     n = 2 if forced in ("wires", "comp") else rng.randint(1, 4)
