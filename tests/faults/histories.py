@@ -29,7 +29,8 @@ Workers 2 and 3 look foreign (``UNDOLOG_HOST_ID``), so their calls are taken ove
   client's rollback, a refusal its client got, or a recovery that saw it stopped);
 * every caller's answer matches the log: no "done" for a call compensated without its client's rollback, no
   failure for a committed call, no ``outcome_conflict`` for a call that is not ``unknown``;
-* a compensation runs at most once per undo key, unless a process that ran it before was killed or taken over;
+* a compensation runs at most once per undo key, unless a process that ran it before was killed, taken over, or
+  had its connection cut before recording it;
 * the audit trail verifies, against the checkpoint too.
 
 A failing run prints its seed; ``UNDOLOG_HISTORY_SEED=<seed>`` replays that run.
@@ -96,8 +97,8 @@ class Run:
     force: str | None = None
     killed: set[int] = field(default_factory=set)
     stopped_local: set[int] = field(default_factory=set)
-    #: pids whose calls another process may have taken over while they still ran (foreign-looking and stalled or
-    #: clock-jumped, or their connections ended): a compensation they ran may be run once more.
+    #: pids whose compensations may run once more: their calls may be taken over while they run (foreign-looking),
+    #: or the record of a compensation met a cut connection (``terminate``).
     taken_over: set[int] = field(default_factory=set)
     #: pid -> worker
     workers: dict[int, int] = field(default_factory=dict)
@@ -329,9 +330,10 @@ def drive(seed: int, histories: int, db_env: dict[str, str], workdir: Path, *, c
                       _env(db_env, history, plan, fault=fault, force=force, seed=seed), err)
         procs[plan.worker], errs[pid] = pid, err
         run.workers[pid] = plan.worker
-        if plan.host:
+        if plan.host or plan.fault == "terminate":
             # A foreign-looking owner is taken over whenever a recovery thinks its lease ran out, which a recovery
-            # whose clock jumped forward thinks of every lease: a compensation it ran may run once more.
+            # whose clock jumped forward thinks of every lease; a compensation whose success met a cut connection
+            # is not recorded. Either way a compensation it ran may run once more (under the same undo key).
             run.taken_over.add(pid)
 
     try:

@@ -271,7 +271,10 @@ def main(argv: list[str]) -> None:
         note("history", seed=seed)
         history(u, seed)
         note("done", seed=seed)
-    u.close()
+    try:
+        u.close()
+    except UndoLogError as exc:  # its last count flush met a cut connection: the history is written already
+        note("close_failed", code=exc.code)
 
 
 def _child(args: list[str], env: dict[str, str], err: str) -> None:
