@@ -260,6 +260,15 @@ def close_zygote(code_root: Path) -> None:
 atexit.register(lambda: [close_zygote(r) for r in list(_ZYGOTES)])
 
 
+def _signal(pid: int, sig: int) -> bool:
+    """Send ``sig``; False when the process has ended (and was reaped) meanwhile."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def read(history: Path) -> list[dict[str, Any]]:
     if not history.exists():
         return []
@@ -285,7 +294,7 @@ class Helper:
         pid = self.z.spawn(["recover", str(offset)], self.env, err)
         code = self.z.wait(pid, 10.0) if stopped is not None else None
         if code is None and stopped is not None:
-            os.kill(stopped, signal.SIGCONT)
+            _signal(stopped, signal.SIGCONT)
         code = self.z.wait(pid, 180.0) if code is None else code
         assert code == 0, f"recovery failed (exit {code}): {err.read_text() if err.exists() else ''}"
 
@@ -359,8 +368,9 @@ def drive(seed: int, histories: int, db_env: dict[str, str], workdir: Path, *, c
                         for x in mine):
                     # Stopped inside a slow tool or compensation (its claim committed, no database lock held by
                     # that thread), as a VM freeze or a laptop asleep would stop it.
-                    os.kill(pid, signal.SIGSTOP)
                     acted.add(w)
+                    if not _signal(pid, signal.SIGSTOP):
+                        continue  # it ended between the read and the stop (its last history had ended)
                     if plan.host is None:
                         run.stopped_local.add(pid)
                     if plan.real:
@@ -368,7 +378,7 @@ def drive(seed: int, histories: int, db_env: dict[str, str], workdir: Path, *, c
                         helper.recover(0.0, stopped=pid)
                     else:
                         helper.recover(LEASE * 2.5, stopped=pid)  # the recoverer's clock is past the lease
-                    os.kill(pid, signal.SIGCONT)
+                    _signal(pid, signal.SIGCONT)
                 if plan.fault == "clock" and w not in acted and z.poll(pid) is None:
                     jumped = [i for i, x in enumerate(mine) if x["kind"] == "clock"]
                     if jumped and any(x["kind"] == "run_start" and x.get("pause") for x in mine[jumped[0]:]):
