@@ -17,7 +17,7 @@ from functools import partial
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from . import _faults
+from . import _clock, _faults
 from ._faults import FaultPoint, fault
 from ._json import canonical_json, canonical_text, json_safe, sha256_hex
 from ._leases import LazyLoop, Leases, owner_alive
@@ -1048,7 +1048,7 @@ class Engine:
         if args_text is None:
             args_text = canonical_text(args_json)
         digest = sha256_hex(args_text)
-        now = time.time()
+        now = _clock.now()  # the pre-write's lease starts here: on UndoLog's clock, as every lease
         safe = sc.take_safe() if sc.dirty else 0
         carried = sc.take_carried() if safe else 0
         comp = spec.compensation

@@ -1,10 +1,12 @@
 """The history checker in CI (issue 34): 4 client processes on one database (a PostgreSQL schema, or one SQLite
-file), faults injected from outside (SIGKILL at fault points, SIGSTOP past a 1 s lease with the owner local or made
-to look foreign), every run checked by ``histories.check``; and the checker's own tests: copies of the code with
-a guard removed must be reported as violations.
+file) and a helper (recoveries, the scripted approver), faults injected from outside (SIGKILL at fault points,
+SIGSTOP past a 1 s lease with the owner local or made to look foreign, UndoLog clock jumps forward and backward,
+``pg_terminate_backend`` on PostgreSQL), every run checked by ``histories.check``; and the checker's own tests:
+copies of the code with a guard removed must be reported as violations, and the same forced runs on the code as
+it is must not.
 
-CI: ``HISTORY_RUNS`` runs of ``HISTORIES_PER_RUN`` histories each (at least 100 histories per database, about a
-minute); ``pytest --long`` runs ``LONG_RUNS``. A failing run names its seed; ``UNDOLOG_HISTORY_SEED=<seed>`` replays
+CI: ``HISTORY_RUNS`` runs of ``HISTORIES_PER_RUN`` histories each (at least 100 histories per database);
+``pytest --long`` runs ``LONG_RUNS`` more. A failing run names its seed; ``UNDOLOG_HISTORY_SEED=<seed>`` replays
 only that run (``UNDOLOG_HISTORY_RUNS`` changes how many run).
 """
 
@@ -18,13 +20,20 @@ from typing import Any
 
 import pytest
 
-from .histories import ROOT, check, drive
+from .histories import FORCED, ROOT, check, close_zygote, drive
 
 pytestmark = pytest.mark.storage
 
 HISTORY_RUNS = 4
 HISTORIES_PER_RUN = 25
 LONG_RUNS = 40
+#: Histories of a forced run (a mutation test or its control): enough for the removed guard to be reached twice.
+FORCED_HISTORIES = 4
+
+#: The approved call's claim, with the guard that refuses it in a session that stopped taking calls.
+_GUARD_LINE = "                self._guard(conn, sc, count, pin=None)\n"
+_CLAIM_GUARD = (_GUARD_LINE + "                epoch = self.store.claim_effect_in(\n"
+                "                    conn, row.effect_id, from_state=EffectState.APPROVED.value,")
 
 
 def _runs(default: int) -> list[int]:
@@ -52,7 +61,11 @@ def _one(db: Any, tmp_path: Path, seed: int, *, code_root: Path = ROOT, force: s
             checkpoint()
         return u.verify_audit(checkpoints=out, public_key=pub)
 
-    run = drive(seed, histories, db.env, work, code_root=code_root, force=force, checkpoint=checkpoint)
+    try:
+        run = drive(seed, histories, db.env, work, code_root=code_root, force=force, checkpoint=checkpoint)
+    finally:
+        if code_root != ROOT:
+            close_zygote(code_root)  # a mutated copy serves one test
     return check(run, u.store, verify)
 
 
@@ -88,6 +101,15 @@ MUTATIONS: dict[str, tuple[str, str, str, str, Callable[[str], bool]]] = {
     "late finish record": ("_engine.py", "            if state in LATE_FINISH_STATES:\n",
                            "            if False and state in LATE_FINISH_STATES:\n", "stall-foreign",
                            lambda p: "compensation ran before the tool ended" in p),
+    # The released-after-halt check: an approved call is claimed to run without asking whether its session still
+    # takes calls (a reject of its sibling halted it meanwhile).
+    "released-after-halt check": ("_engine.py", _CLAIM_GUARD, _CLAIM_GUARD.replace(_GUARD_LINE, ""), "wires",
+                                  lambda p: "asked for after the session stopped" in p),
+    # The compensation dedupe: an undo entry is claimed whatever state and owner its walker saw (the compare-and-swap
+    # gone), so a rollback stopped past its lease and taken over runs a compensation the recovery already ran.
+    "compensation dedupe": ("storage/saga.py", "u.c.undo_id == undo_id, u.c.state == seen_state, owner_is",
+                            "u.c.undo_id == undo_id", "stall-comp",
+                            lambda p: p.startswith("compensation ") and "ran" in p),
 }
 
 
@@ -95,12 +117,12 @@ MUTATIONS: dict[str, tuple[str, str, str, str, Callable[[str], bool]]] = {
 def test_the_checker_reports_a_removed_guard(db: Any, tmp_path: Path, name: str) -> None:
     path, old, new, force, reported = MUTATIONS[name]
     root = _mutant(tmp_path, path, old, new)
-    problems = _one(db, tmp_path, 7, code_root=root, force=force, histories=8)
+    problems = _one(db, tmp_path, 7, code_root=root, force=force, histories=FORCED_HISTORIES)
     assert any(reported(p) for p in problems), f"the checker missed the removed {name}: {problems}"
 
 
-@pytest.mark.parametrize("force", ["stall-local", "stall-foreign"])
+@pytest.mark.parametrize("force", sorted(FORCED))
 def test_the_mutation_tests_runs_hold_on_the_real_code(db: Any, tmp_path: Path, force: str) -> None:
-    """The control of the mutation tests: the same forced stalls against the code as it is give no violation."""
-    problems = _one(db, tmp_path, 7, force=force, histories=8)
+    """The control of the mutation tests: the same forced runs against the code as it is give no violation."""
+    problems = _one(db, tmp_path, 7, force=force, histories=FORCED_HISTORIES)
     assert not problems, problems
