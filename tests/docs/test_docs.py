@@ -278,6 +278,14 @@ def test_user_docs_hold_no_dated_run_or_stop_narrative() -> None:
         text = path.read_text()
         assert not re.search(r"\b[Ss]tops? \d+\b", text), f"{path}: a 'stop N' narrative belongs in CHANGELOG.md"
         assert not re.search(r"load average", text), f"{path}: a dated run belongs under benchmarks/results/"
+        # Prose only: a code block may show a timestamp as an example value.
+        prose = _FENCE.sub("", text)
+        if path.name != "README.md" or path.parent.name != "benchmarks":  # it lists the dated runs by file name
+            dated = re.search(r"\b20\d\d-\d\d-\d\d\b", prose)
+            assert not dated, f"{path}: {dated.group(0) if dated else ''}: a dated run belongs under benchmarks/results/"
+        history = re.search(r"[Bb]efore this (work|change|fix|release)|[Uu]ntil this release|first draft|[Uu]ntil now\b",
+                            prose)
+        assert not history, f"{path}: {history.group(0) if history else ''}: history belongs in CHANGELOG.md"
 
 
 def test_the_built_site_loads_nothing_from_elsewhere(site: Path) -> None:

@@ -137,7 +137,9 @@ class Billing:
         return {"order_id": order_id, "refunded": amount}
 
     def find_refund(self, idempotency_key):
-        return self._load().get(idempotency_key)
+        if os.environ.get("BILLING_DOWN"):
+            return None  # cannot tell
+        return self._load().get(idempotency_key, False)
 
     def cancel(self, idempotency_key):
         refunds = self._load()
@@ -179,31 +181,33 @@ def _crash(tmp_path: Path, session_id: str, when: str) -> None:
     assert out.returncode == -signal.SIGKILL, out.stdout + out.stderr
 
 
-def test_recovery_page_recovers_a_killed_process_and_a_person_resolves_it(tmp_path: Path) -> None:
+def test_recovery_page_recovers_killed_processes_and_a_person_resolves_one(tmp_path: Path) -> None:
     _recovery_app(tmp_path)
     billing = tmp_path / "billing.json"
+
+    def refunds() -> dict[str, Any]:
+        return json.loads(billing.read_text()) if billing.exists() else {}
 
     # The refund was written, then the process died: the probe says it happened, so it is committed.
     _crash(tmp_path, "order-7", when="after")
     out = sh(block("how-to/recovery.md", "undolog --app myagent.app:undolog recover"), tmp_path)
     report = json.loads(out.stdout[out.stdout.index("{"):])  # the second command's JSON: nothing left to do
     assert not report["errors"] and not report["left_alive"], report
-    [refund] = json.loads(billing.read_text()).values()
-    assert refund == {"order_id": "A-7", "amount": 12.5, "cancelled": False}
+    assert [r["cancelled"] for r in refunds().values()] == [False]
 
-    # "After recovery: a person looks": the session recovery decided for is halted; resumed, then rolled back.
-    halted = block("how-to/recovery.md", "undolog sessions list --state halted")
-    out = sh(halted.replace("SESSION_ID", "order-7"), tmp_path)
-    assert "order-7" in out.stdout
-    [refund] = json.loads(billing.read_text()).values()
-    assert refund["cancelled"] is True, "the rollback ran the app's compensation"
-
-    # Killed before the refund was written: in code, at start, recover() asks the probe and compensates it.
+    # Killed before the refund was written; in code, at start: the probe says it did not happen, nothing to undo.
     _crash(tmp_path, "order-8", when="before")
     code = block("how-to/recovery.md", "report = undolog.recover()")
     out = py("from myagent.app import undolog\n\n" + code + "\nprint(report.reconciled, report.errors)\n", tmp_path)
-    assert out.startswith("1 ") or "[" in out, out
-    assert len(json.loads(billing.read_text())) == 1, "nothing was refunded twice"
+    assert len(refunds()) == 1, "nothing was refunded twice"
+
+    # Billing cannot tell: the refund is compensated and the session halted for a person, who looks and decides.
+    _crash(tmp_path, "order-9", when="after")
+    sh("undolog --app myagent.app:undolog recover", tmp_path, {**_page_env(tmp_path), "BILLING_DOWN": "1"})
+    assert sorted(r["cancelled"] for r in refunds().values()) == [False, True]
+    halted = block("how-to/recovery.md", "undolog sessions list --state halted")
+    out = sh(halted.replace("SESSION_ID", "order-9"), tmp_path)
+    assert "order-9" in out.stdout and "checked the ledger" not in out.stderr, out.stdout
 
 
 # --- running the approval desk ---------------------------------------------------------------------------
@@ -455,7 +459,7 @@ def test_postgresql_page_sets_up_and_starts_the_desk(tmp_path: Path, db: Any) ->
               + rest.replace("--port 8000", f"--port {port}"))
     out = _serve_and_check(script, port, tmp_path)
     assert "ui 200" in out, out
-    assert "undolog_" in out and "upgraded" in out, out
+    assert "upgraded" in out, out
 
 
 # --- reference: the command line --------------------------------------------------------------------------

@@ -49,11 +49,14 @@ CLAIMS = [
     "class Audit(BaseCallbackHandler):",
 ]
 
+#: The model's scripts, by a keyword of the user's message (the first key the message holds wins: longest first).
 SCRIPTS = {
     "delete two": [[("delete_user_account", {"user_id": "u-1042"}), ("delete_user_account", {"user_id": "u-2002"})]],
-    "delete": [[("delete_user_account", {"user_id": "u-1042"})]],
     "refund and delete": [[("send_refund_email", {"user_id": "u-1042", "amount": 42.5, "order_id": "A-1042"})],
                           [("delete_user_account", {"user_id": "u-1042"})]],
+    "erase sam": [[("delete_user_account", {"user_id": "u-2002"})]],
+    "erase ravi": [[("delete_user_account", {"user_id": "u-3003"})]],
+    "delete": [[("delete_user_account", {"user_id": "u-1042"})]],
     "overpay": [[("send_refund_email", {"user_id": "u-2002", "amount": 19.0, "order_id": "B-7"})],
                 [("send_refund_email", {"user_id": "u-2002", "amount": 900.0, "order_id": "B-9"})]],
 }
@@ -233,15 +236,16 @@ def test_deciding_elsewhere_fragment(ns: dict[str, Any], world: SupportWorld) ->
     graph = graph_of(ns)
     undolog = ns["undolog"]
     run(imports, ns)
-    for i, line in enumerate(calls):  # each resumes a graph paused on a request decided at "the desk"
+    asks = ["delete my account", "erase sam", "erase ravi"]
+    for ask, line in zip(asks, calls, strict=True):  # each resumes a graph paused on a request decided at "the desk"
         c = config()
-        graph.invoke(turn("delete my account" if i == 0 else "delete two accounts"), c)
+        graph.invoke(turn(ask), c)
         for request in undolog.approvals.pending(session_id=c["configurable"]["thread_id"]):
             undolog.approvals.approve(request.approval_request_id, approver="ana")
         ns.update(graph=graph, config=c)
         run(line, ns)
         assert not graph.get_state(c).interrupts, line
-    assert world.account_status("u-1042") == "deleted" and world.account_status("u-2002") == "deleted"
+    assert [world.account_status(u) for u in ("u-1042", "u-2002", "u-3003")] == ["deleted"] * 3
 
 
 def test_retries_fragment(ns: dict[str, Any]) -> None:

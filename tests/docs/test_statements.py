@@ -130,7 +130,7 @@ def test_desk_option_table_matches_undolog_serve() -> None:
     serve = _root().commands["serve"]
     by_opt = {o: p for p in serve.params for o in [*p.opts, *p.secondary_opts]}
     text = _text("how-to/desk.md")
-    rows = re.findall(r"^\| (`--[^|]*) \| ([^|]*) \| ([^|]*) \|$", text, re.M)
+    rows = re.findall(r"^\|\s*(`--[^|]*?)\s*\|([^|]*)\|(.*)\|\s*$", text, re.M)
     assert len(rows) >= 12, rows
     for opts, env, meaning in rows:
         names = re.findall(r"--[a-z-]+", opts)
@@ -140,11 +140,12 @@ def test_desk_option_table_matches_undolog_serve() -> None:
         envvar = param.envvar if isinstance(param.envvar, str) else (param.envvar or [None])[0]
         shown_env = env.strip().strip("`") or None
         assert shown_env == envvar, f"desk.md: {names[0]} reads {envvar!r}, the table says {shown_env!r}"
-        m = re.search(r"default[^)]*?(\d[\d.]*)\b", meaning)
+        clause = re.search(r"\(default([^)]*)\)", meaning)
+        m = re.search(r"\d[\d.]*", clause.group(1).split("=")[-1]) if clause else None
         default = getattr(param.default, "value", param.default)
         if m and names[0] not in ("--host", "--db"):
-            assert default is not None and float(m.group(1)) == float(default), (
-                f"desk.md: {names[0]} defaults to {default!r}, the table says {m.group(1)}")
+            assert default is not None and float(m.group(0)) == float(default), (
+                f"desk.md: {names[0]} defaults to {default!r}, the table says {m.group(0)}")
 
 
 # --- environment variables --------------------------------------------------------------------------------
@@ -155,7 +156,9 @@ def test_every_environment_variable_the_docs_name_is_read_by_the_code() -> None:
 
     known = set(environment_variables())
     for page in ALL:
-        for name in set(re.findall(r"\bUNDOLOG_[A-Z0-9_]*[A-Z0-9]\b", _text(page))):
+        # A `${NAME}` is the reader's own variable, substituted into a config file (gateway.toml's `database`).
+        text = re.sub(r"\$\{[A-Z0-9_]+\}", "", _text(page))
+        for name in set(re.findall(r"\bUNDOLOG_[A-Z0-9_]*[A-Z0-9]\b", text)):
             if name.startswith("UNDOLOG_TEST_"):
                 continue  # the test suite's own switches, for contributors
             assert name in known, f"{page} names {name}, which no module of UndoLog reads"
@@ -233,3 +236,103 @@ def test_the_api_summary_names_real_methods_and_keywords(tmp_path: Any) -> None:
                 assert kw in params or takes_any, f"how-it-works.md: {path}() takes no {kw}="
     finally:
         undolog.close()
+
+
+# --- the configuration page -------------------------------------------------------------------------------
+
+
+def _table(page: str, heading: str) -> list[list[str]]:
+    """The rows of the first table under ``heading``, as lists of stripped cells (header and rule left out)."""
+    rows: list[list[str]] = []
+    for line in _text(page).split(heading, 1)[1].splitlines():
+        if line.startswith("|"):
+            rows.append([c.strip() for c in line.strip().strip("|").split(" | ")])
+        elif rows:
+            break
+    return rows[2:]
+
+
+def _literal(cell: str) -> Any:
+    import ast
+
+    value = cell.split(",")[0].strip().strip("`")
+    return ast.literal_eval(value.replace("false", "False").replace("true", "True"))
+
+
+def test_configuration_page_open_arguments_and_defaults(tmp_path: Any) -> None:
+    import inspect
+
+    from undolog_core import UndoLog
+
+    params = inspect.signature(UndoLog.open).parameters
+    rows = _table("reference/configuration.md", "## `UndoLog.open`")
+    assert len(rows) >= 6, rows
+    for name, default, _ in rows:
+        name = name.strip("`")
+        assert name in params, f"configuration.md: UndoLog.open takes no {name}"
+        if name not in ("url", "schema"):
+            assert _literal(default) == params[name].default, f"configuration.md: {name} defaults to {params[name].default!r}"
+
+
+def test_configuration_page_policy_defaults(tmp_path: Any) -> None:
+    from undolog_core import UndoLog
+
+    undolog = UndoLog.open(f"sqlite:///{tmp_path}/policy.db")
+    try:
+        policy = undolog.policy.get()
+    finally:
+        undolog.close()
+    rows = _table("reference/configuration.md", "## The approval policy")
+    assert len(rows) >= 4, rows
+    for name, default, _ in rows:
+        name = name.strip("`")
+        assert hasattr(policy, name), f"configuration.md: the policy has no {name}"
+        assert _literal(default) == getattr(policy, name), f"configuration.md: {name} defaults to {getattr(policy, name)!r}"
+
+
+def test_configuration_page_environment_equivalents() -> None:
+    """Each variable's equivalent option exists, and where the CLI binds the variable, it binds it to that option."""
+    bound: dict[str, set[str]] = {}
+    options: set[str] = set()
+
+    def walk(cmd: Any) -> None:
+        for p in cmd.params:
+            options.update(p.opts)
+            env = [p.envvar] if isinstance(p.envvar, str) else list(p.envvar or [])
+            for e in env:
+                bound.setdefault(e, set()).update(p.opts)
+        for sub in getattr(cmd, "commands", {}).values():
+            walk(sub)
+
+    walk(_root())
+    rows = _table("reference/configuration.md", "## Environment variables")
+    assert len(rows) >= 15, rows
+    for variable, _, equivalent in rows:
+        names = re.findall(r"`(UNDOLOG_[A-Z_]+)`", variable)
+        opts = re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", equivalent)
+        for opt in opts:
+            assert opt in options, f"configuration.md: no command takes {opt}"
+        for name in names:
+            if name in bound and opts:
+                assert bound[name] & set(opts), f"configuration.md: {name} is bound to {sorted(bound[name])}, not {opts}"
+
+
+#: Options the docs name that belong to other programs (pytest, npm, the MCP Inspector, the conformance runner).
+OTHER_PROGRAMS = {"--long", "--cli", "--no-audit", "--no-fund", "--url", "--help"}
+
+
+def test_every_option_the_docs_name_is_an_option_of_some_command() -> None:
+    """A ``--flag`` named in prose (``--webhook-timeout``) is checked too, against every command of the app."""
+    options: set[str] = set()
+
+    def walk(cmd: Any) -> None:
+        for p in cmd.params:
+            options.update(p.opts)
+            options.update(p.secondary_opts)
+        for sub in getattr(cmd, "commands", {}).values():
+            walk(sub)
+
+    walk(_root())
+    for page in ALL:
+        for opt in set(re.findall(r"(?<![\w/-])(--[a-z][a-z0-9-]*)", _text(page))) - OTHER_PROGRAMS:
+            assert opt in options, f"{page} names {opt}, which no `undolog` command takes"
