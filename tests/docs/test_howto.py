@@ -71,7 +71,7 @@ def test_every_block_marked_for_this_file_is_run_here() -> None:
     pages = {p for p, _ in CLAIMS}
     from tests.docs.test_docs import PAGES
 
-    marked = [(p, b) for p in PAGES for b in blocks(p) if b.marker == ("runs-in", HERE)]
+    marked = [(p, b) for p in [*PAGES, "README.md"] for b in blocks(p) if b.marker == ("runs-in", HERE)]
     for page, b in marked:
         assert any(p == page and b.code.startswith(first) for p, first in CLAIMS), (
             f"{page}:{b.line} is marked runs-in {HERE}, but no test here runs it")
@@ -240,7 +240,7 @@ def _serve_and_check(script: str, port: int, tmp_path: Path, env: dict[str, str]
              "sleep 0.5; done\n"
              f"curl -sf http://127.0.0.1:{port}/v1/health\necho\n"
              f"curl -sf -o /dev/null -w 'ui %{{http_code}}\\n' http://127.0.0.1:{port}/ui/login\n"
-             f"curl -sf http://127.0.0.1:{port}/openapi.json | head -c 200\necho\n")
+             f"curl -sf -o openapi.json http://127.0.0.1:{port}/openapi.json\nhead -c 200 openapi.json\necho\n")
     return sh(script + probe, tmp_path, env).stdout
 
 

@@ -225,12 +225,13 @@ def test_undolog_resume_form_fragment(ns: dict[str, Any]) -> None:
         [pause] = graph.get_state(c).interrupts
         ns.update(graph=graph, config=c)
         run(line, ns)
-        states.append(ns["undolog"].approvals.get(pause.value["undolog"]["approval_request_id"]).state)
-    assert states == ["approved", "approved", "rejected", "responded"], states
+        rid = pause.value["undolog"]["approval_request_id"]
+        states.append([e.action for e in ns["undolog"].approvals.events(rid)][1])  # the decision, after "request"
+    assert states == ["approve", "modify", "reject", "respond"], states
 
 
 def test_deciding_elsewhere_fragment(ns: dict[str, Any], world: SupportWorld) -> None:
-    lines = block("from undolog_adapters.langgraph import aundolog_resume").strip().splitlines()
+    lines = [ln for ln in block("from undolog_adapters.langgraph import aundolog_resume").splitlines() if ln.strip()]
     imports, calls = lines[0], lines[1:]
     assert len(calls) == 3 and "resume_decided" in calls[2]
     graph = graph_of(ns)
@@ -249,13 +250,17 @@ def test_deciding_elsewhere_fragment(ns: dict[str, Any], world: SupportWorld) ->
 
 
 def test_retries_fragment(ns: dict[str, Any]) -> None:
+    ns["undolog"].register(ns["cancel_refund_email"])  # your tools' compensations, registered as the page says
     run(block("from langchain.agents.middleware import ToolRetryMiddleware"), ns)
     from undolog_core import RetryPolicy
 
     spec = ns["book_seat"]
     assert isinstance(ns["tiers"]["seat_map"], UndoLogPolicy)
-    assert [type(m).__name__ for m in ns["middleware"]] == ["ToolRetryMiddleware", "UndoLogMiddleware"]
-    assert RetryPolicy(attempts=3).attempts == 3 and callable(spec)
+    retry, gate = ns["middleware"]
+    assert type(retry).__name__ == "ToolRetryMiddleware" and isinstance(gate, UndoLogMiddleware)
+    policy = ns["tiers"]["seat_map"].retry
+    assert getattr(policy, "attempts", policy) == 2 and callable(spec)  # retry=2: two attempts
+    assert RetryPolicy(attempts=3, backoff=0.2).attempts == 3
 
 
 def test_callbacks_fragment_prints_the_rollback(ns: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
