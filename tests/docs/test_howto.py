@@ -198,8 +198,11 @@ def test_recovery_page_recovers_killed_processes_and_a_person_resolves_one(tmp_p
     # Killed before the refund was written; in code, at start: the probe says it did not happen, nothing to undo.
     _crash(tmp_path, "order-8", when="before")
     code = block("how-to/recovery.md", "report = undolog.recover()")
-    out = py("from myagent.app import undolog\n\n" + code + "\nprint(report.reconciled, report.errors)\n", tmp_path)
-    assert len(refunds()) == 1, "nothing was refunded twice"
+    out = py("import json\nfrom myagent.app import undolog\n\n" + code
+             + "\nprint(json.dumps(report.to_dict(), default=str))\n", tmp_path)
+    report = json.loads(out)
+    assert len(report["reconciled"]) == 1 and not report["errors"], report
+    assert len(refunds()) == 1, "nothing was refunded, nothing compensated"
 
     # Billing cannot tell: the refund is compensated and the session halted for a person, who looks and decides.
     _crash(tmp_path, "order-9", when="after")
