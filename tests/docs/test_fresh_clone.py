@@ -57,6 +57,8 @@ def _readme(section: str) -> str:
     return found.code
 
 
+# Two installs into a fresh venv: minutes on a loaded machine (a hang guard, not a measure).
+@pytest.mark.timeout(1800)
 def test_readme_setup_then_each_tutorial_on_a_fresh_clone(clone: Path, tmp_path: Path) -> None:
     env = _env(tmp_path)
     out = _run(_readme("Install"), clone, env)
