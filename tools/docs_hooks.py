@@ -2,6 +2,9 @@
 
 A page asks for a generated part with a marker line, ``<!-- generate: NAME -->``, replaced here by the Markdown
 ``tools.docs_reference`` builds from the code (names: ``cli``, ``openapi``, ``errors``, ``environment``).
+
+The site loads nothing from elsewhere: a page that draws a Mermaid diagram gets the copy of Mermaid vendored under
+``docs/assets/javascripts/`` (see ``MERMAID``), which mkdocs-material then uses instead of fetching it from a CDN.
 """
 
 from __future__ import annotations
@@ -16,10 +19,17 @@ if str(ROOT) not in sys.path:  # mkdocs loads this file by path; the generators 
     sys.path.insert(0, str(ROOT))
 
 from mkdocs.structure.files import File  # noqa: E402
+from mkdocs.utils import get_relative_url  # noqa: E402
 
 from tools import docs_reference  # noqa: E402
 
 _CACHE: dict[str, str] = {}
+
+#: Mermaid 11.17.2 (MIT, ``mermaid.LICENSE.txt`` beside it), the ``dist/mermaid.min.js`` of the npm package.
+#: mkdocs-material draws diagrams with a global ``mermaid`` when one is defined and otherwise loads
+#: ``https://unpkg.com/mermaid@11`` at view time, so the copy is put on each page that has a diagram (only those:
+#: it is 3.5 MB), before the theme's bundle.
+MERMAID = "assets/javascripts/mermaid.min.js"
 
 
 def _examples_section() -> None:
@@ -79,3 +89,14 @@ def on_files(files: Any, config: Any) -> Any:
     text = re.sub(r"\[([^\]]+)\]\((results/[^)]*)\)", r"`benchmarks/\2` in the repository", text)
     files.append(File.generated(config, "benchmarks.md", content=text))
     return files
+
+
+def on_post_page(output: str, page: Any, config: Any) -> str:
+    """Give a page that draws a Mermaid diagram the vendored Mermaid, before the theme's script needs it."""
+    if 'class="mermaid"' not in output:
+        return output
+    tag = f'<script src="{get_relative_url(MERMAID, page.url)}"></script>'
+    at = output.find('<script src="')
+    if at == -1:
+        raise ValueError(f"{page.file.src_path}: no script tag to put Mermaid before")
+    return output[:at] + tag + "\n    " + output[at:]

@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._plugins import GATEWAY, plugin
@@ -91,6 +93,10 @@ def load_app(spec: str | None = None, *, into: UndoLog | None = None) -> UndoLog
     if ":" not in spec and into is None:
         raise ConfigurationError(f"--app must look like module:attribute, got {spec!r}")
     mod_name, _, attr = spec.partition(":")
+    # Found from the directory the command runs in, as `python -m` and `undolog check-undo` find theirs: the app's
+    # package is seldom installed, and `undolog --app myagent.app:undolog ...` is run from the project's folder.
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as exc:

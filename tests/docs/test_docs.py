@@ -111,6 +111,13 @@ def test_tutorial_followed_literally(page: str, tmp_path: Path) -> None:
     out = subprocess.run(["bash", "-c", wrapped], cwd=tmp_path, env=_page_env(tmp_path), capture_output=True,
                          text=True, timeout=300, start_new_session=True)
     assert out.returncode == 0, f"{page} failed:\n{out.stdout}\n{out.stderr}"
+    # The output a page shows (a text block marked as run here) is what the steps printed, ids aside.
+    def masked(text: str) -> str:
+        return re.sub(r"\b[0-9a-f]{32}\b", "<id>", text).strip()
+
+    for b in blocks(page):
+        if b.marker == ("runs-in", "tests/docs/test_docs.py"):
+            assert masked(b.code) in masked(out.stdout), f"{page}:{b.line}: the page shows\n{b.code}\nbut the steps printed\n{out.stdout}"
     if page == "tutorials/first-agent.md":
         assert "rolled back: ['compensated', 'compensated']" in out.stdout
         assert "queued after the rollback: ['m-1']" in out.stdout
@@ -271,3 +278,36 @@ def test_user_docs_hold_no_dated_run_or_stop_narrative() -> None:
         text = path.read_text()
         assert not re.search(r"\b[Ss]tops? \d+\b", text), f"{path}: a 'stop N' narrative belongs in CHANGELOG.md"
         assert not re.search(r"load average", text), f"{path}: a dated run belongs under benchmarks/results/"
+        # Prose only: a code block may show a timestamp as an example value.
+        prose = _FENCE.sub("", text)
+        if path.name != "README.md" or path.parent.name != "benchmarks":  # it lists the dated runs by file name
+            dated = re.search(r"\b20\d\d-\d\d-\d\d\b", prose)
+            assert not dated, f"{path}: {dated.group(0) if dated else ''}: a dated run belongs under benchmarks/results/"
+        history = re.search(r"[Bb]efore this (work|change|fix|release)|[Uu]ntil this release|first draft|[Uu]ntil now\b",
+                            prose)
+        assert not history, f"{path}: {history.group(0) if history else ''}: history belongs in CHANGELOG.md"
+
+
+def test_the_built_site_loads_nothing_from_elsewhere(site: Path) -> None:
+    """Every script, stylesheet, font and image a built page loads is a file of the site (it works offline)."""
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) > 20
+    external = re.compile(r"""<(?:script|img|iframe)\b[^>]*\bsrc=["']?(?:https?:)?//|<link\b[^>]*\bhref=["']?(?:https?:)?//""")
+    for page in pages:
+        html = page.read_text()
+        for m in external.finditer(html):
+            tag = html[m.start(): html.index(">", m.start()) + 1]
+            # A link to another site (rel="...") is not loaded; a stylesheet, preload or icon would be.
+            if tag.startswith("<link") and not re.search(r'rel="(stylesheet|preload|preconnect|icon|modulepreload)"', tag):
+                continue
+            pytest.fail(f"{page.relative_to(site)} loads {tag} from elsewhere")
+        for src in re.findall(r"""<script\b[^>]*\bsrc=["']([^"']+)""", html):
+            # 404.html names its files from the site's root (it is served at any depth); the others relatively.
+            local = site / src.lstrip("/") if src.startswith("/") else page.parent / src
+            assert Path(str(local).split("?")[0]).resolve().is_file(), (
+                f"{page.relative_to(site)}: {src} is not in the site")
+    # The state diagrams are drawn by the copy of Mermaid the site serves, so the theme never fetches its CDN's.
+    states = (site / "reference" / "states" / "index.html").read_text()
+    assert 'class="mermaid"' in states and "assets/javascripts/mermaid.min.js" in states
+    assert states.index("mermaid.min.js") < states.index("assets/javascripts/bundle.")
+    assert "fonts.googleapis" not in (site / "index.html").read_text()
