@@ -6,6 +6,8 @@ error, never a skip.
 
 What a run selects (deselected tests are reported as deselected, never skipped):
 
+- ``install`` tests (the README's set-up followed on a fresh clone: pip installs into a new venv) run only with
+  ``--kind install``; CI runs them in a step timed apart, as it times its own installs.
 - ``perf``, ``fuzz`` and ``browser`` tests run only with ``--kind slow`` (``--kind all``: everything); CI runs
   them in a step of their own.
 - On PostgreSQL only the tests whose outcome depends on the database run: ``storage`` (every test under
@@ -59,7 +61,7 @@ TESTS = Path(__file__).resolve().parent
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--long", action="store_true", default=False,
                      help="also run the tests marked `long` (soak and repeated-chaos versions)")
-    parser.addoption("--kind", choices=("default", "slow", "all"), default="default",
+    parser.addoption("--kind", choices=("default", "slow", "install", "all"), default="default",
                      help="default: all but perf/fuzz/browser tests; slow: only those; all: everything")
     parser.addoption("--pg-all", action="store_true", default=False,
                      help="on PostgreSQL run every test, not only storage, postgres_only and pg_smoke ones")
@@ -94,6 +96,10 @@ def _why_not_imported(path: Path, config: pytest.Config) -> str | None:
     module_wide, named = _mark_names(path)
     kind = config.getoption("--kind")
     in_storage_dir = path.relative_to(TESTS).parts[0] in STORAGE_DIRS
+    if kind in ("default", "slow") and "install" in module_wide:
+        return "its tests are install tests (--kind install)"
+    if kind == "install" and "install" not in named:
+        return "none of its tests is an install test"
     if kind == "default" and module_wide & set(SLOW_KINDS):
         return "its tests are " + "/".join(sorted(module_wide & set(SLOW_KINDS))) + " tests (--kind slow)"
     if kind == "slow" and not named & set(SLOW_KINDS):
@@ -173,10 +179,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     pg_all = config.getoption("--pg-all")
     for item in items:
         slow = any(item.get_closest_marker(m) for m in SLOW_KINDS)
+        install = item.get_closest_marker("install") is not None
         if (item.get_closest_marker("long") and not run_long) or (
             item.get_closest_marker("postgres_only") and TEST_DB != "postgres"
         ) or (item.get_closest_marker("sqlite_only") and TEST_DB != "sqlite") or (
-            (kind == "default" and slow) or (kind == "slow" and not slow)
+            (kind == "default" and (slow or install)) or (kind == "slow" and (install or not slow))
+            or (kind == "install" and not install)
         ) or (TEST_DB == "postgres" and not pg_all and not any(item.get_closest_marker(m) for m in PG_KINDS)):
             dropped.append(item)
         else:

@@ -26,6 +26,9 @@ from tests.docs.test_docs import ROOT, _free_port, blocks
 
 TUTORIALS = ["tutorials/first-agent.md", "tutorials/first-approval.md"]
 
+# Two pip installs into a new venv: `.ci/run` runs this in its own step (`--kind install`), timed apart.
+pytestmark = pytest.mark.install
+
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
