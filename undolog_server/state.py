@@ -12,6 +12,7 @@ from .views import CoreViews
 
 if TYPE_CHECKING:
     from .proxy import ProxyTools
+    from .slack import SlackConfig, SlackDesk
 
 
 #: Seconds a delivery's lease must outlast the attempt's deadline (time to record the outcome).
@@ -56,6 +57,7 @@ class ServerSettings:
             they never queue behind the agents' traffic.
         queue_timeout: Seconds a request may wait for admission before it is answered 503 ``server_busy`` with
             ``Retry-After``.
+        slack: Approvals in Slack (:class:`undolog_server.slack.SlackConfig`); None: off.
         docs: Serve the interactive API docs at ``/docs`` (Swagger UI, loaded from a CDN); off by default.
             ``/openapi.json`` is always served.
     """
@@ -84,6 +86,7 @@ class ServerSettings:
     decision_lane: int = 4
     queue_timeout: float = 30.0
     docs: bool = False
+    slack: SlackConfig | None = None
 
     def __post_init__(self) -> None:
         if self.webhook_timeout <= 0:
@@ -120,4 +123,5 @@ class ServerState:
     app_spec: str | None = None
     worker_id: str = ""
     stats: dict[str, int] = field(default_factory=dict)
+    slack: SlackDesk | None = None
 
