@@ -423,8 +423,9 @@ class SlackDesk:
         plan = st.views.undo_plan(rec.session_id)
         if plan:
             steps = ", ".join(f"`{escape(u['tool_name'])}`" for u in plan[:10]) + (" …" if len(plan) > 10 else "")
-            undo = (f"If this session fails after this, these {len(plan)} steps are undone: {steps}; "
-                    f"this one (`{tool}`) cannot be.")
+            n = len(plan)
+            these = "this 1 step is" if n == 1 else f"these {n} steps are"
+            undo = f"If this session fails after this, {these} undone: {steps}; this one (`{tool}`) cannot be."
         else:
             undo = f"Nothing before it can be undone, and this one (`{tool}`) cannot be."
         blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": undo}]})
