@@ -393,7 +393,7 @@ class SlackDesk:
         st = self.state
         rec = st.undolog.approvals.get(approval_request_id)
         state = str(rec.state.value)
-        sensitive = self._sensitive(rec.tool_name, rec.risk_tags, channel)
+        sensitive = self._sensitive(channel)
         tool = escape(rec.tool_name)
         pending = state == "pending"
         title = ("Approval needed" if purpose == "request" else "Still undecided (escalated)") if pending else \
@@ -459,12 +459,10 @@ class SlackDesk:
         text = f"{title}: {escape(rec.tool_name)}"
         return blocks, text
 
-    def _sensitive(self, tool_name: str, risk_tags: Sequence[str], channel: str) -> set[str]:
-        chosen = self.route(tool_name, risk_tags)
+    def _sensitive(self, channel: str) -> set[str]:
+        """The argument names hidden in ``channel``: what the configuration of the group(s) posting there marks
+        sensitive (an escalation channel hides what its group hides)."""
         hidden: set[str] = set()
-        for c in chosen:
-            hidden.update(c.sensitive)
-        # A channel's own configuration counts too (an escalation channel shows what its group hides).
         for c in self.store.channels():
             if channel in (c.channel, c.escalation_channel):
                 hidden.update(c.sensitive)
