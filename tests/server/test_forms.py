@@ -208,8 +208,7 @@ def test_browser_modify_form_from_the_schema_with_errors_fallback_and_diff(desk:
             # The JSON fallback is validated: invalid JSON is named, nothing is decided.
             page.fill("#arg-extra", "{bad")
             page.click("#review")
-            expect(page.locator("#error")).to_contain_text("extra")
-            expect(page.locator("#error")).to_contain_text("not valid JSON")
+            expect(page.locator("#error")).to_contain_text(re.compile("extra: is not valid JSON", re.I))
             expect(page.locator("#arg-extra")).to_have_value("{bad")  # what was typed is kept
             # A pattern, a bound, a whole number and a nested pattern, each named.
             page.fill("#arg-extra", '{"po": 8}')
@@ -217,8 +216,9 @@ def test_browser_modify_form_from_the_schema_with_errors_fallback_and_diff(desk:
             page.fill("#arg-amount", "9000")
             page.fill("#arg-address-postcode", "12")
             page.click("#review")
-            for words in ("vendor", "amount", "postcode"):
-                expect(page.locator("#error")).to_contain_text(words)
+            for words in ("vendor: 'ACME!' does not match", "amount: 9000 is greater than the maximum",
+                          "postcode: '12' does not match"):
+                expect(page.locator("#error")).to_contain_text(re.compile(re.escape(words), re.I))
             page.fill("#arg-installments", "2.5")
             page.fill("#arg-vendor", "globex")
             page.fill("#arg-amount", "120.5")
@@ -251,4 +251,3 @@ def test_browser_modify_form_from_the_schema_with_errors_fallback_and_diff(desk:
                                  "urgent": True, "address": {"city": "Lyon", "postcode": "69001"},
                                  "cc": ["a@x.test", "b@x.test"], "extra": {"po": 8}}
     assert rec.decision_reason == "new vendor"
-    assert re.search("globex", str(desk.undolog.approvals.events(rid)[-1].payload))
