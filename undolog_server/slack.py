@@ -502,7 +502,7 @@ class SlackDesk:
             raise Problem(401, "slack_request_stale",
                           f"the request's timestamp is more than {REPLAY_WINDOW} s from now: refused as a possible "
                           "replay (check the server's clock if Slack's requests all fail this way)")
-        verifier = SignatureVerifier(self.config.signing_secret, clock=_FixedClock(now))
+        verifier = SignatureVerifier(self.config.signing_secret, clock=_fixed_clock(now))
         if not verifier.is_valid(body=body, timestamp=stamp, signature=signature):
             raise Problem(401, "slack_signature_invalid",
                           "the Slack signature does not match: the request was not signed with this app's signing "
@@ -711,14 +711,15 @@ _FINAL_ERRORS = {"channel_not_found", "not_in_channel", "is_archived", "invalid_
                  "token_revoked", "no_permission", "missing_scope", "message_not_found", "cant_update_message"}
 
 
-class _FixedClock:
+def _fixed_clock(now: float) -> Any:
     """``slack_sdk``'s verifier asks a clock for now: the one this request was checked against."""
+    from slack_sdk.signature import Clock
 
-    def __init__(self, now: float) -> None:
-        self._now = now
+    class Fixed(Clock):
+        def now(self) -> float:
+            return now
 
-    def now(self) -> float:
-        return self._now
+    return Fixed()
 
 
 def _retry_after(headers: Any) -> float:

@@ -25,7 +25,15 @@ from undolog_server.state import ServerSettings
 from undolog_server.storage import ApproverGroup, utcnow
 from undolog_server.storage.slack import SlackChannel, SlackStore
 
-from ..support.slack_standin import SIGNING_SECRET, TEAM, TOKEN, SlackStandIn, block_action, signed, view_submission
+from ..support.slack_standin import (
+    SIGNING_SECRET,
+    TEAM,
+    TOKEN,
+    SlackStandIn,
+    block_action,
+    signed,
+    view_submission,
+)
 from .conftest import Desk, make_desk
 
 pytestmark = pytest.mark.storage

@@ -198,7 +198,7 @@ class SlackStore:
     def enqueue_in(self, conn: Any, approval_request_id: str, channels: Sequence[str], purpose: str) -> int:
         """One post per channel for a request, in the caller's transaction (the outbox claim); repeats ignored."""
         now = utcnow()
-        rows = [{"post_id": "sp_" + uuid.uuid4().hex[:20], "approval_request_id": approval_request_id,
+        rows: list[dict[str, Any]] = [{"post_id": "sp_" + uuid.uuid4().hex[:20], "approval_request_id": approval_request_id,
                  "channel": ch, "purpose": purpose, "ts": [], "shown_state": None, "dirty": False, "attempts": 0,
                  "next_attempt_at": time.time(), "locked_until": None, "last_error": None, "created_at": now}
                 for ch in dict.fromkeys(channels)]
@@ -249,7 +249,7 @@ class SlackStore:
             ).order_by(p.c.next_attempt_at).limit(limit))
             if self.core.is_postgres:
                 q = q.with_for_update(skip_locked=True)
-            rows = [dict(r) for r in conn.execute(q).mappings()]
+            rows: list[dict[str, Any]] = [dict(r) for r in conn.execute(q).mappings()]
             for r in rows:
                 conn.execute(p.update().where(p.c.post_id == r["post_id"])
                              .values(locked_until=lease_until, attempts=int(r["attempts"]) + 1))
