@@ -906,7 +906,9 @@ class SlackChannelOut(SlackChannelIn):
     group: str
 
 
-_SlackId = Path(min_length=1, max_length=32, pattern=r"^[A-Z0-9]+$")
+def _slack_id() -> Any:
+    """A fresh path-parameter declaration of a Slack id (FastAPI binds one FieldInfo to one parameter)."""
+    return Path(min_length=1, max_length=32, pattern=r"^[A-Z0-9]+$")
 
 
 @admin_router.get("/users", response_model=list[SlackUserOut], summary="Slack users mapped to API keys")
@@ -916,7 +918,7 @@ def list_users(request: Request, key: ApiKey = Depends(ADMIN)) -> list[SlackUser
 
 @admin_router.put("/users/{team_id}/{user_id}", response_model=SlackUserOut,
                   summary="Map a Slack user (workspace id, user id) to an approver key (audited)")
-def put_user(request: Request, body: SlackUserIn, team_id: str = _SlackId, user_id: str = _SlackId,
+def put_user(request: Request, body: SlackUserIn, team_id: str = _slack_id(), user_id: str = _slack_id(),
              key: ApiKey = Depends(ADMIN)) -> SlackUserOut:
     st = server_state(request)
     target = st.store.get_key(body.key_id)
@@ -932,7 +934,7 @@ def put_user(request: Request, body: SlackUserIn, team_id: str = _SlackId, user_
 
 
 @admin_router.delete("/users/{team_id}/{user_id}", status_code=204, summary="Unmap a Slack user (audited)")
-def delete_user(request: Request, team_id: str = _SlackId, user_id: str = _SlackId,
+def delete_user(request: Request, team_id: str = _slack_id(), user_id: str = _slack_id(),
                 key: ApiKey = Depends(ADMIN)) -> Response:
     st = server_state(request)
     before = SlackStore(st.undolog.store).delete_user(team_id, user_id)
