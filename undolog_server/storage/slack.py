@@ -23,7 +23,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from . import CoreStore, UTCDateTime, insert_ignore, metadata, utcnow
+from . import CoreStore, UTCDateTime, metadata, utcnow
 
 slack_channels = sa.Table(
     "undolog_slack_channels",
@@ -72,6 +72,24 @@ slack_seen = sa.Table(
     sa.Column("seen_at", sa.Float, nullable=False),
     sa.Index("ix_undolog_slack_seen_at", "seen_at"),
 )
+
+
+def _insert_new(conn: Any, table: sa.Table, rows: list[dict[str, Any]]) -> int:
+    """Insert the rows that collide with no unique key; returns how many were inserted.
+
+    Counted by ``RETURNING``: psycopg reports a rowcount of -1 for ``INSERT ... ON CONFLICT DO NOTHING`` here, so a
+    rowcount would read a replay (or a second fan-out) as new.
+    """
+    if conn.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
+    key = list(table.primary_key.columns)[0]
+    inserted = 0
+    for row in rows:
+        stmt = insert(table).values(**row).on_conflict_do_nothing().returning(key)
+        inserted += conn.execute(stmt).first() is not None
+    return inserted
 
 
 @dataclass(frozen=True)
@@ -191,7 +209,7 @@ class SlackStore:
         digest = hashlib.sha256(signature.encode()).hexdigest()
         with self.core.tx() as conn:
             conn.execute(slack_seen.delete().where(slack_seen.c.seen_at < now - 2 * window))
-            return insert_ignore(conn, slack_seen, [{"signature_hash": digest, "seen_at": now}]) == 1
+            return _insert_new(conn, slack_seen, [{"signature_hash": digest, "seen_at": now}]) == 1
 
     # ---- posts ------------------------------------------------------------------------------------
 
@@ -202,7 +220,7 @@ class SlackStore:
                  "channel": ch, "purpose": purpose, "ts": [], "shown_state": None, "dirty": False, "attempts": 0,
                  "next_attempt_at": time.time(), "locked_until": None, "last_error": None, "created_at": now}
                 for ch in dict.fromkeys(channels)]
-        return insert_ignore(conn, slack_posts, rows)
+        return _insert_new(conn, slack_posts, rows)
 
     def enqueue(self, approval_request_id: str, channels: Sequence[str], purpose: str) -> int:
         """:meth:`enqueue_in` in a transaction of its own (an escalation)."""
