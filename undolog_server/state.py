@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from undolog_core import UndoLog
 
@@ -12,7 +12,6 @@ from .views import CoreViews
 
 if TYPE_CHECKING:
     from .proxy import ProxyTools
-    from .slack import SlackConfig, SlackDesk
 
 
 #: Seconds a delivery's lease must outlast the attempt's deadline (time to record the outcome).
@@ -86,7 +85,8 @@ class ServerSettings:
     decision_lane: int = 4
     queue_timeout: float = 30.0
     docs: bool = False
-    slack: SlackConfig | None = None
+    # An undolog_server.slack.SlackConfig; typed Any so this module imports nothing that imports it back.
+    slack: Any = None
 
     def __post_init__(self) -> None:
         if self.webhook_timeout <= 0:
@@ -123,5 +123,6 @@ class ServerState:
     app_spec: str | None = None
     worker_id: str = ""
     stats: dict[str, int] = field(default_factory=dict)
-    slack: SlackDesk | None = None
+    #: The Slack integration (an ``undolog_server.slack.SlackDesk``) when ``settings.slack`` is set.
+    slack: Any = None
 
