@@ -351,22 +351,22 @@ def test_admin_api_maps_users_with_audit(rig: SlackRig) -> None:
 def test_a_crash_between_the_decision_and_the_update_updates_once_after_restart(rig: SlackRig, db: Any) -> None:
     rid = _wire(rig)
     rig.sweep()
-    # The decision commits, and the process dies before it marks or updates a message: the core's outbox row is all
-    # that is left of it.
-    rig.desk.undolog.approvals.approve(rid, approver=rig.desk.key("ana").identity,
-                                       principal=rig.desk.key("ana").principal_ref)
+    digest = rig.desk.undolog.approvals.get(rid).action_digest
+    env = {**os.environ, **db.env, "SLACK_API_URL": rig.standin.api_url, "PYTHONPATH": str(ROOT)}
+    # Another desk process takes ana's click and is SIGKILLed right after the decision commits, before it marks or
+    # updates a message: the core's outbox row is all that is left of it.
+    child = subprocess.run([sys.executable, "-m", "tests.support.slack_sender", "approve-then-die", rid, digest],
+                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    assert rig.desk.undolog.approvals.get(rid).state == "approved"
     assert not rig.standin.of("chat.update")
-    # A fresh process on the same database (what a restart is to the desk): its sweep finds the decision.
-    fresh = make_desk(db, settings=ServerSettings(background=False, slack=_config(rig.standin)))
-    try:
-        fresh.server.server.config.app.state.sweeper.tick()
-        fresh.server.server.config.app.state.sweeper.tick()
-    finally:
-        fresh.close()
+    # The desk that goes on (a restarted one is the same: everything is in the database) updates each message once.
+    rig.sweep()
     rig.sweep()
     updates = rig.standin.of("chat.update")
     assert sorted(u.args["channel"] for u in updates) == ["C0FIN", "C0RISK"]
-    assert len(rig.posted()) == 2
+    assert all("Approved" in _texts(u.args["blocks"]) for u in updates)
+    assert len(rig.posted()) == 2  # no duplicate post
 
 
 def test_a_post_killed_in_flight_is_found_not_reposted_and_a_duplicate_is_updated_too(rig: SlackRig, db: Any) -> None:
@@ -376,7 +376,7 @@ def test_a_post_killed_in_flight_is_found_not_reposted_and_a_duplicate_is_update
     rig.standin.hold["chat.postMessage"] = hold
     env = {**os.environ, **db.env, "SLACK_API_URL": rig.standin.api_url, "PYTHONPATH": str(ROOT)}
     # Another desk process sweeps: it fans the request out and posts it.
-    child = subprocess.Popen([sys.executable, "-m", "tests.support.slack_sender"], env=env, cwd=ROOT)
+    child = subprocess.Popen([sys.executable, "-m", "tests.support.slack_sender", "sweep"], env=env, cwd=ROOT)
     try:
         deadline = time.monotonic() + 120
         while not rig.posted() and child.poll() is None and time.monotonic() < deadline:
