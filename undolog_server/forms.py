@@ -23,6 +23,12 @@ Every field's input is named by a JSON Pointer to the argument (``/amount``, ``/
 mapping ``{name: text}`` is all :func:`parse` needs, whatever the channel: an HTML form's fields, a Slack modal's
 ``view.state.values`` flattened to ``{block_id: value}``, an email confirmation page's POST.
 
+Rendering: ``templates/_schema_form.html`` holds two Jinja macros, ``schema_fields(form.fields, submitted)`` (the
+inputs, each with its hint; ``submitted`` keeps what was typed when an edit is sent back with an error) and
+``diff_table(diff(...))``; the dashboard's request page uses both. :func:`request_schema` reads the schema of the
+tool revision a request was raised under. The Slack modal's blocks come from :meth:`Form.leaves`
+(``undolog_server.slack.modal_blocks``).
+
 Example:
     >>> schema = {"type": "object", "required": ["to", "amount"], "properties": {
     ...     "to": {"type": "string", "pattern": "^[a-z]+$"},

@@ -194,6 +194,13 @@ def test_escalation_reposts_an_undecided_request_to_the_next_channel(rig: SlackR
     assert "escalated" in _texts(msg["blocks"]) and msg["metadata"]["event_payload"]["approval_request_id"] == rid
 
 
+def test_without_slack_configured_the_endpoint_says_how_to_turn_it_on(desk: Desk) -> None:
+    body, headers = signed({"type": "block_actions"})
+    r = httpx.post(desk.url + "/v1/slack/interactivity", content=body, headers=headers)
+    assert r.status_code == 404 and r.json()["code"] == "slack_not_configured"
+    assert "UNDOLOG_SLACK_BOT_TOKEN" in r.json()["detail"]
+
+
 # ------------------------------------------------------------------------------------------------ deciding
 
 
