@@ -269,7 +269,9 @@ class SlackDesk:
                 if chosen:
                     self.store.enqueue_in(conn, rid, chosen, "request")
             elif event.event_type in ("approval.decided", "approval.timed_out", "approval.expired"):
-                self.store.mark_dirty_in(conn, rid)
+                state = data.get("state") or data.get("outcome") or (
+                    "expired" if event.event_type == "approval.expired" else None)
+                self.store.mark_dirty_in(conn, rid, unless_shown=str(state) if state else None)
 
         return handle
 

@@ -413,3 +413,40 @@ def test_a_post_killed_in_flight_is_found_not_reposted_and_a_duplicate_is_update
     assert updated == sorted([post.ts[0], dup])
     rig.slack.run_due()
     assert len(rig.standin.of("chat.update")) == 2 and len(rig.posted()) == 1
+
+
+def _wait_for(check: Any, what: str, seconds: float = 60.0) -> None:
+    """Wait for the desk's own loops (not a timed assertion: the bound only stops a hung test)."""
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, f"the desk's loops never {what}"
+        time.sleep(0.05)
+
+
+def test_the_desks_own_loops_post_and_update_after_a_click(db: Any) -> None:
+    """No test hand: the sweeper started by the app's lifespan posts, and a click's decision updates the message
+    right away (``update_now``) or at the next sweep."""
+    standin = SlackStandIn().start()
+    cfg = SlackConfig(bot_token=TOKEN, signing_secret=SIGNING_SECRET, team_id=TEAM, api_url=standin.api_url)
+    desk = make_desk(db, settings=ServerSettings(background=True, sweep_interval=0.2, slack=cfg))
+    try:
+        desk.add_key("ana", ["approver"])
+        SlackStore(desk.undolog.store).put_channel(SlackChannel("*", "C0ALL"))
+        SlackStore(desk.undolog.store).put_user(TEAM, "U0ANA", desk.key("ana").key_id, "test")
+        rid, _ = desk.pending("delete_user_account", user_id="u1")
+        _wait_for(lambda: standin.of("chat.postMessage"), "posted the request")
+        rec = desk.undolog.approvals.get(rid)
+        body, headers = signed(block_action(standin, "approve", json.dumps({"r": rid, "d": rec.action_digest})))
+        r = httpx.post(desk.url + "/v1/slack/interactivity", content=body, headers=headers, timeout=30)
+        assert r.json()["decided"] == "approve", r.text
+        _wait_for(lambda: standin.of("chat.update"), "updated the message")
+        assert "Approved" in _texts(standin.of("chat.update")[0].args["blocks"])
+        # The decision's outbox event, fanned out afterwards, finds the message already showing it: no second update.
+        sweeper = desk.server.server.config.app.state.sweeper
+        sweeper.tick()
+        sweeper.tick()
+        assert len(standin.of("chat.update")) == 1 and len(standin.of("chat.postMessage")) == 1
+    finally:
+        desk.close()
+        desk.undolog.close()
+        standin.stop()

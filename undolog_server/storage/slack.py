@@ -227,10 +227,17 @@ class SlackStore:
         with self.core.tx() as conn:
             return self.enqueue_in(conn, approval_request_id, channels, purpose)
 
-    def mark_dirty_in(self, conn: Any, approval_request_id: str) -> int:
-        """Every post of a request needs its message updated (the request was decided, timed out, expired)."""
-        return int(conn.execute(slack_posts.update().where(slack_posts.c.approval_request_id == approval_request_id)
-                                .values(dirty=True, next_attempt_at=time.time())).rowcount or 0)
+    def mark_dirty_in(self, conn: Any, approval_request_id: str, unless_shown: str | None = None) -> int:
+        """Every post of a request needs its message updated (the request was decided, timed out, expired).
+
+        ``unless_shown``: the state the event reports; a message already showing it is left alone (a decision
+        taken in Slack updates its messages at once, and its outbox event arrives afterwards).
+        """
+        p = slack_posts
+        q = p.update().where(p.c.approval_request_id == approval_request_id)
+        if unless_shown is not None:
+            q = q.where(sa.or_(p.c.shown_state.is_(None), p.c.shown_state != unless_shown))
+        return max(0, int(conn.execute(q.values(dirty=True, next_attempt_at=time.time())).rowcount or 0))
 
     def mark_dirty(self, approval_request_id: str) -> int:
         with self.core.tx() as conn:
