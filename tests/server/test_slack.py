@@ -440,12 +440,14 @@ def test_the_desks_own_loops_post_and_update_after_a_click(db: Any) -> None:
         r = httpx.post(desk.url + "/v1/slack/interactivity", content=body, headers=headers, timeout=30)
         assert r.json()["decided"] == "approve", r.text
         _wait_for(lambda: standin.of("chat.update"), "updated the message")
-        assert "Approved" in _texts(standin.of("chat.update")[0].args["blocks"])
+        first = _texts(standin.of("chat.update")[0].args["blocks"])
+        assert "Approved" in first, first
         # The decision's outbox event, fanned out afterwards, finds the message already showing it: no second update.
         sweeper = desk.server.server.config.app.state.sweeper
         sweeper.tick()
         sweeper.tick()
-        assert len(standin.of("chat.update")) == 1 and len(standin.of("chat.postMessage")) == 1
+        seen = [(c.method, c.args.get("channel"), c.args.get("ts")) for c in standin.calls]
+        assert len(standin.of("chat.update")) == 1 and len(standin.of("chat.postMessage")) == 1, seen
     finally:
         desk.close()
         desk.undolog.close()
