@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from undolog_core import UndoLog
 
@@ -56,6 +56,7 @@ class ServerSettings:
             they never queue behind the agents' traffic.
         queue_timeout: Seconds a request may wait for admission before it is answered 503 ``server_busy`` with
             ``Retry-After``.
+        slack: Approvals in Slack (:class:`undolog_server.slack.SlackConfig`); None: off.
         docs: Serve the interactive API docs at ``/docs`` (Swagger UI, loaded from a CDN); off by default.
             ``/openapi.json`` is always served.
     """
@@ -84,6 +85,8 @@ class ServerSettings:
     decision_lane: int = 4
     queue_timeout: float = 30.0
     docs: bool = False
+    # An undolog_server.slack.SlackConfig; typed Any so this module imports nothing that imports it back.
+    slack: Any = None
 
     def __post_init__(self) -> None:
         if self.webhook_timeout <= 0:
@@ -120,4 +123,6 @@ class ServerState:
     app_spec: str | None = None
     worker_id: str = ""
     stats: dict[str, int] = field(default_factory=dict)
+    #: The Slack integration (an ``undolog_server.slack.SlackDesk``) when ``settings.slack`` is set.
+    slack: Any = None
 
