@@ -14,7 +14,7 @@ from fastapi.staticfiles import StaticFiles
 
 from undolog_core import UndoLog, errors, load_app
 
-from . import api, dashboard, problems, proxy_api
+from . import api, dashboard, email_approvals, problems, proxy_api
 from . import proxy as proxy_mod
 from .guard import body_problem
 from .lanes import Lanes
@@ -261,6 +261,7 @@ def create_app(
     app.include_router(api.router)
     app.include_router(proxy_api.router)
     dashboard.install(app)
+    email_approvals.install(app)
     app.mount("/ui/static", StaticFiles(directory=str(Path(__file__).parent / "static")), name="static")
 
     # Inside the guard: a body is checked (and a hostile one refused) before the request waits for a lane.
