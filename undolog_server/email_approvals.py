@@ -583,6 +583,14 @@ def _open(request: Request, raw: str) -> _Link | HTMLResponse:
                         "outcome is on the desk.", 410, link=link)
     if tok.expires_at <= utcnow():
         return _refused(request, "Link expired", "This link expired with its request.", 410, link=link)
+    try:
+        # Read through the core, which applies a due timeout first: a link dies with its request, whoever opens it.
+        state = st.undolog.approvals.get(tok.approval_request_id).state.value
+    except errors.ApprovalNotFound:
+        state = "gone"
+    if state != "pending":
+        return _refused(request, "Link expired", f"This link's request is {state.replace('_', ' ')}: there is "
+                        "nothing left to decide. Its outcome is on the desk.", 410, link=link)
     return link
 
 
