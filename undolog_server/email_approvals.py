@@ -643,11 +643,15 @@ def _request_state(request: Request, link: _Link, key: ApiKey) -> tuple[Any, str
 
 
 @ui.get("/ui/email/{token}")
-def confirm_page(request: Request, token: str, sent: int = 0, error: str | None = None) -> HTMLResponse:
+def confirm_page(request: Request, token: str, sent: int = 0, e: str | None = None) -> HTMLResponse:
     """Show the request to the link's approver; to anyone else, only how to prove it is them. Decides nothing."""
     link = _open(request, token)
     if isinstance(link, HTMLResponse):
         return link
+    # Only fixed texts, by code: a crafted link cannot put words of its own on the desk's page.
+    left = MAX_CODE_ATTEMPTS - link.token.code_attempts
+    error = _ERRORS[e].format(left=left, s="s" if left != 1 else "", max_codes=_max_codes(request)) if e in _ERRORS \
+        else None
     who, key = _who(request, link)
     if who == "other":
         return _refused(request, "Not your link", "This link was sent to another approver. Log out of the desk and "
@@ -690,14 +694,28 @@ async def send_code(request: Request, token: str) -> Response:
     ok = EmailStore(st.undolog.store).start_code(link.token.token_id, nonce, utcnow() + timedelta(seconds=email.code_ttl),
                                                  email.max_codes)
     if not ok:
-        return _to_page(token, error=f"No more codes for this link (at most {email.max_codes}). Decide on the desk.")
+        return _to_page(token, error="codes")
     return _to_page(token, sent=True)
+
+
+_ERRORS = {
+    "wrong": "That code is wrong or expired ({left} attempt{s} left).",
+    "nocode": "No code is waiting: ask for one first ({left} attempt{s} left).",
+    "codes": "No more codes for this link (at most {max_codes}). Decide on the desk.",
+    "choose": "Choose Approve or Reject.",
+    "reason": "A rejection needs a reason.",
+}
+
+
+def _max_codes(request: Request) -> int:
+    email = server_state(request).settings.email
+    return email.max_codes if email else 0
 
 
 def _to_page(token: str, *, sent: bool = False, error: str | None = None) -> RedirectResponse:
     query = "?sent=1" if sent else ""
     if error:
-        query += ("&" if query else "?") + "error=" + quote(error, safe="")
+        query += ("&" if query else "?") + "e=" + error
     return RedirectResponse(f"/ui/email/{quote(token, safe='')}{query}", status_code=303)
 
 
@@ -737,8 +755,7 @@ async def verify_code(request: Request, token: str) -> Response:
                         410, link=link, audit={"why": "code_attempts"})
     store.audit("email link", "email.code_wrong", f"approval:{tok.approval_request_id}",
                 {"token_id": tok.token_id, "attempts_left": left})
-    why = "That code is wrong or expired" if current else "No code is waiting: ask for one first"
-    return _to_page(token, sent=current, error=f"{why} ({left} attempt{'s' if left != 1 else ''} left).")
+    return _to_page(token, sent=current, error="wrong" if current else "nocode")
 
 
 @ui.post("/ui/email/{token}/decide")
@@ -757,9 +774,9 @@ async def decide(request: Request, token: str) -> Response:
     action = data.get("action", "")
     reason = data.get("reason", "").strip() or None
     if action not in ("approve", "reject"):
-        return _to_page(token, error="Choose Approve or Reject.")
+        return _to_page(token, error="choose")
     if action == "reject" and not reason:
-        return _to_page(token, error="A rejection needs a reason.")
+        return _to_page(token, error="reason")
     rec, refusal, status = _request_state(request, link, key)
     if refusal:
         return _refused(request, "Nothing to decide", refusal, status, link=link, audit={"why": "request_state",
