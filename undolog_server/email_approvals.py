@@ -182,7 +182,7 @@ def code_for(key: bytes, token_id: str, nonce: str) -> str:
 def queue_fanout(state: ServerState, conn: Any, event: OutboxEvent) -> None:
     """Outbox consumer: queue a request's mails in the claiming transaction (so the event is never lost).
 
-    Registered on ``state.outbox_consumers`` by :func:`install` when email is configured.
+    Registered among the webhook dispatcher's ``consumers`` by :func:`install` when email is configured.
     """
     if event.event_type != "approval.requested":
         return
@@ -825,5 +825,6 @@ def install(app: FastAPI) -> None:
     app.state.email_token_key = key
     sender = EmailSender(st, key)
     app.state.email_sender = sender
-    st.outbox_consumers.append(lambda conn, event: queue_fanout(st, conn, event))
+    # Runs inside the webhook fan-out's claiming transaction: the request's mail is queued with the claim.
+    app.state.sweeper.webhooks.consumers.append(lambda: lambda conn, event: queue_fanout(st, conn, event))
     st.background_loops.append(sender.loop)

@@ -184,9 +184,6 @@ class ServerState:
     app_spec: str | None = None
     worker_id: str = ""
     stats: dict[str, int] = field(default_factory=dict)
-    #: Called for each core outbox event inside the fan-out's claiming transaction, ``(conn, event)``: a consumer
-    #: (email approvals) queues its own rows there, so the event reaches it exactly once.
-    outbox_consumers: list[Callable[[Any, Any], None]] = field(default_factory=list)
     #: More background loops the sweeper starts and stops with its own, each ``loop(stop_event)``.
     background_loops: list[Callable[[Any], Awaitable[None]]] = field(default_factory=list)
 

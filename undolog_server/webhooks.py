@@ -321,8 +321,6 @@ class WebhookDispatcher:
                 }
                 chosen = route(e.event_type, e.risk_tags, targets, policies)
                 store.enqueue(conn, f"outbox:{e.outbox_id}", e.event_type, _body(envelope), [t.target_id for t in chosen])
-                for consume in self.state.outbox_consumers:
-                    consume(conn, e)
 
         return self.state.undolog.outbox.drain(handle, limit=limit)
 
