@@ -269,6 +269,33 @@ class UndoLog:
         return self._recovery.recover(progress=progress, sessions=None if sessions is None else set(sessions),
                                       take_over=set(take_over))
 
+    def record_audit(
+        self, *, subject: str, action: str, actor: str, payload: Mapping[str, Any],
+        approval_request_id: str | None = None,
+    ) -> int:
+        """Append one event to the audit trail (hash-chained like every decision, checked by :meth:`verify_audit`).
+
+        For what an integration decides or refuses outside the core's own operations: the desk records who mapped a
+        Slack user to a key, and every interactivity request it refused (another workspace, an unmapped user).
+
+        Args:
+            subject: What the event is about (``slack:T123/U456``, ``approval:<id>``).
+            action: What happened (``slack_user_mapped``, ``slack_refused``...).
+            actor: Who did it (a key's identity, ``slack:T123/U456``).
+            payload: JSON-able details.
+            approval_request_id: The request the event belongs to, if any (it then shows in the request's events).
+
+        Returns:
+            The event's id.
+
+        Example:
+            >>> undolog.record_audit(subject="slack:T1/U2", action="slack_user_mapped", actor="admin (key ab12)",
+            ...                      payload={"key_id": "cd34"})
+            42
+        """
+        return int(self.store.append_event(subject=subject, action=action, actor=actor, payload=dict(payload),
+                                           approval_request_id=approval_request_id))
+
     def verify_audit(
         self, *, checkpoints: str | os.PathLike[str] | None = None, public_key: str | os.PathLike[str] | None = None
     ) -> AuditReport:

@@ -14,7 +14,7 @@ from fastapi.staticfiles import StaticFiles
 
 from undolog_core import UndoLog, errors, load_app
 
-from . import api, dashboard, email_approvals, problems, proxy_api
+from . import api, dashboard, email_approvals, problems, proxy_api, slack
 from . import proxy as proxy_mod
 from .guard import body_problem
 from .lanes import Lanes
@@ -213,6 +213,10 @@ def create_app(
         app_spec=app_spec,
         worker_id=f"{socket.gethostname()}:{os.getpid()}",
     )
+    if settings.slack is not None:
+        from .slack import SlackDesk
+
+        state.slack = SlackDesk(state, settings.slack)
     sweeper = Sweeper(state)
 
     @asynccontextmanager
@@ -260,6 +264,7 @@ def create_app(
     app.openapi = openapi  # type: ignore[method-assign]
     app.include_router(api.router)
     app.include_router(proxy_api.router)
+    app.include_router(slack.router)
     dashboard.install(app)
     email_approvals.install(app)
     app.mount("/ui/static", StaticFiles(directory=str(Path(__file__).parent / "static")), name="static")

@@ -24,6 +24,7 @@ from fastapi.templating import Jinja2Templates
 
 from undolog_core import errors, limits
 
+from . import forms
 from .api import approval_detail, rollback_out, session_detail
 from .auth import server_state
 from .guard import body_problem
@@ -255,7 +256,9 @@ def queue_rows(request: Request) -> HTMLResponse:
 
 
 def _approval_page(request: Request, key: ApiKey, approval_request_id: str, *, error: str | None = None,
-                   edited: str | None = None, status: int = 200, notice: str | None = None) -> HTMLResponse:
+                   status: int = 200, notice: str | None = None, submitted: dict[str, str] | None = None,
+                   review: list[forms.Change] | None = None, edited_json: str | None = None,
+                   modify_reason: str | None = None) -> HTMLResponse:
     st = server_state(request)
     row = st.views.approval_row(approval_request_id)
     if row is None:
@@ -270,12 +273,14 @@ def _approval_page(request: Request, key: ApiKey, approval_request_id: str, *, e
     events = st.undolog.approvals.events(approval_request_id)
     from .api import _event_dict
 
-    args_text = edited if edited is not None else json.dumps(
-        detail.approved_args if detail.approved_args is not None else detail.proposed_args, indent=2, sort_keys=True
-    )
+    # The edit form comes from the schema of the tool revision the request was raised under, filled with the
+    # proposed arguments; an edit sent back (an error, a review) shows what was submitted.
+    form = forms.build(forms.request_schema(st.undolog, row["tool_name"], row.get("tool_revision")),
+                       detail.proposed_args)
     return _render(request, "approval.html", {
         "user": key, "a": detail, "session": session, "own_session": own,
-        "events": [_event_dict(e) for e in events], "args_text": args_text, "error": error, "notice": notice,
+        "events": [_event_dict(e) for e in events], "form": form, "submitted": submitted or {}, "review": review,
+        "edited_json": edited_json, "modify_reason": modify_reason, "error": error, "notice": notice,
     }, status)
 
 
@@ -307,7 +312,6 @@ async def decide(request: Request, approval_request_id: str, action: str) -> Res
             pass
         return _forbidden(request, key, "Your key created the session that raised this request; someone else must decide it.")
     reason = data.get("reason", "").strip() or None
-    edited = None
     try:
         if action == "approve":
             st.undolog.approvals.approve(approval_request_id, approver=key.identity, principal=key.principal_ref, reason=reason)
@@ -315,26 +319,46 @@ async def decide(request: Request, approval_request_id: str, action: str) -> Res
             if not reason:
                 return _approval_page(request, key, approval_request_id, error="A rejection needs a reason.", status=422)
             st.undolog.approvals.reject(approval_request_id, approver=key.identity, principal=key.principal_ref, reason=reason)
-        else:
-            edited = data.get("args", "")
-            # The same door as the API's body: NUL, nesting, lone surrogates, NaN and infinities are refused with
-            # the field named, before the text is parsed for use (a RecursionError or a NaN never reaches the core).
+        elif data.get("step") == "confirm":
+            edited = data.get("args_json", "")
+            # The reviewed edit comes back as JSON: the same door as the API's body (NUL, nesting, lone surrogates,
+            # NaN and infinities refused) before it is parsed, then the core validates it against the schema again.
             refused = body_problem(edited.encode("utf-8", "surrogatepass"), "application/json")
             if refused is not None:
-                return _approval_page(request, key, approval_request_id, edited=edited, status=422,
+                return _approval_page(request, key, approval_request_id, status=422,
                                       error=refused[1].replace("the JSON body", "the arguments"))
             try:
                 args = json.loads(edited)
             except ValueError as exc:
-                return _approval_page(request, key, approval_request_id, error=f"The arguments are not valid JSON: {exc}",
-                                      edited=edited, status=422)
+                return _approval_page(request, key, approval_request_id, status=422,
+                                      error=f"The arguments are not valid JSON: {exc}")
             if not isinstance(args, dict):
-                return _approval_page(request, key, approval_request_id, error="The arguments must be a JSON object.",
-                                      edited=edited, status=422)
+                return _approval_page(request, key, approval_request_id, status=422,
+                                      error="The arguments must be a JSON object.")
             st.undolog.approvals.modify(approval_request_id, approver=key.identity, principal=key.principal_ref, args=args,
                                         reason=reason)
+        else:
+            # The review step: the submitted fields become arguments (checked against the tool's schema, every
+            # error naming its field) and the page shows what the edit changes before anything is decided.
+            submitted = {k: v for k, v in data.items() if k not in ("csrf_token", "step", "reason")}
+            for text in submitted.values():
+                refused = body_problem(json.dumps(text).encode("utf-8", "surrogatepass"), "application/json")
+                if refused is not None:
+                    return _approval_page(request, key, approval_request_id, status=422, submitted=submitted,
+                                          modify_reason=reason,
+                                          error=refused[1].replace("the JSON body", "the arguments"))
+            schema = forms.request_schema(st.undolog, row["tool_name"], row.get("tool_revision"))
+            proposed = row.get("proposed_args") or {}
+            try:
+                parsed = forms.parse(schema, submitted, original=proposed)
+            except forms.FormInvalid as exc:
+                return _approval_page(request, key, approval_request_id, error=exc.message, status=422,
+                                      submitted=submitted, modify_reason=reason)
+            return _approval_page(request, key, approval_request_id, submitted=submitted, modify_reason=reason,
+                                  review=forms.diff(proposed, parsed),
+                                  edited_json=json.dumps(parsed, sort_keys=True, ensure_ascii=False))
     except errors.ArgumentsInvalid as exc:
-        return _approval_page(request, key, approval_request_id, error=exc.message, edited=edited, status=422)
+        return _approval_page(request, key, approval_request_id, error=exc.message, status=422)
     except errors.ApprovalAlreadyDecided as exc:
         return _approval_page(request, key, approval_request_id, error=exc.message, status=409)
     except errors.UndoLogError as exc:

@@ -46,7 +46,8 @@ import anyio.to_thread
 from . import problems
 
 #: Decision routes: ``POST /v1/approvals/{id}:approve|reject|modify|respond`` and the dashboard's decision forms.
-_DECISION = re.compile(r"^(/v1/approvals/[^/]+:(approve|reject|modify|respond)|/ui/approvals/[^/]+/[a-z]+)$")
+_DECISION = re.compile(
+    r"^(/v1/approvals/[^/]+:(approve|reject|modify|respond)|/ui/approvals/[^/]+/[a-z]+|/v1/slack/interactivity)$")
 
 _log = logging.getLogger("undolog.server")
 

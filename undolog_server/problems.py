@@ -64,6 +64,7 @@ ERROR_STATUS: dict[str, int] = {
     "outcome_conflict": 409,  # a call finished after it was taken over: a person decides
     "rollback_still_running": 202,  # filed for the owning process, not finished within the wait
     "session_not_yours": 403,  # a session named by a client that did not create it
+    "form_invalid": 422,  # undolog_server.forms: an edit form's values do not fit the tool's schema
 }
 
 

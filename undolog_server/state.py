@@ -13,6 +13,7 @@ from .views import CoreViews
 
 if TYPE_CHECKING:
     from .proxy import ProxyTools
+    from .slack import SlackConfig, SlackDesk
 
 
 #: Seconds a delivery's lease must outlast the attempt's deadline (time to record the outcome).
@@ -109,6 +110,7 @@ class ServerSettings:
             they never queue behind the agents' traffic.
         queue_timeout: Seconds a request may wait for admission before it is answered 503 ``server_busy`` with
             ``Retry-After``.
+        slack: Approvals in Slack (:class:`undolog_server.slack.SlackConfig`); None: off.
         docs: Serve the interactive API docs at ``/docs`` (Swagger UI, loaded from a CDN); off by default.
             ``/openapi.json`` is always served.
         public_url: The desk's address as approvers reach it (``https://desk.example.com``): the links in mail
@@ -144,6 +146,7 @@ class ServerSettings:
     public_url: str | None = None
     email: EmailSettings | None = None
     email_interval: float = 0.5
+    slack: SlackConfig | None = None
 
     def __post_init__(self) -> None:
         if self.email is not None and not self.public_url:
@@ -186,4 +189,5 @@ class ServerState:
     stats: dict[str, int] = field(default_factory=dict)
     #: More background loops the sweeper starts and stops with its own, each ``loop(stop_event)``.
     background_loops: list[Callable[[Any], Awaitable[None]]] = field(default_factory=list)
+    slack: SlackDesk | None = None
 

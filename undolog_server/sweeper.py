@@ -36,6 +36,8 @@ class Sweeper:
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.webhooks = WebhookDispatcher(state)
+        if state.slack is not None:
+            self.webhooks.consumers.append(state.slack.consumer)
         self._last_recover = 0.0
         self._tasks: list[asyncio.Task[Any]] = []
         self._stop = asyncio.Event()
@@ -59,6 +61,12 @@ class Sweeper:
         counts["escalated"] = self.webhooks.escalate()
         # Fan out after expiring, so a timeout's event leaves in the same tick.
         counts["events"] = self.webhooks.fan_out()
+        if self.state.slack is not None:
+            try:
+                counts.update({f"slack_{k}": v for k, v in self.state.slack.tick().items()})
+            except Exception:
+                # Slack down or misconfigured must not stop expiry, recovery and webhooks.
+                log.exception("Slack pass failed; retrying next sweep")
         for k, v in counts.items():
             self.state.stats[k] = self.state.stats.get(k, 0) + v
         return counts

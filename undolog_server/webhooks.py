@@ -35,7 +35,7 @@ import socket
 import time
 import urllib.parse
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,6 +297,9 @@ class WebhookDispatcher:
         self.state = state
         #: Sends in flight per target id, in this process (the per-target ceiling counts against it).
         self._busy: Counter[str] = Counter()
+        #: Other consumers of the outbox (Slack, email): each is called before a drain and returns the handler run
+        #: for every event inside the drain's transaction, so what it queues commits with the claim.
+        self.consumers: list[Callable[[], Callable[[Any, OutboxEvent], None]]] = []
 
     # ---- fan-out (sync, in a worker thread) -----------------------------------------------------
 
@@ -311,8 +314,12 @@ class WebhookDispatcher:
         policies = store.policies()
         now = utcnow()
 
+        handlers = [c() for c in self.consumers]
+
         def handle(conn: Any, events: Sequence[OutboxEvent]) -> None:
             for e in events:
+                for h in handlers:
+                    h(conn, e)
                 envelope = {
                     "id": f"evt_{e.outbox_id}",
                     "type": e.event_type,
