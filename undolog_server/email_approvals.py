@@ -48,8 +48,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from undolog_core import OutboxEvent, errors
 
+from . import forms
 from .auth import AuthFirstRoute, require, server_state
 from .dashboard import CSRF_COOKIE, SESSION_COOKIE, templates
+from .guard import body_problem
 from .identity import ApiKey, owns
 from .problems import Problem
 from .storage import utcnow
@@ -670,8 +672,20 @@ def confirm_page(request: Request, token: str, sent: int = 0, e: str | None = No
     if owns(key, session.get("created_by")):
         return _refused(request, "Not allowed", "Your key created the session that raised this request; someone "
                         "else must decide it.", 403, link=link)
+    return _decision_page(request, link, rec, key, error=error)
+
+
+def _decision_page(request: Request, link: _Link, rec: Any, key: ApiKey, *, error: str | None = None,
+                   status: int = 200, submitted: dict[str, str] | None = None,
+                   review: list[forms.Change] | None = None, edited_json: str | None = None,
+                   modify_reason: str | None = None) -> HTMLResponse:
+    """The request, Approve, Reject, and the edit form generated from the tool's schema (with its diff under review)."""
+    st = server_state(request)
+    form = forms.build(forms.request_schema(st.undolog, rec.tool_name, rec.tool_revision), rec.proposed_args)
     return _page(request, {"link": link, "title": f"Decide: {rec.tool_name}", "a": rec, "key": key, "error": error,
-                           "groups": groups_for(st.store.groups(), rec.tool_name, rec.risk_tags)})
+                           "groups": groups_for(st.store.groups(), rec.tool_name, rec.risk_tags), "form": form,
+                           "submitted": submitted or {}, "review": review, "edited_json": edited_json,
+                           "modify_reason": modify_reason}, status)
 
 
 def _masked(address: str) -> str:
@@ -773,7 +787,7 @@ async def decide(request: Request, token: str) -> Response:
                         "with the code sent to its address, first.", 403, link=link, audit={"why": "no_proof"})
     action = data.get("action", "")
     reason = data.get("reason", "").strip() or None
-    if action not in ("approve", "reject"):
+    if action not in ("approve", "reject", "modify"):
         return _to_page(token, error="choose")
     if action == "reject" and not reason:
         return _to_page(token, error="reason")
@@ -790,6 +804,12 @@ async def decide(request: Request, token: str) -> Response:
             pass
         return _refused(request, "Not allowed", "Your key created the session that raised this request; someone "
                         "else must decide it.", 403, link=link)
+    edited: dict[str, Any] | None = None
+    if action == "modify":
+        got = _edit(request, link, rec, key, data, reason)
+        if isinstance(got, HTMLResponse):
+            return got  # the review of the edit, or the edit sent back with its error: nothing decided yet
+        edited = got
     store = EmailStore(st.undolog.store)
     # Spent before deciding: two tabs racing on one link decide once; a crash in between leaves the request pending
     # for the desk (a decision is never replayed from a link).
@@ -799,12 +819,54 @@ async def decide(request: Request, token: str) -> Response:
         if action == "approve":
             done = st.undolog.approvals.approve(rec.approval_request_id, approver=key.identity,
                                                 principal=key.principal_ref, reason=reason)
+        elif action == "modify":
+            assert edited is not None
+            done = st.undolog.approvals.modify(rec.approval_request_id, approver=key.identity,
+                                               principal=key.principal_ref, args=edited, reason=reason)
         else:
             done = st.undolog.approvals.reject(rec.approval_request_id, approver=key.identity,
                                                principal=key.principal_ref, reason=reason or "")
+    except errors.ArgumentsInvalid as exc:
+        # The core refused the edit and the request is still pending: the link is given back for a corrected edit.
+        store.unuse(link.token.token_id)
+        return _decision_page(request, link, rec, key, error=exc.message, status=422)
     except errors.UndoLogError as exc:
         return _refused(request, "Not decided", exc.message, 409, link=link)
     return _page(request, {"title": "Decision recorded", "done": done, "action": action})
+
+
+def _edit(request: Request, link: _Link, rec: Any, key: ApiKey, data: dict[str, str],
+          reason: str | None) -> dict[str, Any] | HTMLResponse:
+    """The edit's two steps, as on the dashboard: ``review`` turns the form's fields into arguments (checked against
+    the tool's schema) and shows their diff; ``confirm`` returns the reviewed arguments to decide with."""
+    st = server_state(request)
+    if data.get("step") == "confirm":
+        text = data.get("args_json", "")
+        # The same door as the API's body (NUL, nesting, lone surrogates, NaN) before it is parsed.
+        refused = body_problem(text.encode("utf-8", "surrogatepass"), "application/json")
+        try:
+            args = json.loads(text) if refused is None else None
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            return _decision_page(request, link, rec, key, status=422,
+                                  error="The reviewed arguments did not come back as a JSON object; edit again.")
+        return args
+    submitted = {k: v for k, v in data.items() if k not in ("csrf_token", "step", "reason", "action")}
+    for value in submitted.values():
+        refused = body_problem(json.dumps(value).encode("utf-8", "surrogatepass"), "application/json")
+        if refused is not None:
+            return _decision_page(request, link, rec, key, status=422, submitted=submitted, modify_reason=reason,
+                                  error=refused[1].replace("the JSON body", "the arguments"))
+    schema = forms.request_schema(st.undolog, rec.tool_name, rec.tool_revision)
+    try:
+        parsed = forms.parse(schema, submitted, original=rec.proposed_args)
+    except forms.FormInvalid as exc:
+        return _decision_page(request, link, rec, key, status=422, submitted=submitted, modify_reason=reason,
+                              error=exc.message)
+    return _decision_page(request, link, rec, key, submitted=submitted, modify_reason=reason,
+                          review=forms.diff(rec.proposed_args, parsed),
+                          edited_json=json.dumps(parsed, sort_keys=True, ensure_ascii=False))
 
 
 # ---------------------------------------------------------------------------------------- wiring

@@ -340,3 +340,9 @@ class EmailStore:
             return bool(conn.execute(
                 t.update().where(t.c.token_id == token_id, t.c.used_at.is_(None), t.c.void_at.is_(None))
                 .values(used_at=utcnow())).rowcount)
+
+    def unuse(self, token_id: str) -> None:
+        """Give a spent link back when the core refused its decision and the request stayed pending (a bad edit)."""
+        t = email_tokens
+        with self.core.tx() as conn:
+            conn.execute(t.update().where(t.c.token_id == token_id, t.c.void_at.is_(None)).values(used_at=None))
