@@ -435,16 +435,6 @@ class MessageOut(BaseModel):
     sent_at: datetime | None
 
 
-class AuditOut(BaseModel):
-    """One entry of the desk's audit of email settings and refused links."""
-
-    at: datetime
-    actor: str
-    action: str
-    subject: str
-    detail: dict[str, Any]
-
-
 def _estore(request: Request) -> EmailStore:
     return EmailStore(server_state(request).undolog.store)
 
@@ -473,14 +463,20 @@ def put_address(request: Request, address: str, body: AddressIn, key: ApiKey = D
         raise Problem(409, "key_not_approver",
                       f"key {body.key_id!r} has neither the approver nor the admin role; only approvers get mail")
     store = _estore(request)
-    store.map_address(address, body.key_id, actor=key.identity)
+    before = store.map_address(address, body.key_id, actor=key.identity)
+    st.undolog.record_audit(subject=f"email:{address}", action="email_address_mapped", actor=key.identity,
+                            payload={"key_id": body.key_id, "previous_key_id": before})
     return next(AddressOut.model_validate(r) for r in store.addresses() if r["address"] == address)
 
 
 @api.delete("/approvers/{address}", status_code=204, summary="Remove an approver email address")
 def delete_address(request: Request, address: str, key: ApiKey = Depends(ADMIN)) -> Response:
-    if not _estore(request).unmap_address(address.strip().lower(), actor=key.identity):
+    address = address.strip().lower()
+    before = _estore(request).unmap_address(address)
+    if before is None:
         raise Problem(404, "email_address_not_found", f"no approver address {address!r}")
+    server_state(request).undolog.record_audit(subject=f"email:{address}", action="email_address_unmapped",
+                                               actor=key.identity, payload={"key_id": before})
     return Response(status_code=204)
 
 
@@ -493,7 +489,9 @@ def list_group_settings(request: Request, key: ApiKey = Depends(ADMIN)) -> list[
 def put_group_setting(request: Request, body: GroupMailIn, group: str, key: ApiKey = Depends(ADMIN)) -> GroupMailOut:
     if not 1 <= len(group) <= 100:
         raise Problem(422, "invalid_group_name", "a group name has 1 to 100 characters ('*': requests in no group)")
-    _estore(request).put_group_setting(group, body.include_arguments, actor=key.identity)
+    _estore(request).put_group_setting(group, body.include_arguments)
+    server_state(request).undolog.record_audit(subject=f"email-group:{group}", action="email_group_set",
+                                               actor=key.identity, payload={"include_arguments": body.include_arguments})
     return GroupMailOut(group=group, include_arguments=body.include_arguments)
 
 
@@ -501,11 +499,6 @@ def put_group_setting(request: Request, body: GroupMailIn, group: str, key: ApiK
 def list_messages(request: Request, approval_request_id: str | None = Query(None, max_length=64),
                   key: ApiKey = Depends(ADMIN)) -> list[MessageOut]:
     return [MessageOut.model_validate(r) for r in _estore(request).messages(approval_request_id)]
-
-
-@api.get("/audit", response_model=list[AuditOut], summary="Changes to email settings and refused links")
-def list_audit(request: Request, limit: int = Query(100, ge=1, le=1000), key: ApiKey = Depends(ADMIN)) -> list[AuditOut]:
-    return [AuditOut.model_validate(r) for r in _estore(request).audit_log(limit)]
 
 
 # ---------------------------------------------------------------------------------------- confirmation page
@@ -557,11 +550,20 @@ def _csrf(request: Request, token_id: str, nonce: str) -> str:
 def _refused(request: Request, title: str, message: str, status: int, *, audit: dict[str, Any] | None = None,
              link: _Link | None = None) -> HTMLResponse:
     if audit is not None:
-        st = server_state(request)
-        subject = f"approval:{link.token.approval_request_id}" if link else "email:link"
-        EmailStore(st.undolog.store).audit("email link", "email.link_refused", subject,
-                                           audit | ({"token_id": link.token.token_id} if link else {}))
+        _record(request, "email_link_refused", link, audit)
     return _page(request, {"title": title, "message": message, "refused": True}, status)
+
+
+def _record(request: Request, action: str, link: _Link | None, payload: dict[str, Any]) -> None:
+    """A refusal on the audit trail; with the link's request, so it shows in that request's events."""
+    st = server_state(request)
+    if link is None:
+        st.undolog.record_audit(subject="email:link", action=action, actor="email link", payload=payload)
+        return
+    tok = link.token
+    st.undolog.record_audit(subject=f"approval:{tok.approval_request_id}", action=action,
+                            actor="email link", approval_request_id=tok.approval_request_id,
+                            payload=payload | {"token_id": tok.token_id, "key_id": tok.key_id})
 
 
 def _open(request: Request, raw: str) -> _Link | HTMLResponse:
@@ -611,9 +613,9 @@ def _who(request: Request, link: _Link) -> tuple[str, ApiKey | None]:
     grant = request.cookies.get(GRANT_COOKIE + link.token.token_id)
     if grant and link.token.grant_hash and hmac.compare_digest(
             hashlib.sha256(grant.encode()).hexdigest(), link.token.grant_hash):
-        key = st.store.get_key(link.token.key_id)
-        if key is not None:
-            return "code", key
+        holder = st.store.get_key(link.token.key_id)
+        if holder is not None:
+            return "code", holder
     return "none", None
 
 
@@ -767,8 +769,7 @@ async def verify_code(request: Request, token: str) -> Response:
         store.void(tok.token_id, "too many wrong codes")
         return _refused(request, "Link void", "Too many wrong codes: this link no longer works. Decide on the desk.",
                         410, link=link, audit={"why": "code_attempts"})
-    store.audit("email link", "email.code_wrong", f"approval:{tok.approval_request_id}",
-                {"token_id": tok.token_id, "attempts_left": left})
+    _record(request, "email_code_wrong", link, {"attempts_left": left})
     return _to_page(token, sent=current, error="wrong" if current else "nocode")
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -188,6 +188,6 @@ class ServerState:
     worker_id: str = ""
     stats: dict[str, int] = field(default_factory=dict)
     #: More background loops the sweeper starts and stops with its own, each ``loop(stop_event)``.
-    background_loops: list[Callable[[Any], Awaitable[None]]] = field(default_factory=list)
+    background_loops: list[Callable[[Any], Coroutine[Any, Any, None]]] = field(default_factory=list)
     slack: SlackDesk | None = None
 

@@ -139,7 +139,6 @@ MATRIX = [
     Row("PUT", "/v1/email/groups/{group}", ADMIN, frozenset({200}), None, {"include_arguments": False},
         {"group": "matrix-only"}),
     Row("GET", "/v1/email/messages", ADMIN, frozenset({200})),
-    Row("GET", "/v1/email/audit", ADMIN, frozenset({200})),
 ]
 
 _MISSING = {

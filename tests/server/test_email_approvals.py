@@ -129,15 +129,15 @@ class MailDesk:
         raise AssertionError("expected an approval request")
 
     def link(self, address: str, n: int = -1) -> str:
-        mails = [m for m in self.smtp.inbox.to(address) if m["Subject"].startswith("Approval needed")]
-        assert mails, f"no approval mail to {address}"
+        mails = [m for m in self.smtp.inbox.to(address) if m["Subject"].strip().startswith("Approval needed")]
+        assert mails, f"no approval mail to {address}: {[(m['To'], m['Subject']) for m in self.smtp.inbox.messages]}"
         body = mails[n].get_content()
         m = re.search(re.escape(self.url) + r"/ui/email/[A-Za-z0-9_.%-]+", body)
         assert m, body
         return m.group(0)
 
     def code(self, address: str) -> str:
-        mails = [m for m in self.smtp.inbox.to(address) if m["Subject"].startswith("UndoLog code")]
+        mails = [m for m in self.smtp.inbox.to(address) if m["Subject"].strip().startswith("UndoLog code")]
         assert mails, f"no code mail to {address}"
         m = re.search(r"code: (\d{6})", mails[-1].get_content())
         assert m
@@ -192,6 +192,19 @@ def mdesk(db: Any, smtp: Smtp, monkeypatch: pytest.MonkeyPatch) -> Iterator[Mail
         d.undolog.close()
 
 
+def _audit(desk: MailDesk) -> list[dict[str, Any]]:
+    """The audit trail's events (the hash chain every decision is on), oldest first."""
+    import json
+
+    import sqlalchemy as sa
+
+    with desk.undolog.store.engine.connect() as conn:
+        table = sa.Table("undolog_approval_events", sa.MetaData(), autoload_with=conn, schema=desk.undolog.store.schema)
+        rows = conn.execute(sa.select(table).order_by(table.c.event_id)).mappings().all()
+    return [dict(r) | {"payload": json.loads(r["payload"]) if isinstance(r["payload"], str) else r["payload"]}
+            for r in rows]
+
+
 def _csrf(html: str) -> str:
     m = re.search(r'name="csrf_token" value="([0-9a-f]+)"', html)
     assert m, html[:800]
@@ -237,10 +250,10 @@ def test_a_request_mails_each_approver_who_may_decide_it_a_link_and_no_arguments
         rid2 = mdesk.pending()
         mdesk.pump()
         assert SECRET_ARG in mdesk.smtp.inbox.to("ana@example.com")[-1].get_content()
-        audit = c.get("/v1/email/audit").json()
-        actions = [(a["action"], a["subject"], a["actor"]) for a in audit]
-        assert ("email.group_set", "group:*", mdesk.key("admin").identity) in actions
-        assert ("email.address_mapped", "email:ana@example.com", mdesk.key("admin").identity) in actions
+        actions = [(a["action"], a["subject"], a["actor"]) for a in _audit(mdesk)]
+        assert ("email_group_set", "email-group:*", mdesk.key("admin").identity) in actions
+        assert ("email_address_mapped", "email:ana@example.com", mdesk.key("admin").identity) in actions
+        assert mdesk.undolog.verify_audit().ok  # on the chain, not beside it
         assert {m["status"] for m in c.get("/v1/email/messages", params={"approval_request_id": rid2}).json()} == {"sent"}
 
 
@@ -270,7 +283,7 @@ def test_the_admin_api_checks_roles_and_input(mdesk: MailDesk) -> None:
         assert c.delete("/v1/email/approvers/nobody@example.com").status_code == 404
         assert c.delete("/v1/email/approvers/bob@example.com").status_code == 204
         assert "bob@example.com" not in [a["address"] for a in c.get("/v1/email/approvers").json()]
-        assert any(a["action"] == "email.address_unmapped" for a in c.get("/v1/email/audit").json())
+        assert any(a["action"] == "email_address_unmapped" for a in _audit(mdesk))
 
 
 # ---------------------------------------------------------------------------------------- the link, by HTTP
@@ -313,7 +326,8 @@ def test_a_forwarded_link_without_login_or_code_is_refused(mdesk: MailDesk) -> N
     r = bob.get(link)
     assert r.status_code == 403 and "another approver" in r.text and SECRET_ARG not in r.text
     assert mdesk.undolog.approvals.get(rid).state == "pending"
-    refused = [a["detail"].get("why") for a in mdesk.estore.audit_log() if a["action"] == "email.link_refused"]
+    # Refusals are on the request's own events, where the desk shows its history.
+    refused = [e.payload.get("why") for e in mdesk.undolog.approvals.events(rid) if e.action == "email_link_refused"]
     assert "no_proof" in refused and "other_key" in refused
 
 
@@ -355,6 +369,33 @@ def test_a_reused_link_is_refused(mdesk: MailDesk) -> None:
     assert events.count("approve") == 1, events
 
 
+def test_an_edit_through_the_schema_form_is_reviewed_then_decided_once(mdesk: MailDesk) -> None:
+    rid = mdesk.pending(tool="wire_money", to="acme", amount=10.0)
+    mdesk.pump()
+    link = mdesk.link("ana@example.com")
+    with _browser_like(mdesk) as c:
+        _confirm_by_code(mdesk, c, link, "ana@example.com")
+        page = c.get(link)
+        assert 'name="/amount"' in page.text and 'type="number"' in page.text
+        token = _csrf(page.text)
+        bad = c.post(link + "/decide", data={"csrf_token": token, "action": "modify", "step": "review",
+                                             "/to": "acme", "/amount": "a lot"})
+        assert bad.status_code == 422 and "amount" in bad.text
+        review = c.post(link + "/decide", data={"csrf_token": token, "action": "modify", "step": "review",
+                                                "/to": "acme", "/amount": "90", "reason": "cap at 90"})
+        assert review.status_code == 200 and 'id="diff"' in review.text
+        assert mdesk.undolog.approvals.get(rid).state == "pending"  # a review decides nothing
+        m = re.search(r'name="args_json" value="([^"]*)"', review.text)
+        assert m
+        import html
+
+        done = c.post(link + "/decide", data={"csrf_token": token, "action": "modify", "step": "confirm",
+                                              "args_json": html.unescape(m.group(1)), "reason": "cap at 90"})
+        assert done.status_code == 200 and "Decision recorded" in done.text
+    rec = mdesk.undolog.approvals.get(rid)
+    assert rec.state == "approved" and rec.approved_args == {"to": "acme", "amount": 90.0}
+
+
 def test_a_link_expires_with_its_request(mdesk: MailDesk) -> None:
     rid = mdesk.pending()
     mdesk.pump()
@@ -384,7 +425,7 @@ def test_a_forged_or_foreign_link_is_refused(mdesk: MailDesk) -> None:
                             key_id=tok.key_id, action_digest=tok.action_digest, expires_at=tok.expires_at)
         r = c.get(f"{mdesk.url}/ui/email/{forged}")
         assert r.status_code == 404 and "not one this desk sent" in r.text
-    assert any(a["detail"].get("why") == "bad_signature" for a in mdesk.estore.audit_log())
+    assert any(a["payload"].get("why") == "bad_signature" for a in _audit(mdesk))
 
 
 def _token_id(link: str) -> str:
@@ -426,10 +467,13 @@ def test_five_wrong_codes_void_the_link(mdesk: MailDesk) -> None:
 def test_mail_queued_while_the_smtp_server_is_down_is_sent_once_it_is_back(
         db: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     down = Smtp(_free_port())  # nothing listens on its port yet
-    desk = _make(db, down, monkeypatch, backoff_base=0.05, backoff_max=0.2)
+    desk = _make(db, down, monkeypatch, backoff_base=0.5, backoff_max=1.0)
     try:
         rid = desk.pending()
-        desk.pump()
+        desk.app.state.sweeper.tick()
+        sender = desk.app.state.email_sender
+        sender.send_due()  # the fan-out: one mail per approver queued
+        sender.send_due()  # their first attempt, refused at the connect
         mails = [m for m in desk.estore.messages(rid) if m["kind"] == "approval"]
         assert mails and all(m["status"] == "pending" and m["attempts"] == 1 and m["last_error"] for m in mails), mails
         down.start()
@@ -439,7 +483,7 @@ def test_mail_queued_while_the_smtp_server_is_down_is_sent_once_it_is_back(
                 break
             time.sleep(0.05)
         sent = [m for m in desk.estore.messages(rid) if m["kind"] == "approval"]
-        assert {m["status"] for m in sent} == {"sent"} and all(m["attempts"] == 2 for m in sent), sent
+        assert {m["status"] for m in sent} == {"sent"} and all(m["attempts"] >= 2 for m in sent), sent
         assert len(down.inbox.to("ana@example.com")) == 1  # sent once, not once per attempt
     finally:
         down.stop()

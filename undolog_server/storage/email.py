@@ -1,5 +1,5 @@
-"""The desk's tables for email approvals: approver addresses, per-group mail settings, link tokens, the mail outbox
-and the admin audit of changes to them.
+"""The desk's tables for email approvals: approver addresses, per-group mail settings, link tokens and the mail
+outbox. Who changed what, and every refused link, go to the core's audit trail (``UndoLog.record_audit``).
 
 The SQL of email approvals lives here, next to the rest of the desk's storage; what to send and when is decided
 in :mod:`undolog_server.email_approvals`. No row holds anything that decides a request by itself: a token row is
@@ -9,7 +9,6 @@ the database, and a code is derived from that key, never stored.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Sequence
@@ -85,19 +84,6 @@ email_outbox = sa.Table(
     sa.Index("ix_undolog_email_outbox_due", "status", "next_attempt_at"),
 )
 
-desk_audit = sa.Table(
-    "undolog_desk_audit",
-    metadata,
-    sa.Column("audit_id", sa.String(40), primary_key=True),
-    sa.Column("at", UTCDateTime, nullable=False),
-    sa.Column("actor", sa.String(200), nullable=False),
-    sa.Column("action", sa.String(100), nullable=False),
-    sa.Column("subject", sa.String(400), nullable=False),
-    sa.Column("detail", sa.Text, nullable=False),
-    sa.Index("ix_undolog_desk_audit_at", "at"),
-)
-
-
 @dataclass(frozen=True)
 class EmailToken:
     """The server's memory of one emailed link (bound to a request, a key and the request's action digest)."""
@@ -125,13 +111,6 @@ def _token(row: Any) -> EmailToken:
         row["code_nonce"], aware(row["code_expires_at"]), int(row["codes_sent"] or 0), int(row["code_attempts"] or 0),
         row["grant_hash"],
     )
-
-
-def _audit(conn: Connection, actor: str, action: str, subject: str, detail: dict[str, Any]) -> None:
-    conn.execute(desk_audit.insert().values(
-        audit_id="au_" + uuid.uuid4().hex[:20], at=utcnow(), actor=actor, action=action, subject=subject,
-        detail=json.dumps(detail, sort_keys=True, default=str),
-    ))
 
 
 @dataclass
@@ -168,8 +147,8 @@ class EmailStore:
             out.setdefault(key_id, []).append(address)
         return out
 
-    def map_address(self, address: str, key_id: str, *, actor: str) -> None:
-        """Map ``address`` to a key (replacing a previous mapping), audited in the same transaction."""
+    def map_address(self, address: str, key_id: str, *, actor: str) -> str | None:
+        """Map ``address`` to a key (replacing a previous mapping); returns the key it was mapped to before."""
         e = email_approvers
         with self.core.tx() as conn:
             before = conn.execute(sa.select(e.c.key_id).where(e.c.address == address)).scalar()
@@ -178,18 +157,17 @@ class EmailStore:
             else:
                 conn.execute(e.update().where(e.c.address == address)
                              .values(key_id=key_id, created_at=utcnow(), created_by=actor))
-            _audit(conn, actor, "email.address_mapped", f"email:{address}", {"key_id": key_id, "previous": before})
+        return str(before) if before is not None else None
 
-    def unmap_address(self, address: str, *, actor: str) -> bool:
-        """Remove an address mapping, audited; False when there was none."""
+    def unmap_address(self, address: str) -> str | None:
+        """Remove an address mapping; returns the key it was mapped to (None: there was none)."""
         e = email_approvers
         with self.core.tx() as conn:
             before = conn.execute(sa.select(e.c.key_id).where(e.c.address == address)).scalar()
             if before is None:
-                return False
+                return None
             conn.execute(e.delete().where(e.c.address == address))
-            _audit(conn, actor, "email.address_unmapped", f"email:{address}", {"key_id": before})
-        return True
+        return str(before)
 
     # ---- per-group settings (admin) ---------------------------------------------------------------
 
@@ -199,8 +177,8 @@ class EmailStore:
             rows = conn.execute(sa.select(email_groups.c.group_name, email_groups.c.include_arguments)).all()
         return {name: bool(v) for name, v in rows}
 
-    def put_group_setting(self, group: str, include_arguments: bool, *, actor: str) -> None:
-        """Say whether mails of requests routed to ``group`` carry the arguments, audited."""
+    def put_group_setting(self, group: str, include_arguments: bool) -> None:
+        """Say whether mails of requests routed to ``group`` carry the arguments."""
         g = email_groups
         with self.core.tx() as conn:
             res = conn.execute(g.update().where(g.c.group_name == group)
@@ -208,18 +186,6 @@ class EmailStore:
             if not res.rowcount:
                 conn.execute(g.insert().values(group_name=group, include_arguments=include_arguments,
                                                updated_at=utcnow()))
-            _audit(conn, actor, "email.group_set", f"group:{group}", {"include_arguments": include_arguments})
-
-    def audit_log(self, limit: int = 100) -> list[dict[str, Any]]:
-        """The newest desk audit entries first."""
-        with self.core.read() as conn:
-            rows = conn.execute(sa.select(desk_audit).order_by(desk_audit.c.at.desc()).limit(limit)).mappings().all()
-        return [dict(r) | {"at": aware(r["at"]), "detail": json.loads(r["detail"])} for r in rows]
-
-    def audit(self, actor: str, action: str, subject: str, detail: dict[str, Any]) -> None:
-        """Record one entry (a refused link, say) in a transaction of its own."""
-        with self.core.tx() as conn:
-            _audit(conn, actor, action, subject, detail)
 
     # ---- the mail outbox --------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
-"""Email approvals: approver addresses, per-group mail settings, link tokens, the mail outbox, the desk's audit.
+"""Email approvals: approver addresses, per-group mail settings, link tokens and the mail outbox.
 
-Revision ID: s0003_email_approvals
-Revises: s0002_dashboard_sessions
+Revision ID: s0004_email_approvals
+Revises: s0003_slack
 """
 
 import sqlalchemy as sa
@@ -9,8 +9,8 @@ from alembic import op
 
 from undolog_server.storage import UTCDateTime
 
-revision = "s0003_email_approvals"
-down_revision = "s0002_dashboard_sessions"
+revision = "s0004_email_approvals"
+down_revision = "s0003_slack"
 branch_labels = None
 depends_on = None
 
@@ -65,19 +65,9 @@ def upgrade() -> None:
         sa.Column("sent_at", UTCDateTime, nullable=True),
     )
     op.create_index("ix_undolog_email_outbox_due", "undolog_email_outbox", ["status", "next_attempt_at"])
-    op.create_table(
-        "undolog_desk_audit",
-        sa.Column("audit_id", sa.String(40), primary_key=True),
-        sa.Column("at", UTCDateTime, nullable=False),
-        sa.Column("actor", sa.String(200), nullable=False),
-        sa.Column("action", sa.String(100), nullable=False),
-        sa.Column("subject", sa.String(400), nullable=False),
-        sa.Column("detail", sa.Text, nullable=False),
-    )
-    op.create_index("ix_undolog_desk_audit_at", "undolog_desk_audit", ["at"])
 
 
 def downgrade() -> None:
-    for name in ("undolog_desk_audit", "undolog_email_outbox", "undolog_email_tokens", "undolog_email_groups",
+    for name in ("undolog_email_outbox", "undolog_email_tokens", "undolog_email_groups",
                  "undolog_email_approvers"):
         op.drop_table(name)
