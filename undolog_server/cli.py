@@ -119,6 +119,10 @@ def serve(
         str | None, typer.Option("--smtp-user", envvar="UNDOLOG_SMTP_USER",
                                  help="SMTP login; its password is read from UNDOLOG_SMTP_PASSWORD only.")
     ] = None,
+    smtp_ca_file: Annotated[
+        str | None, typer.Option("--smtp-ca-file", envvar="UNDOLOG_SMTP_CA_FILE",
+                                 help="PEM file of the CAs the SMTP server's certificate is checked against.")
+    ] = None,
     email_from: Annotated[
         str | None, typer.Option("--email-from", envvar="UNDOLOG_EMAIL_FROM", help="The From address of approval mail.")
     ] = None,
@@ -144,7 +148,7 @@ def serve(
             email = EmailSettings(
                 smtp_host=smtp_host, sender=email_from or "", smtp_port=smtp_port,
                 security=smtp_security,  # type: ignore[arg-type]  # checked by EmailSettings
-                username=smtp_user, token_key_file=email_token_key_file,
+                username=smtp_user, token_key_file=email_token_key_file, ca_file=smtp_ca_file,
             )
         settings = ServerSettings(
             sweep_interval=sweep_interval,

@@ -352,7 +352,7 @@ class EmailSender:
     def _smtp(self, msg: EmailMessage) -> None:
         """One SMTP delivery, TLS as configured; the password is read from the environment now."""
         s = self.settings
-        context = ssl.create_default_context()
+        context = ssl.create_default_context(cafile=s.ca_file)
         client: smtplib.SMTP
         if s.security == "tls":
             client = smtplib.SMTP_SSL(s.smtp_host, s.smtp_port, timeout=s.timeout, context=context)

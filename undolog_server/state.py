@@ -37,7 +37,9 @@ class EmailSettings:
         password_env: The environment variable holding the SMTP password.
         token_key_file: A file holding the key that signs the links (32 bytes or more); without it the key is read
             from ``UNDOLOG_EMAIL_TOKEN_KEY``. It is kept outside the database: a database dump cannot forge a link.
-        timeout: Seconds one SMTP attempt may take in total.
+        ca_file: A PEM file of the certificate authorities the SMTP server's certificate is checked against (a
+            private CA); the system's store when None. The certificate and host name are always checked.
+        timeout: Seconds each SMTP network operation may take.
         max_attempts: Attempts before a mail is given up as ``failed``.
         backoff_base: First retry delay in seconds; doubles each attempt.
         backoff_max: Ceiling of the retry delay.
@@ -56,6 +58,7 @@ class EmailSettings:
     username: str | None = None
     password_env: str = "UNDOLOG_SMTP_PASSWORD"
     token_key_file: str | None = None
+    ca_file: str | None = None
     timeout: float = 10.0
     max_attempts: int = 8
     backoff_base: float = 1.0
