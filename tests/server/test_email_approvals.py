@@ -13,6 +13,7 @@ import email.policy
 import re
 import secrets
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -150,8 +151,8 @@ def _make(db: Any, smtp: Smtp, monkeypatch: pytest.MonkeyPatch, **email_kw: Any)
     demo_app.register(undolog)
     settings = ServerSettings(
         background=False, public_url="http://placeholder.invalid",
-        email=EmailSettings(smtp_host="127.0.0.1", smtp_port=smtp.port, security="none", sender="desk@example.com",
-                            timeout=5.0, **email_kw),
+        email=EmailSettings(**{"smtp_host": "127.0.0.1", "smtp_port": smtp.port, "security": "none",
+                               "sender": "desk@example.com", "timeout": 5.0, **email_kw}),
     )
     app = create_app(undolog, settings=settings)
     server = LiveServer(app)
@@ -487,6 +488,85 @@ def test_mail_queued_while_the_smtp_server_is_down_is_sent_once_it_is_back(
         assert len(down.inbox.to("ana@example.com")) == 1  # sent once, not once per attempt
     finally:
         down.stop()
+        desk.server.stop()
+        desk.undolog.close()
+
+
+def _ca_and_server_cert(tmp: Any) -> tuple[str, ssl.SSLContext]:
+    """A private CA and a certificate it signed for 127.0.0.1: the client checks both, as against a real server."""
+    import datetime as dt
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = dt.datetime.now(dt.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(days=1))
+          .not_valid_after(now + dt.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "smtp")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(days=1)).not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    ca_file, cert_file, key_file = tmp / "ca.pem", tmp / "cert.pem", tmp / "key.pem"
+    ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(str(cert_file), str(key_file))
+    return str(ca_file), context
+
+
+def test_starttls_and_login_with_the_password_from_the_environment(
+        db: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    from aiosmtpd.smtp import AuthResult, LoginPassword
+
+    ca_file, server_tls = _ca_and_server_cert(tmp_path)
+    logins: list[tuple[str, str]] = []
+
+    def authenticator(server: Any, session: Any, envelope: Any, mechanism: str, data: Any) -> AuthResult:
+        if isinstance(data, LoginPassword):
+            logins.append((data.login.decode(), data.password.decode()))
+            return AuthResult(success=(data.login, data.password) == (b"desk", b"s3cret-from-env"))
+        return AuthResult(success=False)
+
+    port = _free_port()
+    smtp = Smtp(port)
+    # The server refuses anything before STARTTLS and any login over plain text.
+    smtp.controller = Controller(smtp.inbox, hostname="127.0.0.1", port=port, tls_context=server_tls,
+                                 require_starttls=True, auth_require_tls=True, auth_required=True,
+                                 authenticator=authenticator)
+    smtp.controller.start()
+    monkeypatch.setenv("UNDOLOG_SMTP_PASSWORD", "wrong")
+    desk = _make(db, smtp, monkeypatch, security="starttls", username="desk", ca_file=ca_file)
+    try:
+        rid = desk.pending()
+        desk.app.state.sweeper.tick()
+        sender = desk.app.state.email_sender
+        sender.send_due()
+        sender.send_due()
+        assert smtp.inbox.messages == [] and ("desk", "wrong") in logins  # refused: the mail waits for a retry
+        # The password is read at each send: fixing the environment is enough, nothing is stored.
+        monkeypatch.setenv("UNDOLOG_SMTP_PASSWORD", "s3cret-from-env")
+        from undolog_server.storage.email import email_outbox
+
+        with desk.undolog.store.tx() as conn:  # due now, rather than after the backoff
+            conn.execute(email_outbox.update().where(email_outbox.c.status == "pending").values(next_attempt_at=0))
+        sender.send_due()
+        assert len(smtp.inbox.to("ana@example.com")) == 1, [m["status"] for m in desk.estore.messages(rid)]
+        assert ("desk", "s3cret-from-env") in logins
+    finally:
+        smtp.stop()
         desk.server.stop()
         desk.undolog.close()
 
