@@ -226,6 +226,27 @@ def _confirm_by_code(desk: MailDesk, c: httpx.Client, link: str, address: str) -
     assert r.status_code == 303 and "e=" not in r.headers["location"], r.headers
 
 
+def test_email_without_a_signing_key_refuses_to_start_and_says_where_to_put_one(
+        db: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from undolog_core import errors
+
+    monkeypatch.delenv(TOKEN_KEY_ENV, raising=False)
+    undolog = db.open()
+    settings = ServerSettings(background=False, public_url="https://desk.example.com",
+                              email=EmailSettings(smtp_host="127.0.0.1", sender="desk@example.com"))
+    with pytest.raises(errors.ConfigurationError, match=TOKEN_KEY_ENV):
+        create_app(undolog, settings=settings)
+    with pytest.raises(ValueError, match="--public-url"):
+        ServerSettings(email=EmailSettings(smtp_host="127.0.0.1", sender="desk@example.com"))
+
+
+def test_a_decision_through_the_link_has_the_decisions_lane() -> None:
+    from undolog_server.lanes import is_decision
+
+    assert is_decision("POST", "/ui/email/abc.def/decide")
+    assert not is_decision("GET", "/ui/email/abc.def") and not is_decision("POST", "/ui/email/abc.def/code")
+
+
 # ---------------------------------------------------------------------------------------- the mail
 
 
