@@ -6,6 +6,7 @@ CLI keeps working without the [server] extra.
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any
 
 import typer
@@ -168,6 +169,7 @@ def serve(
             docs=docs,
             public_url=public_url,
             email=email,
+            slack=_slack_config(),
         )
     except ValueError as exc:
         undolog.close()
@@ -269,3 +271,12 @@ def main() -> None:
     cli = typer.Typer(no_args_is_help=True)
     register(cli)
     cli()
+
+
+def _slack_config() -> Any:
+    """Slack approvals from ``UNDOLOG_SLACK_*`` (a token, a signing secret and a workspace id); None when off."""
+    if not os.environ.get("UNDOLOG_SLACK_BOT_TOKEN"):
+        return None
+    from .slack import SlackConfig
+
+    return SlackConfig.from_env()

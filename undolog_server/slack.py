@@ -393,7 +393,7 @@ class SlackDesk:
         st = self.state
         rec = st.undolog.approvals.get(approval_request_id)
         state = str(rec.state.value)
-        sensitive = self._sensitive(rec.tool_name, rec.risk_tags, channel)
+        sensitive = self._sensitive(channel)
         tool = escape(rec.tool_name)
         pending = state == "pending"
         title = ("Approval needed" if purpose == "request" else "Still undecided (escalated)") if pending else \
@@ -423,8 +423,9 @@ class SlackDesk:
         plan = st.views.undo_plan(rec.session_id)
         if plan:
             steps = ", ".join(f"`{escape(u['tool_name'])}`" for u in plan[:10]) + (" …" if len(plan) > 10 else "")
-            undo = (f"If this session fails after this, these {len(plan)} steps are undone: {steps}; "
-                    f"this one (`{tool}`) cannot be.")
+            n = len(plan)
+            these = "this 1 step is" if n == 1 else f"these {n} steps are"
+            undo = f"If this session fails after this, {these} undone: {steps}; this one (`{tool}`) cannot be."
         else:
             undo = f"Nothing before it can be undone, and this one (`{tool}`) cannot be."
         blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": undo}]})
@@ -458,12 +459,10 @@ class SlackDesk:
         text = f"{title}: {escape(rec.tool_name)}"
         return blocks, text
 
-    def _sensitive(self, tool_name: str, risk_tags: Sequence[str], channel: str) -> set[str]:
-        chosen = self.route(tool_name, risk_tags)
+    def _sensitive(self, channel: str) -> set[str]:
+        """The argument names hidden in ``channel``: what the configuration of the group(s) posting there marks
+        sensitive (an escalation channel hides what its group hides)."""
         hidden: set[str] = set()
-        for c in chosen:
-            hidden.update(c.sensitive)
-        # A channel's own configuration counts too (an escalation channel shows what its group hides).
         for c in self.store.channels():
             if channel in (c.channel, c.escalation_channel):
                 hidden.update(c.sensitive)
@@ -503,7 +502,7 @@ class SlackDesk:
             raise Problem(401, "slack_request_stale",
                           f"the request's timestamp is more than {REPLAY_WINDOW} s from now: refused as a possible "
                           "replay (check the server's clock if Slack's requests all fail this way)")
-        verifier = SignatureVerifier(self.config.signing_secret, clock=_FixedClock(now))
+        verifier = SignatureVerifier(self.config.signing_secret, clock=_fixed_clock(now))
         if not verifier.is_valid(body=body, timestamp=stamp, signature=signature):
             raise Problem(401, "slack_signature_invalid",
                           "the Slack signature does not match: the request was not signed with this app's signing "
@@ -712,14 +711,15 @@ _FINAL_ERRORS = {"channel_not_found", "not_in_channel", "is_archived", "invalid_
                  "token_revoked", "no_permission", "missing_scope", "message_not_found", "cant_update_message"}
 
 
-class _FixedClock:
+def _fixed_clock(now: float) -> Any:
     """``slack_sdk``'s verifier asks a clock for now: the one this request was checked against."""
+    from slack_sdk.signature import Clock
 
-    def __init__(self, now: float) -> None:
-        self._now = now
+    class Fixed(Clock):
+        def now(self) -> float:
+            return now
 
-    def now(self) -> float:
-        return self._now
+    return Fixed()
 
 
 def _retry_after(headers: Any) -> float:
@@ -906,7 +906,9 @@ class SlackChannelOut(SlackChannelIn):
     group: str
 
 
-_SlackId = Path(min_length=1, max_length=32, pattern=r"^[A-Z0-9]+$")
+def _slack_id() -> Any:
+    """A fresh path-parameter declaration of a Slack id (FastAPI binds one FieldInfo to one parameter)."""
+    return Path(min_length=1, max_length=32, pattern=r"^[A-Z0-9]+$")
 
 
 @admin_router.get("/users", response_model=list[SlackUserOut], summary="Slack users mapped to API keys")
@@ -916,7 +918,7 @@ def list_users(request: Request, key: ApiKey = Depends(ADMIN)) -> list[SlackUser
 
 @admin_router.put("/users/{team_id}/{user_id}", response_model=SlackUserOut,
                   summary="Map a Slack user (workspace id, user id) to an approver key (audited)")
-def put_user(request: Request, body: SlackUserIn, team_id: str = _SlackId, user_id: str = _SlackId,
+def put_user(request: Request, body: SlackUserIn, team_id: str = _slack_id(), user_id: str = _slack_id(),
              key: ApiKey = Depends(ADMIN)) -> SlackUserOut:
     st = server_state(request)
     target = st.store.get_key(body.key_id)
@@ -932,7 +934,7 @@ def put_user(request: Request, body: SlackUserIn, team_id: str = _SlackId, user_
 
 
 @admin_router.delete("/users/{team_id}/{user_id}", status_code=204, summary="Unmap a Slack user (audited)")
-def delete_user(request: Request, team_id: str = _SlackId, user_id: str = _SlackId,
+def delete_user(request: Request, team_id: str = _slack_id(), user_id: str = _slack_id(),
                 key: ApiKey = Depends(ADMIN)) -> Response:
     st = server_state(request)
     before = SlackStore(st.undolog.store).delete_user(team_id, user_id)

@@ -13,7 +13,6 @@ from .views import CoreViews
 
 if TYPE_CHECKING:
     from .proxy import ProxyTools
-    from .slack import SlackConfig, SlackDesk
 
 
 #: Seconds a delivery's lease must outlast the attempt's deadline (time to record the outcome).
@@ -149,7 +148,8 @@ class ServerSettings:
     public_url: str | None = None
     email: EmailSettings | None = None
     email_interval: float = 0.5
-    slack: SlackConfig | None = None
+    # An undolog_server.slack.SlackConfig; typed Any so this module imports nothing that imports it back.
+    slack: Any = None
 
     def __post_init__(self) -> None:
         if self.email is not None and not self.public_url:
@@ -192,5 +192,6 @@ class ServerState:
     stats: dict[str, int] = field(default_factory=dict)
     #: More background loops the sweeper starts and stops with its own, each ``loop(stop_event)``.
     background_loops: list[Callable[[Any], Coroutine[Any, Any, None]]] = field(default_factory=list)
-    slack: SlackDesk | None = None
+    #: The Slack integration (an ``undolog_server.slack.SlackDesk``) when ``settings.slack`` is set.
+    slack: Any = None
 

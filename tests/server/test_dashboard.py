@@ -92,12 +92,16 @@ def test_modify_form_reports_the_bad_field(desk: Desk) -> None:
     rid, _ = desk.pending("wire_money", to="acme", amount=3.0)
     c = _login(desk, "approver")
     token = _csrf(c.get(f"/ui/approvals/{rid}").text)
-    r = c.post(f"/ui/approvals/{rid}/modify", data={"args": "{not json", "csrf_token": token})
+    r = c.post(f"/ui/approvals/{rid}/modify", data={"step": "confirm", "args_json": "{not json", "csrf_token": token})
     assert r.status_code == 422 and "not valid JSON" in r.text
-    r = c.post(f"/ui/approvals/{rid}/modify", data={"args": '{"to": "acme", "amount": "lots"}', "csrf_token": token})
+    r = c.post(f"/ui/approvals/{rid}/modify", data={"/to": "acme", "/amount": "lots", "csrf_token": token})
     assert r.status_code == 422 and "amount" in r.text
-    assert "lots" in r.text  # the edit is kept for correction
-    r = c.post(f"/ui/approvals/{rid}/modify", data={"args": '{"to": "acme", "amount": 1.5}', "csrf_token": token})
+    assert 'value="lots"' in r.text  # the edit is kept for correction
+    review = c.post(f"/ui/approvals/{rid}/modify", data={"/to": "acme", "/amount": "1.5", "csrf_token": token})
+    assert review.status_code == 200 and 'id="diff"' in review.text
+    assert desk.undolog.approvals.get(rid).state == "pending"  # reviewing decides nothing
+    edited = html.unescape(re.search(r'name="args_json" value="([^"]*)"', review.text).group(1))
+    r = c.post(f"/ui/approvals/{rid}/modify", data={"step": "confirm", "args_json": edited, "csrf_token": token})
     assert r.status_code == 303
     assert desk.undolog.approvals.get(rid).approved_args == {"to": "acme", "amount": 1.5}
 
@@ -117,7 +121,7 @@ def test_the_modify_form_refuses_what_the_api_refuses(desk: Desk, edit: str, why
     rid, _ = desk.pending("wire_money", to="acme", amount=3.0)
     c = _login(desk, "approver")
     token = _csrf(c.get(f"/ui/approvals/{rid}").text)
-    r = c.post(f"/ui/approvals/{rid}/modify", data={"args": edit, "csrf_token": token})
+    r = c.post(f"/ui/approvals/{rid}/modify", data={"step": "confirm", "args_json": edit, "csrf_token": token})
     assert r.status_code == 422, r.text[:300]
     assert why in r.text
     assert desk.undolog.approvals.get(rid).state == "pending"
@@ -238,11 +242,14 @@ def test_browser_approve_modify_reject_and_rollback(desk: Desk) -> None:
             expect(page.locator("#decided-by")).to_contain_text("admin")
 
             page.goto(f"{desk.url}/ui/approvals/{ids['modify']}")
-            page.fill("#args", '{"to": "acme", "amount": "a lot"}')
-            page.click("#modify")
+            # The edit form comes from the tool's schema (tests/server/test_forms.py covers every kind).
+            page.fill("#arg-amount", "")
+            page.click("#review")
             expect(page.locator("#error")).to_contain_text("amount")
-            page.fill("#args", '{"to": "acme", "amount": 90.0}')
+            page.fill("#arg-amount", "90.0")
             page.fill("#modify-reason", "cap at 90")
+            page.click("#review")
+            expect(page.locator('#diff tr[data-name="/amount"] td.after')).to_have_text("90.0")
             page.click("#modify")
             expect(page.locator("#state")).to_have_text("approved")
             page.screenshot(path=str(ARTIFACTS / "dashboard-request.png"), full_page=True)

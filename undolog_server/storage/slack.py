@@ -23,7 +23,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from . import CoreStore, UTCDateTime, insert_ignore, metadata, utcnow
+from . import CoreStore, UTCDateTime, metadata, utcnow
 
 slack_channels = sa.Table(
     "undolog_slack_channels",
@@ -72,6 +72,24 @@ slack_seen = sa.Table(
     sa.Column("seen_at", sa.Float, nullable=False),
     sa.Index("ix_undolog_slack_seen_at", "seen_at"),
 )
+
+
+def _insert_new(conn: Any, table: sa.Table, rows: list[dict[str, Any]]) -> int:
+    """Insert the rows that collide with no unique key; returns how many were inserted.
+
+    Counted by ``RETURNING``: psycopg reports a rowcount of -1 for ``INSERT ... ON CONFLICT DO NOTHING`` here, so a
+    rowcount would read a replay (or a second fan-out) as new.
+    """
+    if conn.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
+    key = list(table.primary_key.columns)[0]
+    inserted = 0
+    for row in rows:
+        stmt = insert(table).values(**row).on_conflict_do_nothing().returning(key)
+        inserted += conn.execute(stmt).first() is not None
+    return inserted
 
 
 @dataclass(frozen=True)
@@ -191,18 +209,18 @@ class SlackStore:
         digest = hashlib.sha256(signature.encode()).hexdigest()
         with self.core.tx() as conn:
             conn.execute(slack_seen.delete().where(slack_seen.c.seen_at < now - 2 * window))
-            return insert_ignore(conn, slack_seen, [{"signature_hash": digest, "seen_at": now}]) == 1
+            return _insert_new(conn, slack_seen, [{"signature_hash": digest, "seen_at": now}]) == 1
 
     # ---- posts ------------------------------------------------------------------------------------
 
     def enqueue_in(self, conn: Any, approval_request_id: str, channels: Sequence[str], purpose: str) -> int:
         """One post per channel for a request, in the caller's transaction (the outbox claim); repeats ignored."""
         now = utcnow()
-        rows = [{"post_id": "sp_" + uuid.uuid4().hex[:20], "approval_request_id": approval_request_id,
+        rows: list[dict[str, Any]] = [{"post_id": "sp_" + uuid.uuid4().hex[:20], "approval_request_id": approval_request_id,
                  "channel": ch, "purpose": purpose, "ts": [], "shown_state": None, "dirty": False, "attempts": 0,
                  "next_attempt_at": time.time(), "locked_until": None, "last_error": None, "created_at": now}
                 for ch in dict.fromkeys(channels)]
-        return insert_ignore(conn, slack_posts, rows)
+        return _insert_new(conn, slack_posts, rows)
 
     def enqueue(self, approval_request_id: str, channels: Sequence[str], purpose: str) -> int:
         """:meth:`enqueue_in` in a transaction of its own (an escalation)."""
@@ -249,7 +267,7 @@ class SlackStore:
             ).order_by(p.c.next_attempt_at).limit(limit))
             if self.core.is_postgres:
                 q = q.with_for_update(skip_locked=True)
-            rows = [dict(r) for r in conn.execute(q).mappings()]
+            rows: list[dict[str, Any]] = [dict(r) for r in conn.execute(q).mappings()]
             for r in rows:
                 conn.execute(p.update().where(p.c.post_id == r["post_id"])
                              .values(locked_until=lease_until, attempts=int(r["attempts"]) + 1))
