@@ -896,8 +896,10 @@ class SlackChannelIn(BaseModel):
 
     channel: str = Field(min_length=1, max_length=100, description="Channel id requests are posted to.")
     escalation_channel: str | None = Field(None, min_length=1, max_length=100,
-                                           description="Channel an undecided request is re-posted to.")
-    escalate_after_seconds: int | None = Field(None, ge=1, le=30 * 86400)
+                                           description="Channel an undecided request is re-posted to (with "
+                                                       "escalate_after_seconds; either alone does nothing).")
+    escalate_after_seconds: int | None = Field(None, ge=1, le=30 * 86400,
+                                               description="Seconds after the request was raised.")
     sensitive: list[str] = Field(default_factory=list, max_length=200,
                                  description="Argument names (or JSON Pointers) shown as hidden in Slack.")
 
@@ -923,9 +925,10 @@ def put_user(request: Request, body: SlackUserIn, team_id: str = _slack_id(), us
     st = server_state(request)
     target = st.store.get_key(body.key_id)
     if target is None or target.revoked_at is not None:
-        raise Problem(422, "key_not_found", f"no active key {body.key_id!r}: create it first (POST /v1/keys)")
+        # 409: the body is valid; the key it names is not there now (create it, then map again).
+        raise Problem(409, "key_not_found", f"no active key {body.key_id!r}: create it first (POST /v1/keys)")
     if not target.roles & {"approver", "admin"}:
-        raise Problem(422, "key_not_approver", f"key {body.key_id!r} has no approver role: a Slack user decides with "
+        raise Problem(409, "key_not_approver", f"key {body.key_id!r} has no approver role: a Slack user decides with "
                       "an approver key")
     before = SlackStore(st.undolog.store).put_user(team_id, user_id, body.key_id, key.identity)
     st.undolog.record_audit(subject=f"slack:{team_id}/{user_id}", action="slack_user_mapped", actor=key.identity,
@@ -960,9 +963,6 @@ def put_channel(request: Request, body: SlackChannelIn, group: str = Path(min_le
     if group != "*" and group not in {g.name for g in st.store.groups()}:
         raise Problem(409, "group_not_found", f"no approver group {group!r}: create it first "
                       "(PUT /v1/approver-groups/{name}) or use '*'")
-    if (body.escalation_channel is None) != (body.escalate_after_seconds is None):
-        raise Problem(422, "escalation_incomplete", "an escalation needs both escalation_channel and "
-                      "escalate_after_seconds")
     SlackStore(st.undolog.store).put_channel(SlackChannel(group, body.channel, body.escalation_channel,
                                                           body.escalate_after_seconds, tuple(body.sensitive)))
     st.undolog.record_audit(subject=f"slack-channel:{group}", action="slack_channel_set", actor=key.identity,

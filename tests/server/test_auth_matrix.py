@@ -82,6 +82,20 @@ def email_address(d: Desk) -> dict[str, str]:
     return {"address": "matrix@example.com"}
 
 
+def slack_user(d: Desk) -> dict[str, str]:
+    from undolog_server.storage.slack import SlackStore
+
+    SlackStore(d.undolog.store).put_user("T0MATRIX", "U0GONE", d.key("approver").key_id, None)
+    return {"team_id": "T0MATRIX", "user_id": "U0GONE"}
+
+
+def slack_channel(d: Desk) -> dict[str, str]:
+    from undolog_server.storage.slack import SlackChannel, SlackStore
+
+    SlackStore(d.undolog.store).put_channel(SlackChannel("matrix-slack", "C0GONE"))
+    return {"group": "matrix-slack"}
+
+
 @dataclass(frozen=True)
 class Row:
     method: str
@@ -139,6 +153,14 @@ MATRIX = [
     Row("PUT", "/v1/email/groups/{group}", ADMIN, frozenset({200}), None, {"include_arguments": False},
         {"group": "matrix-only"}),
     Row("GET", "/v1/email/messages", ADMIN, frozenset({200})),
+    Row("GET", "/v1/slack/users", ADMIN, frozenset({200})),
+    # (The body names no key: an admitted admin is told so, 409; tests/server/test_slack.py maps real ones.)
+    Row("PUT", "/v1/slack/users/{team_id}/{user_id}", ADMIN, frozenset({409}), None, {"key_id": "nosuchkey"},
+        {"team_id": "T0MATRIX", "user_id": "U0MATRIX"}),
+    Row("DELETE", "/v1/slack/users/{team_id}/{user_id}", ADMIN, frozenset({204}), slack_user),
+    Row("GET", "/v1/slack/channels", ADMIN, frozenset({200})),
+    Row("PUT", "/v1/slack/channels/{group}", ADMIN, frozenset({200}), None, {"channel": "C0MATRIX"}, {"group": "*"}),
+    Row("DELETE", "/v1/slack/channels/{group}", ADMIN, frozenset({204}), slack_channel),
 ]
 
 _MISSING = {
@@ -151,6 +173,8 @@ _MISSING = {
     "tool_name": "no_such_tool",
     "tool": "no_such_tool",
     "address": "nobody@example.com",
+    "team_id": "T0NONE",
+    "user_id": "U0NONE",
     "group": "no-such-group",
 }
 

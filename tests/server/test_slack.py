@@ -330,7 +330,7 @@ def test_admin_api_maps_users_with_audit(rig: SlackRig) -> None:
     admin = rig.desk.client("admin")
     agent_key = rig.desk.key("agent").key_id
     r = admin.put(f"/v1/slack/users/{TEAM}/U0NEW", json={"key_id": agent_key})
-    assert r.status_code == 422 and r.json()["code"] == "key_not_approver"
+    assert r.status_code == 409 and r.json()["code"] == "key_not_approver"
     assert rig.desk.client("ana").put(f"/v1/slack/users/{TEAM}/U0NEW",
                                       json={"key_id": rig.desk.key("ana").key_id}).status_code == 403
     assert admin.put(f"/v1/slack/users/{TEAM}/U0NEW", json={"key_id": rig.desk.key("ben").key_id}).status_code == 200
