@@ -43,8 +43,9 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
+from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse, RedirectResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from undolog_core import OutboxEvent, errors
 
@@ -83,7 +84,9 @@ MAX_CODE_ATTEMPTS = 5
 MIN_KEY_BYTES = 32
 #: Cookie (one per link) naming the browser a correct code was entered in.
 GRANT_COOKIE = "undolog_email_grant_"
-_ADDRESS = re.compile(r"^[^@\s<>\",;]{1,64}@[A-Za-z0-9.-]{1,253}\.[A-Za-z0-9-]{2,63}$")
+#: What the admin API takes for an address (deliberately plain: one mailbox, no display name, no list).
+ADDRESS_PATTERN = r"^[^@\s<>\",;]{1,64}@[A-Za-z0-9.-]{1,253}\.[A-Za-z0-9-]{2,63}$"
+_ADDRESS = re.compile(ADDRESS_PATTERN)
 
 
 # ---------------------------------------------------------------------------------------- keys and tokens
@@ -413,7 +416,7 @@ class GroupMailIn(BaseModel):
     """What the mails of an approver group's requests carry."""
 
     model_config = ConfigDict(extra="forbid")
-    include_arguments: bool = Field(description="Put the call's arguments in the mail (else a link only).")
+    include_arguments: StrictBool = Field(description="Put the call's arguments in the mail (else a link only).")
 
 
 class GroupMailOut(GroupMailIn):
@@ -435,6 +438,9 @@ class MessageOut(BaseModel):
     sent_at: datetime | None
 
 
+_ADDRESS_PARAM = PathParam(max_length=320, pattern=ADDRESS_PATTERN, description="The approver's address.")
+
+
 def _estore(request: Request) -> EmailStore:
     return EmailStore(server_state(request).undolog.store)
 
@@ -453,7 +459,8 @@ def list_addresses(request: Request, key: ApiKey = Depends(ADMIN)) -> list[Addre
 
 
 @api.put("/approvers/{address}", response_model=AddressOut, summary="Map an email address to an approver key")
-def put_address(request: Request, address: str, body: AddressIn, key: ApiKey = Depends(ADMIN)) -> AddressOut:
+def put_address(request: Request, body: AddressIn, address: str = _ADDRESS_PARAM,
+                key: ApiKey = Depends(ADMIN)) -> AddressOut:
     address = _address(address)
     st = server_state(request)
     target = st.store.get_key(body.key_id)
@@ -470,7 +477,7 @@ def put_address(request: Request, address: str, body: AddressIn, key: ApiKey = D
 
 
 @api.delete("/approvers/{address}", status_code=204, summary="Remove an approver email address")
-def delete_address(request: Request, address: str, key: ApiKey = Depends(ADMIN)) -> Response:
+def delete_address(request: Request, address: str = _ADDRESS_PARAM, key: ApiKey = Depends(ADMIN)) -> Response:
     address = address.strip().lower()
     before = _estore(request).unmap_address(address)
     if before is None:
@@ -486,9 +493,9 @@ def list_group_settings(request: Request, key: ApiKey = Depends(ADMIN)) -> list[
 
 
 @api.put("/groups/{group}", response_model=GroupMailOut, summary="Set whether a group's mails carry the arguments")
-def put_group_setting(request: Request, body: GroupMailIn, group: str, key: ApiKey = Depends(ADMIN)) -> GroupMailOut:
-    if not 1 <= len(group) <= 100:
-        raise Problem(422, "invalid_group_name", "a group name has 1 to 100 characters ('*': requests in no group)")
+def put_group_setting(request: Request, body: GroupMailIn,
+                      group: str = PathParam(min_length=1, max_length=100, description="A group's name; '*': no group."),
+                      key: ApiKey = Depends(ADMIN)) -> GroupMailOut:
     _estore(request).put_group_setting(group, body.include_arguments)
     server_state(request).undolog.record_audit(subject=f"email-group:{group}", action="email_group_set",
                                                actor=key.identity, payload={"include_arguments": body.include_arguments})
