@@ -14,7 +14,7 @@ from fastapi.staticfiles import StaticFiles
 
 from undolog_core import UndoLog, errors, load_app
 
-from . import api, dashboard, problems, proxy_api, slack
+from . import api, dashboard, email_approvals, problems, proxy_api, slack
 from . import proxy as proxy_mod
 from .guard import body_problem
 from .lanes import Lanes
@@ -266,6 +266,7 @@ def create_app(
     app.include_router(proxy_api.router)
     app.include_router(slack.router)
     dashboard.install(app)
+    email_approvals.install(app)
     app.mount("/ui/static", StaticFiles(directory=str(Path(__file__).parent / "static")), name="static")
 
     # Inside the guard: a body is checked (and a hostile one refused) before the request waits for a lane.

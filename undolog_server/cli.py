@@ -102,6 +102,35 @@ def serve(
         bool, typer.Option("--docs/--no-docs", envvar="UNDOLOG_DOCS",
                            help="Serve Swagger UI at /docs (loaded from a CDN; off by default).")
     ] = False,
+    public_url: Annotated[
+        str | None,
+        typer.Option("--public-url", envvar="UNDOLOG_PUBLIC_URL",
+                     help="The desk's address as approvers reach it (links in approval mail are built from it)."),
+    ] = None,
+    smtp_host: Annotated[
+        str | None, typer.Option("--smtp-host", envvar="UNDOLOG_SMTP_HOST",
+                                 help="SMTP server for approval mail (email approvals are off without it).")
+    ] = None,
+    smtp_port: Annotated[int, typer.Option("--smtp-port", envvar="UNDOLOG_SMTP_PORT", help="SMTP port.")] = 587,
+    smtp_security: Annotated[
+        str, typer.Option("--smtp-security", envvar="UNDOLOG_SMTP_SECURITY",
+                          help="starttls, tls (implicit, port 465) or none (a relay on this host only).")
+    ] = "starttls",
+    smtp_user: Annotated[
+        str | None, typer.Option("--smtp-user", envvar="UNDOLOG_SMTP_USER",
+                                 help="SMTP login; its password is read from UNDOLOG_SMTP_PASSWORD only.")
+    ] = None,
+    smtp_ca_file: Annotated[
+        str | None, typer.Option("--smtp-ca-file", envvar="UNDOLOG_SMTP_CA_FILE",
+                                 help="PEM file of the CAs the SMTP server's certificate is checked against.")
+    ] = None,
+    email_from: Annotated[
+        str | None, typer.Option("--email-from", envvar="UNDOLOG_EMAIL_FROM", help="The From address of approval mail.")
+    ] = None,
+    email_token_key_file: Annotated[
+        str | None, typer.Option("--email-token-key-file", envvar="UNDOLOG_EMAIL_TOKEN_KEY_FILE",
+                                 help="File holding the key that signs mail links (else UNDOLOG_EMAIL_TOKEN_KEY).")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Run the approval desk: REST API, dashboard, webhooks, tool proxy and the sweeper."""
@@ -109,12 +138,19 @@ def serve(
         import uvicorn
 
         from .app import create_app
-        from .state import ServerSettings
+        from .state import EmailSettings, ServerSettings
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
         typer.echo(f"undolog serve needs the server extra: pip install 'undolog[server]' ({exc})", err=True)
         raise typer.Exit(2) from None
     undolog, from_app = _serve_undolog(db, schema, app)
     try:
+        email = None
+        if smtp_host:
+            email = EmailSettings(
+                smtp_host=smtp_host, sender=email_from or "", smtp_port=smtp_port,
+                security=smtp_security,  # type: ignore[arg-type]  # checked by EmailSettings
+                username=smtp_user, token_key_file=email_token_key_file, ca_file=smtp_ca_file,
+            )
         settings = ServerSettings(
             sweep_interval=sweep_interval,
             recover_interval=recover_interval,
@@ -131,6 +167,8 @@ def serve(
             max_concurrent_requests=max_concurrent_requests,
             queue_timeout=queue_timeout,
             docs=docs,
+            public_url=public_url,
+            email=email,
             slack=_slack_config(),
         )
     except ValueError as exc:

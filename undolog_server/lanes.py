@@ -47,7 +47,8 @@ from . import problems
 
 #: Decision routes: ``POST /v1/approvals/{id}:approve|reject|modify|respond`` and the dashboard's decision forms.
 _DECISION = re.compile(
-    r"^(/v1/approvals/[^/]+:(approve|reject|modify|respond)|/ui/approvals/[^/]+/[a-z]+|/v1/slack/interactivity)$")
+    r"^(/v1/approvals/[^/]+:(approve|reject|modify|respond)|/ui/approvals/[^/]+/[a-z]+|/v1/slack/interactivity"
+    r"|/ui/email/[^/]+/decide)$")
 
 _log = logging.getLogger("undolog.server")
 

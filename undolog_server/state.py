@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from undolog_core import UndoLog
 
@@ -16,6 +17,61 @@ if TYPE_CHECKING:
 
 #: Seconds a delivery's lease must outlast the attempt's deadline (time to record the outcome).
 WEBHOOK_LEASE_MARGIN = 10.0
+
+
+@dataclass(frozen=True)
+class EmailSettings:
+    """How the desk sends approval mail (see ``docs/how-to/email.md``).
+
+    Passwords never sit here: the SMTP password is read from the environment variable named by ``password_env``
+    at each send, and the key signing the links from ``token_key_file`` or ``UNDOLOG_EMAIL_TOKEN_KEY``.
+
+    Attributes:
+        smtp_host: The SMTP server's host.
+        sender: The ``From`` address.
+        smtp_port: Its port (587 for STARTTLS, 465 for implicit TLS, 25 for neither).
+        security: ``starttls`` (upgrade after connecting; refused if the server cannot), ``tls`` (implicit TLS)
+            or ``none`` (plain text: only for a relay on the same host).
+        username: The SMTP login, if the server wants one; its password comes from ``password_env``.
+        password_env: The environment variable holding the SMTP password.
+        token_key_file: A file holding the key that signs the links (32 bytes or more); without it the key is read
+            from ``UNDOLOG_EMAIL_TOKEN_KEY``. It is kept outside the database: a database dump cannot forge a link.
+        ca_file: A PEM file of the certificate authorities the SMTP server's certificate is checked against (a
+            private CA); the system's store when None. The certificate and host name are always checked.
+        timeout: Seconds each SMTP network operation may take.
+        max_attempts: Attempts before a mail is given up as ``failed``.
+        backoff_base: First retry delay in seconds; doubles each attempt.
+        backoff_max: Ceiling of the retry delay.
+        code_ttl: Seconds a one-time code stays valid.
+        max_codes: Codes one link may have sent (so a link cannot be used to flood the approver's mailbox).
+
+    Example:
+        >>> EmailSettings(smtp_host="smtp.example.com", sender="undolog@example.com", username="undolog")
+        EmailSettings(smtp_host='smtp.example.com', ...)
+    """
+
+    smtp_host: str
+    sender: str
+    smtp_port: int = 587
+    security: Literal["starttls", "tls", "none"] = "starttls"
+    username: str | None = None
+    password_env: str = "UNDOLOG_SMTP_PASSWORD"
+    token_key_file: str | None = None
+    ca_file: str | None = None
+    timeout: float = 10.0
+    max_attempts: int = 8
+    backoff_base: float = 1.0
+    backoff_max: float = 300.0
+    code_ttl: float = 600.0
+    max_codes: int = 3
+
+    def __post_init__(self) -> None:
+        if self.security not in ("starttls", "tls", "none"):
+            raise ValueError(f"email security must be starttls, tls or none, not {self.security!r}")
+        if not self.smtp_host or not self.sender or "@" not in self.sender:
+            raise ValueError("email needs an SMTP host and a sender address (--smtp-host, --email-from)")
+        if self.timeout <= 0 or self.max_attempts < 1 or self.max_codes < 1 or self.code_ttl <= 0:
+            raise ValueError("email timeout and code_ttl must be positive, max_attempts and max_codes at least 1")
 
 
 @dataclass
@@ -59,6 +115,10 @@ class ServerSettings:
         slack: Approvals in Slack (:class:`undolog_server.slack.SlackConfig`); None: off.
         docs: Serve the interactive API docs at ``/docs`` (Swagger UI, loaded from a CDN); off by default.
             ``/openapi.json`` is always served.
+        public_url: The desk's address as approvers reach it (``https://desk.example.com``): the links in mail
+            are built from it.
+        email: How approval mail is sent; None sends none.
+        email_interval: Seconds between polls for due mail.
     """
 
     background: bool = True
@@ -85,10 +145,17 @@ class ServerSettings:
     decision_lane: int = 4
     queue_timeout: float = 30.0
     docs: bool = False
+    public_url: str | None = None
+    email: EmailSettings | None = None
+    email_interval: float = 0.5
     # An undolog_server.slack.SlackConfig; typed Any so this module imports nothing that imports it back.
     slack: Any = None
 
     def __post_init__(self) -> None:
+        if self.email is not None and not self.public_url:
+            raise ValueError("email approvals need the desk's public URL for their links (--public-url)")
+        if self.public_url is not None and not self.public_url.startswith(("https://", "http://")):
+            raise ValueError(f"public_url must start with https:// (or http:// for a local desk), not {self.public_url!r}")
         if self.webhook_timeout <= 0:
             raise ValueError(f"webhook_timeout must be positive, not {self.webhook_timeout}")
         if self.webhook_per_target < 1 or self.webhook_max_inflight < 1:
@@ -123,6 +190,8 @@ class ServerState:
     app_spec: str | None = None
     worker_id: str = ""
     stats: dict[str, int] = field(default_factory=dict)
+    #: More background loops the sweeper starts and stops with its own, each ``loop(stop_event)``.
+    background_loops: list[Callable[[Any], Coroutine[Any, Any, None]]] = field(default_factory=list)
     #: The Slack integration (an ``undolog_server.slack.SlackDesk``) when ``settings.slack`` is set.
     slack: Any = None
 

@@ -78,6 +78,8 @@ class Sweeper:
             asyncio.create_task(self._sweep_loop(), name="undolog-sweeper"),
             asyncio.create_task(self._webhook_loop(), name="undolog-webhooks"),
         ]
+        self._tasks += [asyncio.create_task(loop(self._stop), name="undolog-loop")
+                        for loop in self.state.background_loops]
         if self.state.settings.audit_checkpoint_key and self.state.settings.audit_checkpoint_dir:
             self._tasks.append(asyncio.create_task(self._checkpoint_loop(), name="undolog-audit-checkpoints"))
 

@@ -75,6 +75,13 @@ def policy(d: Desk) -> dict[str, str]:
     return {"risk_tag": "pii"}
 
 
+def email_address(d: Desk) -> dict[str, str]:
+    from undolog_server.storage.email import EmailStore
+
+    EmailStore(d.undolog.store).map_address("matrix@example.com", d.key("approver").key_id, actor="test")
+    return {"address": "matrix@example.com"}
+
+
 def slack_user(d: Desk) -> dict[str, str]:
     from undolog_server.storage.slack import SlackStore
 
@@ -137,6 +144,15 @@ MATRIX = [
     Row("GET", "/v1/notification-policies", ADMIN, frozenset({200})),
     Row("PUT", "/v1/notification-policies/{risk_tag}", ADMIN, frozenset({200}), None, {}, {"risk_tag": "pii"}),
     Row("DELETE", "/v1/notification-policies/{risk_tag}", ADMIN, frozenset({204}), policy),
+    Row("GET", "/v1/email/approvers", ADMIN, frozenset({200})),
+    # The body names no key (rows are static): an admitted admin is told so, 409 key_not_found.
+    Row("PUT", "/v1/email/approvers/{address}", ADMIN, frozenset({409}), None, {"key_id": "nosuchkey"},
+        {"address": "x@example.com"}),
+    Row("DELETE", "/v1/email/approvers/{address}", ADMIN, frozenset({204}), email_address),
+    Row("GET", "/v1/email/groups", ADMIN, frozenset({200})),
+    Row("PUT", "/v1/email/groups/{group}", ADMIN, frozenset({200}), None, {"include_arguments": False},
+        {"group": "matrix-only"}),
+    Row("GET", "/v1/email/messages", ADMIN, frozenset({200})),
     Row("GET", "/v1/slack/users", ADMIN, frozenset({200})),
     # (The body names no key: an admitted admin is told so, 409; tests/server/test_slack.py maps real ones.)
     Row("PUT", "/v1/slack/users/{team_id}/{user_id}", ADMIN, frozenset({409}), None, {"key_id": "nosuchkey"},
@@ -156,6 +172,7 @@ _MISSING = {
     "risk_tag": "no-such-tag",
     "tool_name": "no_such_tool",
     "tool": "no_such_tool",
+    "address": "nobody@example.com",
     "team_id": "T0NONE",
     "user_id": "U0NONE",
     "group": "no-such-group",
