@@ -59,7 +59,8 @@ def _resolved_hints(fn: Callable[..., Any]) -> dict[str, Any]:
     import typing
 
     try:
-        return typing.get_type_hints(fn)
+        # include_extras: Annotated[int, Field(ge=1)] keeps its bounds (stripped, they were silently not enforced).
+        return typing.get_type_hints(fn, include_extras=True)
     except Exception:
         return {}
 
