@@ -798,7 +798,13 @@ def insert_ignore(conn: Connection, table: sa.Table, rows: list[dict[str, Any]])
         stmt = table.insert()
     total = 0
     for row in rows:
-        total += conn.execute(stmt.values(**row)).rowcount or 0
+        # Counted from RETURNING, not rowcount: psycopg reports -1 for INSERT ... ON CONFLICT DO NOTHING, which made
+        # every caller see an insert (escalate_once always "escalated" on PostgreSQL).
+        key = next(iter(table.primary_key.columns), None)
+        if key is None or dialect not in ("postgresql", "sqlite"):
+            total += max(conn.execute(stmt.values(**row)).rowcount or 0, 0)
+        else:
+            total += len(conn.execute(stmt.values(**row).returning(key)).all())
     return total
 
 
