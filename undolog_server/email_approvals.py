@@ -193,7 +193,7 @@ def queue_fanout(state: ServerState, conn: Any, event: OutboxEvent) -> None:
         return
     rid = event.payload.get("approval_request_id")
     if isinstance(rid, str) and rid:
-        EmailStore(state.undolog.store).queue_in(conn, "fanout", f"fanout:{rid}", rid)
+        _email_store(state).queue_in(conn, "fanout", f"fanout:{rid}", rid)
 
 
 # ---------------------------------------------------------------------------------------- sending
@@ -202,6 +202,11 @@ def queue_fanout(state: ServerState, conn: Any, event: OutboxEvent) -> None:
 def _header_text(value: Any, limit: int = 200) -> str:
     """A header-safe one-line text (no CR/LF: a tool name or reason cannot add headers)."""
     return re.sub(r"[\x00-\x1f\x7f]+", " ", str(value))[:limit]
+
+
+def _email_store(state: Any) -> EmailStore:
+    """The email tables: they live on the core's store (one pool, one migration run), as every desk table does."""
+    return EmailStore(state.undolog.store)
 
 
 class EmailSender:
@@ -222,7 +227,7 @@ class EmailSender:
         self.state = state
         self.settings: EmailSettings = state.settings.email
         self.key = key
-        self.store = EmailStore(state.undolog.store)
+        self.store = _email_store(state)
 
     def link(self, token: str) -> str:
         """The confirmation page's address for a token, built from ``public_url``."""
@@ -442,7 +447,7 @@ _ADDRESS_PARAM = PathParam(max_length=320, pattern=ADDRESS_PATTERN, description=
 
 
 def _estore(request: Request) -> EmailStore:
-    return EmailStore(server_state(request).undolog.store)
+    return _email_store(server_state(request))
 
 
 def _address(address: str) -> str:
@@ -580,7 +585,7 @@ def _open(request: Request, raw: str) -> _Link | HTMLResponse:
         return _refused(request, "Email approvals are off", "This desk does not send approval mail.", 404)
     data = read_token(key, raw)
     st = server_state(request)
-    tok = EmailStore(st.undolog.store).token(data["t"]) if data else None
+    tok = _email_store(st).token(data["t"]) if data else None
     if data is None or tok is None or (tok.approval_request_id, tok.key_id, tok.action_digest) != (
             data["r"], data["k"], data["d"]):
         return _refused(request, "Link not valid", "This link is not one this desk sent. Open the link from the mail "
@@ -714,7 +719,7 @@ async def send_code(request: Request, token: str) -> Response:
     email = st.settings.email
     assert email is not None
     nonce = secrets.token_hex(8)
-    ok = EmailStore(st.undolog.store).start_code(link.token.token_id, nonce, utcnow() + timedelta(seconds=email.code_ttl),
+    ok = _email_store(st).start_code(link.token.token_id, nonce, utcnow() + timedelta(seconds=email.code_ttl),
                                                  email.max_codes)
     if not ok:
         return _to_page(token, error="codes")
@@ -752,7 +757,7 @@ async def verify_code(request: Request, token: str) -> Response:
     if data is None:
         return _refused(request, "Form expired", "The page's security token did not match. Open the link again.", 403)
     st = server_state(request)
-    store = EmailStore(st.undolog.store)
+    store = _email_store(st)
     tok = link.token
     code = re.sub(r"\s+", "", data.get("code", ""))
     attempt = store.count_attempt(tok.token_id, MAX_CODE_ATTEMPTS)
@@ -818,7 +823,7 @@ async def decide(request: Request, token: str) -> Response:
         if isinstance(got, HTMLResponse):
             return got  # the review of the edit, or the edit sent back with its error: nothing decided yet
         edited = got
-    store = EmailStore(st.undolog.store)
+    store = _email_store(st)
     # Spent before deciding: two tabs racing on one link decide once; a crash in between leaves the request pending
     # for the desk (a decision is never replayed from a link).
     if not store.use(link.token.token_id):

@@ -207,6 +207,11 @@ class _Refusal(Exception):
     approval_request_id: str | None = None
 
 
+def _slack_store(state: Any) -> SlackStore:
+    """The Slack tables: they live on the core's store (one pool, one migration run), as every desk table does."""
+    return SlackStore(state.undolog.store)
+
+
 @dataclass
 class SlackDesk:
     """The Slack integration of one desk process: the outbox consumer, the sender and the interactivity handler.
@@ -228,7 +233,7 @@ class SlackDesk:
     store: SlackStore = field(init=False)
 
     def __post_init__(self) -> None:
-        self.store = SlackStore(self.state.undolog.store)
+        self.store = _slack_store(self.state)
         if self.client is None:
             try:
                 from slack_sdk import WebClient
@@ -917,7 +922,7 @@ def _slack_id() -> Any:
 
 @admin_router.get("/users", response_model=list[SlackUserOut], summary="Slack users mapped to API keys")
 def list_users(request: Request, key: ApiKey = Depends(ADMIN)) -> list[SlackUserOut]:
-    return [SlackUserOut.model_validate(u) for u in SlackStore(server_state(request).undolog.store).users()]
+    return [SlackUserOut.model_validate(u) for u in _slack_store(server_state(request)).users()]
 
 
 @admin_router.put("/users/{team_id}/{user_id}", response_model=SlackUserOut,
@@ -932,7 +937,7 @@ def put_user(request: Request, body: SlackUserIn, team_id: str = _slack_id(), us
     if not target.roles & {"approver", "admin"}:
         raise Problem(409, "key_not_approver", f"key {body.key_id!r} has no approver role: a Slack user decides with "
                       "an approver key")
-    before = SlackStore(st.undolog.store).put_user(team_id, user_id, body.key_id, key.identity)
+    before = _slack_store(st).put_user(team_id, user_id, body.key_id, key.identity)
     st.undolog.record_audit(subject=f"slack:{team_id}/{user_id}", action="slack_user_mapped", actor=key.identity,
                             payload={"team_id": team_id, "user_id": user_id, "key_id": body.key_id, "before": before})
     return SlackUserOut(team_id=team_id, user_id=user_id, key_id=body.key_id, created_by=key.identity)
@@ -942,7 +947,7 @@ def put_user(request: Request, body: SlackUserIn, team_id: str = _slack_id(), us
 def delete_user(request: Request, team_id: str = _slack_id(), user_id: str = _slack_id(),
                 key: ApiKey = Depends(ADMIN)) -> Response:
     st = server_state(request)
-    before = SlackStore(st.undolog.store).delete_user(team_id, user_id)
+    before = _slack_store(st).delete_user(team_id, user_id)
     if before is None:
         raise Problem(404, "slack_user_not_found", f"Slack user {team_id}/{user_id} is not mapped")
     st.undolog.record_audit(subject=f"slack:{team_id}/{user_id}", action="slack_user_unmapped", actor=key.identity,
@@ -954,7 +959,7 @@ def delete_user(request: Request, team_id: str = _slack_id(), user_id: str = _sl
 def list_channels(request: Request, key: ApiKey = Depends(ADMIN)) -> list[SlackChannelOut]:
     return [SlackChannelOut(group=c.group, channel=c.channel, escalation_channel=c.escalation_channel,
                             escalate_after_seconds=c.escalate_after_seconds, sensitive=list(c.sensitive))
-            for c in SlackStore(server_state(request).undolog.store).channels()]
+            for c in _slack_store(server_state(request)).channels()]
 
 
 @admin_router.put("/channels/{group}", response_model=SlackChannelOut,
@@ -965,7 +970,7 @@ def put_channel(request: Request, body: SlackChannelIn, group: str = Path(min_le
     if group != "*" and group not in {g.name for g in st.store.groups()}:
         raise Problem(409, "group_not_found", f"no approver group {group!r}: create it first "
                       "(PUT /v1/approver-groups/{name}) or use '*'")
-    SlackStore(st.undolog.store).put_channel(SlackChannel(group, body.channel, body.escalation_channel,
+    _slack_store(st).put_channel(SlackChannel(group, body.channel, body.escalation_channel,
                                                           body.escalate_after_seconds, tuple(body.sensitive)))
     st.undolog.record_audit(subject=f"slack-channel:{group}", action="slack_channel_set", actor=key.identity,
                             payload={"group": group, **body.model_dump()})
@@ -976,7 +981,7 @@ def put_channel(request: Request, body: SlackChannelIn, group: str = Path(min_le
 def delete_channel(request: Request, group: str = Path(min_length=1, max_length=100),
                    key: ApiKey = Depends(ADMIN)) -> Response:
     st = server_state(request)
-    if not SlackStore(st.undolog.store).delete_channel(group):
+    if not _slack_store(st).delete_channel(group):
         raise Problem(404, "slack_channel_not_found", f"no Slack channel configured for {group!r}")
     st.undolog.record_audit(subject=f"slack-channel:{group}", action="slack_channel_removed", actor=key.identity,
                             payload={"group": group})
