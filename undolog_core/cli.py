@@ -174,11 +174,13 @@ sessions_app = typer.Typer(help="List, inspect, roll back, resume and revalidate
 approvals_app = typer.Typer(help="Review and decide approval requests of IRREVERSIBLE calls.", no_args_is_help=True)
 policy_app = typer.Typer(help="The organisation's approval policy.", no_args_is_help=True)
 audit_app = typer.Typer(help="The hash-chained audit trail.", no_args_is_help=True)
+effects_app = typer.Typer(help="Settle logged calls whose outcome is unknown.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(sessions_app, name="sessions")
 app.add_typer(approvals_app, name="approvals")
 app.add_typer(policy_app, name="policy")
 app.add_typer(audit_app, name="audit")
+app.add_typer(effects_app, name="effects")
 
 
 # -- global state and opening the store -----------------------------------------------------------
@@ -772,6 +774,48 @@ def sessions_resume(
         _print_json(rec.to_dict())
         return
     typer.echo(f"session {session_id} resumed by {_actor(actor)}; it is {rec.state} again")
+
+
+class ResolveAs(str, enum.Enum):
+    """What a person found: the call happened and stands, it is undone, or it never happened."""
+
+    committed = "committed"
+    compensated = "compensated"
+    not_happened = "not_happened"
+
+
+@effects_app.command("resolve")
+def effects_resolve(
+    ctx: typer.Context,
+    effect_id: Annotated[str, typer.Argument(metavar="EFFECT", help="The effect whose outcome is unknown.")],
+    outcome: Annotated[ResolveAs, typer.Option(
+        "--as", case_sensitive=False, show_choices=True,
+        help="What the external system shows: committed (it happened and stands), compensated (it is undone), "
+             "not_happened.")],
+    reason: Annotated[str, typer.Option("--reason", help="What you checked (required; audited).")],
+    actor: Annotated[str | None, typer.Option(
+        "--by", envvar="UNDOLOG_ACTOR", metavar="NAME",
+        help="Who takes this decision (recorded in the audit trail). Default: user@host.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Settle a call whose outcome is unknown (a late finish, an interrupted IRREVERSIBLE call), after checking the
+    external system. Audited; the session stays halted: resume it or roll it back next.
+
+    committed: the call happened and stands (a rollback still runs its compensation if it has not run);
+    compensated: it is undone (no rollback runs its compensation again); not_happened: it never happened
+    (recorded failed; nothing to undo).
+    """
+    u = _open(ctx)
+    done = u.resolve_effect(effect_id, outcome=outcome.value, reason=reason, actor=_actor(actor))
+    if as_json:
+        _print_json(done.to_dict())
+        return
+    typer.echo(f"effect {effect_id} ({_inert(done.tool_name)}) resolved as {done.resolved_as} by {_inert(done.actor)}; "
+               f"it is {done.state} now")
+    if done.session_state == "halted":
+        typer.echo(f"session {_inert(done.session_id)} is still halted: 'undolog sessions resume "
+                   f"{_inert(done.session_id)}' lets it go on, 'undolog sessions rollback "
+                   f"{_inert(done.session_id)}' undoes it")
 
 
 @sessions_app.command("revalidate")

@@ -108,12 +108,20 @@ EFFECT = Machine("effect", (s.value for s in E), [
     # The call's own process finished it after another process took it over (issue 34): recorded, unknown.
     Transition("late_finish", (*IN_FLIGHT, E.COMPENSATED.value, E.UNKNOWN.value, E.APPROVED.value,
                                E.DEAD_LETTER.value), E.UNKNOWN.value),
+    # A person settles an unknown call (``undolog effects resolve``): it happened and stands, it is undone, or it
+    # never happened (recorded failed, nothing to undo, as recovery records a probe's "did not happen").
+    Transition("resolve_committed", (E.UNKNOWN.value,), E.COMMITTED.value),
+    Transition("resolve_compensated", (E.UNKNOWN.value,), E.COMPENSATED.value),
+    Transition("resolve_not_happened", (E.UNKNOWN.value,), E.FAILED.value),
 ])
 
 UNDO = Machine("undo entry", (s.value for s in U), [
     Transition("claim", (U.ARMED.value, U.COMPENSATING.value, U.COMPENSATION_FAILED.value), U.COMPENSATING.value),
     Transition("compensated", (U.COMPENSATING.value,), U.COMPENSATED.value),
     Transition("failed", (U.COMPENSATING.value,), U.COMPENSATION_FAILED.value),
+    # A person resolved its effect as compensated (undone by hand, or by the compensation that already ran):
+    # no rollback runs it again. One being run right now is left to its walk.
+    Transition("resolve_compensated", (U.ARMED.value, U.COMPENSATION_FAILED.value), U.COMPENSATED.value),
 ])
 
 SESSION = Machine("session", (s.value for s in S), [
