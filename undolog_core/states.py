@@ -93,7 +93,10 @@ EFFECT = Machine("effect", (s.value for s in E), [
     Transition("approve", (E.AWAITING_APPROVAL.value,), E.APPROVED.value),
     Transition("reject", (E.AWAITING_APPROVAL.value,), E.REJECTED.value),
     Transition("time_out", (E.AWAITING_APPROVAL.value,), E.TIMED_OUT.value),
-    Transition("cancel", (E.AWAITING_APPROVAL.value, E.APPROVED.value), E.CANCELLED.value),
+    # Cancelled with its request (a halt, a rollback): a released call too, so its re-issue cannot run it.
+    Transition("cancel", (E.AWAITING_APPROVAL.value, E.APPROVED.value, E.RELEASED.value), E.CANCELLED.value),
+    # A person answered in the tool's place (LangChain's respond): the tool never runs.
+    Transition("respond", (E.AWAITING_APPROVAL.value,), E.CANCELLED.value),
     Transition("claim_run", (E.APPROVED.value,), E.RUNNING.value),
     Transition("lapse", (E.APPROVED.value,), E.EXPIRED.value),
     # Recovery of a call whose owner is gone: compensated, settled unknown, or (an IRREVERSIBLE call its probe
@@ -102,9 +105,10 @@ EFFECT = Machine("effect", (s.value for s in E), [
     Transition("recover_unknown", IN_FLIGHT, E.UNKNOWN.value),
     Transition("recover_not_run", (E.RUNNING.value,), E.APPROVED.value),
     Transition("dead_letter", IN_FLIGHT, E.DEAD_LETTER.value),
-    # A rollback's compensation of a call that ran (or that was in flight with its owner gone).
-    Transition("compensate", (E.COMMITTED.value, E.FAILED.value, E.UNKNOWN.value, *IN_FLIGHT),
-               E.COMPENSATED.value),
+    # A rollback's compensation of a call that ran (or that was in flight with its owner gone, handed back by its
+    # framework, or dead-lettered by recovery: a person's rollback runs its compensation once more).
+    Transition("compensate", (E.COMMITTED.value, E.FAILED.value, E.UNKNOWN.value, *IN_FLIGHT, E.RELEASED.value,
+                              E.DEAD_LETTER.value), E.COMPENSATED.value),
     # The call's own process finished it after another process took it over (issue 34): recorded, unknown.
     Transition("late_finish", (*IN_FLIGHT, E.COMPENSATED.value, E.UNKNOWN.value, E.APPROVED.value,
                                E.DEAD_LETTER.value), E.UNKNOWN.value),
@@ -147,6 +151,8 @@ REQUEST = Machine("approval request", (s.value for s in R), [
     Transition("time_out", (R.PENDING.value,), R.TIMED_OUT.value),
     Transition("auto_approve", (R.PENDING.value,), R.AUTO_APPROVED.value),
     Transition("cancel", (R.PENDING.value, R.APPROVED.value, R.AUTO_APPROVED.value), R.CANCELLED.value),
+    # A pending request cancelled because another request of its session timed out (the session halts).
+    Transition("withdraw", (R.PENDING.value,), R.CANCELLED.value),
     Transition("lapse", (R.APPROVED.value, R.AUTO_APPROVED.value), R.EXPIRED.value),
 ])
 

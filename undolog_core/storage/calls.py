@@ -167,13 +167,13 @@ class CallsSQL(Store):
             sa.select(sa.func.count()).select_from(r)
             .where(r.c.session_id == session_id, r.c.state == RequestState.PENDING.value)
         ).scalar_one()
-        target, source = ((SessionState.AWAITING_APPROVAL, SessionState.ACTIVE) if pending
-                          else (SessionState.ACTIVE, SessionState.AWAITING_APPROVAL))
+        move = "await_approval" if pending else "approval_settled"
+        target = SESSION.target(move)
         res = conn.execute(
-            _S.update().where(_S.c.session_id == session_id, _S.c.state == source.value)
-            .values(state=target.value, updated_at=now)
+            _S.update().where(_S.c.session_id == session_id, SESSION.guard(move, _S.c.state))
+            .values(state=target, updated_at=now)
         )
-        return target.value if res.rowcount else None
+        return target if res.rowcount else None
 
     # -- effects: the general pre-write, re-issues, claims ----------------------------------------------
 
@@ -235,8 +235,12 @@ class CallsSQL(Store):
                         lease_until: dt.datetime, now: dt.datetime) -> int:
         """Compare-and-swap an effect into flight (an approved call claimed to run, a released call re-claimed);
         its new ownership epoch (the fencing token, one more than before), or 0 when another caller won."""
+        # The claim is the state table's: an approved call claimed to run, a released one claimed back.
+        move = {(EffectState.APPROVED.value, EffectState.RUNNING.value): "claim_run",
+                (EffectState.RELEASED.value, EffectState.PENDING.value): "reclaim",
+                (EffectState.RELEASED.value, EffectState.RUNNING.value): "reclaim_approved"}[(from_state, to_state)]
         epoch = conn.execute(
-            _E.update().where(_E.c.effect_id == effect_id, _E.c.state == from_state)
+            _E.update().where(_E.c.effect_id == effect_id, _E.c.state == from_state, EFFECT.guard(move, _E.c.state))
             .values(state=to_state, owner=owner, lease_until=lease_until, updated_at=now, epoch=_E.c.epoch + 1)
             .returning(_E.c.epoch)
         ).scalar()
@@ -256,9 +260,9 @@ class CallsSQL(Store):
         with self.tx() as conn:
             state = self.effect_state_in(conn, effect_id)
             if state in IN_FLIGHT:
-                conn.execute(_E.update().where(_E.c.effect_id == effect_id).values(
-                    state=EffectState.RELEASED.value, released_from=state, owner=None, lease_until=None,
-                    updated_at=now))
+                conn.execute(_E.update().where(_E.c.effect_id == effect_id, EFFECT.guard("release", _E.c.state))
+                             .values(state=EffectState.RELEASED.value, released_from=state, owner=None,
+                                     lease_until=None, updated_at=now))
             return state
 
     # -- IRREVERSIBLE --------------------------------------------------------------------------------
@@ -341,7 +345,7 @@ class CallsSQL(Store):
         request_id = record["approval_request_id"]
         conn.execute(t.approval_requests.insert(), dict(record))
         conn.execute(
-            _S.update().where(_S.c.session_id == record["session_id"], _S.c.state == SessionState.ACTIVE.value)
+            _S.update().where(_S.c.session_id == record["session_id"], SESSION.guard("await_approval", _S.c.state))
             .values(state=SessionState.AWAITING_APPROVAL.value, updated_at=now)
         )
         self.append_event_in(conn, subject=f"approval:{request_id}", approval_request_id=request_id,
