@@ -70,6 +70,21 @@ class Machine:
 
         return column.in_([sa.literal_column(f"'{s}'") for s in self.sources(name)])
 
+    def guard_between(self, sources: Iterable[str], target: str, column: Any) -> Any:
+        """The SQLAlchemy guard of a statement moving a row from any of ``sources`` to ``target`` (a caller's own
+        narrower set, as ``SessionsSQL.set_session_state`` takes one), each move checked against the table first.
+
+        Raises:
+            ValueError: some move is not in the table.
+        """
+        import sqlalchemy as sa
+
+        sources = tuple(sources)
+        illegal = [s for s in sources if not self.legal(s, target)]
+        if illegal or not sources:
+            raise ValueError(f"{self.entity}: no transition goes from {illegal or 'nothing'} to {target!r}")
+        return column.in_([sa.literal_column(f"'{s}'") for s in sources])
+
     def legal(self, before: str, after: str) -> bool:
         """Whether some transition goes from ``before`` to ``after``."""
         return any(before in t.sources and t.target == after for t in self.transitions.values())

@@ -244,7 +244,7 @@ class RecoverySQL(CallsSQL):
             attempts = int(conn.execute(sa.select(e.c.recovery_attempts).where(e.c.effect_id == effect_id))
                            .scalar_one()) + 1
             if attempts >= dead_letter_after:
-                conn.execute(e.update().where(e.c.effect_id == effect_id).values(
+                conn.execute(e.update().where(e.c.effect_id == effect_id, EFFECT.guard("dead_letter", e.c.state)).values(
                     state=EffectState.DEAD_LETTER.value, recovery_attempts=attempts, owner=None, lease_until=None,
                     error=f"recovery failed {attempts} times; last: {error}", updated_at=now))
                 self.halt_in(conn, session_id, halt_reason.format(attempts=attempts), now)
