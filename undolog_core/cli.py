@@ -776,7 +776,7 @@ def sessions_resume(
     typer.echo(f"session {session_id} resumed by {_actor(actor)}; it is {rec.state} again")
 
 
-class ResolveAs(str, enum.Enum):
+class ResolveAs(enum.StrEnum):
     """What a person found: the call happened and stands, it is undone, or it never happened."""
 
     committed = "committed"

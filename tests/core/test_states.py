@@ -219,7 +219,7 @@ def test_every_statement_that_moves_a_row_is_guarded_by_the_table(db: Any) -> No
             assert all(machine.legal(s, target) for s in guard), (machine.entity, guard, target, sql)
         moved.setdefault(machine.entity, set()).add(target)
     assert {"approved", "rejected", "timed_out", "auto_approved", "cancelled", "responded"} <= moved["approval request"]
-    assert {"running", "committed", "compensated", "unknown", "approved", "rejected", "cancelled", "timed_out"} \
-        <= moved["effect"], moved["effect"]
+    assert {"running", "pending", "released", "compensated", "unknown", "approved", "rejected", "cancelled",
+            "timed_out"} <= moved["effect"], moved["effect"]
     assert {"compensating", "compensated"} <= moved["undo entry"]
     assert {"halted", "active", "rolling_back", "rolled_back", "awaiting_approval"} <= moved["session"]

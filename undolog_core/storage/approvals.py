@@ -13,9 +13,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from .._tools import canonical_json, sha256_hex
-from ..states import EFFECT, REQUEST, SESSION
 from ..errors import ApprovalAlreadyDecided, ApprovalNotFound, UndoLogError
 from ..limits import PREVIEW_CHARS, TRUNCATED
+from ..states import EFFECT, REQUEST, SESSION
 from . import schema as t
 from .audit import PendingEvent
 from .base import Store

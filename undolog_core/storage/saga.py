@@ -8,10 +8,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from ..states import EFFECT, SESSION, UNDO
 from . import schema as t
 from .base import utcnow
 from .calls import CallsSQL
-from ..states import EFFECT, SESSION, UNDO
 
 
 class SagaSQL(CallsSQL):
