@@ -98,9 +98,13 @@ class SessionsSQL(Store):
         self, session_id: str, state: SessionState, *, allowed: Iterable[SessionState], now: dt.datetime
     ) -> bool:
         """Move the session to ``state`` if it is in one of ``allowed``; False when it was not (or does not exist)."""
-        # Each move checked against the state table (``states.SESSION``) before anything is written.
-        guard = SESSION.guard_between([SessionState(s).value for s in allowed], SessionState(state).value,
-                                      t.sessions.c.state)
+        # Only the moves the state table (``states.SESSION``) has: a session in another state of ``allowed`` is
+        # not moved (False), and nothing is written when none is left.
+        target = SessionState(state).value
+        legal = [SessionState(s).value for s in allowed if SESSION.legal(SessionState(s).value, target)]
+        if not legal:
+            return False
+        guard = SESSION.guard_between(legal, target, t.sessions.c.state)
         with self.tx() as conn:
             res = conn.execute(
                 t.sessions.update().where(t.sessions.c.session_id == session_id, guard)
