@@ -406,11 +406,11 @@ def lower_bound_worker(i: int, prepared: Any, schema: str, seconds: float, sessi
                 else:
                     marks.append((effect_id, result, time.time()))
                     if time.monotonic() - flushed >= MARK_FLUSH_SECONDS:  # what fast mode's flusher does
-                        pg.pg_mark_many(fast_con, marks)
+                        pg.pg_mark_many(fast_con, marks, owner)
                         marks, flushed = [], time.monotonic()
                 n += 1
             # The marks still queued ride in the end's statement, as fast mode's end sends them.
-            if not end_session(con, sid, CALLS_PER_SESSION, "completed", ["active"], time.time(), marks):
+            if not end_session(con, sid, CALLS_PER_SESSION, "completed", ["active"], time.time(), marks, owner):
                 raise RuntimeError("the lower bound's session did not end")
             if marks:
                 flushed = time.monotonic()

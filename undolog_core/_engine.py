@@ -54,7 +54,7 @@ from .limits import (
     safe_result,
 )
 from .storage.base import FAST_POOL_SIZE, from_epoch, new_id, utcnow
-from .storage.calls import LATE_FINISH_STATES, FailureRollback
+from .storage.calls import LATE_FINISH_STATES, FailureRollback, LateFinish
 from .storage.hotpath import SessionRow
 from .storage.pool import IntegrityConflict, WouldBlock
 from .storage.schema import IN_FLIGHT, EffectState, OnFailure, RequestState, SessionState
@@ -398,6 +398,10 @@ class Engine:
         # The sessions started here that wait for their first write (defer_start); a set's add and discard are
         # atomic under the GIL, and readers skip persist() while it is empty.
         self._pending: set[str] = set()
+        #: Asked after a late finish is recorded, ``(effect_id, late)``: the tool's probe, its answer recorded as an
+        #: audit event on the effect, settling nothing (the facade binds recovery's ``probe_late_finish``); the
+        #: answer (``happened``, ``not_happened``, ``cant_tell``, ``error``) or None without a probe.
+        self.on_late_finish: Callable[[str, LateFinish], str | None] | None = None
 
     @property
     def owner(self) -> str:
@@ -836,13 +840,13 @@ class Engine:
             return None  # known only from SAFE calls (or not at all here): the general path records it
         if not self.hot.ends_with_marks:
             self.flush_marks()
-            return self._end_session(sc, state, allowed, [])
+            return self._end_session(sc, state, allowed, [])[0]
         # The deferred marks (fast mode's, this session's and any other's queued here) ride in the end's own
         # statement and commit: a marks batch of its own before it was a statement and a commit more per session.
         return self._with_queued_marks(lambda batch: self._end_session(sc, state, allowed, batch))
 
     def _end_session(self, sc: SessionCache, state: SessionState, allowed: tuple[str, ...],
-                     marks: list[tuple[str, str, float]]) -> bool | None:
+                     marks: list[tuple[str, str, float]]) -> tuple[bool | None, int]:
         safe, carried = sc.take_safe(), sc.take_carried()
         try:
             done = self.hot.end_session(sc.session_id, safe + carried, state.value, allowed, time.time(), marks)
@@ -851,7 +855,7 @@ class Engine:
             raise
         if not done:
             self._give_back(sc, safe, carried)
-        return done
+        return (None if done is None else bool(done)), (done.marked if done is not None else 0)
 
     # -- routing ---------------------------------------------------------------------------------
 
@@ -1507,12 +1511,26 @@ class Engine:
         late = self.store.record_late_finish(effect_id, text, utcnow())
         if late is None:
             return
+        answer = self._late_recorded(effect_id, late)
+        raise OutcomeConflict(effect_id, late.tool_name, late.session_id, late.state_before, probe=answer)
+
+    def _late_recorded(self, effect_id: str, late: LateFinish, *, deferred: bool = False) -> str | None:
+        """After a late finish is recorded: the session cache halted, the error logged, and the tool's probe asked
+        (``on_late_finish``, bound by the facade to recovery's) for the person who decides; its answer."""
         self.note_state(late.session_id, SessionState.HALTED)
         engine_log.error(
             "late finish: %s (session %s, effect %s) finished after another process took it over (it was %s): "
-            "recorded, effect unknown, session halted", late.tool_name, late.session_id, effect_id,
-            late.state_before, extra=ids(late.session_id, effect_id))
-        raise OutcomeConflict(effect_id, late.tool_name, late.session_id, late.state_before)
+            "recorded, effect unknown, session halted%s", late.tool_name, late.session_id, effect_id,
+            late.state_before, " (a deferred commit mark: its caller had been answered)" if deferred else "",
+            extra=ids(late.session_id, effect_id))
+        if self.on_late_finish is None:
+            return None
+        try:
+            return self.on_late_finish(effect_id, late)
+        except Exception:  # noqa: BLE001 - the finish is recorded; a probe that fails informs nobody, and says so
+            engine_log.exception("late finish: the probe of %s (effect %s) failed", late.tool_name, effect_id,
+                                 extra=ids(late.session_id, effect_id))
+            return None
 
     def record_failure(self, effect_id: str, error: BaseException | str, *, nothing_happened: bool = False,
                        rollback: tuple[str, str] | None = None) -> FailureRecord:
@@ -1569,24 +1587,46 @@ class Engine:
         """Write the deferred commit marks now (fast mode); readers in this process call it first."""
         if not self._marks:
             return
-        self._with_queued_marks(lambda batch: self.hot.mark_many(batch) if batch else None)
+        self._with_queued_marks(lambda batch: (None, self.hot.mark_many(batch) if batch else 0))
 
-    def _with_queued_marks(self, write: Callable[[list[tuple[str, str, float]]], _T]) -> _T:
+    def _with_queued_marks(self, write: Callable[[list[tuple[str, str, float]]], tuple[_T, int]]) -> _T:
         """``write(batch)`` of every deferred mark queued now, taken under the marks lock (one writer at a time, in
         queue order); written, their effects leave the in-flight set; if ``write`` raises, they go back to the
-        front of the queue, still in flight, and the error goes on."""
+        front of the queue, still in flight, and the error goes on.
+
+        ``write`` answers (its result, how many marks landed). The marks are fenced by this process's owner, so
+        fewer landed when a call was taken over meanwhile: each such mark is recorded as a late finish
+        (:meth:`_deferred_finished_late`), after the lock is let go."""
         with self._marks_lock:
             batch: list[tuple[str, str, float]] = []
             while self._marks:
                 batch.append(self._marks.popleft())
             try:
-                result = write(batch)
+                result, landed = write(batch)
             except BaseException:
                 self._marks.extendleft(reversed(batch))
                 raise
             for effect_id, _, _ in batch:
                 self._inflight.discard(effect_id)
+        if landed < len(batch):
+            self._deferred_finished_late(batch)
         return result
+
+    def _deferred_finished_late(self, batch: list[tuple[str, str, float]]) -> None:
+        """Some deferred marks of ``batch`` did not land: their calls were taken over after they ran here (a stall
+        past the lease, ``recover --take-over``). Each is recorded as ``_finished_late`` records a late finish
+        (``unknown``, the session halted, ``effect.finished_late`` audited, the probe asked); the call's caller
+        had its answer when the mark was queued (fast mode), so the halt is what tells it, at its next call. Marks
+        that landed, or whose call a probe already proved ``committed``, are left alone."""
+        for effect_id, text, _ in batch:
+            try:
+                late = self.store.record_late_finish(effect_id, text, utcnow())
+            except Exception:  # noqa: BLE001 - the next mark's record must still be tried; this one is logged
+                engine_log.exception("late finish: could not record the deferred mark of effect %s", effect_id,
+                                     extra=ids(None, effect_id))
+                continue
+            if late is not None:
+                self._late_recorded(effect_id, late, deferred=True)
 
     def _flush_due_marks(self) -> float:
         """The flusher's step: the queued marks written once the oldest is ``MARK_FLUSH_SECONDS`` old (each mark is

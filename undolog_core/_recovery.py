@@ -16,9 +16,11 @@ from ._faults import FaultPoint, fault
 from ._leases import Leases, owner_alive
 from ._saga import Saga, _call_sync, _Entry, run_coro_blocking
 from ._tools import ToolTier
-from .errors import UndoLogError
-from .limits import clean_text, safe_result
+from .errors import EffectNotFound, SelfDecisionForbidden, UndoLogError
+from .limits import check_identity, clean_text, safe_result
 from .storage.audit import PendingEvent
+from .storage.base import utcnow
+from .storage.calls import RESOLUTIONS, LateFinish, Resolution
 from .storage.schema import IN_FLIGHT, EffectState, SessionState, UndoState
 
 if TYPE_CHECKING:
@@ -262,6 +264,86 @@ class Recovery:
             raise UndoLogError("; ".join(report.errors))
         return outcome
 
+    def probe_late_finish(self, effect_id: str, late: LateFinish) -> str | None:
+        """A late finish was recorded for ``effect_id`` (``effect.finished_late``): ask the tool's probe, if it has
+        one, and record its answer as an audit event on the effect (``effect.probe``, settled ``nothing``). It
+        informs the person who resolves the effect; it settles nothing (no second compensation, no commit: the
+        effect stays ``unknown``). Returns the answer (``happened``, ``not_happened``, ``cant_tell``, or
+        ``error`` when the probe raised), or None when the tool has no probe here.
+
+        Example:
+            >>> undolog.engine.on_late_finish(effect_id, late)   # what the engine does after recording one
+            'happened'
+        """
+        spec = self._registry.tools.get(late.tool_name)
+        if spec is None or spec.probe is None:
+            return None
+        row = self._store.effect(effect_id)
+        ctx = ProbeContext(dict(row.args_snapshot or {}), f"do-{effect_id}", effect_id, late.session_id,
+                           late.tool_name, int(row.epoch))
+        payload: dict[str, Any] = {"effect_id": effect_id, "session_id": late.session_id, "tool_name": late.tool_name,
+                                   "after": "late_finish", "settled": "nothing: a person resolves it"}
+        try:
+            verdict = spec.probe(ctx)
+            if inspect.isawaitable(verdict):
+                verdict = run_coro_blocking(verdict)
+            answer, result = probe_answer(verdict)  # the result made safe, as any result
+            said = answer.value
+            payload["answer"] = said
+            if result is not None:
+                payload["result"] = result
+        except Exception as exc:  # noqa: BLE001 - recorded: the person sees the probe could not be asked
+            said = "error"
+            payload["answer"] = said
+            payload["error"] = clean_text(f"{type(exc).__name__}: {exc}")
+        self._store.note_event(PendingEvent(subject=f"effect:{effect_id}", action="effect.probe",
+                                            actor="undolog:late-finish", payload=payload))
+        obs.recovery_log.warning("late finish: the probe of %s (session %s, effect %s) says %s; a person resolves it",
+                                 late.tool_name, late.session_id, effect_id, said,
+                                 extra=obs.ids(late.session_id, effect_id))
+        return said
+
+    def resolve(self, effect_id: str, outcome: str, *, actor: str, reason: str,
+                principal: str | None = None) -> Resolution:
+        """A person settles an ``unknown`` effect: ``committed`` (it happened and stands; a rollback still
+        compensates it if its undo entry is armed), ``compensated`` (it is undone: no rollback runs its
+        compensation), or ``not_happened`` (recorded ``failed``, its armed undo entry dropped). Audited
+        (``effect.resolved``: who, why, what it was); the session is not resumed.
+
+        ``principal``: the person's principal reference (the desk's ``key:<id>``); the principal that created the
+        effect's session is refused (:class:`SelfDecisionForbidden`, audited), as for approvals.
+
+        Raises:
+            EffectNotFound: no such effect.
+            InvalidEffectState: it is not ``unknown``.
+            SelfDecisionForbidden: the decider created the effect's session.
+        """
+        if outcome not in RESOLUTIONS:
+            raise UndoLogError(f"an effect is resolved as one of {', '.join(RESOLUTIONS)}, not {outcome!r}; "
+                               "pick the one the external system shows")
+        check_identity("actor", actor)
+        if not isinstance(reason, str) or not reason.strip():
+            raise UndoLogError("a resolution needs a reason (--reason TEXT): what the external system showed")
+        reason = clean_text(reason)
+        session_id = self._store.session_of_effect(effect_id)
+        if session_id is None:
+            raise EffectNotFound(effect_id)
+        session = self._store.get_session(session_id)
+        creator = session.created_by if session is not None else None
+        who = principal or actor
+        # As for approvals: only principal references (``key:<id>``) are compared, never free-text names.
+        if creator and creator.startswith("key:") and who == creator:
+            self._store.append_event(subject=f"effect:{effect_id}", action="effect.resolve_refused", actor=actor,
+                                     payload={"effect_id": effect_id, "attempted": outcome, "principal": who,
+                                              "why": SelfDecisionForbidden.code})
+            raise SelfDecisionForbidden(None, who, effect_id=effect_id)
+        done = self._store.resolve_effect(effect_id, outcome, actor=actor, reason=reason, principal=principal,
+                                          now=utcnow())
+        obs.recovery_log.warning("resolved: %s (session %s, effect %s) as %s by %s: %s", done.tool_name,
+                                 done.session_id, effect_id, outcome, actor, reason,
+                                 extra=obs.ids(done.session_id, effect_id))
+        return done
+
     def _batchable(self, row: Any) -> bool:
         """Whether the batch path can finish this claimed-to-be row: its entry armed and unowned (no earlier
         recovery left it half compensated) and its compensation loaded here at the version logged."""
@@ -488,13 +570,32 @@ class Recovery:
                                                 "longer land): nothing to undo",
                                           event=_probe_event(r, answer, "not_run"))
                 return "not_run"
+        if r.tier == ToolTier.COMPENSABLE and not original_gone and not told_when_gone \
+                and answer is not ProbeAnswer.NOT_HAPPENED:
+            # Its answer was lost, nothing proves it happened, and its request may still land at any time with
+            # nobody to say when it cannot (an HTTP upstream after a read timeout): compensating now would undo
+            # before the call lands (the undo a no-op, then the call stands). A person decides.
+            self._store.settle_effect(
+                r.effect_id, EffectState.UNKNOWN,
+                error="its answer was lost and its request may still land; "
+                      + ("it has no probe" if answer is None else "its probe could not tell")
+                      + ": a person resolves it",
+                halt=(r.session_id, f"{r.tool_name} ({r.effect_id}): its answer was lost and its request may still "
+                                    f"land: outcome unknown; check the tool, settle it (undolog effects resolve "
+                                    f"{r.effect_id}), then resume or roll back"),
+                event=_probe_event(r, answer, "unknown") if answer is not None else None,
+            )
+            self._note_state(r.session_id, SessionState.HALTED)
+            return "unknown"
         if r.tier == ToolTier.IRREVERSIBLE:
             self._store.settle_effect(
                 r.effect_id, EffectState.UNKNOWN,
                 error="interrupted mid-run; no probe to tell whether it happened" if answer is None
                 else "its answer was lost and its probe says it has not happened yet, but its request may still land"
                 if not_yet else "interrupted mid-run; its probe could not tell whether it happened",
-                halt=(r.session_id, f"{r.tool_name} ({r.effect_id}) was interrupted mid-run: outcome unknown"),
+                halt=(r.session_id, f"{r.tool_name} ({r.effect_id}) was interrupted mid-run: outcome unknown; "
+                                    f"check the tool, settle it (undolog effects resolve {r.effect_id}), then "
+                                    "resume or roll back"),
                 event=_probe_event(r, answer, "unknown") if answer is not None else None,
             )
             self._note_state(r.session_id, SessionState.HALTED)
@@ -507,7 +608,8 @@ class Recovery:
                 r.effect_id, EffectState.UNKNOWN,
                 error="outcome unknown, and its compensation needs the result it never returned",
                 halt=(r.session_id, f"{r.tool_name} ({r.effect_id}): outcome unknown and its compensation needs "
-                                    "its result; check the tool, then resume or roll back"),
+                                    f"its result; check the tool, settle it (undolog effects resolve {r.effect_id}), "
+                                    "then resume or roll back"),
                 event=_probe_event(r, answer, "unknown") if answer is not None else None,
             )
             self._note_state(r.session_id, SessionState.HALTED)

@@ -24,6 +24,7 @@ from ._tools import RetryPolicy, ToolSpec, ToolTier, make_declaration
 from .errors import ConfigurationError, DatabaseOpenFailed, DatabaseUnavailable, InvalidDeclaration
 from .storage import DATABASE_ERRORS, Storage, database_error_detail, open_storage, safe_url, sqlite_file
 from .storage.base import new_id
+from .storage.calls import Resolution
 from .storage.schema import OnFailure, SessionState
 
 
@@ -80,6 +81,9 @@ class UndoLog:
         # A call whose outcome its caller cannot tell (a lost connection mid-call) is settled at once, as recovery
         # would settle it after a crash.
         self.driver.in_doubt = self._recovery.settle_in_doubt
+        # A call that finished after it was taken over is recorded by the engine; its probe is then asked (and its
+        # answer audited) to inform the person who resolves it.
+        self.engine.on_late_finish = self._recovery.probe_late_finish
 
     @classmethod
     def open(
@@ -295,6 +299,22 @@ class UndoLog:
         """
         return int(self.store.append_event(subject=subject, action=action, actor=actor, payload=dict(payload),
                                            approval_request_id=approval_request_id))
+
+    def resolve_effect(self, effect_id: str, *, outcome: str, reason: str, actor: str,
+                       principal: str | None = None) -> Resolution:
+        """A person settles an ``unknown`` effect (a call that finished after it was taken over, or whose outcome
+        nobody could tell): ``outcome`` is ``committed`` (it happened and stands), ``compensated`` (it is undone)
+        or ``not_happened``. Every decision is an immutable audit event (``effect.resolved``) with ``actor`` and
+        ``reason``. The session stays as it is (halted until a person resumes or rolls it back). ``principal``:
+        the decider's principal reference (the desk's ``key:<id>``); the one that created the session is refused.
+
+        Example:
+            >>> undolog.resolve_effect("3f2a...", outcome="committed", reason="the refund is in the ledger",
+            ...                        actor="ana").state
+            'committed'
+            >>> undolog.sessions.resume(session_id, actor="ana")
+        """
+        return self._recovery.resolve(effect_id, outcome, actor=actor, reason=reason, principal=principal)
 
     def verify_audit(
         self, *, checkpoints: str | os.PathLike[str] | None = None, public_key: str | os.PathLike[str] | None = None

@@ -364,10 +364,11 @@ class ApprovalAlreadyDecided(UndoLogError):
 
 
 class SelfDecisionForbidden(UndoLogError):
-    """The decider is the principal that created the session which raised the request.
+    """The decider is the principal that created the session which raised the request (or made the call).
 
     A request is decided by another person: whoever raised it may not approve, modify or reject it, whatever
-    roles its key holds. The refusal is recorded in the audit trail.
+    roles its key holds; nor may it resolve one of its own calls whose outcome is unknown
+    (``undolog effects resolve``). The refusal is recorded in the audit trail.
 
     Fix:
         Have another person (another key) decide it.
@@ -375,7 +376,13 @@ class SelfDecisionForbidden(UndoLogError):
 
     code = "self_approval_forbidden"
 
-    def __init__(self, approval_request_id: str, principal: str) -> None:
+    def __init__(self, approval_request_id: str | None, principal: str, *, effect_id: str | None = None) -> None:
+        if effect_id is not None:
+            super().__init__(
+                f"{principal} created the session that made the call of effect {effect_id}; another person must "
+                "resolve it", effect_id=effect_id, principal=principal,
+            )
+            return
         super().__init__(
             f"{principal} created the session that raised approval request {approval_request_id}; "
             "another person must decide it",
@@ -388,7 +395,7 @@ class OutcomeUnknown(UndoLogError):
     """An approved IRREVERSIBLE call crashed mid-run and no probe could tell whether it happened.
 
     Fix:
-        Check the external system by hand, then resume or roll back the halted session. Give the tool a ``probe`` so recovery can tell next time.
+        Check the external system by hand, settle the effect (``undolog effects resolve EFFECT --as committed|compensated|not_happened --reason TEXT``, or the desk), then resume or roll back the halted session. Give the tool a ``probe`` so recovery can tell next time.
     """
 
     code = "outcome_unknown"
@@ -396,7 +403,8 @@ class OutcomeUnknown(UndoLogError):
     def __init__(self, effect_id: str) -> None:
         super().__init__(
             f"effect {effect_id} may or may not have happened (its run was interrupted); it is never re-run "
-            "blindly: a person must check and resolve the session",
+            f"blindly: a person checks, settles it ('undolog effects resolve {effect_id} --as "
+            "committed|compensated|not_happened --reason TEXT') and resumes or rolls back the session",
             effect_id=effect_id,
         )
 
@@ -486,9 +494,13 @@ class OutcomeConflict(InvalidEffectState):
     event with the result), the effect is ``unknown`` and the session halted: a person decides, nothing is
     compensated a second time automatically.
 
+    When the tool has a probe it was asked after the finish was recorded; its answer is in the audit trail (an
+    ``effect.probe`` event) and in ``details["probe"]``, to inform the person: it settles nothing by itself.
+
     Fix:
-        Check the external system: the call did happen. Then resume the session or roll it back
-        (``undolog sessions show ID`` shows the recorded finish).
+        Check the external system: the call did happen. Settle the effect (``undolog effects resolve EFFECT --as
+        committed|compensated|not_happened --reason TEXT``, or the desk's Resolve button), then resume the session
+        or roll it back (``undolog sessions show ID`` shows the recorded finish).
 
     Example:
         >>> try:
@@ -500,13 +512,17 @@ class OutcomeConflict(InvalidEffectState):
 
     code = "outcome_conflict"
 
-    def __init__(self, effect_id: str, tool_name: str, session_id: str, state_before: str) -> None:
+    def __init__(self, effect_id: str, tool_name: str, session_id: str, state_before: str,
+                 probe: str | None = None) -> None:
+        asked = f" Its probe, asked after the finish, says: {probe}." if probe else ""
         super().__init__(
             f"{tool_name} (effect {effect_id}) finished after another process had taken it over (it was "
             f"{state_before} by then): the side effect happened after its compensation. The effect is now unknown "
-            f"and session {session_id!r} halted; check the tool's side, then resume or roll back the session "
-            "('undolog sessions resume' / 'undolog sessions rollback', or the desk)",
+            f"and session {session_id!r} halted.{asked} Check the tool's side, settle the effect ('undolog effects "
+            f"resolve {effect_id} --as committed|compensated|not_happened --reason TEXT'), then resume or roll back "
+            "the session ('undolog sessions resume' / 'undolog sessions rollback', or the desk)",
             effect_id=effect_id, tool_name=tool_name, session_id=session_id, state_before=state_before,
+            probe=probe,
         )
 
 

@@ -70,6 +70,21 @@ class Machine:
 
         return column.in_([sa.literal_column(f"'{s}'") for s in self.sources(name)])
 
+    def guard_between(self, sources: Iterable[str], target: str, column: Any) -> Any:
+        """The SQLAlchemy guard of a statement moving a row from any of ``sources`` to ``target`` (a caller's own
+        narrower set, as ``SessionsSQL.set_session_state`` takes one), each move checked against the table first.
+
+        Raises:
+            ValueError: some move is not in the table.
+        """
+        import sqlalchemy as sa
+
+        sources = tuple(sources)
+        illegal = [s for s in sources if not self.legal(s, target)]
+        if illegal or not sources:
+            raise ValueError(f"{self.entity}: no transition goes from {illegal or 'nothing'} to {target!r}")
+        return column.in_([sa.literal_column(f"'{s}'") for s in sources])
+
     def legal(self, before: str, after: str) -> bool:
         """Whether some transition goes from ``before`` to ``after``."""
         return any(before in t.sources and t.target == after for t in self.transitions.values())
@@ -93,7 +108,10 @@ EFFECT = Machine("effect", (s.value for s in E), [
     Transition("approve", (E.AWAITING_APPROVAL.value,), E.APPROVED.value),
     Transition("reject", (E.AWAITING_APPROVAL.value,), E.REJECTED.value),
     Transition("time_out", (E.AWAITING_APPROVAL.value,), E.TIMED_OUT.value),
-    Transition("cancel", (E.AWAITING_APPROVAL.value, E.APPROVED.value), E.CANCELLED.value),
+    # Cancelled with its request (a halt, a rollback): a released call too, so its re-issue cannot run it.
+    Transition("cancel", (E.AWAITING_APPROVAL.value, E.APPROVED.value, E.RELEASED.value), E.CANCELLED.value),
+    # A person answered in the tool's place (LangChain's respond): the tool never runs.
+    Transition("respond", (E.AWAITING_APPROVAL.value,), E.CANCELLED.value),
     Transition("claim_run", (E.APPROVED.value,), E.RUNNING.value),
     Transition("lapse", (E.APPROVED.value,), E.EXPIRED.value),
     # Recovery of a call whose owner is gone: compensated, settled unknown, or (an IRREVERSIBLE call its probe
@@ -102,18 +120,27 @@ EFFECT = Machine("effect", (s.value for s in E), [
     Transition("recover_unknown", IN_FLIGHT, E.UNKNOWN.value),
     Transition("recover_not_run", (E.RUNNING.value,), E.APPROVED.value),
     Transition("dead_letter", IN_FLIGHT, E.DEAD_LETTER.value),
-    # A rollback's compensation of a call that ran (or that was in flight with its owner gone).
-    Transition("compensate", (E.COMMITTED.value, E.FAILED.value, E.UNKNOWN.value, *IN_FLIGHT),
-               E.COMPENSATED.value),
+    # A rollback's compensation of a call that ran (or that was in flight with its owner gone, handed back by its
+    # framework, or dead-lettered by recovery: a person's rollback runs its compensation once more).
+    Transition("compensate", (E.COMMITTED.value, E.FAILED.value, E.UNKNOWN.value, *IN_FLIGHT, E.RELEASED.value,
+                              E.DEAD_LETTER.value), E.COMPENSATED.value),
     # The call's own process finished it after another process took it over (issue 34): recorded, unknown.
     Transition("late_finish", (*IN_FLIGHT, E.COMPENSATED.value, E.UNKNOWN.value, E.APPROVED.value,
                                E.DEAD_LETTER.value), E.UNKNOWN.value),
+    # A person settles an unknown call (``undolog effects resolve``): it happened and stands, it is undone, or it
+    # never happened (recorded failed, nothing to undo, as recovery records a probe's "did not happen").
+    Transition("resolve_committed", (E.UNKNOWN.value,), E.COMMITTED.value),
+    Transition("resolve_compensated", (E.UNKNOWN.value,), E.COMPENSATED.value),
+    Transition("resolve_not_happened", (E.UNKNOWN.value,), E.FAILED.value),
 ])
 
 UNDO = Machine("undo entry", (s.value for s in U), [
     Transition("claim", (U.ARMED.value, U.COMPENSATING.value, U.COMPENSATION_FAILED.value), U.COMPENSATING.value),
     Transition("compensated", (U.COMPENSATING.value,), U.COMPENSATED.value),
     Transition("failed", (U.COMPENSATING.value,), U.COMPENSATION_FAILED.value),
+    # A person resolved its effect as compensated (undone by hand, or by the compensation that already ran):
+    # no rollback runs it again. One being run right now is left to its walk.
+    Transition("resolve_compensated", (U.ARMED.value, U.COMPENSATION_FAILED.value), U.COMPENSATED.value),
 ])
 
 SESSION = Machine("session", (s.value for s in S), [
@@ -139,6 +166,8 @@ REQUEST = Machine("approval request", (s.value for s in R), [
     Transition("time_out", (R.PENDING.value,), R.TIMED_OUT.value),
     Transition("auto_approve", (R.PENDING.value,), R.AUTO_APPROVED.value),
     Transition("cancel", (R.PENDING.value, R.APPROVED.value, R.AUTO_APPROVED.value), R.CANCELLED.value),
+    # A pending request cancelled because another request of its session timed out (the session halts).
+    Transition("withdraw", (R.PENDING.value,), R.CANCELLED.value),
     Transition("lapse", (R.APPROVED.value, R.AUTO_APPROVED.value), R.EXPIRED.value),
 ])
 

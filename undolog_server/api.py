@@ -216,6 +216,29 @@ class ActorIn(BaseModel):
     reason: str | None = Field(None, max_length=2000)
 
 
+class ResolveIn(BaseModel):
+    """A person's settlement of an effect whose outcome is unknown."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    resolved_as: Literal["committed", "compensated", "not_happened"] = Field(
+        alias="as", description="What the external system shows: the call happened and stands (committed), it is "
+        "undone (compensated), or it never happened (not_happened)")
+    reason: str = Field(min_length=1, max_length=2000, description="What the person checked (audited)")
+
+
+class ResolutionOut(_Out):
+    effect_id: str
+    session_id: str
+    tool_name: str
+    resolved_as: str
+    state: str = Field(description="The effect's state now")
+    undo_state: str | None = None
+    session_state: str = Field(description="The session's state: resolving does not resume it")
+    actor: str
+    reason: str
+    event_id: int = Field(description="The audit event recording the decision (effect.resolved)")
+
+
 class ToolRevision(_Out):
     revision: int
     tier: str
@@ -858,6 +881,35 @@ def revalidate_session(
     changes = revalidate(st.undolog, session_id, actor=key.identity)
     row = st.views.session_row(session_id) or {}
     return RevalidateOut.model_validate({**row, "changes": to_jsonable_python(changes, fallback=str)})
+
+
+@router.post(
+    "/effects/{effect_id}:resolve",
+    response_model=ResolutionOut,
+    tags=["sessions"],
+    summary="Settle an effect whose outcome is unknown (audited; the session stays halted)",
+    responses={404: {"description": "No such effect"}, 409: {"description": "The effect is not unknown"},
+               403: {"description": "The key created the session, or is outside the tool's approver groups"}},
+)
+def resolve_effect(
+    request: Request, body: ResolveIn, effect_id: str = _id(), key: ApiKey = Depends(APPROVER)
+) -> ResolutionOut:
+    """A person who checked the external system settles a call whose outcome is unknown (it finished after it was
+    taken over, or nothing could tell whether it happened): ``committed``, ``compensated`` or ``not_happened``.
+    Recorded as the audit event ``effect.resolved`` with who and why. The session is not resumed: resume it or
+    roll it back next. The key that created the session may not resolve its calls."""
+    st = _st(request)
+    session_id = st.undolog.store.session_of_effect(effect_id)
+    row = st.views.session_row(session_id) if session_id is not None else None
+    if row is None:
+        raise Problem(404, "effect_not_found", f"effect {effect_id!r} does not exist")
+    found = st.undolog.store.effect(effect_id)
+    if not Visibility(st, key, row).sees(found.tool_name, found.tool_revision):
+        raise Problem(403, "not_in_approver_group",
+                      f"tool {found.tool_name!r} is routed to approver groups this key is not in")
+    done = st.undolog.resolve_effect(effect_id, outcome=body.resolved_as, reason=body.reason, actor=key.identity,
+                                     principal=key.principal_ref)
+    return ResolutionOut.model_validate(done.to_dict())
 
 
 # ---------------------------------------------------------------------------------------- tools / audit

@@ -25,7 +25,7 @@ from fastapi.templating import Jinja2Templates
 from undolog_core import errors, limits
 
 from . import forms
-from .api import approval_detail, rollback_out, session_detail
+from .api import Visibility, approval_detail, rollback_out, session_detail
 from .auth import server_state
 from .guard import body_problem
 from .identity import ApiKey, key_id_of, owns
@@ -393,6 +393,8 @@ def _session_page(request: Request, key: ApiKey, session_id: str, *, report: Any
     return _render(request, "session.html", {
         "user": key, "s": session_detail(st, row, key), "report": report, "error": error,
         "can_admin": "admin" in key.roles, "creator": _creator(st, row.get("created_by")),
+        # Approvers and admins settle unknown effects, but not those of a session their own key created.
+        "can_resolve": _is_approver(key) and not owns(key, row.get("created_by")),
     }, status)
 
 
@@ -455,6 +457,40 @@ async def resume(request: Request, session_id: str) -> Response:
 
     try:
         _resume(st.undolog, session_id, actor=key.identity, reason=data.get("reason") or None)
+    except errors.UndoLogError as exc:
+        return _session_page(request, key, session_id, error=exc.message, status=409)
+    return RedirectResponse(f"/ui/sessions/{quote(session_id, safe='')}", status_code=303)
+
+
+# ---------------------------------------------------------------------------------------- effects
+
+
+@router.post("/ui/effects/{effect_id}/resolve")
+async def resolve(request: Request, effect_id: str) -> Response:
+    """Settle an ``unknown`` effect from its session's timeline (the API's ``/v1/effects/{id}:resolve``)."""
+    key = _user_or_redirect(request)
+    data = await _form(request)
+    st = server_state(request)
+    if not _is_approver(key):
+        return _forbidden(request, key, "Only approvers and admins resolve calls whose outcome is unknown.")
+    session_id = st.undolog.store.session_of_effect(effect_id)
+    if session_id is None or st.views.session_row(session_id) is None:
+        return _render(request, "error.html", {"user": key, "title": "Not found", "message": f"No effect {effect_id}."},
+                       404)
+    found = st.undolog.store.effect(effect_id)
+    if not Visibility(st, key, st.views.session_row(session_id) or {}).sees(found.tool_name, found.tool_revision):
+        return _forbidden(request, key, "This call's tool is routed to an approver group you are not in.")
+    outcome, reason = data.get("outcome", ""), data.get("reason", "").strip()
+    if outcome not in ("committed", "compensated", "not_happened"):
+        return _session_page(request, key, session_id, error="Pick what the external system shows.", status=422)
+    if not reason:
+        return _session_page(request, key, session_id, error="Say what you checked (a reason is required).",
+                             status=422)
+    try:
+        st.undolog.resolve_effect(effect_id, outcome=outcome, reason=reason, actor=key.identity,
+                                  principal=key.principal_ref)
+    except errors.SelfDecisionForbidden:
+        return _forbidden(request, key, "Your key created the session that made this call; someone else must resolve it.")
     except errors.UndoLogError as exc:
         return _session_page(request, key, session_id, error=exc.message, status=409)
     return RedirectResponse(f"/ui/sessions/{quote(session_id, safe='')}", status_code=303)

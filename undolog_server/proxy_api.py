@@ -30,8 +30,9 @@ router = APIRouter(prefix="/v1", tags=["proxy"], route_class=AuthFirstRoute)
         200: {"description": "The upstream's response (or the stored one for a replayed call)"},
         202: {"description": "IRREVERSIBLE call awaiting approval; retry with the same Idempotency-Key"},
         403: {"description": "Approval rejected or timed out"},
-        504: {"description": "An approved IRREVERSIBLE call lost the upstream's answer: outcome unknown (session "
-                    "halted), unless the probe says it happened (then 200, as a replay)"},
+        504: {"description": "A call lost the upstream's answer: outcome unknown (session halted; a COMPENSABLE "
+                    "call whose probe says 'not yet' is held in flight), unless the probe says it happened (then "
+                    "200, as a replay)"},
         409: {"description": "Session halted or closed"},
         422: {"description": "Arguments invalid for the tool's schema"},
         502: {"description": "The upstream failed"},
@@ -82,9 +83,12 @@ def invoke(
     proxy = st.proxy
     key_for_upstream = decision.idempotency_key or idempotency_key
 
-    # Which calls that lost their answer are settled in doubt (AnswerLost) rather than failed: an approved
-    # IRREVERSIBLE one always, a COMPENSABLE one whose probe can say it happened or hold it while it may still land.
-    in_doubt_settled = ptool.tier == "irreversible" or (ptool.tier == "compensable" and ptool.probe_url is not None)
+    # Which calls that lost their answer are settled in doubt (AnswerLost) rather than failed: every call that wrote
+    # something. Failed, a COMPENSABLE call was compensated at once (the session's rollback policy) while the
+    # request could still land upstream: the undo went out first, a no-op, and then the call landed and stood. Its
+    # probe, if it has one, says it happened, or holds it while it may still land; without one it is unknown and
+    # the session halted for a person (undolog effects resolve).
+    in_doubt_settled = ptool.tier in ("irreversible", "compensable")
 
     def upstream(call_args: dict[str, Any]) -> dict[str, Any]:
         # The wait for the upstream needs no slot of the desk's lane (a blocked socket: no database, no CPU), so
@@ -98,7 +102,7 @@ def invoke(
                                   epoch=decision.epoch if decision.idempotency_key else None)
             except OUTCOME_UNKNOWN_ERRORS as exc:
                 if not in_doubt_settled:
-                    raise  # a COMPENSABLE call without a probe: a failure, compensated per the session's policy
+                    raise  # (a SAFE call: nothing written, nothing to settle)
                 # Sent, answer lost: the upstream may still finish it (see AnswerLost).
                 raise AnswerLost(f"{tool}: {type(exc).__name__}") from exc
         if not resp.is_success:
@@ -157,7 +161,9 @@ def _in_doubt(request: Request, st: Any, session_id: str, tool: str, args: dict[
     return problem_response(
         request, 504, "outcome_unknown",
         f"{tool}: the upstream did not answer ({cause}); the call may have happened, or may still happen. It is "
-        "recorded 'unknown' and the session is halted until a person checks the upstream and resumes it",
+        "recorded 'unknown' (neither undone nor sent again) and the session is halted until a person checks the "
+        f"upstream, settles it (undolog effects resolve {decision.effect_id}, or the desk) and resumes or rolls "
+        "back the session",
         effect_id=decision.effect_id, session_state="halted",
     )
 

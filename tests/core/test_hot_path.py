@@ -248,8 +248,10 @@ def test_postgres_hot_statements_match_libpq_and_their_parameters() -> None:
                                      "args", "digest", "owner", "lease", "comp", "comp_version")
     assert pg._MARK.params == ("text", "now", "effect_id", "owner")  # fenced by the owner (issue 34)
     assert pg._END.params == ("state", "count", "now", "session_id", "allowed")
-    assert pg._MARK_MANY.params == ("results", "ats", "ids")
-    for stmt in (pg._PW_CHECKED, pg._PW_COUNTED, pg._MARK, pg._MARK_MANY, pg._START, pg._END):
+    assert pg._MARK_MANY.params == ("results", "ats", "ids", "owner")  # fenced as the one-call mark is
+    assert pg._END_MARKED.params == ("results", "ats", "ids", "owner", "state", "count", "now", "session_id",
+                                     "allowed", "n")
+    for stmt in (pg._PW_CHECKED, pg._PW_COUNTED, pg._MARK, pg._MARK_MANY, pg._START, pg._END, pg._END_MARKED):
         sql = stmt.sql.decode()
         assert "%(" not in sql and "%s" not in sql, sql
         assert {int(n) for n in re.findall(r"\$(\d+)", sql)} == set(range(1, len(stmt.params) + 1)), sql
@@ -392,18 +394,19 @@ def test_a_marks_batch_reads_its_own_rows_whatever_was_marked_before(db: Any) ->
         con.execute("UPDATE undolog_effect_log SET state = 'committed' WHERE effect_id LIKE 'old-%'")
         con.execute(
             "INSERT INTO undolog_effect_log (effect_id, session_id, call_id, tool_name, tool_revision, tier, state, "
-            "args_snapshot, args_digest, recovery_attempts, created_at, updated_at) "
-            "SELECT 'new-' || g, 'hp-bloat', 'new-' || g, 'hp_book', 1, 'compensable', 'pending', '{}', 'd', 0, "
+            "args_snapshot, args_digest, owner, recovery_attempts, created_at, updated_at) "
+            "SELECT 'new-' || g, 'hp-bloat', 'new-' || g, 'hp_book', 1, 'compensable', 'pending', '{}', 'd', 'me', 0, "
             "now(), now() FROM generate_series(1, 20) g")
-        sql = pg._PG_MARK_MANY.replace("%(results)s", "$1").replace("%(ats)s", "$2").replace("%(ids)s", "$3")
-        con.execute(f"PREPARE marks(text[], timestamptz[], text[]) AS {sql}")
+        sql = (pg._PG_MARK_MANY.replace("%(results)s", "$1").replace("%(ats)s", "$2").replace("%(ids)s", "$3")
+               .replace("%(owner)s", "$4"))
+        con.execute(f"PREPARE marks(text[], timestamptz[], text[], text) AS {sql}")
         for mode, batch in (("force_custom_plan", range(1, 11)), ("force_generic_plan", range(11, 21))):
             con.execute(f"SET plan_cache_mode = {mode}")
             ids = "{" + ",".join(f"new-{i}" for i in batch) + "}"
             results = "{" + ",".join('"{}"' for _ in batch) + "}"
             ats = "{" + ",".join('"2026-01-01T00:00:00+00:00"' for _ in batch) + "}"
             plan = "\n".join(r[0] for r in con.execute(
-                f"EXPLAIN (ANALYZE, BUFFERS, FORMAT TEXT) EXECUTE marks('{results}', '{ats}', '{ids}')"))
+                f"EXPLAIN (ANALYZE, BUFFERS, FORMAT TEXT) EXECUTE marks('{results}', '{ats}', '{ids}', 'me')"))
             assert "ix_undolog_effect_in_flight" not in plan, plan
             assert "undolog_effect_log_effect_id_key" in plan, plan
             hits = [int(h) for h in re.findall(r"shared hit=(\d+)", plan)]

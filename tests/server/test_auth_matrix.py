@@ -49,6 +49,21 @@ def halted_session(d: Desk) -> dict[str, str]:
     return {"session_id": sid}
 
 
+def unknown_effect(d: Desk) -> dict[str, str]:
+    """A call of an agent's session that finished after another process took it over: ``unknown``, to resolve."""
+    from undolog_core import errors
+    from undolog_core.storage import schema as t
+
+    s = d.session("agent")
+    e = t.effect_log
+    call = d.undolog.engine.intercept(s.id, "send_refund_email", {"user_id": "u1", "amount": 5.0}, call_id="late")
+    with d.undolog.store.tx() as c:
+        c.execute(e.update().where(e.c.effect_id == call.effect_id).values(owner="elsewhere|1|1|x"))
+    with pytest.raises(errors.OutcomeConflict):
+        d.undolog.engine.complete(call.effect_id, {"message_id": "m"})
+    return {"effect_id": str(call.effect_id), "session_id": s.id}
+
+
 def throwaway_key(d: Desk) -> dict[str, str]:
     key, _ = d.store.create_key("temp", ["agent"])
     return {"key_id": key.key_id}
@@ -123,6 +138,8 @@ MATRIX = [
     Row("POST", "/v1/sessions/{session_id}:rollback", frozenset({"agent", "admin"}), frozenset({200}), agent_session),
     Row("POST", "/v1/sessions/{session_id}:resume", ADMIN, frozenset({200}), halted_session, {}),
     Row("POST", "/v1/sessions/{session_id}:revalidate", ADMIN, frozenset({200}), agent_session, {}),
+    Row("POST", "/v1/effects/{effect_id}:resolve", DECIDERS, frozenset({200}), unknown_effect,
+        {"as": "committed", "reason": "checked the upstream"}),
     # No proxy is configured in this desk: an admitted agent gets 404 tool_not_proxied.
     Row("POST", "/v1/sessions/{session_id}/tools/{tool}:invoke", AGENT, frozenset({404}), agent_session, {},
         {"tool": "search_kb"}),
@@ -176,6 +193,7 @@ _MISSING = {
     "team_id": "T0NONE",
     "user_id": "U0NONE",
     "group": "no-such-group",
+    "effect_id": "no-such-effect",
 }
 
 

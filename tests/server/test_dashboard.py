@@ -339,3 +339,53 @@ def test_the_revalidate_button_lets_a_session_call_a_changed_tool(desk: Desk) ->
     u.driver.decide(s.id, "lookup_order", {"q": "a"})  # pinned to the new contract now
     approver = _login(desk, "approver")
     assert 'id="revalidate"' not in approver.get(f"/ui/sessions/{s.id}").text  # admins only
+
+
+def _late_finish(desk: Desk, owner: str = "agent") -> tuple[str, str]:
+    """A call of a new session that finished after another process had taken it over (recovery's claim: a new
+    owner, one epoch more): recorded as a late finish, the effect unknown, the session halted."""
+
+    from undolog_core.storage import schema as t
+
+    s = desk.session(owner)
+    d = desk.undolog.engine.intercept(s.id, "send_refund_email", {"user_id": "u9", "amount": 5.0}, call_id="late")
+    e = t.effect_log
+    with desk.undolog.store.tx() as c:
+        c.execute(e.update().where(e.c.effect_id == d.effect_id).values(owner="elsewhere|1|1|x", epoch=e.c.epoch + 1))
+    with pytest.raises(errors.OutcomeConflict):
+        desk.undolog.engine.complete(d.effect_id, {"message_id": "m"})
+    return str(d.effect_id), s.id
+
+
+@pytest.mark.storage
+def test_the_resolve_button_settles_a_late_finish_and_leaves_the_session_halted(desk: Desk) -> None:
+    eid, sid = _late_finish(desk)
+    c = _login(desk, "approver")
+    page = c.get(f"/ui/sessions/{sid}").text
+    assert "late finish" in page and f'action="/ui/effects/{eid}/resolve"' in page
+    path = f"/ui/effects/{eid}/resolve"
+    assert c.post(path, data={"outcome": "committed", "reason": "x"}).status_code == 403  # no CSRF token
+    token = _csrf(page)
+    assert c.post(path, data={"outcome": "perhaps", "reason": "x", "csrf_token": token}).status_code == 422
+    assert c.post(path, data={"outcome": "committed", "reason": " ", "csrf_token": token}).status_code == 422
+    done = c.post(path, data={"outcome": "committed", "reason": "the refund is sent", "csrf_token": token})
+    assert done.status_code == 303 and done.headers["location"] == f"/ui/sessions/{sid}"
+    [effect] = desk.undolog.sessions.effects(sid)
+    assert effect["state"] == "committed"
+    assert desk.undolog.sessions.get(sid).state == "halted"  # resolving does not resume
+    after = c.get(f"/ui/sessions/{sid}").text
+    assert f'action="/ui/effects/{eid}/resolve"' not in after  # settled: no button any more
+    again = c.post(path, data={"outcome": "compensated", "reason": "y", "csrf_token": _csrf(after)})
+    assert again.status_code == 409 and "not unknown" in html.unescape(again.text)
+
+
+@pytest.mark.storage
+def test_the_resolve_button_is_refused_to_the_sessions_own_key(desk: Desk) -> None:
+    desk.add_key("both", ["agent", "approver"])
+    eid, sid = _late_finish(desk, owner="both")
+    c = _login(desk, "both")
+    page = c.get(f"/ui/sessions/{sid}").text
+    assert "late finish" in page and "/resolve" not in page  # no button for the session's own key
+    r = c.post(f"/ui/effects/{eid}/resolve", data={"outcome": "committed", "reason": "mine", "csrf_token": _csrf(page)})
+    assert r.status_code == 403
+    assert desk.undolog.sessions.effects(sid)[0]["state"] == "unknown"

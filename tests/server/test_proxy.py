@@ -286,6 +286,12 @@ url = "{self.url}/refund"
 compensation_url = "{self.url}/refund/cancel"
 probe_url = "{self.url}/refund/status"
 timeout = 2.0
+
+[tools.refund_blind]
+tier = "compensable"
+url = "{self.url}/refund"
+compensation_url = "{self.url}/refund/cancel"
+timeout = 2.0
 """
 
 
@@ -352,6 +358,57 @@ def test_a_read_timeout_never_settles_a_compensable_call_while_it_may_still_land
         assert [r["outcome"] for r in report.reconciled] == ["committed"], report
         [settled] = d.undolog.sessions.effects(sid)
         assert settled["state"] == "committed" and slow.cancels == [] and len(slow.refunded) == 1
+    finally:
+        slow.stop()
+        d.close()
+        d.undolog.close()
+
+
+@pytest.mark.storage
+def test_a_read_timeout_never_compensates_a_compensable_call_without_a_probe_before_it_lands(db: Any,
+                                                                                           tmp_path: Path) -> None:
+    """A COMPENSABLE call without a probe loses its answer to the proxy's read timeout while the upstream still
+    works on it. Before: a plain failure, so the session's policy rolled it back at once: the cancel went out for a
+    refund not made yet (a no-op), then the refund landed and stood while the log said compensated. Now it is held
+    unknown (nothing undone, nothing sent again), the session halted and the caller told; a person who checked the
+    upstream resolves it (``/v1/effects/{id}:resolve``, audited), and the session stays halted until resumed."""
+    slow = _SlowUpstream()
+    cfg = tmp_path / "tools.toml"
+    cfg.write_text(slow.config())
+    d = make_desk(db, proxy_config=str(cfg))
+    try:
+        sid = new_session(d)
+        lost = invoke(d, sid, "refund_blind", {"order_id": "o-b", "amount": 5}, key="refund-blind")
+        body = problem(lost, 504, "outcome_unknown")
+        assert body["session_state"] == "halted" and "effects resolve" in body["detail"], body
+        [effect] = d.undolog.sessions.effects(sid)
+        assert effect["state"] == "unknown", effect
+        assert slow.cancels == []  # nothing undone while the request may still land
+        slow.release.set()  # the upstream finishes the original request
+        assert slow.acted.wait(10)
+        problem(invoke(d, sid, "refund_blind", {"order_id": "o-b", "amount": 5}, key="refund-blind"), 409)
+        assert slow.refunded == [f"do-{effect['effect_id']}"] and slow.cancels == []
+        eid = effect["effect_id"]
+        # A person checked the upstream: the refund is there.
+        bad = d.client("approver").post(f"/v1/effects/{eid}:resolve", json={"as": "maybe", "reason": "x"})
+        assert bad.status_code == 422, bad.text
+        problem(d.client("agent").post(f"/v1/effects/{eid}:resolve", json={"as": "committed", "reason": "x"}), 403)
+        problem(d.client("approver").post("/v1/effects/nope:resolve", json={"as": "committed", "reason": "x"}), 404,
+                "effect_not_found")
+        done = d.client("approver").post(f"/v1/effects/{eid}:resolve",
+                                         json={"as": "committed", "reason": "refund o-b is in the ledger"})
+        assert done.status_code == 200, done.text
+        out = done.json()
+        assert out["state"] == "committed" and out["session_state"] == "halted" and out["undo_state"] == "armed"
+        assert d.client("admin").get(f"/v1/sessions/{sid}").json()["state"] == "halted"  # not resumed
+        # Resolved once: a second decision is refused (it is not unknown any more).
+        problem(d.client("approver").post(f"/v1/effects/{eid}:resolve", json={"as": "compensated", "reason": "y"}),
+                409, "invalid_effect_state")
+        # Committed and its undo armed: the person's rollback undoes the refund once, now that it has landed.
+        rb = d.client("admin").post(f"/v1/sessions/{sid}:rollback")
+        assert rb.status_code == 200 and rb.json()["complete"], rb.text
+        assert slow.cancels == [f"undo-{effect['undo_id']}"]
+        assert d.undolog.verify_audit().ok
     finally:
         slow.stop()
         d.close()

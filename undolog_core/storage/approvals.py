@@ -15,6 +15,7 @@ from sqlalchemy.engine import Connection
 from .._json import canonical_json, sha256_hex
 from ..errors import ApprovalAlreadyDecided, ApprovalNotFound, UndoLogError
 from ..limits import PREVIEW_CHARS, TRUNCATED
+from ..states import EFFECT, REQUEST, SESSION
 from . import schema as t
 from .audit import PendingEvent
 from .base import Store
@@ -68,8 +69,8 @@ _SLOT_AND_DUE = sa.text(
 ).bindparams(sa.bindparam("now", type_=t.approval_requests.c.timeout_at.type))
 #: What a person may decide, and the audit action each one is recorded as.
 DECISIONS = tuple(d.value for d in DecisionKind)
-#: An effect that has not run (or was handed back without running): a cancelled request cancels it.
-_CANCELLABLE_EFFECT = (EffectState.AWAITING_APPROVAL, EffectState.APPROVED, EffectState.RELEASED)
+# An effect that has not run (or was handed back without running) is cancelled with its request: the state
+# table's ``cancel`` (``states.EFFECT``).
 
 
 _BLOBS = ("proposed_args", "approved_args", "agent_context")
@@ -81,6 +82,11 @@ _BLOBS = ("proposed_args", "approved_args", "agent_context")
 #: plan read the whole table and sorted it (a test EXPLAINs the generic plan). Unqualified: every statement using it
 #: reads the requests table alone.
 _DUE = sa.text(t.DUE_PREDICATE)
+
+
+def _still_in(transition: str) -> Any:
+    """:func:`_still` for the sources of a transition of the state table (``states.REQUEST``)."""
+    return REQUEST.guard(transition, t.approval_requests.c.state.concat(""))
 
 
 def _still(state: RequestState) -> Any:
@@ -294,7 +300,9 @@ class ApprovalsSQL(Store):
             if req.state != RequestState.PENDING:
                 raise ApprovalAlreadyDecided(approval_request_id, req.state)
             payload: dict[str, Any] = {"reason": reason}
-            pending = (r.c.approval_request_id == approval_request_id, r.c.state == RequestState.PENDING)
+            # Each statement's guard is the state table's (``states.REQUEST`` / ``states.EFFECT``), by decision.
+            moves = {"approve": "approve", "modify": "approve", "respond": "respond", "reject": "reject"}[action]
+            pending = (r.c.approval_request_id == approval_request_id, REQUEST.guard(moves, r.c.state))
             if action in ("approve", "modify"):
                 approved = req.proposed_args if action == "approve" else dict(approved_args or {})
                 if action == "modify":
@@ -308,7 +316,7 @@ class ApprovalsSQL(Store):
                     )
                 )
                 conn.execute(
-                    e.update().where(e.c.effect_id == req.effect_id, e.c.state == EffectState.AWAITING_APPROVAL)
+                    e.update().where(e.c.effect_id == req.effect_id, EFFECT.guard("approve", e.c.state))
                     .values(state=EffectState.APPROVED, updated_at=now)
                 )
                 decided = RequestState.APPROVED
@@ -322,7 +330,7 @@ class ApprovalsSQL(Store):
                 # The tool never runs: its effect ends cancelled, with the person's answer as its result (what a
                 # re-issued call replays).
                 conn.execute(
-                    e.update().where(e.c.effect_id == req.effect_id, e.c.state == EffectState.AWAITING_APPROVAL)
+                    e.update().where(e.c.effect_id == req.effect_id, EFFECT.guard("respond", e.c.state))
                     .values(state=EffectState.CANCELLED, result_snapshot=response,
                             error=f"answered by {approver} in the tool's place; the tool did not run", updated_at=now)
                 )
@@ -334,7 +342,7 @@ class ApprovalsSQL(Store):
                     )
                 )
                 conn.execute(
-                    e.update().where(e.c.effect_id == req.effect_id)
+                    e.update().where(e.c.effect_id == req.effect_id, EFFECT.guard("reject", e.c.state))
                     .values(state=EffectState.REJECTED, error=f"rejected by {approver}: {reason}", updated_at=now)
                 )
                 decided = RequestState.REJECTED
@@ -437,7 +445,7 @@ class ApprovalsSQL(Store):
             if policy.auto_approve_on_timeout:
                 conn.execute(
                     r.update().where(r.c.approval_request_id == sa.bindparam("rid"),
-                                     r.c.state == RequestState.PENDING)
+                                     REQUEST.guard("auto_approve", r.c.state))
                     .values(state=RequestState.AUTO_APPROVED, approved_args=sa.bindparam("args"),
                             approved_digest=sa.bindparam("digest"), decided_at=now,
                             decided_by="undolog:timeout-policy",
@@ -448,7 +456,7 @@ class ApprovalsSQL(Store):
                 )
                 conn.execute(
                     e.update().where(self.one_of(e.c.effect_id, [x.effect_id for x in due]),
-                                     e.c.state == EffectState.AWAITING_APPROVAL)
+                                     EFFECT.guard("approve", e.c.state))
                     .values(state=EffectState.APPROVED, updated_at=now)
                 )
                 for x in due:
@@ -464,8 +472,8 @@ class ApprovalsSQL(Store):
                 still = sa.select(r.c.approval_request_id).where(r.c.session_id == s.c.session_id,
                                                                  _still(RequestState.PENDING))
                 woke = conn.execute(
-                    s.update().where(self.one_of(s.c.session_id, sessions), s.c.state == SessionState.AWAITING_APPROVAL,
-                                     ~sa.exists(still))
+                    s.update().where(self.one_of(s.c.session_id, sessions),
+                                     SESSION.guard("approval_settled", s.c.state), ~sa.exists(still))
                     .values(state=SessionState.ACTIVE, updated_at=now).returning(s.c.session_id)
                 ).scalars().all()
                 auto = [ExpiredRequest(x.approval_request_id, x.effect_id, x.session_id, x.tool_name,
@@ -479,12 +487,13 @@ class ApprovalsSQL(Store):
             timed_out = list(cause.values())
             conn.execute(
                 r.update().where(self.one_of(r.c.approval_request_id, [x.approval_request_id for x in timed_out]),
-                                 _still(RequestState.PENDING))
+                                 _still_in("time_out"))
                 .values(state=RequestState.TIMED_OUT, decided_at=now, decided_by="undolog:timeout",
                         decision_reason="no decision before timeout_at")
             )
             conn.execute(
-                e.update().where(self.one_of(e.c.effect_id, [x.effect_id for x in timed_out]))
+                e.update().where(self.one_of(e.c.effect_id, [x.effect_id for x in timed_out]),
+                                 EFFECT.guard("time_out", e.c.state))
                 .values(state=EffectState.TIMED_OUT, error="approval timed out", updated_at=now)
             )
             why = {x.session_id: f"approval {x.approval_request_id} ({x.tool_name}) timed out without a decision"
@@ -512,18 +521,17 @@ class ApprovalsSQL(Store):
             if cancelled:
                 conn.execute(
                     r.update().where(self.one_of(r.c.approval_request_id, [c[0] for c in cancelled]),
-                                     _still(RequestState.PENDING))
+                                     _still_in("withdraw"))
                     .values(state=RequestState.CANCELLED, decided_at=now, decided_by="undolog",
                             decision_reason=reason_of(r.c.session_id))
                 )
                 conn.execute(
                     e.update().where(self.one_of(e.c.effect_id, [c[2] for c in cancelled]),
-                                     e.c.state.in_([x.value for x in _CANCELLABLE_EFFECT]))
+                                     EFFECT.guard("cancel", e.c.state))
                     .values(state=EffectState.CANCELLED, error=reason_of(e.c.session_id), updated_at=now)
                 )
             conn.execute(
-                s.update().where(self.one_of(s.c.session_id, list(why)),
-                                 s.c.state.notin_((SessionState.ROLLED_BACK.value, SessionState.COMPLETED.value)))
+                s.update().where(self.one_of(s.c.session_id, list(why)), SESSION.guard("halt", s.c.state))
                 .values(state=SessionState.HALTED.value, halted_reason=reason_of(s.c.session_id), updated_at=now)
             )
             by_session: dict[str, builtins.list[tuple[str, str, str]]] = {}
@@ -596,7 +604,7 @@ class ApprovalsSQL(Store):
             # Still conditional on the effect (both rows are locked on PostgreSQL; SQLite has one writer).
             moved = set(conn.execute(
                 e.update().where(self.one_of(e.c.effect_id, [x.effect_id for x in due]),
-                                 e.c.state == EffectState.APPROVED.value)
+                                 EFFECT.guard("lapse", e.c.state))
                 .values(state=EffectState.EXPIRED.value, call_id=sa.literal("expired:") + e.c.effect_id,
                         error=error, updated_at=now)
                 .returning(e.c.effect_id)
@@ -605,7 +613,7 @@ class ApprovalsSQL(Store):
             if not lapsed:
                 return [], []
             ids = [x.approval_request_id for x in lapsed]
-            conn.execute(r.update().where(self.one_of(r.c.approval_request_id, ids))
+            conn.execute(r.update().where(self.one_of(r.c.approval_request_id, ids), REQUEST.guard("lapse", r.c.state))
                          .values(state=RequestState.EXPIRED.value))
             events = []
             for x in lapsed:
@@ -699,7 +707,7 @@ class ApprovalsSQL(Store):
         r = t.approval_requests
         res = conn.execute(
             r.update()
-            .where(r.c.approval_request_id == request_id, r.c.state.in_([s.value for s in t.OPEN_REQUEST_STATES]))
+            .where(r.c.approval_request_id == request_id, REQUEST.guard("cancel", r.c.state))
             .values(state=RequestState.CANCELLED, decided_at=now, decided_by="undolog", decision_reason=why)
         )
         if res.rowcount == 0:
@@ -708,8 +716,7 @@ class ApprovalsSQL(Store):
         # its re-issue must not run it in a session that has stopped.
         conn.execute(
             t.effect_log.update()
-            .where(t.effect_log.c.effect_id == effect_id,
-                   t.effect_log.c.state.in_([s.value for s in _CANCELLABLE_EFFECT]))
+            .where(t.effect_log.c.effect_id == effect_id, EFFECT.guard("cancel", t.effect_log.c.state))
             .values(state=EffectState.CANCELLED, error=why, updated_at=now)
         )
         self.append_event_in(

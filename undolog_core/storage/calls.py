@@ -14,8 +14,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
-from ..errors import InvalidEffectState
-from ..states import EFFECT, SESSION
+from ..errors import EffectNotFound, InvalidEffectState
+from ..states import EFFECT, SESSION, UNDO
 from . import schema as t
 from .audit import AuditSQL, OutboxItem
 from .base import Store, utcnow
@@ -57,6 +57,35 @@ class LateFinish:
     session_id: str
     tool_name: str
     state_before: str
+
+
+#: What a person may resolve an ``unknown`` effect as (``undolog effects resolve --as``), and the transition of
+#: the state table (``states.EFFECT``) each one is.
+RESOLUTIONS = {"committed": "resolve_committed", "compensated": "resolve_compensated",
+               "not_happened": "resolve_not_happened"}
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """A person's settlement of an ``unknown`` effect (``UndoLog.resolve_effect``), as recorded.
+
+    ``event_id``: its audit event (``effect.resolved``). The session is not resumed by it: ``session_state`` is
+    the state it is in (usually ``halted``), for the person to resume or roll back next.
+    """
+
+    effect_id: str
+    session_id: str
+    tool_name: str
+    resolved_as: str
+    state: str
+    undo_state: str | None
+    session_state: str
+    actor: str
+    reason: str
+    event_id: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
 
 
 class FailedRow(NamedTuple):
@@ -138,13 +167,13 @@ class CallsSQL(Store):
             sa.select(sa.func.count()).select_from(r)
             .where(r.c.session_id == session_id, r.c.state == RequestState.PENDING.value)
         ).scalar_one()
-        target, source = ((SessionState.AWAITING_APPROVAL, SessionState.ACTIVE) if pending
-                          else (SessionState.ACTIVE, SessionState.AWAITING_APPROVAL))
+        move = "await_approval" if pending else "approval_settled"
+        target = SESSION.target(move)
         res = conn.execute(
-            _S.update().where(_S.c.session_id == session_id, _S.c.state == source.value)
-            .values(state=target.value, updated_at=now)
+            _S.update().where(_S.c.session_id == session_id, SESSION.guard(move, _S.c.state))
+            .values(state=target, updated_at=now)
         )
-        return target.value if res.rowcount else None
+        return target if res.rowcount else None
 
     # -- effects: the general pre-write, re-issues, claims ----------------------------------------------
 
@@ -206,8 +235,12 @@ class CallsSQL(Store):
                         lease_until: dt.datetime, now: dt.datetime) -> int:
         """Compare-and-swap an effect into flight (an approved call claimed to run, a released call re-claimed);
         its new ownership epoch (the fencing token, one more than before), or 0 when another caller won."""
+        # The claim is the state table's: an approved call claimed to run, a released one claimed back.
+        move = {(EffectState.APPROVED.value, EffectState.RUNNING.value): "claim_run",
+                (EffectState.RELEASED.value, EffectState.PENDING.value): "reclaim",
+                (EffectState.RELEASED.value, EffectState.RUNNING.value): "reclaim_approved"}[(from_state, to_state)]
         epoch = conn.execute(
-            _E.update().where(_E.c.effect_id == effect_id, _E.c.state == from_state)
+            _E.update().where(_E.c.effect_id == effect_id, _E.c.state == from_state, EFFECT.guard(move, _E.c.state))
             .values(state=to_state, owner=owner, lease_until=lease_until, updated_at=now, epoch=_E.c.epoch + 1)
             .returning(_E.c.epoch)
         ).scalar()
@@ -227,9 +260,9 @@ class CallsSQL(Store):
         with self.tx() as conn:
             state = self.effect_state_in(conn, effect_id)
             if state in IN_FLIGHT:
-                conn.execute(_E.update().where(_E.c.effect_id == effect_id).values(
-                    state=EffectState.RELEASED.value, released_from=state, owner=None, lease_until=None,
-                    updated_at=now))
+                conn.execute(_E.update().where(_E.c.effect_id == effect_id, EFFECT.guard("release", _E.c.state))
+                             .values(state=EffectState.RELEASED.value, released_from=state, owner=None,
+                                     lease_until=None, updated_at=now))
             return state
 
     # -- IRREVERSIBLE --------------------------------------------------------------------------------
@@ -312,7 +345,7 @@ class CallsSQL(Store):
         request_id = record["approval_request_id"]
         conn.execute(t.approval_requests.insert(), dict(record))
         conn.execute(
-            _S.update().where(_S.c.session_id == record["session_id"], _S.c.state == SessionState.ACTIVE.value)
+            _S.update().where(_S.c.session_id == record["session_id"], SESSION.guard("await_approval", _S.c.state))
             .values(state=SessionState.AWAITING_APPROVAL.value, updated_at=now)
         )
         self.append_event_in(conn, subject=f"approval:{request_id}", approval_request_id=request_id,
@@ -363,13 +396,66 @@ class CallsSQL(Store):
                       "a person decides",
                 updated_at=now))
             self.halt_in(conn, row.session_id, f"{row.tool_name} ({effect_id}) {what}: its side effect happened "
-                                               "after its compensation; check the tool, then resume or roll back", now)
+                                               "after its compensation; check the tool, settle it (undolog effects "
+                                               f"resolve {effect_id}), then resume or roll back", now)
             self.append_event_in(conn, subject=f"effect:{effect_id}", action="effect.finished_late",
                                  actor="undolog", now=now,
                                  payload={"effect_id": effect_id, "session_id": row.session_id,
                                           "tool_name": row.tool_name, "what": what, "state_before": before,
                                           "result": result})
         return LateFinish(str(row.session_id), str(row.tool_name), before)
+
+    def resolve_effect(self, effect_id: str, resolved_as: str, *, actor: str, reason: str,
+                       principal: str | None, now: dt.datetime) -> Resolution:
+        """A person settles an ``unknown`` effect, in one transaction: the effect moves (``RESOLUTIONS``), its undo
+        entry follows (``compensated``: no rollback runs it again; ``not_happened``: an armed entry is dropped, as
+        when recovery's probe says a call did not happen; ``committed``: left as it is, so an armed entry is still
+        compensated by a rollback and one that already ran is not run again), and the immutable audit event
+        ``effect.resolved`` records who, why and what it was before. The session is left as it is (not resumed).
+
+        Raises:
+            EffectNotFound: no such effect.
+            InvalidEffectState: it is not ``unknown`` (nothing was written).
+        """
+        e, u = _E, t.undo_stack
+        transition = RESOLUTIONS[resolved_as]
+        with self.tx(urgent=True) as conn:
+            row = conn.execute(self.for_update(
+                sa.select(_E.c.state, _E.c.session_id, _E.c.tool_name, _E.c.tier, _E.c.error)
+                .where(_E.c.effect_id == effect_id))).first()
+            if row is None:
+                raise EffectNotFound(effect_id)
+            if row.state not in EFFECT.sources(transition):
+                raise InvalidEffectState(
+                    f"effect {effect_id} is {row.state}, not unknown: only a call whose outcome is unknown is resolved "
+                    "by a person (see it with 'undolog sessions show SESSION')", effect_id=effect_id)
+            values: dict[str, Any] = {"state": EFFECT.target(transition), "owner": None, "lease_until": None,
+                                      "updated_at": now}
+            if resolved_as == "not_happened":
+                values["error"] = f"resolved by {actor}: it did not happen ({reason})"
+            res = conn.execute(e.update().where(e.c.effect_id == effect_id, EFFECT.guard(transition, e.c.state))
+                               .values(**values))
+            if res.rowcount != 1:  # (the row is locked: only a store without row locks could get here)
+                raise InvalidEffectState(f"effect {effect_id} changed while it was being resolved; look again",
+                                         effect_id=effect_id)
+            if resolved_as == "compensated":
+                conn.execute(u.update().where(u.c.effect_id == effect_id,
+                                              UNDO.guard("resolve_compensated", u.c.state))
+                             .values(state=UndoState.COMPENSATED.value, owner=None, lease_until=None,
+                                     updated_at=now))
+            elif resolved_as == "not_happened":
+                conn.execute(u.delete().where(u.c.effect_id == effect_id, u.c.state == UndoState.ARMED.value))
+            undo_state = conn.execute(sa.select(u.c.state).where(u.c.effect_id == effect_id)).scalar()
+            session_state = conn.execute(sa.select(_S.c.state).where(_S.c.session_id == row.session_id)).scalar()
+            event_id = self.append_event_in(
+                conn, subject=f"effect:{effect_id}", action="effect.resolved", actor=actor, now=now,
+                payload={"effect_id": effect_id, "session_id": row.session_id, "tool_name": row.tool_name,
+                         "resolved_as": resolved_as, "reason": reason, "state_before": row.state,
+                         "error_before": row.error, "state": values["state"], "undo_state": undo_state,
+                         "principal": principal})
+        return Resolution(effect_id, str(row.session_id), str(row.tool_name), resolved_as, str(values["state"]),
+                          None if undo_state is None else str(undo_state), str(session_state), actor, reason,
+                          int(event_id))
 
     def put_undo_args(self, effect_id: str, args: Any) -> bool:
         """Replace the stored arguments of an effect's armed undo entry (what its compensation is given): a gateway

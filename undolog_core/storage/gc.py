@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from ..states import SESSION
 from . import schema as t
 from .audit import PendingEvent
 from .base import Store
@@ -101,7 +102,7 @@ class GcSQL(Store):
             batch.closed = [x.session_id for x in rows if x.state == SessionState.ACTIVE.value]
             if batch.closed:
                 conn.execute(s.update().where(self.one_of(s.c.session_id, batch.closed),
-                                              s.c.state == SessionState.ACTIVE.value)
+                                              SESSION.guard("complete", s.c.state))
                              .values(state=SessionState.COMPLETED.value, updated_at=now))
             effects = conn.execute(
                 sa.select(e).where(self.one_of(e.c.session_id, batch.sessions),

@@ -42,6 +42,29 @@ class SessionRow(NamedTuple):
     on_failure: str
 
 
+class Ended:
+    """What :meth:`HotPath.end_session` did: ``moved`` (the session changed state; the object's truth) and
+    ``marked``, how many of the deferred marks it was given landed.
+
+    Example:
+        >>> done = hot.end_session(sid, 0, "completed", ["active"], time.time(), marks)
+        >>> bool(done), done.marked == len(marks)
+        (True, True)
+    """
+
+    __slots__ = ("marked", "moved")
+
+    def __init__(self, moved: bool, marked: int = 0) -> None:
+        self.moved = moved
+        self.marked = marked
+
+    def __bool__(self) -> bool:
+        return self.moved
+
+    def __repr__(self) -> str:
+        return f"Ended(moved={self.moved}, marked={self.marked})"
+
+
 class HotStore(Protocol):
     """What the hot path uses of its store: the two engines its pools draw from, and SQLite's writer lock."""
 
@@ -87,8 +110,8 @@ class HotPath(abc.ABC):
         """The commit mark's statement on ``conn``."""
 
     @abc.abstractmethod
-    def _mark_many(self, conn: Any, marks: list[tuple[str, str, float]]) -> None:
-        """Many commit marks in one transaction on ``conn``."""
+    def _mark_many(self, conn: Any, marks: list[tuple[str, str, float]]) -> int:
+        """Many commit marks in one transaction on ``conn``, each fenced by :attr:`owner`; how many landed."""
 
     def prewrite(
         self,
@@ -143,10 +166,10 @@ class HotPath(abc.ABC):
     #: its first logged call's pre-write.
     starts_with_prewrite = False
 
-    #: The owner a commit mark of :meth:`mark` requires of the effect (the engine's ``leases.owner``): a call
-    #: taken over by another process meanwhile (recovery claimed it: its owner changed) is not marked committed
-    #: behind that process's back; the engine records the late finish instead (``OutcomeConflict``). The
-    #: deferred marks (:meth:`mark_many`, ``end_session``) are not fenced.
+    #: The owner a commit mark requires of the effect (the engine's ``leases.owner``): a call taken over by another
+    #: process meanwhile (recovery claimed it: its owner changed) is not marked committed behind that process's
+    #: back; the engine records the late finish instead (``OutcomeConflict``). The deferred marks
+    #: (:meth:`mark_many`, :meth:`end_session`) are fenced the same way, and say how many landed.
     owner = ""
 
     def mark(self, effect_id: str, text: str, now: float, *, fast: bool, wait: bool = True) -> bool:
@@ -216,19 +239,21 @@ class HotPath(abc.ABC):
     ends_with_marks = False
 
     def end_session(self, session_id: str, count: int, state: str, allowed: Sequence[str], now: float,
-                    marks: Sequence[tuple[str, str, float]] = ()) -> bool | None:
+                    marks: Sequence[tuple[str, str, float]] = ()) -> Ended | None:
         """Move the session to ``state`` from one of ``allowed`` and add ``count`` calls, in one durable statement:
-        True when done, False when the session was in no state of ``allowed`` (nothing of the session written),
-        None when the database has no such statement here (the caller takes the general path). ``marks``: deferred
-        commit marks (``(effect_id, result text, epoch seconds)``) written by the same statement, whether or not
-        the session moves (only where ``ends_with_marks``)."""
+        an :class:`Ended` (true when done; false when the session was in no state of ``allowed``, nothing of the
+        session written), None when the database has no such statement here (the caller takes the general path).
+        ``marks``: deferred commit marks (``(effect_id, result text, epoch seconds)``, fenced by :attr:`owner`)
+        written by the same statement whether or not the session moves (only where ``ends_with_marks``); the session
+        moves only if every one of them landed (a mark that did not is a late finish, which halts it)."""
         return None
 
-    def mark_many(self, marks: list[tuple[str, str, float]]) -> None:
+    def mark_many(self, marks: list[tuple[str, str, float]]) -> int:
         """Deferred commit marks (fast mode, or marks a dropped connection held back), in one transaction that is
-        not fsynced."""
+        not fsynced, each fenced by :attr:`owner` as :meth:`mark` is; how many landed (fewer than given: some call
+        was taken over meanwhile, or already settled, and the engine looks at which)."""
         with self.fast.connection("the deferred commit marks") as conn:
-            self._mark_many(conn, marks)
+            return self._mark_many(conn, marks)
 
     def close(self) -> None:
         self.durable.close()

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from ..states import EFFECT
-from .hotpath import _EFFECT_COLS, _UNDO_COLS, _WRITABLE, HotPath, SessionRow
+from .hotpath import _EFFECT_COLS, _UNDO_COLS, _WRITABLE, Ended, HotPath, SessionRow
 
 # The effect and its undo entry, inserted for the session row that CTE ``g`` returned (none: nothing written).
 _EFFECT_AND_UNDO_FROM_G = f"""  INSERT INTO undolog_effect_log ({_EFFECT_COLS})
@@ -78,6 +78,9 @@ _PG_MARK_MANY = (
     "lease_until = NULL, updated_at = m.at "
     "FROM unnest(%(results)s::text[], %(ats)s::timestamptz[], %(ids)s::text[]) AS m(result, at, effect_id) "
     "WHERE e.effect_id = m.effect_id AND " + EFFECT.where("commit", column="(e.state || '')")
+    # Fenced by the calls' owner (``HotPath.owner``) as the one-call mark is: a deferred mark of a call another
+    # process took over meanwhile does not land (the engine records the late finish).
+    + " AND e.owner = %(owner)s"
 )
 # Fenced by the call's owner (``HotPath.owner``): never over a call another process took over.
 _PG_MARK = (
@@ -108,8 +111,13 @@ _PG_END_SESSION = (
 # Fast mode's session end: the queued commit marks and the state change as one durable statement, one commit,
 # where a marks batch (a statement and its commit of its own) came first. A data-modifying CTE runs to completion
 # whether or not the outer statement reads it, so the marks are written even when the session is in no allowed
-# state; the statement's row count is the session's update alone.
-_PG_END_SESSION_MARKED = f"WITH m AS ({_PG_MARK_MANY}) {_PG_END_SESSION}"
+# state. The session moves only if every mark landed (a mark fenced off is a late finish, which halts the session:
+# it must not be completed first); the one row answers how many marks landed and whether the session moved.
+_PG_END_SESSION_MARKED = (
+    f"WITH m AS ({_PG_MARK_MANY} RETURNING 1), s AS ({_PG_END_SESSION} "
+    "AND (SELECT count(*) FROM m) = %(n)s RETURNING 1) "
+    "SELECT (SELECT count(*) FROM m), (SELECT count(*) FROM s)"
+)
 
 
 _seconds: dict[int, str] = {}
@@ -273,33 +281,34 @@ def pg_start_session(conn: Any, values: dict[str, Any]) -> Any:
 
 
 def pg_end_session(conn: Any, session_id: str, count: int, state: str, allowed: Sequence[str], now: float,
-                   marks: Sequence[tuple[str, str, float]] = ()) -> bool:
+                   marks: Sequence[tuple[str, str, float]] = (), owner: str = "") -> Ended:
     """The session moved to ``state`` from one of ``allowed`` with ``count`` calls added, one statement on ``conn``;
-    with ``marks`` (``(effect_id, result text, epoch seconds)``, as :func:`pg_mark_many` takes them) those commit
-    marks are written by the same statement (whether or not the session moves)."""
+    with ``marks`` (``(effect_id, result text, epoch seconds)``, as :func:`pg_mark_many` takes them, fenced by
+    ``owner``) those commit marks are written by the same statement, and the session moves only if all landed."""
     values = {"state": state.encode(), "count": str(count).encode(), "now": _stamp(now),
               "session_id": session_id.encode(), "allowed": _array(allowed)}
-    stmt = _END
-    if marks:
-        stmt = _END_MARKED
-        values.update(_mark_arrays(marks))
-    res = run_prepared(conn, stmt, [values[k] for k in stmt.params])
-    return bool(res.command_tuples == 1)
+    if not marks:
+        res = run_prepared(conn, _END, [values[k] for k in _END.params])
+        return Ended(res.command_tuples == 1)
+    values.update(_mark_arrays(marks, owner))
+    values["n"] = str(len(marks)).encode()
+    res = run_prepared(conn, _END_MARKED, [values[k] for k in _END_MARKED.params])
+    return Ended(int(res.get_value(0, 1)) == 1, int(res.get_value(0, 0)))
 
 
-def _mark_arrays(marks: Sequence[tuple[str, str, float]]) -> dict[str, bytes]:
-    """The parameters of :data:`_PG_MARK_MANY` for ``marks``."""
+def _mark_arrays(marks: Sequence[tuple[str, str, float]], owner: str) -> dict[str, bytes]:
+    """The parameters of :data:`_PG_MARK_MANY` for ``marks`` of ``owner``'s calls."""
     return {"results": _array(text for _, text, _ in marks), "ats": _array(_stamp_text(t) for _, _, t in marks),
-            "ids": _array(eid for eid, _, _ in marks)}
+            "ids": _array(eid for eid, _, _ in marks), "owner": owner.encode()}
 
 
 _MARK_MANY = prepared("undolog_mark_many", _PG_MARK_MANY)
 
 
-def pg_mark_many(conn: Any, marks: Sequence[tuple[str, str, float]]) -> int:
-    """``(effect_id, result text, epoch seconds)`` commit marks as one autocommit statement on ``conn``; how many
-    effects were in flight and are marked now."""
-    values = _mark_arrays(marks)
+def pg_mark_many(conn: Any, marks: Sequence[tuple[str, str, float]], owner: str) -> int:
+    """``(effect_id, result text, epoch seconds)`` commit marks of ``owner``'s calls as one autocommit statement
+    on ``conn``; how many effects were in flight, still ``owner``'s, and are marked now."""
+    values = _mark_arrays(marks, owner)
     return int(run_prepared(conn, _MARK_MANY, [values[k] for k in _MARK_MANY.params]).command_tuples or 0)
 
 
@@ -350,12 +359,12 @@ class PostgresHotPath(HotPath):
     ends_with_marks = True
 
     def end_session(self, session_id: str, count: int, state: str, allowed: Sequence[str], now: float,
-                    marks: Sequence[tuple[str, str, float]] = ()) -> bool | None:
+                    marks: Sequence[tuple[str, str, float]] = ()) -> Ended | None:
         with self.durable.connection("ending a session") as conn:
-            return pg_end_session(conn, session_id, count, state, allowed, now, marks)
+            return pg_end_session(conn, session_id, count, state, allowed, now, marks, self.owner)
 
-    def _mark_many(self, conn: Any, marks: list[tuple[str, str, float]]) -> None:
-        pg_mark_many(conn, marks)
+    def _mark_many(self, conn: Any, marks: list[tuple[str, str, float]]) -> int:
+        return pg_mark_many(conn, marks, self.owner)
 
 
 def make_engine(url: str, *, schema: str | None, durable: bool, pool_size: int, overflow: int) -> Engine:

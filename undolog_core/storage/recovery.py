@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 
-from ..states import EFFECT, SESSION
+from ..states import EFFECT, IN_FLIGHT, SESSION, UNDO
 from . import schema as t
 from .audit import PendingEvent
 from .base import utcnow
 from .calls import CallsSQL
-from .schema import IN_FLIGHT, EffectState, SessionState, UndoState
+from .schema import EffectState, SessionState, UndoState
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class InFlight:
 
 
 _u, _e, _s = t.undo_stack, t.effect_log, t.sessions
-_UNDO_DONE = _u.update().where(_u.c.undo_id == sa.bindparam("uid")).values(
+_UNDO_DONE = _u.update().where(_u.c.undo_id == sa.bindparam("uid"), UNDO.guard("compensated", _u.c.state)).values(
     state=UndoState.COMPENSATED.value, attempts=_u.c.attempts + 1, owner=None, lease_until=None,
     updated_at=sa.bindparam("now"))
 # Only while the effect is in flight: a late finish of its own process (``record_late_finish``) may have made it
@@ -115,8 +115,8 @@ class RecoverySQL(CallsSQL):
             if conn.execute(self.for_update(sa.select(e.c.effect_id).where(*same), skip_locked=True)).first() is None:
                 return False
             # A new owner, a new epoch: the fencing token its probe carries, above the stalled owner's.
-            res = conn.execute(e.update().where(*same).values(owner=owner, lease_until=lease_until,
-                                                              epoch=e.c.epoch + 1))
+            res = conn.execute(e.update().where(*same, e.c.state.in_(IN_FLIGHT)).values(
+                owner=owner, lease_until=lease_until, epoch=e.c.epoch + 1))
             return bool(res.rowcount == 1)
 
     def claim_in_doubt_batch(self, seen: Sequence[tuple[str, str, str | None]], owner: str,
@@ -163,7 +163,9 @@ class RecoverySQL(CallsSQL):
             if not undo_ids:
                 return set()
             return set(conn.execute(
-                u.update().where(self.one_of(u.c.undo_id, list(undo_ids)), u.c.state == UndoState.ARMED.value)
+                # Armed only (an entry a walk already claimed is its walk's), within the table's ``claim``.
+                u.update().where(self.one_of(u.c.undo_id, list(undo_ids)), u.c.state == UndoState.ARMED.value,
+                                 UNDO.guard("claim", u.c.state))
                 .values(state=UndoState.COMPENSATING.value, owner=owner, lease_until=lease_until, updated_at=now)
                 .returning(u.c.undo_id)
             ).scalars().all())
@@ -242,7 +244,7 @@ class RecoverySQL(CallsSQL):
             attempts = int(conn.execute(sa.select(e.c.recovery_attempts).where(e.c.effect_id == effect_id))
                            .scalar_one()) + 1
             if attempts >= dead_letter_after:
-                conn.execute(e.update().where(e.c.effect_id == effect_id).values(
+                conn.execute(e.update().where(e.c.effect_id == effect_id, EFFECT.guard("dead_letter", e.c.state)).values(
                     state=EffectState.DEAD_LETTER.value, recovery_attempts=attempts, owner=None, lease_until=None,
                     error=f"recovery failed {attempts} times; last: {error}", updated_at=now))
                 self.halt_in(conn, session_id, halt_reason.format(attempts=attempts), now)

@@ -8,10 +8,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from ..states import EFFECT, SESSION, UNDO
 from . import schema as t
 from .base import utcnow
 from .calls import CallsSQL
-from .schema import IN_FLIGHT
 
 
 class SagaSQL(CallsSQL):
@@ -43,7 +43,7 @@ class SagaSQL(CallsSQL):
                          .values(owner=owner, lease_until=lease_until))
         conn.execute(
             t.sessions.update()
-            .where(t.sessions.c.session_id == session_id, t.sessions.c.state.notin_(("rolled_back", "rolling_back")))
+            .where(t.sessions.c.session_id == session_id, SESSION.guard("request_rollback", t.sessions.c.state))
             .values(state="rolling_back", updated_at=now)
         )
 
@@ -60,7 +60,7 @@ class SagaSQL(CallsSQL):
         with self.tx() as conn:
             res = conn.execute(
                 u.update()
-                .where(u.c.undo_id == undo_id, u.c.state == seen_state, owner_is)
+                .where(u.c.undo_id == undo_id, u.c.state == seen_state, UNDO.guard("claim", u.c.state), owner_is)
                 .values(state="compensating", owner=owner, lease_until=lease_until, updated_at=utcnow())
             )
             return bool(res.rowcount == 1)
@@ -77,22 +77,22 @@ class SagaSQL(CallsSQL):
         (recovery of an abandoned call); it becomes ``compensated`` only if it still is, so a late finish of its
         own process recorded meanwhile (``record_late_finish``: ``unknown``) stands."""
         now = utcnow()
-        e = t.effect_log
-        still = (e.c.state.in_(IN_FLIGHT),) if in_flight else ()
+        e, u = t.effect_log, t.undo_stack
+        move = "recover_compensated" if in_flight else "compensate"
         with self.tx() as conn:
             conn.execute(
-                t.undo_stack.update().where(t.undo_stack.c.undo_id == undo_id)
-                .values(state="compensated", attempts=t.undo_stack.c.attempts + 1, owner=None, lease_until=None,
+                u.update().where(u.c.undo_id == undo_id, UNDO.guard("compensated", u.c.state))
+                .values(state="compensated", attempts=u.c.attempts + 1, owner=None, lease_until=None,
                         updated_at=now)
             )
             conn.execute(
-                e.update().where(e.c.effect_id == effect_id, *still)
+                e.update().where(e.c.effect_id == effect_id, EFFECT.guard(move, e.c.state))
                 .values(state="compensated", owner=None, lease_until=None, updated_at=now)
             )
 
     def undo_failed_in(self, conn: Connection, undo_id: int, now: dt.datetime) -> None:
         conn.execute(
-            t.undo_stack.update().where(t.undo_stack.c.undo_id == undo_id)
+            t.undo_stack.update().where(t.undo_stack.c.undo_id == undo_id, UNDO.guard("failed", t.undo_stack.c.state))
             .values(state="compensation_failed", owner=None, lease_until=None, updated_at=now)
         )
 
@@ -112,7 +112,8 @@ class SagaSQL(CallsSQL):
         ).all())
 
     def mark_rolled_back_in(self, conn: Connection, session_id: str, now: dt.datetime) -> None:
-        conn.execute(t.sessions.update().where(t.sessions.c.session_id == session_id)
+        conn.execute(t.sessions.update().where(t.sessions.c.session_id == session_id,
+                                               SESSION.guard("rolled_back", t.sessions.c.state))
                      .values(state="rolled_back", updated_at=now))
         self.end_intent_in(conn, session_id)
 

@@ -12,6 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ..errors import InvalidSessionState, SessionNotFound
+from ..states import SESSION
 from . import schema as t
 from .base import Store
 from .records import SessionRecord, StateChange
@@ -97,10 +98,16 @@ class SessionsSQL(Store):
         self, session_id: str, state: SessionState, *, allowed: Iterable[SessionState], now: dt.datetime
     ) -> bool:
         """Move the session to ``state`` if it is in one of ``allowed``; False when it was not (or does not exist)."""
+        # Only the moves the state table (``states.SESSION``) has: a session in another state of ``allowed`` is
+        # not moved (False), and nothing is written when none is left.
+        target = SessionState(state).value
+        legal = [SessionState(s).value for s in allowed if SESSION.legal(SessionState(s).value, target)]
+        if not legal:
+            return False
+        guard = SESSION.guard_between(legal, target, t.sessions.c.state)
         with self.tx() as conn:
             res = conn.execute(
-                t.sessions.update()
-                .where(t.sessions.c.session_id == session_id, t.sessions.c.state.in_([s.value for s in allowed]))
+                t.sessions.update().where(t.sessions.c.session_id == session_id, guard)
                 .values(state=state, updated_at=now)
             )
             return bool(res.rowcount == 1)
@@ -126,7 +133,8 @@ class SessionsSQL(Store):
             if row.state != SessionState.HALTED:
                 raise InvalidSessionState(f"session {session_id!r} is {row.state}, not halted; nothing to resume")
             conn.execute(
-                t.sessions.update().where(t.sessions.c.session_id == session_id)
+                t.sessions.update().where(t.sessions.c.session_id == session_id,
+                                          SESSION.guard("resume", t.sessions.c.state))
                 .values(state=SessionState.ACTIVE, halted_reason=None, updated_at=now)
             )
             refreshed = self.refresh_changes_in(conn, session_id, now)

@@ -510,16 +510,18 @@ class SQLiteHotPath(HotPath):
         finally:
             self.write_lock.release()
 
-    def _mark_many(self, conn: Any, marks: list[tuple[str, str, float]]) -> None:
-        self._own_commit(self._marked_rows, conn, marks)
+    def _mark_many(self, conn: Any, marks: list[tuple[str, str, float]]) -> int:
+        return int(self._own_commit(self._marked_rows, conn, marks))
 
     def _marked_rows(self, conn: Any, marks: list[tuple[str, str, float]]) -> int:
-        """The marks in one transaction; how many effects they changed (none: nothing was committed)."""
-        rows = [(text, _sqlite_time(now), eid) for eid, text, now in marks]
+        """The marks in one transaction, each fenced by its owner; how many effects they changed (none: nothing was
+        committed)."""
+        owner = self.owner
+        rows = [(text, _sqlite_time(now), eid, owner) for eid, text, now in marks]
         with self.write_lock:
             conn.execute("BEGIN IMMEDIATE")
             try:
-                changed = int(conn.executemany(_SQLITE_MARK, rows).rowcount)
+                changed = int(conn.executemany(_SQLITE_MARK_OWNED, rows).rowcount)
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:
