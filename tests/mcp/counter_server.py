@@ -72,6 +72,8 @@ async def add(n: int, ctx: Context[Any, Any, Any], crash: str = "", delay: float
     state = load()
     state["calls"].append({"n": n, "key": key})
     save(state)
+    if n < 0:
+        raise ValueError(f"n must be 0 or more, got {n}")  # a tool error: the call failed, nothing applied
     if crash == "before":
         os._exit(3)
     if delay:
@@ -95,11 +97,37 @@ async def add(n: int, ctx: Context[Any, Any, Any], crash: str = "", delay: float
 
 
 @mcp.tool()
-def subtract(n: int, ctx: Context[Any, Any, Any]) -> str:
-    """Take n from the counter (once per idempotency key): add's compensation."""
+def add_final(n: int, ctx: Context[Any, Any, Any]) -> str:
+    """Add n to the counter for good (once per idempotency key): the gateway classifies it IRREVERSIBLE."""
     key = key_of(ctx)
     state = load()
-    state["calls"].append({"n": -n, "key": key})
+    state["calls"].append({"n": n, "key": key, "final": True})
+    if key is None or key not in state["applied"]:
+        state["value"] += n
+        state["history"].append(state["value"])
+        if key is not None:
+            state["applied"][key] = state["value"]
+    save(state)
+    return f"counter is {state['value']}"
+
+
+@mcp.tool()
+def read_counter() -> dict[str, Any]:
+    """The counter, and which process answers (a SAFE read)."""
+    return {"value": load()["value"], "pid": os.getpid()}
+
+
+@mcp.tool()
+def subtract(n: int, ctx: Context[Any, Any, Any], of: str = "") -> str:
+    """Take n from the counter (once per idempotency key): add's compensation. ``of``: the ``do-`` key of the add
+    it undoes, when the gateway's template passes it (``{forward_key}``): an add that never applied is not undone
+    (a compensation that tolerates "never happened")."""
+    key = key_of(ctx)
+    state = load()
+    state["calls"].append({"n": -n, "key": key, "of": of})
+    if of and of not in state["applied"]:
+        save(state)
+        return f"counter is {state['value']} ({of} never applied: nothing to undo)"
     if key is None or key not in state["applied"]:
         state["value"] -= n
         state["history"].append(state["value"])
