@@ -649,7 +649,6 @@ class Gateway:
                        released: tuple[str | None, SharedRequest | None, str | None] = (None, None, None),
                        ) -> types.CallToolResult:
         """The rest of :meth:`call`, once the call is decided."""
-        driver = self.undolog.driver
         released_to, shared, principal = released
         if isinstance(d, Completed):
             return replayed(d.result)

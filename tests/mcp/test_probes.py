@@ -9,7 +9,6 @@ counter went 0 -> -5).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import textwrap
