@@ -40,6 +40,8 @@ _TIMEOUT_CODE = 408
 # How long sending a cancel may take (a notification: the upstream does not answer it; a stuck pipe must not hold
 # the call's answer to its client).
 _CANCEL_SEND_SECONDS = 5.0
+# How long a request still out when its connection ended may take to be answered "connection closed" by the SDK.
+_CLOSING_SECONDS = 1.0
 # The JSON-RPC id of the request sent in the current task, filled in by ``_WatchedSession.send_request``: what a
 # cancel names.
 _SENT_ID: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("undolog_mcp_sent_id", default=None)
@@ -206,6 +208,11 @@ class Upstream:
         request = types.ClientRequest(types.CallToolRequest(params=types.CallToolRequestParams(
             name=name, arguments=dict(args), _meta=types.RequestParams.Meta(**meta) if meta else None)))
         sent: list[int] = []
+        ended = self.session.ended if isinstance(self.session, _WatchedSession) else None
+        if ended is not None and ended.is_set():
+            # Its receive loop is over (the upstream exited, its end seen): a request sent now would never be
+            # answered, nor read. Not sent: the caller sends it over a connection opened again.
+            raise _NotSent(f"upstream {self.config.name}: the connection was already closed")
 
         async def send() -> types.CallToolResult:
             _SENT_ID.set(sent)  # (this task's own context)
@@ -215,14 +222,29 @@ class Upstream:
         # Sent from a task of its own, with no read timeout of the SDK's: past the timeout the request stays out
         # (the SDK would forget it, and drop the upstream's late answer), so its answer can still settle the call.
         pending = asyncio.ensure_future(send())
+        ending = asyncio.ensure_future(ended.wait()) if ended is not None else None
         try:
-            await asyncio.wait({pending}, timeout=self.config.timeout)
+            await asyncio.wait({pending} | ({ending} if ending else set()), timeout=self.config.timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not pending.done() and ending is not None and ending.done():
+                # The connection ended while the request was out. The SDK answers every request it had registered
+                # (connection closed); one registered after its receive loop ended is answered by nobody, and can
+                # no longer land either: not waited for until the timeout.
+                await asyncio.wait({pending}, timeout=_CLOSING_SECONDS)
+                if not pending.done():
+                    pending.cancel()
+                    pending.add_done_callback(_retrieved)
+                    raise OutcomeUnknown(f"upstream {self.config.name}: the connection ended while {name} was out")
         except BaseException:
             # The caller was cancelled (a client's cancel of a SAFE call): the request goes with it (the relay
             # tells the upstream, see ``UpstreamHooks.sending``).
-            pending.cancel()
-            pending.add_done_callback(_retrieved)
+            if not pending.done():
+                pending.cancel()
+                pending.add_done_callback(_retrieved)
             raise
+        finally:
+            if ending is not None:
+                ending.cancel()
         if pending.done():
             return await self._answered(name, pending)
         rid = sent[0] if sent else None
