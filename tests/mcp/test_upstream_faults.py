@@ -13,6 +13,14 @@ settles what was left), and:
   says ran and was not undone;
 - exactly one upstream process runs after the restart.
 
+The points: a COMPENSABLE call's ``before_prewrite``, ``after_prewrite`` (before the forward call lands),
+``after_tool`` (answered, before the commit mark) and ``after_failure_recorded``; killed while the upstream runs it,
+then ``during_recovery`` (its unknown outcome settled); an approved IRREVERSIBLE call's ``before_gate``,
+``after_approved_claim`` and ``after_tool``; a rollback's ``rollback_requested``, ``during_rollback`` (before a
+compensation is sent), ``after_compensation`` (answered, before its success is recorded) and
+``between_compensations``. (``after_mark_queued`` is on the path of an UndoLog opened with ``fast_commit_mark``
+only, which the gateway never is.)
+
 On SQLite and PostgreSQL.
 """
 
