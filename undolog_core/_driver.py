@@ -353,6 +353,11 @@ class CallDriver:
     def _settle_in_doubt(self, d: Execute, exc: BaseException) -> str | None:
         if d.effect_id is None or self.in_doubt is None:
             return None  # a SAFE call: nothing was logged, nothing to settle
+        if getattr(exc, "settles_later", False):
+            # Its request is still out (a timeout, the tool asked to cancel it) and its caller settles the call on
+            # what the tool answers to it: settled now, a compensation could run before the original lands. Left in
+            # flight, held (its lease renewed) by this process; a process that ends first leaves it to recover().
+            return "settling"
         # An exception may say whether its request can still land (``original_gone``, e.g. a timeout whose request
         # is still running): a probe's "did not happen" settles nothing until it cannot. Unsaid: the call is over.
         try:

@@ -15,7 +15,7 @@ import contextlib
 import contextvars
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +62,7 @@ from .results import (
     error_result,
     replayed,
     running_result,
+    settling_result,
     structured,
     text_of,
     unknown_result,
@@ -439,6 +440,12 @@ class Gateway:
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(self.undolog.owners.let_go)
         finally:
+            # Calls still settling are left in flight (their lease lapses with this process): with the upstream
+            # closed below, the next start's recovery settles them, their request then unable to land.
+            for task in list(self._settling):
+                task.cancel()
+            if self._settling:
+                await asyncio.gather(*self._settling, return_exceptions=True)
             self.connections = None
             self._loop = None
             await connections.close()
@@ -642,7 +649,6 @@ class Gateway:
                        released: tuple[str | None, SharedRequest | None, str | None] = (None, None, None),
                        ) -> types.CallToolResult:
         """The rest of :meth:`call`, once the call is decided."""
-        driver = self.undolog.driver
         released_to, shared, principal = released
         if isinstance(d, Completed):
             return replayed(d.result)
@@ -692,19 +698,64 @@ class Gateway:
                 return error_result(str(exc))  # a protocol refusal, or no upstream to take it: it did not run
 
         with _guarded(ex):
-            outcome = await driver.run_async(
-                d, invoke, rollback_on_failure=False, note=False, unknown_on=(OutcomeUnknown,),
-                failure_of=lambda r: NothingHappened(text_of(r) or "the upstream answered isError") if r.isError else None,
-                result_of=lambda r: r.model_dump(mode="json", by_alias=True, exclude_none=True),
-            )
+            outcome = await self._run(d, invoke)
         if outcome.error is not None:
             if isinstance(outcome.error, OutcomeUnknown):
+                late = outcome.error.late
+                if outcome.in_doubt == "settling" and late is not None and d.effect_id is not None:
+                    # Timed out, the upstream asked to cancel: in flight until it answers or its connection ends.
+                    self._hold(self._settle_late(d, late, name))
+                    return settling_result(name, outcome.error, d.effect_id, d.session_id)
                 if outcome.in_doubt == "settling" and outcome.error.ended is not None and d.effect_id is not None:
                     settle_when_gone(self.undolog, d.effect_id, outcome.error.ended, self._settling)
                 return unknown_result(name, outcome.error, outcome.in_doubt)
             raise outcome.error
         value: types.CallToolResult = outcome.value
         return value
+
+    async def _run(self, d: Any, invoke: Callable[[dict[str, Any]], Awaitable[types.CallToolResult]]) -> Any:
+        """Run a decided call through the core's call driver, as every gateway call is recorded."""
+        return await self.undolog.driver.run_async(
+            d, invoke, rollback_on_failure=False, note=False, unknown_on=(OutcomeUnknown,),
+            failure_of=lambda r: NothingHappened(text_of(r) or "the upstream answered isError") if r.isError else None,
+            result_of=lambda r: r.model_dump(mode="json", by_alias=True, exclude_none=True),
+        )
+
+    def _hold(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle_late(self, d: Any, late: asyncio.Future[types.CallToolResult], name: str) -> None:
+        """Settle a timed-out call on what its upstream answers once asked to cancel it.
+
+        Its result: recorded as if it had come in time (it ran). An error or the connection's end: its request
+        can no longer land, and it is settled as recovery would settle it (its probe's "did not happen" then
+        settles it as not run; else a COMPENSABLE call is compensated, an IRREVERSIBLE one is ``unknown``).
+        """
+        try:
+            answer: types.CallToolResult | None = await asyncio.shield(late)
+            raised: BaseException | None = None
+        except asyncio.CancelledError:
+            return  # the gateway stops: left in flight, settled by the next start's recovery (its process gone)
+        except BaseException as exc:  # noqa: BLE001 - recorded by the driver, as the call's own outcome
+            answer, raised = None, exc
+
+        async def answered(args: dict[str, Any]) -> types.CallToolResult:
+            if raised is not None:
+                raise raised
+            assert answer is not None
+            return answer
+
+        try:
+            outcome = await self._run(d, answered)
+        except Exception as exc:  # noqa: BLE001 - left in flight: recovery settles it when this process ends
+            log.warning("%s (effect %s): could not be settled on its upstream's late answer: %s", name,
+                        d.effect_id, exc)
+            return
+        log.info("%s (effect %s), timed out and cancelled upstream, settled on the upstream's answer: %s", name,
+                 d.effect_id, outcome.in_doubt or ("committed" if outcome.error is None and outcome.failure is None
+                                                   else "failed"))
 
     async def _session_id(self) -> str:
         """The UndoLog session of the request being served, by the config's grouping (see ``sessions.py``)."""

@@ -108,3 +108,16 @@ def unknown_result(name: str, exc: Exception, settled: str | None) -> types.Call
                     "settling (it is settled once the request can no longer land)",
     }.get(settled or "", "its outcome is unknown; recovery will settle it")
     return error_result(f"{name}: the upstream did not answer ({exc}); {what}.", code="outcome_unknown")
+
+
+def settling_result(name: str, exc: Exception, effect_id: str, session_id: str) -> types.CallToolResult:
+    """A call that timed out and that the upstream was asked to cancel: outcome unknown, settling. Its effect stays
+    in flight until the upstream answers it (or its process ends); the client is told what to do meanwhile."""
+    text = (f"{name}: outcome unknown, settling. The upstream did not answer in time ({exc}). Effect {effect_id} "
+            f"(session {session_id}) stays in flight until the upstream answers the call or its process ends: its "
+            "result is then recorded, or the call is settled as not run or undone. Do not send it again as a new "
+            f"call: ask again later (`undolog sessions show {session_id}` or the desk shows how it settled); a "
+            "call of this same request meanwhile answers that it is running.")
+    meta = {META_KEY: {"error": "outcome_unknown", "status": "settling", "effect_id": effect_id,
+                       "session_id": session_id}}
+    return types.CallToolResult(content=[types.TextContent(type="text", text=text)], isError=True, _meta=meta)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import datetime as dt
+import contextvars
 import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -37,6 +37,14 @@ IDEMPOTENCY_META = "dev.undolog/idempotency-key"
 EPOCH_META = "dev.undolog/epoch"
 # httpx.codes.REQUEST_TIMEOUT, which the SDK's client answers a timed-out request with.
 _TIMEOUT_CODE = 408
+# How long sending a cancel may take (a notification: the upstream does not answer it; a stuck pipe must not hold
+# the call's answer to its client).
+_CANCEL_SEND_SECONDS = 5.0
+# How long a request still out when its connection ended may take to be answered "connection closed" by the SDK.
+_CLOSING_SECONDS = 1.0
+# The JSON-RPC id of the request sent in the current task, filled in by ``_WatchedSession.send_request``: what a
+# cancel names.
+_SENT_ID: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("undolog_mcp_sent_id", default=None)
 
 
 def first_cause(exc: BaseException) -> str:
@@ -51,18 +59,32 @@ class OutcomeUnknown(Exception):
 
     ``lost``: the connection itself is gone (the next call opens another), not merely slow.
     ``original_gone`` (read by the core's call driver): the request can no longer land, so a probe's "did not
-    happen" may settle it; a timed-out request may still be running upstream. ``ended``: set when the connection
-    the request went over closes (``probes.settle_when_gone``).
+    happen" may settle it. ``ended``: set when the connection the request went over closes
+    (``probes.settle_when_gone``). ``confirmed``: the upstream answered the request with an error after it was
+    asked to cancel it (its cancel confirmed: it can no longer land either).
+
+    ``late`` (a timeout): the request is still out, the upstream asked to cancel it (``notifications/cancelled``);
+    awaiting it gives the upstream's answer when it comes (a result), or raises an ``OutcomeUnknown`` whose
+    request can no longer land (the cancel confirmed, or the connection gone). ``settles_later`` (read by the core's
+    call driver) says so: the call is left in flight, held by this process, for its caller to settle on that answer.
     """
 
-    def __init__(self, message: str, *, lost: bool = True) -> None:
+    def __init__(self, message: str, *, lost: bool = True,
+                 late: asyncio.Future[types.CallToolResult] | None = None) -> None:
         super().__init__(message)
         self.lost = lost
         self.ended: asyncio.Event | None = None
+        self.confirmed = False
+        self.late = late
+        self.timeout: float | None = None  # the upstream's timeout, when that is what passed
 
     @property
     def original_gone(self) -> bool:
-        return self.lost or (self.ended is not None and self.ended.is_set())
+        return self.lost or self.confirmed or (self.ended is not None and self.ended.is_set())
+
+    @property
+    def settles_later(self) -> bool:
+        return self.late is not None
 
 
 class UpstreamRefused(Exception):
@@ -139,11 +161,16 @@ class _WatchedSession(ClientSession):
 
     async def send_request(self, request: Any, result_type: Any, request_read_timeout_seconds: Any = None,
                            metadata: Any = None, progress_callback: Any = None) -> Any:
+        sent = _SENT_ID.get()
         if self._hooks is None or self._config is None:
+            if sent is not None:
+                sent.append(self._request_id)  # (no await before the SDK takes it)
             return await super().send_request(request, result_type, request_read_timeout_seconds, metadata,
                                               progress_callback)
         # The id the SDK gives this request (read with no await before it is taken): what a cancel names.
         async with self._hooks.sending(self._config, self, self._request_id, request) as progress:
+            if sent is not None:
+                sent.append(self._request_id)
             return await super().send_request(request, result_type, request_read_timeout_seconds, metadata,
                                               progress or progress_callback)
 
@@ -164,15 +191,16 @@ class Upstream:
     initialized: types.InitializeResult | None = None  # its capabilities and instructions
     # Each tool's output schema (the very object the SDK's session holds) and its compiled validator.
     _validators: dict[str, tuple[dict[str, Any], Any]] = field(default_factory=dict)
-    _timeout: dt.timedelta = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._timeout = dt.timedelta(seconds=self.config.timeout)
 
     async def call(self, name: str, args: Mapping[str, Any], idempotency_key: str | None, *,
                    epoch: int | None = None) -> types.CallToolResult:
         """One ``tools/call``; a call that gets no answer raises :class:`OutcomeUnknown`. ``epoch``: the call's
         ownership epoch, sent in ``_meta`` beside the key (:data:`EPOCH_META`).
+
+        A call with no answer within the upstream's ``timeout`` is cancelled upstream (``notifications/cancelled``
+        naming its request id) and raises :class:`OutcomeUnknown` with ``late`` set: the request stays out, and
+        what the upstream answers to it (its result, or an error confirming the cancel) or the connection's end
+        settles it.
 
         Raises:
             OutcomeUnknown: no answer within the upstream's timeout, or the connection was lost.
@@ -181,13 +209,87 @@ class Upstream:
         meta: dict[str, Any] = {IDEMPOTENCY_META: idempotency_key} if idempotency_key else {}
         if epoch is not None:
             meta[EPOCH_META] = epoch
+        request = types.ClientRequest(types.CallToolRequest(params=types.CallToolRequestParams(
+            name=name, arguments=dict(args), _meta=types.RequestParams.Meta(**meta) if meta else None)))
+        sent: list[int] = []
+        ended = self.session.ended if isinstance(self.session, _WatchedSession) else None
+        if ended is not None and ended.is_set():
+            # Its receive loop is over (the upstream exited, its end seen): a request sent now would never be
+            # answered, nor read. Not sent: the caller sends it over a connection opened again.
+            raise _NotSent(f"upstream {self.config.name}: the connection was already closed")
+
+        async def send() -> types.CallToolResult:
+            _SENT_ID.set(sent)  # (this task's own context)
+            answer: types.CallToolResult = await self.session.send_request(request, types.CallToolResult)
+            return answer
+
+        # Sent from a task of its own, with no read timeout of the SDK's: past the timeout the request stays out
+        # (the SDK would forget it, and drop the upstream's late answer), so its answer can still settle the call.
+        pending = asyncio.ensure_future(send())
+        ending = asyncio.ensure_future(ended.wait()) if ended is not None else None
+        try:
+            await asyncio.wait({pending} | ({ending} if ending else set()), timeout=self.config.timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not pending.done() and ending is not None and ending.done():
+                # The connection ended while the request was out. The SDK answers every request it had registered
+                # (connection closed); one registered after its receive loop ended is answered by nobody, and can
+                # no longer land either: not waited for until the timeout.
+                await asyncio.wait({pending}, timeout=_CLOSING_SECONDS)
+                if not pending.done():
+                    pending.cancel()
+                    pending.add_done_callback(_retrieved)
+                    raise OutcomeUnknown(f"upstream {self.config.name}: the connection ended while {name} was out")
+        except BaseException:
+            # The caller was cancelled (a client's cancel of a SAFE call): the request goes with it (the relay
+            # tells the upstream, see ``UpstreamHooks.sending``).
+            if not pending.done():
+                pending.cancel()
+                pending.add_done_callback(_retrieved)
+            raise
+        finally:
+            if ending is not None:
+                ending.cancel()
+        if pending.done():
+            return await self._answered(name, pending)
+        rid = sent[0] if sent else None
+        if rid is not None:
+            await self._cancel(rid, f"no answer within {self.config.timeout:g} s (the gateway's timeout for "
+                                    f"upstream {self.config.name})")
+        late = asyncio.ensure_future(self._late(name, pending))
+        late.add_done_callback(_retrieved)  # (retrieved even when nobody settles on it: a CLI's compensation)
+        unknown = OutcomeUnknown(f"upstream {self.config.name}: no answer to {name} within {self.config.timeout:g} s; "
+                                 "asked it to cancel the call", lost=False, late=late)
+        unknown.timeout = self.config.timeout
+        raise unknown
+
+    async def _cancel(self, request_id: int, reason: str) -> None:
+        """Tell the upstream to cancel a request it was sent (a notification: nothing answers it)."""
+        with anyio.move_on_after(_CANCEL_SEND_SECONDS), contextlib.suppress(Exception):
+            await self.session.send_notification(types.ClientNotification(types.CancelledNotification(
+                params=types.CancelledNotificationParams(requestId=request_id, reason=reason))))
+
+    async def _late(self, name: str, pending: asyncio.Future[types.CallToolResult]) -> types.CallToolResult:
+        """The upstream's answer to a request it was asked to cancel: its result (it ran, or ran on), else an
+        ``OutcomeUnknown`` whose request can no longer land."""
+        try:
+            await asyncio.wait({pending})
+            return await self._answered(name, pending)
+        except OutcomeUnknown as exc:
+            exc.confirmed = True  # answered (an error: the cancel confirmed) or its connection ended
+            raise
+        except _NotSent as exc:  # (its hand-off failed after the timeout: it never left this process)
+            raise OutcomeUnknown(str(exc)) from exc
+        except UpstreamRefused as exc:
+            gone = OutcomeUnknown(f"upstream {self.config.name} answered the cancelled {name} with an error "
+                                  f"({exc}): it can no longer land", lost=False)
+            gone.confirmed = True
+            raise gone from exc
+
+    async def _answered(self, name: str, pending: asyncio.Future[types.CallToolResult]) -> types.CallToolResult:
+        """The result of a request the upstream answered (or whose connection ended), as :meth:`call` gives it."""
         try:
             try:
-                result: types.CallToolResult = await self.session.send_request(
-                    types.ClientRequest(types.CallToolRequest(params=types.CallToolRequestParams(
-                        name=name, arguments=dict(args), _meta=types.RequestParams.Meta(**meta) if meta else None))),
-                    types.CallToolResult, request_read_timeout_seconds=self._timeout,
-                )
+                result = pending.result()
             except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
                 # Raised only by the hand-off of the request to the transport (the session's write stream, closed
                 # when the upstream's side ended; unbuffered, so a refused hand-off is a request never taken):
@@ -239,6 +341,12 @@ class Upstream:
             raise RuntimeError(f"Invalid structured content returned by tool {name}: {e}") from None
         except Unresolvable as e:
             raise RuntimeError(f"Invalid schema for tool {name}: {e}") from e
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    """Take a finished future's outcome, so that one nobody awaits is not reported as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _compile(name: str, schema: dict[str, Any]) -> Any:

@@ -209,6 +209,12 @@ class RollbackOut(_Out):
     complete: bool = True
     halted_reason: str | None = None
     kept_irreversible: list[str] = Field([], description="Effects of IRREVERSIBLE calls that no rollback can undo")
+    ran_by: str | None = Field(
+        None, description="The live process that ran the rollback (the MCP gateway serving the session, over its "
+                          "live upstream connections), when it was not this server")
+    ran_without_live_upstream: bool = Field(
+        False, description="The session's owning process was gone, so this server ran the rollback against "
+                           "upstreams started for it: state an upstream kept in its own memory was not restored")
 
 
 class ActorIn(BaseModel):
@@ -573,6 +579,8 @@ def rollback_out(session_id: str, report: RollbackReport) -> RollbackOut:
         complete=report.complete,
         halted_reason=report.halted_reason,
         kept_irreversible=[str(x) for x in report.kept_irreversible],
+        ran_by=report.ran_by,
+        ran_without_live_upstream=report.ran_without_live_upstream,
     )
 
 

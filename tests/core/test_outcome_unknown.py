@@ -54,3 +54,27 @@ def test_other_errors_still_fail(undolog: Any) -> None:
     outcome = undolog.driver.run_sync(d, lambda args: 1 / 0, unknown_on=(TimeoutError,))
     assert outcome.in_doubt is None and isinstance(outcome.error, ZeroDivisionError)
     assert undolog.sessions.effects(s.id)[-1]["state"] == "failed"
+
+
+class _StillOut(TimeoutError):
+    """A timeout whose request is still out: its caller settles the call on the tool's late answer."""
+
+    settles_later = True
+
+
+def test_an_outcome_its_caller_settles_later_is_left_in_flight_then_settled_on_the_late_answer(undolog: Any) -> None:
+    """The MCP gateway's path after a timeout (it cancels upstream and waits for the answer): nothing is settled
+    while the request may still land, then the late answer is recorded through the same driver."""
+    setup(undolog)
+    s = undolog.session(agent_id="late")
+    d = _approved(undolog, s.id, "d3")
+
+    def still_out(args: dict[str, Any]) -> Any:
+        raise _StillOut("no answer yet; asked to cancel")
+
+    outcome = asyncio.run(undolog.driver.run_async(d, still_out, unknown_on=(TimeoutError,)))
+    assert outcome.in_doubt == "settling" and isinstance(outcome.error, _StillOut)
+    assert undolog.sessions.effects(s.id)[-1]["state"] == "running"  # in flight, held here
+    assert undolog.sessions.get(s.id).state == "active"
+    late = asyncio.run(undolog.driver.run_async(d, lambda args: "deleted", unknown_on=(TimeoutError,)))
+    assert late.ok and undolog.sessions.effects(s.id)[-1]["state"] == "committed"

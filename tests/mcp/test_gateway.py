@@ -234,14 +234,28 @@ async def test_a_crash_whose_undo_needs_the_result_becomes_unknown(db: Any, tmp_
     assert u.sessions.get(s.session_id).state == SessionState.HALTED
 
 
-async def test_an_upstream_timeout_is_an_unknown_outcome(db: Any, tmp_path: Path) -> None:
+async def test_an_upstream_timeout_is_an_unknown_outcome_settled_on_the_upstreams_answer(
+        db: Any, tmp_path: Path) -> None:
+    """The upstream is told to cancel (its sync tool runs on regardless: FastMCP runs it on its event loop); the
+    call stays in flight, "settling", until the upstream answers: its late result (committed), or its cancel
+    confirmed (unknown: the undo needs the result nobody saw; the session halts for a person)."""
     cfg = write_config(tmp_path, timeout=0.5)
+    u = db.open()
     async with gateway(db, cfg) as client:
         slow = await client.call_tool("create_ticket", {"title": "slow"})
-        assert slow.isError and "did not answer" in text(slow)
-    u = db.open()
-    (effect,) = u.sessions.effects(only_session(u).session_id)
-    assert effect["state"] == EffectState.UNKNOWN
+        assert slow.isError and "outcome unknown, settling" in text(slow), text(slow)
+        (effect,) = u.sessions.effects(only_session(u).session_id)
+        assert effect["state"] == EffectState.PENDING  # in flight, never undone before the upstream answers
+        for _ in range(600):
+            (effect,) = u.sessions.effects(only_session(u).session_id)
+            if effect["state"] != EffectState.PENDING:
+                break
+            await asyncio.sleep(0.05)
+    assert effect["state"] in (EffectState.COMMITTED, EffectState.UNKNOWN), effect
+    if effect["state"] == EffectState.COMMITTED:
+        assert effect["result_snapshot"]["structuredContent"]["title"] == "slow"
+    else:
+        assert u.sessions.get(only_session(u).session_id).state == SessionState.HALTED
 
 
 async def test_an_upstream_contract_change_cancels_pending_approvals(db: Any, tmp_path: Path) -> None:
