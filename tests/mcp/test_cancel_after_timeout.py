@@ -30,7 +30,7 @@ from .test_gateway import gateway, text
 from .test_gateway_everything import EVERYTHING, NODE, TAP
 from .test_probes import counter, effects, write_config
 
-pytestmark = pytest.mark.storage
+pytestmark = pytest.mark.reads_store
 
 META = "dev.undolog/call"
 IN_FLIGHT = {EffectState.PENDING.value, EffectState.RUNNING.value}

@@ -28,7 +28,7 @@ from ..server.conftest import LiveServer
 from .test_live_rollback import held, listed, memory_config, upstream_processes
 from .test_sessions import connected, session_of, socket_gateway
 
-pytestmark = pytest.mark.storage
+pytestmark = pytest.mark.reads_store
 
 
 class RealDesk:
