@@ -8,10 +8,11 @@ starts one), for a test that kills it as a crash would; the tap exits with it, c
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
-from typing import IO
+from typing import IO, Any
 
 
 def main() -> int:
@@ -32,7 +33,27 @@ def main() -> int:
             dst.flush()
         dst.close()
 
-    into = threading.Thread(target=pump, args=(sys.stdin.buffer, child.stdin, b"> "), daemon=True)
+    def stop(*_: Any) -> None:
+        # The server dies with the tap: server-everything keeps running after its stdin closes (its timers), and
+        # an orphan left by a terminated or SIGKILLed gateway would outlive the test.
+        child.terminate()
+        try:
+            child.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            child.kill()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+
+    def pump_in() -> None:
+        pump(sys.stdin.buffer, child.stdin, b"> ")
+        # The gateway closed the connection (or died): give the server a moment to leave on its own, then end it.
+        try:
+            child.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            child.terminate()
+
+    into = threading.Thread(target=pump_in, daemon=True)
     into.start()
     pump(child.stdout, sys.stdout.buffer, b"< ")
     return child.wait()
