@@ -342,6 +342,12 @@ class _Running:
 
 
 
+#: Pauses between the commit mark's attempts after the database dropped the connection (None: the last attempt,
+#: after which the mark is deferred). About a second in all: a caller told "done" by a deferred mark that later finds
+#: its call taken over can only learn of it at its next call, so the mark is worth a short wait.
+MARK_RETRY_PAUSES: tuple[float | None, ...] = (0.05, 0.2, 0.75, None)
+
+
 class Engine:
     """Routes calls by tier. Callers walk a call through it with the call driver (``undolog.driver``).
 
@@ -1482,17 +1488,29 @@ class Engine:
                 self._inflight.discard(effect_id)
                 return
         except DatabaseUnavailable:
-            # The tool ran: its result must not be lost to a dropped connection. The mark waits in the deferred
-            # queue (as in fast mode), retried until the database answers; the effect stays in flight and leased
-            # meanwhile, and if this process dies first, recovery reconciles it through the probe.
-            self._marks.append((effect_id, text, now))
-            self._flusher.ensure()
-            return
+            if not wait:
+                raise WouldBlock() from None  # nothing written: asked again with wait=True (in a thread), below
+            # A dropped connection (a server restart, pg_terminate_backend) is asked again below on a fresh one:
+            # deferred at once, a mark that then finds the call taken over could only tell a caller already
+            # answered "done" (the history checker's seed 3 on PostgreSQL).
         if not wait:
             raise WouldBlock()  # not in flight any more: the precise error needs a transaction, in a thread
+        for pause in MARK_RETRY_PAUSES:
+            try:
+                state = self.store.mark_committed(effect_id, text, from_epoch(now), fast=self.fast_commit_mark,
+                                                  owner=self.leases.owner)
+                break
+            except DatabaseUnavailable:
+                if pause is None:
+                    self._defer_mark(effect_id, text, now)  # still in flight: not discarded from _inflight
+                    return
+                # The pool's other connections died with the first (a restart terminates them all): a moment,
+                # then a fresh one.
+                time.sleep(pause)
+            except BaseException:
+                self._inflight.discard(effect_id)
+                raise
         try:
-            state = self.store.mark_committed(effect_id, text, from_epoch(now), fast=self.fast_commit_mark,
-                                              owner=self.leases.owner)
             if state in LATE_FINISH_STATES:
                 self._finished_late(effect_id, text)
                 return
@@ -1502,6 +1520,14 @@ class Engine:
             self._inflight.discard(effect_id)
         if state is not None:
             self._missing_or_moved(effect_id, state, EffectState.COMMITTED)
+
+    def _defer_mark(self, effect_id: str, text: str, now: float) -> None:
+        """The database did not answer the commit mark: the tool ran, and its result must not be lost. The mark
+        waits in the deferred queue (as in fast mode), retried until the database answers, fenced by owner like the
+        durable mark; the effect stays in flight and leased meanwhile (it must not leave ``_inflight``), and if
+        this process dies first, recovery reconciles it through the probe."""
+        self._marks.append((effect_id, text, now))
+        self._flusher.ensure()
 
     def _finished_late(self, effect_id: str, text: str) -> None:
         """The tool returned, but another process had taken the call over (recovery claimed it and compensated it,

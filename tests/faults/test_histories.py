@@ -107,7 +107,8 @@ MUTATIONS: dict[str, tuple[str, str, str, str, Callable[[str], bool]]] = {
                                   lambda p: "asked for after the session stopped" in p),
     # The compensation dedupe: an undo entry is claimed whatever state and owner its walker saw (the compare-and-swap
     # gone), so a rollback stopped past its lease and taken over runs a compensation the recovery already ran.
-    "compensation dedupe": ("storage/saga.py", "u.c.undo_id == undo_id, u.c.state == seen_state, owner_is",
+    "compensation dedupe": ("storage/saga.py",
+                            'u.c.undo_id == undo_id, u.c.state == seen_state, UNDO.guard("claim", u.c.state), owner_is',
                             "u.c.undo_id == undo_id", "stall-comp",
                             lambda p: p.startswith("compensation ") and "ran" in p),
 }
