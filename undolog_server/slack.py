@@ -10,7 +10,7 @@ How it fits the desk:
   ``metadata``. The attempt is counted before the call, so after a crash the next attempt first looks for the
   message (``conversations.history``) and posts only when it is not there; a duplicate that slipped through anyway
   is found the same way and updated with the original. An undecided request is re-posted to the group's escalation
-  channel after ``escalate_after_seconds``.
+  channel at its escalation time: the channel's ``escalate_after_seconds``, else the notification policy's.
 - **Deciding.** ``POST /v1/slack/interactivity`` is the app's Interactivity Request URL. A request is accepted only
   with a valid signature (the signing secret; a timestamp within 5 minutes) never seen before (signatures are
   remembered for the window). The person is identified by Slack's immutable ids: (``team_id``, ``user_id``) maps to
@@ -287,10 +287,16 @@ class SlackDesk:
         return {"escalated": self.escalate(now), "sent": self.run_due(now)}
 
     def escalate(self, now: float | None = None) -> int:
-        """Re-post undecided requests to their group's escalation channel once ``escalate_after_seconds`` passed."""
-        channels = [c for c in self.store.channels() if c.escalation_channel and c.escalate_after_seconds]
+        """Re-post undecided requests to their group's escalation channel once their escalation time passed.
+
+        The time is the channel's own ``escalate_after_seconds`` when set, else the notification policy's for the
+        request's risk tags (the earliest of the policies that match, ``*`` included): the same clock the desk's
+        webhook escalation runs on.
+        """
+        channels = [c for c in self.store.channels() if c.escalation_channel]
         if not channels:
             return 0
+        policies = [p for p in self.state.store.policies() if p.escalate_after_seconds]
         now_dt = datetime.fromtimestamp(time.time() if now is None else now, UTC)
         pending = self.state.views.pending_approvals()
         done = self.store.posted_requests([a["approval_request_id"] for a in pending])
@@ -299,10 +305,15 @@ class SlackDesk:
             if (a["approval_request_id"], "escalation") in done:
                 continue
             age = (now_dt - a["created_at"]).total_seconds()
-            due = [c.escalation_channel for c in self.route(a["tool_name"], a["risk_tags"], channels)
-                   if c.escalation_channel and age >= (c.escalate_after_seconds or 0)]
+            by_policy = min((p.escalate_after_seconds or 0 for p in policies
+                             if p.risk_tag == "*" or p.risk_tag in a["risk_tags"]), default=None)
+            due = []
+            for c in self.route(a["tool_name"], a["risk_tags"], channels):
+                after = c.escalate_after_seconds if c.escalate_after_seconds else by_policy
+                if c.escalation_channel and after is not None and age >= after:
+                    due.append(c.escalation_channel)
             if due:
-                sent += self.store.enqueue(a["approval_request_id"], [ch for ch in due if ch], "escalation")
+                sent += self.store.enqueue(a["approval_request_id"], due, "escalation")
         return sent
 
     def run_due(self, now: float | None = None, limit: int = 20) -> int:
@@ -903,10 +914,12 @@ class SlackChannelIn(BaseModel):
 
     channel: str = Field(min_length=1, max_length=100, description="Channel id requests are posted to.")
     escalation_channel: str | None = Field(None, min_length=1, max_length=100,
-                                           description="Channel an undecided request is re-posted to (with "
-                                                       "escalate_after_seconds; either alone does nothing).")
+                                           description="Channel an undecided request is re-posted to, at "
+                                                       "escalate_after_seconds or else at the notification policy's "
+                                                       "escalation time for its risk tags.")
     escalate_after_seconds: int | None = Field(None, ge=1, le=30 * 86400,
-                                               description="Seconds after the request was raised.")
+                                               description="Seconds after the request was raised (default: "
+                                                           "the notification policy's escalation time).")
     sensitive: list[str] = Field(default_factory=list, max_length=200,
                                  description="Argument names (or JSON Pointers) shown as hidden in Slack.")
 

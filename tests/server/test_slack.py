@@ -22,7 +22,7 @@ import sqlalchemy as sa
 
 from undolog_server.slack import REPLAY_WINDOW, SlackConfig, SlackDesk, escape
 from undolog_server.state import ServerSettings
-from undolog_server.storage import ApproverGroup, utcnow
+from undolog_server.storage import ApproverGroup, NotificationPolicy, ServerStore, utcnow
 from undolog_server.storage.slack import SlackChannel, SlackStore
 
 from ..support.slack_standin import (
@@ -192,6 +192,22 @@ def test_escalation_reposts_an_undecided_request_to_the_next_channel(rig: SlackR
     rig.slack.tick(now=time.time() + 62)
     [msg] = rig.posted("C0BOSS")
     assert "escalated" in _texts(msg["blocks"]) and msg["metadata"]["event_payload"]["approval_request_id"] == rid
+
+
+def test_without_its_own_delay_a_channel_escalates_at_the_notification_policys_time(rig: SlackRig) -> None:
+    """The issue's "at the policy's escalation time": a channel that names only where to escalate follows the
+    notification policy of the request's risk tags (the webhooks' clock)."""
+    SlackStore(rig.desk.undolog.store).put_channel(SlackChannel("finance", "C0FIN", escalation_channel="C0BOSS"))
+    ServerStore(rig.desk.undolog.store).put_policy(NotificationPolicy("*", escalate_after_seconds=120))
+    rid = _wire(rig)
+    rig.sweep()
+    rig.slack.tick(now=time.time() + 61)
+    rig.slack.tick(now=time.time() + 62)
+    assert not rig.posted("C0BOSS")
+    rig.slack.tick(now=time.time() + 121)
+    rig.slack.tick(now=time.time() + 122)
+    [msg] = rig.posted("C0BOSS")
+    assert msg["metadata"]["event_payload"]["approval_request_id"] == rid
 
 
 def test_without_slack_configured_the_endpoint_says_how_to_turn_it_on(desk: Desk) -> None:
