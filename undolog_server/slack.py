@@ -103,7 +103,8 @@ class SlackConfig:
         team_id: The workspace whose people may decide (``T...``); a user of any other workspace is refused.
         api_url: The Web API's base URL (a stand-in's in tests).
         response_url_prefixes: Where a refusal may be told through a payload's ``response_url``.
-        desk_url: The desk's public URL, for a link to the request on the dashboard.
+        desk_url: The desk's public URL, for a link to the request on the dashboard (default: the desk's
+            ``--public-url``).
         fold: Characters of an argument's value shown in a message; a longer one is cut and says by how much.
         max_attempts: Attempts before a post or an update is given up (rate limits do not count).
         update_now: Send a message's update right after a decision taken in Slack (the sweeper would anyway).
@@ -471,8 +472,10 @@ class SlackDesk:
                 outcome = "Approved with edits"
             blocks.append({"type": "section", "block_id": "undolog_outcome",
                            "text": {"type": "mrkdwn", "text": f"*{outcome}*{who}{why}"}})
-        if self.config.desk_url:
-            link = f"{self.config.desk_url.rstrip('/')}/ui/approvals/{urllib.parse.quote(rec.approval_request_id, safe='')}"
+        # The desk's one public address (`--public-url`, as the email links use) unless Slack is given its own.
+        desk_url = self.config.desk_url or getattr(self.state.settings, "public_url", None)
+        if desk_url:
+            link = f"{desk_url.rstrip('/')}/ui/approvals/{urllib.parse.quote(rec.approval_request_id, safe='')}"
             blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": f"<{escape(link)}|Open on the desk>"}]})
         text = f"{title}: {escape(rec.tool_name)}"
         return blocks, text

@@ -210,6 +210,27 @@ def test_without_its_own_delay_a_channel_escalates_at_the_notification_policys_t
     assert msg["metadata"]["event_payload"]["approval_request_id"] == rid
 
 
+def test_the_link_to_the_desk_is_the_desks_public_url_unless_slack_names_its_own(db: Any) -> None:
+    """One public address for the desk: the email links' ``--public-url`` serves Slack's "Open on the desk" too."""
+    standin = SlackStandIn().start()
+    config = SlackConfig(bot_token=TOKEN, signing_secret=SIGNING_SECRET, team_id=TEAM, api_url=standin.api_url,
+                         update_now=False)
+    desk = make_desk(db, settings=ServerSettings(background=False, slack=config,
+                                                 public_url="https://desk.example.org"))
+    try:
+        desk.store.put_group(ApproverGroup("finance", tools=("wire_money",)))
+        SlackStore(desk.undolog.store).put_channel(SlackChannel("finance", "C0FIN"))
+        rig = SlackRig(desk, standin, desk.server.server.config.app)
+        rid = _wire(rig)
+        rig.sweep()
+        [msg] = rig.posted("C0FIN")
+        assert f"https://desk.example.org/ui/approvals/{rid}" in _texts(msg["blocks"])
+    finally:
+        desk.close()
+        desk.undolog.close()
+        standin.stop()
+
+
 def test_without_slack_configured_the_endpoint_says_how_to_turn_it_on(desk: Desk) -> None:
     body, headers = signed({"type": "block_actions"})
     r = httpx.post(desk.url + "/v1/slack/interactivity", content=body, headers=headers)
