@@ -797,10 +797,10 @@ def insert_ignore(conn: Connection, table: sa.Table, rows: list[dict[str, Any]])
     else:  # pragma: no cover - only the two supported databases reach here
         stmt = table.insert()
     total = 0
+    # Counted from RETURNING, not rowcount: psycopg reports -1 for INSERT ... ON CONFLICT DO NOTHING, which made
+    # every caller see an insert (escalate_once always "escalated" on PostgreSQL).
+    key = next(iter(table.primary_key.columns), None)
     for row in rows:
-        # Counted from RETURNING, not rowcount: psycopg reports -1 for INSERT ... ON CONFLICT DO NOTHING, which made
-        # every caller see an insert (escalate_once always "escalated" on PostgreSQL).
-        key = next(iter(table.primary_key.columns), None)
         if key is None or dialect not in ("postgresql", "sqlite"):
             total += max(conn.execute(stmt.values(**row)).rowcount or 0, 0)
         else:
