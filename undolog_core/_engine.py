@@ -1512,7 +1512,7 @@ class Engine:
                 raise
         try:
             if state in LATE_FINISH_STATES:
-                self._finished_late(effect_id, text)
+                self._finished_late(effect_id, text, now)
                 return
             if state == EffectState.COMMITTED.value:
                 return  # taken over, and its probe proved the call happened: the caller's "done" agrees
@@ -1529,16 +1529,38 @@ class Engine:
         self._marks.append((effect_id, text, now))
         self._flusher.ensure()
 
-    def _finished_late(self, effect_id: str, text: str) -> None:
+    def _finished_late(self, effect_id: str, text: str, now: float) -> None:
         """The tool returned, but another process had taken the call over (recovery claimed it and compensated it,
         or settled it ``unknown``, or is doing so now): recorded, never lost, never re-compensated. The effect
         becomes ``unknown`` with the finish (and its result) in the audit trail, the session halts, and the caller
-        gets ``OutcomeConflict``. A probe that proved the call ``committed`` already agrees: nothing to record."""
-        late = self.store.record_late_finish(effect_id, text, utcnow())
+        gets ``OutcomeConflict``. A probe that proved the call ``committed`` already agrees: nothing to record.
+
+        A database that still does not answer after the retries: the finish waits in the deferred queue (its
+        fenced mark lands nowhere, so the flush records the late finish) and the caller gets
+        ``DatabaseUnavailable``, never a "done" for a call the log says was compensated."""
+        try:
+            late = self._record_late_finish(effect_id, text)
+        except DatabaseUnavailable:
+            self._defer_mark(effect_id, text, now)
+            raise
         if late is None:
             return
         answer = self._late_recorded(effect_id, late)
         raise OutcomeConflict(effect_id, late.tool_name, late.session_id, late.state_before, probe=answer)
+
+    def _record_late_finish(self, effect_id: str, text: str) -> LateFinish | None:
+        """``store.record_late_finish``, asked again on a fresh connection while the database does not answer (as
+        the commit mark is): a late finish lost to one cut connection left an effect ``compensated`` whose side
+        effect happened after its undo (the history checker's seed 3 on PostgreSQL, a foreign-looking worker whose
+        connections were cut while recovery took its call over)."""
+        for pause in MARK_RETRY_PAUSES:
+            try:
+                return self.store.record_late_finish(effect_id, text, utcnow())
+            except DatabaseUnavailable:
+                if pause is None:
+                    raise
+                time.sleep(pause)
+        raise AssertionError("unreachable: the last pause is None")
 
     def _late_recorded(self, effect_id: str, late: LateFinish, *, deferred: bool = False) -> str | None:
         """After a late finish is recorded: the session cache halted, the error logged, and the tool's probe asked
@@ -1644,15 +1666,42 @@ class Engine:
         (``unknown``, the session halted, ``effect.finished_late`` audited, the probe asked); the call's caller
         had its answer when the mark was queued (fast mode), so the halt is what tells it, at its next call. Marks
         that landed, or whose call a probe already proved ``committed``, are left alone."""
-        for effect_id, text, _ in batch:
+        for effect_id, text, queued in batch:
             try:
-                late = self.store.record_late_finish(effect_id, text, utcnow())
+                late = self._record_late_finish(effect_id, text)
+            except DatabaseUnavailable:
+                # Back in the queue, never dropped: its fenced mark lands nowhere again, and the next flush (the
+                # flusher's, a reader's, stop()'s) records the late finish once the database answers.
+                engine_log.warning("late finish: the database did not answer recording the deferred mark of effect "
+                                   "%s; queued again", effect_id, extra=ids(None, effect_id))
+                self._marks.append((effect_id, text, queued))
+                self._flusher.ensure()
+                continue
             except Exception:  # noqa: BLE001 - the next mark's record must still be tried; this one is logged
                 engine_log.exception("late finish: could not record the deferred mark of effect %s", effect_id,
                                      extra=ids(None, effect_id))
                 continue
             if late is not None:
                 self._late_recorded(effect_id, late, deferred=True)
+
+    def _flush_before_stop(self) -> None:
+        """The last flush, asked again on a fresh connection while the database does not answer: what is still
+        queued when the process ends is lost (a commit mark, or a late finish whose record met a cut connection).
+        Still unwritten after the retries: raised, and each effect is named in the log for recovery to settle."""
+        for pause in MARK_RETRY_PAUSES:
+            try:
+                self.flush_marks()
+                if not self._marks:
+                    return
+                error: DatabaseUnavailable | None = None
+            except DatabaseUnavailable as exc:
+                error = exc
+            if pause is None:
+                for effect_id, _, _ in list(self._marks):
+                    engine_log.error("closing: the commit mark of effect %s could not be written (the database did "
+                                     "not answer); recover() settles it", effect_id, extra=ids(None, effect_id))
+                raise error or DatabaseUnavailable("the last commit marks", "the database did not answer")
+            time.sleep(pause)
 
     def _flush_due_marks(self) -> float:
         """The flusher's step: the queued marks written once the oldest is ``MARK_FLUSH_SECONDS`` old (each mark is
@@ -1673,7 +1722,7 @@ class Engine:
 
     def stop(self) -> None:
         try:
-            self.flush_marks()
+            self._flush_before_stop()
         finally:
             self._flusher.stop()
             self._trimmer.stop()

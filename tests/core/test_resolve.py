@@ -122,6 +122,61 @@ def test_a_session_ending_with_a_fenced_off_mark_is_not_completed(db: Any) -> No
     assert u.sessions.get("s-end-ok").state == "completed" and _row(u, d2.effect_id).state == "committed"
 
 
+@pytest.mark.parametrize("cuts", [1, 9], ids=["one_cut", "down_past_the_retries"])
+@pytest.mark.parametrize("fast", [False, True], ids=["durable_mark", "deferred_mark"])
+def test_a_late_finish_whose_record_meets_a_cut_connection_is_recorded_once_the_database_answers(
+        db: Any, fast: bool, cuts: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The history checker's seed 3 on PostgreSQL (CI, stop 39): a foreign-looking worker's call was taken over
+    and compensated while its tool ran, and the record of its late finish met one of the connections
+    ``pg_terminate_backend`` cut. Before: that record was tried once, so the effect stayed ``compensated`` with its
+    side effect after its undo. Now it is asked again on a fresh connection, and a database still down past the
+    retries keeps it queued (the caller of a durable mark gets ``DatabaseUnavailable``, never a "done") until a
+    flush records it."""
+    from undolog_core import _engine
+
+    monkeypatch.setattr(_engine, "MARK_RETRY_PAUSES", (0.0, 0.0, 0.0, None))
+    u = db.open(fast_commit_mark=fast)
+    u.register(*_tools([]))
+    u.session(session_id="s-cut")
+    d = u.engine.intercept("s-cut", "pay", {"order": "o1"}, call_id="c1")
+    _taken_over(u, d.effect_id)
+    e = t.effect_log
+    with u.store.tx() as c:  # recovery compensated it meanwhile (its undo ran while the tool still ran)
+        c.execute(e.update().where(e.c.effect_id == d.effect_id).values(state="compensated"))
+    real = u.store.record_late_finish
+    left = [cuts]
+
+    def cut(*args: Any, **kwargs: Any) -> Any:
+        if left[0]:
+            left[0] -= 1
+            raise errors.DatabaseUnavailable("a write transaction", "terminating connection due to administrator")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(u.store, "record_late_finish", cut)
+    if fast:
+        u.engine.complete(d.effect_id, {"paid": "o1"})  # queued: the caller has its answer now
+        u.engine.flush_marks()
+    elif cuts == 1:
+        with pytest.raises(errors.OutcomeConflict):
+            u.engine.complete(d.effect_id, {"paid": "o1"})
+    else:
+        with pytest.raises(errors.DatabaseUnavailable):
+            u.engine.complete(d.effect_id, {"paid": "o1"})
+    if cuts > 1:
+        assert _row(u, d.effect_id).state == "compensated"  # not yet: the database has not answered
+        for _ in range(cuts):  # the flusher's next tries, each asking again on a fresh connection
+            if left[0]:
+                u.engine.flush_marks()
+    u.engine.flush_marks()
+    row = _row(u, d.effect_id)
+    assert row.state == "unknown" and row.result_snapshot == {"paid": "o1"}, row.state
+    assert "finished after compensation" in (row.error or "")
+    assert u.sessions.get("s-cut").state == "halted"
+    [late] = _events(u, "effect.finished_late")
+    assert late["state_before"] == "compensated"
+    u.close()
+
+
 @pytest.mark.parametrize("fast", [False, True], ids=["durable_mark", "deferred_mark"])
 def test_the_probe_is_asked_on_a_late_finish_and_settles_nothing(db: Any, fast: bool) -> None:
     seen: list[tuple[str, Any]] = []
