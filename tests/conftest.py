@@ -192,6 +192,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
+    # Longest first: a 50 s test started last is the step's tail. The known long ones (tests/data/durations.json)
+    # start first, dealt over the xdist workers; the rest keep pytest-randomly's order (tests/support/durations.py).
+    from tests.support.durations import load, order_longest_first
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    items[:] = order_longest_first(items, load(TEST_DB), lambda item: item.nodeid, workers,
+                                   str(config.getoption("dist", "no")))
 
 
 @dataclass
