@@ -135,32 +135,16 @@ PUBLIC = {
     "undolog_core.testing": "the undo check and its pytest plugin, documented for app authors",
 }
 
-_SESSION_LIFECYCLE = ("the session lifecycle an adapter needs (ensure, look up, start, its state) has no public API "
-                      "yet: the engine's split into the gate and the session table gives it one (issue #35, step 2)")
-_HOT_DECISION = ("the LangGraph fast path decides a SAFE or COMPENSABLE call without the driver's frames: it goes "
-                 "with the one call walk (issue #35, step 4)")
+_SESSION_LIFECYCLE = ("the session lifecycle is the integration contract's `session_table` (issue #35 part 1), but a "
+                      "row read elsewhere put back into this process's records (`remember`) is not in it yet")
 _STORE_READS = ("reads and writes of the store that no service offers yet: the storage repositories give them a "
                 "written contract (issue #35, step 3)")
-_DESK_TABLES = ("the desk's and the gateway's tables live on the core's store (one pool, one migration run): "
+_DESK_TABLES = ("the desk's and the gateway's tables live on the core's store (one pool, one migration run; the "
+                "contract's `shared_store(undolog)` hands it over, as the gateway's cli.py takes it): "
                 "`ServerStore(undolog.store)` and its migration take the store itself")
 
 # Where a client still reaches into an UndoLog's engine or store: (file, reach) -> (how many, why). Only shrinks.
 REACHES: dict[tuple[str, str], tuple[int, str]] = {
-    ("undolog_adapters/crewai.py", "engine.look_up_session"): (1, _SESSION_LIFECYCLE),
-    ("undolog_adapters/crewai.py", "engine.cached"): (1, _SESSION_LIFECYCLE),
-    ("undolog_adapters/crewai.py", "engine.max_sessions"): (1, _SESSION_LIFECYCLE),
-    ("undolog_adapters/crewai.py", "engine.ensure_session"): (1, _SESSION_LIFECYCLE),
-    ("undolog_adapters/langgraph/_call.py", "engine.decide_safe"): (1, _HOT_DECISION),
-    ("undolog_adapters/langgraph/_call.py", "engine.intercept_spec"): (1, _HOT_DECISION),
-    ("undolog_adapters/langgraph/_guard.py", "engine.ensure_session"): (3, _SESSION_LIFECYCLE),
-    ("undolog_adapters/langgraph/_guard.py", "engine.max_sessions"): (1, _SESSION_LIFECYCLE),
-    ("undolog_adapters/langgraph/_guard.py", "engine.try_start"): (1, _SESSION_LIFECYCLE),
-    ("undolog_adapters/langgraph/_guard.py", "engine.session_states"): (3, _SESSION_LIFECYCLE),
-    ("undolog_adapters/langgraph/_guard.py", "engine.sessions_with_call"): (1, _SESSION_LIFECYCLE),
-    ("undolog_adapters/langgraph/_resume.py", "engine.ensure_session"): (1, _SESSION_LIFECYCLE),
-    ("undolog_adapters/semantic_kernel.py", "engine"): (3, "the engine held once for the SAFE hot path (its "
-                                                           "count and pin check, the session cache): "
-                                                           + _HOT_DECISION),
     ("undolog_server/app.py", "store"): (1, _DESK_TABLES),
     ("undolog_server/cli.py", "store"): (3, _DESK_TABLES),
     ("undolog_server/slack.py", "store"): (1, _DESK_TABLES),
@@ -171,8 +155,6 @@ REACHES: dict[tuple[str, str], tuple[int, str]] = {
                                                          + _STORE_READS),
     ("undolog_server/dashboard.py", "store.session_of_effect"): (1, _STORE_READS),
     ("undolog_server/email_approvals.py", "store"): (1, _DESK_TABLES),
-    ("undolog_mcp/capture.py", "store.put_undo_args"): (1, _STORE_READS),
-    ("undolog_mcp/cli.py", "store"): (1, _DESK_TABLES),
     ("undolog_mcp/elicit.py", "store"): (2, _DESK_TABLES),
     ("undolog_mcp/gateway.py", "store.session_of_client_key"): (1, _STORE_READS),
     ("undolog_mcp/gateway.py", "store.effect_by_call"): (1, _STORE_READS),

@@ -267,9 +267,9 @@ def _known(guard: _Guard, request: Any, wait: bool) -> Any:
     d: Execute | AwaitingApproval | Completed
     try:
         if tier is ToolTier.SAFE:
-            d = guard.u.engine.decide_safe(sid, spec, call.get("args") or {}, call.get("id"), wait)
+            d = guard.hot.decide_safe(sid, spec, call.get("args") or {}, call.get("id"), wait)
         else:
-            d = guard.u.engine.intercept_spec(sid, spec, call.get("args") or {}, call.get("id"), False, wait)
+            d = guard.hot.intercept_spec(sid, spec, call.get("args") or {}, call.get("id"), False, wait)
     except WouldBlock:
         return NOT_SAFE  # nothing written: decided again where it may wait
     except _REFUSED as exc:
