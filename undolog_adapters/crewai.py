@@ -65,8 +65,15 @@ from undolog_adapters._common import (
     refusal_text,
     rollback_outcome,
 )
-from undolog_core import AwaitingApproval, Completed, Execute, RequestState, ToolTier, UndoLog, errors
-from undolog_core.integration import KICKOFF, Continuation, session_table
+from undolog_core import RequestState, ToolTier, UndoLog, errors
+from undolog_core.integration import (
+    KICKOFF,
+    AwaitingApproval,
+    Completed,
+    Continuation,
+    Execute,
+    session_table,
+)
 
 __all__ = ["KickoffResult", "UndoLogPolicy", "UndoLogTool", "UndoLogToolset", "fail_closed", "wrap_tools"]
 

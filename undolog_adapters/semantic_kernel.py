@@ -65,21 +65,15 @@ from undolog_adapters._common import (
     refusal_text,
     rollback_outcome,
 )
-from undolog_core import (
-    ApprovalPending,
+from undolog_core import ApprovalPending, RequestState, ToolTier, UndoLog, errors
+from undolog_core.integration import (
     AwaitingApproval,
     Completed,
+    Continuation,
     Execute,
     Outcome,
-    RequestState,
-    ToolSpec,
-    ToolTier,
-    UndoLog,
-    errors,
-)
-from undolog_core.integration import (
-    Continuation,
     SessionCache,
+    ToolSpec,
     WouldBlock,
     execute_now,
     hot_path,

@@ -3,6 +3,9 @@
 The adapters and the MCP gateway import these from here, never from the core's private modules, so the core can
 move its internals without breaking them.
 
+- ``Execute``, ``AwaitingApproval``, ``Completed`` (a call's decision), ``Outcome`` and ``NothingHappened`` (what
+  the call driver reports of it), ``CallDriver`` and ``ToolSpec`` (a registered tool's contract): the decision types
+  an adapter drives a call with (importable from ``undolog_core`` itself until 0.1).
 - ``WouldBlock``: raised by the call driver, before anything is written, when a caller on an event loop asked not
   to wait (``wait=False``) and the decision would wait for a pool slot or SQLite's write lock; decide again in a
   worker thread.
@@ -42,24 +45,25 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._continuation import Continuation
-from ._engine import KICKOFF, SessionCache, execute_now
+from ._driver import CallDriver, NothingHappened, Outcome
+from ._engine import KICKOFF, AwaitingApproval, Completed, Execute, SessionCache, execute_now
 from ._json import jsonable
 from ._observe import metering
 from ._owners import WAKE_SIGNAL
 from ._saga import run_coro_blocking
-from ._tools import tool_name_of
+from ._tools import ToolSpec, tool_name_of
 from .storage.pool import WouldBlock
 from .storage.records import ApprovalRecord
 from .storage.schema import IN_FLIGHT
 
 if TYPE_CHECKING:
-    from ._engine import Decision, Execute
-    from ._tools import ToolSpec
+    from ._engine import Decision
     from ._undolog import UndoLog
     from .storage import Storage
 
-__all__ = ["IN_FLIGHT", "KICKOFF", "WAKE_SIGNAL", "ApprovalRecord", "Continuation", "HotPath", "SessionCache",
-           "SessionTable", "WouldBlock", "execute_now", "hot_path", "jsonable", "metering", "persist_session",
+__all__ = ["IN_FLIGHT", "KICKOFF", "WAKE_SIGNAL", "ApprovalRecord", "AwaitingApproval", "CallDriver", "Completed",
+           "Continuation", "Execute", "HotPath", "NothingHappened", "Outcome", "SessionCache", "SessionTable",
+           "ToolSpec", "WouldBlock", "execute_now", "hot_path", "jsonable", "metering", "persist_session",
            "put_undo_args", "run_coro_blocking", "session_table", "shared_store", "tool_name_of"]
 
 

@@ -19,8 +19,8 @@ from langchain_core.messages import AIMessage, ToolMessage
 from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp
 
-from undolog_core import AwaitingApproval, Completed, Execute, Outcome, ToolTier, errors
-from undolog_core.integration import WouldBlock
+from undolog_core import ToolTier, errors
+from undolog_core.integration import AwaitingApproval, Completed, Execute, Outcome, WouldBlock
 
 from ._guard import _config_of, _Guard, _override, _Reply, _Run
 from ._payload import _Pause

@@ -24,17 +24,17 @@ from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import interrupt
 from pydantic import BaseModel
 
-from undolog_core import (
+from undolog_core import OnFailure, RequestState, SessionState, ToolTier, errors
+from undolog_core.integration import (
     AwaitingApproval,
     Completed,
     Execute,
-    OnFailure,
-    RequestState,
-    SessionState,
-    ToolTier,
-    errors,
+    WouldBlock,
+    hot_path,
+    jsonable,
+    session_table,
+    tool_name_of,
 )
-from undolog_core.integration import WouldBlock, hot_path, jsonable, session_table, tool_name_of
 
 from .._common import Registrar, TierValue, failure_text, refusal_text, rollback_outcome
 from ._payload import (
