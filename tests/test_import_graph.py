@@ -133,34 +133,19 @@ PUBLIC = {
     "undolog_core.limits": "the limits shared with the desk, public as `undolog_core.limits` (in the top-level __all__)",
     "undolog_core.webhooks": "stdlib-only webhook signing, documented for receivers",
     "undolog_core.testing": "the undo check and its pytest plugin, documented for app authors",
+    "undolog_core.records": "the records the API's reads return, for app authors' type annotations",
 }
 
-_SESSION_LIFECYCLE = ("the session lifecycle an adapter needs (ensure, look up, start, its state) has no public API "
-                      "yet: the engine's split into the gate and the session table gives it one (issue #35, step 2)")
-_HOT_DECISION = ("the LangGraph fast path decides a SAFE or COMPENSABLE call without the driver's frames: it goes "
-                 "with the one call walk (issue #35, step 4)")
+_SESSION_LIFECYCLE = ("the session lifecycle is the integration contract's `session_table` (issue #35 part 1), but a "
+                      "row read elsewhere put back into this process's records (`remember`) is not in it yet")
 _STORE_READS = ("reads and writes of the store that no service offers yet: the storage repositories give them a "
                 "written contract (issue #35, step 3)")
-_DESK_TABLES = ("the desk's and the gateway's tables live on the core's store (one pool, one migration run): "
+_DESK_TABLES = ("the desk's and the gateway's tables live on the core's store (one pool, one migration run; the "
+                "contract's `shared_store(undolog)` hands it over, as the gateway's cli.py takes it): "
                 "`ServerStore(undolog.store)` and its migration take the store itself")
 
 # Where a client still reaches into an UndoLog's engine or store: (file, reach) -> (how many, why). Only shrinks.
 REACHES: dict[tuple[str, str], tuple[int, str]] = {
-    ("undolog_adapters/crewai.py", "engine.look_up_session"): (1, _SESSION_LIFECYCLE),
-    ("undolog_adapters/crewai.py", "engine.cached"): (1, _SESSION_LIFECYCLE),
-    ("undolog_adapters/crewai.py", "engine.max_sessions"): (1, _SESSION_LIFECYCLE),
-    ("undolog_adapters/crewai.py", "engine.ensure_session"): (1, _SESSION_LIFECYCLE),
-    ("undolog_adapters/langgraph/_call.py", "engine.decide_safe"): (1, _HOT_DECISION),
-    ("undolog_adapters/langgraph/_call.py", "engine.intercept_spec"): (1, _HOT_DECISION),
-    ("undolog_adapters/langgraph/_guard.py", "engine.ensure_session"): (3, _SESSION_LIFECYCLE),
-    ("undolog_adapters/langgraph/_guard.py", "engine.max_sessions"): (1, _SESSION_LIFECYCLE),
-    ("undolog_adapters/langgraph/_guard.py", "engine.try_start"): (1, _SESSION_LIFECYCLE),
-    ("undolog_adapters/langgraph/_guard.py", "engine.session_states"): (3, _SESSION_LIFECYCLE),
-    ("undolog_adapters/langgraph/_guard.py", "engine.sessions_with_call"): (1, _SESSION_LIFECYCLE),
-    ("undolog_adapters/langgraph/_resume.py", "engine.ensure_session"): (1, _SESSION_LIFECYCLE),
-    ("undolog_adapters/semantic_kernel.py", "engine"): (3, "the engine held once for the SAFE hot path (its "
-                                                           "count and pin check, the session cache): "
-                                                           + _HOT_DECISION),
     ("undolog_server/app.py", "store"): (1, _DESK_TABLES),
     ("undolog_server/cli.py", "store"): (3, _DESK_TABLES),
     ("undolog_server/slack.py", "store"): (1, _DESK_TABLES),
@@ -171,13 +156,31 @@ REACHES: dict[tuple[str, str], tuple[int, str]] = {
                                                          + _STORE_READS),
     ("undolog_server/dashboard.py", "store.session_of_effect"): (1, _STORE_READS),
     ("undolog_server/email_approvals.py", "store"): (1, _DESK_TABLES),
-    ("undolog_mcp/capture.py", "store.put_undo_args"): (1, _STORE_READS),
-    ("undolog_mcp/cli.py", "store"): (1, _DESK_TABLES),
     ("undolog_mcp/elicit.py", "store"): (2, _DESK_TABLES),
     ("undolog_mcp/gateway.py", "store.session_of_client_key"): (1, _STORE_READS),
     ("undolog_mcp/gateway.py", "store.effect_by_call"): (1, _STORE_READS),
     ("undolog_mcp/lifecycle.py", "engine.remember"): (1, "a session found fresh again goes back into the engine's "
                                                          "cache: " + _SESSION_LIFECYCLE),
+}
+
+_MOVED_THIS_ROUND = ("a name moved out of the top-level `undolog_core` (issue #35 part 1: it is in "
+                     "`undolog_core.integration` or `undolog_core.records` now), imported by a module another change "
+                     "of the same round owns: its import moves over at the merge")
+
+# Imports of a name the top level still serves with a DeprecationWarning (``undolog_core._MOVED``), by a client not yet
+# moved: (file, name) -> why. Only shrinks, as REACHES.
+MOVED_IMPORTS: dict[tuple[str, str], str] = {
+    ("undolog_mcp/elicit.py", "AwaitingApproval"): _MOVED_THIS_ROUND,
+    ("undolog_mcp/gateway.py", "AwaitingApproval"): _MOVED_THIS_ROUND,
+    ("undolog_mcp/gateway.py", "Completed"): _MOVED_THIS_ROUND,
+    ("undolog_mcp/gateway.py", "NothingHappened"): _MOVED_THIS_ROUND,
+    ("undolog_mcp/gateway.py", "ToolSpec"): _MOVED_THIS_ROUND,
+    ("undolog_mcp/results.py", "AwaitingApproval"): _MOVED_THIS_ROUND,
+    ("undolog_server/email_approvals.py", "OutboxEvent"): _MOVED_THIS_ROUND,
+    ("undolog_server/proxy_api.py", "AwaitingApproval"): _MOVED_THIS_ROUND,
+    ("undolog_server/proxy_api.py", "Completed"): _MOVED_THIS_ROUND,
+    ("undolog_server/slack.py", "OutboxEvent"): _MOVED_THIS_ROUND,
+    ("undolog_server/webhooks.py", "OutboxEvent"): _MOVED_THIS_ROUND,
 }
 
 # The services of an UndoLog that are not part of any contract, and the names clients hold an UndoLog under.
@@ -266,7 +269,18 @@ def test_the_core_imports_none_of_the_packages_built_on_it() -> None:
 
 
 def test_adapters_desk_and_gateway_import_nothing_private_of_the_core() -> None:
-    assert private_core_imports() == []
+    found = private_core_imports()
+    listed = {f"{f}:{name}" for f, name in MOVED_IMPORTS}
+    assert [i for i in found if _file_and_name(i) not in listed] == []
+    still = {_file_and_name(i) for i in found}
+    gone = sorted(k for k in listed if k not in still)
+    assert not gone, f"moved over (good): remove their entries in MOVED_IMPORTS: {gone}"
+
+
+def _file_and_name(found: str) -> str:
+    """``undolog_mcp/gateway.py:27 undolog_core.ToolSpec`` -> ``undolog_mcp/gateway.py:ToolSpec``."""
+    where, _, what = found.partition(" ")
+    return f"{where.rpartition(':')[0]}:{what.rpartition('.')[2]}"
 
 
 def test_reaches_into_an_undologs_engine_or_store_are_the_listed_ones_and_only_shrink() -> None:

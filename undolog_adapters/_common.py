@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from undolog_core import CompensationDescriptor, RetryPolicy, ToolTier, compensation, errors
 
 if TYPE_CHECKING:
-    from undolog_core import RollbackReport, ToolSpec, UndoLog
+    from undolog_core import RollbackReport, UndoLog
+    from undolog_core.integration import ToolSpec
 
 __all__ = [
     "Registrar",

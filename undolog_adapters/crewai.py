@@ -65,8 +65,15 @@ from undolog_adapters._common import (
     refusal_text,
     rollback_outcome,
 )
-from undolog_core import AwaitingApproval, Completed, Execute, RequestState, ToolTier, UndoLog, errors
-from undolog_core.integration import KICKOFF, Continuation
+from undolog_core import RequestState, ToolTier, UndoLog, errors
+from undolog_core.integration import (
+    KICKOFF,
+    AwaitingApproval,
+    Completed,
+    Continuation,
+    Execute,
+    session_table,
+)
 
 __all__ = ["KickoffResult", "UndoLogPolicy", "UndoLogTool", "UndoLogToolset", "fail_closed", "wrap_tools"]
 
@@ -276,6 +283,7 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
     ) -> None:
         super().__init__(tools)
         self.undolog = undolog
+        self._sessions = session_table(undolog)
         self.fixed_session_id = session_id
         self.wait_for_approval = float(wait_for_approval)
         self.agent_id = agent_id
@@ -379,9 +387,9 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
         with self._lock:
             if sid in self._ensured:
                 return
-        self.undolog.engine.look_up_session(sid, agent_id=self.agent_id, minted=minted)
+        self._sessions.look_up_session(sid, agent_id=self.agent_id, minted=minted)
         with self._lock:
-            if len(self._ensured) >= self.undolog.engine.max_sessions:
+            if len(self._ensured) >= self._sessions.max_sessions:
                 # A kickoff is a session: bounded like the engine's records. A session forgotten here is looked up
                 # again (one read, idempotent) at its next tool call.
                 self._ensured.clear()
@@ -591,9 +599,9 @@ class UndoLogToolset(list):  # type: ignore[type-arg]
         row. As the Semantic Kernel filter does; the engine's own fallback would read the session again and fsync
         the insert.
         """
-        sc = self.undolog.engine.cached(sid)
+        sc = self._sessions.cached(sid)
         if sc is None or not sc.persisted:
-            self.undolog.engine.ensure_session(sid, agent_id=self.agent_id, fresh=True, durable=False)
+            self._sessions.ensure_session(sid, agent_id=self.agent_id, fresh=True, durable=False)
 
     def _call_id(self, sid: str, tool: UndoLogTool, args: dict[str, Any]) -> str:
         if tool.tier is ToolTier.IRREVERSIBLE:

@@ -65,19 +65,20 @@ from undolog_adapters._common import (
     refusal_text,
     rollback_outcome,
 )
-from undolog_core import (
-    ApprovalPending,
+from undolog_core import ApprovalPending, RequestState, ToolTier, UndoLog, errors
+from undolog_core.integration import (
     AwaitingApproval,
     Completed,
+    Continuation,
     Execute,
     Outcome,
-    RequestState,
+    SessionCache,
     ToolSpec,
-    ToolTier,
-    UndoLog,
-    errors,
+    WouldBlock,
+    execute_now,
+    hot_path,
+    session_table,
 )
-from undolog_core.integration import Continuation, SessionCache, WouldBlock, execute_now
 
 __all__ = [
     "ROLLBACK_ATTR",
@@ -284,7 +285,10 @@ class UndoLogFilter:
         # The registry's tools by name, read on each call (a tool registered again is a new ToolSpec there).
         self._tools = undolog.registry.tools
         self._driver = undolog.driver  # (one attribute look-up fewer on each SAFE call)
-        self._engine = undolog.engine  # (likewise: a SAFE call's count and pin check is its note_safe_in)
+        # The integration contract's per-call decisions (a SAFE call's count and pin check is its note_safe_in) and
+        # session lifecycle, held once: the core's own objects, so a call through them costs no frame of its own.
+        self._hot = hot_path(undolog)
+        self._sessions = session_table(undolog)
         # The sessions this filter has seen, as the engine keeps them (read once; see _cache).
         self._seen: dict[str, SessionCache] = {}
         # SAFE calls (no retry policy) the auto filter routed and the inner filter has not taken yet: id of the call's
@@ -418,20 +422,20 @@ class UndoLogFilter:
         sc = self._seen.get(sid)
         if sc is not None:
             return sc
-        engine = self.undolog.engine
+        sessions = self._sessions
         try:
-            sc = engine.look_up_session(sid, agent_id=self.agent_id, wait=False)
+            sc = sessions.look_up_session(sid, agent_id=self.agent_id, wait=False)
         except WouldBlock:  # no free connection at once: never wait on the event loop
-            sc = await asyncio.to_thread(engine.look_up_session, sid, agent_id=self.agent_id)
+            sc = await asyncio.to_thread(sessions.look_up_session, sid, agent_id=self.agent_id)
         # Bounded by the engine's own bound too: a record held here stays in memory when the engine evicts it (and is
         # put back when used: see Engine._evicted), so this map must not hold more conversations than that.
-        if len(self._seen) >= min(_KEEP, engine.max_sessions):
+        if len(self._seen) >= min(_KEEP, sessions.max_sessions):
             self._seen.clear()
         self._seen[sid] = sc
-        if engine.needs_trim():
+        if sessions.needs_trim():
             # A new conversation took the engine past its bound with records whose counts are not written yet (the
             # look-up above may not write on the event loop): written and evicted in a worker thread, now.
-            await asyncio.to_thread(engine.trim)
+            await asyncio.to_thread(sessions.trim)
         return sc
 
     @staticmethod
@@ -513,11 +517,11 @@ class UndoLogFilter:
             # then nothing in the store refers to the row (a power loss before it loses a session with no call).
             # A per-conversation thread hop and fsync cost this step about what UndoLog's whole per-call bookkeeping
             # did (benchmarks/agent_step.py, "over its lower bound").
-            engine = self.undolog.engine
+            sessions = self._sessions
             try:
-                engine.ensure_session(sid, agent_id=self.agent_id, fresh=True, durable=False, wait=False)
+                sessions.ensure_session(sid, agent_id=self.agent_id, fresh=True, durable=False, wait=False)
             except WouldBlock:
-                await asyncio.to_thread(engine.ensure_session, sid, agent_id=self.agent_id, fresh=True,
+                await asyncio.to_thread(sessions.ensure_session, sid, agent_id=self.agent_id, fresh=True,
                                         durable=False)
         if spec.tier is IRREVERSIBLE:
             call_id = await asyncio.to_thread(self._call_id, sid, name, spec.tier, args, given_call_id)
@@ -587,11 +591,11 @@ class UndoLogFilter:
                 # Inside an SK step each frame is cold: this saves eight, three of them coroutines.
                 asked = self._args(known, context.arguments)
                 call_id = given or f"sk:{uuid.uuid4().hex}"
-                engine = self._engine
+                hot = self._hot
                 try:
-                    decision = engine.intercept_spec(sid, spec, asked, call_id, False, False)
+                    decision = hot.intercept_spec(sid, spec, asked, call_id, False, False)
                 except WouldBlock:
-                    decision = await asyncio.to_thread(engine.intercept_spec, sid, spec, asked, call_id)
+                    decision = await asyncio.to_thread(hot.intercept_spec, sid, spec, asked, call_id)
             else:
                 sid, decision, asked = await self._intercept(known, spec, context.arguments, given)
         except errors.UndoLogError as exc:
@@ -707,7 +711,7 @@ class UndoLogFilter:
             copy = spec._as_is_copy
             values = copy(arguments) if copy is not None and known.params.issuperset(arguments) else None
             if values is not None:
-                self._engine.note_safe_in(sc, spec, values)
+                self._hot.note_safe_in(sc, spec, values)
             else:
                 arguments.update(self._driver.safe(spec, self._args(known, arguments), sc))
         except errors.UndoLogError as exc:

@@ -31,6 +31,11 @@ from .storage.schema import OnFailure, SessionState
 class UndoLog:
     """One UndoLog per process and database.
 
+    Its services for app authors are ``approvals``, ``sessions``, ``policy``, ``registry`` and ``outbox``; the
+    packages built on the core use ``driver`` and ``undolog_core.integration`` besides. ``engine`` and ``leases``
+    are the core's own wiring, in no contract, as are ``store`` (but its ``url``, ``schema``, ``dialect`` and
+    ``max_connections``) and ``saga`` (but its ``undo_plan``): the core's own tests reach them.
+
     Example:
         >>> undolog = UndoLog.open("sqlite:///undolog.db")
         >>> undolog.register(search_knowledge_base, send_refund_email, cancel_refund_email)

@@ -3,6 +3,9 @@
 The adapters and the MCP gateway import these from here, never from the core's private modules, so the core can
 move its internals without breaking them.
 
+- ``Execute``, ``AwaitingApproval``, ``Completed`` (a call's decision), ``Outcome`` and ``NothingHappened`` (what
+  the call driver reports of it), ``CallDriver`` and ``ToolSpec`` (a registered tool's contract): the decision types
+  an adapter drives a call with (importable from ``undolog_core`` itself until 0.1).
 - ``WouldBlock``: raised by the call driver, before anything is written, when a caller on an event loop asked not
   to wait (``wait=False``) and the decision would wait for a pool slot or SQLite's write lock; decide again in a
   worker thread.
@@ -21,6 +24,13 @@ move its internals without breaking them.
 - ``ApprovalRecord``: an approval request as read from the store.
 - ``persist_session``: write a session this process started but has not written yet, now (for a reader in another
   process: the desk's HTTP agents).
+- ``session_table`` and ``SessionTable``: the session lifecycle an adapter drives (look a conversation's session up,
+  start it, read its state, bound what is kept), and ``hot_path`` and ``HotPath``: the decision of one call without
+  the driver's frames (a SAFE call counted in memory, a logged one's pre-write). Both hand back the core's own object
+  typed by the protocol, so a call through them costs no Python frame of its own: take it once, when the adapter is
+  built, and call its methods.
+- ``put_undo_args``: store what a gateway captured before a call with the call's undo entry.
+- ``shared_store``: the store the desk's and the gateway's own tables live on (one pool, one migration run).
 
 Example:
     >>> from undolog_core.integration import jsonable, tool_name_of
@@ -31,24 +41,30 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._continuation import Continuation
-from ._engine import KICKOFF, SessionCache, execute_now
+from ._driver import CallDriver, NothingHappened, Outcome
+from ._engine import KICKOFF, AwaitingApproval, Completed, Execute, SessionCache, execute_now
 from ._json import jsonable
 from ._observe import metering
 from ._owners import WAKE_SIGNAL
 from ._saga import run_coro_blocking
-from ._tools import tool_name_of
+from ._tools import ToolSpec, tool_name_of
 from .storage.pool import WouldBlock
 from .storage.records import ApprovalRecord
 from .storage.schema import IN_FLIGHT
 
 if TYPE_CHECKING:
+    from ._engine import Decision
     from ._undolog import UndoLog
+    from .storage import Storage
 
-__all__ = ["IN_FLIGHT", "KICKOFF", "WAKE_SIGNAL", "ApprovalRecord", "Continuation", "SessionCache", "WouldBlock",
-           "execute_now", "jsonable", "metering", "persist_session", "run_coro_blocking", "tool_name_of"]
+__all__ = ["IN_FLIGHT", "KICKOFF", "WAKE_SIGNAL", "ApprovalRecord", "AwaitingApproval", "CallDriver", "Completed",
+           "Continuation", "Execute", "HotPath", "NothingHappened", "Outcome", "SessionCache", "SessionTable",
+           "ToolSpec", "WouldBlock", "execute_now", "hot_path", "jsonable", "metering", "persist_session",
+           "put_undo_args", "run_coro_blocking", "session_table", "shared_store", "tool_name_of"]
 
 
 def persist_session(undolog: UndoLog, session_id: str) -> None:
@@ -62,3 +78,128 @@ def persist_session(undolog: UndoLog, session_id: str) -> None:
         >>> persist_session(undolog, s.id)                               # doctest: +SKIP
     """
     undolog.engine.persist(session_id)
+
+
+class SessionTable(Protocol):
+    """The sessions this process keeps in memory, as an adapter drives them (one session per conversation).
+
+    Each method answers from this process's record (a ``SessionCache``) when it has one and reads or writes the
+    store only when it must. ``wait=False`` (a caller on an event loop) raises ``WouldBlock`` instead of waiting for
+    a connection; the caller then asks again in a worker thread.
+
+    Example:
+        >>> sessions = session_table(undolog)                          # doctest: +SKIP
+        >>> sc = sessions.look_up_session("chat-1", agent_id="support-bot")  # doctest: +SKIP
+        >>> sc.state                                                    # doctest: +SKIP
+        'active'
+    """
+
+    @property
+    def max_sessions(self) -> int:
+        """How many session records are kept in memory (``UndoLog(max_sessions=...)``): bound an adapter's too."""
+
+    def cached(self, session_id: str) -> SessionCache | None:
+        """This process's record of the session, or None: no I/O."""
+
+    def look_up_session(self, session_id: str, *, agent_id: str | None = None, wait: bool = True,
+                        minted: bool = False) -> SessionCache:
+        """The record, read from the store when this process does not know the session (else kept in memory)."""
+
+    def ensure_session(self, session_id: str, *, agent_id: str | None = None, created_by: str | None = None,
+                       on_failure: str = "rollback", create: bool = True, fresh: bool = False, durable: bool = True,
+                       wait: bool = True) -> SessionCache:
+        """The record, read from the store, or the session started there.
+
+        ``fresh``: a just-minted id, inserted first; ``durable=False``: its row may wait for its first logged call.
+        """
+
+    def try_start(self, session_id: str, *, agent_id: str | None = None, on_failure: str = "rollback",
+                  unless: str | None = None, durable: bool = True) -> SessionCache | None:
+        """The session started without reading the store first (never beside ``unless``), or None: read it then."""
+
+    def session_states(self, session_ids: list[str], *, wait: bool = True) -> dict[str, tuple[str, str | None]]:
+        """The stored state (and halt reason) of each of the sessions the store has: a read only."""
+
+    def sessions_with_call(self, session_ids: list[str], call_id: str) -> set[str]:
+        """Which of the sessions already hold a call with this id (a call re-issued by a replay)."""
+
+    def needs_trim(self) -> bool:
+        """Whether more records are kept than ``max_sessions``."""
+
+    def trim(self, *, write: bool = True) -> int:
+        """Bring the records down to ``max_sessions``, oldest first (written first with ``write``)."""
+
+
+class HotPath(Protocol):
+    """One call's decision without the call driver's frames: what a framework adapter calls on every tool call.
+
+    ``decide_safe`` decides a SAFE call in memory (its arguments checked, the session's pin checked, the call
+    counted); ``note_safe_in`` counts a SAFE call already checked into the session's record; ``intercept_spec``
+    decides a COMPENSABLE or IRREVERSIBLE call (its durable pre-write, or the approval it waits for).
+
+    Example:
+        >>> hot = hot_path(undolog)                                          # doctest: +SKIP
+        >>> hot.decide_safe("chat-1", spec, {"query": "refunds"}, "call-1")  # doctest: +SKIP
+        Execute(...)
+    """
+
+    def decide_safe(self, session_id: str, spec: ToolSpec, args: Mapping[str, Any], call_id: str | None = None,
+                    wait: bool = True) -> Execute:
+        """A SAFE call's decision: nothing is written."""
+
+    def note_safe_in(self, sc: SessionCache, spec: ToolSpec, args: Mapping[str, Any]) -> None:
+        """Count a SAFE call (its contract already checked) into the session's record: nothing is written."""
+
+    def intercept_spec(self, session_id: str, spec: ToolSpec, args: Mapping[str, Any], call_id: str | None = None,
+                       match_digest: bool = False, wait: bool = True) -> Decision:
+        """A logged call's decision: its pre-write, or the approval it waits for, or its earlier answer."""
+
+
+def session_table(undolog: UndoLog) -> SessionTable:
+    """The session lifecycle of ``undolog``, for an adapter to hold from its construction on.
+
+    It is the engine itself, typed by the protocol: a call costs no frame of the contract's own, and a method
+    replaced on the engine (a test's spy) is the one called.
+
+    Example:
+        >>> sessions = session_table(undolog)                            # doctest: +SKIP
+        >>> sessions.ensure_session("chat-1", agent_id="support-bot")    # doctest: +SKIP
+    """
+    return undolog.engine
+
+
+def hot_path(undolog: UndoLog) -> HotPath:
+    """The per-call decisions of ``undolog``, for an adapter to hold from its construction on (see ``HotPath``).
+
+    Example:
+        >>> hot = hot_path(undolog)                                      # doctest: +SKIP
+        >>> decision = hot.intercept_spec("chat-1", spec, {"to": "a@b.c"}, "call-2")  # doctest: +SKIP
+    """
+    return undolog.engine
+
+
+def put_undo_args(undolog: UndoLog, effect_id: str, args: Any) -> bool:
+    """Replace the arguments stored with the effect's armed undo entry (what its compensation is given).
+
+    A gateway stores there what it captured before the call was sent. False when the entry is no longer armed.
+
+    Blocking I/O: from an event loop, call it in a worker thread.
+
+    Example:
+        >>> before = {"path": "a.txt", "dev.undolog/before": {"content": "old"}}
+        >>> put_undo_args(undolog, effect_id, before)                       # doctest: +SKIP
+        True
+    """
+    return undolog.store.put_undo_args(effect_id, args)
+
+
+def shared_store(undolog: UndoLog) -> Storage:
+    """The store of ``undolog``, for the packages that keep tables of their own beside the core's.
+
+    The desk's tables and the gateway's API keys: one pool and one migration run for all of them.
+
+    Example:
+        >>> from undolog_server.storage import ServerStore                # doctest: +SKIP
+        >>> ServerStore(shared_store(undolog)).migrate()                   # doctest: +SKIP
+    """
+    return undolog.store

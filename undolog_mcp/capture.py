@@ -19,6 +19,7 @@ from mcp import types
 
 from undolog_core import UndoLog
 from undolog_core.errors import UndoLogError
+from undolog_core.integration import put_undo_args
 from undolog_core.limits import MAX_RESULT_BYTES
 
 from .results import error_result, structured, text_of
@@ -54,7 +55,7 @@ async def capture_before(undolog: UndoLog, upstream: Callable[..., Awaitable[typ
     if size > MAX_RESULT_BYTES:
         return refuse(f"{capture.tool} answered {size} bytes, more than the {MAX_RESULT_BYTES} a stored value may "
                       "be (kept whole or not at all: a cut copy would restore the wrong thing)")
-    stored = await asyncio.to_thread(undolog.store.put_undo_args, effect_id, {**stored_args, BEFORE_KEY: before})
+    stored = await asyncio.to_thread(put_undo_args, undolog, effect_id, {**stored_args, BEFORE_KEY: before})
     if not stored:
         return refuse("its undo entry is no longer armed")
     return None

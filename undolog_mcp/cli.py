@@ -10,9 +10,12 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from undolog_core import UndoLog
 
 mcp_app = typer.Typer(help="The MCP gateway: the three tiers in front of any MCP server.", no_args_is_help=True)
 
@@ -146,19 +149,21 @@ def serve(
         undolog.close()
 
 
-def _agent_keys(undolog: object) -> Callable[[str], str | None]:
+def _agent_keys(undolog: UndoLog) -> Callable[[str], str | None]:
     """Bearer tokens checked against the desk's API keys: a key with the agent role acts as an MCP client.
 
     The principal returned (and recorded as the session's owner) is the desk's principal reference ``key:<id>``,
     the one form the desk's checks compare: a key holding the approver role too may then not decide what it
     raised through the gateway.
     """
+    from undolog_core.integration import shared_store
+
     try:
         from undolog_server.identity import Role
         from undolog_server.storage import ServerStore
     except ImportError:
         _fail("--http uses the desk's API keys: pip install 'undolog[server]'")
-    store = ServerStore(undolog.store)  # type: ignore[attr-defined]
+    store = ServerStore(shared_store(undolog))
     store.migrate()
 
     def authenticate(token: str) -> str | None:

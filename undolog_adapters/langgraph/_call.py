@@ -19,8 +19,8 @@ from langchain_core.messages import AIMessage, ToolMessage
 from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp
 
-from undolog_core import AwaitingApproval, Completed, Execute, Outcome, ToolTier, errors
-from undolog_core.integration import WouldBlock
+from undolog_core import ToolTier, errors
+from undolog_core.integration import AwaitingApproval, Completed, Execute, Outcome, WouldBlock
 
 from ._guard import _config_of, _Guard, _override, _Reply, _Run
 from ._payload import _Pause
@@ -267,9 +267,9 @@ def _known(guard: _Guard, request: Any, wait: bool) -> Any:
     d: Execute | AwaitingApproval | Completed
     try:
         if tier is ToolTier.SAFE:
-            d = guard.u.engine.decide_safe(sid, spec, call.get("args") or {}, call.get("id"), wait)
+            d = guard.hot.decide_safe(sid, spec, call.get("args") or {}, call.get("id"), wait)
         else:
-            d = guard.u.engine.intercept_spec(sid, spec, call.get("args") or {}, call.get("id"), False, wait)
+            d = guard.hot.intercept_spec(sid, spec, call.get("args") or {}, call.get("id"), False, wait)
     except WouldBlock:
         return NOT_SAFE  # nothing written: decided again where it may wait
     except _REFUSED as exc:

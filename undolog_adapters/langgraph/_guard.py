@@ -24,17 +24,17 @@ from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import interrupt
 from pydantic import BaseModel
 
-from undolog_core import (
+from undolog_core import OnFailure, RequestState, SessionState, ToolTier, errors
+from undolog_core.integration import (
     AwaitingApproval,
     Completed,
     Execute,
-    OnFailure,
-    RequestState,
-    SessionState,
-    ToolTier,
-    errors,
+    WouldBlock,
+    hot_path,
+    jsonable,
+    session_table,
+    tool_name_of,
 )
-from undolog_core.integration import WouldBlock, jsonable, tool_name_of
 
 from .._common import Registrar, TierValue, failure_text, refusal_text, rollback_outcome
 from ._payload import (
@@ -89,6 +89,10 @@ class _Guard:
             )
         self.registrar = Registrar(undolog, tiers=tiers, compensations=compensations)
         self.u = undolog
+        # The session lifecycle and the per-call decisions of the integration contract, held once: a call through
+        # them costs no frame of its own (they are the core's objects, typed by its protocols).
+        self.table = session_table(undolog)
+        self.hot = hot_path(undolog)
         self.agent_id = agent_id
         self.approver = approver
         self.session_fn = session_id
@@ -188,7 +192,7 @@ class _Guard:
                     break
             sid = _chain(base, n)
             # Created here with our agent id and failure policy, before any call can create it implicitly.
-            self.u.engine.ensure_session(sid, agent_id=self.agent_id, on_failure=self.on_failure)
+            self.table.ensure_session(sid, agent_id=self.agent_id, on_failure=self.on_failure)
             self._set_head(base, n)
         return sid
 
@@ -200,7 +204,7 @@ class _Guard:
             if keep and base in heads:
                 return
             heads[base] = n
-            over = len(heads) - self.u.engine.max_sessions
+            over = len(heads) - self.table.max_sessions
             if over > 0:
                 for old in list(islice(heads, over)):
                     del heads[old]
@@ -222,18 +226,18 @@ class _Guard:
             # it (SQLite). A new thread's first turn so skips a read, which inside a step costs as much as the
             # insert (both run SQLite's code cold). Not waiting for the disk: see below.
             with self.create_lock:
-                sc = self.u.engine.try_start(sid, agent_id=self.agent_id, on_failure=self.on_failure, unless=nxt,
+                sc = self.table.try_start(sid, agent_id=self.agent_id, on_failure=self.on_failure, unless=nxt,
                                              durable=False)
             if sc is not None:
                 self._set_head(base, n, keep=True)
                 return sid, sc.state, None
-        found = self.u.engine.session_states([sid, nxt], wait=wait)
+        found = self.table.session_states([sid, nxt], wait=wait)
         if nxt in found:
             # Rare: another process opened the thread's next session (after a rollback): walk the chain.
             if not wait:
                 raise WouldBlock()
             sid = self.head(base, refresh=True)
-            state = self.u.engine.session_states([sid]).get(sid)
+            state = self.table.session_states([sid]).get(sid)
             return sid, *(state or (None, None))
         if sid not in found:
             # The thread's first turn: its session is created here (one write per thread, not per turn), with our
@@ -246,7 +250,7 @@ class _Guard:
                 # finds it), and made durable by the first durable write that refers to it (a pre-write, a halt).
                 # Until then a power loss only takes a row nothing refers to. The fsync was most of what UndoLog
                 # added to a SAFE agent step on SQLite (one per thread: 0.2-3 ms, a twentieth of it per step).
-                sc = self.u.engine.ensure_session(sid, agent_id=self.agent_id, on_failure=self.on_failure, fresh=True,
+                sc = self.table.ensure_session(sid, agent_id=self.agent_id, on_failure=self.on_failure, fresh=True,
                                                   durable=False)
                 self._set_head(base, n, keep=True)
             return sid, sc.state, None
@@ -261,12 +265,12 @@ class _Guard:
         and step around a halt made on the newer one (the call that takes it is refused by that halt instead)."""
         current = self.head(base, refresh=True)
         if current != closed:
-            found = self.u.engine.session_states([current]).get(current)
+            found = self.table.session_states([current]).get(current)
             if found is None or found[0] not in (SessionState.ROLLED_BACK, SessionState.COMPLETED):
                 return current  # (``head`` recorded it)
         n = _chain_index(base, current) + 1
         sid = _chain(base, n)
-        self.u.engine.ensure_session(sid, agent_id=self.agent_id, on_failure=self.on_failure)
+        self.table.ensure_session(sid, agent_id=self.agent_id, on_failure=self.on_failure)
         self._set_head(base, n)
         return sid
 
@@ -320,7 +324,7 @@ class _Guard:
             return None
         if not wait:
             raise WouldBlock()
-        found = self.u.engine.sessions_with_call([_chain(base, k) for k in range(1, n)], call_id)
+        found = self.table.sessions_with_call([_chain(base, k) for k in range(1, n)], call_id)
         # One call id lives in one session of the thread (it is new to every later one): the newest, to be sure.
         return next((_chain(base, k) for k in range(n - 1, 0, -1) if _chain(base, k) in found), None)
 

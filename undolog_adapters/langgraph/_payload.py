@@ -41,8 +41,8 @@ from pydantic import (
     model_validator,
 )
 
-from undolog_core import AwaitingApproval, RequestState
-from undolog_core.integration import jsonable
+from undolog_core import RequestState
+from undolog_core.integration import AwaitingApproval, jsonable
 
 if TYPE_CHECKING:
     from undolog_core import UndoLog

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from langgraph.types import Command
 
 from undolog_core import RequestState, errors
+from undolog_core.integration import session_table
 
 from ._payload import ours as _ours
 from ._payload import requests_of as _requests_of
@@ -51,7 +52,7 @@ def new_session(thread_id: str, *, undolog: UndoLog | None = None, agent_id: str
     u = _default_undolog(undolog)
     current = session_for_thread(thread_id, undolog=u)
     sid = _chain(str(thread_id), _chain_index(str(thread_id), current) + 1)
-    u.engine.ensure_session(sid, agent_id=agent_id)
+    session_table(u).ensure_session(sid, agent_id=agent_id)
     for a in list(_ADAPTERS):
         with a._undolog_guard.lock:
             a._undolog_guard.heads.pop(str(thread_id), None)

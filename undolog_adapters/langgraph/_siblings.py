@@ -27,7 +27,8 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from undolog_core import AwaitingApproval, UndoLog, errors
+from undolog_core import UndoLog, errors
+from undolog_core.integration import AwaitingApproval
 
 from ._payload import (
     RESPONSE_SCHEMA,
