@@ -164,12 +164,6 @@ REACHES: dict[tuple[str, str], tuple[int, str]] = {
     ("undolog_server/app.py", "store"): (1, _DESK_TABLES),
     ("undolog_server/cli.py", "store"): (3, _DESK_TABLES),
     ("undolog_server/slack.py", "store"): (1, _DESK_TABLES),
-    ("undolog_server/api.py", "store.effect"): (1, "the resolve route reads the effect to check the approver's "
-                                                   "groups before deciding: " + _STORE_READS),
-    ("undolog_server/api.py", "store.session_of_effect"): (1, _STORE_READS),
-    ("undolog_server/dashboard.py", "store.effect"): (1, "the session page's Resolve form, as the API route: "
-                                                         + _STORE_READS),
-    ("undolog_server/dashboard.py", "store.session_of_effect"): (1, _STORE_READS),
     ("undolog_server/email_approvals.py", "store"): (1, _DESK_TABLES),
     ("undolog_mcp/capture.py", "store.put_undo_args"): (1, _STORE_READS),
     ("undolog_mcp/cli.py", "store"): (1, _DESK_TABLES),

@@ -21,6 +21,8 @@ move its internals without breaking them.
 - ``ApprovalRecord``: an approval request as read from the store.
 - ``persist_session``: write a session this process started but has not written yet, now (for a reader in another
   process: the desk's HTTP agents).
+- ``find_effect`` and ``EffectRef``: one effect's session and tool, or None (the desk's Resolve checks who may see
+  the call before a person settles it).
 
 Example:
     >>> from undolog_core.integration import jsonable, tool_name_of
@@ -31,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ._continuation import Continuation
@@ -48,7 +51,8 @@ if TYPE_CHECKING:
     from ._undolog import UndoLog
 
 __all__ = ["IN_FLIGHT", "KICKOFF", "WAKE_SIGNAL", "ApprovalRecord", "Continuation", "SessionCache", "WouldBlock",
-           "execute_now", "jsonable", "metering", "persist_session", "run_coro_blocking", "tool_name_of"]
+           "execute_now", "jsonable", "metering", "persist_session", "run_coro_blocking", "tool_name_of",
+           "EffectRef", "find_effect"]
 
 
 def persist_session(undolog: UndoLog, session_id: str) -> None:
@@ -62,3 +66,39 @@ def persist_session(undolog: UndoLog, session_id: str) -> None:
         >>> persist_session(undolog, s.id)                               # doctest: +SKIP
     """
     undolog.engine.persist(session_id)
+
+
+@dataclass(frozen=True)
+class EffectRef:
+    """Where one effect belongs: its session and the tool (and revision) of its call.
+
+    Attributes:
+        effect_id: The effect.
+        session_id: The session it was recorded in.
+        tool_name: The tool the call ran.
+        tool_revision: The tool revision it ran under (None for a call recorded before revisions).
+    """
+
+    effect_id: str
+    session_id: str
+    tool_name: str
+    tool_revision: int | None
+
+
+def find_effect(undolog: UndoLog, effect_id: str) -> EffectRef | None:
+    """The session and tool of the effect ``effect_id``, or None when there is no such effect.
+
+    A read for a client that must check who may see a call before acting on it (the desk's Resolve: an approver
+    outside the tool's groups is refused before the decision).
+
+    Example:
+        >>> ref = find_effect(undolog, "3f2a...")                         # doctest: +SKIP
+        >>> ref.session_id, ref.tool_name                                # doctest: +SKIP
+        ('support.9f2c...', 'issue_refund')
+    """
+    session_id = undolog.store.session_of_effect(effect_id)
+    if session_id is None:
+        return None
+    row = undolog.store.effect(effect_id)
+    revision = row.tool_revision
+    return EffectRef(effect_id, session_id, str(row.tool_name), None if revision is None else int(revision))
