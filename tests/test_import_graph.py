@@ -163,8 +163,6 @@ REACHES: dict[tuple[str, str], tuple[int, str]] = {
                                                            + _HOT_DECISION),
     ("undolog_server/app.py", "store"): (1, _DESK_TABLES),
     ("undolog_server/cli.py", "store"): (3, _DESK_TABLES),
-    ("undolog_server/slack.py", "store"): (1, _DESK_TABLES),
-    ("undolog_server/email_approvals.py", "store"): (1, _DESK_TABLES),
     ("undolog_mcp/capture.py", "store.put_undo_args"): (1, _STORE_READS),
     ("undolog_mcp/cli.py", "store"): (1, _DESK_TABLES),
     ("undolog_mcp/elicit.py", "store"): (2, _DESK_TABLES),
