@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Query, Request
+from fastapi.types import DecoratedCallable
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import to_jsonable_python
 
@@ -195,58 +197,48 @@ def show_approval(request: Request, approval_request_id: str = id_path(), key: A
     return approval_detail(st, _visible_approval(st, key, approval_request_id), key)
 
 
-@router.post(
-    "/approvals/{approval_request_id}:approve",
-    response_model=ApprovalOut,
-    tags=["approvals"],
-    summary="Approve a pending request",
-    responses={409: {"description": "Already decided"}},
-)
+def _decision_route(action: str, summary: str, *, edit: bool = False) -> Callable[[DecoratedCallable], DecoratedCallable]:
+    """The route of one decision on a request (``:approve``, ``:reject``, ``:modify``): 409 once it is decided, and
+    422 for an edit its tool's schema refuses."""
+    responses: dict[int | str, dict[str, Any]] = {409: {"description": "Already decided"}}
+    if edit:
+        responses[422] = {"description": "Edited arguments invalid"}
+    return router.post(f"/approvals/{{approval_request_id}}:{action}", response_model=ApprovalOut, tags=["approvals"],
+                       summary=summary, responses=responses)
+
+
+def _decide(request: Request, key: ApiKey, approval_request_id: str, action: Literal["approve", "reject", "modify"],
+            **decision: Any) -> ApprovalOut:
+    """One decision by ``key`` through the core's approvals service (which records it, or refuses a decided one)."""
+    st = server_state(request)
+    row = _decidable(st, key, approval_request_id, action)
+    record = getattr(st.undolog.approvals, action)(approval_request_id, approver=key.identity,
+                                                   principal=key.principal_ref, **decision)
+    return approval_out(st, record, row["groups"])
+
+
+@_decision_route("approve", "Approve a pending request")
 def approve(
     request: Request,
     approval_request_id: str = id_path(),
     body: ApproveIn | None = Body(None),
     key: ApiKey = Depends(APPROVER),
 ) -> ApprovalOut:
-    st = server_state(request)
-    row = _decidable(st, key, approval_request_id, "approve")
-    record = st.undolog.approvals.approve(approval_request_id, approver=key.identity, principal=key.principal_ref,
-                                          reason=body.reason if body else None)
-    return approval_out(st, record, row["groups"])
+    return _decide(request, key, approval_request_id, "approve", reason=body.reason if body else None)
 
 
-@router.post(
-    "/approvals/{approval_request_id}:reject",
-    response_model=ApprovalOut,
-    tags=["approvals"],
-    summary="Reject a pending request (halts its session)",
-    responses={409: {"description": "Already decided"}},
-)
+@_decision_route("reject", "Reject a pending request (halts its session)")
 def reject(
     request: Request, body: RejectIn, approval_request_id: str = id_path(), key: ApiKey = Depends(APPROVER)
 ) -> ApprovalOut:
-    st = server_state(request)
-    row = _decidable(st, key, approval_request_id, "reject")
-    record = st.undolog.approvals.reject(approval_request_id, approver=key.identity, principal=key.principal_ref,
-                                         reason=body.reason)
-    return approval_out(st, record, row["groups"])
+    return _decide(request, key, approval_request_id, "reject", reason=body.reason)
 
 
-@router.post(
-    "/approvals/{approval_request_id}:modify",
-    response_model=ApprovalOut,
-    tags=["approvals"],
-    summary="Approve with edited arguments (validated against the tool's schema)",
-    responses={409: {"description": "Already decided"}, 422: {"description": "Edited arguments invalid"}},
-)
+@_decision_route("modify", "Approve with edited arguments (validated against the tool's schema)", edit=True)
 def modify(
     request: Request, body: ModifyIn, approval_request_id: str = id_path(), key: ApiKey = Depends(APPROVER)
 ) -> ApprovalOut:
-    st = server_state(request)
-    row = _decidable(st, key, approval_request_id, "modify")
-    record = st.undolog.approvals.modify(approval_request_id, approver=key.identity, principal=key.principal_ref,
-                                         args=body.args, reason=body.reason)
-    return approval_out(st, record, row["groups"])
+    return _decide(request, key, approval_request_id, "modify", args=body.args, reason=body.reason)
 
 
 @router.get(
