@@ -148,14 +148,6 @@ _DESK_TABLES = ("the desk's and the gateway's tables live on the core's store (o
 REACHES: dict[tuple[str, str], tuple[int, str]] = {
     ("undolog_server/app.py", "store"): (1, _DESK_TABLES),
     ("undolog_server/cli.py", "store"): (3, _DESK_TABLES),
-    ("undolog_server/slack.py", "store"): (1, _DESK_TABLES),
-    ("undolog_server/api.py", "store.effect"): (1, "the resolve route reads the effect to check the approver's "
-                                                   "groups before deciding: " + _STORE_READS),
-    ("undolog_server/api.py", "store.session_of_effect"): (1, _STORE_READS),
-    ("undolog_server/dashboard.py", "store.effect"): (1, "the session page's Resolve form, as the API route: "
-                                                         + _STORE_READS),
-    ("undolog_server/dashboard.py", "store.session_of_effect"): (1, _STORE_READS),
-    ("undolog_server/email_approvals.py", "store"): (1, _DESK_TABLES),
     ("undolog_mcp/elicit.py", "store"): (2, _DESK_TABLES),
     ("undolog_mcp/gateway.py", "store.session_of_client_key"): (1, _STORE_READS),
     ("undolog_mcp/gateway.py", "store.effect_by_call"): (1, _STORE_READS),

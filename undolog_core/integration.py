@@ -31,6 +31,8 @@ move its internals without breaking them.
   built, and call its methods.
 - ``put_undo_args``: store what a gateway captured before a call with the call's undo entry.
 - ``shared_store``: the store the desk's and the gateway's own tables live on (one pool, one migration run).
+- ``find_effect`` and ``EffectRef``: one effect's session and tool, or None (the desk's Resolve checks who may see
+  the call before a person settles it).
 
 Example:
     >>> from undolog_core.integration import jsonable, tool_name_of
@@ -42,6 +44,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._continuation import Continuation
@@ -62,9 +65,9 @@ if TYPE_CHECKING:
     from .storage import Storage
 
 __all__ = ["IN_FLIGHT", "KICKOFF", "WAKE_SIGNAL", "ApprovalRecord", "AwaitingApproval", "CallDriver", "Completed",
-           "Continuation", "Execute", "HotPath", "NothingHappened", "Outcome", "SessionCache", "SessionTable",
-           "ToolSpec", "WouldBlock", "execute_now", "hot_path", "jsonable", "metering", "persist_session",
-           "put_undo_args", "run_coro_blocking", "session_table", "shared_store", "tool_name_of"]
+           "Continuation", "EffectRef", "Execute", "HotPath", "NothingHappened", "Outcome", "SessionCache",
+           "SessionTable", "ToolSpec", "WouldBlock", "execute_now", "find_effect", "hot_path", "jsonable", "metering",
+           "persist_session", "put_undo_args", "run_coro_blocking", "session_table", "shared_store", "tool_name_of"]
 
 
 def persist_session(undolog: UndoLog, session_id: str) -> None:
@@ -203,3 +206,39 @@ def shared_store(undolog: UndoLog) -> Storage:
         >>> ServerStore(shared_store(undolog)).migrate()                   # doctest: +SKIP
     """
     return undolog.store
+
+
+@dataclass(frozen=True)
+class EffectRef:
+    """Where one effect belongs: its session and the tool (and revision) of its call.
+
+    Attributes:
+        effect_id: The effect.
+        session_id: The session it was recorded in.
+        tool_name: The tool the call ran.
+        tool_revision: The tool revision it ran under (None for a call recorded before revisions).
+    """
+
+    effect_id: str
+    session_id: str
+    tool_name: str
+    tool_revision: int | None
+
+
+def find_effect(undolog: UndoLog, effect_id: str) -> EffectRef | None:
+    """The session and tool of the effect ``effect_id``, or None when there is no such effect.
+
+    A read for a client that must check who may see a call before acting on it (the desk's Resolve: an approver
+    outside the tool's groups is refused before the decision).
+
+    Example:
+        >>> ref = find_effect(undolog, "3f2a...")                         # doctest: +SKIP
+        >>> ref.session_id, ref.tool_name                                # doctest: +SKIP
+        ('support.9f2c...', 'issue_refund')
+    """
+    session_id = undolog.store.session_of_effect(effect_id)
+    if session_id is None:
+        return None
+    row = undolog.store.effect(effect_id)
+    revision = row.tool_revision
+    return EffectRef(effect_id, session_id, str(row.tool_name), None if revision is None else int(revision))

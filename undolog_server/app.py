@@ -14,7 +14,7 @@ from fastapi.staticfiles import StaticFiles
 
 from undolog_core import UndoLog, errors, load_app
 
-from . import api, dashboard, email_approvals, problems, proxy_api, slack
+from . import dashboard, email_approvals, problems, proxy_api, routers, slack
 from . import proxy as proxy_mod
 from .guard import body_problem
 from .lanes import Lanes
@@ -262,7 +262,7 @@ def create_app(
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    app.include_router(api.router)
+    app.include_router(routers.router)
     app.include_router(proxy_api.router)
     app.include_router(slack.router)
     dashboard.install(app)

@@ -23,12 +23,15 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
 from undolog_core import errors, limits
+from undolog_core.integration import find_effect
 
 from . import forms
-from .api import Visibility, approval_detail, rollback_out, session_detail
 from .auth import server_state
 from .guard import body_problem
 from .identity import ApiKey, key_id_of, owns
+from .routers.approvals import approval_detail, event_dict
+from .routers.effects import Visibility
+from .routers.sessions import rollback_out, session_detail
 from .state import ServerState
 from .storage import utcnow
 from .views import groups_for, may_see
@@ -271,15 +274,13 @@ def _approval_page(request: Request, key: ApiKey, approval_request_id: str, *, e
     session = st.views.session_row(row["session_id"]) or {}
     own = owns(key, session.get("created_by"))
     events = st.undolog.approvals.events(approval_request_id)
-    from .api import _event_dict
-
     # The edit form comes from the schema of the tool revision the request was raised under, filled with the
     # proposed arguments; an edit sent back (an error, a review) shows what was submitted.
     form = forms.build(forms.request_schema(st.undolog, row["tool_name"], row.get("tool_revision")),
                        detail.proposed_args)
     return _render(request, "approval.html", {
         "user": key, "a": detail, "session": session, "own_session": own,
-        "events": [_event_dict(e) for e in events], "form": form, "submitted": submitted or {}, "review": review,
+        "events": [event_dict(e) for e in events], "form": form, "submitted": submitted or {}, "review": review,
         "edited_json": edited_json, "modify_reason": modify_reason, "error": error, "notice": notice,
     }, status)
 
@@ -473,12 +474,13 @@ async def resolve(request: Request, effect_id: str) -> Response:
     st = server_state(request)
     if not _is_approver(key):
         return _forbidden(request, key, "Only approvers and admins resolve calls whose outcome is unknown.")
-    session_id = st.undolog.store.session_of_effect(effect_id)
-    if session_id is None or st.views.session_row(session_id) is None:
+    found = find_effect(st.undolog, effect_id)
+    session = st.views.session_row(found.session_id) if found is not None else None
+    if found is None or session is None:
         return _render(request, "error.html", {"user": key, "title": "Not found", "message": f"No effect {effect_id}."},
                        404)
-    found = st.undolog.store.effect(effect_id)
-    if not Visibility(st, key, st.views.session_row(session_id) or {}).sees(found.tool_name, found.tool_revision):
+    session_id = found.session_id
+    if not Visibility(st, key, session).sees(found.tool_name, found.tool_revision):
         return _forbidden(request, key, "This call's tool is routed to an approver group you are not in.")
     outcome, reason = data.get("outcome", ""), data.get("reason", "").strip()
     if outcome not in ("committed", "compensated", "not_happened"):

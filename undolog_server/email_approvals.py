@@ -205,8 +205,8 @@ def _header_text(value: Any, limit: int = 200) -> str:
 
 
 def _email_store(state: Any) -> EmailStore:
-    """The email tables: they live on the core's store (one pool, one migration run), as every desk table does."""
-    return EmailStore(state.undolog.store)
+    """The email tables, on the desk store's handle: they live on the core's store (one pool, one migration run)."""
+    return EmailStore(state.store.core)
 
 
 class EmailSender:
@@ -641,6 +641,17 @@ async def _form(request: Request, link: _Link) -> dict[str, str] | None:
     return data
 
 
+async def _posted(request: Request, token: str) -> tuple[_Link, dict[str, str]] | HTMLResponse:
+    """The link and the form posted to it, or the page refusing them (a bad link, a stale security token)."""
+    link = _open(request, token)
+    if isinstance(link, HTMLResponse):
+        return link
+    data = await _form(request, link)
+    if data is None:
+        return _refused(request, "Form expired", "The page's security token did not match. Open the link again.", 403)
+    return link, data
+
+
 def _request_state(request: Request, link: _Link, key: ApiKey) -> tuple[Any, str | None, int]:
     """The request if this key may still decide it through this link: (record, refusal, status)."""
     st = server_state(request)
@@ -710,11 +721,10 @@ def _masked(address: str) -> str:
 @ui.post("/ui/email/{token}/code")
 async def send_code(request: Request, token: str) -> Response:
     """Mail a one-time code to the link's own address (never to one the visitor chooses)."""
-    link = _open(request, token)
-    if isinstance(link, HTMLResponse):
-        return link
-    if await _form(request, link) is None:
-        return _refused(request, "Form expired", "The page's security token did not match. Open the link again.", 403)
+    posted = await _posted(request, token)
+    if isinstance(posted, HTMLResponse):
+        return posted
+    link = posted[0]
     st = server_state(request)
     email = st.settings.email
     assert email is not None
@@ -750,24 +760,19 @@ def _to_page(token: str, *, sent: bool = False, error: str | None = None) -> Red
 @ui.post("/ui/email/{token}/verify")
 async def verify_code(request: Request, token: str) -> Response:
     """Check a code: right, and this browser may see the request; wrong five times, and the link is void."""
-    link = _open(request, token)
-    if isinstance(link, HTMLResponse):
-        return link
-    data = await _form(request, link)
-    if data is None:
-        return _refused(request, "Form expired", "The page's security token did not match. Open the link again.", 403)
+    posted = await _posted(request, token)
+    if isinstance(posted, HTMLResponse):
+        return posted
+    link, data = posted
     st = server_state(request)
     store = _email_store(st)
     tok = link.token
     code = re.sub(r"\s+", "", data.get("code", ""))
-    attempt = store.count_attempt(tok.token_id, MAX_CODE_ATTEMPTS)
-    if attempt is None:
-        store.void(tok.token_id, "too many wrong codes")
-        return _refused(request, "Link void", "Too many wrong codes: this link no longer works. Decide on the desk.",
-                        410, link=link, audit={"why": "code_attempts"})
+    attempt = store.count_attempt(tok.token_id, MAX_CODE_ATTEMPTS)  # None: the attempts were used up already
     current = tok.code_nonce is not None and tok.code_expires_at is not None and tok.code_expires_at > utcnow()
-    if current and tok.code_nonce and hmac.compare_digest(code, code_for(_key_bytes(request) or b"", tok.token_id,
-                                                                         tok.code_nonce)):
+    right = bool(current and tok.code_nonce and hmac.compare_digest(
+        code, code_for(_key_bytes(request) or b"", tok.token_id, tok.code_nonce)))
+    if attempt is not None and right:
         grant = secrets.token_urlsafe(32)
         if not store.grant(tok.token_id, hashlib.sha256(grant.encode()).hexdigest()):
             return _refused(request, "Link no longer works", "This link was used or voided meanwhile.", 410, link=link)
@@ -776,7 +781,7 @@ async def verify_code(request: Request, token: str) -> Response:
         resp.set_cookie(GRANT_COOKIE + tok.token_id, grant, max_age=max_age, httponly=True, samesite="strict",
                         secure=_secure(request, st), path="/ui/email")
         return resp
-    left = MAX_CODE_ATTEMPTS - attempt
+    left = 0 if attempt is None else MAX_CODE_ATTEMPTS - attempt
     if left <= 0:
         store.void(tok.token_id, "too many wrong codes")
         return _refused(request, "Link void", "Too many wrong codes: this link no longer works. Decide on the desk.",
@@ -788,12 +793,10 @@ async def verify_code(request: Request, token: str) -> Response:
 @ui.post("/ui/email/{token}/decide")
 async def decide(request: Request, token: str) -> Response:
     """Approve or reject through the link: its approver only, once, while the request is as it was mailed."""
-    link = _open(request, token)
-    if isinstance(link, HTMLResponse):
-        return link
-    data = await _form(request, link)
-    if data is None:
-        return _refused(request, "Form expired", "The page's security token did not match. Open the link again.", 403)
+    posted = await _posted(request, token)
+    if isinstance(posted, HTMLResponse):
+        return posted
+    link, data = posted
     who, key = _who(request, link)
     if key is None or who == "other":
         return _refused(request, "Not allowed", "Log in to the desk with the key this link was sent for, or confirm "

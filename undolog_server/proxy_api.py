@@ -14,10 +14,10 @@ from fastapi import Path as PathParam
 from fastapi.responses import Response
 
 from . import lanes
-from .api import rollback_out
 from .auth import AuthFirstRoute, require, server_state
 from .problems import Problem, SafeJSONResponse, log_5xx, problem_response
 from .proxy import OUTCOME_UNKNOWN_ERRORS, AnswerLost, UpstreamError, _body
+from .routers.sessions import rollback_out
 from .storage import ApiKey
 
 router = APIRouter(prefix="/v1", tags=["proxy"], route_class=AuthFirstRoute)

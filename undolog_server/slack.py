@@ -62,6 +62,16 @@ from . import forms
 from .auth import AuthFirstRoute, require, server_state
 from .identity import ApiKey
 from .problems import Problem
+from .slack_blocks import (
+    arg_leaves,
+    diff_blocks,
+    escape,
+    fold,
+    modal_blocks,
+    plain,
+    submitted_values,
+    view_errors,
+)
 from .storage.slack import SlackChannel, SlackPost, SlackStore
 from .views import groups_for, may_see
 
@@ -88,7 +98,6 @@ _EDIT_VIEW = "undolog_edit"
 _REVIEW_VIEW = "undolog_edit_review"
 #: Slack's limit on a view's ``private_metadata``.
 _PRIVATE_METADATA_MAX = 3000
-_VALUE_ACTION = "value"
 _MISSING_EXTRA = "Slack approvals need the slack extra: pip install 'undolog[slack]'"
 
 
@@ -153,35 +162,7 @@ class SlackConfig:
                    team_id=env.get("UNDOLOG_SLACK_TEAM_ID", ""), **extra)
 
 
-# ------------------------------------------------------------------------------------------------ text
-
-
-_MENTION_WORDS = ("@channel", "@here", "@everyone")
-
-
-def escape(text: Any) -> str:
-    """Text for a Slack ``mrkdwn`` or ``plain_text`` field: ``&``, ``<`` and ``>`` escaped (so ``<!channel>``,
-    ``<@U123>`` and links cannot be injected) and ``@channel``-style words broken.
-
-    Example:
-        >>> escape("<!channel> pay @here & <https://evil|bank>")
-        '&lt;!channel&gt; pay @\\u200bhere &amp; &lt;https://evil|bank&gt;'
-    """
-    s = str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-    for word in _MENTION_WORDS:
-        s = s.replace(word, "@\u200b" + word[1:])
-    return s
-
-
-def _fold(text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}… (+{len(text) - limit} characters)"
-
-
-def _plain(text: str, limit: int = 150) -> dict[str, Any]:
-    return {"type": "plain_text", "text": _fold(escape(text), limit - 20) if len(text) > limit else escape(text),
-            "emoji": False}
+# ------------------------------------------------------------------------------------------------ signatures
 
 
 def sign_request(signing_secret: str, timestamp: int | str, body: bytes) -> str:
@@ -209,8 +190,8 @@ class _Refusal(Exception):
 
 
 def _slack_store(state: Any) -> SlackStore:
-    """The Slack tables: they live on the core's store (one pool, one migration run), as every desk table does."""
-    return SlackStore(state.undolog.store)
+    """The Slack tables, on the desk store's handle: they live on the core's store (one pool, one migration run)."""
+    return SlackStore(state.store.core)
 
 
 @dataclass
@@ -418,16 +399,16 @@ class SlackDesk:
         title = ("Approval needed" if purpose == "request" else "Still undecided (escalated)") if pending else \
             f"Approval request {state.replace('_', ' ')}"
         blocks: list[dict[str, Any]] = [
-            {"type": "header", "text": _plain(f"{title}: {rec.tool_name}")},
+            {"type": "header", "text": plain(f"{title}: {rec.tool_name}")},
         ]
         fields = [f"*Tool*\n`{tool}`", f"*Risk tags*\n{escape(', '.join(rec.risk_tags)) or '—'}"]
         deadline = int(rec.timeout_at.timestamp())
         fields.append(f"*Deadline*\n<!date^{deadline}^{{date_short_pretty}} {{time}}|{rec.timeout_at.isoformat()}>")
-        fields.append(f"*Session*\n`{escape(_fold(rec.session_id, 80))}`")
+        fields.append(f"*Session*\n`{escape(fold(rec.session_id, 80))}`")
         blocks.append({"type": "section", "fields": [{"type": "mrkdwn", "text": f} for f in fields]})
         if rec.reason:
             blocks.append({"type": "section", "text": {"type": "mrkdwn",
-                                                       "text": "*Reason*\n" + escape(_fold(rec.reason, 1500))}})
+                                                       "text": "*Reason*\n" + escape(fold(rec.reason, 1500))}})
         blocks.append({"type": "section", "text": {"type": "mrkdwn",
                                                    "text": "*Arguments*\n" + self._args_text(rec.proposed_args, sensitive)}})
         if rec.approved_args is not None and rec.approved_args != rec.proposed_args:
@@ -464,7 +445,7 @@ class SlackDesk:
             ]})
         else:
             who = f" by {escape(rec.decided_by)}" if rec.decided_by else ""
-            why = f": “{escape(_fold(rec.decision_reason, 500))}”" if rec.decision_reason else ""
+            why = f": “{escape(fold(rec.decision_reason, 500))}”" if rec.decision_reason else ""
             outcome = {"approved": "Approved", "rejected": "Rejected", "timed_out": "Timed out without a decision",
                        "expired": "Expired", "auto_approved": "Approved automatically at the deadline",
                        "cancelled": "Cancelled", "responded": "Answered"}.get(state, state)
@@ -493,15 +474,15 @@ class SlackDesk:
         if not args:
             return "_none_"
         lines = []
-        for path, value in _leaves(args):
+        for path, value in arg_leaves(args):
             name = ".".join(path)
             if path[0] in sensitive or forms.pointer(path) in sensitive or name in sensitive:
                 shown = "_hidden (sensitive)_"
             else:
                 text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, sort_keys=True)
-                shown = "`" + escape(_fold(text, self.config.fold)).replace("`", "ˋ") + "`"
-            lines.append(f"• *{escape(_fold(name, 120))}*: {shown}")
-        return _fold("\n".join(lines), 2900)
+                shown = "`" + escape(fold(text, self.config.fold)).replace("`", "ˋ") + "`"
+            lines.append(f"• *{escape(fold(name, 120))}*: {shown}")
+        return fold("\n".join(lines), 2900)
 
     # ---- interactivity ----------------------------------------------------------------------------
 
@@ -674,13 +655,13 @@ class SlackDesk:
             meta = json.loads(view.get("private_metadata") or "{}")
             rid, digest = str(meta["r"]), str(meta["d"])
         except (ValueError, KeyError, TypeError):
-            return _view_errors({"undolog": "This form does not name an approval request."})
+            return view_errors({"undolog": "This form does not name an approval request."})
         try:
             key = self.key_of(payload, "modify", rid)
             row = self._decidable(key, rid, digest)
         except _Refusal as refusal:
             self._refused(payload, refusal, "modify")
-            return _view_errors({"undolog_notice": refusal.text}, view)
+            return view_errors({"undolog_notice": refusal.text}, view)
         proposed = row.get("proposed_args") or {}
         if callback == _EDIT_VIEW:
             schema = forms.request_schema(self.state.undolog, row["tool_name"], row.get("tool_revision"))
@@ -689,12 +670,12 @@ class SlackDesk:
                 edited = forms.parse(schema, submitted, original=proposed)
             except forms.FormInvalid as exc:
                 return {"response_action": "errors",
-                        "errors": {e.name: _fold(e.message, 140) for e in exc.errors if e.name in submitted}
-                        or {next(iter(submitted), "undolog"): _fold(exc.message, 140)}}
+                        "errors": {e.name: fold(e.message, 140) for e in exc.errors if e.name in submitted}
+                        or {next(iter(submitted), "undolog"): fold(exc.message, 140)}}
             review_meta = json.dumps({"r": rid, "d": digest, "a": edited}, separators=(",", ":"), sort_keys=True)
             if len(review_meta) > _PRIVATE_METADATA_MAX:
                 first = next(iter(submitted), "undolog")
-                return _view_errors({first: "This edit is too large to review in Slack; edit it on the desk."})
+                return view_errors({first: "This edit is too large to review in Slack; edit it on the desk."})
             return {"response_action": "update", "view": {
                 "type": "modal", "callback_id": _REVIEW_VIEW, "private_metadata": review_meta,
                 "title": {"type": "plain_text", "text": "Review the edit"},
@@ -706,9 +687,9 @@ class SlackDesk:
             self._decide(key, rid, "modify", args=dict(meta.get("a") or {}))
         except _Refusal as refusal:
             self._refused(payload, refusal, "modify")
-            return _view_errors({"undolog_notice": refusal.text}, view)
+            return view_errors({"undolog_notice": refusal.text}, view)
         except errors.ArgumentsInvalid as exc:
-            return _view_errors({"undolog_notice": _fold(exc.message, 140)}, view)
+            return view_errors({"undolog_notice": fold(exc.message, 140)}, view)
         return {"response_action": "clear"}
 
     def kick(self) -> None:
@@ -753,108 +734,6 @@ def _retry_after(headers: Any) -> float:
         return max(1.0, float(raw))
     except (TypeError, ValueError):
         return 30.0
-
-
-def _leaves(args: Mapping[str, Any], path: tuple[str, ...] = (), depth: int = 0) -> list[tuple[tuple[str, ...], Any]]:
-    out: list[tuple[tuple[str, ...], Any]] = []
-    for k, v in args.items():
-        p = (*path, str(k))
-        if isinstance(v, Mapping) and v and depth < 3:
-            out.extend(_leaves(v, p, depth + 1))
-        else:
-            out.append((p, v))
-    return out
-
-
-def _view_errors(errs: Mapping[str, str], view: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Errors for a modal's submission; a refusal is shown on the view's first input block."""
-    if view is not None:
-        blocks = [b.get("block_id") for b in view.get("blocks") or [] if b.get("type") == "input" and b.get("block_id")]
-        if blocks:
-            errs = {blocks[0]: next(iter(errs.values()))}
-        else:
-            # A review view has no inputs: replace it with one that says why.
-            return {"response_action": "update", "view": {
-                "type": "modal", "title": {"type": "plain_text", "text": "Not decided"},
-                "close": {"type": "plain_text", "text": "Close"},
-                "blocks": [{"type": "section", "block_id": "undolog_notice",
-                            "text": {"type": "mrkdwn", "text": escape(next(iter(errs.values())))}}]}}
-    return {"response_action": "errors", "errors": {k: _fold(v, 140) for k, v in errs.items()}}
-
-
-# ------------------------------------------------------------------------------------------------ modal <-> forms
-
-
-def modal_blocks(form: forms.Form) -> list[dict[str, Any]]:
-    """A generated form's fields as a Slack modal's input blocks (``block_id``: the field's name).
-
-    Example:
-        >>> [b["element"]["type"] for b in modal_blocks(forms.build({"type": "object", "properties": {
-        ...     "n": {"type": "integer"}, "c": {"enum": ["a", "b"]}}}, {"n": 1}))]
-        ['number_input', 'static_select']
-    """
-    blocks: list[dict[str, Any]] = []
-    for f in form.leaves()[:95]:
-        element: dict[str, Any]
-        if f.kind in ("enum", "boolean"):
-            options = [{"text": {"type": "plain_text", "text": _fold(escape(label), 70)}, "value": value[:150]}
-                       for value, label in f.options][:100]
-            element = {"type": "static_select", "action_id": _VALUE_ACTION, "options": options}
-            chosen = [o for o in options if o["value"] == f.value]
-            if chosen:
-                element["initial_option"] = chosen[0]
-        elif f.kind in ("integer", "number"):
-            element = {"type": "number_input", "action_id": _VALUE_ACTION, "is_decimal_allowed": f.kind == "number"}
-            if f.value:
-                element["initial_value"] = f.value
-            if f.minimum is not None:
-                element["min_value"] = forms._num_text(f.minimum)
-            if f.maximum is not None:
-                element["max_value"] = forms._num_text(f.maximum)
-        else:
-            element = {"type": "plain_text_input", "action_id": _VALUE_ACTION, "multiline": f.kind in ("array", "json")}
-            if f.value:
-                element["initial_value"] = f.value[:3000]
-        block: dict[str, Any] = {"type": "input", "block_id": f.name, "label": _plain(f.label, 2000),
-                                 "element": element, "optional": not f.required or f.kind in ("string", "array")}
-        hint = " · ".join(x for x in (f.description, f.hint) if x)
-        if hint:
-            block["hint"] = _plain(hint, 2000)
-        blocks.append(block)
-    return blocks
-
-
-def submitted_values(view: Mapping[str, Any]) -> dict[str, str]:
-    """A submitted modal's values as ``{field name: text}`` for :func:`undolog_server.forms.parse`."""
-    out: dict[str, str] = {}
-    values = ((view.get("state") or {}).get("values")) or {}
-    for block_id, actions in values.items():
-        element = (actions or {}).get(_VALUE_ACTION) or {}
-        if "selected_option" in element:
-            opt = element.get("selected_option") or {}
-            out[str(block_id)] = str(opt.get("value") or "")
-        else:
-            v = element.get("value")
-            out[str(block_id)] = "" if v is None else str(v)
-    return out
-
-
-def diff_blocks(changes: Sequence[forms.Change]) -> list[dict[str, Any]]:
-    """An edit's diff as modal blocks, shown before the edit is approved."""
-    if not changes:
-        return [{"type": "section", "block_id": "undolog_diff",
-                 "text": {"type": "mrkdwn", "text": "No change: the edit is the proposed arguments."}}]
-    lines = []
-    for c in changes[:40]:
-        name = escape(" › ".join(c.path))
-        if c.kind == "added":
-            lines.append(f"• *{name}* added: `{escape(_fold(c.after_text, 200))}`")
-        elif c.kind == "removed":
-            lines.append(f"• *{name}* removed (was `{escape(_fold(c.before_text, 200))}`)")
-        else:
-            lines.append(f"• *{name}*: `{escape(_fold(c.before_text, 200))}` → `{escape(_fold(c.after_text, 200))}`")
-    return [{"type": "section", "block_id": "undolog_diff",
-             "text": {"type": "mrkdwn", "text": _fold("*What the edit changes*\n" + "\n".join(lines), 2900)}}]
 
 
 # ------------------------------------------------------------------------------------------------ routes
