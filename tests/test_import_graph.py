@@ -168,11 +168,6 @@ MOVED_IMPORTS: dict[tuple[str, str], str] = {
     ("undolog_mcp/gateway.py", "NothingHappened"): _MOVED_THIS_ROUND,
     ("undolog_mcp/gateway.py", "ToolSpec"): _MOVED_THIS_ROUND,
     ("undolog_mcp/results.py", "AwaitingApproval"): _MOVED_THIS_ROUND,
-    ("undolog_server/email_approvals.py", "OutboxEvent"): _MOVED_THIS_ROUND,
-    ("undolog_server/proxy_api.py", "AwaitingApproval"): _MOVED_THIS_ROUND,
-    ("undolog_server/proxy_api.py", "Completed"): _MOVED_THIS_ROUND,
-    ("undolog_server/slack.py", "OutboxEvent"): _MOVED_THIS_ROUND,
-    ("undolog_server/webhooks.py", "OutboxEvent"): _MOVED_THIS_ROUND,
 }
 
 # The services of an UndoLog that are not part of any contract, and the names clients hold an UndoLog under.

@@ -47,7 +47,8 @@ from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse, RedirectResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from undolog_core import OutboxEvent, errors
+from undolog_core import errors
+from undolog_core.records import OutboxEvent
 
 from . import forms
 from .auth import AuthFirstRoute, require, server_state

@@ -59,7 +59,7 @@ def invoke(
         found = st.undolog.approvals.find_for_call(session_id, tool, args)
         call_id = found.call_id if found is not None else None
 
-    from undolog_core import AwaitingApproval, Completed
+    from undolog_core.integration import AwaitingApproval, Completed
 
     decision = st.undolog.driver.decide(session_id, tool, args, call_id=call_id)
     if isinstance(decision, AwaitingApproval):
@@ -133,7 +133,7 @@ def invoke(
 def _in_doubt(request: Request, st: Any, session_id: str, tool: str, args: dict[str, Any], call_id: str | None,
               decision: Any, exc: BaseException, settled: str | None) -> Response:
     """The answer to a call whose upstream answer was lost, by how it was settled (``Outcome.in_doubt``)."""
-    from undolog_core import Completed
+    from undolog_core.integration import Completed
 
     if settled == "committed":
         # The probe says it happened: answer with what it reported, as a replay would.

@@ -56,7 +56,8 @@ from fastapi import APIRouter, Depends, Path, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from undolog_core import OutboxEvent, errors
+from undolog_core import errors
+from undolog_core.records import OutboxEvent
 
 from . import forms
 from .auth import AuthFirstRoute, require, server_state

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from undolog_core import OutboxEvent
+from undolog_core.records import OutboxEvent
 from undolog_core.webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, sign, verify_signature
 
 from .storage import NotificationPolicy, WebhookTarget, utcnow
