@@ -229,7 +229,7 @@ class ApprovalService:
         who = principal or approver
         if not owner or not owner.startswith("key:") or who != owner:
             return
-        self._storage.append_event(
+        self._storage.audit.append_event(
             subject=f"approval:{approval_request_id}", approval_request_id=approval_request_id,
             action="refused", actor=approver,
             payload={"attempted": action, "principal": who, "why": SelfDecisionForbidden.code},
@@ -263,7 +263,7 @@ class ApprovalService:
             validated: dict[str, Any] = spec.snapshot(spec.validate(args))
             return validated
         # This process (a CLI, a server) does not have the tool loaded: validate against the stored contract.
-        stored = self._storage.arguments_jsonschema_of(rec.tool_name, rec.tool_revision)
+        stored = self._storage.registry.arguments_jsonschema_of(rec.tool_name, rec.tool_revision)
         if stored is None:
             raise UndoLogError(f"the contract of {rec.tool_name!r} revision {rec.tool_revision} is not in the registry")
         model = build_args_model(rec.tool_name, None, stored)

@@ -146,7 +146,7 @@ def test_concurrent_appends_keep_every_chain_intact(undolog):
     def writer(k: int) -> None:
         for i in range(10):
             with internals(undolog).write() as c:
-                undolog.store.append_event_in(c, subject=f"w{k}", action="test", actor=f"w{k}", payload={"i": i})
+                undolog.store.audit.append_event_in(c, subject=f"w{k}", action="test", actor=f"w{k}", payload={"i": i})
 
     threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
     for th in threads:
@@ -164,7 +164,7 @@ def test_a_transaction_holding_a_chain_does_not_stop_another_from_appending(undo
     st = _storage(undolog)
     if not internals(undolog).is_postgres:
         with internals(undolog).write() as c:
-            ids = [st.append_event_in(c, subject="s", action="test", actor="a", payload={"i": i}) for i in range(3)]
+            ids = [st.audit.append_event_in(c, subject="s", action="test", actor="a", payload={"i": i}) for i in range(3)]
         assert ids == [ids[0], ids[0] + 1, ids[0] + 2] and verify(st).ok
         return
     holding = threading.Event()
@@ -172,10 +172,10 @@ def test_a_transaction_holding_a_chain_does_not_stop_another_from_appending(undo
 
     def slow() -> None:
         with internals(undolog).write() as c:
-            st.append_event_in(c, subject="slow", action="test.slow", actor="a", payload={})
+            st.audit.append_event_in(c, subject="slow", action="test.slow", actor="a", payload={})
             holding.set()
             release.wait(10)
-            st.append_event_in(c, subject="slow", action="test.slow2", actor="a", payload={})
+            st.audit.append_event_in(c, subject="slow", action="test.slow2", actor="a", payload={})
 
     th = threading.Thread(target=slow)
     th.start()
@@ -184,11 +184,11 @@ def test_a_transaction_holding_a_chain_does_not_stop_another_from_appending(undo
         with internals(undolog).write() as c:
             # Would wait for the slow transaction's commit if it had to lock the same head: 2 s is plenty to fail.
             c.execute(sa.text("SET LOCAL lock_timeout = '2s'"))
-            st.append_event_in(c, subject="fast", action="test.fast", actor="b", payload={})
+            st.audit.append_event_in(c, subject="fast", action="test.fast", actor="b", payload={})
     finally:
         release.set()
         th.join()
-    with st.audit_chain() as chain:
+    with st.audit.chain() as chain:
         by_action = {ev.action: n for n, ev in chain.events()}
     assert by_action["test.slow"] == by_action["test.slow2"] != by_action["test.fast"]
     report = verify(st)
@@ -300,12 +300,14 @@ def _count(u: UndoLog, table: sa.Table, *where: Any) -> int:
 def test_storage_is_one_object_with_every_service_statement(db):
     u = db.open()
     st = _storage(u)
-    assert isinstance(st, ApprovalsSQL | AuditSQL | RegistrySQL | PolicySQL | SessionsSQL)
+    assert isinstance(st, ApprovalsSQL | SessionsSQL)
+    assert isinstance(st.audit, AuditSQL) and isinstance(st.registry, RegistrySQL)
+    assert isinstance(st.policy, PolicySQL)
     assert isinstance(st, Store)
     assert st.schema_revision() == Storage.head_revision()
     fresh = open_storage(db.url, schema=db.schema)
     try:
-        assert isinstance(fresh, Storage) and fresh.get_policy() == st.get_policy()
+        assert isinstance(fresh, Storage) and fresh.policy.get() == st.policy.get()
     finally:
         fresh.dispose()
     with pytest.raises(errors.ConfigurationError, match="Storage"):
@@ -439,21 +441,21 @@ def test_expiry_applies_the_policy_once(undolog):
 
 def test_audit_append_and_its_outbox_rows_commit_together_or_not_at_all(undolog):
     st = _storage(undolog)
-    first = st.append_event(subject="s", action="test.one", actor="a", payload={"n": 1})
+    first = st.audit.append_event(subject="s", action="test.one", actor="a", payload={"n": 1})
     with internals(undolog).write() as c:
-        second = st.append_event_in(c, subject="s", action="test.two", actor="b", payload={"n": 2},
+        second = st.audit.append_event_in(c, subject="s", action="test.two", actor="b", payload={"n": 2},
                                     outbox=[("test.happened", {"n": 2})])
     assert second == first + 1
     assert _count(undolog, t.outbox, t.outbox.c.event_type == "test.happened") == 1
     with pytest.raises(RuntimeError):
         with internals(undolog).write() as c:
-            st.append_event_in(c, subject="s", action="test.lost", actor="c", payload={},
+            st.audit.append_event_in(c, subject="s", action="test.lost", actor="c", payload={},
                                outbox=[("test.lost", {})])
             raise RuntimeError("the caller's transaction fails after the append")
     assert _count(undolog, t.approval_events, t.approval_events.c.action == "test.lost") == 0
     assert _count(undolog, t.outbox, t.outbox.c.event_type == "test.lost") == 0
     # The chain as stored recomputes, and the head names its last event. A lone writer appends to chain 1.
-    with st.audit_chain() as chain:
+    with st.audit.chain() as chain:
         found = list(chain.events())
         heads = chain.heads()
     assert {n for n, _ in found} == {1}
@@ -475,22 +477,22 @@ def test_registry_revisions_are_immutable(undolog):
     now = utcnow()
     v1 = ContractRevision("tool_x", "safe", "f" * 64, {"args_schema": {"type": "object"}, "v": 1}, None, None)
     v2 = ContractRevision("tool_x", "compensable", "e" * 64, {"args_schema": {"type": "object"}, "v": 2}, "undo_x", 1)
-    (r1,), changes = st.register_revisions([v1], actor="ci", now=now)
+    (r1,), changes = st.registry.register([v1], actor="ci", now=now)
     assert (r1.revision, r1.created, changes) == (1, True, [])
-    (again,), _ = st.register_revisions([v1], actor="someone-else", now=utcnow())
+    (again,), _ = st.registry.register([v1], actor="someone-else", now=utcnow())
     assert (again.revision, again.created) == (1, False)  # the same contract is the same revision
-    (r2,), _ = st.register_revisions([v2], actor="ci", now=utcnow())
+    (r2,), _ = st.registry.register([v2], actor="ci", now=utcnow())
     assert (r2.revision, r2.created) == (2, True)
-    history = st.registry_history("tool_x")
+    history = st.registry.history("tool_x")
     assert [(h["revision"], h["fingerprint"], h["previous_fingerprint"], h["registered_by"]) for h in history] == [
         (1, "f" * 64, None, "ci"), (2, "e" * 64, "f" * 64, "ci")
     ]
-    assert st.contract_of("tool_x", 1) == v1.contract and st.contract_of("tool_x", 2) == v2.contract
-    assert st.contract_of("tool_x", 3) is None
-    assert st.arguments_jsonschema_of("tool_x", 2) == {"type": "object"} and st.arguments_jsonschema_of("x", 1) is None
+    assert st.registry.contract_of("tool_x", 1) == v1.contract and st.registry.contract_of("tool_x", 2) == v2.contract
+    assert st.registry.contract_of("tool_x", 3) is None
+    assert st.registry.arguments_jsonschema_of("tool_x", 2) == {"type": "object"} and st.registry.arguments_jsonschema_of("x", 1) is None
     # Going back to the first contract is a third revision, never a rewrite of the first.
-    (r3,), _ = st.register_revisions([v1], actor="ci", now=utcnow())
-    assert r3.revision == 3 and st.registry_history("tool_x")[0] == history[0]
+    (r3,), _ = st.registry.register([v1], actor="ci", now=utcnow())
+    assert r3.revision == 3 and st.registry.history("tool_x")[0] == history[0]
 
 
 def test_a_new_contract_cancels_the_approvals_bound_to_the_old_one(undolog):
@@ -499,7 +501,7 @@ def test_a_new_contract_cancels_the_approvals_bound_to_the_old_one(undolog):
     s = undolog.session()
     rec = _awaiting(undolog, s.id)
     changed = ContractRevision("delete_user_account", "irreversible", "0" * 64, {"args_schema": {}}, None, None)
-    (rev,), changes = st.register_revisions([changed], actor="ci", now=utcnow())
+    (rev,), changes = st.registry.register([changed], actor="ci", now=utcnow())
     assert rev.revision == 2
     assert changes == [StateChange(s.id, SessionState.ACTIVE)]
     got = st.get_request(rec.approval_request_id)
@@ -509,12 +511,12 @@ def test_a_new_contract_cancels_the_approvals_bound_to_the_old_one(undolog):
 
 def test_policy_is_one_row_changed_with_an_audit_event(undolog):
     st = _storage(undolog)
-    before = st.get_policy()
-    was, now_is = st.set_policy({"context_calls": 3}, actor="admin", now=utcnow())
+    before = st.policy.get()
+    was, now_is = st.policy.set({"context_calls": 3}, actor="admin", now=utcnow())
     assert was == before and now_is == OrgPolicy(before.approval_timeout_seconds, before.auto_approve_on_timeout, 3)
-    assert st.get_policy() == now_is
+    assert st.policy.get() == now_is
     with internals(undolog).read() as c:
-        assert st.policy_in(c) == now_is
+        assert st.policy.get_in(c) == now_is
         event = c.execute(sa.select(t.approval_events).where(t.approval_events.c.action == "policy.set")).one()
     assert event.actor == "admin" and event.subject == "policy"
     with pytest.raises(sa.exc.IntegrityError):
@@ -559,9 +561,9 @@ def test_session_halt_resume_and_state_changes(undolog):
 def test_session_revalidate_repins_and_audits(undolog):
     st = _storage(undolog)
     s = undolog.session(session_id="conf-revalidate")  # an id given: in the store at once
-    st.register_revisions([ContractRevision("tool_y", "safe", "a" * 64, {"args_schema": {}}, None, None)],
+    st.registry.register([ContractRevision("tool_y", "safe", "a" * 64, {"args_schema": {}}, None, None)],
                           actor="ci", now=utcnow())
-    st.register_revisions([ContractRevision("tool_y", "safe", "b" * 64, {"args_schema": {}}, None, None)],
+    st.registry.register([ContractRevision("tool_y", "safe", "b" * 64, {"args_schema": {}}, None, None)],
                           actor="ci", now=utcnow())
     changed, pins = st.revalidate_session(s.id, actor="ana", current={}, now=utcnow())
     assert changed == {"tool_y": {"from": None, "to": 2}} and pins["tool_y"] == 2

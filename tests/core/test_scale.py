@@ -262,7 +262,7 @@ def test_gc_archives_settled_sessions_only_and_records_it(db):
     e = t.effect_log
     left = dict(_count(u, sa.select(e.c.session_id, sa.func.count()).group_by(e.c.session_id)))
     assert left == {waiting.id: 2, halted.id: 1}
-    archived = u.store.archived(done.id)
+    archived = u.store.archive.archived(done.id)
     assert [a["kind"] for a in archived].count("effect") == 3 and [a["kind"] for a in archived].count("undo") == 3
     assert {a["row"]["call_id"] for a in archived if a["kind"] == "effect"} == {
         x["row"]["call_id"] for x in archived if x["kind"] == "effect"}

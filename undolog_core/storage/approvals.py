@@ -6,7 +6,7 @@ import builtins
 import datetime as dt
 import json
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -19,11 +19,12 @@ from ..states import EFFECT, REQUEST, SESSION
 from . import schema as t
 from .audit import PendingEvent
 from .base import Store
-from .records import ApprovalEvent, ApprovalRecord, ExpiredRequest, OrgPolicy, StateChange
+from .records import ApprovalEvent, ApprovalRecord, ExpiredRequest, StateChange
 from .schema import DecisionKind, EffectState, RequestState, SessionState
 
 if TYPE_CHECKING:
-    from .audit import OutboxItem
+    from .audit import AuditSQL
+    from .policy import PolicySQL
 
 #: How many due requests one sweep transaction claims: large enough that the chain-head lock and the commit are
 #: paid once per few hundred timeouts, small enough that a transaction stays short (a few tens of ms).
@@ -156,21 +157,16 @@ class ApprovalsSQL(Store):
         [StateChange(session_id='...', state=<SessionState.ACTIVE: 'active'>, only_from=...)]
     """
 
-    if TYPE_CHECKING:  # provided by AuditSQL, CallsSQL, SessionsSQL and PolicySQL in Storage
-        def append_event_in(self, conn: Connection, *, subject: str, action: str, actor: str,
-                            payload: Mapping[str, Any], approval_request_id: str | None = None,
-                            outbox: Iterable[OutboxItem] = (), now: dt.datetime | None = None) -> int: ...
+    # The repositories whose rows a decision writes in its own transaction (built by ``Storage``).
+    audit: AuditSQL
+    policy: PolicySQL
 
-        def append_events_in(self, conn: Connection, events: Sequence[PendingEvent], *,
-                             now: dt.datetime | None = None) -> builtins.list[int]: ...
-
+    if TYPE_CHECKING:  # provided by CallsSQL and SessionsSQL in Storage
         def halt_in(self, conn: Connection, session_id: str, reason: str, now: dt.datetime) -> None: ...
 
         def refresh_changes_in(
             self, conn: Connection, session_id: str, now: dt.datetime
         ) -> builtins.list[StateChange]: ...
-
-        def policy_in(self, conn: Connection) -> OrgPolicy: ...
 
     # -- reads ---------------------------------------------------------------------------------------
 
@@ -246,7 +242,7 @@ class ApprovalsSQL(Store):
         if action not in (JOINED, RELEASED):
             raise ValueError(f"not a request event: {action!r}")
         with self.tx() as conn:
-            return self.append_event_in(
+            return self.audit.append_event_in(
                 conn, subject=f"approval:{approval_request_id}", approval_request_id=approval_request_id,
                 action=action, actor=actor, payload={"session_id": session_id}, now=now)
 
@@ -355,7 +351,7 @@ class ApprovalsSQL(Store):
                 "approver": approver,
                 "reason": reason,
             }
-            self.append_event_in(
+            self.audit.append_event_in(
                 conn, subject=f"approval:{approval_request_id}", approval_request_id=approval_request_id,
                 action=action, actor=approver, payload=payload, outbox=[("approval.decided", out)], now=now,
             )
@@ -426,7 +422,7 @@ class ApprovalsSQL(Store):
             if self.is_postgres and only is None and not self._sweep_slot_in(conn, now):
                 return [], []
             # The policy first: only an auto-approval needs the requests' arguments (a JSON document per row).
-            policy = self.policy_in(conn)
+            policy = self.policy.get_in(conn)
             claim = self.for_update(self.due_claim(now, limit=limit, only=only,
                                                    with_args=policy.auto_approve_on_timeout), skip_locked=True)
             due = self._sessions_held_in(conn, conn.execute(claim).all())
@@ -467,7 +463,7 @@ class ApprovalsSQL(Store):
                         outbox=[("approval.timed_out", {**base(x), "outcome": "auto_approved"}),
                                 ("approval.decided", {**base(x), "state": "auto_approved",
                                                       "decision": "auto_approve"})]))
-                self.append_events_in(conn, events, now=now)
+                self.audit.append_events_in(conn, events, now=now)
                 sessions = sorted({x.session_id for x in due})
                 still = sa.select(r.c.approval_request_id).where(r.c.session_id == s.c.session_id,
                                                                  _still(RequestState.PENDING))
@@ -546,7 +542,7 @@ class ApprovalsSQL(Store):
                 for rid, sid, _ in by_session.get(x.session_id, []):
                     events.append(PendingEvent(subject=f"approval:{rid}", approval_request_id=rid, action="cancel",
                                                actor="undolog", payload={"reason": why[sid]}))
-            self.append_events_in(conn, events, now=now)
+            self.audit.append_events_in(conn, events, now=now)
             return ([ExpiredRequest(x.approval_request_id, x.effect_id, x.session_id, x.tool_name,
                                     RequestState.TIMED_OUT, x.created_at, now, "undolog:timeout",
                                     "no decision before timeout_at") for x in timed_out],
@@ -559,7 +555,7 @@ class ApprovalsSQL(Store):
         if decided_at is None:
             return False
         with self.read() as conn:
-            ttl = self.policy_in(conn).approved_ttl_seconds
+            ttl = self.policy.get_in(conn).approved_ttl_seconds
         return decided_at <= now - dt.timedelta(seconds=ttl)
 
     def lapse_request(self, approval_request_id: str, now: dt.datetime) -> builtins.list[StateChange] | None:
@@ -587,7 +583,7 @@ class ApprovalsSQL(Store):
         """
         r, e = t.approval_requests, t.effect_log
         with self.tx() as conn:
-            ttl = self.policy_in(conn).approved_ttl_seconds
+            ttl = self.policy.get_in(conn).approved_ttl_seconds
             cutoff = now - dt.timedelta(seconds=ttl)
             q = (sa.select(r.c.approval_request_id, r.c.effect_id, r.c.session_id, r.c.tool_name, r.c.call_id,
                            r.c.decided_at, r.c.decided_by)
@@ -625,7 +621,7 @@ class ApprovalsSQL(Store):
                                            approval_request_id=x.approval_request_id, action="expire",
                                            actor="undolog:approval-ttl", payload=payload,
                                            outbox=[("approval.expired", out)]))
-            self.append_events_in(conn, events, now=now)
+            self.audit.append_events_in(conn, events, now=now)
             changes: builtins.list[StateChange] = []
             for sid in sorted({x.session_id for x in lapsed}):
                 changes.extend(self.refresh_changes_in(conn, sid, now))
@@ -719,7 +715,7 @@ class ApprovalsSQL(Store):
             .where(t.effect_log.c.effect_id == effect_id, EFFECT.guard("cancel", t.effect_log.c.state))
             .values(state=EffectState.CANCELLED, error=why, updated_at=now)
         )
-        self.append_event_in(
+        self.audit.append_event_in(
             conn, subject=f"approval:{request_id}", approval_request_id=request_id, action="cancel",
             actor="undolog", payload={"reason": why}, now=now,
         )
