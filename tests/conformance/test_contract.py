@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from undolog_core import UndoLog
+from undolog_core import UndoLog, errors
 from undolog_core._outbox import OutboxEvent
 from undolog_core.storage import Storage, contract
 from undolog_core.storage import schema as t
@@ -182,3 +182,16 @@ def test_audit_chain_reads_one_snapshot_and_locked_heads_are_its_heads(db):
     assert max(e.event_id for _, e in before) == max(h.last_event_id for h in heads)
     locked = st.audit.locked_heads()
     assert max(h.last_event_id for h in locked) == max(h.last_event_id for h in heads) + 1
+
+
+def test_a_decision_on_no_request_raises_and_writes_nothing(db):
+    st = _storage(db.open())
+    events = _count(st, t.approval_events)
+    with pytest.raises(errors.ApprovalNotFound):
+        st.approvals.decide_request("no-such-request", action="approve", approver="ana", reason=None, now=utcnow())
+    assert st.approvals.get_request("no-such-request") is None
+    assert st.approvals.request_events("no-such-request") == [] and _count(st, t.approval_events) == events
+    with st.tx() as conn:
+        assert st.approvals.cancel_request_in(conn, "no-such-request", "no-such-effect", "test", utcnow()) is False
+        assert st.approvals.cancel_pending_in(conn, "no-such-session", "test", utcnow()) == 0
+    assert _count(st, t.approval_events) == events

@@ -281,7 +281,7 @@ def _awaiting(u: UndoLog, session_id: str, user: str = "u1", call_id: str | None
     """A real pending approval request, made by the engine for an IRREVERSIBLE call."""
     d = u.engine.intercept(session_id, "delete_user_account", {"user_id": user}, call_id=call_id)
     assert isinstance(d, AwaitingApproval)
-    rec = _storage(u).get_request(d.approval_request_id)
+    rec = _storage(u).approvals.get_request(d.approval_request_id)
     assert rec is not None and rec.state is RequestState.PENDING
     return rec
 
@@ -300,7 +300,7 @@ def _count(u: UndoLog, table: sa.Table, *where: Any) -> int:
 def test_storage_is_one_object_with_every_service_statement(db):
     u = db.open()
     st = _storage(u)
-    assert isinstance(st, ApprovalsSQL | SessionsSQL)
+    assert isinstance(st.approvals, ApprovalsSQL) and isinstance(st, SessionsSQL)
     assert isinstance(st.audit, AuditSQL) and isinstance(st.registry, RegistrySQL)
     assert isinstance(st.policy, PolicySQL)
     assert isinstance(st, Store)
@@ -321,22 +321,22 @@ def test_approve_moves_request_effect_and_session_in_one_transaction(undolog):
     rec = _awaiting(undolog, s.id)
     assert st.get_session(s.id).state is SessionState.AWAITING_APPROVAL  # type: ignore[union-attr]
     outbox_before = _count(undolog, t.outbox)
-    changes = st.decide_request(rec.approval_request_id, action="approve", approver="ana", reason="ok", now=utcnow())
+    changes = st.approvals.decide_request(rec.approval_request_id, action="approve", approver="ana", reason="ok", now=utcnow())
     assert changes == [StateChange(s.id, SessionState.ACTIVE)]
-    got = st.get_request(rec.approval_request_id)
+    got = st.approvals.get_request(rec.approval_request_id)
     assert got is not None and got.state is RequestState.APPROVED and got.decided_by == "ana"
     assert got.approved_args == rec.proposed_args
     assert st.get_session(s.id).state is SessionState.ACTIVE  # type: ignore[union-attr]
     (effect,) = st.session_effects(s.id)
     assert effect["state"] == EffectState.APPROVED
-    requested, event = st.request_events(rec.approval_request_id)  # the engine audited the request itself
+    requested, event = st.approvals.request_events(rec.approval_request_id)  # the engine audited the request itself
     assert requested.action == "requested"
     assert (event.action, event.actor, event.payload) == ("approve", "ana", {"reason": "ok"})
     with internals(undolog).read() as c:
         types = c.execute(sa.select(t.outbox.c.event_type).order_by(t.outbox.c.outbox_id)).scalars().all()
     assert types[outbox_before:] == ["approval.decided"]
-    assert st.list_requests(state=RequestState.APPROVED, session_id=s.id) == [got]
-    assert st.list_requests(state=RequestState.PENDING, session_id=s.id) == []
+    assert st.approvals.list_requests(state=RequestState.APPROVED, session_id=s.id) == [got]
+    assert st.approvals.list_requests(state=RequestState.PENDING, session_id=s.id) == []
 
 
 def test_modify_binds_the_edited_arguments_and_audits_both_sets(undolog):
@@ -344,14 +344,14 @@ def test_modify_binds_the_edited_arguments_and_audits_both_sets(undolog):
     st = _storage(undolog)
     s = undolog.session()
     rec = _awaiting(undolog, s.id)
-    st.decide_request(rec.approval_request_id, action="modify", approver="ana", reason=None,
+    st.approvals.decide_request(rec.approval_request_id, action="modify", approver="ana", reason=None,
                       approved_args={"user_id": "u2"}, now=utcnow())
-    got = st.get_request(rec.approval_request_id)
+    got = st.approvals.get_request(rec.approval_request_id)
     assert got is not None and got.approved_args == {"user_id": "u2"} and got.state is RequestState.APPROVED
-    _, event = st.request_events(rec.approval_request_id)
+    _, event = st.approvals.request_events(rec.approval_request_id)
     assert event.payload == {"reason": None, "args": {"user_id": "u2"}, "proposed_args": {"user_id": "u1"}}
     with pytest.raises(errors.UndoLogError, match="edited arguments"):
-        st.decide_request(rec.approval_request_id, action="modify", approver="ana", reason=None, now=utcnow())
+        st.approvals.decide_request(rec.approval_request_id, action="modify", approver="ana", reason=None, now=utcnow())
 
 
 def test_reject_halts_the_session_and_cancels_its_other_requests(undolog):
@@ -360,14 +360,14 @@ def test_reject_halts_the_session_and_cancels_its_other_requests(undolog):
     s = undolog.session()
     first = _awaiting(undolog, s.id, "u1", call_id="c1")
     second = _awaiting(undolog, s.id, "u2", call_id="c2")
-    changes = st.decide_request(first.approval_request_id, action="reject", approver="bo", reason="no", now=utcnow())
+    changes = st.approvals.decide_request(first.approval_request_id, action="reject", approver="bo", reason="no", now=utcnow())
     assert changes == [StateChange(s.id, SessionState.HALTED)]
     sess = st.get_session(s.id)
     assert sess is not None and sess.state is SessionState.HALTED and "rejected by bo: no" in (sess.halted_reason or "")
-    assert st.get_request(first.approval_request_id).state is RequestState.REJECTED  # type: ignore[union-attr]
-    other = st.get_request(second.approval_request_id)
+    assert st.approvals.get_request(first.approval_request_id).state is RequestState.REJECTED  # type: ignore[union-attr]
+    other = st.approvals.get_request(second.approval_request_id)
     assert other is not None and other.state is RequestState.CANCELLED and other.decided_by == "undolog"
-    assert [e.action for e in st.request_events(second.approval_request_id)] == ["requested", "cancel"]
+    assert [e.action for e in st.approvals.request_events(second.approval_request_id)] == ["requested", "cancel"]
     states = {e["call_id"]: e["state"] for e in st.session_effects(s.id)}
     assert states == {"c1": EffectState.REJECTED, "c2": EffectState.CANCELLED}
     with internals(undolog).read() as c:
@@ -375,8 +375,8 @@ def test_reject_halts_the_session_and_cancels_its_other_requests(undolog):
     assert "session.halted" in types and "approval.decided" in types
     # A settled request is not cancelled twice, and no second event is written for it.
     with internals(undolog).write() as c:
-        assert st.cancel_request_in(c, second.approval_request_id, second.effect_id, "again", utcnow()) is False
-    assert len(st.request_events(second.approval_request_id)) == 2
+        assert st.approvals.cancel_request_in(c, second.approval_request_id, second.effect_id, "again", utcnow()) is False
+    assert len(st.approvals.request_events(second.approval_request_id)) == 2
 
 
 def test_a_request_is_decided_once_when_two_decisions_race(db):
@@ -393,7 +393,7 @@ def test_a_request_is_decided_once_when_two_decisions_race(db):
     def decide(st: Storage, action: str) -> None:
         barrier.wait()
         try:
-            st.decide_request(rec.approval_request_id, action=action, approver=action, reason="race", now=utcnow())
+            st.approvals.decide_request(rec.approval_request_id, action=action, approver=action, reason="race", now=utcnow())
             outcomes.append(action)
         except errors.ApprovalAlreadyDecided:
             outcomes.append("refused")
@@ -405,9 +405,9 @@ def test_a_request_is_decided_once_when_two_decisions_race(db):
         th.join()
     assert len(outcomes) == 2 and outcomes.count("refused") == 1
     winner = next(o for o in outcomes if o != "refused")
-    got = stores[0].get_request(rec.approval_request_id)
+    got = stores[0].approvals.get_request(rec.approval_request_id)
     assert got is not None and got.state is (RequestState.APPROVED if winner == "approve" else RequestState.REJECTED)
-    assert [e.action for e in stores[0].request_events(rec.approval_request_id)] == ["requested", winner]
+    assert [e.action for e in stores[0].approvals.request_events(rec.approval_request_id)] == ["requested", winner]
     assert u.verify_audit().ok
 
 
@@ -417,12 +417,12 @@ def test_expiry_applies_the_policy_once(undolog):
     later = utcnow() + dt.timedelta(days=40)  # past any timeout the policy allows
     s1 = undolog.session()
     timed = _awaiting(undolog, s1.id)
-    assert st.due_request_ids(utcnow()) == []
-    assert st.due_request_ids(later) == [timed.approval_request_id]
-    assert st.expire_request(timed.approval_request_id, utcnow()) is None  # not due yet: nothing happens
-    assert st.expire_request(timed.approval_request_id, later) == [StateChange(s1.id, SessionState.HALTED)]
-    assert st.expire_request(timed.approval_request_id, later) is None  # applied exactly once
-    got = st.get_request(timed.approval_request_id)
+    assert st.approvals.due_request_ids(utcnow()) == []
+    assert st.approvals.due_request_ids(later) == [timed.approval_request_id]
+    assert st.approvals.expire_request(timed.approval_request_id, utcnow()) is None  # not due yet: nothing happens
+    assert st.approvals.expire_request(timed.approval_request_id, later) == [StateChange(s1.id, SessionState.HALTED)]
+    assert st.approvals.expire_request(timed.approval_request_id, later) is None  # applied exactly once
+    got = st.approvals.get_request(timed.approval_request_id)
     assert got is not None and got.state is RequestState.TIMED_OUT and got.decided_by == "undolog:timeout"
     assert st.get_session(s1.id).state is SessionState.HALTED  # type: ignore[union-attr]
 
@@ -430,11 +430,11 @@ def test_expiry_applies_the_policy_once(undolog):
         c.execute(t.org_policy.update().values(auto_approve_on_timeout=True))
     s2 = undolog.session()
     auto = _awaiting(undolog, s2.id)
-    changes = st.expire_request(auto.approval_request_id, later)
+    changes = st.approvals.expire_request(auto.approval_request_id, later)
     assert changes == [StateChange(s2.id, SessionState.ACTIVE)]
-    got = st.get_request(auto.approval_request_id)
+    got = st.approvals.get_request(auto.approval_request_id)
     assert got is not None and got.state is RequestState.AUTO_APPROVED and got.approved_args == auto.proposed_args
-    assert [(e.action, e.actor) for e in st.request_events(auto.approval_request_id)][1:] == [
+    assert [(e.action, e.actor) for e in st.approvals.request_events(auto.approval_request_id)][1:] == [
         ("auto_approve", "undolog:timeout-policy")
     ]
 
@@ -504,7 +504,7 @@ def test_a_new_contract_cancels_the_approvals_bound_to_the_old_one(undolog):
     (rev,), changes = st.registry.register([changed], actor="ci", now=utcnow())
     assert rev.revision == 2
     assert changes == [StateChange(s.id, SessionState.ACTIVE)]
-    got = st.get_request(rec.approval_request_id)
+    got = st.approvals.get_request(rec.approval_request_id)
     assert got is not None and got.state is RequestState.CANCELLED and "changed" in (got.decision_reason or "")
     assert st.get_session(s.id).state is SessionState.ACTIVE  # type: ignore[union-attr]
 
@@ -582,11 +582,11 @@ def test_refresh_awaiting_follows_the_pending_requests(undolog):
     rec = _awaiting(undolog, s.id)
     with internals(undolog).write() as c:
         assert st.refresh_changes_in(c, s.id, utcnow()) == []  # already awaiting: nothing changes
-        assert st.cancel_pending_in(c, s.id, "test", utcnow()) == 1
+        assert st.approvals.cancel_pending_in(c, s.id, "test", utcnow()) == 1
         assert st.refresh_changes_in(c, s.id, utcnow()) == [StateChange(s.id, SessionState.ACTIVE)]
         assert st.refresh_changes_in(c, s.id, utcnow()) == []
     assert st.get_session(s.id).state is SessionState.ACTIVE  # type: ignore[union-attr]
-    assert st.get_request(rec.approval_request_id).state is RequestState.CANCELLED  # type: ignore[union-attr]
+    assert st.approvals.get_request(rec.approval_request_id).state is RequestState.CANCELLED  # type: ignore[union-attr]
 
 
 def test_state_enums_are_the_stored_strings():

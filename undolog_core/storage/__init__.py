@@ -1,9 +1,9 @@
 """Every statement UndoLog issues, behind one interface, one implementation per database.
 
 ``Storage`` is a ``Store`` (engines, ``tx()``, ``read()``, ``for_update()``, ``is_postgres``) holding one small
-repository per table off the hot path (``storage.audit``, ``storage.registry``, ``storage.policy``,
-``storage.outbox``, ``storage.archive``: each built here with exactly what it needs), and, not split yet, the
-mixins of the approvals, sessions, calls, saga and recovery statements. ``contract.py`` writes down what each
+repository per table off the hot path (``storage.approvals``, ``storage.audit``, ``storage.registry``,
+``storage.policy``, ``storage.outbox``, ``storage.archive``: each built here with exactly what it needs), and, not
+split yet, the mixins of the sessions, calls, saga and recovery statements. ``contract.py`` writes down what each
 repository guarantees (a ``Protocol`` per repository); ``tests/conformance`` holds every database's
 implementation to it. The engine, the saga, recovery and the other services hold no SQL of their own. Each
 method is one unit of work: it opens its own transaction, or, named ``*_in(conn, ...)``, joins the caller's. The
@@ -44,7 +44,7 @@ from .sessions import SessionsSQL
 DATABASE_ERRORS: tuple[type[Exception], ...] = (sa_exc.SQLAlchemyError,)
 
 
-class Storage(ApprovalsSQL, SessionsSQL, RecoverySQL, SagaSQL, CallsSQL, OwnersSQL, Store):
+class Storage(SessionsSQL, RecoverySQL, SagaSQL, CallsSQL, OwnersSQL, Store):
     """The store of one database: engines and pools (``Store``), its repositories, and the statements of the
     services not split into repositories yet (the mixins).
 
@@ -55,6 +55,7 @@ class Storage(ApprovalsSQL, SessionsSQL, RecoverySQL, SagaSQL, CallsSQL, OwnersS
     """
 
     #: The repositories (``contract.REPOSITORIES`` names each one's Protocol).
+    approvals: ApprovalsSQL
     audit: AuditSQL
     registry: RegistrySQL
     policy: PolicySQL
@@ -68,7 +69,9 @@ class Storage(ApprovalsSQL, SessionsSQL, RecoverySQL, SagaSQL, CallsSQL, OwnersS
         self.outbox = OutboxSQL(self)
         self.audit = AuditSQL(self, outbox=self.outbox)
         self.policy = PolicySQL(self, audit=self.audit)
-        self.registry = RegistrySQL(self, cancel_request_in=self.cancel_request_in,
+        self.approvals = ApprovalsSQL(self, audit=self.audit, policy=self.policy, halt_in=self.halt_in,
+                                      refresh_changes_in=self.refresh_changes_in)
+        self.registry = RegistrySQL(self, cancel_request_in=self.approvals.cancel_request_in,
                                     refresh_changes_in=self.refresh_changes_in)
         self.archive = ArchiveSQL(self, audit=self.audit)
 

@@ -1,7 +1,8 @@
 """The storage contract, written once: what ``Store`` and each repository guarantee, whatever the database.
 
 A repository is a small class named by its table(s), reached as an attribute of the ``Storage``
-(``storage.audit``, ``storage.registry``, ``storage.policy``, ``storage.outbox``, ``storage.archive``). It holds
+(``storage.approvals``, ``storage.audit``, ``storage.registry``, ``storage.policy``, ``storage.outbox``,
+``storage.archive``). It holds
 the ``Store`` and, explicitly, the other repositories whose rows it writes in its own transaction; it keeps no
 state of its own between calls. The shape follows LangGraph's ``BaseCheckpointSaver``: a few methods, each with
 its guarantee written here, and one conformance suite (``tests/conformance``) every database's implementation
@@ -25,9 +26,9 @@ Rules every method below keeps:
   ``undolog_core/states.py`` (``SESSION.guard("complete", col)``), so an update that meets a state the machine
   does not allow changes nothing.
 
-Not yet repositories (a later slice): ``sessions``, ``effects``, ``undo`` (the hot path: ``hotpath.py`` and the
-mixins ``SessionsSQL``, ``CallsSQL``, ``SagaSQL``, ``RecoverySQL``) and ``approvals`` (``ApprovalsSQL``); they are
-still mixins of ``Storage``.
+Not yet repositories (a later slice, after the engine's split): ``sessions``, ``effects``, ``undo`` (the hot path:
+``hotpath.py`` and the mixins ``SessionsSQL``, ``CallsSQL``, ``SagaSQL``, ``RecoverySQL``, ``OwnersSQL``); they
+are still mixins of ``Storage``.
 
 Example:
     >>> from undolog_core.storage.contract import PolicyRepository
@@ -47,10 +48,20 @@ from typing import Any, Protocol, runtime_checkable
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from .approvals import EXPIRE_BATCH
 from .archive import GcBatch
 from .audit import AuditChainReader, ChainHead, PendingEvent
 from .outbox import OutboxItem
-from .records import ContractRevision, OrgPolicy, RegisteredRevision, StateChange
+from .records import (
+    ApprovalEvent,
+    ApprovalRecord,
+    ContractRevision,
+    ExpiredRequest,
+    OrgPolicy,
+    RegisteredRevision,
+    StateChange,
+)
+from .schema import RequestState
 
 
 @runtime_checkable
@@ -93,6 +104,112 @@ class StoreProtocol(Protocol):
 
     def one_of(self, col: Any, values: Sequence[Any]) -> Any:
         """``col IN (values)``, one parameter whatever the size on PostgreSQL."""
+        ...
+
+
+@runtime_checkable
+class ApprovalsRepository(Protocol):
+    """``store.approvals`` (``ApprovalsSQL``): the approval requests (``undolog_approval_requests``) of
+    IRREVERSIBLE calls. A request leaves ``pending`` once (a decision, a timeout, a cancellation) and an approval
+    lapses once; every change is audited in its own transaction, with its outbox row. The request row itself is
+    written by the engine's call path (``CallsSQL``) when a call asks for approval.
+
+    Fences: a decision locks the session row first, then the request, then an audit head (the agent's call takes
+    the same order), so a decision and a call never deadlock; the sweeps claim due requests ``FOR UPDATE SKIP
+    LOCKED`` (PostgreSQL), so several sweepers take disjoint batches and each request is settled once. On SQLite
+    the single writer serialises all of it.
+
+    Example:
+        >>> storage.approvals.decide_request(rid, action="approve", approver="ana", reason=None, now=utcnow())
+        [StateChange(session_id='...', state=<SessionState.ACTIVE: 'active'>, only_from=...)]
+    """
+
+    def list_requests(self, *, state: RequestState | None = None, session_id: str | None = None,
+                      tool_name: str | None = None, limit: int = 500, offset: int = 0,
+                      brief: bool = False) -> builtins.list[ApprovalRecord]:
+        """Requests newest first (ties by id: pages never overlap); ``brief`` reads the arguments and context as
+        previews cut in the database."""
+        ...
+
+    def get_request(self, approval_request_id: str) -> ApprovalRecord | None:
+        """One request, or None when there is no such request."""
+        ...
+
+    def request_events(self, approval_request_id: str) -> builtins.list[ApprovalEvent]:
+        """The request's audit events, oldest first."""
+        ...
+
+    def joined_sessions_in(self, conn: Connection, approval_request_id: str) -> builtins.list[str]:
+        """The sessions that joined the request, in the order they joined, as the caller's transaction sees it."""
+        ...
+
+    def note_request_event(self, approval_request_id: str, *, action: str, actor: str, session_id: str,
+                           now: dt.datetime) -> int:
+        """Audit, in a transaction of its own, that a session ``joined`` a pending request or that an approved
+        request was ``released`` to one; returns the event id."""
+        ...
+
+    def due_request_ids(self, now: dt.datetime) -> builtins.list[str]:
+        """Pending requests past their ``timeout_at``."""
+        ...
+
+    def decide_request(self, approval_request_id: str, *, action: str, approver: str, reason: str | None,
+                       now: dt.datetime, approved_args: Mapping[str, Any] | None = None,
+                       response: str | None = None) -> builtins.list[StateChange]:
+        """Record a person's decision in ONE transaction (the request, its effect, the audit event and its outbox
+        row; on a rejection the session halted and its other pending requests cancelled); the session state
+        changes. Runs as an urgent writer (ahead of the agents' writes queued on SQLite's write lock).
+
+        Raises ``ApprovalNotFound`` (no such request) or ``ApprovalAlreadyDecided`` (no longer pending: another
+        decision or a timeout came first); nothing is written then.
+        """
+        ...
+
+    def expire_request(self, approval_request_id: str, now: dt.datetime) -> builtins.list[StateChange] | None:
+        """Apply the timeout to one due request per the policy (``auto_approved``, or ``timed_out`` with the
+        session halted); None when it was not due, not pending, or another process is expiring it now."""
+        ...
+
+    def due_claim(self, now: dt.datetime, *, limit: int = EXPIRE_BATCH, only: Sequence[str] | None = None,
+                  with_args: bool = False) -> Any:
+        """The SELECT of up to ``limit`` pending requests due at ``now``, oldest first, in the due index's order
+        (a statement, not run: ``expire_batch`` locks it)."""
+        ...
+
+    def expire_batch(self, now: dt.datetime, *, limit: int = EXPIRE_BATCH, only: Sequence[str] | None = None,
+                     ) -> tuple[builtins.list[ExpiredRequest], builtins.list[StateChange]]:
+        """Apply the timeout to up to ``limit`` due requests in ONE transaction, each exactly as
+        ``expire_request`` would; a request another transaction holds is skipped, not waited for."""
+        ...
+
+    def approval_lapsed(self, decided_at: dt.datetime | None, now: dt.datetime) -> bool:
+        """Whether an approval decided at ``decided_at`` is older than the policy's ``approved_ttl_seconds``."""
+        ...
+
+    def lapse_request(self, approval_request_id: str, now: dt.datetime) -> builtins.list[StateChange] | None:
+        """Expire one approved request whose call was not re-issued in time; None when it is not lapsed or
+        another process is expiring it now."""
+        ...
+
+    def lapse_batch(self, now: dt.datetime, *, limit: int = EXPIRE_BATCH, only: Sequence[str] | None = None,
+                    ) -> tuple[builtins.list[str], builtins.list[StateChange]]:
+        """Expire up to ``limit`` lapsed approvals in ONE transaction (request and effect ``expired``, the effect
+        giving its call id up, audited); the session is not halted."""
+        ...
+
+    def sweep_slot_key(self) -> int:
+        """The first key of this schema's sweep slots (PostgreSQL advisory locks bounding concurrent sweeps)."""
+        ...
+
+    def cancel_pending_in(self, conn: Connection, session_id: str, why: str, now: dt.datetime, *,
+                          except_id: str | None = None) -> int:
+        """Cancel every pending request of the session (but ``except_id``) in the caller's transaction; how many."""
+        ...
+
+    def cancel_request_in(self, conn: Connection, request_id: str, effect_id: str, why: str,
+                          now: dt.datetime) -> bool:
+        """Cancel a request that may still lead to a run, and its effect if it has not run, audited, in the
+        caller's transaction; False when it was already settled."""
         ...
 
 
@@ -265,6 +382,7 @@ class ArchiveRepository(Protocol):
 
 #: The repositories a ``Storage`` exposes, by attribute, and the Protocol each satisfies.
 REPOSITORIES: dict[str, type[Any]] = {
+    "approvals": ApprovalsRepository,
     "audit": AuditRepository,
     "outbox": OutboxRepository,
     "policy": PolicyRepository,
@@ -274,6 +392,7 @@ REPOSITORIES: dict[str, type[Any]] = {
 
 __all__ = [
     "REPOSITORIES",
+    "ApprovalsRepository",
     "ArchiveRepository",
     "AuditRepository",
     "OutboxRepository",

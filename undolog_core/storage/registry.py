@@ -28,7 +28,7 @@ _Q = t.approval_requests
 _UNRUN_REQUESTS = sa.select(_Q.c.approval_request_id, _Q.c.effect_id, _Q.c.session_id).where(
     _Q.c.state.in_([RequestState.PENDING, RequestState.APPROVED, RequestState.AUTO_APPROVED]))
 
-#: ``ApprovalsSQL.cancel_request_in``: cancel one request (and its effect) in the caller's transaction.
+#: ``store.approvals.cancel_request_in``: cancel one request (and its effect) in the caller's transaction.
 CancelRequestIn = Callable[[Connection, str, str, str, dt.datetime], bool]
 #: ``SessionsSQL.refresh_changes_in``: the session state changes a cancellation made.
 RefreshChangesIn = Callable[[Connection, str, dt.datetime], "builtins.list[StateChange]"]
