@@ -552,7 +552,7 @@ def warm_sweeper(u: UndoLog, own: list[str], now: dt.datetime | None = None) -> 
     assert sorted(got) == sorted(own), (got, own)
     # The sweep's own claim (``expire`` above claims by id, a statement of its own), run with nothing to claim.
     with u.store.tx() as conn:
-        conn.execute(u.store.for_update(u.store.due_claim(early), skip_locked=True)).all()
+        conn.execute(u.store.for_update(u.store.approvals.due_claim(early), skip_locked=True)).all()
     return got
 
 

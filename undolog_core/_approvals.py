@@ -100,7 +100,7 @@ class ApprovalService:
             if state not in known:
                 raise UndoLogError(f"unknown approval state {state!r}; known: {', '.join(known)}")
             wanted = RequestState(state)
-        rows = self._storage.list_requests(state=wanted, session_id=session_id, tool_name=tool_name, limit=limit,
+        rows = self._storage.approvals.list_requests(state=wanted, session_id=session_id, tool_name=tool_name, limit=limit,
                                            offset=offset, brief=brief)
         if risk_tag:
             rows = [x for x in rows if risk_tag in x.risk_tags]
@@ -113,7 +113,7 @@ class ApprovalService:
         if rec.state is RequestState.PENDING and rec.timeout_at <= utcnow():
             self.expire([approval_request_id])
             rec = self._get(approval_request_id)
-        elif rec.state in (RequestState.APPROVED, RequestState.AUTO_APPROVED) and self._storage.approval_lapsed(
+        elif rec.state in (RequestState.APPROVED, RequestState.AUTO_APPROVED) and self._storage.approvals.approval_lapsed(
             rec.decided_at, utcnow()
         ):
             self.lapse([approval_request_id])
@@ -121,7 +121,7 @@ class ApprovalService:
         return rec
 
     def _get(self, approval_request_id: str) -> ApprovalRecord:
-        rec = self._storage.get_request(approval_request_id)
+        rec = self._storage.approvals.get_request(approval_request_id)
         if rec is None:
             raise ApprovalNotFound(approval_request_id)
         return rec
@@ -134,7 +134,7 @@ class ApprovalService:
             >>> undolog.approvals.join(rec.approval_request_id, later_session_id, actor="key:4f2a")
         """
         check_identity("actor", actor)
-        self._storage.note_request_event(approval_request_id, action="joined", actor=actor, session_id=session_id,
+        self._storage.approvals.note_request_event(approval_request_id, action="joined", actor=actor, session_id=session_id,
                                          now=utcnow())
 
     def note_released(self, approval_request_id: str, session_id: str, *, actor: str) -> None:
@@ -145,7 +145,7 @@ class ApprovalService:
             >>> undolog.approvals.note_released(rec.approval_request_id, later_session_id, actor="key:4f2a")
         """
         check_identity("actor", actor)
-        self._storage.note_request_event(approval_request_id, action="released", actor=actor,
+        self._storage.approvals.note_request_event(approval_request_id, action="released", actor=actor,
                                          session_id=session_id, now=utcnow())
 
     def find_for_call(self, session_id: str, tool_name: str, args: Mapping[str, Any]) -> ApprovalRecord | None:
@@ -170,7 +170,7 @@ class ApprovalService:
     def events(self, approval_request_id: str) -> builtins.list[ApprovalEvent]:
         """The request's audit events, oldest first."""
         self._get(approval_request_id)
-        return self._storage.request_events(approval_request_id)
+        return self._storage.approvals.request_events(approval_request_id)
 
     # -- deciding ------------------------------------------------------------------------------------
 
@@ -229,7 +229,7 @@ class ApprovalService:
         who = principal or approver
         if not owner or not owner.startswith("key:") or who != owner:
             return
-        self._storage.append_event(
+        self._storage.audit.append_event(
             subject=f"approval:{approval_request_id}", approval_request_id=approval_request_id,
             action="refused", actor=approver,
             payload={"attempted": action, "principal": who, "why": SelfDecisionForbidden.code},
@@ -263,7 +263,7 @@ class ApprovalService:
             validated: dict[str, Any] = spec.snapshot(spec.validate(args))
             return validated
         # This process (a CLI, a server) does not have the tool loaded: validate against the stored contract.
-        stored = self._storage.arguments_jsonschema_of(rec.tool_name, rec.tool_revision)
+        stored = self._storage.registry.arguments_jsonschema_of(rec.tool_name, rec.tool_revision)
         if stored is None:
             raise UndoLogError(f"the contract of {rec.tool_name!r} revision {rec.tool_revision} is not in the registry")
         model = build_args_model(rec.tool_name, None, stored)
@@ -308,7 +308,7 @@ class ApprovalService:
         # A request's tool and revision never change, so the edit is validated before the decision's transaction;
         # the storage re-checks that the request is still pending under its lock (a racing decision loses there).
         approved = self._validate_edit(rec, args or {}) if action == "modify" else None
-        changes = self._storage.decide_request(
+        changes = self._storage.approvals.decide_request(
             approval_request_id, action=action, approver=approver, reason=reason, approved_args=approved,
             response=response, now=utcnow(),
         )
@@ -342,8 +342,8 @@ class ApprovalService:
 
     def cancel(self, conn: Any, request_id: str, effect_id: str, why: str, now: dt.datetime) -> None:
         """Cancel a request (and its effect if it has not run) inside the caller's transaction (the engine's and
-        the saga's); ``Storage.cancel_request_in``."""
-        self._storage.cancel_request_in(conn, request_id, effect_id, why, now)
+        the saga's); ``store.approvals.cancel_request_in``."""
+        self._storage.approvals.cancel_request_in(conn, request_id, effect_id, why, now)
 
     # -- timeouts ------------------------------------------------------------------------------------
 
@@ -364,7 +364,7 @@ class ApprovalService:
         now = now or utcnow()
         done: builtins.list[str] = []
         while True:
-            got, changes = self._storage.expire_batch(now)
+            got, changes = self._storage.approvals.expire_batch(now)
             if not got:
                 return done
             self._settled(got, changes)
@@ -376,7 +376,7 @@ class ApprovalService:
         wanted = list(ids)
         done: builtins.list[str] = []
         for i in range(0, len(wanted), EXPIRE_BATCH):
-            got, changes = self._storage.expire_batch(now, only=wanted[i:i + EXPIRE_BATCH])
+            got, changes = self._storage.approvals.expire_batch(now, only=wanted[i:i + EXPIRE_BATCH])
             self._settled(got, changes)
             done.extend(x.approval_request_id for x in got)
         return done
@@ -398,7 +398,7 @@ class ApprovalService:
         now = now or utcnow()
         done: builtins.list[str] = []
         while True:
-            got, changes = self._storage.lapse_batch(now)
+            got, changes = self._storage.approvals.lapse_batch(now)
             if not got:
                 return done
             self._changed(changes)
@@ -410,14 +410,14 @@ class ApprovalService:
         wanted = list(ids)
         done: builtins.list[str] = []
         for i in range(0, len(wanted), EXPIRE_BATCH):
-            got, changes = self._storage.lapse_batch(now, only=wanted[i:i + EXPIRE_BATCH])
+            got, changes = self._storage.approvals.lapse_batch(now, only=wanted[i:i + EXPIRE_BATCH])
             self._changed(changes)
             done.extend(got)
         return done
 
     def lapsed(self, decided_at: dt.datetime | None) -> bool:
         """Whether an approval decided at ``decided_at`` has outlived ``approved_ttl_seconds`` (one policy read)."""
-        return self._storage.approval_lapsed(decided_at, utcnow())
+        return self._storage.approvals.approval_lapsed(decided_at, utcnow())
 
 
 __all__ = ["ApprovalEvent", "ApprovalRecord", "ApprovalService"]

@@ -9,9 +9,13 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ._json import canonical_json, sha256_hex
-from .storage.audit import GENESIS_HASH, AuditSQL, event_hash
+from .storage.audit import GENESIS_HASH, event_hash
+
+if TYPE_CHECKING:
+    from .storage import Storage
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,7 @@ class _Coverage:
                 f"chain {chain} was signed at {g.low}: it was inserted after that checkpoint (a backdated event)")
 
 
-def verify(storage: AuditSQL, checkpoints: Sequence[SignedHead] = ()) -> AuditReport:
+def verify(storage: Storage, checkpoints: Sequence[SignedHead] = ()) -> AuditReport:
     """Recompute every chain; any edit, deletion or reordering behind the triggers' back shows up here.
 
     Args:
@@ -152,7 +156,7 @@ def verify(storage: AuditSQL, checkpoints: Sequence[SignedHead] = ()) -> AuditRe
     last: dict[int, tuple[int, str]] = {}  # per chain, (last event id, its hash) as found
     coverage = _Coverage(checkpoints)
     count = 0
-    with storage.audit_chain() as chain:
+    with storage.audit.chain() as chain:
         for n, r in chain.events():
             count += 1
             backdated = coverage.problem(n, r.event_id) if checkpoints else None

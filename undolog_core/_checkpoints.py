@@ -52,11 +52,13 @@ from typing import TYPE_CHECKING, Any, cast
 from ._audit import AuditReport, SignedHead, fold_heads, verify
 from .errors import AuditChainBroken, CheckpointInvalid, ConfigurationError
 from .storage import safe_url
-from .storage.audit import GENESIS_HASH, AuditSQL
+from .storage.audit import GENESIS_HASH
 from .storage.schema import AUDIT_CHAINS
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+    from .storage import Storage
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -216,24 +218,24 @@ def load_public_key(path: Path) -> Ed25519PublicKey:
     return cast("Ed25519PublicKey", key)
 
 
-def store_identity(storage: AuditSQL) -> str:
+def store_identity(storage: Storage) -> str:
     """Which database a checkpoint was taken from: URL without password, ``#schema`` on PostgreSQL."""
     schema = getattr(storage, "schema", None)
     return safe_url(str(getattr(storage, "url", ""))) + (f"#{schema}" if schema else "")
 
 
 def make_checkpoint(
-    storage: AuditSQL, key: Ed25519PrivateKey, *, previous: Sequence[SignedHead] = (), now: dt.datetime | None = None
+    storage: Storage, key: Ed25519PrivateKey, *, previous: Sequence[SignedHead] = (), now: dt.datetime | None = None
 ) -> Checkpoint:
     """Verify the chain (against earlier signed heads too) and sign its head.
 
     Raises:
         AuditChainBroken: The chain is not intact, or differs from an earlier checkpoint: nothing is signed.
     """
-    # Every head read under its lock: a cut with no append half done (see ``AuditSQL.locked_heads``). The chain is
+    # Every head read under its lock: a cut with no append half done (see ``store.audit.locked_heads``). The chain is
     # then verified as it stands (appends may have gone on since) and must hold those heads, under the rule the
     # checkpoint will be held to: nothing at or below its position outside a chain's signed range.
-    heads = tuple((h.chain, h.last_event_id, h.last_hash) for h in storage.locked_heads())
+    heads = tuple((h.chain, h.last_event_id, h.last_hash) for h in storage.audit.locked_heads())
     pending = [SignedHead(p, h, "the heads being signed", chain=c) for c, p, h in heads]
     report = verify(storage, checkpoints=[*previous, *pending])
     if not report.ok:
@@ -249,7 +251,7 @@ def make_checkpoint(
 
 
 def write_checkpoint(
-    storage: AuditSQL, key: Ed25519PrivateKey, out_dir: Path, *, now: dt.datetime | None = None
+    storage: Storage, key: Ed25519PrivateKey, out_dir: Path, *, now: dt.datetime | None = None
 ) -> Path:
     """Sign the chain head and write it to ``out_dir`` as ``checkpoint-<position>-<timestamp>.json``.
 
@@ -340,7 +342,7 @@ def load_checkpoints(directory: Path, public_key: Ed25519PublicKey) -> list[Chec
     return sorted((read_checkpoint(p, public_key) for p in files), key=lambda c: c.position)
 
 
-def verify_with_checkpoints(storage: AuditSQL, directory: Path, public_key: Ed25519PublicKey) -> AuditReport:
+def verify_with_checkpoints(storage: Storage, directory: Path, public_key: Ed25519PublicKey) -> AuditReport:
     """Verify the chain and every signed head in ``directory``; a bad checkpoint file fails the report.
 
     Example:

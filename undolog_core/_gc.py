@@ -71,14 +71,14 @@ def collect(storage: Storage, older_than: dt.timedelta, *, actor: str, dry_run: 
     report = GcReport(run_id=new_id(), idle_before=cutoff.isoformat(), dry_run=dry_run)
     after: str | None = None
     while True:
-        ids = storage.settled_sessions(cutoff, limit=GC_BATCH, after=after)
+        ids = storage.archive.settled_sessions(cutoff, limit=GC_BATCH, after=after)
         if not ids:
             return report
         after = ids[-1]
         if dry_run:
             report.sessions += len(ids)
             continue
-        batch = storage.archive_sessions(ids, cutoff, run_id=report.run_id, actor=actor, now=now)
+        batch = storage.archive.archive_sessions(ids, cutoff, run_id=report.run_id, actor=actor, now=now)
         report.sessions += len(batch.sessions)
         report.closed += batch.closed
         report.effects += batch.effects

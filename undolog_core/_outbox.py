@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .storage import Storage as OutboxStore
+    from .storage.contract import OutboxRepository as OutboxStore
 
 
 @dataclass(frozen=True)
@@ -65,4 +65,4 @@ class OutboxService:
         Returns:
             How many events were handed over.
         """
-        return self._store.drain_outbox(handle, OutboxEvent, limit=limit)
+        return self._store.drain(handle, OutboxEvent, limit=limit)

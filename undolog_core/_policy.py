@@ -10,7 +10,7 @@ from .storage.base import utcnow
 from .storage.records import OrgPolicy
 
 if TYPE_CHECKING:
-    from .storage.policy import PolicySQL
+    from .storage.contract import PolicyRepository
 
 _LIMITS = {"approval_timeout_seconds": (1, 30 * 24 * 3600), "context_calls": (0, 1000),
            "approved_ttl_seconds": (1, 365 * 24 * 3600)}
@@ -24,15 +24,15 @@ class PolicyService:
         OrgPolicy(approval_timeout_seconds=900, auto_approve_on_timeout=False, context_calls=10)
     """
 
-    def __init__(self, storage: PolicySQL) -> None:
-        self._storage = storage
+    def __init__(self, policy: PolicyRepository) -> None:
+        self._policy = policy
 
     def read(self, conn: Any) -> OrgPolicy:
-        """The policy inside the caller's transaction (``PolicySQL.policy_in``)."""
-        return self._storage.policy_in(conn)
+        """The policy inside the caller's transaction (``store.policy.get_in``)."""
+        return self._policy.get_in(conn)
 
     def get(self) -> OrgPolicy:
-        return self._storage.get_policy()
+        return self._policy.get()
 
     def set(self, *, actor: str, **changes: Any) -> OrgPolicy:
         unknown = set(changes) - set(OrgPolicy.__dataclass_fields__)
@@ -67,7 +67,7 @@ class PolicyService:
                 if not lo <= v <= hi:
                     raise PolicyInvalid(f"{k} must be between {lo} and {hi}, got {v}", fields=[k])
             clean[k] = v
-        _, after = self._storage.set_policy(clean, actor=actor, now=utcnow())
+        _, after = self._policy.set(clean, actor=actor, now=utcnow())
         return after
 
 

@@ -333,7 +333,7 @@ class Recovery:
         who = principal or actor
         # As for approvals: only principal references (``key:<id>``) are compared, never free-text names.
         if creator and creator.startswith("key:") and who == creator:
-            self._store.append_event(subject=f"effect:{effect_id}", action="effect.resolve_refused", actor=actor,
+            self._store.audit.append_event(subject=f"effect:{effect_id}", action="effect.resolve_refused", actor=actor,
                                      payload={"effect_id": effect_id, "attempted": outcome, "principal": who,
                                               "why": SelfDecisionForbidden.code})
             raise SelfDecisionForbidden(None, who, effect_id=effect_id)

@@ -22,7 +22,7 @@ from .storage.base import utcnow
 from .storage.records import ContractRevision
 
 if TYPE_CHECKING:
-    from .storage.registry import RegistrySQL
+    from .storage.contract import RegistryRepository
 
 
 def default_actor() -> str:
@@ -37,12 +37,12 @@ class Registry:
     """The tools and compensations of this process, and their durable contract revisions.
 
     Example:
-        >>> registry = Registry(storage, note_state=lambda session_id, state: None)
+        >>> registry = Registry(storage.registry, note_state=lambda session_id, state: None)
         >>> registry.register([search_knowledge_base])[0].revision
         1
     """
 
-    def __init__(self, storage: RegistrySQL, *, note_state: Callable[[str, str], None]) -> None:
+    def __init__(self, storage: RegistryRepository, *, note_state: Callable[[str, str], None]) -> None:
         """``note_state(session_id, state)``: keeps the in-memory session caches in step when a contract change
         cancels the approvals a session was waiting for."""
         self._storage = storage
@@ -151,7 +151,7 @@ class Registry:
             )
             for spec in specs
         ]
-        revisions, changes = self._storage.register_revisions(contracts, actor=actor, now=utcnow())
+        revisions, changes = self._storage.register(contracts, actor=actor, now=utcnow())
         for spec, rev in zip(specs, revisions, strict=True):
             spec.revision = rev.revision
         for change in changes:
@@ -159,4 +159,4 @@ class Registry:
 
     def history(self, tool_name: str | None = None) -> list[dict[str, Any]]:
         """Every stored revision (of one tool, or of all), ordered by (tool, revision)."""
-        return self._storage.registry_history(tool_name)
+        return self._storage.history(tool_name)

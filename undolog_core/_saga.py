@@ -304,7 +304,7 @@ class Saga:
             store.mark_rolled_back_in(conn, session_id, now)
             payload = jsonable({"session_id": session_id, "reason": reason, "steps": [s.__dict__ for s in report.steps],
                                 "kept_irreversible": report.kept_irreversible})
-            store.append_event_in(conn, subject=f"session:{session_id}", action="session.rollback", actor=actor,
+            store.audit.append_event_in(conn, subject=f"session:{session_id}", action="session.rollback", actor=actor,
                                   payload=payload, outbox=[("session.rolled_back", payload)], now=now)
         self._note_state(session_id, SessionState.ROLLED_BACK)
         report.complete = True

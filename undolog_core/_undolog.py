@@ -63,8 +63,8 @@ class UndoLog:
         self.leases = Leases(store, self.lease_seconds)
         # The services get what they use, not this facade: the storage, each other, and small hooks that keep the
         # engine's in-memory session caches in step with the states they write (bound late: the engine comes after).
-        self.registry = Registry(store, note_state=self._note_state)
-        self.policy = PolicyService(store)
+        self.registry = Registry(store.registry, note_state=self._note_state)
+        self.policy = PolicyService(store.policy)
         self.approvals = ApprovalService(store, self.registry, note_state=self._note_state)
         self.engine = Engine(store, self.registry, self.policy, self.approvals, self.leases,
                              fast_commit_mark=fast_commit_mark, max_sessions=max_sessions)
@@ -79,7 +79,7 @@ class UndoLog:
             note_pins=self._note_pins,
             persist=self.engine.persist,
         )
-        self.outbox = OutboxService(store)
+        self.outbox = OutboxService(store.outbox)
         self.owners = SessionOwners(store, self.leases)
         self._recovery = Recovery(store, self.registry, self.saga, self.leases, flush_marks=self.engine.flush_marks,
                                   note_state=self.engine.note_state)
@@ -302,7 +302,7 @@ class UndoLog:
             ...                      payload={"key_id": "cd34"})
             42
         """
-        return int(self.store.append_event(subject=subject, action=action, actor=actor, payload=dict(payload),
+        return int(self.store.audit.append_event(subject=subject, action=action, actor=actor, payload=dict(payload),
                                            approval_request_id=approval_request_id))
 
     def resolve_effect(self, effect_id: str, *, outcome: str, reason: str, actor: str,

@@ -146,7 +146,7 @@ def test_concurrent_appends_keep_every_chain_intact(undolog):
     def writer(k: int) -> None:
         for i in range(10):
             with internals(undolog).write() as c:
-                undolog.store.append_event_in(c, subject=f"w{k}", action="test", actor=f"w{k}", payload={"i": i})
+                undolog.store.audit.append_event_in(c, subject=f"w{k}", action="test", actor=f"w{k}", payload={"i": i})
 
     threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
     for th in threads:
@@ -164,7 +164,7 @@ def test_a_transaction_holding_a_chain_does_not_stop_another_from_appending(undo
     st = _storage(undolog)
     if not internals(undolog).is_postgres:
         with internals(undolog).write() as c:
-            ids = [st.append_event_in(c, subject="s", action="test", actor="a", payload={"i": i}) for i in range(3)]
+            ids = [st.audit.append_event_in(c, subject="s", action="test", actor="a", payload={"i": i}) for i in range(3)]
         assert ids == [ids[0], ids[0] + 1, ids[0] + 2] and verify(st).ok
         return
     holding = threading.Event()
@@ -172,10 +172,10 @@ def test_a_transaction_holding_a_chain_does_not_stop_another_from_appending(undo
 
     def slow() -> None:
         with internals(undolog).write() as c:
-            st.append_event_in(c, subject="slow", action="test.slow", actor="a", payload={})
+            st.audit.append_event_in(c, subject="slow", action="test.slow", actor="a", payload={})
             holding.set()
             release.wait(10)
-            st.append_event_in(c, subject="slow", action="test.slow2", actor="a", payload={})
+            st.audit.append_event_in(c, subject="slow", action="test.slow2", actor="a", payload={})
 
     th = threading.Thread(target=slow)
     th.start()
@@ -184,11 +184,11 @@ def test_a_transaction_holding_a_chain_does_not_stop_another_from_appending(undo
         with internals(undolog).write() as c:
             # Would wait for the slow transaction's commit if it had to lock the same head: 2 s is plenty to fail.
             c.execute(sa.text("SET LOCAL lock_timeout = '2s'"))
-            st.append_event_in(c, subject="fast", action="test.fast", actor="b", payload={})
+            st.audit.append_event_in(c, subject="fast", action="test.fast", actor="b", payload={})
     finally:
         release.set()
         th.join()
-    with st.audit_chain() as chain:
+    with st.audit.chain() as chain:
         by_action = {ev.action: n for n, ev in chain.events()}
     assert by_action["test.slow"] == by_action["test.slow2"] != by_action["test.fast"]
     report = verify(st)
@@ -281,7 +281,7 @@ def _awaiting(u: UndoLog, session_id: str, user: str = "u1", call_id: str | None
     """A real pending approval request, made by the engine for an IRREVERSIBLE call."""
     d = u.engine.intercept(session_id, "delete_user_account", {"user_id": user}, call_id=call_id)
     assert isinstance(d, AwaitingApproval)
-    rec = _storage(u).get_request(d.approval_request_id)
+    rec = _storage(u).approvals.get_request(d.approval_request_id)
     assert rec is not None and rec.state is RequestState.PENDING
     return rec
 
@@ -300,12 +300,14 @@ def _count(u: UndoLog, table: sa.Table, *where: Any) -> int:
 def test_storage_is_one_object_with_every_service_statement(db):
     u = db.open()
     st = _storage(u)
-    assert isinstance(st, ApprovalsSQL | AuditSQL | RegistrySQL | PolicySQL | SessionsSQL)
+    assert isinstance(st.approvals, ApprovalsSQL) and isinstance(st, SessionsSQL)
+    assert isinstance(st.audit, AuditSQL) and isinstance(st.registry, RegistrySQL)
+    assert isinstance(st.policy, PolicySQL)
     assert isinstance(st, Store)
     assert st.schema_revision() == Storage.head_revision()
     fresh = open_storage(db.url, schema=db.schema)
     try:
-        assert isinstance(fresh, Storage) and fresh.get_policy() == st.get_policy()
+        assert isinstance(fresh, Storage) and fresh.policy.get() == st.policy.get()
     finally:
         fresh.dispose()
     with pytest.raises(errors.ConfigurationError, match="Storage"):
@@ -319,22 +321,22 @@ def test_approve_moves_request_effect_and_session_in_one_transaction(undolog):
     rec = _awaiting(undolog, s.id)
     assert st.get_session(s.id).state is SessionState.AWAITING_APPROVAL  # type: ignore[union-attr]
     outbox_before = _count(undolog, t.outbox)
-    changes = st.decide_request(rec.approval_request_id, action="approve", approver="ana", reason="ok", now=utcnow())
+    changes = st.approvals.decide_request(rec.approval_request_id, action="approve", approver="ana", reason="ok", now=utcnow())
     assert changes == [StateChange(s.id, SessionState.ACTIVE)]
-    got = st.get_request(rec.approval_request_id)
+    got = st.approvals.get_request(rec.approval_request_id)
     assert got is not None and got.state is RequestState.APPROVED and got.decided_by == "ana"
     assert got.approved_args == rec.proposed_args
     assert st.get_session(s.id).state is SessionState.ACTIVE  # type: ignore[union-attr]
     (effect,) = st.session_effects(s.id)
     assert effect["state"] == EffectState.APPROVED
-    requested, event = st.request_events(rec.approval_request_id)  # the engine audited the request itself
+    requested, event = st.approvals.request_events(rec.approval_request_id)  # the engine audited the request itself
     assert requested.action == "requested"
     assert (event.action, event.actor, event.payload) == ("approve", "ana", {"reason": "ok"})
     with internals(undolog).read() as c:
         types = c.execute(sa.select(t.outbox.c.event_type).order_by(t.outbox.c.outbox_id)).scalars().all()
     assert types[outbox_before:] == ["approval.decided"]
-    assert st.list_requests(state=RequestState.APPROVED, session_id=s.id) == [got]
-    assert st.list_requests(state=RequestState.PENDING, session_id=s.id) == []
+    assert st.approvals.list_requests(state=RequestState.APPROVED, session_id=s.id) == [got]
+    assert st.approvals.list_requests(state=RequestState.PENDING, session_id=s.id) == []
 
 
 def test_modify_binds_the_edited_arguments_and_audits_both_sets(undolog):
@@ -342,14 +344,14 @@ def test_modify_binds_the_edited_arguments_and_audits_both_sets(undolog):
     st = _storage(undolog)
     s = undolog.session()
     rec = _awaiting(undolog, s.id)
-    st.decide_request(rec.approval_request_id, action="modify", approver="ana", reason=None,
+    st.approvals.decide_request(rec.approval_request_id, action="modify", approver="ana", reason=None,
                       approved_args={"user_id": "u2"}, now=utcnow())
-    got = st.get_request(rec.approval_request_id)
+    got = st.approvals.get_request(rec.approval_request_id)
     assert got is not None and got.approved_args == {"user_id": "u2"} and got.state is RequestState.APPROVED
-    _, event = st.request_events(rec.approval_request_id)
+    _, event = st.approvals.request_events(rec.approval_request_id)
     assert event.payload == {"reason": None, "args": {"user_id": "u2"}, "proposed_args": {"user_id": "u1"}}
     with pytest.raises(errors.UndoLogError, match="edited arguments"):
-        st.decide_request(rec.approval_request_id, action="modify", approver="ana", reason=None, now=utcnow())
+        st.approvals.decide_request(rec.approval_request_id, action="modify", approver="ana", reason=None, now=utcnow())
 
 
 def test_reject_halts_the_session_and_cancels_its_other_requests(undolog):
@@ -358,14 +360,14 @@ def test_reject_halts_the_session_and_cancels_its_other_requests(undolog):
     s = undolog.session()
     first = _awaiting(undolog, s.id, "u1", call_id="c1")
     second = _awaiting(undolog, s.id, "u2", call_id="c2")
-    changes = st.decide_request(first.approval_request_id, action="reject", approver="bo", reason="no", now=utcnow())
+    changes = st.approvals.decide_request(first.approval_request_id, action="reject", approver="bo", reason="no", now=utcnow())
     assert changes == [StateChange(s.id, SessionState.HALTED)]
     sess = st.get_session(s.id)
     assert sess is not None and sess.state is SessionState.HALTED and "rejected by bo: no" in (sess.halted_reason or "")
-    assert st.get_request(first.approval_request_id).state is RequestState.REJECTED  # type: ignore[union-attr]
-    other = st.get_request(second.approval_request_id)
+    assert st.approvals.get_request(first.approval_request_id).state is RequestState.REJECTED  # type: ignore[union-attr]
+    other = st.approvals.get_request(second.approval_request_id)
     assert other is not None and other.state is RequestState.CANCELLED and other.decided_by == "undolog"
-    assert [e.action for e in st.request_events(second.approval_request_id)] == ["requested", "cancel"]
+    assert [e.action for e in st.approvals.request_events(second.approval_request_id)] == ["requested", "cancel"]
     states = {e["call_id"]: e["state"] for e in st.session_effects(s.id)}
     assert states == {"c1": EffectState.REJECTED, "c2": EffectState.CANCELLED}
     with internals(undolog).read() as c:
@@ -373,8 +375,8 @@ def test_reject_halts_the_session_and_cancels_its_other_requests(undolog):
     assert "session.halted" in types and "approval.decided" in types
     # A settled request is not cancelled twice, and no second event is written for it.
     with internals(undolog).write() as c:
-        assert st.cancel_request_in(c, second.approval_request_id, second.effect_id, "again", utcnow()) is False
-    assert len(st.request_events(second.approval_request_id)) == 2
+        assert st.approvals.cancel_request_in(c, second.approval_request_id, second.effect_id, "again", utcnow()) is False
+    assert len(st.approvals.request_events(second.approval_request_id)) == 2
 
 
 def test_a_request_is_decided_once_when_two_decisions_race(db):
@@ -391,7 +393,7 @@ def test_a_request_is_decided_once_when_two_decisions_race(db):
     def decide(st: Storage, action: str) -> None:
         barrier.wait()
         try:
-            st.decide_request(rec.approval_request_id, action=action, approver=action, reason="race", now=utcnow())
+            st.approvals.decide_request(rec.approval_request_id, action=action, approver=action, reason="race", now=utcnow())
             outcomes.append(action)
         except errors.ApprovalAlreadyDecided:
             outcomes.append("refused")
@@ -403,9 +405,9 @@ def test_a_request_is_decided_once_when_two_decisions_race(db):
         th.join()
     assert len(outcomes) == 2 and outcomes.count("refused") == 1
     winner = next(o for o in outcomes if o != "refused")
-    got = stores[0].get_request(rec.approval_request_id)
+    got = stores[0].approvals.get_request(rec.approval_request_id)
     assert got is not None and got.state is (RequestState.APPROVED if winner == "approve" else RequestState.REJECTED)
-    assert [e.action for e in stores[0].request_events(rec.approval_request_id)] == ["requested", winner]
+    assert [e.action for e in stores[0].approvals.request_events(rec.approval_request_id)] == ["requested", winner]
     assert u.verify_audit().ok
 
 
@@ -415,12 +417,12 @@ def test_expiry_applies_the_policy_once(undolog):
     later = utcnow() + dt.timedelta(days=40)  # past any timeout the policy allows
     s1 = undolog.session()
     timed = _awaiting(undolog, s1.id)
-    assert st.due_request_ids(utcnow()) == []
-    assert st.due_request_ids(later) == [timed.approval_request_id]
-    assert st.expire_request(timed.approval_request_id, utcnow()) is None  # not due yet: nothing happens
-    assert st.expire_request(timed.approval_request_id, later) == [StateChange(s1.id, SessionState.HALTED)]
-    assert st.expire_request(timed.approval_request_id, later) is None  # applied exactly once
-    got = st.get_request(timed.approval_request_id)
+    assert st.approvals.due_request_ids(utcnow()) == []
+    assert st.approvals.due_request_ids(later) == [timed.approval_request_id]
+    assert st.approvals.expire_request(timed.approval_request_id, utcnow()) is None  # not due yet: nothing happens
+    assert st.approvals.expire_request(timed.approval_request_id, later) == [StateChange(s1.id, SessionState.HALTED)]
+    assert st.approvals.expire_request(timed.approval_request_id, later) is None  # applied exactly once
+    got = st.approvals.get_request(timed.approval_request_id)
     assert got is not None and got.state is RequestState.TIMED_OUT and got.decided_by == "undolog:timeout"
     assert st.get_session(s1.id).state is SessionState.HALTED  # type: ignore[union-attr]
 
@@ -428,32 +430,32 @@ def test_expiry_applies_the_policy_once(undolog):
         c.execute(t.org_policy.update().values(auto_approve_on_timeout=True))
     s2 = undolog.session()
     auto = _awaiting(undolog, s2.id)
-    changes = st.expire_request(auto.approval_request_id, later)
+    changes = st.approvals.expire_request(auto.approval_request_id, later)
     assert changes == [StateChange(s2.id, SessionState.ACTIVE)]
-    got = st.get_request(auto.approval_request_id)
+    got = st.approvals.get_request(auto.approval_request_id)
     assert got is not None and got.state is RequestState.AUTO_APPROVED and got.approved_args == auto.proposed_args
-    assert [(e.action, e.actor) for e in st.request_events(auto.approval_request_id)][1:] == [
+    assert [(e.action, e.actor) for e in st.approvals.request_events(auto.approval_request_id)][1:] == [
         ("auto_approve", "undolog:timeout-policy")
     ]
 
 
 def test_audit_append_and_its_outbox_rows_commit_together_or_not_at_all(undolog):
     st = _storage(undolog)
-    first = st.append_event(subject="s", action="test.one", actor="a", payload={"n": 1})
+    first = st.audit.append_event(subject="s", action="test.one", actor="a", payload={"n": 1})
     with internals(undolog).write() as c:
-        second = st.append_event_in(c, subject="s", action="test.two", actor="b", payload={"n": 2},
+        second = st.audit.append_event_in(c, subject="s", action="test.two", actor="b", payload={"n": 2},
                                     outbox=[("test.happened", {"n": 2})])
     assert second == first + 1
     assert _count(undolog, t.outbox, t.outbox.c.event_type == "test.happened") == 1
     with pytest.raises(RuntimeError):
         with internals(undolog).write() as c:
-            st.append_event_in(c, subject="s", action="test.lost", actor="c", payload={},
+            st.audit.append_event_in(c, subject="s", action="test.lost", actor="c", payload={},
                                outbox=[("test.lost", {})])
             raise RuntimeError("the caller's transaction fails after the append")
     assert _count(undolog, t.approval_events, t.approval_events.c.action == "test.lost") == 0
     assert _count(undolog, t.outbox, t.outbox.c.event_type == "test.lost") == 0
     # The chain as stored recomputes, and the head names its last event. A lone writer appends to chain 1.
-    with st.audit_chain() as chain:
+    with st.audit.chain() as chain:
         found = list(chain.events())
         heads = chain.heads()
     assert {n for n, _ in found} == {1}
@@ -475,22 +477,22 @@ def test_registry_revisions_are_immutable(undolog):
     now = utcnow()
     v1 = ContractRevision("tool_x", "safe", "f" * 64, {"args_schema": {"type": "object"}, "v": 1}, None, None)
     v2 = ContractRevision("tool_x", "compensable", "e" * 64, {"args_schema": {"type": "object"}, "v": 2}, "undo_x", 1)
-    (r1,), changes = st.register_revisions([v1], actor="ci", now=now)
+    (r1,), changes = st.registry.register([v1], actor="ci", now=now)
     assert (r1.revision, r1.created, changes) == (1, True, [])
-    (again,), _ = st.register_revisions([v1], actor="someone-else", now=utcnow())
+    (again,), _ = st.registry.register([v1], actor="someone-else", now=utcnow())
     assert (again.revision, again.created) == (1, False)  # the same contract is the same revision
-    (r2,), _ = st.register_revisions([v2], actor="ci", now=utcnow())
+    (r2,), _ = st.registry.register([v2], actor="ci", now=utcnow())
     assert (r2.revision, r2.created) == (2, True)
-    history = st.registry_history("tool_x")
+    history = st.registry.history("tool_x")
     assert [(h["revision"], h["fingerprint"], h["previous_fingerprint"], h["registered_by"]) for h in history] == [
         (1, "f" * 64, None, "ci"), (2, "e" * 64, "f" * 64, "ci")
     ]
-    assert st.contract_of("tool_x", 1) == v1.contract and st.contract_of("tool_x", 2) == v2.contract
-    assert st.contract_of("tool_x", 3) is None
-    assert st.arguments_jsonschema_of("tool_x", 2) == {"type": "object"} and st.arguments_jsonschema_of("x", 1) is None
+    assert st.registry.contract_of("tool_x", 1) == v1.contract and st.registry.contract_of("tool_x", 2) == v2.contract
+    assert st.registry.contract_of("tool_x", 3) is None
+    assert st.registry.arguments_jsonschema_of("tool_x", 2) == {"type": "object"} and st.registry.arguments_jsonschema_of("x", 1) is None
     # Going back to the first contract is a third revision, never a rewrite of the first.
-    (r3,), _ = st.register_revisions([v1], actor="ci", now=utcnow())
-    assert r3.revision == 3 and st.registry_history("tool_x")[0] == history[0]
+    (r3,), _ = st.registry.register([v1], actor="ci", now=utcnow())
+    assert r3.revision == 3 and st.registry.history("tool_x")[0] == history[0]
 
 
 def test_a_new_contract_cancels_the_approvals_bound_to_the_old_one(undolog):
@@ -499,22 +501,22 @@ def test_a_new_contract_cancels_the_approvals_bound_to_the_old_one(undolog):
     s = undolog.session()
     rec = _awaiting(undolog, s.id)
     changed = ContractRevision("delete_user_account", "irreversible", "0" * 64, {"args_schema": {}}, None, None)
-    (rev,), changes = st.register_revisions([changed], actor="ci", now=utcnow())
+    (rev,), changes = st.registry.register([changed], actor="ci", now=utcnow())
     assert rev.revision == 2
     assert changes == [StateChange(s.id, SessionState.ACTIVE)]
-    got = st.get_request(rec.approval_request_id)
+    got = st.approvals.get_request(rec.approval_request_id)
     assert got is not None and got.state is RequestState.CANCELLED and "changed" in (got.decision_reason or "")
     assert st.get_session(s.id).state is SessionState.ACTIVE  # type: ignore[union-attr]
 
 
 def test_policy_is_one_row_changed_with_an_audit_event(undolog):
     st = _storage(undolog)
-    before = st.get_policy()
-    was, now_is = st.set_policy({"context_calls": 3}, actor="admin", now=utcnow())
+    before = st.policy.get()
+    was, now_is = st.policy.set({"context_calls": 3}, actor="admin", now=utcnow())
     assert was == before and now_is == OrgPolicy(before.approval_timeout_seconds, before.auto_approve_on_timeout, 3)
-    assert st.get_policy() == now_is
+    assert st.policy.get() == now_is
     with internals(undolog).read() as c:
-        assert st.policy_in(c) == now_is
+        assert st.policy.get_in(c) == now_is
         event = c.execute(sa.select(t.approval_events).where(t.approval_events.c.action == "policy.set")).one()
     assert event.actor == "admin" and event.subject == "policy"
     with pytest.raises(sa.exc.IntegrityError):
@@ -559,9 +561,9 @@ def test_session_halt_resume_and_state_changes(undolog):
 def test_session_revalidate_repins_and_audits(undolog):
     st = _storage(undolog)
     s = undolog.session(session_id="conf-revalidate")  # an id given: in the store at once
-    st.register_revisions([ContractRevision("tool_y", "safe", "a" * 64, {"args_schema": {}}, None, None)],
+    st.registry.register([ContractRevision("tool_y", "safe", "a" * 64, {"args_schema": {}}, None, None)],
                           actor="ci", now=utcnow())
-    st.register_revisions([ContractRevision("tool_y", "safe", "b" * 64, {"args_schema": {}}, None, None)],
+    st.registry.register([ContractRevision("tool_y", "safe", "b" * 64, {"args_schema": {}}, None, None)],
                           actor="ci", now=utcnow())
     changed, pins = st.revalidate_session(s.id, actor="ana", current={}, now=utcnow())
     assert changed == {"tool_y": {"from": None, "to": 2}} and pins["tool_y"] == 2
@@ -580,11 +582,11 @@ def test_refresh_awaiting_follows_the_pending_requests(undolog):
     rec = _awaiting(undolog, s.id)
     with internals(undolog).write() as c:
         assert st.refresh_changes_in(c, s.id, utcnow()) == []  # already awaiting: nothing changes
-        assert st.cancel_pending_in(c, s.id, "test", utcnow()) == 1
+        assert st.approvals.cancel_pending_in(c, s.id, "test", utcnow()) == 1
         assert st.refresh_changes_in(c, s.id, utcnow()) == [StateChange(s.id, SessionState.ACTIVE)]
         assert st.refresh_changes_in(c, s.id, utcnow()) == []
     assert st.get_session(s.id).state is SessionState.ACTIVE  # type: ignore[union-attr]
-    assert st.get_request(rec.approval_request_id).state is RequestState.CANCELLED  # type: ignore[union-attr]
+    assert st.approvals.get_request(rec.approval_request_id).state is RequestState.CANCELLED  # type: ignore[union-attr]
 
 
 def test_state_enums_are_the_stored_strings():

@@ -193,7 +193,7 @@ def test_checkpoints_signed_while_appends_run_give_no_false_alarm(undolog: UndoL
             while not stop.is_set():
                 i += 1
                 with undolog.store.tx() as c:
-                    undolog.store.append_event_in(c, subject=f"w{n}", action="policy.set", actor=f"w{n}",
+                    undolog.store.audit.append_event_in(c, subject=f"w{n}", action="policy.set", actor=f"w{n}",
                                                   payload={"i": i})
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)

@@ -262,7 +262,7 @@ def test_gc_archives_settled_sessions_only_and_records_it(db):
     e = t.effect_log
     left = dict(_count(u, sa.select(e.c.session_id, sa.func.count()).group_by(e.c.session_id)))
     assert left == {waiting.id: 2, halted.id: 1}
-    archived = u.store.archived(done.id)
+    archived = u.store.archive.archived(done.id)
     assert [a["kind"] for a in archived].count("effect") == 3 and [a["kind"] for a in archived].count("undo") == 3
     assert {a["row"]["call_id"] for a in archived if a["kind"] == "effect"} == {
         x["row"]["call_id"] for x in archived if x["kind"] == "effect"}
@@ -599,14 +599,14 @@ def test_a_sweep_claim_walks_the_timeout_index_and_stops_at_the_batch(db):
                        strftime('%Y-%m-%d %H:%M:%f', 'now', '-1 days')
                 FROM g""")
             conn.exec_driver_sql("ANALYZE")
-    plan = _plan(u, u.store.for_update(u.store.due_claim(utcnow()), skip_locked=True), binds=True)
+    plan = _plan(u, u.store.for_update(u.store.approvals.due_claim(utcnow()), skip_locked=True), binds=True)
     if internals(u).is_postgres:
         assert "Sort" not in plan and "ix_undolog_approval_due" in plan, plan
     else:
         assert "TEMP B-TREE" not in plan and "ix_undolog_approval_due" in plan, plan
     # The batch is still the oldest due requests, in (timeout_at, id) order.
     with internals(u).read() as conn:
-        rows = conn.execute(u.store.due_claim(utcnow(), limit=3)).all()
+        rows = conn.execute(u.store.approvals.due_claim(utcnow(), limit=3)).all()
     assert [x.approval_request_id for x in rows] == [f"r{n - 1}", f"r{n - 2}", f"r{n - 3}"]
 
 
@@ -625,7 +625,7 @@ def test_the_sweeps_statements_write_the_due_index_predicate_itself(db):
             made = conn.exec_driver_sql(
                 "SELECT sql FROM sqlite_master WHERE name = 'ix_undolog_approval_due'").scalar_one()
             assert made.endswith(f"WHERE {t.DUE_PREDICATE}"), made
-        claim = str(u.store.for_update(u.store.due_claim(utcnow()), skip_locked=True).compile(dialect=conn.dialect))
+        claim = str(u.store.for_update(u.store.approvals.due_claim(utcnow()), skip_locked=True).compile(dialect=conn.dialect))
     assert f"WHERE {t.DUE_PREDICATE} AND " in claim, claim
     assert f"WHERE {t.DUE_PREDICATE} AND " in _SLOT_AND_DUE.text
 
@@ -641,7 +641,7 @@ def test_at_most_sweep_slots_sweepers_claim_at_once_and_a_dead_holder_frees_its_
     u.register(close_account)
     ids = _raise_requests(u, 3, tool="close_account")
     later = utcnow() + dt.timedelta(hours=2)
-    key = u.store.sweep_slot_key()
+    key = u.store.approvals.sweep_slot_key()
     holders = []
     for slot in range(SWEEP_SLOTS):  # other sweepers, each in a batch holding one slot
         c = internals(u).sql_engine.connect()
@@ -712,7 +712,7 @@ def test_a_sweeper_that_finds_every_slot_held_stops_without_reading_the_requests
     later = utcnow() + dt.timedelta(hours=2)
     extra = db.open()  # the extra sweeper: a process of its own, its own connections
     assert extra.approvals.expire_due(utcnow() - dt.timedelta(days=1)) == []  # connected, nothing due then
-    key = u.store.sweep_slot_key()
+    key = u.store.approvals.sweep_slot_key()
     holders = []
     for slot in range(SWEEP_SLOTS):  # the sweepers at work, each in a batch holding one slot
         c = internals(u).sql_engine.connect()
@@ -797,7 +797,7 @@ def test_a_sweep_batch_reads_about_its_batch_of_the_backlog_whatever_the_statist
     _seed_due(u, n)
     now = utcnow()
     with _index_reads(u) as read:
-        got, _ = u.store.expire_batch(now, limit=batch)
+        got, _ = u.store.approvals.expire_batch(now, limit=batch)
     assert len(got) == batch // 10  # one timed out per session of ten, the other nine cancelled with it
     # Now: the claim's walk (50), and the sessions' other requests through the session index, read once per
     # request the batch changes (10 a session here).
@@ -806,7 +806,7 @@ def test_a_sweep_batch_reads_about_its_batch_of_the_backlog_whatever_the_statist
     assert sum(by_state.values()) < 2 * batch, by_state
     ids = [f"r{i}" for i in range(1_000, 1_000 + batch)]  # five whole sessions, by id
     with _index_reads(u) as read:
-        got, _ = u.store.expire_batch(now, only=ids)
+        got, _ = u.store.approvals.expire_batch(now, only=ids)
     assert len(got) == batch // 10
     by_state = {k: v for k, v in read[-1].items() if "state" in k}
     assert sum(by_state.values()) < 2 * batch, by_state
@@ -858,12 +858,12 @@ def test_settling_a_due_request_writes_nothing_into_the_due_index(db):
     _seed_bulk(u, n)
     _seed_due(u, n)
     with _index_blocks(u) as fetched:
-        got, _ = u.store.expire_batch(utcnow(), limit=EXPIRE_BATCH)
+        got, _ = u.store.approvals.expire_batch(utcnow(), limit=EXPIRE_BATCH)
     assert len(got) == EXPIRE_BATCH // 10  # one timed out per session of ten, the nine others cancelled with it
     assert fetched[-1]["pkey"] >= EXPIRE_BATCH, fetched[-1]  # an entry per row changed (and the lookups by key)
     assert fetched[-1]["due"] < 20, fetched[-1]  # the claim's walk over 250 entries: a few leaf pages
     # And the index the claim walked is the partial one, in the plan PostgreSQL may cache for the sweep.
-    plan = _plan(u, u.store.for_update(u.store.due_claim(utcnow()), skip_locked=True), binds=True)
+    plan = _plan(u, u.store.for_update(u.store.approvals.due_claim(utcnow()), skip_locked=True), binds=True)
     assert "ix_undolog_approval_due" in plan and "Sort" not in plan, plan
     with internals(u).read() as conn:
         left = conn.execute(sa.select(sa.func.count()).select_from(t.approval_requests)

@@ -1,16 +1,19 @@
 """Every statement UndoLog issues, behind one interface, one implementation per database.
 
-``Storage`` composes one mixin per service (``approvals``, ``audit``, ``registry``, ``policy``, ``sessions``,
-``calls``, ``saga``, ``recovery``) over ``Store`` (engines, ``tx()``, ``read()``, ``for_update()``, ``is_postgres``);
-the engine, the saga, recovery and the other services hold no SQL of their own. Each method is one unit of work:
-it opens its own transaction, or, named ``*_in(conn, ...)``, joins the caller's. The services' methods return
-records (``storage.records``) or plain dicts. The hot path's two statements (the pre-write and the commit mark)
-are written per database. ``tests/conformance`` is the contract every database's implementation must pass.
+``Storage`` is a ``Store`` (engines, ``tx()``, ``read()``, ``for_update()``, ``is_postgres``) holding one small
+repository per table off the hot path (``storage.approvals``, ``storage.audit``, ``storage.registry``,
+``storage.policy``, ``storage.outbox``, ``storage.archive``: each built here with exactly what it needs), and, not
+split yet, the mixins of the sessions, calls, saga and recovery statements. ``contract.py`` writes down what each
+repository guarantees (a ``Protocol`` per repository); ``tests/conformance`` holds every database's
+implementation to it. The engine, the saga, recovery and the other services hold no SQL of their own. Each
+method is one unit of work: it opens its own transaction, or, named ``*_in(conn, ...)``, joins the caller's. The
+methods return records (``storage.records``) or plain dicts. The hot path's two statements (the pre-write and the
+commit mark) are written per database.
 
 Example:
     >>> storage = open_storage("sqlite:///undolog.db")
     >>> storage.migrate()
-    >>> storage.get_policy().approval_timeout_seconds
+    >>> storage.policy.get().approval_timeout_seconds
     3600
 """
 
@@ -24,10 +27,10 @@ from sqlalchemy.engine import Connection, make_url
 from ..errors import ConfigurationError
 from . import postgres, schema, sqlite
 from .approvals import ApprovalsSQL
+from .archive import ArchiveSQL, GcBatch
 from .audit import AuditSQL
 from .base import Store, resolve_url
 from .calls import CallsSQL
-from .gc import GcBatch, GcSQL
 from .hotpath import HotPath
 from .outbox import OutboxSQL
 from .owners import OwnersSQL
@@ -41,9 +44,36 @@ from .sessions import SessionsSQL
 DATABASE_ERRORS: tuple[type[Exception], ...] = (sa_exc.SQLAlchemyError,)
 
 
-class Storage(ApprovalsSQL, AuditSQL, RegistrySQL, PolicySQL, SessionsSQL, RecoverySQL, SagaSQL, CallsSQL, OutboxSQL,
-              GcSQL, OwnersSQL, Store):
-    """The store of one database: engines and pools (``Store``) with every service's statements."""
+class Storage(SessionsSQL, RecoverySQL, SagaSQL, CallsSQL, OwnersSQL, Store):
+    """The store of one database: engines and pools (``Store``), its repositories, and the statements of the
+    services not split into repositories yet (the mixins).
+
+    Example:
+        >>> storage = open_storage("sqlite:///undolog.db")
+        >>> storage.registry.history("refund")
+        []
+    """
+
+    #: The repositories (``contract.REPOSITORIES`` names each one's Protocol).
+    approvals: ApprovalsSQL
+    audit: AuditSQL
+    registry: RegistrySQL
+    policy: PolicySQL
+    outbox: OutboxSQL
+    archive: ArchiveSQL
+
+    def __init__(self, url: str | None = None, *, schema: str | None = None, pool_size: int = 5) -> None:
+        super().__init__(url, schema=schema, pool_size=pool_size)
+        # Each repository receives what it uses and nothing more: the store, and the other repositories (or the
+        # mixins' ``*_in`` writes) whose rows it writes in its own transaction.
+        self.outbox = OutboxSQL(self)
+        self.audit = AuditSQL(self, outbox=self.outbox)
+        self.policy = PolicySQL(self, audit=self.audit)
+        self.approvals = ApprovalsSQL(self, audit=self.audit, policy=self.policy, halt_in=self.halt_in,
+                                      refresh_changes_in=self.refresh_changes_in)
+        self.registry = RegistrySQL(self, cancel_request_in=self.approvals.cancel_request_in,
+                                    refresh_changes_in=self.refresh_changes_in)
+        self.archive = ArchiveSQL(self, audit=self.audit)
 
     def schema_revision(self) -> str | None:
         """The database's migration revision (None: no UndoLog tables yet)."""
@@ -152,11 +182,12 @@ __all__ = [
     "SQLiteStorage",
     "DATABASE_ERRORS",
     "ApprovalsSQL",
+    "ArchiveSQL",
     "AuditSQL",
     "GcBatch",
-    "GcSQL",
     "CallsSQL",
     "InFlight",
+    "OutboxSQL",
     "PolicySQL",
     "RecoverySQL",
     "RegistrySQL",

@@ -6,7 +6,7 @@ import builtins
 import datetime as dt
 import json
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -19,11 +19,17 @@ from ..states import EFFECT, REQUEST, SESSION
 from . import schema as t
 from .audit import PendingEvent
 from .base import Store
-from .records import ApprovalEvent, ApprovalRecord, ExpiredRequest, OrgPolicy, StateChange
+from .records import ApprovalEvent, ApprovalRecord, ExpiredRequest, StateChange
 from .schema import DecisionKind, EffectState, RequestState, SessionState
 
 if TYPE_CHECKING:
-    from .audit import OutboxItem
+    from .audit import AuditSQL
+    from .policy import PolicySQL
+
+#: ``CallsSQL.halt_in``: the session stops for a person, in the caller's transaction.
+HaltIn = Callable[[Connection, str, str, dt.datetime], None]
+#: ``SessionsSQL.refresh_changes_in``: the session state changes a request's end made, in the caller's transaction.
+RefreshChangesIn = Callable[[Connection, str, dt.datetime], "builtins.list[StateChange]"]
 
 #: How many due requests one sweep transaction claims: large enough that the chain-head lock and the commit are
 #: paid once per few hundred timeouts, small enough that a transaction stays short (a few tens of ms).
@@ -148,29 +154,24 @@ JOINED = "joined"
 RELEASED = "released"
 
 
-class ApprovalsSQL(Store):
-    """Approval requests as rows: reads, decisions, timeouts and cancellations.
+class ApprovalsSQL:
+    """``store.approvals``: the approval requests (``undolog_approval_requests``): reads, decisions, timeouts and
+    cancellations (``contract.ApprovalsRepository``). It receives the session-side writes a decision makes in its
+    own transaction (halting a session, refreshing a session's state) and the audit trail and policy it reads and
+    appends to.
 
     Example:
-        >>> storage.decide_request(rid, action="approve", approver="ana", reason=None, now=utcnow())
+        >>> storage.approvals.decide_request(rid, action="approve", approver="ana", reason=None, now=utcnow())
         [StateChange(session_id='...', state=<SessionState.ACTIVE: 'active'>, only_from=...)]
     """
 
-    if TYPE_CHECKING:  # provided by AuditSQL, CallsSQL, SessionsSQL and PolicySQL in Storage
-        def append_event_in(self, conn: Connection, *, subject: str, action: str, actor: str,
-                            payload: Mapping[str, Any], approval_request_id: str | None = None,
-                            outbox: Iterable[OutboxItem] = (), now: dt.datetime | None = None) -> int: ...
-
-        def append_events_in(self, conn: Connection, events: Sequence[PendingEvent], *,
-                             now: dt.datetime | None = None) -> builtins.list[int]: ...
-
-        def halt_in(self, conn: Connection, session_id: str, reason: str, now: dt.datetime) -> None: ...
-
-        def refresh_changes_in(
-            self, conn: Connection, session_id: str, now: dt.datetime
-        ) -> builtins.list[StateChange]: ...
-
-        def policy_in(self, conn: Connection) -> OrgPolicy: ...
+    def __init__(self, store: Store, *, audit: AuditSQL, policy: PolicySQL, halt_in: HaltIn,
+                 refresh_changes_in: RefreshChangesIn) -> None:
+        self._store = store
+        self._audit = audit
+        self._policy = policy
+        self._halt_in = halt_in
+        self._refresh_changes_in = refresh_changes_in
 
     # -- reads ---------------------------------------------------------------------------------------
 
@@ -203,19 +204,19 @@ class ApprovalsSQL(Store):
             q = q.where(r.c.session_id == session_id)
         if tool_name:
             q = q.where(r.c.tool_name == tool_name)
-        with self.read() as conn:
+        with self._store.read() as conn:
             return [_record(_previewed(x) if brief else x) for x in conn.execute(q)]
 
     def get_request(self, approval_request_id: str) -> ApprovalRecord | None:
         r = t.approval_requests
-        with self.read() as conn:
+        with self._store.read() as conn:
             row = conn.execute(sa.select(r).where(r.c.approval_request_id == approval_request_id)).first()
         return None if row is None else _record(row)
 
     def request_events(self, approval_request_id: str) -> builtins.list[ApprovalEvent]:
         """The request's audit events, oldest first."""
         e = t.approval_events
-        with self.read() as conn:
+        with self._store.read() as conn:
             rows = conn.execute(
                 sa.select(e).where(e.c.approval_request_id == approval_request_id).order_by(e.c.event_id)
             ).all()
@@ -245,15 +246,15 @@ class ApprovalsSQL(Store):
         request was ``released`` to one (it ran for that session, recorded on the originating effect)."""
         if action not in (JOINED, RELEASED):
             raise ValueError(f"not a request event: {action!r}")
-        with self.tx() as conn:
-            return self.append_event_in(
+        with self._store.tx() as conn:
+            return self._audit.append_event_in(
                 conn, subject=f"approval:{approval_request_id}", approval_request_id=approval_request_id,
                 action=action, actor=actor, payload={"session_id": session_id}, now=now)
 
     def due_request_ids(self, now: dt.datetime) -> builtins.list[str]:
         """Pending requests past their ``timeout_at``."""
         r = t.approval_requests
-        with self.read() as conn:
+        with self._store.read() as conn:
             return list(conn.execute(
                 sa.select(r.c.approval_request_id).where(_DUE, r.c.timeout_at <= now)
             ).scalars().all())
@@ -290,10 +291,10 @@ class ApprovalsSQL(Store):
             raise UndoLogError("a respond decision needs the response (the text that stands in for the result)")
         r, e = t.approval_requests, t.effect_log
         # Urgent: a person waits for this answer; on SQLite it goes ahead of the agents' queued writes.
-        with self.tx(urgent=True) as conn:
+        with self._store.tx(urgent=True) as conn:
             self._lock_session_of_in(conn, approval_request_id)
             req = conn.execute(
-                self.for_update(sa.select(r).where(r.c.approval_request_id == approval_request_id))
+                self._store.for_update(sa.select(r).where(r.c.approval_request_id == approval_request_id))
             ).first()
             if req is None:
                 raise ApprovalNotFound(approval_request_id)
@@ -355,24 +356,24 @@ class ApprovalsSQL(Store):
                 "approver": approver,
                 "reason": reason,
             }
-            self.append_event_in(
+            self._audit.append_event_in(
                 conn, subject=f"approval:{approval_request_id}", approval_request_id=approval_request_id,
                 action=action, actor=approver, payload=payload, outbox=[("approval.decided", out)], now=now,
             )
             if action == "reject":
                 why = f"approval {approval_request_id} ({req.tool_name}) rejected by {approver}: {reason}"
                 self.cancel_pending_in(conn, req.session_id, why, now, except_id=approval_request_id)
-                self.halt_in(conn, req.session_id, why, now)
+                self._halt_in(conn, req.session_id, why, now)
                 changes = [StateChange(req.session_id, SessionState.HALTED)]
                 # Sessions that joined the request (the same ask from another session of the same key, see
                 # ``note_request_event``) are halted with it: the reject answers every one of them.
                 for joiner in self.joined_sessions_in(conn, approval_request_id):
                     if joiner != req.session_id:
                         self.cancel_pending_in(conn, joiner, why, now)
-                        self.halt_in(conn, joiner, f"{why} (this session had joined that request)", now)
+                        self._halt_in(conn, joiner, f"{why} (this session had joined that request)", now)
                         changes.append(StateChange(joiner, SessionState.HALTED))
                 return changes
-            return self.refresh_changes_in(conn, req.session_id, now)
+            return self._refresh_changes_in(conn, req.session_id, now)
 
     def expire_request(self, approval_request_id: str, now: dt.datetime) -> builtins.list[StateChange] | None:
         """Apply the timeout to one due request, per the policy: ``auto_approved`` (event ``auto_approve``) or
@@ -402,7 +403,7 @@ class ApprovalsSQL(Store):
              .where(pending, r.c.timeout_at <= now)
              .order_by(r.c.timeout_at).limit(limit))
         if only is not None:
-            q = q.where(self.one_of(r.c.approval_request_id, list(only)))
+            q = q.where(self._store.one_of(r.c.approval_request_id, list(only)))
         return q
 
     def expire_batch(
@@ -422,12 +423,12 @@ class ApprovalsSQL(Store):
         those ids (``ApprovalService.expire``).
         """
         r, e, s = t.approval_requests, t.effect_log, t.sessions
-        with self.tx() as conn:
-            if self.is_postgres and only is None and not self._sweep_slot_in(conn, now):
+        with self._store.tx() as conn:
+            if self._store.is_postgres and only is None and not self._sweep_slot_in(conn, now):
                 return [], []
             # The policy first: only an auto-approval needs the requests' arguments (a JSON document per row).
-            policy = self.policy_in(conn)
-            claim = self.for_update(self.due_claim(now, limit=limit, only=only,
+            policy = self._policy.get_in(conn)
+            claim = self._store.for_update(self.due_claim(now, limit=limit, only=only,
                                                    with_args=policy.auto_approve_on_timeout), skip_locked=True)
             due = self._sessions_held_in(conn, conn.execute(claim).all())
             if not due:
@@ -455,7 +456,7 @@ class ApprovalsSQL(Store):
                       "digest": sha256_hex(canonical_json(x.proposed_args))} for x in due],
                 )
                 conn.execute(
-                    e.update().where(self.one_of(e.c.effect_id, [x.effect_id for x in due]),
+                    e.update().where(self._store.one_of(e.c.effect_id, [x.effect_id for x in due]),
                                      EFFECT.guard("approve", e.c.state))
                     .values(state=EffectState.APPROVED, updated_at=now)
                 )
@@ -467,12 +468,12 @@ class ApprovalsSQL(Store):
                         outbox=[("approval.timed_out", {**base(x), "outcome": "auto_approved"}),
                                 ("approval.decided", {**base(x), "state": "auto_approved",
                                                       "decision": "auto_approve"})]))
-                self.append_events_in(conn, events, now=now)
+                self._audit.append_events_in(conn, events, now=now)
                 sessions = sorted({x.session_id for x in due})
                 still = sa.select(r.c.approval_request_id).where(r.c.session_id == s.c.session_id,
                                                                  _still(RequestState.PENDING))
                 woke = conn.execute(
-                    s.update().where(self.one_of(s.c.session_id, sessions),
+                    s.update().where(self._store.one_of(s.c.session_id, sessions),
                                      SESSION.guard("approval_settled", s.c.state), ~sa.exists(still))
                     .values(state=SessionState.ACTIVE, updated_at=now).returning(s.c.session_id)
                 ).scalars().all()
@@ -486,13 +487,13 @@ class ApprovalsSQL(Store):
                 cause.setdefault(x.session_id, x)
             timed_out = list(cause.values())
             conn.execute(
-                r.update().where(self.one_of(r.c.approval_request_id, [x.approval_request_id for x in timed_out]),
+                r.update().where(self._store.one_of(r.c.approval_request_id, [x.approval_request_id for x in timed_out]),
                                  _still_in("time_out"))
                 .values(state=RequestState.TIMED_OUT, decided_at=now, decided_by="undolog:timeout",
                         decision_reason="no decision before timeout_at")
             )
             conn.execute(
-                e.update().where(self.one_of(e.c.effect_id, [x.effect_id for x in timed_out]),
+                e.update().where(self._store.one_of(e.c.effect_id, [x.effect_id for x in timed_out]),
                                  EFFECT.guard("time_out", e.c.state))
                 .values(state=EffectState.TIMED_OUT, error="approval timed out", updated_at=now)
             )
@@ -502,10 +503,10 @@ class ApprovalsSQL(Store):
             # here without waiting (see above).
             cause_ids = {x.approval_request_id for x in timed_out}
             others = [x for x in due if x.approval_request_id not in cause_ids]
-            more = conn.execute(self.for_update(
+            more = conn.execute(self._store.for_update(
                 sa.select(r.c.approval_request_id, r.c.session_id, r.c.effect_id)
-                .where(self.one_of(r.c.session_id, list(why)), _still(RequestState.PENDING),
-                       sa.not_(self.one_of(r.c.approval_request_id, ids))), skip_locked=True)).all()
+                .where(self._store.one_of(r.c.session_id, list(why)), _still(RequestState.PENDING),
+                       sa.not_(self._store.one_of(r.c.approval_request_id, ids))), skip_locked=True)).all()
             cancelled = [(x.approval_request_id, x.session_id, x.effect_id) for x in [*others, *more]]
             # Each statement below is set-wise, the reason text built by the database from the session's timed-out
             # request: a statement per row (an executemany) costs a round trip and a parse per row.
@@ -515,23 +516,23 @@ class ApprovalsSQL(Store):
                 text = (sa.literal("approval ") + by.c.approval_request_id + sa.literal(" (") + by.c.tool_name
                         + sa.literal(") timed out without a decision"))
                 return (sa.select(text).where(by.c.session_id == session_col,
-                                              self.one_of(by.c.approval_request_id, list(cause_ids)))
+                                              self._store.one_of(by.c.approval_request_id, list(cause_ids)))
                         .scalar_subquery())
 
             if cancelled:
                 conn.execute(
-                    r.update().where(self.one_of(r.c.approval_request_id, [c[0] for c in cancelled]),
+                    r.update().where(self._store.one_of(r.c.approval_request_id, [c[0] for c in cancelled]),
                                      _still_in("withdraw"))
                     .values(state=RequestState.CANCELLED, decided_at=now, decided_by="undolog",
                             decision_reason=reason_of(r.c.session_id))
                 )
                 conn.execute(
-                    e.update().where(self.one_of(e.c.effect_id, [c[2] for c in cancelled]),
+                    e.update().where(self._store.one_of(e.c.effect_id, [c[2] for c in cancelled]),
                                      EFFECT.guard("cancel", e.c.state))
                     .values(state=EffectState.CANCELLED, error=reason_of(e.c.session_id), updated_at=now)
                 )
             conn.execute(
-                s.update().where(self.one_of(s.c.session_id, list(why)), SESSION.guard("halt", s.c.state))
+                s.update().where(self._store.one_of(s.c.session_id, list(why)), SESSION.guard("halt", s.c.state))
                 .values(state=SessionState.HALTED.value, halted_reason=reason_of(s.c.session_id), updated_at=now)
             )
             by_session: dict[str, builtins.list[tuple[str, str, str]]] = {}
@@ -546,7 +547,7 @@ class ApprovalsSQL(Store):
                 for rid, sid, _ in by_session.get(x.session_id, []):
                     events.append(PendingEvent(subject=f"approval:{rid}", approval_request_id=rid, action="cancel",
                                                actor="undolog", payload={"reason": why[sid]}))
-            self.append_events_in(conn, events, now=now)
+            self._audit.append_events_in(conn, events, now=now)
             return ([ExpiredRequest(x.approval_request_id, x.effect_id, x.session_id, x.tool_name,
                                     RequestState.TIMED_OUT, x.created_at, now, "undolog:timeout",
                                     "no decision before timeout_at") for x in timed_out],
@@ -558,8 +559,8 @@ class ApprovalsSQL(Store):
         """Whether an approval decided at ``decided_at`` is older than the policy's ``approved_ttl_seconds``."""
         if decided_at is None:
             return False
-        with self.read() as conn:
-            ttl = self.policy_in(conn).approved_ttl_seconds
+        with self._store.read() as conn:
+            ttl = self._policy.get_in(conn).approved_ttl_seconds
         return decided_at <= now - dt.timedelta(seconds=ttl)
 
     def lapse_request(self, approval_request_id: str, now: dt.datetime) -> builtins.list[StateChange] | None:
@@ -586,8 +587,8 @@ class ApprovalsSQL(Store):
         batches and each request is expired exactly once. ``only`` restricts the claim to those ids.
         """
         r, e = t.approval_requests, t.effect_log
-        with self.tx() as conn:
-            ttl = self.policy_in(conn).approved_ttl_seconds
+        with self._store.tx() as conn:
+            ttl = self._policy.get_in(conn).approved_ttl_seconds
             cutoff = now - dt.timedelta(seconds=ttl)
             q = (sa.select(r.c.approval_request_id, r.c.effect_id, r.c.session_id, r.c.tool_name, r.c.call_id,
                            r.c.decided_at, r.c.decided_by)
@@ -596,14 +597,14 @@ class ApprovalsSQL(Store):
                         r.c.decided_at <= cutoff, e.c.state == EffectState.APPROVED.value)
                  .order_by(r.c.decided_at, r.c.approval_request_id).limit(limit))
             if only is not None:
-                q = q.where(self.one_of(r.c.approval_request_id, list(only)))
-            due = self._sessions_held_in(conn, conn.execute(self.for_update(q, skip_locked=True)).all())
+                q = q.where(self._store.one_of(r.c.approval_request_id, list(only)))
+            due = self._sessions_held_in(conn, conn.execute(self._store.for_update(q, skip_locked=True)).all())
             if not due:
                 return [], []
             error = f"approval lapsed: not re-issued within {ttl} s of the decision"
             # Still conditional on the effect (both rows are locked on PostgreSQL; SQLite has one writer).
             moved = set(conn.execute(
-                e.update().where(self.one_of(e.c.effect_id, [x.effect_id for x in due]),
+                e.update().where(self._store.one_of(e.c.effect_id, [x.effect_id for x in due]),
                                  EFFECT.guard("lapse", e.c.state))
                 .values(state=EffectState.EXPIRED.value, call_id=sa.literal("expired:") + e.c.effect_id,
                         error=error, updated_at=now)
@@ -613,7 +614,7 @@ class ApprovalsSQL(Store):
             if not lapsed:
                 return [], []
             ids = [x.approval_request_id for x in lapsed]
-            conn.execute(r.update().where(self.one_of(r.c.approval_request_id, ids), REQUEST.guard("lapse", r.c.state))
+            conn.execute(r.update().where(self._store.one_of(r.c.approval_request_id, ids), REQUEST.guard("lapse", r.c.state))
                          .values(state=RequestState.EXPIRED.value))
             events = []
             for x in lapsed:
@@ -625,15 +626,15 @@ class ApprovalsSQL(Store):
                                            approval_request_id=x.approval_request_id, action="expire",
                                            actor="undolog:approval-ttl", payload=payload,
                                            outbox=[("approval.expired", out)]))
-            self.append_events_in(conn, events, now=now)
+            self._audit.append_events_in(conn, events, now=now)
             changes: builtins.list[StateChange] = []
             for sid in sorted({x.session_id for x in lapsed}):
-                changes.extend(self.refresh_changes_in(conn, sid, now))
+                changes.extend(self._refresh_changes_in(conn, sid, now))
             return ids, changes
 
     def sweep_slot_key(self) -> int:
         """The first key of this schema's sweep slots (PostgreSQL advisory locks ``(key, 0..SWEEP_SLOTS-1)``)."""
-        return zlib.crc32((self.schema or "").encode()) & 0x7FFFFFFF  # an int4, as two-key advisory locks take
+        return zlib.crc32((self._store.schema or "").encode()) & 0x7FFFFFFF  # an int4, as two-key advisory locks take
 
     def _sweep_slot_in(self, conn: Connection, now: dt.datetime) -> bool:
         """PostgreSQL, a sweep batch's first statement: True with one of ``SWEEP_SLOTS`` slots held until the
@@ -654,11 +655,11 @@ class ApprovalsSQL(Store):
         sweep (their rows are released at its commit; the decision then finds them as they are). On SQLite every
         writer holds the one write lock: nothing to skip.
         """
-        if not self.is_postgres or not claimed:
+        if not self._store.is_postgres or not claimed:
             return list(claimed)
         s = t.sessions
         held = set(conn.execute(
-            sa.select(s.c.session_id).where(self.one_of(s.c.session_id, sorted({x.session_id for x in claimed})))
+            sa.select(s.c.session_id).where(self._store.one_of(s.c.session_id, sorted({x.session_id for x in claimed})))
             .with_for_update(skip_locked=True)
         ).scalars())
         return [x for x in claimed if x.session_id in held]
@@ -674,7 +675,7 @@ class ApprovalsSQL(Store):
         remains possible whenever every head is held). Session row first, then request, then head: one order for
         the agent's call and the decision. On SQLite every writer already holds the one write lock.
         """
-        if not self.is_postgres:
+        if not self._store.is_postgres:
             return
         r, s = t.approval_requests, t.sessions
         conn.execute(
@@ -697,7 +698,7 @@ class ApprovalsSQL(Store):
         if except_id:
             q = q.where(r.c.approval_request_id != except_id)
         n = 0
-        for other in conn.execute(self.for_update(q)).all():
+        for other in conn.execute(self._store.for_update(q)).all():
             n += self.cancel_request_in(conn, other.approval_request_id, other.effect_id, why, now)
         return n
 
@@ -719,7 +720,7 @@ class ApprovalsSQL(Store):
             .where(t.effect_log.c.effect_id == effect_id, EFFECT.guard("cancel", t.effect_log.c.state))
             .values(state=EffectState.CANCELLED, error=why, updated_at=now)
         )
-        self.append_event_in(
+        self._audit.append_event_in(
             conn, subject=f"approval:{request_id}", approval_request_id=request_id, action="cancel",
             actor="undolog", payload={"reason": why}, now=now,
         )

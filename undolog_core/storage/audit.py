@@ -22,6 +22,7 @@ from sqlalchemy.engine import Connection
 from .._json import canonical_json, sha256_hex
 from . import schema as t
 from .base import Store, utcnow
+from .outbox import OutboxItem, OutboxSQL
 from .records import StoredEvent
 from .schema import AUDIT_CHAINS
 
@@ -34,6 +35,12 @@ EVENT_ID_SEQUENCE = "undolog_audit_event_id_seq"
 # next to the transaction object it belongs to (a later transaction on the same pooled connection is not it).
 _CHAIN_KEY = "undolog_audit_chain"
 
+
+# Every statement with a shape of its own is a named constant; the rest are SQLAlchemy Core on ``schema``'s tables.
+_HEAD = sa.select(t.audit_head.c.last_event_id, t.audit_head.c.last_hash)
+_MAX_EVENT_ID = sa.select(sa.func.max(t.approval_events.c.event_id))
+_EVENTS_IN_CHAIN_ORDER = sa.select(t.approval_events).order_by(t.approval_events.c.chain, t.approval_events.c.event_id)
+_HEADS = sa.select(t.audit_head).order_by(t.audit_head.c.head_id)
 
 # PostgreSQL only. The lock is inside the subquery, the sequence above it: nextval runs for the row once it is locked
 # (in the flat form the planner may evaluate it below the lock, for rows then skipped or before the lock is held).
@@ -53,9 +60,6 @@ class ChainHead:
     chain: int
     last_event_id: int
     last_hash: str
-
-#: One outbox item: (event type, JSON payload).
-OutboxItem = tuple[str, Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -87,32 +91,35 @@ def event_hash(
 
 
 class AuditChainReader:
-    """The chain as one read transaction sees it: the events in order, then the head (see ``AuditSQL.audit_chain``)."""
+    """The chain as one read transaction sees it: the events in order, then the head (see ``AuditSQL.chain``)."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
 
     def events(self) -> Iterator[tuple[int, StoredEvent]]:
         """Every event as (chain, event), chain by chain, each chain in ``event_id`` order."""
-        e = t.approval_events
-        for r in self._conn.execute(sa.select(e).order_by(e.c.chain, e.c.event_id)).yield_per(1000):
+        for r in self._conn.execute(_EVENTS_IN_CHAIN_ORDER).yield_per(1000):
             yield int(r.chain), StoredEvent(int(r.event_id), r.approval_request_id, r.subject, r.action, r.actor,
                                             r.payload, r.created_at, r.prev_hash, r.hash)
 
     def heads(self) -> list[ChainHead]:
         """Every chain's head row, by chain."""
-        h = t.audit_head
-        return [ChainHead(int(r.head_id), int(r.last_event_id), str(r.last_hash))
-                for r in self._conn.execute(sa.select(h).order_by(h.c.head_id))]
+        return [ChainHead(int(r.head_id), int(r.last_event_id), str(r.last_hash)) for r in self._conn.execute(_HEADS)]
 
 
-class AuditSQL(Store):
-    """Appending to the hash chain (inside the caller's transaction), the outbox, and the reads of verification.
+class AuditSQL:
+    """``store.audit``: the hash-chained events (``undolog_approval_events``) and their chain heads
+    (``undolog_audit_head``); appending (inside the caller's transaction, with the outbox rows that report the
+    event) and the reads of verification. The contract is ``contract.AuditRepository``.
 
     Example:
         >>> with storage.tx() as conn:
-        ...     storage.append_event_in(conn, subject="policy", action="policy.set", actor="ana", payload={})
+        ...     storage.audit.append_event_in(conn, subject="policy", action="policy.set", actor="ana", payload={})
     """
+
+    def __init__(self, store: Store, *, outbox: OutboxSQL) -> None:
+        self._store = store
+        self._outbox = outbox
 
     def append_event_in(
         self,
@@ -162,7 +169,7 @@ class AuditSQL(Store):
         conn.execute(
             t.audit_head.update().where(t.audit_head.c.head_id == chain).values(last_event_id=event_id, last_hash=h)
         )
-        self.write_outbox_in(conn, outbox, now=created_at)
+        self._outbox.write_in(conn, outbox, now=created_at)
         return event_id
 
     def append_events_in(self, conn: Connection, events: Sequence[PendingEvent], *,
@@ -178,8 +185,7 @@ class AuditSQL(Store):
         created_at = now or utcnow()
         # The outbox rows first: they do not depend on the chain, so concurrent sweepers write them in parallel
         # and hold the chain head (until their commit) only for the events themselves.
-        self.insert_many_in(conn, t.outbox, [{"event_type": et, "payload": dict(p), "created_at": created_at,
-                                              "attempts": 0} for ev in events for et, p in ev.outbox])
+        self._outbox.write_many_in(conn, [item for ev in events for item in ev.outbox], now=created_at)
         bodies = [canonical_json(dict(ev.payload)) for ev in events]
         chain, prev, ids = self._claim_chain_in(conn, len(events))
         rows: list[dict[str, Any]] = []
@@ -190,7 +196,7 @@ class AuditSQL(Store):
                          "action": ev.action, "actor": ev.actor, "payload": body, "created_at": created_at,
                          "prev_hash": prev, "hash": h, "chain": chain})
             prev = h
-        self.insert_many_in(conn, t.approval_events, rows)
+        self._store.insert_many_in(conn, t.approval_events, rows)
         conn.execute(
             t.audit_head.update().where(t.audit_head.c.head_id == chain).values(last_event_id=ids[-1], last_hash=prev)
         )
@@ -207,13 +213,12 @@ class AuditSQL(Store):
         txn = conn.get_transaction()
         if mine is not None and mine[0] is txn:
             chain = int(mine[1])
-            row = conn.execute(self.for_update(sa.select(h.c.last_event_id, h.c.last_hash)
-                                               .where(h.c.head_id == chain))).one()
+            row = conn.execute(self._store.for_update(_HEAD.where(h.c.head_id == chain))).one()
             last_id, prev = int(row.last_event_id), str(row.last_hash)
-        elif not self.is_postgres:
+        elif not self._store.is_postgres:
             # One writer at a time (BEGIN IMMEDIATE): chain 1.
             chain = 1
-            row = conn.execute(sa.select(h.c.last_event_id, h.c.last_hash).where(h.c.head_id == 1)).one()
+            row = conn.execute(_HEAD.where(h.c.head_id == 1)).one()
             last_id, prev = int(row.last_event_id), str(row.last_hash)
         else:
             # The lowest-numbered head nobody holds right now, and (for one event) its id in the same round trip:
@@ -230,37 +235,33 @@ class AuditSQL(Store):
                 conn.info[_CHAIN_KEY] = (txn, chain)
                 return chain, prev, [int(free.next_id)]
         conn.info[_CHAIN_KEY] = (txn, chain)
-        if not self.is_postgres:
+        if not self._store.is_postgres:
             # The writer lock is held (BEGIN IMMEDIATE): the next ids after the largest in use, one index probe.
-            top = conn.execute(sa.select(sa.func.max(t.approval_events.c.event_id))).scalar()
+            top = conn.execute(_MAX_EVENT_ID).scalar()
             first = max(int(top or 0), last_id) + 1
             return chain, prev, list(range(first, first + n))
         # Taken while the head is locked: a later holder of this chain takes larger ids, so ids grow along it.
         ids = conn.execute(_NEXT_IDS, {"n": n}).scalars().all()
         return chain, prev, sorted(int(i) for i in ids)
 
-    def append_event(self, **kw: Any) -> int:
+    def append_event(self, *, subject: str, action: str, actor: str, payload: Mapping[str, Any],
+                     approval_request_id: str | None = None, outbox: Iterable[OutboxItem] = (),
+                     now: dt.datetime | None = None) -> int:
         """``append_event_in`` in a transaction of its own."""
-        with self.tx() as conn:
-            return self.append_event_in(conn, **kw)
-
-    @staticmethod
-    def write_outbox_in(conn: Connection, items: Iterable[OutboxItem], *, now: dt.datetime | None = None) -> None:
-        """Queue outbox rows (webhooks) in the caller's transaction: they exist exactly when what they report does."""
-        rows = [{"event_type": et, "payload": dict(p), "created_at": now or utcnow(), "attempts": 0} for et, p in items]
-        if rows:
-            conn.execute(t.outbox.insert(), rows)
+        with self._store.tx() as conn:
+            return self.append_event_in(conn, subject=subject, action=action, actor=actor, payload=payload,
+                                        approval_request_id=approval_request_id, outbox=outbox, now=now)
 
     @contextmanager
-    def audit_chain(self) -> Iterator[AuditChainReader]:
+    def chain(self) -> Iterator[AuditChainReader]:
         """Every chain and its head in one read transaction (what ``verify`` recomputes).
 
         One snapshot for both reads (REPEATABLE READ on PostgreSQL; a read transaction on SQLite is one already):
         under READ COMMITTED the heads, read after the events, could include events appended meanwhile, and an
         intact trail being appended to would read as "events were removed".
         """
-        with self.read() as conn:
-            if self.is_postgres:
+        with self._store.read() as conn:
+            if self._store.is_postgres:
                 conn.execution_options(isolation_level="REPEATABLE READ")
             yield AuditChainReader(conn)
 
@@ -273,7 +274,6 @@ class AuditSQL(Store):
         nothing missing below it, which is what lets ``verify`` refuse any event at or below a checkpoint's
         position outside its chain's signed range. The locks are released at once (the commit).
         """
-        h = t.audit_head
-        with self.tx() as conn:
-            rows = conn.execute(self.for_update(sa.select(h).order_by(h.c.head_id))).all()
+        with self._store.tx() as conn:
+            rows = conn.execute(self._store.for_update(_HEADS)).all()
         return [ChainHead(int(r.head_id), int(r.last_event_id), str(r.last_hash)) for r in rows]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -17,8 +17,9 @@ from sqlalchemy.exc import IntegrityError
 from ..errors import EffectNotFound, InvalidEffectState
 from ..states import EFFECT, SESSION, UNDO
 from . import schema as t
-from .audit import AuditSQL, OutboxItem
+from .audit import AuditSQL
 from .base import Store, utcnow
+from .outbox import OutboxSQL
 from .pool import IntegrityConflict
 from .schema import IN_FLIGHT, WRITABLE, EffectState, RequestState, SessionState, UndoState
 
@@ -97,11 +98,11 @@ class FailedRow(NamedTuple):
 
 
 class CallsSQL(Store):
-    if TYPE_CHECKING:  # provided by AuditSQL and SagaSQL in Storage
-        def append_event_in(self, conn: Connection, *, subject: str, action: str, actor: str,
-                            payload: Mapping[str, Any], approval_request_id: str | None = None,
-                            outbox: Iterable[OutboxItem] = (), now: dt.datetime | None = None) -> int: ...
+    # The repositories whose rows these statements write in their own transactions (built by ``Storage``).
+    audit: AuditSQL
+    outbox: OutboxSQL
 
+    if TYPE_CHECKING:  # provided by SagaSQL in Storage
         def write_intent_in(self, conn: Connection, session_id: str, *, exists: bool, actor: str,
                             reason: str | None, owner: str, lease_until: dt.datetime, now: dt.datetime) -> None: ...
 
@@ -157,7 +158,7 @@ class CallsSQL(Store):
             .where(_S.c.session_id == session_id, SESSION.guard("halt", _S.c.state))
             .values(state=SessionState.HALTED.value, halted_reason=reason, updated_at=now)
         )
-        AuditSQL.write_outbox_in(conn, [("session.halted", {"session_id": session_id, "reason": reason})], now=now)
+        self.outbox.write_in(conn, [("session.halted", {"session_id": session_id, "reason": reason})], now=now)
 
     def refresh_awaiting_in(self, conn: Connection, session_id: str, now: dt.datetime) -> str | None:
         """A session is ``awaiting_approval`` exactly while one of its requests is pending; returns the new state
@@ -348,7 +349,7 @@ class CallsSQL(Store):
             _S.update().where(_S.c.session_id == record["session_id"], SESSION.guard("await_approval", _S.c.state))
             .values(state=SessionState.AWAITING_APPROVAL.value, updated_at=now)
         )
-        self.append_event_in(conn, subject=f"approval:{request_id}", approval_request_id=request_id,
+        self.audit.append_event_in(conn, subject=f"approval:{request_id}", approval_request_id=request_id,
                              action="requested", actor=actor, payload=payload,
                              outbox=[("approval.requested", payload)], now=now)
 
@@ -398,7 +399,7 @@ class CallsSQL(Store):
             self.halt_in(conn, row.session_id, f"{row.tool_name} ({effect_id}) {what}: its side effect happened "
                                                "after its compensation; check the tool, settle it (undolog effects "
                                                f"resolve {effect_id}), then resume or roll back", now)
-            self.append_event_in(conn, subject=f"effect:{effect_id}", action="effect.finished_late",
+            self.audit.append_event_in(conn, subject=f"effect:{effect_id}", action="effect.finished_late",
                                  actor="undolog", now=now,
                                  payload={"effect_id": effect_id, "session_id": row.session_id,
                                           "tool_name": row.tool_name, "what": what, "state_before": before,
@@ -447,7 +448,7 @@ class CallsSQL(Store):
                 conn.execute(u.delete().where(u.c.effect_id == effect_id, u.c.state == UndoState.ARMED.value))
             undo_state = conn.execute(sa.select(u.c.state).where(u.c.effect_id == effect_id)).scalar()
             session_state = conn.execute(sa.select(_S.c.state).where(_S.c.session_id == row.session_id)).scalar()
-            event_id = self.append_event_in(
+            event_id = self.audit.append_event_in(
                 conn, subject=f"effect:{effect_id}", action="effect.resolved", actor=actor, now=now,
                 payload={"effect_id": effect_id, "session_id": row.session_id, "tool_name": row.tool_name,
                          "resolved_as": resolved_as, "reason": reason, "state_before": row.state,

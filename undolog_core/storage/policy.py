@@ -1,9 +1,10 @@
-"""The org policy's SQL: one row per database, changed only with an audit event."""
+"""``store.policy``: the org policy table (``undolog_org_policy``), one row per database, changed only with an audit
+event."""
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -14,41 +15,43 @@ from .base import Store
 from .records import OrgPolicy
 
 if TYPE_CHECKING:
-    from .audit import OutboxItem
+    from .audit import AuditSQL
+
+_P = t.org_policy
+_THE_ROW = sa.select(_P).where(_P.c.policy_id == 1)
+_UPDATE_THE_ROW = _P.update().where(_P.c.policy_id == 1)
 
 
-class PolicySQL(Store):
-    """Read and write the single policy row.
+class PolicySQL:
+    """``store.policy``: read and write the single policy row (``contract.PolicyRepository``).
 
     Example:
-        >>> storage.get_policy().approval_timeout_seconds
+        >>> storage.policy.get().approval_timeout_seconds
         3600
     """
 
-    if TYPE_CHECKING:  # provided by AuditSQL in Storage
-        def append_event_in(self, conn: Connection, *, subject: str, action: str, actor: str,
-                            payload: Mapping[str, Any], approval_request_id: str | None = None,
-                            outbox: Iterable[OutboxItem] = (), now: dt.datetime | None = None) -> int: ...
+    def __init__(self, store: Store, *, audit: AuditSQL) -> None:
+        self._store = store
+        self._audit = audit
 
-    def policy_in(self, conn: Connection) -> OrgPolicy:
+    @staticmethod
+    def get_in(conn: Connection) -> OrgPolicy:
         """The policy as the caller's transaction sees it."""
-        row = conn.execute(sa.select(t.org_policy).where(t.org_policy.c.policy_id == 1)).one()
+        row = conn.execute(_THE_ROW).one()
         return OrgPolicy(int(row.approval_timeout_seconds), bool(row.auto_approve_on_timeout), int(row.context_calls),
                          int(row.approved_ttl_seconds))
 
-    def get_policy(self) -> OrgPolicy:
-        with self.read() as conn:
-            return self.policy_in(conn)
+    def get(self) -> OrgPolicy:
+        """The policy, in a read transaction of its own."""
+        with self._store.read() as conn:
+            return self.get_in(conn)
 
-    def set_policy(self, changes: Mapping[str, Any], *, actor: str, now: dt.datetime) -> tuple[OrgPolicy, OrgPolicy]:
+    def set(self, changes: Mapping[str, Any], *, actor: str, now: dt.datetime) -> tuple[OrgPolicy, OrgPolicy]:
         """Apply validated ``changes`` and audit them (event ``policy.set``) in one transaction; (before, after)."""
-        with self.tx() as conn:
-            before = self.policy_in(conn)
-            conn.execute(
-                t.org_policy.update().where(t.org_policy.c.policy_id == 1)
-                .values(**dict(changes), updated_at=now, updated_by=actor)
-            )
-            after = self.policy_in(conn)
-            self.append_event_in(conn, subject="policy", action="policy.set", actor=actor,
-                                 payload={"before": before.to_dict(), "after": after.to_dict()}, now=now)
+        with self._store.tx() as conn:
+            before = self.get_in(conn)
+            conn.execute(_UPDATE_THE_ROW.values(**dict(changes), updated_at=now, updated_by=actor))
+            after = self.get_in(conn)
+            self._audit.append_event_in(conn, subject="policy", action="policy.set", actor=actor,
+                                        payload={"before": before.to_dict(), "after": after.to_dict()}, now=now)
         return before, after

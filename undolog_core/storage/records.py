@@ -147,7 +147,7 @@ class RegisteredRevision:
 
 @dataclass(frozen=True)
 class ContractRevision:
-    """A tool contract to store: what ``RegistrySQL.register_revisions`` needs of a ``ToolSpec``."""
+    """A tool contract to store: what ``store.registry.register`` needs of a ``ToolSpec``."""
 
     tool_name: str
     tier: str

@@ -69,10 +69,6 @@ def _same(col: Any, value: Any) -> Any:
 
 
 class RecoverySQL(CallsSQL):
-    if TYPE_CHECKING:  # provided by AuditSQL in Storage
-        def append_events_in(self, conn: Any, events: Sequence[PendingEvent], *,
-                             now: dt.datetime | None = None) -> list[int]: ...
-
     def in_flight(self) -> InFlight:
         """Everything in flight: effects (found the way each database finds them, see ``effects_in_flight_in``),
         undo entries being compensated, rollbacks requested."""
@@ -155,7 +151,7 @@ class RecoverySQL(CallsSQL):
         now = utcnow()
         with self.tx() as conn:
             if events:
-                self.append_events_in(conn, events, now=now)
+                self.audit.append_events_in(conn, events, now=now)
             for effect_id, result in committed:
                 conn.execute(e.update().where(e.c.effect_id == effect_id, EFFECT.guard("commit", e.c.state)).values(
                     state=EffectState.COMMITTED.value, result_snapshot=result, owner=None, lease_until=None,
@@ -221,14 +217,14 @@ class RecoverySQL(CallsSQL):
                 u = t.undo_stack
                 conn.execute(u.delete().where(u.c.effect_id == effect_id, u.c.state == UndoState.ARMED.value))
             if event is not None:
-                self.append_events_in(conn, [event], now=now)
+                self.audit.append_events_in(conn, [event], now=now)
             if halt is not None:
                 self.halt_in(conn, halt[0], halt[1], now)
 
     def note_event(self, event: PendingEvent) -> None:
         """One audit event in a transaction of its own (a probe's answer that settles nothing by itself)."""
         with self.tx() as conn:
-            self.append_events_in(conn, [event])
+            self.audit.append_events_in(conn, [event])
 
     def halt_session(self, session_id: str, reason: str) -> None:
         with self.tx() as conn:

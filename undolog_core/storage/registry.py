@@ -1,11 +1,12 @@
-"""The tool registry's SQL: immutable, revisioned contracts; a new revision cancels the approvals bound to the old."""
+"""``store.registry``: the tool registry table (``undolog_tool_registry``), immutable revisioned contracts; a new
+revision cancels the approvals bound to the old."""
 
 from __future__ import annotations
 
 import builtins
 import datetime as dt
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -19,25 +20,37 @@ from .schema import RequestState
 #: Attempts at storing a batch when another process takes the same revision number first.
 _REGISTER_ATTEMPTS = 3
 
+_R = t.tool_registry
+_LATEST = sa.select(_R.c.revision, _R.c.fingerprint).order_by(_R.c.revision.desc()).limit(1)
+_CONTRACT = sa.select(_R.c.contract)
+_HISTORY = sa.select(_R).order_by(_R.c.tool_name, _R.c.revision)
+_Q = t.approval_requests
+_UNRUN_REQUESTS = sa.select(_Q.c.approval_request_id, _Q.c.effect_id, _Q.c.session_id).where(
+    _Q.c.state.in_([RequestState.PENDING, RequestState.APPROVED, RequestState.AUTO_APPROVED]))
 
-class RegistrySQL(Store):
-    """Tool contracts as rows. A revision is written once and never changed.
+#: ``store.approvals.cancel_request_in``: cancel one request (and its effect) in the caller's transaction.
+CancelRequestIn = Callable[[Connection, str, str, str, dt.datetime], bool]
+#: ``SessionsSQL.refresh_changes_in``: the session state changes a cancellation made.
+RefreshChangesIn = Callable[[Connection, str, dt.datetime], "builtins.list[StateChange]"]
+
+
+class RegistrySQL:
+    """``store.registry``: tool contracts as rows; a revision is written once and never changed
+    (``contract.RegistryRepository``). It receives the two approval-side writes a new revision makes (cancelling
+    the requests bound to the old contract, refreshing their sessions' states) rather than reaching for them.
 
     Example:
-        >>> [r.revision for r in storage.register_revisions([contract], actor="ci", now=utcnow())[0]]
+        >>> [r.revision for r in storage.registry.register([contract], actor="ci", now=utcnow())[0]]
         [1]
     """
 
-    if TYPE_CHECKING:  # provided by ApprovalsSQL and SessionsSQL in Storage
-        def cancel_request_in(
-            self, conn: Connection, request_id: str, effect_id: str, why: str, now: dt.datetime
-        ) -> bool: ...
+    def __init__(self, store: Store, *, cancel_request_in: CancelRequestIn,
+                 refresh_changes_in: RefreshChangesIn) -> None:
+        self._store = store
+        self._cancel_request_in = cancel_request_in
+        self._refresh_changes_in = refresh_changes_in
 
-        def refresh_changes_in(
-            self, conn: Connection, session_id: str, now: dt.datetime
-        ) -> builtins.list[StateChange]: ...
-
-    def register_revisions(
+    def register(
         self, contracts: Sequence[ContractRevision], *, actor: str, now: dt.datetime
     ) -> tuple[builtins.list[RegisteredRevision], builtins.list[StateChange]]:
         """Store each contract as the tool's newest revision unless its fingerprint is the newest already.
@@ -58,21 +71,17 @@ class RegistrySQL(Store):
     def _register_once(
         self, contracts: Sequence[ContractRevision], actor: str, now: dt.datetime
     ) -> tuple[builtins.list[RegisteredRevision], builtins.list[StateChange]]:
-        reg = t.tool_registry
         out: builtins.list[RegisteredRevision] = []
         changes: builtins.list[StateChange] = []
-        with self.tx() as conn:
+        with self._store.tx() as conn:
             for c in contracts:
-                latest = conn.execute(
-                    sa.select(reg.c.revision, reg.c.fingerprint).where(reg.c.tool_name == c.tool_name)
-                    .order_by(reg.c.revision.desc()).limit(1)
-                ).first()
+                latest = conn.execute(_LATEST.where(_R.c.tool_name == c.tool_name)).first()
                 if latest is not None and latest.fingerprint == c.fingerprint:
                     out.append(RegisteredRevision(c.tool_name, int(latest.revision), created=False))
                     continue
                 revision = 1 if latest is None else int(latest.revision) + 1
                 conn.execute(
-                    reg.insert().values(
+                    _R.insert().values(
                         tool_name=c.tool_name,
                         revision=revision,
                         tier=c.tier,
@@ -94,29 +103,22 @@ class RegistrySQL(Store):
         self, conn: Connection, c: ContractRevision, revision: int, now: dt.datetime
     ) -> builtins.list[StateChange]:
         """Approvals are bound to (fingerprint, arguments): a contract change cancels the ones not yet run."""
-        r = t.approval_requests
         rows = conn.execute(
-            sa.select(r.c.approval_request_id, r.c.effect_id, r.c.session_id).where(
-                r.c.tool_name == c.tool_name, r.c.tool_fingerprint != c.fingerprint,
-                r.c.state.in_([RequestState.PENDING, RequestState.APPROVED, RequestState.AUTO_APPROVED]),
-            )
+            _UNRUN_REQUESTS.where(_Q.c.tool_name == c.tool_name, _Q.c.tool_fingerprint != c.fingerprint)
         ).all()
         changes: builtins.list[StateChange] = []
         for row in rows:
-            self.cancel_request_in(
+            self._cancel_request_in(
                 conn, row.approval_request_id, row.effect_id,
                 f"the contract of {c.tool_name!r} changed (revision {revision}); re-request approval", now,
             )
-            changes += self.refresh_changes_in(conn, row.session_id, now)
+            changes += self._refresh_changes_in(conn, row.session_id, now)
         return changes
 
     def contract_of(self, tool_name: str, revision: int) -> dict[str, Any] | None:
         """The stored contract of one revision (``args_schema``, tier, ...), or None when it is not registered."""
-        reg = t.tool_registry
-        with self.read() as conn:
-            contract = conn.execute(
-                sa.select(reg.c.contract).where(reg.c.tool_name == tool_name, reg.c.revision == revision)
-            ).scalar()
+        with self._store.read() as conn:
+            contract = conn.execute(_CONTRACT.where(_R.c.tool_name == tool_name, _R.c.revision == revision)).scalar()
         return None if contract is None else dict(contract)
 
     def arguments_jsonschema_of(self, tool_name: str, revision: int) -> dict[str, Any] | None:
@@ -124,11 +126,8 @@ class RegistrySQL(Store):
         contract = self.contract_of(tool_name, revision)
         return None if contract is None else dict(contract["args_schema"])
 
-    def registry_history(self, tool_name: str | None = None) -> builtins.list[dict[str, Any]]:
+    def history(self, tool_name: str | None = None) -> builtins.list[dict[str, Any]]:
         """Every revision (of one tool, or of all), ordered by (tool, revision)."""
-        reg = t.tool_registry
-        q = sa.select(reg).order_by(reg.c.tool_name, reg.c.revision)
-        if tool_name:
-            q = q.where(reg.c.tool_name == tool_name)
-        with self.read() as conn:
+        q = _HISTORY.where(_R.c.tool_name == tool_name) if tool_name else _HISTORY
+        with self._store.read() as conn:
             return [dict(r._mapping) for r in conn.execute(q)]

@@ -19,7 +19,7 @@ from .records import SessionRecord, StateChange
 from .schema import SessionState
 
 if TYPE_CHECKING:
-    from .audit import OutboxItem
+    from .audit import AuditSQL
 
 
 def _session_record(row: Any) -> SessionRecord:
@@ -37,12 +37,9 @@ class SessionsSQL(Store):
         <SessionState.ACTIVE: 'active'>
     """
 
-    if TYPE_CHECKING:  # provided by AuditSQL in Storage
-        def append_event_in(self, conn: Connection, *, subject: str, action: str, actor: str,
-                            payload: Mapping[str, Any], approval_request_id: str | None = None,
-                            outbox: Iterable[OutboxItem] = (), now: dt.datetime | None = None) -> int: ...
+    audit: AuditSQL  # built by ``Storage``
 
-        # provided by CallsSQL in Storage
+    if TYPE_CHECKING:  # provided by CallsSQL in Storage
         def refresh_awaiting_in(self, conn: Connection, session_id: str, now: dt.datetime) -> str | None: ...
 
     # -- reads ---------------------------------------------------------------------------------------
@@ -138,7 +135,7 @@ class SessionsSQL(Store):
                 .values(state=SessionState.ACTIVE, halted_reason=None, updated_at=now)
             )
             refreshed = self.refresh_changes_in(conn, session_id, now)
-            self.append_event_in(conn, subject=f"session:{session_id}", action="session.resume", actor=actor,
+            self.audit.append_event_in(conn, subject=f"session:{session_id}", action="session.resume", actor=actor,
                                  payload={"was_halted_because": row.halted_reason, "reason": reason}, now=now)
         return [StateChange(session_id, SessionState.ACTIVE), *refreshed]
 
@@ -172,6 +169,6 @@ class SessionsSQL(Store):
                 t.sessions.update().where(t.sessions.c.session_id == session_id)
                 .values(pinned_revisions=pins, updated_at=now)
             )
-            self.append_event_in(conn, subject=f"session:{session_id}", action="session.revalidate",
+            self.audit.append_event_in(conn, subject=f"session:{session_id}", action="session.revalidate",
                                  actor=actor, payload={"changed": changed}, now=now)
         return changed, pins

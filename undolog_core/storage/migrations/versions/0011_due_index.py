@@ -1,7 +1,7 @@
 """The sweep's due index holds the pending requests only: ``ix_undolog_approval_due`` on ``timeout_at`` WHERE
 ``state = 'pending'`` replaces ``ix_undolog_approval_state_timeout`` on ``(state, timeout_at)``.
 
-The sweep claims the oldest due pending requests (``ApprovalsSQL.due_claim``). The full index kept an entry for
+The sweep claims the oldest due pending requests (``store.approvals.due_claim``). The full index kept an entry for
 every request in every state, and each state change (a timeout, a decision, a cancellation) added one more: an
 index insertion per settled request that no query reads. The partial index takes an entry when a request is raised
 and none when it is settled; the claim walks it in ``timeout_at`` order and stops at its batch. Both databases

@@ -1,4 +1,5 @@
-"""gc's statements: which sessions are settled, and moving their effects and undo entries into the archive."""
+"""``store.archive``: the archive table (``undolog_archive``) that ``undolog gc`` fills: which sessions are settled,
+and moving their effects and undo entries into it."""
 
 from __future__ import annotations
 
@@ -6,14 +7,13 @@ import builtins
 import datetime as dt
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection
 
 from ..states import SESSION
 from . import schema as t
-from .audit import PendingEvent
+from .audit import AuditSQL, PendingEvent
 from .base import Store
 from .schema import EffectState, RequestState, SessionState, UndoState
 
@@ -37,17 +37,18 @@ def _jsonable_row(row: Mapping[Any, Any]) -> dict[str, Any]:
     return {str(k): (v.isoformat() if isinstance(v, dt.datetime) else v) for k, v in row.items()}
 
 
-class GcSQL(Store):
-    """Archiving the effect log and undo stack of settled sessions (``undolog gc``).
+class ArchiveSQL:
+    """``store.archive``: archiving the effect log and undo stack of settled sessions (``undolog gc``), and reading
+    what was archived (``contract.ArchiveRepository``).
 
     Example:
-        >>> ids = storage.settled_sessions(cutoff, limit=500)
-        >>> storage.archive_sessions(ids, cutoff, run_id="...", actor="ana", now=utcnow())
+        >>> ids = storage.archive.settled_sessions(cutoff, limit=500)
+        >>> storage.archive.archive_sessions(ids, cutoff, run_id="...", actor="ana", now=utcnow())
     """
 
-    if TYPE_CHECKING:  # provided by AuditSQL in Storage
-        def append_events_in(self, conn: Connection, events: Sequence[PendingEvent], *,
-                             now: dt.datetime | None = None) -> builtins.list[int]: ...
+    def __init__(self, store: Store, *, audit: AuditSQL) -> None:
+        self._store = store
+        self._audit = audit
 
     def _settled(self, cutoff: dt.datetime) -> Any:
         """A session that nothing can change any more, idle since before ``cutoff``, with something to archive.
@@ -77,7 +78,7 @@ class GcSQL(Store):
         q = sa.select(s.c.session_id).where(self._settled(cutoff)).order_by(s.c.session_id).limit(limit)
         if after is not None:
             q = q.where(s.c.session_id > after)
-        with self.read() as conn:
+        with self._store.read() as conn:
             return list(conn.execute(q).scalars().all())
 
     def archive_sessions(self, session_ids: Sequence[str], cutoff: dt.datetime, *, run_id: str, actor: str,
@@ -91,36 +92,37 @@ class GcSQL(Store):
         """
         s, e, u, r, a = t.sessions, t.effect_log, t.undo_stack, t.approval_requests, t.archive
         batch = GcBatch()
-        with self.tx() as conn:
-            rows = conn.execute(self.for_update(
+        one_of = self._store.one_of
+        with self._store.tx() as conn:
+            rows = conn.execute(self._store.for_update(
                 sa.select(s.c.session_id, s.c.state)
-                .where(self.one_of(s.c.session_id, list(session_ids)), self._settled(cutoff))
+                .where(one_of(s.c.session_id, list(session_ids)), self._settled(cutoff))
                 .order_by(s.c.session_id), skip_locked=True)).all()
             if not rows:
                 return batch
             batch.sessions = [x.session_id for x in rows]
             batch.closed = [x.session_id for x in rows if x.state == SessionState.ACTIVE.value]
             if batch.closed:
-                conn.execute(s.update().where(self.one_of(s.c.session_id, batch.closed),
+                conn.execute(s.update().where(one_of(s.c.session_id, batch.closed),
                                               SESSION.guard("complete", s.c.state))
                              .values(state=SessionState.COMPLETED.value, updated_at=now))
             effects = conn.execute(
-                sa.select(e).where(self.one_of(e.c.session_id, batch.sessions),
+                sa.select(e).where(one_of(e.c.session_id, batch.sessions),
                                    ~sa.exists().where(r.c.effect_id == e.c.effect_id)).order_by(e.c.seq)
             ).all()
             seqs = [x.seq for x in effects]
-            undos = conn.execute(sa.select(u).where(self.one_of(u.c.undo_id, seqs)).order_by(u.c.undo_id)).all()
+            undos = conn.execute(sa.select(u).where(one_of(u.c.undo_id, seqs)).order_by(u.c.undo_id)).all()
             archived = [{"run_id": run_id, "kind": "undo", "session_id": x.session_id, "ref": str(x.undo_id),
                          "row": _jsonable_row(x._mapping), "archived_at": now} for x in undos]
             archived += [{"run_id": run_id, "kind": "effect", "session_id": x.session_id, "ref": x.effect_id,
                           "row": _jsonable_row(x._mapping), "archived_at": now} for x in effects]
-            self.insert_many_in(conn, a, archived)
+            self._store.insert_many_in(conn, a, archived)
             if undos:
-                conn.execute(u.delete().where(self.one_of(u.c.undo_id, [x.undo_id for x in undos])))
+                conn.execute(u.delete().where(one_of(u.c.undo_id, [x.undo_id for x in undos])))
             if seqs:
-                conn.execute(e.delete().where(self.one_of(e.c.seq, seqs)))
+                conn.execute(e.delete().where(one_of(e.c.seq, seqs)))
             batch.effects, batch.undo_entries = len(effects), len(undos)
-            self.append_events_in(conn, [PendingEvent(
+            self._audit.append_events_in(conn, [PendingEvent(
                 subject=f"gc:{run_id}", action="gc.archive", actor=actor,
                 payload={"run_id": run_id, "idle_before": cutoff.isoformat(), "sessions": batch.sessions,
                          "closed": batch.closed, "effects": batch.effects, "undo_entries": batch.undo_entries,
@@ -131,7 +133,7 @@ class GcSQL(Store):
     def archived(self, session_id: str) -> builtins.list[dict[str, Any]]:
         """The archived rows of one session, oldest first: ``{"kind", "ref", "run_id", "archived_at", "row"}``."""
         a = t.archive
-        with self.read() as conn:
+        with self._store.read() as conn:
             rows = conn.execute(sa.select(a).where(a.c.session_id == session_id).order_by(a.c.archive_id)).all()
         return [{"kind": x.kind, "ref": x.ref, "run_id": x.run_id, "archived_at": x.archived_at, "row": x.row}
                 for x in rows]

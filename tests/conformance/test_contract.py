@@ -1,0 +1,197 @@
+"""The written storage contract (``undolog_core/storage/contract.py``) held against each database's repositories.
+
+Two kinds of test: the shape (every repository ``Storage`` exposes satisfies its Protocol, method by method with
+the same parameters, and the store satisfies ``StoreProtocol``), and the guarantees the Protocols' docstrings
+write down (which transaction a method joins, one place per write, who claims an outbox row). Run on both
+databases (``storage`` by directory).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from undolog_core import UndoLog, errors
+from undolog_core._outbox import OutboxEvent
+from undolog_core.storage import Storage, contract
+from undolog_core.storage import schema as t
+from undolog_core.storage.audit import PendingEvent
+from undolog_core.storage.base import utcnow
+from undolog_core.storage.records import ContractRevision
+
+
+def _storage(u: UndoLog) -> Storage:
+    assert isinstance(u.store, Storage)
+    return u.store
+
+
+def _count(st: Storage, table: sa.Table) -> int:
+    with st.read() as c:
+        return int(c.execute(sa.select(sa.func.count()).select_from(table)).scalar_one())
+
+
+def _protocol_methods(proto: type[Any]) -> list[str]:
+    return sorted(n for n, v in vars(proto).items()
+                  if not n.startswith("_") and (callable(v) or isinstance(v, property)))
+
+
+def _parameters(fn: Any) -> list[tuple[str, Any, bool]]:
+    # (name, kind, has a default) without ``self``: a staticmethod implementing a method matches it.
+    params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+    return [(p.name, p.kind, p.default is not inspect.Parameter.empty) for p in params]
+
+
+class _Boom(Exception):
+    pass
+
+
+# -- the shape -------------------------------------------------------------------------------------
+
+
+def test_every_repository_the_storage_exposes_satisfies_its_protocol(db):
+    st = _storage(db.open())
+    assert isinstance(st, contract.StoreProtocol)
+    for name, proto in contract.REPOSITORIES.items():
+        repo = getattr(st, name)
+        assert isinstance(repo, proto), f"storage.{name} ({type(repo).__name__}) does not satisfy {proto.__name__}"
+
+
+@pytest.mark.parametrize("name", sorted(contract.REPOSITORIES))
+def test_each_repository_method_has_the_parameters_its_protocol_writes_down(db, name):
+    st = _storage(db.open())
+    proto, repo = contract.REPOSITORIES[name], getattr(st, name)
+    methods = _protocol_methods(proto)
+    assert methods, f"{proto.__name__} declares no method"
+    for method in methods:
+        want, got = getattr(proto, method), getattr(repo, method)
+        assert _parameters(got) == _parameters(want), f"storage.{name}.{method}: {inspect.signature(got)} " \
+                                                      f"differs from the contract's {inspect.signature(want)}"
+    # What a repository offers beyond its contract is private: callers code against the Protocol.
+    public = sorted(n for n in dir(repo) if not n.startswith("_"))
+    assert public == methods, f"storage.{name} has public methods outside {proto.__name__}: " \
+                              f"{sorted(set(public) - set(methods))}"
+
+
+def test_the_store_protocol_matches_the_store(db):
+    st = _storage(db.open())
+    for method in _protocol_methods(contract.StoreProtocol):
+        if method == "is_postgres":
+            assert st.is_postgres == (db.kind == "postgres")
+            continue
+        assert _parameters(getattr(st, method)) == _parameters(getattr(contract.StoreProtocol, method)), method
+
+
+def test_repositories_are_listed_once_and_hold_the_same_store(db):
+    st = _storage(db.open())
+    repos = [getattr(st, n) for n in contract.REPOSITORIES]
+    assert len({id(r) for r in repos}) == len(repos)
+    assert all(r._store is st for r in repos)
+    # The repositories that write another's rows hold that very instance (one place per write).
+    assert st.audit._outbox is st.outbox
+    assert st.policy._audit is st.audit and st.archive._audit is st.audit
+
+
+# -- the guarantees --------------------------------------------------------------------------------
+
+
+def test_an_in_method_commits_or_rolls_back_with_the_caller(db):
+    st = _storage(db.open())
+    events, outbox = _count(st, t.approval_events), _count(st, t.outbox)
+    with pytest.raises(_Boom), st.tx() as conn:
+        st.audit.append_event_in(conn, subject="s", action="test.lost", actor="a", payload={},
+                                 outbox=[("test.lost", {"n": 1})])
+        st.audit.append_events_in(conn, [PendingEvent("s", "test.lost2", "a", {}, outbox=[("test.lost2", {})])])
+        st.outbox.write_in(conn, [("test.lost3", {})])
+        st.outbox.write_many_in(conn, [("test.lost4", {}), ("test.lost5", {})])
+        raise _Boom
+    assert (_count(st, t.approval_events), _count(st, t.outbox)) == (events, outbox)
+    with st.tx() as conn:
+        st.audit.append_event_in(conn, subject="s", action="test.kept", actor="a", payload={},
+                                 outbox=[("test.kept", {"n": 1})])
+        st.outbox.write_many_in(conn, [("test.kept2", {}), ("test.kept3", {})])
+        st.outbox.write_in(conn, [])
+    assert (_count(st, t.approval_events), _count(st, t.outbox)) == (events + 1, outbox + 3)
+
+
+def test_outbox_drain_hands_each_row_over_once_and_not_at_all_when_the_handler_raises(db):
+    st = _storage(db.open())
+    st.outbox.drain(lambda conn, events: None, OutboxEvent, limit=10_000)  # what opening queued
+    with st.tx() as conn:
+        st.outbox.write_in(conn, [("test.one", {"risk_tags": ["pii"]}), ("test.two", {})])
+
+    def fail(conn: Any, events: Sequence[OutboxEvent]) -> None:
+        raise _Boom
+
+    with pytest.raises(_Boom):
+        st.outbox.drain(fail, OutboxEvent, limit=10)
+    seen: list[OutboxEvent] = []
+    assert st.outbox.drain(lambda conn, events: seen.extend(events), OutboxEvent, limit=1) == 1
+    assert st.outbox.drain(lambda conn, events: seen.extend(events), OutboxEvent, limit=10) == 1
+    assert st.outbox.drain(lambda conn, events: seen.extend(events), OutboxEvent, limit=10) == 0
+    assert [(e.event_type, e.risk_tags) for e in seen] == [("test.one", ["pii"]), ("test.two", [])]
+    assert seen[0].outbox_id < seen[1].outbox_id
+
+
+def test_a_policy_change_and_its_audit_event_are_one_write(db):
+    st = _storage(db.open())
+    events = _count(st, t.approval_events)
+    before, after = st.policy.set({"context_calls": 7}, actor="admin", now=utcnow())
+    assert after.context_calls == 7 and st.policy.get() == after and before != after
+    with st.read() as conn:
+        assert st.policy.get_in(conn) == after
+        last = conn.execute(sa.select(t.approval_events.c.action, t.approval_events.c.actor)
+                            .order_by(t.approval_events.c.event_id.desc()).limit(1)).one()
+    assert (tuple(last), _count(st, t.approval_events)) == (("policy.set", "admin"), events + 1)
+    with pytest.raises(sa.exc.SQLAlchemyError):  # a bad column: neither the row nor the event is written
+        st.policy.set({"no_such_setting": 1}, actor="admin", now=utcnow())
+    assert st.policy.get() == after and _count(st, t.approval_events) == events + 1
+
+
+def test_registry_revisions_are_written_once_and_numbered_without_gaps(db):
+    st = _storage(db.open())
+    now = utcnow()
+    v = [ContractRevision("contract_tool", "safe", c * 64, {"args_schema": {"n": i}}, None, None)
+         for i, c in enumerate("abc")]
+    got = [st.registry.register([x], actor="ci", now=now)[0][0] for x in (v[0], v[0], v[1], v[2], v[2])]
+    assert [(r.revision, r.created) for r in got] == [(1, True), (1, False), (2, True), (3, True), (3, False)]
+    assert [h["revision"] for h in st.registry.history("contract_tool")] == [1, 2, 3]
+    assert st.registry.arguments_jsonschema_of("contract_tool", 2) == {"n": 1}
+    assert st.registry.history("no_such_tool") == [] and st.registry.contract_of("no_such_tool", 1) is None
+
+
+def test_archive_of_nothing_writes_nothing(db):
+    st = _storage(db.open())
+    events = _count(st, t.approval_events)
+    assert st.archive.settled_sessions(utcnow(), limit=10) == []
+    batch = st.archive.archive_sessions(["no-such-session"], utcnow(), run_id="r0", actor="ana", now=utcnow())
+    assert (batch.sessions, batch.effects, batch.undo_entries) == ([], 0, 0)
+    assert st.archive.archived("no-such-session") == [] and _count(st, t.approval_events) == events
+
+
+def test_audit_chain_reads_one_snapshot_and_locked_heads_are_its_heads(db):
+    st = _storage(db.open())
+    st.audit.append_event(subject="s", action="test.snap", actor="a", payload={})
+    with st.audit.chain() as chain:
+        before = list(chain.events())
+        st.audit.append_event(subject="s", action="test.after", actor="a", payload={})  # not seen by this snapshot
+        heads = chain.heads()
+    assert max(e.event_id for _, e in before) == max(h.last_event_id for h in heads)
+    locked = st.audit.locked_heads()
+    assert max(h.last_event_id for h in locked) == max(h.last_event_id for h in heads) + 1
+
+
+def test_a_decision_on_no_request_raises_and_writes_nothing(db):
+    st = _storage(db.open())
+    events = _count(st, t.approval_events)
+    with pytest.raises(errors.ApprovalNotFound):
+        st.approvals.decide_request("no-such-request", action="approve", approver="ana", reason=None, now=utcnow())
+    assert st.approvals.get_request("no-such-request") is None
+    assert st.approvals.request_events("no-such-request") == [] and _count(st, t.approval_events) == events
+    with st.tx() as conn:
+        assert st.approvals.cancel_request_in(conn, "no-such-request", "no-such-effect", "test", utcnow()) is False
+        assert st.approvals.cancel_pending_in(conn, "no-such-session", "test", utcnow()) == 0
+    assert _count(st, t.approval_events) == events

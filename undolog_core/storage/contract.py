@@ -1,0 +1,402 @@
+"""The storage contract, written once: what ``Store`` and each repository guarantee, whatever the database.
+
+A repository is a small class named by its table(s), reached as an attribute of the ``Storage``
+(``storage.approvals``, ``storage.audit``, ``storage.registry``, ``storage.policy``, ``storage.outbox``,
+``storage.archive``). It holds
+the ``Store`` and, explicitly, the other repositories whose rows it writes in its own transaction; it keeps no
+state of its own between calls. The shape follows LangGraph's ``BaseCheckpointSaver``: a few methods, each with
+its guarantee written here, and one conformance suite (``tests/conformance``) every database's implementation
+runs against.
+
+Rules every method below keeps:
+
+* **Its transaction.** A method named ``*_in(conn, ...)`` joins the caller's transaction and never commits: what
+  it writes commits, or rolls back, with the caller's other writes. Any other method is one unit of work in a
+  transaction of its own (``Store.tx()`` to write, ``Store.read()`` to read), committed before it returns.
+* **One place per write.** A table is written by its own repository only; another repository that must write a
+  row of it in the same transaction calls that repository's ``*_in`` method (a policy change appends its audit
+  event with ``audit.append_event_in``; an audit event writes its outbox rows with ``outbox.write_in``).
+* **Errors.** A database that does not answer raises ``DatabaseUnavailable`` (``Store.tx``/``Store.read``); other
+  driver errors are SQLAlchemy's and are not caught here. Nothing is retried blindly: a method that retries says
+  why it is safe to.
+* **Fences.** Where two processes may race for the same rows, the method says what serialises them: a row lock
+  (``Store.for_update``, ``FOR UPDATE [SKIP LOCKED]`` on PostgreSQL) or SQLite's single writer (``BEGIN
+  IMMEDIATE`` and the in-process write lock).
+* **State transitions** are not decided here: a write that changes a state guards it with the machine in
+  ``undolog_core/states.py`` (``SESSION.guard("complete", col)``), so an update that meets a state the machine
+  does not allow changes nothing.
+
+Not yet repositories (a later slice, after the engine's split): ``sessions``, ``effects``, ``undo`` (the hot path:
+``hotpath.py`` and the mixins ``SessionsSQL``, ``CallsSQL``, ``SagaSQL``, ``RecoverySQL``, ``OwnersSQL``); they
+are still mixins of ``Storage``.
+
+Example:
+    >>> from undolog_core.storage.contract import PolicyRepository
+    >>> storage = open_storage("sqlite:///undolog.db")
+    >>> isinstance(storage.policy, PolicyRepository)
+    True
+"""
+
+from __future__ import annotations
+
+import builtins
+import datetime as dt
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from .approvals import EXPIRE_BATCH
+from .archive import GcBatch
+from .audit import AuditChainReader, ChainHead, PendingEvent
+from .outbox import OutboxItem
+from .records import (
+    ApprovalEvent,
+    ApprovalRecord,
+    ContractRevision,
+    ExpiredRequest,
+    OrgPolicy,
+    RegisteredRevision,
+    StateChange,
+)
+from .schema import RequestState
+
+
+@runtime_checkable
+class StoreProtocol(Protocol):
+    """What every repository is built on: one database's transactions and the statement helpers both databases
+    share (``base.Store`` implements it).
+
+    Example:
+        >>> with store.tx() as conn:
+        ...     conn.execute(store.for_update(sa.select(t.sessions)))
+    """
+
+    @property
+    def is_postgres(self) -> bool:
+        """True on PostgreSQL (row locks, sequences, ``ANY(:array)``), False on SQLite."""
+        ...
+
+    def tx(self, *, fast: bool = False, urgent: bool = False) -> AbstractContextManager[Connection]:
+        """One write transaction, committed when the block ends without an exception, rolled back otherwise.
+
+        ``fast``: on the engine whose commits need not fsync (commit marks only). ``urgent``: a person's
+        decision, ahead of the writers queued for SQLite's write lock. Raises ``DatabaseUnavailable`` when the
+        database does not answer.
+        """
+        ...
+
+    def read(self) -> AbstractContextManager[Connection]:
+        """One read transaction (always rolled back; on SQLite it never takes the write lock). Raises
+        ``DatabaseUnavailable`` when the database does not answer."""
+        ...
+
+    def for_update(self, stmt: Any, *, skip_locked: bool = False) -> Any:
+        """``stmt`` locking the rows it reads until the transaction ends (``FOR UPDATE [SKIP LOCKED]`` on
+        PostgreSQL); unchanged on SQLite, whose writers are serialised already."""
+        ...
+
+    def insert_many_in(self, conn: Connection, table: sa.Table, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Insert ``rows`` (dicts with the same keys) in one statement inside the caller's transaction."""
+        ...
+
+    def one_of(self, col: Any, values: Sequence[Any]) -> Any:
+        """``col IN (values)``, one parameter whatever the size on PostgreSQL."""
+        ...
+
+
+@runtime_checkable
+class ApprovalsRepository(Protocol):
+    """``store.approvals`` (``ApprovalsSQL``): the approval requests (``undolog_approval_requests``) of
+    IRREVERSIBLE calls. A request leaves ``pending`` once (a decision, a timeout, a cancellation) and an approval
+    lapses once; every change is audited in its own transaction, with its outbox row. The request row itself is
+    written by the engine's call path (``CallsSQL``) when a call asks for approval.
+
+    Fences: a decision locks the session row first, then the request, then an audit head (the agent's call takes
+    the same order), so a decision and a call never deadlock; the sweeps claim due requests ``FOR UPDATE SKIP
+    LOCKED`` (PostgreSQL), so several sweepers take disjoint batches and each request is settled once. On SQLite
+    the single writer serialises all of it.
+
+    Example:
+        >>> storage.approvals.decide_request(rid, action="approve", approver="ana", reason=None, now=utcnow())
+        [StateChange(session_id='...', state=<SessionState.ACTIVE: 'active'>, only_from=...)]
+    """
+
+    def list_requests(self, *, state: RequestState | None = None, session_id: str | None = None,
+                      tool_name: str | None = None, limit: int = 500, offset: int = 0,
+                      brief: bool = False) -> builtins.list[ApprovalRecord]:
+        """Requests newest first (ties by id: pages never overlap); ``brief`` reads the arguments and context as
+        previews cut in the database."""
+        ...
+
+    def get_request(self, approval_request_id: str) -> ApprovalRecord | None:
+        """One request, or None when there is no such request."""
+        ...
+
+    def request_events(self, approval_request_id: str) -> builtins.list[ApprovalEvent]:
+        """The request's audit events, oldest first."""
+        ...
+
+    def joined_sessions_in(self, conn: Connection, approval_request_id: str) -> builtins.list[str]:
+        """The sessions that joined the request, in the order they joined, as the caller's transaction sees it."""
+        ...
+
+    def note_request_event(self, approval_request_id: str, *, action: str, actor: str, session_id: str,
+                           now: dt.datetime) -> int:
+        """Audit, in a transaction of its own, that a session ``joined`` a pending request or that an approved
+        request was ``released`` to one; returns the event id."""
+        ...
+
+    def due_request_ids(self, now: dt.datetime) -> builtins.list[str]:
+        """Pending requests past their ``timeout_at``."""
+        ...
+
+    def decide_request(self, approval_request_id: str, *, action: str, approver: str, reason: str | None,
+                       now: dt.datetime, approved_args: Mapping[str, Any] | None = None,
+                       response: str | None = None) -> builtins.list[StateChange]:
+        """Record a person's decision in ONE transaction (the request, its effect, the audit event and its outbox
+        row; on a rejection the session halted and its other pending requests cancelled); the session state
+        changes. Runs as an urgent writer (ahead of the agents' writes queued on SQLite's write lock).
+
+        Raises ``ApprovalNotFound`` (no such request) or ``ApprovalAlreadyDecided`` (no longer pending: another
+        decision or a timeout came first); nothing is written then.
+        """
+        ...
+
+    def expire_request(self, approval_request_id: str, now: dt.datetime) -> builtins.list[StateChange] | None:
+        """Apply the timeout to one due request per the policy (``auto_approved``, or ``timed_out`` with the
+        session halted); None when it was not due, not pending, or another process is expiring it now."""
+        ...
+
+    def due_claim(self, now: dt.datetime, *, limit: int = EXPIRE_BATCH, only: Sequence[str] | None = None,
+                  with_args: bool = False) -> Any:
+        """The SELECT of up to ``limit`` pending requests due at ``now``, oldest first, in the due index's order
+        (a statement, not run: ``expire_batch`` locks it)."""
+        ...
+
+    def expire_batch(self, now: dt.datetime, *, limit: int = EXPIRE_BATCH, only: Sequence[str] | None = None,
+                     ) -> tuple[builtins.list[ExpiredRequest], builtins.list[StateChange]]:
+        """Apply the timeout to up to ``limit`` due requests in ONE transaction, each exactly as
+        ``expire_request`` would; a request another transaction holds is skipped, not waited for."""
+        ...
+
+    def approval_lapsed(self, decided_at: dt.datetime | None, now: dt.datetime) -> bool:
+        """Whether an approval decided at ``decided_at`` is older than the policy's ``approved_ttl_seconds``."""
+        ...
+
+    def lapse_request(self, approval_request_id: str, now: dt.datetime) -> builtins.list[StateChange] | None:
+        """Expire one approved request whose call was not re-issued in time; None when it is not lapsed or
+        another process is expiring it now."""
+        ...
+
+    def lapse_batch(self, now: dt.datetime, *, limit: int = EXPIRE_BATCH, only: Sequence[str] | None = None,
+                    ) -> tuple[builtins.list[str], builtins.list[StateChange]]:
+        """Expire up to ``limit`` lapsed approvals in ONE transaction (request and effect ``expired``, the effect
+        giving its call id up, audited); the session is not halted."""
+        ...
+
+    def sweep_slot_key(self) -> int:
+        """The first key of this schema's sweep slots (PostgreSQL advisory locks bounding concurrent sweeps)."""
+        ...
+
+    def cancel_pending_in(self, conn: Connection, session_id: str, why: str, now: dt.datetime, *,
+                          except_id: str | None = None) -> int:
+        """Cancel every pending request of the session (but ``except_id``) in the caller's transaction; how many."""
+        ...
+
+    def cancel_request_in(self, conn: Connection, request_id: str, effect_id: str, why: str,
+                          now: dt.datetime) -> bool:
+        """Cancel a request that may still lead to a run, and its effect if it has not run, audited, in the
+        caller's transaction; False when it was already settled."""
+        ...
+
+
+@runtime_checkable
+class AuditRepository(Protocol):
+    """``store.audit`` (``AuditSQL``): the hash-chained audit events (``undolog_approval_events``) and their chain
+    heads (``undolog_audit_head``). Events are appended, never changed or deleted (triggers refuse it).
+
+    Fences: an append locks one chain head row until its transaction ends (PostgreSQL: the first head free,
+    ``SKIP LOCKED``; SQLite: chain 1 under the single writer), so no two writers fork a chain, and a transaction
+    holds one head at most, so two appending transactions never deadlock on heads.
+
+    Example:
+        >>> with storage.tx() as conn:
+        ...     storage.audit.append_event_in(conn, subject="policy", action="policy.set", actor="ana", payload={})
+    """
+
+    def append_event_in(self, conn: Connection, *, subject: str, action: str, actor: str,
+                        payload: Mapping[str, Any], approval_request_id: str | None = None,
+                        outbox: Iterable[OutboxItem] = (), now: dt.datetime | None = None) -> int:
+        """Append one event, and its ``outbox`` rows, in the caller's transaction; returns its event id.
+
+        The event's hash covers every stored column and the hash before it in its chain; ids grow along every
+        chain. ``now`` (default: the clock) is stored to the microsecond, so the hash recomputes from the row.
+        """
+        ...
+
+    def append_events_in(self, conn: Connection, events: Sequence[PendingEvent], *,
+                         now: dt.datetime | None = None) -> builtins.list[int]:
+        """Append a batch in order in the caller's transaction (one head lock for the batch); the event ids, in
+        order. The chain is the same as the events appended one by one."""
+        ...
+
+    def append_event(self, *, subject: str, action: str, actor: str, payload: Mapping[str, Any],
+                     approval_request_id: str | None = None, outbox: Iterable[OutboxItem] = (),
+                     now: dt.datetime | None = None) -> int:
+        """``append_event_in`` in a write transaction of its own."""
+        ...
+
+    def chain(self) -> AbstractContextManager[AuditChainReader]:
+        """Every chain and its heads read in ONE snapshot (REPEATABLE READ on PostgreSQL): what ``verify``
+        recomputes. Appends committed meanwhile are not seen, in the events nor in the heads."""
+        ...
+
+    def locked_heads(self) -> builtins.list[ChainHead]:
+        """Every chain's head, read holding every head's lock (then released): a cut with no append half done,
+        what a checkpoint signs."""
+        ...
+
+
+@runtime_checkable
+class OutboxRepository(Protocol):
+    """``store.outbox`` (``OutboxSQL``): the outbox table (``undolog_outbox``). A row is written in the
+    transaction of what it reports (it exists exactly when that does) and handed to a consumer once.
+
+    Example:
+        >>> storage.outbox.drain(lambda conn, events: None, OutboxEvent, limit=100)
+        0
+    """
+
+    def write_in(self, conn: Connection, items: Iterable[OutboxItem], *, now: dt.datetime | None = None) -> None:
+        """Queue ``items`` (event type, JSON payload) in the caller's transaction; nothing for no items."""
+        ...
+
+    def write_many_in(self, conn: Connection, items: Iterable[OutboxItem], *, now: dt.datetime | None = None) -> None:
+        """``write_in`` for a large batch: one statement whatever the count on PostgreSQL."""
+        ...
+
+    def drain(self, handle: Callable[[Any, Sequence[Any]], None], make: Callable[..., Any], *, limit: int) -> int:
+        """Claim up to ``limit`` undelivered rows in id order, build ``make(outbox_id, event_type, payload,
+        created_at, risk_tags)`` for each, call ``handle(conn, events)`` inside the claiming transaction and
+        mark them delivered in it; returns how many were handed over.
+
+        Fences: PostgreSQL skips the rows another drainer holds (``FOR UPDATE SKIP LOCKED``), so each row goes to
+        one drainer; SQLite's single writer does the same. If ``handle`` raises, nothing is marked delivered.
+        """
+        ...
+
+
+@runtime_checkable
+class PolicyRepository(Protocol):
+    """``store.policy`` (``PolicySQL``): the org policy table (``undolog_org_policy``), exactly one row, changed
+    only together with its audit event.
+
+    Example:
+        >>> storage.policy.get().approval_timeout_seconds
+        3600
+    """
+
+    def get_in(self, conn: Connection) -> OrgPolicy:
+        """The policy as the caller's transaction sees it."""
+        ...
+
+    def get(self) -> OrgPolicy:
+        """The policy, in a read transaction of its own."""
+        ...
+
+    def set(self, changes: Mapping[str, Any], *, actor: str, now: dt.datetime) -> tuple[OrgPolicy, OrgPolicy]:
+        """Apply ``changes`` (validated by the caller: ``PolicyService``) and append ``policy.set`` with the
+        policy before and after, in one transaction; returns (before, after)."""
+        ...
+
+
+@runtime_checkable
+class RegistryRepository(Protocol):
+    """``store.registry`` (``RegistrySQL``): the tool registry (``undolog_tool_registry``). A revision is written
+    once and never changed; revision numbers of a tool run 1, 2, 3... without gaps.
+
+    Example:
+        >>> [r.revision for r in storage.registry.register([contract], actor="ci", now=utcnow())[0]]
+        [1]
+    """
+
+    def register(self, contracts: Sequence[ContractRevision], *, actor: str,
+                 now: dt.datetime) -> tuple[builtins.list[RegisteredRevision], builtins.list[StateChange]]:
+        """Store each contract as its tool's newest revision unless its fingerprint is the newest already, in one
+        transaction; a changed contract cancels the approvals bound to another fingerprint not yet run.
+
+        Returns each contract's revision (``created`` False: unchanged) and the session state changes the
+        cancellations made. Fences: the primary key (tool, revision); a process that loses the race for a number
+        reads again and retries (safe: it re-reads the newest revision), up to 3 times, then raises
+        ``IntegrityError``.
+        """
+        ...
+
+    def contract_of(self, tool_name: str, revision: int) -> dict[str, Any] | None:
+        """The stored contract of one revision, or None when it is not registered."""
+        ...
+
+    def arguments_jsonschema_of(self, tool_name: str, revision: int) -> dict[str, Any] | None:
+        """The JSON schema of one revision's arguments, or None when it is not registered."""
+        ...
+
+    def history(self, tool_name: str | None = None) -> builtins.list[dict[str, Any]]:
+        """Every revision (of one tool, or of all), ordered by (tool, revision)."""
+        ...
+
+
+@runtime_checkable
+class ArchiveRepository(Protocol):
+    """``store.archive`` (``ArchiveSQL``): the archive table (``undolog_archive``) that ``undolog gc`` moves the
+    effects and undo entries of settled sessions into. Audit events are never archived.
+
+    Example:
+        >>> ids = storage.archive.settled_sessions(cutoff, limit=500)
+        >>> storage.archive.archive_sessions(ids, cutoff, run_id="r1", actor="ana", now=utcnow()).effects
+        3
+    """
+
+    def settled_sessions(self, cutoff: dt.datetime, *, limit: int,
+                         after: str | None = None) -> builtins.list[str]:
+        """Up to ``limit`` settled sessions idle since before ``cutoff``, in id order after ``after``: ended, or
+        active with nothing that can still run, be decided or be compensated; never halted ones."""
+        ...
+
+    def archive_sessions(self, session_ids: Sequence[str], cutoff: dt.datetime, *, run_id: str, actor: str,
+                         now: dt.datetime) -> GcBatch:
+        """Move the rows of those of ``session_ids`` still settled into the archive, closing the active ones
+        (``completed``), with the ``gc.archive`` audit event, in ONE transaction.
+
+        Fences: the session rows are locked (``SKIP LOCKED``: a session another gc holds is left to it) and
+        re-checked as settled under the lock. Effects an approval request refers to stay.
+        """
+        ...
+
+    def archived(self, session_id: str) -> builtins.list[dict[str, Any]]:
+        """The archived rows of one session, oldest first."""
+        ...
+
+
+#: The repositories a ``Storage`` exposes, by attribute, and the Protocol each satisfies.
+REPOSITORIES: dict[str, type[Any]] = {
+    "approvals": ApprovalsRepository,
+    "audit": AuditRepository,
+    "outbox": OutboxRepository,
+    "policy": PolicyRepository,
+    "registry": RegistryRepository,
+    "archive": ArchiveRepository,
+}
+
+__all__ = [
+    "REPOSITORIES",
+    "ApprovalsRepository",
+    "ArchiveRepository",
+    "AuditRepository",
+    "OutboxRepository",
+    "PolicyRepository",
+    "RegistryRepository",
+    "StoreProtocol",
+]
