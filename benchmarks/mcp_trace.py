@@ -275,6 +275,10 @@ async def _run(kind: str, calls: int, pg_url: str, tool: str = "add_item") -> No
         gw_cmd = [*me, "-m", "undolog_core.cli", "mcp", "serve", "--config", str(config(tmp))]
         px_cmd = [*me, str(HERE / "mcp_forward_proxy.py"), *UPSTREAM]
         timings: dict[str, list[tuple[int, int]]] = {"gateway": [], "proxy": []}
+        # The yardstick of issue #32's COMPENSABLE goal, in this run: one bare durable two-row commit on the same
+        # database (overhead.py's), between calls, its wall and CPU (this thread's) beside the pre-write's and
+        # the mark's.
+        bare: list[tuple[int, int]] = []
         try:
             async with client(gw_cmd, gw_env) as gw, client(px_cmd, px_env) as px:
                 sessions = {"gateway": gw, "proxy": px}
@@ -282,6 +286,10 @@ async def _run(kind: str, calls: int, pg_url: str, tool: str = "add_item") -> No
                     for i in range(20):
                         await s.call_tool(tool, _args(tool, f"w{i}-{id(s)}"))
                 await asyncio.sleep(0.2)
+                from overhead import PostgresBaseline, SqliteBaseline
+
+                baseline: Any = (SqliteBaseline(str(tmp / "bench.db")) if kind == "sqlite"
+                                 else PostgresBaseline(pg_url, schema or "public"))
                 cpu0 = _cpu_by_process()
                 warm = time.perf_counter_ns()
                 for i in range(calls):
@@ -294,12 +302,19 @@ async def _run(kind: str, calls: int, pg_url: str, tool: str = "add_item") -> No
                         if out.isError:
                             raise RuntimeError(out.content)
                         timings[which].append((t0, t1))
+                    c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+                    baseline.run(1)
+                    bare.append((time.perf_counter_ns() - w0, time.thread_time_ns() - c0))
                 cpu1 = _cpu_by_process()
+                baseline.close()
         finally:
             if admin is not None:
                 with admin.connect() as c:
                     c.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
                 admin.dispose()
+        print(f"\nbare durable two-row commit (client process, same database), median of {len(bare)}: "
+              f"{statistics.median(w for w, _ in bare) / 1e3:.1f} us wall, "
+              f"{statistics.median(c for _, c in bare) / 1e3:.1f} us CPU of its thread")
         print(f"\nCPU time (user+sys) per call, us, over the {calls} calls of each (robust to the machine's load):")
         for key in sorted(cpu1):
             if key in cpu0:
