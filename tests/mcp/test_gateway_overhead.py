@@ -243,8 +243,8 @@ class GatewayFrames:
 async def test_a_compensable_call_opens_one_shield_and_runs_few_gateway_frames(db: Any, tmp_path: Path,
                                                                              monkeypatch: Any) -> None:
     # What the gateway itself adds to a COMPENSABLE call over a SAFE one is its shield against the client's cancel
-    # (one anyio cancel scope, 11 frames, 4-5 us of CPU warm: it used to open two, nested) and the
-    # undolog_mcp runs the same frames for both tiers; the rest (the pre-write, the mark) is the core's. Counted, not timed.
+    # (one anyio cancel scope, 11 frames, 4-5 us of CPU warm: it used to open two, nested). Otherwise undolog_mcp
+    # runs the same frames for both tiers; the rest (the pre-write, the mark) is the core's. Counted, not timed.
     u = db.open()
     try:
         gw = Gateway(load_config(write_config(tmp_path)), u)
