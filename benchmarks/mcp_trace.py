@@ -1,6 +1,7 @@
 """Where one COMPENSABLE call's time goes, in the gateway and in the forward-only proxy (a diagnostic, not a gate).
 
     .venv/bin/python benchmarks/mcp_trace.py [--db sqlite|postgres] [--calls N] [--pg-url URL]
+                                             [--tool add_item|lookup|mixed]
 
 The gateway and the proxy run as usual (stdio subprocesses of one MCP client), each started through this file's
 ``--wrap`` mode, which stamps ``time.perf_counter_ns()`` (CLOCK_MONOTONIC: comparable across the processes) at:
@@ -242,11 +243,14 @@ def _cpu_by_process() -> dict[str, float]:
     return out
 
 
-async def _run(kind: str, calls: int, pg_url: str) -> None:
+async def _run(kind: str, calls: int, pg_url: str, tool: str = "add_item") -> None:
     sys.path.insert(0, str(HERE.parent))
     sys.path.insert(0, str(HERE))
     from mcp_gateway import UPSTREAM, client, config
 
+    # mixed: each measured COMPENSABLE call follows a SAFE call on the same session, as in mcp_gateway.py's rounds
+    # (the core counts a SAFE call in memory and its next pre-write writes the count: that cost lands here).
+    mixed, tool = tool == "mixed", "add_item" if tool == "mixed" else tool
     with tempfile.TemporaryDirectory(prefix="undolog-mcp-trace-") as tmpdir:
         tmp = Path(tmpdir)
         schema = None
@@ -271,29 +275,46 @@ async def _run(kind: str, calls: int, pg_url: str) -> None:
         gw_cmd = [*me, "-m", "undolog_core.cli", "mcp", "serve", "--config", str(config(tmp))]
         px_cmd = [*me, str(HERE / "mcp_forward_proxy.py"), *UPSTREAM]
         timings: dict[str, list[tuple[int, int]]] = {"gateway": [], "proxy": []}
+        # The yardstick of issue #32's COMPENSABLE goal, in this run: one bare durable two-row commit on the same
+        # database (overhead.py's), between calls, its wall and CPU (this thread's) beside the pre-write's and
+        # the mark's.
+        bare: list[tuple[int, int]] = []
         try:
             async with client(gw_cmd, gw_env) as gw, client(px_cmd, px_env) as px:
                 sessions = {"gateway": gw, "proxy": px}
                 for s in sessions.values():  # warm-up (the first call lists tools, opens the UndoLog session)
                     for i in range(20):
-                        await s.call_tool("add_item", {"name": f"w{i}-{id(s)}"})
+                        await s.call_tool(tool, _args(tool, f"w{i}-{id(s)}"))
                 await asyncio.sleep(0.2)
+                from overhead import PostgresBaseline, SqliteBaseline
+
+                baseline: Any = (SqliteBaseline(str(tmp / "bench.db")) if kind == "sqlite"
+                                 else PostgresBaseline(pg_url, schema or "public"))
                 cpu0 = _cpu_by_process()
                 warm = time.perf_counter_ns()
                 for i in range(calls):
                     for which, s in sessions.items():
+                        if mixed:  # unmeasured: its stamps fall outside every measured call's window
+                            await s.call_tool("lookup", _args("lookup", f"m{i}"))
                         t0 = time.perf_counter_ns()
-                        out = await s.call_tool("add_item", {"name": f"c{i}"})
+                        out = await s.call_tool(tool, _args(tool, f"c{i}"))
                         t1 = time.perf_counter_ns()
                         if out.isError:
                             raise RuntimeError(out.content)
                         timings[which].append((t0, t1))
+                    c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+                    baseline.run(1)
+                    bare.append((time.perf_counter_ns() - w0, time.thread_time_ns() - c0))
                 cpu1 = _cpu_by_process()
+                baseline.close()
         finally:
             if admin is not None:
                 with admin.connect() as c:
                     c.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
                 admin.dispose()
+        print(f"\nbare durable two-row commit (client process, same database), median of {len(bare)}: "
+              f"{statistics.median(w for w, _ in bare) / 1e3:.1f} us wall, "
+              f"{statistics.median(c for _, c in bare) / 1e3:.1f} us CPU of its thread")
         print(f"\nCPU time (user+sys) per call, us, over the {calls} calls of each (robust to the machine's load):")
         for key in sorted(cpu1):
             if key in cpu0:
@@ -302,7 +323,8 @@ async def _run(kind: str, calls: int, pg_url: str) -> None:
             data = json.loads(path.read_text())
             stamps = [(n, t) for n, t in data["stamps"] if t >= warm]
             segs = _segments(stamps, timings[which], which == "gateway")
-            print(f"\n[{kind}] {which}: median us per call over {calls} COMPENSABLE calls")
+            tier = "SAFE" if tool == "lookup" else "COMPENSABLE" + (", each after a SAFE call" if mixed else "")
+            print(f"\n[{kind}] {which}: median us per call over {calls} {tier} calls ({tool})")
             for name, xs in segs.items():
                 if len(xs) >= calls // 2:
                     print(f"  {name:<40} {statistics.median(xs):9.1f}")
@@ -313,6 +335,11 @@ async def _run(kind: str, calls: int, pg_url: str) -> None:
                 print(f"    {n:6d}  {name}")
 
 
+def _args(tool: str, unique: str) -> dict[str, str]:
+    """The benchmark upstream's arguments: ``lookup`` (SAFE) takes ``q``, ``add_item`` (COMPENSABLE) a new name."""
+    return {"q": unique} if tool == "lookup" else {"name": unique}
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--wrap":
         _wrap(sys.argv[2:])
@@ -321,11 +348,14 @@ def main() -> None:
     p.add_argument("--db", choices=("sqlite", "postgres"), default="sqlite")
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--pg-url", default=None)
+    p.add_argument("--tool", choices=("add_item", "lookup", "mixed"), default="add_item",
+                   help="add_item: the COMPENSABLE tool (default); lookup: the SAFE one, to compare segment by "
+                        "segment; mixed: add_item, each call after an unmeasured lookup on the same session")
     args = p.parse_args()
     sys.path.insert(0, str(HERE))
     from overhead import DEFAULT_PG_URL
 
-    asyncio.run(_run(args.db, args.calls, args.pg_url or DEFAULT_PG_URL))
+    asyncio.run(_run(args.db, args.calls, args.pg_url or DEFAULT_PG_URL, args.tool))
 
 
 if __name__ == "__main__":
