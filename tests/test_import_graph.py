@@ -155,20 +155,10 @@ REACHES: dict[tuple[str, str], tuple[int, str]] = {
                                                          "cache: " + _SESSION_LIFECYCLE),
 }
 
-_MOVED_THIS_ROUND = ("a name moved out of the top-level `undolog_core` (issue #35 part 1: it is in "
-                     "`undolog_core.integration` or `undolog_core.records` now), imported by a module another change "
-                     "of the same round owns: its import moves over at the merge")
 
 # Imports of a name the top level still serves with a DeprecationWarning (``undolog_core._MOVED``), by a client not yet
 # moved: (file, name) -> why. Only shrinks, as REACHES.
-MOVED_IMPORTS: dict[tuple[str, str], str] = {
-    ("undolog_mcp/elicit.py", "AwaitingApproval"): _MOVED_THIS_ROUND,
-    ("undolog_mcp/gateway.py", "AwaitingApproval"): _MOVED_THIS_ROUND,
-    ("undolog_mcp/gateway.py", "Completed"): _MOVED_THIS_ROUND,
-    ("undolog_mcp/gateway.py", "NothingHappened"): _MOVED_THIS_ROUND,
-    ("undolog_mcp/gateway.py", "ToolSpec"): _MOVED_THIS_ROUND,
-    ("undolog_mcp/results.py", "AwaitingApproval"): _MOVED_THIS_ROUND,
-}
+MOVED_IMPORTS: dict[tuple[str, str], str] = {}
 
 # The services of an UndoLog that are not part of any contract, and the names clients hold an UndoLog under.
 PRIVATE_SERVICES = frozenset({"engine", "store"})

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from mcp import types
 
-from undolog_core import AwaitingApproval, UndoLog
+from undolog_core import UndoLog
+from undolog_core.integration import AwaitingApproval
 
 from .results import META_KEY, awaiting_result, error_result
 

@@ -24,14 +24,7 @@ import anyio.lowlevel
 from mcp import types
 from mcp.server.lowlevel import Server
 
-from undolog_core import (
-    AwaitingApproval,
-    Completed,
-    NothingHappened,
-    ToolSpec,
-    ToolTier,
-    UndoLog,
-)
+from undolog_core import ToolTier, UndoLog
 from undolog_core.errors import (
     CallIdConflict,
     CallRunning,
@@ -42,7 +35,14 @@ from undolog_core.errors import (
     SessionHalted,
     UndoLogError,
 )
-from undolog_core.integration import IN_FLIGHT, WAKE_SIGNAL
+from undolog_core.integration import (
+    IN_FLIGHT,
+    WAKE_SIGNAL,
+    AwaitingApproval,
+    Completed,
+    NothingHappened,
+    ToolSpec,
+)
 
 from .approvals import SharedRequest, find_shared
 from .capture import capture_before

@@ -13,7 +13,7 @@ from typing import Any
 
 from mcp import types
 
-from undolog_core import AwaitingApproval
+from undolog_core.integration import AwaitingApproval
 
 # Where UndoLog's own fields ride in a result's structured content and _meta.
 META_KEY = "dev.undolog/call"
