@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,20 @@ async def test_the_world_is_restored_after_rollback(db: Any, tmp_path: Path) -> 
     assert [r for r in remaining if r.get("type") == "entity"] == []  # both entities gone, not one
 
 
+@pytest.fixture
+def _portal_closed_after() -> Iterator[None]:
+    """Closes the process-wide portal's upstream connections at teardown: otherwise the Node server this test
+    opens through it stays alive for the rest of the pytest process (seen in a no-xdist random-order run)."""
+    yield
+    import asyncio
+
+    from undolog_mcp.upstream import PORTAL
+
+    if PORTAL._loop is not None and PORTAL._connections is not None:
+        asyncio.run_coroutine_threadsafe(PORTAL._connections.close(), PORTAL._loop).result(timeout=60)
+
+
+@pytest.mark.usefixtures("_portal_closed_after")
 async def test_recovery_after_a_crash_restores_from_the_capture(db: Any, tmp_path: Path) -> None:
     """A gateway that died after capturing and sending an overwrite: recovery (the batch path, from another
     process's view) compensates it with what the capture stored. Before: the batch path gave the compensation the
