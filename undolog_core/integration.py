@@ -34,11 +34,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ._continuation import Continuation
-from ._engine import KICKOFF, SessionCache, execute_now
+from ._engine import KICKOFF, execute_now
 from ._json import jsonable
 from ._observe import metering
 from ._owners import WAKE_SIGNAL
 from ._saga import run_coro_blocking
+from ._sessions_table import SessionCache
 from ._tools import tool_name_of
 from .storage.pool import WouldBlock
 from .storage.records import ApprovalRecord
