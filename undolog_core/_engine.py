@@ -281,6 +281,8 @@ class Engine:
         self.hot.memo_size = min(self.hot.memo_size, max_sessions)
         self.hot.owner = leases.owner  # the commit mark's fence: never over a call taken over meanwhile
         table = self.table = SessionTable(store, registry, self.hot, max_sessions=max_sessions)
+        # (A plain attribute, not a property reading the table's: an adapter reads it on a session's first call.)
+        self.max_sessions = max_sessions
         queue = self.mark_queue = MarkQueue(store, self.hot, leases, table, fast_commit_mark=fast_commit_mark)
         # The session table's and the mark queue's methods under the engine's names, bound once: an attribute
         # read, then the method's own frame, as when they were the engine's (the hot path's frame counts hold).
@@ -314,11 +316,6 @@ class Engine:
     @property
     def owner(self) -> str:
         return self.leases.owner
-
-    @property
-    def max_sessions(self) -> int:
-        """How many session records the table keeps (``UndoLog(max_sessions=...)``)."""
-        return self.table.max_sessions
 
     @property
     def on_late_finish(self) -> Callable[[str, LateFinish], str | None] | None:

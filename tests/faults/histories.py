@@ -509,7 +509,7 @@ def check(run: Run, store: Any, verify: Any) -> list[str]:
         named = {p.split()[1].rstrip(":") for p in problems if p.startswith("effect ")}
         problems.append("plans: " + "; ".join(
             f"w{p.worker} {p.fault}{'@' + p.point if p.point else ''}{' foreign' if p.host else ''}"
-            (f" jump={p.jump}/{p.helper_jump}" if p.fault == "clock" else "") for p in run.plans)
+            + (f" jump={p.jump}/{p.helper_jump}" if p.fault == "clock" else "") for p in run.plans)
             + "; pids: " + ", ".join(f"{pid}=w{w}" for pid, w in sorted(run.workers.items())))
         problems.extend("  " + json.dumps(x) for x in lines if x.get("effect") in named
                         or (x.get("pid") in {start_of[n]["pid"] for n in named if n in start_of}
