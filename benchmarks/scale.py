@@ -62,7 +62,7 @@ from undolog_core import ApprovalPending, ToolTier, UndoLog, compensation, undol
 
 # Internal on purpose: the lower-bound row batches its marks on fast mode's own flush period, so it is compared
 # with UndoLog under the same durability window (not a setting a user picks, hence not public API).
-from undolog_core._engine import MARK_FLUSH_SECONDS  # noqa: E402
+from undolog_core._mark_queue import MARK_FLUSH_SECONDS  # noqa: E402
 from undolog_core.integration import Execute  # noqa: E402
 
 # The halts recovery and expiry make are logged at WARNING, one per session: thousands of lines here.

@@ -572,7 +572,7 @@ def test_postgres_fast_session_of_ten_calls_sends_eleven_statements(db: Any, cou
     own went before (a statement and a durable commit); the ten marks ride in the end's statement (and commit),
     where a marks batch of their own went before it. 13 statements before, 11 now. Every queued mark is written,
     and the session reads back completed with its ten calls, as it was started."""
-    import undolog_core._engine as engine_mod
+    import undolog_core._mark_queue as engine_mod
 
     # No period passes inside the session: the flusher's own batch (a mark queued a whole period) stays out.
     monkeypatch.setattr(engine_mod, "MARK_FLUSH_SECONDS", 60.0)

@@ -28,11 +28,10 @@ from ._engine import (
     Decision,
     Engine,
     Execute,
-    SessionCache,
-    check_id,
 )
 from ._engine import _current as CURRENT_CALL  # noqa: N812 - the ContextVar behind current_call()
 from ._saga import RollbackReport, Saga, run_coro_blocking
+from ._sessions_table import SessionCache, check_id
 from ._tools import RetryPolicy, ToolSpec
 from .errors import ApprovalPending, UndoLogError
 from .limits import clean_text

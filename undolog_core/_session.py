@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._engine import SessionCache
 from ._saga import RollbackReport
+from ._sessions_table import SessionCache
 from ._tools import ToolTier
 from .errors import ApprovalPending, InvalidSessionState, SessionNotFound
 from .limits import check_identity, clean_text

@@ -11,7 +11,7 @@ from typing import Any
 from ._approvals import ApprovalService
 from ._audit import AuditReport, verify
 from ._driver import CallDriver
-from ._engine import DEFAULT_MAX_SESSIONS, Engine, check_id
+from ._engine import Engine
 from ._leases import Leases
 from ._outbox import OutboxService
 from ._owners import SessionOwners
@@ -20,6 +20,7 @@ from ._recovery import Recovery, RecoveryReport
 from ._registry import Registry
 from ._saga import RollbackReport, Saga
 from ._session import Session, SessionService
+from ._sessions_table import DEFAULT_MAX_SESSIONS, check_id
 from ._tools import RetryPolicy, ToolSpec, ToolTier, make_declaration
 from .errors import ConfigurationError, DatabaseOpenFailed, DatabaseUnavailable, InvalidDeclaration
 from .storage import DATABASE_ERRORS, Storage, database_error_detail, open_storage, safe_url, sqlite_file

@@ -49,11 +49,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ._continuation import Continuation
 from ._driver import CallDriver, NothingHappened, Outcome
-from ._engine import KICKOFF, AwaitingApproval, Completed, Execute, SessionCache, execute_now
+from ._engine import KICKOFF, AwaitingApproval, Completed, Execute, execute_now
 from ._json import jsonable
 from ._observe import metering
 from ._owners import WAKE_SIGNAL
 from ._saga import run_coro_blocking
+from ._sessions_table import SessionCache
 from ._tools import ToolSpec, tool_name_of
 from .storage.pool import WouldBlock
 from .storage.records import ApprovalRecord

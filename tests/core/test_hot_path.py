@@ -282,7 +282,7 @@ def test_fast_marks_go_in_one_batch_per_session_unless_one_waits_a_whole_period(
     falling inside a session split its marks into two batches (two statements and commits) where the session's end
     writes them all a moment later. A mark nobody flushes is written by the flusher once it is a period old, and the
     flusher never sleeps longer than a period while a mark waits."""
-    import undolog_core._engine as engine_mod
+    import undolog_core._mark_queue as engine_mod
 
     period = 0.5
     monkeypatch.setattr(engine_mod, "MARK_FLUSH_SECONDS", period)

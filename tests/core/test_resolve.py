@@ -132,9 +132,9 @@ def test_a_late_finish_whose_record_meets_a_cut_connection_is_recorded_once_the_
     side effect after its undo. Now it is asked again on a fresh connection, and a database still down past the
     retries keeps it queued (the caller of a durable mark gets ``DatabaseUnavailable``, never a "done") until a
     flush records it."""
-    from undolog_core import _engine
+    from undolog_core import _mark_queue
 
-    monkeypatch.setattr(_engine, "MARK_RETRY_PAUSES", (0.0, 0.0, 0.0, None))
+    monkeypatch.setattr(_mark_queue, "MARK_RETRY_PAUSES", (0.0, 0.0, 0.0, None))
     u = db.open(fast_commit_mark=fast)
     u.register(*_tools([]))
     u.session(session_id="s-cut")

@@ -98,7 +98,7 @@ MUTATIONS: dict[str, tuple[str, str, str, str, Callable[[str], bool]]] = {
     "stall rule": ("_leases.py", "    if Owner.is_alive_locally(process):\n        return True\n", "", "stall-local",
                    lambda p: "live local process" in p),
     # The late finish: a call finishing after its take-over is not recorded (its caller gets the old error).
-    "late finish record": ("_engine.py", "            if state in LATE_FINISH_STATES:\n",
+    "late finish record": ("_mark_queue.py", "            if state in LATE_FINISH_STATES:\n",
                            "            if False and state in LATE_FINISH_STATES:\n", "stall-foreign",
                            lambda p: "compensation ran before the tool ended" in p),
     # The released-after-halt check: an approved call is claimed to run without asking whether its session still
