@@ -26,7 +26,6 @@ from .errors import (
     ArgumentsInvalid,
     CallIdConflict,
     CallRunning,
-    ConfigurationError,
     ContractChanged,
     DatabaseUnavailable,
     EffectNotFound,
@@ -266,8 +265,6 @@ class Engine:
         fast_commit_mark: bool = False,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
     ) -> None:
-        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
-            raise ConfigurationError(f"max_sessions must be a positive whole number, got {max_sessions!r}")
         self.store = store
         self._registry = registry
         self._policy = policy
@@ -277,10 +274,11 @@ class Engine:
         self.fast_commit_mark = fast_commit_mark
         self._inflight = leases.inflight
         self.hot = store.hot_path(pool_size=store.pool_size, fast_pool_size=FAST_POOL_SIZE)
+        # The table checks max_sessions (a ConfigurationError for a bad one) before anything below uses it.
+        table = self.table = SessionTable(store, registry, self.hot, max_sessions=max_sessions)
         # The hot path's remembered session reads (SQLite's turn check, one per thread) bounded like the records.
         self.hot.memo_size = min(self.hot.memo_size, max_sessions)
         self.hot.owner = leases.owner  # the commit mark's fence: never over a call taken over meanwhile
-        table = self.table = SessionTable(store, registry, self.hot, max_sessions=max_sessions)
         # (A plain attribute, not a property reading the table's: an adapter reads it on a session's first call.)
         self.max_sessions = max_sessions
         queue = self.mark_queue = MarkQueue(store, self.hot, leases, table, fast_commit_mark=fast_commit_mark)
