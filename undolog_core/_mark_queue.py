@@ -32,6 +32,20 @@ MARK_FLUSH_SECONDS = 0.05
 MARK_RETRY_PAUSES: tuple[float | None, ...] = (0.05, 0.2, 0.75, None)
 
 
+def on_a_fresh_connection(write: Callable[[], _T]) -> _T:
+    """``write()``, asked again after each of ``MARK_RETRY_PAUSES`` while the database does not answer: a dropped
+    connection (a restart, ``pg_terminate_backend``) takes the pool's other connections with it, so a moment, then a
+    fresh one. The last ``DatabaseUnavailable`` is raised; any other error at once."""
+    for pause in MARK_RETRY_PAUSES:
+        try:
+            return write()
+        except DatabaseUnavailable:
+            if pause is None:
+                raise
+            time.sleep(pause)
+    raise AssertionError("unreachable: the last pause is None")
+
+
 def missing_or_moved(effect_id: str, state: str, target: str) -> None:
     """Raise the error of an effect that was not found (``state`` empty) or is in ``state``, not one that can
     become ``target``."""
@@ -77,21 +91,15 @@ class MarkQueue:
         flight here any more), written by a transaction of its own, asked again on a fresh connection while the
         database does not answer, and deferred (queued) after the last attempt. A call taken over meanwhile is a
         late finish (``OutcomeConflict``); one that is not in flight raises why."""
-        for pause in MARK_RETRY_PAUSES:
-            try:
-                state = self.store.mark_committed(effect_id, text, from_epoch(now), fast=self.fast_commit_mark,
-                                                  owner=self.leases.owner)
-                break
-            except DatabaseUnavailable:
-                if pause is None:
-                    self.defer(effect_id, text, now)  # still in flight: not discarded from _inflight
-                    return
-                # The pool's other connections died with the first (a restart terminates them all): a moment,
-                # then a fresh one.
-                time.sleep(pause)
-            except BaseException:
-                self._inflight.discard(effect_id)
-                raise
+        try:
+            state = on_a_fresh_connection(lambda: self.store.mark_committed(
+                effect_id, text, from_epoch(now), fast=self.fast_commit_mark, owner=self.leases.owner))
+        except DatabaseUnavailable:
+            self.defer(effect_id, text, now)  # still in flight: not discarded from _inflight
+            return
+        except BaseException:
+            self._inflight.discard(effect_id)
+            raise
         try:
             if state in LATE_FINISH_STATES:
                 self._finished_late(effect_id, text, now)
@@ -135,14 +143,7 @@ class MarkQueue:
         the commit mark is): a late finish lost to one cut connection left an effect ``compensated`` whose side
         effect happened after its undo (the history checker's seed 3 on PostgreSQL, a foreign-looking worker whose
         connections were cut while recovery took its call over)."""
-        for pause in MARK_RETRY_PAUSES:
-            try:
-                return self.store.record_late_finish(effect_id, text, utcnow())
-            except DatabaseUnavailable:
-                if pause is None:
-                    raise
-                time.sleep(pause)
-        raise AssertionError("unreachable: the last pause is None")
+        return on_a_fresh_connection(lambda: self.store.record_late_finish(effect_id, text, utcnow()))
 
     def _late_recorded(self, effect_id: str, late: LateFinish, *, deferred: bool = False) -> str | None:
         """After a late finish is recorded: the session cache halted, the error logged, and the tool's probe asked
