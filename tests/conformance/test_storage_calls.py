@@ -190,6 +190,119 @@ def test_recovery_claims_an_in_doubt_effect_once_and_dead_letters_after_the_limi
     assert rec.state == SessionState.HALTED and rec.halted_reason == "x 3"
 
 
+def _hold_the_row(u, eid: str):
+    """Another connection's open transaction that wrote the effect's row (PostgreSQL: its row lock; SQLite: the
+    write lock), as a process killed in mid-transaction leaves it until its database session ends."""
+
+    from undolog_core.storage import schema as t
+
+    holder = internals(u).sql_engine.connect()
+    tx = holder.begin()
+    e = t.effect_log
+    holder.execute(e.update().where(e.c.effect_id == eid).values(updated_at=e.c.updated_at))
+
+    def let_go() -> None:
+        tx.rollback()
+        holder.close()
+
+    return let_go
+
+
+def test_a_claim_waits_for_a_row_lock_a_killed_transaction_left_then_takes_the_effect(u):
+    """CI (PostgreSQL, loaded): a ``recover()`` right after a SIGKILL skipped two effects whose rows the killed
+    child's backend still locked (SKIP LOCKED), and left them in flight. The claim now waits for such a lock."""
+    sid = _session(u)
+    eid = _prewrite(u, sid, "c1")
+    [r] = u.store.in_flight().effects
+    let_go = _hold_the_row(u, eid)
+    timer = threading.Timer(0.4, let_go)
+    timer.start()
+    try:
+        assert u.store.claim_in_doubt(eid, r.state, r.owner, "rec-1", utcnow() + dt.timedelta(seconds=30))
+    finally:
+        timer.join()
+    assert u.store.effect(eid).owner == "rec-1"
+
+
+def test_a_claim_gives_up_on_a_row_locked_past_its_wait_and_takes_it_once_free(u, monkeypatch):
+    """A lock kept longer than ``CLAIM_LOCK_WAIT``: the claim returns False (recover() never hangs on it) and
+    changes nothing; once the lock is gone, the next claim takes the effect."""
+    from undolog_core.storage import recovery
+
+    monkeypatch.setattr(recovery, "CLAIM_LOCK_WAIT", 0.2)
+    sid = _session(u)
+    eid = _prewrite(u, sid, "c1")
+    [r] = u.store.in_flight().effects
+    until = utcnow() + dt.timedelta(seconds=30)
+    let_go = _hold_the_row(u, eid)
+    try:
+        if internals(u).is_postgres:
+            assert not u.store.claim_in_doubt(eid, r.state, r.owner, "rec-1", until)
+            assert u.store.effect(eid).owner == r.owner
+    finally:
+        let_go()
+    assert u.store.claim_in_doubt(eid, r.state, r.owner, "rec-1", until)
+    assert u.store.effect(eid).owner == "rec-1"
+
+
+def _deadlocks(u) -> int:
+    if not internals(u).is_postgres:
+        return 0
+    with internals(u).read() as c:
+        return int(c.exec_driver_sql(
+            "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()").scalar() or 0)
+
+
+def test_recoverys_record_of_a_compensation_locks_rows_in_the_call_paths_order(u):
+    """CI (PostgreSQL history run 3): ``recover()`` died with a deadlock. Its one-statement record of a compensation
+    locked the session before the effect, while a late finish held the effect and went on to halt the session.
+    Now the record locks the effect, its undo entry, then the session: it waits for the late finish, which ends."""
+
+    from undolog_core.storage import schema as t
+
+    sid = _session(u)
+    eid = _prewrite(u, sid, "c1")
+    undo_id = int(u.store.effect(eid).seq)
+    assert u.store.settle_and_claim_undos([], [undo_id], "rec-1", utcnow() + dt.timedelta(seconds=30)) == {undo_id}
+    before = _deadlocks(u)
+    e, s = t.effect_log, t.sessions
+    finisher = internals(u).sql_engine.connect()
+    tx = finisher.begin()
+    # A late finish's first write: the effect's row.
+    finisher.execute(e.update().where(e.c.effect_id == eid).values(updated_at=e.c.updated_at))
+    errors: list[BaseException] = []
+
+    def record() -> None:
+        try:
+            u.store.compensated_in_recovery(undo_id, eid, sid, "recovered")
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    recorder = threading.Thread(target=record)
+    recorder.start()
+    deadline = time.monotonic() + 10
+    if internals(u).is_postgres:  # until the record waits for the effect's row
+        with internals(u).read() as c:
+            while not c.exec_driver_sql(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND datname = current_database()").scalar():
+                assert time.monotonic() < deadline, "the record never waited for the effect's row"
+                time.sleep(0.02)
+    else:
+        time.sleep(0.3)
+    try:
+        # The late finish's second write: its session halted. The record must not hold that row.
+        finisher.execute(s.update().where(s.c.session_id == sid).values(updated_at=s.c.updated_at))
+        tx.commit()
+    finally:
+        finisher.close()
+        recorder.join(30)
+    assert not errors, errors
+    assert u.store.effect(eid).state == EffectState.COMPENSATED
+    assert u.sessions.get(sid).state == SessionState.HALTED
+    assert _deadlocks(u) == before
+
+
 def test_settle_effect_records_the_verdict_and_halts_when_asked(u):
     sid = _session(u)
     eid = _prewrite(u, sid, "c1")

@@ -620,6 +620,17 @@ class Harness:
 
     # -- the invariants ----------------------------------------------------------------------------------------
 
+    def _open_transactions(self) -> str:
+        """PostgreSQL: the other backends in a transaction now (a killed child's backend keeps its row locks until
+        the server notices the child is gone), for a failure's message."""
+        if not internals(self.u).is_postgres:
+            return ""
+        with internals(self.u).read() as c:
+            rows = c.exec_driver_sql(
+                "SELECT pid, state, application_name, now() - xact_start, left(query, 100) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND xact_start IS NOT NULL AND pid <> pg_backend_pid()").all()
+        return "; other transactions open: " + ("none" if not rows else " | ".join(map(str, rows)))
+
     def check(self, m: _Model, *, after_recover: bool) -> None:
         """Raise :class:`Violation` for the first invariant the store and the ground truth break."""
         assert _GT_PATH is not None
@@ -682,7 +693,9 @@ class Harness:
         for eid, ef in effects.items():
             if ef.state in ("pending", "running"):
                 raise Violation(Invariant.LEFT_IN_FLIGHT,
-                                f"effect {eid} ({ef.tool_name}, call {ef.call_id}) still {ef.state} after recover()")
+                                f"effect {eid} ({ef.tool_name}, call {ef.call_id}) still {ef.state} after recover() "
+                                f"(owner {getattr(ef, 'owner', '?')}, lease {getattr(ef, 'lease_until', '?')})"
+                                + self._open_transactions())
 
         # 4. A requested rollback ends rolled_back, or halted with a reason.
         for sid in sorted(m.rollback_requested):

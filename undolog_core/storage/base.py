@@ -67,6 +67,10 @@ def _json_rows(rows: Sequence[Mapping[str, Any]]) -> str:
     return json.dumps(list(rows), default=default, separators=(",", ":"))
 
 
+#: How many times ``Store.one_statement`` runs a statement that PostgreSQL chose as a deadlock's victim.
+DEADLOCK_TRIES = 3
+
+
 class Store:
     """Two engines on one database: ``engine`` for durable commits, ``fast`` for commit marks that need not fsync."""
 
@@ -129,14 +133,23 @@ class Store:
     def one_statement(self, sql: str, params: Mapping[str, Any], *, fast: bool = False) -> None:
         """Run ONE statement (psycopg's ``%(name)s`` parameters) as its own transaction in autocommit on PostgreSQL:
         one round trip where ``tx()`` takes three (psycopg sends ``BEGIN`` and ``COMMIT`` as statements of their
-        own). The connection comes from the general pool and goes back to it out of autocommit."""
+        own). The connection comes from the general pool and goes back to it out of autocommit.
+
+        A deadlock is asked again (``DEADLOCK_TRIES`` in all): the server rolled the statement back whole, so
+        running it again is its first run, and the other transaction has gone on meanwhile."""
         raw = (self.fast if fast else self.engine).raw_connection()
         try:
             conn = raw.driver_connection
             assert conn is not None
             conn.autocommit = True
             try:
-                conn.execute(sql, params)
+                for attempt in range(1, DEADLOCK_TRIES + 1):
+                    try:
+                        conn.execute(sql, params)
+                        break
+                    except Exception as exc:
+                        if getattr(exc, "sqlstate", None) != "40P01" or attempt == DEADLOCK_TRIES:
+                            raise
             finally:
                 conn.autocommit = False
         except BaseException as exc:

@@ -45,17 +45,32 @@ _HALT = _s.update().where(
 _HALTED_OUTBOX = t.outbox.insert().values(event_type="session.halted", payload=sa.bindparam("payload"),
                                           created_at=sa.bindparam("now"), attempts=0)
 
-_DONE_AS_ONE = _HALTED_OUTBOX.add_cte(
-    _UNDO_DONE.returning(_u.c.undo_id).cte("undo_done"),
-    _EFFECT_DONE.returning(_e.c.effect_id).cte("effect_done"),
-    _HALT.returning(_s.c.session_id).cte("halted"),
-)
+
+
+def _after(stmt: Any, cte: Any) -> Any:
+    """``stmt`` made to run after ``cte``: its WHERE reads the CTE's output (a one-time filter that is always true),
+    so PostgreSQL runs the CTE's update first. Unordered, PostgreSQL runs a statement's data-modifying CTEs last
+    one first: the session's row was locked before the effect's, the opposite of the call path's order (a late
+    finish or a failure locks the effect, then halts the session), and CI saw that deadlock."""
+    return stmt.where(sa.select(sa.func.count()).select_from(cte).scalar_subquery() >= 0)
+
+
+# The rows are locked in the call path's order: the effect, its undo entry, then the session.
+_EFFECT_DONE_CTE = _EFFECT_DONE.returning(_e.c.effect_id).cte("effect_done")
+_UNDO_DONE_CTE = _after(_UNDO_DONE, _EFFECT_DONE_CTE).returning(_u.c.undo_id).cte("undo_done")
+_HALTED_CTE = _after(_HALT, _UNDO_DONE_CTE).returning(_s.c.session_id).cte("halted")
+_DONE_AS_ONE = _HALTED_OUTBOX.add_cte(_EFFECT_DONE_CTE, _UNDO_DONE_CTE, _HALTED_CTE)
 
 # The same statement rendered once for psycopg, with the constants it binds: run on a raw autocommit connection.
 _PG_DONE = _DONE_AS_ONE.compile(dialect=pg_psycopg.dialect())  # type: ignore[no-untyped-call]
 _PG_DONE_AS_ONE = str(_PG_DONE)
 _PG_DONE_PARAMS = dict(_PG_DONE.params)
 
+
+#: How long recovery waits for the lock of an in-flight effect's row that SKIP LOCKED passed over (seconds; PostgreSQL
+#: only): long enough for a killed process's backend to be rolled back on a loaded machine, short enough that a
+#: ``recover()`` never hangs on a row a live transaction keeps.
+CLAIM_LOCK_WAIT = 3.0
 
 #: The transition of the state table (``states.EFFECT``) that each of recovery's verdicts is.
 _SETTLED_BY = {EffectState.COMMITTED: "commit", EffectState.UNKNOWN: "recover_unknown",
@@ -108,12 +123,39 @@ class RecoverySQL(CallsSQL):
         e = t.effect_log
         same = (e.c.effect_id == effect_id, e.c.state == seen_state, _same(e.c.owner, seen_owner))
         with self.tx() as conn:
-            if conn.execute(self.for_update(sa.select(e.c.effect_id).where(*same), skip_locked=True)).first() is None:
+            locked = conn.execute(self.for_update(sa.select(e.c.effect_id).where(*same), skip_locked=True)).first()
+            if locked is None and self.is_postgres:
+                locked = self._wait_for_row_lock(conn, sa.select(e.c.effect_id).where(*same))
+            if locked is None:
                 return False
             # A new owner, a new epoch: the fencing token its probe carries, above the stalled owner's.
             res = conn.execute(e.update().where(*same, e.c.state.in_(IN_FLIGHT)).values(
                 owner=owner, lease_until=lease_until, epoch=e.c.epoch + 1))
             return bool(res.rowcount == 1)
+
+    def _wait_for_row_lock(self, conn: Any, still_same: Any) -> Any:
+        """SKIP LOCKED found nothing: the row changed (another recoverer took it), or someone holds its lock.
+
+        The lock may belong to the backend of a process killed in mid-transaction (a lease renewal, say):
+        PostgreSQL ends that transaction only once the backend notices its client is gone, milliseconds later,
+        longer on a loaded machine, and the effect was then skipped and left in flight by a ``recover()`` run right
+        after the kill. So, while the row is still as recovery saw it, wait for its lock (``CLAIM_LOCK_WAIT`` at
+        most), holding no other lock (no deadlock), and compare again: a racing recoverer's claim commits and the
+        row no longer matches; a dead backend's transaction is rolled back and the claim goes ahead. Past the
+        wait, the effect is skipped as before (the next ``recover()`` looks again).
+        """
+        if conn.execute(still_same).first() is None:
+            return None
+        with conn.begin_nested() as wait:
+            conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{int(CLAIM_LOCK_WAIT * 1000)}ms'")
+            try:
+                row = conn.execute(self.for_update(still_same)).first()
+            except sa.exc.OperationalError as exc:
+                if getattr(exc.orig, "sqlstate", None) != "55P03":  # lock_not_available: the wait ran out
+                    raise
+                wait.rollback()
+                return None
+            return row
 
     def claim_in_doubt_batch(self, seen: Sequence[tuple[str, str, str | None]], owner: str,
                              lease_until: dt.datetime, eligible: Callable[[Any], bool]) -> list[Any]:
