@@ -132,7 +132,7 @@ def _env(db_env: dict[str, str], history: Path, plan: Plan | None, *, fault: boo
          force: str | None = None, seed: int = 0) -> dict[str, str]:
     env = {**os.environ, **db_env, "HISTORY_FILE": str(history)}
     for k in ("UNDOLOG_FAULT", "UNDOLOG_FAULT_SKIP", "UNDOLOG_HOST_ID", "HISTORY_ALL_SLOW", "HISTORY_COMP_PAUSE",
-              "HISTORY_CLOCK", "HISTORY_FORCE"):
+              "HISTORY_CLOCK", "HISTORY_FORCE", "HISTORY_STALL_GATE"):
         env.pop(k, None)
     if plan is None:
         return env
@@ -145,6 +145,8 @@ def _env(db_env: dict[str, str], history: Path, plan: Plan | None, *, fault: boo
             env["HISTORY_ALL_SLOW"] = "1"
     if plan.fault == "clock":
         env["HISTORY_CLOCK"] = f"{plan.jump}@{plan.skip}"
+    if plan.fault == "stall":
+        env["HISTORY_STALL_GATE"] = str(_stall_gate(history, plan))
     if fault and plan.fault == "kill" and plan.point:
         env["UNDOLOG_FAULT"] = plan.point
         env["UNDOLOG_FAULT_SKIP"] = str(plan.skip)
@@ -153,6 +155,12 @@ def _env(db_env: dict[str, str], history: Path, plan: Plan | None, *, fault: boo
         url = env["UNDOLOG_DATABASE_URL"]
         env["UNDOLOG_DATABASE_URL"] = f"{url}{'&' if '?' in url else '?'}application_name={_app_name(seed, plan)}"
     return env
+
+
+def _stall_gate(history: Path, plan: Plan) -> Path:
+    """The file the driver creates once it has stopped a stall worker and recovered behind it: the worker's stalled
+    pause lasts until then (``history_worker._pause``), so the stop always lands inside it."""
+    return history.parent / f"{history.stem}-stall-gate-w{plan.worker}"
 
 
 def _app_name(seed: int, plan: Plan) -> str:
@@ -378,6 +386,7 @@ def drive(seed: int, histories: int, db_env: dict[str, str], workdir: Path, *, c
                         helper.recover(0.0, stopped=pid)
                     else:
                         helper.recover(LEASE * 2.5, stopped=pid)  # the recoverer's clock is past the lease
+                    _stall_gate(history, plan).touch()  # its pause ends once it runs again
                     _signal(pid, signal.SIGCONT)
                 if plan.fault == "clock" and w not in acted and z.poll(pid) is None:
                     jumped = [i for i, x in enumerate(mine) if x["kind"] == "clock"]

@@ -55,6 +55,26 @@ def note(kind: str, **fields: Any) -> None:
         os.close(fd)
 
 
+_stalled = False
+
+
+def _pause(seconds: float, kind: str) -> None:
+    """A slow tool's or compensation's run. A stall worker's first pause of the kind its driver stops it in lasts
+    until the driver has stopped it, recovered behind it and let it go on (``HISTORY_STALL_GATE`` exists), not a
+    fixed ``PAUSE``: on a loaded CI machine the driver saw the pause only after it had ended, the stop missed it,
+    and a mutation test's forced stall never reached the guard it removed."""
+    global _stalled
+    gate = os.environ.get("HISTORY_STALL_GATE")
+    stopped_in = "comp" if os.environ.get("HISTORY_FORCE") == "comp" else "run_start"
+    if gate and not _stalled and kind == stopped_in:
+        _stalled = True
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return
+    time.sleep(seconds)
+
+
 def _slow(key: str) -> bool:
     """Whether a run pauses: always in the driver's forced runs, else for about a third of them."""
     if os.environ.get("HISTORY_ALL_SLOW"):
@@ -69,7 +89,7 @@ def h_send(n: int, pause: float) -> dict[str, Any]:
     note("run_start", tool="h_send", effect=call.effect_id, session=call.session_id, call=call.call_id,
          epoch=call.epoch, pause=pause)
     if pause:
-        time.sleep(pause)
+        _pause(pause, "run_start")
     note("run_end", effect=call.effect_id, session=call.session_id, epoch=call.epoch)
     return {"n": n}
 
@@ -80,7 +100,7 @@ def h_unsend(ctx: Any) -> None:
     pause = PAUSE if os.environ.get("HISTORY_COMP_PAUSE") and _slow(ctx.idempotency_key + "c") else 0.0
     note("comp", effect=ctx.effect_id, session=ctx.session_id, key=ctx.idempotency_key, pause=pause)
     if pause:
-        time.sleep(pause)
+        _pause(pause, "comp")
 
 
 @undolog_tool(tier=ToolTier.IRREVERSIBLE)

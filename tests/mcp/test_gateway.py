@@ -361,7 +361,7 @@ async def test_served_over_http_behind_agent_keys(db: Any, tmp_path: Path) -> No
         assert url and url.startswith("http://127.0.0.1:"), "the gateway listens on loopback by default"
         import httpx
 
-        async with httpx.AsyncClient() as raw:
+        async with httpx.AsyncClient(timeout=30) as raw:
             assert (await raw.post(url, json={})).status_code == 401
             refused = await raw.post(url, json={}, headers={"Authorization": f"Bearer {approver_token}"})
             assert refused.status_code == 401  # an approver key is not an agent

@@ -14,7 +14,7 @@ from .conftest import Desk, LiveServer, problem
 
 
 def test_openapi_is_served_and_names_the_actions(desk: Desk) -> None:
-    spec = httpx.get(desk.url + "/openapi.json").json()
+    spec = httpx.get(desk.url + "/openapi.json", timeout=30).json()
     assert spec["openapi"].startswith("3.")
     for path in ("/v1/approvals/{approval_request_id}:approve", "/v1/sessions/{session_id}:rollback",
                  "/v1/sessions/{session_id}/tools/{tool}:invoke", "/v1/audit/verify"):
@@ -191,10 +191,10 @@ def test_rollback_with_a_missing_compensation_changes_nothing(desk: Desk, db) ->
     server = LiveServer(create_app(bare, settings=ServerSettings(background=False))).start()
     try:
         r = httpx.post(f"{server.url}/v1/sessions/{s.id}:rollback",
-                       headers={"Authorization": f"Bearer {desk.token('admin')}"})
+                       headers={"Authorization": f"Bearer {desk.token('admin')}"}, timeout=30)
         body = problem(r, 409, "compensation_not_found")
         assert "cancel_refund_email" in body["detail"]
-        plan = httpx.get(f"{server.url}/v1/sessions/{s.id}", headers={"Authorization": f"Bearer {desk.token('admin')}"}).json()
+        plan = httpx.get(f"{server.url}/v1/sessions/{s.id}", headers={"Authorization": f"Bearer {desk.token('admin')}"}, timeout=30).json()
         # Nothing changed: not the session's state, not its undo stack, not its effects.
         assert plan["state"] == before["state"] and plan["halted_reason"] == before["halted_reason"]
         assert plan["undo_plan"] == [dict(u, compensation_registered=False) for u in before["undo_plan"]]
@@ -225,7 +225,7 @@ def test_admin_manages_keys(desk: Desk) -> None:
     r = admin.post("/v1/keys", json={"name": "bo", "roles": ["approver"], "groups": ["billing"]})
     assert r.status_code == 201
     token = r.json()["key"]
-    me = httpx.get(desk.url + "/v1/me", headers={"Authorization": f"Bearer {token}"}).json()
+    me = httpx.get(desk.url + "/v1/me", headers={"Authorization": f"Bearer {token}"}, timeout=30).json()
     assert me["name"] == "bo" and me["roles"] == ["approver"] and me["groups"] == ["billing"]
     listed = admin.get("/v1/keys").json()
     assert all("key" not in k and "secret_hash" not in k for k in listed)

@@ -272,14 +272,14 @@ def test_invalid_and_revoked_keys_are_401(desk: Desk) -> None:
     import httpx
 
     for token in ("nonsense", "ulk_abc_def", desk.token("admin") + "x", "ulk__"):
-        r = httpx.get(desk.url + "/v1/me", headers={"Authorization": f"Bearer {token}"})
+        r = httpx.get(desk.url + "/v1/me", headers={"Authorization": f"Bearer {token}"}, timeout=30)
         problem(r, 401, "invalid_api_key")
-    r = httpx.get(desk.url + "/v1/me", headers={"Authorization": "Basic Zm9vOmJhcg=="})
+    r = httpx.get(desk.url + "/v1/me", headers={"Authorization": "Basic Zm9vOmJhcg=="}, timeout=30)
     problem(r, 401)
     key, token = desk.add_key("leaver", ["approver"])
-    assert httpx.get(desk.url + "/v1/me", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+    assert httpx.get(desk.url + "/v1/me", headers={"Authorization": f"Bearer {token}"}, timeout=30).status_code == 200
     desk.store.revoke_key(key.key_id)
-    problem(httpx.get(desk.url + "/v1/me", headers={"Authorization": f"Bearer {token}"}), 401, "invalid_api_key")
+    problem(httpx.get(desk.url + "/v1/me", headers={"Authorization": f"Bearer {token}"}, timeout=30), 401, "invalid_api_key")
 
 
 def test_keys_are_stored_hashed(desk: Desk) -> None:

@@ -42,7 +42,7 @@ def _login(desk: Desk, who: str) -> httpx.Client:
 
 
 def test_login_sets_a_strict_httponly_cookie(desk: Desk) -> None:
-    c = httpx.Client(base_url=desk.url, follow_redirects=False)
+    c = httpx.Client(base_url=desk.url, follow_redirects=False, timeout=30)
     assert c.get("/ui/").headers["location"] == "/ui/login"
     page = c.get("/ui/login")
     assert "content-security-policy" in page.headers and page.headers["x-frame-options"] == "DENY"
@@ -55,7 +55,7 @@ def test_login_sets_a_strict_httponly_cookie(desk: Desk) -> None:
 
 
 def test_bad_key_and_agent_key_cannot_log_in(desk: Desk) -> None:
-    c = httpx.Client(base_url=desk.url, follow_redirects=False)
+    c = httpx.Client(base_url=desk.url, follow_redirects=False, timeout=30)
     token = _csrf(c.get("/ui/login").text)
     assert c.post("/ui/login", data={"api_key": "ulk_x_y", "csrf_token": token}).status_code == 401
     assert c.post("/ui/login", data={"api_key": desk.token("agent"), "csrf_token": token}).status_code == 403
@@ -189,7 +189,7 @@ def test_dashboard_refuses_self_approval_and_outsiders(desk: Desk) -> None:
     assert desk.undolog.approvals.get(rid).state == "pending"
     rows = c.get("/ui/queue/rows")
     assert rid in rows.text and rows.headers["cache-control"] == "no-store"
-    assert httpx.get(desk.url + "/ui/queue/rows").status_code == 401
+    assert httpx.get(desk.url + "/ui/queue/rows", timeout=30).status_code == 401
 
 
 def _seed(desk: Desk) -> dict[str, str]:

@@ -293,7 +293,7 @@ def test_approver_groups_decide_who_is_mailed(mdesk: MailDesk) -> None:
 
 def test_the_admin_api_checks_roles_and_input(mdesk: MailDesk) -> None:
     ana_token = mdesk.keys["ana"][1]
-    with httpx.Client(base_url=mdesk.url, headers={"Authorization": f"Bearer {ana_token}"}) as c:
+    with httpx.Client(base_url=mdesk.url, headers={"Authorization": f"Bearer {ana_token}"}, timeout=30) as c:
         assert c.get("/v1/email/approvers").status_code == 403
         r = c.put("/v1/email/approvers/x@example.com", json={"key_id": mdesk.key("ana").key_id})
         assert r.status_code == 403

@@ -455,7 +455,7 @@ def test_identities_at_the_limit_work_and_longer_ones_are_4xx(desk: Desk) -> Non
     with s, pytest.raises(ApprovalPending) as p:
         s.call_sync("delete_user_account", user_id="u1", call_id="c" * limits.MAX_ID_LENGTH)
     rid = p.value.approval_request_id
-    with httpx.Client(base_url=desk.url, headers={"Authorization": f"Bearer {token}"}) as longest:
+    with httpx.Client(base_url=desk.url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as longest:
         r = longest.post(f"/v1/approvals/{rid}:approve", json={"reason": "ok"})
     assert r.status_code == 200, r.text
     assert len(r.json()["decided_by"]) == limits.MAX_ID_LENGTH

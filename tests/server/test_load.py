@@ -154,7 +154,7 @@ def _run_load(db: Any, tmp_path: Path, seconds: float) -> None:
     stop = threading.Event()
     try:
         _wait_up(proc, url, log)
-        httpx.get(url + "/v1/health")
+        httpx.get(url + "/v1/health", timeout=30)
         rss_start = _rss_kb(proc.pid)
 
         def agent(token: str, n: int) -> None:

@@ -206,7 +206,7 @@ def test_approve_reject_and_modify_sent_at_once_to_three_servers(db: Any, tmp_pa
         urls = [url for _, url, _ in procs]
         winners = []
         for n in range(4):
-            sid = httpx.post(f"{urls[0]}/v1/sessions", json={"agent_id": "a"}, headers=agent).json()["session_id"]
+            sid = httpx.post(f"{urls[0]}/v1/sessions", json={"agent_id": "a"}, headers=agent, timeout=30).json()["session_id"]
             invoke = f"/v1/sessions/{sid}/tools/close_account:invoke"
             call = ({"account": f"acct-{n}"}, {**agent, "Idempotency-Key": "k"})
             r = httpx.post(urls[n % 3] + invoke, json=call[0], headers=call[1], timeout=60)

@@ -45,7 +45,7 @@ def test_the_api_passes_every_schemathesis_check(desk: Desk, tmp_path: Path) -> 
 
 
 def test_every_error_is_documented_as_problem_json(desk: Desk) -> None:
-    schema = httpx.get(desk.url + "/openapi.json").json()
+    schema = httpx.get(desk.url + "/openapi.json", timeout=30).json()
     assert "Problem" in schema["components"]["schemas"] and "HTTPValidationError" not in schema["components"]["schemas"]
     for path, item in schema["paths"].items():
         for method, op in item.items():

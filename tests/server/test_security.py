@@ -349,7 +349,7 @@ def test_a_csrf_token_from_an_anonymous_browser_is_worthless_after_planting_its_
     rid, _ = desk.pending()
     victim = _login(desk, "approver")
     # The attacker loads the login page in their own browser: a token and the nonce cookie it fits...
-    attacker = httpx.Client(base_url=desk.url, follow_redirects=False)
+    attacker = httpx.Client(base_url=desk.url, follow_redirects=False, timeout=30)
     page = attacker.get("/ui/login")
     token = _csrf(page.text)
     nonce = attacker.cookies.get("undolog_csrf")
@@ -369,7 +369,7 @@ def test_logout_revokes_the_session_so_a_copied_cookie_stops_working(desk: Desk)
     c = _login(desk, "approver")
     cookie = c.cookies.get("undolog_session")
     assert cookie and c.get("/ui/").status_code == 200
-    copy = httpx.Client(base_url=desk.url, follow_redirects=False, cookies={"undolog_session": cookie})
+    copy = httpx.Client(base_url=desk.url, follow_redirects=False, cookies={"undolog_session": cookie}, timeout=30)
     assert copy.get("/ui/").status_code == 200
     token = _csrf(c.get("/ui/").text)
     assert c.post("/ui/logout", data={"csrf_token": token}).status_code == 303
@@ -380,7 +380,7 @@ def test_logout_revokes_the_session_so_a_copied_cookie_stops_working(desk: Desk)
     again = _login(desk, "approver")
     first = again.cookies.get("undolog_session")
     assert first != cookie
-    stale = httpx.Client(base_url=desk.url, follow_redirects=False, cookies={"undolog_session": first})
+    stale = httpx.Client(base_url=desk.url, follow_redirects=False, cookies={"undolog_session": first}, timeout=30)
     assert stale.get("/ui/").status_code == 200
     page = again.get("/ui/login")
     assert again.post("/ui/login", data={"api_key": desk.token("approver"), "csrf_token": _csrf(page.text)}
@@ -392,8 +392,8 @@ def test_logout_revokes_the_session_so_a_copied_cookie_stops_working(desk: Desk)
 def test_docs_are_off_by_default_and_carry_the_dashboards_headers_when_on(db: Any) -> None:
     desk = make_desk(db)
     try:
-        assert httpx.get(desk.url + "/docs").status_code == 404
-        assert httpx.get(desk.url + "/openapi.json").status_code == 200
+        assert httpx.get(desk.url + "/docs", timeout=30).status_code == 404
+        assert httpx.get(desk.url + "/openapi.json", timeout=30).status_code == 200
     finally:
         desk.close()
         desk.undolog.close()
@@ -401,13 +401,13 @@ def test_docs_are_off_by_default_and_carry_the_dashboards_headers_when_on(db: An
     demo_app.register(undolog)
     server = LiveServer(create_app(undolog, settings=ServerSettings(background=False, docs=True))).start()
     try:
-        r = httpx.get(server.url + "/docs")
+        r = httpx.get(server.url + "/docs", timeout=30)
         assert r.status_code == 200 and "swagger-ui" in r.text
         csp = r.headers["content-security-policy"]
         assert "frame-ancestors 'none'" in csp and "script-src 'self' https://cdn.jsdelivr.net;" in csp
         assert "unsafe-inline" not in csp and r.headers["x-frame-options"] == "DENY"
         assert "<script>" not in r.text  # no inline script: the init is /ui/static/docs.js
-        assert httpx.get(server.url + "/ui/static/docs.js").status_code == 200
+        assert httpx.get(server.url + "/ui/static/docs.js", timeout=30).status_code == 200
     finally:
         server.stop()
         undolog.close()

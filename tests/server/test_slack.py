@@ -233,7 +233,7 @@ def test_the_link_to_the_desk_is_the_desks_public_url_unless_slack_names_its_own
 
 def test_without_slack_configured_the_endpoint_says_how_to_turn_it_on(desk: Desk) -> None:
     body, headers = signed({"type": "block_actions"})
-    r = httpx.post(desk.url + "/v1/slack/interactivity", content=body, headers=headers)
+    r = httpx.post(desk.url + "/v1/slack/interactivity", content=body, headers=headers, timeout=30)
     assert r.status_code == 404 and r.json()["code"] == "slack_not_configured"
     assert "UNDOLOG_SLACK_BOT_TOKEN" in r.json()["detail"]
 
@@ -313,11 +313,11 @@ def test_forged_stale_and_replayed_requests_are_refused(rig: SlackRig) -> None:
     assert rig.desk.undolog.approvals.get(rid).state == "pending"
     body, headers = signed(block_action(rig.standin, "reject", json.dumps({"r": rid, "d": rec.action_digest})))
     unsigned = httpx.post(rig.desk.url + "/v1/slack/interactivity", content=body,
-                          headers={"Content-Type": headers["Content-Type"]})
+                          headers={"Content-Type": headers["Content-Type"]}, timeout=30)
     assert unsigned.status_code == 401
-    first = httpx.post(rig.desk.url + "/v1/slack/interactivity", content=body, headers=headers)
+    first = httpx.post(rig.desk.url + "/v1/slack/interactivity", content=body, headers=headers, timeout=30)
     assert first.status_code == 200 and first.json()["decided"] == "reject"
-    again = httpx.post(rig.desk.url + "/v1/slack/interactivity", content=body, headers=headers)
+    again = httpx.post(rig.desk.url + "/v1/slack/interactivity", content=body, headers=headers, timeout=30)
     assert again.status_code == 409 and again.json()["code"] == "slack_request_replayed"
 
 
