@@ -155,6 +155,10 @@ def _unmarked_store_openers(items: list[pytest.Item]) -> list[str]:
     return found
 
 
+#: How many times its CI duration a known long test may take before pytest-timeout calls it hung.
+LOAD_MARGIN = 8
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark, check, then deselect (not skip) what this run does not cover.
 
@@ -197,8 +201,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     from tests.support.durations import load, order_longest_first
 
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-    items[:] = order_longest_first(items, load(TEST_DB), lambda item: item.nodeid, workers,
+    known = load(TEST_DB)
+    items[:] = order_longest_first(items, known, lambda item: item.nodeid, workers,
                                    str(config.getoption("dist", "no")))
+    # pytest-timeout's 120 s (pyproject) catches a hang; a test that takes 30 s in CI took over 120 s on a machine
+    # loaded four times as much, and was reported as hung. The known long tests without a timeout of their own get
+    # LOAD_MARGIN times their CI duration.
+    for item in items:
+        seconds = known.get(item.nodeid)
+        if seconds is not None and item.get_closest_marker("timeout") is None and seconds * LOAD_MARGIN > 120:
+            item.add_marker(pytest.mark.timeout(round(seconds * LOAD_MARGIN)))
 
 
 @dataclass

@@ -277,11 +277,33 @@ def write_checkpoint(
             fh.write(cp.to_json())
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, out_dir / name)
+        target = _keep_beside(Path(tmp), out_dir, name)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return out_dir / name
+    return target
+
+
+def _keep_beside(tmp: Path, out_dir: Path, name: str) -> Path:
+    """Give the whole file ``tmp`` its name without replacing a checkpoint already there: two signed in the same
+    second at the same position by one process have the same name, and the second used to overwrite the first (a
+    signed checkpoint lost; CI caught it as 14 checkpoints of 15). The second is kept as ``<name>-2.json`` (and so
+    on); both sign the same heads, so which of them the next checkpoint reads first does not matter."""
+    stem = name.removesuffix(".json")
+    for n in range(1, 1000):
+        target = out_dir / (name if n == 1 else f"{stem}-{n}.json")
+        try:
+            os.link(tmp, target)  # fails if the name is taken: never replaces
+        except FileExistsError:
+            continue
+        except OSError:  # a file system without hard links: the rename, after a look
+            if target.exists():
+                continue
+            os.replace(tmp, target)
+            return target
+        tmp.unlink()
+        return target
+    raise FileExistsError(f"{out_dir}: 999 checkpoints named {name}; remove the duplicates")
 
 
 #: The name prefix of a checkpoint file still being written (renamed to ``checkpoint-*.json`` once whole).

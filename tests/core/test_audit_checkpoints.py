@@ -341,3 +341,20 @@ def test_a_single_chain_checkpoint_file_still_verifies_and_still_catches_a_rewri
     rechain(undolog, 1, 2, "mallory")
     r = undolog.verify_audit(checkpoints=out, public_key=pub)
     assert not r.ok and r.first_bad_event_id == 4 and "after 0 and up to 4" in (r.problem or ""), r.problem
+
+
+def test_two_checkpoints_signed_in_the_same_second_are_both_kept(undolog: UndoLog, tmp_path: Path) -> None:
+    """CI (loaded): 15 checkpoints signed, 14 checked. Two signed in one second at the same position by one process
+    had the same file name, and the second replaced the first: a signed checkpoint lost without a word."""
+    from undolog_core._checkpoints import generate_keypair, load_private_key, write_checkpoint
+
+    key, pub = generate_keypair(tmp_path / "k")
+    out = tmp_path / "cp"
+    with internals(undolog).write() as c:
+        undolog.store.audit.append_event_in(c, subject="s", action="policy.set", actor="a", payload={})
+    same_second = dt.datetime(2026, 12, 5, 8, 0, 0, tzinfo=dt.UTC)
+    first = write_checkpoint(undolog.store, load_private_key(key), out, now=same_second)
+    second = write_checkpoint(undolog.store, load_private_key(key), out, now=same_second)
+    assert first != second and first.exists() and second.exists()
+    r = undolog.verify_audit(checkpoints=out, public_key=pub)
+    assert r.ok and r.checkpoints_checked == 2, r.problem
