@@ -136,24 +136,11 @@ PUBLIC = {
     "undolog_core.records": "the records the API's reads return, for app authors' type annotations",
 }
 
-_SESSION_LIFECYCLE = ("the session lifecycle is the integration contract's `session_table` (issue #35 part 1), but a "
-                      "row read elsewhere put back into this process's records (`remember`) is not in it yet")
-_STORE_READS = ("reads and writes of the store that no service offers yet: the storage repositories give them a "
-                "written contract (issue #35, step 3)")
-_DESK_TABLES = ("the desk's and the gateway's tables live on the core's store (one pool, one migration run; the "
-                "contract's `shared_store(undolog)` hands it over, as the gateway's cli.py takes it): "
-                "`ServerStore(undolog.store)` and its migration take the store itself")
-
-# Where a client still reaches into an UndoLog's engine or store: (file, reach) -> (how many, why). Only shrinks.
-REACHES: dict[tuple[str, str], tuple[int, str]] = {
-    ("undolog_server/app.py", "store"): (1, _DESK_TABLES),
-    ("undolog_server/cli.py", "store"): (3, _DESK_TABLES),
-    ("undolog_mcp/elicit.py", "store"): (2, _DESK_TABLES),
-    ("undolog_mcp/gateway.py", "store.session_of_client_key"): (1, _STORE_READS),
-    ("undolog_mcp/gateway.py", "store.effect_by_call"): (1, _STORE_READS),
-    ("undolog_mcp/lifecycle.py", "engine.remember"): (1, "a session found fresh again goes back into the engine's "
-                                                         "cache: " + _SESSION_LIFECYCLE),
-}
+# Where a client still reaches into an UndoLog's engine or store: (file, reach) -> (how many, why). Only shrinks; the
+# last six (the desk's and the gateway's tables on the core's store, the gateway's two reads of a keyed call, a
+# session record put back) went through the integration contract (`shared_store`, `session_of_client_key`,
+# `find_call`, `session_table(u).remember`).
+REACHES: dict[tuple[str, str], tuple[int, str]] = {}
 
 
 # Imports of a name the top level still serves with a DeprecationWarning (``undolog_core._MOVED``), by a client not yet

@@ -31,8 +31,10 @@ move its internals without breaking them.
   built, and call its methods.
 - ``put_undo_args``: store what a gateway captured before a call with the call's undo entry.
 - ``shared_store``: the store the desk's and the gateway's own tables live on (one pool, one migration run).
-- ``find_effect`` and ``EffectRef``: one effect's session and tool, or None (the desk's Resolve checks who may see
-  the call before a person settles it).
+- ``find_effect`` and ``EffectRef``: one effect's session, tool and state, or None (the desk's Resolve checks who
+  may see the call before a person settles it); ``find_call``: the same, found by the call's id in its session (a
+  gateway's client re-sending a call still running); ``session_of_client_key``: which session holds a client-keyed
+  call (the gateway's idempotency keys span an API key's sessions).
 
 Example:
     >>> from undolog_core.integration import jsonable, tool_name_of
@@ -58,17 +60,19 @@ from ._sessions_table import SessionCache
 from ._tools import ToolSpec, tool_name_of
 from .storage.pool import WouldBlock
 from .storage.records import ApprovalRecord
-from .storage.schema import IN_FLIGHT
+from .storage.schema import IN_FLIGHT, EffectState
 
 if TYPE_CHECKING:
     from ._engine import Decision
+    from ._session import SessionRecord
     from ._undolog import UndoLog
     from .storage import Storage
 
 __all__ = ["IN_FLIGHT", "KICKOFF", "WAKE_SIGNAL", "ApprovalRecord", "AwaitingApproval", "CallDriver", "Completed",
            "Continuation", "EffectRef", "Execute", "HotPath", "NothingHappened", "Outcome", "SessionCache",
-           "SessionTable", "ToolSpec", "WouldBlock", "execute_now", "find_effect", "hot_path", "jsonable", "metering",
-           "persist_session", "put_undo_args", "run_coro_blocking", "session_table", "shared_store", "tool_name_of"]
+           "SessionTable", "ToolSpec", "WouldBlock", "execute_now", "find_call", "find_effect", "hot_path", "jsonable",
+           "metering", "persist_session", "put_undo_args", "run_coro_blocking", "session_of_client_key",
+           "session_table", "shared_store", "tool_name_of"]
 
 
 def persist_session(undolog: UndoLog, session_id: str) -> None:
@@ -126,6 +130,14 @@ class SessionTable(Protocol):
 
     def sessions_with_call(self, session_ids: list[str], call_id: str) -> set[str]:
         """Which of the sessions already hold a call with this id (a call re-issued by a replay)."""
+
+    def remember(self, row: SessionRecord, *, write: bool = True) -> SessionCache:
+        """Put a session read from the store back into this process's records, and return its record.
+
+        For a record found out of date (a person resumed or revalidated the session from another process): the
+        state, pins and failure policy become the row's; the calls counted in memory are kept. ``write=False``: a
+        caller that may not wait for the store (trimming the records writes the ones it drops).
+        """
 
     def needs_trim(self) -> bool:
         """Whether more records are kept than ``max_sessions``."""
@@ -211,19 +223,21 @@ def shared_store(undolog: UndoLog) -> Storage:
 
 @dataclass(frozen=True)
 class EffectRef:
-    """Where one effect belongs: its session and the tool (and revision) of its call.
+    """Where one effect belongs: its session and the tool (and revision) of its call, and where it stands.
 
     Attributes:
         effect_id: The effect.
         session_id: The session it was recorded in.
         tool_name: The tool the call ran.
         tool_revision: The tool revision it ran under (None for a call recorded before revisions).
+        state: Its state when read (``state in IN_FLIGHT``: the call is still running).
     """
 
     effect_id: str
     session_id: str
     tool_name: str
     tool_revision: int | None
+    state: EffectState
 
 
 def find_effect(undolog: UndoLog, effect_id: str) -> EffectRef | None:
@@ -240,6 +254,40 @@ def find_effect(undolog: UndoLog, effect_id: str) -> EffectRef | None:
     session_id = undolog.store.session_of_effect(effect_id)
     if session_id is None:
         return None
-    row = undolog.store.effect(effect_id)
+    return _effect_ref(undolog.store.effect(effect_id))
+
+
+def find_call(undolog: UndoLog, session_id: str, call_id: str) -> EffectRef | None:
+    """The effect the call ``call_id`` recorded in the session ``session_id``, or None (no such logged call).
+
+    A read for a client that was refused a call because the same call is in flight (a gateway's client re-sending
+    a keyed call): while ``ref.state in IN_FLIGHT`` it is still running; else ask the call driver again for its
+    recorded answer. Blocking I/O: from an event loop, call it in a worker thread.
+
+    Example:
+        >>> ref = find_call(undolog, "support.9f2c...", "ck:1f0e...")        # doctest: +SKIP
+        >>> ref is not None and ref.state in IN_FLIGHT                   # doctest: +SKIP
+        True
+    """
+    row = undolog.store.effect_by_call(session_id, call_id)
+    return None if row is None else _effect_ref(row)
+
+
+def session_of_client_key(undolog: UndoLog, call_id: str) -> str | None:
+    """The session holding the client-keyed call ``call_id`` (``ck:...``), or None when no session holds it.
+
+    A client-keyed call id is unique across sessions (one API key's sessions share its keys): the gateway sends a
+    call re-issued under an earlier session's key to that session. Blocking I/O: from an event loop, call it in a
+    worker thread.
+
+    Example:
+        >>> session_of_client_key(undolog, "ck:1f0e...")                  # doctest: +SKIP
+        'mcp.7d1a...'
+    """
+    return undolog.store.session_of_client_key(call_id)
+
+
+def _effect_ref(row: Any) -> EffectRef:
     revision = row.tool_revision
-    return EffectRef(effect_id, session_id, str(row.tool_name), None if revision is None else int(revision))
+    return EffectRef(str(row.effect_id), str(row.session_id), str(row.tool_name),
+                     None if revision is None else int(revision), EffectState(row.state))

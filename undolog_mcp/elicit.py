@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from mcp import types
 
 from undolog_core import UndoLog
-from undolog_core.integration import AwaitingApproval
+from undolog_core.integration import AwaitingApproval, shared_store
 
 from .results import META_KEY, awaiting_result, error_result
 
@@ -32,9 +32,10 @@ def approver_groups_cover(undolog: UndoLog, tool: str, risk_tags: tuple[str, ...
         from undolog_server.storage import ServerStore, migration_current
     except ImportError:
         return []
-    if migration_current(undolog.store) is None:
+    store = shared_store(undolog)
+    if migration_current(store) is None:
         return []  # the desk never ran on this database: no groups
-    return [g.name for g in ServerStore(undolog.store).groups()
+    return [g.name for g in ServerStore(store).groups()
             if tool in g.tools or any(t in g.risk_tags for t in risk_tags)]
 
 

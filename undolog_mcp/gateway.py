@@ -42,6 +42,8 @@ from undolog_core.integration import (
     Completed,
     NothingHappened,
     ToolSpec,
+    find_call,
+    session_of_client_key,
 )
 
 from .approvals import SharedRequest, find_shared
@@ -804,7 +806,7 @@ class Gateway:
 
         The session found is an earlier session of the same API key.
         """
-        found = await asyncio.to_thread(self.undolog.store.session_of_client_key, call_id)
+        found = await asyncio.to_thread(session_of_client_key, self.undolog, call_id)
         if found is not None and found != session_id:
             _SESSION_USED.set(found)
             return found
@@ -835,7 +837,7 @@ class Gateway:
                     if moved != session_id:
                         session_id = moved
                         continue
-                row = await asyncio.to_thread(self.undolog.store.effect_by_call, session_id, call_id)
+                row = await asyncio.to_thread(find_call, self.undolog, session_id, call_id)
                 if row is not None and row.state not in IN_FLIGHT and not asked_after_end:
                     # It ended between the refusal and this read: asked once more, it answers as it now stands
                     # (the recorded result), not "running".

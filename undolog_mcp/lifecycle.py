@@ -14,6 +14,7 @@ from mcp import types
 
 from undolog_core import SessionState, UndoLog
 from undolog_core.errors import ContractChanged, SessionClosed, SessionHalted, UndoLogError
+from undolog_core.integration import session_table
 
 from .results import META_KEY, error_result
 
@@ -41,7 +42,7 @@ def changed_elsewhere(undolog: UndoLog, exc: UndoLogError, revision: int) -> boo
     else:
         fresh = row.pinned_revisions.get(str(exc.details.get("tool_name"))) == revision
     if fresh:
-        undolog.engine.remember(row)
+        session_table(undolog).remember(row)
     return fresh
 
 

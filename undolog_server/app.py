@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from undolog_core import UndoLog, errors, load_app
+from undolog_core.integration import shared_store
 
 from . import dashboard, email_approvals, problems, proxy_api, routers, slack
 from . import proxy as proxy_mod
@@ -31,7 +32,8 @@ Errors are RFC 9457 `application/problem+json` with a stable `code`.
 
 
 def _same_database(a: UndoLog, b: UndoLog) -> bool:
-    return (a.store.url, a.store.schema) == (b.store.url, b.store.schema)
+    sa, sb = shared_store(a), shared_store(b)
+    return (sa.url, sa.schema) == (sb.url, sb.schema)
 
 
 _CSP = (
@@ -200,7 +202,7 @@ def create_app(
     if settings.audit_checkpoint_key:
         # Fail at start, not at the first interval: a key that cannot be read means no checkpoints at all.
         UndoLog.check_checkpoint_key(settings.audit_checkpoint_key)
-    store = ServerStore(undolog.store)
+    store = ServerStore(shared_store(undolog))
     # The server's tables are its own migration branch: bring them to head before anything reads them.
     store.migrate()
     state = ServerState(

@@ -204,11 +204,13 @@ def keys_create(
     schema: SchemaOpt = None,
 ) -> None:
     """Create an API key and print it once."""
+    from undolog_core.integration import shared_store
+
     from .storage import ServerStore
 
     undolog = _open(db, schema)
     try:
-        store = ServerStore(undolog.store)
+        store = ServerStore(shared_store(undolog))
         store.migrate()
         try:
             key, token = store.create_key(name, role, group or (), created_by="cli")
@@ -226,11 +228,13 @@ def keys_create(
 @keys_app.command("list")
 def keys_list(db: DbOpt = None, schema: SchemaOpt = None) -> None:
     """List keys (never their secrets)."""
+    from undolog_core.integration import shared_store
+
     from .storage import ServerStore
 
     undolog = _open(db, schema)
     try:
-        store = ServerStore(undolog.store)
+        store = ServerStore(shared_store(undolog))
         store.migrate()
         for k in store.list_keys():
             status = "revoked" if k.revoked_at else "active"
@@ -242,11 +246,13 @@ def keys_list(db: DbOpt = None, schema: SchemaOpt = None) -> None:
 @keys_app.command("revoke")
 def keys_revoke(key_id: str, db: DbOpt = None, schema: SchemaOpt = None) -> None:
     """Revoke a key; requests with it fail from now on."""
+    from undolog_core.integration import shared_store
+
     from .storage import ServerStore
 
     undolog = _open(db, schema)
     try:
-        store = ServerStore(undolog.store)
+        store = ServerStore(shared_store(undolog))
         store.migrate()
         if not store.revoke_key(key_id):
             typer.echo(f"no active key {key_id}", err=True)

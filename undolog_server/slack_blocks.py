@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import forms
+from .forms.fields import num_text
 
 #: The ``action_id`` of every modal input (its ``block_id`` is the field's name).
 VALUE_ACTION = "value"
@@ -96,9 +97,9 @@ def modal_blocks(form: forms.Form) -> list[dict[str, Any]]:
             if f.value:
                 element["initial_value"] = f.value
             if f.minimum is not None:
-                element["min_value"] = forms._num_text(f.minimum)
+                element["min_value"] = num_text(f.minimum)
             if f.maximum is not None:
-                element["max_value"] = forms._num_text(f.maximum)
+                element["max_value"] = num_text(f.maximum)
         else:
             element = {"type": "plain_text_input", "action_id": VALUE_ACTION, "multiline": f.kind in ("array", "json")}
             if f.value:
