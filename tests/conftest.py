@@ -77,18 +77,23 @@ def _mark_names(path: Path) -> tuple[frozenset[str], frozenset[str]]:
     (``pytest.mark.X`` in decorators, ``pytest.param(..., marks=...)``, ``pytestmark``), read without importing it."""
     import ast
 
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+    from tests.support.source_facts import facts
 
     def marks(node: ast.AST) -> set[str]:
         return {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
                 and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"}
 
-    module_wide: set[str] = set()
-    for stmt in tree.body:
-        if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark"
-                                                for t in stmt.targets):
-            module_wide |= marks(stmt.value)
-    return frozenset(module_wide), frozenset(marks(tree))
+    def read(tree: ast.Module) -> list[list[str]]:
+        module_wide: set[str] = set()
+        for stmt in tree.body:
+            if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark"
+                                                    for t in stmt.targets):
+                module_wide |= marks(stmt.value)
+        return [sorted(module_wide), sorted(marks(tree))]
+
+    # Parsed once per module text across the run's processes (tests/support/source_facts.py).
+    module_wide, named = facts(path, "marks", read)
+    return frozenset(module_wide), frozenset(named)
 
 
 def _why_not_imported(path: Path, config: pytest.Config) -> str | None:

@@ -14,7 +14,7 @@ share of long tests and the short tests behind them are what gets stolen. Withou
 Regenerate the file from a CI run's JUnit reports (``.ci/run`` writes them to ``artifacts/``)::
 
     .venv/bin/python -m tests.support.durations artifacts/junit-sqlite-default.xml \\
-        artifacts/junit-postgres-default.xml
+        artifacts/junit-sqlite-adapters.xml artifacts/junit-postgres-default.xml artifacts/junit-postgres-adapters.xml
 """
 
 from __future__ import annotations

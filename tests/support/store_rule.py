@@ -33,6 +33,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from .source_facts import facts
+
 SQL_MODULES = ("sqlalchemy", "sqlite3", "psycopg", "undolog_core.storage")
 SQL_CALLS = frozenset({"exec_driver_sql", "raw_connection", "driver_connection", "open_storage"})
 MARKERS = ("storage", "pg_smoke", "postgres_only", "sqlite_only", "reads_store")
@@ -45,16 +47,18 @@ def _is_sql_module(name: str) -> bool:
 @functools.cache
 def sql_names(path: Path) -> frozenset[str]:
     """Names a module binds (anywhere in it) to the database layer, by its imports."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for a in node.names:
-                if _is_sql_module(a.name):
-                    names.add((a.asname or a.name).split(".")[0])
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and _is_sql_module(node.module):
-            names.update(a.asname or a.name for a in node.names)
-    return frozenset(names)
+    def read(tree: ast.Module) -> list[str]:
+        names: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if _is_sql_module(a.name):
+                        names.add((a.asname or a.name).split(".")[0])
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and _is_sql_module(node.module):
+                names.update(a.asname or a.name for a in node.names)
+        return sorted(names)
+
+    return frozenset(facts(path, "sql_names", read))  # parsed once per module text (tests/support/source_facts.py)
 
 
 def _codes(code: types.CodeType) -> Iterable[types.CodeType]:
@@ -74,6 +78,20 @@ def _code_of(obj: Any) -> list[types.CodeType]:
     return []
 
 
+#: The instructions the rule reads (``LOAD_*`` and ``IMPORT_NAME`` of a name).
+_READ_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "IMPORT_NAME", "LOAD_GLOBAL", "LOAD_NAME"})
+
+
+@functools.cache
+def _named(code: types.CodeType) -> tuple[tuple[str, str], ...]:
+    """``(opname, name)`` of each instruction of ``code`` the rule reads, in order.
+
+    Cached: every xdist worker checks every collected test, and the fixtures and helpers they share were
+    disassembled again for each test (``dis`` was most of the rule's 3-4 CPU s per worker)."""
+    return tuple((ins.opname, ins.argval) for ins in dis.get_instructions(code)
+                 if ins.opname in _READ_OPS and isinstance(ins.argval, str))
+
+
 def _opens_store(obj: Any, module: types.ModuleType, names: frozenset[str], seen: set[int]) -> str | None:
     """Why ``obj`` (a function or class of ``module``) names the database layer, or None."""
     for code in _code_of(obj):
@@ -81,17 +99,20 @@ def _opens_store(obj: Any, module: types.ModuleType, names: frozenset[str], seen
             if id(c) in seen:
                 continue
             seen.add(id(c))
-            for ins in dis.get_instructions(c):
-                n = ins.argval
-                if not isinstance(n, str):
-                    continue
-                if ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            # Every name the instructions below read is one of co_names: a code none of whose names can matter
+            # is not disassembled (most of a test module's code; ``dis`` is the rule's cost).
+            if not any(n in names or n in SQL_CALLS or _is_sql_module(n)
+                       or getattr(vars(module).get(n), "__module__", None) == module.__name__
+                       for n in c.co_names):
+                continue
+            for opname, n in _named(c):
+                if opname in ("LOAD_ATTR", "LOAD_METHOD"):
                     if n in SQL_CALLS:
                         return f"calls {n} in {c.co_name}"
                     continue
-                if ins.opname == "IMPORT_NAME" and _is_sql_module(n):
-                    return f"imports {n} in {c.co_name}"
-                if ins.opname not in ("LOAD_GLOBAL", "LOAD_NAME"):
+                if opname == "IMPORT_NAME":
+                    if _is_sql_module(n):
+                        return f"imports {n} in {c.co_name}"
                     continue
                 if n in names:
                     return f"names {n!r} (the database layer) in {c.co_name}"
@@ -105,6 +126,18 @@ def _opens_store(obj: Any, module: types.ModuleType, names: frozenset[str], seen
     return None
 
 
+#: ``_opens_store`` from a fresh start, by (the object's code, its module): a fixture or a parametrized test
+#: function is shared by many tests, and its answer does not depend on which test asks.
+_verdicts: dict[tuple[tuple[types.CodeType, ...], str, frozenset[str]], str | None] = {}
+
+
+def _opens_store_cached(obj: Any, module: types.ModuleType, names: frozenset[str]) -> str | None:
+    key = (tuple(_code_of(obj)), module.__name__, names)
+    if key not in _verdicts:
+        _verdicts[key] = _opens_store(obj, module, names, set())
+    return _verdicts[key]
+
+
 def why_it_opens_a_store(item: Any, root_conftest: Path) -> str | None:
     """Why the test ``item`` opens a store directly (the rule above), or None."""
     function = getattr(item, "function", None)
@@ -113,7 +146,7 @@ def why_it_opens_a_store(item: Any, root_conftest: Path) -> str | None:
         return None
     if "pg_admin" in inspect.signature(inspect.unwrap(function)).parameters:
         return "asks for the pg_admin fixture"
-    why = _opens_store(function, module, sql_names(Path(module.__file__)), set())
+    why = _opens_store_cached(function, module, sql_names(Path(module.__file__)))
     if why:
         return why
     # Fixtures defined beside the test (its module, a directory's conftest), not the root fixtures' machinery.
@@ -129,7 +162,7 @@ def why_it_opens_a_store(item: Any, root_conftest: Path) -> str | None:
         tests = root_conftest.parent
         if path == root_conftest or tests not in path.parents or path.is_relative_to(tests / "support"):
             continue
-        why = _opens_store(func, mod, sql_names(path), set())
+        why = _opens_store_cached(func, mod, sql_names(path))
         if why:
             return f"its fixture {name!r} {why}"
     return None
