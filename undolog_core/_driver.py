@@ -3,19 +3,20 @@
 decide (intercept: tier, session, contract, approval, re-issue checks) -> run the tool -> mark, fail or release.
 
 ``Session.call``/``call_sync``, the framework adapters and the server's proxy all use it, so a check added here
-holds on every path. The sync and the async drivers are two thin loops over the same steps (the model: DBOS's
-``_outcome.py``): they differ only in how the tool is called, how a rollback is awaited, and, on an event loop,
-in never waiting for a connection or a lock (a step that would wait is run in a worker thread instead).
+holds on every path. The steps past a tool's failure (classify it, the retry decision, record it, roll back by
+policy) are written once, as I/O-free generators (``_walk.CallWalk``, the model: httpx's ``auth_flow``); the sync
+and the async drivers are two short loops over them (``_drive``, ``_adrive``) that differ only in how the tool is
+called, how they sleep, and, on an event loop, in never waiting for a connection or a lock (a durable step runs in a
+worker thread instead). A call that succeeds at once takes the loops' own few lines: set the call's context, call,
+record the outcome.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from types import CoroutineType
 from typing import Any
 
@@ -33,56 +34,21 @@ from ._engine import _current as CURRENT_CALL  # noqa: N812 - the ContextVar beh
 from ._saga import RollbackReport, Saga, run_coro_blocking
 from ._sessions_table import SessionCache, check_id
 from ._tools import RetryPolicy, ToolSpec
-from .errors import ApprovalPending, UndoLogError
+from ._walk import (
+    CallWalk,
+    ControlFlow,
+    GateSpan,
+    NothingHappened,
+    Op,
+    Outcome,
+    Walk,
+    failure_reason,
+    ran,
+    tool_span,
+)
+from .errors import ApprovalPending
 from .limits import clean_text
 from .storage.pool import WouldBlock
-
-ControlFlow = tuple[type[BaseException], ...]
-
-
-@dataclass(frozen=True)
-class NothingHappened:
-    """What ``failure_of`` returns for a failure that, by the tool's contract, changed nothing (an MCP upstream's
-    ``isError`` result): the call is recorded failed and its undo entry dropped, so no rollback compensates it.
-
-    Example:
-        >>> failure_of = lambda r: NothingHappened(r.text) if r.isError else None
-    """
-
-    text: str
-
-    def __str__(self) -> str:
-        return self.text
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How a run ended: the tool's ``value``, or its ``error`` with what the failure policy did about it.
-
-    Example:
-        >>> outcome = undolog.driver.run_sync(decision, lambda args: refund(**args))
-        >>> outcome.unwrap()            # the value, or the tool's own exception re-raised
-    """
-
-    value: Any = None
-    error: BaseException | None = None
-    rollback: RollbackReport | None = None
-    failure: str | None = None  # a failure the framework reported as a value (``failure_of``)
-    # How a call whose outcome was unknown (an ``unknown_on`` exception) was settled: committed (its probe said
-    # it happened), compensated, unknown (the session halted for a person), not_run, settling (its probe says not
-    # yet, and its request may still land: held in flight until it cannot); None otherwise.
-    in_doubt: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.failure is None
-
-    def unwrap(self) -> Any:
-        """The tool's value; when it failed, its own exception (with the rollback noted on it), never another."""
-        if self.error is not None:
-            raise self.error
-        return self.value
-
 
 _set_attr = object.__setattr__
 _new = object.__new__
@@ -138,13 +104,8 @@ class CallDriver:
         spec = self.spec(tool)
         check_id("session_id", session_id)
         if spec.tier is IRREVERSIBLE and obs.tracing():
-            start = time.time_ns()
-            try:
-                return _gated(spec, session_id, call_id, start,
-                              self.engine.intercept_spec(session_id, spec, args, call_id, match_digest, wait))
-            except UndoLogError as exc:
-                _refused(spec, session_id, call_id, start, exc)
-                raise
+            with GateSpan(spec, session_id, call_id) as gate:
+                return gate.decided(self.engine.intercept_spec(session_id, spec, args, call_id, match_digest, wait))
         return self.engine.intercept_spec(session_id, spec, args, call_id, match_digest, wait)
 
     async def adecide(
@@ -156,13 +117,8 @@ class CallDriver:
         spec = self.spec(tool)
         check_id("session_id", session_id)
         if spec.tier is IRREVERSIBLE and obs.tracing():
-            start = time.time_ns()
-            try:
-                return _gated(spec, session_id, call_id, start,
-                              await self._adecide(session_id, spec, args, call_id, match_digest))
-            except UndoLogError as exc:
-                _refused(spec, session_id, call_id, start, exc)
-                raise
+            with GateSpan(spec, session_id, call_id) as gate:
+                return gate.decided(await self._adecide(session_id, spec, args, call_id, match_digest))
         return await self._adecide(session_id, spec, args, call_id, match_digest)
 
     async def _adecide(self, session_id: str, spec: ToolSpec, args: Mapping[str, Any], call_id: str | None,
@@ -224,8 +180,8 @@ class CallDriver:
             return self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
         if not obs.count_gated(d.tier, d.tool_name):  # counted; traced only with an SDK
             return self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on)
-        with _tool_span(d) as s:
-            return _ran(s, self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on))
+        with tool_span(d) as s:
+            return ran(s, self._run_sync(d, invoke, control_flow, rollback_on_failure, failure_of, result_of, note, unknown_on))
 
     def _run_sync(
         self, d: Execute, invoke: Callable[[dict[str, Any]], Any], control_flow: ControlFlow,
@@ -237,23 +193,19 @@ class CallDriver:
         try:
             try:
                 value = invoke(d.args)
-            except control_flow:
-                self.release(d)
-                raise
-            except unknown_on as exc:
-                return Outcome(error=exc, in_doubt=self._settle_in_doubt(d, exc))
             except BaseException as exc:
-                # The tool's retry policy, if any, runs it again (same effect, same key) before it counts as failed.
-                value, error = self._retry_sync(d, invoke, exc, control_flow, unknown_on)
-                if error is not None:
-                    if isinstance(error, unknown_on):  # a retry's outcome is unknown: settled as in doubt
-                        return Outcome(error=error, in_doubt=self._settle_in_doubt(d, error))
-                    return self._failed_sync(d, error, rollback_on_failure, note=note)
+                # The walk: released (control flow), settled (unknown), retried per the tool's policy (same effect,
+                # same key), or recorded failed and rolled back per the session's policy.
+                value, out = self._drive(self._walk(d, exc, control_flow, unknown_on, rollback_on_failure, note)
+                                         .raised(exc), d, invoke)
+                if out is not None:
+                    return out  # type: ignore[no-any-return]
         finally:
             CURRENT_CALL.reset(token)
         failure = failure_of(value) if failure_of is not None else None
         if failure is not None:
-            return self._failed_sync(d, failure, rollback_on_failure, value=value, note=note)
+            return self._drive(self._walk(d, None, control_flow, unknown_on, rollback_on_failure, note)  # type: ignore[no-any-return]
+                               .failed(failure, value), d, invoke)
         if d.effect_id is not None:
             self.engine.complete(d.effect_id, result_of(value) if result_of is not None else value)
         return _ok(value)
@@ -280,7 +232,7 @@ class CallDriver:
             except control_flow:
                 raise  # a SAFE call holds nothing to release
             except BaseException as exc:
-                value, error = self._retry_sync(d, invoke, exc, control_flow)
+                value, error = self._drive(self._walk(d, exc, control_flow, (), False, True).retried(exc), d, invoke)
         finally:
             CURRENT_CALL.reset(token)
         if error is not None:
@@ -308,8 +260,8 @@ class CallDriver:
         rollback_on_failure: bool, failure_of: Callable[[Any], str | NothingHappened | None] | None,
         result_of: Callable[[Any], Any] | None, note: bool, unknown_on: ControlFlow,
     ) -> Outcome:
-        with _tool_span(d) as s:
-            return _ran(s, await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of,
+        with tool_span(d) as s:
+            return ran(s, await self._run_async(d, invoke, control_flow, rollback_on_failure, failure_of,
                                                  result_of, note, unknown_on))
 
     async def _run_async(
@@ -323,29 +275,25 @@ class CallDriver:
                 value = invoke(d.args)
                 if value.__class__ is CoroutineType or inspect.isawaitable(value):
                     value = await value
-            except control_flow:
-                await self._off_loop(self.release, d)
-                raise
-            except unknown_on as exc:
-                return Outcome(error=exc, in_doubt=await self._off_loop(self._settle_in_doubt, d, exc))
             except BaseException as exc:
-                value, error = await self._retry_async(d, invoke, exc, control_flow, unknown_on)
-                if error is not None:
-                    if isinstance(error, unknown_on):
-                        return Outcome(error=error, in_doubt=await self._off_loop(self._settle_in_doubt, d, error))
-                    return await self._failed_async(d, error, rollback_on_failure, note=note)
+                value, out = await self._adrive(self._walk(d, exc, control_flow, unknown_on, rollback_on_failure,
+                                                           note).raised(exc), d, invoke)
+                if out is not None:
+                    return out  # type: ignore[no-any-return]
         finally:
             CURRENT_CALL.reset(token)
         failure = failure_of(value) if failure_of is not None else None
         if failure is not None:
-            return await self._failed_async(d, failure, rollback_on_failure, value=value, note=note)
+            return await self._adrive(self._walk(d, None, control_flow, unknown_on,  # type: ignore[no-any-return]
+                                                 rollback_on_failure, note).failed(failure, value), d, invoke)
         result = result_of(value) if result_of is not None else value
         if d.effect_id is not None:
             try:
                 self.engine.complete(d.effect_id, result, wait=False)
             except WouldBlock:
                 await asyncio.to_thread(self._complete, d, result)
-        out = _new(Outcome)  # (_ok, inline: a frame fewer on every call run on an event loop)
+        # _ok, inline: a frame fewer on every call run on an event loop (Semantic Kernel's frame test pins it).
+        out = _new(Outcome)
         _set_attr(out, "__dict__", {"value": value, "error": None, "rollback": None, "failure": None, "in_doubt": None})
         return out
 
@@ -367,32 +315,6 @@ class CallDriver:
             _note(exc, f"undolog: {d.tool_name} (effect {d.effect_id}) could not be settled now: {book}; "
                        "run recover()")
             return None
-
-    def _failed_sync(self, d: Execute, error: BaseException | NothingHappened | str, rollback: bool,
-                     value: Any = None, note: bool = True) -> Outcome:
-        exc = error if isinstance(error, BaseException) else None
-        rollback = rollback and self.failure_rollbacks
-        policy = self._record_failure(d, error, rollback)
-        report = None
-        if policy == "rollback" and rollback:
-            try:
-                report = self._rollback_sync(d.session_id, exc if note else None, self._why(d, error))
-            finally:
-                self.engine.leases.rolling.discard(d.session_id)  # the walk is over here, however it ended
-        return Outcome(value=value, error=exc, rollback=report, failure=None if exc else str(error))
-
-    async def _failed_async(self, d: Execute, error: BaseException | NothingHappened | str, rollback: bool,
-                            value: Any = None, note: bool = True) -> Outcome:
-        exc = error if isinstance(error, BaseException) else None
-        rollback = rollback and self.failure_rollbacks
-        policy = await self._off_loop(self._record_failure, d, error, rollback)
-        report = None
-        if policy == "rollback" and rollback:
-            try:
-                report = await self._rollback_async(d.session_id, exc if note else None, self._why(d, error))
-            finally:
-                self.engine.leases.rolling.discard(d.session_id)  # the walk is over here, however it ended
-        return Outcome(value=value, error=exc, rollback=report, failure=None if exc else str(error))
 
     # -- whole calls -----------------------------------------------------------------------------
 
@@ -468,56 +390,94 @@ class CallDriver:
         except Exception:  # noqa: BLE001 - no spec here (a caller's own name): no retry, the failure stands
             return None
 
-    def _retry_sync(self, d: Execute, invoke: Callable[[dict[str, Any]], Any], exc: BaseException,
-                    control_flow: ControlFlow, unknown_on: ControlFlow = ()) -> tuple[Any, BaseException | None]:
-        """Run the tool again per its retry policy; ``(value, None)`` once an attempt succeeds, else the last error.
+    def _walk(self, d: Execute, exc: BaseException | None, control_flow: ControlFlow, unknown_on: ControlFlow,
+              rollback: bool, note: bool) -> CallWalk:
+        """The walk of a call whose first attempt raised ``exc`` (None: reported a failure as its value)."""
+        policy = self._retry_policy(d, exc) if exc is not None else None
+        return CallWalk(d, control_flow, unknown_on, rollback=rollback and self.failure_rollbacks, note=note,
+                        policy=policy)
 
-        An attempt whose outcome is unknown (``unknown_on``) ends the retries: it may have happened, and is settled
-        as in doubt by the caller, never tried again blindly. The attempts are counted by ``_Retrying``; this loop
-        and ``_retry_async`` differ only in how they sleep, call and release."""
-        retrying = _Retrying(self._retry_policy(d, exc), exc)
-        while (delay := retrying.next_delay()) is not None:
-            time.sleep(delay)
-            with self.engine.running(d, attempt=retrying.attempt):
-                try:
-                    return invoke(d.args), None
-                except control_flow:
+    def _drive(self, walk: Walk, d: Execute, invoke: Callable[[dict[str, Any]], Any]) -> Any:
+        """The sync loop over a walk: each step it asks for done here, in this thread; returns what it returns."""
+        try:
+            step = next(walk)
+            while True:
+                op, arg = step
+                answer: Any = None
+                if op is Op.INVOKE:
+                    error: BaseException | None = None
+                    try:
+                        with self.engine.running(d, attempt=arg):
+                            answer = invoke(d.args)
+                    except BaseException as exc:  # noqa: BLE001 - the walk classifies it
+                        error = exc
+                    step = walk.send(answer) if error is None else walk.throw(error)
+                    continue
+                if op is Op.SLEEP:
+                    time.sleep(arg)
+                elif op is Op.RELEASE:
                     self.release(d)
-                    raise
-                except unknown_on as unknown:
-                    return None, unknown
-                except BaseException as again:
-                    retrying.error = again
-        return None, retrying.gave_up(d)
+                elif op is Op.SETTLE:
+                    answer = self._settle_in_doubt(d, arg)
+                elif op is Op.RECORD:
+                    answer = self._record_failure(d, *arg)
+                else:
+                    try:
+                        answer = self._rollback_sync(d.session_id, *arg)
+                    finally:
+                        self.engine.leases.rolling.discard(d.session_id)  # the walk is over here, however it ended
+                step = walk.send(answer)
+        except StopIteration as done:
+            return done.value
 
-    async def _retry_async(self, d: Execute, invoke: Callable[[dict[str, Any]], Any], exc: BaseException,
-                           control_flow: ControlFlow, unknown_on: ControlFlow = ()) -> tuple[Any, BaseException | None]:
-        retrying = _Retrying(self._retry_policy(d, exc), exc)
-        while (delay := retrying.next_delay()) is not None:
-            await asyncio.sleep(delay)
-            with self.engine.running(d, attempt=retrying.attempt):
-                try:
-                    value = invoke(d.args)
-                    return (await value) if inspect.isawaitable(value) else value, None
-                except control_flow:
+    async def _adrive(self, walk: Walk, d: Execute, invoke: Callable[[dict[str, Any]], Any]) -> Any:
+        """The async loop over a walk: the tool and the rollback awaited on this loop, every other durable step in a
+        worker thread (the loop never waits on the store)."""
+        try:
+            step = next(walk)
+            while True:
+                op, arg = step
+                answer: Any = None
+                if op is Op.INVOKE:
+                    error: BaseException | None = None
+                    try:
+                        with self.engine.running(d, attempt=arg):
+                            answer = invoke(d.args)
+                            if inspect.isawaitable(answer):
+                                answer = await answer
+                    except BaseException as exc:  # noqa: BLE001 - the walk classifies it
+                        error = exc
+                    step = walk.send(answer) if error is None else walk.throw(error)
+                    continue
+                if op is Op.SLEEP:
+                    await asyncio.sleep(arg)
+                elif op is Op.RELEASE:
                     await self._off_loop(self.release, d)
-                    raise
-                except unknown_on as unknown:
-                    return None, unknown
-                except BaseException as again:
-                    retrying.error = again
-        return None, retrying.gave_up(d)
+                elif op is Op.SETTLE:
+                    answer = await self._off_loop(self._settle_in_doubt, d, arg)
+                elif op is Op.RECORD:
+                    answer = await self._off_loop(self._record_failure, d, *arg)
+                else:
+                    try:
+                        answer = await self._rollback_async(d.session_id, *arg)
+                    finally:
+                        self.engine.leases.rolling.discard(d.session_id)  # the walk is over here, however it ended
+                step = walk.send(answer)
+        except StopIteration as done:
+            return done.value
 
     def _retry_safe_sync(self, spec: ToolSpec, values: dict[str, Any], exc: Exception) -> Any:
         d = Execute(None, values, None, SAFE, spec.name, None, "")
-        value, error = self._retry_sync(d, lambda a: _call_blocking(spec, a), exc, ())
+        invoke = lambda a: _call_blocking(spec, a)  # noqa: E731
+        value, error = self._drive(self._walk(d, exc, (), (), False, True).retried(exc), d, invoke)
         if error is not None:
             raise error
         return value
 
     async def _retry_safe_async(self, spec: ToolSpec, values: dict[str, Any], exc: Exception) -> Any:
         d = Execute(None, values, None, SAFE, spec.name, None, "")
-        value, error = await self._retry_async(d, lambda a: spec.fn(**a), exc, ())  # type: ignore[misc]
+        invoke = lambda a: spec.fn(**a)  # type: ignore[misc]  # noqa: E731
+        value, error = await self._adrive(self._walk(d, exc, (), (), False, True).retried(exc), d, invoke)
         if error is not None:
             raise error
         return value
@@ -541,7 +501,7 @@ class CallDriver:
         ``rollback``: the caller rolls the session back if its policy says so, requested with the failure."""
         if d.effect_id is None:
             return None
-        request = (d.session_id, self._why(d, error)) if rollback else None
+        request = (d.session_id, failure_reason(d.tool_name, error)) if rollback else None
         try:
             if isinstance(error, NothingHappened):
                 return self.engine.record_failure(d.effect_id, error.text, nothing_happened=True,
@@ -552,11 +512,6 @@ class CallDriver:
             _note(error, f"undolog: the failure of {d.tool_name} (effect {d.effect_id}) could not be recorded: "
                          f"{book}; run recover() once the store answers")
             return None
-
-    @staticmethod
-    def _why(d: Execute, error: BaseException | NothingHappened | str) -> str:
-        text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
-        return clean_text(f"{d.tool_name} failed: {text}")  # stored as the rollback's reason
 
     def _rollback_sync(self, session_id: str, exc: BaseException | None, reason: str) -> RollbackReport | None:
         try:
@@ -613,98 +568,6 @@ class CallDriver:
 
     async def arollback_noting(self, session_id: str, exc: BaseException, reason: str) -> RollbackReport | None:
         return await self._rollback_async(session_id, exc, reason)
-
-
-_REFUSALS = {"approval_rejected": "rejected", "approval_timed_out": "timed_out",
-             "approval_cancelled": "cancelled"}
-
-
-# An IRREVERSIBLE call's gate gets its own ``execute_tool`` span only when the tool does not run now (it waits for a
-# person, was refused, or replays a stored result): a call let through is traced once, by its run's span, which
-# carries the approval request and the decision. So each attempt of the agent to call the tool is one span.
-
-
-def _gate_attrs(spec: ToolSpec, session_id: str, call_id: str | None) -> dict[str, Any]:
-    return obs.tool_attrs(spec.name, spec.tier.value, call_id=call_id, session_id=session_id, effect_id=None)
-
-
-def _gated(spec: ToolSpec, session_id: str, call_id: str | None, start: int, d: Decision) -> Decision:
-    if isinstance(d, Execute):
-        return d
-    attrs = _gate_attrs(spec, session_id, call_id)
-    attrs[obs.A_EFFECT] = d.effect_id
-    if isinstance(d, AwaitingApproval):
-        attrs.update({obs.A_REQUEST: d.approval_request_id, obs.A_DECISION: "awaiting_approval",
-                      obs.A_TOOL_CALL_ID: d.call_id})
-    else:
-        attrs[obs.A_DECISION] = "replayed"
-    obs.record_span(f"{obs.OP_EXECUTE_TOOL} {spec.name}", attrs, start)
-    return d
-
-
-def _refused(spec: ToolSpec, session_id: str, call_id: str | None, start: int, exc: UndoLogError) -> None:
-    attrs = _gate_attrs(spec, session_id, call_id)
-    attrs[obs.A_DECISION] = _REFUSALS.get(exc.code, "refused")
-    attrs[obs.A_REQUEST] = getattr(exc, "approval_request_id", None)
-    obs.record_span(f"{obs.OP_EXECUTE_TOOL} {spec.name}", attrs, start, error=exc)
-
-
-@contextlib.contextmanager
-def _tool_span(d: Execute) -> Iterator[Any]:
-    """The ``execute_tool`` span around a COMPENSABLE or IRREVERSIBLE tool's run.
-
-    The tool's failure comes back in the ``Outcome`` (see :func:`_ran`); only a framework's control flow passes
-    through here: the call was handed back unrun (``released``), which is not an error."""
-    attrs = obs.tool_attrs(d.tool_name, d.tier.value, call_id=d.call_id, session_id=d.session_id,
-                           effect_id=d.effect_id)
-    if d.approval_request_id is not None:
-        attrs[obs.A_REQUEST] = d.approval_request_id
-        attrs[obs.A_DECISION] = d.decision
-    with obs.span(f"{obs.OP_EXECUTE_TOOL} {d.tool_name}", attrs) as s:
-        try:
-            yield s
-        except BaseException:
-            s.set_attribute(obs.A_OUTCOME, "released")
-            raise
-
-
-def _ran(s: Any, outcome: Outcome) -> Outcome:
-    """Mark the tool span as failed when the tool failed, with what the failure policy did about it."""
-    if outcome.ok:
-        return outcome
-    if outcome.rollback is None:
-        what = "none"
-    elif outcome.rollback.complete:
-        what = "rolled_back"
-    else:
-        what = "halted"
-    obs.failed(s, outcome.error if outcome.error is not None else str(outcome.failure), what)
-    return outcome
-
-
-class _Retrying:
-    """The state of a tool's retries, shared by the sync and the async driver: which attempt comes next, after
-    what delay, and the note on the last error when they all failed."""
-
-    __slots__ = ("policy", "error", "attempt")
-
-    def __init__(self, policy: RetryPolicy | None, error: BaseException) -> None:
-        self.policy = policy
-        self.error = error  # the last attempt's error
-        self.attempt = 1  # the attempt that failed last, then the one about to run
-
-    def next_delay(self) -> float | None:
-        """How long to wait before the next attempt, or None: no retry (left) for this error."""
-        if self.policy is None or not self.policy.retries(self.error, self.attempt):
-            return None
-        delay = self.policy.delay(self.attempt)
-        self.attempt += 1
-        return delay
-
-    def gave_up(self, d: Execute) -> BaseException:
-        if self.attempt > 1:
-            _note(self.error, f"undolog: {d.tool_name} failed on each of {self.attempt} attempts (its retry policy)")
-        return self.error
 
 
 def _call_blocking(spec: ToolSpec, args: dict[str, Any]) -> Any:

@@ -298,6 +298,8 @@ def run_known(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any
     d = _known(guard, request, True)
     if d.__class__ is not Execute:
         return d  # the answer, or NOT_SAFE
+    # _to_run and _known_answer, inline: two frames fewer on every call of an agent step, which the frame tests of a
+    # later SAFE and COMPENSABLE turn pin (tests/adapters/test_speed_paths.py); arun_call calls them.
     call = request.tool_call
     args = call.get("args") or {}
     # The validated arguments (guard.runnable's test, inline).
@@ -330,6 +332,37 @@ def run_known(guard: _Guard, request: Any, execute: Callable[[Any], Any]) -> Any
     return _settled(guard, None, call.get("id"), request, _Run(d, d.session_id), outcome, box)
 
 
+def _to_run(request: Any, d: Execute) -> tuple[Any, _Box | None]:
+    """The request to run for a call of a known thread that ``_known`` let through, and the box its raw value goes to
+    (None for a SAFE call: nothing is stored): the validated arguments, and the tool's capturing copy
+    (``guard.runnable``'s steps, without its ``_Run``). ``run_known`` takes these steps inline (the frame test of a
+    COMPENSABLE turn pins the two frames that saves); ``arun_call`` calls them."""
+    call = request.tool_call
+    args = call.get("args") or {}
+    same = (args if args.__class__ is dict else dict(args)) == d.args
+    if d.effect_id is None:
+        return (request if same else request.override(tool_call={**call, "args": dict(d.args)})), None
+    box = _Box()
+    tool = request.tool
+    hit = _COPIES.get(id(tool))  # _capturing's own first test (its copy is made once per tool)
+    copy = hit[1] if hit is not None and hit[0] is tool else _capturing(tool, box)
+    overrides: dict[str, Any] = {} if same else {"tool_call": {**call, "args": dict(d.args)}}
+    if copy is not tool:
+        overrides["tool"] = copy
+    return (_override(request, overrides) if overrides else request), box
+
+
+def _known_answer(guard: _Guard, request: Any, d: Execute, outcome: Outcome, box: _Box) -> Any:
+    """ToolNode's answer to a logged call of a known thread the driver ran: its message marked in place when ToolNode
+    built it for this call (``guard.committed``'s common case), else what ``_settled`` makes of the outcome."""
+    out = outcome.value
+    if (outcome.error is None and outcome.failure is None and outcome.rollback is None and box.set
+            and box.value is not out and out.__class__ is ToolMessage and out.response_metadata.__class__ is dict):
+        out.response_metadata["undolog"] = {"tier": _COMPENSABLE, "effect_id": d.effect_id, "session_id": d.session_id}
+        return out
+    return _settled(guard, None, request.tool_call.get("id"), request, _Run(d, d.session_id), outcome, box)
+
+
 async def arun_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], *, admit: bool = True) -> Any:
     """Async :func:`run_call`: the same steps, awaiting the tool."""
     if request.tool is None:
@@ -340,37 +373,18 @@ async def arun_call(guard: _Guard, request: Any, execute: Callable[[Any], Any], 
         # with nothing written, and decided below (in a thread when it must wait).
         d = _known(guard, request, False)
         if d.__class__ is Execute:
-            call = request.tool_call
-            args = call.get("args") or {}
-            same = (args if args.__class__ is dict else dict(args)) == d.args  # the validated arguments
-            if d.effect_id is None:
-                req = request if same else request.override(tool_call={**call, "args": dict(d.args)})
+            req, box = _to_run(request, d)  # the steps run_known takes inline, the tool awaited between them
+            if box is None:
                 return _safe_answer(await guard.u.driver.run_async(d, lambda _a: execute(req),
                                                                     control_flow=(GraphBubbleUp,), note=False))
-            # As run_known runs it (guard.runnable and committed's common case inline), the tool awaited.
-            raw = _Box()
-            tool = request.tool
-            hit = _COPIES.get(id(tool))
-            copy = hit[1] if hit is not None and hit[0] is tool else _capturing(tool, raw)
-            overrides: dict[str, Any] = {} if same else {"tool_call": {**call, "args": dict(d.args)}}
-            if copy is not tool:
-                overrides["tool"] = copy
-            req = _override(request, overrides) if overrides else request
-            boxed = _CAPTURE.set(raw)
+            boxed = _CAPTURE.set(box)
             try:
                 outcome = await guard.u.driver.run_async(
                     d, lambda _a: execute(req), control_flow=(GraphBubbleUp,), note=False,
-                    failure_of=partial(_failure_of, call["name"]), result_of=raw.result_of)
+                    failure_of=partial(_failure_of, request.tool_call["name"]), result_of=box.result_of)
             finally:
                 _CAPTURE.reset(boxed)
-            out = outcome.value
-            if (outcome.error is None and outcome.failure is None and outcome.rollback is None and raw.set
-                    and raw.value is not out and out.__class__ is ToolMessage
-                    and out.response_metadata.__class__ is dict):
-                out.response_metadata["undolog"] = {"tier": _COMPENSABLE, "effect_id": d.effect_id,
-                                                    "session_id": d.session_id}
-                return out
-            return _settled(guard, None, call.get("id"), request, _Run(d, d.session_id), outcome, raw)
+            return _known_answer(guard, request, d, outcome, box)
         if d is not NOT_SAFE:
             return d
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -126,23 +126,13 @@ class UndoLogToolNode(ToolNode):
     def _func(self, input: Any, config: RunnableConfig, runtime: Runtime) -> Any:  # noqa: A002
         batch = _Batch()
         token = _BATCH.set(batch)
+        walk = self._walk(input, config, batch)
         try:
-            error: str | None = None
-            asked, start = 0, None  # the node's pauses answered in this run, and the index of the first
-            while True:
-                pauses = self._gate(input, config, batch)
-                if not pauses:
-                    forget_answers(config, start, asked)  # a tool's own interrupt() must not be handed them
-                    asked = 0
-                    batch.pending.clear()
-                    out = super()._func(input, config, runtime)
-                    if not batch.pending:
-                        return out
-                    pauses = self._ordered(input, batch)  # decided, then re-opened meanwhile: ask again
-                if not asked:
-                    start = next_interrupt_index(config)
-                error = self._undolog_guard.ask(pauses, error, batched=True)
-                asked += 1
+            next(walk)
+            while True:  # each time the walk says the message's calls run now: ToolNode runs them
+                walk.send(super()._func(input, config, runtime))
+        except StopIteration as done:
+            return done.value
         finally:
             self._release_gated(batch)
             _BATCH.reset(token)
@@ -150,26 +140,40 @@ class UndoLogToolNode(ToolNode):
     async def _afunc(self, input: Any, config: RunnableConfig, runtime: Runtime) -> Any:  # noqa: A002
         batch = _Batch()
         token = _BATCH.set(batch)
+        walk = self._walk(input, config, batch)
         try:
-            error: str | None = None
-            asked, start = 0, None  # as in _func
-            while True:
-                pauses = self._gate(input, config, batch)
-                if not pauses:
-                    forget_answers(config, start, asked)
-                    asked = 0
-                    batch.pending.clear()
-                    out = await super()._afunc(input, config, runtime)
-                    if not batch.pending:
-                        return out
-                    pauses = self._ordered(input, batch)
-                if not asked:
-                    start = next_interrupt_index(config)
-                error = self._undolog_guard.ask(pauses, error, batched=True)
-                asked += 1
+            next(walk)
+            while True:  # as in _func, ToolNode's calls awaited
+                walk.send(await super()._afunc(input, config, runtime))
+        except StopIteration as done:
+            return done.value
         finally:
             self._release_gated(batch)
             _BATCH.reset(token)
+
+    def _walk(self, input: Any, config: Mapping[str, Any], batch: _Batch) -> Generator[None, Any, Any]:  # noqa: A002
+        """The node run's steps, for ``_func`` and ``_afunc`` alike; returns ToolNode's output.
+
+        Gate the message's IRREVERSIBLE calls and ask for their decisions in one pause (``interrupt()`` raises out of
+        the walk on the first pass) until none is pending; then yield for ToolNode to run the calls (sent back its
+        output), and ask again for any call decided, then re-opened meanwhile.
+        """
+        error: str | None = None
+        asked, start = 0, None  # the node's pauses answered in this run, and the index of the first
+        while True:
+            pauses = self._gate(input, config, batch)
+            if not pauses:
+                forget_answers(config, start, asked)  # a tool's own interrupt() must not be handed them
+                asked = 0
+                batch.pending.clear()
+                out = yield
+                if not batch.pending:
+                    return out
+                pauses = self._ordered(input, batch)  # decided, then re-opened meanwhile: ask again
+            if not asked:
+                start = next_interrupt_index(config)
+            error = self._undolog_guard.ask(pauses, error, batched=True)
+            asked += 1
 
     def _gate(self, input: Any, config: Mapping[str, Any], batch: _Batch) -> list[_Pause]:
         """Intercept the message's IRREVERSIBLE calls, in message order, before any call runs."""

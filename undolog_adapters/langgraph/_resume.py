@@ -5,7 +5,7 @@ Imports LangGraph's ``Command`` and the sibling modules; holds no state of its o
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from langgraph.types import Command
@@ -72,17 +72,18 @@ def rollback(thread_id: str, *, undolog: UndoLog | None = None, reason: str | No
     """
     u = _default_undolog(undolog)
     sid = session_for_thread(thread_id, undolog=u)
-    report = u.saga.rollback_sync(sid, reason=reason or "requested by the graph", actor="langgraph")
-    for name, data in rollback_events(report, None):
-        emit(name, data)  # inside a graph's node: the run's callbacks see what was undone
-    return report
+    return _told(u.saga.rollback_sync(sid, reason=reason or "requested by the graph", actor="langgraph"))
 
 
 async def arollback(thread_id: str, *, undolog: UndoLog | None = None, reason: str | None = None) -> Any:
     """Async :func:`rollback`."""
     u = _default_undolog(undolog)
     sid = session_for_thread(thread_id, undolog=u)
-    report = await u.saga.rollback(sid, reason=reason or "requested by the graph", actor="langgraph")
+    return _told(await u.saga.rollback(sid, reason=reason or "requested by the graph", actor="langgraph"))
+
+
+def _told(report: Any) -> Any:
+    """The rollback's report, each compensation told to the run's callbacks (in a node, they see what was undone)."""
     for name, data in rollback_events(report, None):
         emit(name, data)
     return report
@@ -102,17 +103,17 @@ def undolog_resume(graph: Any, config: Mapping[str, Any], *, undolog: UndoLog | 
         >>> undolog.approvals.approve(request_id, approver="ana")                      # doctest: +SKIP
         >>> graph.invoke(Command(resume=undolog_resume(graph, config)), config)          # doctest: +SKIP
     """
-    u = _default_undolog(undolog)
-    mine = _ours(graph.get_state(config).interrupts)
-    if not mine:
-        raise errors.UndoLogError(f"thread {_thread(config)!r} is not paused on an UndoLog approval")
-    return {i.id: _resume_value_for(u, i.value) for i in mine}
+    return _resume_values(_default_undolog(undolog), config, graph.get_state(config).interrupts)
 
 
 async def aundolog_resume(graph: Any, config: Mapping[str, Any], *, undolog: UndoLog | None = None) -> dict[str, Any]:
     """Async :func:`undolog_resume` (for async checkpointers)."""
-    u = _default_undolog(undolog)
-    mine = _ours((await graph.aget_state(config)).interrupts)
+    return _resume_values(_default_undolog(undolog), config, (await graph.aget_state(config)).interrupts)
+
+
+def _resume_values(u: UndoLog, config: Mapping[str, Any], interrupts: Sequence[Any]) -> dict[str, Any]:
+    """``{interrupt_id: resume value}`` for the thread's UndoLog interrupts among ``interrupts``."""
+    mine = _ours(interrupts)
     if not mine:
         raise errors.UndoLogError(f"thread {_thread(config)!r} is not paused on an UndoLog approval")
     return {i.id: _resume_value_for(u, i.value) for i in mine}
@@ -154,14 +155,13 @@ def resume_decided(
         >>> resume_decided(agent, undolog=undolog)  # doctest: +SKIP
         {'ticket-1042': {'messages': [...]}}
     """
-    u = _default_undolog(undolog)
-    done: dict[str, Any] = {}
-    for tid in _decided_threads(u, thread_ids):
-        cfg = _thread_config(config, tid)
-        mine = _ours(graph.get_state(cfg).interrupts)
-        if mine and _all_decided(u, mine):
-            done[tid] = graph.invoke(Command(resume={i.id: _resume_value_for(u, i.value) for i in mine}), cfg)
-    return done
+    walk = _resuming(_default_undolog(undolog), thread_ids, config)
+    try:
+        step = next(walk)
+        while True:  # each step the graph's sync form: read a thread's state, or resume it
+            step = walk.send(graph.get_state(step[1]) if step[0] is _STATE else graph.invoke(*step[1:]))
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
 
 
 async def aresume_decided(
@@ -169,13 +169,30 @@ async def aresume_decided(
     config: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Async :func:`resume_decided`."""
-    u = _default_undolog(undolog)
+    walk = _resuming(_default_undolog(undolog), thread_ids, config)
+    try:
+        step = next(walk)
+        while True:  # as in resume_decided, the graph's async form
+            step = walk.send(await graph.aget_state(step[1]) if step[0] is _STATE else await graph.ainvoke(*step[1:]))
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+_STATE, _RESUME = "state", "resume"  # what a resume walk asks of the graph
+
+
+def _resuming(u: UndoLog, thread_ids: Iterable[str] | None,
+              config: Mapping[str, Any] | None) -> Generator[tuple[Any, ...], Any, dict[str, Any]]:
+    """The steps of :func:`resume_decided` and :func:`aresume_decided`; returns the outputs by thread.
+
+    For each thread with decided requests: ask for its state (``(_STATE, config)``, sent the graph's state), and
+    resume it when every UndoLog request it waits on is decided (``(_RESUME, Command, config)``, sent the graph's
+    output).
+    """
     done: dict[str, Any] = {}
     for tid in _decided_threads(u, thread_ids):
         cfg = _thread_config(config, tid)
-        mine = _ours((await graph.aget_state(cfg)).interrupts)
+        mine = _ours((yield _STATE, cfg).interrupts)
         if mine and _all_decided(u, mine):
-            done[tid] = await graph.ainvoke(
-                Command(resume={i.id: _resume_value_for(u, i.value) for i in mine}), cfg
-            )
+            done[tid] = yield _RESUME, Command(resume={i.id: _resume_value_for(u, i.value) for i in mine}), cfg
     return done
