@@ -521,6 +521,46 @@ def test_sqlite_session_start_is_one_durable_statement_and_writes_what_core_writ
         u.sessions.get("bad-policy")
 
 
+@pytest.mark.sqlite_only  # PostgreSQL carries the count in its one pre-write statement already (its CTE)
+def test_sqlite_prewrite_after_safe_calls_is_one_durable_statement_that_carries_their_count(
+        db: Any, counter_for: Any) -> None:
+    """SAFE calls are counted in memory and reach the session's row with its next write: on SQLite a COMPENSABLE
+    call after them is still one autocommit statement (the counting view's INSERT, whose trigger adds the count and
+    writes the effect and its undo entry), where it was BEGIN, the session's UPDATE, the INSERT and COMMIT. The rows
+    are those of the plain pre-write (the undo entry under the effect's sequence number); a halted session takes
+    nothing, neither the count nor the call."""
+    u = db.open()
+    u.register(*TOOLS)
+    c = counter_for(u)
+    s = u.session(agent_id="overhead")
+    _MARKER["counter"] = c
+    try:
+        s.call_sync(oh_refund_sync, user_id="u0", amount=1)  # the session's row and the hot path's connection, warm
+        for i in range(3):
+            s.call_sync(oh_search, query=f"q{i}")
+        c.mark("before")
+        s.call_sync(oh_refund_sync, user_id="u1", amount=5)
+    finally:
+        _MARKER.pop("counter", None)
+    pre = [e for e in c.window("before", "tool_start") if e.main]
+    prewrite = _one_transaction(pre, engine="durable")
+    assert _durability(u, c, prewrite["conn"]), "the pre-write must be an fsynced commit"
+    stmts = [st.lower() for st in prewrite["statements"]]
+    assert len(stmts) == 1 and stmts[0].startswith("insert into undolog_prewrite_counted"), describe(pre)
+    assert u.sessions.get(s.id).tool_calls_total == 4  # the three SAFE calls and the first logged one
+    with internals(u).sql_engine.connect() as conn:
+        rows = conn.exec_driver_sql(
+            "SELECT e.seq, u.undo_id, u.state FROM undolog_effect_log e JOIN undolog_undo_stack u "
+            "ON u.effect_id = e.effect_id WHERE e.session_id = ? ORDER BY e.seq", (s.id,)).all()
+    assert len(rows) == 2 and all(seq == undo_id and state == "armed" for seq, undo_id, state in rows), rows
+    # Refused by a halted session: nothing written, the count kept in memory.
+    s.call_sync(oh_search, query="before the halt")
+    u.store.halt_session(s.id, "stop")
+    with pytest.raises(errors.SessionHalted):
+        s.call_sync(oh_refund_sync, user_id="u2", amount=5)
+    assert [e["tool_name"] for e in u.sessions.effects(s.id)] == ["oh_refund_sync", "oh_refund_sync"]
+
+
 # -- a session's start and end on PostgreSQL: one durable statement each ---------------------------------------
 
 

@@ -82,6 +82,8 @@ class FailureRecord:
 
 # JSON text this short cannot nest deeper than the limit (see limits.args_problem).
 _SHORT_JSON = 2 * MAX_JSON_DEPTH
+# What a pre-write carries to the session's row when no SAFE call was counted since its last write.
+_NO_COUNT = (0, 0)
 SAFE = ToolTier.SAFE
 COMPENSABLE = ToolTier.COMPENSABLE
 IRREVERSIBLE = ToolTier.IRREVERSIBLE
@@ -509,8 +511,9 @@ class Engine:
             args_text = canonical_text(args_json)
         digest = sha256_hex(args_text)
         now = _clock.now()  # the pre-write's lease starts here: on UndoLog's clock, as every lease
-        safe = sc.take_safe() if sc.dirty else 0
-        carried = sc.take_carried() if safe else 0
+        # SAFE calls counted since the session's last write ride with this one, and the logged calls carried with
+        # them; with none, the carried ones wait for a write that flushes (a run of COMPENSABLE calls).
+        safe, carried = sc.take_flush() if sc.dirty else _NO_COUNT
         comp = spec.compensation
         assert comp is not None
         self._inflight.add(effect_id)

@@ -99,6 +99,15 @@ class SessionCache:
         old, self.carried = self.carried, itertools.count()
         return next(old)
 
+    def take_flush(self) -> tuple[int, int]:
+        """(SAFE calls, logged calls carried), both taken: what a pre-write that flushes carries to the session's row.
+
+        For a record with SAFE calls counted (``dirty``); in one frame, as the COMPENSABLE hot path calls it."""
+        self.dirty = False
+        old, self.counter = self.counter, itertools.count()
+        carried, self.carried = self.carried, itertools.count()
+        return next(old), next(carried)
+
     def take_count(self) -> int:
         return self.take_safe() + self.take_carried()
 

@@ -91,12 +91,16 @@ class HotPath(abc.ABC):
     def __init__(self, store: HotStore, *, pool_size: int, fast_pool_size: int) -> None:
         self.store = store
         self.write_lock = store.write_lock
-        self.durable = RawPool(store.engine, pool_size, setup=self._setup)
+        self.durable = RawPool(store.engine, pool_size, setup=self._setup_durable)
         self.fast = RawPool(store.fast, fast_pool_size, setup=self._setup)
 
     @abc.abstractmethod
     def _setup(self, conn: Any) -> None:
         """How a new raw connection of the hot path is configured."""
+
+    def _setup_durable(self, conn: Any) -> None:
+        """How a new connection of the durable pool (the pre-writes') is configured: as every one, by default."""
+        self._setup(conn)
 
     @abc.abstractmethod
     def _prewrite(self, conn: Any, wait: bool, session_id: str, count: int, effect_id: str, call_id: str,

@@ -29,16 +29,39 @@ from .group import GroupCommit
 from .hotpath import _WRITABLE, HotPath, SessionRow
 from .pool import IntegrityConflict, RawPool, WouldBlock, is_unavailable
 
-_SQLITE_GUARD = (
-    f"UPDATE undolog_sessions SET tool_calls_total = tool_calls_total + ?, updated_at = ? "
-    f"WHERE session_id = ? AND {_WRITABLE}"
-)
 # The pre-write: one INSERT into the view of revision 0010 (schema.SQLITE_PREWRITE_VIEW), whose trigger writes the
 # effect while its session accepts writes, and its undo entry with the compensation given.
 _SQLITE_PREWRITE = (
     "INSERT INTO undolog_prewrite (effect_id, session_id, call_id, tool_name, tool_revision, args_snapshot, "
     "args_digest, owner, lease_until, created_at, compensation_name, compensation_version) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+# The pre-write that also adds the calls counted in memory since the session's last write: one autocommit INSERT
+# into a view of the connection's own (TEMP: nothing in the database file, no migration), whose trigger adds the count
+# to the session's row while the session accepts writes, then runs the schema's own pre-write trigger program (its
+# body, taken from ``schema.SQLITE_PREWRITE_TRIGGER``: the same effect and undo entry, the same session check). It
+# was BEGIN IMMEDIATE, the session UPDATE, the INSERT and COMMIT: three statements more, each a trip through the
+# driver that lets go of the GIL, on every COMPENSABLE call that follows a SAFE one (the trigger program in place,
+# rather than an INSERT into ``undolog_prewrite`` from this trigger: a nested view's trigger cost 3-5 us more).
+# Made on each connection of the hot path's durable pool as it joins (``SQLiteHotPath._setup_durable``).
+_SQLITE_COUNTED_VIEW = (
+    "CREATE TEMP VIEW IF NOT EXISTS undolog_prewrite_counted AS SELECT NULL AS calls, NULL AS effect_id, "
+    "NULL AS session_id, NULL AS call_id, NULL AS tool_name, NULL AS tool_revision, NULL AS args_snapshot, "
+    "NULL AS args_digest, NULL AS owner, NULL AS lease_until, NULL AS created_at, NULL AS compensation_name, "
+    "NULL AS compensation_version WHERE 0"
+)
+_SQLITE_COUNTED_TRIGGER = (
+    "CREATE TEMP TRIGGER IF NOT EXISTS undolog_prewrite_counted_insert INSTEAD OF INSERT ON undolog_prewrite_counted "
+    "BEGIN "
+    "UPDATE undolog_sessions SET tool_calls_total = tool_calls_total + NEW.calls, updated_at = NEW.created_at "
+    f"WHERE session_id = NEW.session_id AND {_WRITABLE};"
+    + t.SQLITE_PREWRITE_TRIGGER.split("BEGIN", 1)[1].rsplit("END", 1)[0]
+    + "END"
+)
+_SQLITE_PREWRITE_COUNTED = (
+    "INSERT INTO undolog_prewrite_counted (calls, effect_id, session_id, call_id, tool_name, tool_revision, "
+    "args_snapshot, args_digest, owner, lease_until, created_at, compensation_name, compensation_version) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 # A new session in one durable autocommit statement (see HotPath.start_session); an id that exists returns no row.
 _SQLITE_START_SESSION = (
@@ -320,7 +343,23 @@ class SQLiteHotPath(HotPath):
         return bool(self.group.submit((False, (effect_id, text, now)), wait))
 
     def _own_write_one(self, item: tuple[bool, tuple[Any, ...]], wait: bool) -> bool:
-        return bool(self._own_commit(self._write_one, item, wait))
+        """:meth:`_write_one` as :meth:`_own_commit` runs it (the same stamps, the same test), written out: the
+        group's uncontended write, twice per COMPENSABLE call, where a frame less is a frame less on each."""
+        watch = self._watch
+        if watch is None:
+            return self._write_one(item, wait)
+        mem = watch._mem
+        head = mem[: 2 * _WAL_HDR]
+        out = self._write_one(item, wait)
+        tail = mem[: 2 * _WAL_HDR]
+        before, after = head[:_WAL_HDR], tail[:_WAL_HDR]
+        if out and before == head[_WAL_HDR:] and after == tail[_WAL_HDR:] and \
+                (_ICHANGE.unpack_from(after, 8)[0] - _ICHANGE.unpack_from(before, 8)[0]) & 0xFFFFFFFF == 1:
+            own = self._own
+            if len(own) >= _STATE_MEMO_SIZE:
+                own.clear()
+            own[after] = before
+        return out
 
     def _own_write_many(self, items: Sequence[tuple[bool, tuple[Any, ...]]]) -> list[Any]:
         return list(self._own_commit(self._write_many, items, wrote=_any_written))
@@ -336,10 +375,21 @@ class SQLiteHotPath(HotPath):
         conn, gen = pool.checkout(wait=wait)
         broken = False
         try:
-            if is_prewrite:
-                return self._prewrite(conn, wait, *args)
-            effect_id, text, now = args
-            return self._mark(conn, wait, effect_id, text, now)
+            # ``_prewrite``'s and ``_mark``'s lock and statement, in this frame. SQLite has one writer: this
+            # process's writers queue on a lock that hands over at once (SQLite's own busy handler sleeps a
+            # millisecond or more). On an event loop it is never waited for.
+            lock = self.write_lock
+            if not lock.acquire(blocking=wait):
+                raise WouldBlock()
+            try:
+                if is_prewrite:
+                    # One autocommit statement, with a count or without (see _prewrite).
+                    return self._prewrite_in(conn, *args)
+                effect_id, text, now = args
+                return bool(conn.execute(_SQLITE_MARK_OWNED, (text, _sqlite_time(now), effect_id, self.owner))
+                            .rowcount == 1)
+            finally:
+                lock.release()
         except sqlite3.IntegrityError as exc:
             raise IntegrityConflict(str(exc)) from exc
         except WouldBlock:
@@ -387,16 +437,19 @@ class SQLiteHotPath(HotPath):
     def _prewrite_in(conn: Any, session_id: str, count: int, effect_id: str, call_id: str, tool_name: str,
                      revision: int, args_text: str, digest: str, owner: str, now: float, lease: float, comp: str,
                      comp_version: int) -> bool:
-        """The pre-write's statements: alone, one autocommit statement; with ``count``, inside a transaction that
-        is already open (the caller's, or a group's). An INSERT into the view reports no rowcount: the connection's
-        change counter says whether both rows were written."""
-        now_s = _sqlite_time(now)
-        row = (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner, _sqlite_time(lease),
-               now_s, comp, comp_version)
-        if count and conn.execute(_SQLITE_GUARD, (count, now_s, session_id)).rowcount != 1:
-            return False
+        """The pre-write's one statement, with or without ``count`` (then through the counting view, which adds it
+        to the session's row): autocommit alone, or inside a group's transaction. An INSERT into a view reports no
+        rowcount: the connection's change counter says whether every row was written (the effect and its undo
+        entry, and the session's row when there is a count). A statement that fails (the call id written before)
+        takes back every row its triggers wrote: nothing of it stands."""
         before = conn.total_changes
-        conn.execute(_SQLITE_PREWRITE, row)
+        if count:
+            conn.execute(_SQLITE_PREWRITE_COUNTED, (count, effect_id, session_id, call_id, tool_name, revision,
+                                                    args_text, digest, owner, _sqlite_time(lease), _sqlite_time(now),
+                                                    comp, comp_version))
+            return bool(conn.total_changes - before == 3)
+        conn.execute(_SQLITE_PREWRITE, (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner,
+                                        _sqlite_time(lease), _sqlite_time(now), comp, comp_version))
         return bool(conn.total_changes - before == 2)
 
     def _setup(self, conn: Any) -> None:
@@ -415,6 +468,15 @@ class SQLiteHotPath(HotPath):
         # HARD_PAGES, the safeguard for when that thread cannot keep up.
         conn.execute(f"PRAGMA wal_autocheckpoint={HARD_PAGES}")
 
+    def _setup_durable(self, conn: Any) -> None:
+        self._setup(conn)
+        # The counting pre-write's view (see _SQLITE_COUNTED_VIEW): this connection's own, made once as it joins
+        # the durable pool, the pre-writes' (the fast pool's connections write no pre-write). Only here: a
+        # connection that migrates the schema must not carry it (SQLite checks every trigger it can see against a
+        # table renamed under it, and this one names tables the migrations rebuild).
+        conn.execute(_SQLITE_COUNTED_VIEW)
+        conn.execute(_SQLITE_COUNTED_TRIGGER)
+
     def _prewrite(self, conn: Any, wait: bool, session_id: str, count: int, effect_id: str, call_id: str,
                   tool_name: str, revision: int, args_text: str, digest: str, owner: str, now: float, lease: float,
                   comp: str, comp_version: int, start: dict[str, Any] | None = None) -> bool:
@@ -426,19 +488,9 @@ class SQLiteHotPath(HotPath):
         if not self.write_lock.acquire(blocking=wait):
             raise WouldBlock()
         try:
-            if not count:
-                # One autocommit statement: a write statement takes the write lock before it reads, like BEGIN
-                # IMMEDIATE, so the view trigger's session check and its inserts see one state.
-                return self._prewrite_in(conn, *args)
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                ok = self._prewrite_in(conn, *args)
-                conn.execute("COMMIT" if ok else "ROLLBACK")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
-            return ok
+            # One autocommit statement, with a count or without: a write statement takes the write lock before it
+            # reads, like BEGIN IMMEDIATE, so the triggers' session check and their writes see one state.
+            return self._prewrite_in(conn, *args)
         finally:
             self.write_lock.release()
 
