@@ -536,6 +536,9 @@ def test_sqlite_prewrite_after_safe_calls_is_one_durable_statement_that_carries_
     _MARKER["counter"] = c
     try:
         s.call_sync(oh_refund_sync, user_id="u0", amount=1)  # the session's row and the hot path's connection, warm
+        # A first counted pre-write makes the connection's counting view (once per connection, see _prewrite_in).
+        s.call_sync(oh_search, query="warm")
+        s.call_sync(oh_refund_sync, user_id="u00", amount=1)
         for i in range(3):
             s.call_sync(oh_search, query=f"q{i}")
         c.mark("before")
@@ -547,18 +550,18 @@ def test_sqlite_prewrite_after_safe_calls_is_one_durable_statement_that_carries_
     assert _durability(u, c, prewrite["conn"]), "the pre-write must be an fsynced commit"
     stmts = [st.lower() for st in prewrite["statements"]]
     assert len(stmts) == 1 and stmts[0].startswith("insert into undolog_prewrite_counted"), describe(pre)
-    assert u.sessions.get(s.id).tool_calls_total == 4  # the three SAFE calls and the first logged one
+    assert u.sessions.get(s.id).tool_calls_total == 6  # the four SAFE calls and the two logged ones before
     with internals(u).sql_engine.connect() as conn:
         rows = conn.exec_driver_sql(
             "SELECT e.seq, u.undo_id, u.state FROM undolog_effect_log e JOIN undolog_undo_stack u "
             "ON u.effect_id = e.effect_id WHERE e.session_id = ? ORDER BY e.seq", (s.id,)).all()
-    assert len(rows) == 2 and all(seq == undo_id and state == "armed" for seq, undo_id, state in rows), rows
+    assert len(rows) == 3 and all(seq == undo_id and state == "armed" for seq, undo_id, state in rows), rows
     # Refused by a halted session: nothing written, the count kept in memory.
     s.call_sync(oh_search, query="before the halt")
     u.store.halt_session(s.id, "stop")
     with pytest.raises(errors.SessionHalted):
         s.call_sync(oh_refund_sync, user_id="u2", amount=5)
-    assert [e["tool_name"] for e in u.sessions.effects(s.id)] == ["oh_refund_sync", "oh_refund_sync"]
+    assert [e["tool_name"] for e in u.sessions.effects(s.id)] == ["oh_refund_sync"] * 3
 
 
 # -- a session's start and end on PostgreSQL: one durable statement each ---------------------------------------

@@ -95,3 +95,58 @@ def test_an_open_without_migrations_or_of_an_existing_database_is_not_served_fro
     u = db.open(migrate=False)
     with internals(u).read() as conn:
         assert "undolog_sessions" not in sa.inspect(conn).get_table_names()  # still empty: nothing was copied
+
+
+def test_templates_built_from_several_threads_at_once_serve_every_clone(tmp_path: Path, pg_admin: Any) -> None:
+    """CI (PostgreSQL): after two recordings overlapped in one worker, each had recorded both migrations, and every
+    later clone in that worker replayed the other template's statements unrenamed ("no schema has been selected to
+    create in": 83 errors). Templates are now built by one thread at a time, and a recording keeps only its own
+    thread's statements; threads then clone at once."""
+    import threading
+
+    from ..support.db_template import PostgresTemplates, SQLiteTemplates
+
+    templates: Any = (PostgresTemplates(PG_URL, pg_admin) if TEST_DB == "postgres"
+                      else SQLiteTemplates(tmp_path / "tpl"))
+    if TEST_DB != "postgres":
+        (tmp_path / "tpl").mkdir()
+    targets = [f"t_{uuid.uuid4().hex[:12]}" for _ in range(6)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(targets))
+
+    def clone(i: int, target: str) -> None:
+        try:
+            start.wait()
+            flavour = ("core", "server")[i % 2]
+            if TEST_DB == "postgres":
+                assert templates.clone_to(target, flavour)
+            else:
+                assert templates.copy_to(tmp_path / f"{target}.db", flavour)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=clone, args=(i, t)) for i, t in enumerate(targets)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert not errors, errors
+        for i, target in enumerate(targets):
+            if TEST_DB == "postgres":
+                u = UndoLog.open(PG_URL, schema=target, migrate=False)
+            else:
+                u = UndoLog.open(f"sqlite:///{tmp_path / f'{target}.db'}", migrate=False)
+            try:
+                with internals(u).read() as conn:
+                    tables = set(sa.inspect(conn).get_table_names())
+                assert "undolog_effect_log" in tables
+                assert ("undolog_server_alembic_version" in tables) == (i % 2 == 1), sorted(tables)
+            finally:
+                u.close()
+    finally:
+        if TEST_DB == "postgres":
+            templates.dispose()
+            with pg_admin.connect() as c:
+                for target in targets:
+                    c.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{target}" CASCADE')

@@ -20,6 +20,7 @@ Two flavours: ``core`` (what ``UndoLog.open`` makes) and ``server`` (the desk's 
 from __future__ import annotations
 
 import shutil
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,8 +53,14 @@ class SQLiteTemplates:
 
     root: Path
     files: dict[str, Path] = field(default_factory=dict)
+    #: Tests open databases from several threads: one thread builds a template, the others wait for it.
+    lock: Any = field(default_factory=threading.RLock)
 
     def file(self, flavour: str) -> Path:
+        with self.lock:
+            return self._file(flavour)
+
+    def _file(self, flavour: str) -> Path:
         if flavour not in self.files:
             path = self.root / f"template-{flavour}.db"
             _migrate(f"sqlite:///{path}", None, flavour)
@@ -67,10 +74,11 @@ class SQLiteTemplates:
 
     def copy_to(self, target: Path, flavour: str) -> bool:
         """Copy the template to ``target`` unless a database is already there; True when copied."""
-        if target.exists():
-            return False
-        shutil.copyfile(self.file(flavour), target)
-        return True
+        with self.lock:  # threads opening one database at once: the first copies, the others find it there
+            if target.exists():
+                return False
+            shutil.copyfile(self.file(flavour), target)
+            return True
 
 
 @dataclass(frozen=True)
@@ -81,14 +89,21 @@ class Statement:
 
 
 class _Recorder:
-    """Records what a migration sends to PostgreSQL, so it can be replayed on another schema."""
+    """Records what a migration sends to PostgreSQL, so it can be replayed on another schema.
+
+    It listens on every engine (the migration makes its own), so it keeps only the statements of the thread that
+    migrates: another thread's statements meanwhile (a background thread of an UndoLog still open, another
+    recording) would otherwise be replayed into every test's schema.
+    """
 
     def __init__(self) -> None:
         self.statements: list[Statement] = []
+        self.thread = threading.get_ident()
 
     def __call__(self, conn: Any, cursor: Any, statement: str, parameters: Any, context: Any,
                  executemany: bool) -> None:
-        self.statements.append(Statement(statement, parameters, executemany))
+        if threading.get_ident() == self.thread:
+            self.statements.append(Statement(statement, parameters, executemany))
 
 
 def _substitute(value: Any, old: str, new: str) -> Any:
@@ -131,8 +146,15 @@ class PostgresTemplates:
     #: Replays run in a transaction, so not on ``admin`` (an AUTOCOMMIT engine).
     engine: Any = None
     scripts: dict[str, tuple[str, list[Statement]]] = field(default_factory=dict)
+    #: One recording at a time: two threads recording at once each recorded both migrations (CI: a worker's every
+    #: later clone replayed the other template's statements, unrenamed, and failed "no schema has been selected").
+    lock: Any = field(default_factory=threading.RLock)
 
     def script(self, flavour: str) -> tuple[str, list[Statement]]:
+        with self.lock:
+            return self._script(flavour)
+
+    def _script(self, flavour: str) -> tuple[str, list[Statement]]:
         if flavour not in self.scripts:
             # A name no table, column or value contains, so replacing it touches only the schema's name.
             name = "tpl_" + uuid.uuid4().hex
@@ -149,6 +171,12 @@ class PostgresTemplates:
 
     def clone_to(self, schema: str, flavour: str) -> bool:
         """Make ``schema`` a migrated copy unless it exists already; True when made."""
+        # One clone at a time in this process: threads opening the same database at once (its first opens) must
+        # find it made by the first, not each make it (two CREATE SCHEMA of one name collide).
+        with self.lock:
+            return self._clone_to(schema, flavour)
+
+    def _clone_to(self, schema: str, flavour: str) -> bool:
         name, statements = self.script(flavour)
         if self.engine is None:
             self.engine = sa.create_engine(self.url, pool_size=1, max_overflow=0)

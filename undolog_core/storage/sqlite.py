@@ -43,7 +43,9 @@ _SQLITE_PREWRITE = (
 # was BEGIN IMMEDIATE, the session UPDATE, the INSERT and COMMIT: three statements more, each a trip through the
 # driver that lets go of the GIL, on every COMPENSABLE call that follows a SAFE one (the trigger program in place,
 # rather than an INSERT into ``undolog_prewrite`` from this trigger: a nested view's trigger cost 3-5 us more).
-# Made on each connection of the hot path's durable pool as it joins (``SQLiteHotPath._setup_durable``).
+# Made on a connection of the hot path's durable pool by its first counted pre-write (``_prewrite_in``): only
+# there, since a connection that migrates the schema must not carry it (SQLite checks every trigger it can see
+# against a table renamed under it, and this one names tables the migrations rebuild).
 _SQLITE_COUNTED_VIEW = (
     "CREATE TEMP VIEW IF NOT EXISTS undolog_prewrite_counted AS SELECT NULL AS calls, NULL AS effect_id, "
     "NULL AS session_id, NULL AS call_id, NULL AS tool_name, NULL AS tool_revision, NULL AS args_snapshot, "
@@ -444,9 +446,19 @@ class SQLiteHotPath(HotPath):
         takes back every row its triggers wrote: nothing of it stands."""
         before = conn.total_changes
         if count:
-            conn.execute(_SQLITE_PREWRITE_COUNTED, (count, effect_id, session_id, call_id, tool_name, revision,
-                                                    args_text, digest, owner, _sqlite_time(lease), _sqlite_time(now),
-                                                    comp, comp_version))
+            row = (count, effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner,
+                   _sqlite_time(lease), _sqlite_time(now), comp, comp_version)
+            try:
+                conn.execute(_SQLITE_PREWRITE_COUNTED, row)
+            except sqlite3.OperationalError as exc:
+                # This connection's first counted pre-write: the view is made now, not as the connection joins the
+                # pool, so that a run of SAFE calls (whose one read takes a connection) sends no statement but that
+                # read. The failed INSERT was refused as it was prepared: nothing of it was written.
+                if "undolog_prewrite_counted" not in str(exc):
+                    raise
+                conn.execute(_SQLITE_COUNTED_VIEW)
+                conn.execute(_SQLITE_COUNTED_TRIGGER)
+                conn.execute(_SQLITE_PREWRITE_COUNTED, row)
             return bool(conn.total_changes - before == 3)
         conn.execute(_SQLITE_PREWRITE, (effect_id, session_id, call_id, tool_name, revision, args_text, digest, owner,
                                         _sqlite_time(lease), _sqlite_time(now), comp, comp_version))
@@ -467,15 +479,6 @@ class SQLiteHotPath(HotPath):
         # The WAL is checkpointed by the hot path's thread (checkpoint.py): a commit here checkpoints only past
         # HARD_PAGES, the safeguard for when that thread cannot keep up.
         conn.execute(f"PRAGMA wal_autocheckpoint={HARD_PAGES}")
-
-    def _setup_durable(self, conn: Any) -> None:
-        self._setup(conn)
-        # The counting pre-write's view (see _SQLITE_COUNTED_VIEW): this connection's own, made once as it joins
-        # the durable pool, the pre-writes' (the fast pool's connections write no pre-write). Only here: a
-        # connection that migrates the schema must not carry it (SQLite checks every trigger it can see against a
-        # table renamed under it, and this one names tables the migrations rebuild).
-        conn.execute(_SQLITE_COUNTED_VIEW)
-        conn.execute(_SQLITE_COUNTED_TRIGGER)
 
     def _prewrite(self, conn: Any, wait: bool, session_id: str, count: int, effect_id: str, call_id: str,
                   tool_name: str, revision: int, args_text: str, digest: str, owner: str, now: float, lease: float,
