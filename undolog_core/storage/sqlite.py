@@ -345,23 +345,7 @@ class SQLiteHotPath(HotPath):
         return bool(self.group.submit((False, (effect_id, text, now)), wait))
 
     def _own_write_one(self, item: tuple[bool, tuple[Any, ...]], wait: bool) -> bool:
-        """:meth:`_write_one` as :meth:`_own_commit` runs it (the same stamps, the same test), written out: the
-        group's uncontended write, twice per COMPENSABLE call, where a frame less is a frame less on each."""
-        watch = self._watch
-        if watch is None:
-            return self._write_one(item, wait)
-        mem = watch._mem
-        head = mem[: 2 * _WAL_HDR]
-        out = self._write_one(item, wait)
-        tail = mem[: 2 * _WAL_HDR]
-        before, after = head[:_WAL_HDR], tail[:_WAL_HDR]
-        if out and before == head[_WAL_HDR:] and after == tail[_WAL_HDR:] and \
-                (_ICHANGE.unpack_from(after, 8)[0] - _ICHANGE.unpack_from(before, 8)[0]) & 0xFFFFFFFF == 1:
-            own = self._own
-            if len(own) >= _STATE_MEMO_SIZE:
-                own.clear()
-            own[after] = before
-        return out
+        return bool(self._own_commit(self._write_one, item, wait))
 
     def _own_write_many(self, items: Sequence[tuple[bool, tuple[Any, ...]]]) -> list[Any]:
         return list(self._own_commit(self._write_many, items, wrote=_any_written))
