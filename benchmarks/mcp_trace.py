@@ -8,7 +8,10 @@ The gateway and the proxy run as usual (stdio subprocesses of one MCP client), e
 the request frame read from stdin, the SDK's request handler entered, the gateway's decide, the upstream call,
 the commit mark, the handler left, and the response frame flushed to stdout; the client stamps its own send and
 receive. Each process also counts its worker-thread hops (``asyncio.to_thread`` / anyio ``run_sync``). The
-report is the median of each segment per call, the gateway's beside the proxy's.
+report is the median of each segment per call, the gateway's beside the proxy's, then the gateway process's threads
+over the measured calls, read from ``/proc`` (Linux): per call, each thread's voluntary context switches (it blocked:
+an fsync, a lock, the GIL, the loop's wait for input), involuntary ones (preempted) and its user and system CPU.
+Counts the machine's load does not move: which threads wake during a call, and how often the loop thread sleeps.
 """
 
 from __future__ import annotations
@@ -42,7 +45,19 @@ def _install(out_path: str) -> None:
     stamps: list[tuple[str, int]] = []
     hops: collections.Counter[str] = collections.Counter()
     cpu: dict[str, list[int]] = collections.defaultdict(list)
+    threads: dict[int, str] = {}  # native thread id -> the Python thread's name (the report's per-thread counts)
     now = time.perf_counter_ns
+
+    import threading
+
+    run = threading.Thread.run
+
+    def named_run(self: threading.Thread) -> None:
+        threads[threading.get_native_id()] = self.name
+        run(self)
+
+    threading.Thread.run = named_run  # type: ignore[method-assign]
+    threads[threading.get_native_id()] = "main (the event loop)"
 
     profile = None
     if os.environ.get("UNDOLOG_TRACE_PROFILE"):
@@ -52,7 +67,7 @@ def _install(out_path: str) -> None:
         profile.enable()
 
     def dump() -> None:
-        Path(out_path).write_text(json.dumps({"stamps": stamps, "hops": hops, "cpu": cpu}))
+        Path(out_path).write_text(json.dumps({"stamps": stamps, "hops": hops, "cpu": cpu, "threads": threads}))
         if profile is not None:
             profile.disable()
             profile.dump_stats(os.environ["UNDOLOG_TRACE_PROFILE"])
@@ -243,6 +258,38 @@ def _cpu_by_process() -> dict[str, float]:
     return out
 
 
+def _tasks(pid: int) -> dict[int, tuple[int, int, int, int]]:
+    """Per thread of ``pid``: (voluntary and involuntary context switches, user and system CPU in clock ticks)."""
+    out: dict[int, tuple[int, int, int, int]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        switches = dict(line.split(":\t", 1) for line in status.splitlines() if "ctxt_switches" in line)
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[int(tid)] = (int(switches["voluntary_ctxt_switches"]), int(switches["nonvoluntary_ctxt_switches"]),
+                         int(fields[11]), int(fields[12]))
+    return out
+
+
+def _gateway_pid() -> int | None:
+    """The gateway's process (a child of this one, ``... mcp serve ...``)."""
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if b"serve" in cmd and int(stat[stat.rindex(")") + 2:].split()[1]) == me:
+            return int(entry)
+    return None
+
+
 async def _run(kind: str, calls: int, pg_url: str, tool: str = "add_item") -> None:
     sys.path.insert(0, str(HERE.parent))
     sys.path.insert(0, str(HERE))
@@ -291,6 +338,8 @@ async def _run(kind: str, calls: int, pg_url: str, tool: str = "add_item") -> No
                 baseline: Any = (SqliteBaseline(str(tmp / "bench.db")) if kind == "sqlite"
                                  else PostgresBaseline(pg_url, schema or "public"))
                 cpu0 = _cpu_by_process()
+                gw_pid = _gateway_pid()
+                tasks0 = _tasks(gw_pid) if gw_pid is not None else {}
                 warm = time.perf_counter_ns()
                 for i in range(calls):
                     for which, s in sessions.items():
@@ -306,6 +355,7 @@ async def _run(kind: str, calls: int, pg_url: str, tool: str = "add_item") -> No
                     baseline.run(1)
                     bare.append((time.perf_counter_ns() - w0, time.thread_time_ns() - c0))
                 cpu1 = _cpu_by_process()
+                tasks1 = _tasks(gw_pid) if gw_pid is not None else {}
                 baseline.close()
         finally:
             if admin is not None:
@@ -333,6 +383,18 @@ async def _run(kind: str, calls: int, pg_url: str, tool: str = "add_item") -> No
             print("  thread hops (whole run, incl. warm-up):")
             for name, n in sorted(data["hops"].items(), key=lambda kv: -kv[1]):
                 print(f"    {n:6d}  {name}")
+            if which == "gateway" and tasks1:
+                tick = os.sysconf("SC_CLK_TCK")
+                names = {int(k): v for k, v in data.get("threads", {}).items()}
+                per = f"per measured call{' (and its unmeasured SAFE call)' if mixed else ''}"
+                print(f"  threads of the gateway process, {per}: voluntary / involuntary context switches, "
+                      "user / system CPU us")
+                for tid, after in sorted(tasks1.items()):
+                    before = tasks0.get(tid, (0, 0, 0, 0))
+                    d = [(a - b) / calls for a, b in zip(after, before, strict=True)]
+                    if any(d):
+                        print(f"    {names.get(tid, f'tid {tid}')[:36]:<36} {d[0]:6.2f} / {d[1]:5.2f}   "
+                              f"{d[2] * 1e6 / tick:7.0f} / {d[3] * 1e6 / tick:5.0f}")
 
 
 def _args(tool: str, unique: str) -> dict[str, str]:
