@@ -110,6 +110,9 @@ class UndoLogMiddleware(AgentMiddleware):
         self._undolog_guard = _Guard(undolog, tiers=tiers, compensations=compensations, agent_id=agent_id,
                                      on_failure=on_failure, session_id=session_id, approver=approver)
         self._checked = False
+        # The agent's tool names (LangChain's) that pause for a person, as of _names_seen classified names.
+        self._gated_names: frozenset[str] = frozenset()
+        self._names_seen = 0
         if tools is not None:
             self._undolog_guard.classify(tools)
             self._checked = True
@@ -163,10 +166,13 @@ class UndoLogMiddleware(AgentMiddleware):
         if self._asks_in_model:
             # The batched gate's resume: LangGraph re-runs this model call from its start, and the message kept
             # when it paused answers it (the model is never asked twice). Read only when a resume value waits for
-            # this task (no I/O otherwise).
-            kept = self._resumed()
-            if kept is not None:
-                return self._ask_model_message(request, kept, resumed=True)
+            # this task (no I/O otherwise). _resume_waits, inline (a frame less on each model call).
+            config = var_child_runnable_config.get()
+            pad = (config.get("configurable") or {}).get(CONFIG_KEY_SCRATCHPAD) if config else None
+            if pad is not None and (pad.resume or pad.get_null_resume(False) is not None):
+                kept = self._resumed()
+                if kept is not None:
+                    return self._ask_model_message(request, kept, resumed=True)
         messages: Any = getattr(request, "messages", None)
         if messages and isinstance(messages[-1], HumanMessage):
             # _turn and _config_of, inline (two frames less at every user turn).
@@ -187,8 +193,13 @@ class UndoLogMiddleware(AgentMiddleware):
                     if refused is not None:
                         return refused
         out = handler(request)
-        if self._asks_in_model and _asks(self._undolog_guard, out):
-            return self._ask_model_message(request, out)
+        if self._asks_in_model:
+            # Whether a call of the answer pauses for a person (_asks, inline: frames less on each model call).
+            gated = self._gated_names if self._names_seen == len(self._undolog_guard.names) else self._gated_now()
+            for m in getattr(out, "result", None) or _messages_of(out):
+                for c in getattr(m, "tool_calls", None) or ():
+                    if c.get("name") in gated and c.get("id"):
+                        return self._ask_model_message(request, out)
         return out
 
     async def awrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
@@ -215,10 +226,14 @@ class UndoLogMiddleware(AgentMiddleware):
                 if refused is not None:
                     return refused
         out = await handler(request)
-        if self._asks_in_model and _asks(self._undolog_guard, out):
-            # The approval requests are written, and the pause raised, in a worker thread (interrupt() reads the
-            # run's config from the context, which asyncio.to_thread carries over).
-            return await asyncio.to_thread(self._ask_model_message, request, out)
+        if self._asks_in_model:
+            gated = self._gated_names if self._names_seen == len(self._undolog_guard.names) else self._gated_now()
+            for m in getattr(out, "result", None) or _messages_of(out):
+                for c in getattr(m, "tool_calls", None) or ():
+                    if c.get("name") in gated and c.get("id"):
+                        # The approval requests are written, and the pause raised, in a worker thread (interrupt()
+                        # reads the run's config from the context, which asyncio.to_thread carries over).
+                        return await asyncio.to_thread(self._ask_model_message, request, out)
         return out
 
     def _turn(self, request: Any, *, wait: bool) -> tuple[str, str, str | None, str | None] | None:
@@ -264,6 +279,14 @@ class UndoLogMiddleware(AgentMiddleware):
         return rollback(thread_id, undolog=self.undolog, reason=reason)
 
     # -- the batched gate (_BatchedUndoLogMiddleware) --------------------------------------------------
+
+    def _gated_now(self) -> frozenset[str]:
+        """The tool names that pause for a person, read again (a tool was classified since they were)."""
+        g = self._undolog_guard
+        names = dict(g.names)
+        self._gated_names = frozenset(n for n in names if _gated(g, n))
+        self._names_seen = len(names)
+        return self._gated_names
 
     def _resume_waits(self) -> bool:
         """Whether a resume value waits for this task (LangGraph's scratchpad): nothing is read from the store."""
@@ -370,16 +393,6 @@ def _messages_of(out: Any) -> list[Any]:
         return [out]
     inner = getattr(out, "model_response", out)
     return list(getattr(inner, "result", None) or ())
-
-
-def _asks(guard: _Guard, out: Any) -> bool:
-    """Whether the model's answer has a call of a tool that pauses for a person (with an id)."""
-    for m in _messages_of(out):
-        if isinstance(m, AIMessage):
-            for c in m.tool_calls:
-                if c.get("id") and _gated(guard, c.get("name")):
-                    return True
-    return False
 
 
 def _warn_no_approver(guard: _Guard) -> None:
