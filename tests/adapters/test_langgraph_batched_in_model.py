@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from langchain.agents import create_agent
+from langchain.agents.middleware import AgentMiddleware, ModelRetryMiddleware
 from langchain.agents.middleware.human_in_the_loop import Decision, HITLRequest
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langgraph.checkpoint.memory import InMemorySaver
@@ -225,3 +226,44 @@ def test_an_ungated_message_and_another_interrupt_are_left_alone(undolog: Any) -
     c = {"configurable": {"thread_id": "bm-" + uuid.uuid4().hex[:8]}}
     out = graph.invoke({"messages": [{"role": "user", "content": "hello"}]}, c, version="v2")
     assert not out.interrupts and undolog.approvals.list() == [] and len(ASKED) == 1
+
+
+class Outer(AgentMiddleware):
+    """A model-call wrapper outside UndoLog's (as an app's logging or retry middleware is): it sees every model call
+    its handler answers, the re-run on resume included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def wrap_model_call(self, request: Any, handler: Any) -> Any:
+        out = handler(request)
+        self.seen.append(type(out).__name__)
+        return out
+
+    async def awrap_model_call(self, request: Any, handler: Any) -> Any:
+        out = await handler(request)
+        self.seen.append(type(out).__name__)
+        return out
+
+
+@pytest.mark.parametrize("api", ["invoke", "ainvoke"])
+async def test_other_middleware_around_it(undolog: Any, api: str) -> None:
+    """LangChain's retry middleware and an app's wrapper outside UndoLog's: the pause passes through them (LangGraph's
+    GraphBubbleUp is not retried), the resume's re-run reaches UndoLog's hook through them, and the model is still
+    called once for the message."""
+    outer = Outer()
+    graph = create_agent(CountingModel(scripts=SCRIPTS), TOOLS, checkpointer=InMemorySaver(),
+                         middleware=[outer, ModelRetryMiddleware(max_retries=2),
+                                     UndoLogMiddleware(undolog, tools=TOOLS, compensations=[bm_release],
+                                                       approver="ana")])
+    thread = "bm-" + uuid.uuid4().hex[:8]
+    c = {"configurable": {"thread_id": thread}}
+    start = {"messages": [{"role": "user", "content": "close both accounts"}]}
+    out = graph.invoke(start, c, version="v2") if api == "invoke" else await graph.ainvoke(start, c, version="v2")
+    assert RAN == [] and first_calls_of_turn() == 1 and outer.seen == []  # the pause passed through both
+    resume = Command(resume=resume_value(out, edit))
+    out = graph.invoke(resume, c, version="v2") if api == "invoke" else await graph.ainvoke(resume, c, version="v2")
+    assert not out.interrupts
+    check(undolog, out.value["messages"], edit, thread)
+    assert len(outer.seen) == 2  # the resumed gated call (the kept message), then the model's last answer
