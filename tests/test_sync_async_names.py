@@ -40,7 +40,8 @@ PAIRS: list[tuple[Any, str, str]] = [
     (langgraph.UndoLogMiddleware, "wrap_tool_call", "awrap_tool_call"),
     (BATCHED, "wrap_model_call", "awrap_model_call"),
     (BATCHED, "wrap_tool_call", "awrap_tool_call"),
-    (BATCHED, "after_model", "aafter_model"),
+    # (BATCHED's after_model / aafter_model: no longer UndoLog's own. The batched gate asks inside the model call
+    # (wrap_model_call / awrap_model_call, above) and the names are LangChain's base hooks again, still callable.)
 ]
 
 # The pairs named before the x / ax rule: renaming them would flip an existing name's meaning.

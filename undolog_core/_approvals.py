@@ -19,7 +19,7 @@ from .errors import (
     UndoLogError,
 )
 from .limits import check_identity, clean_text, encodes, input_problem
-from .storage.approvals import EXPIRE_BATCH
+from .storage.approvals import EXPIRE_BATCH, KEPT
 from .storage.base import utcnow
 from .storage.records import (
     ApprovalEvent,
@@ -147,6 +147,35 @@ class ApprovalService:
         check_identity("actor", actor)
         self._storage.approvals.note_request_event(approval_request_id, action="released", actor=actor,
                                          session_id=session_id, now=utcnow())
+
+    def keep_message(self, approval_request_id: str, session_id: str, key: str, message: Mapping[str, Any]) -> None:
+        """Keep (audited) the model message the request's call came from, under ``key``, for :meth:`kept_message`.
+
+        An adapter that asks a person inside the model call (LangGraph's batched gate) keeps the message before it
+        pauses: the framework re-runs that model call from its start on resume, and the kept message answers it, so
+        the model is not called a second time. ``message`` is JSON; ``key`` names the paused run (LangGraph: the
+        model task's checkpoint namespace).
+
+        Example:
+            >>> undolog.approvals.keep_message(rec.approval_request_id, sid, "model:1f0c", {"messages": [...]})
+        """
+        self._storage.approvals.note_request_event(approval_request_id, action=KEPT, actor=f"agent:{session_id}",
+                                                   session_id=session_id, now=utcnow(),
+                                                   extra={"key": key, "message": dict(message)})
+
+    def kept_message(self, session_id: str, key: str, *, within: int = 20) -> dict[str, Any] | None:
+        """The message :meth:`keep_message` kept under ``key`` on one of the session's newest ``within`` requests.
+
+        Example:
+            >>> undolog.approvals.kept_message(sid, "model:1f0c")
+            {'messages': [...]}
+        """
+        for rec in self.list(session_id=session_id, limit=within, brief=True):
+            for ev in self._storage.approvals.request_events(rec.approval_request_id):
+                if ev.action == KEPT and ev.payload.get("key") == key:
+                    kept = ev.payload.get("message")
+                    return kept if isinstance(kept, dict) else None
+        return None
 
     def find_for_call(self, session_id: str, tool_name: str, args: Mapping[str, Any]) -> ApprovalRecord | None:
         """The newest request of this session for the same (tool, canonical arguments), in any state.

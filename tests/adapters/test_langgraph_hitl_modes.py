@@ -163,7 +163,9 @@ def test_an_unknown_interrupt_mode_is_refused_naming_both(undolog: Any) -> None:
         UndoLogMiddleware(undolog, interrupt_mode="batch")  # type: ignore[arg-type]
 
 
-def test_batched_adds_its_node_only_when_a_tool_pauses(undolog: Any) -> None:
+def test_batched_adds_no_graph_node_even_when_a_tool_pauses(undolog: Any) -> None:
+    """The batched gate asks inside the model call the middleware wraps: no after_model node (nor any other node of
+    UndoLog's) in the compiled graph, with or without a tool that pauses; the agent's graph is LangChain's own."""
     @undolog_tool(tier=ToolTier.SAFE)
     def look_up(order_id: str) -> str:
         """Look an order up."""
@@ -177,4 +179,4 @@ def test_batched_adds_its_node_only_when_a_tool_pauses(undolog: Any) -> None:
     assert "UndoLogMiddleware.after_model" not in nodes  # nothing to batch: no node per turn
     nodes = set(create_agent(ScriptedChatModel(scripts=SCRIPTS), make_tools(ran),
                              middleware=[gated]).get_graph().nodes)
-    assert "UndoLogMiddleware.after_model" in nodes
+    assert nodes == {"__start__", "model", "tools", "__end__"}, nodes  # the gate asks inside the model node

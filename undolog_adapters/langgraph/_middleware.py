@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from langchain_core.messages import AIMessage, HumanMessage
+from langchain_core.messages import AIMessage, HumanMessage, messages_from_dict, messages_to_dict
 from langchain_core.runnables.config import var_child_runnable_config
 from langchain_core.tools import BaseTool
 from langgraph.config import get_config
@@ -24,18 +24,20 @@ from ._guard import _config_of, _Guard, _Run
 from ._payload import _Pause
 from ._resume import rollback
 from ._sessions import _ADAPTERS
+from ._siblings import CONFIG_KEY_CHECKPOINT_NS, CONFIG_KEY_SCRATCHPAD
 
 if TYPE_CHECKING:
     from undolog_core import UndoLog
 
 
 try:
-    from langchain.agents.middleware import AgentMiddleware
+    from langchain.agents.middleware import AgentMiddleware, ModelResponse
 
     _HAVE_LANGCHAIN = True
 except ImportError:  # pragma: no cover - langgraph without the langchain package: UndoLogToolNode still works
     _HAVE_LANGCHAIN = False
     AgentMiddleware = object  # type: ignore[assignment,misc]
+    ModelResponse = None  # type: ignore[assignment,misc]
 
 # The qualified name LangChain gives the handler of a middleware that has other tool-call wrappers inside it.
 _INNER_WRAPPERS = "compose_two.<locals>.composed.<locals>.call_inner"
@@ -85,6 +87,9 @@ class UndoLogMiddleware(AgentMiddleware):
         ...              {"configurable": {"thread_id": "ticket-1042"}})                   # doctest: +SKIP
     """
 
+    # Whether the model call asks about its message's IRREVERSIBLE calls (the batched gate, with a tool that pauses).
+    _asks_in_model = False
+
     def __init__(
         self,
         undolog: UndoLog,
@@ -105,6 +110,9 @@ class UndoLogMiddleware(AgentMiddleware):
         self._undolog_guard = _Guard(undolog, tiers=tiers, compensations=compensations, agent_id=agent_id,
                                      on_failure=on_failure, session_id=session_id, approver=approver)
         self._checked = False
+        # The agent's tool names (LangChain's) that pause for a person, as of _names_seen classified names.
+        self._gated_names: frozenset[str] = frozenset()
+        self._names_seen = 0
         if tools is not None:
             self._undolog_guard.classify(tools)
             self._checked = True
@@ -112,8 +120,8 @@ class UndoLogMiddleware(AgentMiddleware):
                 _warn_no_approver(self._undolog_guard)
             if type(self) is _BatchedUndoLogMiddleware and not any(_gated(self._undolog_guard, n)
                                                                  for n in self._undolog_guard.names):
-                # No tool of this agent pauses for a person: nothing to batch, so no after_model node (a node per
-                # turn costs a step about what a whole middleware does). The same object, as the plain class.
+                # No tool of this agent pauses for a person: nothing to batch, so nothing to look for in the model's
+                # message (nor a resume to look for before it). The same object, as the plain class.
                 self.__class__ = UndoLogMiddleware  # type: ignore[assignment]
         # LangChain wraps every hook in LangSmith's ``traceable``, which asks for the hook's signature on each call,
         # traced or not. Of a bound method, ``inspect`` builds a new one every time (its function's without ``self``);
@@ -126,8 +134,8 @@ class UndoLogMiddleware(AgentMiddleware):
         _ADAPTERS.add(self)
 
     def __new__(cls, *args: Any, interrupt_mode: InterruptMode = "batched", **kwargs: Any) -> UndoLogMiddleware:
-        # create_agent adds an after_model node for a middleware whose class defines the hook, so the batched gate is
-        # a subclass: per_call costs no node per turn (a node costs a step about what a whole middleware does).
+        # The batched gate is a subclass whose model call asks about the message's IRREVERSIBLE calls (per_call asks
+        # in each call's own tool task).
         if interrupt_mode not in get_args(InterruptMode):
             raise errors.ConfigurationError(
                 f"UndoLogMiddleware: interrupt_mode must be 'batched' or 'per_call', not {interrupt_mode!r} "
@@ -155,6 +163,16 @@ class UndoLogMiddleware(AgentMiddleware):
         # this runs twice per agent step, where each frame's code and data are cold (1-3 us a frame).
         if not self._checked:
             self._check(request)
+        if self._asks_in_model:
+            # The batched gate's resume: LangGraph re-runs this model call from its start, and the message kept
+            # when it paused answers it (the model is never asked twice). Read only when a resume value waits for
+            # this task (no I/O otherwise). _resume_waits, inline (a frame less on each model call).
+            config = var_child_runnable_config.get()
+            pad = (config.get("configurable") or {}).get(CONFIG_KEY_SCRATCHPAD) if config else None
+            if pad is not None and (pad.resume or pad.get_null_resume(False) is not None):
+                kept = self._resumed()
+                if kept is not None:
+                    return self._ask_model_message(request, kept, resumed=True)
         messages: Any = getattr(request, "messages", None)
         if messages and isinstance(messages[-1], HumanMessage):
             # _turn and _config_of, inline (two frames less at every user turn).
@@ -162,23 +180,37 @@ class UndoLogMiddleware(AgentMiddleware):
             rt = getattr(request, "runtime", None)
             # get_config, inline: the run's config (a model request's runtime carries none), None outside a run.
             config = getattr(rt, "config", None) or var_child_runnable_config.get()
-            if not config:
-                return handler(request)  # no thread: every tool call will say so
-            try:
-                base = g.base_id(config)
-            except errors.ConfigurationError:
-                return handler(request)  # no thread: every tool call will say so
-            sid, state, reason = g.turn(base, wait=True)
-            if state in _STOPS_OR_MOVES:
-                refused = self._turn_start((base, sid, state, reason))
-                if refused is not None:
-                    return refused
-        return handler(request)
+            base = None
+            if config:
+                try:
+                    base = g.base_id(config)
+                except errors.ConfigurationError:
+                    pass  # no thread: every tool call will say so
+            if base is not None:
+                sid, state, reason = g.turn(base, wait=True)
+                if state in _STOPS_OR_MOVES:
+                    refused = self._turn_start((base, sid, state, reason))
+                    if refused is not None:
+                        return refused
+        out = handler(request)
+        if self._asks_in_model:
+            # Whether a call of the answer pauses for a person (_asks, inline: frames less on each model call).
+            gated = self._gated_names if self._names_seen == len(self._undolog_guard.names) else self._gated_now()
+            for m in getattr(out, "result", None) or _messages_of(out):
+                for c in getattr(m, "tool_calls", None) or ():
+                    if c.get("name") in gated and c.get("id"):
+                        return self._ask_model_message(request, out)
+        return out
 
     async def awrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
         # The check and the turn test inline, as in wrap_model_call (frames less on each of a step's two model calls).
         if not self._checked:
             self._check(request)
+        if self._asks_in_model and self._resume_waits():
+            # The batched gate's resume (see wrap_model_call): the store is read in a worker thread.
+            kept = await asyncio.to_thread(self._resumed)
+            if kept is not None:
+                return await asyncio.to_thread(self._ask_model_message, request, kept, resumed=True)
         messages: Any = getattr(request, "messages", None)
         if messages and isinstance(messages[-1], HumanMessage):
             try:
@@ -193,7 +225,16 @@ class UndoLogMiddleware(AgentMiddleware):
                 refused = await asyncio.to_thread(self._turn_start, turn) if needs_write else self._turn_start(turn)
                 if refused is not None:
                     return refused
-        return await handler(request)
+        out = await handler(request)
+        if self._asks_in_model:
+            gated = self._gated_names if self._names_seen == len(self._undolog_guard.names) else self._gated_now()
+            for m in getattr(out, "result", None) or _messages_of(out):
+                for c in getattr(m, "tool_calls", None) or ():
+                    if c.get("name") in gated and c.get("id"):
+                        # The approval requests are written, and the pause raised, in a worker thread (interrupt()
+                        # reads the run's config from the context, which asyncio.to_thread carries over).
+                        return await asyncio.to_thread(self._ask_model_message, request, out)
+        return out
 
     def _turn(self, request: Any, *, wait: bool) -> tuple[str, str, str | None, str | None] | None:
         """(base id, session id, state, halted reason) of the thread, or None outside a thread."""
@@ -237,29 +278,58 @@ class UndoLogMiddleware(AgentMiddleware):
         """Roll back the thread's current session; see :func:`rollback`."""
         return rollback(thread_id, undolog=self.undolog, reason=reason)
 
+    # -- the batched gate (_BatchedUndoLogMiddleware) --------------------------------------------------
 
-class _BatchedUndoLogMiddleware(UndoLogMiddleware):
-    """``UndoLogMiddleware(interrupt_mode="batched")``.
+    def _gated_now(self) -> frozenset[str]:
+        """The tool names that pause for a person, read again (a tool was classified since they were)."""
+        g = self._undolog_guard
+        names = dict(g.names)
+        self._gated_names = frozenset(n for n in names if _gated(g, n))
+        self._names_seen = len(names)
+        return self._gated_names
 
-    The model message's IRREVERSIBLE calls are asked about in one ``HITLRequest`` after the model, before any
-    of them runs, as LangChain's own middleware asks by default.
-    """
+    def _resume_waits(self) -> bool:
+        """Whether a resume value waits for this task (LangGraph's scratchpad): nothing is read from the store."""
+        config = var_child_runnable_config.get()
+        pad = (config.get("configurable") or {}).get(CONFIG_KEY_SCRATCHPAD) if config else None
+        return pad is not None and bool(pad.resume or pad.get_null_resume(False) is not None)
 
-    def after_model(self, state: Any, runtime: Any) -> dict[str, Any] | None:
-        """Raise (or find) the approval requests of the last model message's gated calls, in one pause.
-
-        All of them are asked for in that one pause; on resume, the decisions are recorded. The calls then run, or are refused, in the tool node as in
-        ``per_call`` mode, each by its decision.
-        """
-        calls = _gated_calls(self._undolog_guard, state)
-        if not calls:
+    def _resumed(self) -> list[Any] | None:
+        """The model's messages kept when this task paused, if it is being resumed; None otherwise."""
+        if not self._resume_waits():
             return None
+        config = var_child_runnable_config.get() or {}
         g = self._undolog_guard
         try:
-            config: Mapping[str, Any] = get_config()
-        except RuntimeError:
+            sid = g.head(g.base_id(config))
+        except errors.ConfigurationError:
             return None
+        kept = g.u.approvals.kept_message(sid, _task_key(config))
+        # Not found: the pause was not this gate's (another middleware's interrupt in the model call): the model runs.
+        return None if kept is None else messages_from_dict(kept["messages"])
+
+    def _ask_model_message(self, request: Any, out: Any, *, resumed: bool = False) -> Any:
+        """``out`` (the model's answer, or the messages kept on its pause) after its gated calls were asked about.
+
+        The requests are raised (or found), the message kept beside them on the first run, and all of them asked for
+        in one pause; on resume, the decisions are recorded.
+        """
+        g = self._undolog_guard
+        if resumed:
+            out = ModelResponse(result=out)
+        messages = _messages_of(out)
+        message = next(m for m in reversed(messages) if isinstance(m, AIMessage))
+        calls = [c for c in message.tool_calls if c.get("id") and _gated(g, c.get("name"))]
+        config: Mapping[str, Any] = var_child_runnable_config.get() or get_config()
+        state = {"messages": [*(getattr(request, "messages", None) or ()), message]}
         pauses = self._pauses(calls, state, config)
+        if pauses and not resumed:
+            # Kept before the pause, on every request it asks about (one of them may be another session's, joined):
+            # the resume finds it from the session's newest requests.
+            kept = {"messages": messages_to_dict(messages)}
+            key = _task_key(config)
+            for p in pauses:
+                g.u.approvals.keep_message(p.awaiting.approval_request_id, p.session_id, key, kept)
         error: str | None = None
         while pauses:
             error = g.ask(pauses, error, batched=True)
@@ -267,12 +337,7 @@ class _BatchedUndoLogMiddleware(UndoLogMiddleware):
             # fit the tool): the latter are asked about again, with the reason in the pause.
             still = {p.awaiting.call_id for p in pauses}
             pauses = self._pauses([c for c in calls if c.get("id") in still], state, config)
-        return None
-
-    async def aafter_model(self, state: Any, runtime: Any) -> dict[str, Any] | None:
-        if not _gated_calls(self._undolog_guard, state):
-            return None  # (no I/O for a message without a gated call: on the loop)
-        return await asyncio.to_thread(self.after_model, state, runtime)
+        return out
 
     def _pauses(self, calls: list[Any], state: Any, config: Mapping[str, Any]) -> list[_Pause]:
         g = self._undolog_guard
@@ -292,6 +357,44 @@ class _BatchedUndoLogMiddleware(UndoLogMiddleware):
         return pauses
 
 
+
+class _BatchedUndoLogMiddleware(UndoLogMiddleware):
+    """``UndoLogMiddleware(interrupt_mode="batched")``.
+
+    The model message's IRREVERSIBLE calls are asked about in one ``HITLRequest`` before any of them runs, as
+    LangChain's own middleware asks by default; but inside the model call the middleware already wraps, not in an
+    ``after_model`` node: a graph node runs (a task, channel writes, a checkpoint) on every model call, and it cost
+    an agent step about 0.97 ms of the 1.05 ms UndoLog added (``benchmarks/agent_step.py``, tmpfs row). A message
+    without such a call is returned as it is: no I/O, no node.
+
+    A message with some: its approval requests are written (as the tool node would write them), the message is kept
+    with them (an audit event of the requests, ``ApprovalService.keep_message``), and the graph pauses. LangGraph
+    re-runs the model call from its start on resume; ``wrap_model_call`` finds a resume value waiting for its task
+    and answers with the kept message instead of calling the model again (a call is never blindly re-run, and the
+    model would answer differently), after the decisions are recorded as before. The calls then run, or are refused,
+    in the tool node as in ``per_call`` mode, each by its decision.
+    """
+
+    _asks_in_model = True
+
+
+def _task_key(config: Mapping[str, Any]) -> str:
+    """The paused model task, as LangGraph names it again on resume.
+
+    Its checkpoint namespace (``model:<task id>``, under its parent graphs'), after the thread's id.
+    """
+    conf = config.get("configurable") or {}
+    return f"{conf.get('thread_id')}/{conf.get(CONFIG_KEY_CHECKPOINT_NS, '')}"
+
+
+def _messages_of(out: Any) -> list[Any]:
+    """The messages of a model call's answer (``ModelResponse``, ``AIMessage`` or ``ExtendedModelResponse``)."""
+    if isinstance(out, AIMessage):
+        return [out]
+    inner = getattr(out, "model_response", out)
+    return list(getattr(inner, "result", None) or ())
+
+
 def _warn_no_approver(guard: _Guard) -> None:
     """Say at build time, not at the first decision, that LangChain-form answers will name nobody."""
     gated = sorted(n for n in guard.names if _gated(guard, n))
@@ -301,18 +404,6 @@ def _warn_no_approver(guard: _Guard) -> None:
             "names nobody, so it is refused unless LangGraph's auth names the user (langgraph_auth_user). Pass "
             "approver='name' or approver=lambda config: ..., or answer in UndoLog's form with 'approver'",
             UserWarning, stacklevel=3)
-
-
-def _gated_calls(guard: _Guard, state: Any) -> list[Any]:
-    """The IRREVERSIBLE calls of the state's last model message (those with an id), in message order."""
-    messages = state.get("messages") if isinstance(state, Mapping) else getattr(state, "messages", None)
-    if not messages:
-        return []
-    last = messages[-1]
-    calls = getattr(last, "tool_calls", None) if isinstance(last, AIMessage) else None
-    if not calls:
-        return []
-    return [c for c in calls if c.get("id") and _gated(guard, c.get("name"))]
 
 
 # ``create_agent`` wraps every ``wrap_*`` hook in LangSmith's ``traceable``, which asks for the hook's signature on

@@ -152,6 +152,10 @@ def _record(row: Any) -> ApprovalRecord:
 # Audit actions on a request made by sessions other than its own (the MCP gateway's shared approvals over HTTP).
 JOINED = "joined"
 RELEASED = "released"
+# The model message a request's call came from, kept by an adapter that asks inside the model call (LangGraph's
+# batched gate): LangGraph re-runs that call from its start on resume, and the kept message answers it instead of a
+# second model call. An audit event, so it is as tamper-evident as the decisions taken on it.
+KEPT = "model_message"
 
 
 class ApprovalsSQL:
@@ -241,15 +245,16 @@ class ApprovalsSQL:
         return out
 
     def note_request_event(self, approval_request_id: str, *, action: str, actor: str, session_id: str,
-                           now: dt.datetime) -> int:
-        """Audit that another session ``joined`` a pending request (asked the same call) or that an approved
-        request was ``released`` to one (it ran for that session, recorded on the originating effect)."""
-        if action not in (JOINED, RELEASED):
+                           now: dt.datetime, extra: Mapping[str, Any] | None = None) -> int:
+        """Audit that another session ``joined`` a pending request (asked the same call), that an approved
+        request was ``released`` to one (it ran for that session, recorded on the originating effect), or the
+        ``model_message`` its call came from (``extra``: what is kept beside the session id)."""
+        if action not in (JOINED, RELEASED, KEPT):
             raise ValueError(f"not a request event: {action!r}")
         with self._store.tx() as conn:
             return self._audit.append_event_in(
                 conn, subject=f"approval:{approval_request_id}", approval_request_id=approval_request_id,
-                action=action, actor=actor, payload={"session_id": session_id}, now=now)
+                action=action, actor=actor, payload={**(extra or {}), "session_id": session_id}, now=now)
 
     def due_request_ids(self, now: dt.datetime) -> builtins.list[str]:
         """Pending requests past their ``timeout_at``."""

@@ -144,9 +144,10 @@ class ApprovalsRepository(Protocol):
         ...
 
     def note_request_event(self, approval_request_id: str, *, action: str, actor: str, session_id: str,
-                           now: dt.datetime) -> int:
-        """Audit, in a transaction of its own, that a session ``joined`` a pending request or that an approved
-        request was ``released`` to one; returns the event id."""
+                           now: dt.datetime, extra: Mapping[str, Any] | None = None) -> int:
+        """Audit, in a transaction of its own, that a session ``joined`` a pending request, that an approved
+        request was ``released`` to one, or the ``model_message`` its call came from (``extra``, kept in the
+        event's payload); returns the event id."""
         ...
 
     def due_request_ids(self, now: dt.datetime) -> builtins.list[str]:
