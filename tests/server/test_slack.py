@@ -259,6 +259,30 @@ def test_approve_updates_the_message_in_every_channel(rig: SlackRig) -> None:
     assert len(rig.standin.of("chat.update")) == 2 and len(rig.posted()) == 2
 
 
+def test_a_message_updated_before_the_click_handler_marks_it_is_not_updated_again(rig: SlackRig,
+                                                                                 monkeypatch: Any) -> None:
+    """The decision's outbox event can be fanned out, and its messages updated, between the decision and the click
+    handler's own "needs an update" mark (a loaded desk: CI saw the message updated twice). The mark finds the
+    messages already showing the decision and leaves them alone."""
+    rid = _wire(rig)
+    rig.sweep()
+    approvals = rig.state.undolog.approvals
+    real = approvals.approve
+
+    def approve_then_sweep(*args: Any, **kw: Any) -> Any:
+        out = real(*args, **kw)
+        rig.sweep()  # the sweeper's turn comes before the handler's mark
+        return out
+
+    monkeypatch.setattr(approvals, "approve", approve_then_sweep)
+    r = rig.click("approve", rid)
+    assert r.status_code == 200 and r.json()["decided"] == "approve", r.text
+    assert sorted(u.args["channel"] for u in rig.standin.of("chat.update")) == ["C0FIN", "C0RISK"]
+    rig.sweep()
+    rig.sweep()
+    assert len(rig.standin.of("chat.update")) == 2, [(c.method, c.args.get("channel")) for c in rig.standin.calls]
+
+
 def test_reject_halts_the_session(rig: SlackRig) -> None:
     rid = _wire(rig)
     rig.sweep()

@@ -38,7 +38,7 @@ def main(argv: list[str]) -> None:
         return
     rid, digest = argv[1], argv[2]
 
-    def die(self: Any, approval_request_id: str) -> int:
+    def die(self: Any, approval_request_id: str, unless_shown: str | None = None) -> int:
         # The decision is committed; this process dies before anything marks or updates a message.
         os.kill(os.getpid(), signal.SIGKILL)
         return 0

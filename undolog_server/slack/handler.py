@@ -201,7 +201,9 @@ class SlackHandler:
                            "someone else must decide it. Nothing was decided.") from None
         except errors.ApprovalAlreadyDecided as exc:
             raise _Refusal("approval_already_decided", f"{exc.message}. Nothing was decided.") from None
-        self.store.mark_dirty(approval_request_id)
+        # The sweeper may have fanned the decision's outbox event out, and updated the messages, since the decision:
+        # a message already showing the request's state is left alone (else it is updated a second time).
+        self.store.mark_dirty(approval_request_id, unless_shown=str(approvals.get(approval_request_id).state.value))
 
     def _block_action(self, payload: Mapping[str, Any]) -> dict[str, Any] | None:
         actions = payload.get("actions") or []

@@ -239,9 +239,10 @@ class SlackStore:
             q = q.where(sa.or_(p.c.shown_state.is_(None), p.c.shown_state != unless_shown))
         return max(0, int(conn.execute(q.values(dirty=True, next_attempt_at=time.time())).rowcount or 0))
 
-    def mark_dirty(self, approval_request_id: str) -> int:
+    def mark_dirty(self, approval_request_id: str, unless_shown: str | None = None) -> int:
+        """:meth:`mark_dirty_in` in a transaction of its own."""
         with self.core.tx() as conn:
-            return self.mark_dirty_in(conn, approval_request_id)
+            return self.mark_dirty_in(conn, approval_request_id, unless_shown)
 
     def posts(self, approval_request_id: str | None = None) -> list[SlackPost]:
         q = sa.select(slack_posts).order_by(slack_posts.c.created_at, slack_posts.c.post_id)
