@@ -60,8 +60,9 @@ class CompensablePath:
     counts given back) and reads its records directly on the hot path (``_sessions``, never rebound there).
 
     Example:
-        >>> d = undolog.engine.compensable.intercept_compensable("thread-1", spec, values, values, "c-1")  # doctest: +SKIP
-        >>> d.idempotency_key.startswith("do-")                                                        # doctest: +SKIP
+        >>> calls = undolog.engine.compensable                                          # doctest: +SKIP
+        >>> d = calls.intercept_compensable("thread-1", spec, values, values, "c-1")   # doctest: +SKIP
+        >>> d.idempotency_key.startswith("do-")                                        # doctest: +SKIP
         True
     """
 
@@ -223,7 +224,7 @@ class CompensablePath:
         now = utcnow()
         args_json = row.args_snapshot
         request_id, decision = None, None  # (for an IRREVERSIBLE call: its request, and how it was decided)
-        added, lost = row.effect_id not in self._inflight, False  # (as in _claim_run: a loser leaves it alone)
+        added, lost = row.effect_id not in self._inflight, False  # (a loser leaves it alone: see Gate._claim_run)
         self._inflight.add(row.effect_id)
         try:
             with self.store.tx() as conn:

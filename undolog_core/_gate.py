@@ -67,8 +67,9 @@ class Gate:
     shared by both tiers).
 
     Example:
-        >>> d = undolog.engine.gate.intercept_irreversible("thread-1", spec, {"user_id": "u1"}, "c-7")  # doctest: +SKIP
-        >>> isinstance(d, AwaitingApproval)                                                            # doctest: +SKIP
+        >>> gate = undolog.engine.gate                                                       # doctest: +SKIP
+        >>> d = gate.intercept_irreversible("thread-1", spec, {"user_id": "u1"}, "c-7")     # doctest: +SKIP
+        >>> isinstance(d, AwaitingApproval)                                                 # doctest: +SKIP
         True
     """
 
