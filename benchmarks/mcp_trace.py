@@ -180,11 +180,11 @@ def _install(out_path: str) -> None:
     anyio.to_thread.run_sync = run_sync  # type: ignore[assignment]
 
     try:
-        from undolog_core import _driver, _engine
+        from undolog_core import _driver, _engine, _mark_queue
     except ImportError:
         return
     around(_driver.CallDriver, "adecide", "decide")
-    around_sync(_engine.Engine, "complete", "complete")
+    around_sync(_mark_queue.MarkQueue, "complete", "complete")  # bound as engine.complete when an engine is made
     around_sync(_engine.Engine, "intercept_spec", "intercept")
 
 

@@ -36,7 +36,7 @@ from undolog_core import (
     errors,
     undolog_tool,
 )
-from undolog_core._engine import Execute
+from undolog_core._decisions import Execute
 from undolog_core.testing import internals
 
 # Counts what reaches each database (its own step in CI, on both databases).

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from . import errors, limits
 from ._app import load_app
 from ._audit import AuditReport
-from ._engine import CallContext, current_call
+from ._decisions import CallContext, current_call
 from ._recovery import ProbeContext, RecoveryReport
 from ._saga import CompensationContext, RollbackReport
 from ._session import Session

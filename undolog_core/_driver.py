@@ -21,18 +21,11 @@ from types import CoroutineType
 from typing import Any
 
 from . import _observe as obs
-from ._engine import (
-    IRREVERSIBLE,
-    SAFE,
-    AwaitingApproval,
-    Completed,
-    Decision,
-    Engine,
-    Execute,
-)
-from ._engine import _current as CURRENT_CALL  # noqa: N812 - the ContextVar behind current_call()
+from ._decisions import IRREVERSIBLE, SAFE, AwaitingApproval, Completed, Decision, Execute
+from ._decisions import _current as CURRENT_CALL  # noqa: N812 - the ContextVar behind current_call()
+from ._engine import Engine
 from ._saga import RollbackReport, Saga, run_coro_blocking
-from ._sessions_table import SessionCache, check_id
+from ._session_record import SessionCache, check_id
 from ._tools import RetryPolicy, ToolSpec
 from ._walk import (
     CallWalk,
@@ -56,7 +49,7 @@ _new = object.__new__
 
 def _ok(value: Any) -> Outcome:
     """``Outcome(value=value)``, built fast: a frozen dataclass's __init__ sets each field through
-    object.__setattr__, and this is every successful call's outcome (see ``_engine.execute_now``)."""
+    object.__setattr__, and this is every successful call's outcome (see ``_decisions.execute_now``)."""
     out = _new(Outcome)
     _set_attr(out, "__dict__", {"value": value, "error": None, "rollback": None, "failure": None, "in_doubt": None})
     return out

@@ -1,7 +1,7 @@
 """The mark queue: commit marks the engine could not write durably at once (fast mode's, or a mark a dropped
 connection held back), written in batches by a flusher thread or by the first reader; and the late finishes, a
 call that returned after another process took it over, recorded (never lost) when its fenced mark lands nowhere.
-The engine's gate (``_engine.Engine``) holds one and hands it what ``complete`` did not write."""
+The engine (``_engine.Engine``) holds one and binds its ``complete`` as its own (``engine.complete``)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,18 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from . import _faults
+from ._faults import FaultPoint, fault
 from ._leases import LazyLoop, Leases
 from ._observe import engine_log, ids
 from .errors import DatabaseUnavailable, EffectNotFound, InvalidEffectState, OutcomeConflict
+from .limits import result_text
 from .storage.base import from_epoch, utcnow
 from .storage.calls import LATE_FINISH_STATES, LateFinish
 from .storage.hotpath import HotPath
+from .storage.pool import WouldBlock
 from .storage.schema import EffectState, SessionState
 
 if TYPE_CHECKING:
@@ -57,9 +61,9 @@ def missing_or_moved(effect_id: str, state: str, target: str) -> None:
 class MarkQueue:
     """The deferred commit marks of this process (oldest first) and the late finishes they may turn out to be.
 
-    ``UndoLog.engine`` holds one (``engine.mark_queue``): ``Engine.complete`` queues a fast mode's mark here, or
-    hands over a mark the hot path could not write (``mark_durably``); readers in this process write the queue first
-    (``flush``, bound as ``engine.flush_marks``).
+    ``UndoLog.engine`` holds one (``engine.mark_queue``): ``complete`` (bound as ``engine.complete``) writes a
+    commit mark by the hot path's one statement, queues fast mode's here, or writes durably one the hot path could
+    not (``mark_durably``); readers in this process write the queue first (``flush``, bound as ``engine.flush_marks``).
 
     Example:
         >>> undolog.engine.mark_queue.flush()    # every queued mark written now
@@ -85,6 +89,35 @@ class MarkQueue:
         #: audit event on the effect, settling nothing (the facade binds recovery's ``probe_late_finish``); the
         #: answer (``happened``, ``not_happened``, ``cant_tell``, ``error``) or None without a probe.
         self.on_late_finish: Callable[[str, LateFinish], str | None] | None = None
+
+    def complete(self, effect_id: str, result: Any, *, wait: bool = True) -> None:
+        """Record success: the effect becomes ``committed`` with its result snapshot (bound as ``engine.complete``:
+        the hot path's one statement, fast mode's queued mark, or ``mark_durably``).
+
+        ``wait=False`` raises ``WouldBlock`` (nothing written) instead of waiting for a connection or a lock.
+        """
+        if _faults._armed is not None:
+            fault(FaultPoint.AFTER_TOOL)
+        text = result_text(result)
+        now = time.time()
+        if self.fast_commit_mark:
+            self.queue.append((effect_id, text, now))
+            if _faults._armed is not None:
+                fault(FaultPoint.AFTER_MARK_QUEUED)
+            self.flusher.ensure()
+            return
+        try:
+            if self.hot.mark(effect_id, text, now, fast=False, wait=wait):
+                self._inflight.discard(effect_id)
+                return
+        except DatabaseUnavailable:
+            if not wait:
+                raise WouldBlock() from None  # nothing written: asked again with wait=True (in a thread), below
+            # A dropped connection (a server restart, pg_terminate_backend) is asked again below on a fresh one:
+            # deferred at once, a mark that then finds the call taken over could only tell a caller already
+        if not wait:
+            raise WouldBlock()  # not in flight any more: the precise error needs a transaction, in a thread
+        self.mark_durably(effect_id, text, now)
 
     def mark_durably(self, effect_id: str, text: str, now: float) -> None:
         """The commit mark the hot path did not write (the database dropped the connection, or the call is not in

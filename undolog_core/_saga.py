@@ -429,7 +429,7 @@ class Saga:
         the session must not carry on as if nothing failed, so it halts for a person."""
         try:
             with self._store.tx() as conn:
-                # A failure requests its policy's rollback with itself (``Engine.record_failure``). A plan that
+                # A failure requests its policy's rollback with itself (``CompensablePath.record_failure``). A plan that
                 # refused (a call still running, a compensation missing) compensated nothing: that request, ours,
                 # ends with the halt, so that recovery does not roll back a session left for a person. A walk
                 # that broke off (the database went away) keeps it: recovery finishes that walk, as it would any.

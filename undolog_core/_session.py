@@ -8,7 +8,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._saga import RollbackReport
-from ._sessions_table import SessionCache
+from ._session_record import SessionCache
 from ._tools import ToolTier
 from .errors import ApprovalPending, InvalidSessionState, SessionNotFound
 from .limits import check_identity, clean_text

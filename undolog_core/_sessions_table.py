@@ -1,24 +1,21 @@
 """The session table: this process's records of sessions (``SessionCache``), bounded by ``max_sessions``, and
-the writes that keep them in step with the store (deferred starts, SAFE call counts). The engine's gate
+the writes that keep them in step with the store (deferred starts, SAFE call counts). The engine
 (``_engine.Engine``) holds one and reads its records directly on the hot path; nothing here decides a call."""
 
 from __future__ import annotations
 
-import collections
-import itertools
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from functools import partial
+from collections.abc import Mapping
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from ._leases import LazyLoop
+from ._session_record import SessionCache, check_id
 from ._tools import ToolSpec
-from .errors import ConfigurationError, ContractChanged, InvalidId, SessionNotFound
-from .limits import MAX_ID_LENGTH, check_identity, encodes
+from .errors import ConfigurationError, ContractChanged, SessionClosed, SessionHalted, SessionNotFound
+from .limits import check_identity
 from .storage.base import from_epoch, utcnow
 from .storage.hotpath import HotPath
 from .storage.pool import WouldBlock
@@ -47,83 +44,6 @@ _SLOT_MASK = _EVICTED_SLOTS - 1
 _TRIM_SCAN = 64
 # How often the background trimmer looks again while the oldest records still hold unwritten counts.
 TRIM_SECONDS = 0.05
-
-
-@dataclass
-class SessionCache:
-    """What this process knows of a session; the database stays the authority for its state."""
-
-    session_id: str
-    state: str
-    pins: dict[str, int]
-    on_failure: str
-    persisted: bool = True
-    # (tool_name, tier, args, state) of recent calls, newest last; SAFE calls are known only here.
-    # (A partial, not a lambda: no Python frame and no keyword parsing when a record is made, once a conversation.)
-    recent: collections.deque[tuple[str, str, Any, str]] = field(default_factory=partial(collections.deque, (), 50))
-    # next() on itertools.count is atomic under the GIL: lock-free counters for the hot paths. A count is taken by
-    # swapping in a fresh counter and reading the old one's next value (it is not used again).
-    # `counter` holds SAFE calls, which must reach the store with the session's next write (`dirty` says there are
-    # some, so a pre-write with none to carry does not swap); `carried` holds logged calls, which ride along with
-    # whatever write flushes next (so a run of COMPENSABLE calls does not rewrite the session row every time).
-    counter: Iterator[int] = field(default_factory=itertools.count)
-    carried: Iterator[int] = field(default_factory=itertools.count)
-    dirty: bool = False
-    # The agent a session not yet in the store is recorded under, whichever write creates it first (its first
-    # logged call, or the flush of its SAFE calls' count).
-    agent_id: str | None = None
-    # A session this process minted and has not written yet (``SessionTable.defer_start``): the row's values, written by
-    # its first logged call's own pre-write statement, or first by whatever else needs the row (``SessionTable.persist``).
-    start: dict[str, Any] | None = None
-    # Set while the engine evicts the record (``SessionTable.evict``): a caller that counted into it right then sees it
-    # after counting and brings the record back (``SessionTable.come_back``), so that no count is lost to the eviction.
-    gone: bool = False
-
-    def unwritten(self) -> bool:
-        """Whether the record holds something the store does not have yet: SAFE calls counted (``dirty``), logged
-        calls carried (``carried``: read without taking it, from the counter's repr), or a deferred start."""
-        return self.dirty or self.start is not None or repr(self.carried) != "count(0)"
-
-    def count_safe(self) -> None:
-        next(self.counter)
-        self.dirty = True
-
-    def take_safe(self) -> int:
-        if not self.dirty:
-            return 0  # nothing counted: the counter stays (a call counted meanwhile is still in it)
-        self.dirty = False
-        old, self.counter = self.counter, itertools.count()
-        return next(old)
-
-    def take_carried(self) -> int:
-        old, self.carried = self.carried, itertools.count()
-        return next(old)
-
-    def take_flush(self) -> tuple[int, int]:
-        """(SAFE calls, logged calls carried), both taken: what a pre-write that flushes carries to the session's row.
-
-        For a record with SAFE calls counted (``dirty``); in one frame, as the COMPENSABLE hot path calls it."""
-        self.dirty = False
-        old, self.counter = self.counter, itertools.count()
-        carried, self.carried = self.carried, itertools.count()
-        return next(old), next(carried)
-
-    def take_count(self) -> int:
-        return self.take_safe() + self.take_carried()
-
-    def give_back(self, n: int, carried: int = 0) -> None:
-        if n:
-            self.counter = itertools.count(self.take_safe() + n)
-            self.dirty = True
-        if carried:
-            self.carried = itertools.count(self.take_carried() + carried)
-
-
-def check_id(what: str, value: Any) -> None:
-    """Ids are non-empty strings that fit their columns, checked before any I/O on both databases alike."""
-    if (not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH or value != value.strip()
-            or "\x00" in value or not (value.isascii() or encodes(value))):
-        raise InvalidId(what, value, MAX_ID_LENGTH)
 
 
 class SessionTable:
@@ -611,6 +531,31 @@ class SessionTable:
         sc.recent.append((spec.name, "safe", args, "done"))
         if sc.gone:  # evicted meanwhile (after counting: see evict): the record goes back, with this count
             self.come_back(sc)
+
+    # -- the session's record and guard, for the gate's writes (its pin: ``SessionCache.check_pin``) --
+
+    def written_record(self, session_id: str) -> SessionCache:
+        """The session's record with its row in the store (``ensure_session`` when this process has none, or has
+        one not written yet): what a write of the general path guards."""
+        sc = self.records.get(session_id)
+        if sc is None or not sc.persisted:
+            sc = self.ensure_session(session_id)
+        return sc
+
+    def guard(self, conn: Any, sc: SessionCache, count: int, *, pin: ToolSpec | None) -> None:
+        """Inside a write: flush the counted calls (and pin ``pin``) and prove the session still accepts writes
+        (``SessionHalted``, ``SessionClosed`` and the record's state made the store's when not)."""
+        pins = None
+        if pin is not None:
+            sc.pins[pin.name] = pin.revision
+            pins = dict(sc.pins)
+        refused = self.store.guard_in(conn, sc.session_id, count, pins)
+        if refused is None:
+            return
+        sc.state = refused.state
+        if refused.state == SessionState.HALTED:
+            raise SessionHalted(sc.session_id, refused.halted_reason)
+        raise SessionClosed(sc.session_id, refused.state)
 
     # -- writes at a session's end and at close ----------------------------------------------------
 

@@ -20,7 +20,8 @@ from ._recovery import Recovery, RecoveryReport
 from ._registry import Registry
 from ._saga import RollbackReport, Saga
 from ._session import Session, SessionService
-from ._sessions_table import DEFAULT_MAX_SESSIONS, check_id
+from ._session_record import check_id
+from ._sessions_table import DEFAULT_MAX_SESSIONS
 from ._tools import RetryPolicy, ToolSpec, ToolTier, make_declaration
 from .errors import ConfigurationError, DatabaseOpenFailed, DatabaseUnavailable, InvalidDeclaration
 from .storage import DATABASE_ERRORS, Storage, database_error_detail, open_storage, safe_url, sqlite_file

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import _observe as obs
-from ._engine import AwaitingApproval, Decision, Execute
+from ._decisions import AwaitingApproval, Decision, Execute
 from ._tools import RetryPolicy, ToolSpec
 from .errors import UndoLogError
 from .limits import clean_text

@@ -50,20 +50,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._continuation import Continuation
+from ._decisions import KICKOFF, AwaitingApproval, Completed, Execute, execute_now
 from ._driver import CallDriver, NothingHappened, Outcome
-from ._engine import KICKOFF, AwaitingApproval, Completed, Execute, execute_now
 from ._json import jsonable
 from ._observe import metering
 from ._owners import WAKE_SIGNAL
 from ._saga import run_coro_blocking
-from ._sessions_table import SessionCache
+from ._session_record import SessionCache
 from ._tools import ToolSpec, tool_name_of
 from .storage.pool import WouldBlock
 from .storage.records import ApprovalRecord
 from .storage.schema import IN_FLIGHT, EffectState
 
 if TYPE_CHECKING:
-    from ._engine import Decision
+    from ._decisions import Decision
     from ._session import SessionRecord
     from ._undolog import UndoLog
     from .storage import Storage

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from undolog_core import RetryPolicy, ToolTier
-from undolog_core._engine import Execute
+from undolog_core._decisions import Execute
 from undolog_core._walk import CallWalk, Op, Outcome
 
 

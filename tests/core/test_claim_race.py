@@ -35,10 +35,10 @@ async def test_the_loser_of_a_claim_leaves_the_winners_call_in_flight(undolog: U
     spec = undolog.registry.tools["wipe"]
     # Both callers read the approved row before either claims it (the race, made explicit).
     row = engine.store.find_irreversible(s.id, "wipe", "c1", sha256_hex(canonical_json({"name": "x"})))
-    sc = engine._session(s.id)
-    winner = engine._claim_run(sc, spec, row)
+    sc = engine.table.written_record(s.id)
+    winner = engine.gate._claim_run(sc, spec, row)
     with pytest.raises(InvalidEffectState, match="claimed by another caller"):
-        engine._claim_run(sc, spec, row)
+        engine.gate._claim_run(sc, spec, row)
     assert winner.effect_id in engine.leases.inflight  # still this process's, renewed while it runs
     with pytest.raises(InvalidEffectState, match="running right now"):
         await s.call(wipe, name="x", call_id="c1")
@@ -61,9 +61,10 @@ async def test_the_loser_of_a_claim_won_elsewhere_does_not_vouch_for_it(db: Any)
         await s.call(wipe, name="x", call_id="c1")
     here.approvals.approve(p.value.approval_request_id, approver="ana")
     row = here.driver.engine.store.find_irreversible(s.id, "wipe", "c1", sha256_hex(canonical_json({"name": "x"})))
-    won = there.driver.engine._claim_run(there.driver.engine._session(s.id), there.registry.tools["wipe"], row)
+    far, near = there.driver.engine, here.driver.engine
+    won = far.gate._claim_run(far.table.written_record(s.id), there.registry.tools["wipe"], row)
     with pytest.raises(InvalidEffectState, match="claimed by another caller"):
-        here.driver.engine._claim_run(here.driver.engine._session(s.id), here.registry.tools["wipe"], row)
+        near.gate._claim_run(near.table.written_record(s.id), here.registry.tools["wipe"], row)
     assert won.effect_id in there.driver.engine.leases.inflight
     assert won.effect_id not in here.driver.engine.leases.inflight
     with pytest.raises(InvalidEffectState, match="running in another process"):  # and a re-issue here says so
@@ -89,7 +90,7 @@ async def test_an_approval_that_lapses_between_the_read_and_the_claim_asks_again
     first = p.value.approval_request_id
     undolog.approvals.approve(first, approver="ana")
     engine = undolog.driver.engine
-    resume = engine._resume_irreversible
+    resume = engine.gate._resume_irreversible
     swept: list[str] = []
 
     def sweeper_first(*a: Any, **kw: Any) -> Any:
@@ -98,7 +99,7 @@ async def test_an_approval_that_lapses_between_the_read_and_the_claim_asks_again
             swept.extend(undolog.approvals.lapse([first], now=utcnow() + dt.timedelta(seconds=5)))
         return resume(*a, **kw)
 
-    monkeypatch.setattr(engine, "_resume_irreversible", sweeper_first)
+    monkeypatch.setattr(engine.gate, "_resume_irreversible", sweeper_first)
     with pytest.raises(ApprovalPending) as again:
         await s.call(wipe, name="x", call_id="c1")
     assert swept == [first]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from undolog_core._engine import kickoff_scope
+from undolog_core._decisions import kickoff_scope
 from undolog_core.storage import migrate as _migrate
 from undolog_core.storage.base import _MIGRATION_LOCK_KEY, Store
 

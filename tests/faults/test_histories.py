@@ -31,7 +31,7 @@ LONG_RUNS = 40
 FORCED_HISTORIES = 4
 
 #: The approved call's claim, with the guard that refuses it in a session that stopped taking calls.
-_GUARD_LINE = "                self._guard(conn, sc, count, pin=None)\n"
+_GUARD_LINE = "                self.table.guard(conn, sc, count, pin=None)\n"
 _CLAIM_GUARD = (_GUARD_LINE + "                epoch = self.store.claim_effect_in(\n"
                 "                    conn, row.effect_id, from_state=EffectState.APPROVED.value,")
 
@@ -103,7 +103,7 @@ MUTATIONS: dict[str, tuple[str, str, str, str, Callable[[str], bool]]] = {
                            lambda p: "compensation ran before the tool ended" in p),
     # The released-after-halt check: an approved call is claimed to run without asking whether its session still
     # takes calls (a reject of its sibling halted it meanwhile).
-    "released-after-halt check": ("_engine.py", _CLAIM_GUARD, _CLAIM_GUARD.replace(_GUARD_LINE, ""), "wires",
+    "released-after-halt check": ("_gate.py", _CLAIM_GUARD, _CLAIM_GUARD.replace(_GUARD_LINE, ""), "wires",
                                   lambda p: "asked for after the session stopped" in p),
     # The compensation dedupe: an undo entry is claimed whatever state and owner its walker saw (the compare-and-swap
     # gone), so a rollback stopped past its lease and taken over runs a compensation the recovery already ran.
