@@ -77,7 +77,9 @@ def serve(
     from undolog_core.errors import UndoLogError
 
     from . import require_sdk
+    from ._sdk_import import defer_inits
 
+    defer_inits()  # before the first SDK import: the SDK's package __init__ files load what this never uses
     try:
         require_sdk()
     except ImportError as exc:
@@ -186,6 +188,9 @@ def connect(
     serving on ``--socket`` (no upstream is started per connection)."""
     from undolog_core.errors import UndoLogError
 
+    from ._sdk_import import defer_inits
+
+    defer_inits()  # the forwarder uses two SDK modules; the SDK's package __init__ files would load all of it
     from .socket import forward
 
     try:
@@ -208,7 +213,9 @@ def init(
     Every line is a proposal to review: MCP's hints are not trusted, the config decides.
     """
     from . import require_sdk
+    from ._sdk_import import defer_inits
 
+    defer_inits()  # before the first SDK import: the SDK's package __init__ files load what this never uses
     try:
         require_sdk()
     except ImportError as exc:

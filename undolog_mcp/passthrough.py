@@ -31,8 +31,10 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mcp import ClientSession, McpError, types
+from mcp import types
+from mcp.client.session import ClientSession
 from mcp.server.session import ServerSession
+from mcp.shared.exceptions import McpError
 
 from undolog_core.integration import metering
 

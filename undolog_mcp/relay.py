@@ -44,10 +44,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-from mcp import ClientSession, McpError, types
+from mcp import types
+from mcp.client.session import ClientSession
 from mcp.server.lowlevel import Server
 from mcp.server.lowlevel.server import request_ctx
 from mcp.server.session import ServerSession
+from mcp.shared.exceptions import McpError
 from mcp.shared.message import ServerMessageMetadata
 
 from .config import UpstreamConfig

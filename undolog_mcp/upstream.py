@@ -19,9 +19,11 @@ from typing import Any
 import anyio
 from jsonschema import SchemaError, ValidationError
 from jsonschema.validators import validator_for
-from mcp import ClientSession, McpError, StdioServerParameters, types
-from mcp.client.stdio import stdio_client
+from mcp import types
+from mcp.client.session import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamablehttp_client
+from mcp.shared.exceptions import McpError
 from referencing import Registry
 from referencing.exceptions import Unresolvable
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import subprocess
+import sys
 
 import pytest
 import sqlalchemy as sa
@@ -322,3 +324,18 @@ def test_session_owners_come_with_0013_on_a_database_of_0011_and_go_with_its_dow
         assert "ux_undolog_effect_client_key" not in names
     finally:
         store.dispose()
+
+
+def test_the_head_revision_without_alembic_is_alembics_own_head(db):
+    assert _migrate.head() == _migrate.HEAD == _migrate.alembic_heads()
+
+
+def test_opening_a_database_at_head_imports_no_alembic(db):
+    """``UndoLog.open`` on a database at head (every CLI command, every gateway start) checks the revision
+    without Alembic; one child process, since this one has Alembic loaded."""
+    db.open().close()
+    child = ("import sys\nfrom undolog_core import UndoLog\n"
+             f"u = UndoLog.open({db.url!r}, schema={db.schema!r})\n"
+             "print(sorted(m for m in sys.modules if m == 'alembic' or m.startswith('alembic.')))\nu.close()\n")
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

@@ -9,16 +9,18 @@ import decimal
 import json
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.console import Console
-from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
-from rich.text import Text
 
 from .._saga import RollbackStep
+
+if TYPE_CHECKING:  # imported where used: every process that imports the CLI (each gateway an MCP client starts,
+    # each command) would pay for Rich (about 35 ms) to show nothing with it
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+    from rich.text import Text
 
 #: Below this many steps a rollback or recovery finishes too fast for a progress bar to help.
 PROGRESS_MIN_STEPS = 5
@@ -33,6 +35,8 @@ PIPE_WIDTH = 200
 
 def _console(stderr: bool = False) -> Console:
     """A Rich console bound to the current stdout/stderr (CliRunner swaps them per invocation)."""
+    from rich.console import Console
+
     c = Console(stderr=stderr, highlight=False)
     if not c.is_terminal and "COLUMNS" not in os.environ:
         c = Console(stderr=stderr, highlight=False, width=PIPE_WIDTH)
@@ -80,6 +84,8 @@ def _inert(text: str) -> str:
 def _txt(value: Any) -> Text:
     """User data as literal text: arguments and reasons may contain ``[...]``, which Rich would take as markup, and
     terminal controls (ANSI escapes), which Rich passes through: both shown, neither acted on."""
+    from rich.text import Text
+
     return Text("-" if value is None or value == "" else _inert(str(value)))
 
 
@@ -105,6 +111,8 @@ _STATE_STYLES = {
 
 
 def _state(value: str | None) -> Text:
+    from rich.text import Text
+
     return Text(value or "-", style=_STATE_STYLES.get(value or "", ""))
 
 
@@ -137,6 +145,8 @@ class _Table:
     def render(self, console: Console) -> Table:
         """The table with as many columns as fit the console, dropping ranked columns first."""
         droppable = sorted((i for i, c in enumerate(self.cols) if c[1]), key=lambda i: -self.cols[i][1])
+        from rich.table import Table
+
         dropped: set[int] = set()
         while droppable and self._needed(console, dropped) > console.width:
             dropped.add(droppable.pop(0))
@@ -167,6 +177,9 @@ def _show(table: _Table, console: Console | None = None) -> None:
 
 
 def _kv(rows: list[tuple[str, Any]]) -> Table:
+    from rich.table import Table
+    from rich.text import Text
+
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
@@ -197,6 +210,9 @@ class _Progress:
         """
         if not self._enabled or total < PROGRESS_MIN_STEPS or not self._console.is_terminal or self._bar:
             return
+        from rich.markup import escape
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
         # The current step goes last, where Rich may cut it; the bar and the count always stay visible.
         self._bar = Progress(TextColumn("{task.description}"), BarColumn(bar_width=30), MofNCompleteColumn(),
                              TimeElapsedColumn(), TextColumn("{task.fields[step]}"), console=self._console)
@@ -208,6 +224,8 @@ class _Progress:
             return
         text = _describe_step(step)
         if self._console.is_terminal:
+            from rich.markup import escape
+
             self.start(total)
             assert self._bar is not None
             self._bar.update(self._task, completed=done, total=total, step=escape(_short_step(step)))

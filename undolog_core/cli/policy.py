@@ -6,7 +6,6 @@ import json
 from typing import Annotated
 
 import typer
-from rich.text import Text
 
 from ._output import _console, _duration, _kv, _print_json, _show, _Table, _txt
 from ._root import ActorOpt, CliInputError, JsonOpt, _actor, _open
@@ -53,6 +52,8 @@ def policy_set(
     as_json: JsonOpt = False,
 ) -> None:
     """Change the organisation's approval policy (audited)."""
+    from rich.text import Text  # the command's own: importing the CLI loads no Rich
+
     changes = {"approval_timeout_seconds": approval_timeout_seconds,
                "auto_approve_on_timeout": auto_approve_on_timeout, "context_calls": context_calls,
                "approved_ttl_seconds": approved_ttl_seconds}

@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from typing import Annotated, Any
 
 import typer
-from rich.text import Text
 
 from ._output import _print_json, _show, _state, _Table, _txt, _when
 from ._root import CliInputError, JsonOpt, _open
@@ -23,6 +22,8 @@ def tools(
     Reads ``undolog_tool_registry``, the immutable contract audit trail; the newest revision of each tool
     is the one new sessions are pinned to.
     """
+    from rich.text import Text  # the command's own: importing the CLI loads no Rich
+
     u = _open(ctx)
     rows = u.registry.history(tool)
     if tool and not rows:
