@@ -466,7 +466,7 @@ class Engine:
         if pin is not None:
             sc.pins[pin.name] = pin.revision
             pins = dict(sc.pins)
-        refused = self.store.guard_in(conn, sc.session_id, count, pins)
+        refused = self.store.sessions.guard_in(conn, sc.session_id, count, pins)
         if refused is None:
             return
         sc.state = refused.state

@@ -179,7 +179,7 @@ class Recovery:
         done = 0
         for ri in dead_intents:
             done += 1
-            if not self._store.claim_intent(ri.session_id, ri.owner, self._leases.owner, self._leases.until()):
+            if not self._store.sessions.claim_intent(ri.session_id, ri.owner, self._leases.owner, self._leases.until()):
                 continue
             try:
                 self._saga.rollback_sync(ri.session_id, actor=ri.actor,
@@ -328,7 +328,7 @@ class Recovery:
         session_id = self._store.session_of_effect(effect_id)
         if session_id is None:
             raise EffectNotFound(effect_id)
-        session = self._store.get_session(session_id)
+        session = self._store.sessions.get_session(session_id)
         creator = session.created_by if session is not None else None
         who = principal or actor
         # As for approvals: only principal references (``key:<id>``) are compared, never free-text names.
@@ -482,7 +482,7 @@ class Recovery:
         return self._attempt_failed(c, f"UndoLogError: {why}", report)
 
     def _halt(self, session_id: str, reason: str) -> None:
-        self._store.halt_session(session_id, reason)
+        self._store.sessions.halt_session(session_id, reason)
         self._note_state(session_id, SessionState.HALTED)
         obs.recovery_log.log(obs.crash_level(), "halt: session %s halted: %s", session_id, reason,
                              extra=obs.ids(session_id))

@@ -332,7 +332,7 @@ class SessionTable:
         n, carried = sc.take_safe(), sc.take_carried()
         if n + carried:
             try:
-                self.store.add_call_count(sc.session_id, n + carried, missing=self._missing(sc))
+                self.store.sessions.add_call_count(sc.session_id, n + carried, missing=self._missing(sc))
             except BaseException:
                 self.give_back(sc, n, carried)
                 raise
@@ -472,7 +472,7 @@ class SessionTable:
         if row is None:
             if not wait:
                 raise WouldBlock()
-            row = self.store.get_or_create_session(session_id, create=create, values=values)
+            row = self.store.sessions.get_or_create_session(session_id, create=create, values=values)
         if row is None:
             raise SessionNotFound(session_id)
         return self.remember(row, write=wait)

@@ -93,6 +93,7 @@ def test_repositories_are_listed_once_and_hold_the_same_store(db):
     # The repositories that write another's rows hold that very instance (one place per write).
     assert st.audit._outbox is st.outbox
     assert st.policy._audit is st.audit and st.archive._audit is st.audit
+    assert st.sessions._audit is st.audit and st.sessions._outbox is st.outbox
 
 
 # -- the guarantees --------------------------------------------------------------------------------
@@ -195,3 +196,72 @@ def test_a_decision_on_no_request_raises_and_writes_nothing(db):
         assert st.approvals.cancel_request_in(conn, "no-such-request", "no-such-effect", "test", utcnow()) is False
         assert st.approvals.cancel_pending_in(conn, "no-such-session", "test", utcnow()) == 0
     assert _count(st, t.approval_events) == events
+
+
+# -- store.sessions ----------------------------------------------------------------------------------
+
+
+def _new_session(st: Storage, sid: str) -> None:
+    now = utcnow()
+    st.sessions.get_or_create_session(sid, create=True, values={
+        "agent_id": "conf", "state": "active", "tool_calls_total": 0, "on_failure": "rollback",
+        "pinned_revisions": {}, "created_at": now, "updated_at": now})
+
+
+def test_sessions_create_once_and_a_second_creator_gets_the_first_row(db):
+    st = _storage(db.open())
+    _new_session(st, "conf-create")
+    again = st.sessions.get_or_create_session("conf-create", create=True, values={
+        "agent_id": "other", "state": "active", "on_failure": "halt", "pinned_revisions": {},
+        "created_at": utcnow(), "updated_at": utcnow()})
+    assert again.agent_id == "conf" and again.on_failure == "rollback"
+    assert st.sessions.get_or_create_session("conf-missing", create=False, values={}) is None
+    st.sessions.add_call_count("conf-create", 3, missing={})
+    rec = st.sessions.get_session("conf-create")
+    assert rec is not None and rec.tool_calls_total == 3
+
+
+def test_sessions_in_methods_commit_or_roll_back_with_the_caller(db):
+    st = _storage(db.open())
+    _new_session(st, "conf-halt")
+    outbox = _count(st, t.outbox)
+    with pytest.raises(_Boom), st.tx() as conn:
+        st.sessions.halt_in(conn, "conf-halt", "lost", utcnow())
+        st.sessions.write_intent_in(conn, "conf-halt", exists=False, actor="a", reason=None, owner="o",
+                                    lease_until=utcnow(), now=utcnow())
+        raise _Boom
+    rec = st.sessions.get_session("conf-halt")
+    assert rec is not None and rec.state == "active" and _count(st, t.outbox) == outbox
+    with st.tx() as conn:
+        assert st.sessions.rollback_intent_in(conn, "conf-halt") is None
+        st.sessions.write_intent_in(conn, "conf-halt", exists=False, actor="a", reason=None, owner="o",
+                                    lease_until=utcnow(), now=utcnow())
+    rec = st.sessions.get_session("conf-halt")
+    assert rec is not None and rec.state == "rolling_back"
+    # The intent changes owner by compare-and-swap: of two claims from what both saw, one wins.
+    assert st.sessions.claim_intent("conf-halt", "o", "r1", utcnow()) is True
+    assert st.sessions.claim_intent("conf-halt", "o", "r2", utcnow()) is False
+    with st.tx() as conn:
+        st.sessions.halt_in(conn, "conf-halt", "kept", utcnow())
+        st.sessions.end_intent_in(conn, "conf-halt", owner="r2")  # not its owner: the intent stays
+        assert st.sessions.rollback_intent_in(conn, "conf-halt").owner == "r1"
+    rec = st.sessions.get_session("conf-halt")
+    assert rec is not None and rec.state == "halted" and rec.halted_reason == "kept"
+    assert _count(st, t.outbox) == outbox + 1
+
+
+def test_sessions_state_moves_only_as_the_state_table_allows(db):
+    st = _storage(db.open())
+    _new_session(st, "conf-state")
+    # completed -> active is no move of states.SESSION: nothing is written, whatever ``allowed`` says.
+    assert st.sessions.set_session_state("conf-state", "completed", allowed=["active"], now=utcnow()) is True
+    assert st.sessions.set_session_state("conf-state", "active", allowed=["completed"], now=utcnow()) is False
+    rec = st.sessions.get_session("conf-state")
+    assert rec is not None and rec.state == "completed"
+    with pytest.raises(errors.InvalidSessionState):
+        st.sessions.resume_session("conf-state", actor="a", reason=None, now=utcnow())
+    with pytest.raises(errors.SessionNotFound):
+        st.sessions.resume_session("conf-nobody", actor="a", reason=None, now=utcnow())
+    with st.tx() as conn:  # a session that ended refuses the call's guard and says why
+        refused = st.sessions.guard_in(conn, "conf-state", 1, None)
+    assert refused is not None and refused.state == "completed"

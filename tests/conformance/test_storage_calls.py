@@ -60,7 +60,7 @@ def test_prewrite_writes_the_effect_and_its_undo_entry_in_one_commit(u):
 def test_prewrite_refused_by_a_session_that_takes_no_calls(u):
     sid = _session(u)
     with internals(u).write() as conn:
-        u.store.halt_in(conn, sid, "a person must look", utcnow())
+        u.store.sessions.halt_in(conn, sid, "a person must look", utcnow())
     spec = u.tool_spec("conf_write")
     now = time.time()
     for count in (0, 3):  # with and without counts to carry
@@ -89,12 +89,12 @@ def test_commit_mark_only_moves_an_effect_in_flight(u):
 def test_guard_counts_calls_and_refuses_a_halted_session(u):
     sid = _session(u)
     with internals(u).write() as conn:
-        assert u.store.guard_in(conn, sid, 5, None) is None
+        assert u.store.sessions.guard_in(conn, sid, 5, None) is None
     assert u.sessions.get(sid).tool_calls_total == 5
     with internals(u).write() as conn:
-        u.store.halt_in(conn, sid, "stop", utcnow())
+        u.store.sessions.halt_in(conn, sid, "stop", utcnow())
     with internals(u).write() as conn:
-        refused = u.store.guard_in(conn, sid, 1, None)
+        refused = u.store.sessions.guard_in(conn, sid, 1, None)
     assert refused.state == SessionState.HALTED and refused.halted_reason == "stop"
 
 
@@ -125,18 +125,18 @@ def test_rollback_intent_is_written_and_ended_with_the_session_state(u):
     sid = _session(u)
     now = utcnow()
     with internals(u).write() as conn:
-        assert u.store.rollback_intent_in(conn, sid) is None
-        u.store.write_intent_in(conn, sid, exists=False, actor="ana", reason="asked", owner="me",
+        assert u.store.sessions.rollback_intent_in(conn, sid) is None
+        u.store.sessions.write_intent_in(conn, sid, exists=False, actor="ana", reason="asked", owner="me",
                                 lease_until=now, now=now)
     assert u.sessions.get(sid).state == SessionState.ROLLING_BACK
     with internals(u).write() as conn:
-        intent = u.store.rollback_intent_in(conn, sid)
+        intent = u.store.sessions.rollback_intent_in(conn, sid)
         assert (intent.actor, intent.reason, intent.owner) == ("ana", "asked", "me")
     assert [r.session_id for r in u.store.in_flight().intents] == [sid]
-    assert u.store.claim_intent(sid, "me", "recoverer", now)
-    assert not u.store.claim_intent(sid, "me", "another", now)  # the owner moved: compare-and-swap fails
+    assert u.store.sessions.claim_intent(sid, "me", "recoverer", now)
+    assert not u.store.sessions.claim_intent(sid, "me", "another", now)  # the owner moved: compare-and-swap fails
     with internals(u).write() as conn:
-        u.store.mark_rolled_back_in(conn, sid, now)
+        u.store.sessions.mark_rolled_back_in(conn, sid, now)
     assert u.sessions.get(sid).state == SessionState.ROLLED_BACK
     assert u.store.in_flight().intents == []
 

@@ -44,7 +44,7 @@ from .sessions import SessionsSQL
 DATABASE_ERRORS: tuple[type[Exception], ...] = (sa_exc.SQLAlchemyError,)
 
 
-class Storage(SessionsSQL, RecoverySQL, SagaSQL, CallsSQL, OwnersSQL, Store):
+class Storage(RecoverySQL, SagaSQL, CallsSQL, OwnersSQL, Store):
     """The store of one database: engines and pools (``Store``), its repositories, and the statements of the
     services not split into repositories yet (the mixins).
 
@@ -55,6 +55,7 @@ class Storage(SessionsSQL, RecoverySQL, SagaSQL, CallsSQL, OwnersSQL, Store):
     """
 
     #: The repositories (``contract.REPOSITORIES`` names each one's Protocol).
+    sessions: SessionsSQL
     approvals: ApprovalsSQL
     audit: AuditSQL
     registry: RegistrySQL
@@ -68,11 +69,12 @@ class Storage(SessionsSQL, RecoverySQL, SagaSQL, CallsSQL, OwnersSQL, Store):
         # mixins' ``*_in`` writes) whose rows it writes in its own transaction.
         self.outbox = OutboxSQL(self)
         self.audit = AuditSQL(self, outbox=self.outbox)
+        self.sessions = SessionsSQL(self, audit=self.audit, outbox=self.outbox)
         self.policy = PolicySQL(self, audit=self.audit)
-        self.approvals = ApprovalsSQL(self, audit=self.audit, policy=self.policy, halt_in=self.halt_in,
-                                      refresh_changes_in=self.refresh_changes_in)
+        self.approvals = ApprovalsSQL(self, audit=self.audit, policy=self.policy, halt_in=self.sessions.halt_in,
+                                      refresh_changes_in=self.sessions.refresh_changes_in)
         self.registry = RegistrySQL(self, cancel_request_in=self.approvals.cancel_request_in,
-                                    refresh_changes_in=self.refresh_changes_in)
+                                    refresh_changes_in=self.sessions.refresh_changes_in)
         self.archive = ArchiveSQL(self, audit=self.audit)
 
     def schema_revision(self) -> str | None:

@@ -21,7 +21,8 @@ from .audit import AuditSQL
 from .base import Store, utcnow
 from .outbox import OutboxSQL
 from .pool import IntegrityConflict
-from .schema import IN_FLIGHT, WRITABLE, EffectState, RequestState, SessionState, UndoState
+from .schema import IN_FLIGHT, EffectState, SessionState, UndoState
+from .sessions import SessionsSQL
 
 _E = t.effect_log
 _S = t.sessions
@@ -102,79 +103,9 @@ class CallsSQL(Store):
     audit: AuditSQL
     outbox: OutboxSQL
 
-    if TYPE_CHECKING:  # provided by SagaSQL in Storage
-        def write_intent_in(self, conn: Connection, session_id: str, *, exists: bool, actor: str,
-                            reason: str | None, owner: str, lease_until: dt.datetime, now: dt.datetime) -> None: ...
+    sessions: SessionsSQL
 
     # -- sessions ------------------------------------------------------------------------------------
-
-    def get_or_create_session(self, session_id: str, *, create: bool, values: Mapping[str, Any]) -> Any:
-        """The session's row; with ``create``, made first when missing (a concurrent creator's row wins)."""
-        with self.tx() as conn:
-            row = conn.execute(sa.select(_S).where(_S.c.session_id == session_id)).first()
-            if row is None and create:
-                try:
-                    with conn.begin_nested():
-                        conn.execute(_S.insert().values(session_id=session_id, **values))
-                except IntegrityError:
-                    pass  # another process created it between our read and our insert: use theirs
-                row = conn.execute(sa.select(_S).where(_S.c.session_id == session_id)).one()
-            return row
-
-    def add_call_count(self, session_id: str, n: int, *, missing: Mapping[str, Any]) -> None:
-        """Add ``n`` calls counted in memory; a session known only from SAFE calls is recorded with ``missing``."""
-        with self.tx(fast=True) as conn:
-            res = conn.execute(
-                _S.update().where(_S.c.session_id == session_id).values(tool_calls_total=_S.c.tool_calls_total + n)
-            )
-            if res.rowcount == 0:
-                now = utcnow()
-                conn.execute(_S.insert().values(session_id=session_id, state=SessionState.ACTIVE.value,
-                                                tool_calls_total=n, created_at=now, updated_at=now, **missing))
-
-    def guard_in(self, conn: Connection, session_id: str, count: int, pins: dict[str, int] | None) -> Any:
-        """Inside a write: flush the counted calls (and new pins) and prove the session accepts writes.
-
-        Returns None when it does, else the session's ``state`` and ``halted_reason`` (a session that vanished
-        from the store is an error).
-        """
-        values: dict[str, Any] = {"tool_calls_total": _S.c.tool_calls_total + count}
-        if pins is not None:
-            values["pinned_revisions"] = pins
-        res = conn.execute(
-            _S.update().where(_S.c.session_id == session_id, _S.c.state.in_(WRITABLE)).values(**values)
-        )
-        if res.rowcount == 1:
-            return None
-        row = conn.execute(sa.select(_S.c.state, _S.c.halted_reason).where(_S.c.session_id == session_id)).first()
-        if row is None:
-            raise InvalidEffectState(f"session {session_id!r} vanished from the store")
-        return row
-
-    def halt_in(self, conn: Connection, session_id: str, reason: str, now: dt.datetime) -> None:
-        """The session stops for a person (not once it ended), and the desk is told through the outbox."""
-        conn.execute(
-            _S.update()
-            .where(_S.c.session_id == session_id, SESSION.guard("halt", _S.c.state))
-            .values(state=SessionState.HALTED.value, halted_reason=reason, updated_at=now)
-        )
-        self.outbox.write_in(conn, [("session.halted", {"session_id": session_id, "reason": reason})], now=now)
-
-    def refresh_awaiting_in(self, conn: Connection, session_id: str, now: dt.datetime) -> str | None:
-        """A session is ``awaiting_approval`` exactly while one of its requests is pending; returns the new state
-        when it changed."""
-        r = t.approval_requests
-        pending = conn.execute(
-            sa.select(sa.func.count()).select_from(r)
-            .where(r.c.session_id == session_id, r.c.state == RequestState.PENDING.value)
-        ).scalar_one()
-        move = "await_approval" if pending else "approval_settled"
-        target = SESSION.target(move)
-        res = conn.execute(
-            _S.update().where(_S.c.session_id == session_id, SESSION.guard(move, _S.c.state))
-            .values(state=target, updated_at=now)
-        )
-        return target if res.rowcount else None
 
     # -- effects: the general pre-write, re-issues, claims ----------------------------------------------
 
@@ -396,7 +327,7 @@ class CallsSQL(Store):
                 error=f"{what}: the tool's side effect happened after another process took the call over; "
                       "a person decides",
                 updated_at=now))
-            self.halt_in(conn, row.session_id, f"{row.tool_name} ({effect_id}) {what}: its side effect happened "
+            self.sessions.halt_in(conn, row.session_id, f"{row.tool_name} ({effect_id}) {what}: its side effect happened "
                                                "after its compensation; check the tool, settle it (undolog effects "
                                                f"resolve {effect_id}), then resume or roll back", now)
             self.audit.append_event_in(conn, subject=f"effect:{effect_id}", action="effect.finished_late",
@@ -505,7 +436,7 @@ class CallsSQL(Store):
                 intent = False  # requested already (by a person, or by a sibling call's failure): that one walks
             if intent:
                 assert rollback is not None
-                self.write_intent_in(conn, row.session_id, exists=False, actor=rollback.actor,
+                self.sessions.write_intent_in(conn, row.session_id, exists=False, actor=rollback.actor,
                                      reason=rollback.reason, owner=rollback.owner,
                                      lease_until=rollback.lease_until, now=now)
             return None, FailedRow(str(row.session_id), str(row.on_failure), intent)

@@ -59,9 +59,10 @@ from .records import (
     ExpiredRequest,
     OrgPolicy,
     RegisteredRevision,
+    SessionRecord,
     StateChange,
 )
-from .schema import RequestState
+from .schema import RequestState, SessionState
 
 
 @runtime_checkable
@@ -104,6 +105,128 @@ class StoreProtocol(Protocol):
 
     def one_of(self, col: Any, values: Sequence[Any]) -> Any:
         """``col IN (values)``, one parameter whatever the size on PostgreSQL."""
+        ...
+
+
+@runtime_checkable
+class SessionsRepository(Protocol):
+    """``store.sessions`` (``SessionsSQL``): the sessions (``undolog_sessions``) and each session's rollback intent
+    (``undolog_rollbacks``: at most one row per session, written with the session's ``rolling_back`` state, so a
+    crash between a failure and its rollback leaves an intent ``recover()`` finishes). Every state change is a
+    move of ``states.SESSION``: an update that meets a state the table does not allow changes nothing.
+
+    Fences: a session's row lock (``lock_session_in``: ``FOR UPDATE`` on PostgreSQL, SQLite's single writer) is
+    what resume, re-pinning and the saga's rollback plan start from; a call's pre-write proves the session
+    writable in its own statement (``guard_in``), so a call and a halt or rollback request never both win. An
+    intent changes owner only by compare-and-swap (``claim_intent``).
+
+    Example:
+        >>> storage.sessions.get_session("ticket-1042").state
+        <SessionState.ACTIVE: 'active'>
+    """
+
+    def lock_session_in(self, conn: Connection, session_id: str) -> Any:
+        """The session row (None if there is none), locked until the caller's transaction ends."""
+        ...
+
+    def get_session(self, session_id: str) -> SessionRecord | None:
+        """One session, or None when there is no such session."""
+        ...
+
+    def list_sessions(self, *, state: SessionState | None = None, agent_id: str | None = None,
+                      created_by: str | None = None, limit: int = 200,
+                      offset: int = 0) -> builtins.list[SessionRecord]:
+        """Sessions newest first (ties by id: pages never overlap), optionally of one state, agent or creator."""
+        ...
+
+    def session_effects(self, session_id: str) -> builtins.list[dict[str, Any]]:
+        """Every logged effect of the session, oldest first, with its undo entry's name, state and error."""
+        ...
+
+    def set_session_state(self, session_id: str, state: SessionState, *, allowed: Iterable[SessionState],
+                          now: dt.datetime) -> bool:
+        """Move the session to ``state`` if it is in one of ``allowed`` and the state table has that move; False
+        (nothing written) otherwise or when there is no such session."""
+        ...
+
+    def refresh_changes_in(self, conn: Connection, session_id: str,
+                           now: dt.datetime) -> builtins.list[StateChange]:
+        """``refresh_awaiting_in`` as the state changes it made (none, or one)."""
+        ...
+
+    def resume_session(self, session_id: str, *, actor: str, reason: str | None,
+                       now: dt.datetime) -> builtins.list[StateChange]:
+        """Un-halt the session with its audit event ``session.resume`` in ONE transaction; the state changes, in
+        order. Raises ``SessionNotFound`` or ``InvalidSessionState`` (not halted); nothing is written then."""
+        ...
+
+    def revalidate_session(self, session_id: str, *, actor: str, current: Mapping[str, int],
+                           now: dt.datetime) -> tuple[dict[str, dict[str, int | None]], dict[str, int]]:
+        """Re-pin the session's tool revisions (``current``; empty: the registry's newest) with its audit event
+        ``session.revalidate`` in ONE transaction; (what changed, the new pins). Raises ``SessionNotFound``."""
+        ...
+
+    def get_or_create_session(self, session_id: str, *, create: bool, values: Mapping[str, Any]) -> Any:
+        """The session's row; with ``create``, inserted first when missing. Two processes creating one session
+        both get the row that won (the loser's insert is rolled back to a savepoint, not retried)."""
+        ...
+
+    def add_call_count(self, session_id: str, n: int, *, missing: Mapping[str, Any]) -> None:
+        """Add ``n`` calls counted in memory, on the fast engine; a session not stored yet (only SAFE calls so
+        far) is inserted with ``missing``."""
+        ...
+
+    def guard_in(self, conn: Connection, session_id: str, count: int, pins: dict[str, int] | None) -> Any:
+        """In the caller's write: add ``count`` (and store ``pins``) only while the session accepts writes; None
+        when it does, else its ``state`` and ``halted_reason``. Raises ``InvalidEffectState`` if the session is
+        gone."""
+        ...
+
+    def halt_in(self, conn: Connection, session_id: str, reason: str, now: dt.datetime) -> None:
+        """Halt the session for a person (not once it ended) with its ``session.halted`` outbox row, in the
+        caller's transaction."""
+        ...
+
+    def refresh_awaiting_in(self, conn: Connection, session_id: str, now: dt.datetime) -> str | None:
+        """Make the session ``awaiting_approval`` exactly while one of its requests is pending, in the caller's
+        transaction; the new state when it changed."""
+        ...
+
+    def await_approval_in(self, conn: Connection, session_id: str, now: dt.datetime) -> None:
+        """A request of the session was raised: it waits for a person (``await_approval``), in the caller's
+        transaction."""
+        ...
+
+    def halt_session(self, session_id: str, reason: str) -> None:
+        """``halt_in`` in a write transaction of its own."""
+        ...
+
+    def rollback_intent_in(self, conn: Connection, session_id: str) -> Any:
+        """The session's rollback intent row, or None."""
+        ...
+
+    def write_intent_in(self, conn: Connection, session_id: str, *, exists: bool, actor: str,
+                        reason: str | None, owner: str, lease_until: dt.datetime, now: dt.datetime) -> None:
+        """Request the rollback (or, ``exists``, take the intent over) and move the session to ``rolling_back``,
+        in the caller's transaction: from its commit the session takes no call."""
+        ...
+
+    def end_intent_in(self, conn: Connection, session_id: str, *, owner: str | None = None) -> None:
+        """End the intent (``owner``: only if that owner holds it), in the caller's transaction."""
+        ...
+
+    def mark_rolled_back_in(self, conn: Connection, session_id: str, now: dt.datetime) -> None:
+        """The rollback is complete: the session ``rolled_back`` and its intent ended, in the caller's
+        transaction."""
+        ...
+
+    def claim_intent(self, session_id: str, seen_owner: str | None, owner: str, lease_until: dt.datetime) -> bool:
+        """Compare-and-swap the intent's owner from ``seen_owner``: of several recoverers exactly one walks it."""
+        ...
+
+    def renew_intents_in(self, conn: Connection, owner: str, session_ids: Sequence[str],
+                         until: dt.datetime) -> None:
+        """Extend the lease of the intents ``owner`` still holds, in the caller's transaction."""
         ...
 
 
@@ -382,6 +505,7 @@ class ArchiveRepository(Protocol):
 
 #: The repositories a ``Storage`` exposes, by attribute, and the Protocol each satisfies.
 REPOSITORIES: dict[str, type[Any]] = {
+    "sessions": SessionsRepository,
     "approvals": ApprovalsRepository,
     "audit": AuditRepository,
     "outbox": OutboxRepository,
@@ -392,6 +516,7 @@ REPOSITORIES: dict[str, type[Any]] = {
 
 __all__ = [
     "REPOSITORIES",
+    "SessionsRepository",
     "ApprovalsRepository",
     "ArchiveRepository",
     "AuditRepository",

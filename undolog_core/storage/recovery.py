@@ -108,14 +108,6 @@ class RecoverySQL(CallsSQL):
         def effects_in_flight_in(self, conn: Any) -> tuple[list[Any], tuple[Any, int] | None]: ...
         def advance_cursor(self, cursor: Any, upto: int) -> None: ...
 
-    def claim_intent(self, session_id: str, seen_owner: str | None, owner: str, lease_until: dt.datetime) -> bool:
-        """Compare-and-swap a rollback's owner: of several recoverers, one walks it."""
-        rb = t.rollbacks
-        with self.tx() as conn:
-            res = conn.execute(rb.update().where(rb.c.session_id == session_id, _same(rb.c.owner, seen_owner))
-                               .values(owner=owner, lease_until=lease_until))
-            return bool(res.rowcount == 1)
-
     def claim_in_doubt(self, effect_id: str, seen_state: str, seen_owner: str | None, owner: str,
                        lease_until: dt.datetime) -> bool:
         """Compare-and-swap an in-doubt effect's owner; on PostgreSQL SKIP LOCKED keeps racing recoverers from
@@ -261,16 +253,12 @@ class RecoverySQL(CallsSQL):
             if event is not None:
                 self.audit.append_events_in(conn, [event], now=now)
             if halt is not None:
-                self.halt_in(conn, halt[0], halt[1], now)
+                self.sessions.halt_in(conn, halt[0], halt[1], now)
 
     def note_event(self, event: PendingEvent) -> None:
         """One audit event in a transaction of its own (a probe's answer that settles nothing by itself)."""
         with self.tx() as conn:
             self.audit.append_events_in(conn, [event])
-
-    def halt_session(self, session_id: str, reason: str) -> None:
-        with self.tx() as conn:
-            self.halt_in(conn, session_id, reason, utcnow())
 
     def recovery_attempt_failed(self, effect_id: str, session_id: str, error: str, *, dead_letter_after: int,
                                 halt_reason: str) -> int:
@@ -285,7 +273,7 @@ class RecoverySQL(CallsSQL):
                 conn.execute(e.update().where(e.c.effect_id == effect_id, EFFECT.guard("dead_letter", e.c.state)).values(
                     state=EffectState.DEAD_LETTER.value, recovery_attempts=attempts, owner=None, lease_until=None,
                     error=f"recovery failed {attempts} times; last: {error}", updated_at=now))
-                self.halt_in(conn, session_id, halt_reason.format(attempts=attempts), now)
+                self.sessions.halt_in(conn, session_id, halt_reason.format(attempts=attempts), now)
             else:
                 conn.execute(e.update().where(e.c.effect_id == effect_id).values(
                     recovery_attempts=attempts, owner=None, lease_until=None,

@@ -8,16 +8,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from ..states import EFFECT, SESSION, UNDO
+from ..states import EFFECT, UNDO
 from . import schema as t
 from .base import utcnow
 from .calls import CallsSQL
 
 
 class SagaSQL(CallsSQL):
-    def rollback_intent_in(self, conn: Connection, session_id: str) -> Any:
-        return conn.execute(sa.select(t.rollbacks).where(t.rollbacks.c.session_id == session_id)).first()
-
     def undo_entries_in(self, conn: Connection, session_id: str, only_effect: str | None) -> list[Any]:
         """The session's entries not compensated yet, newest first, with their effect's state and owner."""
         u, e = t.undo_stack, t.effect_log
@@ -31,26 +28,6 @@ class SagaSQL(CallsSQL):
         if only_effect is not None:
             q = q.where(e.c.effect_id == only_effect)
         return list(conn.execute(q).all())
-
-    def write_intent_in(self, conn: Connection, session_id: str, *, exists: bool, actor: str, reason: str | None,
-                        owner: str, lease_until: dt.datetime, now: dt.datetime) -> None:
-        """The rollback is requested (or taken over), and the session takes no call from now on."""
-        if not exists:
-            conn.execute(t.rollbacks.insert().values(session_id=session_id, actor=actor, reason=reason,
-                                                     owner=owner, lease_until=lease_until, requested_at=now))
-        else:
-            conn.execute(t.rollbacks.update().where(t.rollbacks.c.session_id == session_id)
-                         .values(owner=owner, lease_until=lease_until))
-        conn.execute(
-            t.sessions.update()
-            .where(t.sessions.c.session_id == session_id, SESSION.guard("request_rollback", t.sessions.c.state))
-            .values(state="rolling_back", updated_at=now)
-        )
-
-    def end_intent_in(self, conn: Connection, session_id: str, *, owner: str | None = None) -> None:
-        """The session's rollback intent ends (``owner``: only if that owner holds it)."""
-        q = t.rollbacks.delete().where(t.rollbacks.c.session_id == session_id)
-        conn.execute(q if owner is None else q.where(t.rollbacks.c.owner == owner))
 
     def claim_undo(self, undo_id: int, *, seen_state: str, seen_owner: str | None, owner: str,
                    lease_until: dt.datetime) -> bool:
@@ -110,12 +87,6 @@ class SagaSQL(CallsSQL):
             sa.select(r.c.approval_request_id, r.c.effect_id)
             .where(r.c.session_id == session_id, r.c.state.in_([s.value for s in t.OPEN_REQUEST_STATES]))
         ).all())
-
-    def mark_rolled_back_in(self, conn: Connection, session_id: str, now: dt.datetime) -> None:
-        conn.execute(t.sessions.update().where(t.sessions.c.session_id == session_id,
-                                               SESSION.guard("rolled_back", t.sessions.c.state))
-                     .values(state="rolled_back", updated_at=now))
-        self.end_intent_in(conn, session_id)
 
     def undo_plan(self, session_id: str) -> list[dict[str, Any]]:
         """Which compensations would run, in order, if the session rolled back now."""
