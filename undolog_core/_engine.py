@@ -591,11 +591,10 @@ class Engine:
                 "owner": self.leases.owner, "lease_until": now + dt.timedelta(seconds=self.lease_seconds),
                 "recovery_attempts": 0, "created_at": now, "updated_at": now, "kickoff_id": kickoff_id,
             })
-            self.store.insert_undo_in(conn, {
-                "undo_id": seq, "effect_id": effect_id, "session_id": sc.session_id,
-                "compensation_name": spec.compensation.name, "compensation_version": spec.compensation.version,
-                "args_snapshot": args_json, "state": "armed", "attempts": 0, "created_at": now, "updated_at": now,
-            })
+            self.store.undo.arm_in(
+                conn, undo_id=seq, effect_id=effect_id, session_id=sc.session_id,
+                compensation_name=spec.compensation.name, compensation_version=spec.compensation.version,
+                args_snapshot=args_json, now=now)
 
     def _existing(self, session_id: str, spec: ToolSpec, call_id: str, digest: str) -> Decision:
         """The same call_id again: the same decision or the stored result, never a second execution."""

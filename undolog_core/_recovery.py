@@ -465,7 +465,7 @@ class Recovery:
                 break
             except Exception as exc:  # noqa: BLE001 - recorded, retried, then halts the session
                 error = clean_text(f"{type(exc).__name__}: {exc}")  # stored as text: never a surrogate or a NUL
-                self._store.undo_attempt_failed(c.undo_id, error)
+                self._store.undo.undo_attempt_failed(c.undo_id, error)
                 if n + 1 < self._saga.max_attempts:
                     time.sleep(self._saga.backoff_seconds * (2**n))
         if error is None:

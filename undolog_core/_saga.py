@@ -213,7 +213,7 @@ class Saga:
                 ):
                     raise InvalidSessionState(f"session {session_id!r} is being rolled back right now")
             entries: list[_Entry] = []
-            for r in store.undo_entries_in(conn, session_id, only_effect):
+            for r in store.undo.undo_entries_in(conn, session_id, only_effect):
                 if r.effect_id == only_effect:
                     pass  # recovery holds this effect's claim itself
                 elif r.effect_state in IN_FLIGHT and owner_alive(r.effect_owner, r.effect_lease, effect_id=r.effect_id):
@@ -258,7 +258,7 @@ class Saga:
         return entries
 
     def _claim(self, entry: _Entry) -> None:
-        if not self._store.claim_undo(entry.undo_id, seen_state=entry.seen_state, seen_owner=entry.seen_owner,
+        if not self._store.undo.claim_undo(entry.undo_id, seen_state=entry.seen_state, seen_owner=entry.seen_owner,
                                       owner=self._leases.owner, lease_until=self._leases.until()):
             raise InvalidSessionState(
                 f"undo entry {entry.undo_id} ({entry.compensation_name}) was taken by a concurrent rollback"
@@ -274,7 +274,7 @@ class Saga:
         )
 
     def _attempted(self, entry: _Entry, error: str) -> None:
-        self._store.undo_attempt_failed(entry.undo_id, error)
+        self._store.undo.undo_attempt_failed(entry.undo_id, error)
 
     def _succeeded(self, entry: _Entry) -> None:
         self._store.undo_compensated(entry.undo_id, entry.effect_id, in_flight=entry.effect_state in IN_FLIGHT)
@@ -285,7 +285,7 @@ class Saga:
         why = (f"compensation {entry.compensation_name} of {entry.tool_name} (effect {entry.effect_id}) failed "
                f"after {self.max_attempts} attempts: {error}")
         with self._store.tx() as conn:
-            self._store.undo_failed_in(conn, entry.undo_id, now)
+            self._store.undo.undo_failed_in(conn, entry.undo_id, now)
             # The walk stops here, halted for a person; a later rollback resumes where it stopped.
             self._store.sessions.end_intent_in(conn, session_id)
             self._store.sessions.halt_in(conn, session_id, why, now)
@@ -445,7 +445,7 @@ class Saga:
 
     def undo_plan(self, session_id: str) -> list[dict[str, Any]]:
         """Which compensations would run, in order, if the session rolled back now."""
-        return self._store.undo_plan(session_id)
+        return self._store.undo.undo_plan(session_id)
 
 
 class _Walk:

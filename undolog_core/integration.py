@@ -206,7 +206,7 @@ def put_undo_args(undolog: UndoLog, effect_id: str, args: Any) -> bool:
         >>> put_undo_args(undolog, effect_id, before)                       # doctest: +SKIP
         True
     """
-    return undolog.store.put_undo_args(effect_id, args)
+    return undolog.store.undo.put_undo_args(effect_id, args)
 
 
 def shared_store(undolog: UndoLog) -> Storage:

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from undolog_core import UndoLog, errors
+from undolog_core import ToolTier, UndoLog, compensation, errors, undolog_tool
 from undolog_core._outbox import OutboxEvent
 from undolog_core.storage import Storage, contract
 from undolog_core.storage import schema as t
 from undolog_core.storage.audit import PendingEvent
-from undolog_core.storage.base import utcnow
+from undolog_core.storage.base import new_id, utcnow
 from undolog_core.storage.records import ContractRevision
 
 
@@ -265,3 +265,90 @@ def test_sessions_state_moves_only_as_the_state_table_allows(db):
     with st.tx() as conn:  # a session that ended refuses the call's guard and says why
         refused = st.sessions.guard_in(conn, "conf-state", 1, None)
     assert refused is not None and refused.state == "completed"
+
+
+# -- store.undo --------------------------------------------------------------------------------------
+
+
+@undolog_tool(tier=ToolTier.COMPENSABLE, compensation="contract_undo")
+def contract_write(x: int) -> int:
+    return x
+
+
+@compensation("contract_undo")
+def contract_undo(ctx: object) -> None:
+    return None
+
+
+def _undo_row(st: Storage, effect_id: str) -> dict[str, Any]:
+    with st.read() as c:
+        row = c.execute(sa.select(t.undo_stack).where(t.undo_stack.c.effect_id == effect_id)).one()
+    return dict(row._mapping)
+
+
+def _effect_seq(st: Storage, effect_id: str) -> int:
+    with st.read() as c:
+        return int(c.execute(sa.select(t.effect_log.c.seq).where(t.effect_log.c.effect_id == effect_id))
+                   .scalar_one())
+
+
+def test_the_undo_entry_is_one_row_whichever_path_arms_it(db):
+    """The hot path's raw pre-write and ``store.undo.arm_in`` (the general path's) write the same entry."""
+    u = db.open()
+    u.register(contract_write, contract_undo)
+    st = _storage(u)
+    spec = u.tool_spec("contract_write")
+    sid = u.session(session_id=new_id()).id
+    hot_id, general_id = new_id(), new_id()
+    now = utcnow()
+    assert u.engine.hot.prewrite(sid, 0, hot_id, "c-hot", spec.name, spec.revision, '{"x":1}', "d" * 64,
+                                 u.leases.owner, now.timestamp(), now.timestamp() + 30, "contract_undo", 1)
+    with st.tx() as conn:
+        seq = st.insert_effect_in(conn, {
+            "effect_id": general_id, "session_id": sid, "call_id": "c-general", "tool_name": spec.name,
+            "tool_revision": spec.revision, "tier": "compensable", "state": "pending", "args_snapshot": {"x": 1},
+            "args_digest": "d" * 64, "owner": u.leases.owner, "lease_until": now, "recovery_attempts": 0,
+            "created_at": now, "updated_at": now})
+        st.undo.arm_in(conn, undo_id=seq, effect_id=general_id, session_id=sid, compensation_name="contract_undo",
+                       compensation_version=1, args_snapshot={"x": 1}, now=now)
+    hot, general = _undo_row(st, hot_id), _undo_row(st, general_id)
+    assert hot["undo_id"] == _effect_seq(st, hot_id) and general["undo_id"] == seq
+    for row in (hot, general):
+        assert row["created_at"] == row["updated_at"]
+    skip = {"undo_id", "effect_id", "created_at", "updated_at"}
+    assert {k: v for k, v in hot.items() if k not in skip} == {k: v for k, v in general.items() if k not in skip}
+    assert general["state"] == "armed" and general["attempts"] == 0 and general["owner"] is None
+
+
+def test_undo_in_methods_join_the_caller_and_move_only_armed_entries(db):
+    u = db.open()
+    u.register(contract_write, contract_undo)
+    st = _storage(u)
+    spec = u.tool_spec("contract_write")
+    sid = u.session(session_id=new_id()).id
+    ids = [new_id() for _ in range(3)]
+    for i, eid in enumerate(ids):
+        now = utcnow().timestamp()
+        assert u.engine.hot.prewrite(sid, 0, eid, f"c{i}", spec.name, spec.revision, '{"x":1}', "d" * 64,
+                                     u.leases.owner, now, now + 30, "contract_undo", 1)
+    seqs = [_effect_seq(st, eid) for eid in ids]
+    until = utcnow()
+    with pytest.raises(_Boom), st.tx() as conn:
+        st.undo.drop_armed_in(conn, ids[0])
+        assert st.undo.claim_armed_in(conn, seqs, "o", until, utcnow()) == set(seqs[1:])
+        raise _Boom
+    assert [e["state"] for e in st.undo.undo_plan(sid)] == ["armed"] * 3  # nothing of it stands
+    assert st.undo.claim_undo(seqs[2], seen_state="armed", seen_owner=None, owner="walk", lease_until=until)
+    with st.tx() as conn:
+        assert st.undo.claim_armed_in(conn, seqs, "o", until, utcnow()) == {seqs[0], seqs[1]}  # the walk keeps its
+        st.undo.drop_armed_in(conn, ids[2])  # claimed: not armed, not dropped
+        assert st.undo.state_of_effect_in(conn, ids[2]) == "compensating"
+        assert sorted(r.undo_id for r in st.undo.compensating_in(conn)) == sorted(seqs)
+        st.undo.compensated_in(conn, seqs[0], utcnow())
+        st.undo.undo_failed_in(conn, seqs[1], utcnow())
+        st.undo.compensated_in(conn, seqs[1], utcnow())  # compensation_failed -> compensated: no such move
+    assert {e["undo_id"]: e["state"] for e in st.undo.undo_plan(sid)} == {
+        seqs[2]: "compensating", seqs[1]: "compensation_failed"}
+    assert st.undo.put_undo_args(ids[2], {"x": 2}) is False  # only an armed entry takes a gateway's capture
+    with st.read() as conn:
+        assert st.undo.state_of_effect_in(conn, "no-such-effect") is None

@@ -52,7 +52,7 @@ def _prewrite(u, sid: str, call_id: str, *, count: int = 0) -> str:
 def test_prewrite_writes_the_effect_and_its_undo_entry_in_one_commit(u):
     sid = _session(u)
     eid = _prewrite(u, sid, "c1")
-    [entry] = u.store.undo_plan(sid)
+    [entry] = u.store.undo.undo_plan(sid)
     assert entry["effect_id"] == eid and entry["compensation_name"] == "conf_undo"
     assert entry["effect_state"] == EffectState.PENDING
 
@@ -66,7 +66,7 @@ def test_prewrite_refused_by_a_session_that_takes_no_calls(u):
     for count in (0, 3):  # with and without counts to carry
         assert not u.engine.hot.prewrite(sid, count, new_id(), new_id(), spec.name, spec.revision, "{}", "d" * 64,
                                          u.leases.owner, now, now + 30, "conf_undo", 1)
-    assert u.store.undo_plan(sid) == []
+    assert u.store.undo.undo_plan(sid) == []
 
 
 def test_the_same_call_id_twice_is_a_conflict_never_a_second_row(u):
@@ -74,7 +74,7 @@ def test_the_same_call_id_twice_is_a_conflict_never_a_second_row(u):
     _prewrite(u, sid, "c1")
     with pytest.raises(IntegrityConflict):
         _prewrite(u, sid, "c1")
-    assert len(u.store.undo_plan(sid)) == 1
+    assert len(u.store.undo.undo_plan(sid)) == 1
 
 
 def test_commit_mark_only_moves_an_effect_in_flight(u):
@@ -144,15 +144,15 @@ def test_rollback_intent_is_written_and_ended_with_the_session_state(u):
 def test_undo_claims_are_exclusive_and_outcomes_recorded(u):
     sid = _session(u)
     eid = _prewrite(u, sid, "c1")
-    [entry] = u.store.undo_plan(sid)
+    [entry] = u.store.undo.undo_plan(sid)
     until = utcnow() + dt.timedelta(seconds=30)
-    assert u.store.claim_undo(entry["undo_id"], seen_state="armed", seen_owner=None, owner="a", lease_until=until)
-    assert not u.store.claim_undo(entry["undo_id"], seen_state="armed", seen_owner=None, owner="b",
+    assert u.store.undo.claim_undo(entry["undo_id"], seen_state="armed", seen_owner=None, owner="a", lease_until=until)
+    assert not u.store.undo.claim_undo(entry["undo_id"], seen_state="armed", seen_owner=None, owner="b",
                                   lease_until=until)
     assert [r.undo_id for r in u.store.in_flight().undos] == [entry["undo_id"]]
-    u.store.undo_attempt_failed(entry["undo_id"], "boom")
+    u.store.undo.undo_attempt_failed(entry["undo_id"], "boom")
     u.store.undo_compensated(entry["undo_id"], eid)
-    assert u.store.undo_plan(sid) == []
+    assert u.store.undo.undo_plan(sid) == []
     assert u.store.in_flight().undos == []
 
 

@@ -39,6 +39,7 @@ from .recovery import InFlight, RecoverySQL
 from .registry import RegistrySQL
 from .saga import SagaSQL
 from .sessions import SessionsSQL
+from .undo import UndoSQL
 
 #: The exceptions a database (not UndoLog) raises: unreachable server, missing schema, locked file...
 DATABASE_ERRORS: tuple[type[Exception], ...] = (sa_exc.SQLAlchemyError,)
@@ -56,6 +57,7 @@ class Storage(RecoverySQL, SagaSQL, CallsSQL, OwnersSQL, Store):
 
     #: The repositories (``contract.REPOSITORIES`` names each one's Protocol).
     sessions: SessionsSQL
+    undo: UndoSQL
     approvals: ApprovalsSQL
     audit: AuditSQL
     registry: RegistrySQL
@@ -70,6 +72,7 @@ class Storage(RecoverySQL, SagaSQL, CallsSQL, OwnersSQL, Store):
         self.outbox = OutboxSQL(self)
         self.audit = AuditSQL(self, outbox=self.outbox)
         self.sessions = SessionsSQL(self, audit=self.audit, outbox=self.outbox)
+        self.undo = UndoSQL(self)
         self.policy = PolicySQL(self, audit=self.audit)
         self.approvals = ApprovalsSQL(self, audit=self.audit, policy=self.policy, halt_in=self.sessions.halt_in,
                                       refresh_changes_in=self.sessions.refresh_changes_in)
@@ -197,6 +200,7 @@ __all__ = [
     "SessionsSQL",
     "Storage",
     "Store",
+    "UndoSQL",
     "database_error_detail",
     "open_storage",
     "safe_url",

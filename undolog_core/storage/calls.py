@@ -15,24 +15,18 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
 from ..errors import EffectNotFound, InvalidEffectState
-from ..states import EFFECT, SESSION, UNDO
+from ..states import EFFECT, SESSION
 from . import schema as t
 from .audit import AuditSQL
 from .base import Store, utcnow
 from .outbox import OutboxSQL
 from .pool import IntegrityConflict
-from .schema import IN_FLIGHT, EffectState, SessionState, UndoState
+from .schema import IN_FLIGHT, EffectState, SessionState
 from .sessions import SessionsSQL
+from .undo import UndoSQL
 
 _E = t.effect_log
 _S = t.sessions
-# A gateway's capture, stored with the undo entry before the call is sent (put_undo_args). The entry is found by
-# its id, the effect's seq (both primary keys): undo_stack has no index on effect_id.
-_PUT_UNDO_ARGS = t.undo_stack.update().where(
-    t.undo_stack.c.undo_id == sa.select(_E.c.seq).where(_E.c.effect_id == sa.bindparam("eid")).scalar_subquery(),
-    t.undo_stack.c.state == UndoState.ARMED.value,
-).values(args_snapshot=sa.bindparam("args", type_=t.undo_stack.c.args_snapshot.type),
-         updated_at=sa.bindparam("now"))
 
 
 @dataclass(frozen=True)
@@ -104,6 +98,7 @@ class CallsSQL(Store):
     outbox: OutboxSQL
 
     sessions: SessionsSQL
+    undo: UndoSQL
 
     # -- sessions ------------------------------------------------------------------------------------
 
@@ -177,10 +172,6 @@ class CallsSQL(Store):
             .returning(_E.c.epoch)
         ).scalar()
         return int(epoch or 0)
-
-    def insert_undo_in(self, conn: Connection, values: Mapping[str, Any]) -> None:
-        """Write a COMPENSABLE effect's undo entry (its ``undo_id`` is the effect's seq)."""
-        conn.execute(t.undo_stack.insert(), dict(values))
 
     if TYPE_CHECKING:  # per database (sqlite.py, postgres.py)
         def back_in_flight_in(self, conn: Connection, seq: int) -> None:
@@ -349,7 +340,7 @@ class CallsSQL(Store):
             EffectNotFound: no such effect.
             InvalidEffectState: it is not ``unknown`` (nothing was written).
         """
-        e, u = _E, t.undo_stack
+        e = _E
         transition = RESOLUTIONS[resolved_as]
         with self.tx(urgent=True) as conn:
             row = conn.execute(self.for_update(
@@ -371,13 +362,10 @@ class CallsSQL(Store):
                 raise InvalidEffectState(f"effect {effect_id} changed while it was being resolved; look again",
                                          effect_id=effect_id)
             if resolved_as == "compensated":
-                conn.execute(u.update().where(u.c.effect_id == effect_id,
-                                              UNDO.guard("resolve_compensated", u.c.state))
-                             .values(state=UndoState.COMPENSATED.value, owner=None, lease_until=None,
-                                     updated_at=now))
+                self.undo.resolve_compensated_in(conn, effect_id, now)
             elif resolved_as == "not_happened":
-                conn.execute(u.delete().where(u.c.effect_id == effect_id, u.c.state == UndoState.ARMED.value))
-            undo_state = conn.execute(sa.select(u.c.state).where(u.c.effect_id == effect_id)).scalar()
+                self.undo.drop_armed_in(conn, effect_id)
+            undo_state = self.undo.state_of_effect_in(conn, effect_id)
             session_state = conn.execute(sa.select(_S.c.state).where(_S.c.session_id == row.session_id)).scalar()
             event_id = self.audit.append_event_in(
                 conn, subject=f"effect:{effect_id}", action="effect.resolved", actor=actor, now=now,
@@ -388,18 +376,6 @@ class CallsSQL(Store):
         return Resolution(effect_id, str(row.session_id), str(row.tool_name), resolved_as, str(values["state"]),
                           None if undo_state is None else str(undo_state), str(session_state), actor, reason,
                           int(event_id))
-
-    def put_undo_args(self, effect_id: str, args: Any) -> bool:
-        """Replace the stored arguments of an effect's armed undo entry (what its compensation is given): a gateway
-        stores there what it captured before the call ran. False when the entry is not armed (or not there).
-
-        Example:
-            >>> store.put_undo_args(effect_id, {"path": "a.txt", "dev.undolog/before": {"content": "old"}})
-            True
-        """
-        with self.tx() as conn:
-            res = conn.execute(_PUT_UNDO_ARGS, {"eid": effect_id, "args": args, "now": utcnow()})
-            return bool(res.rowcount == 1)
 
     def mark_failed(self, effect_id: str, error: str, now: dt.datetime, nothing_happened: bool = False,
                     rollback: FailureRollback | None = None) -> tuple[str | None, Any]:
@@ -421,8 +397,7 @@ class CallsSQL(Store):
             if res.rowcount != 1:
                 return self.effect_state_in(conn, effect_id) or "", None
             if nothing_happened:
-                u = t.undo_stack
-                conn.execute(u.delete().where(u.c.effect_id == effect_id, u.c.state == UndoState.ARMED.value))
+                self.undo.drop_armed_in(conn, effect_id)
             q = (sa.select(_E.c.session_id, _S.c.on_failure, _S.c.state)
                  .select_from(_E.join(_S, _S.c.session_id == _E.c.session_id)).where(_E.c.effect_id == effect_id))
             if rollback is not None and self.is_postgres:
@@ -450,9 +425,6 @@ class CallsSQL(Store):
                 conn.execute(_E.update().where(_E.c.effect_id.in_(effects), _E.c.owner == owner)
                              .values(lease_until=until))
             if undos:
-                u = t.undo_stack
-                conn.execute(u.update().where(u.c.undo_id.in_(undos), u.c.owner == owner).values(lease_until=until))
+                self.undo.renew_in(conn, owner, undos, until)
             if rolling:
-                rb = t.rollbacks
-                conn.execute(rb.update().where(rb.c.session_id.in_(rolling), rb.c.owner == owner)
-                             .values(lease_until=until))
+                self.sessions.renew_intents_in(conn, owner, rolling, until)

@@ -231,6 +231,86 @@ class SessionsRepository(Protocol):
 
 
 @runtime_checkable
+class UndoRepository(Protocol):
+    """``store.undo`` (``UndoSQL``): the undo entries (``undolog_undo_stack``), one per COMPENSABLE effect, its
+    ``undo_id`` the effect's seq. The one place an entry is written (``arm_in``; the hot path's raw pre-writes write
+    the same row, PostgreSQL's from ``undo.ARM_FROM_E``, SQLite's from migration 0010's trigger). It writes no
+    other table; the transactions moving an entry with its effect are ``store.effects``'s, through the ``*_in``
+    methods here. Every state change is a move of ``states.UNDO``.
+
+    Fences: a compensation is claimed by compare-and-swap on the state and owner the plan saw (``claim_undo``),
+    or only while armed (``claim_armed_in``), so two rollbacks or recoverers never run one compensation twice.
+
+    Example:
+        >>> [e["compensation_name"] for e in storage.undo.undo_plan("ticket-1042")]
+        ['cancel_refund']
+    """
+
+    def arm_in(self, conn: Connection, *, undo_id: int, effect_id: str, session_id: str, compensation_name: str,
+               compensation_version: int, args_snapshot: Any, now: dt.datetime) -> None:
+        """Arm a COMPENSABLE effect's entry in the pre-write's transaction (``undo_id``: the effect's seq)."""
+        ...
+
+    def compensated_in(self, conn: Connection, undo_id: int, now: dt.datetime) -> None:
+        """The entry ``compensated``, its attempt counted and its owner gone, in the caller's transaction."""
+        ...
+
+    def undo_failed_in(self, conn: Connection, undo_id: int, now: dt.datetime) -> None:
+        """The entry ``compensation_failed`` (a person decides), in the caller's transaction."""
+        ...
+
+    def drop_armed_in(self, conn: Connection, effect_id: str) -> None:
+        """The effect did not happen: its entry is deleted if still armed, in the caller's transaction."""
+        ...
+
+    def resolve_compensated_in(self, conn: Connection, effect_id: str, now: dt.datetime) -> None:
+        """A person said the effect was compensated: its entry ``compensated``, in the caller's transaction."""
+        ...
+
+    def claim_armed_in(self, conn: Connection, undo_ids: Sequence[int], owner: str, lease_until: dt.datetime,
+                       now: dt.datetime) -> set[int]:
+        """Claim those of ``undo_ids`` still armed (``compensating``, ``owner``) in the caller's transaction; the
+        ids claimed."""
+        ...
+
+    def renew_in(self, conn: Connection, owner: str, undo_ids: Sequence[int], until: dt.datetime) -> None:
+        """Extend the lease of the entries ``owner`` still holds, in the caller's transaction."""
+        ...
+
+    def undo_entries_in(self, conn: Connection, session_id: str, only_effect: str | None) -> builtins.list[Any]:
+        """The session's entries not compensated yet (or the one of ``only_effect``), newest first, with their
+        effect's tool, state, result and owner."""
+        ...
+
+    def compensating_in(self, conn: Connection) -> builtins.list[Any]:
+        """Every entry being compensated (recovery's scan)."""
+        ...
+
+    def state_of_effect_in(self, conn: Connection, effect_id: str) -> str | None:
+        """The state of the effect's entry (None: it has none)."""
+        ...
+
+    def put_undo_args(self, effect_id: str, args: Any) -> bool:
+        """Replace an armed entry's stored arguments (a gateway's capture before the call is sent); False when it
+        is not armed or not there."""
+        ...
+
+    def claim_undo(self, undo_id: int, *, seen_state: str, seen_owner: str | None, owner: str,
+                   lease_until: dt.datetime) -> bool:
+        """Compare-and-swap the entry to ``compensating`` for ``owner`` from what the plan saw; False when another
+        walk came first."""
+        ...
+
+    def undo_attempt_failed(self, undo_id: int, error: str) -> None:
+        """Count a failed compensation attempt with its error, in a transaction of its own."""
+        ...
+
+    def undo_plan(self, session_id: str) -> builtins.list[dict[str, Any]]:
+        """The compensations a rollback of the session would run now, in order (newest first)."""
+        ...
+
+
+@runtime_checkable
 class ApprovalsRepository(Protocol):
     """``store.approvals`` (``ApprovalsSQL``): the approval requests (``undolog_approval_requests``) of
     IRREVERSIBLE calls. A request leaves ``pending`` once (a decision, a timeout, a cancellation) and an approval
@@ -506,6 +586,7 @@ class ArchiveRepository(Protocol):
 #: The repositories a ``Storage`` exposes, by attribute, and the Protocol each satisfies.
 REPOSITORIES: dict[str, type[Any]] = {
     "sessions": SessionsRepository,
+    "undo": UndoRepository,
     "approvals": ApprovalsRepository,
     "audit": AuditRepository,
     "outbox": OutboxRepository,
@@ -517,6 +598,7 @@ REPOSITORIES: dict[str, type[Any]] = {
 __all__ = [
     "REPOSITORIES",
     "SessionsRepository",
+    "UndoRepository",
     "ApprovalsRepository",
     "ArchiveRepository",
     "AuditRepository",

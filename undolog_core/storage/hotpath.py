@@ -24,10 +24,6 @@ _EFFECT_COLS = (
     "effect_id, session_id, call_id, tool_name, tool_revision, tier, state, args_snapshot, args_digest, owner, "
     "lease_until, recovery_attempts, created_at, updated_at"
 )
-_UNDO_COLS = (
-    "undo_id, effect_id, session_id, compensation_name, compensation_version, args_snapshot, state, attempts, created_at, "
-    "updated_at"
-)
 # The states in which a session accepts calls, rendered once from the schema's own list.
 _WRITABLE = f"state IN ({', '.join(repr(v) for v in WRITABLE)})"
 

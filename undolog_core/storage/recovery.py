@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 
-from ..states import EFFECT, IN_FLIGHT, SESSION, UNDO
+from ..states import EFFECT, IN_FLIGHT, SESSION
 from . import schema as t
 from .audit import PendingEvent
 from .base import utcnow
 from .calls import CallsSQL
-from .schema import EffectState, SessionState, UndoState
+from .schema import EffectState, SessionState
+from .undo import COMPENSATED
 
 
 @dataclass(frozen=True)
@@ -30,9 +31,8 @@ class InFlight:
 
 
 _u, _e, _s = t.undo_stack, t.effect_log, t.sessions
-_UNDO_DONE = _u.update().where(_u.c.undo_id == sa.bindparam("uid"), UNDO.guard("compensated", _u.c.state)).values(
-    state=UndoState.COMPENSATED.value, attempts=_u.c.attempts + 1, owner=None, lease_until=None,
-    updated_at=sa.bindparam("now"))
+# The undo entry's own statement (``store.undo``'s), as a CTE below.
+_UNDO_DONE = COMPENSATED
 # Only while the effect is in flight: a late finish of its own process (``record_late_finish``) may have made it
 # ``unknown`` meanwhile, and that record stands.
 _EFFECT_DONE = _e.update().where(_e.c.effect_id == sa.bindparam("eid"),
@@ -87,13 +87,9 @@ class RecoverySQL(CallsSQL):
     def in_flight(self) -> InFlight:
         """Everything in flight: effects (found the way each database finds them, see ``effects_in_flight_in``),
         undo entries being compensated, rollbacks requested."""
-        u = t.undo_stack
         with self.read() as conn:
             effects, seen_up_to = self.effects_in_flight_in(conn)
-            undos = list(conn.execute(
-                sa.select(u.c.undo_id, u.c.effect_id, u.c.session_id, u.c.owner, u.c.lease_until)
-                .where(u.c.state == UndoState.COMPENSATING.value)
-            ).all())
+            undos = self.undo.compensating_in(conn)
             intents = list(conn.execute(sa.select(t.rollbacks)).all())
         if seen_up_to is not None:
             self.advance_cursor(*seen_up_to)
@@ -181,7 +177,7 @@ class RecoverySQL(CallsSQL):
         """After the probes of a batch, in one transaction: the effects a probe proved ``committed`` (with its
         result), the probes' answers (``events``, audit), and the undo entries about to be compensated claimed
         (``compensating``, this owner). Returns the undo ids claimed (an entry no longer ``armed`` is not)."""
-        e, u = t.effect_log, t.undo_stack
+        e = t.effect_log
         now = utcnow()
         with self.tx() as conn:
             if events:
@@ -190,15 +186,8 @@ class RecoverySQL(CallsSQL):
                 conn.execute(e.update().where(e.c.effect_id == effect_id, EFFECT.guard("commit", e.c.state)).values(
                     state=EffectState.COMMITTED.value, result_snapshot=result, owner=None, lease_until=None,
                     updated_at=now))
-            if not undo_ids:
-                return set()
-            return set(conn.execute(
-                # Armed only (an entry a walk already claimed is its walk's), within the table's ``claim``.
-                u.update().where(self.one_of(u.c.undo_id, list(undo_ids)), u.c.state == UndoState.ARMED.value,
-                                 UNDO.guard("claim", u.c.state))
-                .values(state=UndoState.COMPENSATING.value, owner=owner, lease_until=lease_until, updated_at=now)
-                .returning(u.c.undo_id)
-            ).scalars().all())
+            # Armed only (an entry a walk already claimed is its walk's).
+            return self.undo.claim_armed_in(conn, undo_ids, owner, lease_until, now)
 
     def compensated_in_recovery(self, undo_id: int, effect_id: str, session_id: str, halt_reason: str, *,
                                 durable: bool = True) -> None:
@@ -248,8 +237,7 @@ class RecoverySQL(CallsSQL):
                                                          EFFECT.guard(_SETTLED_BY[state], t.effect_log.c.state))
                              .values(**values))
             if drop_undo:
-                u = t.undo_stack
-                conn.execute(u.delete().where(u.c.effect_id == effect_id, u.c.state == UndoState.ARMED.value))
+                self.undo.drop_armed_in(conn, effect_id)
             if event is not None:
                 self.audit.append_events_in(conn, [event], now=now)
             if halt is not None:

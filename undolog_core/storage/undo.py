@@ -63,7 +63,7 @@ class UndoSQL:
     # -- writes in the caller's transaction ------------------------------------------------------------
 
     def arm_in(self, conn: Connection, *, undo_id: int, effect_id: str, session_id: str, compensation_name: str,
-               compensation_version: str, args_snapshot: Any, now: dt.datetime) -> None:
+               compensation_version: int, args_snapshot: Any, now: dt.datetime) -> None:
         """Arm a COMPENSABLE effect's entry (``undo_id``: the effect's seq) in the pre-write's transaction."""
         conn.execute(_U.insert(), {
             "undo_id": undo_id, "effect_id": effect_id, "session_id": session_id,
