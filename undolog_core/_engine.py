@@ -43,7 +43,7 @@ from .limits import (
     safe_result,
 )
 from .storage.base import FAST_POOL_SIZE, from_epoch, new_id, utcnow
-from .storage.calls import FailureRollback, LateFinish
+from .storage.effects import FailureRollback, LateFinish
 from .storage.hotpath import SessionRow
 from .storage.pool import IntegrityConflict, WouldBlock
 from .storage.schema import IN_FLIGHT, EffectState, RequestState, SessionState
@@ -553,7 +553,7 @@ class Engine:
             self._give_back(sc, safe, carried)
             # A framework re-running a call that already ran gets its result, even on a halted session:
             # telling the model "refused" would be a lie about what happened.
-            if call_id is not None and self.store.call_exists(session_id, call_id):
+            if call_id is not None and self.store.effects.call_exists(session_id, call_id):
                 try:
                     return self._existing(session_id, spec, call_id, digest)
                 except InvalidEffectState:
@@ -584,7 +584,7 @@ class Engine:
         assert spec.compensation is not None
         with self.store.tx() as conn:
             self._guard(conn, sc, count, pin=pin)
-            seq = self.store.insert_effect_in(conn, {
+            seq = self.store.effects.insert_effect_in(conn, {
                 "effect_id": effect_id, "session_id": sc.session_id, "call_id": call_id or effect_id,
                 "tool_name": spec.name, "tool_revision": spec.revision, "tier": COMPENSABLE.value,
                 "state": EffectState.PENDING.value, "args_snapshot": args_json, "args_digest": digest,
@@ -599,7 +599,7 @@ class Engine:
     def _existing(self, session_id: str, spec: ToolSpec, call_id: str, digest: str) -> Decision:
         """The same call_id again: the same decision or the stored result, never a second execution."""
         self.flush_marks()
-        row = self.store.effect_by_call(session_id, call_id)
+        row = self.store.effects.effect_by_call(session_id, call_id)
         if row is None:
             raise InvalidEffectState(f"call {call_id!r} conflicted but cannot be found")
         if row.tool_name != spec.name:
@@ -626,7 +626,7 @@ class Engine:
             with self.store.tx() as conn:
                 self._guard(conn, sc, 0, pin=None)
                 if row.tier == IRREVERSIBLE:
-                    req = self.store.request_of_effect_in(conn, row.effect_id)
+                    req = self.store.effects.request_of_effect_in(conn, row.effect_id)
                     self._check_still_approved(req, row)
                     if req is not None:
                         request_id, decision = req.approval_request_id, "approve"
@@ -634,7 +634,7 @@ class Engine:
                         args_json = req.approved_args  # a modify: what the person approved runs, nothing else
                         if canonical_json(req.approved_args) != canonical_json(row.args_snapshot):
                             decision = "modify"  # (the adapter tells the model its call was changed)
-                epoch = self.store.claim_effect_in(
+                epoch = self.store.effects.claim_effect_in(
                     conn, row.effect_id, from_state=EffectState.RELEASED.value,
                     to_state=row.released_from or EffectState.PENDING.value, owner=self.leases.owner,
                     lease_until=now + dt.timedelta(seconds=self.lease_seconds), now=now,
@@ -642,7 +642,7 @@ class Engine:
                 if not epoch:
                     lost = True
                     raise InvalidEffectState(f"call {row.call_id!r} was re-claimed by another caller")
-                self.store.back_in_flight_in(conn, row.seq)
+                self.store.effects.back_in_flight_in(conn, row.seq)
         except BaseException:
             if added and not lost:
                 self._inflight.discard(row.effect_id)
@@ -673,7 +673,7 @@ class Engine:
         approval still allow it then.
         """
         try:
-            state = self.store.release_effect(effect_id)
+            state = self.store.effects.release_effect(effect_id)
         finally:
             self._inflight.discard(effect_id)
         if state is None:
@@ -713,18 +713,18 @@ class Engine:
         args_canon = canonical_json(args_json)
         digest = sha256_hex(args_canon)
         action_digest = spec.action_digest(args_canon)
-        existing = self.store.find_irreversible(session_id, spec.name, call_id, digest)
+        existing = self.store.effects.find_irreversible(session_id, spec.name, call_id, digest)
         if existing is None and call_id is not None and match_digest:
-            existing = self.store.find_irreversible(session_id, spec.name, None, digest)
+            existing = self.store.effects.find_irreversible(session_id, spec.name, None, digest)
         if existing is not None and existing.state == EffectState.APPROVED and self._approvals.lapsed(
             existing.decided_at
         ):
             # Approved too long ago (approved_ttl_seconds) and never re-issued: the approval lapses (its effect gives
             # the call_id up) and the agent must ask again, so this call raises a new request.
             self._approvals.lapse([existing.approval_request_id])
-            existing = self.store.find_irreversible(session_id, spec.name, call_id, digest)
+            existing = self.store.effects.find_irreversible(session_id, spec.name, call_id, digest)
             if existing is None and call_id is not None and match_digest:
-                existing = self.store.find_irreversible(session_id, spec.name, None, digest)
+                existing = self.store.effects.find_irreversible(session_id, spec.name, None, digest)
         if existing is not None:
             try:
                 return self._resume_irreversible(sc, spec, existing, digest)
@@ -733,9 +733,9 @@ class Engine:
                 # sweeper let the approval lapse (approved_ttl_seconds): answer as a re-issue made now would (running
                 # elsewhere, its result, or a new request), not with a conflict nobody can act on. Read once: a call
                 # approved again meanwhile keeps the conflict rather than looping.
-                existing = self.store.find_irreversible(session_id, spec.name, call_id, digest)
+                existing = self.store.effects.find_irreversible(session_id, spec.name, call_id, digest)
                 if existing is None and call_id is not None and match_digest:
-                    existing = self.store.find_irreversible(session_id, spec.name, None, digest)
+                    existing = self.store.effects.find_irreversible(session_id, spec.name, None, digest)
                 if existing is not None and existing.state == EffectState.APPROVED:
                     raise InvalidEffectState(lost.message) from None
                 if existing is not None:
@@ -755,7 +755,7 @@ class Engine:
         if state == EffectState.AWAITING_APPROVAL:
             if row.timeout_at is not None and row.timeout_at <= utcnow():
                 self._approvals.expire([row.approval_request_id])
-                fresh = self.store.find_irreversible(sc.session_id, spec.name, row.call_id, digest)
+                fresh = self.store.effects.find_irreversible(sc.session_id, spec.name, row.call_id, digest)
                 return self._resume_irreversible(sc, spec, fresh, digest)
             return self._awaiting(spec, row, row.args_snapshot)
         if state == EffectState.APPROVED:
@@ -790,7 +790,7 @@ class Engine:
     def _claimed_here(self, effect_id: str) -> bool:
         """Whether the call is running under this instance's owner (a concurrent caller here won its claim)."""
         try:
-            now = self.store.effect(effect_id)
+            now = self.store.effects.effect(effect_id)
         except Exception:  # noqa: BLE001 - unreadable: keep vouching rather than drop a call that may be ours
             return True
         return bool(now.owner == self.leases.owner and now.state == EffectState.RUNNING.value)
@@ -807,14 +807,14 @@ class Engine:
         try:
             with self.store.tx() as conn:
                 self._guard(conn, sc, count, pin=None)
-                epoch = self.store.claim_effect_in(
+                epoch = self.store.effects.claim_effect_in(
                     conn, row.effect_id, from_state=EffectState.APPROVED.value, to_state=EffectState.RUNNING.value,
                     owner=self.leases.owner, lease_until=now + dt.timedelta(seconds=self.lease_seconds), now=now,
                 )
                 if not epoch:
                     lost = True
                     raise _ClaimLost(f"call {row.call_id!r} was claimed by another caller")
-                self.store.back_in_flight_in(conn, row.seq)
+                self.store.effects.back_in_flight_in(conn, row.seq)
         except BaseException:
             if added and (not lost or not self._claimed_here(row.effect_id)):
                 # Put there by this caller, and no caller of this process runs it: this process must not vouch
@@ -851,7 +851,7 @@ class Engine:
                 policy = self._policy.read(conn)
                 timeout_at = now + dt.timedelta(seconds=policy.approval_timeout_seconds)
                 context = self._agent_context(conn, sc, policy.context_calls)
-                self.store.insert_effect_in(conn, {
+                self.store.effects.insert_effect_in(conn, {
                     "effect_id": effect_id, "session_id": sc.session_id, "call_id": call_id or effect_id,
                     "tool_name": spec.name, "tool_revision": spec.revision, "tier": IRREVERSIBLE.value,
                     "state": EffectState.AWAITING_APPROVAL.value, "args_snapshot": args_json, "args_digest": digest,
@@ -862,7 +862,7 @@ class Engine:
                     "tool_name": spec.name, "proposed_args": args_json, "reason": spec.reason,
                     "risk_tags": list(spec.risk_tags), "timeout_at": timeout_at.isoformat(),
                 }
-                self.store.insert_request_in(conn, {
+                self.store.approvals.insert_request_in(conn, {
                     "approval_request_id": request_id, "effect_id": effect_id, "session_id": sc.session_id,
                     "call_id": call_id or effect_id, "tool_name": spec.name, "tool_revision": spec.revision,
                     "tool_fingerprint": spec.fingerprint, "proposed_args": args_json, "action_digest": action_digest,
@@ -874,7 +874,7 @@ class Engine:
             if call_id is None:
                 raise
             # A concurrent re-run raised the same request first: return that one, never a second request.
-            row = self.store.find_irreversible(sc.session_id, spec.name, call_id, digest)
+            row = self.store.effects.find_irreversible(sc.session_id, spec.name, call_id, digest)
             if row is None:
                 # The id is taken in another session (a client key unique beyond one session, see schema.py's
                 # ux_undolog_effect_client_key): nothing was written here; the caller asks that session.
@@ -908,7 +908,7 @@ class Engine:
         logged = [
             {"tool_name": r.tool_name, "tier": r.tier, "state": r.state, "args": r.args_snapshot,
              "at": r.created_at.isoformat()}
-            for r in self.store.recent_effects_in(conn, sc.session_id, n)
+            for r in self.store.effects.recent_effects_in(conn, sc.session_id, n)
         ]
         safe = [
             # SAFE arguments are never logged, so never checked: stored here made safe (escaped, capped).
@@ -969,7 +969,7 @@ class Engine:
             self.leases.start()
             request = FailureRollback("undolog", rollback[1], self.leases.owner, self.leases.until())
         try:
-            state, row = self.store.mark_failed(effect_id, text, utcnow(), nothing_happened, request)
+            state, row = self.store.effects.mark_failed(effect_id, text, utcnow(), nothing_happened, request)
         except BaseException:
             if rollback is not None:
                 self.leases.rolling.discard(rollback[0])

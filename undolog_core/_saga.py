@@ -277,7 +277,7 @@ class Saga:
         self._store.undo.undo_attempt_failed(entry.undo_id, error)
 
     def _succeeded(self, entry: _Entry) -> None:
-        self._store.undo_compensated(entry.undo_id, entry.effect_id, in_flight=entry.effect_state in IN_FLIGHT)
+        self._store.effects.undo_compensated(entry.undo_id, entry.effect_id, in_flight=entry.effect_state in IN_FLIGHT)
         self._leases.compensating.discard(entry.undo_id)
 
     def _failed(self, session_id: str, entry: _Entry, error: str) -> str:
@@ -298,8 +298,8 @@ class Saga:
         store = self._store
         with store.tx() as conn:
             report.kept_irreversible = [f"{k.tool_name} ({k.effect_id})"
-                                        for k in store.kept_irreversible_in(conn, session_id)]
-            for w in store.unsettled_requests_in(conn, session_id):
+                                        for k in store.effects.kept_irreversible_in(conn, session_id)]
+            for w in store.approvals.unsettled_requests_in(conn, session_id):
                 self._approvals.cancel(conn, w.approval_request_id, w.effect_id, "session rolled back", now)
             store.sessions.mark_rolled_back_in(conn, session_id, now)
             payload = jsonable({"session_id": session_id, "reason": reason, "steps": [s.__dict__ for s in report.steps],

@@ -572,7 +572,7 @@ class SessionTable:
         """
         for i in session_ids:
             self.persist(i)
-        return self.store.sessions_with_call(session_ids, call_id)
+        return self.store.effects.sessions_with_call(session_ids, call_id)
 
     # -- SAFE calls ------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from undolog_core.storage import schema as t
 from undolog_core.storage.audit import PendingEvent
 from undolog_core.storage.base import new_id, utcnow
 from undolog_core.storage.records import ContractRevision
+from undolog_core.storage.schema import EffectState
 
 
 def _storage(u: UndoLog) -> Storage:
@@ -304,7 +305,7 @@ def test_the_undo_entry_is_one_row_whichever_path_arms_it(db):
     assert u.engine.hot.prewrite(sid, 0, hot_id, "c-hot", spec.name, spec.revision, '{"x":1}', "d" * 64,
                                  u.leases.owner, now.timestamp(), now.timestamp() + 30, "contract_undo", 1)
     with st.tx() as conn:
-        seq = st.insert_effect_in(conn, {
+        seq = st.effects.insert_effect_in(conn, {
             "effect_id": general_id, "session_id": sid, "call_id": "c-general", "tool_name": spec.name,
             "tool_revision": spec.revision, "tier": "compensable", "state": "pending", "args_snapshot": {"x": 1},
             "args_digest": "d" * 64, "owner": u.leases.owner, "lease_until": now, "recovery_attempts": 0,
@@ -352,3 +353,66 @@ def test_undo_in_methods_join_the_caller_and_move_only_armed_entries(db):
     assert st.undo.put_undo_args(ids[2], {"x": 2}) is False  # only an armed entry takes a gateway's capture
     with st.read() as conn:
         assert st.undo.state_of_effect_in(conn, "no-such-effect") is None
+
+
+# -- store.effects, store.recovery, store.owners -----------------------------------------------------------
+
+
+def _prewritten(u: UndoLog, call_id: str) -> tuple[str, str]:
+    spec = u.tool_spec("contract_write")
+    sid = u.session(session_id=new_id()).id
+    eid, now = new_id(), utcnow().timestamp()
+    assert u.engine.hot.prewrite(sid, 0, eid, call_id, spec.name, spec.revision, '{"x":1}', "d" * 64,
+                                 u.leases.owner, now, now + 30, "contract_undo", 1)
+    return sid, eid
+
+
+def test_effects_a_call_id_is_written_once_and_a_mark_lands_only_for_its_owner(db):
+    from undolog_core.storage.pool import IntegrityConflict
+
+    u = db.open()
+    u.register(contract_write, contract_undo)
+    st = _storage(u)
+    sid, eid = _prewritten(u, "c-once")
+    effects = _count(st, t.effect_log)
+    with pytest.raises(IntegrityConflict), st.tx() as conn:
+        st.effects.insert_effect_in(conn, dict(st.effects.effect(eid)._mapping, effect_id=new_id(), seq=None))
+    assert _count(st, t.effect_log) == effects and st.effects.call_exists(sid, "c-once")
+    # Another owner's mark lands nowhere and says what it met; the owner's own mark commits it, once.
+    assert st.effects.mark_committed(eid, "1", utcnow(), fast=False, owner="someone-else") == "pending"
+    assert st.effects.mark_committed(eid, "1", utcnow(), fast=False, owner=u.leases.owner) is None
+    assert st.effects.mark_committed(eid, "2", utcnow(), fast=False) == "committed"
+    assert st.effects.effect(eid).result_snapshot == 1
+    assert eid not in {r.effect_id for r in st.effects.in_flight().effects}
+
+
+def test_recovery_verdict_is_one_transaction_and_applies_only_in_flight(db):
+    u = db.open()
+    u.register(contract_write, contract_undo)
+    st = _storage(u)
+    sid, eid = _prewritten(u, "c-verdict")
+    events = _count(st, t.approval_events)
+    st.recovery.settle_effect(eid, EffectState.FAILED, error="did not happen", drop_undo=True, halt=(sid, "checked"),
+                              event=PendingEvent(f"effect:{eid}", "effect.probe", "undolog", {"answer": "no"}))
+    row = st.effects.effect(eid)
+    rec = st.sessions.get_session(sid)
+    assert row.state == "failed" and st.undo.undo_plan(sid) == [] and rec is not None and rec.state == "halted"
+    assert _count(st, t.approval_events) == events + 1
+    # Not in flight any more: a later verdict leaves the effect as it is.
+    st.recovery.settle_effect(eid, EffectState.COMMITTED, result={"late": True})
+    assert st.effects.effect(eid).state == "failed"
+
+
+def test_owners_file_one_rollback_at_a_time(db):
+    st = _storage(db.open())
+    _new_session(st, "conf-owned")
+    st.owners.hold_sessions("proc-a", ["conf-owned"], until=utcnow())
+    assert st.owners.session_owner("conf-owned").owner == "proc-a"
+    assert st.owners.file_rollback("conf-owned", actor="ana", reason=None, now=utcnow()) is True
+    assert st.owners.file_rollback("conf-owned", actor="bo", reason=None, now=utcnow()) is False
+    assert [r.session_id for r in st.owners.filed_rollbacks("proc-a")] == ["conf-owned"]
+    st.owners.answer_rollback("conf-owned", {"complete": True})
+    assert st.owners.filed_rollbacks("proc-a") == []
+    assert st.owners.rollback_answer("conf-owned").rollback_report == {"complete": True}
+    st.owners.close_rollback("conf-owned")
+    assert st.owners.file_rollback("conf-owned", actor="bo", reason=None, now=utcnow()) is True

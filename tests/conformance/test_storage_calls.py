@@ -82,8 +82,8 @@ def test_commit_mark_only_moves_an_effect_in_flight(u):
     eid = _prewrite(u, sid, "c1")
     assert u.engine.hot.mark(eid, '{"ok":true}', time.time(), fast=False)
     assert not u.engine.hot.mark(eid, '{"ok":true}', time.time(), fast=False)  # already committed
-    assert u.store.mark_committed(eid, "{}", utcnow(), fast=False) == EffectState.COMMITTED
-    assert u.store.mark_committed("nope", "{}", utcnow(), fast=False) == ""
+    assert u.store.effects.mark_committed(eid, "{}", utcnow(), fast=False) == EffectState.COMMITTED
+    assert u.store.effects.mark_committed("nope", "{}", utcnow(), fast=False) == ""
 
 
 def test_guard_counts_calls_and_refuses_a_halted_session(u):
@@ -101,14 +101,14 @@ def test_guard_counts_calls_and_refuses_a_halted_session(u):
 def test_release_and_reclaim_by_compare_and_swap(u):
     sid = _session(u)
     eid = _prewrite(u, sid, "c1")
-    assert u.store.release_effect(eid) == EffectState.PENDING
-    assert u.store.release_effect("missing") is None
+    assert u.store.effects.release_effect(eid) == EffectState.PENDING
+    assert u.store.effects.release_effect("missing") is None
     now = utcnow()
     claims = []
 
     def claim() -> None:
         with internals(u).write() as conn:
-            claims.append(u.store.claim_effect_in(conn, eid, from_state=EffectState.RELEASED,
+            claims.append(u.store.effects.claim_effect_in(conn, eid, from_state=EffectState.RELEASED,
                                                   to_state=EffectState.PENDING, owner="x|1|1|i",
                                                   lease_until=now + dt.timedelta(seconds=30), now=now))
 
@@ -132,13 +132,13 @@ def test_rollback_intent_is_written_and_ended_with_the_session_state(u):
     with internals(u).write() as conn:
         intent = u.store.sessions.rollback_intent_in(conn, sid)
         assert (intent.actor, intent.reason, intent.owner) == ("ana", "asked", "me")
-    assert [r.session_id for r in u.store.in_flight().intents] == [sid]
+    assert [r.session_id for r in u.store.effects.in_flight().intents] == [sid]
     assert u.store.sessions.claim_intent(sid, "me", "recoverer", now)
     assert not u.store.sessions.claim_intent(sid, "me", "another", now)  # the owner moved: compare-and-swap fails
     with internals(u).write() as conn:
         u.store.sessions.mark_rolled_back_in(conn, sid, now)
     assert u.sessions.get(sid).state == SessionState.ROLLED_BACK
-    assert u.store.in_flight().intents == []
+    assert u.store.effects.in_flight().intents == []
 
 
 def test_undo_claims_are_exclusive_and_outcomes_recorded(u):
@@ -149,43 +149,43 @@ def test_undo_claims_are_exclusive_and_outcomes_recorded(u):
     assert u.store.undo.claim_undo(entry["undo_id"], seen_state="armed", seen_owner=None, owner="a", lease_until=until)
     assert not u.store.undo.claim_undo(entry["undo_id"], seen_state="armed", seen_owner=None, owner="b",
                                   lease_until=until)
-    assert [r.undo_id for r in u.store.in_flight().undos] == [entry["undo_id"]]
+    assert [r.undo_id for r in u.store.effects.in_flight().undos] == [entry["undo_id"]]
     u.store.undo.undo_attempt_failed(entry["undo_id"], "boom")
-    u.store.undo_compensated(entry["undo_id"], eid)
+    u.store.effects.undo_compensated(entry["undo_id"], eid)
     assert u.store.undo.undo_plan(sid) == []
-    assert u.store.in_flight().undos == []
+    assert u.store.effects.in_flight().undos == []
 
 
 def test_in_flight_finds_every_pending_effect_once_settled_it_is_gone(u):
     sid = _session(u)
     ids = [_prewrite(u, sid, f"c{i}") for i in range(3)]
-    assert sorted(r.effect_id for r in u.store.in_flight().effects) == sorted(ids)
+    assert sorted(r.effect_id for r in u.store.effects.in_flight().effects) == sorted(ids)
     u.engine.hot.mark(ids[1], "{}", time.time(), fast=False)
-    assert sorted(r.effect_id for r in u.store.in_flight().effects) == sorted([ids[0], ids[2]])
-    u.store.release_effect(ids[0])  # handed back by a framework: not in flight
+    assert sorted(r.effect_id for r in u.store.effects.in_flight().effects) == sorted([ids[0], ids[2]])
+    u.store.effects.release_effect(ids[0])  # handed back by a framework: not in flight
     u.engine.hot.mark(ids[2], "{}", time.time(), fast=False)
-    assert u.store.in_flight().effects == []  # (on SQLite the cursor moves past all three)
+    assert u.store.effects.in_flight().effects == []  # (on SQLite the cursor moves past all three)
     # The oldest effect goes back in flight (its re-issue claims it): recovery still finds it.
     now = utcnow()
-    row = u.store.effect_by_call(sid, "c0")
+    row = u.store.effects.effect_by_call(sid, "c0")
     with internals(u).write() as conn:
-        assert u.store.claim_effect_in(conn, ids[0], from_state=EffectState.RELEASED, to_state=EffectState.PENDING,
+        assert u.store.effects.claim_effect_in(conn, ids[0], from_state=EffectState.RELEASED, to_state=EffectState.PENDING,
                                        owner="x", lease_until=now, now=now)
-        u.store.back_in_flight_in(conn, row.seq)
-    assert [r.effect_id for r in u.store.in_flight().effects] == [ids[0]]
+        u.store.effects.back_in_flight_in(conn, row.seq)
+    assert [r.effect_id for r in u.store.effects.in_flight().effects] == [ids[0]]
 
 
 def test_recovery_claims_an_in_doubt_effect_once_and_dead_letters_after_the_limit(u):
     sid = _session(u)
     eid = _prewrite(u, sid, "c1")
-    [r] = u.store.in_flight().effects
+    [r] = u.store.effects.in_flight().effects
     until = utcnow() + dt.timedelta(seconds=30)
-    assert u.store.claim_in_doubt(eid, r.state, r.owner, "rec-1", until)
-    assert not u.store.claim_in_doubt(eid, r.state, r.owner, "rec-2", until)
+    assert u.store.effects.claim_in_doubt(eid, r.state, r.owner, "rec-1", until)
+    assert not u.store.effects.claim_in_doubt(eid, r.state, r.owner, "rec-2", until)
     for n in (1, 2):
-        assert u.store.recovery_attempt_failed(eid, sid, "nope", dead_letter_after=3, halt_reason="x {attempts}") == n
-    assert u.store.recovery_attempt_failed(eid, sid, "nope", dead_letter_after=3, halt_reason="x {attempts}") == 3
-    assert u.store.effect(eid).state == EffectState.DEAD_LETTER
+        assert u.store.recovery.recovery_attempt_failed(eid, sid, "nope", dead_letter_after=3, halt_reason="x {attempts}") == n
+    assert u.store.recovery.recovery_attempt_failed(eid, sid, "nope", dead_letter_after=3, halt_reason="x {attempts}") == 3
+    assert u.store.effects.effect(eid).state == EffectState.DEAD_LETTER
     rec = u.sessions.get(sid)
     assert rec.state == SessionState.HALTED and rec.halted_reason == "x 3"
 
@@ -213,36 +213,36 @@ def test_a_claim_waits_for_a_row_lock_a_killed_transaction_left_then_takes_the_e
     child's backend still locked (SKIP LOCKED), and left them in flight. The claim now waits for such a lock."""
     sid = _session(u)
     eid = _prewrite(u, sid, "c1")
-    [r] = u.store.in_flight().effects
+    [r] = u.store.effects.in_flight().effects
     let_go = _hold_the_row(u, eid)
     timer = threading.Timer(0.4, let_go)
     timer.start()
     try:
-        assert u.store.claim_in_doubt(eid, r.state, r.owner, "rec-1", utcnow() + dt.timedelta(seconds=30))
+        assert u.store.effects.claim_in_doubt(eid, r.state, r.owner, "rec-1", utcnow() + dt.timedelta(seconds=30))
     finally:
         timer.join()
-    assert u.store.effect(eid).owner == "rec-1"
+    assert u.store.effects.effect(eid).owner == "rec-1"
 
 
 def test_a_claim_gives_up_on_a_row_locked_past_its_wait_and_takes_it_once_free(u, monkeypatch):
     """A lock kept longer than ``CLAIM_LOCK_WAIT``: the claim returns False (recover() never hangs on it) and
     changes nothing; once the lock is gone, the next claim takes the effect."""
-    from undolog_core.storage import recovery
+    from undolog_core.storage import effects
 
-    monkeypatch.setattr(recovery, "CLAIM_LOCK_WAIT", 0.2)
+    monkeypatch.setattr(effects, "CLAIM_LOCK_WAIT", 0.2)
     sid = _session(u)
     eid = _prewrite(u, sid, "c1")
-    [r] = u.store.in_flight().effects
+    [r] = u.store.effects.in_flight().effects
     until = utcnow() + dt.timedelta(seconds=30)
     let_go = _hold_the_row(u, eid)
     try:
         if internals(u).is_postgres:
-            assert not u.store.claim_in_doubt(eid, r.state, r.owner, "rec-1", until)
-            assert u.store.effect(eid).owner == r.owner
+            assert not u.store.effects.claim_in_doubt(eid, r.state, r.owner, "rec-1", until)
+            assert u.store.effects.effect(eid).owner == r.owner
     finally:
         let_go()
-    assert u.store.claim_in_doubt(eid, r.state, r.owner, "rec-1", until)
-    assert u.store.effect(eid).owner == "rec-1"
+    assert u.store.effects.claim_in_doubt(eid, r.state, r.owner, "rec-1", until)
+    assert u.store.effects.effect(eid).owner == "rec-1"
 
 
 def _deadlocks(u) -> int:
@@ -262,8 +262,8 @@ def test_recoverys_record_of_a_compensation_locks_rows_in_the_call_paths_order(u
 
     sid = _session(u)
     eid = _prewrite(u, sid, "c1")
-    undo_id = int(u.store.effect(eid).seq)
-    assert u.store.settle_and_claim_undos([], [undo_id], "rec-1", utcnow() + dt.timedelta(seconds=30)) == {undo_id}
+    undo_id = int(u.store.effects.effect(eid).seq)
+    assert u.store.recovery.settle_and_claim_undos([], [undo_id], "rec-1", utcnow() + dt.timedelta(seconds=30)) == {undo_id}
     before = _deadlocks(u)
     e, s = t.effect_log, t.sessions
     finisher = internals(u).sql_engine.connect()
@@ -274,7 +274,7 @@ def test_recoverys_record_of_a_compensation_locks_rows_in_the_call_paths_order(u
 
     def record() -> None:
         try:
-            u.store.compensated_in_recovery(undo_id, eid, sid, "recovered")
+            u.store.recovery.compensated_in_recovery(undo_id, eid, sid, "recovered")
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -298,7 +298,7 @@ def test_recoverys_record_of_a_compensation_locks_rows_in_the_call_paths_order(u
         finisher.close()
         recorder.join(30)
     assert not errors, errors
-    assert u.store.effect(eid).state == EffectState.COMPENSATED
+    assert u.store.effects.effect(eid).state == EffectState.COMPENSATED
     assert u.sessions.get(sid).state == SessionState.HALTED
     assert _deadlocks(u) == before
 
@@ -306,8 +306,8 @@ def test_recoverys_record_of_a_compensation_locks_rows_in_the_call_paths_order(u
 def test_settle_effect_records_the_verdict_and_halts_when_asked(u):
     sid = _session(u)
     eid = _prewrite(u, sid, "c1")
-    u.store.settle_effect(eid, EffectState.COMMITTED, result={"probe": True}, halt=(sid, "look at it"))
-    row = u.store.effect(eid)
+    u.store.recovery.settle_effect(eid, EffectState.COMMITTED, result={"probe": True}, halt=(sid, "look at it"))
+    row = u.store.effects.effect(eid)
     assert row.state == EffectState.COMMITTED and row.result_snapshot == {"probe": True} and row.owner is None
     assert u.sessions.get(sid).state == SessionState.HALTED
 
@@ -316,10 +316,10 @@ def test_renewing_leases_touches_only_the_owners_rows(u):
     sid = _session(u)
     eid = _prewrite(u, sid, "c1")
     later = utcnow() + dt.timedelta(hours=1)
-    u.store.renew_leases("someone-else", [eid], [], [], later)
-    assert u.store.effect(eid).lease_until < later
-    u.store.renew_leases(u.leases.owner, [eid], [], [], later)
-    assert abs((u.store.effect(eid).lease_until - later).total_seconds()) < 1
+    u.store.effects.renew_leases("someone-else", [eid], [], [], later)
+    assert u.store.effects.effect(eid).lease_until < later
+    u.store.effects.renew_leases(u.leases.owner, [eid], [], [], later)
+    assert abs((u.store.effects.effect(eid).lease_until - later).total_seconds()) < 1
 
 
 def test_a_store_that_is_gone_raises_database_unavailable(u, tmp_path):

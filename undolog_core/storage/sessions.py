@@ -24,6 +24,12 @@ from .records import SessionRecord, StateChange
 from .schema import WRITABLE, RequestState, SessionState
 
 _S = t.sessions
+# A halt: the session stops for a person (not once it ended), and the desk is told through the outbox. With bound
+# values, built once: ``halt_in`` runs them, and recovery's one-statement record of a compensation as CTEs.
+HALT = _S.update().where(_S.c.session_id == sa.bindparam("sid"), SESSION.guard("halt", _S.c.state)).values(
+    state=SessionState.HALTED.value, halted_reason=sa.bindparam("why"), updated_at=sa.bindparam("now"))
+HALTED_OUTBOX = t.outbox.insert().values(event_type="session.halted", payload=sa.bindparam("payload"),
+                                         created_at=sa.bindparam("now"), attempts=0)
 
 
 def _session_record(row: Any) -> SessionRecord:
@@ -229,11 +235,7 @@ class SessionsSQL:
 
     def halt_in(self, conn: Connection, session_id: str, reason: str, now: dt.datetime) -> None:
         """The session stops for a person (not once it ended), and the desk is told through the outbox."""
-        conn.execute(
-            _S.update()
-            .where(_S.c.session_id == session_id, SESSION.guard("halt", _S.c.state))
-            .values(state=SessionState.HALTED.value, halted_reason=reason, updated_at=now)
-        )
+        conn.execute(HALT, {"sid": session_id, "why": reason, "now": now})
         self._outbox.write_in(conn, [("session.halted", {"session_id": session_id, "reason": reason})], now=now)
 
     def refresh_awaiting_in(self, conn: Connection, session_id: str, now: dt.datetime) -> str | None:
