@@ -155,7 +155,7 @@ def test_a_late_finish_whose_record_meets_a_cut_connection_is_recorded_once_the_
             raise errors.DatabaseUnavailable("a write transaction", "terminating connection due to administrator")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(u.store, "record_late_finish", cut)
+    monkeypatch.setattr(u.store.effects, "record_late_finish", cut)
     if fast:
         u.engine.complete(d.effect_id, {"paid": "o1"})  # queued: the caller has its answer now
         u.engine.flush_marks()

@@ -237,7 +237,7 @@ class SessionsRepository(Protocol):
 class UndoRepository(Protocol):
     """``store.undo`` (``UndoSQL``): the undo entries (``undolog_undo_stack``), one per COMPENSABLE effect, its
     ``undo_id`` the effect's seq. The one place an entry is written (``arm_in``; the hot path's raw pre-writes write
-    the same row, PostgreSQL's from ``undo.ARM_FROM_E``, SQLite's from migration 0010's trigger). It writes no
+    the same row, PostgreSQL's from ``hotpath.ARM_FROM_E``, SQLite's from migration 0010's trigger). It writes no
     other table; the transactions moving an entry with its effect are ``store.effects``'s, through the ``*_in``
     methods here. Every state change is a move of ``states.UNDO``.
 

@@ -18,8 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from ..states import EFFECT
-from .hotpath import _EFFECT_COLS, _WRITABLE, Ended, HotPath, SessionRow
-from .undo import ARM_FROM_E
+from .hotpath import _EFFECT_COLS, _WRITABLE, ARM_FROM_E, Ended, HotPath, SessionRow
 
 # The effect and its undo entry, inserted for the session row that CTE ``g`` returned (none: nothing written).
 _EFFECT_AND_UNDO_FROM_G = f"""  INSERT INTO undolog_effect_log ({_EFFECT_COLS})

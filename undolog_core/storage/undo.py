@@ -1,8 +1,10 @@
 """``store.undo``: the undo entries (``undolog_undo_stack``), one per COMPENSABLE effect, its ``undo_id`` the
-effect's seq. This module is the one place an entry is written: armed with its effect's pre-write (``arm_in``, and
-``ARM_FROM_E``, the same row in the PostgreSQL hot path's one statement), claimed, compensated, failed, dropped,
-its lease renewed. SQLite's hot-path pre-write arms it from the trigger migration 0010 installed
-(``schema.SQLITE_PREWRITE_TRIGGER``): a database-side copy of ``arm_in``'s row that a migration fixes.
+effect's seq. This module is the one place an entry is written: armed with its effect's pre-write (``arm_in``),
+claimed, compensated, failed, dropped, its lease renewed. The hot path's raw pre-writes arm the same row in their
+one statement: PostgreSQL's from ``hotpath.ARM_FROM_E`` (in ``hotpath.py``, which ``postgres.py`` imports, since
+this module's import of ``base`` would close a circle through ``base``'s lazy import of ``postgres``), SQLite's from
+the trigger migration 0010 installed (``schema.SQLITE_PREWRITE_TRIGGER``); the conformance suite holds both equal
+to ``arm_in``'s.
 
 Every state change is guarded by the undo entry's machine in ``undolog_core/states.py`` (``UNDO``)."""
 
@@ -23,17 +25,6 @@ from .schema import UndoState
 
 _U = t.undo_stack
 _E = t.effect_log
-
-#: The columns of an undo entry as the hot paths' raw statements write them.
-UNDO_COLS = (
-    "undo_id, effect_id, session_id, compensation_name, compensation_version, args_snapshot, state, attempts, created_at, "
-    "updated_at"
-)
-#: ``arm_in``'s row in PostgreSQL's one-statement pre-write: the entry of the effect that CTE ``e`` inserted (none:
-#: nothing written), armed with the compensation given and the call's arguments (``postgres.py`` binds them).
-ARM_FROM_E = f"""INSERT INTO undolog_undo_stack ({UNDO_COLS})
-SELECT e.seq, e.effect_id, e.session_id, %(comp)s, %(comp_version)s, %(args)s::json, 'armed', 0, %(now)s, %(now)s FROM e
-"""
 
 # An entry compensated (the saga's step, or recovery's one-statement record, which runs it as a CTE).
 COMPENSATED = _U.update().where(_U.c.undo_id == sa.bindparam("uid"), UNDO.guard("compensated", _U.c.state)).values(
