@@ -558,7 +558,7 @@ def test_sqlite_prewrite_after_safe_calls_is_one_durable_statement_that_carries_
     assert len(rows) == 3 and all(seq == undo_id and state == "armed" for seq, undo_id, state in rows), rows
     # Refused by a halted session: nothing written, the count kept in memory.
     s.call_sync(oh_search, query="before the halt")
-    u.store.halt_session(s.id, "stop")
+    u.store.sessions.halt_session(s.id, "stop")
     with pytest.raises(errors.SessionHalted):
         s.call_sync(oh_refund_sync, user_id="u2", amount=5)
     assert [e["tool_name"] for e in u.sessions.effects(s.id)] == ["oh_refund_sync"] * 3

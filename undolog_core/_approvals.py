@@ -251,7 +251,7 @@ class ApprovalService:
         the agent and approver roles raised the request and may still not decide it.
         """
         rec = self._get(approval_request_id)
-        session = self._storage.get_session(rec.session_id)
+        session = self._storage.sessions.get_session(rec.session_id)
         owner = session.created_by if session is not None else None
         # Only principal references (``key:<id>``, the desk's form) are compared: free-text actor names are a
         # person's say-so, not an identity the store can hold anyone to.

@@ -41,7 +41,7 @@ from .errors import (
 )
 from .limits import clean_text
 from .storage.base import from_epoch, new_id, utcnow
-from .storage.calls import FailureRollback
+from .storage.effects import FailureRollback
 from .storage.hotpath import SessionRow
 from .storage.pool import IntegrityConflict, WouldBlock
 from .storage.schema import IN_FLIGHT, EffectState, RequestState, SessionState
@@ -156,7 +156,7 @@ class CompensablePath:
             self.table.give_back(sc, safe, carried)
             # A framework re-running a call that already ran gets its result, even on a halted session:
             # telling the model "refused" would be a lie about what happened.
-            if call_id is not None and self.store.call_exists(session_id, call_id):
+            if call_id is not None and self.store.effects.call_exists(session_id, call_id):
                 try:
                     return self._existing(session_id, spec, call_id, digest)
                 except InvalidEffectState:
@@ -187,23 +187,22 @@ class CompensablePath:
         assert spec.compensation is not None
         with self.store.tx() as conn:
             self.table.guard(conn, sc, count, pin=pin)
-            seq = self.store.insert_effect_in(conn, {
+            seq = self.store.effects.insert_effect_in(conn, {
                 "effect_id": effect_id, "session_id": sc.session_id, "call_id": call_id or effect_id,
                 "tool_name": spec.name, "tool_revision": spec.revision, "tier": COMPENSABLE.value,
                 "state": EffectState.PENDING.value, "args_snapshot": args_json, "args_digest": digest,
                 "owner": self.leases.owner, "lease_until": now + dt.timedelta(seconds=self.lease_seconds),
                 "recovery_attempts": 0, "created_at": now, "updated_at": now, "kickoff_id": kickoff_id,
             })
-            self.store.insert_undo_in(conn, {
-                "undo_id": seq, "effect_id": effect_id, "session_id": sc.session_id,
-                "compensation_name": spec.compensation.name, "compensation_version": spec.compensation.version,
-                "args_snapshot": args_json, "state": "armed", "attempts": 0, "created_at": now, "updated_at": now,
-            })
+            self.store.undo.arm_in(
+                conn, undo_id=seq, effect_id=effect_id, session_id=sc.session_id,
+                compensation_name=spec.compensation.name, compensation_version=spec.compensation.version,
+                args_snapshot=args_json, now=now)
 
     def _existing(self, session_id: str, spec: ToolSpec, call_id: str, digest: str) -> Decision:
         """The same call_id again: the same decision or the stored result, never a second execution."""
         self.flush_marks()
-        row = self.store.effect_by_call(session_id, call_id)
+        row = self.store.effects.effect_by_call(session_id, call_id)
         if row is None:
             raise InvalidEffectState(f"call {call_id!r} conflicted but cannot be found")
         if row.tool_name != spec.name:
@@ -230,7 +229,7 @@ class CompensablePath:
             with self.store.tx() as conn:
                 self.table.guard(conn, sc, 0, pin=None)
                 if row.tier == IRREVERSIBLE:
-                    req = self.store.request_of_effect_in(conn, row.effect_id)
+                    req = self.store.effects.request_of_effect_in(conn, row.effect_id)
                     self._check_still_approved(req, row)
                     if req is not None:
                         request_id, decision = req.approval_request_id, "approve"
@@ -238,7 +237,7 @@ class CompensablePath:
                         args_json = req.approved_args  # a modify: what the person approved runs, nothing else
                         if canonical_json(req.approved_args) != canonical_json(row.args_snapshot):
                             decision = "modify"  # (the adapter tells the model its call was changed)
-                epoch = self.store.claim_effect_in(
+                epoch = self.store.effects.claim_effect_in(
                     conn, row.effect_id, from_state=EffectState.RELEASED.value,
                     to_state=row.released_from or EffectState.PENDING.value, owner=self.leases.owner,
                     lease_until=now + dt.timedelta(seconds=self.lease_seconds), now=now,
@@ -246,7 +245,7 @@ class CompensablePath:
                 if not epoch:
                     lost = True
                     raise InvalidEffectState(f"call {row.call_id!r} was re-claimed by another caller")
-                self.store.back_in_flight_in(conn, row.seq)
+                self.store.effects.back_in_flight_in(conn, row.seq)
         except BaseException:
             if added and not lost:
                 self._inflight.discard(row.effect_id)
@@ -277,7 +276,7 @@ class CompensablePath:
         approval still allow it then.
         """
         try:
-            state = self.store.release_effect(effect_id)
+            state = self.store.effects.release_effect(effect_id)
         finally:
             self._inflight.discard(effect_id)
         if state is None:
@@ -328,7 +327,7 @@ class CompensablePath:
             self.leases.start()
             request = FailureRollback("undolog", rollback[1], self.leases.owner, self.leases.until())
         try:
-            state, row = self.store.mark_failed(effect_id, text, utcnow(), nothing_happened, request)
+            state, row = self.store.effects.mark_failed(effect_id, text, utcnow(), nothing_happened, request)
         except BaseException:
             if rollback is not None:
                 self.leases.rolling.discard(rollback[0])

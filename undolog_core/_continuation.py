@@ -97,10 +97,10 @@ class Continuation:
     def load(cls, store: Storage, session_id: str) -> Continuation:
         """The continuation of the session's last run that raised an approval request (else its last run); with no
         recorded run, an empty one under a new run id (every call runs)."""
-        kickoff_id = store.kickoff_to_continue(session_id)
+        kickoff_id = store.effects.kickoff_to_continue(session_id)
         if kickoff_id is None:
             return cls(session_id, new_id(), [])
-        return cls(session_id, kickoff_id, store.kickoff_effects(session_id, kickoff_id))
+        return cls(session_id, kickoff_id, store.effects.kickoff_effects(session_id, kickoff_id))
 
     @classmethod
     def of_session(cls, undolog: _HasStore, session_id: str) -> Continuation:
@@ -119,7 +119,7 @@ class Continuation:
         Example:
             >>> cont = Continuation.of_calls(undolog, "chat-7", ["call_1", "call_2"])   # doctest: +SKIP
         """
-        return cls(session_id, None, undolog.store.effects_of_calls(session_id, call_ids))
+        return cls(session_id, None, undolog.store.effects.effects_of_calls(session_id, call_ids))
 
     def __len__(self) -> int:
         """How many recorded effects are still to be replayed."""

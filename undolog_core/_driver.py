@@ -542,7 +542,7 @@ class CallDriver:
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         why = clean_text(f"effect {effect_id} failed: {text}")
         # Its session first (a read on this rare path), so that the rollback is requested with the failure.
-        session_id = self.engine.store.session_of_effect(effect_id) if self.failure_rollbacks else None
+        session_id = self.engine.store.effects.session_of_effect(effect_id) if self.failure_rollbacks else None
         failure = self.engine.record_failure(effect_id, error,
                                              rollback=(session_id, why) if session_id is not None else None)
         if failure.on_failure != "rollback" or not self.failure_rollbacks:

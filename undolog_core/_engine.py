@@ -20,7 +20,7 @@ from ._tools import ToolSpec
 from .errors import ArgumentsInvalid, ToolNotRegistered
 from .limits import MAX_JSON_DEPTH, args_problem
 from .storage.base import FAST_POOL_SIZE
-from .storage.calls import LateFinish
+from .storage.effects import LateFinish
 from .storage.pool import WouldBlock
 from .storage.schema import SessionState
 

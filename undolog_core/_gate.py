@@ -95,18 +95,18 @@ class Gate:
         args_canon = canonical_json(args_json)
         digest = sha256_hex(args_canon)
         action_digest = spec.action_digest(args_canon)
-        existing = self.store.find_irreversible(session_id, spec.name, call_id, digest)
+        existing = self.store.effects.find_irreversible(session_id, spec.name, call_id, digest)
         if existing is None and call_id is not None and match_digest:
-            existing = self.store.find_irreversible(session_id, spec.name, None, digest)
+            existing = self.store.effects.find_irreversible(session_id, spec.name, None, digest)
         if existing is not None and existing.state == EffectState.APPROVED and self._approvals.lapsed(
             existing.decided_at
         ):
             # Approved too long ago (approved_ttl_seconds) and never re-issued: the approval lapses (its effect gives
             # the call_id up) and the agent must ask again, so this call raises a new request.
             self._approvals.lapse([existing.approval_request_id])
-            existing = self.store.find_irreversible(session_id, spec.name, call_id, digest)
+            existing = self.store.effects.find_irreversible(session_id, spec.name, call_id, digest)
             if existing is None and call_id is not None and match_digest:
-                existing = self.store.find_irreversible(session_id, spec.name, None, digest)
+                existing = self.store.effects.find_irreversible(session_id, spec.name, None, digest)
         if existing is not None:
             try:
                 return self._resume_irreversible(sc, spec, existing, digest)
@@ -115,9 +115,9 @@ class Gate:
                 # sweeper let the approval lapse (approved_ttl_seconds): answer as a re-issue made now would (running
                 # elsewhere, its result, or a new request), not with a conflict nobody can act on. Read once: a call
                 # approved again meanwhile keeps the conflict rather than looping.
-                existing = self.store.find_irreversible(session_id, spec.name, call_id, digest)
+                existing = self.store.effects.find_irreversible(session_id, spec.name, call_id, digest)
                 if existing is None and call_id is not None and match_digest:
-                    existing = self.store.find_irreversible(session_id, spec.name, None, digest)
+                    existing = self.store.effects.find_irreversible(session_id, spec.name, None, digest)
                 if existing is not None and existing.state == EffectState.APPROVED:
                     raise InvalidEffectState(lost.message) from None
                 if existing is not None:
@@ -137,7 +137,7 @@ class Gate:
         if state == EffectState.AWAITING_APPROVAL:
             if row.timeout_at is not None and row.timeout_at <= utcnow():
                 self._approvals.expire([row.approval_request_id])
-                fresh = self.store.find_irreversible(sc.session_id, spec.name, row.call_id, digest)
+                fresh = self.store.effects.find_irreversible(sc.session_id, spec.name, row.call_id, digest)
                 return self._resume_irreversible(sc, spec, fresh, digest)
             return self._awaiting(spec, row, row.args_snapshot)
         if state == EffectState.APPROVED:
@@ -172,7 +172,7 @@ class Gate:
     def _claimed_here(self, effect_id: str) -> bool:
         """Whether the call is running under this instance's owner (a concurrent caller here won its claim)."""
         try:
-            now = self.store.effect(effect_id)
+            now = self.store.effects.effect(effect_id)
         except Exception:  # noqa: BLE001 - unreadable: keep vouching rather than drop a call that may be ours
             return True
         return bool(now.owner == self.leases.owner and now.state == EffectState.RUNNING.value)
@@ -189,14 +189,14 @@ class Gate:
         try:
             with self.store.tx() as conn:
                 self.table.guard(conn, sc, count, pin=None)
-                epoch = self.store.claim_effect_in(
+                epoch = self.store.effects.claim_effect_in(
                     conn, row.effect_id, from_state=EffectState.APPROVED.value, to_state=EffectState.RUNNING.value,
                     owner=self.leases.owner, lease_until=now + dt.timedelta(seconds=self.lease_seconds), now=now,
                 )
                 if not epoch:
                     lost = True
                     raise _ClaimLost(f"call {row.call_id!r} was claimed by another caller")
-                self.store.back_in_flight_in(conn, row.seq)
+                self.store.effects.back_in_flight_in(conn, row.seq)
         except BaseException:
             if added and (not lost or not self._claimed_here(row.effect_id)):
                 # Put there by this caller, and no caller of this process runs it: this process must not vouch
@@ -233,7 +233,7 @@ class Gate:
                 policy = self._policy.read(conn)
                 timeout_at = now + dt.timedelta(seconds=policy.approval_timeout_seconds)
                 context = self._agent_context(conn, sc, policy.context_calls)
-                self.store.insert_effect_in(conn, {
+                self.store.effects.insert_effect_in(conn, {
                     "effect_id": effect_id, "session_id": sc.session_id, "call_id": call_id or effect_id,
                     "tool_name": spec.name, "tool_revision": spec.revision, "tier": IRREVERSIBLE.value,
                     "state": EffectState.AWAITING_APPROVAL.value, "args_snapshot": args_json, "args_digest": digest,
@@ -244,7 +244,7 @@ class Gate:
                     "tool_name": spec.name, "proposed_args": args_json, "reason": spec.reason,
                     "risk_tags": list(spec.risk_tags), "timeout_at": timeout_at.isoformat(),
                 }
-                self.store.insert_request_in(conn, {
+                self.store.approvals.insert_request_in(conn, {
                     "approval_request_id": request_id, "effect_id": effect_id, "session_id": sc.session_id,
                     "call_id": call_id or effect_id, "tool_name": spec.name, "tool_revision": spec.revision,
                     "tool_fingerprint": spec.fingerprint, "proposed_args": args_json, "action_digest": action_digest,
@@ -256,7 +256,7 @@ class Gate:
             if call_id is None:
                 raise
             # A concurrent re-run raised the same request first: return that one, never a second request.
-            row = self.store.find_irreversible(sc.session_id, spec.name, call_id, digest)
+            row = self.store.effects.find_irreversible(sc.session_id, spec.name, call_id, digest)
             if row is None:
                 # The id is taken in another session (a client key unique beyond one session, see schema.py's
                 # ux_undolog_effect_client_key): nothing was written here; the caller asks that session.
@@ -290,7 +290,7 @@ class Gate:
         logged = [
             {"tool_name": r.tool_name, "tier": r.tier, "state": r.state, "args": r.args_snapshot,
              "at": r.created_at.isoformat()}
-            for r in self.store.recent_effects_in(conn, sc.session_id, n)
+            for r in self.store.effects.recent_effects_in(conn, sc.session_id, n)
         ]
         safe = [
             # SAFE arguments are never logged, so never checked: stored here made safe (escaped, capped).

@@ -23,9 +23,16 @@ from .storage.base import Owner, new_id, utcnow
 _LIVE: weakref.WeakValueDictionary[str, Leases] = weakref.WeakValueDictionary()
 
 
-class LeaseStore(Protocol):
+class LeaseWriter(Protocol):
     def renew_leases(self, owner: str, effects: list[str], undos: list[int], rolling: list[str],
                      until: dt.datetime) -> None: ...
+
+
+class LeaseStore(Protocol):
+    """What the leases use of the store: its effect log's lease renewal (``store.effects``)."""
+
+    @property
+    def effects(self) -> LeaseWriter: ...
 
 
 def owner_alive(
@@ -152,7 +159,7 @@ class Leases:
     def _renew(self) -> None:
         effects, undos, rolling = list(self.inflight), list(self.compensating), list(self.rolling)
         if effects or undos or rolling:
-            self._store.renew_leases(self.owner, effects, undos, rolling, self.until())
+            self._store.effects.renew_leases(self.owner, effects, undos, rolling, self.until())
 
     def stop(self) -> None:
         self._loop.stop()

@@ -18,7 +18,7 @@ from ._observe import engine_log, ids
 from .errors import DatabaseUnavailable, EffectNotFound, InvalidEffectState, OutcomeConflict
 from .limits import result_text
 from .storage.base import from_epoch, utcnow
-from .storage.calls import LATE_FINISH_STATES, LateFinish
+from .storage.effects import LATE_FINISH_STATES, LateFinish
 from .storage.hotpath import HotPath
 from .storage.pool import WouldBlock
 from .storage.schema import EffectState, SessionState
@@ -125,7 +125,7 @@ class MarkQueue:
         database does not answer, and deferred (queued) after the last attempt. A call taken over meanwhile is a
         late finish (``OutcomeConflict``); one that is not in flight raises why."""
         try:
-            state = on_a_fresh_connection(lambda: self.store.mark_committed(
+            state = on_a_fresh_connection(lambda: self.store.effects.mark_committed(
                 effect_id, text, from_epoch(now), fast=self.fast_commit_mark, owner=self.leases.owner))
         except DatabaseUnavailable:
             self.defer(effect_id, text, now)  # still in flight: not discarded from _inflight
@@ -172,11 +172,11 @@ class MarkQueue:
         raise OutcomeConflict(effect_id, late.tool_name, late.session_id, late.state_before, probe=answer)
 
     def _record_late_finish(self, effect_id: str, text: str) -> LateFinish | None:
-        """``store.record_late_finish``, asked again on a fresh connection while the database does not answer (as
+        """``store.effects.record_late_finish``, asked again on a fresh connection while the database does not answer (as
         the commit mark is): a late finish lost to one cut connection left an effect ``compensated`` whose side
         effect happened after its undo (the history checker's seed 3 on PostgreSQL, a foreign-looking worker whose
         connections were cut while recovery took its call over)."""
-        return on_a_fresh_connection(lambda: self.store.record_late_finish(effect_id, text, utcnow()))
+        return on_a_fresh_connection(lambda: self.store.effects.record_late_finish(effect_id, text, utcnow()))
 
     def _late_recorded(self, effect_id: str, late: LateFinish, *, deferred: bool = False) -> str | None:
         """After a late finish is recorded: the session cache halted, the error logged, and the tool's probe asked

@@ -72,33 +72,33 @@ class SessionOwners:
         """This process serves these sessions: a rollback of one is filed for it (renewed by :meth:`renew`)."""
         new = [sid for sid in session_ids if sid not in self.held]
         if new:
-            self._store.hold_sessions(self._leases.owner, new, until=self._until(),
+            self._store.owners.hold_sessions(self._leases.owner, new, until=self._until(),
                                       wakes_on_signal=self.wakes_on_signal)
             self.held.update(new)
 
     def renew(self) -> None:
         if self.held:
-            self._store.renew_sessions(self._leases.owner, until=self._until())
+            self._store.owners.renew_sessions(self._leases.owner, until=self._until())
 
     def let_go(self) -> None:
         """Stop serving every session (at shutdown): a rollback asked later is run by its requester at once."""
-        self._store.let_go_sessions(self._leases.owner, now=utcnow())
+        self._store.owners.let_go_sessions(self._leases.owner, now=utcnow())
         self.held.clear()
 
     def filed(self) -> list[Any]:
         """The rollbacks filed for this process: rows of (session_id, rollback_actor, rollback_reason)."""
-        return self._store.filed_rollbacks(self._leases.owner) if self.held else []
+        return self._store.owners.filed_rollbacks(self._leases.owner) if self.held else []
 
     def answer(self, session_id: str, report: RollbackReport | None, error: UndoLogError | None = None) -> None:
         body: dict[str, Any] = report.to_dict() if report is not None else {}
         if error is not None:
             body = {"error": error.to_dict()}
-        self._store.answer_rollback(session_id, body)
+        self._store.owners.answer_rollback(session_id, body)
 
     def live_owner(self, session_id: str) -> tuple[str | None, bool]:
         """(the live process other than this one serving the session, or None; whether another process served
         it and is gone: then its upstreams' live connections are gone with it)."""
-        row = self._store.session_owner(session_id)
+        row = self._store.owners.session_owner(session_id)
         if row is None or row.owner == self._leases.owner:
             return None, False
         if owner_alive(row.owner, row.lease_until):
@@ -115,17 +115,17 @@ class SessionOwners:
             RollbackStillRunning: the owner had not answered within ``wait``.
             UndoLogError: the owner refused it (its error, as raised there).
         """
-        self._store.file_rollback(session_id, actor=actor, reason=reason, now=utcnow())
+        self._store.owners.file_rollback(session_id, actor=actor, reason=reason, now=utcnow())
         if self._wakes.get(owner):
             _wake(owner)
         deadline = time.monotonic() + wait
         while True:
-            row = self._store.rollback_answer(session_id)
+            row = self._store.owners.rollback_answer(session_id)
             if row is not None and row.rollback_report is not None:
-                self._store.close_rollback(session_id)
+                self._store.owners.close_rollback(session_id)
                 return _report(session_id, row.rollback_report, owner)
             if gone():
-                self._store.close_rollback(session_id)
+                self._store.owners.close_rollback(session_id)
                 return None
             if time.monotonic() >= deadline:
                 raise RollbackStillRunning(

@@ -20,7 +20,7 @@ from .errors import EffectNotFound, SelfDecisionForbidden, UndoLogError
 from .limits import check_identity, clean_text, safe_result
 from .storage.audit import PendingEvent
 from .storage.base import utcnow
-from .storage.calls import RESOLUTIONS, LateFinish, Resolution
+from .storage.effects import RESOLUTIONS, LateFinish, Resolution
 from .storage.schema import IN_FLIGHT, EffectState, SessionState, UndoState
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ class Recovery:
                  sessions: Collection[str] | None = None, take_over: frozenset[str] = frozenset()) -> RecoveryReport:
         report = RecoveryReport()
         self._flush_marks()
-        seen = self._store.in_flight()
+        seen = self._store.effects.in_flight()
         effects, undos, intents = seen.effects, seen.undos, seen.intents
         if sessions is not None:
             only = set(sessions)
@@ -179,7 +179,7 @@ class Recovery:
         done = 0
         for ri in dead_intents:
             done += 1
-            if not self._store.claim_intent(ri.session_id, ri.owner, self._leases.owner, self._leases.until()):
+            if not self._store.sessions.claim_intent(ri.session_id, ri.owner, self._leases.owner, self._leases.until()):
                 continue
             try:
                 self._saga.rollback_sync(ri.session_id, actor=ri.actor,
@@ -255,7 +255,7 @@ class Recovery:
             >>> undolog.driver.in_doubt(effect_id)   # what the call driver does for ``unknown_on`` exceptions
             'compensated'
         """
-        row = self._store.effect(effect_id)
+        row = self._store.effects.effect(effect_id)
         if row.state not in IN_FLIGHT:
             return None
         report = RecoveryReport()
@@ -278,7 +278,7 @@ class Recovery:
         spec = self._registry.tools.get(late.tool_name)
         if spec is None or spec.probe is None:
             return None
-        row = self._store.effect(effect_id)
+        row = self._store.effects.effect(effect_id)
         ctx = ProbeContext(dict(row.args_snapshot or {}), f"do-{effect_id}", effect_id, late.session_id,
                            late.tool_name, int(row.epoch))
         payload: dict[str, Any] = {"effect_id": effect_id, "session_id": late.session_id, "tool_name": late.tool_name,
@@ -296,7 +296,7 @@ class Recovery:
             said = "error"
             payload["answer"] = said
             payload["error"] = clean_text(f"{type(exc).__name__}: {exc}")
-        self._store.note_event(PendingEvent(subject=f"effect:{effect_id}", action="effect.probe",
+        self._store.recovery.note_event(PendingEvent(subject=f"effect:{effect_id}", action="effect.probe",
                                             actor="undolog:late-finish", payload=payload))
         obs.recovery_log.warning("late finish: the probe of %s (session %s, effect %s) says %s; a person resolves it",
                                  late.tool_name, late.session_id, effect_id, said,
@@ -325,10 +325,10 @@ class Recovery:
         if not isinstance(reason, str) or not reason.strip():
             raise UndoLogError("a resolution needs a reason (--reason TEXT): what the external system showed")
         reason = clean_text(reason)
-        session_id = self._store.session_of_effect(effect_id)
+        session_id = self._store.effects.session_of_effect(effect_id)
         if session_id is None:
             raise EffectNotFound(effect_id)
-        session = self._store.get_session(session_id)
+        session = self._store.sessions.get_session(session_id)
         creator = session.created_by if session is not None else None
         who = principal or actor
         # As for approvals: only principal references (``key:<id>``) are compared, never free-text names.
@@ -337,7 +337,7 @@ class Recovery:
                                      payload={"effect_id": effect_id, "attempted": outcome, "principal": who,
                                               "why": SelfDecisionForbidden.code})
             raise SelfDecisionForbidden(None, who, effect_id=effect_id)
-        done = self._store.resolve_effect(effect_id, outcome, actor=actor, reason=reason, principal=principal,
+        done = self._store.effects.resolve_effect(effect_id, outcome, actor=actor, reason=reason, principal=principal,
                                           now=utcnow())
         obs.recovery_log.warning("resolved: %s (session %s, effect %s) as %s by %s: %s", done.tool_name,
                                  done.session_id, effect_id, outcome, actor, reason,
@@ -366,7 +366,7 @@ class Recovery:
         key), as everywhere else.
         """
         leases = self._leases
-        claimed = self._store.claim_in_doubt_batch([(r.effect_id, r.state, r.owner) for r in batch], leases.owner,
+        claimed = self._store.effects.claim_in_doubt_batch([(r.effect_id, r.state, r.owner) for r in batch], leases.owner,
                                                    leases.until(), self._batchable)
         got = {c.effect_id for c in claimed}
         left = {r.effect_id: r.owner for r in batch if r.effect_id not in got}
@@ -404,7 +404,7 @@ class Recovery:
                         continue
                     events.append(_probe_event(c, answer, "compensated"))
                 undo.append(c)
-            mine = self._store.settle_and_claim_undos(committed, [c.undo_id for c in undo], leases.owner,
+            mine = self._store.recovery.settle_and_claim_undos(committed, [c.undo_id for c in undo], leases.owner,
                                                       leases.until(), events=events)
             for effect_id, _ in committed:
                 leases.inflight.discard(effect_id)
@@ -465,11 +465,11 @@ class Recovery:
                 break
             except Exception as exc:  # noqa: BLE001 - recorded, retried, then halts the session
                 error = clean_text(f"{type(exc).__name__}: {exc}")  # stored as text: never a surrogate or a NUL
-                self._store.undo_attempt_failed(c.undo_id, error)
+                self._store.undo.undo_attempt_failed(c.undo_id, error)
                 if n + 1 < self._saga.max_attempts:
                     time.sleep(self._saga.backoff_seconds * (2**n))
         if error is None:
-            self._store.compensated_in_recovery(
+            self._store.recovery.compensated_in_recovery(
                 c.undo_id, c.effect_id, c.session_id,
                 f"recovered after a crash: {c.tool_name} ({c.effect_id}) was compensated; review, then resume or "
                 "roll back", durable=durable)
@@ -482,7 +482,7 @@ class Recovery:
         return self._attempt_failed(c, f"UndoLogError: {why}", report)
 
     def _halt(self, session_id: str, reason: str) -> None:
-        self._store.halt_session(session_id, reason)
+        self._store.sessions.halt_session(session_id, reason)
         self._note_state(session_id, SessionState.HALTED)
         obs.recovery_log.log(obs.crash_level(), "halt: session %s halted: %s", session_id, reason,
                              extra=obs.ids(session_id))
@@ -519,7 +519,7 @@ class Recovery:
                     "nothing was changed"
                 )
                 return None
-        if not self._store.claim_in_doubt(r.effect_id, r.state, r.owner, self._leases.owner, self._leases.until()):
+        if not self._store.effects.claim_in_doubt(r.effect_id, r.state, r.owner, self._leases.owner, self._leases.until()):
             return None
         self._leases.inflight.add(r.effect_id)
         self._leases.start()
@@ -535,7 +535,7 @@ class Recovery:
                 self._leases.inflight.discard(r.effect_id)
 
     def _reconcile_claimed(self, r: Any, spec: Any, original_gone: bool = True, told_when_gone: bool = True) -> str:
-        row = self._store.effect(r.effect_id)
+        row = self._store.effects.effect(r.effect_id)
         answer = None
         not_yet = False  # its probe says "not yet" while its request may still land, and nobody will say when not
         if spec.probe is not None:
@@ -546,7 +546,7 @@ class Recovery:
                 verdict = run_coro_blocking(verdict)
             answer, result = probe_answer(verdict)  # the result made safe, as any result
             if answer is ProbeAnswer.HAPPENED:
-                self._store.settle_effect(r.effect_id, EffectState.COMMITTED, result=result,
+                self._store.recovery.settle_effect(r.effect_id, EffectState.COMMITTED, result=result,
                                           event=_probe_event(r, answer, "committed"))
                 return "committed"
             if answer is ProbeAnswer.NOT_HAPPENED and not original_gone and not told_when_gone \
@@ -557,15 +557,15 @@ class Recovery:
                 if not original_gone:
                     # It has not happened yet, and the request may still land: settling it now would undo what is
                     # about to happen (or let it run twice). Held here until the original can no longer land.
-                    self._store.settle_effect(r.effect_id, None, event=_probe_event(r, answer, "settling"))
+                    self._store.recovery.settle_effect(r.effect_id, None, event=_probe_event(r, answer, "settling"))
                     return "settling"
                 if r.tier == ToolTier.IRREVERSIBLE:
                     # The approved call may run once when re-issued.
-                    self._store.settle_effect(r.effect_id, EffectState.APPROVED,
+                    self._store.recovery.settle_effect(r.effect_id, EffectState.APPROVED,
                                               event=_probe_event(r, answer, "not_run"))
                     return "not_run"
                 # COMPENSABLE: nothing to undo; its undo entry goes, no compensation runs, the session goes on.
-                self._store.settle_effect(r.effect_id, EffectState.FAILED, drop_undo=True,
+                self._store.recovery.settle_effect(r.effect_id, EffectState.FAILED, drop_undo=True,
                                           error="it did not happen (its probe said so once the request could no "
                                                 "longer land): nothing to undo",
                                           event=_probe_event(r, answer, "not_run"))
@@ -575,7 +575,7 @@ class Recovery:
             # Its answer was lost, nothing proves it happened, and its request may still land at any time with
             # nobody to say when it cannot (an HTTP upstream after a read timeout): compensating now would undo
             # before the call lands (the undo a no-op, then the call stands). A person decides.
-            self._store.settle_effect(
+            self._store.recovery.settle_effect(
                 r.effect_id, EffectState.UNKNOWN,
                 error="its answer was lost and its request may still land; "
                       + ("it has no probe" if answer is None else "its probe could not tell")
@@ -588,7 +588,7 @@ class Recovery:
             self._note_state(r.session_id, SessionState.HALTED)
             return "unknown"
         if r.tier == ToolTier.IRREVERSIBLE:
-            self._store.settle_effect(
+            self._store.recovery.settle_effect(
                 r.effect_id, EffectState.UNKNOWN,
                 error="interrupted mid-run; no probe to tell whether it happened" if answer is None
                 else "its answer was lost and its probe says it has not happened yet, but its request may still land"
@@ -604,7 +604,7 @@ class Recovery:
             return "unknown"
         if spec.compensation_needs_result:
             # Its undo is built from the result, which nobody saw: a person decides.
-            self._store.settle_effect(
+            self._store.recovery.settle_effect(
                 r.effect_id, EffectState.UNKNOWN,
                 error="outcome unknown, and its compensation needs the result it never returned",
                 halt=(r.session_id, f"{r.tool_name} ({r.effect_id}): outcome unknown and its compensation needs "
@@ -616,7 +616,7 @@ class Recovery:
             return "unknown"
         # COMPENSABLE, no proof it happened: compensate (a compensation tolerates "never happened").
         if answer is not None:
-            self._store.note_event(_probe_event(r, answer, "compensated"))
+            self._store.recovery.note_event(_probe_event(r, answer, "compensated"))
         report = self._saga.rollback_sync(r.session_id, actor="undolog:recovery",
                                           reason=f"recovery of {r.effect_id}", only_effect=r.effect_id)
         if not report.steps or report.steps[-1].outcome != "compensated":
@@ -629,7 +629,7 @@ class Recovery:
         # Stored as text, often a probe's or a compensation's exception: a lone surrogate or a NUL in it must not
         # fail the count, or the call would never reach the dead letter (every recover() failing on it again).
         error = clean_text(error)
-        attempts = self._store.recovery_attempt_failed(
+        attempts = self._store.recovery.recovery_attempt_failed(
             r.effect_id, r.session_id, error, dead_letter_after=self.dead_letter_after,
             halt_reason=f"{r.tool_name} ({r.effect_id}) is in the dead letter after {{attempts}} failed recoveries",
         )

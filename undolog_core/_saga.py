@@ -200,20 +200,20 @@ class Saga:
         leases = self._leases
         mismatch: Exception | None = None
         with store.tx() as conn:
-            sess = store.lock_session_in(conn, session_id)
+            sess = store.sessions.lock_session_in(conn, session_id)
             if sess is None:
                 raise SessionNotFound(session_id)
             if sess.state == SessionState.ROLLED_BACK and only_effect is None:
                 return RollbackReport(session_id, already_rolled_back=True, complete=True)
             intent = None
             if only_effect is None:
-                intent = store.rollback_intent_in(conn, session_id)
+                intent = store.sessions.rollback_intent_in(conn, session_id)
                 if intent is not None and intent.owner != leases.owner and owner_alive(
                     intent.owner, intent.lease_until, rolling=session_id
                 ):
                     raise InvalidSessionState(f"session {session_id!r} is being rolled back right now")
             entries: list[_Entry] = []
-            for r in store.undo_entries_in(conn, session_id, only_effect):
+            for r in store.undo.undo_entries_in(conn, session_id, only_effect):
                 if r.effect_id == only_effect:
                     pass  # recovery holds this effect's claim itself
                 elif r.effect_state in IN_FLIGHT and owner_alive(r.effect_owner, r.effect_lease, effect_id=r.effect_id):
@@ -230,9 +230,9 @@ class Saga:
                 fn, version = comp
                 if version != r.compensation_version:
                     mismatch = CompensationVersionMismatch(r.compensation_name, r.compensation_version, version)
-                    store.halt_in(conn, session_id, mismatch.message, utcnow())
+                    store.sessions.halt_in(conn, session_id, mismatch.message, utcnow())
                     if intent is not None:  # halted for a person: recovery must not take it up again
-                        store.end_intent_in(conn, session_id)
+                        store.sessions.end_intent_in(conn, session_id)
                     break
                 entries.append(
                     _Entry(r.undo_id, r.effect_id, r.tool_name, r.compensation_name, r.compensation_version,
@@ -243,7 +243,7 @@ class Saga:
                 # The rollback is requested, durably, before its first compensation: from here on the session
                 # takes no call, and a crash at any point of the walk is finished by recover().
                 now = utcnow()
-                store.write_intent_in(conn, session_id, exists=intent is not None, actor=actor, reason=reason,
+                store.sessions.write_intent_in(conn, session_id, exists=intent is not None, actor=actor, reason=reason,
                                       owner=leases.owner, lease_until=leases.until(), now=now)
         if mismatch is not None:
             self._note_state(session_id, SessionState.HALTED)
@@ -258,7 +258,7 @@ class Saga:
         return entries
 
     def _claim(self, entry: _Entry) -> None:
-        if not self._store.claim_undo(entry.undo_id, seen_state=entry.seen_state, seen_owner=entry.seen_owner,
+        if not self._store.undo.claim_undo(entry.undo_id, seen_state=entry.seen_state, seen_owner=entry.seen_owner,
                                       owner=self._leases.owner, lease_until=self._leases.until()):
             raise InvalidSessionState(
                 f"undo entry {entry.undo_id} ({entry.compensation_name}) was taken by a concurrent rollback"
@@ -274,10 +274,10 @@ class Saga:
         )
 
     def _attempted(self, entry: _Entry, error: str) -> None:
-        self._store.undo_attempt_failed(entry.undo_id, error)
+        self._store.undo.undo_attempt_failed(entry.undo_id, error)
 
     def _succeeded(self, entry: _Entry) -> None:
-        self._store.undo_compensated(entry.undo_id, entry.effect_id, in_flight=entry.effect_state in IN_FLIGHT)
+        self._store.effects.undo_compensated(entry.undo_id, entry.effect_id, in_flight=entry.effect_state in IN_FLIGHT)
         self._leases.compensating.discard(entry.undo_id)
 
     def _failed(self, session_id: str, entry: _Entry, error: str) -> str:
@@ -285,10 +285,10 @@ class Saga:
         why = (f"compensation {entry.compensation_name} of {entry.tool_name} (effect {entry.effect_id}) failed "
                f"after {self.max_attempts} attempts: {error}")
         with self._store.tx() as conn:
-            self._store.undo_failed_in(conn, entry.undo_id, now)
+            self._store.undo.undo_failed_in(conn, entry.undo_id, now)
             # The walk stops here, halted for a person; a later rollback resumes where it stopped.
-            self._store.end_intent_in(conn, session_id)
-            self._store.halt_in(conn, session_id, why, now)
+            self._store.sessions.end_intent_in(conn, session_id)
+            self._store.sessions.halt_in(conn, session_id, why, now)
         self._note_state(session_id, SessionState.HALTED)
         self._leases.compensating.discard(entry.undo_id)
         return why
@@ -298,10 +298,10 @@ class Saga:
         store = self._store
         with store.tx() as conn:
             report.kept_irreversible = [f"{k.tool_name} ({k.effect_id})"
-                                        for k in store.kept_irreversible_in(conn, session_id)]
-            for w in store.unsettled_requests_in(conn, session_id):
+                                        for k in store.effects.kept_irreversible_in(conn, session_id)]
+            for w in store.approvals.unsettled_requests_in(conn, session_id):
                 self._approvals.cancel(conn, w.approval_request_id, w.effect_id, "session rolled back", now)
-            store.mark_rolled_back_in(conn, session_id, now)
+            store.sessions.mark_rolled_back_in(conn, session_id, now)
             payload = jsonable({"session_id": session_id, "reason": reason, "steps": [s.__dict__ for s in report.steps],
                                 "kept_irreversible": report.kept_irreversible})
             store.audit.append_event_in(conn, subject=f"session:{session_id}", action="session.rollback", actor=actor,
@@ -434,8 +434,8 @@ class Saga:
                 # ends with the halt, so that recovery does not roll back a session left for a person. A walk
                 # that broke off (the database went away) keeps it: recovery finishes that walk, as it would any.
                 if isinstance(error, (InvalidSessionState, CompensationNotFound)):
-                    self._store.end_intent_in(conn, session_id, owner=self._leases.owner)
-                self._store.halt_in(conn, session_id, clean_text(f"{why}; the rollback could not run: {error}"),
+                    self._store.sessions.end_intent_in(conn, session_id, owner=self._leases.owner)
+                self._store.sessions.halt_in(conn, session_id, clean_text(f"{why}; the rollback could not run: {error}"),
                                     utcnow())
             self._note_state(session_id, SessionState.HALTED)
             obs.saga_log.warning("halt: session %s halted: %s; the rollback could not run: %s", session_id, why,
@@ -445,7 +445,7 @@ class Saga:
 
     def undo_plan(self, session_id: str) -> list[dict[str, Any]]:
         """Which compensations would run, in order, if the session rolled back now."""
-        return self._store.undo_plan(session_id)
+        return self._store.undo.undo_plan(session_id)
 
 
 class _Walk:

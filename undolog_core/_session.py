@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ._engine import Engine
     from ._registry import Registry
     from ._saga import Saga
-    from .storage.sessions import SessionsSQL
+    from .storage import Storage
 
 
 class SessionHost(Protocol):
@@ -131,7 +131,7 @@ class SessionService:
 
     def __init__(
         self,
-        storage: SessionsSQL,
+        storage: Storage,
         *,
         flush_marks: Callable[[], None],
         current_pins: Callable[[], Mapping[str, int]],
@@ -162,7 +162,7 @@ class SessionService:
 
     def get(self, session_id: str) -> SessionRecord:
         self._persist(session_id)
-        rec = self._storage.get_session(session_id)
+        rec = self._storage.sessions.get_session(session_id)
         if rec is None:
             raise SessionNotFound(session_id)
         return rec
@@ -185,14 +185,14 @@ class SessionService:
         if state and state not in [s.value for s in SessionState]:
             return []
         self._persist(None)
-        return self._storage.list_sessions(state=SessionState(state) if state else None, agent_id=agent_id,
+        return self._storage.sessions.list_sessions(state=SessionState(state) if state else None, agent_id=agent_id,
                                            created_by=created_by, limit=limit, offset=offset)
 
     def effects(self, session_id: str) -> builtins.list[dict[str, Any]]:
         """The session's timeline: every logged effect, oldest first, with its undo entry."""
         self.get(session_id)
         self._flush_marks()
-        return self._storage.session_effects(session_id)
+        return self._storage.sessions.session_effects(session_id)
 
     def set_state(self, session_id: str, state: str, *, allowed: tuple[str, ...]) -> None:
         """Move the session to ``state`` if it is in one of ``allowed``.
@@ -202,7 +202,7 @@ class SessionService:
         """
         target = SessionState(state)
         self._persist(session_id)
-        if not self._storage.set_session_state(
+        if not self._storage.sessions.set_session_state(
             session_id, target, allowed=[SessionState(a) for a in allowed], now=utcnow()
         ):
             cur = self.get(session_id).state
@@ -214,7 +214,7 @@ class SessionService:
         check_identity("actor", actor)
         reason = clean_text(reason) if reason is not None else None
         self._persist(session_id)
-        self._changed(self._storage.resume_session(session_id, actor=actor, reason=reason, now=utcnow()))
+        self._changed(self._storage.sessions.resume_session(session_id, actor=actor, reason=reason, now=utcnow()))
         return self.get(session_id)
 
     def revalidate(self, session_id: str, *, actor: str) -> dict[str, Any]:
@@ -224,7 +224,7 @@ class SessionService:
         """
         check_identity("actor", actor)
         self._persist(session_id)
-        changed, pins = self._storage.revalidate_session(
+        changed, pins = self._storage.sessions.revalidate_session(
             session_id, actor=actor, current=self._current_pins(), now=utcnow()
         )
         self._note_pins(session_id, pins)

@@ -252,7 +252,7 @@ class SessionTable:
         n, carried = sc.take_safe(), sc.take_carried()
         if n + carried:
             try:
-                self.store.add_call_count(sc.session_id, n + carried, missing=self._missing(sc))
+                self.store.sessions.add_call_count(sc.session_id, n + carried, missing=self._missing(sc))
             except BaseException:
                 self.give_back(sc, n, carried)
                 raise
@@ -392,7 +392,7 @@ class SessionTable:
         if row is None:
             if not wait:
                 raise WouldBlock()
-            row = self.store.get_or_create_session(session_id, create=create, values=values)
+            row = self.store.sessions.get_or_create_session(session_id, create=create, values=values)
         if row is None:
             raise SessionNotFound(session_id)
         return self.remember(row, write=wait)
@@ -492,7 +492,7 @@ class SessionTable:
         """
         for i in session_ids:
             self.persist(i)
-        return self.store.sessions_with_call(session_ids, call_id)
+        return self.store.effects.sessions_with_call(session_ids, call_id)
 
     # -- SAFE calls ------------------------------------------------------------------------------
 
@@ -549,7 +549,7 @@ class SessionTable:
         if pin is not None:
             sc.pins[pin.name] = pin.revision
             pins = dict(sc.pins)
-        refused = self.store.guard_in(conn, sc.session_id, count, pins)
+        refused = self.store.sessions.guard_in(conn, sc.session_id, count, pins)
         if refused is None:
             return
         sc.state = refused.state

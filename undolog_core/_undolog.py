@@ -26,7 +26,7 @@ from ._tools import RetryPolicy, ToolSpec, ToolTier, make_declaration
 from .errors import ConfigurationError, DatabaseOpenFailed, DatabaseUnavailable, InvalidDeclaration
 from .storage import DATABASE_ERRORS, Storage, database_error_detail, open_storage, safe_url, sqlite_file
 from .storage.base import new_id
-from .storage.calls import Resolution
+from .storage.effects import Resolution
 from .storage.schema import OnFailure, SessionState
 
 

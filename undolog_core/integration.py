@@ -206,7 +206,7 @@ def put_undo_args(undolog: UndoLog, effect_id: str, args: Any) -> bool:
         >>> put_undo_args(undolog, effect_id, before)                       # doctest: +SKIP
         True
     """
-    return undolog.store.put_undo_args(effect_id, args)
+    return undolog.store.undo.put_undo_args(effect_id, args)
 
 
 def shared_store(undolog: UndoLog) -> Storage:
@@ -251,10 +251,10 @@ def find_effect(undolog: UndoLog, effect_id: str) -> EffectRef | None:
         >>> ref.session_id, ref.tool_name                                # doctest: +SKIP
         ('support.9f2c...', 'issue_refund')
     """
-    session_id = undolog.store.session_of_effect(effect_id)
+    session_id = undolog.store.effects.session_of_effect(effect_id)
     if session_id is None:
         return None
-    return _effect_ref(undolog.store.effect(effect_id))
+    return _effect_ref(undolog.store.effects.effect(effect_id))
 
 
 def find_call(undolog: UndoLog, session_id: str, call_id: str) -> EffectRef | None:
@@ -269,7 +269,7 @@ def find_call(undolog: UndoLog, session_id: str, call_id: str) -> EffectRef | No
         >>> ref is not None and ref.state in IN_FLIGHT                   # doctest: +SKIP
         True
     """
-    row = undolog.store.effect_by_call(session_id, call_id)
+    row = undolog.store.effects.effect_by_call(session_id, call_id)
     return None if row is None else _effect_ref(row)
 
 
@@ -284,7 +284,7 @@ def session_of_client_key(undolog: UndoLog, call_id: str) -> str | None:
         >>> session_of_client_key(undolog, "ck:1f0e...")                  # doctest: +SKIP
         'mcp.7d1a...'
     """
-    return undolog.store.session_of_client_key(call_id)
+    return undolog.store.effects.session_of_client_key(call_id)
 
 
 def _effect_ref(row: Any) -> EffectRef:

@@ -92,7 +92,7 @@ def _measured(serve: Callable[[int], None]) -> tuple[int, int]:
 
 def _calls_counted(undolog: Any, agent_id: str) -> list[int]:
     internals(undolog).flush()  # what close() writes: the records still kept
-    return [r.tool_calls_total for r in undolog.store.list_sessions(agent_id=agent_id, limit=100_000)]
+    return [r.tool_calls_total for r in undolog.store.sessions.list_sessions(agent_id=agent_id, limit=100_000)]
 
 
 @pytest.mark.timeout(600)  # 2,000 agent runs on a shared 2-core machine
@@ -144,7 +144,7 @@ async def test_a_thread_evicted_and_halted_elsewhere_is_refused_and_a_rolled_bac
     for i in range(80):
         await invoke("look", f"other-{run}-{i}")
     assert undolog.engine.cached(halted) is None and halted not in mw._undolog_guard.heads
-    assert undolog.store.get_session(halted).tool_calls_total == 2  # written before the eviction
+    assert undolog.store.sessions.get_session(halted).tool_calls_total == 2  # written before the eviction
     other = db.open(migrate=False)
     other.register_compensation(mb_unbook)
     other.sessions.set_state(halted, "halted", allowed=("active",))
@@ -162,7 +162,7 @@ async def test_a_thread_evicted_and_halted_elsewhere_is_refused_and_a_rolled_bac
     out = await invoke("look", rolled)  # a SAFE call in thread#2, after its eviction
     assert [m.content for m in out["messages"] if isinstance(m, ToolMessage)][-1] == "tue is free"
     internals(undolog).flush()
-    assert undolog.store.get_session(f"{rolled}#2").tool_calls_total == 2
+    assert undolog.store.sessions.get_session(f"{rolled}#2").tool_calls_total == 2
 
 
 # ------------------------------------------------------------------------------------------ Semantic Kernel

@@ -300,7 +300,7 @@ def _count(u: UndoLog, table: sa.Table, *where: Any) -> int:
 def test_storage_is_one_object_with_every_service_statement(db):
     u = db.open()
     st = _storage(u)
-    assert isinstance(st.approvals, ApprovalsSQL) and isinstance(st, SessionsSQL)
+    assert isinstance(st.approvals, ApprovalsSQL) and isinstance(st.sessions, SessionsSQL)
     assert isinstance(st.audit, AuditSQL) and isinstance(st.registry, RegistrySQL)
     assert isinstance(st.policy, PolicySQL)
     assert isinstance(st, Store)
@@ -319,15 +319,15 @@ def test_approve_moves_request_effect_and_session_in_one_transaction(undolog):
     st = _storage(undolog)
     s = undolog.session(agent_id="conf")
     rec = _awaiting(undolog, s.id)
-    assert st.get_session(s.id).state is SessionState.AWAITING_APPROVAL  # type: ignore[union-attr]
+    assert st.sessions.get_session(s.id).state is SessionState.AWAITING_APPROVAL  # type: ignore[union-attr]
     outbox_before = _count(undolog, t.outbox)
     changes = st.approvals.decide_request(rec.approval_request_id, action="approve", approver="ana", reason="ok", now=utcnow())
     assert changes == [StateChange(s.id, SessionState.ACTIVE)]
     got = st.approvals.get_request(rec.approval_request_id)
     assert got is not None and got.state is RequestState.APPROVED and got.decided_by == "ana"
     assert got.approved_args == rec.proposed_args
-    assert st.get_session(s.id).state is SessionState.ACTIVE  # type: ignore[union-attr]
-    (effect,) = st.session_effects(s.id)
+    assert st.sessions.get_session(s.id).state is SessionState.ACTIVE  # type: ignore[union-attr]
+    (effect,) = st.sessions.session_effects(s.id)
     assert effect["state"] == EffectState.APPROVED
     requested, event = st.approvals.request_events(rec.approval_request_id)  # the engine audited the request itself
     assert requested.action == "requested"
@@ -362,13 +362,13 @@ def test_reject_halts_the_session_and_cancels_its_other_requests(undolog):
     second = _awaiting(undolog, s.id, "u2", call_id="c2")
     changes = st.approvals.decide_request(first.approval_request_id, action="reject", approver="bo", reason="no", now=utcnow())
     assert changes == [StateChange(s.id, SessionState.HALTED)]
-    sess = st.get_session(s.id)
+    sess = st.sessions.get_session(s.id)
     assert sess is not None and sess.state is SessionState.HALTED and "rejected by bo: no" in (sess.halted_reason or "")
     assert st.approvals.get_request(first.approval_request_id).state is RequestState.REJECTED  # type: ignore[union-attr]
     other = st.approvals.get_request(second.approval_request_id)
     assert other is not None and other.state is RequestState.CANCELLED and other.decided_by == "undolog"
     assert [e.action for e in st.approvals.request_events(second.approval_request_id)] == ["requested", "cancel"]
-    states = {e["call_id"]: e["state"] for e in st.session_effects(s.id)}
+    states = {e["call_id"]: e["state"] for e in st.sessions.session_effects(s.id)}
     assert states == {"c1": EffectState.REJECTED, "c2": EffectState.CANCELLED}
     with internals(undolog).read() as c:
         types = c.execute(sa.select(t.outbox.c.event_type)).scalars().all()
@@ -424,7 +424,7 @@ def test_expiry_applies_the_policy_once(undolog):
     assert st.approvals.expire_request(timed.approval_request_id, later) is None  # applied exactly once
     got = st.approvals.get_request(timed.approval_request_id)
     assert got is not None and got.state is RequestState.TIMED_OUT and got.decided_by == "undolog:timeout"
-    assert st.get_session(s1.id).state is SessionState.HALTED  # type: ignore[union-attr]
+    assert st.sessions.get_session(s1.id).state is SessionState.HALTED  # type: ignore[union-attr]
 
     with internals(undolog).write() as c:
         c.execute(t.org_policy.update().values(auto_approve_on_timeout=True))
@@ -506,7 +506,7 @@ def test_a_new_contract_cancels_the_approvals_bound_to_the_old_one(undolog):
     assert changes == [StateChange(s.id, SessionState.ACTIVE)]
     got = st.approvals.get_request(rec.approval_request_id)
     assert got is not None and got.state is RequestState.CANCELLED and "changed" in (got.decision_reason or "")
-    assert st.get_session(s.id).state is SessionState.ACTIVE  # type: ignore[union-attr]
+    assert st.sessions.get_session(s.id).state is SessionState.ACTIVE  # type: ignore[union-attr]
 
 
 def test_policy_is_one_row_changed_with_an_audit_event(undolog):
@@ -530,32 +530,32 @@ def test_policy_is_one_row_changed_with_an_audit_event(undolog):
 def test_session_halt_resume_and_state_changes(undolog):
     st = _storage(undolog)
     s = undolog.session(agent_id="conf", session_id="conf-halt")  # an id given: in the store at once
-    assert st.get_session("nope") is None
+    assert st.sessions.get_session("nope") is None
     with internals(undolog).write() as c:
-        st.halt_in(c, s.id, "a person must look", utcnow())
-    rec = st.get_session(s.id)
+        st.sessions.halt_in(c, s.id, "a person must look", utcnow())
+    rec = st.sessions.get_session(s.id)
     assert rec is not None and rec.state is SessionState.HALTED and rec.halted_reason == "a person must look"
-    assert st.list_sessions(state=SessionState.HALTED) == [rec]
+    assert st.sessions.list_sessions(state=SessionState.HALTED) == [rec]
     assert _count(undolog, t.outbox, t.outbox.c.event_type == "session.halted") == 1
-    changes = st.resume_session(s.id, actor="ana", reason="looked", now=utcnow())
+    changes = st.sessions.resume_session(s.id, actor="ana", reason="looked", now=utcnow())
     assert changes == [StateChange(s.id, SessionState.ACTIVE)]  # no request pending: it stays active
-    rec = st.get_session(s.id)
+    rec = st.sessions.get_session(s.id)
     assert rec is not None and rec.state is SessionState.ACTIVE and rec.halted_reason is None
     with pytest.raises(errors.InvalidSessionState):
-        st.resume_session(s.id, actor="ana", reason=None, now=utcnow())
+        st.sessions.resume_session(s.id, actor="ana", reason=None, now=utcnow())
     with pytest.raises(errors.SessionNotFound):
-        st.resume_session("nope", actor="ana", reason=None, now=utcnow())
+        st.sessions.resume_session("nope", actor="ana", reason=None, now=utcnow())
     with internals(undolog).read() as c:
         resumes = c.execute(sa.select(t.approval_events.c.payload)
                             .where(t.approval_events.c.action == "session.resume")).scalars().all()
     assert resumes == ['{"reason":"looked","was_halted_because":"a person must look"}']
     # A state change is conditional on the states it is allowed from.
-    assert st.set_session_state(s.id, SessionState.COMPLETED, allowed=[SessionState.HALTED], now=utcnow()) is False
-    assert st.set_session_state(s.id, SessionState.COMPLETED, allowed=[SessionState.ACTIVE], now=utcnow()) is True
+    assert st.sessions.set_session_state(s.id, SessionState.COMPLETED, allowed=[SessionState.HALTED], now=utcnow()) is False
+    assert st.sessions.set_session_state(s.id, SessionState.COMPLETED, allowed=[SessionState.ACTIVE], now=utcnow()) is True
     # An ended session is not halted again.
     with internals(undolog).write() as c:
-        st.halt_in(c, s.id, "too late", utcnow())
-    assert st.get_session(s.id).state is SessionState.COMPLETED  # type: ignore[union-attr]
+        st.sessions.halt_in(c, s.id, "too late", utcnow())
+    assert st.sessions.get_session(s.id).state is SessionState.COMPLETED  # type: ignore[union-attr]
 
 
 def test_session_revalidate_repins_and_audits(undolog):
@@ -565,14 +565,14 @@ def test_session_revalidate_repins_and_audits(undolog):
                           actor="ci", now=utcnow())
     st.registry.register([ContractRevision("tool_y", "safe", "b" * 64, {"args_schema": {}}, None, None)],
                           actor="ci", now=utcnow())
-    changed, pins = st.revalidate_session(s.id, actor="ana", current={}, now=utcnow())
+    changed, pins = st.sessions.revalidate_session(s.id, actor="ana", current={}, now=utcnow())
     assert changed == {"tool_y": {"from": None, "to": 2}} and pins["tool_y"] == 2
-    assert st.get_session(s.id).pinned_revisions == pins  # type: ignore[union-attr]
-    changed, pins = st.revalidate_session(s.id, actor="ana", current={"tool_y": 1}, now=utcnow())
+    assert st.sessions.get_session(s.id).pinned_revisions == pins  # type: ignore[union-attr]
+    changed, pins = st.sessions.revalidate_session(s.id, actor="ana", current={"tool_y": 1}, now=utcnow())
     assert changed == {"tool_y": {"from": 2, "to": 1}} and pins == {"tool_y": 1}
     assert _count(undolog, t.approval_events, t.approval_events.c.action == "session.revalidate") == 2
     with pytest.raises(errors.SessionNotFound):
-        st.revalidate_session("nope", actor="ana", current={}, now=utcnow())
+        st.sessions.revalidate_session("nope", actor="ana", current={}, now=utcnow())
 
 
 def test_refresh_awaiting_follows_the_pending_requests(undolog):
@@ -581,11 +581,11 @@ def test_refresh_awaiting_follows_the_pending_requests(undolog):
     s = undolog.session()
     rec = _awaiting(undolog, s.id)
     with internals(undolog).write() as c:
-        assert st.refresh_changes_in(c, s.id, utcnow()) == []  # already awaiting: nothing changes
+        assert st.sessions.refresh_changes_in(c, s.id, utcnow()) == []  # already awaiting: nothing changes
         assert st.approvals.cancel_pending_in(c, s.id, "test", utcnow()) == 1
-        assert st.refresh_changes_in(c, s.id, utcnow()) == [StateChange(s.id, SessionState.ACTIVE)]
-        assert st.refresh_changes_in(c, s.id, utcnow()) == []
-    assert st.get_session(s.id).state is SessionState.ACTIVE  # type: ignore[union-attr]
+        assert st.sessions.refresh_changes_in(c, s.id, utcnow()) == [StateChange(s.id, SessionState.ACTIVE)]
+        assert st.sessions.refresh_changes_in(c, s.id, utcnow()) == []
+    assert st.sessions.get_session(s.id).state is SessionState.ACTIVE  # type: ignore[union-attr]
     assert st.approvals.get_request(rec.approval_request_id).state is RequestState.CANCELLED  # type: ignore[union-attr]
 
 

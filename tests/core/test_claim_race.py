@@ -34,7 +34,7 @@ async def test_the_loser_of_a_claim_leaves_the_winners_call_in_flight(undolog: U
     engine = undolog.driver.engine
     spec = undolog.registry.tools["wipe"]
     # Both callers read the approved row before either claims it (the race, made explicit).
-    row = engine.store.find_irreversible(s.id, "wipe", "c1", sha256_hex(canonical_json({"name": "x"})))
+    row = engine.store.effects.find_irreversible(s.id, "wipe", "c1", sha256_hex(canonical_json({"name": "x"})))
     sc = engine.table.written_record(s.id)
     winner = engine.gate._claim_run(sc, spec, row)
     with pytest.raises(InvalidEffectState, match="claimed by another caller"):
@@ -60,7 +60,7 @@ async def test_the_loser_of_a_claim_won_elsewhere_does_not_vouch_for_it(db: Any)
     with pytest.raises(ApprovalPending) as p:
         await s.call(wipe, name="x", call_id="c1")
     here.approvals.approve(p.value.approval_request_id, approver="ana")
-    row = here.driver.engine.store.find_irreversible(s.id, "wipe", "c1", sha256_hex(canonical_json({"name": "x"})))
+    row = here.driver.engine.store.effects.find_irreversible(s.id, "wipe", "c1", sha256_hex(canonical_json({"name": "x"})))
     far, near = there.driver.engine, here.driver.engine
     won = far.gate._claim_run(far.table.written_record(s.id), there.registry.tools["wipe"], row)
     with pytest.raises(InvalidEffectState, match="claimed by another caller"):

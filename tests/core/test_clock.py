@@ -54,7 +54,7 @@ def test_a_pre_write_and_its_renewals_take_their_lease_from_undologs_clock(db: A
     def clock_call(n: int) -> int:
         call = current_call()
         assert call is not None
-        seen["lease"] = {r.effect_id: r.lease_until for r in u.store.in_flight().effects}[call.effect_id]
+        seen["lease"] = {r.effect_id: r.lease_until for r in u.store.effects.in_flight().effects}[call.effect_id]
         go.wait(5)
         return n
 

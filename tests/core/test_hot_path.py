@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from undolog_core import CompensationDescriptor, ToolTier, UndoLog, compensation, current_call, undolog_tool
-from undolog_core._driver import Outcome, _ok
 from undolog_core._decisions import CallContext, Execute, call_context, execute_now
+from undolog_core._driver import Outcome, _ok
 from undolog_core._json import canonical_text
 from undolog_core.storage.group import GroupCommit
 from undolog_core.storage.pool import IntegrityConflict

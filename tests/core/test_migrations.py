@@ -303,7 +303,7 @@ def test_session_owners_come_with_0013_on_a_database_of_0011_and_go_with_its_dow
     s = u.session(agent_id="after-0013")
     s.call_sync(tools["send_refund_email"], user_id="u2", amount=7)
     u.owners.hold([s.id])
-    row = u.store.session_owner(s.id)
+    row = u.store.owners.session_owner(s.id)
     assert row.owner == u.leases.owner and row.lease_until > dt.datetime.now(dt.UTC)
     other = u.session(agent_id="after-0013")
     other.call_sync(tools["send_refund_email"], call_id="c-1", user_id="u1", amount=1)

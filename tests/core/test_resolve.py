@@ -146,7 +146,7 @@ def test_a_late_finish_whose_record_meets_a_cut_connection_is_recorded_once_the_
     e = t.effect_log
     with u.store.tx() as c:  # recovery compensated it meanwhile (its undo ran while the tool still ran)
         c.execute(e.update().where(e.c.effect_id == d.effect_id).values(state="compensated"))
-    real = u.store.record_late_finish
+    real = u.store.effects.record_late_finish
     left = [cuts]
 
     def cut(*args: Any, **kwargs: Any) -> Any:
@@ -155,7 +155,7 @@ def test_a_late_finish_whose_record_meets_a_cut_connection_is_recorded_once_the_
             raise errors.DatabaseUnavailable("a write transaction", "terminating connection due to administrator")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(u.store, "record_late_finish", cut)
+    monkeypatch.setattr(u.store.effects, "record_late_finish", cut)
     if fast:
         u.engine.complete(d.effect_id, {"paid": "o1"})  # queued: the caller has its answer now
         u.engine.flush_marks()

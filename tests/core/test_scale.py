@@ -247,7 +247,7 @@ def test_gc_archives_settled_sessions_only_and_records_it(db):
         waiting.call_sync("close_account", n=3, call_id="x")
     halted = u.session(agent_id="halted")
     halted.call_sync("refund", n=4)
-    u.store.halt_session(halted.id, "a person must look")
+    u.store.sessions.halt_session(halted.id, "a person must look")
     events_before = u.verify_audit().events_checked
 
     # Nothing is old enough yet.

@@ -83,7 +83,7 @@ def test_records_stay_within_the_bound_and_every_call_reaches_the_store(db):
         del s
         assert len(u.engine._sessions) <= 10
     internals(u).flush()
-    counted = {r.session_id: r.tool_calls_total for r in u.store.list_sessions(agent_id="bound", limit=1000)}
+    counted = {r.session_id: r.tool_calls_total for r in u.store.sessions.list_sessions(agent_id="bound", limit=1000)}
     assert len(counted) == 300 and set(counted.values()) == {3}
     assert world.count("send") == 300
 
@@ -101,7 +101,7 @@ def test_safe_only_sessions_are_written_by_the_background_trimmer(db):
         time.sleep(0.05)
     assert len(u.engine._sessions) <= 10
     internals(u).flush()
-    rows = [u.store.get_session(f"safe-only-{i}") for i in range(60)]
+    rows = [u.store.sessions.get_session(f"safe-only-{i}") for i in range(60)]
     assert all(r is not None and r.tool_calls_total == 1 and r.state == "active" for r in rows)
 
 
@@ -117,7 +117,7 @@ def test_an_evicted_session_halted_elsewhere_refuses_logged_calls(db):
     with pytest.raises(errors.SessionHalted):
         u.session(session_id="to-halt").call_sync(tools["send_refund_email"], user_id="u2", amount=2)
     assert world.count("send") == 1
-    assert u.store.get_session("to-halt").tool_calls_total == 1
+    assert u.store.sessions.get_session("to-halt").tool_calls_total == 1
 
 
 def test_an_evicted_session_still_refuses_a_safe_call_of_a_changed_contract(db):
@@ -144,7 +144,7 @@ def test_an_evicted_session_still_refuses_a_safe_call_of_a_changed_contract(db):
     with pytest.raises(errors.ContractChanged):
         u.engine.decide_safe("pinned", v2, {"day": "tue"})
     internals(u).flush()
-    assert u.store.get_session("pinned").tool_calls_total == 1  # the refused call is not counted
+    assert u.store.sessions.get_session("pinned").tool_calls_total == 1  # the refused call is not counted
 
 
 def test_a_deferred_start_evicted_before_its_first_write_is_written_with_its_own_values(db):
@@ -158,7 +158,7 @@ def test_a_deferred_start_evicted_before_its_first_write_is_written_with_its_own
     s.call_sync(tools["search_knowledge_base"], query="before")
     _fill(u, 10)
     assert s.id not in u.engine._sessions and s.id not in u.engine._pending
-    row = u.store.get_session(s.id)
+    row = u.store.sessions.get_session(s.id)
     assert (row.agent_id, row.created_by, row.on_failure, row.state, row.tool_calls_total) == (
         "deferred", "ana", "continue", "active", 1)
     if created_at is not None:  # deferred (PostgreSQL): the row keeps the start's own time
@@ -166,7 +166,7 @@ def test_a_deferred_start_evicted_before_its_first_write_is_written_with_its_own
     with s:
         s.call_sync(tools["send_refund_email"], user_id="u1", amount=3)
         s.call_sync(tools["search_knowledge_base"], query="after")
-    assert u.store.get_session(s.id).tool_calls_total == 3
+    assert u.store.sessions.get_session(s.id).tool_calls_total == 3
     assert [e["tool_name"] for e in u.sessions.effects(s.id)] == ["send_refund_email"]
 
 
@@ -185,7 +185,7 @@ def test_a_held_record_comes_back_as_the_same_object(db):
     assert u.engine._sessions["held"] is held
     with s:
         pass
-    assert u.store.get_session("held").tool_calls_total == 2
+    assert u.store.sessions.get_session("held").tool_calls_total == 2
 
 
 def test_a_call_counted_while_its_record_is_evicted_is_not_lost(db):
@@ -199,7 +199,7 @@ def test_a_call_counted_while_its_record_is_evicted_is_not_lost(db):
     u.engine.note_safe_in(sc, spec, {"query": "q"})
     assert u.engine._sessions["racing"] is sc and not sc.gone
     internals(u).flush()
-    assert u.store.get_session("racing").tool_calls_total == 1
+    assert u.store.sessions.get_session("racing").tool_calls_total == 1
 
 
 def test_max_sessions_is_checked(db):

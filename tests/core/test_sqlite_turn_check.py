@@ -140,7 +140,7 @@ def test_own_calls_do_not_make_the_check_read_again(db: Any, fast: bool) -> None
     assert _reads(seen) == 1
     # A halt through the general path after an own call is seen at the next check.
     session.call_sync(tc_book, slot="d")
-    u.store.halt_session("s1", "stop")
+    u.store.sessions.halt_session("s1", "stop")
     assert hot.session_states(ids)["s1"][0] == "halted"
     assert _reads(seen) == 2
 

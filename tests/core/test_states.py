@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from undolog_core import states
-from undolog_core.storage import calls, postgres, recovery
+from undolog_core.storage import effects, postgres, recovery
 from undolog_core.storage import schema as t
 from undolog_core.storage import sqlite as sqlite_store
 from undolog_core.storage.base import utcnow
@@ -79,8 +79,8 @@ def test_each_sqlalchemy_statement_guards_with_the_tables_sources(dialect: Any) 
         (recovery._UNDO_DONE, "undolog_undo_stack.state", states.UNDO, "compensated"),
     ]:
         assert guard_of(compiled(stmt, dialect), column) == set(machine.sources(transition))
-    assert calls.LATE_FINISH_STATES == set(states.EFFECT.sources("late_finish"))
-    assert set(recovery._SETTLED_BY.values()) <= set(states.EFFECT.transitions)
+    assert effects.LATE_FINISH_STATES == set(states.EFFECT.sources("late_finish"))
+    assert set(effects._SETTLED_BY.values()) <= set(states.EFFECT.transitions)
 
 
 def test_the_table_names_only_real_states_and_agrees_with_the_schemas_lists() -> None:
@@ -122,7 +122,7 @@ def test_the_commit_marks_change_exactly_the_states_the_table_allows(db: Any) ->
             if path == "hot":
                 changed = u.engine.hot.mark(d.effect_id, '{"ok": 1}', 1.7e9, fast=False)
             else:
-                changed = u.store.mark_committed(d.effect_id, '{"ok": 1}', utcnow(), fast=False,
+                changed = u.store.effects.mark_committed(d.effect_id, '{"ok": 1}', utcnow(), fast=False,
                                                  owner=owner) is None
             assert changed == (state in allowed), (path, state)
             with u.store.read() as c:

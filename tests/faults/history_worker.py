@@ -251,7 +251,7 @@ def approve_waiting(u: UndoLog, history: Path, handled: set[str]) -> None:
 def recover_once(u: UndoLog, offset: float) -> None:
     """Another process's recover(), with this process's UndoLog clock moved ``offset`` seconds from the system's."""
     _clock.jump(offset)
-    seen = [(r.effect_id, r.owner, str(r.lease_until)) for r in u.store.in_flight().effects]
+    seen = [(r.effect_id, r.owner, str(r.lease_until)) for r in u.store.effects.in_flight().effects]
     report = u.recover()
     _clock.reset()
     note("recovered", offset=offset, reconciled=report.reconciled, left_alive=report.left_alive, in_flight=seen,

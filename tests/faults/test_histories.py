@@ -32,7 +32,7 @@ FORCED_HISTORIES = 4
 
 #: The approved call's claim, with the guard that refuses it in a session that stopped taking calls.
 _GUARD_LINE = "                self.table.guard(conn, sc, count, pin=None)\n"
-_CLAIM_GUARD = (_GUARD_LINE + "                epoch = self.store.claim_effect_in(\n"
+_CLAIM_GUARD = (_GUARD_LINE + "                epoch = self.store.effects.claim_effect_in(\n"
                 "                    conn, row.effect_id, from_state=EffectState.APPROVED.value,")
 
 
@@ -107,9 +107,9 @@ MUTATIONS: dict[str, tuple[str, str, str, str, Callable[[str], bool]]] = {
                                   lambda p: "asked for after the session stopped" in p),
     # The compensation dedupe: an undo entry is claimed whatever state and owner its walker saw (the compare-and-swap
     # gone), so a rollback stopped past its lease and taken over runs a compensation the recovery already ran.
-    "compensation dedupe": ("storage/saga.py",
-                            'u.c.undo_id == undo_id, u.c.state == seen_state, UNDO.guard("claim", u.c.state), owner_is',
-                            "u.c.undo_id == undo_id", "stall-comp",
+    "compensation dedupe": ("storage/undo.py",
+                            '_U.c.undo_id == undo_id, _U.c.state == seen_state, UNDO.guard("claim", _U.c.state), owner_is',
+                            "_U.c.undo_id == undo_id", "stall-comp",
                             lambda p: p.startswith("compensation ") and "ran" in p),
 }
 

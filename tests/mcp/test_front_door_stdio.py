@@ -112,5 +112,5 @@ def test_hostile_lines_are_each_answered_and_nothing_is_logged_or_forwarded(db: 
     assert [c["args"] for c in state["calls"]] == [{"title": "fine"}]  # nothing hostile reached the upstream
     sessions = [s for s in u.sessions.list() if (s.agent_id or "").startswith("mcp:")]
     assert len(sessions) == 1
-    effects = u.store.session_effects(sessions[0].session_id)
+    effects = u.store.sessions.session_effects(sessions[0].session_id)
     assert len(effects) == 1, effects  # the one fine call: no refused line was logged

@@ -48,7 +48,7 @@ def memory_config(tmp: Path) -> Path:
 def held(u: Any, sid: str) -> Any:
     """The session's owner row, once the gateway's owner loop has written it (it does so as the session starts)."""
     for _ in range(200):
-        row = u.store.session_owner(sid)
+        row = u.store.owners.session_owner(sid)
         if row is not None:
             return row
         time.sleep(0.05)

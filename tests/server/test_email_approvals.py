@@ -367,7 +367,7 @@ def test_the_desk_login_of_the_links_key_shows_the_request_and_the_link_decides_
     rec = mdesk.undolog.approvals.get(rid)
     assert rec.state == "rejected" and rec.decided_by == mdesk.key("ana").identity
     # A reject halts the session, as from every door.
-    assert mdesk.undolog.store.get_session(rec.session_id).state == "halted"
+    assert mdesk.undolog.store.sessions.get_session(rec.session_id).state == "halted"
     # The same link again: refused, and nothing is decided twice.
     again = ana.post(link + "/decide", data={"csrf_token": _csrf(page.text), "action": "approve"})
     assert again.status_code == 410

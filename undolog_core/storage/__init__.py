@@ -1,9 +1,10 @@
 """Every statement UndoLog issues, behind one interface, one implementation per database.
 
 ``Storage`` is a ``Store`` (engines, ``tx()``, ``read()``, ``for_update()``, ``is_postgres``) holding one small
-repository per table off the hot path (``storage.approvals``, ``storage.audit``, ``storage.registry``,
-``storage.policy``, ``storage.outbox``, ``storage.archive``: each built here with exactly what it needs), and, not
-split yet, the mixins of the sessions, calls, saga and recovery statements. ``contract.py`` writes down what each
+repository per table (``storage.sessions``, ``storage.effects``, ``storage.undo``, ``storage.owners``,
+``storage.approvals``, ``storage.audit``, ``storage.registry``, ``storage.policy``, ``storage.outbox``,
+``storage.archive``: each built here with exactly what it needs) and one service over them whose transactions
+span tables (``storage.recovery``: recovery's verdicts). ``contract.py`` writes down what each
 repository guarantees (a ``Protocol`` per repository); ``tests/conformance`` holds every database's
 implementation to it. The engine, the saga, recovery and the other services hold no SQL of their own. Each
 method is one unit of work: it opens its own transaction, or, named ``*_in(conn, ...)``, joins the caller's. The
@@ -30,23 +31,23 @@ from .approvals import ApprovalsSQL
 from .archive import ArchiveSQL, GcBatch
 from .audit import AuditSQL
 from .base import Store, resolve_url
-from .calls import CallsSQL
+from .effects import EffectsSQL, InFlight
 from .hotpath import HotPath
 from .outbox import OutboxSQL
 from .owners import OwnersSQL
 from .policy import PolicySQL
-from .recovery import InFlight, RecoverySQL
+from .recovery import RecoverySQL
 from .registry import RegistrySQL
-from .saga import SagaSQL
 from .sessions import SessionsSQL
+from .undo import UndoSQL
 
 #: The exceptions a database (not UndoLog) raises: unreachable server, missing schema, locked file...
 DATABASE_ERRORS: tuple[type[Exception], ...] = (sa_exc.SQLAlchemyError,)
 
 
-class Storage(SessionsSQL, RecoverySQL, SagaSQL, CallsSQL, OwnersSQL, Store):
-    """The store of one database: engines and pools (``Store``), its repositories, and the statements of the
-    services not split into repositories yet (the mixins).
+class Storage(Store):
+    """The store of one database: engines and pools (``Store``) and its repositories, each built here with what it
+    writes in its own transactions.
 
     Example:
         >>> storage = open_storage("sqlite:///undolog.db")
@@ -55,6 +56,11 @@ class Storage(SessionsSQL, RecoverySQL, SagaSQL, CallsSQL, OwnersSQL, Store):
     """
 
     #: The repositories (``contract.REPOSITORIES`` names each one's Protocol).
+    sessions: SessionsSQL
+    effects: EffectsSQL
+    undo: UndoSQL
+    recovery: RecoverySQL
+    owners: OwnersSQL
     approvals: ApprovalsSQL
     audit: AuditSQL
     registry: RegistrySQL
@@ -62,17 +68,27 @@ class Storage(SessionsSQL, RecoverySQL, SagaSQL, CallsSQL, OwnersSQL, Store):
     outbox: OutboxSQL
     archive: ArchiveSQL
 
+    #: How this database's effect log finds what is in flight (a cursor on SQLite, an index on PostgreSQL).
+    _effects_class: type[EffectsSQL] = EffectsSQL
+
     def __init__(self, url: str | None = None, *, schema: str | None = None, pool_size: int = 5) -> None:
         super().__init__(url, schema=schema, pool_size=pool_size)
-        # Each repository receives what it uses and nothing more: the store, and the other repositories (or the
-        # mixins' ``*_in`` writes) whose rows it writes in its own transaction.
+        # Each repository receives what it uses and nothing more: the store, and the other repositories whose rows
+        # it writes in its own transactions (through their ``*_in`` methods).
         self.outbox = OutboxSQL(self)
         self.audit = AuditSQL(self, outbox=self.outbox)
+        self.sessions = SessionsSQL(self, audit=self.audit, outbox=self.outbox)
+        self.undo = UndoSQL(self)
+        self.effects = self._effects_class(self, sessions=self.sessions, undo=self.undo, audit=self.audit)
+        self.recovery = RecoverySQL(self, effects=self.effects, undo=self.undo, sessions=self.sessions,
+                                    audit=self.audit)
+        self.owners = OwnersSQL(self)
         self.policy = PolicySQL(self, audit=self.audit)
-        self.approvals = ApprovalsSQL(self, audit=self.audit, policy=self.policy, halt_in=self.halt_in,
-                                      refresh_changes_in=self.refresh_changes_in)
+        self.approvals = ApprovalsSQL(self, audit=self.audit, policy=self.policy, halt_in=self.sessions.halt_in,
+                                      refresh_changes_in=self.sessions.refresh_changes_in,
+                                      await_approval_in=self.sessions.await_approval_in)
         self.registry = RegistrySQL(self, cancel_request_in=self.approvals.cancel_request_in,
-                                    refresh_changes_in=self.refresh_changes_in)
+                                    refresh_changes_in=self.sessions.refresh_changes_in)
         self.archive = ArchiveSQL(self, audit=self.audit)
 
     def schema_revision(self) -> str | None:
@@ -92,7 +108,6 @@ class Storage(SessionsSQL, RecoverySQL, SagaSQL, CallsSQL, OwnersSQL, Store):
         """The database for messages: its URL without the password, and the schema if one is set."""
         return safe_url(self.url) + (f" (schema {self.schema})" if self.schema else "")
 
-
     def __new__(cls, url: str | None = None, *, schema: str | None = None, pool_size: int = 5) -> Storage:
         # ``Storage(url)`` is the storage of that database: one implementation per database (DBOS's shape).
         if cls is Storage:
@@ -104,12 +119,9 @@ class Storage(SessionsSQL, RecoverySQL, SagaSQL, CallsSQL, OwnersSQL, Store):
         raise ConfigurationError(f"no hot path for {self.dialect}")
 
 
-class SQLiteStorage(Storage):
-    """A SQLite file: one writer (queued on an in-process lock), the hot path's pre-write one statement (a view's
-    trigger writes the effect and its undo entry), recovery reading what was written since its cursor."""
-
-    def hot_path(self, *, pool_size: int, fast_pool_size: int) -> HotPath:
-        return sqlite.SQLiteHotPath(self, pool_size=pool_size, fast_pool_size=fast_pool_size)
+class SQLiteEffects(EffectsSQL):
+    """SQLite's effect log: one writer, so ids become visible in order, and recovery reads what was written since
+    its cursor."""
 
     def back_in_flight_in(self, conn: Connection, seq: int) -> None:
         sqlite.back_in_flight_in(conn, seq)
@@ -124,16 +136,12 @@ class SQLiteStorage(Storage):
 
     def advance_cursor(self, cursor: Any, upto: int) -> None:
         if upto > cursor.effect_seq:
-            with self.tx() as conn:
+            with self._store.tx() as conn:
                 sqlite.advance_cursor_in(conn, cursor, upto)
 
 
-class PostgresStorage(Storage):
-    """PostgreSQL through psycopg 3: the pre-write as one CTE statement, row locks (``FOR UPDATE SKIP LOCKED``)
-    for claims, a partial index holding exactly the effects in flight."""
-
-    def hot_path(self, *, pool_size: int, fast_pool_size: int) -> HotPath:
-        return postgres.PostgresHotPath(self, pool_size=pool_size, fast_pool_size=fast_pool_size)
+class PostgresEffects(EffectsSQL):
+    """PostgreSQL's effect log: a partial index holds exactly the effects in flight."""
 
     def back_in_flight_in(self, conn: Connection, seq: int) -> None:
         return None  # the partial index finds it again by its state
@@ -143,6 +151,26 @@ class PostgresStorage(Storage):
 
     def advance_cursor(self, cursor: Any, upto: int) -> None:
         return None
+
+
+class SQLiteStorage(Storage):
+    """A SQLite file: one writer (queued on an in-process lock), the hot path's pre-write one statement (a view's
+    trigger writes the effect and its undo entry), recovery reading what was written since its cursor."""
+
+    _effects_class = SQLiteEffects
+
+    def hot_path(self, *, pool_size: int, fast_pool_size: int) -> HotPath:
+        return sqlite.SQLiteHotPath(self, pool_size=pool_size, fast_pool_size=fast_pool_size)
+
+
+class PostgresStorage(Storage):
+    """PostgreSQL through psycopg 3: the pre-write as one CTE statement, row locks (``FOR UPDATE SKIP LOCKED``)
+    for claims, a partial index holding exactly the effects in flight."""
+
+    _effects_class = PostgresEffects
+
+    def hot_path(self, *, pool_size: int, fast_pool_size: int) -> HotPath:
+        return postgres.PostgresHotPath(self, pool_size=pool_size, fast_pool_size=fast_pool_size)
 
 
 def open_storage(url: str | None = None, *, schema: str | None = None, pool_size: int = 5) -> Storage:
@@ -185,16 +213,19 @@ __all__ = [
     "ArchiveSQL",
     "AuditSQL",
     "GcBatch",
-    "CallsSQL",
+    "EffectsSQL",
     "InFlight",
     "OutboxSQL",
     "PolicySQL",
     "RecoverySQL",
     "RegistrySQL",
-    "SagaSQL",
+    "OwnersSQL",
+    "PostgresEffects",
+    "SQLiteEffects",
     "SessionsSQL",
     "Storage",
     "Store",
+    "UndoSQL",
     "database_error_detail",
     "open_storage",
     "safe_url",

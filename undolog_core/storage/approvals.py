@@ -26,10 +26,12 @@ if TYPE_CHECKING:
     from .audit import AuditSQL
     from .policy import PolicySQL
 
-#: ``CallsSQL.halt_in``: the session stops for a person, in the caller's transaction.
+#: ``SessionsSQL.halt_in``: the session stops for a person, in the caller's transaction.
 HaltIn = Callable[[Connection, str, str, dt.datetime], None]
 #: ``SessionsSQL.refresh_changes_in``: the session state changes a request's end made, in the caller's transaction.
 RefreshChangesIn = Callable[[Connection, str, dt.datetime], "builtins.list[StateChange]"]
+#: ``SessionsSQL.await_approval_in``: a request of the session was raised, it waits for a person.
+AwaitApprovalIn = Callable[[Connection, str, dt.datetime], None]
 
 #: How many due requests one sweep transaction claims: large enough that the chain-head lock and the commit are
 #: paid once per few hundred timeouts, small enough that a transaction stays short (a few tens of ms).
@@ -170,12 +172,13 @@ class ApprovalsSQL:
     """
 
     def __init__(self, store: Store, *, audit: AuditSQL, policy: PolicySQL, halt_in: HaltIn,
-                 refresh_changes_in: RefreshChangesIn) -> None:
+                 refresh_changes_in: RefreshChangesIn, await_approval_in: AwaitApprovalIn) -> None:
         self._store = store
         self._audit = audit
         self._policy = policy
         self._halt_in = halt_in
         self._refresh_changes_in = refresh_changes_in
+        self._await_approval_in = await_approval_in
 
     # -- reads ---------------------------------------------------------------------------------------
 
@@ -730,3 +733,21 @@ class ApprovalsSQL:
             actor="undolog", payload={"reason": why}, now=now,
         )
         return True
+
+    def unsettled_requests_in(self, conn: Connection, session_id: str) -> builtins.list[Any]:
+        """The session's requests that may still lead to a run: what a rollback cancels."""
+        r = t.approval_requests
+        return list(conn.execute(
+            sa.select(r.c.approval_request_id, r.c.effect_id)
+            .where(r.c.session_id == session_id, r.c.state.in_([s.value for s in t.OPEN_REQUEST_STATES]))
+        ).all())
+
+    def insert_request_in(self, conn: Connection, record: Mapping[str, Any], now: dt.datetime, *,
+                          actor: str, payload: dict[str, Any]) -> None:
+        """An approval request, its session waiting, and the audited ``requested`` event with its outbox row."""
+        request_id = record["approval_request_id"]
+        conn.execute(t.approval_requests.insert(), dict(record))
+        self._await_approval_in(conn, record["session_id"], now)
+        self._audit.append_event_in(conn, subject=f"approval:{request_id}", approval_request_id=request_id,
+                             action="requested", actor=actor, payload=payload,
+                             outbox=[("approval.requested", payload)], now=now)

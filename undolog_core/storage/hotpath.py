@@ -24,10 +24,18 @@ _EFFECT_COLS = (
     "effect_id, session_id, call_id, tool_name, tool_revision, tier, state, args_snapshot, args_digest, owner, "
     "lease_until, recovery_attempts, created_at, updated_at"
 )
-_UNDO_COLS = (
+#: The columns of an undo entry as the hot paths' raw statements write them.
+UNDO_COLS = (
     "undo_id, effect_id, session_id, compensation_name, compensation_version, args_snapshot, state, attempts, created_at, "
     "updated_at"
 )
+#: ``arm_in``'s row in PostgreSQL's one-statement pre-write: the entry of the effect that CTE ``e`` inserted (none:
+#: nothing written), armed with the compensation given and the call's arguments (``postgres.py`` binds them): the
+#: row ``store.undo.arm_in`` writes.
+ARM_FROM_E = f"""INSERT INTO undolog_undo_stack ({UNDO_COLS})
+SELECT e.seq, e.effect_id, e.session_id, %(comp)s, %(comp_version)s, %(args)s::json, 'armed', 0, %(now)s, %(now)s FROM e
+"""
+
 # The states in which a session accepts calls, rendered once from the schema's own list.
 _WRITABLE = f"state IN ({', '.join(repr(v) for v in WRITABLE)})"
 

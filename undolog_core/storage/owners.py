@@ -1,5 +1,7 @@
-"""The statements of sessions held by a live process (``undolog_session_owners``): its lease, and a rollback filed
-for it to run."""
+"""``store.owners``: sessions held by a live process (``undolog_session_owners``): its lease, and a rollback filed
+for it to run. A repository of its own rather than part of ``store.sessions``: the table is the gateway's and
+the desk's rendezvous (who serves a session now, and the rollback one files for the other), written by no
+transaction that writes another table, and read on no call's path."""
 
 from __future__ import annotations
 
@@ -42,22 +44,28 @@ CLOSE = (_O.update().where(_O.c.session_id == sa.bindparam("sid"))
 LET_GO = _O.update().where(_O.c.owner == sa.bindparam("own")).values(lease_until=sa.bindparam("now"))
 
 
-class OwnersSQL(Store):
-    """Sessions held by a live process, and rollbacks filed for it.
+class OwnersSQL:
+    """``store.owners``: sessions held by a live process, and rollbacks filed for it (``contract.OwnersRepository``).
 
     Example:
-        >>> storage.hold_sessions(owner, ["s1"], until=utcnow() + dt.timedelta(seconds=30))
-        >>> storage.session_owner("s1").owner == owner
+        >>> storage.owners.hold_sessions(owner, ["s1"], until=utcnow() + dt.timedelta(seconds=30))
+        >>> storage.owners.session_owner("s1").owner == owner
         True
     """
 
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
     def session_owner(self, session_id: str) -> Any:
-        with self.read() as conn:
+        """The process holding the session (``owner``, ``lease_until``, ``wakes_on_signal``), or None."""
+        with self._store.read() as conn:
             return conn.execute(OWNER_OF, {"session_id": session_id}).first()
 
     def hold_sessions(self, owner: str, session_ids: Iterable[str], *, until: dt.datetime,
                       wakes_on_signal: bool = False) -> None:
-        with self.tx() as conn:
+        """Take (or renew) the sessions for ``owner`` until ``until``, whoever held them before, in one
+        transaction: the process serving a session now owns it."""
+        with self._store.tx() as conn:
             for sid in session_ids:
                 taken = {"sid": sid, "own": owner, "until": until, "wakes": wakes_on_signal}
                 if conn.execute(TAKE, taken).rowcount == 0:
@@ -65,31 +73,38 @@ class OwnersSQL(Store):
                                                     wakes_on_signal=wakes_on_signal))
 
     def renew_sessions(self, owner: str, *, until: dt.datetime) -> None:
-        with self.tx() as conn:
+        """Renew the lease of every session ``owner`` holds."""
+        with self._store.tx() as conn:
             conn.execute(RENEW, {"own": owner, "until": until})
 
     def file_rollback(self, session_id: str, *, actor: str, reason: str | None, now: dt.datetime) -> bool:
-        """False when a rollback of the session is already filed (the caller waits on that one's report)."""
-        with self.tx() as conn:
+        """File a rollback of the session for its owner to run; False when one is filed already (the caller
+        waits on that one's report)."""
+        with self._store.tx() as conn:
             return bool(conn.execute(FILE, {"sid": session_id, "actor": actor, "reason": reason, "now": now})
                         .rowcount)
 
     def filed_rollbacks(self, owner: str) -> list[Any]:
-        with self.read() as conn:
+        """The rollbacks filed for ``owner``'s sessions that it has not answered yet."""
+        with self._store.read() as conn:
             return list(conn.execute(FILED, {"own": owner}).all())
 
     def answer_rollback(self, session_id: str, report: Mapping[str, Any]) -> None:
-        with self.tx() as conn:
+        """The owner's answer to a filed rollback: its report (or the error that refused it)."""
+        with self._store.tx() as conn:
             conn.execute(ANSWER, {"sid": session_id, "report": dict(report)})
 
     def rollback_answer(self, session_id: str) -> Any:
-        with self.read() as conn:
+        """What the requester of a rollback reads while it waits: the report (None: not answered yet)."""
+        with self._store.read() as conn:
             return conn.execute(REPORT, {"sid": session_id}).first()
 
     def close_rollback(self, session_id: str) -> None:
-        with self.tx() as conn:
+        """The filed rollback answered and read: the session can be filed for again."""
+        with self._store.tx() as conn:
             conn.execute(CLOSE, {"sid": session_id})
 
     def let_go_sessions(self, owner: str, *, now: dt.datetime) -> None:
-        with self.tx() as conn:
+        """``owner`` stops serving: the lease of every session it held ends ``now``."""
+        with self._store.tx() as conn:
             conn.execute(LET_GO, {"own": owner, "now": now})

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from ..states import EFFECT
-from .hotpath import _EFFECT_COLS, _UNDO_COLS, _WRITABLE, Ended, HotPath, SessionRow
+from .hotpath import _EFFECT_COLS, _WRITABLE, ARM_FROM_E, Ended, HotPath, SessionRow
 
 # The effect and its undo entry, inserted for the session row that CTE ``g`` returned (none: nothing written).
 _EFFECT_AND_UNDO_FROM_G = f"""  INSERT INTO undolog_effect_log ({_EFFECT_COLS})
@@ -26,9 +26,7 @@ _EFFECT_AND_UNDO_FROM_G = f"""  INSERT INTO undolog_effect_log ({_EFFECT_COLS})
          %(args)s::json, %(digest)s, %(owner)s, %(lease)s, 0, %(now)s, %(now)s FROM g
   RETURNING seq, effect_id, session_id
 )
-INSERT INTO undolog_undo_stack ({_UNDO_COLS})
-SELECT e.seq, e.effect_id, e.session_id, %(comp)s, %(comp_version)s, %(args)s::json, 'armed', 0, %(now)s, %(now)s FROM e
-"""
+{ARM_FROM_E}"""
 # One statement, one round trip, one commit: the session check, the effect and its undo entry.
 _PG_PREWRITE = f"""
 WITH g AS (
@@ -49,9 +47,7 @@ WITH e AS (
   FROM undolog_sessions s WHERE s.session_id = %(session_id)s AND s.{_WRITABLE} FOR KEY SHARE OF s
   RETURNING seq, effect_id, session_id
 )
-INSERT INTO undolog_undo_stack ({_UNDO_COLS})
-SELECT e.seq, e.effect_id, e.session_id, %(comp)s, %(comp_version)s, %(args)s::json, 'armed', 0, %(now)s, %(now)s FROM e
-"""
+{ARM_FROM_E}"""
 # A session's first logged call: its row inserted by the pre-write's own statement (where a start of its own was a
 # statement and a durable commit more per session). The effect's foreign key to the session is checked at the
 # statement's end, when the row is there. ``ON CONFLICT DO NOTHING``: an id that exists writes nothing (the caller

@@ -1,37 +1,37 @@
-"""The engine's statements: sessions, the pre-write's general path, re-issues, claims, approvals raised, the
-commit mark's general path, failures, halts and lease renewals. The hot path's two statements (pre-write and
-commit mark) are per database, in ``sqlite.py`` and ``postgres.py``."""
+"""``store.effects``: the effect log (``undolog_effect_log``), one row per logged call: the general pre-write,
+re-issues and claims, the commit mark's general path, failures, late finishes, a person's resolution, lease
+renewals, and recovery's reads and claims of what is in flight. The hot path's two statements (pre-write and commit
+mark) are per database, in ``sqlite.py`` and ``postgres.py``; so is how recovery finds the effects in flight
+(``SQLiteEffects``, ``PostgresEffects``).
+
+A transaction that moves an effect and, with it, its undo entry, its session or an audit event writes those
+through their repositories' ``*_in`` methods (``store.undo``, ``store.sessions``, ``store.audit``), which
+``EffectsSQL`` receives explicitly. Every state change is a move of ``states.EFFECT``."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
 from ..errors import EffectNotFound, InvalidEffectState
-from ..states import EFFECT, SESSION, UNDO
+from ..states import EFFECT
 from . import schema as t
 from .audit import AuditSQL
 from .base import Store, utcnow
-from .outbox import OutboxSQL
 from .pool import IntegrityConflict
-from .schema import IN_FLIGHT, WRITABLE, EffectState, RequestState, SessionState, UndoState
+from .schema import IN_FLIGHT, EffectState, SessionState
+from .sessions import SessionsSQL
+from .undo import UndoSQL
 
 _E = t.effect_log
 _S = t.sessions
-# A gateway's capture, stored with the undo entry before the call is sent (put_undo_args). The entry is found by
-# its id, the effect's seq (both primary keys): undo_stack has no index on effect_id.
-_PUT_UNDO_ARGS = t.undo_stack.update().where(
-    t.undo_stack.c.undo_id == sa.select(_E.c.seq).where(_E.c.effect_id == sa.bindparam("eid")).scalar_subquery(),
-    t.undo_stack.c.state == UndoState.ARMED.value,
-).values(args_snapshot=sa.bindparam("args", type_=t.undo_stack.c.args_snapshot.type),
-         updated_at=sa.bindparam("now"))
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ LATE_FINISH_STATES = frozenset(EFFECT.sources("late_finish"))
 
 @dataclass(frozen=True)
 class LateFinish:
-    """A late finish recorded (``CallsSQL.record_late_finish``): whose session halted, which tool, and the state
+    """A late finish recorded (``EffectsSQL.record_late_finish``): whose session halted, which tool, and the state
     the take-over had left the effect in."""
 
     session_id: str
@@ -97,90 +97,58 @@ class FailedRow(NamedTuple):
     intent: bool
 
 
-class CallsSQL(Store):
-    # The repositories whose rows these statements write in their own transactions (built by ``Storage``).
-    audit: AuditSQL
-    outbox: OutboxSQL
+@dataclass(frozen=True)
+class InFlight:
+    """What recovery has to look at: effects in flight, undo entries being compensated, rollbacks requested."""
 
-    if TYPE_CHECKING:  # provided by SagaSQL in Storage
-        def write_intent_in(self, conn: Connection, session_id: str, *, exists: bool, actor: str,
-                            reason: str | None, owner: str, lease_until: dt.datetime, now: dt.datetime) -> None: ...
+    effects: list[Any]
+    undos: list[Any]
+    intents: list[Any]
 
-    # -- sessions ------------------------------------------------------------------------------------
 
-    def get_or_create_session(self, session_id: str, *, create: bool, values: Mapping[str, Any]) -> Any:
-        """The session's row; with ``create``, made first when missing (a concurrent creator's row wins)."""
-        with self.tx() as conn:
-            row = conn.execute(sa.select(_S).where(_S.c.session_id == session_id)).first()
-            if row is None and create:
-                try:
-                    with conn.begin_nested():
-                        conn.execute(_S.insert().values(session_id=session_id, **values))
-                except IntegrityError:
-                    pass  # another process created it between our read and our insert: use theirs
-                row = conn.execute(sa.select(_S).where(_S.c.session_id == session_id)).one()
-            return row
+#: How long recovery waits for the lock of an in-flight effect's row that SKIP LOCKED passed over (seconds; PostgreSQL
+#: only): long enough for a killed process's backend to be rolled back on a loaded machine, short enough that a
+#: ``recover()`` never hangs on a row a live transaction keeps.
+CLAIM_LOCK_WAIT = 3.0
 
-    def add_call_count(self, session_id: str, n: int, *, missing: Mapping[str, Any]) -> None:
-        """Add ``n`` calls counted in memory; a session known only from SAFE calls is recorded with ``missing``."""
-        with self.tx(fast=True) as conn:
-            res = conn.execute(
-                _S.update().where(_S.c.session_id == session_id).values(tool_calls_total=_S.c.tool_calls_total + n)
-            )
-            if res.rowcount == 0:
-                now = utcnow()
-                conn.execute(_S.insert().values(session_id=session_id, state=SessionState.ACTIVE.value,
-                                                tool_calls_total=n, created_at=now, updated_at=now, **missing))
+#: The transition of the state table (``states.EFFECT``) that each of recovery's verdicts is.
+_SETTLED_BY = {EffectState.COMMITTED: "commit", EffectState.UNKNOWN: "recover_unknown",
+               EffectState.APPROVED: "recover_not_run",
+               # A probe's "did not happen" once the request can no longer land: recorded failed, as not run.
+               EffectState.FAILED: "fail"}
 
-    def guard_in(self, conn: Connection, session_id: str, count: int, pins: dict[str, int] | None) -> Any:
-        """Inside a write: flush the counted calls (and new pins) and prove the session accepts writes.
+# An effect recovery compensated, only while it is in flight: a late finish of its own process
+# (``record_late_finish``) may have made it ``unknown`` meanwhile, and that record stands. Recovery's one-statement
+# record runs it as a CTE (``store.recovery``).
+RECOVER_COMPENSATED = _E.update().where(_E.c.effect_id == sa.bindparam("eid"),
+                                        EFFECT.guard("recover_compensated", _E.c.state)).values(
+    state=EffectState.COMPENSATED.value, owner=None, lease_until=None, updated_at=sa.bindparam("now"))
 
-        Returns None when it does, else the session's ``state`` and ``halted_reason`` (a session that vanished
-        from the store is an error).
-        """
-        values: dict[str, Any] = {"tool_calls_total": _S.c.tool_calls_total + count}
-        if pins is not None:
-            values["pinned_revisions"] = pins
-        res = conn.execute(
-            _S.update().where(_S.c.session_id == session_id, _S.c.state.in_(WRITABLE)).values(**values)
-        )
-        if res.rowcount == 1:
-            return None
-        row = conn.execute(sa.select(_S.c.state, _S.c.halted_reason).where(_S.c.session_id == session_id)).first()
-        if row is None:
-            raise InvalidEffectState(f"session {session_id!r} vanished from the store")
-        return row
 
-    def halt_in(self, conn: Connection, session_id: str, reason: str, now: dt.datetime) -> None:
-        """The session stops for a person (not once it ended), and the desk is told through the outbox."""
-        conn.execute(
-            _S.update()
-            .where(_S.c.session_id == session_id, SESSION.guard("halt", _S.c.state))
-            .values(state=SessionState.HALTED.value, halted_reason=reason, updated_at=now)
-        )
-        self.outbox.write_in(conn, [("session.halted", {"session_id": session_id, "reason": reason})], now=now)
+def _same(col: Any, value: Any) -> Any:
+    return col.is_(None) if value is None else col == value
 
-    def refresh_awaiting_in(self, conn: Connection, session_id: str, now: dt.datetime) -> str | None:
-        """A session is ``awaiting_approval`` exactly while one of its requests is pending; returns the new state
-        when it changed."""
-        r = t.approval_requests
-        pending = conn.execute(
-            sa.select(sa.func.count()).select_from(r)
-            .where(r.c.session_id == session_id, r.c.state == RequestState.PENDING.value)
-        ).scalar_one()
-        move = "await_approval" if pending else "approval_settled"
-        target = SESSION.target(move)
-        res = conn.execute(
-            _S.update().where(_S.c.session_id == session_id, SESSION.guard(move, _S.c.state))
-            .values(state=target, updated_at=now)
-        )
-        return target if res.rowcount else None
+
+class EffectsSQL:
+    """``store.effects``: the effect log (``contract.EffectsRepository``); ``*_in`` methods join the caller's
+    transaction. Built per database (``SQLiteEffects``, ``PostgresEffects``: how recovery finds what is in flight).
+
+    Example:
+        >>> storage.effects.effect_by_call("ticket-1042", "call-7").state
+        'committed'
+    """
+
+    def __init__(self, store: Store, *, sessions: SessionsSQL, undo: UndoSQL, audit: AuditSQL) -> None:
+        self._store = store
+        self._sessions = sessions
+        self._undo = undo
+        self._audit = audit
 
     # -- effects: the general pre-write, re-issues, claims ----------------------------------------------
 
     def insert_effect_in(self, conn: Connection, values: Mapping[str, Any]) -> int:
-        """An effect row; its seq (the undo entry's id). A COMPENSABLE effect's undo entry is written by
-        ``insert_undo_in`` in the same transaction (the hot path's pre-write writes both in one statement)."""
+        """An effect row; its seq (the undo entry's id). A COMPENSABLE effect's undo entry is armed by
+        ``store.undo.arm_in`` in the same transaction (the hot path's pre-write writes both in one statement)."""
         try:
             key = conn.execute(_E.insert(), dict(values)).inserted_primary_key
         except IntegrityError as exc:  # the same call id again: the whole transaction is rolled back by the caller
@@ -189,20 +157,22 @@ class CallsSQL(Store):
         return int(key[0])
 
     def call_exists(self, session_id: str, call_id: str) -> bool:
-        with self.read() as conn:
+        """Whether the session logged a call ``call_id`` (one read on the (session_id, call_id) index)."""
+        with self._store.read() as conn:
             return conn.execute(
                 sa.select(_E.c.effect_id).where(_E.c.session_id == session_id, _E.c.call_id == call_id)
             ).first() is not None
 
     def sessions_with_call(self, session_ids: Sequence[str], call_id: str) -> set[str]:
         """Those of ``session_ids`` that logged a call ``call_id``: one read on the (session_id, call_id) index."""
-        with self.read() as conn:
+        with self._store.read() as conn:
             return {str(r[0]) for r in conn.execute(
                 sa.select(_E.c.session_id).where(_E.c.session_id.in_(list(session_ids)), _E.c.call_id == call_id)
             )}
 
     def effect_by_call(self, session_id: str, call_id: str) -> Any:
-        with self.read() as conn:
+        """The effect row of the session's call ``call_id``, or None."""
+        with self._store.read() as conn:
             return conn.execute(
                 sa.select(_E).where(_E.c.session_id == session_id, _E.c.call_id == call_id)
             ).first()
@@ -210,22 +180,24 @@ class CallsSQL(Store):
     def session_of_client_key(self, call_id: str) -> str | None:
         """The session holding the call with this client-keyed id (``ck:...``, unique across sessions), or None.
         The index's own predicate is repeated so that SQLite reads the partial index."""
-        with self.read() as conn:
+        with self._store.read() as conn:
             sid = conn.execute(sa.select(_E.c.session_id).where(
                 _E.c.call_id == call_id, sa.text(t.CLIENT_KEY_PREDICATE))).scalar()
         return None if sid is None else str(sid)
 
     def session_of_effect(self, effect_id: str) -> str | None:
         """The session an effect belongs to, or None when there is no such effect."""
-        with self.read() as conn:
+        with self._store.read() as conn:
             sid = conn.execute(sa.select(_E.c.session_id).where(_E.c.effect_id == effect_id)).scalar()
         return None if sid is None else str(sid)
 
     def effect_state_in(self, conn: Connection, effect_id: str) -> str | None:
+        """The effect's state as the caller's transaction sees it (None: no such effect)."""
         state = conn.execute(sa.select(_E.c.state).where(_E.c.effect_id == effect_id)).scalar()
         return None if state is None else str(state)
 
     def request_of_effect_in(self, conn: Connection, effect_id: str) -> Any:
+        """The approval request of an IRREVERSIBLE effect (id, state, decision, approved arguments), or None."""
         r = t.approval_requests
         return conn.execute(
             sa.select(r.c.approval_request_id, r.c.state, r.c.decision_reason, r.c.decided_by, r.c.approved_args)
@@ -247,18 +219,24 @@ class CallsSQL(Store):
         ).scalar()
         return int(epoch or 0)
 
-    def insert_undo_in(self, conn: Connection, values: Mapping[str, Any]) -> None:
-        """Write a COMPENSABLE effect's undo entry (its ``undo_id`` is the effect's seq)."""
-        conn.execute(t.undo_stack.insert(), dict(values))
+    def back_in_flight_in(self, conn: Connection, seq: int) -> None:
+        """The effect ``seq`` is in flight again (a released call re-claimed, an approved call claimed): where the
+        database finds effects in flight by a cursor, it is moved back (per database)."""
+        raise NotImplementedError
 
-    if TYPE_CHECKING:  # per database (sqlite.py, postgres.py)
-        def back_in_flight_in(self, conn: Connection, seq: int) -> None:
-            """The effect ``seq`` is in flight again (a released call re-claimed, an approved call claimed)."""
+    def effects_in_flight_in(self, conn: Connection) -> tuple[list[Any], tuple[Any, int] | None]:
+        """The effects in flight as ``conn`` sees them, and the cursor to advance past what was seen settled (None:
+        no cursor; per database)."""
+        raise NotImplementedError
+
+    def advance_cursor(self, cursor: Any, upto: int) -> None:
+        """Move recovery's cursor to ``upto`` (per database; nothing where there is no cursor)."""
+        raise NotImplementedError
 
     def release_effect(self, effect_id: str) -> str | None:
         """Hand an in-flight call back without an outcome; returns the state it had (None: no such effect)."""
         now = utcnow()
-        with self.tx() as conn:
+        with self._store.tx() as conn:
             state = self.effect_state_in(conn, effect_id)
             if state in IN_FLIGHT:
                 conn.execute(_E.update().where(_E.c.effect_id == effect_id, EFFECT.guard("release", _E.c.state))
@@ -274,7 +252,7 @@ class CallsSQL(Store):
         q = sa.select(e, r.c.approval_request_id, r.c.state.label("req_state"), r.c.approved_args,
                       r.c.approved_digest, r.c.timeout_at, r.c.decision_reason, r.c.decided_by, r.c.decided_at,
                       r.c.action_digest).select_from(e.outerjoin(r, r.c.effect_id == e.c.effect_id))
-        with self.read() as conn:
+        with self._store.read() as conn:
             if call_id is not None:
                 return conn.execute(q.where(e.c.session_id == session_id, e.c.call_id == call_id)).first()
             return conn.execute(
@@ -292,7 +270,7 @@ class CallsSQL(Store):
         """The kickoff a continuation of this session continues: the last one that raised an approval request,
         else the last one that logged any call; None when no call of the session recorded a kickoff."""
         e = _E
-        with self.read() as conn:
+        with self._store.read() as conn:
             for gated in (True, False):
                 q = sa.select(e.c.kickoff_id).where(e.c.session_id == session_id, e.c.kickoff_id.is_not(None))
                 if gated:
@@ -306,7 +284,7 @@ class CallsSQL(Store):
         """The committed effects a kickoff logged, in the order they were logged: (effect_id, tool_name, tier,
         args_digest, approved_digest, result_snapshot)."""
         e, r = _E, t.approval_requests
-        with self.read() as conn:
+        with self._store.read() as conn:
             return list(conn.execute(
                 sa.select(e.c.effect_id, e.c.tool_name, e.c.tier, e.c.args_digest, r.c.approved_digest,
                           e.c.result_snapshot)
@@ -321,7 +299,7 @@ class CallsSQL(Store):
         were logged; the columns of :meth:`kickoff_effects`."""
         e, r = _E, t.approval_requests
         found: list[Any] = []
-        with self.read() as conn:
+        with self._store.read() as conn:
             for start in range(0, len(call_ids), 500):  # (bounded IN lists)
                 found.extend(conn.execute(
                     sa.select(e.c.seq, e.c.effect_id, e.c.tool_name, e.c.tier, e.c.args_digest, r.c.approved_digest,
@@ -340,19 +318,6 @@ class CallsSQL(Store):
         ).all()
         return list(reversed(rows))
 
-    def insert_request_in(self, conn: Connection, record: Mapping[str, Any], now: dt.datetime, *,
-                          actor: str, payload: dict[str, Any]) -> None:
-        """An approval request, its session waiting, and the audited ``requested`` event with its outbox row."""
-        request_id = record["approval_request_id"]
-        conn.execute(t.approval_requests.insert(), dict(record))
-        conn.execute(
-            _S.update().where(_S.c.session_id == record["session_id"], SESSION.guard("await_approval", _S.c.state))
-            .values(state=SessionState.AWAITING_APPROVAL.value, updated_at=now)
-        )
-        self.audit.append_event_in(conn, subject=f"approval:{request_id}", approval_request_id=request_id,
-                             action="requested", actor=actor, payload=payload,
-                             outbox=[("approval.requested", payload)], now=now)
-
     # -- outcomes ------------------------------------------------------------------------------------
 
     def mark_committed(self, effect_id: str, text: str, now: dt.datetime, *, fast: bool,
@@ -362,7 +327,7 @@ class CallsSQL(Store):
         ``owner``: only while the call is still this owner's (the fence of ``HotPath.owner``); a call another
         process took over answers its state (in flight: being recovered now), see ``record_late_finish``."""
         fence = () if owner is None else (_E.c.owner == owner,)
-        with self.tx(fast=fast) as conn:
+        with self._store.tx(fast=fast) as conn:
             res = conn.execute(
                 _E.update().where(_E.c.effect_id == effect_id, EFFECT.guard("commit", _E.c.state), *fence)
                 .values(state=EffectState.COMMITTED.value, result_snapshot=json.loads(text), owner=None,
@@ -381,8 +346,8 @@ class CallsSQL(Store):
         Recovery's own records of that effect (compensated, settled) apply only while it is in flight, so
         whichever commits second, the effect ends ``unknown`` with this finish recorded.
         """
-        with self.tx() as conn:
-            row = conn.execute(self.for_update(
+        with self._store.tx() as conn:
+            row = conn.execute(self._store.for_update(
                 sa.select(_E.c.state, _E.c.session_id, _E.c.tool_name).where(_E.c.effect_id == effect_id))).first()
             if row is None or row.state not in LATE_FINISH_STATES:
                 return None
@@ -396,10 +361,10 @@ class CallsSQL(Store):
                 error=f"{what}: the tool's side effect happened after another process took the call over; "
                       "a person decides",
                 updated_at=now))
-            self.halt_in(conn, row.session_id, f"{row.tool_name} ({effect_id}) {what}: its side effect happened "
+            self._sessions.halt_in(conn, row.session_id, f"{row.tool_name} ({effect_id}) {what}: its side effect happened "
                                                "after its compensation; check the tool, settle it (undolog effects "
                                                f"resolve {effect_id}), then resume or roll back", now)
-            self.audit.append_event_in(conn, subject=f"effect:{effect_id}", action="effect.finished_late",
+            self._audit.append_event_in(conn, subject=f"effect:{effect_id}", action="effect.finished_late",
                                  actor="undolog", now=now,
                                  payload={"effect_id": effect_id, "session_id": row.session_id,
                                           "tool_name": row.tool_name, "what": what, "state_before": before,
@@ -418,10 +383,10 @@ class CallsSQL(Store):
             EffectNotFound: no such effect.
             InvalidEffectState: it is not ``unknown`` (nothing was written).
         """
-        e, u = _E, t.undo_stack
+        e = _E
         transition = RESOLUTIONS[resolved_as]
-        with self.tx(urgent=True) as conn:
-            row = conn.execute(self.for_update(
+        with self._store.tx(urgent=True) as conn:
+            row = conn.execute(self._store.for_update(
                 sa.select(_E.c.state, _E.c.session_id, _E.c.tool_name, _E.c.tier, _E.c.error)
                 .where(_E.c.effect_id == effect_id))).first()
             if row is None:
@@ -440,15 +405,12 @@ class CallsSQL(Store):
                 raise InvalidEffectState(f"effect {effect_id} changed while it was being resolved; look again",
                                          effect_id=effect_id)
             if resolved_as == "compensated":
-                conn.execute(u.update().where(u.c.effect_id == effect_id,
-                                              UNDO.guard("resolve_compensated", u.c.state))
-                             .values(state=UndoState.COMPENSATED.value, owner=None, lease_until=None,
-                                     updated_at=now))
+                self._undo.resolve_compensated_in(conn, effect_id, now)
             elif resolved_as == "not_happened":
-                conn.execute(u.delete().where(u.c.effect_id == effect_id, u.c.state == UndoState.ARMED.value))
-            undo_state = conn.execute(sa.select(u.c.state).where(u.c.effect_id == effect_id)).scalar()
+                self._undo.drop_armed_in(conn, effect_id)
+            undo_state = self._undo.state_of_effect_in(conn, effect_id)
             session_state = conn.execute(sa.select(_S.c.state).where(_S.c.session_id == row.session_id)).scalar()
-            event_id = self.audit.append_event_in(
+            event_id = self._audit.append_event_in(
                 conn, subject=f"effect:{effect_id}", action="effect.resolved", actor=actor, now=now,
                 payload={"effect_id": effect_id, "session_id": row.session_id, "tool_name": row.tool_name,
                          "resolved_as": resolved_as, "reason": reason, "state_before": row.state,
@@ -457,18 +419,6 @@ class CallsSQL(Store):
         return Resolution(effect_id, str(row.session_id), str(row.tool_name), resolved_as, str(values["state"]),
                           None if undo_state is None else str(undo_state), str(session_state), actor, reason,
                           int(event_id))
-
-    def put_undo_args(self, effect_id: str, args: Any) -> bool:
-        """Replace the stored arguments of an effect's armed undo entry (what its compensation is given): a gateway
-        stores there what it captured before the call ran. False when the entry is not armed (or not there).
-
-        Example:
-            >>> store.put_undo_args(effect_id, {"path": "a.txt", "dev.undolog/before": {"content": "old"}})
-            True
-        """
-        with self.tx() as conn:
-            res = conn.execute(_PUT_UNDO_ARGS, {"eid": effect_id, "args": args, "now": utcnow()})
-            return bool(res.rowcount == 1)
 
     def mark_failed(self, effect_id: str, error: str, now: dt.datetime, nothing_happened: bool = False,
                     rollback: FailureRollback | None = None) -> tuple[str | None, Any]:
@@ -482,7 +432,7 @@ class CallsSQL(Store):
         the failure and its rollback leaves an intent that ``recover()`` finishes, never a session that carries on
         as if nothing had failed. The row's ``intent`` says whether it was written.
         """
-        with self.tx() as conn:
+        with self._store.tx() as conn:
             res = conn.execute(
                 _E.update().where(_E.c.effect_id == effect_id, EFFECT.guard("fail", _E.c.state))
                 .values(state=EffectState.FAILED.value, error=error, owner=None, lease_until=None, updated_at=now)
@@ -490,11 +440,10 @@ class CallsSQL(Store):
             if res.rowcount != 1:
                 return self.effect_state_in(conn, effect_id) or "", None
             if nothing_happened:
-                u = t.undo_stack
-                conn.execute(u.delete().where(u.c.effect_id == effect_id, u.c.state == UndoState.ARMED.value))
+                self._undo.drop_armed_in(conn, effect_id)
             q = (sa.select(_E.c.session_id, _S.c.on_failure, _S.c.state)
                  .select_from(_E.join(_S, _S.c.session_id == _E.c.session_id)).where(_E.c.effect_id == effect_id))
-            if rollback is not None and self.is_postgres:
+            if rollback is not None and self._store.is_postgres:
                 # As a rollback's plan does: one request of a session's rollback at a time (SQLite: the write lock).
                 q = q.with_for_update(of=_S)
             row = conn.execute(q).one()
@@ -505,7 +454,7 @@ class CallsSQL(Store):
                 intent = False  # requested already (by a person, or by a sibling call's failure): that one walks
             if intent:
                 assert rollback is not None
-                self.write_intent_in(conn, row.session_id, exists=False, actor=rollback.actor,
+                self._sessions.write_intent_in(conn, row.session_id, exists=False, actor=rollback.actor,
                                      reason=rollback.reason, owner=rollback.owner,
                                      lease_until=rollback.lease_until, now=now)
             return None, FailedRow(str(row.session_id), str(row.on_failure), intent)
@@ -514,14 +463,158 @@ class CallsSQL(Store):
 
     def renew_leases(self, owner: str, effects: list[str], undos: list[int], rolling: list[str],
                      until: dt.datetime) -> None:
-        with self.tx(fast=True) as conn:
+        """Extend, on the fast engine in one transaction, the leases ``owner`` still holds: its effects in
+        flight, its undo entries being compensated (``store.undo``) and its rollback intents (``store.sessions``)."""
+        with self._store.tx(fast=True) as conn:
             if effects:
                 conn.execute(_E.update().where(_E.c.effect_id.in_(effects), _E.c.owner == owner)
                              .values(lease_until=until))
             if undos:
-                u = t.undo_stack
-                conn.execute(u.update().where(u.c.undo_id.in_(undos), u.c.owner == owner).values(lease_until=until))
+                self._undo.renew_in(conn, owner, undos, until)
             if rolling:
-                rb = t.rollbacks
-                conn.execute(rb.update().where(rb.c.session_id.in_(rolling), rb.c.owner == owner)
-                             .values(lease_until=until))
+                self._sessions.renew_intents_in(conn, owner, rolling, until)
+
+    # -- the saga: a compensation recorded, what a rollback cannot take back -----------------------------
+
+    def undo_compensated(self, undo_id: int, effect_id: str, *, in_flight: bool = False) -> None:
+        """The entry and its effect ``compensated``. ``in_flight``: the effect was in flight when the walk read it
+        (recovery of an abandoned call); it becomes ``compensated`` only if it still is, so a late finish of its
+        own process recorded meanwhile (``record_late_finish``: ``unknown``) stands."""
+        now = utcnow()
+        e = t.effect_log
+        move = "recover_compensated" if in_flight else "compensate"
+        with self._store.tx() as conn:
+            self._undo.compensated_in(conn, undo_id, now)
+            conn.execute(
+                e.update().where(e.c.effect_id == effect_id, EFFECT.guard(move, e.c.state))
+                .values(state="compensated", owner=None, lease_until=None, updated_at=now)
+            )
+
+    def kept_irreversible_in(self, conn: Connection, session_id: str) -> list[Any]:
+        """The IRREVERSIBLE calls of the session that ran: a rollback cannot take them back, and says so."""
+        e = t.effect_log
+        return list(conn.execute(
+            sa.select(e.c.effect_id, e.c.tool_name)
+            .where(e.c.session_id == session_id, e.c.tier == "irreversible", e.c.state == "committed")
+        ).all())
+
+    # -- recovery: what is in flight, claims of in-doubt effects ---------------------------------------
+
+    def in_flight(self) -> InFlight:
+        """Everything in flight: effects (found the way each database finds them, see ``effects_in_flight_in``),
+        undo entries being compensated, rollbacks requested."""
+        with self._store.read() as conn:
+            effects, seen_up_to = self.effects_in_flight_in(conn)
+            undos = self._undo.compensating_in(conn)
+            intents = list(conn.execute(sa.select(t.rollbacks)).all())
+        if seen_up_to is not None:
+            self.advance_cursor(*seen_up_to)
+        return InFlight(effects, undos, intents)
+
+    def in_flight_q(self) -> Any:
+        """The SELECT of the effects in flight, in seq order (a statement, not run: each database narrows it)."""
+        e = t.effect_log
+        return (sa.select(e.c.seq, e.c.effect_id, e.c.session_id, e.c.tool_name, e.c.tier, e.c.state, e.c.owner,
+                          e.c.lease_until).where(e.c.state.in_(IN_FLIGHT)).order_by(e.c.seq))
+
+    def claim_in_doubt(self, effect_id: str, seen_state: str, seen_owner: str | None, owner: str,
+                       lease_until: dt.datetime) -> bool:
+        """Compare-and-swap an in-doubt effect's owner; on PostgreSQL SKIP LOCKED keeps racing recoverers from
+        waiting on each other."""
+        e = t.effect_log
+        same = (e.c.effect_id == effect_id, e.c.state == seen_state, _same(e.c.owner, seen_owner))
+        with self._store.tx() as conn:
+            locked = conn.execute(self._store.for_update(sa.select(e.c.effect_id).where(*same), skip_locked=True)).first()
+            if locked is None and self._store.is_postgres:
+                locked = self._wait_for_row_lock(conn, sa.select(e.c.effect_id).where(*same))
+            if locked is None:
+                return False
+            # A new owner, a new epoch: the fencing token its probe carries, above the stalled owner's.
+            res = conn.execute(e.update().where(*same, e.c.state.in_(IN_FLIGHT)).values(
+                owner=owner, lease_until=lease_until, epoch=e.c.epoch + 1))
+            return bool(res.rowcount == 1)
+
+    def _wait_for_row_lock(self, conn: Any, still_same: Any) -> Any:
+        """SKIP LOCKED found nothing: the row changed (another recoverer took it), or someone holds its lock.
+
+        The lock may belong to the backend of a process killed in mid-transaction (a lease renewal, say):
+        PostgreSQL ends that transaction only once the backend notices its client is gone, milliseconds later,
+        longer on a loaded machine, and the effect was then skipped and left in flight by a ``recover()`` run right
+        after the kill. So, while the row is still as recovery saw it, wait for its lock (``CLAIM_LOCK_WAIT`` at
+        most), holding no other lock (no deadlock), and compare again: a racing recoverer's claim commits and the
+        row no longer matches; a dead backend's transaction is rolled back and the claim goes ahead. Past the
+        wait, the effect is skipped as before (the next ``recover()`` looks again).
+        """
+        if conn.execute(still_same).first() is None:
+            return None
+        with conn.begin_nested() as wait:
+            conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{int(CLAIM_LOCK_WAIT * 1000)}ms'")
+            try:
+                row = conn.execute(self._store.for_update(still_same)).first()
+            except sa.exc.OperationalError as exc:
+                if getattr(exc.orig, "sqlstate", None) != "55P03":  # lock_not_available: the wait ran out
+                    raise
+                wait.rollback()
+                return None
+            return row
+
+    def claim_in_doubt_batch(self, seen: Sequence[tuple[str, str, str | None]], owner: str,
+                             lease_until: dt.datetime, eligible: Callable[[Any], bool]) -> list[Any]:
+        """Claim many in-doubt COMPENSABLE effects in ONE transaction; returns the rows claimed.
+
+        ``seen`` is (effect_id, state, owner) as the scan saw each: an effect is claimed only if it is still so
+        (the compare-and-swap of ``claim_in_doubt``, batched) and ``eligible(row)`` says the batch path can
+        finish it (its undo entry armed and unowned, its compensation loaded here at the logged version).
+        PostgreSQL locks the rows with SKIP LOCKED, so racing recoverers take disjoint sets. Each row carries the
+        effect (``effect_id, seq, session_id, tool_name, state, args_snapshot``) and its undo entry (``undo_id,
+        undo_args, compensation_name, compensation_version, attempts``).
+        """
+        e, u = t.effect_log, t.undo_stack
+        want = {eid: (state, who) for eid, state, who in seen}
+        q = (sa.select(e.c.effect_id, e.c.seq, e.c.session_id, e.c.tool_name, e.c.state, e.c.owner,
+                       e.c.args_snapshot, e.c.epoch, u.c.args_snapshot.label("undo_args"), u.c.undo_id,
+                       u.c.state.label("undo_state"), u.c.owner.label("undo_owner"),
+                       u.c.compensation_name, u.c.compensation_version, u.c.attempts)
+             .select_from(e.join(u, u.c.undo_id == e.c.seq))
+             .where(self._store.one_of(e.c.effect_id, list(want))).order_by(e.c.seq))
+        with self._store.tx() as conn:
+            rows = [r for r in conn.execute(self._store.for_update(q, skip_locked=True)).all()
+                    if (r.state, r.owner) == want[r.effect_id] and eligible(r)]
+            if rows:
+                conn.execute(e.update().where(self._store.one_of(e.c.effect_id, [r.effect_id for r in rows]))
+                             .values(owner=owner, lease_until=lease_until, epoch=e.c.epoch + 1))
+        return rows
+
+    def effect(self, effect_id: str) -> Any:
+        """The effect row. Raises ``NoResultFound`` when there is no such effect."""
+        with self._store.read() as conn:
+            return conn.execute(sa.select(t.effect_log).where(t.effect_log.c.effect_id == effect_id)).one()
+
+    def settle_in(self, conn: Connection, effect_id: str, state: EffectState, *, result: Any = None,
+                  error: str | None = None, now: dt.datetime) -> None:
+        """Recovery's verdict on an effect in flight (``committed`` with its ``result``, ``unknown``, ``approved``,
+        ``failed``), its owner gone; nothing when it is no longer in a state the verdict's move leaves."""
+        values: dict[str, Any] = {"state": state.value, "owner": None, "lease_until": None, "updated_at": now}
+        if state is EffectState.COMMITTED:
+            values["result_snapshot"] = result
+        if error is not None:
+            values["error"] = error
+        conn.execute(_E.update().where(_E.c.effect_id == effect_id, EFFECT.guard(_SETTLED_BY[state], _E.c.state))
+                     .values(**values))
+
+    def attempt_failed_in(self, conn: Connection, effect_id: str, error: str, *, dead_letter_after: int,
+                          now: dt.datetime) -> int:
+        """Count a failed recovery attempt and release the claim; at ``dead_letter_after`` the effect is
+        ``dead_letter``. Returns the attempts so far."""
+        attempts = int(conn.execute(sa.select(_E.c.recovery_attempts).where(_E.c.effect_id == effect_id))
+                       .scalar_one()) + 1
+        if attempts >= dead_letter_after:
+            conn.execute(_E.update().where(_E.c.effect_id == effect_id, EFFECT.guard("dead_letter", _E.c.state))
+                         .values(state=EffectState.DEAD_LETTER.value, recovery_attempts=attempts, owner=None,
+                                 lease_until=None, error=f"recovery failed {attempts} times; last: {error}",
+                                 updated_at=now))
+        else:
+            conn.execute(_E.update().where(_E.c.effect_id == effect_id).values(
+                recovery_attempts=attempts, owner=None, lease_until=None, error=f"recovery attempt failed: {error}",
+                updated_at=now))
+        return attempts
