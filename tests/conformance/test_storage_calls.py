@@ -280,21 +280,26 @@ def test_recoverys_record_of_a_compensation_locks_rows_in_the_call_paths_order(u
 
     recorder = threading.Thread(target=record)
     recorder.start()
-    deadline = time.monotonic() + 10
-    if internals(u).is_postgres:  # until the record waits for the effect's row
-        with internals(u).read() as c:
-            while not c.exec_driver_sql(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND datname = current_database()").scalar():
+    try:
+        deadline = time.monotonic() + 60
+        if internals(u).is_postgres:  # until the record waits for the effect's row
+            # A transaction per look: PostgreSQL keeps one snapshot of pg_stat_activity for a whole transaction, so
+            # a loop in one transaction never sees the record start waiting after its first look (CI saw that).
+            while True:
+                with internals(u).read() as c:
+                    if c.exec_driver_sql(
+                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                            "AND datname = current_database()").scalar():
+                        break
                 assert time.monotonic() < deadline, "the record never waited for the effect's row"
                 time.sleep(0.02)
-    else:
-        time.sleep(0.3)
-    try:
+        else:
+            time.sleep(0.3)
         # The late finish's second write: its session halted. The record must not hold that row.
         finisher.execute(s.update().where(s.c.session_id == sid).values(updated_at=s.c.updated_at))
         tx.commit()
     finally:
+        # Whatever failed above, the row lock is let go (else the record, and the test's schema drop, wait forever).
         finisher.close()
         recorder.join(30)
     assert not errors, errors
