@@ -295,9 +295,11 @@ class UndoLogMiddleware(AgentMiddleware):
         return pad is not None and bool(pad.resume or pad.get_null_resume(False) is not None)
 
     def _resumed(self) -> list[Any] | None:
-        """The model's messages kept when this task paused, if it is being resumed; None otherwise."""
-        if not self._resume_waits():
-            return None
+        """The model's messages kept when this task paused; None otherwise.
+
+        Its callers have seen a resume value waiting for this task (``_resume_waits``, or its inline copy in
+        ``wrap_model_call``).
+        """
         config = var_child_runnable_config.get() or {}
         g = self._undolog_guard
         try:

@@ -187,14 +187,14 @@ class SlackHandler:
         approvals = self.state.undolog.approvals
         try:
             if action == "approve":
-                approvals.approve(approval_request_id, approver=key.identity, principal=key.principal_ref,
-                                  reason="approved in Slack")
+                decided = approvals.approve(approval_request_id, approver=key.identity, principal=key.principal_ref,
+                                            reason="approved in Slack")
             elif action == "reject":
-                approvals.reject(approval_request_id, approver=key.identity, principal=key.principal_ref,
-                                 reason="rejected in Slack")
+                decided = approvals.reject(approval_request_id, approver=key.identity, principal=key.principal_ref,
+                                           reason="rejected in Slack")
             else:
-                approvals.modify(approval_request_id, approver=key.identity, principal=key.principal_ref,
-                                 args=args or {}, reason="approved with edits in Slack")
+                decided = approvals.modify(approval_request_id, approver=key.identity, principal=key.principal_ref,
+                                           args=args or {}, reason="approved with edits in Slack")
         except errors.SelfDecisionForbidden:
             # The core audited the attempt before raising.
             raise _Refusal("self_approval_forbidden", "Your key created the session that raised this request; "
@@ -203,7 +203,7 @@ class SlackHandler:
             raise _Refusal("approval_already_decided", f"{exc.message}. Nothing was decided.") from None
         # The sweeper may have fanned the decision's outbox event out, and updated the messages, since the decision:
         # a message already showing the request's state is left alone (else it is updated a second time).
-        self.store.mark_dirty(approval_request_id, unless_shown=str(approvals.get(approval_request_id).state.value))
+        self.store.mark_dirty(approval_request_id, unless_shown=str(decided.state.value))
 
     def _block_action(self, payload: Mapping[str, Any]) -> dict[str, Any] | None:
         actions = payload.get("actions") or []
