@@ -188,7 +188,7 @@ def test_help_lists_every_command() -> None:
             assert sub in out, (group, sub)
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 def test_db_upgrade_creates_the_schema_then_is_a_no_op(db: Any) -> None:
     from undolog_core.storage import migrate as _migrate
 
@@ -325,7 +325,7 @@ def test_unknown_session_ids_are_clear_errors(db: Any) -> None:
         assert "no-such-session" in err
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 def test_rollback_runs_the_apps_compensations_newest_first_with_progress(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     n = PROGRESS_MIN_STEPS + 1
@@ -367,7 +367,7 @@ def test_rollback_json_report(db: Any, cliapp: App) -> None:
     assert result.stderr == ""  # no progress lines in machine mode
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 def test_rollback_without_the_app_changes_nothing(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     with u.session() as s:
@@ -408,7 +408,7 @@ def test_bad_app_spec_is_a_clear_error(db: Any) -> None:
                                            "configuration_error")
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 def test_resume_a_halted_session(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     sid, rid = pending_delete(u, cliapp.mod)
@@ -426,7 +426,7 @@ def test_resume_a_halted_session(db: Any, cliapp: App) -> None:
     assert "not halted" in err
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 def test_revalidate_pins_the_session_to_the_new_contract(db: Any) -> None:
     u = db.open()
 
@@ -508,7 +508,7 @@ def test_approvals_list_and_show(db: Any, cliapp: App) -> None:
     assert "no approval requests in state rejected" in run(db, "approvals", "list", "--state", "rejected").stdout
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 def test_approve_then_the_reissued_call_runs(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     sid, rid = pending_delete(u, cliapp.mod)
@@ -527,7 +527,7 @@ def test_approve_then_the_reissued_call_runs(db: Any, cliapp: App) -> None:
     assert row(u, t.effect_log, effect_id=req.effect_id).state == "committed"
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 def test_deciding_twice_and_unknown_ids_are_refused(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     _, rid = pending_delete(u, cliapp.mod)
@@ -544,7 +544,7 @@ def test_deciding_twice_and_unknown_ids_are_refused(db: Any, cliapp: App) -> Non
         assert "'nope' does not exist" in assert_error(run(db, "approvals", *cmd), "approval_not_found")
 
 
-@pytest.mark.storage
+@pytest.mark.pg_smoke
 def test_reject_halts_the_session_and_cancels_its_other_requests(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     sid, rid = pending_delete(u, cliapp.mod)
@@ -567,7 +567,7 @@ def test_reject_halts_the_session_and_cancels_its_other_requests(db: Any, cliapp
     assert rec.state == "halted" and "customer asked to keep it" in (rec.halted_reason or "")
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 def test_modify_with_good_and_bad_edits(db: Any, cliapp: App, tmp_path: Path) -> None:
     u = cliapp.undolog
     with u.session() as s, pytest.raises(ApprovalPending) as p:
@@ -612,7 +612,7 @@ def test_modify_from_a_file_validates_against_the_stored_contract(db: Any, cliap
     assert json.loads(result.stdout)["approved_args"] == {"user_id": "u1-archived"}
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 def test_decisions_default_to_undolog_actor(db: Any, cliapp: App) -> None:
     _, rid = pending_delete(cliapp.undolog, cliapp.mod)
     result = run(db, "approvals", "approve", rid, env={"UNDOLOG_ACTOR": "carol@desk"})
@@ -620,7 +620,7 @@ def test_decisions_default_to_undolog_actor(db: Any, cliapp: App) -> None:
     assert row(cliapp.undolog, t.approval_requests, approval_request_id=rid).decided_by == "carol@desk"
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 def test_reading_applies_due_timeouts(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     sid, rid = pending_delete(u, cliapp.mod)
@@ -637,7 +637,7 @@ def test_reading_applies_due_timeouts(db: Any, cliapp: App) -> None:
 # -- policy -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 def test_policy_show_and_set(db: Any) -> None:
     u = db.open()
     shown = run(db, "policy", "show")
@@ -662,7 +662,7 @@ def test_policy_show_and_set(db: Any) -> None:
     assert data["before"]["auto_approve_on_timeout"] is True and data["after"]["auto_approve_on_timeout"] is False
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 def test_policy_set_refuses_bad_values(db: Any) -> None:
     u = db.open()
     assert "auto_approve_on_timeout" in assert_error(
@@ -691,7 +691,7 @@ def _crashed_call(u: UndoLog, tool: str, **args: Any) -> str:
     return d.effect_id
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 def test_recover_needs_the_app_and_then_reconciles(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     effect_id = _crashed_call(u, "send_refund_email", user_id="u9", amount=3.0)
@@ -714,7 +714,7 @@ def test_recover_needs_the_app_and_then_reconciles(db: Any, cliapp: App) -> None
     assert "nothing to recover" in run(db, "recover", app_spec=cliapp.spec).stdout
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 def test_recover_many_effects_shows_progress(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     ids = [_crashed_call(u, "send_refund_email", user_id=f"u{i}", amount=1.0) for i in range(PROGRESS_MIN_STEPS)]
@@ -739,7 +739,7 @@ def _tamper(u: UndoLog, event_id: int) -> None:
                      .values(actor="mallory"))
 
 
-@pytest.mark.storage
+@pytest.mark.pg_smoke
 def test_audit_verify_passes_then_catches_tampering(db: Any, cliapp: App) -> None:
     u = cliapp.undolog
     _, rid = pending_delete(u, cliapp.mod)

@@ -19,7 +19,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 UNDOLOG = str(Path(sys.executable).with_name("undolog"))
 
-pytestmark = pytest.mark.storage
+# SQLite run only (reads_store): both tests follow the README on SQLite whatever UNDOLOG_TEST_DB says (_env drops
+# every UNDOLOG_ variable), so a PostgreSQL run repeated the SQLite run.
+pytestmark = pytest.mark.reads_store
 
 
 def _env(tmp_path: Path) -> dict[str, str]:

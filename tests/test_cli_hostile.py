@@ -55,7 +55,7 @@ def assert_inert(out: str, *, full: bool = True) -> None:
         assert "[bold red]markup[/bold red]" in out and "[link=https://evil.example]link[/link]" in out
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 def test_hostile_fields_are_shown_inert_in_the_cli(db: Any) -> None:
     u: UndoLog = db.open()
     _, tools = setup(u)

@@ -19,7 +19,10 @@ from undolog_core import EffectState
 from .test_gateway import cli, world
 from .test_sessions import connected, grouped_config, mcp_sessions, socket_gateway
 
-pytestmark = pytest.mark.storage
+# SQLite run only (reads_store): the gateway's kills and restarts sit above storage; recovery after a kill at every
+# fault point is pinned on both databases by tests/faults and tests/core, and the gateway's kills on PostgreSQL by
+# the smoke cases of tests/mcp/test_upstream_faults.py and tests/mcp/test_gateway.py.
+pytestmark = pytest.mark.reads_store
 
 IN_FLIGHT = {EffectState.PENDING, EffectState.RUNNING}
 

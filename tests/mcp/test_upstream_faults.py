@@ -49,7 +49,9 @@ from undolog_mcp.gateway import Gateway
 
 from .test_live_rollback import upstream_processes
 
-pytestmark = pytest.mark.storage
+# SQLite run only (reads_store), but one case in the PostgreSQL smoke subset: what the gateway records when its
+# upstream dies sits above storage, whose recovery paths tests/faults and tests/core pin on both databases.
+pytestmark = pytest.mark.reads_store
 
 HERE = Path(__file__).parent
 IN_FLIGHT = {EffectState.PENDING, EffectState.RUNNING, EffectState.APPROVED}
@@ -216,6 +218,7 @@ async def test_upstream_killed_mid_compensable_call(db: Any, tmp_path: Path, kil
         assert state in (EffectState.COMMITTED, EffectState.COMPENSATED, EffectState.FAILED), seen
 
 
+@pytest.mark.pg_smoke
 async def test_upstream_killed_while_it_runs_the_call(db: Any, tmp_path: Path, killer: UpstreamKiller) -> None:
     """Killed mid-run (the request landed, no answer will come): the outcome is unknown, settled at once against
     the upstream started again; recovery's claim (``during_recovery``) meets no live upstream either."""

@@ -357,7 +357,7 @@ def _late_finish(desk: Desk, owner: str = "agent") -> tuple[str, str]:
     return str(d.effect_id), s.id
 
 
-@pytest.mark.storage
+@pytest.mark.pg_smoke
 def test_the_resolve_button_settles_a_late_finish_and_leaves_the_session_halted(desk: Desk) -> None:
     eid, sid = _late_finish(desk)
     c = _login(desk, "approver")
@@ -379,7 +379,7 @@ def test_the_resolve_button_settles_a_late_finish_and_leaves_the_session_halted(
     assert again.status_code == 409 and "not unknown" in html.unescape(again.text)
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 def test_the_resolve_button_is_refused_to_the_sessions_own_key(desk: Desk) -> None:
     desk.add_key("both", ["agent", "approver"])
     eid, sid = _late_finish(desk, owner="both")

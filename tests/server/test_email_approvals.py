@@ -37,7 +37,9 @@ from ..support import demo_app
 from .conftest import LiveServer
 
 # Both databases: the links, codes and the mail outbox are rows.
-pytestmark = pytest.mark.pg_smoke
+# SQLite run only (reads_store), but for the tests marked storage: those run the desk's mail outbox SQL that
+# differs by database (the claim's SKIP LOCKED, the link's use-once update).
+pytestmark = pytest.mark.reads_store
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -250,6 +252,7 @@ def test_a_decision_through_the_link_has_the_decisions_lane() -> None:
 # ---------------------------------------------------------------------------------------- the mail
 
 
+@pytest.mark.storage
 def test_a_request_mails_each_approver_who_may_decide_it_a_link_and_no_arguments_by_default(mdesk: MailDesk) -> None:
     rid = mdesk.pending(owner="both")
     mdesk.pump()
@@ -374,6 +377,7 @@ def test_the_desk_login_of_the_links_key_shows_the_request_and_the_link_decides_
     assert ana.get(link).status_code == 410
 
 
+@pytest.mark.storage
 def test_a_reused_link_is_refused(mdesk: MailDesk) -> None:
     rid = mdesk.pending()
     mdesk.pump()
@@ -486,6 +490,7 @@ def test_five_wrong_codes_void_the_link(mdesk: MailDesk) -> None:
 # ---------------------------------------------------------------------------------------- the outbox
 
 
+@pytest.mark.storage
 def test_mail_queued_while_the_smtp_server_is_down_is_sent_once_it_is_back(
         db: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     down = Smtp(_free_port())  # nothing listens on its port yet

@@ -295,7 +295,7 @@ timeout = 2.0
 """
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 @pytest.mark.parametrize("probe", [True, False], ids=["with_probe", "without_probe"])
 def test_a_read_timeout_never_lets_an_approved_irreversible_call_run_twice(db: Any, tmp_path: Path,
                                                                            probe: bool) -> None:
@@ -329,7 +329,7 @@ def test_a_read_timeout_never_lets_an_approved_irreversible_call_run_twice(db: A
         d.undolog.close()
 
 
-@pytest.mark.storage
+@pytest.mark.pg_smoke
 def test_a_read_timeout_never_settles_a_compensable_call_while_it_may_still_land(db: Any, tmp_path: Path) -> None:
     """A COMPENSABLE call with a probe loses its answer to the proxy's read timeout while the upstream still works
     on it. Before: a plain failure, so the session was rolled back at once: the cancel went out for a refund not
@@ -364,7 +364,7 @@ def test_a_read_timeout_never_settles_a_compensable_call_while_it_may_still_land
         d.undolog.close()
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 def test_a_read_timeout_never_compensates_a_compensable_call_without_a_probe_before_it_lands(db: Any,
                                                                                            tmp_path: Path) -> None:
     """A COMPENSABLE call without a probe loses its answer to the proxy's read timeout while the upstream still

@@ -36,7 +36,9 @@ from ..support.slack_standin import (
 )
 from .conftest import Desk, make_desk
 
-pytestmark = pytest.mark.storage
+# SQLite run only (reads_store), but for the tests marked storage: those run the desk's Slack SQL that differs by
+# database (the fan-out's and the replay guard's INSERT ... ON CONFLICT ... RETURNING, the claim's SKIP LOCKED).
+pytestmark = pytest.mark.reads_store
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -118,6 +120,7 @@ def _texts(blocks: Any) -> str:
 # ------------------------------------------------------------------------------------------------ posting
 
 
+@pytest.mark.storage
 def test_a_pending_request_is_posted_to_its_groups_channels_with_everything_to_decide_on(rig: SlackRig) -> None:
     s = rig.desk.session()
     with s:
@@ -326,6 +329,7 @@ def test_edit_opens_a_modal_from_the_schema_shows_the_diff_then_approves(rig: Sl
 # ------------------------------------------------------------------------------------------------ refusals
 
 
+@pytest.mark.storage
 def test_forged_stale_and_replayed_requests_are_refused(rig: SlackRig) -> None:
     rid = _wire(rig)
     rec = rig.desk.undolog.approvals.get(rid)
@@ -416,6 +420,7 @@ def test_admin_api_maps_users_with_audit(rig: SlackRig) -> None:
 # ------------------------------------------------------------------------------------------------ crashes
 
 
+@pytest.mark.storage
 def test_a_crash_between_the_decision_and_the_update_updates_once_after_restart(rig: SlackRig, db: Any) -> None:
     rid = _wire(rig)
     rig.sweep()

@@ -317,7 +317,7 @@ def test_private_ipv4_written_in_an_ipv6_translation_prefix_is_refused(desk: Des
     assert address_allowed(ipaddress.ip_address("2002:5db8:d70e::1"))
 
 
-@pytest.mark.storage
+@pytest.mark.reads_store
 def test_a_malformed_url_already_stored_fails_its_delivery_instead_of_hanging(
     db: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
