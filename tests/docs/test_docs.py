@@ -189,12 +189,23 @@ FIVE = [
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site built once per run: xdist workers share it (a build is about 5 CPU s, and each worker that got one of
+    this module's tests built its own), the first to ask builds it under a lock, the others wait and read it."""
+    import fcntl
+
     if shutil.which("mkdocs", path=str(Path(sys.executable).parent)) is None:
         pytest.fail("mkdocs is not installed: pip install -e '.[docs]' (the dev extra includes it)")
-    out = tmp_path_factory.mktemp("site")
-    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
-    assert run.returncode == 0, f"mkdocs build --strict failed:\n{run.stdout}\n{run.stderr}"
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's folder, above each worker's
+    out, done = shared / "docs-site", shared / "docs-site.built"
+    with open(shared / "docs-site.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=600,
+                                 env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+            assert run.returncode == 0, f"mkdocs build --strict failed:\n{run.stdout}\n{run.stderr}"
+            done.touch()
     return out
 
 
