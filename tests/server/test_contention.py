@@ -44,7 +44,9 @@ def _desk_with_lanes(db: Any, upstream: Upstream, tmp_path: Path, lanes: int) ->
     """A desk proxying to ``upstream`` that admits ``lanes`` requests at a time (decisions apart) and answers 503
     after 0.5 s of waiting."""
     cfg = tmp_path / "tools.toml"
-    cfg.write_text(upstream.config())
+    # The tests hold the upstream's answers on events; the proxy's 5 s read timeout would turn a hold that a loaded
+    # machine stretches past it into an outcome_unknown the test is not about (CI at load 13 did that).
+    cfg.write_text(upstream.config().replace("timeout = 5\n", "timeout = 60\n"))
     d = make_desk(db, proxy_config=str(cfg),
                   settings=ServerSettings(background=False, max_concurrent_requests=lanes, queue_timeout=0.5))
     yield d
@@ -201,7 +203,9 @@ def test_a_proxied_call_keeps_its_slot_when_no_thread_is_left_to_spare(db: Any, 
     requests must always find one. Here the two lanes take all 40 (1 general, 39 decisions): a proxied call waiting
     for its upstream keeps its slot, and another request is answered 503 as before."""
     cfg = tmp_path / "tools.toml"
-    cfg.write_text(upstream.config())
+    # The tests hold the upstream's answers on events; the proxy's 5 s read timeout would turn a hold that a loaded
+    # machine stretches past it into an outcome_unknown the test is not about (CI at load 13 did that).
+    cfg.write_text(upstream.config().replace("timeout = 5\n", "timeout = 60\n"))
     d = make_desk(db, proxy_config=str(cfg), settings=ServerSettings(
         background=False, max_concurrent_requests=1, decision_lane=39, queue_timeout=0.5))
     try:
