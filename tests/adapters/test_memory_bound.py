@@ -95,6 +95,7 @@ def _calls_counted(undolog: Any, agent_id: str) -> list[int]:
     return [r.tool_calls_total for r in undolog.store.sessions.list_sessions(agent_id=agent_id, limit=100_000)]
 
 
+@pytest.mark.perf  # a load test (2,000 agent runs in one process): CI's slow step
 @pytest.mark.timeout(600)  # 2,000 agent runs on a shared 2-core machine
 def test_langgraph_threads_keep_memory_within_the_bound(db: Any) -> None:
     """2,000 threads, each a SAFE call on its first turn, with ``max_sessions=40``: the engine keeps at most 40
@@ -175,6 +176,7 @@ class Desk:
         return f"{day} is free"
 
 
+@pytest.mark.perf  # a load test (2,000 conversations in one process): CI's slow step
 @pytest.mark.timeout(600)
 def test_sk_conversations_keep_memory_within_the_bound(db: Any) -> None:
     """2,000 SK conversations of one SAFE call each (known only in memory until their count is written) with
