@@ -277,10 +277,17 @@ def _signal(pid: int, sig: int) -> bool:
     return True
 
 
-def read(history: Path) -> list[dict[str, Any]]:
+def read(history: Path, *, live: bool = False) -> list[dict[str, Any]]:
+    """The history's lines. ``live``: read while workers still write, so a last line without its newline is a line
+    being written (a read(2) of a regular file is not atomic against another process's write(2): the driver once
+    saw half of a worker's line) and is left for the next read; every other line, and every line of a finished
+    history, must parse."""
     if not history.exists():
         return []
-    return [json.loads(x) for x in history.read_text().splitlines() if x.strip()]
+    text = history.read_text()
+    if live and not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]
+    return [json.loads(x) for x in text.splitlines() if x.strip()]
 
 
 class Helper:
@@ -364,7 +371,7 @@ def drive(seed: int, histories: int, db_env: dict[str, str], workdir: Path, *, c
         deadline = time.monotonic() + 600
         while procs:
             assert time.monotonic() < deadline, f"history run {seed} did not end"
-            lines = read(history)
+            lines = read(history, live=True)
             if checkpoint is not None and not signed and len(lines) > 20:
                 checkpoint()
                 signed = True
@@ -406,9 +413,9 @@ def drive(seed: int, histories: int, db_env: dict[str, str], workdir: Path, *, c
                 del procs[w]
                 if code == -signal.SIGKILL:
                     run.killed.add(pid)
-                    done = {x["seed"] for x in read(history) if x["kind"] == "done"}
+                    done = {x["seed"] for x in read(history, live=True) if x["kind"] == "done"}
                     left = [s for s in plan.seeds if s not in done]
-                    started = [x["seed"] for x in read(history) if x["kind"] == "history" and x["pid"] == pid]
+                    started = [x["seed"] for x in read(history, live=True) if x["kind"] == "history" and x["pid"] == pid]
                     left = [s for s in left if not started or s != started[-1]]  # the killed history is not re-run
                     if left:
                         start(plan, left, False)
