@@ -8,6 +8,11 @@ gateway an MCP client starts (one per session, for a client that opens a session
 registers the two packages without running their ``__init__``; each runs the first time a name it defines (not a
 submodule) is asked for, so ``from mcp import ClientSession`` keeps working in the same process.
 
+It also keeps out httpx's command-line client: httpx's ``__init__`` imports it (``httpx._main``: click, pygments
+and Rich, about 80 modules) whenever those are installed, as they are beside most dev tools, and the SDK imports
+httpx in every process for its HTTP transports. A gateway never runs ``httpx.main``; without its module, httpx's
+``__init__`` defines a stub ``main`` instead (what it does when ``httpx[cli]`` is not installed).
+
 Only the CLI's commands call it, before their first SDK import: a process that already imported the SDK keeps it
 as it is, and a program that imports ``undolog_mcp`` is left alone.
 """
@@ -23,6 +28,8 @@ from typing import Any
 
 # The SDK packages whose ``__init__`` imports what a gateway does not use (the parent before the child).
 DEFERRED = ("mcp", "mcp.server")
+# Modules a gateway never uses that a package it imports would import anyway: kept out (an import of one fails).
+SKIPPED = ("httpx._main",)
 
 _lock = threading.RLock()
 
@@ -55,8 +62,13 @@ def _run_init(module: types.ModuleType) -> None:
 
 def defer_inits() -> None:
     """Register :data:`DEFERRED` without running their ``__init__`` (a no-op for any already imported, or when
-    the SDK is not installed: the first import then fails as it would have)."""
+    the SDK is not installed: the first import then fails as it would have), and keep :data:`SKIPPED` out (unless
+    its package is imported already)."""
     with _lock:
+        for name in SKIPPED:
+            if name.rpartition(".")[0] not in sys.modules:
+                # None in sys.modules is the import system's "not importable" (typeshed types the values as modules).
+                sys.modules.setdefault(name, None)  # type: ignore[arg-type]
         for name in DEFERRED:
             if name in sys.modules:
                 continue

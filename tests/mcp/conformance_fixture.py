@@ -19,9 +19,14 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
-from mcp import types
-from mcp.server.lowlevel import NotificationOptions, Server
+from undolog_mcp._sdk_import import defer_inits
+
+# The SDK imported as a gateway imports it: its package __init__ files (FastMCP and its web stack) never run.
+defer_inits()
+
+import anyio  # noqa: E402
+from mcp import types  # noqa: E402
+from mcp.server.lowlevel import NotificationOptions, Server  # noqa: E402
 
 # A 1x1 red PNG and a tiny WAV (44-byte header, two silent samples).
 PNG = base64.b64decode(

@@ -1,4 +1,5 @@
-"""A real upstream MCP server (FastMCP, 1.x line) whose world is a counter in a JSON file (``COUNTER_STATE``).
+"""A real upstream MCP server (the SDK's low-level ``Server`` with FastMCP's tools: ``lowlevel_tools.py``, copied beside
+it) whose world is a counter in a JSON file (``COUNTER_STATE``).
 
 ``add`` adds to it and remembers each ``do-`` key it applied; its compensation is ``subtract``.
 ``add`` can die before or after applying (``crash``), or apply late (``delay`` seconds), so the gateway's probes can
@@ -18,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from mcp.server.fastmcp import Context, FastMCP
+from lowlevel_tools import ToolServer  # before the SDK: it imports the SDK the way a gateway does
 from mcp.types import CallToolResult, TextContent
 
 STATE = Path(os.environ["COUNTER_STATE"])
 KEY = "dev.undolog/idempotency-key"
 
-mcp = FastMCP("counter")
+mcp = ToolServer("counter")
 
 
 def _watch_cancels() -> None:
@@ -59,16 +60,15 @@ def save(state: dict[str, Any]) -> None:
     tmp.replace(STATE)
 
 
-def key_of(ctx: Context[Any, Any, Any]) -> str | None:
-    meta = ctx.request_context.meta
-    return (meta.model_extra or {}).get(KEY) if meta is not None else None
+def key_of() -> Any:
+    return mcp.meta().get(KEY)
 
 
 @mcp.tool()
-async def add(n: int, ctx: Context[Any, Any, Any], crash: str = "", delay: float = 0.0) -> str:
+async def add(n: int, crash: str = "", delay: float = 0.0) -> str:
     """Add n to the counter (once per idempotency key). Async, so that while a late ``add`` sleeps, the same
     upstream process answers a probe: the gateway asks its probes over the live connection that did the work."""
-    key = key_of(ctx)
+    key = key_of()
     state = load()
     state["calls"].append({"n": n, "key": key})
     save(state)
@@ -97,9 +97,9 @@ async def add(n: int, ctx: Context[Any, Any, Any], crash: str = "", delay: float
 
 
 @mcp.tool()
-def add_final(n: int, ctx: Context[Any, Any, Any]) -> str:
+def add_final(n: int) -> str:
     """Add n to the counter for good (once per idempotency key): the gateway classifies it IRREVERSIBLE."""
-    key = key_of(ctx)
+    key = key_of()
     state = load()
     state["calls"].append({"n": n, "key": key, "final": True})
     if key is None or key not in state["applied"]:
@@ -118,11 +118,11 @@ def read_counter() -> dict[str, Any]:
 
 
 @mcp.tool()
-def subtract(n: int, ctx: Context[Any, Any, Any], of: str = "") -> str:
+def subtract(n: int, of: str = "") -> str:
     """Take n from the counter (once per idempotency key): add's compensation. ``of``: the ``do-`` key of the add
     it undoes, when the gateway's template passes it (``{forward_key}``): an add that never applied is not undone
     (a compensation that tolerates "never happened")."""
-    key = key_of(ctx)
+    key = key_of()
     state = load()
     state["calls"].append({"n": -n, "key": key, "of": of})
     if of and of not in state["applied"]:

@@ -6,10 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
-from mcp import types
-from mcp.server.lowlevel import NotificationOptions, Server
-from mcp.server.stdio import stdio_server
+from undolog_mcp._sdk_import import defer_inits
+
+# The SDK imported as a gateway imports it: its package __init__ files (FastMCP and its web stack) never run.
+defer_inits()
+
+import anyio  # noqa: E402
+from mcp import types  # noqa: E402
+from mcp.server.lowlevel import NotificationOptions, Server  # noqa: E402
+from mcp.server.stdio import stdio_server  # noqa: E402
 
 GROW = types.Tool(name="grow", description="Adds a tool or a prompt",
                   inputSchema={"type": "object", "properties": {"name": {"type": "string"},

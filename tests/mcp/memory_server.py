@@ -1,14 +1,15 @@
-"""An upstream MCP server (the official SDK's FastMCP) whose whole state lives in its own process's memory: what a
-compensation run in any other process (a fresh upstream started for a rollback) cannot reach."""
+"""An upstream MCP server (the official SDK's low-level ``Server`` with FastMCP's tools: ``lowlevel_tools.py``) whose
+whole state lives in its own process's memory: what a compensation run in any other process (a fresh upstream started
+for a rollback) cannot reach."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from mcp.server.fastmcp import FastMCP
+from lowlevel_tools import ToolServer
 
-mcp = FastMCP("memory")
+mcp = ToolServer("memory")
 ITEMS: dict[int, str] = {}
 NEXT = [1]
 

@@ -1,5 +1,6 @@
-"""A real upstream MCP server (the SDK's FastMCP) with one slow IRREVERSIBLE payment, for the gateway's honest
-answers: each payment made is appended to the JSON file ``PAYMENTS_STATE``."""
+"""A real upstream MCP server (the SDK's low-level ``Server`` with FastMCP's tools: ``lowlevel_tools.py``) with one
+slow IRREVERSIBLE payment, for the gateway's honest answers: each payment made is appended to the JSON file
+``PAYMENTS_STATE``."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import json
 import os
 from pathlib import Path
 
-from mcp.server.fastmcp import FastMCP
+from lowlevel_tools import ToolServer
 
 STATE = Path(os.environ["PAYMENTS_STATE"])
-mcp = FastMCP("payments")
+mcp = ToolServer("payments")
 
 
 @mcp.tool()

@@ -2,7 +2,7 @@
 and settles the call only on what the upstream answers to it, or once its process is gone; meanwhile the effect
 stays in flight and the client is told "outcome unknown, settling".
 
-Real processes: ``undolog mcp serve`` over stdio with the SDK's client, in front of a FastMCP upstream whose slow
+Real processes: ``undolog mcp serve`` over stdio with the SDK's client, in front of an SDK upstream whose slow
 ``add`` honours a cancel (it stops; the SDK answers "Request cancelled") or, in another test, ignores it (it applies
 and answers late). The upstream records every call it gets with its key, and every cancel it receives, in its state
 file (``counter_server.py``). Then the real ``server-everything`` (Node), whose wire log shows the cancel. Before:

@@ -24,6 +24,7 @@ from mcp.client.stdio import stdio_client
 from undolog_core.errors import ConfigurationError
 from undolog_mcp import load_config
 
+from ..support.mcp_upstreams import copy_upstream
 from .test_gateway import UPSTREAM, only_session, text
 from .test_templates_real_upstreams import FS, MEMORY, NODE
 
@@ -66,7 +67,7 @@ def test_env_values_expand_variables_and_the_config_dir(tmp_path: Path, monkeypa
 @pytest.mark.storage
 async def test_the_gateway_and_the_cli_use_the_database_the_config_names(db: Any, tmp_path: Path) -> None:
     """Neither the gateway nor `undolog --app gateway.toml ...` is given --db or UNDOLOG_DATABASE_URL."""
-    (tmp_path / "tickets_server.py").write_text(UPSTREAM.read_text())
+    copy_upstream(UPSTREAM, tmp_path)
     database = "sqlite:///${CONFIG_DIR}/undolog.db" if db.kind == "sqlite" else db.url  # tmp_path/undolog.db
     cfg = tmp_path / "gateway.toml"
     cfg.write_text(textwrap.dedent(f"""

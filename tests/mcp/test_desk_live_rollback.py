@@ -1,6 +1,6 @@
 """Undo in the process that did the work, asked from the desk: a rollback asked through the REST API, or with the
 dashboard's Rollback button, while a long-lived gateway (``undolog mcp serve --socket``) serves the session is run
-by that gateway, over its live connection to an upstream whose state lives in its own memory (FastMCP); the
+by that gateway, over its live connection to an upstream whose state lives in its own memory (the SDK); the
 answer names the process that ran it (``ran_by``). With the gateway gone, the desk runs it itself and says so
 (``ran_without_live_upstream``). Real processes: the gateway, its upstream, ``undolog mcp connect`` for each
 client; the desk is uvicorn serving the real app. On SQLite and PostgreSQL.

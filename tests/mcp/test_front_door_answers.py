@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from ..support.mcp_upstreams import copy_upstream
 from .test_gateway import gateway, text
 
 pytestmark = pytest.mark.reads_store
@@ -24,7 +25,7 @@ HERE = Path(__file__).parent
 
 
 def _config(tmp: Path) -> Path:
-    (tmp / "payments_server.py").write_text((HERE / "payments_server.py").read_text())
+    copy_upstream(HERE / "payments_server.py", tmp)
     cfg = tmp / "gateway.toml"
     cfg.write_text(textwrap.dedent(f"""
         [upstreams.bank]

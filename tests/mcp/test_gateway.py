@@ -22,8 +22,10 @@ from mcp.client.stdio import stdio_client
 
 from undolog_core import EffectState, SessionState, UndoLog
 
+from ..support.mcp_upstreams import TICKETS, copy_upstream
+
 HERE = Path(__file__).parent
-UPSTREAM = HERE.parent / "support" / "tickets_server.py"
+UPSTREAM = TICKETS
 KEY = "dev.undolog/idempotency-key"
 
 
@@ -31,7 +33,7 @@ def write_config(tmp: Path, *, timeout: float = 30.0, extra: str = "") -> Path:
     state = tmp / "tickets.json"
     cfg = tmp / "gateway.toml"
     # The upstream's command is relative to the config file's folder: copied there, resolved from there.
-    (tmp / "tickets_server.py").write_text(UPSTREAM.read_text())
+    copy_upstream(UPSTREAM, tmp)
     cfg.write_text(textwrap.dedent(f"""
         [upstreams.tickets]
         command = [{json.dumps(sys.executable)}, "tickets_server.py"]
@@ -236,8 +238,8 @@ async def test_a_crash_whose_undo_needs_the_result_becomes_unknown(db: Any, tmp_
 
 async def test_an_upstream_timeout_is_an_unknown_outcome_settled_on_the_upstreams_answer(
         db: Any, tmp_path: Path) -> None:
-    """The upstream is told to cancel (its sync tool runs on regardless: FastMCP runs it on its event loop); the
-    call stays in flight, "settling", until the upstream answers: its late result (committed), or its cancel
+    """The upstream is told to cancel (its sync tool runs on regardless, on the event loop, as FastMCP runs one);
+    the call stays in flight, "settling", until the upstream answers: its late result (committed), or its cancel
     confirmed (unknown: the undo needs the result nobody saw; the session halts for a person)."""
     cfg = write_config(tmp_path, timeout=0.5)
     u = db.open()
@@ -277,8 +279,7 @@ async def test_an_upstream_contract_change_cancels_pending_approvals(db: Any, tm
     # The upstream changes close_ticket's input schema: loading the config again registers a new revision,
     # which cancels the request bound to the old one.
     (tmp_path / "tickets_server.py").write_text(UPSTREAM.read_text().replace(
-        "def close_ticket(id: int, ctx: Context[Any, Any, Any])",
-        "def close_ticket(id: int, ctx: Context[Any, Any, Any], reason: str = '')"))
+        "def close_ticket(id: int)", "def close_ticket(id: int, reason: str = '')"))
     out = cli(db, "--app", str(cfg), "approvals", "list", "--state", "all")
     assert out.returncode == 0, out.stdout + out.stderr
     u = db.open()

@@ -279,8 +279,7 @@ async def test_an_upstream_started_again_with_a_changed_tool_does_not_run_what_w
         done = cli(db, "approvals", "approve", close_id)
         assert done.returncode == 0, done.stderr
         (tmp_path / "tickets_server.py").write_text(UPSTREAM.read_text().replace(
-            "def close_ticket(id: int, ctx: Context[Any, Any, Any])",
-            "def close_ticket(id: int, ctx: Context[Any, Any, Any], reason: str = '')"))
+            "def close_ticket(id: int)", "def close_ticket(id: int, reason: str = '')"))
         kill_upstream(tmp_path)
         await until("the gateway noticed", said(log, "upstream tickets closed its connection"))
         refused = await client.call_tool("close_ticket", {"id": 1})

@@ -1,5 +1,5 @@
 """Undo in the process that did the work: a rollback asked from the CLI while the gateway runs is run by that
-gateway, over its live connection to an upstream whose state lives in its own memory (the SDK's FastMCP), and
+gateway, over its live connection to an upstream whose state lives in its own memory (the official SDK), and
 only when the gateway is gone does the CLI run it itself, saying so. Real processes throughout (the gateway, the
 upstream, the CLI). On SQLite and PostgreSQL.
 """
@@ -20,6 +20,7 @@ from mcp import types
 
 from undolog_core import SessionState
 
+from ..support.mcp_upstreams import copy_upstream
 from .test_gateway import cli, gateway
 from .test_sessions import session_of
 
@@ -29,7 +30,7 @@ HERE = Path(__file__).parent
 
 
 def memory_config(tmp: Path) -> Path:
-    (tmp / "memory_server.py").write_text((HERE / "memory_server.py").read_text())
+    copy_upstream(HERE / "memory_server.py", tmp)
     cfg = tmp / "gateway.toml"
     cfg.write_text(textwrap.dedent(f"""
         [upstreams.memory]

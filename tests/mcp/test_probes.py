@@ -1,5 +1,5 @@
 """Probes with three answers, through the real gateway (``undolog mcp serve`` over stdio, the SDK's client) in
-front of a real FastMCP upstream whose world is a counter (``counter_server.py``).
+front of a real SDK upstream whose world is a counter (``counter_server.py``).
 
 A probe answers in structured content or as JSON text; only an explicit ``{"happened": false}`` says the call did
 not happen, and that settles a COMPENSABLE call as not run (no compensation) only once its request can no longer
@@ -22,6 +22,7 @@ from mcp import types
 from undolog_core import UndoLog
 from undolog_core.storage import schema as t
 
+from ..support.mcp_upstreams import copy_upstream
 from .test_gateway import gateway
 
 HERE = Path(__file__).parent
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.reads_store
 
 
 def write_config(tmp: Path, *, probe: str | None, timeout: float = 30.0, probe_mode: str = "") -> Path:
-    (tmp / "counter_server.py").write_text((HERE / "counter_server.py").read_text())
+    copy_upstream(HERE / "counter_server.py", tmp)
     env = f'COUNTER_STATE = {json.dumps(str(tmp / "counter.json"))}'
     if probe_mode:
         env += f', COUNTER_PROBE = "{probe_mode}"'

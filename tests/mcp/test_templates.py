@@ -1,6 +1,6 @@
 """Compensation templates and pinned variants as gateway.toml states them: what each placeholder renders, what is
 refused at load (with the fix in the message), and a capture too large to store whole, through the real gateway
-in front of the real FastMCP upstream of ``counter_server.py``-style tests (here ``tickets_server.py``).
+in front of the real SDK upstream of ``counter_server.py``-style tests (here ``tickets_server.py``).
 """
 
 from __future__ import annotations

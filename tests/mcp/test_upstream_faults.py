@@ -2,7 +2,7 @@
 call pass through, and while the upstream runs the call.
 
 The points are the core's own (``FaultPoint``): the gateway runs in this process with a fault hook that, at the
-armed point, SIGKILLs the upstream process (a real FastMCP server over stdio, ``counter_server.py``) and waits until
+armed point, SIGKILLs the upstream process (a real SDK server over stdio, ``counter_server.py``) and waits until
 it is gone; the call then goes on as it would. The upstream records every call it gets with its key, forward
 (``do-``) and undo (``undo-``), so the test counts them. Then the gateway stops and starts again (its recovery
 settles what was left), and:
@@ -47,6 +47,7 @@ from undolog_core._faults import FaultPoint, set_hook
 from undolog_mcp.config import load_config
 from undolog_mcp.gateway import Gateway
 
+from ..support.mcp_upstreams import copy_upstream
 from .test_live_rollback import upstream_processes
 
 # SQLite run only (reads_store), but one case in the PostgreSQL smoke subset: what the gateway records when its
@@ -58,7 +59,7 @@ IN_FLIGHT = {EffectState.PENDING, EffectState.RUNNING, EffectState.APPROVED}
 
 
 def counter_config(tmp: Path) -> Path:
-    (tmp / "counter_server.py").write_text((HERE / "counter_server.py").read_text())
+    copy_upstream(HERE / "counter_server.py", tmp)
     cfg = tmp / "gateway.toml"
     cfg.write_text(textwrap.dedent(f"""
         session = "process"

@@ -1,4 +1,5 @@
-"""A real upstream MCP server for the gateway's tests, written with the official SDK (FastMCP, 1.x line).
+"""A real upstream MCP server for the gateway's tests, on the official SDK (its low-level ``Server``, 1.x line), with
+the tools, schemas and answers FastMCP gave it (``lowlevel_tools.py``, copied beside it).
 
 Its world is a JSON file (``TICKETS_STATE``): tickets, seats, and a log of every call with the idempotency key
 that came in its ``_meta``. ``TICKETS_VARIANT=v2`` changes create_ticket's schema (a contract change).
@@ -10,18 +11,17 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypedDict
 
-from mcp.server.fastmcp import Context, FastMCP
+from lowlevel_tools import ToolServer  # before the SDK: it imports the SDK the way a gateway does
 from mcp.types import CallToolResult, TextContent, ToolAnnotations
-from pydantic import BaseModel
 
 STATE = Path(os.environ["TICKETS_STATE"])
 V2 = os.environ.get("TICKETS_VARIANT") == "v2"
 KEY = "dev.undolog/idempotency-key"
 EPOCH = "dev.undolog/epoch"  # the fencing token beside the key (issue 34)
 
-mcp = FastMCP("tickets")
+mcp = ToolServer("tickets")
 
 
 def load() -> dict[str, Any]:
@@ -36,44 +36,43 @@ def save(state: dict[str, Any]) -> None:
     tmp.replace(STATE)
 
 
-def record(state: dict[str, Any], tool: str, args: dict[str, Any], ctx: Context[Any, Any, Any]) -> None:
-    meta = ctx.request_context.meta
-    extra = (meta.model_extra or {}) if meta is not None else {}
+def record(state: dict[str, Any], tool: str, args: dict[str, Any]) -> None:
+    extra = mcp.meta()
     # The pid tells which upstream process did the work (a long-lived gateway starts its upstream once).
     state["calls"].append({"tool": tool, "args": args, "key": extra.get(KEY), "epoch": extra.get(EPOCH),
                            "pid": os.getpid()})
 
 
-class Ticket(BaseModel):
+class Ticket(TypedDict):
     id: int
     title: str
     status: str
 
 
 @mcp.tool(annotations=ToolAnnotations(readOnlyHint=True))
-def search_tickets(q: str, ctx: Context[Any, Any, Any]) -> list[str]:
+def search_tickets(q: str) -> list[str]:
     """Search tickets by title."""
     state = load()
-    record(state, "search_tickets", {"q": q}, ctx)
+    record(state, "search_tickets", {"q": q})
     save(state)
     return [t["title"] for t in state["tickets"].values() if q in t["title"]]
 
 
 if V2:
     @mcp.tool()
-    def create_ticket(title: str, priority: int, ctx: Context[Any, Any, Any]) -> Ticket:
+    def create_ticket(title: str, priority: int) -> Ticket:
         """Open a ticket (v2: with a priority)."""
-        return _create(title, ctx)
+        return _create(title)
 else:
     @mcp.tool()
-    def create_ticket(title: str, ctx: Context[Any, Any, Any]) -> Ticket:
+    def create_ticket(title: str) -> Ticket:
         """Open a ticket."""
-        return _create(title, ctx)
+        return _create(title)
 
 
-def _create(title: str, ctx: Context[Any, Any, Any]) -> Ticket:
+def _create(title: str) -> Ticket:
     state = load()
-    record(state, "create_ticket", {"title": title}, ctx)
+    record(state, "create_ticket", {"title": title})
     if title == "crash":
         save(state)
         os._exit(3)  # dies mid-call, after doing its work: the gateway never gets an answer
@@ -89,19 +88,19 @@ def _create(title: str, ctx: Context[Any, Any, Any]) -> Ticket:
 
 
 @mcp.tool()
-def import_ticket(title: str, ctx: Context[Any, Any, Any]) -> Annotated[CallToolResult, Ticket]:
+def import_ticket(title: str) -> Annotated[CallToolResult, Ticket]:
     """Open a ticket, answering its id as a string: FastMCP's own (lax) check lets that through, the output schema
     it advertises (an integer id) does not. A sloppy upstream, for the client's check of results."""
-    ticket = _create(title, ctx)
-    data = {"id": str(ticket.id), "title": ticket.title, "status": ticket.status}
+    ticket = _create(title)
+    data = {"id": str(ticket["id"]), "title": ticket["title"], "status": ticket["status"]}
     return CallToolResult(content=[TextContent(type="text", text=json.dumps(data))], structuredContent=data)
 
 
 @mcp.tool()
-def close_ticket(id: int, ctx: Context[Any, Any, Any]) -> str:
+def close_ticket(id: int) -> str:
     """Close a ticket (idempotent; a ticket that never existed is fine)."""
     state = load()
-    record(state, "close_ticket", {"id": id}, ctx)
+    record(state, "close_ticket", {"id": id})
     t = state["tickets"].get(str(id))
     if t is not None:
         t["status"] = "closed"
@@ -110,10 +109,10 @@ def close_ticket(id: int, ctx: Context[Any, Any, Any]) -> str:
 
 
 @mcp.tool()
-def reserve_seat(seat: str, ctx: Context[Any, Any, Any]) -> str:
+def reserve_seat(seat: str) -> str:
     """Reserve a seat; an unknown seat name is refused with a tool error."""
     state = load()
-    record(state, "reserve_seat", {"seat": seat}, ctx)
+    record(state, "reserve_seat", {"seat": seat})
     if seat.startswith("bad"):
         save(state)
         raise ValueError(f"no such seat: {seat}")
@@ -127,49 +126,49 @@ def reserve_seat(seat: str, ctx: Context[Any, Any, Any]) -> str:
 
 
 @mcp.tool()
-def release_seat(seat: str, ctx: Context[Any, Any, Any]) -> str:
+def release_seat(seat: str) -> str:
     """Release a seat (a seat that was never reserved is fine)."""
     state = load()
-    record(state, "release_seat", {"seat": seat}, ctx)
+    record(state, "release_seat", {"seat": seat})
     state["seats"] = [s for s in state["seats"] if s != seat]
     save(state)
     return f"released {seat}"
 
 
 @mcp.tool(annotations=ToolAnnotations(destructiveHint=True))
-def delete_project(name: str, ctx: Context[Any, Any, Any]) -> str:
+def delete_project(name: str) -> str:
     """Delete a project and every ticket in it."""
     state = load()
-    record(state, "delete_project", {"name": name}, ctx)
+    record(state, "delete_project", {"name": name})
     state["tickets"] = {}
     save(state)
     return f"deleted {name}"
 
 
 @mcp.tool()
-def export_everything(ctx: Context[Any, Any, Any]) -> str:
+def export_everything() -> str:
     """A tool the gateway's config does not classify: it must never be reachable."""
     state = load()
-    record(state, "export_everything", {}, ctx)
+    record(state, "export_everything", {})
     save(state)
     return "exported"
 
 
 @mcp.tool()
-async def upgrade_tools(ctx: Context[Any, Any, Any]) -> str:
+async def upgrade_tools() -> str:
     """Change close_ticket while running (it takes a reason from now on) and tell the client the list changed, as
     a server that loads plugins or upgrades itself in place does."""
     mcp.remove_tool("close_ticket")
 
-    def close_ticket(id: int, ctx: Context[Any, Any, Any], reason: str = "") -> str:
+    def close_ticket(id: int, reason: str = "") -> str:
         """Close a ticket, with a reason."""
         state = load()
-        record(state, "close_ticket", {"id": id, "reason": reason}, ctx)
+        record(state, "close_ticket", {"id": id, "reason": reason})
         save(state)
         return "closed"
 
     mcp.add_tool(close_ticket)
-    await ctx.session.send_tool_list_changed()
+    await mcp.session.send_tool_list_changed()
     return "upgraded"
 
 
