@@ -314,17 +314,19 @@ FOCUS: dict[str, dict[str, int]] = {
 }
 
 
-def _snapshot_query(sessions: list[str]) -> Any:
-    """The sequence's sessions, effects and undo entries in one statement (``kind`` 0, 1, 2; each row has the
-    columns of its own kind, the others NULL).
+def _snapshot_query() -> Any:
+    """The sequence's sessions (the ``sessions`` parameter), their effects and undo entries in one statement
+    (``kind`` 0, 1, 2; each row has the columns of its own kind, the others NULL).
 
     The same three reads as three SELECTs (the same tables, the same ``session_id IN (...)``), in one round trip:
     the snapshot runs after every step, and on PostgreSQL each statement costs a round trip and its server CPU.
     Only the columns the checker, the generator and their messages read (``dump`` reads whole rows for a failure):
     the others (JSON snapshots of arguments and results, timestamps) cost a third of the snapshot's CPU to decode.
     The effects come first: a UNION's result types are its first SELECT's (``lease_until`` is a UTC timestamp).
+    Built once (``_SNAPSHOT``): building it and its cache key per step cost twice what running it does.
     """
     e, u, s = t.effect_log, t.undo_stack, t.sessions
+    sessions = sa.bindparam("sessions", expanding=True)
 
     def null(col: Any) -> Any:
         return sa.cast(sa.null(), col.type)
@@ -340,6 +342,9 @@ def _snapshot_query(sessions: list[str]) -> Any:
                       null(e.c.tool_name), null(e.c.owner), null(e.c.lease_until), null(s.c.halted_reason), u.c.undo_id
                       ).where(u.c.session_id.in_(sessions))
     return sa.union_all(effects, rows, undos).order_by(sa.literal_column("kind"), sa.literal_column("ord"))
+
+
+_SNAPSHOT = _snapshot_query()
 
 
 class Harness:
@@ -467,7 +472,7 @@ class Harness:
         """The sequence's sessions, effects and undo entries, as the store has them now (read once per step:
         the checker judges it, and the next step is generated from it)."""
         with internals(self.u).read() as c:
-            rows = c.execute(_snapshot_query(m.sessions)).all()
+            rows = c.execute(_SNAPSHOT, {"sessions": m.sessions}).all()
         sessions = {row.session_id: row for row in rows if row.kind == 0}
         effects = {row.effect_id: row for row in rows if row.kind == 1}  # in log order (seq)
         undos = {row.effect_id: row for row in rows if row.kind == 2}
