@@ -4,8 +4,17 @@ One *sequence* is a list of :class:`Step` s (call, approve, reject, modify, rele
 resume) over two sessions. Every step that reaches a fault point runs in a forked child process (``os.fork`` after
 the imports: a few milliseconds, where a fresh interpreter costs half a second) with one :class:`FaultPoint` armed,
 so the child may die by SIGKILL at that point; approvals, expiry and resumes run in the parent (they have no fault
-point). After every step the checker compares the store with the *ground truth*: a JSON-lines file that tools and
-compensations append to with one ``write(2)`` each (O_APPEND), so a line written before a SIGKILL survives it.
+point). The child opens its own UndoLog (its own connections, as a restarted process would) and takes the parent's
+tool registrations rather than registering again (see :func:`_adopt`). After every step the checker compares the
+store with the *ground truth*: a JSON-lines file that tools and compensations append to with one ``write(2)`` each
+(O_APPEND), so a line written before a SIGKILL survives it.
+
+Where a part's CPU goes (50 sequences, 114 forks; a 2-core machine, load about 2): on SQLite about 1.4 s in the
+pytest process and 1.9 s in the children, on PostgreSQL 2.2 s and 2.5 s, plus about 2 s of the server's (half of it
+starting a backend for each child's connection). A child costs about 17 ms: fork and copy-on-write faults of the
+parent's heap, ``UndoLog.open`` (5 ms: its engines), the step with SQLAlchemy's statement cache cold. What was the
+harness's own and is gone: each child's ``register`` (a pydantic model per tool and a contract read, 40% of a
+child), the per-step snapshot's three statements rebuilt per step (now one statement, built once).
 
 Why the tools observe the store themselves: "no IRREVERSIBLE tool runs without an approved, uncancelled request in
 a session that is neither halted nor rolled back" is a statement about the moment the tool runs, and only the tool
