@@ -333,7 +333,11 @@ def test_fast_mode_marks_are_written_by_the_flusher(crash):
     s = u.session(session_id="s1")
     s.call_sync("send", user_id="u1", call_id="c1")
     deadline = time.time() + 30  # bounded, generous: the flusher's thread may be kept off the CPU for a while
-    while effect(u, session_id="s1")["state"] != "committed" and time.time() < deadline:
+    # The flusher commits the mark, then lets go of the effect (in that order: an effect let go of first could be
+    # claimed as abandoned before its mark is durable), so the test waits for both: CI once read the row committed
+    # in the gap between the two.
+    while ((effect(u, session_id="s1")["state"] != "committed" or u.engine._inflight)
+           and time.time() < deadline):
         time.sleep(0.02)
     assert effect(u, session_id="s1")["state"] == "committed"
     assert u.engine._inflight == set()
