@@ -65,12 +65,13 @@ def world(tmp: Path) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def gateway(db: Any, cfg: Path, *, elicit: Any = None, name: str = "test-client") -> AsyncIterator[ClientSession]:
+async def gateway(db: Any, cfg: Path, *, elicit: Any = None, name: str = "test-client",
+                  message_handler: Any = None) -> AsyncIterator[ClientSession]:
     env = {**os.environ, **db.env}
     params = StdioServerParameters(command=sys.executable, args=["-m", "undolog_core.cli", "mcp", "serve",
                                                                   "--config", str(cfg)], env=env)
     async with stdio_client(params) as (read, write):
-        async with ClientSession(read, write, elicitation_callback=elicit,
+        async with ClientSession(read, write, elicitation_callback=elicit, message_handler=message_handler,
                                  client_info=types.Implementation(name=name, version="1.0")) as session:
             await session.initialize()
             yield session

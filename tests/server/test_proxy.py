@@ -329,7 +329,7 @@ def test_a_read_timeout_never_lets_an_approved_irreversible_call_run_twice(db: A
         d.undolog.close()
 
 
-@pytest.mark.pg_smoke
+@pytest.mark.reads_store
 def test_a_read_timeout_never_settles_a_compensable_call_while_it_may_still_land(db: Any, tmp_path: Path) -> None:
     """A COMPENSABLE call with a probe loses its answer to the proxy's read timeout while the upstream still works
     on it. Before: a plain failure, so the session was rolled back at once: the cancel went out for a refund not
