@@ -130,24 +130,22 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return True
 
 
-#: Seconds (set-up, call and tear-down) and count of the pg_smoke tests this run ran: the PostgreSQL smoke subset's
-#: budget is 60 s in CI, so its step prints what the subset took (a report, never a timed test).
-_PG_SMOKE_SECONDS: list[float] = []
+#: How many pg_smoke tests this run ran and their seconds (set-up, call and tear-down summed): the PostgreSQL smoke
+#: subset's budget is 60 s in CI, so its step prints what the subset took (a report, never a timed test).
+_pg_smoke = {"tests": 0, "seconds": 0.0}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     # Under xdist this runs in the controller too, with each report's keywords (marker names) carried over.
     if TEST_DB == "postgres" and "pg_smoke" in report.keywords:
-        if report.when == "setup":
-            _PG_SMOKE_SECONDS.append(0.0)
-        if _PG_SMOKE_SECONDS:
-            _PG_SMOKE_SECONDS[-1] += report.duration
+        _pg_smoke["tests"] += report.when == "setup"
+        _pg_smoke["seconds"] += report.duration
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    if _PG_SMOKE_SECONDS and not hasattr(config, "workerinput"):
+    if _pg_smoke["tests"] and not hasattr(config, "workerinput"):
         terminalreporter.write_line(
-            f"PostgreSQL smoke subset (pg_smoke): {len(_PG_SMOKE_SECONDS)} tests took {sum(_PG_SMOKE_SECONDS):.1f} s "
+            f"PostgreSQL smoke subset (pg_smoke): {_pg_smoke['tests']} tests took {_pg_smoke['seconds']:.1f} s "
             "summed (budget: 60 s in CI)")
     # Computed here again rather than gathered from collection: under xdist the workers collect, not this process.
     found = [(p, _why_not_imported(p, config)) for p in sorted(TESTS.rglob("test_*.py"))]
