@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +37,6 @@ from undolog_core import (
     undolog_tool,
 )
 from undolog_core._decisions import Execute
-from undolog_core.storage.checkpoint import CheckpointerState
 from undolog_core.testing import internals
 
 # Counts what reaches each database (its own step in CI, on both databases).
@@ -119,15 +117,9 @@ class StatementCounter:
     """Counts everything UndoLog sends to its database, per engine, at the SQLAlchemy and the driver level."""
 
     def __init__(self, undolog: UndoLog) -> None:
-        # SQLite's WAL checkpointer opens its own connection from its own thread once the file is in WAL mode (a
-        # pool checkout and three statements, once): on a loaded machine that can fall inside a test's window, where
-        # it is not the call's I/O. Counting starts once it watches the file; from then on it reads shared memory.
-        checkpointer = getattr(getattr(undolog.engine, "hot", None), "checkpointer", None)
-        if checkpointer is not None:
-            deadline = time.monotonic() + 60
-            while checkpointer.state is not CheckpointerState.WATCHING:
-                assert time.monotonic() < deadline, f"the WAL checkpointer never watched the file: {checkpointer.state}"
-                time.sleep(0.01)
+        # Counting starts once the store's background threads are past their start (SQLite's WAL checkpointer opens
+        # its own connection from its own thread: on a loaded machine that fell inside a SAFE test's window).
+        internals(undolog).settle()
         self.store = undolog.store
         self.main = threading.get_ident()
         self.events: list[Ev] = []

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -77,6 +78,31 @@ class Internals:
         """Run one write statement (``:name`` parameters) in its own transaction; returns the rows it touched."""
         with self.write() as conn:
             return int(conn.execute(sa.text(sql), params).rowcount)
+
+    def settle(self, timeout: float = 60.0) -> None:
+        """Wait until the store's background threads have done the I/O they do once at start.
+
+        SQLite's WAL checkpointer opens its own connection from its own thread after its first poll (a pool checkout
+        and three statements); from then on it reads shared memory. A test that counts a call's statements starts
+        after this, so that the checkpointer's start is never counted as the call's I/O. PostgreSQL and an
+        in-memory SQLite store have no such thread: this returns at once.
+
+        Raises:
+            TimeoutError: the checkpointer did not watch the file within ``timeout`` seconds.
+
+        Example:
+            >>> internals(u).settle()
+        """
+        from ..storage.checkpoint import CheckpointerState  # a leaf module: imported when a test asks
+
+        checkpointer = getattr(self._undolog.engine.hot, "checkpointer", None)
+        if checkpointer is None:
+            return
+        deadline = time.monotonic() + timeout
+        while checkpointer.state is not CheckpointerState.WATCHING:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the WAL checkpointer never watched the file: {checkpointer.state}")
+            time.sleep(0.01)
 
     def flush(self) -> None:
         """Write what the engine keeps in memory for later (SAFE call counters, deferred commit marks) now."""
