@@ -141,7 +141,8 @@ async def _form(request: Request, *, login: bool = False) -> dict[str, str]:
             _current_user(request)
             session_id = getattr(request.state, "dashboard_session", None)
         expected = _csrf_for(st, session_id) if session_id else ""
-    if not expected or not sent or not hmac.compare_digest(expected, sent):
+    # As bytes: compare_digest raises TypeError on text outside ASCII, which whoever posts the form controls.
+    if not expected or not sent or not hmac.compare_digest(expected.encode(), sent.encode()):
         raise _CsrfFailed()
     return data
 

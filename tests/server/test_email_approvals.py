@@ -14,6 +14,7 @@ import re
 import secrets
 import socket
 import ssl
+import string
 import threading
 import time
 from collections.abc import Iterator
@@ -442,8 +443,17 @@ def test_a_forged_or_foreign_link_is_refused(mdesk: MailDesk) -> None:
     mdesk.pump()
     link = mdesk.link("ana@example.com")
     payload, sig = link.rsplit("/", 1)[1].split(".")
+    alphabet = string.ascii_uppercase + string.ascii_lowercase + string.digits + "-_"
+    # A signature one character off (always another one: the first character replaced by its neighbour), and the
+    # same signature spelled with its last character's unused low bits set (decoded, the same bytes; failed before:
+    # a forgery that changed only those bits, like the old ``sig[:-2] + "AA"`` when the signature ended in "A",
+    # passed: 200 where 404 is right).
+    changed = alphabet[(alphabet.index(sig[0]) + 1) % 64] + sig[1:]
+    respelled = sig[:-1] + alphabet[alphabet.index(sig[-1]) | 1]
+    assert respelled != sig and changed != sig
     with _browser_like(mdesk) as c:
-        assert c.get(f"{mdesk.url}/ui/email/{payload}.{sig[:-2]}AA").status_code == 404
+        for bad in (changed, respelled):
+            assert c.get(f"{mdesk.url}/ui/email/{payload}.{bad}").status_code == 404, bad
         # Signed with another key (a database dump holds no key): the same refusal.
         tok = mdesk.estore.token(next(t for t in [_token_id(link)]))
         assert tok is not None
@@ -485,6 +495,23 @@ def test_five_wrong_codes_void_the_link(mdesk: MailDesk) -> None:
     assert mdesk.undolog.approvals.get(rid).state == "pending"  # the desk can still decide it
     tok = mdesk.estore.token(_token_id(link))
     assert tok is not None and tok.void_at is not None and tok.code_attempts == MAX_CODE_ATTEMPTS
+
+
+def test_non_ascii_form_values_are_refused_not_a_server_error(mdesk: MailDesk) -> None:
+    """A CSRF token or a code with characters outside ASCII (``hmac.compare_digest`` raises ``TypeError`` on such
+    text) is refused like any wrong one, and counts as an attempt. Failed before: 500 for both."""
+    mdesk.pending()
+    mdesk.pump()
+    link = mdesk.link("ana@example.com")
+    with _browser_like(mdesk) as c:
+        page = c.get(link)
+        r = c.post(link + "/code", data={"csrf_token": "\u00e9" * 8})
+        assert r.status_code == 403, r.status_code
+        c.post(link + "/code", data={"csrf_token": _csrf(page.text)})
+        r = c.post(link + "/verify", data={"csrf_token": _csrf(page.text), "code": "\u0661" * 6})
+        assert r.status_code == 303 and r.headers["location"].endswith("e=wrong"), (r.status_code, r.headers)
+    tok = mdesk.estore.token(_token_id(mdesk.link("ana@example.com")))
+    assert tok is not None and tok.code_attempts == 1
 
 
 # ---------------------------------------------------------------------------------------- the outbox

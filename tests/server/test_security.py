@@ -365,6 +365,20 @@ def test_a_csrf_token_from_an_anonymous_browser_is_worthless_after_planting_its_
     assert victim.post(f"/ui/approvals/{rid}/approve", data={"csrf_token": own}).status_code == 303
 
 
+def test_a_non_ascii_csrf_token_is_refused_not_a_server_error(desk: Desk) -> None:
+    """``hmac.compare_digest`` raises ``TypeError`` on text outside ASCII, which whoever posts the form controls: such
+    a token is refused like any wrong one (403), at the login form and after it. Failed before: 500."""
+    rid, _ = desk.pending()
+    anon = httpx.Client(base_url=desk.url, follow_redirects=False, timeout=30)
+    anon.get("/ui/login")
+    r = anon.post("/ui/login", data={"api_key": desk.token("approver"), "csrf_token": "\u00e9" * 8})
+    assert r.status_code == 403, r.status_code
+    c = _login(desk, "approver")
+    r = c.post(f"/ui/approvals/{rid}/approve", data={"csrf_token": "\u0661" * 64})
+    assert r.status_code == 403, r.status_code
+    assert desk.undolog.approvals.get(rid).state == "pending"
+
+
 def test_logout_revokes_the_session_so_a_copied_cookie_stops_working(desk: Desk) -> None:
     c = _login(desk, "approver")
     cookie = c.cookies.get("undolog_session")

@@ -106,7 +106,10 @@ def read_token(key: bytes, token: str) -> dict[str, Any] | None:
         return None
     payload, sig = token.split(".")
     try:
-        if not hmac.compare_digest(_unb64(sig), _mac(key, "link", payload)):
+        # Compared as the text this desk sent, not as decoded bytes: base64 decoding ignores a last character's
+        # unused bits, so four spellings of one signature would otherwise pass (the link is then not one this desk
+        # sent, and a forged link's refusal would depend on which bits a forger touched).
+        if not hmac.compare_digest(sig.encode("ascii"), _b64(_mac(key, "link", payload)).encode("ascii")):
             return None
         data = json.loads(_unb64(payload))
     except (ValueError, TypeError):
