@@ -10,6 +10,10 @@ The entry-point groups:
 - ``undolog.cli_plugins``: ``register(app)`` adds the command named as the entry point to the ``undolog`` Typer app
   (``serve`` and ``keys`` from the desk, ``mcp`` from the gateway), registered in the order of their names; the
   entry point's extra (``[server]``) is what to install when it cannot be imported.
+- ``undolog.cli_direct``: ``run(args)`` runs the command ``GROUP COMMAND`` named by the entry point
+  (``mcp.connect``) without building the ``undolog`` app, given the arguments after it; it returns the exit status,
+  or None to leave them to the app (``--help``, anything it does not parse itself). For commands a client starts
+  per session, where the app's imports were most of their start-up.
 - ``undolog.table_branches``: ``upgrade(store) -> (before, after)`` creates or migrates a package's own tables on
   the core's store (``undolog db upgrade --server`` runs the one named ``server``).
 - ``undolog.gateway``: ``register`` (``register_gateway(path, into)``) and ``database`` (``database_of(path)``), what
@@ -28,6 +32,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 CLI_PLUGINS = "undolog.cli_plugins"
+CLI_DIRECT = "undolog.cli_direct"
 TABLE_BRANCHES = "undolog.table_branches"
 GATEWAY = "undolog.gateway"
 

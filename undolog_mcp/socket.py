@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from undolog_core.errors import ConfigurationError
+from undolog_core.errors import ConfigurationError, UndoLogError
 
 if TYPE_CHECKING:
     from anyio.abc import ByteStream
@@ -172,6 +172,30 @@ async def _stop_on_signal(scope: Any) -> None:
             log.info("stopping: the socket is closed and the upstreams' connections too")
             scope.cancel()
             return
+
+
+def connect_command(args: list[str]) -> int | None:
+    """``undolog mcp connect --socket PATH`` run directly (the ``undolog.cli_direct`` entry point ``mcp.connect``):
+    the exit status, or None to leave ``args`` to the ``undolog`` app (``--help``, anything else).
+
+    The same command as the app's (``undolog_mcp.cli.connect``), without its imports: an MCP client that opens a
+    session per call starts it for every call.
+
+    Example:
+        >>> connect_command(["--help"]) is None
+        True
+    """
+    if len(args) == 2 and args[0] == "--socket" and args[1] and not args[1].startswith("-"):
+        path = args[1]
+    elif len(args) == 1 and args[0].startswith("--socket=") and len(args[0]) > len("--socket="):
+        path = args[0][len("--socket="):]
+    else:
+        return None
+    try:
+        return forward(path)
+    except UndoLogError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)  # as the app's command says it (undolog_mcp.cli._fail)
+        return 2
 
 
 def forward(path: str | Path) -> int:

@@ -25,28 +25,14 @@ Example:
 
 from __future__ import annotations
 
-from . import approvals, audit, check_undo, db, demo, effects, gc, policy, recover, sessions, tools
-from ._output import PROGRESS_MIN_STEPS
-from ._root import CliInputError, app
-from .db import SERVER_EXTRA_HINT
-from .plugins import register_plugins
+import sys
+from typing import TYPE_CHECKING, Any
 
-# Typer lists the root's commands in the order they are added, then its groups: the order `undolog --help` has
-# always shown (tests/test_cli_tree.py pins it).
-app.command("tools")(tools.tools)
-app.command("recover")(recover.recover)
-app.command("gc")(gc.gc)
-app.command("demo")(demo.demo)
-app.command("check-undo")(check_undo.check_undo_command)
-app.add_typer(db.db_app, name="db")
-app.add_typer(sessions.sessions_app, name="sessions")
-app.add_typer(approvals.approvals_app, name="approvals")
-app.add_typer(policy.policy_app, name="policy")
-app.add_typer(audit.audit_app, name="audit")
-if effects.effects_app.registered_commands:  # listed once it has a command (see effects)
-    app.add_typer(effects.effects_app, name="effects")
-register_plugins(app)
-
+if TYPE_CHECKING:
+    from ._output import PROGRESS_MIN_STEPS as PROGRESS_MIN_STEPS
+    from ._root import CliInputError as CliInputError
+    from ._root import app as app
+    from .db import SERVER_EXTRA_HINT as SERVER_EXTRA_HINT
 
 def main() -> None:
     """Entry point of the ``undolog`` console script.
@@ -54,7 +40,41 @@ def main() -> None:
     Example:
         $ undolog --db sqlite:///undolog.db sessions list
     """
+    # A command declared in ``undolog.cli_direct`` (see ``undolog_core._plugins``) runs without the app when it parses
+    # its arguments itself: ``undolog mcp connect``, which an MCP client that opens a session per call starts for
+    # every call, forwarded its first byte after 0.4-0.9 CPU s of imports (every command's, the store's stack among
+    # them), and after about 0.05 s this way.
+    args = sys.argv[1:]
+    if len(args) >= 2 and not args[0].startswith("-") and not args[1].startswith("-"):
+        run = _direct(f"{args[0]}.{args[1]}")
+        status = run(args[2:]) if run is not None else None
+        if status is not None:
+            raise SystemExit(status)
+    from ._tree import app
+
     app(prog_name="undolog")
+
+
+def _direct(name: str) -> Any:
+    """The ``undolog.cli_direct`` entry point ``name``, loaded; None when there is none or it cannot be imported
+    (the app then runs the command, and says what to install)."""
+    from .._plugins import CLI_DIRECT, plugin
+
+    try:
+        return plugin(CLI_DIRECT, name)
+    except ImportError:
+        return None
+
+
+def __getattr__(name: str) -> Any:
+    """The app and the names below it, built on first use (``from undolog_core.cli import app``)."""
+    if name in __all__ and name != "main":
+        from . import _tree
+
+        value = getattr(_tree, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["PROGRESS_MIN_STEPS", "SERVER_EXTRA_HINT", "CliInputError", "app", "main"]
