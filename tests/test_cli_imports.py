@@ -57,9 +57,15 @@ def test_a_direct_command_leaves_what_it_does_not_parse_to_the_app() -> None:
 def test_importing_the_package_or_its_errors_loads_no_store() -> None:
     """``import undolog_core`` (and ``undolog_core.errors``) imports each public name on first use: a process that
     needs only the errors (the connect command, a client's error handling) does not load SQLAlchemy."""
-    child = ("import json, sys\nimport undolog_core, undolog_core.errors\nfirst = 'sqlalchemy' in sys.modules\n"
+    child = ("import json, sys, warnings\nwarnings.simplefilter('error')\n"
+             "import undolog_core, undolog_core.errors\nfirst = 'sqlalchemy' in sys.modules\n"
              "from undolog_core import UndoLog, ToolTier\n"
+             "served = {n: type(getattr(undolog_core, n)).__name__ for n in undolog_core.__all__}\n"
              "print(json.dumps([first, 'sqlalchemy' in sys.modules, UndoLog.__module__, ToolTier.SAFE.value,"
-             " sorted(set(undolog_core.__all__) - set(dir(undolog_core)))]))\n")
+             " sorted(set(undolog_core.__all__) - set(dir(undolog_core))), served]))\n")
     out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, check=True)
-    assert json.loads(out.stdout) == [False, True, "undolog_core._undolog", "safe", []]
+    first, later, home, safe, missing, served = json.loads(out.stdout)
+    assert [first, later, home, safe, missing] == [False, True, "undolog_core._undolog", "safe", []]
+    # Every name of __all__ is served (no DeprecationWarning: they are not the moved names), modules as modules.
+    assert set(served) == set(__import__("undolog_core").__all__)
+    assert served["errors"] == served["limits"] == "module" and served["UndoLog"] == "type"

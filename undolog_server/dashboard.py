@@ -125,6 +125,19 @@ def _render(request: Request, name: str, ctx: dict[str, Any], status: int = 200,
     return resp
 
 
+def same_text(expected: str, sent: str) -> bool:
+    """Whether ``sent`` is ``expected``, in constant time: a CSRF token or a code from a form.
+
+    Compared as UTF-8 bytes: ``hmac.compare_digest`` raises ``TypeError`` on text outside ASCII, which whoever posts
+    the form controls (such a post answered 500).
+
+    Example:
+        >>> same_text("abc", "\u00e9")
+        False
+    """
+    return hmac.compare_digest(expected.encode(), sent.encode())
+
+
 async def _form(request: Request, *, login: bool = False) -> dict[str, str]:
     """Read a POSTed form and check its CSRF token: bound to the login session, or for the login form to the
     browser's nonce cookie."""
@@ -141,8 +154,7 @@ async def _form(request: Request, *, login: bool = False) -> dict[str, str]:
             _current_user(request)
             session_id = getattr(request.state, "dashboard_session", None)
         expected = _csrf_for(st, session_id) if session_id else ""
-    # As bytes: compare_digest raises TypeError on text outside ASCII, which whoever posts the form controls.
-    if not expected or not sent or not hmac.compare_digest(expected.encode(), sent.encode()):
+    if not expected or not sent or not same_text(expected, sent):
         raise _CsrfFailed()
     return data
 

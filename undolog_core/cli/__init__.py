@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from ._root import app as app
     from .db import SERVER_EXTRA_HINT as SERVER_EXTRA_HINT
 
+
 def main() -> None:
     """Entry point of the ``undolog`` console script.
 

@@ -4,7 +4,6 @@ Imported by :func:`undolog_core.cli.main` only when the command line needs the w
 direct ones), and by ``undolog_core.cli.app``.
 """
 
-
 from __future__ import annotations
 
 from . import approvals, audit, check_undo, db, demo, effects, gc, policy, recover, sessions, tools

@@ -29,7 +29,7 @@ from undolog_core import errors
 
 from .. import forms
 from ..auth import server_state
-from ..dashboard import CSRF_COOKIE, SESSION_COOKIE, templates
+from ..dashboard import CSRF_COOKIE, SESSION_COOKIE, same_text, templates
 from ..guard import body_problem
 from ..identity import ApiKey, owns
 from ..storage import utcnow
@@ -162,18 +162,12 @@ def _who(request: Request, link: _Link) -> tuple[str, ApiKey | None]:
     return "none", None
 
 
-def _same(expected: str, sent: str) -> bool:
-    """Whether ``sent`` is ``expected``, in constant time; compared as UTF-8 bytes, since ``hmac.compare_digest``
-    raises ``TypeError`` on text outside ASCII, which whoever posts the form controls."""
-    return hmac.compare_digest(expected.encode(), sent.encode())
-
-
 async def _form(request: Request, link: _Link) -> dict[str, str] | None:
     form = await request.form()
     data = {k: str(v) for k, v in form.items() if isinstance(v, str)}
     nonce = request.cookies.get(CSRF_COOKIE) or ""
     expected = _csrf(request, link.token.token_id, nonce) if nonce else ""
-    if not expected or not _same(expected, data.get("csrf_token", "")):
+    if not expected or not same_text(expected, data.get("csrf_token", "")):
         return None
     return data
 
@@ -307,7 +301,7 @@ async def verify_code(request: Request, token: str) -> Response:
     code = re.sub(r"\s+", "", data.get("code", ""))
     attempt = store.count_attempt(tok.token_id, MAX_CODE_ATTEMPTS)  # None: the attempts were used up already
     current = tok.code_nonce is not None and tok.code_expires_at is not None and tok.code_expires_at > utcnow()
-    right = bool(current and tok.code_nonce and _same(
+    right = bool(current and tok.code_nonce and same_text(
         code, code_for(_key_bytes(request) or b"", tok.token_id, tok.code_nonce)))
     if attempt is not None and right:
         grant = secrets.token_urlsafe(32)
